@@ -1,0 +1,241 @@
+"""The `gguf-studio` command line.
+
+    gguf-studio                      open the window
+    gguf-studio engine status|build|path
+    gguf-studio inspect MODEL [--json]
+    gguf-studio serve --model MODEL | --upstream URL  [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from backend.engine import Engine, BuildProgress
+from backend.errors import StudioError
+from backend.settings import Settings, env_var
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if not getattr(args, "verbose", False) else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        from studio.app import main as open_window  # Qt only when the window is wanted
+        return open_window()
+    try:
+        return args.run(args)
+    except StudioError as exc:
+        print(f"gguf-studio: {exc}", file=sys.stderr)
+        tail = getattr(exc, "log_tail", "")
+        if tail:
+            print("--- last lines of the log ---\n" + tail.rstrip(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+# --- engine -------------------------------------------------------------------------------
+
+
+def _engine_status(args: argparse.Namespace) -> int:
+    resolution = Engine().resolve(args.llama_server)
+    for line in resolution.describe():
+        print(line)
+    return 0 if resolution.chosen else 1
+
+
+def _engine_path(args: argparse.Namespace) -> int:
+    print(Engine().resolve(args.llama_server).path)
+    return 0
+
+
+def _engine_build(args: argparse.Namespace) -> int:
+    printer = _ProgressPrinter(verbose=args.verbose)
+    path = asyncio.run(Engine().build(args.cmake_arg or (), printer, jobs=args.jobs))
+    printer.finish()
+    print(path)
+    return 0
+
+
+class _ProgressPrinter:
+    """Percent on one line when a terminal shows it; every 5 % as its own line otherwise."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.tty = sys.stdout.isatty()
+        self.verbose = verbose
+        self._last_step = -1
+
+    def __call__(self, p: BuildProgress) -> None:
+        if self.verbose:
+            print(f"[{p.percent:5.1f}%] {p.line}", flush=True)
+        elif self.tty:
+            sys.stdout.write(f"\r[{p.percent:5.1f}%] {p.phase:<9} {p.line[:60]:<60}")
+            sys.stdout.flush()
+        elif int(p.percent) // 5 != self._last_step or p.phase in {"done", "fetch", "configure"}:
+            self._last_step = int(p.percent) // 5
+            print(f"[{p.percent:5.1f}%] {p.phase}: {p.line[:100]}", flush=True)
+
+    def finish(self) -> None:
+        if self.tty and not self.verbose:
+            print()
+
+
+# --- inspect --------------------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from backend.gguf_info import read_model_info
+
+    info = read_model_info(args.path)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+    else:
+        print("\n".join(info.summary_lines()))
+    return 0
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+# Command-line options that map one to one onto settings.
+_SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "max_queue", "queue_timeout",
+                   "keepalive_interval", "max_output_tokens", "max_body_bytes", "reload_grace",
+                   "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
+                   "load_timeout", "model", "upstream")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = Settings.load().with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
+    if args.extra_arg:
+        settings = settings.replace(extra_args=list(args.extra_arg))
+    attach = args.model is None and bool(settings.upstream)
+    if not attach and not settings.model:
+        raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
+    if args.save:
+        settings.save()
+    try:
+        return asyncio.run(_serve_async(settings, attach))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve_async(settings: Settings, attach: bool) -> int:
+    from backend.service import StudioService
+    from backend.supervisor import LoadSpec, State
+
+    service = StudioService(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    def report(snapshot) -> None:
+        line = f"[{snapshot.state.value}]"
+        if snapshot.state is State.READY:
+            line += f" {snapshot.model_id}: effective parallel slots {snapshot.effective_parallel_slots}"
+            if snapshot.context_length:
+                line += f", context {snapshot.context_length} per slot"
+        if snapshot.error:
+            line += f" {snapshot.error}"
+        print(line, flush=True)
+
+    service.add_listener(report)
+    try:
+        urls = await service.start_gateway()
+        print("OpenAI-compatible base URL" + ("s" if len(urls) > 1 else "") + ":", flush=True)
+        for url in urls:
+            print(f"  {url}", flush=True)
+        if attach:
+            await service.attach_upstream(settings.upstream)
+        else:
+            from backend.gguf_info import read_model_info
+
+            info = read_model_info(settings.model)
+            spec = LoadSpec(model_path=settings.model, parallel=settings.parallel,
+                            ctx_size=settings.ctx_size, n_gpu_layers=settings.n_gpu_layers,
+                            threads=settings.threads, extra_args=tuple(settings.extra_args),
+                            chat_template=info.has_chat_template)
+            load = asyncio.create_task(service.load(spec))
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if load.done():
+                load.result()
+            else:
+                load.cancel()
+                await asyncio.gather(load, return_exceptions=True)
+        await stop.wait()
+        print("stopping", flush=True)
+        return 0
+    finally:
+        await service.close()
+
+
+# --- argument parsing -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gguf-studio",
+                                description="Share a local GGUF model on your network.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(command=None)
+    sub = p.add_subparsers(dest="command")
+
+    engine = sub.add_parser("engine", help="find or build llama-server")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    for name, fn, text in (("status", _engine_status, "which llama-server is used, and why"),
+                           ("path", _engine_path, "print the llama-server that would be used"),
+                           ("build", _engine_build, "build the managed llama-server from source")):
+        e = engine_sub.add_parser(name, help=text)
+        e.add_argument("--llama-server", help="an explicit llama-server binary")
+        e.add_argument("-v", "--verbose", action="store_true")
+        e.set_defaults(run=fn)
+        if name == "build":
+            e.add_argument("--cmake-arg", action="append", metavar="FLAG",
+                           help="extra CMake flag, e.g. -DGGML_CUDA=ON (repeatable)")
+            e.add_argument("-j", "--jobs", type=int, default=None)
+
+    inspect = sub.add_parser("inspect", help="show a GGUF file's metadata")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(run=_inspect)
+
+    serve = sub.add_parser("serve", help="run headless: engine + OpenAI-compatible port")
+    group = serve.add_mutually_exclusive_group()
+    group.add_argument("--model", help="GGUF file to load")
+    group.add_argument("--upstream", help="attach to a running llama-server at this URL instead")
+    env = env_var
+    serve.add_argument("--host", help=f"address to listen on (default 127.0.0.1; {env('host')})")
+    serve.add_argument("--port", type=int, help=f"port to listen on (default 8899; {env('port')})")
+    serve.add_argument("--api-key", help=f"key clients must send ({env('api_key')})")
+    serve.add_argument("--allow-no-key", action="store_true", default=None,
+                       help="listen beyond loopback without a key (anyone can use the model)")
+    serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
+    serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
+    serve.add_argument("--n-gpu-layers", type=int, help="layers to offload to the GPU (default 0)")
+    serve.add_argument("--threads", type=int, help="CPU threads, 0 = llama-server decides")
+    serve.add_argument("--max-queue", type=int, help="waiting places, 0 = 16 x slots, at least 64")
+    serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
+    serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
+    serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
+    serve.add_argument("--max-body-bytes", type=int, help="largest request body (32 MiB)")
+    serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
+    serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
+    serve.add_argument("--llama-server", help="llama-server binary to use")
+    serve.add_argument("--extra-arg", action="append", metavar="ARG",
+                       help="extra llama-server argument (repeatable)")
+    serve.add_argument("--save", action="store_true", help="remember these options as settings")
+    serve.set_defaults(run=_serve)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

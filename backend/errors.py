@@ -1,0 +1,144 @@
+"""Every error GGUF Studio raises on purpose.
+
+Messages are written for the person reading them: they never contain ports, stack
+traces or internal ids.  Errors that reach an HTTP client carry their OpenAI-style
+`code` and `type`; the gateway turns them into answers in one place
+(`backend.gateway_errors.error_response`).
+"""
+
+from __future__ import annotations
+
+
+class StudioError(Exception):
+    """Base class: `str(error)` is a complete, user-readable sentence."""
+
+
+# --- engine -----------------------------------------------------------------------
+
+
+class EngineError(StudioError):
+    """Finding or building llama-server went wrong."""
+
+
+class EngineNotFound(EngineError):
+    pass
+
+
+class BuildToolMissing(EngineError):
+    """No C/C++ compiler, CMake or Ninja."""
+
+
+class EngineBuildFailed(EngineError):
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+# --- models -----------------------------------------------------------------------
+
+
+class ModelFileError(StudioError):
+    """A file that is not a readable GGUF model (missing, truncated, a directory...)."""
+
+
+# --- supervision ------------------------------------------------------------------
+
+
+class LoadError(StudioError):
+    """A model load did not reach the ready state."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class EngineExitedDuringLoad(LoadError):
+    pass
+
+
+class LoadTimedOut(LoadError):
+    pass
+
+
+class LoadSuperseded(LoadError):
+    """Another load or an unload replaced this one before it became ready."""
+
+
+# --- settings ---------------------------------------------------------------------
+
+
+class SettingsError(StudioError):
+    """A setting, flag or environment variable has an unusable value."""
+
+
+# --- requests (answered over HTTP) ---------------------------------------------------
+
+
+class RequestError(StudioError):
+    """An error that becomes an OpenAI-style answer to one HTTP request."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+    retry_after: float | None = None
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if retry_after is not None:
+            self.retry_after = retry_after
+
+
+class InvalidRequest(RequestError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class BodyTooLarge(RequestError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class Unauthorized(RequestError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class NotFound(RequestError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(RequestError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class UpgradeRequired(RequestError):
+    status, type, code = 426, "invalid_request_error", "websocket_not_supported"
+
+
+class QueueFull(RequestError):
+    status, type, code = 429, "server_error", "server_is_overloaded"
+
+
+class ModelNotReady(RequestError):
+    status, type, code = 503, "server_error", "model_not_ready"
+
+
+class QueueTimeout(RequestError):
+    status, type, code = 503, "server_error", "queue_timeout"
+
+
+class UpstreamUnavailable(RequestError):
+    """The engine could not be reached before anything was sent to the client."""
+
+    status, type, code = 502, "server_error", "upstream_unavailable"
+
+
+class UpstreamFailed(RequestError):
+    """The engine died or broke off while a response was under way."""
+
+    status, type, code = 502, "server_error", "upstream_failed"
+
+
+class LoadReplaced(RequestError):
+    """The model was unloaded or replaced while this request still ran on it."""
+
+    status, type, code = 503, "server_error", "model_reloaded"

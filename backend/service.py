@@ -1,0 +1,276 @@
+"""The one object the window and the command line talk to.
+
+It wires the supervisor (or an attached upstream), the admission registry, the metrics
+and the gateway together on one asyncio loop.  `BackendThread` gives that loop a thread
+of its own when a GUI owns the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ipaddress
+import logging
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Callable, Coroutine, TypeVar
+
+import platformdirs
+
+from backend.admission import AdmissionRegistry
+from backend.engine import Engine
+from backend.errors import ModelNotReady, SettingsError
+from backend.metrics import Metrics
+from backend.settings import Settings
+from backend.supervisor import LoadSpec, Snapshot, State, Supervisor
+from backend.upstream import UpstreamWatcher
+
+T = TypeVar("T")
+Listener = Callable[[Snapshot], None]
+
+log = logging.getLogger("gguf_studio.service")
+
+
+class StudioService:
+    """Supervisor + admission + metrics + gateway, on the loop that calls `start`."""
+
+    def __init__(self, settings: Settings, *, engine: Engine | None = None,
+                 log_dir: Path | None = None) -> None:
+        self.settings = settings
+        self.engine = engine or Engine()
+        self.log_dir = Path(log_dir) if log_dir else Path(platformdirs.user_log_dir("gguf-studio"))
+        self.metrics = Metrics()
+        self.registry = AdmissionRegistry(
+            max_waiting_for=lambda slots: self.settings.effective_max_queue(slots),
+            enabled=settings.admission_enabled,
+        )
+        self.metrics.bind_registry(self.registry)
+        self._backend: Supervisor | UpstreamWatcher | None = None
+        self._listeners: list[Listener] = []
+        self._gateway = None
+        self._restarts_seen = 0
+        self._snapshot = Snapshot()
+
+    # --- state --------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def add_listener(self, listener: Listener) -> None:
+        """Called on the service's loop with every new snapshot."""
+        self._listeners.append(listener)
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        return self._backend if isinstance(self._backend, Supervisor) else None
+
+    def log_tail(self, lines: int = 200) -> list[str]:
+        return self._backend.log_tail(lines) if isinstance(self._backend, Supervisor) else []
+
+    # --- the port ---------------------------------------------------------------------------
+
+    async def start_gateway(self) -> list[str]:
+        """Open the OpenAI-compatible port; returns the base URLs clients should use."""
+        from backend.gateway import GatewayServer, create_app
+
+        check_bind_allowed(self.settings)
+        if self._gateway is None:
+            self._gateway = await GatewayServer.start(create_app(self), self.settings.host,
+                                                      self.settings.port)
+        return client_urls(self.settings.host, self._gateway.port)
+
+    @property
+    def gateway_port(self) -> int | None:
+        return self._gateway.port if self._gateway else None
+
+    async def stop_gateway(self) -> None:
+        gateway, self._gateway = self._gateway, None
+        if gateway is not None:
+            await gateway.stop()
+
+    # --- loads ----------------------------------------------------------------------------
+
+    async def load(self, spec: LoadSpec) -> Snapshot:
+        """Load `spec`, letting requests running on the previous load finish first
+        (up to `reload_grace` seconds); waiting requests move to the new load."""
+        await self._retire_current_load()
+        if not isinstance(self._backend, Supervisor):
+            await self._close_backend()
+            supervisor = Supervisor(
+                self.engine.resolve(self.settings.llama_server or None).path, self.log_dir,
+                load_timeout=self.settings.load_timeout, stop_timeout=self.settings.stop_timeout,
+                max_restarts=self.settings.max_restarts)
+            self._attach(supervisor)
+        try:
+            return await self._backend.load(spec)
+        except BaseException:
+            self.registry.refuse_waiting(ModelNotReady("The model failed to load.", retry_after=5))
+            raise
+
+    async def attach_upstream(self, url: str) -> Snapshot:
+        """Serve a llama-server that runs elsewhere; returns once it answers healthy."""
+        await self._retire_current_load()
+        await self._close_backend()
+        watcher = UpstreamWatcher(url)
+        self._attach(watcher)
+        return await watcher.start()
+
+    async def unload(self) -> None:
+        await self._retire_current_load()
+        if self._backend is not None:
+            await self._backend.unload()
+        self.registry.refuse_waiting(ModelNotReady("The model was unloaded.", retry_after=5))
+
+    async def close(self) -> None:
+        await self.stop_gateway()
+        await self.unload()
+        await self._close_backend()
+
+    # --- wiring --------------------------------------------------------------------------
+
+    def _attach(self, backend: Supervisor | UpstreamWatcher) -> None:
+        self._backend = backend
+        self._restarts_seen = 0
+        backend.add_listener(self._on_backend_snapshot)
+
+    async def _close_backend(self) -> None:
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            await backend.close()
+
+    async def _retire_current_load(self) -> None:
+        queue = self.registry.current
+        if queue is None:
+            return
+        self.registry.retire_current()
+        grace = self.settings.reload_grace
+        if queue.active and grace > 0:
+            drained = asyncio.Event()
+            self.registry.add_listener(lambda: queue.active == 0 and drained.set())
+            try:
+                await asyncio.wait_for(drained.wait(), grace)
+            except asyncio.TimeoutError:
+                log.warning("%d request(s) still running after the %gs grace period; "
+                            "they end with an error", queue.active, grace)
+
+    def _on_backend_snapshot(self, snapshot: Snapshot) -> None:
+        previous, self._snapshot = self._snapshot, snapshot
+        if snapshot.state is State.READY and snapshot.base_url and snapshot.effective_parallel_slots:
+            self.registry.activate(snapshot.base_url, snapshot.effective_parallel_slots)
+        elif previous.state is State.READY and snapshot.state is not State.READY:
+            # A crash or a stop: nothing new may go to this load.
+            self.registry.retire_current()
+            if snapshot.state is State.FAILED:
+                self.registry.refuse_waiting(ModelNotReady("The model stopped working.", retry_after=5))
+        if snapshot.restarts > self._restarts_seen:
+            for _ in range(snapshot.restarts - self._restarts_seen):
+                self.metrics.count_restart()
+            self._restarts_seen = snapshot.restarts
+        self.metrics.set_backend(snapshot)
+        for listener in list(self._listeners):
+            try:
+                listener(snapshot)
+            except Exception:
+                log.exception("service listener failed")
+
+
+class BackendThread:
+    """An asyncio loop in a thread of its own, for a caller (the window) on another loop."""
+
+    def __init__(self, name: str = "gguf-studio-backend") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_allowed(settings: Settings) -> None:
+    if is_loopback(settings.host) or settings.api_key:
+        return
+    if settings.allow_no_key:
+        log.warning("SERVING %s WITHOUT AN API KEY: anyone who can reach this port can use the model",
+                    settings.host)
+        return
+    raise SettingsError(
+        f"Refusing to listen on {settings.host} without an API key: anyone on the network could "
+        "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), or pass --allow-no-key "
+        "if you really mean it.")
+
+
+def client_urls(host: str, port: int) -> list[str]:
+    """The base URLs to give clients: every address of this machine when bound to all."""
+    if host in {"0.0.0.0", "::", ""}:
+        hosts = lan_addresses() or ["127.0.0.1"]
+    else:
+        hosts = [host]
+    return [f"http://{_bracket(h)}:{port}/v1" for h in hosts]
+
+
+def lan_addresses() -> list[str]:
+    """This machine's IPv4 addresses, loopback last."""
+    found: set[str] = set()
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.add(info[4][0])
+    except OSError:
+        pass
+    found.update(_interface_addresses())
+    found.add("127.0.0.1")
+    return sorted(found, key=lambda a: (ipaddress.ip_address(a).is_loopback, a))
+
+
+def _interface_addresses() -> set[str]:
+    """IPv4 address of every network interface (Linux); asks the kernel, sends nothing."""
+    try:
+        import fcntl
+        import struct
+    except ImportError:
+        return set()
+    SIOCGIFADDR = 0x8915
+    found = set()
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            found.add(socket.inet_ntoa(packed[20:24]))
+    return found
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

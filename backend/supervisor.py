@@ -1,0 +1,461 @@
+"""One llama-server process: start, health, slots, logs, stop, restart.
+
+One asyncio task owns the child process for the whole life of a load.  Every change of
+state goes through `_set_state`, which notifies listeners.  The health wait races the
+child's exit, the deadline and cancellation, each ending with its own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import httpx
+
+from backend.errors import (
+    EngineExitedDuringLoad,
+    LoadError,
+    LoadSuperseded,
+    LoadTimedOut,
+    SettingsError,
+)
+
+
+class State(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a load looks like right now; listeners get a new one on every change."""
+
+    state: State = State.STOPPED
+    model_id: str | None = None
+    model_path: str | None = None
+    base_url: str | None = None
+    effective_parallel_slots: int | None = None
+    context_length: int | None = None
+    restarts: int = 0
+    restarting: bool = False
+    error: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything that defines one load; replaying it after a crash gives the same load."""
+
+    model_path: str
+    parallel: str = "auto"  # "auto" or a positive integer
+    ctx_size: int = 0  # 0: the model's trained context length
+    n_gpu_layers: int = 0
+    threads: int = 0  # 0: llama-server picks
+    extra_args: tuple[str, ...] = ()
+    chat_template: bool = True  # --jinja: render the model's own chat template
+    model_id: str = ""  # the name clients see; the file name without .gguf by default
+
+    def __post_init__(self) -> None:
+        if self.parallel != "auto" and not (str(self.parallel).isdigit() and int(self.parallel) > 0):
+            raise SettingsError(f"Parallel slots must be 'auto' or a positive number, not {self.parallel!r}.")
+        owned = sorted(set(self.extra_args) & OWNED_FLAGS)
+        if owned:
+            raise SettingsError(
+                f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
+                "the model, host, port, parallel slots and API key itself.")
+
+    @property
+    def name(self) -> str:
+        return self.model_id or Path(self.model_path).name.removesuffix(".gguf")
+
+
+Listener = Callable[[Snapshot], None]
+LogListener = Callable[[str], None]
+
+# Flags GGUF Studio owns; a user's extra arguments may not override them.
+OWNED_FLAGS = frozenset({
+    "-m", "--model", "--host", "--port", "-np", "--parallel", "--api-key",
+    "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "--hf-repo",
+})
+
+log = logging.getLogger("gguf_studio.supervisor")
+
+
+class Supervisor:
+    """Runs at most one llama-server and keeps it alive while it is wanted."""
+
+    def __init__(self, binary: Path | str, log_dir: Path, *, load_timeout: float = 300.0,
+                 stop_timeout: float = 10.0, max_restarts: int = 5,
+                 restart_backoff: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
+                 stable_after: float = 30.0,
+                 port_picker: Callable[[], int] | None = None) -> None:
+        self.binary = Path(binary)
+        self.log_dir = Path(log_dir)
+        self.load_timeout = load_timeout
+        self.stop_timeout = stop_timeout
+        self.max_restarts = max_restarts
+        self.restart_backoff = tuple(restart_backoff)
+        self.stable_after = stable_after
+        self._pick_port = port_picker or pick_free_port
+        self._snapshot = Snapshot()
+        self._listeners: list[Listener] = []
+        self._log_listeners: list[LogListener] = []
+        self._log_tail: deque[str] = deque(maxlen=1000)
+        self._task: asyncio.Task | None = None
+
+    # --- public -------------------------------------------------------------------------
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def add_log_listener(self, listener: LogListener) -> None:
+        self._log_listeners.append(listener)
+
+    def log_tail(self, lines: int = 200) -> list[str]:
+        return list(self._log_tail)[-lines:]
+
+    async def load(self, spec: LoadSpec) -> Snapshot:
+        """Stop whatever runs, start `spec`, and return once it is ready.
+
+        Raises a LoadError subclass when it does not become ready.  The load keeps
+        being supervised (restarted after crashes) until `unload` or the next `load`.
+        """
+        await self.unload()
+        ready: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._own(spec, ready), name=f"supervise {spec.name}")
+        try:
+            return await asyncio.shield(ready)
+        except asyncio.CancelledError:
+            # Our caller gave up on this load, so nobody wants it any more.
+            await self.unload()
+            raise
+
+    async def unload(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self._snapshot.state is not State.FAILED:
+            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, pid=None)
+
+    async def close(self) -> None:
+        await self.unload()
+
+    # --- the task that owns the child ------------------------------------------------------
+
+    async def _own(self, spec: LoadSpec, ready: asyncio.Future[Snapshot]) -> None:
+        self._set_state(State.STARTING, model_id=spec.name, model_path=spec.model_path,
+                        base_url=None, effective_parallel_slots=None, context_length=None,
+                        restarts=0, restarting=False, error=None, pid=None)
+        crashes_in_a_row = 0
+        bind_retries = 0
+        child: _Child | None = None
+        try:
+            while True:
+                port = self._pick_port()
+                child = await self._spawn(spec, port)
+                try:
+                    slots, ctx = await self._wait_ready(child)
+                except EngineExitedDuringLoad as exc:
+                    await child.stop(self.stop_timeout)
+                    if _is_bind_failure(exc.log_tail) and bind_retries < 3:
+                        bind_retries += 1
+                        log.warning("port %d was taken; retrying on another", port)
+                        continue
+                    if not ready.done():
+                        raise
+                    crashes_in_a_row += 1
+                    if not await self._back_off(crashes_in_a_row, str(exc)):
+                        return
+                    continue
+                bind_retries = 0
+                became_ready = time.monotonic()
+                self._set_state(State.READY, base_url=child.base_url, effective_parallel_slots=slots,
+                                context_length=ctx, restarting=False, error=None, pid=child.pid)
+                if not ready.done():
+                    ready.set_result(self._snapshot)
+                code = await child.wait()
+                await child.stop(self.stop_timeout)
+                reason = f"llama-server stopped unexpectedly ({_describe_exit(code)})."
+                log.warning("%s", reason)
+                if time.monotonic() - became_ready >= self.stable_after:
+                    crashes_in_a_row = 0
+                crashes_in_a_row += 1
+                self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None,
+                                pid=None, restarting=True, error=reason)
+                if not await self._back_off(crashes_in_a_row, reason):
+                    return
+        except LoadError as exc:
+            self._fail(str(exc), ready, exc)
+        except asyncio.CancelledError:
+            if not ready.done():
+                ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
+            raise
+        except Exception as exc:  # a bug, or the OS refusing us: never leave a load half-owned
+            log.exception("supervisor failed")
+            self._fail(f"Could not start llama-server: {exc}", ready, LoadError(f"Could not start llama-server: {exc}"))
+        finally:
+            if child is not None:
+                if child.running:
+                    self._set_state(State.STOPPING)
+                await asyncio.shield(child.stop(self.stop_timeout))
+
+    async def _back_off(self, attempt: int, reason: str) -> bool:
+        """Wait before restart `attempt`; False when attempts are used up (state FAILED)."""
+        if attempt > self.max_restarts:
+            self._set_state(State.FAILED, error=f"{reason} Gave up after {self.max_restarts} restarts.",
+                            restarting=False, base_url=None, effective_parallel_slots=None, pid=None)
+            return False
+        self._set_state(State.STARTING, restarts=self._snapshot.restarts + 1, restarting=True,
+                        error=f"{reason} Restarting (attempt {attempt} of {self.max_restarts}).")
+        delay = self.restart_backoff[min(attempt - 1, len(self.restart_backoff) - 1)] if self.restart_backoff else 0
+        await asyncio.sleep(delay)
+        return True
+
+    def _fail(self, message: str, ready: asyncio.Future, exc: Exception) -> None:
+        self._set_state(State.FAILED, error=message, base_url=None,
+                        effective_parallel_slots=None, pid=None, restarting=False)
+        if not ready.done():
+            ready.set_exception(exc)
+
+    async def _spawn(self, spec: LoadSpec, port: int) -> "_Child":
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+        args = build_command(self.binary, spec, port)
+        child = await _Child.start(args, port, log_path, self._on_log_line)
+        self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
+        return child
+
+    async def _wait_ready(self, child: "_Child") -> tuple[int, int | None]:
+        """Slots and per-slot context once /health says 200; each way of not getting there
+        has its own error."""
+        deadline = self.load_timeout
+        health = asyncio.create_task(_poll_until_healthy(child.base_url))
+        exited = asyncio.create_task(child.wait())
+        try:
+            done, _ = await asyncio.wait({health, exited}, timeout=deadline,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (health, exited):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(health, exited, return_exceptions=True)
+        if exited in done and not (health in done and not health.cancelled() and health.exception() is None):
+            await child.drain_output()
+            tail = "\n".join(child.tail(20))
+            raise EngineExitedDuringLoad(
+                f"llama-server exited while loading the model ({_describe_exit(exited.result())}). "
+                f"{_reason_from_log(child.tail(40))}".strip(), tail)
+        if health not in done:
+            raise LoadTimedOut(f"The model did not become ready within {self.load_timeout:g} seconds.",
+                               "\n".join(child.tail(20)))
+        health.result()
+        return await _read_props(child.base_url)
+
+    def _on_log_line(self, line: str) -> None:
+        self._log_tail.append(line)
+        for listener in list(self._log_listeners):
+            try:
+                listener(line)
+            except Exception:
+                log.exception("log listener failed")
+
+    def _set_state(self, state: State, **changes) -> None:
+        self._snapshot = replace(self._snapshot, state=state, **changes)
+        for listener in list(self._listeners):
+            try:
+                listener(self._snapshot)
+            except Exception:
+                log.exception("state listener failed")
+
+
+def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
+    """llama-server's command line: every setting explicit, never the binary's defaults."""
+    parallel = "-1" if spec.parallel == "auto" else str(int(spec.parallel))
+    args = [
+        str(binary),
+        "--model", spec.model_path,
+        "--alias", spec.name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--parallel", parallel,
+        "--ctx-size", str(spec.ctx_size),
+        "--n-gpu-layers", str(spec.n_gpu_layers),
+        "--metrics",
+        "--no-webui",
+    ]
+    if spec.threads:
+        args += ["--threads", str(spec.threads)]
+    if spec.chat_template:
+        args.append("--jinja")
+    args += list(spec.extra_args)
+    return args
+
+
+def pick_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+class _Child:
+    """A running llama-server and the task copying its output to the log file and tail."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file, on_line: LogListener):
+        self.proc = proc
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log_file = log_file
+        self._on_line = on_line
+        self._tail: deque[str] = deque(maxlen=200)
+        self._reader = asyncio.create_task(self._copy_output())
+
+    @classmethod
+    async def start(cls, args: list[str], port: int, log_path: Path, on_line: LogListener) -> "_Child":
+        log_file = log_path.open("a", encoding="utf-8", errors="replace")
+        log_file.write("$ " + " ".join(args) + "\n")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None,
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        return cls(proc, port, log_file, on_line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc.returncode is None
+
+    def tail(self, lines: int) -> list[str]:
+        return list(self._tail)[-lines:]
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def drain_output(self) -> None:
+        """Let the reader copy what the child wrote before it exited."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
+        except (asyncio.TimeoutError, Exception):
+            pass
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout`."""
+        if self.running:
+            try:
+                self.proc.terminate()
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("llama-server ignored SIGTERM for %gs; killing it", timeout)
+                self.proc.kill()
+                await self.proc.wait()
+            except ProcessLookupError:
+                pass
+        await self.drain_output()
+        if not self._reader.done():
+            self._reader.cancel()
+        self._log_file.close()
+
+    async def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self._tail.append(line)
+            if not self._log_file.closed:
+                self._log_file.write(line + "\n")
+                self._log_file.flush()
+            self._on_line(line)
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn asking Linux to SIGKILL the child when its parent dies, even by SIGKILL."""
+    def preexec() -> None:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+async def _poll_until_healthy(base_url: str, interval: float = 0.05) -> None:
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            try:
+                response = await client.get(f"{base_url}/health")
+                if response.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(interval)
+
+
+async def _read_props(base_url: str) -> tuple[int, int | None]:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        try:
+            props = (await client.get(f"{base_url}/props")).raise_for_status().json()
+            slots = int(props["total_slots"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise LoadError(f"llama-server became healthy but did not report its slots ({exc}).") from None
+    settings = props.get("default_generation_settings") or {}
+    ctx = settings.get("n_ctx") or props.get("n_ctx")
+    return slots, int(ctx) if ctx else None
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _is_bind_failure(log_tail: str) -> bool:
+    return "couldn't bind" in log_tail or "Address already in use" in log_tail
+
+
+def _reason_from_log(lines: list[str]) -> str:
+    """The most telling error line of llama-server's output, for a one-line message."""
+    keys = ("error", "failed", "invalid", "unable", "couldn't", "cannot")
+    for line in reversed(lines):
+        lowered = line.lower()
+        if any(k in lowered for k in keys):
+            text = line.strip()
+            # llama-server prefixes lines with source locations; keep the message only.
+            return text.split(": ", 1)[-1] if ": " in text else text
+    return ""
