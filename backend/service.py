@@ -84,6 +84,18 @@ class StudioService:
     def gateway_port(self) -> int | None:
         return self._gateway.port if self._gateway else None
 
+    async def apply_settings(self, settings: Settings) -> list[str]:
+        """Take new settings; reopens the port when its address, port or key policy changed."""
+        check_bind_allowed(settings)
+        old, self.settings = self.settings, settings
+        self.registry.enabled = settings.admission_enabled
+        if self.registry.current is not None:
+            self.registry.set_capacity(self.registry.current.capacity)  # recomputes the line bound
+        if self._gateway is not None and (old.host, old.port) != (settings.host, settings.port):
+            await self.stop_gateway()
+        return await self.start_gateway() if self._gateway is None else \
+            client_urls(settings.host, self._gateway.port)
+
     async def stop_gateway(self) -> None:
         gateway, self._gateway = self._gateway, None
         if gateway is not None:

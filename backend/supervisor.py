@@ -156,8 +156,9 @@ class Supervisor:
                 await task
             except asyncio.CancelledError:
                 pass
-        if self._snapshot.state is not State.FAILED:
-            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, pid=None)
+        if self._snapshot.state is not State.STOPPED:
+            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, pid=None,
+                            restarting=False)
 
     async def close(self) -> None:
         await self.unload()
@@ -207,6 +208,7 @@ class Supervisor:
                 if not await self._back_off(crashes_in_a_row, reason):
                     return
         except LoadError as exc:
+            await self._stop_child(child)
             self._fail(str(exc), ready, exc)
         except asyncio.CancelledError:
             if not ready.done():
@@ -214,12 +216,17 @@ class Supervisor:
             raise
         except Exception as exc:  # a bug, or the OS refusing us: never leave a load half-owned
             log.exception("supervisor failed")
+            await self._stop_child(child)
             self._fail(f"Could not start llama-server: {exc}", ready, LoadError(f"Could not start llama-server: {exc}"))
         finally:
-            if child is not None:
-                if child.running:
-                    self._set_state(State.STOPPING)
-                await asyncio.shield(child.stop(self.stop_timeout))
+            await asyncio.shield(self._stop_child(child))
+
+    async def _stop_child(self, child: "_Child | None") -> None:
+        if child is None:
+            return
+        if child.running:
+            self._set_state(State.STOPPING)
+        await child.stop(self.stop_timeout)
 
     async def _back_off(self, attempt: int, reason: str) -> bool:
         """Wait before restart `attempt`; False when attempts are used up (state FAILED)."""

@@ -1,0 +1,272 @@
+"""The supervisor against the real llama-server and the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backend.errors import EngineExitedDuringLoad, LoadSuperseded, LoadTimedOut, SettingsError
+from backend.supervisor import LoadSpec, Snapshot, State, Supervisor, pick_free_port
+from tests.model_factory import write_not_gguf, write_truncated_copy
+
+
+@pytest.fixture
+async def supervisor(llama_server_binary: Path, tmp_path: Path):
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60,
+                     restart_backoff=(0.1,), stop_timeout=5)
+    yield sup
+    await sup.unload()  # no test leaves a child behind, whatever it asserted
+
+
+class Recorder:
+    def __init__(self, sup: Supervisor) -> None:
+        self.snapshots: list[Snapshot] = []
+        self._changed = asyncio.Event()
+        sup.add_listener(self._on)
+
+    def _on(self, snapshot: Snapshot) -> None:
+        self.snapshots.append(snapshot)
+        self._changed.set()
+
+    @property
+    def states(self) -> list[State]:
+        out: list[State] = []
+        for s in self.snapshots:
+            if not out or out[-1] is not s.state:
+                out.append(s.state)
+        return out
+
+    async def until(self, predicate, timeout: float = 60.0) -> Snapshot:
+        async def wait() -> Snapshot:
+            while True:
+                for s in reversed(self.snapshots):
+                    if predicate(s):
+                        return s
+                    break
+                self._changed.clear()
+                await self._changed.wait()
+        return await asyncio.wait_for(wait(), timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def props(base_url: str) -> dict:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"{base_url}/props")).json()
+
+
+async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(supervisor, tiny_model):
+    rec = Recorder(supervisor)
+    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="3", ctx_size=4096))
+    try:
+        assert snapshot.state is State.READY
+        assert snapshot.effective_parallel_slots == 3
+        assert (await props(snapshot.base_url))["total_slots"] == 3
+        assert snapshot.base_url.startswith("http://127.0.0.1:")
+        assert snapshot.model_id == "tiny"
+        assert rec.states == [State.STARTING, State.READY]
+    finally:
+        await supervisor.unload()
+
+
+async def test_parallel_auto_reports_the_slot_count_the_server_chose(supervisor, tiny_model):
+    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="auto", ctx_size=4096))
+    try:
+        chosen = (await props(snapshot.base_url))["total_slots"]
+        assert chosen >= 1
+        assert snapshot.effective_parallel_slots == chosen
+    finally:
+        await supervisor.unload()
+
+
+async def test_unload_stops_the_child_and_resets_slots(supervisor, tiny_model):
+    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="2", ctx_size=2048))
+    rec = Recorder(supervisor)
+    await supervisor.unload()
+    assert supervisor.snapshot.state is State.STOPPED
+    assert supervisor.snapshot.effective_parallel_slots is None
+    assert supervisor.snapshot.base_url is None
+    assert not pid_alive(snapshot.pid)
+    assert rec.states == [State.STOPPING, State.STOPPED]
+
+
+async def test_killed_child_is_restarted_and_slots_are_read_again(supervisor, tiny_model):
+    first = await supervisor.load(LoadSpec(str(tiny_model), parallel="2", ctx_size=2048))
+    rec = Recorder(supervisor)
+    try:
+        os.kill(first.pid, signal.SIGKILL)
+        crashed = await rec.until(lambda s: s.state is State.STARTING)
+        assert crashed.effective_parallel_slots is None
+        assert crashed.restarting
+        again = await rec.until(lambda s: s.state is State.READY)
+        assert again.restarts == 1
+        assert again.pid != first.pid
+        assert again.base_url != first.base_url  # a new port, so a new admission queue
+        assert again.effective_parallel_slots == 2
+        assert "killed by SIGKILL" in (crashed.error or "")
+    finally:
+        await supervisor.unload()
+
+
+async def test_restarts_are_bounded(llama_server_binary, tiny_model, tmp_path):
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60,
+                     restart_backoff=(0.0,), max_restarts=1)
+    rec = Recorder(sup)
+    first = await sup.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+    os.kill(first.pid, signal.SIGKILL)
+    second = await rec.until(lambda s: s.state is State.READY and s.pid != first.pid)
+    os.kill(second.pid, signal.SIGKILL)
+    failed = await rec.until(lambda s: s.state is State.FAILED)
+    assert "Gave up after 1 restarts" in failed.error
+    assert failed.effective_parallel_slots is None
+    await sup.unload()
+
+
+@pytest.mark.parametrize("breaker", [write_truncated_copy, "not_gguf"])
+async def test_broken_model_fails_with_a_readable_reason(supervisor, tiny_model, tmp_path, breaker):
+    bad = tmp_path / "broken.gguf"
+    if breaker == "not_gguf":
+        write_not_gguf(bad)
+    else:
+        breaker(tiny_model, bad)
+    rec = Recorder(supervisor)
+    with pytest.raises(EngineExitedDuringLoad) as caught:
+        await supervisor.load(LoadSpec(str(bad), parallel="1"))
+    message = str(caught.value)
+    assert message.startswith("llama-server exited while loading the model")
+    assert "Traceback" not in message
+    assert caught.value.log_tail  # the log's last lines travel with the error
+    assert supervisor.snapshot.state is State.FAILED
+    assert supervisor.snapshot.error == message
+    assert rec.states == [State.STARTING, State.FAILED]
+
+
+async def test_occupied_port_is_skipped_for_a_fresh_one(llama_server_binary, tiny_model, tmp_path):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        taken = blocker.getsockname()[1]
+        ports = iter([taken])
+        sup = Supervisor(llama_server_binary, tmp_path / "logs",
+                         port_picker=lambda: next(ports, None) or pick_free_port())
+        snapshot = await sup.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+        try:
+            assert snapshot.state is State.READY
+            assert not snapshot.base_url.endswith(f":{taken}")
+        finally:
+            await sup.unload()
+
+
+async def test_load_timeout_fails_and_leaves_no_child(llama_server_binary, tiny_model, tmp_path):
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=0.01)
+    rec = Recorder(sup)
+    with pytest.raises(LoadTimedOut):
+        await sup.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+    pid = next(s.pid for s in rec.snapshots if s.pid)
+    assert not pid_alive(pid)
+    assert sup.snapshot.state is State.FAILED
+
+
+async def test_unload_during_load_supersedes_it(supervisor, tiny_model):
+    rec = Recorder(supervisor)
+    load = asyncio.create_task(supervisor.load(LoadSpec(str(tiny_model), parallel="1")))
+    started = await rec.until(lambda s: s.pid is not None)
+    await supervisor.unload()
+    with pytest.raises(LoadSuperseded):
+        await load
+    assert supervisor.snapshot.state is State.STOPPED
+    assert not pid_alive(started.pid)
+
+
+async def test_new_load_stops_the_old_one_first(supervisor, tiny_model):
+    first = await supervisor.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+    second = await supervisor.load(LoadSpec(str(tiny_model), parallel="2", ctx_size=1024))
+    try:
+        assert not pid_alive(first.pid)
+        assert second.effective_parallel_slots == 2
+    finally:
+        await supervisor.unload()
+
+
+async def test_log_file_and_tail_hold_the_servers_output(supervisor, tiny_model):
+    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+    await supervisor.unload()
+    text = Path(snapshot.log_path).read_text()
+    assert "--parallel 1" in text.splitlines()[0]
+    assert any("server is listening" in line or "listening" in line for line in supervisor.log_tail())
+
+
+async def test_sigterm_is_followed_by_sigkill_when_ignored(tmp_path, tiny_model):
+    """A fake engine that ignores SIGTERM (a real one cannot be made to, deterministically)."""
+    fake = tmp_path / "stubborn-llama-server"
+    fake.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import json, signal, sys
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({{"status": "ok", "total_slots": 1}}).encode()
+                self.send_response(200); self.send_header("Content-Length", str(len(body)))
+                self.end_headers(); self.wfile.write(body)
+            def log_message(self, *a): pass
+        HTTPServer(("127.0.0.1", port), H).serve_forever()
+        """))
+    fake.chmod(0o755)
+    sup = Supervisor(fake, tmp_path / "logs", stop_timeout=0.5)
+    snapshot = await sup.load(LoadSpec(str(tiny_model)))
+    started = time.monotonic()
+    await sup.unload()
+    assert not pid_alive(snapshot.pid)
+    assert time.monotonic() - started >= 0.5  # it waited for SIGTERM before killing
+
+
+def test_extra_arguments_may_not_override_owned_flags(tiny_model):
+    with pytest.raises(SettingsError, match="--port"):
+        LoadSpec(str(tiny_model), extra_args=("--port", "80"))
+    with pytest.raises(SettingsError, match="positive"):
+        LoadSpec(str(tiny_model), parallel="0")
+
+
+def test_child_dies_with_the_app_even_when_the_app_is_killed(llama_server_binary, tiny_model, tmp_path):
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from backend.supervisor import LoadSpec, Supervisor
+        async def main():
+            sup = Supervisor({str(llama_server_binary)!r}, {str(tmp_path / 'logs')!r})
+            snap = await sup.load(LoadSpec({str(tiny_model)!r}, parallel="1", ctx_size=1024))
+            print(snap.pid, flush=True)
+            await asyncio.Event().wait()
+        asyncio.run(main())
+        """)
+    app = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                           cwd=Path(__file__).resolve().parents[2])
+    try:
+        child_pid = int(app.stdout.readline())
+        assert pid_alive(child_pid)
+        app.kill()
+        app.wait()
+        deadline = time.monotonic() + 10
+        while pid_alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the kernel for the orphan's death; no event to wait on
+        assert not pid_alive(child_pid)
+    finally:
+        app.kill()
+        app.stdout.close()
