@@ -70,7 +70,7 @@ class _ProgressPrinter:
     def __init__(self, verbose: bool = False) -> None:
         self.tty = sys.stdout.isatty()
         self.verbose = verbose
-        self._last_step = -1
+        self._last: tuple[str, int] | None = None
 
     def __call__(self, p: BuildProgress) -> None:
         if self.verbose:
@@ -78,8 +78,8 @@ class _ProgressPrinter:
         elif self.tty:
             sys.stdout.write(f"\r[{p.percent:5.1f}%] {p.phase:<9} {p.line[:60]:<60}")
             sys.stdout.flush()
-        elif int(p.percent) // 5 != self._last_step or p.phase in {"done", "fetch", "configure"}:
-            self._last_step = int(p.percent) // 5
+        elif (p.phase, int(p.percent) // 5) != self._last:
+            self._last = (p.phase, int(p.percent) // 5)
             print(f"[{p.percent:5.1f}%] {p.phase}: {p.line[:100]}", flush=True)
 
     def finish(self) -> None:

@@ -72,9 +72,9 @@ class StudioService:
 
     async def start_gateway(self) -> list[str]:
         """Open the OpenAI-compatible port; returns the base URLs clients should use."""
-        from backend.gateway import GatewayServer, create_app
-
         check_bind_allowed(self.settings)
+        from backend.gateway import GatewayServer, create_app  # starlette only when serving
+
         if self._gateway is None:
             self._gateway = await GatewayServer.start(create_app(self), self.settings.host,
                                                       self.settings.port)

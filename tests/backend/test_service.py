@@ -1,0 +1,220 @@
+"""The whole backend: real llama-server, real admission, real port, on one loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backend.errors import SettingsError
+from backend.service import StudioService, check_bind_allowed, client_urls
+from backend.settings import Settings
+from backend.supervisor import LoadSpec, State
+
+# A long generation holds a slot for seconds on the tiny model (random weights never
+# stop by themselves; ignore_eos makes sure).
+LONG = {"max_tokens": 4000, "ignore_eos": True}
+
+
+@pytest.fixture
+async def service(tmp_path: Path, llama_server_binary: Path):
+    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.2,
+                        reload_grace=30, load_timeout=60)
+    svc = StudioService(settings, log_dir=tmp_path / "logs")
+    await svc.start_gateway()
+    yield svc
+    await svc.close()
+
+
+@pytest.fixture
+async def client(service: StudioService):
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=60) as c:
+        yield c
+
+
+def spec(model: Path, parallel: str = "2", ctx: int = 16384) -> LoadSpec:
+    return LoadSpec(str(model), parallel=parallel, ctx_size=ctx)
+
+
+def chat(stream: bool = True, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}],
+            "stream": stream, **extra}
+
+
+async def until(predicate, timeout: float = 30.0, interval: float = 0.02) -> None:
+    """Poll a condition of the running system (slots of a real server have no events)."""
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(interval)
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def busy_slots(base_url: str) -> int:
+    async with httpx.AsyncClient() as c:
+        slots = (await c.get(f"{base_url}/slots")).json()
+    return sum(1 for s in slots if s.get("is_processing"))
+
+
+async def read_events(response: httpx.Response) -> list[str]:
+    return [line async for line in response.aiter_lines() if line]
+
+
+async def test_n_plus_one_streams_with_n_slots_one_waits_with_keepalives_then_completes(
+        service, client, tiny_model):
+    await service.load(spec(tiny_model, parallel="2"))
+    short = {"max_tokens": 300, "ignore_eos": True}
+
+    async def stream() -> list[str]:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(**short)) as r:
+            assert r.status_code == 200
+            return await read_events(r)
+
+    results = await asyncio.gather(*(stream() for _ in range(3)))
+    waited = [lines for lines in results if lines[0].startswith(":")]
+    assert len(waited) == 1  # exactly one had to wait, and it was kept alive
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        last_chunk = json.loads(lines[-2].removeprefix("data: "))
+        assert last_chunk["choices"][0]["finish_reason"] == "length"
+
+
+async def test_disconnect_while_running_frees_the_engine_slot(service, client, tiny_model):
+    snapshot = await service.load(spec(tiny_model, parallel="2"))
+    async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as r:
+        async for _ in r.aiter_lines():
+            break  # the first token arrived: the request is running on the engine
+        assert await busy_slots(snapshot.base_url) == 1
+    # The client went away: the port closes the engine's request and frees the slot.
+    await until(lambda: service.registry.total_active == 0, timeout=5)
+    slots_busy = -1
+
+    async def check():
+        nonlocal slots_busy
+        slots_busy = await busy_slots(snapshot.base_url)
+        return slots_busy
+
+    async def poll():
+        while await check():
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(poll(), 5)
+    assert slots_busy == 0
+
+
+async def test_disconnect_while_queued_leaves_the_line(service, client, tiny_model):
+    await service.load(spec(tiny_model, parallel="1"))
+    async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as running:
+        async for _ in running.aiter_lines():
+            break
+        async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as queued:
+            async for line in queued.aiter_lines():
+                assert line.startswith(":")  # a keep-alive: it is waiting
+                break
+            assert service.registry.total_waiting == 1
+        await until(lambda: service.registry.total_waiting == 0, timeout=5)
+
+
+async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(service, client, tiny_model):
+    snapshot = await service.load(spec(tiny_model, parallel="1"))
+    async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as r:
+        lines = []
+        async for line in r.aiter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 2:
+                os.kill(snapshot.pid, signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert isinstance(error["code"], str)
+        assert "127.0.0.1" not in json.dumps(error)
+    # ...and the engine comes back by itself, on a new queue.
+    await until(lambda: service.snapshot().state is State.READY and service.snapshot().pid != snapshot.pid)
+    assert service.registry.current.key != snapshot.base_url
+
+
+async def test_reload_lets_running_requests_finish_moves_waiting_ones_and_prunes_the_old_queue(
+        service, client, tiny_model):
+    old = await service.load(spec(tiny_model, parallel="1"))
+    medium = {"max_tokens": 600, "ignore_eos": True}
+
+    async def stream() -> list[str]:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(**medium)) as r:
+            return await read_events(r)
+
+    running = asyncio.create_task(stream())
+    await until(lambda: service.registry.total_active == 1)
+    waiting = asyncio.create_task(stream())
+    await until(lambda: service.registry.total_waiting == 1)
+    reload = asyncio.create_task(service.load(spec(tiny_model, parallel="2")))
+    # While the old load drains, new requests are told to come back.
+    await until(lambda: service.registry.current is None)
+    refused = await client.post("/v1/chat/completions", json=chat(stream=False))
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "model_not_ready"
+    assert int(refused.headers["retry-after"]) >= 1
+
+    new = await reload
+    first, second = await asyncio.gather(running, waiting)
+    assert first[-1] == "data: [DONE]" and '"finish_reason":"length"' in first[-2]
+    assert second[-1] == "data: [DONE]" and '"finish_reason":"length"' in second[-2]
+    assert [q.key for q in service.registry.queues] == [new.base_url]
+    assert old.base_url != new.base_url
+
+
+async def test_reload_grace_expiry_ends_running_requests_cleanly(service, client, tiny_model):
+    await service.load(spec(tiny_model, parallel="1"))
+    service.settings = service.settings.replace(reload_grace=0.5)
+    async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as r:
+        lines = []
+        reload = None
+        async for line in r.aiter_lines():
+            if line:
+                lines.append(line)
+            if reload is None:
+                reload = asyncio.create_task(service.load(spec(tiny_model, parallel="1")))
+        await reload
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "model_reloaded"
+
+
+async def test_metrics_count_restarts_and_slots(service, client, tiny_model):
+    snapshot = await service.load(spec(tiny_model, parallel="3"))
+    text = (await client.get("/metrics")).text
+    assert "gguf_studio_effective_parallel_slots 3.0" in text
+    os.kill(snapshot.pid, signal.SIGKILL)
+    await until(lambda: service.snapshot().state is State.READY and service.snapshot().pid != snapshot.pid)
+    text = (await client.get("/metrics")).text
+    assert "gguf_studio_backend_restarts_total 1.0" in text
+
+
+async def test_health_and_models_describe_the_load(service, client, tiny_model):
+    health = (await client.get("/health")).json()
+    assert health["state"] == "stopped"
+    assert (await client.get("/v1/models")).json()["data"] == []
+    await service.load(spec(tiny_model, parallel="2", ctx=8192))
+    health = (await client.get("/health")).json()
+    assert health["state"] == "ready"
+    assert health["effective_parallel_slots"] == 2
+    model = (await client.get("/v1/models")).json()["data"][0]
+    assert model["id"] == "tiny"
+    assert model["context_length"] == service.snapshot().context_length
+
+
+def test_lan_bind_without_a_key_is_refused():
+    with pytest.raises(SettingsError, match="without an API key"):
+        check_bind_allowed(Settings(host="0.0.0.0"))
+    check_bind_allowed(Settings(host="0.0.0.0", api_key="k"))
+    check_bind_allowed(Settings(host="0.0.0.0", allow_no_key=True))
+    check_bind_allowed(Settings(host="127.0.0.1"))
+
+
+def test_urls_name_every_address_when_bound_to_all():
+    urls = client_urls("0.0.0.0", 8899)
+    assert "http://127.0.0.1:8899/v1" in urls
+    assert urls[-1] == "http://127.0.0.1:8899/v1"  # loopback last: the LAN ones matter more
+    assert client_urls("127.0.0.1", 8899) == ["http://127.0.0.1:8899/v1"]
