@@ -1,0 +1,117 @@
+"""Tiny real GGUF models for tests: llama-server loads them in well under a second.
+
+The weights are random, but the tokenizer is a real one copied from one of
+llama.cpp's vocab-only GGUF files, so prompts tokenize and replies detokenize like
+those of a real model (the replies are gibberish).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+
+EMBEDDING_LENGTH = 64
+LAYER_COUNT = 2
+HEAD_COUNT = 4
+HEAD_COUNT_KV = 4
+FEED_FORWARD_LENGTH = 128
+
+# ChatML without special tokens in the vocabulary: the markers tokenize as plain text,
+# which is all a random model needs.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def write_tiny_model(path: Path, vocab_path: Path, *, seed: int = 0, context_length: int = 8192,
+                     name: str = "tiny-test-llama") -> Path:
+    """Write a 2-layer, 64-wide llama with F32 random weights; about 17 MB for a 32k vocab."""
+    path = Path(path)
+    tokenizer = _tokenizer_fields(Path(vocab_path))
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
+    # Written beside the target and renamed, so an interrupted run leaves no half model.
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(partial, arch="llama")
+    writer.add_name(name)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(EMBEDDING_LENGTH)
+    writer.add_block_count(LAYER_COUNT)
+    writer.add_feed_forward_length(FEED_FORWARD_LENGTH)
+    writer.add_head_count(HEAD_COUNT)
+    writer.add_head_count_kv(HEAD_COUNT_KV)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(EMBEDDING_LENGTH // HEAD_COUNT)
+    writer.add_vocab_size(n_vocab)
+    for key, (value, value_type, item_type) in tokenizer.items():
+        writer.add_key_value(key, value, value_type, sub_type=item_type)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    rng = np.random.default_rng(seed)
+    for tensor_name, shape in tensor_shapes(n_vocab).items():
+        writer.add_tensor(tensor_name, _weights(tensor_name, shape, rng))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(partial, path)
+    return path
+
+
+def write_truncated_copy(src: Path, dst: Path) -> Path:
+    """The first half of `src`: a GGUF whose header is intact but whose weights are cut off."""
+    data = Path(src).read_bytes()
+    Path(dst).write_bytes(data[: len(data) // 2])
+    return Path(dst)
+
+
+def write_not_gguf(dst: Path) -> Path:
+    Path(dst).write_bytes(b"This is a text file, not a GGUF model.\n" * 64)
+    return Path(dst)
+
+
+def tensor_shapes(n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the tiny model, shapes in numpy order (rows = outputs)."""
+    d, ff = EMBEDDING_LENGTH, FEED_FORWARD_LENGTH
+    kv = d // HEAD_COUNT * HEAD_COUNT_KV
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, d)}
+    for i in range(LAYER_COUNT):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (d,),
+            f"blk.{i}.attn_q.weight": (d, d),
+            f"blk.{i}.attn_k.weight": (kv, d),
+            f"blk.{i}.attn_v.weight": (kv, d),
+            f"blk.{i}.attn_output.weight": (d, d),
+            f"blk.{i}.ffn_norm.weight": (d,),
+            f"blk.{i}.ffn_gate.weight": (ff, d),
+            f"blk.{i}.ffn_up.weight": (ff, d),
+            f"blk.{i}.ffn_down.weight": (d, ff),
+        }
+    shapes |= {"output_norm.weight": (d,), "output.weight": (n_vocab, d)}
+    return shapes
+
+
+def _tokenizer_fields(vocab_path: Path) -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
+    reader = GGUFReader(vocab_path)
+    fields = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value_type = field.types[0]
+        item_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+        fields[key] = (field.contents(), value_type, item_type)
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"{vocab_path.name} has no tokenizer vocabulary")
+    return fields
+
+
+def _weights(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return np.ones(shape, dtype=np.float32)
+    return (rng.standard_normal(shape) * 0.02).astype(np.float32)
