@@ -208,6 +208,21 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(run=_inspect)
 
+    from backend import desktop_entry, self_test
+    for name, fn, text in (("install-desktop", desktop_entry.cli_install,
+                            "add GGUF Studio to the desktop's application menu (Linux)"),
+                           ("uninstall-desktop", desktop_entry.cli_uninstall,
+                            "remove what install-desktop wrote")):
+        d = sub.add_parser(name, help=text)
+        desktop_entry.add_arguments(d)
+        d.set_defaults(run=fn)
+
+    st = sub.add_parser("self-test", help="load MODEL, answer one request through the port, exit")
+    st.add_argument("model", metavar="MODEL")
+    self_test.add_arguments(st)
+    st.set_defaults(run=lambda args: asyncio.run(self_test.run_self_test(
+        args.model, llama_server=args.llama_server, ctx_size=args.ctx_size, timeout=args.timeout)))
+
     serve = sub.add_parser("serve", help="run headless: engine + OpenAI-compatible port")
     group = serve.add_mutually_exclusive_group()
     group.add_argument("--model", help="GGUF file to load")

@@ -212,6 +212,7 @@ class Engine:
                 failure="Configuring llama.cpp failed", log_path=log_path,
             )
             jobs = jobs or os.cpu_count() or 2
+            report(BuildProgress("compile", 8, f"compiling llama-server with {jobs} jobs"))
 
             def on_compile_line(line: str) -> None:
                 m = _NINJA_PROGRESS.match(line)
@@ -377,7 +378,7 @@ async def _run_logged(cmd: Sequence[str], log, env: Mapping[str, str],
     except BaseException:
         if proc.returncode is None:
             proc.kill()
-            await proc.wait()
+        await proc.communicate()  # reap it and close its pipe
         raise
     finally:
         log.flush()

@@ -49,6 +49,7 @@ class StudioService:
         self._backend: Supervisor | UpstreamWatcher | None = None
         self._listeners: list[Listener] = []
         self._gateway = None
+        self._gateway_lock = asyncio.Lock()
         self._restarts_seen = 0
         self._snapshot = Snapshot()
 
@@ -75,9 +76,10 @@ class StudioService:
         check_bind_allowed(self.settings)
         from backend.gateway import GatewayServer, create_app  # starlette only when serving
 
-        if self._gateway is None:
-            self._gateway = await GatewayServer.start(create_app(self), self.settings.host,
-                                                      self.settings.port)
+        async with self._gateway_lock:
+            if self._gateway is None:
+                self._gateway = await GatewayServer.start(create_app(self), self.settings.host,
+                                                          self.settings.port)
         return client_urls(self.settings.host, self._gateway.port)
 
     @property
@@ -97,23 +99,23 @@ class StudioService:
             client_urls(settings.host, self._gateway.port)
 
     async def stop_gateway(self) -> None:
-        gateway, self._gateway = self._gateway, None
-        if gateway is not None:
-            await gateway.stop()
+        async with self._gateway_lock:
+            gateway, self._gateway = self._gateway, None
+            if gateway is not None:
+                await gateway.stop()
 
     # --- loads ----------------------------------------------------------------------------
 
     async def load(self, spec: LoadSpec) -> Snapshot:
         """Load `spec`, letting requests running on the previous load finish first
         (up to `reload_grace` seconds); waiting requests move to the new load."""
+        binary = self.engine.resolve(self.settings.llama_server or None).path
         await self._retire_current_load()
-        if not isinstance(self._backend, Supervisor):
+        if not (isinstance(self._backend, Supervisor) and self._backend.binary == binary):
             await self._close_backend()
-            supervisor = Supervisor(
-                self.engine.resolve(self.settings.llama_server or None).path, self.log_dir,
-                load_timeout=self.settings.load_timeout, stop_timeout=self.settings.stop_timeout,
-                max_restarts=self.settings.max_restarts)
-            self._attach(supervisor)
+            self._attach(Supervisor(
+                binary, self.log_dir, load_timeout=self.settings.load_timeout,
+                stop_timeout=self.settings.stop_timeout, max_restarts=self.settings.max_restarts))
         try:
             return await self._backend.load(spec)
         except BaseException:
@@ -157,14 +159,22 @@ class StudioService:
             return
         self.registry.retire_current()
         grace = self.settings.reload_grace
-        if queue.active and grace > 0:
-            drained = asyncio.Event()
-            self.registry.add_listener(lambda: queue.active == 0 and drained.set())
-            try:
-                await asyncio.wait_for(drained.wait(), grace)
-            except asyncio.TimeoutError:
-                log.warning("%d request(s) still running after the %gs grace period; "
-                            "they end with an error", queue.active, grace)
+        if queue.active == 0 or grace <= 0:
+            return
+        drained = asyncio.Event()
+
+        def check() -> None:
+            if queue.active == 0:
+                drained.set()
+
+        self.registry.add_listener(check)
+        try:
+            await asyncio.wait_for(drained.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("%d request(s) still running after the %gs grace period; "
+                        "they end with an error", queue.active, grace)
+        finally:
+            self.registry.remove_listener(check)
 
     def _on_backend_snapshot(self, snapshot: Snapshot) -> None:
         previous, self._snapshot = self._snapshot, snapshot

@@ -121,8 +121,13 @@ async def test_interrupted_build_leaves_no_half_engine(engine, source_tree, tmp_
     leftovers = list(scratch.engines_dir.iterdir()) if scratch.engines_dir.exists() else []
     assert leftovers == []
     # Progress is a percentage parsed from the build's own output.
-    compile_events = [e for e in events if e.phase == "compile"]
-    assert 0 < compile_events[0].percent < 100
+    assert 0 < [e for e in events if e.phase == "compile"][0].percent < 100
+
+
+def test_build_progress_is_parsed_from_ninja_output():
+    from backend.engine import _NINJA_PROGRESS
+    m = _NINJA_PROGRESS.match("[103/206] Building CXX object src/llama.cpp.o")
+    assert (int(m.group(1)), int(m.group(2))) == (103, 206)
 
 
 def test_engine_status_command_names_the_engine_in_use(llama_server_binary):
