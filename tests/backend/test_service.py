@@ -124,8 +124,9 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(service, c
     async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as r:
         lines = []
         async for line in r.aiter_lines():
-            if line:
-                lines.append(line)
+            if not line:
+                continue
+            lines.append(line)
             if len(lines) == 2:
                 os.kill(snapshot.pid, signal.SIGKILL)
         assert lines[-1] == "data: [DONE]"

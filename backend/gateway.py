@@ -1,0 +1,463 @@
+"""The OpenAI-compatible port: routes, auth, admission, forwarding, metrics.
+
+Gated (a slot of the model is needed, through the admission queue):
+`POST /v1/chat/completions`, `/v1/responses`, `/v1/completions`, `/v1/messages`,
+`/v1/embeddings`.  Ungated: `GET /v1/models`, `/health`, `/metrics`.  Nothing else, and
+none of llama-server's own endpoints, is reachable: every other path is a 404.
+
+Auth, when `settings.api_key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
+compared in constant time, on every route except `/health` (left open for probes).
+
+`create_app(ctx)` builds the Starlette app; `GatewayServer.start(app, host, port)` serves
+it with uvicorn on the running loop (no signal handlers: the service owns the loop).
+Errors become answers in `backend.gateway_errors`, the streaming relay lives in
+`backend.relay`, body checks and the output cap in `backend.request_body`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hmac
+import logging
+import os
+import socket
+import time
+from typing import Any, AsyncIterator, Protocol
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend import gateway_errors as answers
+from backend.admission import AdmissionRegistry
+from backend.errors import (InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
+                            RequestError, SettingsError, Unauthorized, UpgradeRequired)
+from backend.metrics import Metrics
+from backend.relay import DisconnectWatch, Exchange
+from backend.request_body import ClientGone, parse_body, read_body
+from backend.settings import Settings
+from backend.supervisor import Snapshot, State
+
+__all__ = ["GATED_ROUTES", "GatewayContext", "GatewayServer", "create_app"]
+
+log = logging.getLogger("gguf_studio.gateway")
+access_log = logging.getLogger("gguf_studio.access")
+
+#: Gated route -> the framing of its streams (None: never streams).
+GATED_ROUTES: dict[str, str | None] = {
+    "/v1/chat/completions": answers.CHAT,
+    "/v1/completions": answers.CHAT,
+    "/v1/responses": answers.RESPONSES,
+    "/v1/messages": answers.MESSAGES,
+    "/v1/embeddings": None,
+}
+OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
+KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
+#: Set in the scope when the client went away before an answer could be sent.
+_GONE = "gguf_studio.client_gone"
+NOT_READY_RETRY_AFTER = 5.0
+
+
+class GatewayContext(Protocol):
+    settings: Settings  # read per request: it may change while the port runs
+    registry: AdmissionRegistry
+    metrics: Metrics
+
+    def snapshot(self) -> Snapshot: ...
+
+
+class Gateway:
+    """The app's state: the context, one shared upstream client, the handlers."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+        self.closing = False
+        self.started_at = int(time.time())
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                # No read/write/pool limit: a generation may be silent for minutes (prompt
+                # processing) and admission already bounds the number of requests.
+                timeout=httpx.Timeout(None, connect=10.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                trust_env=False,  # never send loopback traffic through a proxy
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        await self.aclose()
+
+    # --- auth ------------------------------------------------------------------------
+
+    def check_key(self, headers: list[tuple[bytes, bytes]]) -> None:
+        key = self.ctx.settings.api_key
+        if not key:
+            return
+        bearer = supplied = None
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, rest = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    bearer = rest.strip()
+            elif name == b"x-api-key":
+                supplied = value.strip()
+        if bearer is None and supplied is None:
+            raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer KEY' "
+                               "or as 'x-api-key: KEY'.")
+        expected = key.encode()
+        matched = False
+        for given in (bearer, supplied):
+            if given is not None and hmac.compare_digest(given, expected):
+                matched = True
+        if not matched:
+            raise Unauthorized("Incorrect API key.")
+
+    # --- gated routes ----------------------------------------------------------------
+
+    async def handle_gated(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+        ctx = self.ctx
+        settings = ctx.settings
+        metrics = ctx.metrics
+        headers = scope["headers"]
+        try:
+            self.check_key(headers)
+            try:
+                raw = await read_body(receive, headers, settings.max_body_bytes)
+            except ClientGone:
+                scope[_GONE] = True
+                return
+            parsed = parse_body(path, raw, settings.max_output_tokens)
+            snapshot = ctx.snapshot()
+            queue = ctx.registry.current
+            if snapshot.state is not State.READY or queue is None:
+                raise ModelNotReady(not_ready_message(snapshot),
+                                    retry_after=NOT_READY_RETRY_AFTER)
+            ticket = queue.request()
+        except RequestError as error:
+            await answers.send_http_error(send, error, metrics)
+            return
+
+        watch: DisconnectWatch | None = None
+        try:
+            watch = DisconnectWatch(receive)
+            exchange = Exchange(
+                client=self.client, metrics=metrics, send=send, watch=watch, ticket=ticket,
+                path=path, kind=GATED_ROUTES[path], parsed=parsed, model_id=snapshot.model_id,
+                queue_timeout=settings.queue_timeout,
+                keepalive_interval=settings.keepalive_interval)
+            await exchange.run()
+        except asyncio.CancelledError:
+            # Ours (the client left, or the port closes) or someone else's (re-raised).
+            task = asyncio.current_task()
+            if (watch is not None and (watch.disconnected or self.closing)
+                    and task is not None and task.uncancel() == 0):
+                if watch.disconnected:
+                    scope[_GONE] = True
+                    metrics.count_cancellation(exchange.stage)
+                else:
+                    await exchange.shutdown()
+                return
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+            ticket.release()  # idempotent; the exchange normally released it already
+
+    # --- open routes -----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.check_key(request.scope["headers"])
+        snapshot = self.ctx.snapshot()
+        data = []
+        if snapshot.model_id and (snapshot.state is State.READY or snapshot.restarting):
+            data.append({"id": snapshot.model_id, "object": "model", "created": self.started_at,
+                         "owned_by": "gguf-studio", "context_length": snapshot.context_length})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        snapshot = self.ctx.snapshot()
+        registry = self.ctx.registry
+        body = {
+            "state": snapshot.state.value,
+            "model": snapshot.model_id,
+            "effective_parallel_slots": snapshot.effective_parallel_slots,
+            "active": registry.total_active,
+            "waiting": registry.total_waiting,
+        }
+        return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.check_key(request.scope["headers"])
+        body, content_type = self.ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # --- errors raised inside Starlette ------------------------------------------------
+
+    async def on_http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        headers = dict(exc.headers or {})
+        error: RequestError
+        if exc.status_code == 404:
+            error = NotFound("Unknown path. This server answers /v1/chat/completions, "
+                             "/v1/responses, /v1/completions, /v1/messages, /v1/embeddings, "
+                             "/v1/models, /health and /metrics.")
+        elif exc.status_code == 405:
+            allowed = headers.get("Allow", "")
+            error = MethodNotAllowed(f"Method {request.method} is not allowed here."
+                                     + (f" Use {allowed}." if allowed else ""))
+        else:
+            error = InvalidRequest("The request could not be handled.")
+            error.status = exc.status_code
+        return answers.error_response(error, self.ctx.metrics, extra_headers=headers)
+
+    async def on_request_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+        return answers.error_response(exc, self.ctx.metrics, extra_headers=extra)
+
+
+def not_ready_message(snapshot: Snapshot) -> str:
+    if snapshot.restarting:
+        return "The model is restarting. Try again shortly."
+    if snapshot.state is State.STARTING:
+        return "The model is loading. Try again shortly."
+    if snapshot.state is State.READY:
+        return "The model is being reloaded. Try again shortly."
+    return "No model is loaded right now. Try again later."
+
+
+class GatewayMiddleware:
+    """Outermost app layer: access log, request counts, 426, last-resort 500.
+
+    Gated POSTs are dispatched here directly (no router walk, one send wrapper less per
+    relayed chunk); everything else goes through Starlette's router.
+    """
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await _refuse_websocket(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope["path"]
+        method = scope["method"]
+        metrics = self.gateway.ctx.metrics
+        try:
+            if path == "/v1/responses" and _is_websocket_upgrade(scope["headers"]):
+                await answers.send_http_error(send_and_note, UpgradeRequired(
+                    "WebSocket is not supported here; use HTTP with streaming (SSE)."), metrics)
+            elif method == "POST" and path in GATED_ROUTES:
+                await self.gateway.handle_gated(scope, receive, send_and_note, path)
+            else:
+                await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            error = answers.as_request_error(exc)
+            if not status:
+                await answers.send_http_error(send_and_note, error, metrics)
+        finally:
+            if not status:
+                status = 499 if scope.get(_GONE) else 500
+            route = path if path in KNOWN_ROUTES else "other"
+            metrics.count_request(route, status)
+            access_log.info("%s %s %d %.1fms", method, path, status,
+                            (time.perf_counter() - started) * 1000)
+
+
+def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"upgrade" and b"websocket" in value.lower():
+            return True
+    return False
+
+
+async def _refuse_websocket(scope: dict, receive: Any, send: Any) -> None:
+    """Only under a server that speaks WebSocket (ours is started with ws='none')."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    if "websocket.http.response" in scope.get("extensions", {}):
+        status, headers, body = answers.http_error(UpgradeRequired(
+            "WebSocket is not supported here; use HTTP with streaming (SSE)."), None)
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+
+
+class _GatedEndpoint:
+    """The gated route as a plain ASGI app (reached only if the middleware is bypassed)."""
+
+    def __init__(self, gateway: Gateway, path: str) -> None:
+        self.gateway = gateway
+        self.path = path
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.gateway.handle_gated(scope, receive, send, self.path)
+
+
+def create_app(ctx: GatewayContext) -> Starlette:
+    gateway = Gateway(ctx)
+    routes = [Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
+              for path in GATED_ROUTES]
+    routes += [
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(GatewayMiddleware, gateway=gateway)],
+        exception_handlers={HTTPException: gateway.on_http_exception,
+                            RequestError: gateway.on_request_error},
+        lifespan=gateway.lifespan,
+    )
+    app.router.redirect_slashes = False
+    app.state.gateway = gateway
+    return app
+
+
+# --- serving -------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+        self.exit_now = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield  # the service owns the process's signals and its loop
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.listening.set()
+
+    async def main_loop(self) -> None:
+        """uvicorn's tick loop, but a stop request ends it at once, not at the next tick."""
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.exit_now.wait(), 0.1)
+            should_exit = await self.on_tick(counter)
+
+
+class GatewayServer:
+    """uvicorn serving an app on the current loop, on a socket bound up front."""
+
+    def __init__(self, app: Any, server: _Server, task: asyncio.Task, port: int) -> None:
+        self.app = app
+        self.port = port
+        self._server = server
+        self._task = task
+
+    @classmethod
+    async def start(cls, app: Any, host: str, port: int, *,
+                    shutdown_grace: float = 3.0) -> "GatewayServer":
+        """Listening when this returns; `port` 0 picks a free one (see `.port`)."""
+        sock = bind_socket(host, port)
+        config = uvicorn.Config(
+            app, lifespan="off", log_config=None, access_log=False, ws="none",
+            proxy_headers=False, server_header=False,
+            timeout_graceful_shutdown=shutdown_grace)
+        server = _Server(config)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
+                                                      name=f"gateway {host}:{port}")
+        listening = asyncio.ensure_future(server.listening.wait())
+        await asyncio.wait((task, listening), return_when=asyncio.FIRST_COMPLETED)
+        if not server.listening.is_set():
+            listening.cancel()
+            sock.close()
+            try:
+                task.result()
+            except BaseException as exc:
+                raise SettingsError(f"The port {port} on {host} could not be opened.") from exc
+            raise SettingsError(f"The port {port} on {host} could not be opened.")
+        return cls(app, server, task, sock.getsockname()[1])
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop listening, give running requests `grace` seconds (default: the one given
+        to `start`), then end what still runs with a clean error."""
+        gateway = getattr(getattr(self.app, "state", None), "gateway", None)
+        if gateway is not None:
+            gateway.closing = True
+        if grace is not None:
+            self._server.config.timeout_graceful_shutdown = grace
+        self._server.should_exit = True
+        self._server.exit_now.set()
+        try:
+            await self._task
+        except (Exception, SystemExit):
+            log.exception("the port did not shut down cleanly")
+        # uvicorn cancels requests still running after the grace period without waiting
+        # for them: let them send their last words before the upstream client goes.
+        leftovers = list(self._server.server_state.tasks)
+        if leftovers:
+            await asyncio.wait(leftovers, timeout=2.0)
+        if gateway is not None:
+            await gateway.aclose()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket, or a SettingsError a person can act on."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        raise SettingsError(f"The address {host!r} is not known on this machine.") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first for "localhost"
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if os.name != "nt":  # on Windows SO_REUSEADDR would let two servers share a port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in {"::", ""}:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in {errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)}:
+            raise SettingsError(
+                f"Port {port} on {host} is already in use by another program. Choose another "
+                "port (--port or GGUF_STUDIO_PORT) or stop the other program.") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise SettingsError(f"The address {host} does not belong to this machine.") from None
+        if exc.errno in {errno.EACCES, errno.EPERM}:
+            raise SettingsError(f"Not allowed to listen on port {port} (ports below 1024 "
+                                "need administrator rights).") from None
+        raise SettingsError(f"Cannot listen on {host} port {port}: {exc.strerror}.") from None
+    return sock

@@ -1,0 +1,129 @@
+"""Prometheus metrics of one service, in a registry of its own.
+
+Each `Metrics` owns its `CollectorRegistry`, so several services (and tests) can live in
+one process without their series colliding.  The gateway and the service call the small
+methods below; `/metrics` serves `render()`; the window reads `totals()`.
+
+`totals()` is kept in plain Python counters next to the Prometheus ones so that another
+thread (the window's) can read it without touching the admission registry or the
+prometheus internals.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from backend.admission import AdmissionRegistry
+    from backend.supervisor import Snapshot
+
+__all__ = ["Metrics", "QUEUE_WAIT_BUCKETS"]
+
+#: From "admitted at once" to "waited the whole default queue timeout".
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                      120.0, 300.0, 600.0, float("inf"))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_waiting = Gauge(
+            "gguf_studio_requests_waiting", "Requests waiting in line for a slot.", registry=r)
+        self.requests_active = Gauge(
+            "gguf_studio_requests_active", "Requests holding a slot of the model.", registry=r)
+        self.effective_parallel_slots = Gauge(
+            "gguf_studio_effective_parallel_slots",
+            "Requests the loaded llama-server runs at once (0 when nothing is loaded).",
+            registry=r)
+        self.rejections = Counter(
+            "gguf_studio_rejections_total",
+            "Requests answered with an error by the port, by error code.", ["reason"],
+            registry=r)
+        self.cancellations = Counter(
+            "gguf_studio_cancellations_total",
+            "Clients that went away, by stage (queued or running).", ["stage"], registry=r)
+        self.requests = Counter(
+            "gguf_studio_requests_total", "Requests answered by the port, by route and status.",
+            ["route", "status"], registry=r)
+        self.backend_restarts = Counter(
+            "gguf_studio_backend_restarts_total",
+            "Times the engine was restarted after it stopped unexpectedly.", registry=r)
+        self.queue_wait = Histogram(
+            "gguf_studio_queue_wait_seconds",
+            "Time from arrival to admission of admitted requests.",
+            buckets=QUEUE_WAIT_BUCKETS, registry=r)
+
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._rejections: dict[str, int] = {}
+        self._cancellations: dict[str, int] = {}
+        self._restarts = 0
+        self._queue_waits = 0
+        self._queue_wait_sum = 0.0
+
+    # --- called by the gateway ------------------------------------------------------
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.queue_wait.observe(seconds)
+        with self._lock:
+            self._queue_waits += 1
+            self._queue_wait_sum += seconds
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejections.labels(reason=reason).inc()
+        with self._lock:
+            self._rejections[reason] = self._rejections.get(reason, 0) + 1
+
+    def count_cancellation(self, stage: str) -> None:
+        self.cancellations.labels(stage=stage).inc()
+        with self._lock:
+            self._cancellations[stage] = self._cancellations.get(stage, 0) + 1
+
+    def count_request(self, route: str, status: int | str) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        with self._lock:
+            self._requests += 1
+
+    # --- called by the service ------------------------------------------------------
+
+    def set_backend(self, snapshot: Snapshot) -> None:
+        self.effective_parallel_slots.set(snapshot.effective_parallel_slots or 0)
+
+    def count_restart(self) -> None:
+        self.backend_restarts.inc()
+        with self._lock:
+            self._restarts += 1
+
+    def bind_registry(self, registry: AdmissionRegistry) -> None:
+        """Read waiting/active from the admission registry at every scrape."""
+        self.requests_waiting.set_function(lambda: registry.total_waiting)
+        self.requests_active.set_function(lambda: registry.total_active)
+
+    # --- read -----------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type.  Call on the loop."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample's current value (0.0 if absent); for tests and diagnostics."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if found is None else found
+
+    def totals(self) -> dict[str, Any]:
+        """Counts since start, safe to call from any thread."""
+        with self._lock:
+            return {
+                "requests": self._requests,
+                "rejections": dict(self._rejections),
+                "cancellations": dict(self._cancellations),
+                "restarts": self._restarts,
+                "queue_waits": self._queue_waits,
+                "queue_wait_seconds": self._queue_wait_sum,
+            }

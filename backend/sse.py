@@ -1,0 +1,212 @@
+"""Server-sent-event framing for the gateway: keep-alives, errors, Responses ids.
+
+Nothing here parses a chat stream: chat, completions and messages chunks are relayed as
+bytes.  Only the head of a `/v1/responses` stream is read (to learn the upstream's
+response id), and after that the id is swapped with one `bytes.replace` per chunk.
+`EventFramer` makes sure that only whole events are sent, so that an error event can
+always be appended cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+__all__ = [
+    "DONE",
+    "EventFramer",
+    "KEEPALIVE_COMMENT",
+    "ResponsesRewriter",
+    "data_event",
+    "named_event",
+    "new_response_id",
+    "response_stub",
+]
+
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+#: Give up looking for the upstream's response.created after this many bytes.
+_HEAD_LIMIT = 64 * 1024
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def data_event(payload: Any) -> bytes:
+    return b"data: " + _dumps(payload) + b"\n\n"
+
+
+def named_event(name: str, payload: Any) -> bytes:
+    return b"event: " + name.encode() + b"\n" + data_event(payload)
+
+
+def new_response_id() -> str:
+    return "resp_" + secrets.token_hex(16)
+
+
+def response_stub(response_id: str, model: str | None, status: str = "in_progress",
+                  created_at: int | None = None, **extra: Any) -> dict[str, Any]:
+    """A Responses `response` object as far as the gateway knows it."""
+    stub: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()) if created_at is None else created_at,
+        "status": status,
+        "model": model or "",
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+    }
+    stub.update(extra)
+    return stub
+
+
+class ResponsesRewriter:
+    """Makes an upstream `/v1/responses` stream carry one response id from end to end.
+
+    `our_id` is the id the client already saw in the gateway's own `response.created`
+    (sent while the request waited), or None when nothing was sent yet.  The first data
+    event of the upstream should be its `response.created`: it teaches the upstream id,
+    and it is dropped when ours was sent (the client must not see a second, different
+    one) or passed on unchanged otherwise.  Afterwards every occurrence of the upstream id
+    is replaced by ours with one `bytes.replace` per chunk; events are otherwise relayed
+    untouched and unparsed.  `feed` expects whole events (see `EventFramer`).
+    """
+
+    __slots__ = ("our_id", "upstream_id", "_head", "_learning", "_old", "_new")
+
+    def __init__(self, our_id: str | None) -> None:
+        self.our_id = our_id
+        self.upstream_id: str | None = None
+        self._head = b""
+        self._learning = True
+        self._old: bytes | None = None
+        self._new = b""
+
+    @property
+    def client_id(self) -> str | None:
+        """The response id the client has seen (or will see), if any."""
+        return self.our_id or self.upstream_id
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._learning:
+            return self._learn(chunk)
+        old = self._old
+        if old is None or old not in chunk:
+            return chunk
+        return chunk.replace(old, self._new)
+
+    def flush(self) -> bytes:
+        """Whatever is held back at the end of the stream."""
+        out, self._head = self._head, b""
+        self._learning = False
+        return out
+
+    def _learn(self, chunk: bytes) -> bytes:
+        buf = self._head + chunk
+        out: list[bytes] = []
+        while True:
+            end = _block_end(buf)
+            if end < 0:
+                if len(buf) > _HEAD_LIMIT:  # not an SSE stream we understand
+                    self._learning = False
+                    out.append(buf)
+                    buf = b""
+                self._head = buf
+                return b"".join(out)
+            block, buf = buf[:end], buf[end:]
+            data = _data_of(block)
+            if data is None:  # a comment or a blank block: pass on, keep looking
+                out.append(block)
+                continue
+            self._learning = False
+            self._head = b""
+            upstream_id = _created_id(data)
+            if upstream_id is None:
+                # Not a response.created (an error, most likely): pass everything on.
+                return b"".join(out) + block + buf
+            self.upstream_id = upstream_id
+            if self.our_id is None or self.our_id == upstream_id:
+                return b"".join(out) + block + buf
+            # Ours was sent: drop theirs and rewrite the rest.
+            self._old = upstream_id.encode()
+            self._new = self.our_id.encode()
+            return b"".join(out) + buf.replace(self._old, self._new)
+
+
+class EventFramer:
+    """Cuts a byte stream at SSE event boundaries, so that only whole events are sent.
+
+    A chunk that ends an event (the usual case: llama-server writes whole events) costs
+    one `endswith`.  A partial event is held until its end arrives, so an error event
+    appended after an upstream failure never lands in the middle of another event.
+    """
+
+    __slots__ = ("_pending",)
+
+    #: Past this, pending bytes are let through even without an event boundary.
+    LIMIT = 1 << 20
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._pending:
+            chunk = self._pending + chunk
+            self._pending = b""
+        if chunk.endswith(b"\n\n"):
+            return chunk
+        end = _block_end_last(chunk)
+        if end < 0:
+            if len(chunk) > self.LIMIT:
+                return chunk
+            self._pending = chunk
+            return b""
+        self._pending = chunk[end:]
+        return chunk[:end]
+
+    def flush(self) -> bytes:
+        out, self._pending = self._pending, b""
+        return out
+
+    def drop(self) -> None:
+        self._pending = b""
+
+
+def _block_end(buf: bytes) -> int:
+    """End (exclusive) of the first complete event in `buf`, or -1."""
+    a = buf.find(b"\n\n")
+    b = buf.find(b"\r\n\r\n")
+    ends = [end for end in (a + 2 if a >= 0 else -1, b + 4 if b >= 0 else -1) if end >= 0]
+    return min(ends) if ends else -1
+
+
+def _block_end_last(buf: bytes) -> int:
+    """End (exclusive) of the last complete event in `buf`, or -1."""
+    a = buf.rfind(b"\n\n")
+    b = buf.rfind(b"\r\n\r\n")
+    return max(a + 2 if a >= 0 else -1, b + 4 if b >= 0 else -1)
+
+
+def _data_of(block: bytes) -> bytes | None:
+    lines = [line.rstrip(b"\r") for line in block.split(b"\n") if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
+
+
+def _created_id(data: bytes) -> str | None:
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or event.get("type") != "response.created":
+        return None
+    response = event.get("response")
+    if isinstance(response, dict) and isinstance(response.get("id"), str) and response["id"]:
+        return response["id"]
+    return None

@@ -1,0 +1,416 @@
+"""A small llama-server look-alike, for exact timings and injected faults.
+
+It exists because a real llama-server cannot give either deterministically: here a
+stream produces exactly `n_tokens` chunks, one every `delay` seconds, and can be told to
+die after k chunks (the connection is cut mid-body, like a killed engine), to hang, or to
+answer with an error.  Tests that need the real engine's behaviour (slots, tokenizer,
+templates) use the real llama-server instead.  The benchmark uses it too, on its fast
+path (no delay), to measure the port's own cost.
+
+Endpoints, in llama-server's shapes: `GET /health` (503 while `loading`), `GET /props`
+(`total_slots`, `default_generation_settings.n_ctx`), `GET /slots`, `GET /v1/models`,
+`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/messages`,
+`/v1/embeddings`, streamed (`"stream": true`) or not.
+
+Behaviour is set on the `FakeUpstream` object (defaults for every request) and can be
+overridden per request with a `"fake"` object in the JSON body, e.g.
+`{"fake": {"delay": 0.05, "n_tokens": 100, "die_after": 3}}`:
+
+- `n_tokens`, `delay`: the length and pace of a reply (capped by the request's
+  `max_tokens` / `max_completion_tokens` / `max_output_tokens` / `n_predict`; the final
+  chunk's finish_reason says "length" when the cap cut it, else "stop");
+- `die_after`: cut the connection after that many content chunks;
+- `hang`: send headers, then nothing, until the client goes away;
+- `status` (+ `error_type`, `message`): answer with that error status instead.
+
+Every request is recorded in `requests` (path and parsed body); streams whose client
+went away before the end are counted in `disconnects`.
+
+Run on its own: `python -m tests.fake_upstream --port 8081 --slots 4 --delay 0.02`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+__all__ = ["FakeUpstream", "InjectedFault", "Received"]
+
+MODEL_PATH = "/srv/models/secret-dir/fake-model.gguf"
+
+
+class InjectedFault(Exception):
+    """Raised inside a streamed body to cut the connection mid-response."""
+
+
+class _QuietFaults(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None:
+            if isinstance(exc, InjectedFault):
+                return False
+            exc = exc.__cause__ or exc.__context__ or (
+                exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) and exc.exceptions else None)
+        return True
+
+
+_quiet = _QuietFaults()
+
+
+@dataclass
+class Received:
+    path: str
+    body: dict[str, Any]
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Plan:
+    n_tokens: int
+    delay: float
+    die_after: int | None
+    hang: bool
+    status: int | None
+    error_type: str
+    message: str
+    cut: bool = False  # the request's token limit shortened the reply
+
+
+class FakeUpstream:
+    def __init__(self, *, slots: int = 2, n_ctx: int = 4096, model: str = "fake-model",
+                 n_tokens: int = 8, delay: float = 0.0, loading: bool = False) -> None:
+        self.slots = slots
+        self.n_ctx = n_ctx
+        self.model = model
+        self.n_tokens = n_tokens
+        self.delay = delay
+        self.loading = loading
+        # Defaults for faults, overridable per request.
+        self.die_after: int | None = None
+        self.hang = False
+        self.status: int | None = None
+        self.requests: list[Received] = []
+        self.active = 0
+        self.disconnects = 0
+        self.completed = 0
+        self.app = self._build_app()
+        self._server: Any = None
+        self.port = 0
+
+    # --- serving -----------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "FakeUpstream":
+        from backend.gateway import GatewayServer
+
+        logging.getLogger("uvicorn.error").addFilter(_quiet)
+        self._server = await GatewayServer.start(self.app, host, port, shutdown_grace=1.0)
+        self.port = self._server.port
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+
+    async def __aenter__(self) -> "FakeUpstream":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    def received(self, path: str) -> list[dict[str, Any]]:
+        return [r.body for r in self.requests if r.path == path]
+
+    # --- the app -------------------------------------------------------------------------
+
+    def _build_app(self) -> Starlette:
+        routes = [
+            Route("/health", self._health),
+            Route("/props", self._props),
+            Route("/slots", self._slots),
+            Route("/v1/models", self._models),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/responses", self._responses, methods=["POST"]),
+            Route("/v1/messages", self._messages, methods=["POST"]),
+            Route("/v1/embeddings", self._embeddings, methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+    async def _health(self, request: Request) -> Response:
+        if self.loading:
+            return _error(503, "unavailable_error", "Loading model")
+        return JSONResponse({"status": "ok"})
+
+    async def _props(self, request: Request) -> Response:
+        return JSONResponse({"total_slots": self.slots, "model_alias": self.model,
+                             "model_path": MODEL_PATH,
+                             "default_generation_settings": {"n_ctx": self.n_ctx}})
+
+    async def _slots(self, request: Request) -> Response:
+        return JSONResponse([{"id": i, "is_processing": i < self.active} for i in range(self.slots)])
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "llamacpp",
+             "meta": {"n_ctx_train": self.n_ctx}}]})
+
+    async def _begin(self, request: Request) -> tuple[dict[str, Any], _Plan] | Response:
+        if self.loading:
+            return _error(503, "unavailable_error", "Loading model")
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(400, "invalid_request_error", "bad json")
+        self.requests.append(Received(request.url.path, body))
+        over = body.get("fake") or {}
+        limit = _limit(body)
+        n = int(over.get("n_tokens", self.n_tokens))
+        plan = _Plan(
+            n_tokens=n if limit is None else min(n, limit),
+            cut=limit is not None and limit < n,
+            delay=float(over.get("delay", self.delay)),
+            die_after=over.get("die_after", self.die_after),
+            hang=bool(over.get("hang", self.hang)),
+            status=over.get("status", self.status),
+            error_type=over.get("error_type", "server_error"),
+            message=over.get("message", "injected failure"),
+        )
+        if plan.status:
+            return _error(int(plan.status), plan.error_type, plan.message)
+        return body, plan
+
+    # --- generation ------------------------------------------------------------------
+
+    async def _events(self, plan: _Plan, frames: list[bytes], final: list[bytes]) -> AsyncIterator[bytes]:
+        """`frames` one per token with the plan's pace and faults, then `final`."""
+        self.active += 1
+        finished = died = False
+        try:
+            if plan.hang:
+                await asyncio.Event().wait()
+            for index, frame in enumerate(frames):
+                if plan.die_after is not None and index >= plan.die_after:
+                    died = True
+                    raise InjectedFault("cut the connection mid-stream")
+                if plan.delay:
+                    await asyncio.sleep(plan.delay)
+                yield frame
+            for frame in final:
+                yield frame
+            finished = True
+        finally:
+            self.active -= 1
+            if finished:
+                self.completed += 1
+            elif not died:
+                self.disconnects += 1
+
+    async def _whole(self, plan: _Plan, make: Any) -> Response:
+        """A non-streamed answer after the plan's total delay (or never, if it hangs)."""
+        if plan.hang or plan.die_after is not None:
+            frames = [b" "] * plan.n_tokens
+            return StreamingResponse(self._events(plan, frames, [json.dumps(make()).encode()]),
+                                     media_type="application/json")
+        self.active += 1
+        try:
+            if plan.delay:
+                await asyncio.sleep(plan.delay * plan.n_tokens)
+        finally:
+            self.active -= 1
+        self.completed += 1
+        return JSONResponse(make())
+
+    async def _chat(self, request: Request) -> Response:
+        begun = await self._begin(request)
+        if isinstance(begun, Response):
+            return begun
+        body, plan = begun
+        cid = f"chatcmpl-{time.monotonic_ns()}"
+        created = int(time.time())
+        reason = "length" if plan.cut else "stop"
+        if not body.get("stream"):
+            return await self._whole(plan, lambda: {
+                "id": cid, "object": "chat.completion", "created": created, "model": self.model,
+                "choices": [{"index": 0, "finish_reason": reason, "message": {
+                    "role": "assistant", "content": _text(plan.n_tokens)}}],
+                "usage": _usage(plan.n_tokens)})
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            return _data({"choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+                          "created": created, "id": cid, "model": self.model,
+                          "system_fingerprint": "b0-fake", "object": "chat.completion.chunk"})
+
+        frames = [chunk({"role": "assistant", "content": None})] if plan.n_tokens else []
+        frames += [chunk({"content": f"tok{i} "}) for i in range(plan.n_tokens)]
+        final = [chunk({}, reason), b"data: [DONE]\n\n"]
+        return _sse(self._events(plan, frames, final))
+
+    async def _completions(self, request: Request) -> Response:
+        begun = await self._begin(request)
+        if isinstance(begun, Response):
+            return begun
+        body, plan = begun
+        cid = f"cmpl-{time.monotonic_ns()}"
+        reason = "length" if plan.cut else "stop"
+        if not body.get("stream"):
+            return await self._whole(plan, lambda: {
+                "id": cid, "object": "text_completion", "model": self.model,
+                "choices": [{"index": 0, "text": _text(plan.n_tokens), "finish_reason": reason}],
+                "usage": _usage(plan.n_tokens)})
+
+        def chunk(text: str, finish: str | None = None) -> bytes:
+            return _data({"id": cid, "object": "text_completion", "model": self.model,
+                          "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+        frames = [chunk(f"tok{i} ") for i in range(plan.n_tokens)]
+        return _sse(self._events(plan, frames, [chunk("", reason), b"data: [DONE]\n\n"]))
+
+    async def _responses(self, request: Request) -> Response:
+        begun = await self._begin(request)
+        if isinstance(begun, Response):
+            return begun
+        body, plan = begun
+        rid = f"resp_upstream{time.monotonic_ns()}"
+        mid = f"msg_upstream{time.monotonic_ns()}"
+        text = _text(plan.n_tokens)
+        item = {"type": "message", "status": "completed", "id": mid, "role": "assistant",
+                "content": [{"type": "output_text", "annotations": [], "text": text}]}
+        done = {"id": rid, "object": "response", "created_at": int(time.time()),
+                "status": "completed", "model": self.model, "output": [item],
+                "usage": {"input_tokens": 3, "output_tokens": plan.n_tokens,
+                          "total_tokens": 3 + plan.n_tokens}}
+        if not body.get("stream"):
+            return await self._whole(plan, lambda: done)
+        stub = {"id": rid, "object": "response", "status": "in_progress"}
+        head = (_event("response.created", {"type": "response.created", "response": stub})
+                + _event("response.in_progress", {"type": "response.in_progress", "response": stub}))
+        frames = [head + _event("response.output_item.added", {
+            "type": "response.output_item.added", "item": {
+                "content": [], "id": mid, "role": "assistant", "status": "in_progress",
+                "type": "message"}})]
+        frames += [_event("response.output_text.delta", {
+            "type": "response.output_text.delta", "item_id": mid, "delta": f"tok{i} "})
+            for i in range(plan.n_tokens)]
+        final = [
+            _event("response.output_text.done", {"type": "response.output_text.done",
+                                                 "item_id": mid, "text": text}),
+            _event("response.output_item.done", {"type": "response.output_item.done", "item": item}),
+            _event("response.completed", {"type": "response.completed", "response": done}),
+        ]
+        return _sse(self._events(plan, frames, final))
+
+    async def _messages(self, request: Request) -> Response:
+        begun = await self._begin(request)
+        if isinstance(begun, Response):
+            return begun
+        body, plan = begun
+        mid = f"msg_{time.monotonic_ns()}"
+        reason = "max_tokens" if plan.cut else "end_turn"
+        message = {"id": mid, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [{"type": "text", "text": _text(plan.n_tokens)}],
+                   "stop_reason": reason, "usage": {"input_tokens": 3,
+                                                    "output_tokens": plan.n_tokens}}
+        if not body.get("stream"):
+            return await self._whole(plan, lambda: message)
+        start = dict(message, content=[], stop_reason=None)
+        frames = [_event("message_start", {"type": "message_start", "message": start})
+                  + _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                   "content_block": {"type": "text", "text": ""}})]
+        frames += [_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                  "delta": {"type": "text_delta", "text": f"tok{i} "}})
+                   for i in range(plan.n_tokens)]
+        final = [_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                 _event("message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": reason},
+                                          "usage": {"output_tokens": plan.n_tokens}}),
+                 _event("message_stop", {"type": "message_stop"})]
+        return _sse(self._events(plan, frames, final))
+
+    async def _embeddings(self, request: Request) -> Response:
+        begun = await self._begin(request)
+        if isinstance(begun, Response):
+            return begun
+        body, plan = begun
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        return await self._whole(plan, lambda: {
+            "object": "list", "model": self.model,
+            "data": [{"object": "embedding", "index": i, "embedding": [0.0, 0.5, 1.0]}
+                     for i in range(len(inputs))],
+            "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}})
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _limit(body: dict[str, Any]) -> int | None:
+    values = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens",
+                                    "n_predict")]
+    values = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return min(values) if values else None
+
+
+def _text(n: int) -> str:
+    return "".join(f"tok{i} " for i in range(n))
+
+
+def _usage(n: int) -> dict[str, int]:
+    return {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+
+
+def _data(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _event(name: str, payload: Any) -> bytes:
+    return b"event: " + name.encode() + b"\n" + _data(payload)
+
+
+def _sse(body: AsyncIterator[bytes]) -> Response:
+    return StreamingResponse(body, media_type="text/event-stream")
+
+
+def _error(status: int, type_: str, message: str) -> Response:
+    # llama-server's shape: an integer code; messages may carry internals (the gateway
+    # must scrub them), so the injected ones do.
+    return JSONResponse({"error": {"code": status, "message": message, "type": type_}},
+                        status_code=status)
+
+
+async def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8081)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--n-tokens", type=int, default=64)
+    parser.add_argument("--delay", type=float, default=0.0)
+    args = parser.parse_args()
+    fake = FakeUpstream(slots=args.slots, n_tokens=args.n_tokens, delay=args.delay)
+    await fake.start(args.host, args.port)
+    print(f"fake llama-server on {fake.base_url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await fake.stop()
+
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(_main())
+    except KeyboardInterrupt:
+        pass
