@@ -157,9 +157,8 @@ def as_request_error(exc: BaseException) -> RequestError:
 # --- llama-server's own errors -------------------------------------------------------
 
 _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
-_HOST_PORT = re.compile(r"\[?\b(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9a-f:]*:[0-9a-f:]+|localhost)\]?:\d{1,5}\b",
-                        re.IGNORECASE)
-_IP = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b")
+_BRACKETED = re.compile(r"\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d{1,5})?", re.IGNORECASE)
+_HOST_PORT = re.compile(r"\b(?:\d{1,3}(?:\.\d{1,3}){3}|localhost)(?::\d{1,5})?\b", re.IGNORECASE)
 _WIN_PATH = re.compile(r"\b[A-Za-z]:\\[^\s'\"]*")
 _POSIX_PATH = re.compile(r"(?<![\w/])(?:~|\.{1,2})?/(?:[^\s/'\"(),;]+/)+[^\s'\"(),;]*")
 _MAX_MESSAGE = 2000
@@ -174,8 +173,8 @@ def scrub(text: str) -> str:
     text = _URL.sub("<url>", text)
     text = _WIN_PATH.sub("<path>", text)
     text = _POSIX_PATH.sub("<path>", text)
+    text = _BRACKETED.sub("<address>", text)
     text = _HOST_PORT.sub("<address>", text)
-    text = _IP.sub("<address>", text)
     if "Traceback" in text:
         text = text.split("Traceback", 1)[0].rstrip() or "The model server reported an error."
     if len(text) > _MAX_MESSAGE:
