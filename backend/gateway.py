@@ -81,6 +81,9 @@ class Gateway:
         self.closing = False
         self.started_at = int(time.time())
         self._client: httpx.AsyncClient | None = None
+        # Running exchanges, so that a load going away can end them (see `abort_load`).
+        self._running: dict[asyncio.Task, "Exchange"] = {}
+        self._aborts: dict[asyncio.Task, RequestError] = {}
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -103,6 +106,19 @@ class Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         yield
         await self.aclose()
+
+    def abort_load(self, base_url: str, error: RequestError) -> int:
+        """End every request admitted on `base_url` with `error` (an in-stream error, or
+        an HTTP answer if nothing was sent yet) and close its upstream request: the engine
+        then has nothing left to finish and stops at once."""
+        aborted = 0
+        for task, exchange in list(self._running.items()):
+            ticket = exchange.ticket
+            if ticket.admitted and ticket.base_url == base_url and task not in self._aborts:
+                self._aborts[task] = error
+                task.cancel()
+                aborted += 1
+        return aborted
 
     # --- auth ------------------------------------------------------------------------
 
@@ -155,6 +171,7 @@ class Gateway:
             return
 
         watch: DisconnectWatch | None = None
+        task = asyncio.current_task()
         try:
             watch = DisconnectWatch(receive)
             exchange = Exchange(
@@ -162,20 +179,24 @@ class Gateway:
                 path=path, kind=GATED_ROUTES[path], parsed=parsed, model_id=snapshot.model_id,
                 queue_timeout=settings.queue_timeout,
                 keepalive_interval=settings.keepalive_interval)
+            self._running[task] = exchange
             await exchange.run()
         except asyncio.CancelledError:
-            # Ours (the client left, or the port closes) or someone else's (re-raised).
-            task = asyncio.current_task()
-            if (watch is not None and (watch.disconnected or self.closing)
+            # Ours (the client left, the load went away, or the port closes) or someone
+            # else's (re-raised).
+            abort = self._aborts.get(task)
+            if (watch is not None and (watch.disconnected or self.closing or abort)
                     and task is not None and task.uncancel() == 0):
                 if watch.disconnected:
                     scope[_GONE] = True
                     metrics.count_cancellation(exchange.stage)
                 else:
-                    await exchange.shutdown()
+                    await exchange.shutdown(abort)
                 return
             raise
         finally:
+            self._running.pop(task, None)
+            self._aborts.pop(task, None)
             if watch is not None:
                 watch.stop()
             ticket.release()  # idempotent; the exchange normally released it already

@@ -123,10 +123,11 @@ class Exchange:
             last = self._failure(answers.as_request_error(exc))
         await self._finish(last)
 
-    async def shutdown(self) -> None:
-        """The port is closing under this exchange: end it cleanly while possible."""
+    async def shutdown(self, error: RequestError | None = None) -> None:
+        """The port is closing, or the load is going away, under this exchange: end it
+        cleanly while possible."""
         await self._finish(self._failure(
-            ModelNotReady("The server is shutting down.", retry_after=5)))
+            error or ModelNotReady("The server is shutting down.", retry_after=5)))
 
     async def _finish(self, messages: list[dict[str, Any]]) -> None:
         self.ticket.release()

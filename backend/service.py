@@ -20,7 +20,7 @@ import platformdirs
 
 from backend.admission import AdmissionRegistry
 from backend.engine import Engine
-from backend.errors import ModelNotReady, SettingsError
+from backend.errors import LoadReplaced, ModelNotReady, SettingsError
 from backend.metrics import Metrics
 from backend.settings import Settings
 from backend.supervisor import LoadSpec, Snapshot, State, Supervisor
@@ -154,13 +154,20 @@ class StudioService:
             await backend.close()
 
     async def _retire_current_load(self) -> None:
+        """No new request goes to the current load; those running on it get
+        `reload_grace` seconds to finish, then end with a clean error."""
         queue = self.registry.current
         if queue is None:
             return
         self.registry.retire_current()
-        grace = self.settings.reload_grace
-        if queue.active == 0 or grace <= 0:
-            return
+        if queue.active and self.settings.reload_grace > 0:
+            await self._wait_drained(queue, self.settings.reload_grace)
+        if queue.active and self._gateway is not None:
+            log.warning("%d request(s) still running on the old load; ending them", queue.active)
+            self._gateway.app.state.gateway.abort_load(queue.key, LoadReplaced(
+                "The model was replaced or unloaded while this request ran. Send it again."))
+
+    async def _wait_drained(self, queue, timeout: float) -> None:
         drained = asyncio.Event()
 
         def check() -> None:
@@ -169,10 +176,9 @@ class StudioService:
 
         self.registry.add_listener(check)
         try:
-            await asyncio.wait_for(drained.wait(), grace)
+            await asyncio.wait_for(drained.wait(), timeout)
         except asyncio.TimeoutError:
-            log.warning("%d request(s) still running after the %gs grace period; "
-                        "they end with an error", queue.active, grace)
+            pass
         finally:
             self.registry.remove_listener(check)
 
