@@ -264,7 +264,7 @@ class Engine:
                 with (tmp / "pip.log").open("w") as log:
                     await _run_logged(
                         [sys.executable, "-m", "pip", "download", "--no-deps",
-                         "--no-binary", ":all:", "--no-build-isolation",
+                         "--no-binary", ":all:",
                          f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmp)],
                         log, dict(os.environ), lambda line: None,
                         failure="Fetching the llama.cpp sources from the package registry failed",

@@ -1,0 +1,230 @@
+"""Slots, queue, rates and rejections, and a chart of the last minutes."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
+from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
+from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QVBoxLayout, QWidget
+
+from backend.activity import ActivityHistory, ActivitySample
+
+from studio.widgets import secondary_label
+
+__all__ = ["ActivityChart", "ActivityView", "describe_rejections"]
+
+# The only fixed colours of the app: series must stay apart in light and dark palettes.
+ACTIVE_COLOUR = QColor("#3b82f6")
+WAITING_COLOUR = QColor("#f59e0b")
+TOKENS_COLOUR = QColor("#10b981")
+
+REPAINT_INTERVAL_MS = 100  # at most ten repaints a second, however fast samples come
+
+REASONS = {
+    "server_is_overloaded": "queue full",
+    "queue_timeout": "waited too long",
+    "model_not_ready": "model not ready",
+    "invalid_api_key": "wrong or missing key",
+    "invalid_request": "bad request",
+    "request_too_large": "too large",
+    "upstream_failed": "engine failed",
+    "upstream_unavailable": "engine unreachable",
+    "model_reloaded": "model reloaded",
+}
+
+
+class ActivityView(QWidget):
+    def __init__(self, history: ActivityHistory | None = None,
+                 parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.history = history or ActivityHistory()
+        self.values: dict[str, QLabel] = {}
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(24)
+        fields = (("slots", "Slots busy"), ("waiting", "Waiting"), ("requests_per_s", "Requests/s"),
+                  ("tokens_per_s", "Tokens/s"), ("requests", "Requests answered"),
+                  ("cancellations", "Cancelled"), ("rejections", "Rejected"))
+        for index, (key, title) in enumerate(fields):
+            caption = secondary_label(title)
+            caption.setWordWrap(False)
+            value = QLabel("—")
+            value.setAccessibleName(title)
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            if key != "rejections":
+                font = value.font()
+                font.setPointSizeF(font.pointSizeF() * 1.5)
+                font.setBold(True)
+                value.setFont(font)
+            else:
+                value.setWordWrap(True)
+            self.values[key] = value
+            row, column = divmod(index, 4)
+            span = 2 if key == "rejections" else 1
+            grid.addWidget(caption, row * 2, column, 1, span)
+            grid.addWidget(value, row * 2 + 1, column, 1, span)
+        for column in range(4):
+            grid.setColumnStretch(column, 1)
+        numbers = QGroupBox("Now")
+        numbers.setLayout(grid)
+
+        self.chart = ActivityChart(self.history)
+        chart_box = QGroupBox("Last five minutes")
+        chart_layout = QVBoxLayout(chart_box)
+        chart_layout.addWidget(self.chart)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(numbers)
+        layout.addWidget(chart_box, 1)
+
+    def add_sample(self, sample: ActivitySample) -> None:
+        self.history.add(sample)
+        v = self.values
+        v["slots"].setText(f"{sample.active} / {sample.slots_total}" if sample.slots_total else "— / —")
+        v["waiting"].setText(str(sample.waiting))
+        v["requests_per_s"].setText(f"{sample.requests_per_s:.1f}")
+        v["tokens_per_s"].setText(f"{sample.tokens_per_s:.0f}" if sample.tokens_generated is not None
+                                  else "—")
+        v["requests"].setText(f"{sample.requests:,}")
+        v["cancellations"].setText(f"{sum(sample.cancellations.values()):,}")
+        v["rejections"].setText(describe_rejections(sample.rejections))
+        self.chart.schedule_update()
+
+
+def describe_rejections(rejections: dict[str, int]) -> str:
+    total = sum(rejections.values())
+    if not total:
+        return "None"
+    parts = [f"{REASONS.get(reason, reason.replace('_', ' '))}: {count:,}"
+             for reason, count in sorted(rejections.items(), key=lambda kv: -kv[1])]
+    return f"{total:,} — " + ", ".join(parts)
+
+
+class ActivityChart(QWidget):
+    """Requests running and waiting, and tokens per second, drawn from a ring buffer."""
+
+    def __init__(self, history: ActivityHistory, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.history = history
+        self.setMinimumHeight(140)
+        self.setAccessibleName("Activity chart")
+        self.setAccessibleDescription("Requests running and waiting, and tokens per second, "
+                                      "over the last five minutes.")
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(REPAINT_INTERVAL_MS)
+        self._timer.timeout.connect(self.update)
+        self.paints = 0
+
+    def schedule_update(self) -> None:
+        if not self._timer.isActive():
+            self._timer.start()
+
+    def paintEvent(self, _event) -> None:
+        self.paints += 1
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        palette = self.palette()
+        text = palette.color(QPalette.ColorRole.Text)
+        grid = palette.color(QPalette.ColorRole.Mid)
+        painter.fillRect(self.rect(), palette.color(QPalette.ColorRole.Base))
+
+        metrics = painter.fontMetrics()
+        margin_left = metrics.horizontalAdvance("00000") + 8
+        margin = 8
+        legend_h = metrics.height() + 6
+        axis_h = metrics.height() + 4
+        area = QRectF(margin_left, margin + legend_h, self.width() - margin_left - margin,
+                      self.height() - 2 * margin - legend_h - axis_h)
+        if area.width() < 20 or area.height() < 40:
+            return
+        gap = metrics.height()
+        top = QRectF(area.left(), area.top(), area.width(), (area.height() - gap) * 0.6)
+        bottom = QRectF(area.left(), top.bottom() + gap, area.width(), area.height() - top.height() - gap)
+
+        samples = self.history.samples()
+        now = samples[-1].time if samples else 0.0
+        window = self.history.seconds
+
+        def x_of(t: float) -> float:
+            return area.right() - (now - t) / window * area.width()
+
+        # Legend.
+        x = float(margin_left)
+        for colour, label in ((ACTIVE_COLOUR, "running"), (WAITING_COLOUR, "waiting"),
+                              (grid, "slots"), (TOKENS_COLOUR, "tokens/s")):
+            painter.fillRect(QRectF(x, margin + 3, 12, metrics.height() - 6), colour)
+            painter.setPen(text)
+            painter.drawText(QPointF(x + 16, margin + metrics.ascent()), label)
+            x += 16 + metrics.horizontalAdvance(label) + 16
+
+        requests_max = max(2.0, self.history.peak("slots_total"), self.history.peak("active_peak"),
+                           self.history.peak("waiting_peak"))
+        tokens_max = max(10.0, self.history.peak("tokens_per_s"))
+        for pane, top_value in ((top, requests_max), (bottom, tokens_max)):
+            painter.setPen(QPen(grid, 1))
+            painter.drawRect(pane)
+            for fraction in (0.5,):
+                y = pane.bottom() - fraction * pane.height()
+                painter.setPen(QPen(grid, 1, Qt.PenStyle.DotLine))
+                painter.drawLine(QPointF(pane.left(), y), QPointF(pane.right(), y))
+            painter.setPen(text)
+            painter.drawText(QRectF(0, pane.top() - 2, margin_left - 6, metrics.height()),
+                             Qt.AlignmentFlag.AlignRight, _short(top_value))
+            painter.drawText(QRectF(0, pane.bottom() - metrics.height() + 2, margin_left - 6,
+                                    metrics.height()), Qt.AlignmentFlag.AlignRight, "0")
+
+        # Time axis.
+        painter.setPen(text)
+        for minutes in range(int(window // 60) + 1):
+            xx = area.right() - minutes * 60 / window * area.width()
+            label = "now" if minutes == 0 else f"−{minutes} min"
+            w = metrics.horizontalAdvance(label)
+            painter.drawText(QPointF(min(max(xx - w / 2, area.left()), area.right() - w),
+                                     area.bottom() + metrics.ascent() + 2), label)
+
+        if len(samples) < 2:
+            painter.setPen(palette.color(QPalette.ColorRole.PlaceholderText))
+            painter.drawText(area, Qt.AlignmentFlag.AlignCenter, "Waiting for activity…")
+            return
+
+        visible = [s for s in samples if now - s.time <= window]
+        painter.setClipRect(area)
+
+        def y_of(pane: QRectF, value: float, top_value: float) -> float:
+            return pane.bottom() - min(value, top_value) / top_value * pane.height()
+
+        def line(pane: QRectF, values: list[float], top_value: float) -> QPainterPath:
+            path = QPainterPath()
+            for i, (s, value) in enumerate(zip(visible, values)):
+                point = QPointF(x_of(s.time), y_of(pane, value, top_value))
+                if i == 0:
+                    path.moveTo(point)
+                else:
+                    path.lineTo(point)
+            return path
+
+        # Slots as a step line behind the rest.
+        painter.setPen(QPen(grid, 1.5, Qt.PenStyle.DashLine))
+        painter.drawPath(line(top, [float(s.slots_total) for s in visible], requests_max))
+        # Running requests as a filled area.
+        running = line(top, [float(s.active_peak) for s in visible], requests_max)
+        area_path = QPainterPath(running)
+        area_path.lineTo(QPointF(x_of(visible[-1].time), top.bottom()))
+        area_path.lineTo(QPointF(x_of(visible[0].time), top.bottom()))
+        area_path.closeSubpath()
+        fill = QColor(ACTIVE_COLOUR)
+        fill.setAlpha(70)
+        painter.fillPath(area_path, fill)
+        painter.setPen(QPen(ACTIVE_COLOUR, 1.5))
+        painter.drawPath(running)
+        painter.setPen(QPen(WAITING_COLOUR, 2))
+        painter.drawPath(line(top, [float(s.waiting_peak) for s in visible], requests_max))
+        painter.setPen(QPen(TOKENS_COLOUR, 2))
+        painter.drawPath(line(bottom, [s.tokens_per_s for s in visible], tokens_max))
+
+
+def _short(value: float) -> str:
+    if value >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.0f}"

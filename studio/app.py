@@ -1,0 +1,107 @@
+"""GGUF Studio's desktop app: a QApplication on a qasync loop, and the main window.
+
+The backend service runs on its own thread (see studio.bridge); the Qt loop only ever
+draws and reacts.  Quitting stops the engine and closes the port before returning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import platformdirs
+import qasync
+from PySide6.QtCore import QTimer
+from PySide6.QtGui import QIcon
+from PySide6.QtWidgets import QApplication
+
+from backend.desktop_entry import find_icon_source
+from backend.errors import SettingsError
+from backend.model_library import ModelLibrary
+from backend.settings import APP_NAME, Settings, settings_path
+
+from studio.bridge import ServiceBridge
+from studio.window import MainWindow
+
+__all__ = ["app_icon", "build_window", "main"]
+
+log = logging.getLogger("gguf_studio.studio")
+
+def main(argv: Sequence[str] | None = None, *,
+         on_window: Callable[[MainWindow], None] | None = None) -> int:
+    """Open the window and run until it is closed; returns the exit code.
+
+    `on_window` is called with the shown window (the exit-path test drives it).
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # The access log is for the Logs tab; the terminal gets warnings only.
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.WARNING)
+    app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
+    app.setApplicationName(APP_NAME)
+    app.setApplicationDisplayName("GGUF Studio")
+    app.setDesktopFileName("gguf-studio")
+    app.setWindowIcon(app_icon())
+
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    window = build_window()
+    _quit_on_signals(app)
+    try:
+        window.show()
+        if on_window is not None:
+            on_window(window)
+        with loop:
+            loop.run_forever()
+    finally:
+        # Whatever ended the loop (the window, Quit, a signal), the engine must not
+        # outlive the app.
+        window.save_state()
+        window.shutdown()
+        asyncio.set_event_loop(None)
+    return 0
+
+
+def build_window(settings: Settings | None = None) -> MainWindow:
+    """The main window with its service started: settings, library and window state come
+    from the platformdirs config dir."""
+    problem = ""
+    if settings is None:
+        try:
+            settings = Settings.load()
+        except SettingsError as exc:
+            problem = f"{exc} Using default settings."
+            settings = Settings()
+    config_dir = Path(platformdirs.user_config_dir(APP_NAME))
+    bridge = ServiceBridge(settings)
+    window = MainWindow(bridge, ModelLibrary.load(), settings, settings_path=settings_path(),
+                        state_path=config_dir / "window.ini")
+    window.setWindowIcon(app_icon())
+    bridge.start()
+    if problem:
+        window.show_message(problem)
+    return window
+
+
+def _quit_on_signals(app: QApplication) -> None:
+    """Ctrl+C in a terminal and SIGTERM quit like the window's Quit: the engine stops."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_args: app.quit())
+    # Python runs signal handlers only between bytecodes; while Qt waits in C++ none
+    # run, so wake the interpreter now and then.
+    timer = QTimer(app)
+    timer.timeout.connect(lambda: None)
+    timer.start(250)
+
+
+def app_icon() -> QIcon:
+    path = find_icon_source()
+    return QIcon(str(path)) if path is not None else QIcon()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,308 @@
+"""The window's one door to the backend service, which runs on a thread of its own.
+
+Everything the service does (the port, admission, the engine, network I/O of any kind)
+happens on the `BackendThread`'s asyncio loop.  The window calls the methods below,
+which return at once; results and state come back as Qt signals, which Qt queues to
+the GUI thread because this object lives there.  Lines of logs and build output are
+batched on the backend side, at most ten batches a second, so a flood of traffic costs
+the GUI thread a handful of events, not one per line.
+
+Completion callbacks (`on_done`, `on_error`) also run on the GUI thread.  The window
+never awaits anything: the same code runs under qasync in the app and under
+pytest-qt's plain event loop in the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Coroutine, Sequence
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from backend.activity import ActivitySample, ActivitySampler
+from backend.engine import Engine, Resolution
+from backend.errors import LoadSuperseded, StudioError
+from backend.service import BackendThread, StudioService
+from backend.settings import Settings
+from backend.supervisor import LoadSpec, Snapshot, Supervisor
+
+__all__ = ["ACCESS_LOGGER", "LogLine", "ServiceBridge", "describe_error"]
+
+log = logging.getLogger("gguf_studio.studio")
+
+ACCESS_LOGGER = "gguf_studio.access"
+BATCH_INTERVAL = 0.1  # seconds: at most ten batches a second reach the GUI
+LogLine = tuple[str, str]  # (source, text); source is "llama-server" or "access"
+
+Callback = Callable[[Any], None]
+
+
+class ServiceBridge(QObject):
+    snapshot_changed = Signal(object)  # Snapshot
+    log_lines = Signal(list)  # [LogLine], batched
+    activity_sample = Signal(object)  # ActivitySample
+    build_progress = Signal(list)  # [BuildProgress], batched
+    build_finished = Signal(object)  # the binary's Path, or an error message (str)
+    urls_changed = Signal(list)  # base URLs clients should use
+    error = Signal(str)  # something the user asked for failed; a readable sentence
+
+    # Internal: carries a callback and its argument to the GUI thread.
+    _deliver = Signal(object, object)
+
+    def __init__(self, settings: Settings, *, engine: Engine | None = None,
+                 log_dir: Path | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._deliver.connect(self._run_callback)
+        self.backend_thread = BackendThread()
+        self.service = StudioService(settings, engine=engine, log_dir=log_dir)
+        self._files = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="gguf-studio-files")
+        self._logs = _Batcher(self.backend_thread, self.log_lines.emit)
+        self._build_events = _Batcher(self.backend_thread, self.build_progress.emit)
+        self._access_handler = _AccessLogHandler(self._logs)
+        self._sampler: ActivitySampler | None = None
+        self._log_source: Supervisor | None = None
+        self._access_level: int | None = None
+        self._port_lock: asyncio.Lock | None = None  # made on the backend loop
+        self._building: concurrent.futures.Future | None = None
+        self._closed = False
+        self.snapshot = Snapshot()
+        self.urls: list[str] = []
+
+    # --- life -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Listen to the service, start sampling, and open the port."""
+        access = logging.getLogger(ACCESS_LOGGER)
+        self._access_level = access.level
+        if access.getEffectiveLevel() > logging.INFO:
+            access.setLevel(logging.INFO)
+        access.addHandler(self._access_handler)
+        self.backend_thread.call_soon(self._start_on_loop)
+        self.open_port()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine and the port, then the backend thread.  Blocks; call once at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        access = logging.getLogger(ACCESS_LOGGER)
+        access.removeHandler(self._access_handler)
+        if self._access_level is not None:
+            access.setLevel(self._access_level)
+        timeout = timeout if timeout is not None else self.service.settings.stop_timeout + 10
+        try:
+            self.backend_thread.submit(self._close_on_loop()).result(timeout)
+        except Exception:
+            log.exception("the service did not close cleanly")
+        self.backend_thread.stop()
+        self._files.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- intent -------------------------------------------------------------------------
+
+    def load(self, spec: LoadSpec, on_error: Callable[[str], None] | None = None
+             ) -> concurrent.futures.Future:
+        return self._call(self.service.load(spec), on_error=on_error, quiet=(LoadSuperseded,))
+
+    def unload(self) -> concurrent.futures.Future:
+        return self._call(self.service.unload())
+
+    def open_port(self, on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+        return self._call(self._one_at_a_time(self.service.start_gateway), on_done=self._set_urls,
+                          on_error=on_error)
+
+    def apply_settings(self, settings: Settings,
+                       on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+        """Give the service new settings; the port reopens if its address changed."""
+        return self._call(self._one_at_a_time(self.service.apply_settings, settings),
+                          on_done=self._set_urls, on_error=on_error)
+
+    def build_engine(self, extra_cmake_args: Sequence[str] = ()) -> concurrent.futures.Future:
+        if self._building is not None and not self._building.done():
+            return self._building
+
+        async def build() -> Path:
+            return await self.service.engine.build(tuple(extra_cmake_args), self._build_events.push)
+
+        self._building = self._call(build(), on_done=self.build_finished.emit,
+                                    on_error=self.build_finished.emit)
+        return self._building
+
+    @property
+    def building(self) -> bool:
+        return self._building is not None and not self._building.done()
+
+    def engine_status(self, llama_server: str = "") -> Resolution:
+        """Which llama-server a load with this setting would use, and why; only looks at files."""
+        return self.service.engine.resolve(llama_server or None)
+
+    def requests_in_flight(self, timeout: float = 1.0) -> int | None:
+        """Requests running or waiting right now; None if the service does not answer."""
+        if self._closed:
+            return 0
+
+        async def count() -> int:
+            return self.service.registry.total_active + self.service.registry.total_waiting
+
+        try:
+            return self.backend_thread.submit(count()).result(timeout)
+        except Exception:
+            return None
+
+    def run_in_thread(self, fn: Callable[..., Any], *args: Any,
+                      on_done: Callback | None = None,
+                      on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+        """Run blocking file work (scanning, reading a model's header) off the GUI thread."""
+        future = self._files.submit(fn, *args)
+        self._when_done(future, on_done, on_error, ())
+        return future
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, Any], *, on_done: Callback | None = None,
+              on_error: Callable[[str], None] | None = None,
+              quiet: tuple[type[BaseException], ...] = ()) -> concurrent.futures.Future:
+        if self._closed:
+            coro.close()
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.cancel()
+            return future
+        future = self.backend_thread.submit(coro)
+        self._when_done(future, on_done, on_error, quiet)
+        return future
+
+    def _when_done(self, future: concurrent.futures.Future, on_done: Callback | None,
+                   on_error: Callable[[str], None] | None,
+                   quiet: tuple[type[BaseException], ...]) -> None:
+        def done(f: concurrent.futures.Future) -> None:
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is None:
+                if on_done is not None:
+                    self._post(on_done, f.result())
+            elif not isinstance(exc, quiet):
+                self._post(on_error or self.error.emit, describe_error(exc))
+
+        future.add_done_callback(done)
+
+    def _post(self, callback: Callback, value: Any) -> None:
+        try:
+            self._deliver.emit(callback, value)
+        except RuntimeError:  # the bridge is gone: the app is exiting
+            pass
+
+    @Slot(object, object)
+    def _run_callback(self, callback: Callback, value: Any) -> None:
+        callback(value)
+
+    def _set_urls(self, urls: list[str]) -> None:
+        self.urls = list(urls)
+        self.urls_changed.emit(self.urls)
+
+    # --- on the backend loop ------------------------------------------------------------
+
+    async def _one_at_a_time(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        # Opening and reopening the port must not interleave: a second open while the
+        # first is still binding would leave the port on the old address.
+        if self._port_lock is None:
+            self._port_lock = asyncio.Lock()
+        async with self._port_lock:
+            return await fn(*args)
+
+    def _start_on_loop(self) -> None:
+        self.service.add_listener(self._on_snapshot)
+        self._sampler = ActivitySampler(self.service, self._on_sample)
+        self._sampler.start()
+
+    async def _close_on_loop(self) -> None:
+        if self._sampler is not None:
+            await self._sampler.stop()
+        await self._one_at_a_time(self.service.close)
+
+    def _on_snapshot(self, snapshot: Snapshot) -> None:
+        supervisor = self.service.supervisor
+        if supervisor is not None and supervisor is not self._log_source:
+            self._log_source = supervisor
+            supervisor.add_log_listener(lambda line: self._logs.push(("llama-server", line)))
+        self._post(self._set_snapshot, snapshot)
+
+    def _set_snapshot(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.snapshot_changed.emit(snapshot)
+
+    def _on_sample(self, sample: ActivitySample) -> None:
+        try:
+            self.activity_sample.emit(sample)
+        except RuntimeError:
+            pass
+
+
+def describe_error(exc: BaseException) -> str:
+    """A sentence for the person at the window; StudioErrors are written as such already."""
+    if isinstance(exc, StudioError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}."
+    return f"Unexpected error: {exc or type(exc).__name__}"
+
+
+class _Batcher:
+    """Collects items from any thread and hands them on in batches from the backend loop."""
+
+    def __init__(self, thread: BackendThread, emit: Callable[[list], None], *,
+                 interval: float = BATCH_INTERVAL, limit: int = 5000) -> None:
+        self._thread = thread
+        self._emit = emit
+        self._interval = interval
+        # A flood beyond the limit within one interval keeps its newest lines: the window
+        # shows a tail anyway.
+        self._items: deque[Any] = deque(maxlen=limit)
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def push(self, item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._thread.call_soon(self._schedule)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _schedule(self) -> None:
+        self._thread.loop.call_later(self._interval, self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items = list(self._items)
+            self._items.clear()
+            self._scheduled = False
+        if items:
+            try:
+                self._emit(items)
+            except RuntimeError:
+                pass
+
+
+class _AccessLogHandler(logging.Handler):
+    def __init__(self, sink: _Batcher) -> None:
+        super().__init__(logging.INFO)
+        self._sink = sink
+        self.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._sink.push(("access", self.format(record)))
+        except Exception:
+            self.handleError(record)

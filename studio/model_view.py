@@ -1,0 +1,299 @@
+"""The selected model's card, its load settings, and the Load / Unload controls."""
+
+from __future__ import annotations
+
+import shlex
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QProgressBar,
+    QPushButton,
+    QSizePolicy,
+    QSpinBox,
+    QStyle,
+    QVBoxLayout,
+    QWidget,
+)
+
+from backend.gguf_info import ModelInfo, format_file_size, format_parameter_count
+from backend.model_library import LoadSettings
+from backend.supervisor import Snapshot, State
+
+from studio.widgets import heading, secondary_label
+
+__all__ = ["ModelView", "describe_state"]
+
+
+class ModelView(QWidget):
+    load_requested = Signal()
+    unload_requested = Signal()
+    settings_edited = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._info: ModelInfo | None = None
+        self._path: str | None = None
+        self._snapshot = Snapshot()
+
+        # --- card
+        self.title = heading("No model selected")
+        self.title.setWordWrap(True)
+        self.subtitle = secondary_label("Pick a model on the left, or open a GGUF file.")
+        self.subtitle.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.problem_icon = QLabel()
+        self.problem_icon.setPixmap(self.style().standardIcon(
+            QStyle.StandardPixmap.SP_MessageBoxWarning).pixmap(20, 20))
+        self.problem = QLabel()
+        self.problem.setWordWrap(True)
+        self.problem.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.problem.setAccessibleName("Model problem")
+        problem_row = QHBoxLayout()
+        problem_row.addWidget(self.problem_icon, 0, Qt.AlignmentFlag.AlignTop)
+        problem_row.addWidget(self.problem, 1)
+        self._problem_widgets = (self.problem_icon, self.problem)
+
+        self.facts: dict[str, QLabel] = {}
+        facts = QFormLayout()
+        facts.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        for key, label in (("architecture", "Architecture"), ("parameters", "Parameters"),
+                           ("quantization", "Quantization"), ("size", "File size"),
+                           ("context", "Trained context"), ("template", "Chat template")):
+            value = QLabel("—")
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            value.setAccessibleName(label)
+            self.facts[key] = value
+            facts.addRow(label + ":", value)
+
+        card_widget = QWidget()
+        card_widget.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        card = QVBoxLayout(card_widget)
+        card.setContentsMargins(0, 0, 0, 0)
+        card.addWidget(self.title)
+        card.addWidget(self.subtitle)
+        card.addLayout(problem_row)
+        card.addLayout(facts)
+        card.addStretch(1)
+
+        # --- load settings
+        self.ctx_size = _spin(0, 4_194_304, "Model's own", step=1024,
+                              tip="Context size in tokens, shared by the parallel slots. "
+                                  "Model's own: the context the model was trained with.")
+        self.parallel = _spin(0, 256, "Auto",
+                              tip="Requests the engine runs at once. Auto lets llama-server decide; "
+                                  "the number it chose is shown after loading.")
+        self.gpu_layers = _spin(0, 999, "None (CPU only)",
+                                tip="Layers to offload to the GPU; 999 offloads all of them.")
+        self.threads = _spin(0, 1024, "Auto", tip="CPU threads; Auto lets llama-server decide.")
+        self.extra_args = QLineEdit()
+        self.extra_args.setPlaceholderText("e.g. --flash-attn on --cache-type-k q8_0")
+        self.extra_args.setToolTip("More llama-server arguments. The model, host, port, parallel "
+                                   "slots and API key are set by GGUF Studio.")
+        for box in (self.ctx_size, self.parallel, self.gpu_layers, self.threads):
+            box.valueChanged.connect(self.settings_edited)
+        self.extra_args.editingFinished.connect(self.settings_edited)
+        self.settings_error = QLabel()
+        self.settings_error.setWordWrap(True)
+        self.settings_error.setAccessibleName("Load settings problem")
+        self.settings_error.hide()
+
+        settings_box = QGroupBox("Load settings")
+        form = QFormLayout(settings_box)
+        form.addRow("&Context size:", self.ctx_size)
+        form.addRow("&Parallel slots:", self.parallel)
+        form.addRow("GPU la&yers:", self.gpu_layers)
+        form.addRow("&Threads:", self.threads)
+        form.addRow("E&xtra arguments:", self.extra_args)
+        form.addRow(self.settings_error)
+
+        # --- load controls
+        self.load_button = QPushButton("&Load")
+        self.load_button.setDefault(True)
+        self.load_button.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_MediaPlay))
+        self.load_button.clicked.connect(self.load_requested)
+        self.unload_button = QPushButton("&Unload")
+        self.unload_button.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_MediaStop))
+        self.unload_button.clicked.connect(self.unload_requested)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)
+        self.progress.setTextVisible(False)
+        self.progress.setMaximumWidth(160)
+        self.progress.setAccessibleName("Loading")
+        self.progress.hide()
+        self.state = QLabel()
+        self.state.setWordWrap(True)
+        self.state.setAccessibleName("Engine state")
+        self.state.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.state.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.slots_icon = QLabel()
+        self.slots_icon.setPixmap(self.style().standardIcon(
+            QStyle.StandardPixmap.SP_MessageBoxInformation).pixmap(16, 16))
+        self.slots_icon.hide()
+        self.slots = QLabel()
+        self.slots.setAccessibleName("Effective parallel slots")
+        self.slots.setWordWrap(True)
+
+        controls = QHBoxLayout()
+        controls.addWidget(self.load_button)
+        controls.addWidget(self.unload_button)
+        controls.addWidget(self.progress)
+        controls.addWidget(self.state, 1)
+        slots_row = QHBoxLayout()
+        slots_row.addWidget(self.slots_icon)
+        slots_row.addWidget(self.slots, 1)
+
+        settings_box.setMinimumWidth(340)
+        settings_box.setMaximumWidth(460)
+        top = QGridLayout()
+        top.addWidget(card_widget, 0, 0)
+        top.addWidget(settings_box, 0, 1)
+        top.setColumnStretch(0, 1)
+        top.setColumnMinimumWidth(0, 240)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(top)
+        layout.addLayout(controls)
+        layout.addLayout(slots_row)
+
+        self.show_info(None, None)
+        self.set_state(Snapshot(), None)
+
+    # --- card -------------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self._info
+
+    @property
+    def path(self) -> str | None:
+        return self._path
+
+    def show_reading(self, path: str, name: str) -> None:
+        self._path, self._info = path, None
+        self.title.setText(name)
+        self.subtitle.setText(path)
+        self._set_problem("")
+        for value in self.facts.values():
+            value.setText("…")
+        self._update_buttons()
+
+    def show_info(self, path: str | None, info: ModelInfo | None, problem: str = "") -> None:
+        """The card for `path`: its metadata, or `problem` when it cannot be read."""
+        self._path, self._info = path, info
+        if info is not None:
+            self.title.setText(info.name)
+            self.subtitle.setText(info.path)
+            self.facts["architecture"].setText(info.architecture)
+            self.facts["parameters"].setText(format_parameter_count(info.parameter_count))
+            self.facts["quantization"].setText(info.file_type)
+            self.facts["size"].setText(format_file_size(info.file_size))
+            self.facts["context"].setText(f"{info.context_length:,} tokens" if info.context_length
+                                          else "unknown")
+            self.facts["template"].setText("yes" if info.has_chat_template else
+                                           "no (clients must send raw prompts or a template)")
+        else:
+            if path is None:
+                self.title.setText("No model selected")
+                self.subtitle.setText("Pick a model on the left, or open a GGUF file.")
+            else:
+                self.subtitle.setText(path)
+            for value in self.facts.values():
+                value.setText("—")
+        self._set_problem(problem)
+        self._update_buttons()
+
+    def _set_problem(self, text: str) -> None:
+        self.problem.setText(text)
+        for widget in self._problem_widgets:
+            widget.setVisible(bool(text))
+
+    # --- load settings ----------------------------------------------------------------------
+
+    def load_settings(self) -> LoadSettings:
+        """What the fields say; raises SettingsError for unreadable extra arguments."""
+        return LoadSettings(
+            ctx_size=self.ctx_size.value(),
+            parallel=str(self.parallel.value()) if self.parallel.value() else "auto",
+            n_gpu_layers=self.gpu_layers.value(), threads=self.threads.value(),
+            extra_args=LoadSettings.parse_extra_args(self.extra_args.text()))
+
+    def set_load_settings(self, settings: LoadSettings) -> None:
+        fields = (self.ctx_size, self.parallel, self.gpu_layers, self.threads, self.extra_args)
+        for field in fields:
+            field.blockSignals(True)
+        self.ctx_size.setValue(settings.ctx_size)
+        self.parallel.setValue(int(settings.parallel) if str(settings.parallel).isdigit() else 0)
+        self.gpu_layers.setValue(settings.n_gpu_layers)
+        self.threads.setValue(settings.threads)
+        self.extra_args.setText(shlex.join(settings.extra_args))
+        for field in fields:
+            field.blockSignals(False)
+        self.show_settings_error("")
+
+    def show_settings_error(self, message: str) -> None:
+        self.settings_error.setText(message)
+        self.settings_error.setVisible(bool(message))
+
+    # --- state ------------------------------------------------------------------------------
+
+    def set_state(self, snapshot: Snapshot, requested_parallel: str | None) -> None:
+        self._snapshot = snapshot
+        busy = snapshot.state in (State.STARTING, State.STOPPING)
+        self.progress.setVisible(busy)
+        self.state.setText(describe_state(snapshot))
+        slots = snapshot.effective_parallel_slots
+        if snapshot.state is State.READY and slots:
+            text = f"Effective parallel slots: <b>{slots}</b>"
+            differs = requested_parallel not in (None, "auto") and int(requested_parallel) != slots
+            if differs:
+                text += (f" — you asked for {requested_parallel}; "
+                         "llama-server decided otherwise")
+            elif requested_parallel == "auto":
+                text += " (chosen by llama-server)"
+            if snapshot.context_length:
+                text += f" · context {snapshot.context_length:,} tokens per slot"
+            self.slots.setText(text)
+            self.slots_icon.setVisible(differs)
+            self.slots.setProperty("differs", differs)
+        else:
+            self.slots.setText("Effective parallel slots: —")
+            self.slots_icon.hide()
+            self.slots.setProperty("differs", False)
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        snapshot = self._snapshot
+        self.load_button.setEnabled(self._info is not None)
+        self.unload_button.setEnabled(snapshot.state in (State.STARTING, State.READY))
+
+
+def describe_state(snapshot: Snapshot) -> str:
+    name = snapshot.model_id or "the model"
+    if snapshot.state is State.READY:
+        return f"Ready — {name}"
+    if snapshot.state is State.STARTING:
+        if snapshot.restarting:
+            return f"Restarting — {snapshot.error or 'llama-server stopped unexpectedly.'}"
+        return f"Starting — loading {name}…"
+    if snapshot.state is State.STOPPING:
+        return "Stopping…"
+    if snapshot.state is State.FAILED:
+        return f"Failed — {snapshot.error or 'the model did not load.'}"
+    return "Stopped — no model loaded"
+
+
+def _spin(low: int, high: int, special: str, *, step: int = 1, tip: str = "") -> QSpinBox:
+    box = QSpinBox()
+    box.setRange(low, high)
+    box.setSingleStep(step)
+    box.setSpecialValueText(special)
+    box.setGroupSeparatorShown(True)
+    box.setToolTip(tip)
+    box.setAccessibleDescription(tip)
+    return box

@@ -1,0 +1,274 @@
+"""Who may use the model, at which addresses, with which key, and how to set up clients."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QRadioButton,
+    QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from backend.settings import Settings
+from backend.snippets import ClientTarget, Snippet, client_snippets
+
+from studio.widgets import CopyButton, monospace_font, secondary_label
+
+__all__ = ["SharingView"]
+
+LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"
+
+
+class SharingView(QWidget):
+    scope_changed = Signal(bool)  # True: the local network
+    port_changed = Signal(int)
+    generate_key_requested = Signal()
+    limits_changed = Signal(dict)  # setting name -> value
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._key = ""
+        self._model: tuple[str | None, int | None] = (None, None)
+        self._snippets: list[Snippet] = []
+        self.urls: list[str] = []
+
+        # --- who
+        self.local_only = QRadioButton("T&his computer only")
+        self.local_only.setToolTip("Listen on 127.0.0.1: only programs on this computer can connect.")
+        self.lan = QRadioButton("Local &network")
+        self.lan.setToolTip("Listen on every network address of this computer. "
+                            "Clients must send the API key.")
+        self._scope = QButtonGroup(self)
+        self._scope.addButton(self.local_only)
+        self._scope.addButton(self.lan)
+        self.local_only.toggled.connect(self._on_scope)
+        self.port = QSpinBox()
+        self.port.setRange(1, 65535)
+        self.port.setToolTip("The port clients connect to.")
+        self.port.setAccessibleName("Port")
+        self.port.editingFinished.connect(lambda: self.port_changed.emit(self.port.value()))
+        self.problem = QLabel()
+        self.problem.setWordWrap(True)
+        self.problem.setAccessibleName("Sharing problem")
+        self.problem.hide()
+
+        scope_row = QHBoxLayout()
+        scope_row.addWidget(self.local_only)
+        scope_row.addWidget(self.lan)
+        scope_row.addStretch(1)
+
+        # --- key
+        self.key = QLineEdit()
+        self.key.setReadOnly(True)
+        self.key.setFont(monospace_font())
+        self.key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.key.setAccessibleName("API key")
+        self.key.setMinimumWidth(self.key.fontMetrics().horizontalAdvance("gs-" + "x" * 20))
+        self.show_key = QPushButton("&View")
+        self.show_key.setCheckable(True)
+        self.show_key.toggled.connect(self._on_show_key)
+        self.copy_key = CopyButton(lambda: self._key, accessible_name="Copy the API key")
+        self.generate_key = QPushButton("Generate &key")
+        self.generate_key.clicked.connect(self.generate_key_requested)
+        self.key_hint = secondary_label()
+        key_row = QHBoxLayout()
+        key_row.addWidget(self.key, 1)
+        key_row.addWidget(self.show_key)
+        key_row.addWidget(self.copy_key)
+        key_row.addWidget(self.generate_key)
+
+        access = QGroupBox("Access")
+        form = QFormLayout(access)
+        form.addRow("Share with:", scope_row)
+        form.addRow("Po&rt:", self.port)
+        form.addRow("API key:", key_row)
+        form.addRow("", self.key_hint)
+        form.addRow(self.problem)
+
+        # --- addresses
+        self.urls_box = QGroupBox("Base URLs")
+        self._urls_layout = QVBoxLayout(self.urls_box)
+        self.url_rows: list[QLineEdit] = []
+        self._no_urls = secondary_label("The port is not open.")
+        self._urls_layout.addWidget(self._no_urls)
+
+        # --- limits
+        self.max_queue = QSpinBox()
+        self.max_queue.setRange(0, 100_000)
+        self.max_queue.setSpecialValueText("Auto (16 per slot, ≥ 64)")
+        self.queue_timeout = QDoubleSpinBox()
+        self.queue_timeout.setRange(0, 86_400)
+        self.queue_timeout.setDecimals(0)
+        self.queue_timeout.setSuffix(" s")
+        self.queue_timeout.setSpecialValueText("No limit")
+        self.max_output = QSpinBox()
+        self.max_output.setRange(0, 1_000_000)
+        self.max_output.setSpecialValueText("No cap")
+        self.max_output.setToolTip("Default and ceiling for the tokens one request may generate, "
+                                   "so one client cannot hold a slot for a very long answer.")
+        for box in (self.max_queue, self.queue_timeout, self.max_output):
+            box.editingFinished.connect(self._on_limits)
+        limits = QGroupBox("Limits")
+        limits_form = QFormLayout(limits)
+        limits_form.addRow("&Queue size:", self.max_queue)
+        limits_form.addRow("Max &wait:", self.queue_timeout)
+        limits_form.addRow("Output cap (tokens):", self.max_output)
+
+        left = QVBoxLayout()
+        left.addWidget(access)
+        left.addWidget(self.urls_box)
+        left.addWidget(limits)
+        left.addStretch(1)
+
+        # --- snippets
+        self.snippet_tabs = QTabWidget()
+        self.snippet_tabs.setDocumentMode(True)
+        self._snippet_widgets: list[tuple[QLabel, QLineEdit, QWidget, QPlainTextEdit]] = []
+        for client in ("Codex CLI", "OpenCode", "curl"):
+            page = QWidget()
+            where = secondary_label()
+            shell = QLineEdit()
+            shell.setReadOnly(True)
+            shell.setFont(monospace_font())
+            shell.setAccessibleName(f"{client} environment line")
+            index = len(self._snippet_widgets)
+            shell_row = QWidget()
+            row = QHBoxLayout(shell_row)
+            row.setContentsMargins(0, 0, 0, 0)
+            row.addWidget(shell, 1)
+            row.addWidget(CopyButton(lambda i=index: self._snippets[i].shell if self._snippets else "",
+                                     accessible_name=f"Copy the {client} environment line"))
+            text = QPlainTextEdit()
+            text.setReadOnly(True)
+            text.setFont(monospace_font())
+            text.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+            text.setAccessibleName(f"{client} configuration")
+            text.setTabChangesFocus(True)
+            copy = CopyButton(lambda i=index: self._snippets[i].text if self._snippets else "",
+                              label="Copy configuration",
+                              accessible_name=f"Copy the {client} configuration")
+            page_layout = QVBoxLayout(page)
+            page_layout.addWidget(where)
+            page_layout.addWidget(shell_row)
+            page_layout.addWidget(text, 1)
+            page_layout.addWidget(copy, 0, Qt.AlignmentFlag.AlignRight)
+            self.snippet_tabs.addTab(page, client)
+            self._snippet_widgets.append((where, shell, shell_row, text))
+        snippets_box = QGroupBox("Client set-up")
+        snippets_layout = QVBoxLayout(snippets_box)
+        self.snippets_hint = secondary_label()
+        snippets_layout.addWidget(self.snippets_hint)
+        snippets_layout.addWidget(self.snippet_tabs, 1)
+
+        layout = QHBoxLayout(self)
+        layout.addLayout(left, 1)
+        layout.addWidget(snippets_box, 1)
+
+    # --- rendering ------------------------------------------------------------------------
+
+    def set_settings(self, settings: Settings) -> None:
+        lan = settings.host not in (LOOPBACK, "localhost", "::1")
+        for button, checked in ((self.lan, lan), (self.local_only, not lan)):
+            button.blockSignals(True)
+            button.setChecked(checked)
+            button.blockSignals(False)
+        self.port.blockSignals(True)
+        self.port.setValue(settings.port)
+        self.port.blockSignals(False)
+        self._key = settings.api_key
+        self.key.setText(settings.api_key)
+        self.key.setCursorPosition(0)
+        self.key.setPlaceholderText("No key yet")
+        self.generate_key.setText("New &key" if settings.api_key else "Generate &key")
+        self.generate_key.setToolTip("Make a new key; clients using the old one stop working."
+                                     if settings.api_key else "Make a key for clients to send.")
+        self.key_hint.setText(
+            "Clients must send this key (Authorization: Bearer …)." if lan else
+            "On this computer only, clients may send the key or nothing." if settings.api_key else
+            "No key is needed on this computer only; one is made when you share on the network.")
+        self.max_queue.setValue(settings.max_queue)
+        self.queue_timeout.setValue(settings.queue_timeout)
+        self.max_output.setValue(settings.max_output_tokens)
+        self._render_snippets()
+
+    def set_urls(self, urls: list[str]) -> None:
+        for row in self.url_rows:
+            row.parentWidget().deleteLater()
+        self.url_rows = []
+        self._no_urls.setVisible(not urls)
+        for url in urls:
+            holder = QWidget(self.urls_box)
+            row = QHBoxLayout(holder)
+            row.setContentsMargins(0, 0, 0, 0)
+            field = QLineEdit(url)
+            field.setReadOnly(True)
+            field.setFont(monospace_font())
+            field.setAccessibleName("Base URL")
+            row.addWidget(field, 1)
+            row.addWidget(CopyButton(lambda u=url: u, accessible_name=f"Copy {url}"))
+            self._urls_layout.addWidget(holder)
+            self.url_rows.append(field)
+        self.urls = list(urls)
+        self._render_snippets()
+
+    def set_model(self, model_id: str | None, context_length: int | None) -> None:
+        self._model = (model_id, context_length)
+        self._render_snippets()
+
+    def show_problem(self, message: str) -> None:
+        self.problem.setText(message)
+        self.problem.setVisible(bool(message))
+
+    def snippets(self) -> list[Snippet]:
+        """The snippets as they are copied: with the real key."""
+        return list(self._snippets)
+
+    # --- behaviour ------------------------------------------------------------------------
+
+    def _render_snippets(self) -> None:
+        urls = self.urls
+        model_id, context = self._model
+        base_url = urls[0] if urls else f"http://127.0.0.1:{self.port.value()}/v1"
+        target = ClientTarget(base_url, model_id or "MODEL", self._key, context,
+                              self.max_output.value())
+        self._snippets = client_snippets(target)
+        shown = self._snippets if self.show_key.isChecked() else [s.masked() for s in self._snippets]
+        for (where, shell, shell_row, text), snippet in zip(self._snippet_widgets, shown):
+            where.setText(f"Paste into {snippet.where}." if snippet.client != "curl" else
+                          "Run in a terminal to check that the model answers.")
+            shell.setText(snippet.shell)
+            shell.setCursorPosition(0)
+            shell_row.setVisible(bool(snippet.shell))
+            text.setPlainText(snippet.text)
+        hints = []
+        if not model_id:
+            hints.append("Load a model to fill in its name.")
+        if len(urls) > 1:
+            hints.append("Snippets use the first address; use whichever your clients can reach.")
+        self.snippets_hint.setText(" ".join(hints))
+        self.snippets_hint.setVisible(bool(hints))
+
+    def _on_scope(self) -> None:
+        self.scope_changed.emit(self.lan.isChecked())
+
+    def _on_show_key(self, shown: bool) -> None:
+        self.key.setEchoMode(QLineEdit.EchoMode.Normal if shown else QLineEdit.EchoMode.Password)
+        self.show_key.setText("H&ide" if shown else "&View")
+        self._render_snippets()
+
+    def _on_limits(self) -> None:
+        self.limits_changed.emit({"max_queue": self.max_queue.value(),
+                                  "queue_timeout": float(self.queue_timeout.value()),
+                                  "max_output_tokens": self.max_output.value()})

@@ -1,0 +1,397 @@
+"""The main window: the library on the left; the model, sharing, activity, logs and
+engine on the right.  It renders what the bridge reports and turns clicks into calls
+on the bridge; decisions (what a load spec is, where models are, what a snippet says)
+are the backend's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings, Qt
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from backend.activity import ActivitySample
+from backend.api_keys import generate_api_key
+from backend.errors import SettingsError
+from backend.gguf_info import ModelInfo, read_model_info
+from backend.model_library import ModelEntry, ModelLibrary
+from backend.settings import Settings
+from backend.supervisor import Snapshot, State
+
+from studio.activity_view import ActivityView
+from studio.bridge import ServiceBridge
+from studio.engine_view import EngineView
+from studio.library_view import LibraryView
+from studio.logs_view import LogsView
+from studio.model_view import ModelView, describe_state
+from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
+
+__all__ = ["MainWindow"]
+
+SHARING_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB = range(4)
+
+log = logging.getLogger("gguf_studio.studio")
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, bridge: ServiceBridge, library: ModelLibrary, settings: Settings, *,
+                 settings_path: Path | None = None, state_path: Path | None = None) -> None:
+        super().__init__()
+        self.bridge = bridge
+        self.library = library
+        self.settings = settings
+        self._settings_path = settings_path
+        self._state = QSettings(str(state_path), QSettings.Format.IniFormat) if state_path else None
+        self._requested_parallel: str | None = None
+        self._in_flight = 0
+        self._scans = 0
+        self.setWindowTitle("GGUF Studio")
+
+        self.library_view = LibraryView()
+        self.model_view = ModelView()
+        self.sharing = SharingView()
+        self.activity = ActivityView()
+        self.logs = LogsView(bridge.service.log_dir)
+        self.engine = EngineView()
+
+        self.tabs = QTabWidget()
+        # Sharing and Engine scroll rather than force a wide window on small screens.
+        self.tabs.addTab(_scrolling(self.sharing), "&Sharing")
+        self.tabs.addTab(self.activity, "&Activity")
+        self.tabs.addTab(self.logs, "Lo&gs")
+        self.tabs.addTab(_scrolling(self.engine), "&Engine")
+        right = QWidget()
+        right_layout = QVBoxLayout(right)
+        right_layout.setContentsMargins(6, 0, 0, 0)
+        right_layout.addWidget(self.model_view)
+        right_layout.addWidget(self.tabs, 1)
+        self.splitter = QSplitter()
+        self.splitter.addWidget(self.library_view)
+        self.splitter.addWidget(right)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([300, 900])
+        self.splitter.setChildrenCollapsible(False)
+        central = QWidget()
+        central_layout = QVBoxLayout(central)
+        central_layout.addWidget(self.splitter)
+        self.setCentralWidget(central)
+
+        self.status_state = QLabel()
+        self.status_url = QLabel()
+        self.status_url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.statusBar().addWidget(self.status_state, 1)
+        self.statusBar().addPermanentWidget(self.status_url)
+
+        self._build_menu()
+        self._connect()
+        self._set_tab_order()
+
+        self.sharing.set_settings(settings)
+        self.refresh_engine()
+        self.refresh_library(select=settings.model or None)
+        self._on_snapshot(bridge.snapshot)
+        self._restore_state()
+
+    # --- wiring ------------------------------------------------------------------------------
+
+    def _build_menu(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        for text, shortcut, slot in (
+                ("&Open model…", QKeySequence.StandardKey.Open, self.library_view._open_files),
+                ("Add &folder…", None, self.library_view._add_folder),
+                ("&Rescan models", QKeySequence.StandardKey.Refresh, self.refresh_library),
+                (None, None, None),
+                ("&Quit", QKeySequence.StandardKey.Quit, self.close)):
+            if text is None:
+                file_menu.addSeparator()
+                continue
+            action = QAction(text, self)
+            if shortcut is not None:
+                action.setShortcut(shortcut)
+            action.triggered.connect(lambda _=False, s=slot: s())
+            file_menu.addAction(action)
+        model_menu = self.menuBar().addMenu("&Model")
+        for text, shortcut, slot in (("&Load", "Ctrl+L", self.load_selected),
+                                     ("&Unload", "Ctrl+U", self.bridge.unload)):
+            action = QAction(text, self)
+            action.setShortcut(QKeySequence(shortcut))
+            action.triggered.connect(lambda _=False, s=slot: s())
+            model_menu.addAction(action)
+        for index in range(self.tabs.count()):
+            QShortcut(QKeySequence(f"Ctrl+{index + 1}"), self,
+                      lambda i=index: self.tabs.setCurrentIndex(i))
+
+    def _connect(self) -> None:
+        b = self.bridge
+        b.snapshot_changed.connect(self._on_snapshot)
+        b.log_lines.connect(self.logs.add_lines)
+        b.activity_sample.connect(self._on_sample)
+        b.urls_changed.connect(self._on_urls)
+        b.build_progress.connect(self.engine.show_progress)
+        b.build_finished.connect(self._on_build_finished)
+        b.error.connect(self.show_message)
+
+        self.library_view.selected.connect(self._on_selected)
+        self.library_view.files_opened.connect(self.open_files)
+        self.library_view.folder_added.connect(self.add_folder)
+        self.library_view.rescan_requested.connect(self.refresh_library)
+        self.model_view.load_requested.connect(self.load_selected)
+        self.model_view.unload_requested.connect(self.bridge.unload)
+        self.model_view.settings_edited.connect(self._remember_load_settings)
+        self.sharing.scope_changed.connect(self.set_lan)
+        self.sharing.port_changed.connect(self._on_port)
+        self.sharing.generate_key_requested.connect(self.regenerate_key)
+        self.sharing.limits_changed.connect(lambda limits: self.apply_settings(
+            self.settings.replace(**limits)))
+        self.engine.build_requested.connect(self.build_engine)
+        self.engine.binary_chosen.connect(self.choose_binary)
+
+    def _set_tab_order(self) -> None:
+        lv, mv = self.library_view, self.model_view
+        chain = [lv.search, lv.list, lv.open_button, lv.folder_button, lv.rescan_button,
+                 mv.ctx_size, mv.parallel, mv.gpu_layers, mv.threads, mv.extra_args,
+                 mv.load_button, mv.unload_button, self.tabs]
+        for first, second in zip(chain, chain[1:]):
+            QWidget.setTabOrder(first, second)
+
+    # --- library --------------------------------------------------------------------------
+
+    def refresh_library(self, select: str | None = None) -> None:
+        # Scans may finish out of order; only the newest one describes the library.
+        self._scans += 1
+        scan = self._scans
+
+        def done(entries: list[ModelEntry]) -> None:
+            if scan == self._scans:
+                self.library_view.set_entries(entries, select=select)
+
+        self.bridge.run_in_thread(self.library.scan, on_done=done, on_error=self.show_message)
+
+    def open_files(self, paths: list[str]) -> None:
+        keys = [self.library.add_file(p) for p in paths]
+        self._save_library()
+        self.refresh_library(select=keys[-1] if keys else None)
+
+    def add_folder(self, folder: str) -> None:
+        self.library.add_folder(folder)
+        self._save_library()
+        self.refresh_library()
+
+    def _on_selected(self, entry: ModelEntry | None) -> None:
+        if entry is None:
+            self.model_view.show_info(None, None)
+            return
+        path = entry.path
+        self.model_view.show_reading(path, entry.name)
+        self.model_view.set_load_settings(self.library.settings_for(path))
+
+        def shown(info: ModelInfo) -> None:
+            if self.model_view.path == path:
+                self.model_view.show_info(path, info)
+
+        def broken(reason: str) -> None:
+            if self.model_view.path == path:
+                self.model_view.show_info(path, None, f"This file cannot be loaded — {reason}")
+
+        self.bridge.run_in_thread(read_model_info, path, on_done=shown, on_error=broken)
+
+    def _remember_load_settings(self) -> None:
+        path = self.model_view.path
+        if path is None:
+            return
+        try:
+            wanted = self.model_view.load_settings()
+        except SettingsError:
+            return  # shown when the user tries to load
+        self.library.remember_settings(path, wanted)
+        self._save_library()
+
+    # --- loading ----------------------------------------------------------------------------
+
+    def load_selected(self) -> None:
+        path, info = self.model_view.path, self.model_view.info
+        if path is None or info is None:
+            return
+        try:
+            wanted = self.model_view.load_settings()
+            spec = wanted.to_spec(path, chat_template=info.has_chat_template)
+        except SettingsError as exc:
+            self.model_view.show_settings_error(str(exc))
+            return
+        self.model_view.show_settings_error("")
+        self.library.remember_settings(path, wanted)
+        self.library.mark_used(path)
+        self._save_library()
+        self._requested_parallel = spec.parallel
+        self.apply_settings(self.settings.replace(
+            model=path, parallel=spec.parallel, ctx_size=spec.ctx_size,
+            n_gpu_layers=spec.n_gpu_layers, threads=spec.threads,
+            extra_args=list(spec.extra_args)))
+        self.bridge.load(spec, on_error=self._on_load_error)
+        self.refresh_library(select=path)
+
+    def _on_load_error(self, message: str) -> None:
+        if self.bridge.snapshot.state is not State.FAILED:
+            # Failed before there was anything to supervise (no engine, for instance).
+            self.model_view.state.setText(f"Failed — {message}")
+        self.show_message(message)
+        if self.bridge.engine_status(self.settings.llama_server).chosen is None:
+            self.refresh_engine()
+            self.tabs.setCurrentIndex(ENGINE_TAB)
+
+    def _on_snapshot(self, snapshot: Snapshot) -> None:
+        self.model_view.set_state(snapshot, self._requested_parallel)
+        ready = snapshot.state is State.READY
+        self.sharing.set_model(snapshot.model_id, snapshot.context_length if ready else None)
+        self.status_state.setText(describe_state(snapshot))
+
+    # --- sharing ------------------------------------------------------------------------------
+
+    def set_lan(self, lan: bool) -> None:
+        changes: dict = {"host": ALL_INTERFACES if lan else LOOPBACK}
+        if lan and not self.settings.api_key:
+            # Nobody may reach the model from the network without a key.
+            changes["api_key"] = generate_api_key()
+        self.apply_settings(self.settings.replace(**changes))
+
+    def regenerate_key(self) -> None:
+        if self.settings.api_key and not self.ask(
+                "Make a new API key?",
+                "Clients that use the current key will be refused until they get the new one."):
+            return
+        self.apply_settings(self.settings.replace(api_key=generate_api_key()))
+
+    def _on_port(self, port: int) -> None:
+        if port != self.settings.port:
+            self.apply_settings(self.settings.replace(port=port))
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Remember `settings` and hand them to the service."""
+        self.settings = settings
+        try:
+            settings.save(self._settings_path)
+        except OSError as exc:
+            self.show_message(f"The settings could not be saved: {exc.strerror or exc}.")
+        self.sharing.set_settings(settings)
+        self.bridge.apply_settings(settings, on_error=self._on_port_error)
+
+    def _on_port_error(self, message: str) -> None:
+        # A failed reopen leaves no port open: the old addresses no longer work.
+        if self.bridge.service.gateway_port is None:
+            self.sharing.set_urls([])
+            self.status_url.setText("")
+        self.sharing.show_problem(message)
+
+    def _on_urls(self, urls: list[str]) -> None:
+        self.sharing.show_problem("")
+        self.sharing.set_urls(urls)
+        self.status_url.setText(urls[0] if urls else "")
+
+    # --- activity -------------------------------------------------------------------------------
+
+    def _on_sample(self, sample: ActivitySample) -> None:
+        self._in_flight = sample.in_flight
+        self.activity.add_sample(sample)
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self._in_flight
+
+    # --- engine ---------------------------------------------------------------------------------
+
+    def refresh_engine(self) -> None:
+        self.engine.set_resolution(self.bridge.engine_status(self.settings.llama_server), self.bridge.building)
+
+    def build_engine(self) -> None:
+        self.tabs.setCurrentIndex(ENGINE_TAB)
+        self.bridge.build_engine()
+        self.refresh_engine()
+
+    def choose_binary(self, path: str) -> None:
+        self.apply_settings(self.settings.replace(llama_server=path))
+        self.refresh_engine()
+
+    def _on_build_finished(self, result: object) -> None:
+        self.engine.show_finished(result)
+        self.refresh_engine()
+
+    # --- closing --------------------------------------------------------------------------------
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        # Asked live: the last activity sample may be half a second old.
+        n = self.bridge.requests_in_flight()
+        n = self._in_flight if n is None else n
+        if n and not self.ask("Stop serving?",
+                              f"{n} request{'s are' if n != 1 else ' is'} still running or waiting. "
+                              "Closing GGUF Studio stops the model and ends them."):
+            event.ignore()
+            return
+        self.save_state()
+        event.accept()
+
+    def shutdown(self) -> None:
+        """Stop the engine and the port; the window may stay on screen meanwhile."""
+        self.bridge.shutdown()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def ask(self, title: str, text: str) -> bool:
+        answer = QMessageBox.question(self, title, text,
+                                      QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                                      QMessageBox.StandardButton.No)
+        return answer == QMessageBox.StandardButton.Yes
+
+    def show_message(self, message: str) -> None:
+        self.statusBar().showMessage(message, 15_000)
+
+    def _save_library(self) -> None:
+        try:
+            self.library.save()
+        except OSError as exc:
+            self.show_message(f"The model library could not be saved: {exc.strerror or exc}.")
+
+    def _restore_state(self) -> None:
+        if self._state is None:
+            self.resize(1240, 860)
+            return
+        geometry = self._state.value("geometry")
+        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1240, 860)
+        splitter = self._state.value("splitter")
+        if isinstance(splitter, QByteArray):
+            self.splitter.restoreState(splitter)
+        tab = self._state.value("tab")
+        if tab is not None:
+            self.tabs.setCurrentIndex(int(tab))
+        self.logs.follow.setChecked(self._state.value("follow_logs", "true") in (True, "true"))
+
+    def save_state(self) -> None:
+        if self._state is None:
+            return
+        self._state.setValue("geometry", self.saveGeometry())
+        self._state.setValue("splitter", self.splitter.saveState())
+        self._state.setValue("tab", self.tabs.currentIndex())
+        self._state.setValue("follow_logs", "true" if self.logs.follow.isChecked() else "false")
+        self._state.sync()
+
+
+def _scrolling(widget: QWidget) -> QScrollArea:
+    area = QScrollArea()
+    area.setWidget(widget)
+    area.setWidgetResizable(True)
+    area.setFrameShape(QScrollArea.Shape.NoFrame)
+    return area

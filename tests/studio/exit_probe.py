@@ -1,0 +1,154 @@
+"""Runs the real app, serves streams through its port while measuring the Qt loop's lag,
+then quits the way a person does (closing the window).  Run as a child process by
+test_exit_path.py: its exit code is the app's.
+
+    python -m tests.studio.exit_probe MODEL STREAMS MAX_TOKENS
+
+Prints one JSON line: the engine's pid, the answers' statuses and the lag percentiles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from backend.supervisor import State
+from studio.app import main
+from studio.window import ACTIVITY_TAB, MainWindow
+
+TICK_MS = 10
+
+
+class LagMeter(QObject):
+    """How late a 10 ms timer fires on the Qt loop: the time the loop was busy elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lags: list[float] = []
+        # CPU the GUI thread itself spent between ticks: tells work on the Qt loop apart
+        # from waiting (for the interpreter lock, or for a core on a busy machine).
+        self.busy: list[float] = []
+        self._last = 0.0
+        self._last_cpu = 0.0
+        self._timer = QTimer(self)
+        self._timer.setInterval(TICK_MS)
+        self._timer.timeout.connect(self._tick)
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+        self._last_cpu = time.thread_time()
+        self._timer.start()
+
+    def stop(self) -> None:
+        self._timer.stop()
+
+    def _tick(self) -> None:
+        now, cpu = time.perf_counter(), time.thread_time()
+        self.lags.append(max(0.0, (now - self._last) * 1000 - TICK_MS))
+        self.busy.append((cpu - self._last_cpu) * 1000)
+        self._last, self._last_cpu = now, cpu
+
+
+class Driver(QObject):
+    traffic_done = Signal(object)
+
+    def __init__(self, window: MainWindow, model: str, streams: int, max_tokens: int) -> None:
+        super().__init__()
+        self.window = window
+        self.model = model
+        self.streams = streams
+        self.max_tokens = max_tokens
+        self.meter = LagMeter()
+        self.pid: int | None = None
+        self._started = False
+        self.traffic_done.connect(self._finish)
+        window.bridge.snapshot_changed.connect(self._on_snapshot)
+        # The busiest view: the chart redraws and the log follows while streams pass.
+        window.tabs.setCurrentIndex(ACTIVITY_TAB)
+        window.open_files([model])
+        self._poll = QTimer(self)
+        self._poll.timeout.connect(self._load_when_card_shown)
+        self._poll.start(20)
+
+    def _load_when_card_shown(self) -> None:
+        if self.window.model_view.info is not None:
+            self._poll.stop()
+            self.window.model_view.parallel.setValue(4)
+            self.window.load_selected()
+
+    def _on_snapshot(self, snapshot) -> None:
+        if snapshot.state is State.READY and not self._started:
+            self._started = True
+            self.pid = snapshot.pid
+            port = self.window.settings.port
+            self.meter.start()
+            threading.Thread(target=self._traffic, args=(port,), daemon=True).start()
+
+    def _traffic(self, port: int) -> None:
+        # The clients run in a process of their own, as they would on other machines: in
+        # this one they would compete with the window for the interpreter.
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.studio.exit_probe", "--client",
+             f"http://127.0.0.1:{port}/v1", str(self.streams), str(self.max_tokens)],
+            capture_output=True, text=True, timeout=180)
+        self.traffic_done.emit(json.loads(done.stdout) if done.returncode == 0 else [done.stderr])
+
+    def _finish(self, statuses: list[int]) -> None:
+        self.meter.stop()
+        lags = sorted(self.meter.lags)
+        busy = sorted(self.meter.busy)
+        report = {
+            "busy_p99_ms": round(busy[min(len(busy) - 1, int(len(busy) * 0.99))], 2) if busy else None,
+            "busy_max_ms": round(busy[-1], 2) if busy else None,
+            "load_average": os.getloadavg()[0],
+            "pid": self.pid,
+            "statuses": statuses,
+            "ticks": len(lags),
+            "lag_p50_ms": round(statistics.median(lags), 2) if lags else None,
+            "lag_p99_ms": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2) if lags else None,
+            "lag_max_ms": round(lags[-1], 2) if lags else None,
+        }
+        print(json.dumps(report), flush=True)
+        self.window.ask = self._answer_yes
+        self.window.close()
+
+    def _answer_yes(self, title: str, text: str) -> bool:
+        print(json.dumps({"asked": text}), flush=True)
+        return True
+
+
+async def streams(base_url: str, n: int, max_tokens: int) -> list[int]:
+    body = {"model": "tiny", "stream": True, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "Tell me a story"}]}
+
+    async def one(client: httpx.AsyncClient) -> int:
+        async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
+            async for _line in response.aiter_lines():
+                pass
+            return response.status_code
+
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        return list(await asyncio.gather(*(one(client) for _ in range(n))))
+
+
+def run(argv: list[str]) -> int:
+    if argv[0] == "--client":
+        print(json.dumps(asyncio.run(streams(argv[1], int(argv[2]), int(argv[3])))))
+        return 0
+    model, n, max_tokens = argv[0], int(argv[1]), int(argv[2])
+    drivers: list[Driver] = []
+    return main([], on_window=lambda window: drivers.append(Driver(window, model, n, max_tokens)))
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

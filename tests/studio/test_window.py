@@ -1,0 +1,294 @@
+"""The window without a running model: library, cards, settings, engine, closing."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from backend.activity import ActivitySample
+from backend.engine import BuildProgress
+from backend.model_library import LoadSettings
+from backend.settings import Settings
+from backend.supervisor import Snapshot, State
+from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
+from tests.studio.conftest import close_and_stop
+
+WAIT = 10_000
+
+
+def select(qtbot, window, path: Path) -> None:
+    qtbot.waitUntil(lambda: window.library_view.select_path(str(path)), timeout=WAIT)
+
+
+def test_card_shows_the_model_metadata(open_window, qtbot, tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    view = window.model_view
+    assert view.title.text() == "tiny-test-llama"
+    assert view.facts["architecture"].text() == "llama"
+    assert view.facts["quantization"].text() == "F32"
+    assert view.facts["context"].text() == "8,192 tokens"
+    assert view.facts["template"].text() == "yes"
+    assert view.facts["size"].text().endswith("MiB")
+    assert view.facts["parameters"].text().endswith("M")
+    assert not view.problem.isVisible()
+    assert view.load_button.isEnabled()
+
+
+def test_broken_gguf_shows_its_reason(open_window, qtbot, tiny_model: Path, tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[: 2_000_000])
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    window = open_window()
+    window.open_files([str(truncated), str(not_gguf)])
+    view = window.model_view
+
+    select(qtbot, window, truncated)
+    qtbot.waitUntil(lambda: "truncated" in view.problem.text(), timeout=WAIT)
+    assert view.problem.isVisible()
+    assert "Traceback" not in view.problem.text()
+    assert not view.load_button.isEnabled()
+
+    select(qtbot, window, not_gguf)
+    qtbot.waitUntil(lambda: "not a GGUF model file" in view.problem.text(), timeout=WAIT)
+
+
+def test_library_discovers_caches_and_searches(open_window, qtbot, studio_home: Path,
+                                               tiny_model: Path) -> None:
+    hub = studio_home / "home" / ".cache" / "huggingface" / "hub"
+    snapshot = hub / "models--someone--Tiny-GGUF" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    shutil.copy(tiny_model, snapshot / "tiny-hf.gguf")
+    lms = studio_home / "home" / ".lmstudio" / "models" / "pub" / "Other-GGUF"
+    lms.mkdir(parents=True)
+    shutil.copy(tiny_model, lms / "other-q4.gguf")
+    # XDG_CACHE_HOME points elsewhere in the fixture; the HF cache follows it.
+    (studio_home / "cache" / "huggingface").mkdir(parents=True)
+    shutil.move(str(hub), str(studio_home / "cache" / "huggingface" / "hub"))
+
+    window = open_window()
+    view = window.library_view
+    qtbot.waitUntil(lambda: len(view.entries()) == 2, timeout=WAIT)
+    assert {(e.name, e.source_label, e.detail) for e in view.entries()} == {
+        ("tiny-hf", "Hugging Face", "someone/Tiny-GGUF"), ("other-q4", "LM Studio", "pub/Other-GGUF")}
+    qtbot.keyClicks(view.search, "hf")
+    assert [e.name for e in view.entries()] == ["tiny-hf"]
+    view.search.clear()
+    qtbot.keyClicks(view.search, "nothing-like-this")
+    assert view.entries() == [] and not view.empty_label.isHidden()
+
+
+def test_owned_flags_are_refused_with_a_message(open_window, qtbot, tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    window.model_view.extra_args.setText("--port 9000")
+    qtbot.mouseClick(window.model_view.load_button, Qt.MouseButton.LeftButton)
+    assert window.model_view.settings_error.isVisible()
+    assert "--port" in window.model_view.settings_error.text()
+    assert window.bridge.snapshot.state is State.STOPPED
+
+
+def test_effective_slots_are_marked_when_the_server_decided_otherwise(open_window) -> None:
+    view = open_window().model_view
+    ready = Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4, context_length=2048)
+    view.set_state(ready, "2")
+    assert "<b>4</b>" in view.slots.text() and "you asked for 2" in view.slots.text()
+    assert view.slots_icon.isVisible()
+    view.set_state(ready, "4")
+    assert "asked" not in view.slots.text() and not view.slots_icon.isVisible()
+    view.set_state(ready, "auto")
+    assert "chosen by llama-server" in view.slots.text()
+    view.set_state(Snapshot(state=State.STARTING, restarting=True, error="it crashed."), "2")
+    assert view.state.text().startswith("Restarting") and "—" in view.slots.text()
+    view.set_state(Snapshot(state=State.FAILED, error="no memory."), "2")
+    assert view.state.text() == "Failed — no memory."
+
+
+def test_settings_survive_a_restart(open_window, qtbot, tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    window.model_view.ctx_size.setValue(4096)
+    window.model_view.parallel.setValue(3)
+    window.model_view.extra_args.setText("--temp 0.5")
+    window.model_view.extra_args.editingFinished.emit()
+    window.sharing.lan.click()
+    qtbot.waitUntil(lambda: window.settings.host == "0.0.0.0", timeout=WAIT)
+    key, port = window.settings.api_key, window.settings.port
+    window.tabs.setCurrentIndex(LOGS_TAB)
+    window.resize(1000, 700)
+    qtbot.waitUntil(lambda: window.width() == 1000, timeout=WAIT)
+    close_and_stop(window)
+
+    again = open_window()
+    assert again.sharing.lan.isChecked()
+    assert again.settings.api_key == key and again.sharing.port.value() == port
+    assert again.tabs.currentIndex() == LOGS_TAB
+    assert (again.width(), again.height()) == (1000, 700)
+    assert Settings.load().api_key == key
+    select(qtbot, again, tiny_model)
+    assert again.model_view.load_settings() == LoadSettings(
+        ctx_size=4096, parallel="3", extra_args=("--temp", "0.5"))
+
+
+def test_lan_needs_a_key_and_regenerating_replaces_it(open_window, qtbot) -> None:
+    window = open_window()
+    assert window.settings.api_key == ""
+    window.sharing.lan.click()
+    qtbot.waitUntil(lambda: window.settings.host == "0.0.0.0", timeout=WAIT)
+    first = window.settings.api_key
+    assert first.startswith("gs-") and len(first) > 30
+    assert window.sharing.key.echoMode() == window.sharing.key.EchoMode.Password
+    assert first not in window.sharing.snippet_tabs.widget(2).findChildren(
+        type(window.logs.text))[0].toPlainText()
+
+    window.ask = lambda *_args: False
+    window.sharing.generate_key.click()
+    assert window.settings.api_key == first
+    window.ask = lambda *_args: True
+    window.sharing.generate_key.click()
+    assert window.settings.api_key != first
+    window.sharing.show_key.click()
+    assert window.sharing.key.echoMode() == window.sharing.key.EchoMode.Normal
+    assert window.settings.api_key in window.sharing.snippets()[2].text
+
+    window.sharing.local_only.click()
+    qtbot.waitUntil(lambda: bool(window.sharing.urls) and "127.0.0.1" in window.sharing.urls[0],
+                    timeout=WAIT)
+    assert window.settings.host == "127.0.0.1"
+
+
+def test_port_in_use_is_reported(open_window, qtbot) -> None:
+    import socket
+
+    window = open_window()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        window.sharing.port.setValue(port)
+        window.sharing.port.editingFinished.emit()
+        qtbot.waitUntil(lambda: not window.sharing.problem.isHidden(), timeout=WAIT)
+        assert str(port) in window.sharing.problem.text()
+
+
+def test_engine_missing_offers_a_build(open_window, qtbot, monkeypatch, tiny_model: Path,
+                                       tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    window = open_window()
+    engine = window.engine
+    assert engine.summary.text() == "No llama-server found"
+    assert not engine.build_button.isHidden() and engine.build_button.isEnabled()
+    assert not engine.choose_button.isHidden()
+
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    qtbot.mouseClick(window.model_view.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.tabs.currentIndex() == ENGINE_TAB, timeout=WAIT)
+    assert "No llama-server found" in window.model_view.state.text()
+
+    # The build's progress events drive the bar (the build itself takes minutes).
+    window.bridge.build_progress.emit([BuildProgress("compile", 40, "[10/25] building"),
+                                       BuildProgress("compile", 52.5, "[13/25] building")])
+    assert engine.progress.value() == 52 and not engine.build_box.isHidden()
+    assert "[13/25] building" in engine.build_log.toPlainText()
+    window.bridge.build_finished.emit("Compiling llama-server failed (exit 1).")
+    assert "failed" in engine.phase.text()
+
+
+def test_choosing_a_binary_uses_it(open_window, monkeypatch, tmp_path: Path,
+                                   llama_server_binary: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    window = open_window()
+    window.engine.binary_chosen.emit(str(llama_server_binary))
+    assert window.engine.summary.text() == f"Using llama-server: {llama_server_binary}"
+    assert window.settings.llama_server == str(llama_server_binary)
+
+
+def test_closing_with_requests_in_flight_asks_first(open_window) -> None:
+    window = open_window()
+    asked = []
+    window.ask = lambda *args: asked.append(args) or False
+    window.bridge.requests_in_flight = lambda timeout=1.0: 3
+    window.close()
+    assert asked and "3 requests" in asked[0][1]
+    assert window.isVisible()
+    window.ask = lambda *_args: True
+    window.close()
+    assert not window.isVisible()
+
+
+def test_closing_idle_does_not_ask(open_window) -> None:
+    window = open_window()
+    window.ask = lambda *_args: pytest_fail()
+    window.close()
+    assert not window.isVisible()
+
+
+def pytest_fail() -> bool:
+    raise AssertionError("asked although nothing was running")
+
+
+def test_logs_filter_and_sources(open_window) -> None:
+    logs = open_window().logs
+    logs.add_lines([("llama-server", "main: model loaded"), ("access", "POST /v1/chat 200"),
+                    ("llama-server", "slot 0: done")])
+    assert logs.visible_text().count("\n") == 2
+    logs.filter.setText("slot")
+    assert logs.visible_text() == "[engine] slot 0: done"
+    logs.filter.clear()
+    logs.source.setCurrentIndex(2)
+    assert logs.visible_text() == "POST /v1/chat 200"
+    logs.add_lines([("llama-server", "ignored here"), ("access", "GET /v1/models 200")])
+    assert logs.visible_text() == "POST /v1/chat 200\nGET /v1/models 200"
+
+
+def test_chart_repaints_at_most_ten_times_a_second(open_window, qtbot) -> None:
+    window = open_window()
+    window.tabs.setCurrentIndex(ACTIVITY_TAB)
+    chart = window.activity.chart
+    qtbot.waitExposed(chart)
+    before = chart.paints
+    for i in range(200):
+        window.activity.add_sample(ActivitySample(time=float(i) / 100, active=i % 3, waiting=i % 5,
+                                                  slots_total=4, tokens_per_s=float(i)))
+    assert window.activity.values["slots"].text() == "1 / 4"
+    qtbot.wait(350)
+    assert 1 <= chart.paints - before <= 5
+
+
+def test_keyboard_reaches_everything_in_order(open_window) -> None:
+    from PySide6.QtWidgets import QAbstractButton
+
+    window = open_window()
+    for button in window.findChildren(QAbstractButton):
+        if button.isVisibleTo(window):
+            assert button.text().strip() or button.accessibleName(), button
+    lv, mv = window.library_view, window.model_view
+    chain = [lv.search, lv.list, lv.open_button, lv.folder_button, lv.rescan_button,
+             mv.ctx_size, mv.parallel, mv.gpu_layers, mv.threads, mv.extra_args]
+    for first, second in zip(chain, chain[1:]):
+        following = first.nextInFocusChain()
+        # Skip what Tab passes over: unfocusable widgets and a spin box's own line edit.
+        while following is not second and (following.focusPolicy() == Qt.FocusPolicy.NoFocus
+                                            or first.isAncestorOf(following)
+                                            or not following.isVisibleTo(window)):
+            following = following.nextInFocusChain()
+        assert following is second, (first, second, following)
+    assert window.windowIcon().isNull() is False
+
+
+def test_open_log_folder(open_window, monkeypatch, studio_home: Path) -> None:
+    from PySide6.QtGui import QDesktopServices
+
+    opened = []
+    monkeypatch.setattr(QDesktopServices, "openUrl", lambda url: opened.append(url) or True)
+    logs = open_window().logs
+    logs.open_folder.click()
+    assert [url.toLocalFile() for url in opened] == [str(logs.log_dir)]
+    assert logs.log_dir.is_dir() and studio_home in logs.log_dir.parents
