@@ -418,7 +418,13 @@ class GatewayServer:
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
                                                       name=f"gateway {host}:{port}")
         listening = asyncio.ensure_future(server.listening.wait())
-        await asyncio.wait((task, listening), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait((task, listening), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled while starting: leave nothing open
+            listening.cancel()
+            task.cancel()
+            sock.close()
+            raise
         if not server.listening.is_set():
             listening.cancel()
             sock.close()
@@ -474,7 +480,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if exc.errno in {errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)}:
             raise SettingsError(
                 f"Port {port} on {host} is already in use by another program. Choose another "
-                "port (--port or GGUF_STUDIO_PORT) or stop the other program.") from None
+                "port, or stop the other program.") from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise SettingsError(f"The address {host} does not belong to this machine.") from None
         if exc.errno in {errno.EACCES, errno.EPERM}:

@@ -65,22 +65,22 @@ class Settings:
     def load(cls, path: Path | None = None, environ: Mapping[str, str] | None = None) -> "Settings":
         """Saved settings, then overridden by GGUF_STUDIO_* environment variables."""
         path = path or settings_path()
-        values: dict[str, Any] = {}
-        if path.is_file():
-            try:
-                saved = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                raise SettingsError(f"The settings file {path.name} is not readable JSON: {exc}") from None
-            known = {f.name for f in fields(cls)}
-            values.update({k: v for k, v in saved.items() if k in known})
-        settings = cls(**values)
-        return settings.with_overrides(env_overrides(environ if environ is not None else os.environ))
+        saved = _read_saved(path) if path.is_file() else {}
+        return cls().with_overrides(saved).with_overrides(env_overrides(environ if environ is not None else os.environ))
 
-    def save(self, path: Path | None = None) -> None:
+    def save(self, path: Path | None = None, environ: Mapping[str, str] | None = None) -> None:
+        """Write the settings, except values that came from the environment: those stay
+        as they were saved, so an exported GGUF_STUDIO_* is never made permanent."""
         path = path or settings_path()
+        values = dataclasses.asdict(self)
+        from_env = Settings().with_overrides(env_overrides(os.environ if environ is None else environ))
+        previous = _read_saved(path) if path.is_file() else {}
+        for name in env_overrides(os.environ if environ is None else environ):
+            if values[name] == getattr(from_env, name):
+                values[name] = previous.get(name, getattr(Settings(), name))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.write_text(json.dumps(values, indent=2))
         os.replace(tmp, path)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Settings":
@@ -108,6 +108,17 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
         if key in environ:
             out[f.name] = environ[key]
     return out
+
+
+def _read_saved(path: Path) -> dict[str, Any]:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"The settings file {path.name} is not readable JSON: {exc}") from None
+    if not isinstance(saved, dict):
+        raise SettingsError(f"The settings file {path.name} does not hold settings.")
+    known = {f.name for f in fields(Settings)}
+    return {k: v for k, v in saved.items() if k in known}
 
 
 def env_var(name: str) -> str:

@@ -27,7 +27,7 @@ from backend.settings import APP_NAME, Settings, settings_path
 from studio.bridge import ServiceBridge
 from studio.window import MainWindow
 
-__all__ = ["app_icon", "build_window", "main"]
+__all__ = ["app_icon", "build_window", "main", "self_test"]
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -37,11 +37,14 @@ def main(argv: Sequence[str] | None = None, *,
 
     `on_window` is called with the shown window (the exit-path test drives it).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--self-test" or a.startswith("--self-test=") for a in argv):
+        return _self_test_from_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # The access log is for the Logs tab; the terminal gets warnings only.
     for handler in logging.getLogger().handlers:
         handler.setLevel(logging.WARNING)
-    app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
+    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
     app.setApplicationName(APP_NAME)
     app.setApplicationDisplayName("GGUF Studio")
     app.setDesktopFileName("gguf-studio")
@@ -64,6 +67,53 @@ def main(argv: Sequence[str] | None = None, *,
         window.shutdown()
         asyncio.set_event_loop(None)
     return 0
+
+
+def self_test(model_path: str, *, llama_server: str | None = None, timeout: float = 180.0) -> int:
+    """`--self-test MODEL`: show the window, load MODEL through the window's own service on
+    a loopback ephemeral port, answer one chat completion through that port, quit.
+    Returns 0 when all of it worked.  The traffic runs on the backend thread; the Qt loop
+    only waits for the result."""
+    from backend.self_test import FAILED, run_self_test
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName(APP_NAME)
+    app.setApplicationDisplayName("GGUF Studio")
+    app.setDesktopFileName("gguf-studio")
+    app.setWindowIcon(app_icon())
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    try:
+        saved = Settings.load()  # the user's chosen engine
+    except SettingsError:
+        saved = Settings()
+    window = build_window(saved.replace(host="127.0.0.1", port=0))  # never the user's port
+    code = 1
+    try:
+        window.show()
+        future = window.bridge.backend_thread.submit(run_self_test(
+            model_path, llama_server=llama_server, service=window.bridge.service, timeout=timeout))
+        with loop:
+            try:
+                code = loop.run_until_complete(asyncio.wrap_future(future))
+            except Exception as exc:
+                print(f"{FAILED} {exc!r}", file=sys.stderr)
+    finally:
+        window.shutdown()
+        asyncio.set_event_loop(None)
+    return code
+
+
+def _self_test_from_args(argv: list[str]) -> int:
+    import argparse
+
+    from backend import self_test as headless
+
+    parser = argparse.ArgumentParser(prog="gguf-studio-app")
+    parser.add_argument("--self-test", metavar="MODEL", required=True)
+    headless.add_arguments(parser)
+    args, _ = parser.parse_known_args(argv)
+    return self_test(args.self_test, llama_server=args.llama_server, timeout=args.timeout)
 
 
 def build_window(settings: Settings | None = None) -> MainWindow:
