@@ -177,7 +177,7 @@ class Supervisor:
                 port = self._pick_port()
                 child = await self._spawn(spec, port)
                 try:
-                    slots, ctx = await self._wait_ready(child)
+                    props = await self._wait_ready(child)
                 except EngineExitedDuringLoad as exc:
                     await child.stop(self.stop_timeout)
                     if _is_bind_failure(exc.log_tail) and bind_retries < 3:
@@ -192,8 +192,10 @@ class Supervisor:
                     continue
                 bind_retries = 0
                 became_ready = time.monotonic()
-                self._set_state(State.READY, base_url=child.base_url, effective_parallel_slots=slots,
-                                context_length=ctx, restarting=False, error=None, pid=child.pid)
+                self._set_state(State.READY, base_url=child.base_url,
+                                effective_parallel_slots=props.effective_parallel_slots,
+                                context_length=props.context_length, restarting=False,
+                                error=None, pid=child.pid)
                 if not ready.done():
                     ready.set_result(self._snapshot)
                 code = await child.wait()
@@ -254,9 +256,9 @@ class Supervisor:
         self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
         return child
 
-    async def _wait_ready(self, child: "_Child") -> tuple[int, int | None]:
-        """Slots and per-slot context once /health says 200; each way of not getting there
-        has its own error."""
+    async def _wait_ready(self, child: "_Child") -> "EngineProps":
+        """What /props says once /health says 200; each way of not getting there has its
+        own error."""
         deadline = self.load_timeout
         health = asyncio.create_task(_poll_until_healthy(child.base_url))
         exited = asyncio.create_task(child.wait())
@@ -278,7 +280,8 @@ class Supervisor:
             raise LoadTimedOut(f"The model did not become ready within {self.load_timeout:g} seconds.",
                                "\n".join(child.tail(20)))
         health.result()
-        return await _read_props(child.base_url)
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            return await read_props(client, child.base_url)
 
     def _on_log_line(self, line: str) -> None:
         self._log_tail.append(line)
@@ -418,7 +421,7 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
 
 
 async def _poll_until_healthy(base_url: str, interval: float = 0.05) -> None:
-    async with httpx.AsyncClient(timeout=2.0) as client:
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
         while True:
             try:
                 response = await client.get(f"{base_url}/health")
@@ -429,16 +432,25 @@ async def _poll_until_healthy(base_url: str, interval: float = 0.05) -> None:
             await asyncio.sleep(interval)
 
 
-async def _read_props(base_url: str) -> tuple[int, int | None]:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        try:
-            props = (await client.get(f"{base_url}/props")).raise_for_status().json()
-            slots = int(props["total_slots"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            raise LoadError(f"llama-server became healthy but did not report its slots ({exc}).") from None
-    settings = props.get("default_generation_settings") or {}
-    ctx = settings.get("n_ctx") or props.get("n_ctx")
-    return slots, int(ctx) if ctx else None
+@dataclass(frozen=True)
+class EngineProps:
+    """What llama-server's /props says about the load it runs."""
+
+    effective_parallel_slots: int
+    context_length: int | None  # per slot
+    model_alias: str | None
+
+
+async def read_props(client: httpx.AsyncClient, base_url: str) -> EngineProps:
+    """Slots and per-slot context from /props; a LoadError when they are missing."""
+    try:
+        props = (await client.get(f"{base_url}/props")).raise_for_status().json()
+        slots = int(props["total_slots"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise LoadError(f"llama-server became healthy but did not report its slots ({exc}).") from None
+    generation = props.get("default_generation_settings") or {}
+    ctx = generation.get("n_ctx") or props.get("n_ctx")
+    return EngineProps(slots, int(ctx) if ctx else None, props.get("model_alias"))
 
 
 def _describe_exit(code: int | None) -> str:

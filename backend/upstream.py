@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from backend.errors import SettingsError
-from backend.supervisor import Snapshot, State
+from backend.errors import LoadError, SettingsError
+from backend.supervisor import Snapshot, State, read_props
 
 log = logging.getLogger("gguf_studio.upstream")
 
@@ -55,23 +55,20 @@ class UpstreamWatcher:
     close = unload
 
     async def _watch(self) -> None:
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             while True:
                 healthy = await _healthy(client, self.base_url)
                 ready = self._snapshot.state is State.READY
                 if healthy and not ready:
                     try:
-                        props = (await client.get(f"{self.base_url}/props")).raise_for_status().json()
-                        slots = int(props["total_slots"])
-                    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                        log.warning("upstream is healthy but /props is unusable; retrying")
+                        props = await read_props(client, self.base_url)
+                    except LoadError as exc:
+                        log.warning("upstream is healthy but unusable: %s; retrying", exc)
                     else:
-                        generation = props.get("default_generation_settings") or {}
-                        ctx = generation.get("n_ctx") or props.get("n_ctx")
                         self._set_state(State.READY, base_url=self.base_url,
-                                        effective_parallel_slots=slots,
-                                        context_length=int(ctx) if ctx else None,
-                                        model_id=props.get("model_alias") or "upstream",
+                                        effective_parallel_slots=props.effective_parallel_slots,
+                                        context_length=props.context_length,
+                                        model_id=props.model_alias or "upstream",
                                         restarting=False, error=None)
                 elif not healthy and ready:
                     self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None,

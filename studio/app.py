@@ -44,12 +44,7 @@ def main(argv: Sequence[str] | None = None, *,
     # The access log is for the Logs tab; the terminal gets warnings only.
     for handler in logging.getLogger().handlers:
         handler.setLevel(logging.WARNING)
-    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
-    app.setApplicationName(APP_NAME)
-    app.setApplicationDisplayName("GGUF Studio")
-    app.setDesktopFileName("gguf-studio")
-    app.setWindowIcon(app_icon())
-
+    app = _application(argv)
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     window = build_window()
@@ -76,11 +71,7 @@ def self_test(model_path: str, *, llama_server: str | None = None, timeout: floa
     only waits for the result."""
     from backend.self_test import FAILED, run_self_test
 
-    app = QApplication.instance() or QApplication([sys.argv[0]])
-    app.setApplicationName(APP_NAME)
-    app.setApplicationDisplayName("GGUF Studio")
-    app.setDesktopFileName("gguf-studio")
-    app.setWindowIcon(app_icon())
+    app = _application([])
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     try:
@@ -135,6 +126,15 @@ def build_window(settings: Settings | None = None) -> MainWindow:
     if problem:
         window.show_message(problem)
     return window
+
+
+def _application(argv: list[str]) -> QApplication:
+    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
+    app.setApplicationName(APP_NAME)
+    app.setApplicationDisplayName("GGUF Studio")
+    app.setDesktopFileName("gguf-studio")
+    app.setWindowIcon(app_icon())
+    return app
 
 
 def _quit_on_signals(app: QApplication) -> None:
