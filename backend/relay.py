@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import httpx
 
@@ -151,22 +151,33 @@ class Exchange:
     # --- waiting ----------------------------------------------------------------------
 
     async def _start_stream(self) -> None:
-        await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        self.headers_sent = True
+        """Headers, then at once something the client counts as life: our own
+        `response.created` on the Responses wire, a comment elsewhere."""
+        await self._send_stream_headers()
         if self.rewriter is not None:
-            our_id = sse.new_response_id()
-            self.rewriter.our_id = our_id
-            stub = sse.response_stub(our_id, self.model_id)
-            created = sse.named_event("response.created",
-                                      {"type": "response.created", "response": stub})
-            self._keepalive = sse.named_event("response.in_progress",
-                                              {"type": "response.in_progress", "response": stub})
-            await self.send({"type": "http.response.body", "body": created, "more_body": True})
+            await self._send_response_created()
         else:
             # Bytes at once, not only after the first interval: the client (and any proxy
             # in between) sees a live stream from the start.
             await self.send({"type": "http.response.body", "body": sse.KEEPALIVE_COMMENT,
                              "more_body": True})
+
+    async def _send_stream_headers(self) -> None:
+        await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        self.headers_sent = True
+
+    async def _send_response_created(self) -> None:
+        """Our `response.created`; from now on the upstream's own is dropped and its id
+        replaced by ours, and keep-alives are `response.in_progress` events."""
+        assert self.rewriter is not None
+        our_id = sse.new_response_id()
+        self.rewriter.our_id = our_id
+        stub = sse.response_stub(our_id, self.model_id)
+        created = sse.named_event("response.created",
+                                  {"type": "response.created", "response": stub})
+        self._keepalive = sse.named_event("response.in_progress",
+                                          {"type": "response.in_progress", "response": stub})
+        await self.send({"type": "http.response.body", "body": created, "more_body": True})
 
     async def _wait_with_keepalives(self) -> None:
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
@@ -240,20 +251,27 @@ class Exchange:
     async def _relay(self, upstream: httpx.Response) -> list[dict[str, Any]]:
         send = self.send
         if not self.headers_sent:
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            self.headers_sent = True
+            await self._send_stream_headers()
         framer = self.framer
         rewriter = self.rewriter
+        chunks = upstream.aiter_raw()
         try:
+            first = await self._first_chunk(chunks)
             if rewriter is None:
-                async for chunk in upstream.aiter_raw():
+                chunk = framer.feed(first)
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                async for chunk in chunks:
                     chunk = framer.feed(chunk)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": True})
                 tail = framer.flush()
             else:
-                async for chunk in upstream.aiter_raw():
+                chunk = rewriter.feed(framer.feed(first))
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                async for chunk in chunks:
                     chunk = framer.feed(chunk)
                     if chunk:
                         chunk = rewriter.feed(chunk)
@@ -265,3 +283,23 @@ class Exchange:
             raise self._lost(UpstreamFailed(
                 "The model server stopped while answering. Try again.")) from None
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
+
+    async def _first_chunk(self, chunks: AsyncIterator[bytes]) -> bytes:
+        """The engine's first bytes, keeping the client alive meanwhile: llama-server sends
+        nothing, not even `response.created`, until it has read the whole prompt, which
+        takes longer than a client's idle timeout for a long conversation on a CPU."""
+        interval = self.keepalive_interval if self.keepalive_interval > 0 else None
+        first = asyncio.ensure_future(anext(chunks, b""))
+        try:
+            while True:
+                done, _ = await asyncio.wait((first,), timeout=interval)
+                if done:
+                    return first.result()
+                if self.rewriter is not None and self.rewriter.our_id is None:
+                    await self._send_response_created()
+                else:
+                    await self.send({"type": "http.response.body", "body": self._keepalive,
+                                     "more_body": True})
+        finally:
+            if not first.done():
+                first.cancel()

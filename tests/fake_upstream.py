@@ -16,6 +16,7 @@ Behaviour is set on the `FakeUpstream` object (defaults for every request) and c
 overridden per request with a `"fake"` object in the JSON body, e.g.
 `{"fake": {"delay": 0.05, "n_tokens": 100, "die_after": 3}}`:
 
+- `prompt_delay`: silence before the first event (llama-server reading a long prompt);
 - `n_tokens`, `delay`: the length and pace of a reply (capped by the request's
   `max_tokens` / `max_completion_tokens` / `max_output_tokens` / `n_predict`; the final
   chunk's finish_reason says "length" when the cap cut it, else "stop");
@@ -83,6 +84,7 @@ class _Plan:
     status: int | None
     error_type: str
     message: str
+    prompt_delay: float = 0.0  # silence before the first event, like prompt processing
     cut: bool = False  # the request's token limit shortened the reply
 
 
@@ -189,6 +191,7 @@ class FakeUpstream:
             status=over.get("status", self.status),
             error_type=over.get("error_type", "server_error"),
             message=over.get("message", "injected failure"),
+            prompt_delay=float(over.get("prompt_delay", 0.0)),
         )
         if plan.status:
             return _error(int(plan.status), plan.error_type, plan.message)
@@ -203,11 +206,13 @@ class FakeUpstream:
         try:
             if plan.hang:
                 await asyncio.Event().wait()
+            if plan.prompt_delay:
+                await asyncio.sleep(plan.prompt_delay)
             for index, frame in enumerate(frames):
                 if plan.die_after is not None and index >= plan.die_after:
                     died = True
                     raise InjectedFault("cut the connection mid-stream")
-                if plan.delay:
+                if plan.delay and index:  # the first event comes when the prompt is read
                     await asyncio.sleep(plan.delay)
                 yield frame
             for frame in final:

@@ -274,6 +274,30 @@ async def test_a_stream_admitted_at_once_is_relayed_unchanged(gw, fake):
     assert b"resp_upstream" in raw
 
 
+async def test_a_silent_engine_reading_a_long_prompt_gets_keepalives_too(gw, fake):
+    """Admitted at once, but llama-server sends nothing until it has read the prompt."""
+    body = chat(True, fake={"prompt_delay": 0.4, "n_tokens": 3})
+    response, raw = await stream(gw.client, CHAT, body)
+    parsed = events(raw)
+    first_data = next(i for i, e in enumerate(parsed) if e["data"] is not None)
+    assert first_data >= 2 and all(e["comment"] == "keep-alive" for e in parsed[:first_data])
+    assert parsed[-1]["data"] == "[DONE]"
+
+
+async def test_a_silent_engine_on_the_responses_wire_gets_our_created_event_and_one_id(gw, fake):
+    body = {"model": "fake-model", "input": "hi", "stream": True,
+            "fake": {"prompt_delay": 0.4, "n_tokens": 3}}
+    response, raw = await stream(gw.client, RESPONSES, body)
+    parsed = events(raw)
+    assert not any(e["comment"] for e in parsed), "Codex ignores comments: events only"
+    types = [e["data"]["type"] for e in parsed]
+    assert types[0] == "response.created" and types.count("response.created") == 1
+    assert types[1] == "response.in_progress"
+    assert types[-1] == "response.completed"
+    assert b"resp_upstream" not in raw
+    assert len({e["data"]["response"]["id"] for e in parsed if "response" in e["data"]}) == 1
+
+
 # --- refusals before any byte ------------------------------------------------------------
 
 

@@ -1,0 +1,491 @@
+"""The real clients people point at the port, run end to end against a real service.
+
+A `StudioService` with the real llama-server and a tiny model (random weights: it never
+stops by itself, so the port's output cap keeps every answer short) serves the port on
+127.0.0.1; Codex CLI and OpenCode, installed at pinned versions by
+`scripts/install-clients`, run non-interactively against it in throwaway home and config
+dirs, offline (no login, no telemetry, no update checks, no plugin installs), each under
+a hard timeout.  The tests skip, saying why, when Node.js/npm are missing or the install
+failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from backend.service import StudioService
+from backend.settings import Settings
+from backend.supervisor import LoadSpec
+from tests.model_factory import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_SCRIPT = REPO / "scripts" / "install-clients"
+
+API_KEY = "gguf-studio-clients-test-key"
+KEY_ENV = "GGUF_STUDIO_TEST_API_KEY"  # the variable the clients read the key from
+MODEL_ID = "tiny"
+OUTPUT_CAP = 16  # tokens: the random model never stops by itself
+CONTEXT = 32768  # room for Codex's ~5k-token prompt and a long "blocker" generation
+KEEPALIVE = 0.3  # seconds between keep-alives while queued
+ENGINE_THREADS = 1
+CLIENT_TIMEOUT = 120.0  # seconds any one client run may take; it is killed after that
+INSTALL_TIMEOUT = 480.0  # seconds for scripts/install-clients (a fresh install: about 30 s)
+
+
+# --- the clients ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Clients:
+    codex_bin: Path
+    opencode_bin: Path
+    opencode_plugin_dir: Path
+    codex_version: str
+    opencode_version: str
+
+
+@pytest.fixture(scope="session")
+def clients() -> Clients:
+    """Codex CLI and OpenCode at their pinned versions (installed on first use)."""
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"real-client tests need Node.js and npm to install Codex CLI and OpenCode "
+                    f"from the npm registry; not on PATH: {', '.join(missing)}")
+    # In its own process group, so that a timeout also ends the npm it is running.
+    install = subprocess.Popen([str(INSTALL_SCRIPT)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = install.communicate(timeout=INSTALL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(install.pid, signal.SIGKILL)
+        install.communicate()
+        pytest.skip(f"scripts/install-clients did not finish within {INSTALL_TIMEOUT:g}s "
+                    "(is the npm registry reachable?), so the real-client tests cannot run")
+    if install.returncode != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
+        pytest.skip(f"scripts/install-clients failed (exit {install.returncode}), so the "
+                    f"real-client tests cannot run:\n{tail}")
+    values = dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line)
+    return Clients(codex_bin=Path(values["CODEX_BIN"]), opencode_bin=Path(values["OPENCODE_BIN"]),
+                   opencode_plugin_dir=Path(values["OPENCODE_PLUGIN_DIR"]),
+                   codex_version=values["CODEX_VERSION"],
+                   opencode_version=values["OPENCODE_VERSION"])
+
+
+# --- the service ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> Path:
+    """The tiny test model, trained context 32k so one slot holds Codex's prompt and more."""
+    return write_tiny_model(tmp_path_factory.mktemp("client-models") / f"{MODEL_ID}.gguf",
+                            vocab_path, context_length=CONTEXT)
+
+
+StartStudio = Callable[..., Awaitable[StudioService]]
+
+
+@pytest.fixture
+async def start_studio(tmp_path: Path, llama_server_binary: Path,
+                       long_context_model: Path) -> AsyncIterator[StartStudio]:
+    """`await start_studio(parallel=1, max_queue=0)`: a loaded service on 127.0.0.1:<free>."""
+    services: list[StudioService] = []
+
+    async def start(*, parallel: int = 1, max_queue: int = 0) -> StudioService:
+        settings = Settings(host="127.0.0.1", port=0, api_key=API_KEY,
+                            llama_server=str(llama_server_binary),
+                            max_output_tokens=OUTPUT_CAP, keepalive_interval=KEEPALIVE,
+                            max_queue=max_queue, reload_grace=2, load_timeout=60)
+        service = StudioService(settings, log_dir=tmp_path / "logs")
+        services.append(service)
+        await service.start_gateway()
+        # One engine thread: a test holding a slot with a long generation must leave CPU
+        # to the port and the client (on 2 cores, two busy engine threads stalled the
+        # test's loop, and so the port's keep-alives, for seconds).
+        await service.load(LoadSpec(str(long_context_model), parallel=str(parallel),
+                                    ctx_size=CONTEXT * parallel, threads=ENGINE_THREADS,
+                                    model_id=MODEL_ID))
+        return service
+
+    yield start
+    for service in services:
+        await service.close()
+
+
+def base_url(service: StudioService) -> str:
+    return f"http://127.0.0.1:{service.gateway_port}/v1"
+
+
+def responses_count(service: StudioService, route: str, status: int) -> int:
+    return int(service.metrics.value("gguf_studio_requests_total",
+                                     {"route": route, "status": str(status)}))
+
+
+def rejections(service: StudioService, reason: str) -> int:
+    return service.metrics.totals()["rejections"].get(reason, 0)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what or predicate}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def occupied(service: StudioService, *, max_tokens: int = 100_000) -> AsyncIterator[None]:
+    """Holds one engine slot with a long generation until the block exits.
+
+    The output cap is lifted for this one request (it is applied when a request arrives),
+    then put back; leaving the block disconnects, which frees the slot at once.
+    """
+    capped = service.settings
+    await service.apply_settings(capped.replace(max_output_tokens=0))
+    active_before = service.registry.total_active
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Tell a long story."}],
+            "stream": True, "max_tokens": max_tokens, "ignore_eos": True}
+    try:
+        async with httpx.AsyncClient(timeout=60, headers=auth_headers()) as client:
+            async with client.stream("POST", f"{base_url(service)}/chat/completions",
+                                     json=body) as response:
+                assert response.status_code == 200, response.status_code
+                await until(lambda: service.registry.total_active > active_before, 30,
+                            "the blocker to be admitted")
+                await service.apply_settings(capped)
+                # Hold on to the line iterator: once garbage, it would close the stream.
+                lines = response.aiter_lines()
+                try:
+                    async for line in lines:
+                        if line.startswith("data: {"):
+                            break  # the first token arrived: it is generating
+                    yield
+                finally:
+                    await lines.aclose()
+    finally:
+        await service.apply_settings(capped)
+
+
+@contextlib.asynccontextmanager
+async def occupied_place(service: StudioService) -> AsyncIterator[asyncio.Task]:
+    """Takes a waiting place with a short streamed chat request (run it with the slots
+    busy); yields its task, which ends once that request has been served in full."""
+
+    async def wait_and_read() -> list[str]:
+        body = {"model": MODEL_ID, "stream": True, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}]}
+        async with httpx.AsyncClient(timeout=120, headers=auth_headers()) as client:
+            async with client.stream("POST", f"{base_url(service)}/chat/completions",
+                                     json=body) as response:
+                assert response.status_code == 200, response.status_code
+                lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        return lines
+
+    before = service.registry.total_waiting
+    task = asyncio.create_task(wait_and_read())
+    try:
+        await until(lambda: service.registry.total_waiting > before, 30, "the filler to wait in line")
+        yield task
+    except BaseException:
+        task.cancel()
+        raise
+
+
+def auth_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+# --- running a client ---------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    timed_out: bool = False
+    log_dir: Path | None = None  # where the client writes its own log, shown on failure
+
+    @property
+    def text(self) -> str:
+        return _ANSI.sub("", self.stdout).strip()
+
+    def describe(self) -> str:
+        state = "timed out" if self.timed_out else f"exit {self.returncode}"
+        text = (f"{Path(self.argv[0]).name} {state} after {self.seconds:.1f}s\n"
+                f"--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-5000:]}")
+        for log in sorted(self.log_dir.glob("*.log")) if self.log_dir else []:
+            text += f"\n--- {log.name}\n" + log.read_text(errors="replace")[-5000:]
+        return text
+
+
+@dataclass
+class Process:
+    """A client running in its own process group, so a timeout kills all of it."""
+    run: Run
+    proc: asyncio.subprocess.Process
+    timeout: float
+    started: float = field(default_factory=time.monotonic)
+    _result: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, argv: list[str], *, env: dict[str, str], cwd: Path,
+                    stdin: bytes | None = None, timeout: float = CLIENT_TIMEOUT) -> "Process":
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, cwd=cwd, start_new_session=True,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        self = cls(Run(argv), proc, timeout)
+        self._result = asyncio.create_task(self._communicate(stdin))
+        return self
+
+    @property
+    def running(self) -> bool:
+        return not self._result.done()
+
+    async def _communicate(self, stdin: bytes | None) -> Run:
+        try:
+            out, err = await asyncio.wait_for(self.proc.communicate(stdin), self.timeout)
+        except asyncio.TimeoutError:
+            self.run.timed_out = True
+            self._kill()
+            out, err = await self.proc.communicate()
+        except asyncio.CancelledError:
+            self._kill()
+            await self.proc.communicate()
+            raise
+        self.run.returncode = self.proc.returncode
+        self.run.stdout = out.decode(errors="replace")
+        self.run.stderr = err.decode(errors="replace")
+        self.run.seconds = time.monotonic() - self.started
+        return self.run
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def result(self) -> Run:
+        return await self._result
+
+    async def stop(self) -> None:
+        if self._result is not None and not self._result.done():
+            self._result.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._result
+
+
+@pytest.fixture
+async def processes() -> AsyncIterator[list[Process]]:
+    """Every client a test starts; any still running at the end is killed."""
+    started: list[Process] = []
+    yield started
+    for process in started:
+        await process.stop()
+
+
+def clean_env(home: Path, **extra: str) -> dict[str, str]:
+    """A minimal environment: nothing of the user's own home, config or credentials."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "TMPDIR": str(home / "tmp"),
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "NO_COLOR": "1",
+        "CI": "true",
+        KEY_ENV: API_KEY,
+    }
+    for name in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME", "TMPDIR"):
+        Path(env[name]).mkdir(parents=True, exist_ok=True)
+    env.update(extra)
+    return env
+
+
+# --- where a client connects -------------------------------------------------------------
+
+def traced(argv: list[str], trace: Path | None) -> list[str]:
+    """`argv` under strace, logging every connect() of every thread and child to `trace`."""
+    if trace is None:
+        return argv
+    return ["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), *argv]
+
+
+@pytest.fixture
+def strace() -> str:
+    found = shutil.which("strace")
+    if found is None:
+        pytest.skip("strace is not installed (Debian package strace): cannot watch which "
+                    "addresses the client connects to")
+    return found
+
+
+_INET = re.compile(r'connect\(\d+, \{sa_family=AF_INET6?, sin6?_port=htons\((\d+)\), '
+                   r'(?:sin_addr=inet_addr\("([^"]+)"\)|[^}]*inet_pton\(AF_INET6, "([^"]+)")')
+
+
+def network_connections(trace: Path) -> list[tuple[str, int]]:
+    """(address, port) of every IPv4/IPv6 connect() in an strace log."""
+    found = []
+    for match in _INET.finditer(trace.read_text(errors="replace")):
+        found.append((match.group(2) or match.group(3), int(match.group(1))))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in {"::1", "::ffff:127.0.0.1"}
+
+
+# --- Codex CLI ---------------------------------------------------------------------------
+
+def codex_config(service: StudioService, **provider: int | str) -> str:
+    """config.toml for `codex exec` against the port: the Responses wire, the key from
+    KEY_ENV, no plugins (they would `git ls-remote` a public host), no analytics, no
+    update check; `provider` adds settings of the model provider (timeouts, retries)."""
+    lines = [
+        f'model = "{MODEL_ID}"',
+        'model_provider = "gguf-studio"',
+        'approval_policy = "never"',
+        'sandbox_mode = "read-only"',
+        "check_for_update_on_startup = false",
+        "",
+        "[model_providers.gguf-studio]",
+        'name = "GGUF Studio"',
+        f'base_url = "{base_url(service)}"',
+        f'env_key = "{KEY_ENV}"',
+        'wire_api = "responses"',
+    ]
+    lines += [f"{name} = {json.dumps(value)}" for name, value in provider.items()]
+    lines += ["", "[features]", "plugins = false", "", "[analytics]", "enabled = false", ""]
+    return "\n".join(lines)
+
+
+class Codex:
+    """`codex exec` in a throwaway CODEX_HOME and HOME."""
+
+    def __init__(self, clients: Clients, root: Path, processes: list[Process]) -> None:
+        self.clients = clients
+        self.root = root
+        self.processes = processes
+
+    async def start(self, service: StudioService, prompt: str, *,
+                    timeout: float = CLIENT_TIMEOUT, trace: Path | None = None,
+                    **provider: int | str) -> Process:
+        run_dir = self.root / f"codex-{len(self.processes)}"
+        home, codex_home, work = run_dir / "home", run_dir / "codex-home", run_dir / "work"
+        for d in (home, codex_home, work):
+            d.mkdir(parents=True)
+        (codex_home / "config.toml").write_text(codex_config(service, **provider))
+        env = clean_env(home, CODEX_HOME=str(codex_home))
+        argv = [str(self.clients.codex_bin), "exec", "--strict-config", "--skip-git-repo-check",
+                "--ephemeral", "--color", "never", "-C", str(work), prompt]
+        process = await Process.start(traced(argv, trace), env=env, cwd=work, timeout=timeout)
+        self.processes.append(process)
+        return process
+
+    async def run(self, service: StudioService, prompt: str, **kwargs) -> Run:
+        return await (await self.start(service, prompt, **kwargs)).result()
+
+
+@pytest.fixture
+def codex(clients: Clients, tmp_path: Path, processes: list[Process]) -> Codex:
+    return Codex(clients, tmp_path, processes)
+
+
+# --- OpenCode ----------------------------------------------------------------------------
+
+# Every switch that keeps OpenCode from reaching out or doing more than answering.
+OPENCODE_OFFLINE = {
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",  # else it downloads the model catalogue
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+    "OPENCODE_DISABLE_CLAUDE_CODE": "1",
+    "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1",
+    "OPENCODE_DISABLE_PROJECT_CONFIG": "1",  # no opencode.json from a parent dir of the test
+    "OPENCODE_DISABLE_TERMINAL_TITLE": "1",
+    "OPENCODE_DISABLE_AUTOCOMPACT": "1",
+    "OPENCODE_DISABLE_PRUNE": "1",
+}
+
+
+def opencode_config(service: StudioService) -> dict:
+    """opencode.json: one OpenAI-compatible provider (chat completions) at the port."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "model": f"gguf-studio/{MODEL_ID}",
+        "small_model": f"gguf-studio/{MODEL_ID}",
+        "autoupdate": False,
+        "share": "disabled",
+        "provider": {
+            "gguf-studio": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "GGUF Studio",
+                "options": {"baseURL": base_url(service), "apiKey": f"{{env:{KEY_ENV}}}"},
+                "models": {MODEL_ID: {"name": "Tiny test model"}},
+            },
+        },
+    }
+
+
+class OpenCode:
+    """`opencode run` in throwaway XDG dirs, the prompt on stdin."""
+
+    def __init__(self, clients: Clients, root: Path, processes: list[Process]) -> None:
+        self.clients = clients
+        self.root = root
+        self.processes = processes
+
+    async def start(self, service: StudioService, prompt: str, *,
+                    timeout: float = CLIENT_TIMEOUT, args: tuple[str, ...] = (),
+                    trace: Path | None = None) -> Process:
+        run_dir = self.root / f"opencode-{len(self.processes)}"
+        home, work = run_dir / "home", run_dir / "work"
+        work.mkdir(parents=True)
+        env = clean_env(home, **OPENCODE_OFFLINE)
+        config_dir = Path(env["XDG_CONFIG_HOME"]) / "opencode"
+        config_dir.mkdir(parents=True)
+        # OpenCode npm-installs @opencode-ai/plugin into its config dir at start unless
+        # node_modules is there and package.json and package-lock.json both name it.
+        plugin = self.clients.opencode_plugin_dir
+        for name in ("package.json", "package-lock.json"):
+            shutil.copyfile(plugin / name, config_dir / name)
+        (config_dir / "node_modules").symlink_to(plugin / "node_modules", target_is_directory=True)
+        (config_dir / "opencode.json").write_text(json.dumps(opencode_config(service), indent=2))
+        argv = [str(self.clients.opencode_bin), "run", *args]
+        process = await Process.start(traced(argv, trace), env=env, cwd=work,
+                                      stdin=prompt.encode() + b"\n",
+                                      timeout=timeout)
+        process.run.log_dir = Path(env["XDG_DATA_HOME"]) / "opencode" / "log"
+        self.processes.append(process)
+        return process
+
+    async def run(self, service: StudioService, prompt: str, **kwargs) -> Run:
+        return await (await self.start(service, prompt, **kwargs)).result()
+
+
+@pytest.fixture
+def opencode(clients: Clients, tmp_path: Path, processes: list[Process]) -> OpenCode:
+    return OpenCode(clients, tmp_path, processes)

@@ -1,0 +1,86 @@
+"""OpenCode (`opencode run`) against the port, over chat completions.
+
+OpenCode sends two streamed chat requests per run (the session title and the turn), and
+re-requests when a stream ends without a finish_reason, so every run here is bounded by a
+hard timeout and a test fails, rather than hangs, if it would loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.clients.conftest import (OpenCode, network_connections, occupied, occupied_place,
+                                    rejections, responses_count, until)
+
+# A first run installs the clients (scripts/install-clients); each client run is bounded.
+pytestmark = pytest.mark.timeout(600)
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_opencode_run_answers_with_the_models_text(start_studio, opencode: OpenCode):
+    service = await start_studio(parallel=1)  # title and turn share one slot: may queue
+
+    run = await opencode.run(service, "Say hello.")
+
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert run.text, run.describe()
+    assert responses_count(service, CHAT, 200) == 2  # title + turn, nothing re-sent
+
+
+async def test_opencode_connects_to_nothing_but_the_port(start_studio, opencode: OpenCode,
+                                                        strace, tmp_path):
+    """Offline: no model catalogue, update check, share or plugin install reaches out
+    (@opencode-ai/plugin is pre-installed in its config dir)."""
+    service = await start_studio(parallel=2)
+    trace = tmp_path / "opencode.strace"
+
+    run = await opencode.run(service, "Say hello.", trace=trace)
+
+    assert run.returncode == 0 and run.text, run.describe()
+    connections = network_connections(trace)
+    assert connections, "strace saw no connection at all"
+    assert set(connections) == {("127.0.0.1", service.gateway_port)}, connections
+
+
+async def test_opencode_retries_a_429_and_succeeds_once_a_place_frees(
+        start_studio, opencode: OpenCode):
+    service = await start_studio(parallel=1, max_queue=1)
+    async with occupied(service):
+        async with occupied_place(service) as waiting:
+            process = await opencode.start(service, "Say hello.")
+            await until(lambda: rejections(service, "server_is_overloaded") >= 1, 90,
+                        "OpenCode's request to be refused")
+            assert process.running
+    await waiting
+
+    run = await process.result()
+
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert run.text, run.describe()
+    assert responses_count(service, CHAT, 429) >= 1
+
+
+async def test_opencode_sees_an_in_stream_queue_timeout_as_an_error_and_retries_later(
+        start_studio, opencode: OpenCode):
+    """A queue timeout after keep-alives began ends the stream with an in-stream error and
+    [DONE]; OpenCode takes it as a failed attempt (no tight re-request loop), backs off,
+    and its retry succeeds once the slot is free."""
+    service = await start_studio(parallel=1)
+    await service.apply_settings(service.settings.replace(queue_timeout=2))
+    async with occupied(service):
+        process = await opencode.start(service, "Say hello.")
+        await until(lambda: rejections(service, "queue_timeout") >= 2, 90,
+                    "OpenCode's queued requests to time out")
+        await asyncio.sleep(1)
+        timed_out_while_held = rejections(service, "queue_timeout")
+        assert process.running
+
+    run = await process.result()
+
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert run.text, run.describe()
+    # Backing off, not looping: a handful of attempts while the slot was held.
+    assert timed_out_while_held <= 4, service.metrics.totals()
