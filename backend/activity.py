@@ -129,8 +129,10 @@ class ActivitySampler:
         requests_rate = tokens_rate = 0.0
         if elapsed > 0:
             requests_rate = max(0, totals["requests"] - requests_then) / elapsed
-            if tokens is not None and tokens_then is not None:
-                tokens_rate = max(0, tokens - tokens_then) / elapsed
+            if tokens is not None:
+                # Before the first scrape nothing was counted, and an engine's counter
+                # starts at zero: tokens seen first were all made inside this window.
+                tokens_rate = max(0, tokens - (tokens_then or 0)) / elapsed
         slots = current.capacity if current is not None and not current.retired else 0
         active, waiting = registry.total_active, registry.total_waiting
         peaks, self._peaks = self._peaks, [active, waiting]

@@ -66,7 +66,6 @@ class ServiceBridge(QObject):
         self._access_handler = _AccessLogHandler(self._logs)
         self._sampler: ActivitySampler | None = None
         self._log_source: Supervisor | None = None
-        self._access_level: int | None = None
         self._port_lock: asyncio.Lock | None = None  # made on the backend loop
         self._building: concurrent.futures.Future | None = None
         self._closed = False
@@ -78,7 +77,8 @@ class ServiceBridge(QObject):
     def start(self) -> None:
         """Listen to the service, start sampling, and open the port."""
         access = logging.getLogger(ACCESS_LOGGER)
-        self._access_level = access.level
+        # Left at INFO for good: restoring it when one window closes would silence the
+        # access log of another one still open (tests open several).
         if access.getEffectiveLevel() > logging.INFO:
             access.setLevel(logging.INFO)
         access.addHandler(self._access_handler)
@@ -90,10 +90,7 @@ class ServiceBridge(QObject):
         if self._closed:
             return
         self._closed = True
-        access = logging.getLogger(ACCESS_LOGGER)
-        access.removeHandler(self._access_handler)
-        if self._access_level is not None:
-            access.setLevel(self._access_level)
+        logging.getLogger(ACCESS_LOGGER).removeHandler(self._access_handler)
         timeout = timeout if timeout is not None else self.service.settings.stop_timeout + 10
         try:
             self.backend_thread.submit(self._close_on_loop()).result(timeout)

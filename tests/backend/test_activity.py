@@ -110,6 +110,17 @@ def test_engine_tokens_count_across_restarts() -> None:
     assert sampler.sample().tokens_generated == 350
 
 
+def test_tokens_made_before_the_first_scrape_still_show_as_a_rate() -> None:
+    """Requests that finish between two scrapes of a new engine are not lost."""
+    service = FakeService()
+    clock = Clock()
+    sampler = ActivitySampler(service, lambda s: None, clock=clock)
+    sampler.sample()  # the engine has not been scraped yet
+    sampler._tokens.update("http://127.0.0.1:1", 80)
+    clock.now += 1.0
+    assert sampler.sample().tokens_per_s == pytest.approx(80)
+
+
 def test_history_is_a_bounded_ring() -> None:
     history = ActivityHistory(seconds=5, interval=1)
     for i in range(20):
