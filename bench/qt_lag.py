@@ -1,0 +1,70 @@
+"""How late the window's Qt loop runs while streams pass through the port.
+
+Runs the real app (tests/studio/exit_probe.py) with the real engine and the tiny model,
+sends STREAMS concurrent streamed chat requests from another process, and prints the lag
+of a 10 ms Qt timer (p50/p99/max) next to the time the Qt thread itself was busy.  The
+wall-clock lag includes the time the OS gave the CPU to other programs (the engine and
+the clients share this machine's cores); the busy figure is the window's own work.
+
+    .venv/bin/python bench/qt_lag.py [--streams 64] [--max-tokens 64] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from backend.engine import Engine  # noqa: E402
+from tests.model_factory import write_tiny_model  # noqa: E402
+from tests.studio.conftest import free_port, private_environment  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    engine = Engine()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        model = write_tiny_model(tmp_path / "tiny.gguf",
+                                 engine.source_tree() / "models" / "ggml-vocab-llama-spm.gguf")
+        reports = [run_once(tmp_path / f"run{i}", engine.resolve().path, model, args)
+                   for i in range(args.runs)]
+    print(f"Qt loop with {args.streams} streams x {args.max_tokens} tokens through the port "
+          f"({args.runs} runs, load average before: {os.getloadavg()[0]:.1f}):")
+    print(f"{'run':>4} {'lag p50':>9} {'lag p99':>9} {'lag max':>9} {'busy p99':>9} {'ticks':>6}")
+    for i, r in enumerate(reports, 1):
+        print(f"{i:>4} {r['lag_p50_ms']:>7} ms {r['lag_p99_ms']:>6} ms {r['lag_max_ms']:>6} ms "
+              f"{r['busy_p99_ms']:>6} ms {r['ticks']:>6}")
+    p99 = statistics.median(r["lag_p99_ms"] for r in reports)
+    print(f"median lag p99 {p99} ms (target <= 50 ms)")
+    return 0
+
+
+def run_once(home: Path, binary: Path, model: Path, args: argparse.Namespace) -> dict:
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(private_environment(home))
+    env.update(GGUF_STUDIO_LLAMA_SERVER=str(binary), GGUF_STUDIO_PORT=str(free_port()),
+               PYTHONPATH=str(REPO), QT_QPA_PLATFORM=env.get("QT_QPA_PLATFORM", "offscreen"))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.studio.exit_probe", str(model), str(args.streams),
+         str(args.max_tokens)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"the app exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
