@@ -75,9 +75,12 @@ async def test_n_plus_one_streams_with_n_slots_one_waits_with_keepalives_then_co
             assert r.status_code == 200
             return await read_events(r)
 
-    results = await asyncio.gather(*(stream() for _ in range(3)))
-    waited = [lines for lines in results if lines[0].startswith(":")]
-    assert len(waited) == 1  # exactly one had to wait, and it was kept alive
+    running = [asyncio.create_task(stream()) for _ in range(2)]
+    await until(lambda: service.registry.total_active == 2)
+    third = asyncio.create_task(stream())
+    await until(lambda: service.registry.total_waiting == 1)  # exactly one has to wait
+    results = await asyncio.gather(*running, third)
+    assert results[2][0] == ": keep-alive"  # ...and was kept alive meanwhile
     for lines in results:
         assert lines[-1] == "data: [DONE]"
         last_chunk = json.loads(lines[-2].removeprefix("data: "))
@@ -87,8 +90,9 @@ async def test_n_plus_one_streams_with_n_slots_one_waits_with_keepalives_then_co
 async def test_disconnect_while_running_frees_the_engine_slot(service, client, tiny_model):
     snapshot = await service.load(spec(tiny_model, parallel="2"))
     async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as r:
-        async for _ in r.aiter_lines():
-            break  # the first token arrived: the request is running on the engine
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                break  # the first token arrived: the request is running on the engine
         assert await busy_slots(snapshot.base_url) == 1
     # The client went away: the port closes the engine's request and frees the slot.
     await until(lambda: service.registry.total_active == 0, timeout=5)
@@ -109,8 +113,9 @@ async def test_disconnect_while_running_frees_the_engine_slot(service, client, t
 async def test_disconnect_while_queued_leaves_the_line(service, client, tiny_model):
     await service.load(spec(tiny_model, parallel="1"))
     async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as running:
-        async for _ in running.aiter_lines():
-            break
+        async for line in running.aiter_lines():
+            if line.startswith("data:"):
+                break
         async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as queued:
             async for line in queued.aiter_lines():
                 assert line.startswith(":")  # a keep-alive: it is waiting
