@@ -87,7 +87,8 @@ class StudioService:
         return self._gateway.port if self._gateway else None
 
     async def apply_settings(self, settings: Settings) -> list[str]:
-        """Take new settings; reopens the port when its address, port or key policy changed."""
+        """Take new settings (the port reads them per request); reopens the port when its
+        address or number changed."""
         check_bind_allowed(settings)
         old, self.settings = self.settings, settings
         self.registry.enabled = settings.admission_enabled
@@ -123,7 +124,8 @@ class StudioService:
             raise
 
     async def attach_upstream(self, url: str) -> Snapshot:
-        """Serve a llama-server that runs elsewhere; returns once it answers healthy."""
+        """Serve a llama-server that runs elsewhere.  Returns at once; the snapshot turns
+        ready (slots read from its /props) whenever it answers healthy."""
         await self._retire_current_load()
         await self._close_backend()
         watcher = UpstreamWatcher(url)

@@ -36,9 +36,6 @@ class UpstreamWatcher:
     def add_listener(self, listener: Callable[[Snapshot], None]) -> None:
         self._listeners.append(listener)
 
-    def log_tail(self, lines: int = 200) -> list[str]:
-        return []
-
     async def start(self) -> Snapshot:
         if self._task is None:
             self._set_state(State.STARTING)
