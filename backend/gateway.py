@@ -92,7 +92,11 @@ class Gateway:
                 # No read/write/pool limit: a generation may be silent for minutes (prompt
                 # processing) and admission already bounds the number of requests.
                 timeout=httpx.Timeout(None, connect=10.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                # Idle connections go before the engine closes them (llama-server and uvicorn
+                # close after 5 s, httpx's default expiry too): one reused just as it closes
+                # would be a spurious 502.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                    keepalive_expiry=2.0),
                 trust_env=False,  # never send loopback traffic through a proxy
             )
         return self._client
