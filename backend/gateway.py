@@ -26,7 +26,6 @@ import socket
 import time
 from typing import Any, AsyncIterator, Protocol
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,6 +43,7 @@ from backend.relay import DisconnectWatch, Exchange
 from backend.request_body import ClientGone, parse_body, read_body
 from backend.settings import Settings
 from backend.supervisor import Snapshot, State
+from backend.upstream_http import UpstreamClient
 
 __all__ = ["GATED_ROUTES", "GatewayContext", "GatewayServer", "create_app"]
 
@@ -80,25 +80,18 @@ class Gateway:
         self.ctx = ctx
         self.closing = False
         self.started_at = int(time.time())
-        self._client: httpx.AsyncClient | None = None
+        self._client: UpstreamClient | None = None
         # Running exchanges, so that a load going away can end them (see `abort_load`).
         self._running: dict[asyncio.Task, "Exchange"] = {}
         self._aborts: dict[asyncio.Task, RequestError] = {}
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> UpstreamClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(
-                # No read/write/pool limit: a generation may be silent for minutes (prompt
-                # processing) and admission already bounds the number of requests.
-                timeout=httpx.Timeout(None, connect=10.0),
-                # Idle connections go before the engine closes them (llama-server and uvicorn
-                # close after 5 s, httpx's default expiry too): one reused just as it closes
-                # would be a spurious 502.
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                                    keepalive_expiry=2.0),
-                trust_env=False,  # never send loopback traffic through a proxy
-            )
+            # No read/write limit: a generation may be silent for minutes (prompt
+            # processing), and admission already bounds the number of requests.  It never
+            # goes through a proxy.  See backend/upstream_http.py for why not httpx here.
+            self._client = UpstreamClient(connect_timeout=10.0, max_idle=256)
         return self._client
 
     async def aclose(self) -> None:

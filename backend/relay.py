@@ -26,6 +26,7 @@ from backend.errors import (LoadReplaced, ModelNotReady, RequestError, UpstreamF
 if TYPE_CHECKING:
     from backend.metrics import Metrics
     from backend.request_body import Parsed
+    from backend.upstream_http import UpstreamClient, UpstreamResponse
 
 __all__ = ["DisconnectWatch", "Exchange", "SSE_HEADERS"]
 
@@ -78,7 +79,7 @@ class DisconnectWatch:
 class Exchange:
     """A gated request with its ticket; `run()` answers every RequestError itself."""
 
-    def __init__(self, *, client: httpx.AsyncClient, metrics: Metrics, send: Any,
+    def __init__(self, *, client: UpstreamClient, metrics: Metrics, send: Any,
                  watch: DisconnectWatch, ticket: Ticket, path: str, kind: str | None,
                  parsed: Parsed, model_id: str | None, queue_timeout: float,
                  keepalive_interval: float) -> None:
@@ -224,7 +225,7 @@ class Exchange:
         finally:
             await upstream.aclose()
 
-    async def _read_error(self, upstream: httpx.Response) -> bytes:
+    async def _read_error(self, upstream: UpstreamResponse) -> bytes:
         body = b""
         try:
             async for chunk in upstream.aiter_raw():
@@ -235,7 +236,7 @@ class Exchange:
             pass
         return body
 
-    async def _answer(self, upstream: httpx.Response) -> list[dict[str, Any]]:
+    async def _answer(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
         try:
             body = await upstream.aread()
         except httpx.HTTPError:
@@ -248,7 +249,7 @@ class Exchange:
                              (b"content-length", str(len(body)).encode())]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
 
-    async def _relay(self, upstream: httpx.Response) -> list[dict[str, Any]]:
+    async def _relay(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
         send = self.send
         if not self.headers_sent:
             await self._send_stream_headers()
