@@ -135,3 +135,14 @@ def test_engine_status_command_names_the_engine_in_use(llama_server_binary):
                           "--llama-server", str(llama_server_binary)],
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0].startswith(f"-> explicit: {llama_server_binary}")
+
+
+async def test_sources_that_fail_their_hash_check_are_refused_and_not_kept(tmp_path, monkeypatch):
+    """The real registry fetch, with a pinned hash that cannot match."""
+    import backend.engine as engine_module
+    monkeypatch.setattr(engine_module, "LLAMA_CPP_PYTHON_SDIST_SHA256", "0" * 64)
+    scratch = Engine(data_dir=tmp_path / "data")
+    with pytest.raises(EngineBuildFailed, match="failed their hash check"):
+        await scratch.source_tree_async()
+    assert list((scratch.cache_dir / "sdist").iterdir()) == []
+    assert not (scratch.cache_dir / "src").exists()
