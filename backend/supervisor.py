@@ -64,7 +64,7 @@ class LoadSpec:
     parallel: str = "auto"  # "auto" or a positive integer
     ctx_size: int = 0  # 0: the model's trained context length
     n_gpu_layers: int = 0
-    threads: int = 0  # 0: llama-server picks
+    threads: int = 0  # 0: every core but one (see default_threads)
     extra_args: tuple[str, ...] = ()
     chat_template: bool = True  # --jinja: render the model's own chat template
     model_id: str = ""  # the name clients see; the file name without .gguf by default
@@ -315,12 +315,21 @@ def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
         "--metrics",
         "--no-webui",
     ]
-    if spec.threads:
-        args += ["--threads", str(spec.threads)]
+    args += ["--threads", str(spec.threads or default_threads())]
     if spec.chat_template:
         args.append("--jinja")
     args += list(spec.extra_args)
     return args
+
+
+def default_threads(cores: int | None = None) -> int:
+    """Every core but one.  llama-server's own default takes them all, and its worker
+    threads spin while they wait, so on a small machine the window and the port starve:
+    measured with 2 cores and 64 streams, the window's loop stalled 123 ms at p99 with
+    both cores to the engine and 8 ms with one (bench/qt_lag.py), and keep-alives were
+    late enough for Codex to give up."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def pick_free_port() -> int:

@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--engine-threads", type=int, default=0,
+                        help="llama-server --threads (0: llama-server decides)")
     args = parser.parse_args()
     engine = Engine()
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,8 +43,10 @@ def main() -> int:
                                  engine.source_tree() / "models" / "ggml-vocab-llama-spm.gguf")
         reports = [run_once(tmp_path / f"run{i}", engine.resolve().path, model, args)
                    for i in range(args.runs)]
-    print(f"Qt loop with {args.streams} streams x {args.max_tokens} tokens through the port "
-          f"({args.runs} runs, load average before: {os.getloadavg()[0]:.1f}):")
+    threads = args.engine_threads or "llama-server's choice"
+    print(f"Qt loop with {args.streams} streams x {args.max_tokens} tokens through the port, "
+          f"engine threads: {threads} ({args.runs} runs, load average before: "
+          f"{os.getloadavg()[0]:.1f}):")
     print(f"{'run':>4} {'lag p50':>9} {'lag p99':>9} {'lag max':>9} {'busy p99':>9} {'ticks':>6}")
     for i, r in enumerate(reports, 1):
         print(f"{i:>4} {r['lag_p50_ms']:>7} ms {r['lag_p99_ms']:>6} ms {r['lag_max_ms']:>6} ms "
@@ -57,7 +61,8 @@ def run_once(home: Path, binary: Path, model: Path, args: argparse.Namespace) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
     env.update(private_environment(home))
     env.update(GGUF_STUDIO_LLAMA_SERVER=str(binary), GGUF_STUDIO_PORT=str(free_port()),
-               PYTHONPATH=str(REPO), QT_QPA_PLATFORM=env.get("QT_QPA_PLATFORM", "offscreen"))
+               PYTHONPATH=str(REPO), QT_QPA_PLATFORM=env.get("QT_QPA_PLATFORM", "offscreen"),
+               PROBE_ENGINE_THREADS=str(args.engine_threads))
     done = subprocess.run(
         [sys.executable, "-m", "tests.studio.exit_probe", str(model), str(args.streams),
          str(args.max_tokens)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

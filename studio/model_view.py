@@ -89,7 +89,8 @@ class ModelView(QWidget):
                                   "the number it chose is shown after loading.")
         self.gpu_layers = _spin(0, 999, "None (CPU only)",
                                 tip="Layers to offload to the GPU; 999 offloads all of them.")
-        self.threads = _spin(0, 1024, "Auto", tip="CPU threads; Auto lets llama-server decide.")
+        self.threads = _spin(0, 1024, "Auto", tip="CPU threads; Auto uses every core but one, "
+                             "so the window and the port stay responsive.")
         self.extra_args = QLineEdit()
         self.extra_args.setPlaceholderText("e.g. --flash-attn on --cache-type-k q8_0")
         self.extra_args.setToolTip("More llama-server arguments. The model, host, port, parallel "

@@ -270,3 +270,13 @@ def test_child_dies_with_the_app_even_when_the_app_is_killed(llama_server_binary
     finally:
         app.kill()
         app.stdout.close()
+
+
+def test_the_engine_leaves_one_core_to_the_app_unless_told_otherwise(tiny_model):
+    from backend.supervisor import build_command, default_threads
+
+    assert default_threads(8) == 7 and default_threads(2) == 1 and default_threads(1) == 1
+    auto = build_command(Path("llama-server"), LoadSpec(str(tiny_model)), 1234)
+    assert auto[auto.index("--threads") + 1] == str(default_threads())
+    chosen = build_command(Path("llama-server"), LoadSpec(str(tiny_model), threads=3), 1234)
+    assert chosen[chosen.index("--threads") + 1] == "3"

@@ -83,6 +83,8 @@ class Driver(QObject):
         if self.window.model_view.info is not None:
             self._poll.stop()
             self.window.model_view.parallel.setValue(4)
+            # bench/qt_lag.py --engine-threads: 0 lets llama-server decide.
+            self.window.model_view.threads.setValue(int(os.environ.get("PROBE_ENGINE_THREADS", "0")))
             self.window.load_selected()
 
     def _on_snapshot(self, snapshot) -> None:
