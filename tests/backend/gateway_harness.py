@@ -1,0 +1,180 @@
+"""The gateway test harness: a port on 127.0.0.1:0 in front of any llama-server-like
+base URL, and helpers to read what comes back.  Used by test_gateway*.py; the `fake` and
+`gw` fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+
+from backend.admission import AdmissionRegistry
+from backend.gateway import GatewayServer, create_app
+from backend.metrics import Metrics
+from backend.settings import Settings
+from backend.supervisor import Snapshot, State
+
+CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+KEY = "sk-test-key"
+
+# --- harness -------------------------------------------------------------------------
+
+
+class Context:
+    """A GatewayContext whose snapshot the test controls."""
+
+    def __init__(self, settings: Settings, snapshot: Snapshot) -> None:
+        self.settings = settings
+        self.registry = AdmissionRegistry(
+            max_waiting_for=lambda slots: self.settings.effective_max_queue(slots))
+        self.metrics = Metrics()
+        self.metrics.bind_registry(self.registry)
+        self._snapshot = snapshot
+        self.metrics.set_backend(snapshot)
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def set_snapshot(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        self.metrics.set_backend(snapshot)
+
+
+@dataclass
+class Gateway:
+    ctx: Context
+    server: GatewayServer
+    client: httpx.AsyncClient
+    url: str
+    upstream_url: str
+
+    @property
+    def registry(self) -> AdmissionRegistry:
+        return self.ctx.registry
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.ctx.metrics
+
+    def configure(self, **changes: Any) -> None:
+        """Change settings live: the gateway reads them on every request."""
+        self.ctx.settings = self.ctx.settings.replace(**changes)
+
+    def rejections(self, reason: str) -> float:
+        return self.metrics.value("gguf_studio_rejections_total", {"reason": reason})
+
+    def requests(self, route: str, status: int) -> float:
+        return self.metrics.value("gguf_studio_requests_total", {"route": route, "status": str(status)})
+
+    def cancellations(self, stage: str) -> float:
+        return self.metrics.value("gguf_studio_cancellations_total", {"stage": stage})
+
+
+@contextlib.asynccontextmanager
+async def open_gateway(base_url: str, slots: int, *, model_id: str = "fake-model",
+                       context_length: int = 4096, **settings: Any) -> AsyncIterator[Gateway]:
+    """A gateway on 127.0.0.1:0 in front of the llama-server at `base_url`."""
+    defaults = dict(keepalive_interval=0.05, queue_timeout=30.0)
+    defaults.update(settings)
+    snapshot = Snapshot(state=State.READY, model_id=model_id, base_url=base_url,
+                        effective_parallel_slots=slots, context_length=context_length)
+    ctx = Context(Settings(**defaults), snapshot)
+    ctx.registry.activate(base_url, slots)
+    server = await GatewayServer.start(create_app(ctx), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}"
+    client = httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False)
+    try:
+        yield Gateway(ctx, server, client, url, base_url)
+    finally:
+        await client.aclose()
+        await server.stop()
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until `condition()` holds (polled), or fail after `timeout` seconds."""
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.002)
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                 **kwargs: Any) -> tuple[httpx.Response, bytes]:
+    """POST and read the whole (streamed) answer."""
+    async with client.stream("POST", path, json=body, **kwargs) as response:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    return response, raw
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    """SSE blocks as {"event", "data" (parsed JSON, "[DONE]" or None), "comment"}."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        event: dict[str, Any] = {"event": None, "data": None, "comment": None}
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                event["comment"] = line[1:].strip()
+            elif line.startswith("event:"):
+                event["event"] = line[6:].strip()
+            elif line.startswith("data:"):
+                data = line[5:].strip()
+                event["data"] = data if data == "[DONE]" else json.loads(data)
+        out.append(event)
+    return out
+
+
+def chat(stream_: bool = False, **fields: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+            "stream": stream_, **fields}
+
+
+def assert_clean_error(response: httpx.Response, status: int, code: str,
+                       gw: Gateway | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body with a string code and nothing internal in it."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert {"message", "type", "code", "param"} <= set(error)
+    assert error["code"] == code and isinstance(error["code"], str)
+    assert_no_internals(response.text, gw)
+    return error
+
+
+def assert_no_internals(text: str, gw: Gateway | None = None) -> None:
+    for needle in ("127.0.0.1", "Traceback", "/srv/", "/home/", "/tmp/", "/usr/", "/work/",
+                   "secret-dir", ".py", "http://"):
+        assert needle not in text, f"{needle!r} leaked in {text!r}"
+    if gw is not None:
+        for url in (gw.url, gw.upstream_url):
+            port = url.rsplit(":", 1)[1]
+            assert port not in text, f"port {port} leaked in {text!r}"
+
+
+@contextlib.asynccontextmanager
+async def holding(gw: Gateway, n: int = 1, **fake: Any) -> AsyncIterator[list[asyncio.Task]]:
+    """`n` streams that occupy slots until the block ends (they hang upstream)."""
+    before = gw.registry.total_active
+    tasks = [asyncio.create_task(stream(gw.client, CHAT, chat(True, fake={"hang": True, **fake})))
+             for _ in range(n)]
+    await until(lambda: gw.registry.total_active == before + n)
+    try:
+        yield tasks
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await until(lambda: gw.registry.total_active == before)
+
+
+async def cancel(*tasks: asyncio.Task) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
