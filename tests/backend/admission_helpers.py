@@ -1,0 +1,35 @@
+"""Helpers shared by the admission tests: backend keys, a fake clock, a started waiter."""
+
+from __future__ import annotations
+
+import asyncio
+
+from backend.admission import AdmissionQueue, Ticket
+
+OLD = "http://127.0.0.1:41001"
+NEW = "http://127.0.0.1:41002"
+NEWER = "http://127.0.0.1:41003"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def started(ticket: Ticket, timeout: float | None = None) -> asyncio.Task[None]:
+    """A task awaiting `ticket`, already suspended inside wait().
+
+    One turn of the loop runs a new task up to its first await; this is ordering,
+    not a timed sleep.
+    """
+    task = asyncio.create_task(ticket.wait(timeout))
+    await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
+def queue_of(capacity: int = 1, max_waiting: int = 0, **kwargs) -> AdmissionQueue:
+    return AdmissionQueue(OLD, capacity, max_waiting=max_waiting, **kwargs)
