@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-import httpx
+from backend.engine_api import EngineClient
 
 __all__ = [
     "ActivityHistory",
@@ -177,20 +177,24 @@ class ActivitySampler:
     async def _scrape_tokens(self) -> None:
         # Its own task: an engine busy with a long batch may answer /metrics late, and
         # that must not hold up the samples of the queue.
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        engine: EngineClient | None = None
+        try:
             while True:
                 base_url = self.service.snapshot().base_url
-                if base_url:
-                    try:
-                        response = await client.get(f"{base_url}/metrics")
-                        if response.status_code == 200:
-                            value = parse_prometheus_value(response.text,
-                                                           "llamacpp:tokens_predicted_total")
-                            if value is not None:
-                                self._tokens.update(base_url, int(value))
-                    except httpx.HTTPError:
-                        pass
+                if base_url and (engine is None or engine.base_url != base_url):
+                    if engine is not None:
+                        await engine.aclose()
+                    engine = EngineClient(base_url, timeout=5.0)
+                if base_url and engine is not None:
+                    text = await engine.metrics_text()
+                    value = parse_prometheus_value(text, "llamacpp:tokens_predicted_total") \
+                        if text is not None else None
+                    if value is not None:
+                        self._tokens.update(base_url, int(value))
                 await asyncio.sleep(self.token_interval)
+        finally:
+            if engine is not None:
+                await engine.aclose()
 
 
 class _EngineTokens:

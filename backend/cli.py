@@ -18,6 +18,7 @@ from typing import Sequence
 
 from backend.engine import Engine, BuildProgress
 from backend.errors import StudioError
+from backend.load import THREADS_HELP
 from backend.settings import Settings, env_var
 
 
@@ -127,7 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 async def _serve_async(settings: Settings, attach: bool) -> int:
     from backend.service import StudioService
-    from backend.supervisor import LoadSpec, State
+    from backend.load import State
 
     service = StudioService(settings)
     stop = asyncio.Event()
@@ -160,10 +161,8 @@ async def _serve_async(settings: Settings, attach: bool) -> int:
             from backend.gguf_info import read_model_info
 
             info = read_model_info(settings.model)
-            spec = LoadSpec(model_path=settings.model, parallel=settings.parallel,
-                            ctx_size=settings.ctx_size, n_gpu_layers=settings.n_gpu_layers,
-                            threads=settings.threads, extra_args=tuple(settings.extra_args),
-                            chat_template=info.has_chat_template)
+            spec = settings.load_settings().to_spec(settings.model,
+                                                    chat_template=info.has_chat_template)
             load = asyncio.create_task(service.load(spec))
             waiter = asyncio.create_task(stop.wait())
             await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -236,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
     serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
     serve.add_argument("--n-gpu-layers", type=int, help="layers to offload to the GPU (default 0)")
-    serve.add_argument("--threads", type=int, help="CPU threads, 0 = llama-server decides")
+    serve.add_argument("--threads", type=int, help=f"CPU threads, 0 = {THREADS_HELP}")
     serve.add_argument("--max-queue", type=int, help="waiting places, 0 = 16 x slots, at least 64")
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")

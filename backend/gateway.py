@@ -42,7 +42,7 @@ from backend.metrics import Metrics
 from backend.relay import DisconnectWatch, Exchange
 from backend.request_body import ClientGone, parse_body, read_body
 from backend.settings import Settings
-from backend.supervisor import Snapshot, State
+from backend.load import Snapshot, State
 from backend.upstream_http import UpstreamClient
 
 __all__ = ["GATED_ROUTES", "GatewayContext", "GatewayServer", "create_app"]

@@ -19,7 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
     from backend.admission import AdmissionRegistry
-    from backend.supervisor import Snapshot
+    from backend.load import Snapshot
 
 __all__ = ["Metrics", "QUEUE_WAIT_BUCKETS"]
 

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import sys
 import threading
 import time
@@ -25,11 +24,10 @@ import platformdirs
 
 from backend.errors import SettingsError
 from backend.settings import APP_NAME
-from backend.supervisor import LoadSpec
+from backend.load import LoadSettings
 
 __all__ = [
     "SOURCE_LABELS",
-    "LoadSettings",
     "Location",
     "ModelEntry",
     "ModelLibrary",
@@ -70,49 +68,6 @@ class ModelEntry:
     @property
     def source_label(self) -> str:
         return SOURCE_LABELS.get(self.source, self.source)
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    """How the user wants one model loaded; turned into a `LoadSpec` at load time."""
-
-    ctx_size: int = 0  # 0: the model's trained context
-    parallel: str = "auto"
-    n_gpu_layers: int = 0
-    threads: int = 0
-    extra_args: tuple[str, ...] = ()
-
-    def to_spec(self, model_path: str, *, chat_template: bool = True) -> LoadSpec:
-        """Raises SettingsError for an unusable value or a flag GGUF Studio owns."""
-        return LoadSpec(model_path=model_path, parallel=str(self.parallel).strip() or "auto",
-                        ctx_size=self.ctx_size, n_gpu_layers=self.n_gpu_layers,
-                        threads=self.threads, extra_args=tuple(self.extra_args),
-                        chat_template=chat_template)
-
-    @staticmethod
-    def parse_extra_args(text: str) -> tuple[str, ...]:
-        try:
-            return tuple(shlex.split(text))
-        except ValueError as exc:
-            raise SettingsError(f"The extra arguments cannot be read: {exc}.") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["extra_args"] = list(self.extra_args)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "LoadSettings":
-        def number(key: str) -> int:
-            try:
-                return max(0, int(data.get(key, 0)))
-            except (TypeError, ValueError):
-                return 0
-
-        extra = data.get("extra_args") or ()
-        return cls(ctx_size=number("ctx_size"), parallel=str(data.get("parallel") or "auto"),
-                   n_gpu_layers=number("n_gpu_layers"), threads=number("threads"),
-                   extra_args=tuple(str(a) for a in extra) if isinstance(extra, (list, tuple)) else ())
 
 
 class ModelLibrary:

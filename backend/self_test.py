@@ -83,7 +83,7 @@ async def _run(model: Path, llama_server: str | os.PathLike | None,
                service: "StudioService | None", ctx_size: int, started: float) -> str:
     from backend.gguf_info import read_model_info
     from backend.service import StudioService
-    from backend.supervisor import LoadSpec
+    from backend.load import LoadSettings
 
     if not model.is_file():
         raise SelfTestFailed(f"no model file at {model}.")
@@ -102,8 +102,8 @@ async def _run(model: Path, llama_server: str | os.PathLike | None,
     try:
         await service.start_gateway()
         port = service.gateway_port
-        spec = LoadSpec(model_path=str(model), parallel="1", ctx_size=ctx_size,
-                        chat_template=info.has_chat_template)
+        spec = LoadSettings(parallel="1", ctx_size=ctx_size).to_spec(
+            str(model), chat_template=info.has_chat_template)
         load_started = time.monotonic()
         try:
             snapshot = await service.load(spec)

@@ -23,11 +23,12 @@ from backend.engine import Engine
 from backend.errors import LoadReplaced, ModelNotReady, SettingsError
 from backend.metrics import Metrics
 from backend.settings import Settings
-from backend.supervisor import LoadSpec, Snapshot, State, Supervisor
-from backend.upstream import UpstreamWatcher
+from backend.listeners import Listeners
+from backend.load import Listener, LoadBackend, LoadSpec, Snapshot, State
+from backend.remote_engine import RemoteEngine
+from backend.supervisor import Supervisor
 
 T = TypeVar("T")
-Listener = Callable[[Snapshot], None]
 
 log = logging.getLogger("gguf_studio.service")
 
@@ -46,8 +47,9 @@ class StudioService:
             enabled=settings.admission_enabled,
         )
         self.metrics.bind_registry(self.registry)
-        self._backend: Supervisor | UpstreamWatcher | None = None
-        self._listeners: list[Listener] = []
+        self._backend: LoadBackend | None = None
+        self._supervisor: Supervisor | None = None  # the backend, when it runs the engine here
+        self._listeners: Listeners[[Snapshot]] = Listeners(log, "service listener")
         self._gateway = None
         self._gateway_lock = asyncio.Lock()
         self._restarts_seen = 0
@@ -60,14 +62,14 @@ class StudioService:
 
     def add_listener(self, listener: Listener) -> None:
         """Called on the service's loop with every new snapshot."""
-        self._listeners.append(listener)
+        self._listeners.add(listener)
 
     @property
     def supervisor(self) -> Supervisor | None:
-        return self._backend if isinstance(self._backend, Supervisor) else None
+        return self._supervisor
 
     def log_tail(self, lines: int = 200) -> list[str]:
-        return self._backend.log_tail(lines) if isinstance(self._backend, Supervisor) else []
+        return self._backend.log_tail(lines) if self._backend is not None else []
 
     # --- the port ---------------------------------------------------------------------------
 
@@ -112,13 +114,16 @@ class StudioService:
         (up to `reload_grace` seconds); waiting requests move to the new load."""
         binary = self.engine.resolve(self.settings.llama_server or None).path
         await self._retire_current_load()
-        if not (isinstance(self._backend, Supervisor) and self._backend.binary == binary):
+        supervisor = self._supervisor
+        if supervisor is None or supervisor.binary != binary:
             await self._close_backend()
-            self._attach(Supervisor(
+            supervisor = Supervisor(
                 binary, self.log_dir, load_timeout=self.settings.load_timeout,
-                stop_timeout=self.settings.stop_timeout, max_restarts=self.settings.max_restarts))
+                stop_timeout=self.settings.stop_timeout, max_restarts=self.settings.max_restarts)
+            self._attach(supervisor)
+            self._supervisor = supervisor
         try:
-            return await self._backend.load(spec)
+            return await supervisor.load(spec)
         except BaseException:
             self.registry.refuse_waiting(ModelNotReady("The model failed to load.", retry_after=5))
             raise
@@ -128,9 +133,9 @@ class StudioService:
         ready (slots read from its /props) whenever it answers healthy."""
         await self._retire_current_load()
         await self._close_backend()
-        watcher = UpstreamWatcher(url)
-        self._attach(watcher)
-        return await watcher.start()
+        remote = RemoteEngine(url)
+        self._attach(remote)
+        return await remote.start()
 
     async def unload(self) -> None:
         await self._retire_current_load()
@@ -145,13 +150,14 @@ class StudioService:
 
     # --- wiring --------------------------------------------------------------------------
 
-    def _attach(self, backend: Supervisor | UpstreamWatcher) -> None:
+    def _attach(self, backend: LoadBackend) -> None:
         self._backend = backend
         self._restarts_seen = 0
         backend.add_listener(self._on_backend_snapshot)
 
     async def _close_backend(self) -> None:
         backend, self._backend = self._backend, None
+        self._supervisor = None
         if backend is not None:
             await backend.close()
 
@@ -198,11 +204,7 @@ class StudioService:
                 self.metrics.count_restart()
             self._restarts_seen = snapshot.restarts
         self.metrics.set_backend(snapshot)
-        for listener in list(self._listeners):
-            try:
-                listener(snapshot)
-            except Exception:
-                log.exception("service listener failed")
+        self._listeners(snapshot)
 
 
 class BackendThread:

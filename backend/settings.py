@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import platformdirs
 
 from backend.errors import SettingsError
+from backend.load import LoadSettings
 
 APP_NAME = "gguf-studio"
 ENV_PREFIX = "GGUF_STUDIO_"
@@ -55,6 +56,18 @@ class Settings:
         if self.max_queue > 0:
             return self.max_queue
         return max(64, 16 * max(slots, 1))
+
+    def load_settings(self) -> LoadSettings:
+        """The last load's settings, in the shape the library and the window keep."""
+        return LoadSettings(ctx_size=self.ctx_size, parallel=self.parallel,
+                            n_gpu_layers=self.n_gpu_layers, threads=self.threads,
+                            extra_args=tuple(self.extra_args))
+
+    def with_load_settings(self, load: LoadSettings) -> "Settings":
+        """A copy remembering `load` as the last load's settings."""
+        return self.replace(ctx_size=load.ctx_size, parallel=str(load.parallel),
+                            n_gpu_layers=load.n_gpu_layers, threads=load.threads,
+                            extra_args=list(load.extra_args))
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

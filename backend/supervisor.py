@@ -8,7 +8,6 @@ child's exit, the deadline and cancellation, each ending with its own error.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import signal
@@ -16,81 +15,22 @@ import socket
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-import httpx
-
+from backend.engine_api import EngineClient, EngineProps
 from backend.errors import (
     EngineExitedDuringLoad,
     LoadError,
     LoadSuperseded,
     LoadTimedOut,
-    SettingsError,
 )
+from backend.listeners import Listeners
+from backend.load import OWNED_FLAGS, Listener, LoadSpec, LogListener, Snapshot, State
 
+__all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
 
-class State(enum.Enum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What a load looks like right now; listeners get a new one on every change."""
-
-    state: State = State.STOPPED
-    model_id: str | None = None
-    model_path: str | None = None
-    base_url: str | None = None
-    effective_parallel_slots: int | None = None
-    context_length: int | None = None
-    restarts: int = 0
-    restarting: bool = False
-    error: str | None = None
-    pid: int | None = None
-    log_path: str | None = None
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Everything that defines one load; replaying it after a crash gives the same load."""
-
-    model_path: str
-    parallel: str = "auto"  # "auto" or a positive integer
-    ctx_size: int = 0  # 0: the model's trained context length
-    n_gpu_layers: int = 0
-    threads: int = 0  # 0: every core but one (see default_threads)
-    extra_args: tuple[str, ...] = ()
-    chat_template: bool = True  # --jinja: render the model's own chat template
-    model_id: str = ""  # the name clients see; the file name without .gguf by default
-
-    def __post_init__(self) -> None:
-        if self.parallel != "auto" and not (str(self.parallel).isdigit() and int(self.parallel) > 0):
-            raise SettingsError(f"Parallel slots must be 'auto' or a positive number, not {self.parallel!r}.")
-        owned = sorted(set(self.extra_args) & OWNED_FLAGS)
-        if owned:
-            raise SettingsError(
-                f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
-                "the model, host, port, parallel slots and API key itself.")
-
-    @property
-    def name(self) -> str:
-        return self.model_id or Path(self.model_path).name.removesuffix(".gguf")
-
-
-Listener = Callable[[Snapshot], None]
-LogListener = Callable[[str], None]
-
-# Flags GGUF Studio owns; a user's extra arguments may not override them.
-OWNED_FLAGS = frozenset({
-    "-m", "--model", "--host", "--port", "-np", "--parallel", "--api-key",
-    "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "--hf-repo",
-})
 
 log = logging.getLogger("gguf_studio.supervisor")
 
@@ -112,8 +52,8 @@ class Supervisor:
         self.stable_after = stable_after
         self._pick_port = port_picker or pick_free_port
         self._snapshot = Snapshot()
-        self._listeners: list[Listener] = []
-        self._log_listeners: list[LogListener] = []
+        self._listeners: Listeners[[Snapshot]] = Listeners(log, "state listener")
+        self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
         self._log_tail: deque[str] = deque(maxlen=1000)
         self._task: asyncio.Task | None = None
 
@@ -124,10 +64,10 @@ class Supervisor:
         return self._snapshot
 
     def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def add_log_listener(self, listener: LogListener) -> None:
-        self._log_listeners.append(listener)
+        self._log_listeners.add(listener)
 
     def log_tail(self, lines: int = 200) -> list[str]:
         return list(self._log_tail)[-lines:]
@@ -167,7 +107,7 @@ class Supervisor:
 
     async def _own(self, spec: LoadSpec, ready: asyncio.Future[Snapshot]) -> None:
         self._set_state(State.STARTING, model_id=spec.name, model_path=spec.model_path,
-                        base_url=None, effective_parallel_slots=None, context_length=None,
+                        requested=spec.settings, base_url=None, effective_parallel_slots=None, context_length=None,
                         restarts=0, restarting=False, error=None, pid=None)
         crashes_in_a_row = 0
         bind_retries = 0
@@ -256,11 +196,15 @@ class Supervisor:
         self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
         return child
 
-    async def _wait_ready(self, child: "_Child") -> "EngineProps":
+    async def _wait_ready(self, child: "_Child") -> EngineProps:
         """What /props says once /health says 200; each way of not getting there has its
         own error."""
+        async with EngineClient(child.base_url, timeout=10.0) as engine:
+            return await self._wait_healthy_then_props(child, engine)
+
+    async def _wait_healthy_then_props(self, child: "_Child", engine: EngineClient) -> EngineProps:
         deadline = self.load_timeout
-        health = asyncio.create_task(_poll_until_healthy(child.base_url))
+        health = asyncio.create_task(engine.wait_healthy())
         exited = asyncio.create_task(child.wait())
         try:
             done, _ = await asyncio.wait({health, exited}, timeout=deadline,
@@ -280,29 +224,21 @@ class Supervisor:
             raise LoadTimedOut(f"The model did not become ready within {self.load_timeout:g} seconds.",
                                "\n".join(child.tail(20)))
         health.result()
-        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-            return await read_props(client, child.base_url)
+        return await engine.props()
 
     def _on_log_line(self, line: str) -> None:
         self._log_tail.append(line)
-        for listener in list(self._log_listeners):
-            try:
-                listener(line)
-            except Exception:
-                log.exception("log listener failed")
+        self._log_listeners(line)
 
     def _set_state(self, state: State, **changes) -> None:
         self._snapshot = replace(self._snapshot, state=state, **changes)
-        for listener in list(self._listeners):
-            try:
-                listener(self._snapshot)
-            except Exception:
-                log.exception("state listener failed")
+        self._listeners(self._snapshot)
 
 
 def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
     """llama-server's command line: every setting explicit, never the binary's defaults."""
-    parallel = "-1" if spec.parallel == "auto" else str(int(spec.parallel))
+    settings = spec.settings
+    parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
     args = [
         str(binary),
         "--model", spec.model_path,
@@ -310,15 +246,15 @@ def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
         "--host", "127.0.0.1",
         "--port", str(port),
         "--parallel", parallel,
-        "--ctx-size", str(spec.ctx_size),
-        "--n-gpu-layers", str(spec.n_gpu_layers),
+        "--ctx-size", str(settings.ctx_size),
+        "--n-gpu-layers", str(settings.n_gpu_layers),
         "--metrics",
         "--no-webui",
     ]
-    args += ["--threads", str(spec.threads or default_threads())]
+    args += ["--threads", str(settings.threads or default_threads())]
     if spec.chat_template:
         args.append("--jinja")
-    args += list(spec.extra_args)
+    args += list(settings.extra_args)
     return args
 
 
@@ -427,39 +363,6 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
     return preexec
-
-
-async def _poll_until_healthy(base_url: str, interval: float = 0.05) -> None:
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-        while True:
-            try:
-                response = await client.get(f"{base_url}/health")
-                if response.status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(interval)
-
-
-@dataclass(frozen=True)
-class EngineProps:
-    """What llama-server's /props says about the load it runs."""
-
-    effective_parallel_slots: int
-    context_length: int | None  # per slot
-    model_alias: str | None
-
-
-async def read_props(client: httpx.AsyncClient, base_url: str) -> EngineProps:
-    """Slots and per-slot context from /props; a LoadError when they are missing."""
-    try:
-        props = (await client.get(f"{base_url}/props")).raise_for_status().json()
-        slots = int(props["total_slots"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        raise LoadError(f"llama-server became healthy but did not report its slots ({exc}).") from None
-    generation = props.get("default_generation_settings") or {}
-    ctx = generation.get("n_ctx") or props.get("n_ctx")
-    return EngineProps(slots, int(ctx) if ctx else None, props.get("model_alias"))
 
 
 def _describe_exit(code: int | None) -> str:

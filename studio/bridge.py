@@ -29,7 +29,8 @@ from backend.engine import Engine, Resolution
 from backend.errors import LoadSuperseded, StudioError
 from backend.service import BackendThread, StudioService
 from backend.settings import Settings
-from backend.supervisor import LoadSpec, Snapshot, Supervisor
+from backend.load import LoadSpec, Snapshot
+from backend.supervisor import Supervisor
 
 __all__ = ["ACCESS_LOGGER", "LogLine", "ServiceBridge", "describe_error"]
 

@@ -22,8 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.gguf_info import ModelInfo, format_file_size, format_parameter_count
-from backend.model_library import LoadSettings
-from backend.supervisor import Snapshot, State
+from backend.load import THREADS_HELP, LoadSettings, Snapshot, State
 
 from studio.widgets import heading, secondary_label
 
@@ -89,8 +88,7 @@ class ModelView(QWidget):
                                   "the number it chose is shown after loading.")
         self.gpu_layers = _spin(0, 999, "None (CPU only)",
                                 tip="Layers to offload to the GPU; 999 offloads all of them.")
-        self.threads = _spin(0, 1024, "Auto", tip="CPU threads; Auto uses every core but one, "
-                             "so the window and the port stay responsive.")
+        self.threads = _spin(0, 1024, "Auto", tip=f"CPU threads; Auto uses {THREADS_HELP}.")
         self.extra_args = QLineEdit()
         self.extra_args.setPlaceholderText("e.g. --flash-attn on --cache-type-k q8_0")
         self.extra_args.setToolTip("More llama-server arguments. The model, host, port, parallel "
@@ -163,7 +161,7 @@ class ModelView(QWidget):
         layout.addLayout(slots_row)
 
         self.show_info(None, None)
-        self.set_state(Snapshot(), None)
+        self.set_state(Snapshot())
 
     # --- card -------------------------------------------------------------------------
 
@@ -243,15 +241,18 @@ class ModelView(QWidget):
 
     # --- state ------------------------------------------------------------------------------
 
-    def set_state(self, snapshot: Snapshot, requested_parallel: str | None) -> None:
+    def set_state(self, snapshot: Snapshot) -> None:
+        """Render `snapshot`; its requested settings say what the effective values differ from."""
         self._snapshot = snapshot
+        requested_parallel = snapshot.requested.parallel if snapshot.requested else None
         busy = snapshot.state in (State.STARTING, State.STOPPING)
         self.progress.setVisible(busy)
         self.state.setText(describe_state(snapshot))
         slots = snapshot.effective_parallel_slots
         if snapshot.state is State.READY and slots:
             text = f"Effective parallel slots: <b>{slots}</b>"
-            differs = requested_parallel not in (None, "auto") and int(requested_parallel) != slots
+            differs = requested_parallel is not None and requested_parallel != "auto" \
+                and int(requested_parallel) != slots
             if differs:
                 text += (f" — you asked for {requested_parallel}; "
                          "llama-server decided otherwise")

@@ -27,7 +27,7 @@ from backend.errors import SettingsError
 from backend.gguf_info import ModelInfo, read_model_info
 from backend.model_library import ModelEntry, ModelLibrary
 from backend.settings import Settings
-from backend.supervisor import Snapshot, State
+from backend.load import Snapshot, State
 
 from studio.activity_view import ActivityView
 from studio.bridge import ServiceBridge
@@ -53,7 +53,6 @@ class MainWindow(QMainWindow):
         self.settings = settings
         self._settings_path = settings_path
         self._state = QSettings(str(state_path), QSettings.Format.IniFormat) if state_path else None
-        self._requested_parallel: str | None = None
         self._in_flight = 0
         self._scans = 0
         self.setWindowTitle("GGUF Studio")
@@ -234,11 +233,7 @@ class MainWindow(QMainWindow):
         self.library.remember_settings(path, wanted)
         self.library.mark_used(path)
         self._save_library()
-        self._requested_parallel = spec.parallel
-        self.apply_settings(self.settings.replace(
-            model=path, parallel=spec.parallel, ctx_size=spec.ctx_size,
-            n_gpu_layers=spec.n_gpu_layers, threads=spec.threads,
-            extra_args=list(spec.extra_args)))
+        self.apply_settings(self.settings.with_load_settings(spec.settings).replace(model=path))
         self.bridge.load(spec, on_error=self._on_load_error)
         self.refresh_library(select=path)
 
@@ -252,7 +247,7 @@ class MainWindow(QMainWindow):
             self.tabs.setCurrentIndex(ENGINE_TAB)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        self.model_view.set_state(snapshot, self._requested_parallel)
+        self.model_view.set_state(snapshot)
         ready = snapshot.state is State.READY
         self.sharing.set_model(snapshot.model_id, snapshot.context_length if ready else None)
         self.status_state.setText(describe_state(snapshot))

@@ -16,7 +16,7 @@ from backend.admission import AdmissionRegistry
 from backend.gateway import GatewayServer, create_app
 from backend.metrics import Metrics
 from backend.settings import Settings
-from backend.supervisor import Snapshot, State
+from backend.load import Snapshot, State
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

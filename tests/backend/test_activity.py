@@ -15,7 +15,7 @@ from backend.activity import (
 )
 from backend.admission import AdmissionRegistry
 from backend.metrics import Metrics
-from backend.supervisor import Snapshot
+from backend.load import Snapshot
 
 
 class FakeService:

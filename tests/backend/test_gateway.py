@@ -21,7 +21,7 @@ import pytest
 
 from backend.errors import SettingsError
 from backend.gateway import GatewayServer, create_app
-from backend.supervisor import Snapshot, State
+from backend.load import Snapshot, State
 from tests.backend.gateway_harness import (
     CHAT, Gateway, KEY, RESPONSES, assert_clean_error, assert_no_internals, cancel, chat,
     events, holding, open_gateway, stream, until)

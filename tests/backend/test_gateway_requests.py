@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from backend.supervisor import Snapshot
+from backend.load import Snapshot
 from tests.backend.gateway_harness import (
     CHAT, KEY, RESPONSES, assert_clean_error, cancel, chat, holding, stream, until)
 from tests.fake_upstream import MODEL_PATH

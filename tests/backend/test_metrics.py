@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.admission import AdmissionRegistry
 from backend.metrics import Metrics
-from backend.supervisor import Snapshot, State
+from backend.load import Snapshot, State
 
 BASE = "http://127.0.0.1:41001"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from backend.errors import SettingsError
+from backend.load import LoadSettings
 from backend.model_library import (
-    LoadSettings,
     Location,
     ModelLibrary,
     default_locations,
@@ -155,32 +155,6 @@ def test_unreadable_library_file_gives_an_empty_library(tmp_path: Path) -> None:
     store.write_text(json.dumps({"opened": "nope", "recent": {"x": "y"}, "load_settings": []}))
     library = ModelLibrary.load(store, locations=[])
     assert library.opened == [] and library.recent == {}
-
-
-def test_load_settings_become_a_load_spec() -> None:
-    spec = LoadSettings(ctx_size=2048, parallel="2", extra_args=("--temp", "0.1")).to_spec(
-        "/m.gguf", chat_template=False)
-    assert (spec.model_path, spec.parallel, spec.ctx_size, spec.extra_args, spec.chat_template) == (
-        "/m.gguf", "2", 2048, ("--temp", "0.1"), False)
-
-
-@pytest.mark.parametrize("extra", [("--port", "9"), ("-m", "x.gguf"), ("--host", "0.0.0.0"),
-                                   ("--api-key", "k"), ("-np", "4")])
-def test_owned_flags_are_refused(extra: tuple[str, ...]) -> None:
-    with pytest.raises(SettingsError, match="GGUF Studio sets"):
-        LoadSettings(extra_args=extra).to_spec("/m.gguf")
-
-
-def test_bad_parallel_is_refused() -> None:
-    with pytest.raises(SettingsError, match="Parallel"):
-        LoadSettings(parallel="many").to_spec("/m.gguf")
-
-
-def test_extra_args_are_split_like_a_shell() -> None:
-    assert LoadSettings.parse_extra_args("--temp 0.2 --system-prompt 'be brief'") == (
-        "--temp", "0.2", "--system-prompt", "be brief")
-    with pytest.raises(SettingsError, match="cannot be read"):
-        LoadSettings.parse_extra_args("--x 'unclosed")
 
 
 def test_unreadable_folder_entries_do_not_stop_the_scan(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 from backend.errors import SettingsError
 from backend.service import StudioService, check_bind_allowed, client_urls
 from backend.settings import Settings
-from backend.supervisor import LoadSpec, State
+from backend.load import LoadSettings, LoadSpec, State
 
 # A long generation holds a slot for seconds on the tiny model (random weights never
 # stop by themselves; ignore_eos makes sure).
@@ -39,7 +39,7 @@ async def client(service: StudioService):
 
 
 def spec(model: Path, parallel: str = "2", ctx: int = 16384) -> LoadSpec:
-    return LoadSpec(str(model), parallel=parallel, ctx_size=ctx)
+    return LoadSettings(parallel=parallel, ctx_size=ctx).to_spec(str(model))
 
 
 def chat(stream: bool = True, **extra) -> dict:

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from backend.errors import EngineExitedDuringLoad, LoadSuperseded, LoadTimedOut, SettingsError
-from backend.supervisor import LoadSpec, Snapshot, State, Supervisor, pick_free_port
+from backend.load import LoadSettings, LoadSpec, Snapshot, State
+from backend.supervisor import Supervisor, pick_free_port
 from tests.model_factory import write_not_gguf, write_truncated_copy
 
 
@@ -73,7 +74,7 @@ async def props(base_url: str) -> dict:
 
 async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(supervisor, tiny_model):
     rec = Recorder(supervisor)
-    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="3", ctx_size=4096))
+    snapshot = await supervisor.load(LoadSettings(parallel="3", ctx_size=4096).to_spec(str(tiny_model)))
     try:
         assert snapshot.state is State.READY
         assert snapshot.effective_parallel_slots == 3
@@ -86,7 +87,7 @@ async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(super
 
 
 async def test_parallel_auto_reports_the_slot_count_the_server_chose(supervisor, tiny_model):
-    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="auto", ctx_size=4096))
+    snapshot = await supervisor.load(LoadSettings(parallel="auto", ctx_size=4096).to_spec(str(tiny_model)))
     try:
         chosen = (await props(snapshot.base_url))["total_slots"]
         assert chosen >= 1
@@ -96,7 +97,7 @@ async def test_parallel_auto_reports_the_slot_count_the_server_chose(supervisor,
 
 
 async def test_unload_stops_the_child_and_resets_slots(supervisor, tiny_model):
-    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="2", ctx_size=2048))
+    snapshot = await supervisor.load(LoadSettings(parallel="2", ctx_size=2048).to_spec(str(tiny_model)))
     rec = Recorder(supervisor)
     await supervisor.unload()
     assert supervisor.snapshot.state is State.STOPPED
@@ -107,7 +108,7 @@ async def test_unload_stops_the_child_and_resets_slots(supervisor, tiny_model):
 
 
 async def test_killed_child_is_restarted_and_slots_are_read_again(supervisor, tiny_model):
-    first = await supervisor.load(LoadSpec(str(tiny_model), parallel="2", ctx_size=2048))
+    first = await supervisor.load(LoadSettings(parallel="2", ctx_size=2048).to_spec(str(tiny_model)))
     rec = Recorder(supervisor)
     try:
         os.kill(first.pid, signal.SIGKILL)
@@ -128,7 +129,7 @@ async def test_restarts_are_bounded(llama_server_binary, tiny_model, tmp_path):
     sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60,
                      restart_backoff=(0.0,), max_restarts=1)
     rec = Recorder(sup)
-    first = await sup.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+    first = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
     os.kill(first.pid, signal.SIGKILL)
     second = await rec.until(lambda s: s.state is State.READY and s.pid != first.pid)
     os.kill(second.pid, signal.SIGKILL)
@@ -147,7 +148,7 @@ async def test_broken_model_fails_with_a_readable_reason(supervisor, tiny_model,
         breaker(tiny_model, bad)
     rec = Recorder(supervisor)
     with pytest.raises(EngineExitedDuringLoad) as caught:
-        await supervisor.load(LoadSpec(str(bad), parallel="1"))
+        await supervisor.load(LoadSettings(parallel="1").to_spec(str(bad)))
     message = str(caught.value)
     assert message.startswith("llama-server exited while loading the model")
     assert "Traceback" not in message
@@ -165,7 +166,7 @@ async def test_occupied_port_is_skipped_for_a_fresh_one(llama_server_binary, tin
         ports = iter([taken])
         sup = Supervisor(llama_server_binary, tmp_path / "logs",
                          port_picker=lambda: next(ports, None) or pick_free_port())
-        snapshot = await sup.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+        snapshot = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
         try:
             assert snapshot.state is State.READY
             assert not snapshot.base_url.endswith(f":{taken}")
@@ -177,7 +178,7 @@ async def test_load_timeout_fails_and_leaves_no_child(llama_server_binary, tiny_
     sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=0.01)
     rec = Recorder(sup)
     with pytest.raises(LoadTimedOut):
-        await sup.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+        await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
     pid = next(s.pid for s in rec.snapshots if s.pid)
     assert not pid_alive(pid)
     assert sup.snapshot.state is State.FAILED
@@ -185,7 +186,7 @@ async def test_load_timeout_fails_and_leaves_no_child(llama_server_binary, tiny_
 
 async def test_unload_during_load_supersedes_it(supervisor, tiny_model):
     rec = Recorder(supervisor)
-    load = asyncio.create_task(supervisor.load(LoadSpec(str(tiny_model), parallel="1")))
+    load = asyncio.create_task(supervisor.load(LoadSettings(parallel="1").to_spec(str(tiny_model))))
     started = await rec.until(lambda s: s.pid is not None)
     await supervisor.unload()
     with pytest.raises(LoadSuperseded):
@@ -195,8 +196,8 @@ async def test_unload_during_load_supersedes_it(supervisor, tiny_model):
 
 
 async def test_new_load_stops_the_old_one_first(supervisor, tiny_model):
-    first = await supervisor.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
-    second = await supervisor.load(LoadSpec(str(tiny_model), parallel="2", ctx_size=1024))
+    first = await supervisor.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+    second = await supervisor.load(LoadSettings(parallel="2", ctx_size=1024).to_spec(str(tiny_model)))
     try:
         assert not pid_alive(first.pid)
         assert second.effective_parallel_slots == 2
@@ -205,7 +206,7 @@ async def test_new_load_stops_the_old_one_first(supervisor, tiny_model):
 
 
 async def test_log_file_and_tail_hold_the_servers_output(supervisor, tiny_model):
-    snapshot = await supervisor.load(LoadSpec(str(tiny_model), parallel="1", ctx_size=1024))
+    snapshot = await supervisor.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
     await supervisor.unload()
     text = Path(snapshot.log_path).read_text()
     assert "--parallel 1" in text.splitlines()[0]
@@ -231,7 +232,7 @@ async def test_sigterm_is_followed_by_sigkill_when_ignored(tmp_path, tiny_model)
         """))
     fake.chmod(0o755)
     sup = Supervisor(fake, tmp_path / "logs", stop_timeout=0.5)
-    snapshot = await sup.load(LoadSpec(str(tiny_model)))
+    snapshot = await sup.load(LoadSettings().to_spec(str(tiny_model)))
     started = time.monotonic()
     await sup.unload()
     assert not pid_alive(snapshot.pid)
@@ -240,18 +241,19 @@ async def test_sigterm_is_followed_by_sigkill_when_ignored(tmp_path, tiny_model)
 
 def test_extra_arguments_may_not_override_owned_flags(tiny_model):
     with pytest.raises(SettingsError, match="--port"):
-        LoadSpec(str(tiny_model), extra_args=("--port", "80"))
+        LoadSettings(extra_args=("--port", "80")).to_spec(str(tiny_model))
     with pytest.raises(SettingsError, match="positive"):
-        LoadSpec(str(tiny_model), parallel="0")
+        LoadSettings(parallel="0").to_spec(str(tiny_model))
 
 
 def test_child_dies_with_the_app_even_when_the_app_is_killed(llama_server_binary, tiny_model, tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, sys
-        from backend.supervisor import LoadSpec, Supervisor
+        from backend.load import LoadSettings, LoadSpec
+        from backend.supervisor import Supervisor
         async def main():
             sup = Supervisor({str(llama_server_binary)!r}, {str(tmp_path / 'logs')!r})
-            snap = await sup.load(LoadSpec({str(tiny_model)!r}, parallel="1", ctx_size=1024))
+            snap = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec({str(tiny_model)!r}))
             print(snap.pid, flush=True)
             await asyncio.Event().wait()
         asyncio.run(main())
@@ -276,7 +278,7 @@ def test_the_engine_leaves_one_core_to_the_app_unless_told_otherwise(tiny_model)
     from backend.supervisor import build_command, default_threads
 
     assert default_threads(8) == 7 and default_threads(2) == 1 and default_threads(1) == 1
-    auto = build_command(Path("llama-server"), LoadSpec(str(tiny_model)), 1234)
+    auto = build_command(Path("llama-server"), LoadSettings().to_spec(str(tiny_model)), 1234)
     assert auto[auto.index("--threads") + 1] == str(default_threads())
-    chosen = build_command(Path("llama-server"), LoadSpec(str(tiny_model), threads=3), 1234)
+    chosen = build_command(Path("llama-server"), LoadSettings(threads=3).to_spec(str(tiny_model)), 1234)
     assert chosen[chosen.index("--threads") + 1] == "3"

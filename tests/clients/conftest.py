@@ -29,7 +29,7 @@ import pytest
 
 from backend.service import StudioService
 from backend.settings import Settings
-from backend.supervisor import LoadSpec
+from backend.load import LoadSettings, LoadSpec
 from tests.model_factory import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,9 +115,7 @@ async def start_studio(tmp_path: Path, llama_server_binary: Path,
         # One engine thread: a test holding a slot with a long generation must leave CPU
         # to the port and the client (on 2 cores, two busy engine threads stalled the
         # test's loop, and so the port's keep-alives, for seconds).
-        await service.load(LoadSpec(str(long_context_model), parallel=str(parallel),
-                                    ctx_size=CONTEXT * parallel, threads=ENGINE_THREADS,
-                                    model_id=MODEL_ID))
+        await service.load(LoadSettings(parallel=str(parallel), ctx_size=CONTEXT * parallel, threads=ENGINE_THREADS).to_spec(str(long_context_model), model_id=MODEL_ID))
         return service
 
     yield start

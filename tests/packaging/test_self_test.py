@@ -13,7 +13,7 @@ import pytest
 from backend.self_test import FAILED, PASSED, run_self_test
 from backend.service import StudioService
 from backend.settings import Settings
-from backend.supervisor import State
+from backend.load import State
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 
 from backend.service import client_urls
 from backend.snippets import KEY_ENV_VAR, PROVIDER_ID
-from backend.supervisor import State
+from backend.load import State
 from studio.window import ACTIVITY_TAB
 
 LOAD_WAIT = 60_000

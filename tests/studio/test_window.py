@@ -9,9 +9,8 @@ from PySide6.QtCore import Qt
 
 from backend.activity import ActivitySample
 from backend.engine import BuildProgress
-from backend.model_library import LoadSettings
 from backend.settings import Settings
-from backend.supervisor import Snapshot, State
+from backend.load import LoadSettings, Snapshot, State
 from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
 from tests.studio.conftest import close_and_stop
 
@@ -95,17 +94,20 @@ def test_owned_flags_are_refused_with_a_message(open_window, qtbot, tiny_model: 
 
 def test_effective_slots_are_marked_when_the_server_decided_otherwise(open_window) -> None:
     view = open_window().model_view
-    ready = Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4, context_length=2048)
-    view.set_state(ready, "2")
+    def ready(parallel: str) -> Snapshot:
+        return Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
+                        context_length=2048, requested=LoadSettings(parallel=parallel))
+
+    view.set_state(ready("2"))
     assert "<b>4</b>" in view.slots.text() and "you asked for 2" in view.slots.text()
     assert view.slots_icon.isVisible()
-    view.set_state(ready, "4")
+    view.set_state(ready("4"))
     assert "asked" not in view.slots.text() and not view.slots_icon.isVisible()
-    view.set_state(ready, "auto")
+    view.set_state(ready("auto"))
     assert "chosen by llama-server" in view.slots.text()
-    view.set_state(Snapshot(state=State.STARTING, restarting=True, error="it crashed."), "2")
+    view.set_state(Snapshot(state=State.STARTING, restarting=True, error="it crashed."))
     assert view.state.text().startswith("Restarting") and "—" in view.slots.text()
-    view.set_state(Snapshot(state=State.FAILED, error="no memory."), "2")
+    view.set_state(Snapshot(state=State.FAILED, error="no memory."))
     assert view.state.text() == "Failed — no memory."
 
 

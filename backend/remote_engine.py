@@ -10,31 +10,41 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
+from backend.engine_api import EngineClient
 from backend.errors import LoadError, SettingsError
-from backend.supervisor import Snapshot, State, read_props
+from backend.listeners import Listeners
+from backend.load import Listener, LogListener, Snapshot, State
 
-log = logging.getLogger("gguf_studio.upstream")
+__all__ = ["RemoteEngine", "normalise_base_url"]
+
+log = logging.getLogger("gguf_studio.remote_engine")
 
 
-class UpstreamWatcher:
+class RemoteEngine:
+    """Watches a llama-server at `url`; a `LoadBackend` without a process or logs."""
+
     def __init__(self, url: str, *, interval: float = 1.0) -> None:
         self.base_url = normalise_base_url(url)
         self.interval = interval
         self._snapshot = Snapshot(model_id=None, model_path=None)
-        self._listeners: list[Callable[[Snapshot], None]] = []
-        self._task: asyncio.Task | None = None
+        self._listeners: Listeners[[Snapshot]] = Listeners(log, "remote engine listener")
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def snapshot(self) -> Snapshot:
         return self._snapshot
 
-    def add_listener(self, listener: Callable[[Snapshot], None]) -> None:
-        self._listeners.append(listener)
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.add(listener)
+
+    def add_log_listener(self, listener: LogListener) -> None:
+        """Nothing to hear: the engine's output stays on the machine that runs it."""
+
+    def log_tail(self, lines: int = 200) -> list[str]:
+        return []
 
     async def start(self) -> Snapshot:
         if self._task is None:
@@ -49,18 +59,19 @@ class UpstreamWatcher:
             await asyncio.gather(task, return_exceptions=True)
         self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None)
 
-    close = unload
+    async def close(self) -> None:
+        await self.unload()
 
     async def _watch(self) -> None:
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        async with EngineClient(self.base_url, timeout=5.0) as engine:
             while True:
-                healthy = await _healthy(client, self.base_url)
+                healthy = await engine.healthy()
                 ready = self._snapshot.state is State.READY
                 if healthy and not ready:
                     try:
-                        props = await read_props(client, self.base_url)
+                        props = await engine.props()
                     except LoadError as exc:
-                        log.warning("upstream is healthy but unusable: %s; retrying", exc)
+                        log.warning("remote engine is healthy but unusable: %s; retrying", exc)
                     else:
                         self._set_state(State.READY, base_url=self.base_url,
                                         effective_parallel_slots=props.effective_parallel_slots,
@@ -72,13 +83,9 @@ class UpstreamWatcher:
                                     restarting=True, error="The upstream llama-server stopped answering.")
                 await asyncio.sleep(self.interval)
 
-    def _set_state(self, state: State, **changes) -> None:
+    def _set_state(self, state: State, **changes: Any) -> None:
         self._snapshot = replace(self._snapshot, state=state, **changes)
-        for listener in list(self._listeners):
-            try:
-                listener(self._snapshot)
-            except Exception:
-                log.exception("upstream listener failed")
+        self._listeners(self._snapshot)
 
 
 def normalise_base_url(url: str) -> str:
@@ -90,10 +97,3 @@ def normalise_base_url(url: str) -> str:
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
     return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-async def _healthy(client: httpx.AsyncClient, base_url: str) -> bool:
-    try:
-        return (await client.get(f"{base_url}/health")).status_code == 200
-    except httpx.HTTPError:
-        return False

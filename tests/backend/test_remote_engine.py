@@ -12,8 +12,9 @@ import pytest
 from backend.errors import SettingsError
 from backend.service import StudioService
 from backend.settings import Settings
-from backend.supervisor import Snapshot, State, pick_free_port
-from backend.upstream import normalise_base_url
+from backend.load import Snapshot, State
+from backend.supervisor import pick_free_port
+from backend.remote_engine import normalise_base_url
 
 
 def start_llama_server(binary: Path, model: Path, port: int, parallel: int) -> subprocess.Popen:

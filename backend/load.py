@@ -1,0 +1,146 @@
+"""What a load is: the settings a user asks for, the spec the engine gets, the state it is in.
+
+The contract between whatever runs llama-server (the local `Supervisor`, or a
+`RemoteEngine` that watches one running elsewhere) and everything that uses it
+(service, admission, gateway, metrics, the window).  `LoadSettings` is the one shape
+load parameters are kept in: the model library, the window and `Settings` all convert
+to and from it, and `LoadSpec` is built from it in one place (`LoadSettings.to_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+from backend.errors import SettingsError
+
+# Flags GGUF Studio owns; a user's extra arguments may not override them.
+OWNED_FLAGS = frozenset({
+    "-m", "--model", "--host", "--port", "-np", "--parallel", "--api-key",
+    "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "--hf-repo",
+})
+
+# What threads 0 (the default) means, for every help text that mentions it.
+THREADS_HELP = "every core but one, so the window and the port stay responsive"
+
+
+class State(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How the user wants one model loaded; saved per model and as the last load."""
+
+    ctx_size: int = 0  # 0: the model's trained context
+    parallel: str = "auto"  # "auto" or a positive integer
+    n_gpu_layers: int = 0
+    threads: int = 0  # 0: every core but one (THREADS_HELP)
+    extra_args: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raises SettingsError for an unusable value or a flag GGUF Studio owns."""
+        parallel = str(self.parallel)
+        if parallel != "auto" and not (parallel.isdigit() and int(parallel) > 0):
+            raise SettingsError(f"Parallel slots must be 'auto' or a positive number, not {self.parallel!r}.")
+        owned = sorted(set(self.extra_args) & OWNED_FLAGS)
+        if owned:
+            raise SettingsError(
+                f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
+                "the model, host, port, parallel slots and API key itself.")
+
+    def to_spec(self, model_path: str, *, chat_template: bool = True, model_id: str = "") -> "LoadSpec":
+        """The one way a load is built.  Raises SettingsError like `validate`."""
+        settings = dataclasses.replace(self, parallel=str(self.parallel).strip() or "auto",
+                                       extra_args=tuple(self.extra_args))
+        return LoadSpec(model_path=str(model_path), settings=settings,
+                        chat_template=chat_template, model_id=model_id)
+
+    @staticmethod
+    def parse_extra_args(text: str) -> tuple[str, ...]:
+        try:
+            return tuple(shlex.split(text))
+        except ValueError as exc:
+            raise SettingsError(f"The extra arguments cannot be read: {exc}.") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["extra_args"] = list(self.extra_args)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LoadSettings":
+        def number(key: str) -> int:
+            try:
+                return max(0, int(data.get(key, 0)))
+            except (TypeError, ValueError):
+                return 0
+
+        extra = data.get("extra_args") or ()
+        return cls(ctx_size=number("ctx_size"), parallel=str(data.get("parallel") or "auto"),
+                   n_gpu_layers=number("n_gpu_layers"), threads=number("threads"),
+                   extra_args=tuple(str(a) for a in extra) if isinstance(extra, (list, tuple)) else ())
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything that defines one load; replaying it after a crash gives the same load."""
+
+    model_path: str
+    settings: LoadSettings = LoadSettings()
+    chat_template: bool = True  # --jinja: render the model's own chat template
+    model_id: str = ""  # the name clients see; the file name without .gguf by default
+
+    def __post_init__(self) -> None:
+        self.settings.validate()
+
+    @property
+    def name(self) -> str:
+        return self.model_id or Path(self.model_path).name.removesuffix(".gguf")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a load looks like right now; listeners get a new one on every change."""
+
+    state: State = State.STOPPED
+    model_id: str | None = None
+    model_path: str | None = None
+    base_url: str | None = None
+    effective_parallel_slots: int | None = None
+    context_length: int | None = None
+    restarts: int = 0
+    restarting: bool = False
+    error: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
+    requested: LoadSettings | None = None  # what the load was asked for; None when remote
+
+
+Listener = Callable[[Snapshot], None]
+LogListener = Callable[[str], None]
+
+
+class LoadBackend(Protocol):
+    """What runs (or watches) one llama-server; the service drives either kind alike."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    def add_listener(self, listener: Listener) -> None: ...
+
+    def add_log_listener(self, listener: LogListener) -> None: ...
+
+    def log_tail(self, lines: int = 200) -> list[str]: ...
+
+    async def unload(self) -> None: ...
+
+    async def close(self) -> None: ...
