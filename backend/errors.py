@@ -74,6 +74,11 @@ class SettingsError(StudioError):
 # --- requests (answered over HTTP) ---------------------------------------------------
 
 
+#: Retry-After, in seconds, for a refusal that a retry shortly will likely get past
+#: (a load starting, replaced or restarting; the engine briefly unreachable).
+RETRY_SOON = 5.0
+
+
 class RequestError(StudioError):
     """An error that becomes an OpenAI-style answer to one HTTP request."""
 

@@ -34,14 +34,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from backend import gateway_errors as answers
+from backend import gateway_errors
 from backend.admission import AdmissionRegistry
-from backend.errors import (InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
+from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, SettingsError, Unauthorized, UpgradeRequired)
 from backend.metrics import Metrics
 from backend.relay import DisconnectWatch, Exchange
 from backend.request_body import ClientGone, parse_body, read_body
 from backend.settings import Settings
+from backend.sse import StreamKind
 from backend.load import Snapshot, State
 from backend.upstream_http import UpstreamClient
 
@@ -51,18 +52,17 @@ log = logging.getLogger("gguf_studio.gateway")
 access_log = logging.getLogger("gguf_studio.access")
 
 #: Gated route -> the framing of its streams (None: never streams).
-GATED_ROUTES: dict[str, str | None] = {
-    "/v1/chat/completions": answers.CHAT,
-    "/v1/completions": answers.CHAT,
-    "/v1/responses": answers.RESPONSES,
-    "/v1/messages": answers.MESSAGES,
+GATED_ROUTES: dict[str, StreamKind | None] = {
+    "/v1/chat/completions": StreamKind.CHAT,
+    "/v1/completions": StreamKind.CHAT,
+    "/v1/responses": StreamKind.RESPONSES,
+    "/v1/messages": StreamKind.MESSAGES,
     "/v1/embeddings": None,
 }
 OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
 KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
 #: Set in the scope when the client went away before an answer could be sent.
 _GONE = "gguf_studio.client_gone"
-NOT_READY_RETRY_AFTER = 5.0
 
 
 class GatewayContext(Protocol):
@@ -161,10 +161,10 @@ class Gateway:
             queue = ctx.registry.current
             if snapshot.state is not State.READY or queue is None:
                 raise ModelNotReady(not_ready_message(snapshot),
-                                    retry_after=NOT_READY_RETRY_AFTER)
+                                    retry_after=RETRY_SOON)
             ticket = queue.request()
         except RequestError as error:
-            await answers.send_http_error(send, error, metrics)
+            await gateway_errors.send_http_error(send, error, metrics)
             return
 
         watch: DisconnectWatch | None = None
@@ -243,12 +243,12 @@ class Gateway:
         else:
             error = InvalidRequest("The request could not be handled.")
             error.status = exc.status_code
-        return answers.error_response(error, self.ctx.metrics, extra_headers=headers)
+        return gateway_errors.error_response(error, self.ctx.metrics, extra_headers=headers)
 
     async def on_request_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
         extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
-        return answers.error_response(exc, self.ctx.metrics, extra_headers=extra)
+        return gateway_errors.error_response(exc, self.ctx.metrics, extra_headers=extra)
 
 
 def not_ready_message(snapshot: Snapshot) -> str:
@@ -293,16 +293,16 @@ class GatewayMiddleware:
         metrics = self.gateway.ctx.metrics
         try:
             if path == "/v1/responses" and _is_websocket_upgrade(scope["headers"]):
-                await answers.send_http_error(send_and_note, UpgradeRequired(
+                await gateway_errors.send_http_error(send_and_note, UpgradeRequired(
                     "WebSocket is not supported here; use HTTP with streaming (SSE)."), metrics)
             elif method == "POST" and path in GATED_ROUTES:
                 await self.gateway.handle_gated(scope, receive, send_and_note, path)
             else:
                 await self.app(scope, receive, send_and_note)
         except Exception as exc:
-            error = answers.as_request_error(exc)
+            error = gateway_errors.as_request_error(exc)
             if not status:
-                await answers.send_http_error(send_and_note, error, metrics)
+                await gateway_errors.send_http_error(send_and_note, error, metrics)
         finally:
             if not status:
                 status = 499 if scope.get(_GONE) else 500
@@ -325,7 +325,7 @@ async def _refuse_websocket(scope: dict, receive: Any, send: Any) -> None:
     if message["type"] != "websocket.connect":
         return
     if "websocket.http.response" in scope.get("extensions", {}):
-        status, headers, body = answers.http_error(UpgradeRequired(
+        status, headers, body = gateway_errors.http_error(UpgradeRequired(
             "WebSocket is not supported here; use HTTP with streaming (SSE)."), None)
         await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": body})

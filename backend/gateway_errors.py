@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response
 
 from backend import sse
-from backend.errors import RequestError, UpstreamFailed
+from backend.errors import RETRY_SOON, RequestError, UpstreamFailed
 
 if TYPE_CHECKING:
     from backend.metrics import Metrics
@@ -49,8 +49,6 @@ log = logging.getLogger("gguf_studio.gateway")
 
 INTERNAL_MESSAGE = "The server had an internal error while handling the request."
 
-#: Stream kinds, by the framing their route uses.
-CHAT, MESSAGES, RESPONSES = "chat", "messages", "responses"
 
 
 class UpstreamAnswer(RequestError):
@@ -126,7 +124,7 @@ async def send_http_error(send: Any, error: RequestError, metrics: Metrics | Non
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def stream_error(error: RequestError, metrics: Metrics | None, *, kind: str,
+def stream_error(error: RequestError, metrics: Metrics | None, *, kind: sse.StreamKind,
                  response_id: str | None = None, model: str | None = None) -> bytes:
     """The final bytes of a stream that ends with `error`; counts the refusal.
 
@@ -134,13 +132,13 @@ def stream_error(error: RequestError, metrics: Metrics | None, *, kind: str,
     """
     _count(error, metrics)
     body = error_body(error)
-    if kind == RESPONSES:
+    if kind is sse.StreamKind.RESPONSES:
         failure = {"code": str(error.code), "message": str(error)}
         response = sse.response_stub(response_id or sse.new_response_id(), model,
                                      status="failed", error=failure)
         return sse.named_event("response.failed",
                                {"type": "response.failed", "response": response})
-    if kind == MESSAGES:
+    if kind is sse.StreamKind.MESSAGES:
         # Anthropic clients raise on `event: error`; OpenAI-style parsers find "error".
         return sse.named_event("error", {"type": "error", **body}) + sse.DONE
     return sse.data_event(body) + sse.DONE
@@ -211,5 +209,5 @@ def upstream_error(status: int, body: bytes) -> RequestError:
                             status=status, type=type_, code=scrub(code)[:100], param=param,
                             extra=extra)
     if status == 503:  # llama-server still loading, or busy: a retry will do
-        answer.retry_after = 5
+        answer.retry_after = RETRY_SOON
     return answer

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import httpx
 
-from backend import gateway_errors as answers
+from backend import gateway_errors
 from backend import sse
 from backend.admission import Ticket
-from backend.errors import (LoadReplaced, ModelNotReady, RequestError, UpstreamFailed,
+from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError, UpstreamFailed,
                             UpstreamUnavailable)
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Exchange:
     """A gated request with its ticket; `run()` answers every RequestError itself."""
 
     def __init__(self, *, client: UpstreamClient, metrics: Metrics, send: Any,
-                 watch: DisconnectWatch, ticket: Ticket, path: str, kind: str | None,
+                 watch: DisconnectWatch, ticket: Ticket, path: str, kind: sse.StreamKind | None,
                  parsed: Parsed, model_id: str | None, queue_timeout: float,
                  keepalive_interval: float) -> None:
         self.client = client
@@ -89,14 +89,14 @@ class Exchange:
         self.watch = watch
         self.ticket = ticket
         self.path = path
-        self.kind = kind or answers.CHAT
+        self.kind = kind or sse.StreamKind.CHAT
         self.parsed = parsed
         self.model_id = model_id
         self.queue_timeout = queue_timeout
         self.keepalive_interval = keepalive_interval
         self.stage = "queued"
         self.headers_sent = False
-        self.rewriter = sse.ResponsesRewriter(None) if self.kind == answers.RESPONSES else None
+        self.rewriter = sse.ResponsesRewriter(None) if self.kind is sse.StreamKind.RESPONSES else None
         self.framer = sse.EventFramer()
         self._keepalive = sse.KEEPALIVE_COMMENT
 
@@ -121,14 +121,14 @@ class Exchange:
         except RequestError as error:
             last = self._failure(error)
         except Exception as exc:  # a bug: a generic 500 / in-stream error, logged
-            last = self._failure(answers.as_request_error(exc))
+            last = self._failure(gateway_errors.as_request_error(exc))
         await self._finish(last)
 
     async def shutdown(self, error: RequestError | None = None) -> None:
         """The port is closing, or the load is going away, under this exchange: end it
         cleanly while possible."""
         await self._finish(self._failure(
-            error or ModelNotReady("The server is shutting down.", retry_after=5)))
+            error or ModelNotReady("The server is shutting down.", retry_after=RETRY_SOON)))
 
     async def _finish(self, messages: list[dict[str, Any]]) -> None:
         self.ticket.release()
@@ -139,13 +139,13 @@ class Exchange:
     def _failure(self, error: RequestError) -> list[dict[str, Any]]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
         if not self.headers_sent:
-            status, headers, body = answers.http_error(error, self.metrics)
+            status, headers, body = gateway_errors.http_error(error, self.metrics)
             self.headers_sent = True
             return [{"type": "http.response.start", "status": status, "headers": headers},
                     {"type": "http.response.body", "body": body, "more_body": False}]
         self.framer.drop()  # an incomplete event is never completed: leave it out
         response_id = self.rewriter.client_id if self.rewriter else None
-        tail = answers.stream_error(error, self.metrics, kind=self.kind,
+        tail = gateway_errors.stream_error(error, self.metrics, kind=self.kind,
                                     response_id=response_id, model=self.model_id)
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
@@ -203,7 +203,7 @@ class Exchange:
         """`error`, unless the load was replaced meanwhile: then say so."""
         if self.ticket.queue.retired:
             return LoadReplaced("The model was reloaded or unloaded while this request ran. "
-                                "Send it again.", retry_after=5)
+                                "Send it again.", retry_after=RETRY_SOON)
         return error
 
     async def _forward(self) -> list[dict[str, Any]]:
@@ -215,10 +215,10 @@ class Exchange:
         except httpx.HTTPError:
             raise self._lost(UpstreamUnavailable(
                 "The model server could not be reached. Try again shortly.",
-                retry_after=5)) from None
+                retry_after=RETRY_SOON)) from None
         try:
             if upstream.status_code >= 400:
-                raise answers.upstream_error(upstream.status_code, await self._read_error(upstream))
+                raise gateway_errors.upstream_error(upstream.status_code, await self._read_error(upstream))
             if self.parsed.stream:
                 return await self._relay(upstream)
             return await self._answer(upstream)

@@ -20,7 +20,7 @@ import platformdirs
 
 from backend.admission import AdmissionRegistry
 from backend.engine import Engine
-from backend.errors import LoadReplaced, ModelNotReady, SettingsError
+from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsError
 from backend.metrics import Metrics
 from backend.settings import Settings
 from backend.listeners import Listeners
@@ -125,7 +125,7 @@ class StudioService:
         try:
             return await supervisor.load(spec)
         except BaseException:
-            self.registry.refuse_waiting(ModelNotReady("The model failed to load.", retry_after=5))
+            self.registry.refuse_waiting(ModelNotReady("The model failed to load.", retry_after=RETRY_SOON))
             raise
 
     async def attach_upstream(self, url: str) -> Snapshot:
@@ -141,7 +141,7 @@ class StudioService:
         await self._retire_current_load()
         if self._backend is not None:
             await self._backend.unload()
-        self.registry.refuse_waiting(ModelNotReady("The model was unloaded.", retry_after=5))
+        self.registry.refuse_waiting(ModelNotReady("The model was unloaded.", retry_after=RETRY_SOON))
 
     async def close(self) -> None:
         await self.stop_gateway()
@@ -198,7 +198,7 @@ class StudioService:
             # A crash or a stop: nothing new may go to this load.
             self.registry.retire_current()
             if snapshot.state is State.FAILED:
-                self.registry.refuse_waiting(ModelNotReady("The model stopped working.", retry_after=5))
+                self.registry.refuse_waiting(ModelNotReady("The model stopped working.", retry_after=RETRY_SOON))
         if snapshot.restarts > self._restarts_seen:
             for _ in range(snapshot.restarts - self._restarts_seen):
                 self.metrics.count_restart()

@@ -9,6 +9,7 @@ always be appended cleanly.
 
 from __future__ import annotations
 
+import enum
 import json
 import secrets
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "DONE",
+    "StreamKind",
     "EventFramer",
     "KEEPALIVE_COMMENT",
     "ResponsesRewriter",
@@ -26,6 +28,14 @@ __all__ = [
 ]
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+class StreamKind(enum.Enum):
+    """The framing a gated route's stream uses, and so how its errors are written."""
+
+    CHAT = "chat"  # chat/completions and completions: `data:` events ending in [DONE]
+    MESSAGES = "messages"  # Anthropic messages: named events
+    RESPONSES = "responses"  # OpenAI Responses: named events around one response id
 DONE = b"data: [DONE]\n\n"
 
 #: Give up looking for the upstream's response.created after this many bytes.
