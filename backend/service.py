@@ -24,7 +24,7 @@ from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsErro
 from backend.metrics import Metrics
 from backend.settings import Settings
 from backend.listeners import Listeners
-from backend.load import Listener, LoadBackend, LoadSpec, Snapshot, State
+from backend.load import Listener, LoadBackend, LogListener, LoadSpec, Snapshot, State
 from backend.remote_engine import RemoteEngine
 from backend.supervisor import Supervisor
 
@@ -50,6 +50,7 @@ class StudioService:
         self._backend: LoadBackend | None = None
         self._supervisor: Supervisor | None = None  # the backend, when it runs the engine here
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "service listener")
+        self._log_listeners: Listeners[[str]] = Listeners(log, "engine log listener")
         self._gateway = None
         self._gateway_lock = asyncio.Lock()
         self._restarts_seen = 0
@@ -64,9 +65,9 @@ class StudioService:
         """Called on the service's loop with every new snapshot."""
         self._listeners.add(listener)
 
-    @property
-    def supervisor(self) -> Supervisor | None:
-        return self._supervisor
+    def add_log_listener(self, listener: LogListener) -> None:
+        """Called with every line the engine writes, whichever backend runs it."""
+        self._log_listeners.add(listener)
 
     def log_tail(self, lines: int = 200) -> list[str]:
         return self._backend.log_tail(lines) if self._backend is not None else []
@@ -154,6 +155,7 @@ class StudioService:
         self._backend = backend
         self._restarts_seen = 0
         backend.add_listener(self._on_backend_snapshot)
+        backend.add_log_listener(self._log_listeners)
 
     async def _close_backend(self) -> None:
         backend, self._backend = self._backend, None

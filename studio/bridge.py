@@ -30,7 +30,6 @@ from backend.errors import LoadSuperseded, StudioError
 from backend.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.load import LoadSpec, Snapshot
-from backend.supervisor import Supervisor
 
 __all__ = ["ACCESS_LOGGER", "LogLine", "ServiceBridge", "describe_error"]
 
@@ -45,12 +44,12 @@ Callback = Callable[[Any], None]
 
 class ServiceBridge(QObject):
     snapshot_changed = Signal(object)  # Snapshot
-    log_lines = Signal(list)  # [LogLine], batched
-    activity_sample = Signal(object)  # ActivitySample
-    build_progress = Signal(list)  # [BuildProgress], batched
+    log_lines_arrived = Signal(list)  # [LogLine], batched
+    activity_sampled = Signal(object)  # ActivitySample
+    build_progressed = Signal(list)  # [BuildProgress], batched
     build_finished = Signal(object)  # the binary's Path, or an error message (str)
     urls_changed = Signal(list)  # base URLs clients should use
-    error = Signal(str)  # something the user asked for failed; a readable sentence
+    error_occurred = Signal(str)  # something the user asked for failed; a readable sentence
 
     # Internal: carries a callback and its argument to the GUI thread.
     _deliver = Signal(object, object)
@@ -62,11 +61,10 @@ class ServiceBridge(QObject):
         self.backend_thread = BackendThread()
         self.service = StudioService(settings, engine=engine, log_dir=log_dir)
         self._files = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="gguf-studio-files")
-        self._logs = _Batcher(self.backend_thread, self.log_lines.emit)
-        self._build_events = _Batcher(self.backend_thread, self.build_progress.emit)
+        self._logs = _Batcher(self.backend_thread, self.log_lines_arrived.emit)
+        self._build_events = _Batcher(self.backend_thread, self.build_progressed.emit)
         self._access_handler = _AccessLogHandler(self._logs)
         self._sampler: ActivitySampler | None = None
-        self._log_source: Supervisor | None = None
         self._port_lock: asyncio.Lock | None = None  # made on the backend loop
         self._building: concurrent.futures.Future | None = None
         self._closed = False
@@ -103,6 +101,16 @@ class ServiceBridge(QObject):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def log_dir(self) -> Path:
+        """Where llama-server's log files are written."""
+        return self.service.log_dir
+
+    @property
+    def gateway_port(self) -> int | None:
+        """The port's number while it is open, else None."""
+        return self.service.gateway_port
 
     # --- intent -------------------------------------------------------------------------
 
@@ -188,7 +196,7 @@ class ServiceBridge(QObject):
                 if on_done is not None:
                     self._post(on_done, f.result())
             elif not isinstance(exc, quiet):
-                self._post(on_error or self.error.emit, describe_error(exc))
+                self._post(on_error or self.error_occurred.emit, describe_error(exc))
 
         future.add_done_callback(done)
 
@@ -218,6 +226,7 @@ class ServiceBridge(QObject):
 
     def _start_on_loop(self) -> None:
         self.service.add_listener(self._on_snapshot)
+        self.service.add_log_listener(lambda line: self._logs.push(("llama-server", line)))
         self._sampler = ActivitySampler(self.service, self._on_sample)
         self._sampler.start()
 
@@ -227,10 +236,6 @@ class ServiceBridge(QObject):
         await self._one_at_a_time(self.service.close)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        supervisor = self.service.supervisor
-        if supervisor is not None and supervisor is not self._log_source:
-            self._log_source = supervisor
-            supervisor.add_log_listener(lambda line: self._logs.push(("llama-server", line)))
         self._post(self._set_snapshot, snapshot)
 
     def _set_snapshot(self, snapshot: Snapshot) -> None:
@@ -239,7 +244,7 @@ class ServiceBridge(QObject):
 
     def _on_sample(self, sample: ActivitySample) -> None:
         try:
-            self.activity_sample.emit(sample)
+            self.activity_sampled.emit(sample)
         except RuntimeError:
             pass
 

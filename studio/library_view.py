@@ -55,10 +55,10 @@ class LibraryView(QWidget):
 
         self.open_button = QPushButton("&Open file…")
         self.open_button.setToolTip("Open a GGUF file (Ctrl+O)")
-        self.open_button.clicked.connect(self._open_files)
+        self.open_button.clicked.connect(self.ask_for_files)
         self.folder_button = QPushButton("A&dd folder…")
         self.folder_button.setToolTip("Add a folder to look for GGUF files in")
-        self.folder_button.clicked.connect(self._add_folder)
+        self.folder_button.clicked.connect(self.ask_for_folder)
         self.rescan_button = QPushButton()
         self.rescan_button.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_BrowserReload))
         self.rescan_button.setToolTip("Look for models again (F5)")
@@ -79,7 +79,7 @@ class LibraryView(QWidget):
         layout.addLayout(buttons)
 
         QShortcut(QKeySequence.StandardKey.Find, self, self._focus_search)
-        QShortcut(QKeySequence.StandardKey.Open, self, self._open_files)
+        QShortcut(QKeySequence.StandardKey.Open, self, self.ask_for_files)
         QShortcut(QKeySequence.StandardKey.Refresh, self, self.rescan_requested.emit)
         # Down from the search box goes to the list, as in a launcher.
         self.search.returnPressed.connect(self.list.setFocus)
@@ -133,13 +133,15 @@ class LibraryView(QWidget):
         self.search.setFocus()
         self.search.selectAll()
 
-    def _open_files(self) -> None:
+    def ask_for_files(self) -> None:
+        """Let the user pick GGUF files; `files_opened` says which."""
         paths, _ = QFileDialog.getOpenFileNames(self, "Open GGUF models", "",
                                                 "GGUF models (*.gguf);;All files (*)")
         if paths:
             self.files_opened.emit(paths)
 
-    def _add_folder(self) -> None:
+    def ask_for_folder(self) -> None:
+        """Let the user pick a folder of models; `folder_added` says which."""
         folder = QFileDialog.getExistingDirectory(self, "Add a folder of GGUF models")
         if folder:
             self.folder_added.emit(folder)

@@ -241,6 +241,10 @@ class ModelView(QWidget):
 
     # --- state ------------------------------------------------------------------------------
 
+    def show_load_failed(self, message: str) -> None:
+        """A load that failed before the engine ever started (no engine, for instance)."""
+        self.state.setText(f"Failed — {message}")
+
     def set_state(self, snapshot: Snapshot) -> None:
         """Render `snapshot`; its requested settings say what the effective values differ from."""
         self._snapshot = snapshot

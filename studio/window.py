@@ -61,7 +61,7 @@ class MainWindow(QMainWindow):
         self.model_view = ModelView()
         self.sharing = SharingView()
         self.activity = ActivityView()
-        self.logs = LogsView(bridge.service.log_dir)
+        self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
 
         self.tabs = QTabWidget()
@@ -108,8 +108,8 @@ class MainWindow(QMainWindow):
     def _build_menu(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
         for text, shortcut, slot in (
-                ("&Open model…", QKeySequence.StandardKey.Open, self.library_view._open_files),
-                ("Add &folder…", None, self.library_view._add_folder),
+                ("&Open model…", QKeySequence.StandardKey.Open, self.library_view.ask_for_files),
+                ("Add &folder…", None, self.library_view.ask_for_folder),
                 ("&Rescan models", QKeySequence.StandardKey.Refresh, self.refresh_library),
                 (None, None, None),
                 ("&Quit", QKeySequence.StandardKey.Quit, self.close)):
@@ -135,12 +135,12 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         b = self.bridge
         b.snapshot_changed.connect(self._on_snapshot)
-        b.log_lines.connect(self.logs.add_lines)
-        b.activity_sample.connect(self._on_sample)
+        b.log_lines_arrived.connect(self.logs.add_lines)
+        b.activity_sampled.connect(self._on_sample)
         b.urls_changed.connect(self._on_urls)
-        b.build_progress.connect(self.engine.show_progress)
+        b.build_progressed.connect(self.engine.show_progress)
         b.build_finished.connect(self._on_build_finished)
-        b.error.connect(self.show_message)
+        b.error_occurred.connect(self.show_message)
 
         self.library_view.selected.connect(self._on_selected)
         self.library_view.files_opened.connect(self.open_files)
@@ -240,7 +240,7 @@ class MainWindow(QMainWindow):
     def _on_load_error(self, message: str) -> None:
         if self.bridge.snapshot.state is not State.FAILED:
             # Failed before there was anything to supervise (no engine, for instance).
-            self.model_view.state.setText(f"Failed — {message}")
+            self.model_view.show_load_failed(message)
         self.show_message(message)
         if self.bridge.engine_status(self.settings.llama_server).chosen is None:
             self.refresh_engine()
@@ -284,7 +284,7 @@ class MainWindow(QMainWindow):
 
     def _on_port_error(self, message: str) -> None:
         # A failed reopen leaves no port open: the old addresses no longer work.
-        if self.bridge.service.gateway_port is None:
+        if self.bridge.gateway_port is None:
             self.sharing.set_urls([])
             self.status_url.setText("")
         self.sharing.show_problem(message)

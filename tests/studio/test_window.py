@@ -195,7 +195,7 @@ def test_engine_missing_offers_a_build(open_window, qtbot, monkeypatch, tiny_mod
     assert "No llama-server found" in window.model_view.state.text()
 
     # The build's progress events drive the bar (the build itself takes minutes).
-    window.bridge.build_progress.emit([BuildProgress("compile", 40, "[10/25] building"),
+    window.bridge.build_progressed.emit([BuildProgress("compile", 40, "[10/25] building"),
                                        BuildProgress("compile", 52.5, "[13/25] building")])
     assert engine.progress.value() == 52 and not engine.build_box.isHidden()
     assert "[13/25] building" in engine.build_log.toPlainText()
