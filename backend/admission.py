@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from backend.errors import ModelNotReady, QueueFull, QueueTimeout
+from backend.listeners import Listeners
 
 __all__ = [
     "AdmissionQueue",
@@ -323,7 +324,7 @@ class AdmissionRegistry:
         # Insertion order is age; the current queue is moved to the end.
         self._queues: dict[str, AdmissionQueue] = {}
         self._current: AdmissionQueue | None = None
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: Listeners[[]] = Listeners(log, "admission listener")
         # Set while several queues change at once, so listeners hear one final state.
         self._batching = False
 
@@ -443,13 +444,10 @@ class AdmissionRegistry:
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Call `callback()` after every change of counts.  Its errors are logged only."""
-        self._listeners.append(callback)
+        self._listeners.add(callback)
 
     def remove_listener(self, callback: Callable[[], None]) -> None:
-        try:
-            self._listeners.remove(callback)
-        except ValueError:
-            pass
+        self._listeners.remove(callback)
 
     def __repr__(self) -> str:
         return f"<AdmissionRegistry {self.queues!r}>"
@@ -462,13 +460,8 @@ class AdmissionRegistry:
         self._notify()
 
     def _notify(self) -> None:
-        if self._batching:
-            return
-        for callback in list(self._listeners):
-            try:
-                callback()
-            except Exception:
-                log.exception("admission listener %r failed", callback)
+        if not self._batching:
+            self._listeners()
 
     @contextlib.contextmanager
     def _batch(self) -> Iterator[None]:

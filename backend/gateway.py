@@ -402,6 +402,14 @@ class GatewayServer:
         self._server = server
         self._task = task
 
+    def abort_load(self, base_url: str, error: RequestError) -> int:
+        """End every request running on the load at `base_url` with `error`; how many."""
+        gateway = self._gateway()
+        return gateway.abort_load(base_url, error) if gateway is not None else 0
+
+    def _gateway(self) -> "Gateway | None":
+        return getattr(getattr(self.app, "state", None), "gateway", None)
+
     @classmethod
     async def start(cls, app: Any, host: str, port: int, *,
                     shutdown_grace: float = 3.0) -> "GatewayServer":
@@ -435,7 +443,7 @@ class GatewayServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stop listening, give running requests `grace` seconds (default: the one given
         to `start`), then end what still runs with a clean error."""
-        gateway = getattr(getattr(self.app, "state", None), "gateway", None)
+        gateway = self._gateway()
         if gateway is not None:
             gateway.closing = True
         if grace is not None:

@@ -174,7 +174,7 @@ class StudioService:
             await self._wait_drained(queue, self.settings.reload_grace)
         if queue.active and self._gateway is not None:
             log.warning("%d request(s) still running on the old load; ending them", queue.active)
-            self._gateway.app.state.gateway.abort_load(queue.key, LoadReplaced(
+            self._gateway.abort_load(queue.key, LoadReplaced(
                 "The model was replaced or unloaded while this request ran. Send it again."))
 
     async def _wait_drained(self, queue, timeout: float) -> None:
