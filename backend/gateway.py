@@ -39,7 +39,7 @@ from backend.admission import AdmissionRegistry
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, SettingsError, Unauthorized, UpgradeRequired)
 from backend.metrics import Metrics
-from backend.relay import DisconnectWatch, Exchange
+from backend.relay import Exchange, GatedRequest
 from backend.request_body import ClientGone, parse_body, read_body
 from backend.settings import Settings
 from backend.sse import StreamKind
@@ -82,8 +82,15 @@ class Gateway:
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
         # Running exchanges, so that a load going away can end them (see `abort_load`).
-        self._running: dict[asyncio.Task, "Exchange"] = {}
-        self._aborts: dict[asyncio.Task, RequestError] = {}
+        self._running: set[Exchange] = set()
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.ctx.metrics
+
+    @property
+    def settings(self) -> Settings:
+        return self.ctx.settings
 
     @property
     def client(self) -> UpstreamClient:
@@ -108,14 +115,7 @@ class Gateway:
         """End every request admitted on `base_url` with `error` (an in-stream error, or
         an HTTP answer if nothing was sent yet) and close its upstream request: the engine
         then has nothing left to finish and stops at once."""
-        aborted = 0
-        for task, exchange in list(self._running.items()):
-            ticket = exchange.ticket
-            if ticket.admitted and ticket.base_url == base_url and task not in self._aborts:
-                self._aborts[task] = error
-                task.cancel()
-                aborted += 1
-        return aborted
+        return sum(exchange.abort(base_url, error) for exchange in list(self._running))
 
     # --- auth ------------------------------------------------------------------------
 
@@ -162,41 +162,19 @@ class Gateway:
             if snapshot.state is not State.READY or queue is None:
                 raise ModelNotReady(not_ready_message(snapshot),
                                     retry_after=RETRY_SOON)
-            ticket = queue.request()
         except RequestError as error:
             await gateway_errors.send_http_error(send, error, metrics)
             return
 
-        watch: DisconnectWatch | None = None
-        task = asyncio.current_task()
+        exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
+                                                      parsed, snapshot.model_id), send, receive)
+        self._running.add(exchange)
         try:
-            watch = DisconnectWatch(receive)
-            exchange = Exchange(
-                client=self.client, metrics=metrics, send=send, watch=watch, ticket=ticket,
-                path=path, kind=GATED_ROUTES[path], parsed=parsed, model_id=snapshot.model_id,
-                queue_timeout=settings.queue_timeout,
-                keepalive_interval=settings.keepalive_interval)
-            self._running[task] = exchange
             await exchange.run()
-        except asyncio.CancelledError:
-            # Ours (the client left, the load went away, or the port closes) or someone
-            # else's (re-raised).
-            abort = self._aborts.get(task)
-            if (watch is not None and (watch.disconnected or self.closing or abort)
-                    and task is not None and task.uncancel() == 0):
-                if watch.disconnected:
-                    scope[_GONE] = True
-                    metrics.count_cancellation(exchange.stage)
-                else:
-                    await exchange.shutdown(abort)
-                return
-            raise
         finally:
-            self._running.pop(task, None)
-            self._aborts.pop(task, None)
-            if watch is not None:
-                watch.stop()
-            ticket.release()  # idempotent; the exchange normally released it already
+            self._running.discard(exchange)
+        if exchange.client_gone:
+            scope[_GONE] = True
 
     # --- open routes -----------------------------------------------------------------
 

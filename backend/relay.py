@@ -1,36 +1,45 @@
-"""One admitted-or-waiting request, from its ticket to the last byte sent to the client.
+"""One gated request, from admission to the last byte sent to the client.
 
-`Exchange.run` waits for the ticket (sending keep-alives when the client streams),
-forwards the request to the load the ticket was admitted on, and relays the answer.
-Stream bytes are relayed as they come (`aiter_raw`), cut only at event boundaries; only
-a `/v1/responses` stream has its head read, to keep one response id throughout.
+`Exchange.run` owns the request for its whole life: it takes the ticket from the
+admission queue, waits for it (sending keep-alives when the client streams), forwards
+the request to the load the ticket was admitted on, relays the answer, releases the
+ticket, and decides what a cancellation means (the client left, the load went away, the
+port closes).  Stream bytes are relayed as they come (`aiter_raw`), cut only at event
+boundaries; only a `/v1/responses` stream has its head read, to keep one response id
+throughout.
 
-Errors end the exchange through `backend.gateway_errors`: an HTTP answer while no
-header was sent, a final in-stream error event afterwards.
+Failures of the upstream client become the project's errors in one place
+(`Exchange._upstream_failures`); errors become answers through `backend.gateway_errors`:
+an HTTP answer while no header was sent, a final in-stream error event afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
 import httpx
 
 from backend import gateway_errors
 from backend import sse
-from backend.admission import Ticket
-from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError, UpstreamFailed,
-                            UpstreamUnavailable)
+from backend.admission import AdmissionQueue, Ticket
+from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
+                            UpstreamFailed, UpstreamUnavailable)
 
 if TYPE_CHECKING:
     from backend.metrics import Metrics
     from backend.request_body import Parsed
+    from backend.settings import Settings
     from backend.upstream_http import UpstreamClient, UpstreamResponse
 
-__all__ = ["DisconnectWatch", "Exchange", "SSE_HEADERS"]
+__all__ = ["DisconnectWatch", "Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS"]
 
 log = logging.getLogger("gguf_studio.gateway")
+
+T = TypeVar("T")
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -40,6 +49,32 @@ SSE_HEADERS = [
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 #: How much of an upstream error body is read.
 ERROR_BODY_LIMIT = 64 * 1024
+
+
+class ExchangeHost(Protocol):
+    """What an exchange needs from the port that serves it."""
+
+    @property
+    def client(self) -> UpstreamClient: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GatedRequest:
+    """A checked request for a gated route, before it has a ticket."""
+
+    path: str
+    kind: sse.StreamKind
+    parsed: Parsed
+    model_id: str | None
 
 
 class DisconnectWatch:
@@ -77,62 +112,91 @@ class DisconnectWatch:
 
 
 class Exchange:
-    """A gated request with its ticket; `run()` answers every RequestError itself."""
+    """A gated request and its ticket; `run()` answers every RequestError itself."""
 
-    def __init__(self, *, client: UpstreamClient, metrics: Metrics, send: Any,
-                 watch: DisconnectWatch, ticket: Ticket, path: str, kind: sse.StreamKind | None,
-                 parsed: Parsed, model_id: str | None, queue_timeout: float,
-                 keepalive_interval: float) -> None:
-        self.client = client
-        self.metrics = metrics
+    def __init__(self, host: ExchangeHost, queue: AdmissionQueue, request: GatedRequest,
+                 send: Any, receive: Any) -> None:
+        self.host = host
+        self.metrics = host.metrics
+        self.client = host.client
+        settings = host.settings
+        self.queue_timeout = settings.queue_timeout
+        self.keepalive_interval = settings.keepalive_interval
+        self.queue = queue
+        self.request = request
+        self.kind = request.kind
         self.send = send
-        self.watch = watch
-        self.ticket = ticket
-        self.path = path
-        self.kind = kind or sse.StreamKind.CHAT
-        self.parsed = parsed
-        self.model_id = model_id
-        self.queue_timeout = queue_timeout
-        self.keepalive_interval = keepalive_interval
+        self.receive = receive
+        self.ticket: Ticket | None = None
+        self.watch: DisconnectWatch | None = None
         self.stage = "queued"
         self.headers_sent = False
+        #: Set when the client went away before its answer was complete.
+        self.client_gone = False
         self.rewriter = sse.ResponsesRewriter(None) if self.kind is sse.StreamKind.RESPONSES else None
         self.framer = sse.EventFramer()
         self._keepalive = sse.KEEPALIVE_COMMENT
+        self._task: asyncio.Task[Any] | None = None
+        self._abort: RequestError | None = None
 
     # --- the whole exchange ---------------------------------------------------------
 
     async def run(self) -> None:
-        """Wait, forward, answer.  The last messages go out after the upstream request is
-        closed and the ticket released, so a client that has seen the end of its answer
-        can count on its slot being free."""
+        """Admit, wait, forward, answer.  The last messages go out after the upstream
+        request is closed and the ticket released, so a client that has seen the end of
+        its answer can count on its slot being free."""
         try:
-            if not self.ticket.admitted:
-                if self.parsed.stream:
-                    await self._start_stream()
-                    await self._wait_with_keepalives()
-                else:
-                    await self.ticket.wait(self.queue_timeout)
-            self.stage = "running"
-            ticket = self.ticket
-            if ticket.admitted_at is not None:
-                self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
-            last = await self._forward()
+            ticket = self.ticket = self.queue.request()
         except RequestError as error:
-            last = self._failure(error)
-        except Exception as exc:  # a bug: a generic 500 / in-stream error, logged
-            last = self._failure(gateway_errors.as_request_error(exc))
-        await self._finish(last)
+            await self._send_all(self._failure(error))
+            return
+        self._task = asyncio.current_task()
+        watch = self.watch = DisconnectWatch(self.receive)
+        try:
+            try:
+                await self._admitted(ticket)
+                last = await self._forward(ticket)
+            except RequestError as error:
+                last = self._failure(error)
+            except Exception as exc:  # a bug: a generic 500 / in-stream error, logged
+                last = self._failure(gateway_errors.as_request_error(exc))
+        except asyncio.CancelledError:
+            if not self._cancelled_by_us():
+                raise
+            if watch.disconnected:
+                self.client_gone = True
+                self.metrics.count_cancellation(self.stage)
+                last = []
+            else:
+                last = self._failure(self._abort or ModelNotReady(
+                    "The server is shutting down.", retry_after=RETRY_SOON))
+        finally:
+            ticket.release()
+            watch.stop()
+            self._task = None  # nothing left to abort
+        await self._send_all(last)
 
-    async def shutdown(self, error: RequestError | None = None) -> None:
-        """The port is closing, or the load is going away, under this exchange: end it
-        cleanly while possible."""
-        await self._finish(self._failure(
-            error or ModelNotReady("The server is shutting down.", retry_after=RETRY_SOON)))
+    def abort(self, base_url: str, error: RequestError) -> bool:
+        """End this request with `error` if it runs on the load at `base_url` (and close
+        its upstream request, so the engine stops at once).  True when it will."""
+        ticket = self.ticket
+        if (self._task is None or self._abort is not None or ticket is None
+                or not ticket.admitted or ticket.base_url != base_url):
+            return False
+        self._abort = error
+        self._task.cancel()
+        return True
 
-    async def _finish(self, messages: list[dict[str, Any]]) -> None:
-        self.ticket.release()
-        self.watch.stop()
+    def _cancelled_by_us(self) -> bool:
+        """The cancellation came from the client leaving, an abort, or the port closing
+        (not from someone else, whose cancellation is re-raised)."""
+        watch = self.watch
+        ours = watch is not None and (watch.disconnected or self._abort is not None
+                                      or self.host.closing)
+        task = asyncio.current_task()
+        return ours and task is not None and task.uncancel() == 0
+
+    async def _send_all(self, messages: list[dict[str, Any]]) -> None:
         for message in messages:
             await self.send(message)
 
@@ -146,26 +210,43 @@ class Exchange:
         self.framer.drop()  # an incomplete event is never completed: leave it out
         response_id = self.rewriter.client_id if self.rewriter else None
         tail = gateway_errors.stream_error(error, self.metrics, kind=self.kind,
-                                    response_id=response_id, model=self.model_id)
+                                           response_id=response_id, model=self.request.model_id)
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
     # --- waiting ----------------------------------------------------------------------
+
+    async def _admitted(self, ticket: Ticket) -> None:
+        """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""
+        if not ticket.admitted:
+            if self.request.parsed.stream:
+                await self._start_stream()
+                await self._keep_alive_until(ticket.wait(self.queue_timeout))
+            else:
+                await ticket.wait(self.queue_timeout)
+        self.stage = "running"
+        if ticket.admitted_at is not None:
+            self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
 
     async def _start_stream(self) -> None:
         """Headers, then at once something the client counts as life: our own
         `response.created` on the Responses wire, a comment elsewhere."""
         await self._send_stream_headers()
-        if self.rewriter is not None:
-            await self._send_response_created()
-        else:
-            # Bytes at once, not only after the first interval: the client (and any proxy
-            # in between) sees a live stream from the start.
-            await self.send({"type": "http.response.body", "body": sse.KEEPALIVE_COMMENT,
-                             "more_body": True})
+        # Bytes at once, not only after the first interval: the client (and any proxy in
+        # between) sees a live stream from the start.
+        await self._send_keepalive()
 
     async def _send_stream_headers(self) -> None:
         await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         self.headers_sent = True
+
+    async def _send_keepalive(self) -> None:
+        """A comment; on the Responses wire our `response.created` first, then
+        `response.in_progress` events."""
+        if self.rewriter is not None and self.rewriter.our_id is None:
+            await self._send_response_created()
+        else:
+            await self.send({"type": "http.response.body", "body": self._keepalive,
+                             "more_body": True})
 
     async def _send_response_created(self) -> None:
         """Our `response.created`; from now on the upstream's own is dropped and its id
@@ -173,59 +254,72 @@ class Exchange:
         assert self.rewriter is not None
         our_id = sse.new_response_id()
         self.rewriter.our_id = our_id
-        stub = sse.response_stub(our_id, self.model_id)
+        stub = sse.response_stub(our_id, self.request.model_id)
         created = sse.named_event("response.created",
                                   {"type": "response.created", "response": stub})
         self._keepalive = sse.named_event("response.in_progress",
                                           {"type": "response.in_progress", "response": stub})
         await self.send({"type": "http.response.body", "body": created, "more_body": True})
 
-    async def _wait_with_keepalives(self) -> None:
+    async def _keep_alive_until(self, pending: Awaitable[T]) -> T:
+        """`pending`'s result, sending a keep-alive every interval until it comes.  Used
+        while waiting in line, and for the engine's first bytes: llama-server sends
+        nothing, not even `response.created`, until it has read the whole prompt, which
+        takes longer than a client's idle timeout for a long conversation on a CPU."""
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
-        message = {"type": "http.response.body", "body": self._keepalive, "more_body": True}
-        waiter = asyncio.ensure_future(self.ticket.wait(self.queue_timeout))
+        future = asyncio.ensure_future(pending)
         try:
             while True:
-                done, _ = await asyncio.wait((waiter,), timeout=interval)
+                done, _ = await asyncio.wait((future,), timeout=interval)
                 if done:
-                    waiter.result()
-                    return
-                await self.send(message)
+                    return future.result()
+                await self._send_keepalive()
         finally:
-            if not waiter.done():
-                waiter.cancel()  # the ticket leaves the line (released by the caller too)
-            elif not waiter.cancelled():
-                waiter.exception()  # retrieved: no "never retrieved" noise
+            if not future.done():
+                future.cancel()  # a waiting ticket leaves the line
+            elif not future.cancelled():
+                future.exception()  # retrieved: no "never retrieved" noise
 
     # --- forwarding ------------------------------------------------------------------
 
-    def _lost(self, error: RequestError) -> RequestError:
-        """`error`, unless the load was replaced meanwhile: then say so."""
-        if self.ticket.queue.retired:
-            return LoadReplaced("The model was reloaded or unloaded while this request ran. "
-                                "Send it again.", retry_after=RETRY_SOON)
-        return error
-
-    async def _forward(self) -> list[dict[str, Any]]:
-        """Forward to the ticket's load; returns the last messages still to send."""
-        request = self.client.build_request("POST", self.ticket.base_url + self.path,
-                                            content=self.parsed.body, headers=UPSTREAM_HEADERS)
+    @contextlib.contextmanager
+    def _upstream_failures(self, ticket: Ticket, *, connecting: bool = False) -> Iterator[None]:
+        """The one place where the upstream client's failures become our errors: the
+        engine unreachable, or gone while answering, or its load replaced meanwhile."""
         try:
-            upstream = await self.client.send(request, stream=True)
+            yield
         except httpx.HTTPError:
-            raise self._lost(UpstreamUnavailable(
-                "The model server could not be reached. Try again shortly.",
-                retry_after=RETRY_SOON)) from None
+            error: RequestError
+            if ticket.queue.retired:
+                error = LoadReplaced("The model was reloaded or unloaded while this request "
+                                     "ran. Send it again.", retry_after=RETRY_SOON)
+            elif connecting:
+                error = UpstreamUnavailable("The model server could not be reached. "
+                                            "Try again shortly.", retry_after=RETRY_SOON)
+            else:
+                error = UpstreamFailed("The model server stopped while answering. Try again.")
+            raise error from None
+
+    async def _forward(self, ticket: Ticket) -> list[dict[str, Any]]:
+        """Forward to the ticket's load; returns the last messages still to send."""
+        request = self.client.build_request("POST", ticket.base_url + self.request.path,
+                                            content=self.request.parsed.body,
+                                            headers=UPSTREAM_HEADERS)
+        with self._upstream_failures(ticket, connecting=True):
+            upstream = await self.client.send(request, stream=True)
         try:
             if upstream.status_code >= 400:
-                raise gateway_errors.upstream_error(upstream.status_code, await self._read_error(upstream))
-            if self.parsed.stream:
-                return await self._relay(upstream)
-            return await self._answer(upstream)
+                raise gateway_errors.upstream_error(upstream.status_code,
+                                                    await self._read_error(upstream))
+            with self._upstream_failures(ticket):
+                if self.request.parsed.stream:
+                    return await self._relay(upstream)
+                return await self._answer(upstream)
         finally:
             await upstream.aclose()
 
     async def _read_error(self, upstream: UpstreamResponse) -> bytes:
+        """As much of an error body as arrives (a cut one still says something)."""
         body = b""
         try:
             async for chunk in upstream.aiter_raw():
@@ -237,11 +331,7 @@ class Exchange:
         return body
 
     async def _answer(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
-        try:
-            body = await upstream.aread()
-        except httpx.HTTPError:
-            raise self._lost(UpstreamFailed(
-                "The model server stopped while answering. Try again.")) from None
+        body = await upstream.aread()
         content_type = upstream.headers.get("content-type", "application/json")
         self.headers_sent = True
         return [{"type": "http.response.start", "status": upstream.status_code,
@@ -250,57 +340,32 @@ class Exchange:
                 {"type": "http.response.body", "body": body, "more_body": False}]
 
     async def _relay(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
+        """The one relay loop.  Each chunk goes through `stage`: the framer alone, or the
+        framer then the Responses rewriter, chosen once per stream."""
         send = self.send
         if not self.headers_sent:
             await self._send_stream_headers()
         framer = self.framer
         rewriter = self.rewriter
+        stage = framer.feed if rewriter is None else _then(framer.feed, rewriter.feed)
         chunks = upstream.aiter_raw()
-        try:
-            first = await self._first_chunk(chunks)
-            if rewriter is None:
-                chunk = framer.feed(first)
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                async for chunk in chunks:
-                    chunk = framer.feed(chunk)
-                    if chunk:
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
-                tail = framer.flush()
-            else:
-                chunk = rewriter.feed(framer.feed(first))
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                async for chunk in chunks:
-                    chunk = framer.feed(chunk)
-                    if chunk:
-                        chunk = rewriter.feed(chunk)
-                        if chunk:
-                            await send({"type": "http.response.body", "body": chunk,
-                                        "more_body": True})
-                tail = rewriter.feed(framer.flush()) + rewriter.flush()
-        except httpx.HTTPError:
-            raise self._lost(UpstreamFailed(
-                "The model server stopped while answering. Try again.")) from None
+        chunk = stage(await self._keep_alive_until(anext(chunks, b"")))
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        async for chunk in chunks:
+            chunk = stage(chunk)
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        tail = framer.flush()
+        if rewriter is not None:
+            tail = rewriter.feed(tail) + rewriter.flush()
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
-    async def _first_chunk(self, chunks: AsyncIterator[bytes]) -> bytes:
-        """The engine's first bytes, keeping the client alive meanwhile: llama-server sends
-        nothing, not even `response.created`, until it has read the whole prompt, which
-        takes longer than a client's idle timeout for a long conversation on a CPU."""
-        interval = self.keepalive_interval if self.keepalive_interval > 0 else None
-        first = asyncio.ensure_future(anext(chunks, b""))
-        try:
-            while True:
-                done, _ = await asyncio.wait((first,), timeout=interval)
-                if done:
-                    return first.result()
-                if self.rewriter is not None and self.rewriter.our_id is None:
-                    await self._send_response_created()
-                else:
-                    await self.send({"type": "http.response.body", "body": self._keepalive,
-                                     "more_body": True})
-        finally:
-            if not first.done():
-                first.cancel()
+
+def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
+          ) -> Callable[[bytes], bytes]:
+    """`second(first(chunk))`, skipping `second` when `first` held everything back."""
+    def stage(chunk: bytes) -> bytes:
+        chunk = first(chunk)
+        return second(chunk) if chunk else chunk
+    return stage
