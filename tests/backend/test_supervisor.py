@@ -74,9 +74,11 @@ async def props(base_url: str) -> dict:
 
 async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(supervisor, tiny_model):
     rec = Recorder(supervisor)
-    snapshot = await supervisor.load(LoadSettings(parallel="3", ctx_size=4096).to_spec(str(tiny_model)))
+    wanted = LoadSettings(parallel="3", ctx_size=4096)
+    snapshot = await supervisor.load(wanted.to_spec(str(tiny_model)))
     try:
         assert snapshot.state is State.READY
+        assert snapshot.requested == wanted  # what was asked, next to what the engine did
         assert snapshot.effective_parallel_slots == 3
         assert (await props(snapshot.base_url))["total_slots"] == 3
         assert snapshot.base_url.startswith("http://127.0.0.1:")

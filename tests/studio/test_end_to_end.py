@@ -53,6 +53,9 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
     assert view.state.text() == "Ready — tiny"
     assert "Effective parallel slots: <b>2</b>" in view.slots.text()
     assert "asked" not in view.slots.text()
+    # The click's settings came back inside the snapshot, next to the effective values.
+    requested = window.bridge.snapshot.requested
+    assert requested is not None and (requested.parallel, requested.ctx_size) == ("2", 2048)
     assert view.progress.isHidden()
     assert window.library_view.entries()[0].last_used is not None
 
