@@ -128,7 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 async def _serve_async(settings: Settings, attach: bool) -> int:
     from backend.service import StudioService
-    from backend.load import State
+    from backend.load import Snapshot, State
 
     service = StudioService(settings)
     stop = asyncio.Event()
@@ -139,7 +139,7 @@ async def _serve_async(settings: Settings, attach: bool) -> int:
         except (NotImplementedError, RuntimeError):
             pass
 
-    def report(snapshot) -> None:
+    def report(snapshot: Snapshot) -> None:
         line = f"[{snapshot.state.value}]"
         if snapshot.state is State.READY:
             line += f" {snapshot.model_id}: effective parallel slots {snapshot.effective_parallel_slots}"

@@ -396,7 +396,8 @@ class GatewayServer:
         config = uvicorn.Config(
             app, lifespan="off", log_config=None, access_log=False, ws="none",
             proxy_headers=False, server_header=False,
-            timeout_graceful_shutdown=shutdown_grace)
+            # uvicorn waits with asyncio.wait_for, so seconds may be fractional.
+            timeout_graceful_shutdown=shutdown_grace)  # type: ignore[arg-type]
         server = _Server(config)
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
                                                       name=f"gateway {host}:{port}")
@@ -425,7 +426,7 @@ class GatewayServer:
         if gateway is not None:
             gateway.closing = True
         if grace is not None:
-            self._server.config.timeout_graceful_shutdown = grace
+            self._server.config.timeout_graceful_shutdown = grace  # type: ignore[assignment]
         self._server.should_exit = True
         self._server.exit_now.set()
         try:

@@ -196,15 +196,15 @@ class ModelLibrary:
             entries.append(ModelEntry(key, _display_name(path), source, detail, size, modified,
                                       recent.get(key), exists))
 
-        for path in opened:
-            add(Path(path), "opened")
+        for opened_path in opened:
+            add(Path(opened_path), "opened")
         for location in self.locations():
-            for path in find_gguf_files(location.path):
-                add(path, location.source, _detail(location, path))
+            for found in find_gguf_files(location.path):
+                add(found, location.source, _detail(location, found))
         # Recently used ones that came from somewhere no longer scanned stay listed.
-        for path in recent:
-            if os.path.isfile(path):
-                add(Path(path), "opened")
+        for recent_path in recent:
+            if os.path.isfile(recent_path):
+                add(Path(recent_path), "opened")
         entries.sort(key=lambda e: (e.last_used is None, -(e.last_used or 0), e.name.lower(), e.path))
         return entries
 

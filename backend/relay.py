@@ -332,7 +332,9 @@ class Exchange:
 
     async def _answer(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
         body = await upstream.aread()
-        content_type = upstream.headers.get("content-type", "application/json")
+        content_type = upstream.headers.get("content-type")
+        if content_type is None:
+            content_type = "application/json"
         self.headers_sent = True
         return [{"type": "http.response.start", "status": upstream.status_code,
                  "headers": [(b"content-type", content_type.encode("latin-1")),

@@ -97,8 +97,9 @@ async def _run(model: Path, llama_server: str | os.PathLike | None,
         settings = Settings(host="127.0.0.1", port=0, llama_server=str(binary),
                             load_timeout=120.0, reload_grace=0.0)
         service = StudioService(settings, log_dir=Path(logs.name))
-    elif llama_server is not None:
+    elif service is not None and llama_server is not None:
         service.settings = service.settings.replace(llama_server=str(resolve_engine(llama_server)))
+    assert service is not None
     try:
         await service.start_gateway()
         port = service.gateway_port
@@ -137,7 +138,8 @@ async def _run(model: Path, llama_server: str | os.PathLike | None,
     finally:
         if own:
             await service.close()
-            logs.cleanup()
+            if logs is not None:
+                logs.cleanup()
         else:
             await service.unload()
 
@@ -160,7 +162,7 @@ def resolve_engine(explicit: str | os.PathLike | None = None) -> Path:
     if explicit:
         first = resolution.candidates[0]
         if not first.usable:
-            why = "is not an executable file" if first.path.exists() else "does not exist"
+            why = "is not an executable file" if first.path and first.path.exists() else "does not exist"
             raise SelfTestFailed(f"the llama-server given, {first.path}, {why}.")
     try:
         return resolution.path

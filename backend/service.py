@@ -14,11 +14,11 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
 import platformdirs
 
-from backend.admission import AdmissionRegistry
+from backend.admission import AdmissionQueue, AdmissionRegistry
 from backend.engine import Engine
 from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsError
 from backend.metrics import Metrics
@@ -27,6 +27,9 @@ from backend.listeners import Listeners
 from backend.load import Listener, LoadBackend, LogListener, LoadSpec, Snapshot, State
 from backend.remote_engine import RemoteEngine
 from backend.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from backend.gateway import GatewayServer
 
 T = TypeVar("T")
 
@@ -51,7 +54,7 @@ class StudioService:
         self._supervisor: Supervisor | None = None  # the backend, when it runs the engine here
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "service listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "engine log listener")
-        self._gateway = None
+        self._gateway: GatewayServer | None = None
         self._gateway_lock = asyncio.Lock()
         self._restarts_seen = 0
         self._snapshot = Snapshot()
@@ -177,7 +180,7 @@ class StudioService:
             self._gateway.abort_load(queue.key, LoadReplaced(
                 "The model was replaced or unloaded while this request ran. Send it again."))
 
-    async def _wait_drained(self, queue, timeout: float) -> None:
+    async def _wait_drained(self, queue: AdmissionQueue, timeout: float) -> None:
         drained = asyncio.Event()
 
         def check() -> None:
@@ -279,7 +282,7 @@ def lan_addresses() -> list[str]:
     found: set[str] = set()
     try:
         for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            found.add(info[4][0])
+            found.add(str(info[4][0]))
     except OSError:
         pass
     found.update(_interface_addresses())

@@ -98,7 +98,7 @@ class Settings:
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Settings":
         """A copy with `overrides` (field name -> raw value) converted and applied."""
-        types = {f.name: f.type for f in fields(self)}
+        types = {f.name: str(f.type) for f in fields(self)}
         converted = {}
         for name, raw in overrides.items():
             if raw is None:
@@ -149,6 +149,7 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
             if text in {"0", "false", "no", "off", ""}:
                 return False
             raise ValueError(raw)
+        value: float
         if type_name == "int":
             value = int(raw)
         elif type_name == "float":

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TextIO
 
 from backend.engine_api import EngineClient, EngineProps
 from backend.errors import (
@@ -230,7 +230,7 @@ class Supervisor:
         self._log_tail.append(line)
         self._log_listeners(line)
 
-    def _set_state(self, state: State, **changes) -> None:
+    def _set_state(self, state: State, **changes: Any) -> None:
         self._snapshot = replace(self._snapshot, state=state, **changes)
         self._listeners(self._snapshot)
 
@@ -280,7 +280,8 @@ def pick_free_port() -> int:
 class _Child:
     """A running llama-server and the task copying its output to the log file and tail."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file, on_line: LogListener):
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file: TextIO,
+                 on_line: LogListener) -> None:
         self.proc = proc
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"

@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import platformdirs
 import qasync
@@ -69,7 +69,7 @@ def self_test(model_path: str, *, llama_server: str | None = None, timeout: floa
     a loopback ephemeral port, answer one chat completion through that port, quit.
     Returns 0 when all of it worked.  The traffic runs on the backend thread; the Qt loop
     only waits for the result."""
-    from backend.self_test import FAILED, run_self_test
+    from backend.self_test import FAILED
 
     app = _application([])
     loop = qasync.QEventLoop(app)
@@ -82,8 +82,7 @@ def self_test(model_path: str, *, llama_server: str | None = None, timeout: floa
     code = 1
     try:
         window.show()
-        future = window.bridge.backend_thread.submit(run_self_test(
-            model_path, llama_server=llama_server, service=window.bridge.service, timeout=timeout))
+        future = window.bridge.run_self_test(model_path, llama_server, timeout)
         with loop:
             try:
                 code = loop.run_until_complete(asyncio.wrap_future(future))
@@ -129,7 +128,7 @@ def build_window(settings: Settings | None = None) -> MainWindow:
 
 
 def _application(argv: list[str]) -> QApplication:
-    app = QApplication.instance() or QApplication([sys.argv[0], *argv])
+    app = cast(QApplication, QApplication.instance() or QApplication([sys.argv[0], *argv]))
     app.setApplicationName(APP_NAME)
     app.setApplicationDisplayName("GGUF Studio")
     app.setDesktopFileName("gguf-studio")

@@ -163,6 +163,14 @@ class ServiceBridge(QObject):
         except Exception:
             return None
 
+    def run_self_test(self, model_path: str, llama_server: str | None, timeout: float
+                      ) -> concurrent.futures.Future[int]:
+        """`--self-test` through this bridge's own service and port; the exit code."""
+        from backend.self_test import run_self_test
+
+        return self.backend_thread.submit(run_self_test(
+            model_path, llama_server=llama_server, service=self.service, timeout=timeout))
+
     def run_in_thread(self, fn: Callable[..., Any], *args: Any,
                       on_done: Callback | None = None,
                       on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QModelIndex, QRect, QSize, Qt, Signal
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, Signal
 from PySide6.QtGui import QFont, QKeySequence, QPainter, QPalette, QShortcut
 from PySide6.QtWidgets import (
     QFileDialog,
@@ -109,7 +109,8 @@ class LibraryView(QWidget):
     # --- behaviour ----------------------------------------------------------------------------
 
     def _refilter(self, _text: str = "", select: str | None = None) -> None:
-        keep = select or (self.current_entry().path if self.current_entry() else None)
+        current = self.current_entry()
+        keep = select or (current.path if current is not None else None)
         shown = search(self._entries, self.search.text())
         self.list.blockSignals(True)
         self.list.clear()
@@ -126,7 +127,8 @@ class LibraryView(QWidget):
                                  if not self._entries else "No model matches the search.")
         self.empty_label.setVisible(not shown)
 
-    def _on_current(self, current: QListWidgetItem | None, _previous) -> None:
+    def _on_current(self, current: QListWidgetItem | None,
+                    _previous: QListWidgetItem | None) -> None:
         self.selected.emit(current.data(ENTRY_ROLE) if current is not None else None)
 
     def _focus_search(self) -> None:
@@ -150,11 +152,13 @@ class LibraryView(QWidget):
 class _EntryDelegate(QStyledItemDelegate):
     """Two lines per model: its name, then where it came from and its size."""
 
-    def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:
+    def sizeHint(self, option: QStyleOptionViewItem,
+                 index: QModelIndex | QPersistentModelIndex) -> QSize:
         height = option.fontMetrics.height()
         return QSize(200, int(height * 2.6))
 
-    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
         entry: ModelEntry | None = index.data(ENTRY_ROLE)
         opt = QStyleOptionViewItem(option)
         self.initStyleOption(opt, index)

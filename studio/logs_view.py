@@ -45,7 +45,7 @@ class LogsView(QWidget):
         self.follow = QCheckBox("Follo&w")
         self.follow.setChecked(True)
         self.follow.setToolTip("Keep the newest lines in view")
-        self.follow.toggled.connect(lambda on: on and self._scroll_to_end())
+        self.follow.toggled.connect(lambda on: self._scroll_to_end() if on else None)
         self.open_folder = QPushButton("Open log folde&r")
         self.open_folder.clicked.connect(self._open_folder)
 

@@ -204,20 +204,22 @@ class SharingView(QWidget):
         self._render_snippets()
 
     def set_urls(self, urls: list[str]) -> None:
-        for row in self.url_rows:
-            row.parentWidget().deleteLater()
+        for shown in self.url_rows:
+            holder = shown.parentWidget()
+            if holder is not None:
+                holder.deleteLater()
         self.url_rows = []
         self._no_urls.setVisible(not urls)
         for url in urls:
             holder = QWidget(self.urls_box)
-            row = QHBoxLayout(holder)
-            row.setContentsMargins(0, 0, 0, 0)
+            line = QHBoxLayout(holder)
+            line.setContentsMargins(0, 0, 0, 0)
             field = QLineEdit(url)
             field.setReadOnly(True)
             field.setFont(monospace_font())
             field.setAccessibleName("Base URL")
-            row.addWidget(field, 1)
-            row.addWidget(CopyButton(lambda u=url: u, accessible_name=f"Copy {url}"))
+            line.addWidget(field, 1)
+            line.addWidget(CopyButton(lambda u=url: u, accessible_name=f"Copy {url}"))
             self._urls_layout.addWidget(holder)
             self.url_rows.append(field)
         self.urls = list(urls)

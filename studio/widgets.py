@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QFont, QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import QLabel, QPushButton, QWidget
@@ -34,7 +36,7 @@ def secondary_label(text: str = "") -> QLabel:
 class CopyButton(QPushButton):
     """Copies `text()` of its source to the clipboard and says so for a moment."""
 
-    def __init__(self, text_source, label: str = "Copy", parent: QWidget | None = None,
+    def __init__(self, text_source: Callable[..., str], label: str = "Copy", parent: QWidget | None = None,
                  accessible_name: str = "") -> None:
         super().__init__(label, parent)
         self._source = text_source

@@ -122,11 +122,11 @@ class MainWindow(QMainWindow):
             action.triggered.connect(lambda _=False, s=slot: s())
             file_menu.addAction(action)
         model_menu = self.menuBar().addMenu("&Model")
-        for text, shortcut, slot in (("&Load", "Ctrl+L", self.load_selected),
+        for label, keys, handler in (("&Load", "Ctrl+L", self.load_selected),
                                      ("&Unload", "Ctrl+U", self.bridge.unload)):
-            action = QAction(text, self)
-            action.setShortcut(QKeySequence(shortcut))
-            action.triggered.connect(lambda _=False, s=slot: s())
+            action = QAction(label, self)
+            action.setShortcut(QKeySequence(keys))
+            action.triggered.connect(lambda _=False, h=handler: h())
             model_menu.addAction(action)
         for index in range(self.tabs.count()):
             QShortcut(QKeySequence(f"Ctrl+{index + 1}"), self,
