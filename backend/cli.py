@@ -16,9 +16,10 @@ import signal
 import sys
 from typing import Sequence
 
+from backend.api_keys import read_api_key_file
 from backend.engine import Engine, BuildProgress
 from backend.errors import StudioError
-from backend.settings import Settings, env_var
+from backend.settings import API_KEY_FILE_ENV, Settings, env_var
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,11 +115,15 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings.load().with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
     if args.extra_arg:
         settings = settings.replace(extra_args=list(args.extra_arg))
+    # A key kept in a file stays there: --save never copies it into settings.json.
+    file_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
     attach = args.model is None and bool(settings.upstream)
     if not attach and not settings.model:
         raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
     if args.save:
         settings.save()
+    if file_key is not None:
+        settings = settings.replace(api_key=file_key)
     try:
         return asyncio.run(_serve_async(settings, attach))
     except KeyboardInterrupt:
@@ -230,7 +235,12 @@ def _parser() -> argparse.ArgumentParser:
     env = env_var
     serve.add_argument("--host", help=f"address to listen on (default 127.0.0.1; {env('host')})")
     serve.add_argument("--port", type=int, help=f"port to listen on (default 8899; {env('port')})")
-    serve.add_argument("--api-key", help=f"key clients must send ({env('api_key')})")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help=f"key clients must send ({env('api_key')}); "
+                      "visible to other local users in the process list, see --api-key-file")
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help="read the key clients must send from this file, so that it never "
+                      f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
     serve.add_argument("--allow-no-key", action="store_true", default=None,
                        help="listen beyond loopback without a key (anyone can use the model)")
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
