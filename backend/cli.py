@@ -105,7 +105,8 @@ def _inspect(args: argparse.Namespace) -> int:
 # --- serve ----------------------------------------------------------------------------------
 
 # Command-line options that map one to one onto settings.
-_SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "max_queue", "queue_timeout",
+_SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
+                   "max_queue", "queue_timeout",
                    "keepalive_interval", "max_output_tokens", "max_body_bytes", "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "model", "upstream")
@@ -243,6 +244,13 @@ def _parser() -> argparse.ArgumentParser:
                       f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
     serve.add_argument("--allow-no-key", action="store_true", default=None,
                        help="listen beyond loopback without a key (anyone can use the model)")
+    serve.add_argument("--allow-origin", dest="allow_origins", action="append", metavar="ORIGIN",
+                       help="let web pages of this origin use the port, e.g. "
+                       "https://chat.example.com or https://*.example.com (repeatable; "
+                       f"{env('allow_origins')}, comma-separated)")
+    serve.add_argument("--allow-host", dest="allow_hosts", action="append", metavar="NAME",
+                       help="accept this host name without a key, besides the machine's own "
+                       f"names and addresses (repeatable; {env('allow_hosts')})")
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
     serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
     serve.add_argument("--n-gpu-layers", type=int, help="layers to offload to the GPU (default 0)")

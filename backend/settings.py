@@ -38,6 +38,10 @@ class Settings:
     port: int = 8899
     api_key: str = ""
     allow_no_key: bool = False
+    # Web pages (origins) and host names the port accepts beyond this machine's own; see
+    # backend/access_guard.py.  The environment may give them comma- or space-separated.
+    allow_origins: list[str] = field(default_factory=list)
+    allow_hosts: list[str] = field(default_factory=list)
     # Admission.  max_queue 0 means "16 x slots, at least 64"; see effective_max_queue.
     max_queue: int = 0
     queue_timeout: float = 600.0
