@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from backend import gateway_errors as answers
 from backend.access_guard import AccessGuard
+from backend.access_log import log_request
 from backend.admission import AdmissionRegistry
 from backend.errors import (InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, SettingsError, Unauthorized, UpgradeRequired)
@@ -50,7 +51,6 @@ from backend.upstream_http import UpstreamClient
 __all__ = ["GATED_ROUTES", "GatewayContext", "GatewayServer", "create_app"]
 
 log = logging.getLogger("gguf_studio.gateway")
-access_log = logging.getLogger("gguf_studio.access")
 
 #: Gated route -> the framing of its streams (None: never streams).
 GATED_ROUTES: dict[str, str | None] = {
@@ -295,8 +295,7 @@ class GatewayMiddleware:
                 status = 499 if scope.get(_GONE) else 500
             route = path if path in KNOWN_ROUTES else "other"
             metrics.count_request(route, status)
-            access_log.info("%s %s %d %.1fms", method, path, status,
-                            (time.perf_counter() - started) * 1000)
+            log_request(scope, status, (time.perf_counter() - started) * 1000)
 
 
 def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
