@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 from pathlib import Path
 
 from backend.errors import SettingsError
 
 __all__ = ["KEY_PREFIX", "generate_api_key", "mask_api_key", "read_api_key_file"]
+
+log = logging.getLogger("gguf_studio.settings")
 
 # A recognisable prefix lets people (and secret scanners) tell the key apart from others.
 KEY_PREFIX = "gs-"
@@ -38,6 +42,9 @@ def read_api_key_file(path: str | Path) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "strerror", None) or "not readable text"
         raise SettingsError(f"The API key file {Path(path).name} cannot be read ({reason}).") from None
+    if os.name != "nt" and Path(path).expanduser().stat().st_mode & 0o077:
+        log.warning("The API key file %s can be read by other users; make it private "
+                    "(chmod 600).", Path(path).name)
     key = text.strip()
     if not key:
         raise SettingsError(f"The API key file {Path(path).name} is empty.")

@@ -124,3 +124,13 @@ def test_a_key_and_a_key_file_together_are_refused(tmp_path):
     with pytest.raises(SettingsError, match="only one"):
         Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file),
                                                        "GGUF_STUDIO_API_KEY": "gs-b"})
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+def test_a_key_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
+    key_file = tmp_path / "key"
+    key_file.write_text("gs-shared")
+    os.chmod(key_file, 0o644)
+    settings = Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file)})
+    assert settings.api_key == "gs-shared"
+    assert "can be read by other users" in caplog.text and "gs-shared" not in caplog.text
