@@ -20,7 +20,8 @@ which a foreign origin fails), so Host and content type are left to the client.
 `check_key` compares the key in constant time and throttles repeated failures per client
 address: after `FREE_FAILURES` wrong or missing keys in a row, that address gets 429
 `too_many_failed_keys` with `Retry-After` (1 s, doubling up to `MAX_LOCKOUT`) without its
-key being checked, until the lockout ends; a right key clears its record.
+key being checked, until the lockout ends; a right key clears its record, and failures
+are forgotten after `FORGET_FAILURES_AFTER` seconds without another.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ FREE_FAILURES = 5
 MAX_LOCKOUT = 60.0
 #: Client addresses remembered by the throttle; the oldest are forgotten first.
 MAX_TRACKED_CLIENTS = 4096
+#: Failures older than this are forgotten (a typo last week does not count today).
+FORGET_FAILURES_AFTER = 600.0
 #: How long the machine's own addresses are trusted before they are asked for again.
 ADDRESS_TTL = 30.0
 
@@ -170,6 +173,9 @@ class AccessGuard:
         client = (scope.get("client") or ("unknown", 0))[0]
         record = self._failures.get(client)
         now = self.clock()
+        if record is not None and now - record.last_failure > FORGET_FAILURES_AFTER:
+            del self._failures[client]
+            record = None
         if record is not None and record.locked_until > now:
             raise TooManyKeyFailures(
                 "Too many requests with a wrong or missing API key from this address. "
@@ -185,6 +191,7 @@ class AccessGuard:
     def _note_failure(self, client: str, now: float) -> None:
         record = self._failures.pop(client, None) or _Failures()
         record.count += 1
+        record.last_failure = now
         if record.count >= self.free_failures:
             record.locked_until = now + min(MAX_LOCKOUT, 2.0 ** (record.count - self.free_failures))
         self._failures[client] = record
@@ -202,6 +209,7 @@ class AccessGuard:
 @dataclass
 class _Failures:
     count: int = 0
+    last_failure: float = float("-inf")
     locked_until: float = float("-inf")
 
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from backend.access_guard import FREE_FAILURES
+from backend.access_guard import FORGET_FAILURES_AFTER, FREE_FAILURES
 from tests.backend.gateway_harness import CHAT, KEY, assert_clean_error, chat
 
 EVIL = "https://evil.example"
@@ -185,3 +185,15 @@ async def test_repeated_wrong_keys_from_one_address_are_throttled(gw, fake):
     # A right key clears the record: the next mistake is a plain 401 again.
     assert_clean_error(await gw.client.get("/v1/models", headers=wrong), 401, "invalid_api_key", gw)
     assert gw.rejections("too_many_failed_keys") == 2
+
+
+async def test_old_failures_are_forgotten(gw):
+    gw.configure(api_key=KEY)
+    clock = gw.guard.clock = Clock()
+    wrong = {"authorization": "Bearer guess"}
+    for _ in range(FREE_FAILURES - 1):
+        assert (await gw.client.get("/v1/models", headers=wrong)).status_code == 401
+    clock.now += FORGET_FAILURES_AFTER + 1
+    for _ in range(FREE_FAILURES - 1):  # a fresh count: still no lockout
+        assert (await gw.client.get("/v1/models", headers=wrong)).status_code == 401
+    assert (await gw.client.get("/v1/models", headers={"x-api-key": KEY})).status_code == 200
