@@ -96,7 +96,7 @@ def _engine_pid(parent: int) -> int:
     raise AssertionError("no llama-server child")
 
 
-def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list(tmp_path, user_dirs):
+def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list_and_allows_origins(tmp_path, user_dirs):
     key = "gs-kept-out-of-ps-" + os.urandom(8).hex()
     key_file = tmp_path / "key"
     key_file.write_text(key + "\n")
@@ -104,7 +104,8 @@ def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list(tmp_path, u
     # Attached to an upstream that never answers: the port opens all the same.
     proc = subprocess.Popen(
         [sys.executable, "-m", "backend.cli", "serve", "--upstream", "http://127.0.0.1:9",
-         "--port", "0", "--api-key-file", str(key_file)],
+         "--port", "0", "--api-key-file", str(key_file),
+         "--allow-origin", "https://chat.example.com"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = ""
@@ -118,8 +119,13 @@ def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list(tmp_path, u
         assert "--api-key-file" in listing and key not in listing
         assert key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert httpx.get(url + "/v1/models").status_code == 401
-        answer = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        answer = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}",
+                                                        "Origin": "https://chat.example.com"})
         assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://chat.example.com"
+        foreign = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}",
+                                                         "Origin": "https://evil.example"})
+        assert foreign.status_code == 403
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         assert not (Path(user_dirs["XDG_CONFIG_HOME"]) / "gguf-studio" / "settings.json").exists()
