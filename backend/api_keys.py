@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
+from pathlib import Path
 
-__all__ = ["KEY_PREFIX", "generate_api_key", "mask_api_key"]
+from backend.errors import SettingsError
+
+__all__ = ["KEY_PREFIX", "generate_api_key", "mask_api_key", "read_api_key_file"]
+
+log = logging.getLogger("gguf_studio.settings")
 
 # A recognisable prefix lets people (and secret scanners) tell the key apart from others.
 KEY_PREFIX = "gs-"
@@ -24,3 +31,24 @@ def mask_api_key(key: str, visible: int = 4) -> str:
     if len(rest) <= visible * 2:
         return prefix + "•" * len(rest)
     return prefix + "•" * 12 + rest[-visible:]
+
+
+def read_api_key_file(path: str | Path) -> str:
+    """The key held in the file at `path` (surrounding whitespace and the final newline
+    dropped), so that the key never has to be written on a command line, where every
+    local user can read it (`ps`)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or "not readable text"
+        raise SettingsError(f"The API key file {Path(path).name} cannot be read ({reason}).") from None
+    if os.name != "nt" and Path(path).expanduser().stat().st_mode & 0o077:
+        log.warning("The API key file %s can be read by other users; make it private "
+                    "(chmod 600).", Path(path).name)
+    key = text.strip()
+    if not key:
+        raise SettingsError(f"The API key file {Path(path).name} is empty.")
+    if any(ch.isspace() or not ch.isprintable() for ch in key):
+        raise SettingsError(f"The API key file {Path(path).name} must hold the key alone, "
+                            "on one line without spaces.")
+    return key

@@ -16,10 +16,11 @@ import signal
 import sys
 from typing import Sequence
 
+from backend.api_keys import read_api_key_file
 from backend.engine import Engine, BuildProgress
 from backend.errors import StudioError
 from backend.load import THREADS_HELP
-from backend.settings import Settings, env_var
+from backend.settings import API_KEY_FILE_ENV, Settings, env_var
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,7 +106,8 @@ def _inspect(args: argparse.Namespace) -> int:
 # --- serve ----------------------------------------------------------------------------------
 
 # Command-line options that map one to one onto settings.
-_SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "max_queue", "queue_timeout",
+_SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
+                   "max_queue", "queue_timeout",
                    "keepalive_interval", "max_output_tokens", "max_body_bytes", "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "model", "upstream")
@@ -115,11 +117,15 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings.load().with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
     if args.extra_arg:
         settings = settings.replace(extra_args=list(args.extra_arg))
+    # A key kept in a file stays there: --save never copies it into settings.json.
+    file_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
     attach = args.model is None and bool(settings.upstream)
     if not attach and not settings.model:
         raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
     if args.save:
         settings.save()
+    if file_key is not None:
+        settings = settings.replace(api_key=file_key)
     try:
         return asyncio.run(_serve_async(settings, attach))
     except KeyboardInterrupt:
@@ -229,9 +235,21 @@ def _parser() -> argparse.ArgumentParser:
     env = env_var
     serve.add_argument("--host", help=f"address to listen on (default 127.0.0.1; {env('host')})")
     serve.add_argument("--port", type=int, help=f"port to listen on (default 8899; {env('port')})")
-    serve.add_argument("--api-key", help=f"key clients must send ({env('api_key')})")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help=f"key clients must send ({env('api_key')}); "
+                      "visible to other local users in the process list, see --api-key-file")
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help="read the key clients must send from this file, so that it never "
+                      f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
     serve.add_argument("--allow-no-key", action="store_true", default=None,
                        help="listen beyond loopback without a key (anyone can use the model)")
+    serve.add_argument("--allow-origin", dest="allow_origins", action="append", metavar="ORIGIN",
+                       help="let web pages of this origin use the port, e.g. "
+                       "https://chat.example.com or https://*.example.com (repeatable; "
+                       f"{env('allow_origins')}, comma-separated)")
+    serve.add_argument("--allow-host", dest="allow_hosts", action="append", metavar="NAME",
+                       help="accept this host name without a key, besides the machine's own "
+                       f"names and addresses (repeatable; {env('allow_hosts')})")
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
     serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
     serve.add_argument("--n-gpu-layers", type=int, help="layers to offload to the GPU (default 0)")

@@ -107,6 +107,30 @@ class Unauthorized(RequestError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
+class ForbiddenOrigin(RequestError):
+    """A web page of an origin the user did not allow (see backend.access_guard)."""
+
+    status, type, code = 403, "invalid_request_error", "origin_not_allowed"
+
+
+class ForbiddenHost(RequestError):
+    """A Host name that is not this machine's: what a DNS-rebinding page sends."""
+
+    status, type, code = 403, "invalid_request_error", "host_not_allowed"
+
+
+class UnsupportedContentType(RequestError):
+    """A keyless POST whose body is not declared JSON (a page can send it unasked)."""
+
+    status, type, code = 415, "invalid_request_error", "unsupported_content_type"
+
+
+class TooManyKeyFailures(RequestError):
+    """Repeated wrong or missing keys from one address: wait before trying again."""
+
+    status, type, code = 429, "invalid_request_error", "too_many_failed_keys"
+
+
 class NotFound(RequestError):
     status, type, code = 404, "invalid_request_error", "not_found"
 

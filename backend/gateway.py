@@ -6,7 +6,9 @@ Gated (a slot of the model is needed, through the admission queue):
 none of llama-server's own endpoints, is reachable: every other path is a 404.
 
 Auth, when `settings.api_key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
-compared in constant time, on every route except `/health` (left open for probes).
+compared in constant time, on every route except `/health` (left open for probes).  The
+key check, its throttle and the browser checks (Origin, Host, content type, CORS) live in
+`backend.access_guard`.
 
 `create_app(ctx)` builds the Starlette app; `GatewayServer.start(app, host, port)` serves
 it with uvicorn on the running loop (no signal handlers: the service owns the loop).
@@ -19,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
 import logging
 import os
 import socket
 import time
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, MutableMapping, Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -35,6 +36,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backend import gateway_errors
+from backend.access_guard import AccessGuard
+from backend.access_log import log_request
 from backend.admission import AdmissionRegistry
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, SettingsError, Unauthorized, UpgradeRequired)
@@ -49,7 +52,6 @@ from backend.upstream_http import UpstreamClient
 __all__ = ["GATED_ROUTES", "GatewayContext", "GatewayServer", "create_app"]
 
 log = logging.getLogger("gguf_studio.gateway")
-access_log = logging.getLogger("gguf_studio.access")
 
 #: Gated route -> the framing of its streams (None: never streams).
 GATED_ROUTES: dict[str, StreamKind | None] = {
@@ -78,6 +80,7 @@ class Gateway:
 
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
+        self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
@@ -119,28 +122,8 @@ class Gateway:
 
     # --- auth ------------------------------------------------------------------------
 
-    def check_key(self, headers: list[tuple[bytes, bytes]]) -> None:
-        key = self.ctx.settings.api_key
-        if not key:
-            return
-        bearer = supplied = None
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, rest = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    bearer = rest.strip()
-            elif name == b"x-api-key":
-                supplied = value.strip()
-        if bearer is None and supplied is None:
-            raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer KEY' "
-                               "or as 'x-api-key: KEY'.")
-        expected = key.encode()
-        matched = False
-        for given in (bearer, supplied):
-            if given is not None and hmac.compare_digest(given, expected):
-                matched = True
-        if not matched:
-            raise Unauthorized("Incorrect API key.")
+    def check_key(self, scope: MutableMapping[str, Any]) -> None:
+        self.guard.check_key(scope)
 
     # --- gated routes ----------------------------------------------------------------
 
@@ -150,7 +133,7 @@ class Gateway:
         metrics = ctx.metrics
         headers = scope["headers"]
         try:
-            self.check_key(headers)
+            self.check_key(scope)
             try:
                 raw = await read_body(receive, headers, settings.max_body_bytes)
             except ClientGone:
@@ -179,7 +162,7 @@ class Gateway:
     # --- open routes -----------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        self.check_key(request.scope["headers"])
+        self.check_key(request.scope)
         snapshot = self.ctx.snapshot()
         data = []
         if snapshot.model_id and (snapshot.state is State.READY or snapshot.restarting):
@@ -200,7 +183,7 @@ class Gateway:
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        self.check_key(request.scope["headers"])
+        self.check_key(request.scope)
         body, content_type = self.ctx.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -270,13 +253,17 @@ class GatewayMiddleware:
         method = scope["method"]
         metrics = self.gateway.ctx.metrics
         try:
-            if path == "/v1/responses" and _is_websocket_upgrade(scope["headers"]):
-                await gateway_errors.send_http_error(send_and_note, UpgradeRequired(
+            screening = self.gateway.guard.screen(scope)  # Origin, Host, content type
+            reply = screening.wrap(send_and_note)
+            if screening.preflight:
+                await screening.answer_preflight(send_and_note)
+            elif path == "/v1/responses" and _is_websocket_upgrade(scope["headers"]):
+                await gateway_errors.send_http_error(reply, UpgradeRequired(
                     "WebSocket is not supported here; use HTTP with streaming (SSE)."), metrics)
             elif method == "POST" and path in GATED_ROUTES:
-                await self.gateway.handle_gated(scope, receive, send_and_note, path)
+                await self.gateway.handle_gated(scope, receive, reply, path)
             else:
-                await self.app(scope, receive, send_and_note)
+                await self.app(scope, receive, reply)
         except Exception as exc:
             error = gateway_errors.as_request_error(exc)
             if not status:
@@ -286,8 +273,7 @@ class GatewayMiddleware:
                 status = 499 if scope.get(_GONE) else 500
             route = path if path in KNOWN_ROUTES else "other"
             metrics.count_request(route, status)
-            access_log.info("%s %s %d %.1fms", method, path, status,
-                            (time.perf_counter() - started) * 1000)
+            log_request(scope, status, (time.perf_counter() - started) * 1000)
 
 
 def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -154,11 +154,22 @@ def as_request_error(exc: BaseException) -> RequestError:
 
 # --- llama-server's own errors -------------------------------------------------------
 
-_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
+_URL = re.compile(r"(?<![\w+.-])[a-z][a-z0-9+.-]*+://\S+", re.IGNORECASE)
 _BRACKETED = re.compile(r"\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d{1,5})?", re.IGNORECASE)
 _HOST_PORT = re.compile(r"\b(?:\d{1,3}(?:\.\d{1,3}){3}|localhost)(?::\d{1,5})?\b", re.IGNORECASE)
-_WIN_PATH = re.compile(r"\b[A-Za-z]:\\[^\s'\"]*")
-_POSIX_PATH = re.compile(r"(?<![\w/])(?:~|\.{1,2})?/(?:[^\s/'\"(),;]+/)+[^\s'\"(),;]*")
+# Any other name with a port ("gpu-box:8080", "models.lan:11434"): a word followed by
+# ":digits" is taken for one (an "n:42" in a message is a small loss, a leak is not).
+_NAME_PORT = re.compile(r"(?<![\w.-])[a-z][a-z0-9-]*+(?:\.[a-z0-9-]++)*+:\d{2,5}\b",
+                        re.IGNORECASE)
+# Paths: folders may hold spaces (they end at the next separator); the last part may
+# too when it ends in an extension ("/models/My Llama 3.gguf"; the shortest such end).
+_LAST_PART = r"(?:{name}+(?: {name}+)*?\.[A-Za-z][A-Za-z0-9]{{0,7}}\b|[^\s'\"(),;]*)"
+_WIN_PATH = re.compile(r"\b[A-Za-z]:\\(?:[^\\'\"\n(),;]+\\)*"
+                       + _LAST_PART.format(name=r"[^\s\\'\"(),;:]"))
+_POSIX_PATH = re.compile(r"(?<![\w/<])(?:~|\.{1,2})?/(?:[^/'\"\n(),;<>]+/)+"
+                         + _LAST_PART.format(name=r"[^\s/'\"(),;:]"))
+# Scrubbing is linear in practice; the cut first keeps a huge message cheap regardless.
+_MAX_SCANNED = 16_000
 _MAX_MESSAGE = 2000
 _KNOWN_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
                 "not_found_error", "server_error", "not_supported_error", "unavailable_error",
@@ -168,11 +179,13 @@ _EXTRA_INTS = ("n_prompt_tokens", "n_ctx")
 
 def scrub(text: str) -> str:
     """`text` without URLs, addresses, ports and file-system paths."""
+    text = text[:_MAX_SCANNED]
     text = _URL.sub("<url>", text)
     text = _WIN_PATH.sub("<path>", text)
     text = _POSIX_PATH.sub("<path>", text)
     text = _BRACKETED.sub("<address>", text)
     text = _HOST_PORT.sub("<address>", text)
+    text = _NAME_PORT.sub("<address>", text)
     if "Traceback" in text:
         text = text.split("Traceback", 1)[0].rstrip() or "The model server reported an error."
     if len(text) > _MAX_MESSAGE:
@@ -200,7 +213,8 @@ def upstream_error(status: int, body: bytes) -> RequestError:
     code = error.get("code")
     if not isinstance(code, str) or not code:
         code = "context_length_exceeded" if raw_type == "exceed_context_size_error" else type_
-    param = error.get("param") if isinstance(error.get("param"), str) else None
+    # The engine's param names a field of the request, but it is its text: scrubbed too.
+    param = scrub(error["param"])[:100] or None if isinstance(error.get("param"), str) else None
     extra = {key: error[key] for key in _EXTRA_INTS
              if isinstance(error.get(key), int) and not isinstance(error.get(key), bool)}
     if not 400 <= status <= 599:

@@ -155,6 +155,12 @@ _SCALARS: dict[int, str] = {
     GGUFValueType.FLOAT64: "d",
 }
 _SUPPORTED_VERSIONS = (2, 3)
+# llama.cpp's own limits (GGML_MAX_DIMS, INT64_MAX elements): a file beyond them is
+# corrupt or hostile, and an unbounded product of dimensions costs quadratic time.
+_MAX_DIMS = 4
+_MAX_ELEMENTS = 2**63 - 1
+# Arrays of arrays are legal but never deep; deeper nesting is a crafted file.
+_MAX_ARRAY_NESTING = 8
 _GUESSED_FILE_TYPE = 1024  # llama.cpp's LLAMA_FTYPE_GUESSED flag
 
 
@@ -219,9 +225,14 @@ def _parse(data: mmap.mmap, file_size: int, fail: Callable[[str], ModelFileError
     for _ in range(tensor_count):
         name = reader.string()
         n_dims = reader.scalar("I")
+        if n_dims > _MAX_DIMS:
+            raise fail(f"file is corrupt (a tensor has {n_dims:,} dimensions, at most "
+                       f"{_MAX_DIMS} are possible)")
         n_elements = 1
         for _ in range(n_dims):
             n_elements *= reader.scalar("Q")
+        if n_elements > _MAX_ELEMENTS:
+            raise fail("file is corrupt (a tensor claims an impossible number of elements)")
         tensor_type = reader.scalar("I")
         offset = reader.scalar("Q")
         tensors.append(_Tensor(name, tensor_type, n_elements, _tensor_bytes(tensor_type, n_elements),
@@ -270,24 +281,33 @@ class _Cursor:
         return self.scalar(fmt)
 
     def skip_array(self) -> None:
-        item_type = self.scalar("I")
-        count = self.scalar("Q")
-        fmt = _SCALARS.get(item_type)
-        if fmt is not None:
-            self.offset += count * struct.calcsize(fmt)
-        elif item_type == GGUFValueType.STRING:
-            unpack, data = struct.Struct(self.order + "Q").unpack_from, self.data
-            offset = self.offset
-            for _ in range(count):
-                offset += 8 + unpack(data, offset)[0]
-            self.offset = offset
-        elif item_type == GGUFValueType.ARRAY:
-            for _ in range(count):
-                self.skip_array()
-        else:
-            raise _Corrupt
-        if self.offset > len(self.data):
-            raise _Corrupt
+        """Step over an array, arrays of arrays included, without recursion (a crafted
+        file may nest them thousands deep)."""
+        unpack, data = struct.Struct(self.order + "Q").unpack_from, self.data
+        pending = [1]  # arrays still to skip, per nesting level
+        while pending:
+            if pending[-1] == 0:
+                pending.pop()
+                continue
+            pending[-1] -= 1
+            item_type = self.scalar("I")
+            count = self.scalar("Q")
+            fmt = _SCALARS.get(item_type)
+            if fmt is not None:
+                self.offset += count * struct.calcsize(fmt)
+            elif item_type == GGUFValueType.STRING:
+                offset = self.offset
+                for _ in range(count):
+                    offset += 8 + unpack(data, offset)[0]
+                self.offset = offset
+            elif item_type == GGUFValueType.ARRAY:
+                if len(pending) >= _MAX_ARRAY_NESTING:
+                    raise _Corrupt
+                pending.append(count)
+            else:
+                raise _Corrupt
+            if self.offset > len(data):
+                raise _Corrupt
 
 
 def _tensor_bytes(tensor_type: int, n_elements: int) -> int | None:

@@ -2,6 +2,12 @@
 
 Every limit the gateway enforces lives here with its default, so that the window,
 the command line and the environment all configure the same thing.
+
+The saved file holds the API key, so it is private to the user: written 0600 in a 0700
+directory, and a file or directory left readable by others (an older version wrote 0644)
+is made private again whenever settings are loaded.  `GGUF_STUDIO_API_KEY_FILE` names a
+file holding the key, for people who keep the key out of the environment and out of
+`ps` (the command line's `--api-key-file` does the same).
 """
 
 from __future__ import annotations
@@ -15,11 +21,15 @@ from typing import Any, Mapping
 
 import platformdirs
 
+from backend.api_keys import read_api_key_file
 from backend.errors import SettingsError
 from backend.load import LoadSettings
 
 APP_NAME = "gguf-studio"
 ENV_PREFIX = "GGUF_STUDIO_"
+API_KEY_FILE_ENV = ENV_PREFIX + "API_KEY_FILE"
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
 
 
 @dataclass
@@ -29,6 +39,10 @@ class Settings:
     port: int = 8899
     api_key: str = ""
     allow_no_key: bool = False
+    # Web pages (origins) and host names the port accepts beyond this machine's own; see
+    # backend/access_guard.py.  The environment may give them comma- or space-separated.
+    allow_origins: list[str] = field(default_factory=list)
+    allow_hosts: list[str] = field(default_factory=list)
     # Admission.  max_queue 0 means "16 x slots, at least 64"; see effective_max_queue.
     max_queue: int = 0
     queue_timeout: float = 600.0
@@ -78,6 +92,7 @@ class Settings:
     def load(cls, path: Path | None = None, environ: Mapping[str, str] | None = None) -> "Settings":
         """Saved settings, then overridden by GGUF_STUDIO_* environment variables."""
         path = path or settings_path()
+        make_private(path)
         saved = _read_saved(path) if path.is_file() else {}
         return cls().with_overrides(saved).with_overrides(env_overrides(environ if environ is not None else os.environ))
 
@@ -91,9 +106,10 @@ class Settings:
         for name in env_overrides(os.environ if environ is None else environ):
             if values[name] == getattr(from_env, name):
                 values[name] = previous.get(name, getattr(Settings(), name))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        make_private(path)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(values, indent=2))
+        _write_private(tmp, json.dumps(values, indent=2).encode())
         os.replace(tmp, path)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Settings":
@@ -114,13 +130,49 @@ def settings_path() -> Path:
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
-    """GGUF_STUDIO_MAX_QUEUE=8 -> {"max_queue": "8"}, for every known setting."""
+    """GGUF_STUDIO_MAX_QUEUE=8 -> {"max_queue": "8"}, for every known setting; the key
+    read from the file GGUF_STUDIO_API_KEY_FILE names counts as GGUF_STUDIO_API_KEY."""
     out = {}
     for f in fields(Settings):
         key = ENV_PREFIX + f.name.upper()
         if key in environ:
             out[f.name] = environ[key]
+    if environ.get(API_KEY_FILE_ENV):
+        if "api_key" in out:
+            raise SettingsError(f"Both {env_var('api_key')} and {API_KEY_FILE_ENV} are set; "
+                                "set only one of them.")
+        out["api_key"] = read_api_key_file(environ[API_KEY_FILE_ENV])
     return out
+
+
+def make_private(path: Path) -> None:
+    """Make the settings file (0600) and its directory (0700) private to the user where
+    others may read them.  The directory only if it is the user's own (a settings file
+    kept in a shared directory such as /tmp leaves that directory alone).  No-op on
+    Windows, whose modes mean little."""
+    if os.name == "nt":
+        return
+    for target, is_dir in ((path.parent, True), (path, False)):
+        try:
+            info = target.stat()
+        except OSError:
+            continue
+        if not info.st_mode & 0o077 or (is_dir and info.st_uid != os.getuid()):
+            continue
+        try:
+            os.chmod(target, info.st_mode & 0o700)
+        except OSError as exc:
+            raise SettingsError(f"{target.name} is readable by other users and could not be "
+                                f"made private ({exc.strerror}).") from None
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `data` to `path`, created 0600 (and made so if it was already there)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "wb") as file:
+        if os.name != "nt":
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        file.write(data)
 
 
 def _read_saved(path: Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ __all__ = [
     "client_snippets",
     "codex_snippet",
     "curl_snippet",
+    "key_requirement",
     "opencode_snippet",
 ]
 
@@ -129,6 +130,17 @@ def curl_snippet(target: ClientTarget) -> Snippet:
         lines.append(f"  -H {shlex.quote('Authorization: Bearer ' + target.api_key)}")
     lines.append(f"  -d {shlex.quote(json.dumps(body))}")
     return Snippet("curl", "a terminal", "shell", " \\\n".join(lines) + "\n", "", target.api_key)
+
+
+def key_requirement(*, shared_on_network: bool, has_key: bool) -> str:
+    """What clients must send, as the gateway enforces it: a key, once set, is required
+    from every client, this computer's included."""
+    if has_key:
+        where = "every client" if shared_on_network else "every client, on this computer too"
+        return f"Clients must send this key (Authorization: Bearer …): {where}."
+    if shared_on_network:
+        return "No key is set: anyone who can reach this port can use the model."
+    return "No key is needed on this computer only; one is made when you share on the network."
 
 
 def _export_line(api_key: str) -> str:

@@ -20,6 +20,7 @@ from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from backend.desktop_entry import find_icon_source
+from backend.desktop_libraries import platform_problem
 from backend.errors import SettingsError
 from backend.model_library import ModelLibrary
 from backend.settings import APP_NAME, Settings, settings_path
@@ -128,6 +129,12 @@ def build_window(settings: Settings | None = None) -> MainWindow:
 
 
 def _application(argv: list[str]) -> QApplication:
+    if QApplication.instance() is None:
+        # Qt aborts without naming what is missing; say it and exit cleanly instead.
+        problem = platform_problem()
+        if problem:
+            print(problem, file=sys.stderr)
+            raise SystemExit(1)
     app = cast(QApplication, QApplication.instance() or QApplication([sys.argv[0], *argv]))
     app.setApplicationName(APP_NAME)
     app.setApplicationDisplayName("GGUF Studio")

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.settings import Settings
-from backend.snippets import ClientTarget, Snippet, client_snippets
+from backend.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from studio.widgets import CopyButton, monospace_font, secondary_label
 
@@ -194,10 +194,7 @@ class SharingView(QWidget):
         self.generate_key.setText("New &key" if settings.api_key else "Generate &key")
         self.generate_key.setToolTip("Make a new key; clients using the old one stop working."
                                      if settings.api_key else "Make a key for clients to send.")
-        self.key_hint.setText(
-            "Clients must send this key (Authorization: Bearer …)." if lan else
-            "On this computer only, clients may send the key or nothing." if settings.api_key else
-            "No key is needed on this computer only; one is made when you share on the network.")
+        self.key_hint.setText(key_requirement(shared_on_network=lan, has_key=bool(settings.api_key)))
         self.max_queue.setValue(settings.max_queue)
         self.queue_timeout.setValue(settings.queue_timeout)
         self.max_output.setValue(settings.max_output_tokens)

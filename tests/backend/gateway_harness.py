@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 
+from backend.access_guard import AccessGuard
 from backend.admission import AdmissionRegistry
 from backend.gateway import GatewayServer, create_app
 from backend.metrics import Metrics
@@ -60,6 +61,10 @@ class Gateway:
     @property
     def metrics(self) -> Metrics:
         return self.ctx.metrics
+
+    @property
+    def guard(self) -> AccessGuard:
+        return self.server.app.state.gateway.guard
 
     def configure(self, **changes: Any) -> None:
         """Change settings live: the gateway reads them on every request."""

@@ -94,3 +94,42 @@ def _engine_pid(parent: int) -> int:
             if int(fields[1]) == parent and "llama-server" in stat:
                 return int(entry.name)
     raise AssertionError("no llama-server child")
+
+
+def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list_and_allows_origins(tmp_path, user_dirs):
+    key = "gs-kept-out-of-ps-" + os.urandom(8).hex()
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    env = {k: v for k, v in user_dirs.items() if not k.startswith("GGUF_STUDIO_API_KEY")}
+    # Attached to an upstream that never answers: the port opens all the same.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "serve", "--upstream", "http://127.0.0.1:9",
+         "--port", "0", "--api-key-file", str(key_file),
+         "--allow-origin", "https://chat.example.com"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = ""
+        for line in proc.stdout:
+            if line.strip().startswith("http://"):
+                url = line.strip().removesuffix("/v1")
+                break
+        assert url, proc.stderr.read()
+        listing = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(proc.pid)],
+                                 capture_output=True, text=True, check=True).stdout
+        assert "--api-key-file" in listing and key not in listing
+        assert key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert httpx.get(url + "/v1/models").status_code == 401
+        answer = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}",
+                                                        "Origin": "https://chat.example.com"})
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://chat.example.com"
+        foreign = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}",
+                                                         "Origin": "https://evil.example"})
+        assert foreign.status_code == 403
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert not (Path(user_dirs["XDG_CONFIG_HOME"]) / "gguf-studio" / "settings.json").exists()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()

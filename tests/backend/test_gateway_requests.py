@@ -71,6 +71,7 @@ async def test_bodies_over_the_limit_are_413_by_header_and_by_count(gw, fake):
 
 async def test_api_key_missing_or_wrong_is_401(gw, fake):
     gw.configure(api_key=KEY)
+    gw.guard.free_failures = 100  # the throttle of repeated failures has its own test
     for headers in ({}, {"authorization": "Bearer nope"}, {"x-api-key": "nope"},
                     {"authorization": KEY}, {"authorization": "Basic " + KEY}):
         for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/metrics")):
@@ -201,7 +202,7 @@ async def test_metrics_deltas_are_exact(gw, fake):
         assert (await gw.client.post(CHAT, json=chat())).status_code == 200
     await stream(gw.client, CHAT, chat(True))
     await gw.client.get("/nope")
-    await gw.client.post(CHAT, content=b"{")
+    await gw.client.post(CHAT, content=b"{", headers={"content-type": "application/json"})
     async with holding(gw, fake.slots):
         waiter = asyncio.create_task(stream(gw.client, CHAT, chat(True)))
         await until(lambda: gw.registry.total_waiting == 1)

@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGUF_MAGIC
 
 from backend import gguf_info
 from backend.errors import ModelFileError
@@ -169,3 +172,72 @@ def test_unreadable_file_is_refused(tiny_model: Path, tmp_path: Path,
     locked = write_not_gguf(tmp_path / "locked.gguf")
 
     assert _error_for(locked) == "locked.gguf: permission denied"
+
+
+# --- crafted headers: refused quickly, never a crash ---------------------------------------
+
+
+def _gguf_header(tensor_count: int, kv_count: int) -> bytes:
+    return struct.pack("<IIQQ", GGUF_MAGIC, 3, tensor_count, kv_count)
+
+
+def _gguf_string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _refused_within(path: Path, seconds: float) -> str:
+    started = time.perf_counter()
+    message = _error_for(path)
+    elapsed = time.perf_counter() - started
+    assert elapsed < seconds, f"took {elapsed:.1f} s"
+    return message
+
+
+def test_a_tensor_with_a_hundred_thousand_dimensions_is_refused_at_once(tmp_path: Path) -> None:
+    # Before the bound, multiplying 100,000 64-bit dimensions took minutes (quadratic).
+    dims = 100_000
+    tensor = (_gguf_string("blk.0.weight") + struct.pack("<I", dims)
+              + struct.pack("<Q", 2**64 - 1) * dims + struct.pack("<IQ", 0, 0))
+    path = tmp_path / "wide.gguf"
+    path.write_bytes(_gguf_header(1, 0) + tensor)
+
+    message = _refused_within(path, 2.0)
+
+    assert message == "wide.gguf: file is corrupt (a tensor has 100,000 dimensions, at most 4 are possible)"
+
+
+def test_a_tensor_whose_element_count_overflows_is_refused(tmp_path: Path) -> None:
+    tensor = (_gguf_string("t") + struct.pack("<I", 4) + struct.pack("<Q", 2**40) * 4
+              + struct.pack("<IQ", 0, 0))
+    path = tmp_path / "huge.gguf"
+    path.write_bytes(_gguf_header(1, 0) + tensor)
+
+    assert "impossible number of elements" in _refused_within(path, 2.0)
+
+
+def test_arrays_nested_a_hundred_thousand_deep_are_refused_not_a_crash(tmp_path: Path) -> None:
+    # Before, this raised an uncaught RecursionError out of the reader.
+    depth = 100_000
+    array_of_array = struct.pack("<IQ", GGUFValueType.ARRAY, 1)
+    kv = (_gguf_string("evil.nested") + struct.pack("<I", GGUFValueType.ARRAY)
+          + array_of_array * depth + struct.pack("<IQ", GGUFValueType.UINT8, 0))
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(_gguf_header(0, 1) + kv)
+
+    message = _refused_within(path, 2.0)
+
+    assert message == "nested.gguf: file is truncated or corrupt (its header cannot be read)"
+
+
+def test_arrays_of_arrays_a_few_levels_deep_are_still_read(tmp_path: Path) -> None:
+    inner = struct.pack("<IQ", GGUFValueType.UINT32, 2) + struct.pack("<II", 7, 8)
+    nested = struct.pack("<IQ", GGUFValueType.ARRAY, 2) + inner * 2
+    kv = (_gguf_string("a.nested") + struct.pack("<I", GGUFValueType.ARRAY)
+          + struct.pack("<IQ", GGUFValueType.ARRAY, 1) + nested
+          + _gguf_string("general.name") + struct.pack("<I", GGUFValueType.STRING)
+          + _gguf_string("after the arrays"))
+    path = tmp_path / "fine.gguf"
+    path.write_bytes(_gguf_header(0, 2) + kv)
+
+    assert read_model_info(path).name == "after the arrays"

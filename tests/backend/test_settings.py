@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -53,3 +55,82 @@ def test_default_queue_is_sixteen_per_slot_and_at_least_64():
     assert Settings().effective_max_queue(1) == 64
     assert Settings().effective_max_queue(8) == 128
     assert Settings(max_queue=3).effective_max_queue(8) == 3
+
+
+# --- the key file is private ------------------------------------------------------------
+
+
+@pytest.fixture
+def loose_umask():
+    """The umask most desktops run with (022): files would come out world-readable."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+def test_saved_settings_are_private_to_the_user(tmp_path, loose_umask):
+    path = tmp_path / "config" / "gguf-studio" / "settings.json"
+    Settings(api_key="gs-secret").save(path, environ={})
+    assert _mode(path) == 0o600
+    assert _mode(path.parent) == 0o700
+    Settings(api_key="gs-other").save(path, environ={})  # rewriting keeps it private
+    assert _mode(path) == 0o600
+    assert json.loads(path.read_text())["api_key"] == "gs-other"
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+def test_a_world_readable_settings_file_is_made_private_on_load(tmp_path, loose_umask):
+    config = tmp_path / "gguf-studio"
+    config.mkdir(mode=0o755)
+    path = config / "settings.json"
+    path.write_text(json.dumps({"api_key": "gs-old-version"}))
+    os.chmod(path, 0o644)
+    os.chmod(config, 0o755)
+    assert Settings.load(path, environ={}).api_key == "gs-old-version"
+    assert _mode(path) == 0o600
+    assert _mode(config) == 0o700
+
+
+def test_the_key_can_come_from_a_file_named_in_the_environment(tmp_path):
+    path = tmp_path / "settings.json"
+    Settings(api_key="gs-saved").save(path, environ={})
+    key_file = tmp_path / "key"
+    key_file.write_text("gs-from-file\n")
+    environ = {"GGUF_STUDIO_API_KEY_FILE": str(key_file)}
+    settings = Settings.load(path, environ=environ)
+    assert settings.api_key == "gs-from-file"
+    settings.replace(port=9001).save(path, environ=environ)
+    assert json.loads(path.read_text())["api_key"] == "gs-saved"  # the file's key stays in the file
+
+
+@pytest.mark.parametrize("content,message", [(None, "cannot be read"), ("\n", "is empty"),
+                                             ("gs-a gs-b\n", "must hold the key alone")])
+def test_an_unusable_key_file_is_named(tmp_path, content, message):
+    key_file = tmp_path / "my.key"
+    if content is not None:
+        key_file.write_text(content)
+    with pytest.raises(SettingsError, match=f"my.key {message}"):
+        Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file)})
+
+
+def test_a_key_and_a_key_file_together_are_refused(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("gs-a")
+    with pytest.raises(SettingsError, match="only one"):
+        Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file),
+                                                       "GGUF_STUDIO_API_KEY": "gs-b"})
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+def test_a_key_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
+    key_file = tmp_path / "key"
+    key_file.write_text("gs-shared")
+    os.chmod(key_file, 0o644)
+    settings = Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file)})
+    assert settings.api_key == "gs-shared"
+    assert "can be read by other users" in caplog.text and "gs-shared" not in caplog.text

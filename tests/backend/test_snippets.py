@@ -6,7 +6,7 @@ import json
 import shlex
 import tomllib
 
-from backend.snippets import KEY_ENV_VAR, PROVIDER_ID, ClientTarget, client_snippets
+from backend.snippets import KEY_ENV_VAR, PROVIDER_ID, ClientTarget, client_snippets, key_requirement
 
 URL = "http://192.168.1.20:8899/v1"
 KEY = "gs-secretsecretsecret"
@@ -77,3 +77,16 @@ def test_masked_snippets_hide_the_key() -> None:
 def test_toml_strings_are_escaped() -> None:
     codex = by_client(ClientTarget(URL, 'we"ird\\name', KEY))["Codex CLI"]
     assert tomllib.loads(codex.text)["model"] == 'we"ird\\name'
+
+
+async def test_the_key_hint_says_what_the_port_enforces_on_this_computer(gw):
+    """Once a key is set, a client on this computer that sends nothing is refused: the
+    hint must not say it may send nothing (it did)."""
+    gw.configure(api_key=KEY)
+    assert (await gw.client.get("/v1/models")).status_code == 401  # gw listens on 127.0.0.1
+    hint = key_requirement(shared_on_network=False, has_key=True)
+    assert "must send this key" in hint and "on this computer too" in hint
+    assert "nothing" not in hint
+    assert "must send this key" in key_requirement(shared_on_network=True, has_key=True)
+    assert "No key is needed" in key_requirement(shared_on_network=False, has_key=False)
+    assert "anyone" in key_requirement(shared_on_network=True, has_key=False)

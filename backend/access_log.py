@@ -1,0 +1,35 @@
+"""The access log: one line per request, `METHOD PATH STATUS TIMEms`, never a body.
+
+The path is the one the client sent, still percent-encoded, with any byte outside
+printable ASCII escaped as well: a decoded path would let a client write its own lines
+into the log (`/x%0aPOST /v1/chat/completions 200` is two lines once decoded), and the
+window shows this log to the person running the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import quote
+
+__all__ = ["ACCESS_LOGGER", "log_request", "loggable_path"]
+
+ACCESS_LOGGER = "gguf_studio.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+
+def log_request(scope: dict, status: int, elapsed_ms: float) -> None:
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info("%s %s %d %.1fms", _printable(scope["method"].encode("latin-1")),
+                        loggable_path(scope), status, elapsed_ms)
+
+
+def loggable_path(scope: dict) -> str:
+    """The request's path as sent (no query), every unprintable byte as `%XX`."""
+    raw = scope.get("raw_path")
+    if not isinstance(raw, bytes):  # a server that does not give it: re-encode
+        raw = quote(scope["path"], safe="/:@!$&'()*+,;=-._~").encode("ascii")
+    return _printable(raw)
+
+
+def _printable(raw: bytes) -> str:
+    return "".join(chr(b) if 0x21 <= b <= 0x7E else f"%{b:02X}" for b in raw)
