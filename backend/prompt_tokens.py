@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from backend.admission import TokenNeed
+from backend.kv_capacity import TokenNeed
 from backend.upstream_http import UpstreamClient
 
 __all__ = [
@@ -287,7 +287,7 @@ class HttpEngineTokenizer:
     async def count_input_tokens(self, route: str, body: Mapping[str, Any]) -> int:
         answer = await self._post(COUNT_ROUTES[route], body)
         tokens = answer.get("input_tokens")
-        if not _whole(tokens):
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
             raise CountFailed("the engine's count had no input_tokens")
         return tokens
 
@@ -346,12 +346,11 @@ class _deadline:
     async def __aenter__(self) -> None:
         await self._timeout.__aenter__()
 
-    async def __aexit__(self, kind: Any, error: Any, tb: Any) -> bool:
+    async def __aexit__(self, kind: Any, error: Any, tb: Any) -> None:
         try:
             await self._timeout.__aexit__(kind, error, tb)
         except TimeoutError:
             raise CountFailed("the engine did not answer in time") from None
-        return False
 
 
 def _compact(value: Any) -> str:
