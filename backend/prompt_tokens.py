@@ -151,7 +151,8 @@ class PromptCounter:
     def __init__(self, tokenizer: EngineTokenizer, *, timeout: float = 10.0) -> None:
         self.tokenizer = tokenizer
         self.timeout = timeout
-        #: Tokens of a one-message conversation of one byte; None until measured.
+        #: Tokens of a one-message conversation of one byte (an upper bound of the
+        #: template's fixed part); None until measured.
         self.template_base: int | None = None
         self._calibrating: asyncio.Future[int | None] | None = None
         self._logged_fallback = False
@@ -214,8 +215,9 @@ class PromptCounter:
             self._log_fallback(error)
             self._calibrating = None  # try again with a later request
             return None
-        # The probe's own JSON is no part of any other request's fixed cost.
-        self.template_base = max(0, tokens - len(_compact(_PROBE)))
+        # All of it, the probe message's own markers included: a safe upper bound of
+        # the fixed part, whatever the split between fixed and per-message text.
+        self.template_base = tokens
         return self.template_base
 
     # --- completions and embeddings ---------------------------------------------------

@@ -55,7 +55,7 @@ def engine_url(llama_server_binary: Path, tiny_model: Path,
     child = subprocess.Popen(
         [str(llama_server_binary), "-m", str(tiny_model), "--host", "127.0.0.1",
          "--port", str(port), "-np", "2", "-c", "8192", "--jinja", "--no-webui",
-         "--embeddings", "-t", "1"], stdout=log, stderr=subprocess.STDOUT)
+         "--embeddings", "--pooling", "mean", "-t", "1"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -168,8 +168,9 @@ SHORT_BODIES = [
     (CHAT, {"messages": [{"role": "user", "content": "x"}] * 40}),  # many tiny messages
     (CHAT, {"messages": [{"role": "system", "content": "Réponds en français, s'il te plaît."},
                          {"role": "user", "content": "Привет, как дела? 你好 🙂"}]}),
-    (RESPONSES, {"input": [{"role": "user", "content": "a"}, {"role": "assistant",
-                                                             "content": "b"}] * 10}),
+    (RESPONSES, {"input": [{"role": "user", "content": "a"},
+                           {"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": "b"}]}] * 10}),
     (MESSAGES, {"system": "Be brief.", "messages": [{"role": "user", "content": "?"}] * 20}),
     (COMPLETIONS, {"prompt": "   \n\n\t  spaces    and\ttabs  \n" * 5}),
 ]
