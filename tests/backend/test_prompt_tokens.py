@@ -82,6 +82,14 @@ async def counter(engine_url: str) -> Iterator[PromptCounter]:
     await tokenizer.aclose()
 
 
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    """An address where nothing listens: bound, so no one else takes it, never listening."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
 async def engine_prompt_tokens(engine_url: str, route: str, body: dict) -> int:
     """The prompt size llama-server reports for a real one-token request of `body`."""
     body = dict(body, stream=False)
@@ -209,20 +217,17 @@ async def test_an_engine_without_the_counting_route_is_asked_for_template_and_to
 
 
 async def test_unreachable_engine_falls_back_to_a_conservative_estimate_logged_once(
-        engine_url, caplog):
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening
-        tokenizer = HttpEngineTokenizer(dead_url)
-        counter = PromptCounter(tokenizer)
-        caplog.set_level(logging.WARNING, "backend.prompt_tokens")
-        estimates = {}
-        for case in ("chat with system prompt and tools", "responses with instructions, "
-                     "items and tools", "messages with system, blocks and tools",
-                     "completions prompt string"):
-            route, body = CASES[case]
-            estimates[case] = (await counted(counter, route, body), route, body)
-        await tokenizer.aclose()
+        engine_url, dead_url, caplog):
+    tokenizer = HttpEngineTokenizer(dead_url)
+    counter = PromptCounter(tokenizer)
+    caplog.set_level(logging.WARNING, "backend.prompt_tokens")
+    estimates = {}
+    for case in ("chat with system prompt and tools", "responses with instructions, "
+                 "items and tools", "messages with system, blocks and tools",
+                 "completions prompt string"):
+        route, body = CASES[case]
+        estimates[case] = (await counted(counter, route, body), route, body)
+    await tokenizer.aclose()
 
     for case, (estimate, route, body) in estimates.items():
         assert estimate.how == "estimate", case
@@ -256,8 +261,8 @@ async def test_an_engine_that_does_not_answer_in_time_falls_back(engine_url):
     assert estimate.tokens >= await engine_prompt_tokens(engine_url, route, body)
 
 
-async def test_images_are_estimated_at_image_tokens_each_not_by_their_bytes():
-    tokenizer = HttpEngineTokenizer("http://127.0.0.1:9")  # discard port: nobody there
+async def test_images_are_estimated_at_image_tokens_each_not_by_their_bytes(dead_url):
+    tokenizer = HttpEngineTokenizer(dead_url)
     counter = PromptCounter(tokenizer, timeout=2)
     picture = "data:image/png;base64," + "A" * 200_000
     body = {"messages": [{"role": "user", "content": [
