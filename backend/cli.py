@@ -242,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
     serve.add_argument("--default-output-tokens", type=int,
-                       help="output tokens reserved for a request that sends no limit (4096)")
+                       help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body (32 MiB)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from backend.kv_capacity import TokenNeed
+from backend.kv_capacity import KvCapacity, TokenNeed
 from backend.upstream_http import UpstreamClient
 
 __all__ = [
@@ -70,18 +70,26 @@ __all__ = [
     "PromptCount",
     "PromptCounter",
     "output_budget",
+    "request_need",
     "token_need",
 ]
 
 log = logging.getLogger(__name__)
 
 #: The output budget of a request that sends no limit of its own (Codex sends none).
-#: 4,096 tokens hold a long agent turn (tool calls with a patch, a final summary, a few
-#: thousand tokens of reasoning) while keeping concurrency: with the common 32,768-token
-#: context on 4 slots, each slot's share is 8,192 tokens, so prompts of up to 4,096
-#: tokens still run 4 at once; 8,192 would cost a slot as soon as prompts pass zero.
-#: Settings.default_output_tokens overrides it; to be measured with bench/agents.py.
-DEFAULT_OUTPUT_TOKENS = 4096
+#: Admission reserves prompt + budget, so the default decides how many such requests
+#: share a unified cache: every slot stays busy while each need fits its fair share
+#: (context / slots).  With 2,048: at 16,384 tokens on 4 slots (a 16k model with Auto
+#: slots) prompts of up to 2,048 tokens run 4 at once, at 32,768 on 4 slots up to 6,144;
+#: with 4,096 the first case never runs 4 at once, and with 8,192 the second neither.
+#: The risk on the other side: a reply longer than its budget.  If the gateway forwards
+#: the budget as the request's limit, such a reply ends with finish reason "length";
+#: if it only reserves, the reply uses tokens nobody reserved, which is harmless while
+#: the pool has slack and fails only when every running request overruns together.
+#: 2,048 holds most agent turns (tool calls, a patch of ~150 lines, a summary); long
+#: reasoning may need more.  Settings.default_output_tokens overrides it; to be
+#: measured with bench/agents.py.
+DEFAULT_OUTPUT_TOKENS = 2048
 #: The least output a request is admitted with: a prompt that leaves less room in its
 #: share of the context is refused rather than answered with a reply cut off at once.
 MIN_OUTPUT_TOKENS = 16
@@ -274,6 +282,23 @@ def token_need(route: str, body: Mapping[str, Any], prompt: PromptCount, *, limi
     """The admission need: counted prompt plus its output budget."""
     return TokenNeed(prompt.tokens, output_budget(route, body, prompt_tokens=prompt.tokens,
                                                   limit=limit, cap=cap, default=default))
+
+
+async def request_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
+                       body_bytes: int, *, kv: KvCapacity, slots: int, cap: int = 0,
+                       default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
+    """The admission need of one gated request on a load with cache `kv` and `slots`.
+
+    A request whose byte bound plus budget fits its fair share of the cache (every
+    slot's share of a unified pool, or its own slot of a split one) is not counted by
+    the engine: reserving its bound cannot cost any concurrency.
+    """
+    share = min(kv.per_request, kv.total // max(1, slots))
+    budget = output_budget(route, body, prompt_tokens=0, limit=kv.per_request, cap=cap,
+                           default=default)
+    prompt = await counter.count(route, body, body_bytes,
+                                 fits_below=max(0, share - budget))
+    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
 
 
 class HttpEngineTokenizer:
