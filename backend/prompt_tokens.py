@@ -184,14 +184,18 @@ class PromptCounter:
     async def _count_chat_like(self, route: str, body: Mapping[str, Any], body_bytes: int,
                                fits_below: int) -> PromptCount:
         images, image_bytes = _images(body)
+        ask = True
         if fits_below > 0 and not images and not body.get("tools"):
             base = await self._template_base()
             if base is not None and body_bytes + base + TEXT_SLACK <= fits_below:
                 return PromptCount(body_bytes + base + TEXT_SLACK, "bound")
-        try:
-            return PromptCount(await self._ask_chat_like(route, body), "engine")
-        except CountFailed as error:
-            self._log_fallback(error)
+            # The probe just failed: asking again would only double the wait.
+            ask = base is not None
+        if ask:
+            try:
+                return PromptCount(await self._ask_chat_like(route, body), "engine")
+            except CountFailed as error:
+                self._log_fallback(error)
         tools = body.get("tools")
         tool_bytes = len(_compact(tools)) if tools else 0
         base = self.template_base if self.template_base is not None else TEMPLATE_ALLOWANCE
