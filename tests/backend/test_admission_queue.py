@@ -4,6 +4,7 @@ and admission by free slots and free KV tokens."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import OrderedDict
 
 import pytest
@@ -573,3 +574,41 @@ def test_kv_capacity_rejects_impossible_sizes():
         KvCapacity.shared(4_096, per_request=8_192)
     with pytest.raises(ValueError):
         kv_queue_of(1, KvCapacity.shared(10)).request(need=-1)
+
+
+def test_random_traffic_keeps_the_token_books_straight_and_the_order_fifo():
+    """Seeded random requests, releases and cancellations on a unified cache."""
+    rng = random.Random(9)
+    kv = KvCapacity.shared(16_384, per_request=12_000)
+    queue = kv_queue_of(4, kv)
+    live: list[Ticket] = []
+    admitted_order: list[Ticket] = []
+    arrival: dict[Ticket, int] = {}
+    for step in range(5_000):
+        action = rng.random()
+        if action < 0.5:
+            need = TokenNeed(rng.randrange(1, 11_000), rng.randrange(0, 2_000))
+            try:
+                ticket = queue.request(need=need)
+            except ContextLengthExceeded:
+                assert need.total > kv.per_request
+                continue
+            assert need.total <= kv.per_request
+            arrival[ticket] = step
+            live.append(ticket)
+        elif live:
+            ticket = live.pop(rng.randrange(len(live)))
+            ticket.release()  # a finished request, or a waiter that gave up
+        for ticket in live:
+            if ticket.admitted and ticket not in admitted_order:
+                admitted_order.append(ticket)
+        running = [t for t in live if t.admitted]
+        assert queue.reserved_tokens == sum(t.tokens for t in running)
+        assert queue.reserved_tokens <= kv.total and queue.active == len(running) <= 4
+        waiting = [t for t in live if t.state is TicketState.WAITING]
+        assert queue.waiting == len(waiting)
+        if waiting:  # the head waits only because it does not fit now
+            head = min(waiting, key=arrival.__getitem__)
+            assert queue.active == 4 or queue.reserved_tokens + head.tokens > kv.total
+    steps = [arrival[t] for t in admitted_order]
+    assert steps == sorted(steps)  # admitted in arrival order, never passed
