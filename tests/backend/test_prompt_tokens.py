@@ -182,6 +182,7 @@ SHORT_BODIES = [
                             "content": [{"type": "output_text", "text": "b"}]}] * 10}),
     (MESSAGES, {"system": "Be brief.", "messages": [{"role": "user", "content": "?"}] * 20}),
     (COMPLETIONS, {"prompt": "   \n\n\t  spaces    and\ttabs  \n" * 5}),
+    (CHAT, {"messages": CASES["chat with a tool call and its result"][1]["messages"] * 3}),
 ]
 
 
