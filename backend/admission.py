@@ -1,5 +1,30 @@
 """Who may talk to llama-server now, and who waits: one bounded FIFO per backend.
 
+Capacity is two numbers: free slots and free KV tokens.  A request's *need* is its
+prompt tokens plus its output budget (`TokenNeed`, counted by `backend.prompt_tokens`).
+The engine's cache (`KvCapacity`) is either
+
+- **split**: each slot owns `total / slots` tokens, so a request must fit one slot
+  (`need <= per_request`) and then always fits, whatever the others hold; or
+- **unified**: one pool for every slot, so the needs of the running requests plus the
+  newcomer's must fit `total` (and each need must fit `per_request`, the engine's cap
+  on one sequence).
+
+The head of the line starts when a slot is free and its need fits.  A need above
+`per_request` can never fit: `request()` refuses it at once with
+`ContextLengthExceeded`, and a waiter whose need no longer fits after a reload is
+refused the same way.  A ticket without a known need (`need=None` or 0) reserves no
+tokens and is admitted by slots alone, exactly as before KV accounting existed.
+
+Fairness: strictly first come, first served.  **No request ever passes the head of
+the line**, not even a small one that would fit while a big head waits for tokens.
+The head only waits for running requests to finish (each has a bounded output
+budget), so its wait is bounded and no one starves; letting smaller requests pass
+would let a steady stream of short agent turns hold the pool below what a long
+prompt needs, forever.  The price is head-of-line blocking: while a big head waits,
+slots may stand idle.  Concurrency is unchanged whenever the needs fit (the common
+case), because then the token check never says no.
+
 This module only decides.  It opens no sockets, sends nothing and never sleeps; the
 gateway asks it for a ticket, awaits the ticket, forwards the request to the ticket's
 `base_url` and releases the ticket when the upstream answer is finished or abandoned.
@@ -24,15 +49,19 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from types import EllipsisType
 
-from backend.errors import ModelNotReady, QueueFull, QueueTimeout
+from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull, QueueTimeout
+from backend.kv_capacity import KvCapacity, TokenNeed
 from backend.listeners import Listeners
 
 __all__ = [
     "AdmissionQueue",
     "AdmissionRegistry",
+    "KvCapacity",
     "Ticket",
     "TicketState",
+    "TokenNeed",
 ]
 
 Clock = Callable[[], float]
@@ -50,12 +79,15 @@ class TicketState(enum.Enum):
 class Ticket:
     """One request's place: first in a line, then in a slot of one backend."""
 
-    __slots__ = ("state", "queue", "enqueued_at", "admitted_at", "_error", "_event",
-                 "_seq")
+    __slots__ = ("state", "queue", "need", "enqueued_at", "admitted_at", "_error",
+                 "_event", "_seq")
 
-    def __init__(self, queue: AdmissionQueue, now: float) -> None:
+    def __init__(self, queue: AdmissionQueue, now: float,
+                 need: TokenNeed | None = None) -> None:
         self.state = TicketState.WAITING
         self.queue = queue
+        #: None: unknown, admitted by slots alone and reserving no tokens.
+        self.need = need
         self.enqueued_at = now
         self.admitted_at: float | None = None
         self._error: BaseException | None = None
@@ -72,6 +104,11 @@ class Ticket:
     @property
     def admitted(self) -> bool:
         return self.state is TicketState.ADMITTED
+
+    @property
+    def tokens(self) -> int:
+        """The KV tokens this ticket reserves (held while admitted)."""
+        return 0 if self.need is None else self.need.total
 
     @property
     def error(self) -> BaseException | None:
@@ -108,7 +145,7 @@ class Ticket:
                     queue = self.queue
                     self.release()
                     raise QueueTimeout(
-                        "The request waited too long for a free slot on the model. "
+                        "The request waited too long for room on the model. "
                         "Try again later.",
                         retry_after=queue.retry_after(),
                     ) from None
@@ -164,12 +201,16 @@ class AdmissionQueue:
     #: The service-time estimate before any request has finished.
     DEFAULT_SERVICE_TIME = 1.0
 
-    def __init__(self, key: str, capacity: int, *, max_waiting: int = 0,
-                 enabled: bool = True, clock: Clock = time.monotonic,
+    def __init__(self, key: str, capacity: int, *, kv: KvCapacity | None = None,
+                 max_waiting: int = 0, enabled: bool = True,
+                 clock: Clock = time.monotonic,
                  on_change: Callable[[AdmissionQueue], None] | None = None) -> None:
         self.key = key
         self.capacity = _check_capacity(capacity)
+        #: None: the cache is unknown and only slots are counted.
+        self.kv = kv
         self.max_waiting = max_waiting
+        self._reserved = 0
         self._enabled = enabled
         self._clock = clock
         self._on_change = on_change
@@ -188,7 +229,18 @@ class AdmissionQueue:
 
     @property
     def waiting(self) -> int:
+        """Everyone in line, whether for a slot or for KV tokens."""
         return len(self._line)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens held by the running requests of this load."""
+        return self._reserved
+
+    @property
+    def kv_capacity(self) -> int:
+        """The engine's total KV tokens, 0 while unknown."""
+        return 0 if self.kv is None else self.kv.total
 
     @property
     def idle(self) -> bool:
@@ -218,18 +270,24 @@ class AdmissionQueue:
 
     # --- decisions -------------------------------------------------------------------
 
-    def request(self) -> Ticket:
-        """A ticket: admitted at once if a slot is free and nobody waits, else waiting.
+    def request(self, need: TokenNeed | int | None = None) -> Ticket:
+        """A ticket: admitted at once if nobody waits and there is room, else waiting.
 
-        Raises QueueFull when `max_waiting` requests already wait, and ModelNotReady
+        `need` is the request's prompt tokens plus output budget (an int is all
+        prompt); None or 0 means unknown: slots alone decide.  Raises
+        ContextLengthExceeded when the need can never fit one request's share of the
+        cache, QueueFull when `max_waiting` requests already wait, and ModelNotReady
         when the queue is retired.
         """
         if self._retired:
             raise ModelNotReady("The model is being reloaded. Try again shortly.",
                                 retry_after=self.retry_after())
+        need = _as_need(need)
+        if need is not None and self.kv is not None and need.total > self.kv.per_request:
+            raise _too_long(need, self.kv)
         now = self._clock()
-        if not self._line and self._has_free_slot():
-            ticket = Ticket(self, now)
+        if not self._line and self._has_room(need):
+            ticket = Ticket(self, now, need)
             self._admit(ticket, now)
         else:
             if self.max_waiting and len(self._line) >= self.max_waiting:
@@ -238,14 +296,21 @@ class AdmissionQueue:
                     "waiting. Try again later.",
                     retry_after=self.retry_after(),
                 )
-            ticket = Ticket(self, now)
+            ticket = Ticket(self, now, need)
             self._line[ticket] = None
         self._changed()
         return ticket
 
-    def set_capacity(self, n: int) -> None:
-        """Growth admits waiters in order; a shrink lets running requests finish."""
+    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
+        """Growth admits waiters in order; a shrink lets running requests finish.
+
+        `kv` replaces the cache's size (omitted: unchanged).  Waiters whose need no
+        longer fits one request's share are refused with ContextLengthExceeded.
+        """
         self.capacity = _check_capacity(n)
+        if kv is not ...:
+            self.kv = kv
+            self._refuse_never_fitting()
         self._promote()
         self._changed()
 
@@ -261,38 +326,72 @@ class AdmissionQueue:
 
     def __repr__(self) -> str:
         flag = " retired" if self._retired else ""
-        return (f"<AdmissionQueue {self.key} {self._active}/{self.capacity} active, "
-                f"{len(self._line)} waiting{flag}>")
+        tokens = (f", {self._reserved}/{self.kv.total} tokens"
+                  if self.kv is not None else "")
+        return (f"<AdmissionQueue {self.key} {self._active}/{self.capacity} active"
+                f"{tokens}, {len(self._line)} waiting{flag}>")
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _has_free_slot(self) -> bool:
-        return not self._enabled or self._active < self.capacity
+    def _has_room(self, need: TokenNeed | None) -> bool:
+        if not self._enabled:
+            return True
+        if self._active >= self.capacity:
+            return False
+        # A split cache gives every slot its own share, which `request()` already
+        # checked the need against; only a unified pool can run out with a slot free.
+        if need is None or self.kv is None or not self.kv.unified:
+            return True
+        return self._reserved + need.total <= self.kv.total
 
     def _admit(self, ticket: Ticket, now: float) -> None:
         self._active += 1
+        self._reserved += ticket.tokens
         ticket._admit(now)
 
     def _promote(self) -> bool:
-        """Admit from the front of the line while slots are free.  True if any moved."""
+        """Admit from the front of the line while the head fits.  True if any moved.
+
+        Only ever the head: see the module docstring for why no one passes it.
+        """
         if self._retired:
             return False
         moved = False
-        while self._line and self._has_free_slot():
-            ticket, _ = self._line.popitem(last=False)
+        while self._line:
+            ticket = next(iter(self._line))
+            if not self._has_room(ticket.need):
+                break
+            del self._line[ticket]
             self._admit(ticket, self._clock())
             moved = True
         return moved
 
+    def _refuse_never_fitting(self) -> None:
+        """After the cache changed: refuse waiters that no load of this size could run.
+
+        O(n) in the line, but only on a reload or re-read, never per request.
+        """
+        if self.kv is None:
+            return
+        for ticket in list(self._line):
+            if ticket.need is not None and ticket.need.total > self.kv.per_request:
+                del self._line[ticket]
+                ticket._refuse(_too_long(ticket.need, self.kv))
+
     def _finish(self, ticket: Ticket) -> None:
         self._active -= 1
+        self._reserved -= ticket.tokens
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
         self._promote()
         self._changed()
 
     def _leave(self, ticket: Ticket) -> None:
+        was_head = next(iter(self._line)) is ticket
         del self._line[ticket]
+        # A head that waited for tokens may have held back smaller ones behind it.
+        if was_head:
+            self._promote()
         self._changed()
 
     def _observe(self, duration: float) -> None:
@@ -348,6 +447,16 @@ class AdmissionRegistry:
         return sum(queue.waiting for queue in self._queues.values())
 
     @property
+    def total_reserved_tokens(self) -> int:
+        """KV tokens held by running requests, on every live load."""
+        return sum(queue.reserved_tokens for queue in self._queues.values())
+
+    @property
+    def kv_capacity(self) -> int:
+        """The current load's total KV tokens, 0 without a load or while unknown."""
+        return 0 if self._current is None else self._current.kv_capacity
+
+    @property
     def enabled(self) -> bool:
         return self._enabled
 
@@ -363,23 +472,26 @@ class AdmissionRegistry:
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def activate(self, key: str, capacity: int) -> AdmissionQueue:
+    def activate(self, key: str, capacity: int,
+                 kv: KvCapacity | None = None) -> AdmissionQueue:
         """A load at `key` became ready with `capacity` slots: make its queue current.
 
         Requests still waiting in earlier queues move to this one, ahead of anyone
         newer and in their order of arrival: they were never admitted, so no backend
-        is bound to them yet.
+        is bound to them yet.  Their needs are checked against this load's cache
+        `kv`: those that can never fit it are refused with ContextLengthExceeded.
         """
         _check_capacity(capacity)
         with self._batch():
             queue = self._queues.pop(key, None)
             if queue is None:
                 queue = AdmissionQueue(
-                    key, capacity, max_waiting=self._max_waiting_for(capacity),
+                    key, capacity, kv=kv, max_waiting=self._max_waiting_for(capacity),
                     enabled=self._enabled, clock=self._clock, on_change=self._queue_changed)
             else:
                 queue._retired = False
                 queue.capacity = capacity
+                queue.kv = kv
                 queue.max_waiting = self._max_waiting_for(capacity)
             earlier = list(self._queues.values())
             self._queues[key] = queue
@@ -394,6 +506,7 @@ class AdmissionRegistry:
                 ticket.queue = queue
                 queue._line[ticket] = None
 
+            queue._refuse_never_fitting()
             self.prune()
             queue._promote()
         return queue
@@ -430,15 +543,18 @@ class AdmissionRegistry:
                 del self._queues[key]
         self._notify()
 
-    def set_capacity(self, n: int) -> None:
-        """The current load's slots were re-read.  Without a current load: nothing."""
+    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
+        """The current load's slots (and cache, unless omitted) were re-read.
+
+        Without a current load: nothing.
+        """
         queue = self._current
         if queue is None:
             return
         _check_capacity(n)
         with self._batch():
             queue.max_waiting = self._max_waiting_for(n)
-            queue.set_capacity(n)
+            queue.set_capacity(n, kv)
 
     # --- listeners -------------------------------------------------------------------
 
@@ -481,6 +597,23 @@ _arrivals = itertools.count()
 
 
 def _check_capacity(n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not _whole(n) or n < 1:
         raise ValueError(f"capacity must be a whole number of slots, at least 1, not {n!r}")
     return n
+
+
+def _whole(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
+def _as_need(need: TokenNeed | int | None) -> TokenNeed | None:
+    if need is None or isinstance(need, TokenNeed):
+        return need if need is None or need.total > 0 else None
+    if not _whole(need) or need < 0:
+        raise ValueError(f"a token need is a whole number, at least 0, not {need!r}")
+    return TokenNeed(need, 0) if need else None
+
+
+def _too_long(need: TokenNeed, kv: KvCapacity) -> ContextLengthExceeded:
+    return ContextLengthExceeded(prompt_tokens=need.prompt, output_tokens=need.output,
+                                 limit=kv.per_request)

@@ -107,8 +107,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 # Command-line options that map one to one onto settings.
 _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
-                   "max_queue", "queue_timeout",
-                   "keepalive_interval", "max_output_tokens", "max_body_bytes", "reload_grace",
+                   "max_queue", "queue_timeout", "keepalive_interval", "max_output_tokens",
+                   "default_output_tokens", "max_body_bytes", "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "model", "upstream")
 
@@ -258,6 +258,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
+    serve.add_argument("--default-output-tokens", type=int,
+                       help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body (32 MiB)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")

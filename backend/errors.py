@@ -143,6 +143,24 @@ class UpgradeRequired(RequestError):
     status, type, code = 426, "invalid_request_error", "websocket_not_supported"
 
 
+class ContextLengthExceeded(RequestError):
+    """A request's prompt plus output budget can never fit one request's share of
+    the engine's context, so it is refused before the engine computes anything."""
+
+    status, type, code = 400, "invalid_request_error", "context_length_exceeded"
+
+    def __init__(self, *, prompt_tokens: int, output_tokens: int, limit: int) -> None:
+        output = (f" plus {output_tokens:,} tokens of output budget" if output_tokens
+                  else "")
+        super().__init__(
+            f"This model's context allows at most {limit:,} tokens per request, but "
+            f"this request needs {prompt_tokens + output_tokens:,}: {prompt_tokens:,} "
+            f"prompt tokens{output}. Shorten the messages or lower the output limit.")
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.limit = limit
+
+
 class QueueFull(RequestError):
     status, type, code = 429, "server_error", "server_is_overloaded"
 

@@ -48,6 +48,8 @@ class Settings:
     queue_timeout: float = 600.0
     keepalive_interval: float = 5.0
     max_output_tokens: int = 0
+    # Output tokens reserved for a request that sends no limit (backend.prompt_tokens).
+    default_output_tokens: int = 2048
     max_body_bytes: int = 32 * 1024 * 1024
     reload_grace: float = 30.0
     admission_enabled: bool = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.admission import AdmissionQueue, Ticket
+from backend.admission import AdmissionQueue, KvCapacity, Ticket
 
 OLD = "http://127.0.0.1:41001"
 NEW = "http://127.0.0.1:41002"
@@ -33,3 +33,7 @@ async def started(ticket: Ticket, timeout: float | None = None) -> asyncio.Task[
 
 def queue_of(capacity: int = 1, max_waiting: int = 0, **kwargs) -> AdmissionQueue:
     return AdmissionQueue(OLD, capacity, max_waiting=max_waiting, **kwargs)
+
+
+def kv_queue_of(slots: int, kv: KvCapacity, max_waiting: int = 0) -> AdmissionQueue:
+    return AdmissionQueue(OLD, slots, kv=kv, max_waiting=max_waiting)

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from backend.admission import AdmissionRegistry, TicketState
-from backend.errors import LoadReplaced, ModelNotReady, QueueFull
+from backend.admission import AdmissionRegistry, KvCapacity, TicketState, TokenNeed
+from backend.errors import ContextLengthExceeded, LoadReplaced, ModelNotReady, QueueFull
 from tests.backend.admission_helpers import NEW, NEWER, OLD, started
 
 
@@ -302,3 +302,86 @@ def test_a_failing_listener_does_not_break_admission(caplog):
 
     registry.remove_listener(broken)
     registry.remove_listener(broken)  # unknown listeners are ignored
+
+
+# --- KV tokens across loads --------------------------------------------------------
+
+
+def test_activate_with_a_kv_capacity_exposes_capacity_and_reserved_tokens():
+    registry = AdmissionRegistry()
+    queue = registry.activate(OLD, 4, KvCapacity.shared(32_768))
+    queue.request(need=TokenNeed(prompt=20_000, output=4_000))
+
+    assert registry.kv_capacity == 32_768
+    assert registry.total_reserved_tokens == 24_000
+    registry.retire_current()
+    assert registry.kv_capacity == 0  # no current load
+    assert registry.total_reserved_tokens == 24_000  # still running on the old one
+
+
+async def test_kv_waiters_carried_to_a_bigger_cache_are_admitted_in_order():
+    registry = AdmissionRegistry()
+    old = registry.activate(OLD, 4, KvCapacity.shared(10_000))
+    running = old.request(need=8_000)
+    carried = [old.request(need=n) for n in (6_000, 3_000, 9_000)]
+    tasks = [await started(t) for t in carried]
+    registry.retire_current()
+
+    new = registry.activate(NEW, 4, KvCapacity.shared(16_000))
+
+    assert [t.admitted for t in carried] == [True, True, False]  # 9,000 waits its turn
+    assert new.reserved_tokens == 9_000 and old.reserved_tokens == 8_000
+    await asyncio.gather(*tasks[:2])
+    running.release()  # the old engine's tokens are no use on the new one
+    assert not carried[2].admitted
+    carried[0].release()
+    await tasks[2]
+    assert carried[2].base_url == NEW
+
+
+async def test_carried_waiters_that_can_never_fit_the_new_load_are_refused():
+    registry = AdmissionRegistry()
+    old = registry.activate(OLD, 1, KvCapacity.shared(32_768))
+    old.request(need=1_000)
+    too_long = old.request(need=TokenNeed(prompt=9_000, output=1_000))
+    fits = old.request(need=TokenNeed(prompt=3_000, output=1_000))
+    task = await started(too_long)
+
+    new = registry.activate(NEW, 4, KvCapacity.split(16_384, slots=4))
+
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await task
+    assert "9,000 prompt tokens" in str(refused.value) and "4,096" in str(refused.value)
+    assert fits.admitted and fits.base_url == NEW
+    assert new.waiting == 0
+
+
+def test_reactivating_the_same_load_replaces_its_cache_and_rechecks_waiters():
+    registry = AdmissionRegistry()
+    queue = registry.activate(OLD, 2, KvCapacity.shared(10_000))
+    queue.request(need=9_000)
+    waiting = queue.request(need=5_000)
+
+    assert registry.activate(OLD, 2, KvCapacity.shared(20_000)) is queue
+    assert waiting.admitted and queue.reserved_tokens == 14_000
+
+
+def test_registry_set_capacity_rereads_the_cache_and_admits_kv_waiters():
+    registry = AdmissionRegistry()
+    queue = registry.activate(OLD, 4, KvCapacity.shared(8_000))
+    queue.request(need=6_000)
+    waiting = queue.request(need=4_000)
+
+    registry.set_capacity(4, KvCapacity.shared(12_000))
+
+    assert waiting.admitted and registry.kv_capacity == 12_000
+
+
+def test_a_load_without_kv_capacity_admits_by_slots_as_before():
+    registry = AdmissionRegistry()
+    old = registry.activate(OLD, 2, KvCapacity.shared(1_000))
+    registry.retire_current()
+    new = registry.activate(NEW, 2)
+    assert new.kv is None and registry.kv_capacity == 0
+    assert new.request(need=50_000).admitted
+    assert old.retired
