@@ -380,6 +380,26 @@ async def one_stream(port: int, request: bytes, timeout: float, start_after: flo
     return client
 
 
+def start_stream(port: int, request: bytes, timeout: float,
+                 start_after: float = 0.0) -> tuple[StreamClient, asyncio.Task]:
+    """`one_stream`, but the client is returned at once, so its progress can be read."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    client = StreamClient(request, done)
+
+    async def run() -> None:
+        if start_after > 0:
+            await asyncio.sleep(start_after)
+        try:
+            await asyncio.wait_for(loop.create_connection(lambda: client, HOST, port), timeout)
+            await asyncio.wait_for(done, timeout)
+        except (OSError, asyncio.TimeoutError):
+            if client.transport is not None:
+                client.transport.close()
+
+    return client, loop.create_task(run())
+
+
 async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
                    expect_tokens: int | None, timeout: float, spread: float = 0.0) -> Run:
     """`streams` concurrent streams; stream i starts i*spread/streams seconds in."""
@@ -477,6 +497,104 @@ async def run_scenario(scenario: Scenario, rounds: int, log: Callable[[str], Non
     return scenario
 
 
+@dataclass
+class SteadyRun:
+    target: str
+    ttfts: list[float]   # the newcomers'
+    chunks: int          # content chunks relayed while the newcomers arrived
+    cpu: dict[str, float]
+    errors: int
+
+
+@dataclass
+class Steady:
+    """Newcomers arriving one by one while `background` streams already flow."""
+    background: int
+    newcomers: int
+    interval: float
+    delay: float
+    upstream_pid: int
+    targets: list[Target]
+    timeout: float
+    runs: dict[str, list[SteadyRun]] = field(default_factory=dict)
+
+    @property
+    def background_tokens(self) -> int:
+        # ramp-up, the newcomers' window and a margin: still flowing after the last one
+        return int((0.5 + self.newcomers * self.interval * 1.3 + 1.5) / self.delay)
+
+    def added_ttft(self, name: str, q: float) -> list[float]:
+        return [quantile(a.ttfts, q) - quantile(b.ttfts, q)
+                for a, b in zip(self.runs[name], self.runs["direct"])]
+
+    def cpu_per_chunk(self, name: str, who: str) -> float:
+        return median([r.cpu[who] / r.chunks * 1e6 for r in self.runs[name]
+                       if r.chunks and who in r.cpu])
+
+
+async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> SteadyRun:
+    """Background streams start evenly over 0.5 s; once every one has sent a token, a
+    newcomer (2 tokens) arrives at each of `arrivals` (seconds from then); the relay's
+    CPU and the chunks relayed are counted from the first arrival to the last newcomer's
+    end."""
+    background = chat_request(target.port, synthetic_body(s.background_tokens, s.delay))
+    newcomer = chat_request(target.port, synthetic_body(2, s.delay))
+    flows = [start_stream(target.port, background, s.timeout, i * 0.5 / s.background)
+             for i in range(s.background)]
+    clients = [c for c, _ in flows]
+    deadline = time.monotonic() + s.timeout
+    while not all(c.tokens for c in clients) and time.monotonic() < deadline:
+        if any(t.done() for _, t in flows):
+            break
+        await asyncio.sleep(0.005)
+    pids = {"relay": target.pid} if target.pid is not None else {}
+    before = {k: cpu_times(p) for k, p in pids.items()}
+    tokens_before = sum(c.tokens for c in clients)
+    started = time.perf_counter()
+    joining = []
+    for at in arrivals:
+        pause = started + at - time.perf_counter()
+        if pause > 0:
+            await asyncio.sleep(pause)
+        joining.append(start_stream(target.port, newcomer, s.timeout))
+    await asyncio.gather(*(t for _, t in joining))
+    chunks = sum(c.tokens for c in clients) - tokens_before + sum(c.tokens for c, _ in joining)
+    cpu = {}
+    for k, p in pids.items():
+        user, system = cpu_times(p)
+        cpu[k] = user + system - sum(before[k])
+        cpu[k + "_sys"] = system - before[k][1]
+    await asyncio.gather(*(t for _, t in flows))
+    errors = sum(1 for c in clients if not (c.status == 200 and c.saw_done
+                                            and c.tokens == s.background_tokens))
+    ttfts = []
+    for c, _ in joining:
+        if c.status == 200 and c.saw_done and c.tokens == 2:
+            ttfts.append(c.t_first - c.t_send)
+        else:
+            errors += 1
+    return SteadyRun(target.name, ttfts, chunks, cpu, errors)
+
+
+async def run_steady_rounds(s: Steady, rounds: int, log: Callable[[str], None]) -> Steady:
+    """Every target in turn per round, with the same (jittered) arrival times within a
+    round, so that no target always meets the background streams at the same phase."""
+    import random
+
+    s.runs = {t.name: [] for t in s.targets}
+    for i in range(rounds):
+        rng = random.Random(i)
+        arrivals = [k * s.interval + rng.uniform(0, s.interval / 2) for k in range(s.newcomers)]
+        line = []
+        for target in s.targets:
+            run = await run_steady(s, target, arrivals)
+            s.runs[target.name].append(run)
+            line.append(f"{target.name} newcomer ttft p50 {quantile(run.ttfts, 0.5) * 1e3:.1f} ms"
+                        + (f" ERRORS {run.errors}" if run.errors else ""))
+        log(f"  steady state round {i + 1}/{rounds}: " + " | ".join(line))
+    return s
+
+
 # --- reports --------------------------------------------------------------------------------
 
 
@@ -543,6 +661,32 @@ def saturation_table(s: Scenario) -> list[str]:
     return rows
 
 
+def steady_table(s: Steady) -> list[str]:
+    direct = s.runs["direct"]
+    d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
+    d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+    rows = [f"Steady state: a newcomer arrives every {s.interval * 1e3:g}–"
+            f"{s.interval * 1.5e3:g} ms ({s.newcomers} per round, 2 tokens each) while "
+            f"{s.background} streams flow at one token per {s.delay * 1e3:g} ms; "
+            f"{len(direct)} rounds; direct newcomer TTFT p50 / p99 {d50:.1f} / {d99:.1f} ms; "
+            "CPU per paced chunk = relay CPU from the first arrival to the last newcomer's "
+            "end ÷ content chunks relayed meanwhile",
+            "",
+            "| relay | newcomer added TTFT p50 ms | newcomer added TTFT p99 ms "
+            "| relay CPU µs per paced chunk (sys) | chunks per round |",
+            "|---|---|---|---|---|"]
+    for name, runs in s.runs.items():
+        if name == "direct":
+            continue
+        p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
+        p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+        rows.append(f"| {name} | {_range(p50, '{:+.1f}')} | {_range(p99, '{:+.1f}')} "
+                    f"| {s.cpu_per_chunk(name, 'relay'):.0f} "
+                    f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
+                    f"| {median([r.chunks for r in runs]):,.0f} |")
+    return rows
+
+
 # --- the benchmark ------------------------------------------------------------------------------
 
 
@@ -572,8 +716,9 @@ def stop_children(procs: Processes) -> None:
 
 
 async def synthetic(args: argparse.Namespace, procs: Processes, work: Path,
-                    log: Callable[[str], None]) -> tuple[list[Scenario], Scenario | None]:
-    slots = max([*args.streams, args.sat_streams])
+                    log: Callable[[str], None]) -> tuple[list[Scenario], Scenario | None,
+                                                         Steady | None]:
+    slots = max([*args.streams, args.sat_streams, args.steady_background + 1])
     fake = procs.start("fake-upstream", [PYTHON, "-m", "tests.fake_upstream", "--host", HOST,
                                          "--port", "0", "--slots", str(slots)])
     fake_port = int(procs.wait_for_line("fake-upstream", fake,
@@ -606,8 +751,14 @@ async def synthetic(args: argparse.Namespace, procs: Processes, work: Path,
                      synthetic_body(args.sat_tokens, 0.0), fake.pid, [*ports, direct, naive, floor],
                      args.sat_tokens, timeout=180)
         saturation = await run_scenario(s, args.sat_rounds, log)
+
+    steady = None
+    if args.steady_newcomers > 0:
+        steady = Steady(args.steady_background, args.steady_newcomers, args.steady_interval,
+                        args.delay, fake.pid, [*ports, direct, floor], timeout)
+        steady = await run_steady_rounds(steady, args.steady_rounds, log)
     stop_children(procs)
-    return realistic, saturation
+    return realistic, saturation, steady
 
 
 async def real_llama(args: argparse.Namespace, procs: Processes, work: Path,
@@ -682,6 +833,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="llama-server --threads, 0 = its default (1: on a shared 2-core "
                         "machine its spinning worker threads stall for 100s of ms when one "
                         "is descheduled)")
+    p.add_argument("--steady-newcomers", type=int,
+                   help="steady state: newcomers per round, 0 = skip (40; quick 10)")
+    p.add_argument("--steady-background", type=int, default=63,
+                   help="steady state: streams already flowing (63)")
+    p.add_argument("--steady-interval", type=float, default=0.1,
+                   help="steady state: a newcomer every this many seconds, plus up to half "
+                        "as much jitter (0.1)")
+    p.add_argument("--steady-rounds", type=int, help="steady state rounds (3; quick 1)")
+    p.add_argument("--aiohttp", action="store_true",
+                   help="also measure the port with aiohttp's client on the upstream leg "
+                        "(port-aiohttp, bench/variants/aiohttp_port.py)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                    help="also measure a patched port: FILE patches, then calls "
                         "backend.cli.main(sys.argv[1:]) (repeatable)")
@@ -691,7 +853,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     quick = args.quick
     defaults = {"rounds": (5, 1), "streams": ([8, 64], [8]), "tokens": (50, 10),
                 "sat_streams": (64, 16), "sat_tokens": (500, 100), "sat_rounds": (3, 1),
-                "llama_streams": (4, 2), "llama_tokens": (200, 32)}
+                "llama_streams": (4, 2), "llama_tokens": (200, 32),
+                "steady_newcomers": (40, 10), "steady_rounds": (3, 1)}
     for name, (full, small) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
@@ -702,6 +865,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--variant takes NAME=FILE, NAME not one of port, direct, naive-relay, "
                     "tcp-proxy")
         variants.append((name, str(Path(path).resolve())))
+    if args.aiohttp:
+        variants.append(("port-aiohttp", str(REPO / "bench" / "variants" / "aiohttp_port.py")))
     args.variant = variants
     return args
 
@@ -720,7 +885,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
     def log(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
 
-    realistic, saturation = await synthetic(args, procs, work, log)
+    realistic, saturation, steady = await synthetic(args, procs, work, log)
     llama = await real_llama(args, procs, work, log) if args.llama_tokens > 0 else None
 
     out = [f"relay benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()}; "
@@ -735,7 +900,11 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
     out += rows
     if saturation is not None:
         out += ["", *saturation_table(saturation)]
+    if steady is not None:
+        out += ["", *steady_table(steady)]
     errors = sum(s.errors() for s in [*realistic, saturation, llama] if s is not None)
+    if steady is not None:
+        errors += sum(r.errors for runs in steady.runs.values() for r in runs)
     out += ["", f"Targets for the port at the realistic rate with arrivals spread over "
                 f"{args.spread:g} s (throughput ≥ {TARGET_THROUGHPUT}× direct, "
                 f"added TTFT p50 ≤ {TARGET_TTFT_P50_MS:g} ms, p99 ≤ {TARGET_TTFT_P99_MS:g} ms; "
