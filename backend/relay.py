@@ -28,6 +28,7 @@ from backend import sse
 from backend.admission import AdmissionQueue, Ticket
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
                             UpstreamFailed, UpstreamUnavailable)
+from backend.upstream_http import MalformedAnswer
 
 if TYPE_CHECKING:
     from backend.metrics import Metrics
@@ -288,11 +289,13 @@ class Exchange:
         engine unreachable, or gone while answering, or its load replaced meanwhile."""
         try:
             yield
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
             error: RequestError
             if ticket.queue.retired:
                 error = LoadReplaced("The model was reloaded or unloaded while this request "
                                      "ran. Send it again.", retry_after=RETRY_SOON)
+            elif isinstance(exc, MalformedAnswer):
+                error = UpstreamFailed("The model server sent an invalid answer.")
             elif connecting:
                 error = UpstreamUnavailable("The model server could not be reached. "
                                             "Try again shortly.", retry_after=RETRY_SOON)
@@ -312,11 +315,21 @@ class Exchange:
                 raise gateway_errors.upstream_error(upstream.status_code,
                                                     await self._read_error(upstream))
             with self._upstream_failures(ticket):
+                self._check_answer(upstream)
                 if self.request.parsed.stream:
                     return await self._relay(upstream)
                 return await self._answer(upstream)
         finally:
             await upstream.aclose()
+
+    def _check_answer(self, upstream: UpstreamResponse) -> None:
+        """Relay only what llama-server answers: 200 with an event stream for a streamed
+        request, JSON otherwise (a redirect, a 2xx without the body asked for, or another
+        media type would reach the client as if it were the model's answer)."""
+        media = (upstream.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+        expected = "text/event-stream" if self.request.parsed.stream else "application/json"
+        if upstream.status_code != 200 or media != expected:
+            raise MalformedAnswer(f"Unexpected answer: {upstream.status_code} {media!r}.")
 
     async def _read_error(self, upstream: UpstreamResponse) -> bytes:
         """As much of an error body as arrives (a cut one still says something)."""

@@ -16,6 +16,8 @@ from typing import AsyncIterator
 import aiohttp
 import httpx
 
+from backend.upstream_http import MalformedAnswer
+
 __all__ = ["AiohttpUpstreamClient", "AiohttpUpstreamResponse"]
 
 #: Upstream bytes buffered for a slow client before reading from the upstream pauses
@@ -98,6 +100,8 @@ class AiohttpUpstreamClient:
             raise httpx.ConnectTimeout("Connecting to the upstream timed out.") from None
         except aiohttp.ClientConnectorError as exc:
             raise httpx.ConnectError(f"Cannot connect to the upstream: {_say(exc)}") from None
+        except aiohttp.ClientResponseError as exc:  # the parser refused the head
+            raise MalformedAnswer(_say(exc)) from None
         except aiohttp.ClientError as exc:
             raise httpx.RemoteProtocolError(_say(exc)) from None
         return AiohttpUpstreamResponse(response)

@@ -19,6 +19,7 @@ at all came back; httpx answers that race with an error, which the port turned i
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-__all__ = ["UpstreamClient", "UpstreamResponse"]
+__all__ = ["MalformedAnswer", "UpstreamClient", "UpstreamResponse"]
 
 #: Upstream bytes buffered for a slow client before reading from the upstream pauses.
 HIGH_WATER = 256 * 1024
@@ -35,6 +36,20 @@ HIGH_WATER = 256 * 1024
 #: after a few seconds anyway; this guards against ones that vanished silently).
 MAX_IDLE_SECONDS = 30.0
 MAX_HEAD = 64 * 1024
+#: The largest chunk size accepted (a bigger one is a malformed or hostile answer).
+MAX_CHUNK = 1 << 62
+
+# RFC 9112: status-line = HTTP-version SP 3DIGIT SP [reason-phrase]; the SP before an
+# empty reason is often left out, and accepted.  field-line = token ":" OWS value OWS.
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9][0-9])(?: [\t\x20-\x7e\x80-\xff]*)?")
+_FIELD_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\t\x20-\x7e\x80-\xff]*"
+                         rb"[\x21-\x7e\x80-\xff])?)[ \t]*")
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+_CRLF = b"\r\n"
+
+
+class MalformedAnswer(httpx.RemoteProtocolError):
+    """The upstream's answer broke HTTP/1.1 (its connection is closed, never reused)."""
 
 
 class _Request:
@@ -77,6 +92,7 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.complete = False
         self.error: str | None = None
+        self.malformed = False
         self.keep_alive = True
         self.paused = False
 
@@ -92,25 +108,24 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
             return
         if self.in_head:
-            data = self.head + data
-            end = data.find(b"\r\n\r\n")
-            if end < 0:
-                if len(data) > MAX_HEAD:
-                    self._fail("The upstream sent an oversized header.")
-                self.head = data
-                return
-            if not self._parse_head(data[:end]):
-                return
-            data = data[end + 4:]
-            self.head = b""
-            if 100 <= self.status < 200:  # informational (100 Continue): the real head follows
+            data = self.head + data if self.head else data
+            pos = 0
+            while True:  # interim 1xx heads (100 Continue, 103 Early Hints) are skipped
+                end = data.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    if len(data) - pos > MAX_HEAD:
+                        self._fail("The upstream sent an oversized header.")
+                        return
+                    self.head = data[pos:]
+                    return
+                if not self._parse_head(data[pos:end]):
+                    return
+                pos = end + 4
+                if self.status >= 200:
+                    break
                 self.headers = {}
-                self.chunked = False
-                self.remaining = None
-                self.keep_alive = True
-                if data:
-                    self.data_received(data)
-                return
+            data = data[pos:]
+            self.head = b""
             self.in_head = False
             if self.remaining == 0 or self.status in (204, 304):
                 self.complete = True
@@ -145,27 +160,49 @@ class _Connection(asyncio.Protocol):
     # --- parsing -----------------------------------------------------------------------
 
     def _parse_head(self, head: bytes) -> bool:
+        """Parse one response head strictly; anything off fails the connection.
+        Sets `status`, `headers` (names in lower case; repeated ones joined by ", "),
+        the body's framing (`chunked` or `remaining`) and `keep_alive`."""
         lines = head.split(b"\r\n")
-        try:
-            version, status = lines[0].split(b" ", 2)[:2]
-            self.status = int(status)
-        except ValueError:
-            self._fail("The upstream sent a malformed status line.")
-            return False
-        headers = self.headers
+        status = _STATUS_LINE.fullmatch(lines[0])
+        if status is None:
+            return self._fail("The upstream sent a malformed status line.")
+        self.status = int(status.group(2))
+        if self.status == 101:  # never asked for: the connection is not HTTP any more
+            return self._fail("The upstream switched protocols unasked.")
+        headers: dict[str, str] = {}
+        lengths = 0
         for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-        if "chunked" in headers.get("transfer-encoding", "").lower():
+            field = _FIELD_LINE.fullmatch(line)
+            if field is None:  # no colon, a space before it, a folded line, a control byte
+                return self._fail("The upstream sent a malformed header line.")
+            name = field.group(1).lower().decode("ascii")
+            value = field.group(2).decode("latin-1")
+            if name == "content-length":
+                lengths += 1
+            if name in headers:
+                value = headers[name] + ", " + value
+            headers[name] = value
+        self.headers = headers
+        if self.status < 200:
+            return True
+        self.chunked = False
+        self.remaining = None
+        transfer = headers.get("transfer-encoding")
+        if transfer is not None:
+            # Only `chunked`, once: no coding was asked for (Accept-Encoding: identity),
+            # and any other list leaves the body's end unknown.
+            codings = [token.strip().lower() for token in transfer.split(",")]
+            if codings != ["chunked"] or lengths:
+                return self._fail("The upstream sent an unsupported Transfer-Encoding.")
             self.chunked = True
-        elif "content-length" in headers:
-            try:
-                self.remaining = int(headers["content-length"])
-            except ValueError:
-                self._fail("The upstream sent a malformed Content-Length.")
-                return False
+        elif lengths:
+            length = headers["content-length"]
+            if lengths > 1 or not length.isdigit() or not length.isascii() or len(length) > 18:
+                return self._fail("The upstream sent a malformed Content-Length.")
+            self.remaining = int(length)
         connection = headers.get("connection", "").lower()
-        if "close" in connection or (version == b"HTTP/1.0" and "keep-alive" not in connection):
+        if "close" in connection or (status.group(1) == b"0" and "keep-alive" not in connection):
             self.keep_alive = False
         if self.remaining is None and not self.chunked:
             self.keep_alive = False
@@ -182,8 +219,11 @@ class _Connection(asyncio.Protocol):
                 self.need -= take
                 if not self.need:
                     self.skip = 2
-            elif self.skip:
+            elif self.skip:  # the CRLF that ends a chunk's data
                 take = self.skip if self.skip <= end - pos else end - pos
+                if buf[pos:pos + take] != _CRLF[2 - self.skip:2 - self.skip + take]:
+                    self._fail("The upstream sent a chunk without its CRLF.")
+                    return
                 pos += take
                 self.skip -= take
             else:
@@ -200,11 +240,19 @@ class _Connection(asyncio.Protocol):
                         if pos < end:
                             self.keep_alive = False
                         pos = end
+                    elif _FIELD_LINE.fullmatch(line) is None:
+                        self._fail("The upstream sent a malformed trailer.")
+                        return
                     continue
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    self._fail("The upstream sent a malformed chunk.")
+                # chunk-size [BWS ";" chunk-ext]: hex digits only (int() would also take
+                # "0x10", "+10", " 10" and "1_0")
+                digits = line.split(b";", 1)[0].rstrip(b" \t") if b";" in line else line
+                if not digits or digits.strip(_HEX_DIGITS):
+                    self._fail("The upstream sent a malformed chunk size.")
+                    return
+                size = int(digits, 16)
+                if size > MAX_CHUNK:
+                    self._fail("The upstream sent a malformed chunk size.")
                     return
                 if size == 0:
                     self.trailer = True
@@ -217,11 +265,14 @@ class _Connection(asyncio.Protocol):
             self.body.append(data)
             self.buffered += len(data)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> bool:
+        """Fail this response; its connection is closed, never reused.  Returns False."""
         self.error = message
+        self.malformed = True
         self.keep_alive = False
         if self.transport is not None:
             self.transport.close()
+        return False
 
     # --- waiting -------------------------------------------------------------------------
 
@@ -246,6 +297,11 @@ class _Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
         return data
+
+    def failure(self) -> httpx.RemoteProtocolError:
+        if self.malformed:
+            return MalformedAnswer(self.error or "The upstream sent a malformed answer.")
+        return httpx.RemoteProtocolError(self.error or "The upstream closed the connection.")
 
     def close(self) -> None:
         self.keep_alive = False
@@ -275,7 +331,7 @@ class UpstreamResponse:
             elif conn.complete:
                 return
             elif conn.error is not None:
-                raise httpx.RemoteProtocolError(conn.error)
+                raise conn.failure()
             else:
                 await conn.wait()
 
@@ -351,7 +407,7 @@ class UpstreamClient:
                 # nothing was received, so the request was not processed. Once more.
                 if reused and not conn.received and attempt == 0:
                     continue
-                raise httpx.RemoteProtocolError(conn.error or "The upstream closed the connection.")
+                raise conn.failure()
             return UpstreamResponse(conn)
         raise AssertionError("unreachable")
 
@@ -411,6 +467,10 @@ class UpstreamClient:
             if idle and conn in idle:
                 idle.remove(conn)
                 self._n_idle -= 1
+
+    def pooled(self) -> int:
+        """Idle connections kept for reuse."""
+        return self._n_idle
 
     async def aclose(self) -> None:
         for conn in list(self._all):

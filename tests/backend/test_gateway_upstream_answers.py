@@ -1,0 +1,76 @@
+"""What the port makes of a malformed or unexpected upstream answer: a clean 502 (or an
+in-stream error once the stream has started), and a fresh upstream connection next time.
+
+The upstream is `tests/malformed_upstream.py`, a raw asyncio socket, because a real
+llama-server cannot produce these answers.
+"""
+
+from __future__ import annotations
+
+from tests.backend.gateway_harness import (CHAT, assert_clean_error, assert_no_internals,
+                                           chat, events, open_gateway, stream)
+from tests.malformed_upstream import GOOD_EVENTS, MalformedUpstream, good_json
+
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_a_malformed_answer_head_is_a_clean_502_and_its_connection_is_dropped():
+    malformed = good_json().replace(b"Content-Length: ", b"Content-Length: +")
+    async with MalformedUpstream([malformed], fallback=good_json()) as upstream:
+        async with open_gateway(upstream.base_url, 1) as gw:
+            response = await gw.client.post(CHAT, json=chat())
+            assert_clean_error(response, 502, "upstream_failed", gw)
+            again = await gw.client.post(CHAT, json=chat())
+            assert again.status_code == 200 and again.json()["object"] == "chat.completion"
+            assert upstream.requests == [1, 2]  # not sent on the broken connection
+            assert gw.registry.total_active == 0
+
+
+async def test_a_chunk_without_its_crlf_ends_the_stream_with_an_error_event():
+    broken = SSE_HEAD + chunk(GOOD_EVENTS[0]) + b"5\r\ndata:XX0\r\n\r\n"
+    async with MalformedUpstream([broken]) as upstream:
+        async with open_gateway(upstream.base_url, 1) as gw:
+            response, raw = await stream(gw.client, CHAT, chat(True))
+            assert response.status_code == 200
+            parsed = events(raw)
+            assert parsed[0]["data"]["choices"][0]["delta"] == {"content": "ok"}
+            assert parsed[-2]["data"]["error"]["code"] == "upstream_failed"
+            assert parsed[-1]["data"] == "[DONE]"
+            assert_no_internals(raw.decode(), gw)
+            response, raw = await stream(gw.client, CHAT, chat(True))
+            assert events(raw)[-1]["data"] == "[DONE]" and b"error" not in raw
+            assert upstream.requests == [1, 2]
+
+
+async def test_a_redirect_or_an_odd_content_type_is_not_relayed():
+    redirect = (b"HTTP/1.1 302 Found\r\nLocation: http://10.1.2.3/secret\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    html = good_json(b"<html>hi</html>").replace(b"application/json", b"text/html")
+    untyped = good_json().replace(b"Content-Type: application/json\r\n", b"")
+    created = good_json().replace(b"200 OK", b"201 Created")
+    json_for_a_stream = good_json()
+    answers = [redirect, html, untyped, created, json_for_a_stream]
+    async with MalformedUpstream(answers, fallback=good_json()) as upstream:
+        async with open_gateway(upstream.base_url, 1) as gw:
+            for _ in range(4):
+                response = await gw.client.post(CHAT, json=chat())
+                assert_clean_error(response, 502, "upstream_failed", gw)
+                assert "10.1.2.3" not in response.text
+            response = await gw.client.post(CHAT, json=chat(True))
+            assert_clean_error(response, 502, "upstream_failed", gw)
+            assert gw.rejections("upstream_failed") == 5
+
+
+async def test_interim_1xx_heads_before_the_answer_are_skipped():
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n" * 2000 + b"HTTP/1.1 103 Early Hints\r\n\r\n"
+    async with MalformedUpstream([interim + good_json()], fallback=good_json()) as upstream:
+        async with open_gateway(upstream.base_url, 1) as gw:
+            response = await gw.client.post(CHAT, json=chat())
+            assert response.status_code == 200 and response.json()["object"] == "chat.completion"
+            await gw.client.post(CHAT, json=chat())
+            assert upstream.requests == [1, 1]  # a good answer keeps its connection
