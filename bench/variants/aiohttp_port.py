@@ -1,4 +1,4 @@
-"""A port whose upstream leg is aiohttp's client (`backend/upstream_aiohttp.py`) instead
+"""A port whose upstream leg is aiohttp's client (`bench/variants/upstream_aiohttp.py`) instead
 of the hand-written one; `bench/relay.py --aiohttp` measures it as `port-aiohttp`."""
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from backend import gateway  # noqa: E402
-from backend.upstream_aiohttp import AiohttpUpstreamClient  # noqa: E402
+from bench.variants.upstream_aiohttp import AiohttpUpstreamClient  # noqa: E402
 
 gateway.UpstreamClient = AiohttpUpstreamClient
 

@@ -1,4 +1,9 @@
-"""The gateway's own upstream HTTP/1.1 client: parsing, connection reuse, failures."""
+"""The gateway's own upstream HTTP/1.1 client: parsing, connection reuse, failures.
+
+The strictness tests use `tests/malformed_upstream.py`, a raw asyncio socket, because a
+real llama-server cannot produce malformed answers; `bench/strictness.py` runs the same
+cases against aiohttp's client for comparison.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import json
 import httpx
 import pytest
 
-from backend.upstream_http import UpstreamClient, _Connection
+from backend.upstream_http import MalformedAnswer, UpstreamClient, _Connection
 from tests.fake_upstream import FakeUpstream
+from tests.malformed_upstream import (DATA16, GOOD_STREAM, INTERIM, MALFORMED, WELL_FORMED,
+                                      MalformedUpstream)
 
 
 class _Transport:
@@ -145,3 +152,61 @@ def test_targets_are_parsed_and_unsupported_schemes_refused():
     assert key == ("http", "::1", 8080) and host == b"[::1]:8080" and path == b"/v1/x?a=1"
     with pytest.raises(httpx.UnsupportedProtocol):
         client._target("ftp://x/")
+
+
+# --- strictness: malformed answers from a raw socket ----------------------------------
+
+
+@pytest.fixture
+async def client():
+    client = UpstreamClient()
+    yield client
+    await client.aclose()
+
+
+async def exchange(client: UpstreamClient, base_url: str) -> tuple[int, bytes]:
+    response = await client.send(client.build_request(
+        "POST", base_url + "/v1/chat/completions", content=b"{}",
+        headers={"content-type": "application/json"}))
+    try:
+        return response.status_code, await response.aread()
+    finally:
+        await response.aclose()
+
+
+@pytest.mark.parametrize("answer", list(MALFORMED.values()), ids=list(MALFORMED))
+async def test_a_malformed_answer_is_an_error_and_its_connection_is_not_reused(client, answer):
+    async with MalformedUpstream([answer]) as upstream:
+        with pytest.raises(MalformedAnswer):
+            await exchange(client, upstream.base_url)
+        assert client.pooled() == 0
+        status, body = await exchange(client, upstream.base_url)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert upstream.requests == [1, 2]  # the second request came on a new connection
+
+
+@pytest.mark.parametrize("answer", list(WELL_FORMED.values()), ids=list(WELL_FORMED))
+async def test_the_well_formed_twins_of_the_malformed_answers_are_read(client, answer):
+    async with MalformedUpstream([answer]) as upstream:
+        status, body = await exchange(client, upstream.base_url)
+        assert status == 200 and body in (DATA16, b"hello")
+        assert client.pooled() == 1
+
+
+@pytest.mark.parametrize("interim", list(INTERIM.values()), ids=list(INTERIM))
+async def test_interim_1xx_heads_are_skipped_and_the_connection_kept(client, interim):
+    async with MalformedUpstream([interim + GOOD_STREAM]) as upstream:
+        status, body = await exchange(client, upstream.base_url)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert client.pooled() == 1
+        await exchange(client, upstream.base_url)
+        assert upstream.requests == [1, 1]
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_a_chunk_without_its_crlf_is_caught_however_the_bytes_are_split(step):
+    raw = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"3\r\nabc\r\n3\r\ndefX\n0\r\n\r\n")
+    connection = feed(raw, step)
+    assert connection.error and connection.malformed and not connection.keep_alive
+    assert b"".join(connection.body) == b"abcdef"  # what came before the fault is kept

@@ -4,8 +4,8 @@ interface: `build_request`, `send(stream=True)`, a response with `status_code`,
 `backend.relay` needs no change.
 
 It exists to measure aiohttp's client (its llhttp-based C parser) against the
-hand-written one, on `bench/relay.py` and on the strictness tests of
-`tests/backend/test_upstream_strictness.py`.
+hand-written one: speed with `bench/relay.py --aiohttp`, strictness with
+`bench/strictness.py` (see bench/README.md for why the port keeps its own client).
 """
 
 from __future__ import annotations
