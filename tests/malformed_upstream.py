@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["DATA16", "GOOD_EVENTS", "GOOD_STREAM", "INTERIM", "MALFORMED", "WELL_FORMED",
+__all__ = ["CLOSE", "DATA16", "GOOD_EVENTS", "GOOD_STREAM", "INTERIM", "MALFORMED", "WELL_FORMED",
            "MalformedUpstream", "chunked", "good_json", "sized"]
 
+#: An answer that is no answer: the connection is closed as the request arrives (a server
+#: closing an idle keep-alive connection just as the client reuses it).
+CLOSE = b""
 GOOD_EVENTS = (b'data: {"choices":[{"delta":{"content":"ok"}}]}\n\n', b"data: [DONE]\n\n")
 GOOD_STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n"
@@ -137,7 +140,10 @@ class MalformedUpstream:
                         length = int(value)
                 await reader.readexactly(length)
                 self.requests.append(number)
-                writer.write(self.answers.pop(0) if self.answers else self.fallback)
+                answer = self.answers.pop(0) if self.answers else self.fallback
+                if answer == CLOSE:
+                    break
+                writer.write(answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass

@@ -15,7 +15,7 @@ import pytest
 
 from backend.upstream_http import MalformedAnswer, UpstreamClient, _Connection
 from tests.fake_upstream import FakeUpstream
-from tests.malformed_upstream import (DATA16, GOOD_STREAM, INTERIM, MALFORMED, WELL_FORMED,
+from tests.malformed_upstream import (CLOSE, DATA16, GOOD_STREAM, INTERIM, MALFORMED, WELL_FORMED,
                                       MalformedUpstream)
 
 
@@ -210,3 +210,11 @@ def test_a_chunk_without_its_crlf_is_caught_however_the_bytes_are_split(step):
     connection = feed(raw, step)
     assert connection.error and connection.malformed and not connection.keep_alive
     assert b"".join(connection.body) == b"abcdef"  # what came before the fault is kept
+
+
+async def test_a_kept_alive_connection_closed_as_it_is_reused_is_retried_on_a_new_one(client):
+    async with MalformedUpstream([GOOD_STREAM, CLOSE]) as upstream:
+        await exchange(client, upstream.base_url)
+        status, body = await exchange(client, upstream.base_url)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert upstream.requests == [1, 1, 2]  # sent on the kept connection, then again
