@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -218,3 +219,13 @@ async def test_a_kept_alive_connection_closed_as_it_is_reused_is_retried_on_a_ne
         status, body = await exchange(client, upstream.base_url)
         assert status == 200 and body.endswith(b"data: [DONE]\n\n")
         assert upstream.requests == [1, 1, 2]  # sent on the kept connection, then again
+
+
+def test_a_hostile_header_line_is_refused_without_backtracking():
+    # 60 KB of blanks before a control byte: a backtracking regex took 64 s on this
+    # machine (the event loop stalled for every stream); the check is linear.
+    raw = b"HTTP/1.1 200 OK\r\nX-Pad:" + b" \t" * 30000 + b"\x01\r\n\r\n"
+    started = time.perf_counter()
+    connection = feed(raw, len(raw))
+    assert connection.malformed and not connection.keep_alive
+    assert time.perf_counter() - started < 1.0
