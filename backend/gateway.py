@@ -38,12 +38,13 @@ from starlette.routing import Route
 from backend import gateway_errors
 from backend.access_guard import AccessGuard
 from backend.access_log import log_request
-from backend.admission import AdmissionRegistry
+from backend.admission import AdmissionQueue, AdmissionRegistry, TokenNeed
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, SettingsError, Unauthorized, UpgradeRequired)
 from backend.metrics import Metrics
 from backend.relay import Exchange, GatedRequest
-from backend.request_body import ClientGone, parse_body, read_body
+from backend.prompt_tokens import HttpEngineTokenizer, PromptCounter, request_need
+from backend.request_body import ClientGone, Parsed, parse_body, read_body
 from backend.settings import Settings
 from backend.sse import StreamKind
 from backend.load import Snapshot, State
@@ -86,6 +87,8 @@ class Gateway:
         self._client: UpstreamClient | None = None
         # Running exchanges, so that a load going away can end them (see `abort_load`).
         self._running: set[Exchange] = set()
+        # Load's base URL -> (its queue, its prompt counter); see `counter_for`.
+        self._counters: dict[str, tuple[AdmissionQueue, PromptCounter]] = {}
 
     @property
     def metrics(self) -> Metrics:
@@ -145,12 +148,14 @@ class Gateway:
             if snapshot.state is not State.READY or queue is None:
                 raise ModelNotReady(not_ready_message(snapshot),
                                     retry_after=RETRY_SOON)
+            need = await self.need(queue, path, parsed, len(raw))
         except RequestError as error:
             await gateway_errors.send_http_error(send, error, metrics)
             return
 
         exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                      parsed, snapshot.model_id), send, receive)
+                                                      parsed, snapshot.model_id, need),
+                            send, receive)
         self._running.add(exchange)
         try:
             await exchange.run()
@@ -158,6 +163,28 @@ class Gateway:
             self._running.discard(exchange)
         if exchange.client_gone:
             scope[_GONE] = True
+
+    async def need(self, queue: AdmissionQueue, path: str, parsed: Parsed,
+                   body_bytes: int) -> TokenNeed | None:
+        """What the request will hold of the load's KV cache; None when the cache is
+        unknown or admission is off (slots alone decide, or nothing does)."""
+        kv = queue.kv
+        if kv is None or not queue.enabled:
+            return None
+        settings = self.settings
+        return await request_need(self.counter_for(queue), path, parsed.data, body_bytes,
+                                  kv=kv, slots=queue.capacity, cap=settings.max_output_tokens,
+                                  default=settings.default_output_tokens)
+
+    def counter_for(self, queue: AdmissionQueue) -> PromptCounter:
+        """One counter per load, asking that load's engine (it knows its template)."""
+        held = self._counters.get(queue.key)
+        if held is None or held[0] is not queue:
+            counter = PromptCounter(HttpEngineTokenizer(queue.key, client=self.client))
+            held = self._counters[queue.key] = (queue, counter)
+            for key in [k for k, (q, _) in self._counters.items() if q.retired]:
+                del self._counters[key]
+        return held[1]
 
     # --- open routes -----------------------------------------------------------------
 
@@ -179,6 +206,8 @@ class Gateway:
             "effective_parallel_slots": snapshot.effective_parallel_slots,
             "active": registry.total_active,
             "waiting": registry.total_waiting,
+            "kv": (None if snapshot.kv is None else
+                   dict(snapshot.kv.to_dict(), reserved=registry.total_reserved_tokens)),
         }
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
 

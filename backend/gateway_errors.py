@@ -43,6 +43,7 @@ __all__ = [
     "scrub",
     "stream_error",
     "upstream_error",
+    "upstream_stream_error",
 ]
 
 log = logging.getLogger("gguf_studio.gateway")
@@ -154,6 +155,35 @@ def as_request_error(exc: BaseException) -> RequestError:
 
 # --- llama-server's own errors -------------------------------------------------------
 
+
+def upstream_stream_error(events: bytes) -> RequestError | None:
+    """The error carried by llama-server's in-stream error event in `events` (whole SSE
+    events), else None.  llama-server ends a stream that fails with `data:
+    {"error": {"code": 500, ...}}` (chat, completions, Responses) or `event: error` then
+    `data: {"code": 500, ...}` (messages); the code is numeric, so it is normalized like
+    an error body, its status taken from that code."""
+    for block in events.replace(b"\r\n", b"\n").split(b"\n\n"):
+        named_error = False
+        for line in block.split(b"\n"):
+            if line.startswith(b"event:"):
+                named_error = line[6:].strip() == b"error"
+            elif line.startswith(b"data:"):
+                try:
+                    payload = json.loads(line[5:])
+                except ValueError:
+                    continue
+                if not isinstance(payload, dict):
+                    continue
+                error = payload.get("error")
+                if error is None and named_error:
+                    error = payload
+                if isinstance(error, dict):
+                    code = error.get("code")
+                    status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+                    return upstream_error(status, json.dumps({"error": error}).encode())
+    return None
+
+
 _URL = re.compile(r"(?<![\w+.-])[a-z][a-z0-9+.-]*+://\S+", re.IGNORECASE)
 _BRACKETED = re.compile(r"\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d{1,5})?", re.IGNORECASE)
 _HOST_PORT = re.compile(r"\b(?:\d{1,3}(?:\.\d{1,3}){3}|localhost)(?::\d{1,5})?\b", re.IGNORECASE)
@@ -175,6 +205,8 @@ _KNOWN_TYPES = {"invalid_request_error", "authentication_error", "permission_err
                 "not_found_error", "server_error", "not_supported_error", "unavailable_error",
                 "exceed_context_size_error", "rate_limit_error"}
 _EXTRA_INTS = ("n_prompt_tokens", "n_ctx")
+# llama-server's message (with the numeric code 500) when its KV cache ran out mid-batch.
+_CONTEXT_FULL = "Context size has been exceeded"
 
 
 def scrub(text: str) -> str:
@@ -212,7 +244,9 @@ def upstream_error(status: int, body: bytes) -> RequestError:
     type_ = raw_type if raw_type in _KNOWN_TYPES else default_type
     code = error.get("code")
     if not isinstance(code, str) or not code:
-        code = "context_length_exceeded" if raw_type == "exceed_context_size_error" else type_
+        context_full = (raw_type == "exceed_context_size_error"
+                        or error["message"].startswith(_CONTEXT_FULL))
+        code = "context_length_exceeded" if context_full else type_
     # The engine's param names a field of the request, but it is its text: scrubbed too.
     param = scrub(error["param"])[:100] or None if isinstance(error.get("param"), str) else None
     extra = {key: error[key] for key in _EXTRA_INTS

@@ -2,13 +2,31 @@
 
 Plain values, read by `backend.admission` to decide and by the metrics and the window
 to show; `backend.prompt_tokens` makes the needs.
+
+Where the capacity comes from after a healthy load:
+
+- **a supervised engine** (`KvLoadReader`): llama-server's own load output.  At its
+  default verbosity it prints `initializing, n_slots = N, n_ctx_slot = S, kv_unified =
+  'true'`; S is one request's limit (already capped by `--kv-unified-per-slot` and the
+  model's training context).  A split cache holds N x S.  A unified pool holds
+  llama_context's `n_ctx`, printed at verbosity 4 (`llama_context: n_ctx = T`) and
+  otherwise only when a cap made S smaller than the pool (`capping per-slot context (T)
+  to --kv-unified-per-slot`); without either line the pool is taken as S, which is
+  exact when nothing capped S (the common case) and too small, never too large,
+  otherwise.
+- **an attached engine** (`kv_from_props`): its `/props` gives only the slots and S,
+  not whether the cache is shared.  The only rule safe for both kinds is one pool of S
+  tokens: every request may use its whole limit, and requests run together only while
+  their needs sum to S.  A split cache would have allowed more; nothing is ever over-
+  committed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["KvCapacity", "TokenNeed"]
+__all__ = ["KvCapacity", "KvLoadReader", "TokenNeed", "kv_from_props"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +54,58 @@ class KvCapacity:
         """One pool (--kv-unified), optionally capped per request (--kv-unified-per-slot)."""
         return cls(total, total if per_request is None else per_request, unified=True)
 
+    def describe(self, slots: int) -> str:
+        """For people: "up to 4 requests at once; each up to 16,384 tokens (one shared
+        pool of 16,384)"."""
+        pool = (f"one shared pool of {self.total:,}" if self.unified
+                else f"{self.per_request:,} reserved for each")
+        return (f"up to {slots} request{'s' if slots != 1 else ''} at once; each up to "
+                f"{self.per_request:,} tokens ({pool})")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"total": self.total, "per_request": self.per_request, "unified": self.unified}
+
+
+class KvLoadReader:
+    """Fed every output line of one llama-server start; `capacity()` after the load."""
+
+    __slots__ = ("_slots", "_per_slot", "_unified", "_pool")
+
+    def __init__(self) -> None:
+        self._slots: int | None = None
+        self._per_slot: int | None = None
+        self._unified = False
+        self._pool = 0  # the largest pool size seen; 0: none printed
+
+    def feed(self, line: str) -> None:
+        if "n_ctx" not in line and "capping" not in line:
+            return  # nearly every line: one substring test
+        m = _INITIALIZING.search(line)
+        if m:
+            self._slots, self._per_slot = int(m.group(1)), int(m.group(2))
+            self._unified = m.group(3) == "true"
+            return
+        m = _CONTEXT.search(line) or _CAPPING.search(line)
+        if m:
+            # --fit's dry run prints a context too; the real load's comes last.
+            self._pool = int(m.group(1))
+
+    def capacity(self, slots: int | None = None) -> KvCapacity | None:
+        """The cache the engine reported, or None when its load line never came."""
+        if self._per_slot is None or self._per_slot < 1:
+            return None
+        n = slots or self._slots or 1
+        if not self._unified:
+            return KvCapacity.split(n * self._per_slot, n)
+        return KvCapacity.shared(max(self._pool, self._per_slot), self._per_slot)
+
+
+def kv_from_props(per_slot_context: int | None) -> KvCapacity | None:
+    """The conservative cache of an attached engine: one pool of one slot's context."""
+    if not per_slot_context or per_slot_context < 1:
+        return None
+    return KvCapacity.shared(per_slot_context)
+
 
 @dataclass(frozen=True, slots=True)
 class TokenNeed:
@@ -47,6 +117,12 @@ class TokenNeed:
     @property
     def total(self) -> int:
         return self.prompt + self.output
+
+
+_INITIALIZING = re.compile(
+    r"initializing, n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(true|false)'")
+_CONTEXT = re.compile(r"llama_context: n_ctx\s+=\s*(\d+)")
+_CAPPING = re.compile(r"capping per-slot context \((\d+)\) to --kv-unified-per-slot")
 
 
 def _whole(n: object) -> bool:

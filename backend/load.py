@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from backend.errors import SettingsError
+from backend.kv_capacity import KvCapacity
 
 # Flags GGUF Studio owns; a user's extra arguments may not override them.
 OWNED_FLAGS = frozenset({
@@ -116,7 +117,8 @@ class Snapshot:
     model_path: str | None = None
     base_url: str | None = None
     effective_parallel_slots: int | None = None
-    context_length: int | None = None
+    context_length: int | None = None  # one request's limit (per slot)
+    kv: KvCapacity | None = None  # the engine's KV cache; None while not ready or unknown
     restarts: int = 0
     restarting: bool = False
     error: str | None = None

@@ -40,6 +40,14 @@ class Metrics:
             "gguf_studio_effective_parallel_slots",
             "Requests the loaded llama-server runs at once (0 when nothing is loaded).",
             registry=r)
+        self.kv_capacity_tokens = Gauge(
+            "gguf_studio_kv_capacity_tokens",
+            "KV cache tokens of the loaded engine (0 when nothing is loaded or unknown).",
+            registry=r)
+        self.kv_reserved_tokens = Gauge(
+            "gguf_studio_kv_reserved_tokens",
+            "KV tokens reserved by running requests (prompt plus output budget).",
+            registry=r)
         self.rejections = Counter(
             "gguf_studio_rejections_total",
             "Requests answered with an error by the port, by error code.", ["reason"],
@@ -104,6 +112,8 @@ class Metrics:
         """Read waiting/active from the admission registry at every scrape."""
         self.requests_waiting.set_function(lambda: registry.total_waiting)
         self.requests_active.set_function(lambda: registry.total_active)
+        self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
+        self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
 
     # --- read -----------------------------------------------------------------------
 

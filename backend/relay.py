@@ -25,7 +25,7 @@ import httpx
 
 from backend import gateway_errors
 from backend import sse
-from backend.admission import AdmissionQueue, Ticket
+from backend.admission import AdmissionQueue, Ticket, TokenNeed
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
                             UpstreamFailed, UpstreamUnavailable)
 from backend.upstream_http import MalformedAnswer
@@ -47,6 +47,9 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+#: How llama-server's in-stream error events begin (chat-like, and messages).
+_DATA_ERROR = b'data: {"error"'
+_NAMED_ERROR = b"event: error"
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 #: How much of an upstream error body is read.
 ERROR_BODY_LIMIT = 64 * 1024
@@ -76,6 +79,8 @@ class GatedRequest:
     kind: sse.StreamKind
     parsed: Parsed
     model_id: str | None
+    #: KV tokens it may hold (prompt + output budget); None: unknown, slots alone decide.
+    need: TokenNeed | None = None
 
 
 class DisconnectWatch:
@@ -147,7 +152,7 @@ class Exchange:
         request is closed and the ticket released, so a client that has seen the end of
         its answer can count on its slot being free."""
         try:
-            ticket = self.ticket = self.queue.request()
+            ticket = self.ticket = self.queue.request(self.request.need)
         except RequestError as error:
             await self._send_all(self._failure(error))
             return
@@ -317,7 +322,13 @@ class Exchange:
             with self._upstream_failures(ticket):
                 self._check_answer(upstream)
                 if self.request.parsed.stream:
-                    return await self._relay(upstream)
+                    try:
+                        return await self._relay(upstream)
+                    except _ErrorAfter as failed:
+                        if failed.head:
+                            await self.send({"type": "http.response.body", "body": failed.head,
+                                             "more_body": True})
+                        raise failed.error from None
                 return await self._answer(upstream)
         finally:
             await upstream.aclose()
@@ -366,15 +377,44 @@ class Exchange:
         chunks = upstream.aiter_raw()
         chunk = stage(await self._keep_alive_until(anext(chunks, b"")))
         if chunk:
+            if _DATA_ERROR in chunk or _NAMED_ERROR in chunk:
+                chunk = self._before_error(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         async for chunk in chunks:
             chunk = stage(chunk)
             if chunk:
+                # Two substring tests per chunk; only a chunk that may hold llama-server's
+                # error event (it always ends the stream) is parsed.
+                if _DATA_ERROR in chunk or _NAMED_ERROR in chunk:
+                    chunk = self._before_error(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         tail = framer.flush()
         if rewriter is not None:
             tail = rewriter.feed(tail) + rewriter.flush()
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
+
+    def _before_error(self, chunk: bytes) -> bytes:
+        """`chunk` if it holds no error event of the engine; else raises the error,
+        normalized (string code), once the events before it are sent."""
+        error = gateway_errors.upstream_stream_error(chunk)
+        if error is None:
+            return chunk
+        head = chunk[:_error_start(chunk)]
+        raise _ErrorAfter(head, error)
+
+
+class _ErrorAfter(Exception):
+    """Internal: the engine's stream carried an error after `head` (sent first)."""
+
+    def __init__(self, head: bytes, error: RequestError) -> None:
+        super().__init__(str(error))
+        self.head = head
+        self.error = error
+
+
+def _error_start(chunk: bytes) -> int:
+    starts = [i for i in (chunk.find(_DATA_ERROR), chunk.find(_NAMED_ERROR)) if i >= 0]
+    return min(starts) if starts else len(chunk)
 
 
 def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]

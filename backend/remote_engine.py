@@ -2,7 +2,8 @@
 
 No process to own, but the same health watch, the same slots read from `/props` each
 time it turns healthy, and the same snapshots, so admission and the gateway cannot tell
-the difference.
+the difference.  Its KV cache is not reported by `/props` beyond one slot's context, so
+it is taken conservatively as one shared pool of that size (`kv_from_props`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from urllib.parse import urlsplit
 
 from backend.engine_api import EngineClient
 from backend.errors import LoadError, SettingsError
+from backend.kv_capacity import kv_from_props
 from backend.listeners import Listeners
 from backend.load import Listener, LogListener, Snapshot, State
 
@@ -57,7 +59,7 @@ class RemoteEngine:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None)
+        self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, kv=None)
 
     async def close(self) -> None:
         await self.unload()
@@ -76,10 +78,11 @@ class RemoteEngine:
                         self._set_state(State.READY, base_url=self.base_url,
                                         effective_parallel_slots=props.effective_parallel_slots,
                                         context_length=props.context_length,
+                                        kv=kv_from_props(props.context_length),
                                         model_id=props.model_alias or "upstream",
                                         restarting=False, error=None)
                 elif not healthy and ready:
-                    self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None,
+                    self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
                                     restarting=True, error="The upstream llama-server stopped answering.")
                 await asyncio.sleep(self.interval)
 

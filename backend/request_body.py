@@ -8,7 +8,7 @@ business and is forwarded untouched.  The body is re-encoded only when the cap c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend.errors import BodyTooLarge, InvalidRequest
@@ -36,6 +36,8 @@ class Parsed:
     body: bytes
     stream: bool
     model: str | None
+    #: The parsed body (output cap applied), for counting its prompt tokens.
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
@@ -114,7 +116,7 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int) -> Parsed:
     if route == "/v1/embeddings":
         stream = False
     body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() if changed else raw
-    return Parsed(body=body, stream=stream, model=model)
+    return Parsed(body=body, stream=stream, model=model, data=data)
 
 
 def _cap(data: dict[str, Any], fields: tuple[str, ...], cap: int) -> bool:

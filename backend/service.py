@@ -198,7 +198,8 @@ class StudioService:
     def _on_backend_snapshot(self, snapshot: Snapshot) -> None:
         previous, self._snapshot = self._snapshot, snapshot
         if snapshot.state is State.READY and snapshot.base_url and snapshot.effective_parallel_slots:
-            self.registry.activate(snapshot.base_url, snapshot.effective_parallel_slots)
+            self.registry.activate(snapshot.base_url, snapshot.effective_parallel_slots,
+                                   snapshot.kv)
         elif previous.state is State.READY and snapshot.state is not State.READY:
             # A crash or a stop: nothing new may go to this load.
             self.registry.retire_current()

@@ -27,6 +27,7 @@ from backend.errors import (
     LoadTimedOut,
 )
 from backend.listeners import Listeners
+from backend.kv_capacity import KvLoadReader, kv_from_props
 from backend.load import OWNED_FLAGS, Listener, LoadSpec, LogListener, Snapshot, State
 
 __all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
@@ -55,6 +56,7 @@ class Supervisor:
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "state listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
         self._log_tail: deque[str] = deque(maxlen=1000)
+        self._kv_reader = KvLoadReader()
         self._task: asyncio.Task | None = None
 
     # --- public -------------------------------------------------------------------------
@@ -97,7 +99,7 @@ class Supervisor:
             except asyncio.CancelledError:
                 pass
         if self._snapshot.state is not State.STOPPED:
-            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, pid=None,
+            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, kv=None, pid=None,
                             restarting=False)
 
     async def close(self) -> None:
@@ -107,7 +109,7 @@ class Supervisor:
 
     async def _own(self, spec: LoadSpec, ready: asyncio.Future[Snapshot]) -> None:
         self._set_state(State.STARTING, model_id=spec.name, model_path=spec.model_path,
-                        requested=spec.settings, base_url=None, effective_parallel_slots=None, context_length=None,
+                        requested=spec.settings, base_url=None, effective_parallel_slots=None, kv=None, context_length=None,
                         restarts=0, restarting=False, error=None, pid=None)
         crashes_in_a_row = 0
         bind_retries = 0
@@ -134,7 +136,10 @@ class Supervisor:
                 became_ready = time.monotonic()
                 self._set_state(State.READY, base_url=child.base_url,
                                 effective_parallel_slots=props.effective_parallel_slots,
-                                context_length=props.context_length, restarting=False,
+                                context_length=props.context_length,
+                                kv=self._kv_reader.capacity(props.effective_parallel_slots)
+                                or kv_from_props(props.context_length),
+                                restarting=False,
                                 error=None, pid=child.pid)
                 if not ready.done():
                     ready.set_result(self._snapshot)
@@ -145,7 +150,7 @@ class Supervisor:
                 if time.monotonic() - became_ready >= self.stable_after:
                     crashes_in_a_row = 0
                 crashes_in_a_row += 1
-                self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None,
+                self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
                                 pid=None, restarting=True, error=reason)
                 if not await self._back_off(crashes_in_a_row, reason):
                     return
@@ -174,7 +179,7 @@ class Supervisor:
         """Wait before restart `attempt`; False when attempts are used up (state FAILED)."""
         if attempt > self.max_restarts:
             self._set_state(State.FAILED, error=f"{reason} Gave up after {self.max_restarts} restarts.",
-                            restarting=False, base_url=None, effective_parallel_slots=None, pid=None)
+                            restarting=False, base_url=None, effective_parallel_slots=None, kv=None, pid=None)
             return False
         self._set_state(State.STARTING, restarts=self._snapshot.restarts + 1, restarting=True,
                         error=f"{reason} Restarting (attempt {attempt} of {self.max_restarts}).")
@@ -184,7 +189,7 @@ class Supervisor:
 
     def _fail(self, message: str, ready: asyncio.Future, exc: Exception) -> None:
         self._set_state(State.FAILED, error=message, base_url=None,
-                        effective_parallel_slots=None, pid=None, restarting=False)
+                        effective_parallel_slots=None, kv=None, pid=None, restarting=False)
         if not ready.done():
             ready.set_exception(exc)
 
@@ -192,6 +197,7 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
         args = build_command(self.binary, spec, port)
+        self._kv_reader = KvLoadReader()  # this start's cache, read from its own output
         child = await _Child.start(args, port, log_path, self._on_log_line)
         self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
         return child
@@ -228,6 +234,7 @@ class Supervisor:
 
     def _on_log_line(self, line: str) -> None:
         self._log_tail.append(line)
+        self._kv_reader.feed(line)
         self._log_listeners(line)
 
     def _set_state(self, state: State, **changes: Any) -> None:
