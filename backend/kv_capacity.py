@@ -11,9 +11,10 @@ Where the capacity comes from after a healthy load:
   model's training context).  A split cache holds N x S.  A unified pool holds
   llama_context's `n_ctx`, printed at verbosity 4 (`llama_context: n_ctx = T`) and
   otherwise only when a cap made S smaller than the pool (`capping per-slot context (T)
-  to --kv-unified-per-slot`); without either line the pool is taken as S, which is
-  exact when nothing capped S (the common case) and too small, never too large,
-  otherwise.
+  to --kv-unified-per-slot`, or `the slot context (T) exceeds the training context of
+  the model` when the model was trained on less than the pool); without any of those
+  lines the pool is taken as S, which is exact when nothing capped S (the common case)
+  and too small, never too large, otherwise.
 - **an attached engine** (`kv_from_props`): its `/props` gives only the slots and S,
   not whether the cache is shared.  The only rule safe for both kinds is one pool of S
   tokens: every request may use its whole limit, and requests run together only while
@@ -69,26 +70,31 @@ class KvCapacity:
 class KvLoadReader:
     """Fed every output line of one llama-server start; `capacity()` after the load."""
 
-    __slots__ = ("_slots", "_per_slot", "_unified", "_pool")
+    __slots__ = ("_slots", "_per_slot", "_unified", "_pool", "_pool_at_least")
 
     def __init__(self) -> None:
         self._slots: int | None = None
         self._per_slot: int | None = None
         self._unified = False
-        self._pool = 0  # the largest pool size seen; 0: none printed
+        self._pool: int | None = None  # llama_context's n_ctx (verbosity 4)
+        self._pool_at_least = 0  # from the server's capping messages
 
     def feed(self, line: str) -> None:
-        if "n_ctx" not in line and "capping" not in line:
-            return  # nearly every line: one substring test
+        if "n_ctx" not in line and "context (" not in line:
+            return  # nearly every line: two substring tests
         m = _INITIALIZING.search(line)
         if m:
             self._slots, self._per_slot = int(m.group(1)), int(m.group(2))
             self._unified = m.group(3) == "true"
             return
-        m = _CONTEXT.search(line) or _CAPPING.search(line)
+        m = _CONTEXT.search(line)
         if m:
             # --fit's dry run prints a context too; the real load's comes last.
             self._pool = int(m.group(1))
+            return
+        m = _CAPPED.search(line)
+        if m:
+            self._pool_at_least = max(self._pool_at_least, int(m.group(1) or m.group(2)))
 
     def capacity(self, slots: int | None = None) -> KvCapacity | None:
         """The cache the engine reported, or None when its load line never came."""
@@ -97,7 +103,8 @@ class KvLoadReader:
         n = slots or self._slots or 1
         if not self._unified:
             return KvCapacity.split(n * self._per_slot, n)
-        return KvCapacity.shared(max(self._pool, self._per_slot), self._per_slot)
+        pool = self._pool if self._pool else max(self._pool_at_least, self._per_slot)
+        return KvCapacity.shared(max(pool, self._per_slot), self._per_slot)
 
 
 def kv_from_props(per_slot_context: int | None) -> KvCapacity | None:
@@ -122,7 +129,10 @@ class TokenNeed:
 _INITIALIZING = re.compile(
     r"initializing, n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(true|false)'")
 _CONTEXT = re.compile(r"llama_context: n_ctx\s+=\s*(\d+)")
-_CAPPING = re.compile(r"capping per-slot context \((\d+)\) to --kv-unified-per-slot")
+# "capping per-slot context (POOL) to --kv-unified-per-slot", and "the slot context (C)
+# exceeds the training context of the model" where C is the pool, or the smaller
+# per-slot cap: both lower bounds of the pool.
+_CAPPED = re.compile(r"capping per-slot context \((\d+)\)|the slot context \((\d+)\) exceeds")
 
 
 def _whole(n: object) -> bool:
