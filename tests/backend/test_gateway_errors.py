@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from backend.gateway_errors import scrub, upstream_error
+from backend.gateway_errors import error_body, scrub, upstream_error, upstream_stream_error
 
 
 @pytest.mark.parametrize("text,kept,hidden", [
@@ -50,3 +50,32 @@ def test_the_engines_param_is_scrubbed_too():
     assert error.param == "<path>"
     body = json.dumps({"error": {"code": 400, "message": "bad", "param": "messages[0].content"}})
     assert upstream_error(400, body.encode()).param == "messages[0].content"
+
+
+# --- llama-server's errors with numeric codes ------------------------------------------
+
+
+def test_the_engines_context_exceeded_body_gets_the_openai_code():
+    body = b'{"error":{"code":500,"message":"Context size has been exceeded.","type":"server_error"}}'
+    error = upstream_error(500, body)
+    assert error.code == "context_length_exceeded"
+    assert error_body(error)["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_in_stream_error_event_is_read_with_a_string_code():
+    events = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+              b'data: {"error":{"code":500,"message":"Context size has been exceeded.",'
+              b'"type":"server_error"}}\n\n')
+    error = upstream_stream_error(events)
+    assert error is not None and error.code == "context_length_exceeded"
+
+
+def test_a_messages_error_event_is_read_too():
+    events = b'event: error\ndata: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n'
+    error = upstream_stream_error(events)
+    assert error is not None and error.code == "unavailable_error" and error.status == 503
+
+
+def test_content_that_mentions_errors_is_not_an_error_event():
+    assert upstream_stream_error(
+        b'data: {"choices":[{"delta":{"content":"event: error data: {\\"error\\"}"}}]}\n\n') is None

@@ -224,3 +224,29 @@ async def until(predicate, timeout: float = 30.0, interval: float = 0.02) -> Non
         while not predicate():
             await asyncio.sleep(interval)
     await asyncio.wait_for(poll(), timeout)
+
+
+async def test_without_admission_the_engines_context_error_reaches_clients_with_a_string_code(
+        service, tiny_model):
+    """The same three streams with admission switched off: llama-server runs them all,
+    its pool overflows mid-generation and it ends each stream with an error event whose
+    code is the number 500; the port relays it as OpenAI's `context_length_exceeded`."""
+    snapshot = await service.load(auto_spec(tiny_model))
+    await service.apply_settings(service.settings.replace(admission_enabled=False))
+    prompt = await prompt_of(snapshot.base_url, 4500)
+    body = {"model": "tiny", "stream": True, "max_tokens": 2000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": prompt}]}
+    async with port_client(service) as client:
+        async def stream() -> list[str]:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                return await read_events(r)
+
+        results = await asyncio.gather(*(stream() for _ in range(3)))
+    failed = [lines for lines in results if '"error"' in lines[-2]]
+    assert failed  # the engine could not hold them together
+    for lines in failed:
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert error["message"] == "Context size has been exceeded."
