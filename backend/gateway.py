@@ -193,8 +193,14 @@ class Gateway:
         snapshot = self.ctx.snapshot()
         data = []
         if snapshot.model_id and (snapshot.state is State.READY or snapshot.restarting):
+            # What one request may use: its context (prompt + output), and its output
+            # (the operator's cap, else whatever the context leaves).
+            context = snapshot.kv.per_request if snapshot.kv else snapshot.context_length
+            cap = self.settings.max_output_tokens
+            output = min(cap, context) if cap and context else (cap or context)
             data.append({"id": snapshot.model_id, "object": "model", "created": self.started_at,
-                         "owned_by": "gguf-studio", "context_length": snapshot.context_length})
+                         "owned_by": "gguf-studio", "context_length": context,
+                         "max_output_tokens": output or None})
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from backend.api_keys import mask_api_key
+from backend.prompt_tokens import DEFAULT_OUTPUT_TOKENS
 
 __all__ = [
     "KEY_ENV_VAR",
@@ -29,9 +30,6 @@ KEY_ENV_VAR = "GGUF_STUDIO_API_KEY"
 # Codex reserves "openai", "ollama" and "lmstudio"; this id is ours alone.
 PROVIDER_ID = "gguf-studio"
 PROVIDER_NAME = "GGUF Studio"
-# Output budget offered to clients when the operator set no cap: enough for a coding
-# agent's edit, small enough to leave room for the prompt.
-DEFAULT_OUTPUT_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -43,10 +41,15 @@ class ClientTarget:
     api_key: str = ""
     context_length: int | None = None  # tokens one request may use (the per-slot context)
     max_output_tokens: int = 0  # the operator's cap, 0 for none
+    default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # reserved when a request sends none
 
     @property
     def output_limit(self) -> int:
-        limit = self.max_output_tokens or DEFAULT_OUTPUT_TOKENS
+        """The output a client should plan for: the operator's cap, else the budget the
+        port reserves for a request without a limit.  OpenCode sends it as every
+        request's limit and keeps the context minus it for the conversation, so a
+        larger figure would cost both concurrency and room for the prompt."""
+        limit = self.max_output_tokens or self.default_output_tokens
         if self.context_length:
             limit = min(limit, self.context_length)
         return limit

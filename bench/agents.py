@@ -237,7 +237,7 @@ async def main() -> int:
 
     engine = Engine()
     binary = args.llama_server or engine.resolve().chosen.path
-    vocab = engine.source_tree() / "models" / "ggml-vocab-llama-spm.gguf"
+    vocab = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         model = write_tiny_model(home / "tiny.gguf", vocab, context_length=max(args.ctx_size, 8192))
