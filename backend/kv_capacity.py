@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["KvCapacity", "KvLoadReader", "TokenNeed", "kv_from_props"]
+__all__ = ["KvCapacity", "KvLoadReader", "TokenNeed", "kv_from_props", "planned_capacity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +124,51 @@ class TokenNeed:
     @property
     def total(self) -> int:
         return self.prompt + self.output
+
+
+def planned_capacity(ctx_size: int, parallel: str, trained: int | None,
+                     extra_args: tuple[str, ...] = ()) -> tuple[int, KvCapacity] | None:
+    """(slots, cache) llama-server will give a load, by its own rules, before loading.
+
+    Auto slots: 4 sharing one pool (--kv-unified); a number of slots: each its own
+    share (unless --kv-unified is among the extra arguments).  Context 0: the model's
+    trained context.  The pool is rounded up to 256, a split share too; one request
+    never exceeds the trained context nor --kv-unified-per-slot.  None when the
+    trained context is unknown and needed.  `--fit` may still shrink the context to
+    fit the memory: what the engine really gave is read after the load.
+    """
+    auto = str(parallel) in ("", "auto", "0", "-1")
+    slots = 4 if auto else max(1, int(parallel))
+    unified = auto or any(a in ("--kv-unified", "-kvu") for a in extra_args)
+    if any(a in ("--no-kv-unified", "-no-kvu") for a in extra_args):
+        unified = False
+    total = ctx_size or trained
+    if not total:
+        return None
+    total = _pad(total)
+    limit = trained or total
+    per_slot_cap = _flag_value(extra_args, "--kv-unified-per-slot")
+    if unified:
+        per_request = min(total, limit, per_slot_cap or total)
+        return slots, KvCapacity.shared(total, max(1, per_request))
+    share = _pad(total // slots)
+    return slots, KvCapacity(share * slots, max(1, min(share, limit)), unified=False)
+
+
+def _pad(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> int:
+    for index, arg in enumerate(args):
+        value = None
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
 
 
 _INITIALIZING = re.compile(
