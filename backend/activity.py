@@ -46,6 +46,15 @@ class ActivitySample:
     # interval still show in a chart.
     active_peak: int = 0
     waiting_peak: int = 0
+    kv_reserved: int = 0  # KV tokens held by running requests (prompt + output budget)
+    kv_capacity: int = 0  # the current load's KV cache in tokens; 0 when unknown
+
+    @property
+    def kv_text(self) -> str:
+        """"6,500 / 16,384" for the window; a dash pair while the cache is unknown."""
+        if not self.kv_capacity:
+            return "— / —"
+        return f"{self.kv_reserved:,} / {self.kv_capacity:,}"
 
     @property
     def rejections_total(self) -> int:
@@ -141,7 +150,8 @@ class ActivitySampler:
             requests=totals["requests"],
             rejections=dict(totals["rejections"]), cancellations=dict(totals["cancellations"]),
             tokens_generated=tokens, requests_per_s=requests_rate, tokens_per_s=tokens_rate,
-            active_peak=max(peaks[0], active), waiting_peak=max(peaks[1], waiting))
+            active_peak=max(peaks[0], active), waiting_peak=max(peaks[1], waiting),
+            kv_reserved=registry.total_reserved_tokens, kv_capacity=registry.kv_capacity)
 
     def start(self) -> asyncio.Task:
         if self._task is None or self._task.done():

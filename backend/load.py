@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from backend.errors import SettingsError
-from backend.kv_capacity import KvCapacity
+from backend.kv_capacity import KvCapacity, planned_capacity
 
 # Flags GGUF Studio owns; a user's extra arguments may not override them.
 OWNED_FLAGS = frozenset({
@@ -64,6 +64,20 @@ class LoadSettings:
                                        extra_args=tuple(self.extra_args))
         return LoadSpec(model_path=str(model_path), settings=settings,
                         chat_template=chat_template, model_id=model_id)
+
+    def describe_plan(self, trained_context: int | None) -> str:
+        """What these settings mean for clients, before loading ("up to 4 requests at
+        once; each up to 8,192 tokens (one shared pool of 16,384)"), for a model
+        trained on `trained_context` tokens."""
+        try:
+            plan = planned_capacity(self.ctx_size, str(self.parallel), trained_context,
+                                    tuple(self.extra_args))
+        except ValueError:
+            plan = None
+        if plan is None:
+            return "The engine decides the context; it is shown after loading."
+        slots, kv = plan
+        return kv.describe(slots).capitalize() + "."
 
     @staticmethod
     def parse_extra_args(text: str) -> tuple[str, ...]:
@@ -125,6 +139,12 @@ class Snapshot:
     pid: int | None = None
     log_path: str | None = None
     requested: LoadSettings | None = None  # what the load was asked for; None when remote
+
+    def describe_kv(self) -> str:
+        """What the engine really gave, for people; "" while unknown."""
+        if self.kv is None or not self.effective_parallel_slots:
+            return ""
+        return "Engine gave: " + self.kv.describe(self.effective_parallel_slots) + "."
 
 
 Listener = Callable[[Snapshot], None]

@@ -44,9 +44,10 @@ class ActivityView(QWidget):
         self.values: dict[str, QLabel] = {}
         grid = QGridLayout()
         grid.setHorizontalSpacing(24)
-        fields = (("slots", "Slots busy"), ("waiting", "Waiting"), ("requests_per_s", "Requests/s"),
-                  ("tokens_per_s", "Tokens/s"), ("requests", "Requests answered"),
-                  ("cancellations", "Cancelled"), ("rejections", "Rejected"))
+        fields = (("slots", "Slots busy"), ("kv", "KV tokens reserved"), ("waiting", "Waiting"),
+                  ("requests_per_s", "Requests/s"), ("tokens_per_s", "Tokens/s"),
+                  ("requests", "Requests answered"), ("cancellations", "Cancelled"),
+                  ("rejections", "Rejected"))
         for index, (key, title) in enumerate(fields):
             caption = secondary_label(title)
             caption.setWordWrap(False)
@@ -65,7 +66,7 @@ class ActivityView(QWidget):
             span = 2 if key == "rejections" else 1
             grid.addWidget(caption, row * 2, column, 1, span)
             grid.addWidget(value, row * 2 + 1, column, 1, span)
-        for column in range(4):
+        for column in range(5):
             grid.setColumnStretch(column, 1)
         numbers = QGroupBox("Now")
         numbers.setLayout(grid)
@@ -83,6 +84,7 @@ class ActivityView(QWidget):
         self.history.add(sample)
         v = self.values
         v["slots"].setText(f"{sample.active} / {sample.slots_total}" if sample.slots_total else "— / —")
+        v["kv"].setText(sample.kv_text)
         v["waiting"].setText(str(sample.waiting))
         v["requests_per_s"].setText(f"{sample.requests_per_s:.1f}")
         v["tokens_per_s"].setText(f"{sample.tokens_per_s:.0f}" if sample.tokens_generated is not None

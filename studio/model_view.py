@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.errors import SettingsError
 from backend.gguf_info import ModelInfo, format_file_size, format_parameter_count
 from backend.load import THREADS_HELP, LoadSettings, Snapshot, State
 
@@ -96,6 +97,12 @@ class ModelView(QWidget):
         for box in (self.ctx_size, self.parallel, self.gpu_layers, self.threads):
             box.valueChanged.connect(self.settings_edited)
         self.extra_args.editingFinished.connect(self.settings_edited)
+        self.plan = secondary_label("")
+        self.plan.setWordWrap(True)
+        self.plan.setAccessibleName("What these settings mean")
+        for box in (self.ctx_size, self.parallel):
+            box.valueChanged.connect(self._show_plan)
+        self.extra_args.editingFinished.connect(self._show_plan)
         self.settings_error = QLabel()
         self.settings_error.setWordWrap(True)
         self.settings_error.setAccessibleName("Load settings problem")
@@ -108,6 +115,7 @@ class ModelView(QWidget):
         form.addRow("GPU la&yers:", self.gpu_layers)
         form.addRow("&Threads:", self.threads)
         form.addRow("E&xtra arguments:", self.extra_args)
+        form.addRow(self.plan)
         form.addRow(self.settings_error)
 
         # --- load controls
@@ -205,6 +213,7 @@ class ModelView(QWidget):
             for value in self.facts.values():
                 value.setText("—")
         self._set_problem(problem)
+        self._show_plan()
         self._update_buttons()
 
     def _set_problem(self, text: str) -> None:
@@ -234,6 +243,7 @@ class ModelView(QWidget):
         for field in fields:
             field.blockSignals(False)
         self.show_settings_error("")
+        self._show_plan()
 
     def show_settings_error(self, message: str) -> None:
         self.settings_error.setText(message)
@@ -264,6 +274,8 @@ class ModelView(QWidget):
                 text += " (chosen by llama-server)"
             if snapshot.context_length:
                 text += f" · context {snapshot.context_length:,} tokens per slot"
+            if snapshot.kv is not None:
+                text += "<br>" + snapshot.describe_kv()
             self.slots.setText(text)
             self.slots_icon.setVisible(differs)
             self.slots.setProperty("differs", differs)
@@ -272,6 +284,15 @@ class ModelView(QWidget):
             self.slots_icon.hide()
             self.slots.setProperty("differs", False)
         self._update_buttons()
+
+    def _show_plan(self) -> None:
+        try:
+            settings = self.load_settings()
+        except SettingsError:  # unreadable extra arguments: the settings error says so
+            self.plan.setText("")
+            return
+        trained = self._info.context_length if self._info is not None else None
+        self.plan.setText(settings.describe_plan(trained))
 
     def _update_buttons(self) -> None:
         snapshot = self._snapshot

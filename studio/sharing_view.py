@@ -118,13 +118,20 @@ class SharingView(QWidget):
         self.max_output.setSpecialValueText("No cap")
         self.max_output.setToolTip("Default and ceiling for the tokens one request may generate, "
                                    "so one client cannot hold a slot for a very long answer.")
-        for box in (self.max_queue, self.queue_timeout, self.max_output):
+        self.default_output = QSpinBox()
+        self.default_output.setRange(16, 1_000_000)
+        self.default_output.setToolTip(
+            "Output tokens set aside in the model's memory for a request that sends no limit "
+            "of its own (Codex sends none). Not a limit: a longer answer is not cut. Larger "
+            "values let fewer long requests run at once.")
+        for box in (self.max_queue, self.queue_timeout, self.max_output, self.default_output):
             box.editingFinished.connect(self._on_limits)
         limits = QGroupBox("Limits")
         limits_form = QFormLayout(limits)
         limits_form.addRow("&Queue size:", self.max_queue)
         limits_form.addRow("Max &wait:", self.queue_timeout)
         limits_form.addRow("Output cap (tokens):", self.max_output)
+        limits_form.addRow("Output &budget (tokens):", self.default_output)
 
         left = QVBoxLayout()
         left.addWidget(access)
@@ -198,6 +205,7 @@ class SharingView(QWidget):
         self.max_queue.setValue(settings.max_queue)
         self.queue_timeout.setValue(settings.queue_timeout)
         self.max_output.setValue(settings.max_output_tokens)
+        self.default_output.setValue(settings.default_output_tokens)
         self._render_snippets()
 
     def set_urls(self, urls: list[str]) -> None:
@@ -241,7 +249,7 @@ class SharingView(QWidget):
         model_id, context = self._model
         base_url = urls[0] if urls else f"http://127.0.0.1:{self.port.value()}/v1"
         target = ClientTarget(base_url, model_id or "MODEL", self._key, context,
-                              self.max_output.value())
+                              self.max_output.value(), self.default_output.value())
         self._snippets = client_snippets(target)
         shown = self._snippets if self.show_key.isChecked() else [s.masked() for s in self._snippets]
         for (where, shell, shell_row, text), snippet in zip(self._snippet_widgets, shown):
@@ -270,4 +278,5 @@ class SharingView(QWidget):
     def _on_limits(self) -> None:
         self.limits_changed.emit({"max_queue": self.max_queue.value(),
                                   "queue_timeout": float(self.queue_timeout.value()),
-                                  "max_output_tokens": self.max_output.value()})
+                                  "max_output_tokens": self.max_output.value(),
+                                  "default_output_tokens": self.default_output.value()})

@@ -9,6 +9,7 @@ from PySide6.QtCore import Qt
 
 from backend.activity import ActivitySample
 from backend.engine import BuildProgress
+from backend.kv_capacity import KvCapacity
 from backend.settings import Settings
 from backend.load import LoadSettings, Snapshot, State
 from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
@@ -294,3 +295,31 @@ def test_open_log_folder(open_window, monkeypatch, studio_home: Path) -> None:
     logs.open_folder.click()
     assert [url.toLocalFile() for url in opened] == [str(logs.log_dir)]
     assert logs.log_dir.is_dir() and studio_home in logs.log_dir.parents
+
+
+def test_load_settings_say_what_they_mean_before_loading_and_what_the_engine_gave_after(
+        open_window, qtbot, tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    view = window.model_view
+    view.ctx_size.setValue(16384)
+    view.parallel.setValue(0)  # Auto
+    assert view.plan.text() == ("Up to 4 requests at once; each up to 8,192 tokens "
+                                "(one shared pool of 16,384).")
+    view.parallel.setValue(2)
+    assert view.plan.text().startswith("Up to 2 requests at once; each up to 8,192 tokens")
+    view.set_state(Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
+                            context_length=4096, kv=KvCapacity(16384, 4096, unified=True),
+                            requested=LoadSettings(parallel="auto", ctx_size=16384)))
+    assert ("Engine gave: up to 4 requests at once; each up to 4,096 tokens "
+            "(one shared pool of 16,384).") in view.slots.text()
+
+
+def test_activity_shows_kv_tokens_reserved_next_to_the_slots(open_window) -> None:
+    window = open_window()
+    window.activity.add_sample(ActivitySample(time=1.0, active=2, slots_total=4,
+                                              kv_reserved=13000, kv_capacity=16384))
+    assert window.activity.values["kv"].text() == "13,000 / 16,384"
+    window.activity.add_sample(ActivitySample(time=2.0))
+    assert window.activity.values["kv"].text() == "— / —"
