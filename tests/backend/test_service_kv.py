@@ -250,3 +250,28 @@ async def test_without_admission_the_engines_context_error_reaches_clients_with_
         error = json.loads(lines[-2].removeprefix("data: "))["error"]
         assert error["code"] == "context_length_exceeded"
         assert error["message"] == "Context size has been exceeded."
+
+
+async def test_when_the_engine_cannot_count_in_time_the_documented_estimate_decides(
+        service, tiny_model, caplog):
+    """The real engine, but the counter's deadline is made too short for any answer:
+    counting fails as it does for a busy or an older engine, and the request is
+    measured by its bytes (plus TEMPLATE_ALLOWANCE), with one warning in the log."""
+    snapshot = await service.load(auto_spec(tiny_model))
+    gateway = service._gateway.app.state.gateway
+    gateway.counter_for(service.registry.current).timeout = 1e-9
+    prompt = await prompt_of(snapshot.base_url, 700)  # beyond the byte bound's shortcut
+    async with port_client(service) as client:
+        ok = await client.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 20,
+            "messages": [{"role": "user", "content": prompt}]})
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["message"]["content"]
+        # ~5 bytes a token: 2,100 real tokens are estimated above the 8,192 limit.  The
+        # estimate errs on the safe side: refused, never overflowing the engine.
+        too_long = await client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": " ".join([prompt] * 3)}]})
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    warnings = [r for r in caplog.records if "conservative estimate" in r.getMessage()]
+    assert len(warnings) == 1
