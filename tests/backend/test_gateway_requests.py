@@ -168,11 +168,14 @@ async def test_models_and_health(gw, fake):
     models = (await gw.client.get("/v1/models")).json()
     assert models["object"] == "list"
     assert models["data"] == [{"id": "fake-model", "object": "model", "owned_by": "gguf-studio",
-                               "context_length": 4096, "created": models["data"][0]["created"]}]
+                               "context_length": 4096, "max_output_tokens": 4096,
+                               "created": models["data"][0]["created"]}]
+    gw.configure(max_output_tokens=1000)
+    assert (await gw.client.get("/v1/models")).json()["data"][0]["max_output_tokens"] == 1000
     health = await gw.client.get("/health")
     assert health.status_code == 200
     assert health.json() == {"state": "ready", "model": "fake-model",
-                             "effective_parallel_slots": 2, "active": 0, "waiting": 0}
+                             "effective_parallel_slots": 2, "active": 0, "waiting": 0, "kv": None}
     async with holding(gw, fake.slots):
         waiter = asyncio.create_task(stream(gw.client, CHAT, chat(True)))
         await until(lambda: gw.registry.total_waiting == 1)
