@@ -87,8 +87,9 @@ log = logging.getLogger(__name__)
 #: if it only reserves, the reply uses tokens nobody reserved, which is harmless while
 #: the pool has slack and fails only when every running request overruns together.
 #: 2,048 holds most agent turns (tool calls, a patch of ~150 lines, a summary); long
-#: reasoning may need more.  Settings.default_output_tokens overrides it; to be
-#: measured with bench/agents.py.
+#: reasoning may need more.  The gateway only reserves it (the operator's cap alone is
+#: written into requests): see bench/README.md for why and the figures.
+#: Settings.default_output_tokens overrides it.
 DEFAULT_OUTPUT_TOKENS = 2048
 #: The least output a request is admitted with: a prompt that leaves less room in its
 #: share of the context is refused rather than answered with a reply cut off at once.
