@@ -86,6 +86,12 @@ def codex_snippet(target: ClientTarget) -> Snippet:
     ]
     if target.context_length:
         lines.append(f"model_context_window = {int(target.context_length)}")
+        # Codex sends no output limit: the port reserves the output budget beside the
+        # prompt, so Codex compacts its conversation before prompt + budget outgrow
+        # what one request may use.
+        room = int(target.context_length) - target.output_limit
+        if room > 0:
+            lines.append(f"model_auto_compact_token_limit = {room}")
     lines += [
         "",
         f"[model_providers.{PROVIDER_ID}]",

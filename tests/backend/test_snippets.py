@@ -22,11 +22,21 @@ def test_codex_uses_the_responses_wire_and_the_key_variable() -> None:
     assert config["model"] == "qwen-7b"
     assert config["model_provider"] == PROVIDER_ID
     assert config["model_context_window"] == 16384
+    # Codex sends no output limit; the port reserves 2,048 beside the prompt.
+    assert config["model_auto_compact_token_limit"] == 16384 - 2048
     provider = config["model_providers"][PROVIDER_ID]
     assert provider == {"name": "GGUF Studio", "base_url": URL, "env_key": KEY_ENV_VAR,
                         "wire_api": "responses"}
     assert KEY not in codex.text  # the file names the variable, never the key
     assert shlex.split(codex.shell) == ["export", f"{KEY_ENV_VAR}={KEY}"]
+
+
+def test_snippets_plan_for_the_operators_cap_else_the_reserved_budget() -> None:
+    capped = by_client(ClientTarget(URL, "m", context_length=8192, max_output_tokens=1000))
+    assert tomllib.loads(capped["Codex CLI"].text)["model_auto_compact_token_limit"] == 7192
+    budget = by_client(ClientTarget(URL, "m", context_length=8192, default_output_tokens=4096))
+    limit = json.loads(budget["OpenCode"].text)["provider"][PROVIDER_ID]["models"]["m"]["limit"]
+    assert limit == {"context": 8192, "output": 4096}
 
 
 def test_codex_without_a_key_names_no_variable() -> None:
