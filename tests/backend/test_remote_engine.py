@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from backend.errors import SettingsError
+from backend.kv_capacity import KvCapacity
 from backend.service import StudioService
 from backend.settings import Settings
 from backend.load import Snapshot, State
@@ -59,6 +60,10 @@ async def test_attached_engine_is_served_with_its_slots_after_it_turns_healthy(a
     service, until, port, _engine = attached
     ready = await until(lambda s: s.state is State.READY)
     assert ready.effective_parallel_slots == 3
+    # -np 3 -c 2048: 768 tokens per slot; /props cannot say whether the cache is shared,
+    # so the port assumes one pool of one slot's context (never more than the engine has).
+    assert ready.kv == KvCapacity(768, 768, unified=True)
+    assert service.registry.kv_capacity == 768
     assert ready.model_id == "elsewhere"
     assert service.registry.current.capacity == 3
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
@@ -75,12 +80,13 @@ async def test_an_attached_engine_that_goes_away_and_comes_back_is_followed(
     engine.kill()
     engine.wait()
     gone = await until(lambda s: s.state is not State.READY)
-    assert gone.restarting and gone.effective_parallel_slots is None
+    assert gone.restarting and gone.effective_parallel_slots is None and gone.kv is None
     assert service.registry.current is None
     again = start_llama_server(llama_server_binary, tiny_model, port, parallel=2)
     try:
         back = await until(lambda s: s.state is State.READY)
         assert back.effective_parallel_slots == 2  # slots read again
+        assert back.kv == KvCapacity(1024, 1024, unified=True)  # and the cache
         assert service.registry.current.capacity == 2
     finally:
         again.kill()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import httpx
 import pytest
 
 from backend.kv_capacity import KvCapacity
-from backend.load import LoadSettings, LoadSpec
+from backend.load import LoadSettings, LoadSpec, State
 from backend.service import StudioService
 from backend.settings import Settings
 
@@ -275,3 +277,18 @@ async def test_when_the_engine_cannot_count_in_time_the_documented_estimate_deci
         assert too_long.json()["error"]["code"] == "context_length_exceeded"
     warnings = [r for r in caplog.records if "conservative estimate" in r.getMessage()]
     assert len(warnings) == 1
+
+
+async def test_the_cache_is_forgotten_with_the_slots_when_the_engine_stops_and_read_again(
+        service, tiny_model):
+    seen = []
+    service.add_listener(seen.append)
+    first = await service.load(auto_spec(tiny_model))
+    os.kill(first.pid, signal.SIGKILL)
+    await until(lambda: service.snapshot().state is State.READY
+                and service.snapshot().pid != first.pid)
+    restarting = [s for s in seen if s.restarting]
+    assert restarting and all(s.kv is None and s.effective_parallel_slots is None
+                              for s in restarting)
+    assert service.snapshot().kv == first.kv
+    assert service.registry.kv_capacity == POOL
