@@ -180,7 +180,10 @@ class Gateway:
         """One counter per load, asking that load's engine (it knows its template)."""
         held = self._counters.get(queue.key)
         if held is None or held[0] is not queue:
-            counter = PromptCounter(HttpEngineTokenizer(queue.key, client=self.client))
+            # No idle connection is kept to the engine for counting: llama-server waits
+            # for its open connections before it stops, which would slow every reload.
+            counter = PromptCounter(HttpEngineTokenizer(
+                queue.key, client=self.client, headers={"Connection": "close"}))
             held = self._counters[queue.key] = (queue, counter)
             for key in [k for k, (q, _) in self._counters.items() if q.retired]:
                 del self._counters[key]
