@@ -41,6 +41,33 @@ class ModelFileError(StudioError):
     """A file that is not a readable GGUF model (missing, truncated, a directory...)."""
 
 
+# --- Hugging Face (search and downloads) ---------------------------------------------
+
+
+class HubError(StudioError):
+    """Searching, listing or downloading from Hugging Face went wrong."""
+
+
+class HubUnreachable(HubError):
+    """No answer from the hub: offline, DNS, a proxy, a timeout."""
+
+
+class HubAccessDenied(HubError):
+    """401/403: a gated or private repository, or a token that does not grant access."""
+
+
+class HubNotFound(HubError):
+    """404: no such repository, revision or file."""
+
+
+class DownloadFailed(HubError):
+    """A download stopped for a local reason (disk full, permission denied...)."""
+
+
+class ChecksumMismatch(DownloadFailed):
+    """The downloaded bytes do not match the SHA-256 the repository publishes."""
+
+
 # --- supervision ------------------------------------------------------------------
 
 
