@@ -47,6 +47,11 @@ class ModelInfo:
     embedding_length: int | None
     has_chat_template: bool
     chat_template: str | None
+    # What the KV cache's size depends on (see backend.model_fit); None when not stated.
+    head_count: int | None = None
+    head_count_kv: int | None = None
+    key_length: int | None = None
+    value_length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,6 +96,10 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         embedding_length=arch_int("embedding_length"),
         has_chat_template=template is not None,
         chat_template=template,
+        head_count=_first_integer(metadata.get(f"{architecture}.attention.head_count")),
+        head_count_kv=_first_integer(metadata.get(f"{architecture}.attention.head_count_kv")),
+        key_length=arch_int("attention.key_length"),
+        value_length=arch_int("attention.value_length"),
     )
 
 
@@ -351,6 +360,14 @@ def _integer(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value
+
+
+def _first_integer(value: Any) -> int | None:
+    # Some architectures give a per-layer list of head counts; the largest bounds the cache.
+    if isinstance(value, (list, tuple)):
+        numbers = [v for v in (_integer(x) for x in value) if v is not None]
+        return max(numbers) if numbers else None
+    return _integer(value)
 
 
 def _three_digits(value: float) -> str:

@@ -33,6 +33,7 @@ __all__ = [
     "ModelLibrary",
     "default_locations",
     "find_gguf_files",
+    "hugging_face_cache",
     "library_path",
     "search",
 ]
@@ -233,12 +234,7 @@ def default_locations(environ: Mapping[str, str] | None = None,
     home = Path(home) if home else Path.home()
     cache = Path(environ["XDG_CACHE_HOME"]) if environ.get("XDG_CACHE_HOME") else home / ".cache"
 
-    if environ.get("HF_HUB_CACHE"):
-        hf = Path(environ["HF_HUB_CACHE"])
-    elif environ.get("HF_HOME"):
-        hf = Path(environ["HF_HOME"]) / "hub"
-    else:
-        hf = cache / "huggingface" / "hub"
+    hf = hugging_face_cache(environ, home)
 
     if environ.get("LLAMA_CACHE"):
         llama = Path(environ["LLAMA_CACHE"])
@@ -255,6 +251,18 @@ def default_locations(environ: Mapping[str, str] | None = None,
         Location("lmstudio", home / ".cache" / "lm-studio" / "models"),
         Location("llama.cpp", llama),
     ]
+
+
+def hugging_face_cache(environ: Mapping[str, str] | None = None, home: Path | None = None) -> Path:
+    """The Hugging Face hub cache, as huggingface_hub itself decides it (read at call time)."""
+    environ = os.environ if environ is None else environ
+    home = Path(home) if home else Path.home()
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"])
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]) / "hub"
+    cache = Path(environ["XDG_CACHE_HOME"]) if environ.get("XDG_CACHE_HOME") else home / ".cache"
+    return cache / "huggingface" / "hub"
 
 
 def find_gguf_files(root: Path, *, max_depth: int = 8, limit: int = 10_000) -> Iterator[Path]:
