@@ -40,6 +40,8 @@ __all__ = [
     "DownloadQueue",
     "DownloadStopped",
     "Stopper",
+    "TransferMeter",
+    "describe_duration",
     "bytes_on_disk",
     "download_model",
     "repo_folder",
@@ -77,7 +79,7 @@ class DownloadProgress:
         if self.state == "downloading" and self.speed > 0:
             text += f", {format_file_size(int(self.speed))}/s"
             if self.eta is not None:
-                text += f", {_duration(self.eta)} left"
+                text += f", {describe_duration(self.eta)} left"
         elif self.state not in ("downloading",):
             text += f" ({self.message or self.state})"
         return text
@@ -103,6 +105,33 @@ class Stopper:
     def check(self) -> None:
         if self.reason:
             raise DownloadStopped(self.reason)
+
+
+class TransferMeter:
+    """Bytes done, speed over the last few seconds, and time left at that speed."""
+
+    def __init__(self, done: int, total: int, window: float = 3.0) -> None:
+        self.done = done
+        self.total = total
+        self._window = window
+        self._samples: deque[tuple[float, int]] = deque([(time.monotonic(), done)])
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        self._samples.append((now, self.done))
+        while len(self._samples) > 2 and now - self._samples[0][0] > self._window:
+            self._samples.popleft()
+
+    @property
+    def speed(self) -> float:
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+    @property
+    def eta(self) -> float | None:
+        speed = self.speed
+        return max(self.total - self.done, 0) / speed if speed > 0 else None
 
 
 def repo_folder(repo_id: str, cache_dir: Path | None = None) -> Path:
@@ -281,23 +310,32 @@ class DownloadQueue:
             self._save()
 
     def _run(self, job: _Job) -> None:
-        samples: deque[tuple[float, int]] = deque()
+        meter = TransferMeter(job.progress.done_bytes, job.progress.total_bytes)
         last_report = 0.0
+        trailing: threading.Timer | None = None
+
+        def report_latest() -> None:
+            nonlocal last_report, trailing
+            with self._lock:
+                trailing = None
+                if job.progress.state == "downloading":
+                    last_report = time.monotonic()
+                    self._set(job, speed=meter.speed, eta=meter.eta)
 
         def on_bytes(n: int) -> None:
-            nonlocal last_report
+            nonlocal last_report, trailing
             with self._lock:
-                done = job.progress.done_bytes + n
+                meter.add(n)
                 now = time.monotonic()
-                samples.append((now, done))
-                while samples and now - samples[0][0] > 3.0:
-                    samples.popleft()
-                speed = _speed(samples)
-                eta = (job.progress.total_bytes - done) / speed if speed > 0 else None
                 quiet = now - last_report < self.report_interval
                 if not quiet:
                     last_report = now
-                self._set(job, done_bytes=done, speed=speed, eta=eta, quiet=quiet)
+                elif trailing is None:
+                    # When bytes stop flowing, the last of them is still reported.
+                    trailing = threading.Timer(self.report_interval, report_latest)
+                    trailing.daemon = True
+                    trailing.start()
+                self._set(job, done_bytes=meter.done, speed=meter.speed, eta=meter.eta, quiet=quiet)
 
         def on_verifying() -> None:
             with self._lock:
@@ -517,14 +555,7 @@ def _disk_error(exc: OSError, f: HubFile) -> HubError:
     return DownloadFailed(f"Downloading {name} failed: {exc.strerror or exc}.")
 
 
-def _speed(samples: deque[tuple[float, int]]) -> float:
-    if len(samples) < 2:
-        return 0.0
-    (t0, b0), (t1, b1) = samples[0], samples[-1]
-    return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-
-
-def _duration(seconds: float) -> str:
+def describe_duration(seconds: float) -> str:
     seconds = int(seconds)
     if seconds < 60:
         return f"{seconds} s"

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from backend.engine import Engine  # noqa: E402
+from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402
+
+CODER_REPO = "test-org/Tiny-Coder-GGUF"
+GATED_REPO = "test-org/Gated-Coder-GGUF"
+BROKEN_REPO = "test-org/Broken-Coder-GGUF"
+HUGE_REPO = "test-org/Huge-Coder-GGUF"
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +53,35 @@ def vocab_path(source_tree: Path) -> Path:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> Path:
     """A real 17 MB llama GGUF with random weights that llama-server loads in under a second."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf", vocab_path)
+
+
+@pytest.fixture(scope="session")
+def coder_models(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> dict[str, Path]:
+    """Two different tiny models, named as a Hugging Face GGUF repository names its files."""
+    folder = tmp_path_factory.mktemp("hub-models")
+    return {"Tiny-Coder-Q4_K_M.gguf": write_tiny_model(folder / "q4.gguf", vocab_path, seed=1, name="tiny-coder"),
+            "Tiny-Coder-Q8_0.gguf": write_tiny_model(folder / "q8.gguf", vocab_path, seed=2, name="tiny-coder")}
+
+
+@pytest.fixture
+def hf_hub(coder_models: dict[str, Path], tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[HubEndpoint]:
+    """A local Hugging Face endpoint, and a user whose caches and config live in tmp."""
+    q4 = "Tiny-Coder-Q4_K_M.gguf"
+    repos = [
+        HubRepo(CODER_REPO, dict(coder_models), downloads=900,
+                gguf={"total": 8_000_000, "architecture": "llama", "context_length": 8192}),
+        HubRepo("test-org/Tiny-Chat-GGUF", {"Tiny-Chat-Q8_0.gguf": coder_models["Tiny-Coder-Q8_0.gguf"]},
+                downloads=20, last_modified="2026-11-20T00:00:00.000Z"),
+        HubRepo(GATED_REPO, {q4: coder_models[q4]}, gated=True),
+        HubRepo(BROKEN_REPO, {q4: coder_models[q4]}, wrong_sha256={q4}),
+        HubRepo(HUGE_REPO, {q4: coder_models[q4]}, claimed_size={q4: 10**15}),
+    ]
+    with HubEndpoint(repos) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        for name in ("HF_HUB_CACHE", "HF_TOKEN"):
+            monkeypatch.delenv(name, raising=False)
+        yield hub

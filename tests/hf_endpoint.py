@@ -7,7 +7,8 @@ resumed download did not fetch anything twice.  Tests point `HF_ENDPOINT` at it.
 
 Knobs a real hub lacks, for what it cannot do on demand: `hold_after` stops a download
 after that many bytes until `release()` (so a test can pause at a known point without
-timing), `wrong_sha256` publishes a wrong checksum, and repositories can be gated.
+timing), `wrong_sha256` publishes a wrong checksum, `claimed_size` announces a size
+bigger than any disk, and repositories can be gated.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class HubRepo:
     gated: bool = False
     token: str = "hf_test_token"  # the one token a gated repository accepts
     wrong_sha256: set[str] = field(default_factory=set)
+    claimed_size: dict[str, int] = field(default_factory=dict)  # a size to announce instead
     gguf: dict = field(default_factory=dict)
 
     def sha256(self, path: str) -> str:
@@ -134,7 +136,7 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
                 return
             siblings = []
             for path, local in repo.files.items():
-                size = local.stat().st_size
+                size = repo.claimed_size.get(path, local.stat().st_size)
                 sha = "0" * 64 if path in repo.wrong_sha256 else repo.sha256(path)
                 siblings.append({"rfilename": path, "size": size, "blobId": sha[:40],
                                  "lfs": {"sha256": sha, "size": size, "pointerSize": 134}})
@@ -175,7 +177,7 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             self.send_header("ETag", f'"{sha}"')
             self.send_header("X-Repo-Commit", repo.commit)
             self.send_header("X-Linked-Etag", f'"{sha}"')
-            self.send_header("X-Linked-Size", str(len(data)))
+            self.send_header("X-Linked-Size", str(repo.claimed_size.get(file, len(data))))
             if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.end_headers()
