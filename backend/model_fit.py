@@ -12,9 +12,14 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from backend.errors import ModelFileError
 from backend.gguf_info import ModelInfo
+
+if TYPE_CHECKING:
+    from backend.model_hub import RepoListing
 
 __all__ = [
     "DEFAULT_FIT_CONTEXT",
@@ -22,6 +27,7 @@ __all__ = [
     "KvShape",
     "MachineMemory",
     "estimate_fit",
+    "fit_choices",
     "format_bytes",
     "machine_memory",
     "total_ram_bytes",
@@ -180,3 +186,26 @@ def _windows_ram() -> int:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def fit_choices(listing: RepoListing, memory: MachineMemory, context: int = DEFAULT_FIT_CONTEXT,
+                cache_dir: Path | None = None) -> dict[str, FitEstimate]:
+    """A badge per model of `listing`, by name; from the header for files already here.
+
+    Reads local headers: call it off the GUI thread.
+    """
+    from backend.gguf_info import read_model_info
+    from backend.model_download import snapshot_path
+
+    fits: dict[str, FitEstimate] = {}
+    for choice in listing.choices:
+        local = snapshot_path(choice, listing.commit, cache_dir)
+        info = None
+        if local.is_file():
+            try:
+                info = read_model_info(local)
+            except ModelFileError:
+                info = None
+        fits[choice.name] = estimate_fit(choice.size, memory, context=context, info=info,
+                                         repo_metadata=listing.gguf_metadata)
+    return fits

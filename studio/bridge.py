@@ -27,6 +27,8 @@ from PySide6.QtCore import QObject, Signal, Slot
 from backend.activity import ActivitySample, ActivitySampler
 from backend.engine import Engine, Resolution
 from backend.errors import LoadSuperseded, StudioError
+from backend.model_download import DownloadQueue
+from backend.model_hub import ModelChoice
 from backend.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.load import LoadSpec, Snapshot
@@ -50,17 +52,24 @@ class ServiceBridge(QObject):
     build_finished = Signal(object)  # the binary's Path, or an error message (str)
     urls_changed = Signal(list)  # base URLs clients should use
     error_occurred = Signal(str)  # something the user asked for failed; a readable sentence
+    download_progressed = Signal(object)  # DownloadProgress, from the download queue's thread
 
     # Internal: carries a callback and its argument to the GUI thread.
     _deliver = Signal(object, object)
 
     def __init__(self, settings: Settings, *, engine: Engine | None = None,
-                 log_dir: Path | None = None, parent: QObject | None = None) -> None:
+                 log_dir: Path | None = None, downloads: DownloadQueue | None = None,
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
         self._deliver.connect(self._run_callback)
         self.backend_thread = BackendThread()
         self.service = StudioService(settings, engine=engine, log_dir=log_dir)
         self._files = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="gguf-studio-files")
+        # Hugging Face calls block on the network: a thread of their own, so neither the
+        # window nor the port's loop waits on them.  Reading the saved queue is local.
+        self._hub = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gguf-studio-hub")
+        self.downloads = downloads if downloads is not None else DownloadQueue()
+        self.downloads.add_listener(self._on_download)
         self._logs = _Batcher(self.backend_thread, self.log_lines_arrived.emit)
         self._build_events = _Batcher(self.backend_thread, self.build_progressed.emit)
         self._access_handler = _AccessLogHandler(self._logs)
@@ -97,6 +106,8 @@ class ServiceBridge(QObject):
             log.exception("the service did not close cleanly")
         self.backend_thread.stop()
         self._files.shutdown(wait=False, cancel_futures=True)
+        self.downloads.close()  # a running download pauses; its bytes are kept for next time
+        self._hub.shutdown(wait=False, cancel_futures=True)
 
     @property
     def closed(self) -> bool:
@@ -178,6 +189,56 @@ class ServiceBridge(QObject):
         future = self._files.submit(fn, *args)
         self._when_done(future, on_done, on_error, ())
         return future
+
+    # --- Hugging Face ------------------------------------------------------------------------
+
+    def search_models(self, text: str, sort: str, on_done: Callback,
+                      on_error: Callable[[str], None]) -> concurrent.futures.Future:
+        from backend.model_hub import search
+
+        return self._in_hub(lambda: search(text, sort=sort), on_done=on_done, on_error=on_error)
+
+    def list_repo(self, repo_id: str, context: int, on_done: Callback,
+                  on_error: Callable[[str], None]) -> concurrent.futures.Future:
+        """Calls `on_done((listing, fits))`: the repository's models and a badge for each."""
+        from backend.model_fit import fit_choices, machine_memory
+        from backend.model_hub import list_repo
+
+        def listing_with_fits():
+            listing = list_repo(repo_id)
+            # GPU memory joins here once accelerator detection reports it.
+            return listing, fit_choices(listing, machine_memory(), context)
+
+        return self._in_hub(listing_with_fits, on_done=on_done, on_error=on_error)
+
+    def download(self, choice: ModelChoice, commit: str) -> str:
+        return self.downloads.add(choice, commit)
+
+    def pause_download(self, job_id: str) -> None:
+        self.downloads.pause(job_id)
+
+    def resume_download(self, job_id: str) -> None:
+        self.downloads.resume(job_id)
+
+    def cancel_download(self, job_id: str) -> None:
+        self.downloads.cancel(job_id)
+
+    def save_hf_token(self, token: str, on_error: Callable[[str], None] | None = None) -> None:
+        from backend.model_hub import save_token
+
+        self.run_in_thread(save_token, token, on_error=on_error)
+
+    def _in_hub(self, fn: Callable[..., Any], *args: Any, on_done: Callback | None,
+                on_error: Callable[[str], None] | None) -> concurrent.futures.Future:
+        future = self._hub.submit(fn, *args)
+        self._when_done(future, on_done, on_error, ())
+        return future
+
+    def _on_download(self, progress: Any) -> None:
+        try:
+            self.download_progressed.emit(progress)
+        except RuntimeError:  # the bridge is gone: the app is exiting
+            pass
 
     # --- plumbing ------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class LibraryView(QWidget):
     files_opened = Signal(list)  # [str]
     folder_added = Signal(str)
     rescan_requested = Signal()
+    get_models_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -52,6 +53,9 @@ class LibraryView(QWidget):
 
         self.empty_label = secondary_label("")
         self.empty_label.hide()
+        self.get_models_button = QPushButton("&Get models from Hugging Face…")
+        self.get_models_button.clicked.connect(self.get_models_requested)
+        self.get_models_button.hide()
 
         self.open_button = QPushButton("&Open file…")
         self.open_button.setToolTip("Open a GGUF file (Ctrl+O)")
@@ -75,6 +79,7 @@ class LibraryView(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.search)
         layout.addWidget(self.empty_label)
+        layout.addWidget(self.get_models_button)
         layout.addWidget(self.list, 1)
         layout.addLayout(buttons)
 
@@ -123,9 +128,10 @@ class LibraryView(QWidget):
         if not (keep and self.select_path(keep)):
             self.list.setCurrentRow(-1)
             self.selected.emit(None)
-        self.empty_label.setText("No models found yet. Open a GGUF file or add a folder."
-                                 if not self._entries else "No model matches the search.")
+        self.empty_label.setText("No models found yet. Get one from Hugging Face, open a GGUF "
+                                 "file or add a folder." if not self._entries else "No model matches the search.")
         self.empty_label.setVisible(not shown)
+        self.get_models_button.setVisible(not self._entries)
 
     def _on_current(self, current: QListWidgetItem | None,
                     _previous: QListWidgetItem | None) -> None:

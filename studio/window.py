@@ -25,12 +25,15 @@ from backend.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
 from backend.gguf_info import ModelInfo, read_model_info
+from backend.model_download import DownloadProgress
+from backend.model_hub import curated_models
 from backend.model_library import ModelEntry, ModelLibrary
 from backend.settings import Settings
 from backend.load import Snapshot, State
 
 from studio.activity_view import ActivityView
 from studio.bridge import ServiceBridge
+from studio.discover_view import DiscoverView
 from studio.engine_view import EngineView
 from studio.library_view import LibraryView
 from studio.logs_view import LogsView
@@ -39,7 +42,7 @@ from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
 
 __all__ = ["MainWindow"]
 
-SHARING_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB = range(4)
+SHARING_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB = range(5)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -63,6 +66,7 @@ class MainWindow(QMainWindow):
         self.activity = ActivityView()
         self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
+        self.discover = DiscoverView(curated_models())
 
         self.tabs = QTabWidget()
         # Sharing and Engine scroll rather than force a wide window on small screens.
@@ -70,6 +74,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.activity, "&Activity")
         self.tabs.addTab(self.logs, "Lo&gs")
         self.tabs.addTab(_scrolling(self.engine), "&Engine")
+        self.tabs.addTab(self.discover, "Get &models")
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 0, 0, 0)
@@ -156,6 +161,29 @@ class MainWindow(QMainWindow):
             self.settings.replace(**limits)))
         self.engine.build_requested.connect(self.build_engine)
         self.engine.binary_chosen.connect(self.choose_binary)
+        self._connect_discover()
+
+    def _connect_discover(self) -> None:
+        d, b = self.discover, self.bridge
+        d.search_requested.connect(lambda text, sort: b.search_models(
+            text, sort, on_done=d.show_repos, on_error=d.show_error))
+        d.repo_selected.connect(lambda repo, context: b.list_repo(
+            repo, context, on_done=d.show_listing, on_error=d.show_error))
+        d.download_requested.connect(b.download)
+        d.pause_requested.connect(b.pause_download)
+        d.resume_requested.connect(b.resume_download)
+        d.cancel_requested.connect(b.cancel_download)
+        d.token_entered.connect(lambda token: b.save_hf_token(token, on_error=d.show_error))
+        b.download_progressed.connect(self._on_download)
+        for progress in b.downloads.jobs():  # paused ones from the last session
+            d.show_progress(progress)
+        self.library_view.get_models_requested.connect(
+            lambda: self.tabs.setCurrentIndex(GET_MODELS_TAB))
+
+    def _on_download(self, progress: DownloadProgress) -> None:
+        self.discover.show_progress(progress)
+        if progress.state == "done":
+            self.refresh_library(select=progress.path)  # ready to load
 
     def _set_tab_order(self) -> None:
         lv, mv = self.library_view, self.model_view

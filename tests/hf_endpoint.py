@@ -56,6 +56,7 @@ class HubEndpoint:
     def __init__(self, repos: list[HubRepo]) -> None:
         self.repos = {r.repo_id: r for r in repos}
         self.served: list[Served] = []
+        self.requests: list[str] = []  # every request, "GET /path?query"
         self.hold_after: int | None = None  # bytes per response before holding
         self._release = threading.Event()
         self.holding = threading.Event()  # set while a response is held
@@ -103,6 +104,7 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             self._route(head=False)
 
         def _route(self, head: bool) -> None:
+            hub.requests.append(f"{self.command} {self.path}")
             url = urlparse(self.path)
             query = parse_qs(url.query)
             path = unquote(url.path)

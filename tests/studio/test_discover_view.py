@@ -1,0 +1,90 @@
+"""The "Get models" tab driven like a person would: search, pick, see the badge, download,
+pause, resume, and find the model in the library ready to load.
+
+Against the local Hugging Face endpoint (tests/hf_endpoint.py); the engine is real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from backend.model_hub import curated_models
+from backend.supervisor import State
+from studio.window import GET_MODELS_TAB
+from tests.conftest import CODER_REPO
+
+WAIT = 15_000
+LOAD_WAIT = 60_000
+MiB = 1024 * 1024
+
+
+def click(qtbot, button) -> None:
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+
+
+def test_search_pick_download_pause_resume_then_load(open_window, qtbot, hf_hub, with_engine: Path):
+    window = open_window()
+    d = window.discover
+    # Start-up touched no network: the curated list is package data.
+    assert d.repos.count() == len(curated_models())
+    assert hf_hub.requests == []
+    window.library_view.get_models_button.click()  # the empty library's way forward
+    assert window.tabs.currentIndex() == GET_MODELS_TAB
+
+    d.query.setText("tiny")
+    click(qtbot, d.search_button)
+    qtbot.waitUntil(lambda: d.repos.count() == 2 and d.search_button.isEnabled(), timeout=WAIT)
+    assert d.repos.item(0).text().startswith(CODER_REPO)
+
+    d.repos.setCurrentRow(0)
+    qtbot.waitUntil(lambda: d.files.topLevelItemCount() == 2, timeout=WAIT)
+    q4_group = d.files.topLevelItem(0)
+    assert q4_group.text(0) == "Q4_K_M"
+    q4 = q4_group.child(0)
+    assert (q4.text(0), q4.text(1), q4.text(2)) == ("Tiny-Coder-Q4_K_M", "16.6 MiB", "fits in RAM")
+    assert q4.toolTip(2).startswith("Needs about") and "RAM" in q4.toolTip(2)
+
+    # Download; the endpoint holds after 2 MiB so the pause lands at a known point.
+    hf_hub.hold(after=2 * MiB)
+    d.files.setCurrentItem(q4)
+    click(qtbot, d.download_button)
+    qtbot.waitUntil(lambda: len(d.rows) == 1, timeout=WAIT)
+    [row] = d.rows.values()
+    qtbot.waitUntil(lambda: row.bar.value() > 0 and hf_hub.holding.is_set(), timeout=WAIT)
+    assert "of 16.6 MiB" in row.detail.text()
+    assert row.pause_button.text() == "Pause"
+    click(qtbot, row.pause_button)
+    hf_hub.release()
+    qtbot.waitUntil(lambda: row.state == "paused", timeout=WAIT)
+    assert row.pause_button.text() == "Resume" and 0 < row.bar.value() < 1000
+    kept = hf_hub.served[-1].sent  # at least what reached the disk
+    assert kept > 0
+
+    click(qtbot, row.pause_button)
+    qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
+    assert row.bar.value() == 1000 and row.detail.text() == "Ready in the library."
+    assert hf_hub.served[-1].start > 0  # resumed, not started over
+
+    # The library shows it, selected, and it loads.
+    entry = window.library_view.current_entry
+    qtbot.waitUntil(lambda: entry() is not None and entry().name == "Tiny-Coder-Q4_K_M", timeout=WAIT)
+    assert entry().detail == CODER_REPO
+    window.model_view.ctx_size.setValue(1024)
+    window.load_selected()
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
+
+
+def test_errors_are_shown_as_sentences(open_window, qtbot, hf_hub):
+    window = open_window()
+    d = window.discover
+    d.query.setText("tiny")
+    hf_hub.repos.clear()  # the repository vanished between search and listing
+    click(qtbot, d.search_button)
+    qtbot.waitUntil(lambda: d.search_button.isEnabled(), timeout=WAIT)
+    assert d.repos_title.text() == "No GGUF repositories match"
+    d.show_curated()
+    d.repos.setCurrentRow(0)
+    qtbot.waitUntil(lambda: "No repository" in d.status.text(), timeout=WAIT)
+    assert hf_hub.url not in d.status.text()
