@@ -447,8 +447,9 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
                 stopper: Stopper, on_bytes: Callable[[int], None],
                 on_verifying: Callable[[], None]) -> Path:
     from filelock import FileLock
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get
+    from huggingface_hub import constants
+    # Modules named in full: the lazy top-level names hide them from PyInstaller.
+    from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
     from huggingface_hub.utils import build_hf_headers
     from huggingface_hub.utils.tqdm import silent_tqdm
 

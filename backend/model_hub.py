@@ -114,7 +114,7 @@ def hub_endpoint() -> str:
 def search(text: str, *, sort: str = "downloads", limit: int = 30,
            token: str | None = None) -> list[RepoSummary]:
     """GGUF repositories matching `text`, most downloaded (or most recent) first."""
-    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import HfApi
 
     api = HfApi(endpoint=hub_endpoint(), token=token or current_token())
     found = _hub_call(lambda: list(api.list_models(
@@ -127,7 +127,7 @@ def search(text: str, *, sort: str = "downloads", limit: int = 30,
 
 def list_repo(repo_id: str, *, token: str | None = None) -> RepoListing:
     """A repository's GGUF models with sizes and published SHA-256s, at its current commit."""
-    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import HfApi
 
     repo_id = repo_id.strip()
     api = HfApi(endpoint=hub_endpoint(), token=token or current_token())
