@@ -450,11 +450,11 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
     from huggingface_hub import constants
     # Modules named in full: the lazy top-level names hide them from PyInstaller.
     from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
+    from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import build_hf_headers
     from huggingface_hub.utils.tqdm import silent_tqdm
 
     stopper.check()
-    what = f"{repo_id}"
     blobs = folder / "blobs"
     if f.sha256 and (blobs / f.sha256).is_file():
         return blobs / f.sha256
@@ -462,7 +462,7 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
     try:
         meta = get_hf_file_metadata(url, token=token)
     except Exception as exc:
-        raise translate_hub_error(exc, what) from exc
+        raise translate_hub_error(exc, repo_id) from exc
     name = f.sha256 or meta.etag
     if not name:
         raise HubError(f"Hugging Face did not identify {f.path}; try again later.")
@@ -470,9 +470,10 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
     blob = blobs / name
     if blob.is_file():
         return blob
+    lock = Path(str(blob) + ".lock")
     try:
         blobs.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(blob) + ".lock"):
+        with FileLock(str(lock)):
             partial = _incomplete(blob)
             have = partial.stat().st_size if partial.is_file() else 0
             if have > size:
@@ -489,10 +490,12 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
                     try:
                         http_get(meta.location, _Sink(out, stopper, on_bytes), resume_size=have,  # type: ignore[arg-type]
                                  headers=headers, expected_size=size, tqdm_class=silent_tqdm)  # type: ignore[arg-type]
+                    except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
+                        raise translate_hub_error(exc, repo_id) from exc
                     except (DownloadStopped, DownloadFailed, OSError):
                         raise
                     except Exception as exc:
-                        raise translate_hub_error(exc, what) from exc
+                        raise translate_hub_error(exc, repo_id) from exc
             on_verifying()
             if f.sha256:
                 digest = _sha256(partial, stopper)
@@ -503,9 +506,10 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
                         "repository publishes; the download was discarded. Try again later.")
             os.chmod(partial, 0o644)
             os.replace(partial, blob)
-        Path(str(blob) + ".lock").unlink(missing_ok=True)
     except OSError as exc:
         raise _disk_error(exc, f) from exc
+    finally:
+        lock.unlink(missing_ok=True)
     return blob
 
 

@@ -106,7 +106,9 @@ class ServiceBridge(QObject):
             log.exception("the service did not close cleanly")
         self.backend_thread.stop()
         self._files.shutdown(wait=False, cancel_futures=True)
-        self.downloads.close()  # a running download pauses; its bytes are kept for next time
+        # A running download pauses; what reached the disk is resumed next time.  Short:
+        # a stalled connection must not hold up quitting.
+        self.downloads.close(timeout=2.0)
         self._hub.shutdown(wait=False, cancel_futures=True)
 
     @property
