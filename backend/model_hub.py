@@ -47,7 +47,8 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 # What `pull REPO` takes when no quantization is named: llama.cpp's own `-hf` default
 # first, then the usual good trade-offs, smallest loss first.
 DEFAULT_QUANT_PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q4_0", "Q6_K", "Q8_0", "MXFP4", "F16")
-SORTS = {"downloads": "downloads", "recent": "last_modified", "likes": "likes"}
+SORTS = {"downloads": "downloads", "recent": "lastModified", "likes": "likes"}
+SEARCH_TIMEOUT = 15.0  # seconds
 
 
 @dataclass(frozen=True)
@@ -114,15 +115,26 @@ def hub_endpoint() -> str:
 def search(text: str, *, sort: str = "downloads", limit: int = 30,
            token: str | None = None) -> list[RepoSummary]:
     """GGUF repositories matching `text`, most downloaded (or most recent) first."""
-    from huggingface_hub.hf_api import HfApi
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    api = HfApi(endpoint=hub_endpoint(), token=token or current_token())
-    found = _hub_call(lambda: list(api.list_models(
-        search=text.strip() or None, filter="gguf", sort=SORTS.get(sort, sort), limit=limit,
-        expand=["downloads", "likes", "lastModified", "gated"])), text)
-    return [RepoSummary(repo_id=m.id, downloads=m.downloads or 0, likes=m.likes or 0,
-                        last_modified=m.last_modified.isoformat() if m.last_modified else "",
-                        gated=bool(m.gated)) for m in found]
+    # One GET through huggingface_hub's session and error mapping, not `HfApi.list_models`:
+    # that one retries a refused connection five times with backoff, 23 s before an
+    # offline machine hears that it is offline.
+    params = [("filter", "gguf"), ("sort", SORTS.get(sort, sort)), ("direction", "-1"),
+              ("limit", str(limit))] + [("expand", key) for key in ("downloads", "likes", "lastModified", "gated")]
+    if text.strip():
+        params.append(("search", text.strip()))
+
+    def fetch() -> list[dict[str, Any]]:
+        response = get_session().get(f"{hub_endpoint()}/api/models", params=params, timeout=SEARCH_TIMEOUT,
+                                     headers=build_hf_headers(token=token or current_token()))
+        hf_raise_for_status(response)
+        return response.json()
+
+    found = _hub_call(fetch, f"the search for “{text}”")
+    return [RepoSummary(repo_id=str(m.get("id") or m.get("modelId")), downloads=_count(m.get("downloads")),
+                        likes=_count(m.get("likes")), last_modified=str(m.get("lastModified") or ""),
+                        gated=bool(m.get("gated"))) for m in found if isinstance(m, dict)]
 
 
 def list_repo(repo_id: str, *, token: str | None = None) -> RepoListing:
@@ -288,6 +300,10 @@ def translate_hub_error(exc: BaseException, what: str) -> HubError:
         return HubUnreachable("Hugging Face cannot be reached: check the network connection "
                               "(or HF_ENDPOINT) and try again.")
     return HubError(f"Talking to Hugging Face about {what} failed: {exc or type(exc).__name__}.")
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _hub_call(fn: Callable[[], T], what: str) -> T:

@@ -8,13 +8,20 @@ llama-server and answers through the port.
 from __future__ import annotations
 
 import hashlib
+import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from backend.errors import ChecksumMismatch, DownloadFailed, HubAccessDenied, HubNotFound
+from backend.errors import (
+    ChecksumMismatch,
+    DownloadFailed,
+    HubAccessDenied,
+    HubNotFound,
+    HubUnreachable,
+)
 from backend.model_download import (
     DownloadProgress,
     DownloadQueue,
@@ -123,6 +130,16 @@ def test_a_file_gone_from_the_repository_is_a_readable_not_found(hf_hub):
     gone = ModelChoice(CODER_REPO, "Gone", "Q2_K", (HubFile("Gone-Q2_K.gguf", 10, "e" * 64),))
     with pytest.raises(HubNotFound, match="no longer in test-org/Tiny-Coder-GGUF"):
         download_model(gone, listing.commit)
+
+
+def test_offline_a_download_fails_with_a_sentence_and_keeps_nothing(hf_hub, monkeypatch):
+    listing = list_repo(CODER_REPO)
+    with socket.socket() as s:  # the network goes away after the listing
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
+    with pytest.raises(HubUnreachable, match="cannot be reached"):
+        download_model(pick_choice(listing), listing.commit)
+    assert cache_files(CODER_REPO) == []
 
 
 def test_a_model_bigger_than_the_free_disk_is_refused_before_any_byte(hf_hub):

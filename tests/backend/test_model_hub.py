@@ -32,7 +32,7 @@ from tests.conftest import CODER_REPO
 def test_search_finds_gguf_repositories_most_downloaded_first(hf_hub):
     found = search("tiny")
     assert [r.repo_id for r in found] == [CODER_REPO, "test-org/Tiny-Chat-GGUF"]
-    assert found[0].downloads == 900
+    assert found[0].downloads == 900 and found[0].last_modified.startswith("2026-11-01")
     assert [r.repo_id for r in search("tiny", sort="recent")][0] == "test-org/Tiny-Chat-GGUF"
     assert search("no such words") == []
 
@@ -107,6 +107,8 @@ def test_offline_is_a_readable_sentence(hf_hub, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     with pytest.raises(HubUnreachable, match="cannot be reached"):
         search("tiny")
+    with pytest.raises(HubUnreachable, match="cannot be reached"):
+        list_repo(CODER_REPO)
 
 
 def test_a_saved_token_is_private_and_the_environment_wins(hf_hub, monkeypatch):
