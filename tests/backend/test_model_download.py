@@ -8,6 +8,7 @@ llama-server and answers through the port.
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import threading
 import time
@@ -148,6 +149,25 @@ def test_a_model_bigger_than_the_free_disk_is_refused_before_any_byte(hf_hub):
         download_model(pick_choice(listing), listing.commit)
     assert "free" in str(caught.value)
     assert hf_hub.served == []
+
+
+def unwritable_cache(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        return locked / "hub"
+    return Path("/sys/gguf-studio-test-hub")  # root may write anywhere, but not in sysfs
+
+
+def test_a_cache_folder_that_cannot_be_written_is_a_readable_refusal(hf_hub, tmp_path, monkeypatch):
+    cache = unwritable_cache(tmp_path)
+    listing = list_repo(CODER_REPO)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(DownloadFailed, match="may not write to the Hugging Face cache folder") as caught:
+        download_model(pick_choice(listing), listing.commit)
+    assert str(cache) not in str(caught.value)
+    assert not cache.exists()
 
 
 async def test_the_downloaded_model_loads_and_answers_through_the_port(hf_hub, llama_server_binary):

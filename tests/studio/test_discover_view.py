@@ -88,3 +88,33 @@ def test_errors_are_shown_as_sentences(open_window, qtbot, hf_hub):
     d.repos.setCurrentRow(0)
     qtbot.waitUntil(lambda: "No repository" in d.status.text(), timeout=WAIT)
     assert hf_hub.url not in d.status.text()
+
+
+def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window, qtbot, hf_hub,
+                                                                     monkeypatch):
+    from PySide6.QtWidgets import QInputDialog
+
+    from backend.model_hub import token_path
+    from tests.conftest import GATED_REPO
+
+    window = open_window()
+    d = window.discover
+    d.query.setText("gated")
+    click(qtbot, d.search_button)
+    qtbot.waitUntil(lambda: d.repos.count() == 1, timeout=WAIT)
+    d.repos.setCurrentRow(0)
+    qtbot.waitUntil(lambda: d.files.topLevelItemCount() == 1, timeout=WAIT)
+    assert "gated" in d.repo_title.text()
+    d.files.setCurrentItem(d.files.topLevelItem(0).child(0))
+    click(qtbot, d.download_button)
+    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == "failed", timeout=WAIT)
+    [row] = d.rows.values()
+    assert "is gated" in row.detail.text() and row.pause_button.text() == "Resume"
+
+    # The modal dialog answers as a person would type the token.
+    token = hf_hub.repos[GATED_REPO].token
+    monkeypatch.setattr(QInputDialog, "getText", staticmethod(lambda *args, **kwargs: (token, True)))
+    click(qtbot, d.token_button)
+    qtbot.waitUntil(token_path().is_file, timeout=WAIT)
+    click(qtbot, row.pause_button)  # "Resume" retries with the saved token
+    qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
