@@ -80,7 +80,7 @@ class DownloadProgress:
             text += f", {format_file_size(int(self.speed))}/s"
             if self.eta is not None:
                 text += f", {describe_duration(self.eta)} left"
-        elif self.state not in ("downloading",):
+        elif self.state != "downloading":
             text += f" ({self.message or self.state})"
         return text
 

@@ -28,7 +28,7 @@ from backend.activity import ActivitySample, ActivitySampler
 from backend.engine import Engine, Resolution
 from backend.errors import LoadSuperseded, StudioError
 from backend.model_download import DownloadQueue
-from backend.model_hub import ModelChoice
+from backend.model_hub import CuratedModel, ModelChoice, curated_models
 from backend.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.load import LoadSpec, Snapshot
@@ -193,6 +193,10 @@ class ServiceBridge(QObject):
         return future
 
     # --- Hugging Face ------------------------------------------------------------------------
+
+    def curated_models(self) -> list[CuratedModel]:
+        """The shipped list of good coding models; package data, no network."""
+        return curated_models()
 
     def search_models(self, text: str, sort: str, on_done: Callback,
                       on_error: Callable[[str], None]) -> concurrent.futures.Future:

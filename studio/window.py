@@ -26,7 +26,6 @@ from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
 from backend.gguf_info import ModelInfo, read_model_info
 from backend.model_download import DownloadProgress
-from backend.model_hub import curated_models
 from backend.model_library import ModelEntry, ModelLibrary
 from backend.settings import Settings
 from backend.load import Snapshot, State
@@ -66,7 +65,7 @@ class MainWindow(QMainWindow):
         self.activity = ActivityView()
         self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
-        self.discover = DiscoverView(curated_models())
+        self.discover = DiscoverView(bridge.curated_models())
 
         self.tabs = QTabWidget()
         # Sharing and Engine scroll rather than force a wide window on small screens.
