@@ -218,7 +218,6 @@ class DownloadQueue:
         self._jobs: dict[str, _Job] = {}
         self._listeners: list[Callable[[DownloadProgress], None]] = []
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
         self._closing = False
         self._load()
@@ -259,7 +258,6 @@ class DownloadQueue:
             job.stopper = Stopper()
             self._set(job, state="queued", message="")
             self._ensure_worker()
-            self._wake.notify_all()
         self._save()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -268,7 +266,6 @@ class DownloadQueue:
             self._closing = True
             for job in self._jobs.values():
                 job.stopper.stop("pause")
-            self._wake.notify_all()
             worker = self._worker
         if worker is not None:
             worker.join(timeout)

@@ -71,8 +71,11 @@ def test_search_pick_download_pause_resume_then_load(open_window, qtbot, hf_hub,
     entry = window.library_view.current_entry
     qtbot.waitUntil(lambda: entry() is not None and entry().name == "Tiny-Coder-Q4_K_M", timeout=WAIT)
     assert entry().detail == CODER_REPO
-    window.model_view.ctx_size.setValue(1024)
-    window.load_selected()
+    view = window.model_view
+    qtbot.waitUntil(lambda: view.info is not None, timeout=WAIT)  # its header was read
+    assert view.facts["architecture"].text() == "llama"
+    view.ctx_size.setValue(1024)
+    click(qtbot, view.load_button)
     qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
 
 
