@@ -16,12 +16,13 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from backend.engine import Engine  # noqa: E402
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
-from tests.model_factory import write_tiny_model  # noqa: E402
+from tests.model_factory import write_tiny_model, write_tiny_split_model  # noqa: E402
 
 CODER_REPO = "test-org/Tiny-Coder-GGUF"
 GATED_REPO = "test-org/Gated-Coder-GGUF"
 BROKEN_REPO = "test-org/Broken-Coder-GGUF"
 HUGE_REPO = "test-org/Huge-Coder-GGUF"
+SPLIT_REPO = "test-org/Split-Coder-GGUF"
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +64,15 @@ def coder_models(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> 
             "Tiny-Coder-Q8_0.gguf": write_tiny_model(folder / "q8.gguf", vocab_path, seed=2, name="tiny-coder")}
 
 
+@pytest.fixture(scope="session")
+def split_model_parts(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> list[Path]:
+    """A tiny model in two parts, as llama.cpp's gguf-split names them."""
+    return write_tiny_split_model(tmp_path_factory.mktemp("hub-split"), "Split-Coder-Q8_0", vocab_path,
+                                  seed=3, name="split-coder")
+
+
 @pytest.fixture
-def hf_hub(coder_models: dict[str, Path], tmp_path: Path,
+def hf_hub(coder_models: dict[str, Path], split_model_parts: list[Path], tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[HubEndpoint]:
     """A local Hugging Face endpoint, and a user whose caches and config live in tmp."""
     q4 = "Tiny-Coder-Q4_K_M.gguf"
@@ -76,6 +84,7 @@ def hf_hub(coder_models: dict[str, Path], tmp_path: Path,
         HubRepo(GATED_REPO, {q4: coder_models[q4]}, gated=True),
         HubRepo(BROKEN_REPO, {q4: coder_models[q4]}, wrong_sha256={q4}),
         HubRepo(HUGE_REPO, {q4: coder_models[q4]}, claimed_size={q4: 10**15}),
+        HubRepo(SPLIT_REPO, {f"Q8_0/{part.name}": part for part in split_model_parts}),
     ]
     with HubEndpoint(repos) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)

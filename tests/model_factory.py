@@ -33,11 +33,34 @@ def write_tiny_model(path: Path, vocab_path: Path, *, seed: int = 0, context_len
                      name: str = "tiny-test-llama") -> Path:
     """Write a 2-layer, 64-wide llama with F32 random weights; about 17 MB for a 32k vocab."""
     path = Path(path)
-    tokenizer = _tokenizer_fields(Path(vocab_path))
-    n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     # Written beside the target and renamed, so an interrupted run leaves no half model.
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, arch="llama")
+    _write(writer, Path(vocab_path), seed, context_length, name)
+    os.replace(partial, path)
+    return path
+
+
+def write_tiny_split_model(folder: Path, stem: str, vocab_path: Path, *, parts: int = 2,
+                           seed: int = 0, name: str = "tiny-test-llama") -> list[Path]:
+    """The same model split as llama.cpp's gguf-split does: `stem-00001-of-0000N.gguf`..."""
+    folder = Path(folder)
+    staging = folder / f".{stem}.partial"
+    staging.mkdir(parents=True, exist_ok=True)
+    n_tensors = len(tensor_shapes(1))
+    writer = GGUFWriter(staging / f"{stem}.gguf", arch="llama",
+                        split_max_tensors=-(-n_tensors // parts))
+    _write(writer, Path(vocab_path), seed, 8192, name)
+    shards = sorted(staging.glob(f"{stem}-*-of-*.gguf"))
+    for shard in shards:
+        os.replace(shard, folder / shard.name)
+    staging.rmdir()
+    return [folder / shard.name for shard in shards]
+
+
+def _write(writer: GGUFWriter, vocab_path: Path, seed: int, context_length: int, name: str) -> None:
+    tokenizer = _tokenizer_fields(vocab_path)
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     writer.add_name(name)
     writer.add_file_type(LlamaFileType.ALL_F32)
     writer.add_context_length(context_length)
@@ -60,8 +83,6 @@ def write_tiny_model(path: Path, vocab_path: Path, *, seed: int = 0, context_len
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    os.replace(partial, path)
-    return path
 
 
 def write_truncated_copy(src: Path, dst: Path) -> Path:

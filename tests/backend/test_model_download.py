@@ -35,7 +35,7 @@ from backend.model_download import (
 from backend.model_hub import HubFile, ModelChoice, list_repo, pick_choice
 from backend.model_library import ModelLibrary
 from backend.self_test import run_self_test
-from tests.conftest import BROKEN_REPO, CODER_REPO, GATED_REPO, HUGE_REPO
+from tests.conftest import BROKEN_REPO, CODER_REPO, GATED_REPO, HUGE_REPO, SPLIT_REPO
 
 Q4 = "Tiny-Coder-Q4_K_M.gguf"
 MiB = 1024 * 1024
@@ -173,6 +173,28 @@ def test_a_cache_folder_that_cannot_be_written_is_a_readable_refusal(hf_hub, tmp
 async def test_the_downloaded_model_loads_and_answers_through_the_port(hf_hub, llama_server_binary):
     listing = list_repo(CODER_REPO)
     path = download_model(pick_choice(listing, "Q8_0"), listing.commit)
+    assert await run_self_test(path, llama_server=llama_server_binary) == 0
+
+
+async def test_a_split_model_downloads_as_one_and_appears_only_when_whole(hf_hub, tmp_path,
+                                                                          llama_server_binary):
+    listing = list_repo(SPLIT_REPO)
+    [choice] = listing.choices
+    assert len(choice.files) == 2 and choice.quant == "Q8_0"
+    stopper = Stopper()
+
+    def pause_in_the_second_part(n: int) -> None:
+        if hf_hub.served and hf_hub.served[-1].path.endswith("00002-of-00002.gguf"):
+            stopper.stop("pause")
+
+    with pytest.raises(DownloadStopped):
+        download_model(choice, listing.commit, stopper=stopper, on_bytes=pause_in_the_second_part)
+    assert bytes_on_disk(choice, listing.commit) > choice.files[0].size  # part 1 is kept...
+    assert library_names(tmp_path) == []  # ...but is not shown until part 2 is verified too
+
+    path = download_model(choice, listing.commit)
+    assert path.name == "Split-Coder-Q8_0-00001-of-00002.gguf" and path.parent.name == "Q8_0"
+    assert library_names(tmp_path) == ["Split-Coder-Q8_0-00001-of-00002"]  # one model, not two
     assert await run_self_test(path, llama_server=llama_server_binary) == 0
 
 
