@@ -18,13 +18,16 @@ import logging
 import shlex
 import signal
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from backend.api_keys import read_api_key_file
 from backend.engine import Engine, BuildProgress
 from backend.errors import StudioError
 from backend.load import THREADS_HELP
 from backend.settings import API_KEY_FILE_ENV, Settings, env_var
+
+if TYPE_CHECKING:
+    from backend.model_download import TransferMeter
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,10 +266,10 @@ class _TransferBar:
 
     WIDTH = 30
 
-    def __init__(self, meter) -> None:
+    def __init__(self, meter: "TransferMeter") -> None:
         self.meter = meter
         self.tty = sys.stdout.isatty()
-        self._last_tenth = -1
+        self._last_tenth = -1.0
         self._last_draw = 0.0
 
     def add(self, n: int) -> None:

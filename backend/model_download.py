@@ -448,7 +448,7 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
     # Modules named in full: the lazy top-level names hide them from PyInstaller.
     from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
     from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils._headers import build_hf_headers
     from huggingface_hub.utils.tqdm import silent_tqdm
 
     stopper.check()
@@ -486,7 +486,7 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
                 with open(partial, "ab") as out:
                     try:
                         http_get(meta.location, _Sink(out, stopper, on_bytes), resume_size=have,  # type: ignore[arg-type]
-                                 headers=headers, expected_size=size, tqdm_class=silent_tqdm)  # type: ignore[arg-type]
+                                 headers=headers, expected_size=size, tqdm_class=silent_tqdm)
                     except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
                         raise translate_hub_error(exc, repo_id) from exc
                     except (DownloadStopped, DownloadFailed, OSError):

@@ -115,13 +115,15 @@ def hub_endpoint() -> str:
 def search(text: str, *, sort: str = "downloads", limit: int = 30,
            token: str | None = None) -> list[RepoSummary]:
     """GGUF repositories matching `text`, most downloaded (or most recent) first."""
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    from huggingface_hub.utils._headers import build_hf_headers
+    from huggingface_hub.utils._http import get_session, hf_raise_for_status
 
     # One GET through huggingface_hub's session and error mapping, not `HfApi.list_models`:
     # that one retries a refused connection five times with backoff, 23 s before an
     # offline machine hears that it is offline.
-    params = [("filter", "gguf"), ("sort", SORTS.get(sort, sort)), ("direction", "-1"),
-              ("limit", str(limit))] + [("expand", key) for key in ("downloads", "likes", "lastModified", "gated")]
+    params: list[tuple[str, str | int | float | bool | None]] = [
+        ("filter", "gguf"), ("sort", SORTS.get(sort, sort)), ("direction", "-1"), ("limit", limit)]
+    params += [("expand", key) for key in ("downloads", "likes", "lastModified", "gated")]
     if text.strip():
         params.append(("search", text.strip()))
 
@@ -147,7 +149,7 @@ def list_repo(repo_id: str, *, token: str | None = None) -> RepoListing:
     files = [HubFile(s.rfilename, int(s.size or (s.lfs.size if s.lfs else 0) or 0),
                      (s.lfs.sha256 if s.lfs else "") or "")
              for s in (info.siblings or [])]
-    gguf = info.gguf if isinstance(getattr(info, "gguf", None), dict) else {}
+    gguf: dict[str, Any] = info.gguf if isinstance(info.gguf, dict) else {}
     return RepoListing(repo_id=repo_id, commit=info.sha or "main",
                        choices=tuple(group_choices(repo_id, files)), gguf_metadata=gguf,
                        gated=bool(info.gated))

@@ -28,7 +28,8 @@ from backend.activity import ActivitySample, ActivitySampler
 from backend.engine import Engine, Resolution
 from backend.errors import LoadSuperseded, StudioError
 from backend.model_download import DownloadQueue
-from backend.model_hub import CuratedModel, ModelChoice, curated_models
+from backend.model_fit import FitEstimate
+from backend.model_hub import CuratedModel, ModelChoice, RepoListing, curated_models
 from backend.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.load import LoadSpec, Snapshot
@@ -210,7 +211,7 @@ class ServiceBridge(QObject):
         from backend.model_fit import fit_choices, machine_memory
         from backend.model_hub import list_repo
 
-        def listing_with_fits():
+        def listing_with_fits() -> tuple[RepoListing, dict[str, FitEstimate]]:
             listing = list_repo(repo_id)
             # GPU memory joins here once accelerator detection reports it.
             return listing, fit_choices(listing, machine_memory(), context)

@@ -7,6 +7,7 @@ download queue; every click becomes a signal the window hands to the bridge.
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QComboBox,
     QGridLayout,
@@ -275,7 +276,5 @@ class DownloadRow(QWidget):
         self.cancel_button.setEnabled(active)
 
 
-def _color(verdict: str):
-    from PySide6.QtGui import QColor
-
+def _color(verdict: str) -> QColor:
     return QColor(BADGE_COLORS.get(verdict, TOO_BIG_COLOR))
