@@ -422,19 +422,33 @@ class _Job:
 
 
 class _Sink:
-    """The file huggingface_hub writes into: counts bytes, and stops between chunks."""
+    """The file huggingface_hub writes into: counts and hashes bytes, stops between chunks.
 
-    def __init__(self, file: Any, stopper: Stopper, on_bytes: Callable[[int], None]) -> None:
+    Hashing as the bytes arrive spares reading the whole file again to verify it (a
+    20 GB model would spend some 20 s on that); a resumed file hashes only its kept part.
+    """
+
+    def __init__(self, file: Any, stopper: Stopper, on_bytes: Callable[[int], None],
+                 digest: Any) -> None:
         self._file = file
         self._stopper = stopper
         self._on_bytes = on_bytes
+        self.digest = digest
 
     def write(self, data: bytes) -> int:
         # Written first, then stopped: a paused download keeps every byte it was sent.
         n = self._file.write(data)
+        self.digest.update(data)
         self._on_bytes(len(data))
         self._stopper.check()
-        return n
+        return int(n)
+
+    def truncate(self, size: int | None = None) -> int:
+        # huggingface_hub starts over when a server ignores the range: hash what is left.
+        kept = int(self._file.truncate(size))
+        self._file.flush()
+        self.digest = _sha256_of(Path(self._file.name), kept, self._stopper)
+        return kept
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)
@@ -480,12 +494,14 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
             if free < size - have:
                 raise DownloadFailed(f"Not enough disk space for {f.path.rsplit('/', 1)[-1]}: "
                                      f"{format_file_size(size - have)} needed, {format_file_size(free)} free.")
+            digest = _sha256_of(partial, have, stopper)
             if have < size:
                 constants.DOWNLOAD_CHUNK_SIZE = CHUNK_SIZE
                 headers = build_hf_headers(token=token)
                 with open(partial, "ab") as out:
+                    sink = _Sink(out, stopper, on_bytes, digest)
                     try:
-                        http_get(meta.location, _Sink(out, stopper, on_bytes), resume_size=have,  # type: ignore[arg-type]
+                        http_get(meta.location, sink, resume_size=have,  # type: ignore[arg-type]
                                  headers=headers, expected_size=size, tqdm_class=silent_tqdm)
                     except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
                         raise translate_hub_error(exc, repo_id) from exc
@@ -493,10 +509,10 @@ def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str 
                         raise
                     except Exception as exc:
                         raise translate_hub_error(exc, repo_id) from exc
+                digest = sink.digest
             on_verifying()
             if f.sha256:
-                digest = _sha256(partial, stopper)
-                if digest != f.sha256.lower():
+                if digest.hexdigest() != f.sha256.lower():
                     partial.unlink(missing_ok=True)
                     raise ChecksumMismatch(
                         f"{f.path.rsplit('/', 1)[-1]} from {repo_id} does not match the SHA-256 the "
@@ -532,14 +548,19 @@ def _incomplete(blob: Path) -> Path:
     return blob.with_name(blob.name + ".incomplete")
 
 
-def _sha256(path: Path, stopper: Stopper) -> str:
+def _sha256_of(path: Path, length: int, stopper: Stopper) -> Any:
+    """A running SHA-256 of the first `length` bytes of `path` (none: an empty one)."""
     digest = hashlib.sha256()
+    if length <= 0:
+        return digest
     with open(path, "rb") as f:
-        while chunk := f.read(4 * 1024 * 1024):
+        left = length
+        while left and (chunk := f.read(min(4 * 1024 * 1024, left))):
             digest.update(chunk)
+            left -= len(chunk)
             if stopper.reason == "cancel":
                 stopper.check()
-    return digest.hexdigest()
+    return digest
 
 
 def _disk_error(exc: OSError, f: HubFile) -> HubError:

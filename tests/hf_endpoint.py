@@ -7,8 +7,9 @@ resumed download did not fetch anything twice.  Tests point `HF_ENDPOINT` at it.
 
 Knobs a real hub lacks, for what it cannot do on demand: `hold_after` stops a download
 after that many bytes until `release()` (so a test can pause at a known point without
-timing), `wrong_sha256` publishes a wrong checksum, `claimed_size` announces a size
-bigger than any disk, and repositories can be gated.
+timing), `ignore_ranges` answers a range request with the whole file, `wrong_sha256`
+publishes a wrong checksum, `claimed_size` announces a size bigger than any disk, and
+repositories can be gated.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class HubEndpoint:
         self.served: list[Served] = []
         self.requests: list[str] = []  # every request, "GET /path?query"
         self.hold_after: int | None = None  # bytes per response before holding
+        self.ignore_ranges = False  # answer 200 and the whole file, as some CDNs do
         self._release = threading.Event()
         self.holding = threading.Event()  # set while a response is held
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -169,7 +171,7 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             start = 0
             status = 200
             match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-            if match:
+            if match and not hub.ignore_ranges:
                 start, status = int(match.group(1)), 206
             body = data[start:]
             self.send_response(status)

@@ -93,6 +93,19 @@ def test_a_paused_download_resumes_without_fetching_any_byte_twice(hf_hub, tmp_p
     assert library_names(tmp_path) == ["Tiny-Coder-Q4_K_M"]
 
 
+def test_a_server_that_ignores_the_range_restarts_the_file_and_it_still_verifies(hf_hub):
+    listing = list_repo(CODER_REPO)
+    choice = pick_choice(listing, "Q4_K_M")
+    stopper = Stopper()
+    with pytest.raises(DownloadStopped):
+        download_model(choice, listing.commit, stopper=stopper, on_bytes=lambda n: stopper.stop("pause"))
+    assert bytes_on_disk(choice, listing.commit) > 0
+    hf_hub.ignore_ranges = True
+    path = download_model(choice, listing.commit)  # the kept bytes are dropped, not doubled
+    assert (hf_hub.served[-1].start, hf_hub.served[-1].status) == (0, 200)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == choice.files[0].sha256
+
+
 def test_a_checksum_mismatch_is_refused_and_leaves_nothing_in_the_cache(hf_hub, tmp_path):
     listing = list_repo(BROKEN_REPO)
     with pytest.raises(ChecksumMismatch) as caught:
