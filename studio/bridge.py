@@ -218,6 +218,13 @@ class ServiceBridge(QObject):
 
         return self._in_hub(listing_with_fits, on_done=on_done, on_error=on_error)
 
+    def refit(self, listing: RepoListing, context: int, on_done: Callback) -> concurrent.futures.Future:
+        """New badges for another context: local work only (headers of files already here)."""
+        from backend.model_fit import fit_choices, machine_memory
+
+        return self.run_in_thread(lambda: (listing, fit_choices(listing, machine_memory(), context)),
+                                  on_done=on_done)
+
     def download(self, choice: ModelChoice, commit: str) -> str:
         return self.downloads.add(choice, commit)
 

@@ -44,6 +44,7 @@ TOO_BIG_COLOR = "#c62828"
 class DiscoverView(QWidget):
     search_requested = Signal(str, str)  # text, sort ("downloads" or "recent")
     repo_selected = Signal(str, int)  # repo id, context for the estimate
+    context_changed = Signal(object, int)  # the RepoListing shown, the new context
     download_requested = Signal(object, str)  # ModelChoice, commit
     pause_requested = Signal(str)  # job id
     resume_requested = Signal(str)
@@ -81,7 +82,7 @@ class DiscoverView(QWidget):
         self.context.setSingleStep(4096)
         self.context.setValue(DEFAULT_FIT_CONTEXT)
         self.context.setAccessibleName("Context for the memory estimate")
-        self.context.editingFinished.connect(self._on_repo_again)
+        self.context.editingFinished.connect(self._on_context)
         self.files = QTreeWidget()
         self.files.setAccessibleName("Models in this repository")
         self.files.setHeaderLabels(["Model", "Size", "Will it fit"])
@@ -218,8 +219,9 @@ class DiscoverView(QWidget):
         self.set_busy(True, f"Reading {repo_id}…")
         self.repo_selected.emit(repo_id, self.context.value())
 
-    def _on_repo_again(self) -> None:
-        self._on_repo(self.repos.currentItem())
+    def _on_context(self) -> None:
+        if self._listing is not None:
+            self.context_changed.emit(self._listing, self.context.value())
 
     def _download(self) -> None:
         choice = self.selected_choice()

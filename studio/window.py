@@ -168,6 +168,7 @@ class MainWindow(QMainWindow):
             text, sort, on_done=d.show_repos, on_error=d.show_error))
         d.repo_selected.connect(lambda repo, context: b.list_repo(
             repo, context, on_done=d.show_listing, on_error=d.show_error))
+        d.context_changed.connect(lambda listing, context: b.refit(listing, context, on_done=d.show_listing))
         d.download_requested.connect(b.download)
         d.pause_requested.connect(b.pause_download)
         d.resume_requested.connect(b.resume_download)

@@ -45,6 +45,16 @@ def test_search_pick_download_pause_resume_then_load(open_window, qtbot, hf_hub,
     q4 = q4_group.child(0)
     assert (q4.text(0), q4.text(1), q4.text(2)) == ("Tiny-Coder-Q4_K_M", "16.6 MiB", "fits in RAM")
     assert q4.toolTip(2).startswith("Needs about") and "RAM" in q4.toolTip(2)
+    assert "8,192 tokens of context" in q4.toolTip(2)
+
+    # Another context: new numbers, worked out here without asking the hub again.
+    asked = len(hf_hub.requests)
+    d.context.setValue(65536)
+    d.context.editingFinished.emit()
+    qtbot.waitUntil(lambda: "65,536 tokens of context" in d.files.topLevelItem(0).child(0).toolTip(2),
+                    timeout=WAIT)
+    assert len(hf_hub.requests) == asked
+    q4 = d.files.topLevelItem(0).child(0)
 
     # Download; the endpoint holds after 2 MiB so the pause lands at a known point.
     hf_hub.hold(after=2 * MiB)
