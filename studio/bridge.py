@@ -189,9 +189,7 @@ class ServiceBridge(QObject):
                       on_done: Callback | None = None,
                       on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
         """Run blocking file work (scanning, reading a model's header) off the GUI thread."""
-        future = self._files.submit(fn, *args)
-        self._when_done(future, on_done, on_error, ())
-        return future
+        return self._in_pool(self._files, fn, *args, on_done=on_done, on_error=on_error)
 
     # --- Hugging Face ------------------------------------------------------------------------
 
@@ -244,7 +242,18 @@ class ServiceBridge(QObject):
 
     def _in_hub(self, fn: Callable[..., Any], *args: Any, on_done: Callback | None,
                 on_error: Callable[[str], None] | None) -> concurrent.futures.Future:
-        future = self._hub.submit(fn, *args)
+        return self._in_pool(self._hub, fn, *args, on_done=on_done, on_error=on_error)
+
+    def _in_pool(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., Any],
+                 *args: Any, on_done: Callback | None,
+                 on_error: Callable[[str], None] | None) -> concurrent.futures.Future:
+        if self._closed:
+            # A callback still queued when the app shut down (a scan's result selecting a
+            # model, say) asks for more work: there is none to do.
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.cancel()
+            return future
+        future = pool.submit(fn, *args)
         self._when_done(future, on_done, on_error, ())
         return future
 

@@ -131,3 +131,5 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
     qtbot.waitUntil(token_path().is_file, timeout=WAIT)
     click(qtbot, row.pause_button)  # "Resume" retries with the saved token
     qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
+    entry = window.library_view.current_entry
+    qtbot.waitUntil(lambda: entry() is not None and entry().detail == GATED_REPO, timeout=WAIT)
