@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import sys
@@ -29,6 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 import platformdirs
 
+from backend.accelerators import BACKENDS, Accelerators, detect
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
 
 # The one place the engine's version is pinned.
@@ -103,15 +105,25 @@ class Resolution:
 
 @dataclass(frozen=True)
 class BuildKey:
+    """What makes one engine differ from another; its name is the install directory.
+
+    `toolkit` names the external headers/compilers a GPU build used (with versions), so
+    a rebuild against other ones gets a new key.  The CPU key is unchanged from the
+    days before GPU backends, so existing CPU engines stay found.
+    """
+
     version: str = LLAMA_CPP_PYTHON_VERSION
     extra_cmake_args: tuple[str, ...] = ()
+    backend: str = "cpu"
+    toolkit: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        digest = hashlib.sha256(
-            json.dumps([self.version, *BASE_CMAKE_ARGS, *self.extra_cmake_args]).encode()
-        ).hexdigest()[:12]
-        return f"llama.cpp-{self.version}-{digest}"
+        parts = [self.version, *BASE_CMAKE_ARGS, *self.extra_cmake_args, *self.toolkit]
+        digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
+        if self.backend == "cpu":
+            return f"llama.cpp-{self.version}-{digest}"
+        return f"llama.cpp-{self.version}-{self.backend}-{digest}"
 
 
 @dataclass
@@ -136,20 +148,47 @@ class Engine:
     def installed(self, key: BuildKey = BuildKey()) -> bool:
         return _is_executable(self.managed_binary(key))
 
+    def managed_binary_for(self, backend: str) -> Path | None:
+        """The newest installed engine of `backend` for the pinned version, if any."""
+        if backend == "cpu":
+            return self.managed_binary(BuildKey(extra_cmake_args=backend_cmake_args("cpu")))
+        found = [d / BINARY_NAME for d in self.engines_dir.glob(
+                     f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{backend}-*")
+                 if _is_executable(d / BINARY_NAME)]
+        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+    def installed_backends(self) -> dict[str, Path]:
+        out = {}
+        for backend in BACKENDS:
+            binary = self.managed_binary_for(backend)
+            if binary is not None and _is_executable(binary):
+                out[backend] = binary
+        return out
+
     def resolve(self, explicit: str | os.PathLike | None = None,
                 environ: Mapping[str, str] | None = None,
-                key: BuildKey = BuildKey()) -> Resolution:
+                key: BuildKey | None = None,
+                backends: Sequence[str] | None = None) -> Resolution:
+        """Which llama-server to run.  Managed engines are tried for `backends` in order
+        (default: the accelerated ones this machine can run, best first, then the CPU)."""
         environ = os.environ if environ is None else environ
         candidates = [
             _candidate("explicit", explicit, "given with --llama-server or the setting"),
             _candidate("environment", environ.get(ENV_LLAMA_SERVER) or None, f"from {ENV_LLAMA_SERVER}"),
         ]
-        managed = self.managed_binary(key)
-        candidates.append(Candidate(
-            "managed", managed, _is_executable(managed),
-            "built by GGUF Studio" if _is_executable(managed)
-            else "not built yet (gguf-studio engine build)",
-        ))
+        if key is not None:
+            managed = [(key.backend, self.managed_binary(key))]
+        else:
+            wanted = list(backends) if backends is not None else machine_backends()
+            managed = [(b, self.managed_binary_for(b)) for b in wanted]
+        for backend, binary in managed:
+            label = "managed" if backend == "cpu" else f"managed {backend}"
+            built = binary is not None and _is_executable(binary)
+            candidates.append(Candidate(
+                label, binary if built else (binary or None), built,
+                "built by GGUF Studio" if built
+                else f"not built yet (gguf-studio engine build --backend {backend})",
+            ))
         on_path = shutil.which(BINARY_NAME, path=environ.get("PATH"))
         candidates.append(Candidate(
             "PATH", Path(on_path) if on_path else None, on_path is not None,
@@ -189,10 +228,13 @@ class Engine:
 
     async def build(self, extra_cmake_args: Sequence[str] = (),
                     progress: ProgressCallback | None = None,
-                    jobs: int | None = None) -> Path:
-        """Build and install the managed engine; a no-op when this key is installed."""
-        key = BuildKey(extra_cmake_args=tuple(extra_cmake_args))
+                    jobs: int | None = None, backend: str = "cpu") -> Path:
+        """Build and install the managed engine for `backend`; a no-op when its key is
+        installed."""
         report = progress or (lambda _p: None)
+        plan = await plan_build(backend, self.cache_dir, extra_cmake_args,
+                                lambda line: report(BuildProgress("fetch", 2, line)))
+        key = plan.key
         target = self.managed_binary(key)
         if _is_executable(target):
             report(BuildProgress("done", 100, f"already built: {key.name}"))
@@ -207,7 +249,8 @@ class Engine:
             report(BuildProgress("configure", 5, "configuring with CMake"))
             await _run_logged(
                 [tools.cmake, "-S", str(tree), "-B", str(build_dir), "-G", "Ninja",
-                 f"-DCMAKE_MAKE_PROGRAM={tools.ninja}", *BASE_CMAKE_ARGS, *key.extra_cmake_args],
+                 f"-DCMAKE_MAKE_PROGRAM={tools.ninja}", *BASE_CMAKE_ARGS, *key.extra_cmake_args,
+                 *plan.machine_args],
                 log, env, lambda line: report(BuildProgress("configure", 5, line)),
                 failure="Configuring llama.cpp failed", log_path=log_path,
             )
@@ -242,6 +285,8 @@ class Engine:
             shutil.copy2(built, staging / BINARY_NAME)
             (staging / "engine.json").write_text(json.dumps({
                 "llama_cpp_python": key.version,
+                "backend": key.backend,
+                "toolkit": list(key.toolkit),
                 "cmake_args": [*BASE_CMAKE_ARGS, *key.extra_cmake_args],
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }, indent=2))
@@ -282,6 +327,67 @@ class Engine:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    key: BuildKey
+    machine_args: tuple[str, ...] = ()  # paths on this machine; not part of the key
+
+
+async def plan_build(backend: str, cache_dir: Path, extra_cmake_args: Sequence[str] = (),
+                     report: Callable[[str], None] = lambda line: None,
+                     accelerators: "Accelerators | None" = None) -> BuildPlan:
+    """The key and CMake arguments of a `backend` engine; fetches Vulkan headers when the
+    system's are too old.  Raises BuildToolMissing (with the install line) when this
+    machine lacks the backend's toolkit."""
+    if backend not in BACKENDS:
+        raise BuildToolMissing(f"Unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    flags = (*backend_cmake_args(backend), *extra_cmake_args)
+    if backend == "cpu":
+        return BuildPlan(BuildKey(extra_cmake_args=tuple(flags)))
+    status = (accelerators or detect_accelerators()).get(backend)
+    if not status.toolkit.present:
+        hint = f" Install: {status.toolkit.install}" if status.toolkit.install else ""
+        raise BuildToolMissing(f"Cannot build the {backend} engine here: {status.toolkit.reason}.{hint}")
+    if backend == "vulkan":
+        from backend.vulkan_headers import ensure_vulkan_headers
+
+        headers = await ensure_vulkan_headers(cache_dir, report)
+        if headers.fetched:
+            return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
+                                      toolkit=(headers.package,)),
+                             (f"-DVulkan_INCLUDE_DIR={headers.include_dir}",))
+        return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
+                                  toolkit=(f"vulkan-headers={headers.version}",)))
+    return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
+                              toolkit=status.toolkit.identity), status.toolkit.cmake_args)
+
+
+def backend_cmake_args(backend: str, system: str | None = None) -> tuple[str, ...]:
+    """The llama.cpp switches of one backend.  llama.cpp turns Metal on by itself on
+    macOS, so the CPU engine there says no to it."""
+    system = system or platform.system()
+    if backend == "cpu":
+        return ("-DGGML_METAL=OFF",) if system == "Darwin" else ()
+    return {"cuda": ("-DGGML_CUDA=ON",), "vulkan": ("-DGGML_VULKAN=ON",),
+            "metal": ("-DGGML_METAL=ON",), "hip": ("-DGGML_HIP=ON",)}[backend]
+
+
+_DETECTED: "Accelerators | None" = None
+
+
+def detect_accelerators(refresh: bool = False) -> "Accelerators":
+    """This machine's accelerators, looked at once per process (it runs vulkaninfo)."""
+    global _DETECTED
+    if _DETECTED is None or refresh:
+        _DETECTED = detect()
+    return _DETECTED
+
+
+def machine_backends() -> list[str]:
+    """Engine backends worth running here, best first; ends with the CPU."""
+    return detect_accelerators().wanted()
 
 
 @dataclass(frozen=True)
