@@ -117,6 +117,7 @@ class Probes:
     read: Callable[[str], str | None] = None  # type: ignore[assignment]
     glob: Callable[[str], list[str]] = glob.glob
     exists: Callable[[str], bool] = os.path.exists
+    realpath: Callable[[str], str] = os.path.realpath
 
     def __post_init__(self) -> None:
         self.run = self.run or _run
@@ -155,7 +156,7 @@ def _cuda(p: Probes, distro: str) -> BackendStatus:
     if nvcc is None:
         toolkit = Toolkit(False, "no nvcc (CUDA toolkit) found", _install_cuda(distro))
     else:
-        home = str(Path(nvcc).resolve().parent.parent)
+        home = str(Path(p.realpath(nvcc)).parent.parent)
         version = _nvcc_version(p, nvcc)
         blas = any(p.glob(os.path.join(home, pat)) for pat in
                    ("include/cublas_v2.h", "targets/*/include/cublas_v2.h"))
@@ -185,7 +186,7 @@ def _hip(p: Probes, distro: str) -> BackendStatus:
     if hipcc is None:
         toolkit = Toolkit(False, "no hipcc (ROCm/HIP) found", _install_rocm(distro))
     else:
-        root = str(Path(hipcc).resolve().parent.parent)
+        root = str(Path(p.realpath(hipcc)).parent.parent)
         toolkit = Toolkit(True, f"hipcc at {hipcc}",
                           cmake_args=(f"-DCMAKE_HIP_COMPILER_ROCM_ROOT={root}",),
                           identity=("hip",))

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from backend.accelerators import BACKENDS
 from backend.api_keys import read_api_key_file
 from backend.engine import Engine, BuildProgress
 from backend.errors import StudioError
@@ -54,9 +55,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _engine_status(args: argparse.Namespace) -> int:
-    resolution = Engine().resolve(args.llama_server)
+    from backend.engine import detect_accelerators
+
+    engine = Engine()
+    resolution = engine.resolve(args.llama_server)
+    accelerators = detect_accelerators()
+    if args.json:
+        chosen = resolution.chosen
+        print(json.dumps({
+            "chosen": {"source": chosen.source, "path": str(chosen.path)} if chosen else None,
+            "candidates": [{"source": c.source, "path": str(c.path) if c.path else None,
+                            "usable": c.usable, "reason": c.reason} for c in resolution.candidates],
+            "installed": {b: str(p) for b, p in engine.installed_backends().items()},
+            "accelerators": accelerators.to_dict(),
+        }, indent=2))
+        return 0 if chosen else 1
+    print("llama-server:")
     for line in resolution.describe():
         print(line)
+    print("accelerators (backend, usable here, why):")
+    for line in accelerators.describe():
+        print(line)
+    print(f"best engine this machine can build: {accelerators.best_buildable()} "
+          f"(gguf-studio engine build --backend {accelerators.best_buildable()})")
     return 0 if resolution.chosen else 1
 
 
@@ -67,7 +88,12 @@ def _engine_path(args: argparse.Namespace) -> int:
 
 def _engine_build(args: argparse.Namespace) -> int:
     printer = _ProgressPrinter(verbose=args.verbose)
-    path = asyncio.run(Engine().build(args.cmake_arg or (), printer, jobs=args.jobs))
+    from backend.engine import detect_accelerators
+
+    backend = args.backend or detect_accelerators().best_buildable()
+    print(f"building the {backend} engine", flush=True)
+    path = asyncio.run(Engine().build(args.cmake_arg or (), printer, jobs=args.jobs,
+                                      backend=backend))
     printer.finish()
     print(path)
     return 0
@@ -339,9 +365,13 @@ def _parser() -> argparse.ArgumentParser:
         e.add_argument("--llama-server", help="an explicit llama-server binary")
         e.add_argument("-v", "--verbose", action="store_true")
         e.set_defaults(run=fn)
+        if name == "status":
+            e.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "build":
+            e.add_argument("--backend", choices=BACKENDS,
+                           help="engine to build (default: the best this machine can build)")
             e.add_argument("--cmake-arg", action="append", metavar="FLAG",
-                           help="extra CMake flag, e.g. -DGGML_CUDA=ON (repeatable)")
+                           help="extra CMake flag, e.g. -DGGML_NATIVE=OFF (repeatable)")
             e.add_argument("-j", "--jobs", type=int, default=None)
 
     inspect = sub.add_parser("inspect", help="show a GGUF file's metadata")
@@ -405,7 +435,7 @@ def _parser() -> argparse.ArgumentParser:
                        f"names and addresses (repeatable; {env('allow_hosts')})")
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
     serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
-    serve.add_argument("--n-gpu-layers", type=int, help="layers to offload to the GPU (default 0)")
+    serve.add_argument("--n-gpu-layers", help="layers on the GPU: auto (what fits; default), all, none or N")
     serve.add_argument("--threads", type=int, help=f"CPU threads, 0 = {THREADS_HELP}")
     serve.add_argument("--max-queue", type=int, help="waiting places, 0 = 16 x slots, at least 64")
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")

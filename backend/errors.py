@@ -83,6 +83,10 @@ class EngineExitedDuringLoad(LoadError):
     pass
 
 
+class GpuLoadFailed(EngineExitedDuringLoad):
+    """The engine stopped while putting the model on the GPU; a CPU load may still work."""
+
+
 class LoadTimedOut(LoadError):
     pass
 

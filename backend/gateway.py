@@ -217,6 +217,8 @@ class Gateway:
             "waiting": registry.total_waiting,
             "kv": (None if snapshot.kv is None else
                    dict(snapshot.kv.to_dict(), reserved=registry.total_reserved_tokens)),
+            # Which backend and devices the engine uses (no paths, ports or URLs in it).
+            "engine": snapshot.engine.to_dict() if snapshot.engine else None,
         }
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
 

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from backend.engine_report import EngineReport
 from backend.errors import SettingsError
 from backend.kv_capacity import KvCapacity, planned_capacity
+from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 
 # Flags GGUF Studio owns; a user's extra arguments may not override them.
 OWNED_FLAGS = frozenset({
@@ -43,9 +45,12 @@ class LoadSettings:
 
     ctx_size: int = 0  # 0: the model's trained context
     parallel: str = "auto"  # "auto" or a positive integer
-    n_gpu_layers: int = 0
+    n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
     threads: int = 0  # 0: every core but one (THREADS_HELP)
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n_gpu_layers", parse_gpu_layers(self.n_gpu_layers))
 
     def validate(self) -> None:
         """Raises SettingsError for an unusable value or a flag GGUF Studio owns."""
@@ -101,7 +106,8 @@ class LoadSettings:
 
         extra = data.get("extra_args") or ()
         return cls(ctx_size=number("ctx_size"), parallel=str(data.get("parallel") or "auto"),
-                   n_gpu_layers=number("n_gpu_layers"), threads=number("threads"),
+                   n_gpu_layers=read_saved_gpu_layers(data.get("n_gpu_layers", "auto")),
+                   threads=number("threads"),
                    extra_args=tuple(str(a) for a in extra) if isinstance(extra, (list, tuple)) else ())
 
 
@@ -139,6 +145,11 @@ class Snapshot:
     pid: int | None = None
     log_path: str | None = None
     requested: LoadSettings | None = None  # what the load was asked for; None when remote
+    # What the engine says it runs on (devices, layers offloaded, memory), once ready;
+    # None for a llama-server GGUF Studio did not start.
+    engine: EngineReport | None = None
+    # The last load failed on the GPU; the same load with no GPU layers may work.
+    cpu_retry_offered: bool = False
 
     def describe_kv(self) -> str:
         """What the engine really gave, for people; "" while unknown."""

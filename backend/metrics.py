@@ -48,6 +48,14 @@ class Metrics:
             "gguf_studio_kv_reserved_tokens",
             "KV tokens reserved by running requests (prompt plus output budget).",
             registry=r)
+        self.layers_offloaded = Gauge(
+            "gguf_studio_engine_layers_offloaded",
+            "Model layers the engine put on a GPU (0 on the CPU or when nothing is loaded).",
+            registry=r)
+        self.device_memory = Gauge(
+            "gguf_studio_engine_device_memory_mib",
+            "Memory the loaded model took on each device (model, KV cache and compute buffers).",
+            ["backend", "device"], registry=r)
         self.rejections = Counter(
             "gguf_studio_rejections_total",
             "Requests answered with an error by the port, by error code.", ["reason"],
@@ -102,6 +110,11 @@ class Metrics:
 
     def set_backend(self, snapshot: Snapshot) -> None:
         self.effective_parallel_slots.set(snapshot.effective_parallel_slots or 0)
+        report = snapshot.engine
+        self.layers_offloaded.set(report.layers_offloaded or 0 if report and report.on_gpu else 0)
+        self.device_memory.clear()
+        for device in report.devices if report else ():
+            self.device_memory.labels(report.backend, device.name).set(round(device.total_mib, 2))
 
     def count_restart(self) -> None:
         self.backend_restarts.inc()

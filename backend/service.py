@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -58,6 +59,7 @@ class StudioService:
         self._gateway_lock = asyncio.Lock()
         self._restarts_seen = 0
         self._snapshot = Snapshot()
+        self._last_spec: LoadSpec | None = None
 
     # --- state --------------------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class StudioService:
         """Load `spec`, letting requests running on the previous load finish first
         (up to `reload_grace` seconds); waiting requests move to the new load."""
         binary = self.engine.resolve(self.settings.llama_server or None).path
+        self._last_spec = spec
         await self._retire_current_load()
         supervisor = self._supervisor
         if supervisor is None or supervisor.binary != binary:
@@ -131,6 +134,14 @@ class StudioService:
         except BaseException:
             self.registry.refuse_waiting(ModelNotReady("The model failed to load.", retry_after=RETRY_SOON))
             raise
+
+    async def retry_on_cpu(self) -> Snapshot:
+        """Load the last model again with no GPU layers, after a GPU load failed."""
+        if self._last_spec is None:
+            raise SettingsError("There is no load to retry.")
+        spec = self._last_spec
+        return await self.load(dataclasses.replace(
+            spec, settings=dataclasses.replace(spec.settings, n_gpu_layers="none")))
 
     async def attach_upstream(self, url: str) -> Snapshot:
         """Serve a llama-server that runs elsewhere.  Returns at once; the snapshot turns

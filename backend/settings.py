@@ -23,6 +23,7 @@ import platformdirs
 
 from backend.api_keys import read_api_key_file
 from backend.errors import SettingsError
+from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 from backend.load import LoadSettings
 
 APP_NAME = "gguf-studio"
@@ -63,7 +64,7 @@ class Settings:
     upstream: str = ""
     parallel: str = "auto"
     ctx_size: int = 0
-    n_gpu_layers: int = 0
+    n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
     threads: int = 0
     extra_args: list[str] = field(default_factory=list)
 
@@ -185,7 +186,10 @@ def _read_saved(path: Path) -> dict[str, Any]:
     if not isinstance(saved, dict):
         raise SettingsError(f"The settings file {path.name} does not hold settings.")
     known = {f.name for f in fields(Settings)}
-    return {k: v for k, v in saved.items() if k in known}
+    values = {k: v for k, v in saved.items() if k in known}
+    if "n_gpu_layers" in values:
+        values["n_gpu_layers"] = read_saved_gpu_layers(values["n_gpu_layers"])
+    return values
 
 
 def env_var(name: str) -> str:
@@ -210,6 +214,8 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
             value = float(raw)
         elif type_name.startswith("list"):
             return [str(v) for v in raw] if isinstance(raw, (list, tuple)) else str(raw).split()
+        elif name == "n_gpu_layers":
+            return parse_gpu_layers(raw)
         else:
             return str(raw)
     except (TypeError, ValueError):

@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from backend.engine_api import EngineClient, EngineProps
+from backend.engine_report import EngineReportReader, gpu_failure_reason
 from backend.errors import (
     EngineExitedDuringLoad,
+    GpuLoadFailed,
     LoadError,
     LoadSuperseded,
     LoadTimedOut,
 )
+from backend.gpu_layers import gpu_layer_args
 from backend.listeners import Listeners
 from backend.kv_capacity import KvLoadReader, kv_from_props
 from backend.load import OWNED_FLAGS, Listener, LoadSpec, LogListener, Snapshot, State
@@ -58,6 +61,7 @@ class Supervisor:
         self._log_tail: deque[str] = deque(maxlen=1000)
         self._kv_reader = KvLoadReader()
         self._task: asyncio.Task | None = None
+        self._report = EngineReportReader()
 
     # --- public -------------------------------------------------------------------------
 
@@ -110,7 +114,8 @@ class Supervisor:
     async def _own(self, spec: LoadSpec, ready: asyncio.Future[Snapshot]) -> None:
         self._set_state(State.STARTING, model_id=spec.name, model_path=spec.model_path,
                         requested=spec.settings, base_url=None, effective_parallel_slots=None, kv=None, context_length=None,
-                        restarts=0, restarting=False, error=None, pid=None)
+                        restarts=0, restarting=False, error=None, pid=None, engine=None,
+                        cpu_retry_offered=False)
         crashes_in_a_row = 0
         bind_retries = 0
         child: _Child | None = None
@@ -127,7 +132,7 @@ class Supervisor:
                         log.warning("port %d was taken; retrying on another", port)
                         continue
                     if not ready.done():
-                        raise
+                        raise _gpu_failure(exc, spec, self.log_tail(80)) or exc
                     crashes_in_a_row += 1
                     if not await self._back_off(crashes_in_a_row, str(exc)):
                         return
@@ -140,7 +145,7 @@ class Supervisor:
                                 kv=self._kv_reader.capacity(props.effective_parallel_slots)
                                 or kv_from_props(props.context_length),
                                 restarting=False,
-                                error=None, pid=child.pid)
+                                error=None, pid=child.pid, engine=self._report.report())
                 if not ready.done():
                     ready.set_result(self._snapshot)
                 code = await child.wait()
@@ -156,7 +161,7 @@ class Supervisor:
                     return
         except LoadError as exc:
             await self._stop_child(child)
-            self._fail(str(exc), ready, exc)
+            self._fail(str(exc), ready, exc, cpu_retry_offered=isinstance(exc, GpuLoadFailed))
         except asyncio.CancelledError:
             if not ready.done():
                 ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
@@ -187,9 +192,11 @@ class Supervisor:
         await asyncio.sleep(delay)
         return True
 
-    def _fail(self, message: str, ready: asyncio.Future, exc: Exception) -> None:
+    def _fail(self, message: str, ready: asyncio.Future, exc: Exception,
+              cpu_retry_offered: bool = False) -> None:
         self._set_state(State.FAILED, error=message, base_url=None,
-                        effective_parallel_slots=None, kv=None, pid=None, restarting=False)
+                        effective_parallel_slots=None, kv=None, pid=None, restarting=False,
+                        cpu_retry_offered=cpu_retry_offered)
         if not ready.done():
             ready.set_exception(exc)
 
@@ -198,6 +205,7 @@ class Supervisor:
         log_path = self.log_dir / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
         args = build_command(self.binary, spec, port)
         self._kv_reader = KvLoadReader()  # this start's cache, read from its own output
+        self._report = EngineReportReader()
         child = await _Child.start(args, port, log_path, self._on_log_line)
         self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
         return child
@@ -235,6 +243,7 @@ class Supervisor:
     def _on_log_line(self, line: str) -> None:
         self._log_tail.append(line)
         self._kv_reader.feed(line)
+        self._report.feed(line)
         self._log_listeners(line)
 
     def _set_state(self, state: State, **changes: Any) -> None:
@@ -254,9 +263,13 @@ def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
         "--port", str(port),
         "--parallel", parallel,
         "--ctx-size", str(settings.ctx_size),
-        "--n-gpu-layers", str(settings.n_gpu_layers),
+        *gpu_layer_args(settings.n_gpu_layers),
         "--metrics",
         "--no-webui",
+        # llama.cpp prints where the model went (devices, layers offloaded, buffers, the
+        # context --fit chose) at trace level only; the engine report reads those lines.
+        # It also adds about 30 lines per request to the engine log.
+        "--verbosity", "4",
     ]
     args += ["--threads", str(settings.threads or default_threads())]
     if spec.chat_template:
@@ -371,6 +384,19 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
     return preexec
+
+
+def _gpu_failure(exc: EngineExitedDuringLoad, spec: LoadSpec,
+                 output: list[str]) -> GpuLoadFailed | None:
+    """The GPU problem behind a failed start, worded for people, with a CPU retry offered.
+    `output` reaches further back than the exception's tail: the allocation error comes
+    before the engine's own clean-up lines."""
+    if spec.settings.n_gpu_layers == "none":
+        return None
+    reason = gpu_failure_reason(output)
+    if reason is None:
+        return None
+    return GpuLoadFailed(f"{reason} (GPU layers \"none\" loads it on the CPU.)", exc.log_tail)
 
 
 def _describe_exit(code: int | None) -> str:

@@ -132,6 +132,11 @@ class ServiceBridge(QObject):
              ) -> concurrent.futures.Future:
         return self._call(self.service.load(spec), on_error=on_error, quiet=(LoadSuperseded,))
 
+    def retry_on_cpu(self, on_error: Callable[[str], None] | None = None
+                     ) -> concurrent.futures.Future:
+        """After a GPU load failed: the same load with no GPU layers."""
+        return self._call(self.service.retry_on_cpu(), on_error=on_error, quiet=(LoadSuperseded,))
+
     def unload(self) -> concurrent.futures.Future:
         return self._call(self.service.unload())
 

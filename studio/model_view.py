@@ -6,6 +6,7 @@ import shlex
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
+    QComboBox,
     QFormLayout,
     QGridLayout,
     QGroupBox,
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from backend.errors import SettingsError
 from backend.gguf_info import ModelInfo, format_file_size, format_parameter_count
+from backend.gpu_layers import parse_gpu_layers
 from backend.load import THREADS_HELP, LoadSettings, Snapshot, State
 
 from studio.widgets import heading, secondary_label
@@ -34,6 +36,7 @@ class ModelView(QWidget):
     load_requested = Signal()
     unload_requested = Signal()
     settings_edited = Signal()
+    cpu_retry_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -87,15 +90,15 @@ class ModelView(QWidget):
         self.parallel = _spin(0, 256, "Auto",
                               tip="Requests the engine runs at once. Auto lets llama-server decide; "
                                   "the number it chose is shown after loading.")
-        self.gpu_layers = _spin(0, 999, "None (CPU only)",
-                                tip="Layers to offload to the GPU; 999 offloads all of them.")
+        self.gpu_layers = _gpu_layers_box()
         self.threads = _spin(0, 1024, "Auto", tip=f"CPU threads; Auto uses {THREADS_HELP}.")
         self.extra_args = QLineEdit()
         self.extra_args.setPlaceholderText("e.g. --flash-attn on --cache-type-k q8_0")
         self.extra_args.setToolTip("More llama-server arguments. The model, host, port, parallel "
                                    "slots and API key are set by GGUF Studio.")
-        for box in (self.ctx_size, self.parallel, self.gpu_layers, self.threads):
+        for box in (self.ctx_size, self.parallel, self.threads):
             box.valueChanged.connect(self.settings_edited)
+        self.gpu_layers.currentTextChanged.connect(self.settings_edited)
         self.extra_args.editingFinished.connect(self.settings_edited)
         self.plan = secondary_label("")
         self.plan.setWordWrap(True)
@@ -144,12 +147,21 @@ class ModelView(QWidget):
         self.slots = QLabel()
         self.slots.setAccessibleName("Effective parallel slots")
         self.slots.setWordWrap(True)
+        self.placement = QLabel()
+        self.placement.setAccessibleName("Where the model runs")
+        self.placement.setWordWrap(True)
+        self.placement.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.cpu_retry_button = QPushButton("Retry on &CPU")
+        self.cpu_retry_button.setToolTip("Load the same model again with no GPU layers.")
+        self.cpu_retry_button.clicked.connect(self.cpu_retry_requested)
+        self.cpu_retry_button.hide()
 
         controls = QHBoxLayout()
         controls.addWidget(self.load_button)
         controls.addWidget(self.unload_button)
         controls.addWidget(self.progress)
         controls.addWidget(self.state, 1)
+        controls.addWidget(self.cpu_retry_button)
         slots_row = QHBoxLayout()
         slots_row.addWidget(self.slots_icon)
         slots_row.addWidget(self.slots, 1)
@@ -167,6 +179,7 @@ class ModelView(QWidget):
         layout.addLayout(top)
         layout.addLayout(controls)
         layout.addLayout(slots_row)
+        layout.addWidget(self.placement)
 
         self.show_info(None, None)
         self.set_state(Snapshot())
@@ -228,7 +241,7 @@ class ModelView(QWidget):
         return LoadSettings(
             ctx_size=self.ctx_size.value(),
             parallel=str(self.parallel.value()) if self.parallel.value() else "auto",
-            n_gpu_layers=self.gpu_layers.value(), threads=self.threads.value(),
+            n_gpu_layers=_gpu_layers_value(self.gpu_layers), threads=self.threads.value(),
             extra_args=LoadSettings.parse_extra_args(self.extra_args.text()))
 
     def set_load_settings(self, settings: LoadSettings) -> None:
@@ -237,7 +250,7 @@ class ModelView(QWidget):
             field.blockSignals(True)
         self.ctx_size.setValue(settings.ctx_size)
         self.parallel.setValue(int(settings.parallel) if str(settings.parallel).isdigit() else 0)
-        self.gpu_layers.setValue(settings.n_gpu_layers)
+        _show_gpu_layers(self.gpu_layers, settings.n_gpu_layers)
         self.threads.setValue(settings.threads)
         self.extra_args.setText(shlex.join(settings.extra_args))
         for field in fields:
@@ -283,6 +296,8 @@ class ModelView(QWidget):
             self.slots.setText("Effective parallel slots: —")
             self.slots_icon.hide()
             self.slots.setProperty("differs", False)
+        self.placement.setText(describe_placement(snapshot))
+        self.cpu_retry_button.setVisible(snapshot.state is State.FAILED and snapshot.cpu_retry_offered)
         self._update_buttons()
 
     def _show_plan(self) -> None:
@@ -313,6 +328,51 @@ def describe_state(snapshot: Snapshot) -> str:
     if snapshot.state is State.FAILED:
         return f"Failed — {snapshot.error or 'the model did not load.'}"
     return "Stopped — no model loaded"
+
+
+def describe_placement(snapshot: Snapshot) -> str:
+    """Where the loaded model runs, as the engine itself reported it."""
+    report = snapshot.engine
+    if snapshot.state is not State.READY or report is None:
+        return "Runs on: —"
+    text = f"Runs on: {report.summary()}"
+    if report.context_size:
+        text += f" · context {report.context_size:,} tokens in total, as the engine chose it"
+        if report.context_reduced_from:
+            text += f" (shrunk from {report.context_reduced_from:,} to fit the memory)"
+    return text
+
+
+_GPU_LAYER_LABELS = {"auto": "Automatic (what fits)", "all": "All", "none": "None (CPU only)"}
+
+
+def _gpu_layers_box() -> QComboBox:
+    """Automatic / All / None, or a typed number of layers."""
+    box = QComboBox()
+    box.setEditable(True)
+    box.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+    for value, label in _GPU_LAYER_LABELS.items():
+        box.addItem(label, value)
+    tip = ("Layers to put on the GPU. Automatic offloads what fits in the GPU's free memory "
+           "and may shrink a context left at \"Model's own\" to fit; type a number for exactly "
+           "that many layers.")
+    box.setToolTip(tip)
+    box.setAccessibleDescription(tip)
+    return box
+
+
+def _gpu_layers_value(box: QComboBox) -> str:
+    """The setting the box shows; SettingsError for text that is not one."""
+    text = box.currentText().strip()
+    for value, label in _GPU_LAYER_LABELS.items():
+        if text == label:
+            return value
+    return parse_gpu_layers(text)
+
+
+def _show_gpu_layers(box: QComboBox, value: str) -> None:
+    value = parse_gpu_layers(value)
+    box.setCurrentText(_GPU_LAYER_LABELS.get(value, value))
 
 
 def _spin(low: int, high: int, special: str, *, step: int = 1, tip: str = "") -> QSpinBox:

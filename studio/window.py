@@ -153,6 +153,8 @@ class MainWindow(QMainWindow):
         self.model_view.load_requested.connect(self.load_selected)
         self.model_view.unload_requested.connect(self.bridge.unload)
         self.model_view.settings_edited.connect(self._remember_load_settings)
+        self.model_view.cpu_retry_requested.connect(
+            lambda: self.bridge.retry_on_cpu(on_error=self._on_load_error))
         self.sharing.scope_changed.connect(self.set_lan)
         self.sharing.port_changed.connect(self._on_port)
         self.sharing.generate_key_requested.connect(self.regenerate_key)
