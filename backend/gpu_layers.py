@@ -32,9 +32,12 @@ def parse_gpu_layers(value: Any) -> str:
         return NONE
     if text.lstrip("-").isdigit():
         number = int(text)
-        # llama.cpp's own encodings: -1 auto, -2 all.
-        return {-1: AUTO, -2: ALL}.get(number, str(number)) if number < 0 else (
-            NONE if number == 0 else str(number))
+        if number == 0:
+            return NONE
+        if number > 0:
+            return str(number)
+        if number in (-1, -2):  # llama.cpp's own encodings
+            return AUTO if number == -1 else ALL
     raise SettingsError(f"GPU layers must be auto, all, none or a number, not {value!r}.")
 
 
