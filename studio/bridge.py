@@ -25,7 +25,7 @@ from typing import Any, Callable, Coroutine, Sequence
 from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.activity import ActivitySample, ActivitySampler
-from backend.engine import Engine, Resolution
+from backend.engine import Engine, Resolution, detect_accelerators
 from backend.errors import LoadSuperseded, StudioError
 from backend.model_download import DownloadQueue
 from backend.model_fit import FitEstimate
@@ -150,12 +150,14 @@ class ServiceBridge(QObject):
         return self._call(self._one_at_a_time(self.service.apply_settings, settings),
                           on_done=self._set_urls, on_error=on_error)
 
-    def build_engine(self, extra_cmake_args: Sequence[str] = ()) -> concurrent.futures.Future:
+    def build_engine(self, extra_cmake_args: Sequence[str] = (),
+                     backend: str = "cpu") -> concurrent.futures.Future:
         if self._building is not None and not self._building.done():
             return self._building
 
         async def build() -> Path:
-            return await self.service.engine.build(tuple(extra_cmake_args), self._build_events.push)
+            return await self.service.engine.build(tuple(extra_cmake_args), self._build_events.push,
+                                                   backend=backend)
 
         self._building = self._call(build(), on_done=self.build_finished.emit,
                                     on_error=self.build_finished.emit)
@@ -168,6 +170,10 @@ class ServiceBridge(QObject):
     def engine_status(self, llama_server: str = "") -> Resolution:
         """Which llama-server a load with this setting would use, and why; only looks at files."""
         return self.service.engine.resolve(llama_server or None)
+
+    def accelerators(self, on_done: Callback) -> concurrent.futures.Future:
+        """This computer's GPUs and toolkits (runs vulkaninfo once, so off the GUI thread)."""
+        return self.run_in_thread(detect_accelerators, on_done=on_done)
 
     def requests_in_flight(self, timeout: float = 1.0) -> int | None:
         """Requests running or waiting right now; None if the service does not answer."""

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.accelerators import Accelerators
 from backend.engine import BuildProgress, Resolution
 
 from studio.widgets import heading, monospace_font, secondary_label
@@ -41,6 +42,11 @@ class EngineView(QWidget):
         self.candidates.setFont(monospace_font())
         self.candidates.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.candidates.setAccessibleName("Where llama-server was looked for")
+        self.accelerators = QLabel("Looking for GPUs…")
+        self.accelerators.setFont(monospace_font())
+        self.accelerators.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.accelerators.setAccessibleName("Accelerators on this computer")
+        self.backend_to_build = "cpu"
 
         self.build_button = QPushButton("&Build llama-server")
         self.build_button.setToolTip("Compile llama-server from the llama.cpp sources on this "
@@ -74,6 +80,7 @@ class EngineView(QWidget):
         layout.addWidget(self.summary)
         layout.addWidget(self.detail)
         layout.addWidget(self.candidates)
+        layout.addWidget(self.accelerators)
         layout.addLayout(buttons)
         layout.addWidget(self.build_box, 1)
         layout.addStretch(0)
@@ -94,6 +101,14 @@ class EngineView(QWidget):
         self.build_button.setVisible(chosen is None or chosen.source == "managed" or building)
         self.candidates.setText("\n".join(resolution.describe()))
         self.build_button.setEnabled(not building)
+
+    def set_accelerators(self, found: Accelerators) -> None:
+        """What GPUs and toolkits this computer has; the build button builds the best engine."""
+        self.backend_to_build = found.best_buildable()
+        self.accelerators.setText("Accelerators (backend, usable here, why):\n"
+                                  + "\n".join(found.describe()))
+        if self.backend_to_build != "cpu":
+            self.build_button.setText(f"&Build the {self.backend_to_build} engine")
 
     def show_progress(self, events: list[BuildProgress]) -> None:
         self.build_box.show()

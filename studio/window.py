@@ -338,10 +338,11 @@ class MainWindow(QMainWindow):
 
     def refresh_engine(self) -> None:
         self.engine.set_resolution(self.bridge.engine_status(self.settings.llama_server), self.bridge.building)
+        self.bridge.accelerators(on_done=self.engine.set_accelerators)
 
     def build_engine(self) -> None:
         self.tabs.setCurrentIndex(ENGINE_TAB)
-        self.bridge.build_engine()
+        self.bridge.build_engine(backend=self.engine.backend_to_build)
         self.refresh_engine()
 
     def choose_binary(self, path: str) -> None:
