@@ -164,10 +164,19 @@ def _cuda(p: Probes, distro: str) -> BackendStatus:
             toolkit = Toolkit(False, f"nvcc {version} at {nvcc}, but no cuBLAS headers beside it",
                               _install_cublas(distro, version))
         else:
+            choices = []
+            if not devices:
+                # llama.cpp asks the GPU for its architecture ("native"); with none to ask,
+                # build the portable set llama.cpp itself uses when not native.
+                choices.append(f"-DCMAKE_CUDA_ARCHITECTURES={PORTABLE_CUDA_ARCHITECTURES}")
+            if not any(p.glob(pat) for pat in _LIBCUDA):
+                # No driver library to link (no driver installed): build without llama.cpp's
+                # virtual-memory pool, the one part that links libcuda directly.
+                choices.append("-DGGML_CUDA_NO_VMM=ON")
             toolkit = Toolkit(True, f"nvcc {version} at {nvcc} with cuBLAS",
                               cmake_args=(f"-DCMAKE_CUDA_COMPILER={nvcc}",
-                                          f"-DCUDAToolkit_ROOT={home}"),
-                              identity=(f"nvcc={version}",))
+                                          f"-DCUDAToolkit_ROOT={home}", *choices),
+                              identity=(f"nvcc={version}", *choices))
     if devices:
         reason = f"{len(devices)} NVIDIA GPU(s) with a working driver"
     elif driver:
@@ -233,6 +242,11 @@ def _vulkan(p: Probes, distro: str) -> BackendStatus:
     else:
         reason = how
     return BackendStatus("vulkan", devices, toolkit, bool(devices), reason)
+
+
+PORTABLE_CUDA_ARCHITECTURES = "75-virtual;80-virtual;86-real;89-real;90-virtual"
+_LIBCUDA = ("/usr/lib/*/libcuda.so", "/usr/lib64/libcuda.so", "/usr/local/cuda/lib64/stubs/libcuda.so",
+            "/usr/local/cuda/targets/*/lib/stubs/libcuda.so")
 
 
 # --- devices ---------------------------------------------------------------------------------

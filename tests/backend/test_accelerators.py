@@ -85,7 +85,7 @@ def test_an_nvidia_gpu_without_toolkit_is_found_and_says_what_to_install():
 
 
 def test_an_nvidia_gpu_with_nvcc_and_cublas_builds_the_cuda_engine():
-    files = {"/proc/driver/nvidia/version": "NVRM 550",
+    files = {"/proc/driver/nvidia/version": "NVRM 550", "/usr/lib/x86_64-linux-gnu/libcuda.so": "",
              "/usr/local/cuda/bin/nvcc": "", "/usr/local/cuda/include/cublas_v2.h": ""}
     probes = machine(tools=["nvidia-smi"], files=files,
                      outputs={"nvidia-smi": NVIDIA_SMI,
@@ -97,6 +97,18 @@ def test_an_nvidia_gpu_with_nvcc_and_cublas_builds_the_cuda_engine():
     assert "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc" in cuda.toolkit.cmake_args
     assert cuda.toolkit.identity == ("nvcc=12.4",)
     assert found.best_buildable() == "cuda"
+
+
+def test_a_cuda_build_without_gpu_or_driver_picks_portable_architectures_and_no_vmm():
+    """How the CUDA engine configures on this machine: nvcc and cuBLAS from PyPI wheels,
+    no GPU to ask for its architecture, no driver library to link."""
+    files = {"/usr/local/cuda/bin/nvcc": "", "/usr/local/cuda/include/cublas_v2.h": ""}
+    cuda = detect(machine(files=files, outputs={
+        "nvcc": "Cuda compilation tools, release 13.0, V13.0.88"})).get("cuda")
+    assert cuda.buildable and not cuda.usable
+    assert "-DGGML_CUDA_NO_VMM=ON" in cuda.toolkit.cmake_args
+    assert any(a.startswith("-DCMAKE_CUDA_ARCHITECTURES=75-virtual") for a in cuda.toolkit.cmake_args)
+    assert "-DGGML_CUDA_NO_VMM=ON" in cuda.toolkit.identity  # a different engine, a different key
 
 
 def test_nvcc_without_cublas_names_the_cublas_wheel_of_its_major_version():

@@ -32,7 +32,8 @@ def test_each_backend_has_its_own_key_and_the_cpu_key_is_unchanged():
 
 
 def test_the_cuda_plan_points_cmake_at_the_toolkit_without_putting_paths_in_the_key(tmp_path):
-    files = {"/usr/local/cuda/bin/nvcc": "", "/usr/local/cuda/include/cublas_v2.h": ""}
+    files = {"/usr/local/cuda/bin/nvcc": "", "/usr/local/cuda/include/cublas_v2.h": "",
+             "/usr/lib/x86_64-linux-gnu/libcuda.so": ""}
     probes = machine(tools=["nvidia-smi"], files=files, outputs={
         "nvidia-smi": NVIDIA_SMI, "nvcc": "Cuda compilation tools, release 12.4, V12.4.131"})
     cuda = plan("cuda", probes, tmp_path)
