@@ -37,6 +37,7 @@ class EngineReport:
     layers_offloaded: int | None = None
     layers_total: int | None = None
     context_size: int | None = None  # total over the slots, as the engine chose it
+    context_reduced_from: int | None = None  # what --fit shrank it from to fit the memory
 
     @property
     def gpu_devices(self) -> tuple[DeviceUse, ...]:
@@ -76,8 +77,19 @@ class EngineReportReader:
         self._order: list[str] = []
         self._layers: tuple[int, int] | None = None
         self._ctx: int | None = None
+        self._reduced_from: int | None = None
 
     def feed(self, line: str) -> None:
+        if _REAL_LOAD.search(line):
+            # Anything before was --fit measuring; the real load's buffers start here.
+            for dev in self._devices.values():
+                for kind in ("model_mib", "kv_mib", "compute_mib"):
+                    dev.pop(kind, None)
+            return
+        m = _FIT_REDUCED.search(line)
+        if m:
+            self._reduced_from = int(m.group(1))
+            return
         m = _USING_DEVICE.search(line)
         if m:
             dev = self._device(m.group("name"))
@@ -104,7 +116,7 @@ class EngineReportReader:
                         for n in accelerators + ([HOST] if HOST in self._devices else []))
         backend = _backend_of(accelerators[0]) if accelerators else "cpu"
         offloaded, total = self._layers or (None, None)
-        return EngineReport(backend, devices, offloaded, total, self._ctx)
+        return EngineReport(backend, devices, offloaded, total, self._ctx, self._reduced_from)
 
     def _device(self, name: str) -> dict:
         if name not in self._devices:
@@ -129,6 +141,8 @@ _USING_DEVICE = re.compile(
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _BUFFER = re.compile(
     r":\s+(?P<buffer>\S+) (?P<kind>model|KV|compute) buffer size =\s*(?P<mib>[\d.]+) MiB")
+_REAL_LOAD = re.compile(r"load_tensors: loading model tensors")
+_FIT_REDUCED = re.compile(r"context size reduced from (\d+) to (\d+)")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+=\s*(\d+)")
 
 _BACKEND_PREFIXES = (("Vulkan", "vulkan"), ("CUDA", "cuda"), ("ROCm", "hip"), ("HIP", "hip"),

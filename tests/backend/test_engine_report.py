@@ -1,0 +1,76 @@
+"""Reading where the model runs from llama-server's own load output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backend.engine_report import EngineReportReader, gpu_failure_reason
+from backend.supervisor import LoadSpec, Supervisor
+
+# Captured from the CPU engine loading the tiny model (--verbosity 4), trimmed.
+CPU_LOAD = """\
+0.00.008.606 I cmn  common_param:   - CPU     : AMD EPYC (24105 MiB, 24105 MiB free)
+0.00.009.252 I cmn  common_init_: fitting params to device memory ...
+0.00.192.543 I common_memory_breakdown_print: |   - Host               |                   28 =    15 +       4 +       9                |
+0.00.194.665 I common_params_fit_impl: will leave 24076 >= 1024 MiB of system memory, no changes needed
+0.00.257.928 I load_tensors: loading model tensors, this can take a while... (load_mode = mmap)
+0.00.258.552 I load_tensors:   CPU_Mapped model buffer size =    15.94 MiB
+0.00.258.993 I llama_context: n_ctx                 = 8192
+0.00.259.007 I llama_context: n_ctx_seq             = 8192
+0.00.259.172 I llama_context:        CPU  output buffer size =     0.49 MiB
+0.00.259.244 I llama_kv_cache:        CPU KV buffer size =     4.00 MiB
+0.00.266.614 I sched_reserve:        CPU compute buffer size =     9.01 MiB
+"""
+
+
+def read(text: str):
+    reader = EngineReportReader()
+    for line in text.splitlines():
+        reader.feed(line)
+    return reader.report()
+
+
+def test_a_cpu_load_reports_every_buffer_on_the_host_and_the_context():
+    report = read(CPU_LOAD)
+    assert report.backend == "cpu" and not report.on_gpu
+    (host,) = report.devices
+    assert (host.name, host.model_mib, host.kv_mib, host.compute_mib) == ("CPU", 15.94, 4.0, 9.01)
+    assert report.context_size == 8192
+    assert report.summary() == "cpu: on the CPU; memory: CPU 29 MiB"
+
+
+def test_buffers_measured_by_fit_before_the_real_load_are_not_counted_twice():
+    dry_run = "0.00.1 I load_tensors:      Vulkan0 model buffer size =   100.00 MiB\n"
+    report = read(dry_run + CPU_LOAD)
+    assert [d.name for d in report.devices if d.total_mib] == ["CPU"]
+
+
+def test_a_context_shrunk_by_fit_says_from_what():
+    report = read("common_params_fit_impl: context size reduced from 131072 to 32768 -> need "
+                  "4096 MiB less memory in total\n" + CPU_LOAD.replace("8192", "32768"))
+    assert (report.context_reduced_from, report.context_size) == (131072, 32768)
+
+
+def test_gpu_failures_are_worded_for_people_and_other_failures_are_not_blamed_on_the_gpu():
+    oom = ["ggml_vulkan: Device memory allocation of size 4294967296 failed.",
+           "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory",
+           "llama_init_from_model: failed to initialize the context"]
+    assert "ran out of memory" in gpu_failure_reason(oom)
+    driver = ["ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient "
+              "for CUDA runtime version"]
+    assert "driver" in gpu_failure_reason(driver)
+    assert gpu_failure_reason(["error: failed to open GGUF file '/m.gguf'"]) is None
+
+
+async def test_a_real_cpu_load_carries_its_report_in_the_snapshot(tmp_path: Path,
+                                                                 llama_server_binary, tiny_model):
+    supervisor = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60)
+    try:
+        snapshot = await supervisor.load(LoadSpec(str(tiny_model)))
+    finally:
+        await supervisor.close()
+    report = snapshot.engine
+    assert report is not None and report.backend == "cpu" and not report.on_gpu
+    host = report.devices[-1]
+    assert host.name == "CPU" and host.model_mib > 0 and host.kv_mib > 0
+    assert report.context_size >= snapshot.context_length
