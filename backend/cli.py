@@ -70,7 +70,6 @@ def _engine_status(args: argparse.Namespace) -> int:
             "accelerators": accelerators.to_dict(),
         }, indent=2))
         return 0 if chosen else 1
-    print("llama-server:")
     for line in resolution.describe():
         print(line)
     print("accelerators (backend, usable here, why):")

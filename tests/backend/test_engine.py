@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -134,6 +135,20 @@ def test_engine_status_command_names_the_engine_in_use(llama_server_binary):
                           "--llama-server", str(llama_server_binary)],
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0].startswith(f"-> explicit: {llama_server_binary}")
+    assert "accelerators (backend, usable here, why):" in out
+    assert "best engine this machine can build:" in out
+
+
+def test_engine_status_json_lists_candidates_and_every_backend_with_a_reason(llama_server_binary):
+    out = subprocess.run([sys.executable, "-m", "backend.cli", "engine", "status", "--json",
+                          "--llama-server", str(llama_server_binary)],
+                         capture_output=True, text=True, check=True).stdout
+    status = json.loads(out)
+    assert status["chosen"] == {"source": "explicit", "path": str(llama_server_binary)}
+    backends = {b["backend"]: b for b in status["accelerators"]["backends"]}
+    assert set(backends) == {"cpu", "cuda", "hip", "metal", "vulkan"}
+    assert all(b["reason"] for b in backends.values())
+    assert status["accelerators"]["best_buildable"] in backends
 
 
 async def test_sources_that_fail_their_hash_check_are_refused_and_not_kept(tmp_path, monkeypatch):
