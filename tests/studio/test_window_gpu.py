@@ -1,0 +1,88 @@
+"""The window's GPU parts: the GPU-layers choice, where the model runs, Retry on CPU,
+and the accelerators on the Engine tab."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+
+from backend.engine_report import DeviceUse, EngineReport
+from backend.model_library import LoadSettings
+from backend.supervisor import Snapshot, State
+
+WAIT = 10_000
+LOAD_WAIT = 60_000
+
+VULKAN_REPORT = EngineReport(
+    "vulkan", (DeviceUse("Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", 24000, 15.6, 4.0, 9.0),
+               DeviceUse("CPU", model_mib=0.5)), 3, 3, 8192, 131072)
+
+
+def test_gpu_layers_default_to_automatic_and_offer_all_none_or_a_number(open_window, qtbot,
+                                                                        tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    view = window.model_view
+    assert view.gpu_layers.currentText() == "Automatic (what fits)"
+    assert view.load_settings().n_gpu_layers == "auto"
+    view.gpu_layers.setCurrentText("None (CPU only)")
+    assert view.load_settings().n_gpu_layers == "none"
+    view.gpu_layers.setCurrentText("12")
+    assert view.load_settings().n_gpu_layers == "12"
+    view.set_load_settings(LoadSettings(n_gpu_layers="all"))
+    assert view.gpu_layers.currentText() == "All"
+
+    view.gpu_layers.setCurrentText("lots")
+    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
+    assert "auto, all, none or a number" in view.settings_error.text()
+    assert window.bridge.snapshot.state is State.STOPPED
+
+
+def test_the_model_tab_says_where_the_model_runs_as_the_engine_reported_it(open_window) -> None:
+    view = open_window().model_view
+    ready = Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
+                     context_length=2048, engine=VULKAN_REPORT)
+    view.set_state(ready, "auto")
+    text = view.placement.text()
+    assert "3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))" in text
+    assert "Vulkan0 29 MiB" in text
+    assert "context 8,192 tokens in total" in text and "shrunk from 131,072" in text
+    assert not view.cpu_retry_button.isVisible()
+    view.set_state(Snapshot(state=State.STOPPED), None)
+    assert view.placement.text() == "Runs on: —"
+
+
+def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
+        open_window, qtbot, with_engine: Path, tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    qtbot.mouseClick(window.model_view.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
+    first_log = window.bridge.snapshot.log_path
+    assert "--n-gpu-layers auto --fit on" in Path(first_log).read_text().splitlines()[0]
+
+    # This machine has no GPU to fail on: show the view what a failed GPU load looks like.
+    failed = replace(window.bridge.snapshot, state=State.FAILED, cpu_retry_offered=True,
+                     error="The GPU ran out of memory while loading the model.")
+    window.model_view.set_state(failed, "auto")
+    assert window.model_view.cpu_retry_button.isVisible()
+    qtbot.mouseClick(window.model_view.cpu_retry_button, Qt.MouseButton.LeftButton)
+
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY
+                    and window.bridge.snapshot.log_path != first_log, timeout=LOAD_WAIT)
+    command = Path(window.bridge.snapshot.log_path).read_text().splitlines()[0]
+    assert "--n-gpu-layers 0 --device none --fit off" in command
+    assert not window.model_view.cpu_retry_button.isVisible()
+    assert window.model_view.placement.text().startswith("Runs on: cpu:")
+
+
+def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None:
+    window = open_window()
+    label = window.engine.accelerators
+    qtbot.waitUntil(lambda: "Accelerators" in label.text(), timeout=WAIT)
+    for backend in ("cuda", "hip", "vulkan", "cpu"):
+        assert f"  {backend} " in label.text()
