@@ -185,6 +185,8 @@ async def _serve_async(settings: Settings, attach: bool) -> int:
                 line += f", context {snapshot.context_length} per slot"
             if snapshot.kv is not None and snapshot.effective_parallel_slots:
                 line += f"; KV cache: {snapshot.kv.describe(snapshot.effective_parallel_slots)}"
+            if snapshot.engine:
+                line += f"; runs on {snapshot.engine.summary()}"
         if snapshot.error:
             line += f" {snapshot.error}"
         print(line, flush=True)
