@@ -22,6 +22,7 @@ import pytest
 
 from backend.accelerators import detect
 from backend.engine import Engine
+from backend.errors import GpuLoadFailed
 from backend.service import StudioService
 from backend.settings import Settings
 from backend.supervisor import LoadSpec, State
@@ -97,3 +98,28 @@ async def test_none_keeps_every_layer_off_the_vulkan_device(
     print("engine report:", report.summary())
     assert report.backend == "cpu" and not report.on_gpu
     assert report.gpu_devices == ()
+
+
+async def test_a_load_the_vulkan_device_cannot_hold_fails_readably_and_retries_on_the_cpu(
+        vulkan_service: StudioService, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
+    # Lavapipe has 2 GiB, far more than the tiny model needs; llama.cpp's own knob makes
+    # the device's largest allocation smaller than the model's tensors instead, so the
+    # engine really fails to allocate on the Vulkan device, as a too-large model would.
+    monkeypatch.setenv("GGML_VK_FORCE_MAX_ALLOCATION_SIZE", "65536")
+    monkeypatch.setenv("GGML_VK_FORCE_MAX_BUFFER_SIZE", "65536")
+    with pytest.raises(GpuLoadFailed) as failed:
+        await vulkan_service.load(LoadSpec(str(tiny_model)))
+    print("failure:", failed.value)
+    assert "GPU ran out of memory" in str(failed.value)
+    assert vulkan_service.snapshot.state is State.FAILED
+    assert vulkan_service.snapshot.cpu_retry_offered
+
+    snapshot = await vulkan_service.retry_on_cpu()
+    assert snapshot.state is State.READY and not snapshot.cpu_retry_offered
+    assert snapshot.engine.backend == "cpu" and not snapshot.engine.on_gpu
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{vulkan_service.gateway_port}",
+                                 timeout=120) as client:
+        reply = await client.post("/v1/chat/completions", json={
+            "model": snapshot.model_id, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hello"}]})
+        assert reply.status_code == 200, reply.text
