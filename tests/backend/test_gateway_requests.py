@@ -175,7 +175,8 @@ async def test_models_and_health(gw, fake):
     health = await gw.client.get("/health")
     assert health.status_code == 200
     assert health.json() == {"state": "ready", "model": "fake-model",
-                             "effective_parallel_slots": 2, "active": 0, "waiting": 0, "kv": None}
+                             "effective_parallel_slots": 2, "active": 0, "waiting": 0, "kv": None,
+                             "engine": None}  # a llama-server we did not start: no load report
     async with holding(gw, fake.slots):
         waiter = asyncio.create_task(stream(gw.client, CHAT, chat(True)))
         await until(lambda: gw.registry.total_waiting == 1)
