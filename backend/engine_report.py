@@ -149,6 +149,9 @@ _BACKEND_PREFIXES = (("Vulkan", "vulkan"), ("CUDA", "cuda"), ("ROCm", "hip"), ("
                      ("MTL", "metal"), ("Metal", "metal"))
 
 _GPU_FAILURES = (
+    (r"in a buffer \((Vulkan|CUDA|ROCm|MTL|Metal)\w*\) that cannot run",
+     "The GPU cannot hold the model's buffers at this size (the context is too large for "
+     "the device). Use a smaller context or fewer GPU layers, or load it on the CPU."),
     (r"out of memory|ErrorOutOfDeviceMemory|failed to allocate .*(CUDA|Vulkan|ROCm|Metal|MTL)"
      r"|cudaMalloc failed|unable to allocate .* buffer",
      "The GPU ran out of memory while loading the model. Offload fewer layers, use a smaller "

@@ -59,6 +59,9 @@ def test_gpu_failures_are_worded_for_people_and_other_failures_are_not_blamed_on
     driver = ["ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient "
               "for CUDA runtime version"]
     assert "driver" in gpu_failure_reason(driver)
+    too_big = ["ggml/src/ggml-backend.cpp:941: pre-allocated tensor (cache_k_l0) in a buffer "
+               "(Vulkan0) that cannot run the operation (NONE)"]
+    assert "context is too large" in gpu_failure_reason(too_big)
     assert gpu_failure_reason(["error: failed to open GGUF file '/m.gguf'"]) is None
 
 

@@ -101,22 +101,24 @@ async def test_none_keeps_every_layer_off_the_vulkan_device(
 
 
 async def test_a_load_the_vulkan_device_cannot_hold_fails_readably_and_retries_on_the_cpu(
-        vulkan_service: StudioService, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
-    # Lavapipe has 2 GiB, far more than the tiny model needs; llama.cpp's own knob makes
-    # the device's largest allocation smaller than the model's tensors instead, so the
-    # engine really fails to allocate on the Vulkan device, as a too-large model would.
-    monkeypatch.setenv("GGML_VK_FORCE_MAX_ALLOCATION_SIZE", "65536")
-    monkeypatch.setenv("GGML_VK_FORCE_MAX_BUFFER_SIZE", "65536")
+        vulkan_service: StudioService, tiny_model: Path):
+    # A context of 1.5 M tokens makes each layer's K cache 192 MiB, more than lavapipe's
+    # largest storage buffer (128 MiB): llama.cpp aborts while placing it on the device,
+    # as it does on a real GPU given a context too large for it.  On the CPU it loads
+    # (about 1 GB of memory for the cache).
+    too_big = LoadSpec(str(tiny_model), parallel="1", ctx_size=1_572_864)
     with pytest.raises(GpuLoadFailed) as failed:
-        await vulkan_service.load(LoadSpec(str(tiny_model)))
+        await vulkan_service.load(too_big)
     print("failure:", failed.value)
-    assert "GPU ran out of memory" in str(failed.value)
-    assert vulkan_service.snapshot.state is State.FAILED
-    assert vulkan_service.snapshot.cpu_retry_offered
+    assert "context is too large for the device" in str(failed.value)
+    assert vulkan_service.snapshot().state is State.FAILED
+    assert vulkan_service.snapshot().cpu_retry_offered
 
     snapshot = await vulkan_service.retry_on_cpu()
     assert snapshot.state is State.READY and not snapshot.cpu_retry_offered
+    print("after retry:", snapshot.engine.summary())
     assert snapshot.engine.backend == "cpu" and not snapshot.engine.on_gpu
+    assert snapshot.engine.context_size == 1_572_864
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{vulkan_service.gateway_port}",
                                  timeout=120) as client:
         reply = await client.post("/v1/chat/completions", json={
