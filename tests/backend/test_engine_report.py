@@ -22,6 +22,25 @@ CPU_LOAD = """\
 0.00.266.614 I sched_reserve:        CPU compute buffer size =     9.01 MiB
 """
 
+# Captured from the Vulkan engine loading the tiny model on lavapipe (default settings).
+VULKAN_LOAD = """\
+0.00.048.746 I cmn  common_param:   - Vulkan0 : llvmpipe (LLVM 15.0.6, 256 bits) (2048 MiB, 2048 MiB free)
+0.00.127.137 I common_params_fit_impl: projected to use 21 MiB of device memory vs. 2048 MiB of free device memory
+0.00.131.371 I common_params_fit_impl: will leave 2026 >= 1024 MiB of free device memory, no changes needed
+0.00.145.984 I llama_prepare_model_devices: using device Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)) (unknown id) - 2048 MiB free
+0.00.174.118 I load_tensors: loading model tensors, this can take a while... (load_mode = mmap)
+0.00.175.105 I load_tensors: offloading output layer to GPU
+0.00.175.225 I load_tensors: offloading 1 repeating layers to GPU
+0.00.175.300 I load_tensors: offloaded 3/3 layers to GPU
+0.00.175.376 I load_tensors:   CPU_Mapped model buffer size =     7.81 MiB
+0.00.175.466 I load_tensors:      Vulkan0 model buffer size =     8.13 MiB
+0.00.180.676 I llama_context: n_ctx                 = 8192
+0.00.182.384 I llama_context: Vulkan_Host  output buffer size =     0.49 MiB
+0.00.182.458 I llama_kv_cache:    Vulkan0 KV buffer size =     4.00 MiB
+0.00.188.580 I sched_reserve:    Vulkan0 compute buffer size =     9.01 MiB
+0.00.188.776 I sched_reserve: Vulkan_Host compute buffer size =     8.26 MiB
+"""
+
 
 def read(text: str):
     reader = EngineReportReader()
@@ -37,6 +56,21 @@ def test_a_cpu_load_reports_every_buffer_on_the_host_and_the_context():
     assert (host.name, host.model_mib, host.kv_mib, host.compute_mib) == ("CPU", 15.94, 4.0, 9.01)
     assert report.context_size == 8192
     assert report.summary() == "cpu: on the CPU; memory: CPU 29 MiB"
+
+
+def test_a_vulkan_load_reports_the_device_its_layers_and_memory_on_each_side():
+    report = read(VULKAN_LOAD)
+    assert report.backend == "vulkan" and report.on_gpu
+    assert (report.layers_offloaded, report.layers_total) == (3, 3)
+    gpu, host = report.devices
+    assert (gpu.name, gpu.description, gpu.free_mib) == (
+        "Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", 2048)
+    assert (gpu.model_mib, gpu.kv_mib, gpu.compute_mib) == (8.13, 4.0, 9.01)
+    # Host-side buffers of the GPU backend (pinned staging) count as the CPU's memory.
+    assert host.name == "CPU" and round(host.total_mib, 2) == 16.07
+    assert report.summary() == ("vulkan: 3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)); "
+                                "memory: Vulkan0 21 MiB, CPU 16 MiB")
+    assert report.to_dict()["devices"][0]["total_mib"] == 21.14
 
 
 def test_buffers_measured_by_fit_before_the_real_load_are_not_counted_twice():
