@@ -113,15 +113,11 @@ class Probes:
     system: str = field(default_factory=platform.system)  # "Linux", "Darwin", "Windows"
     machine: str = field(default_factory=platform.machine)
     which: Callable[[str], str | None] = shutil.which
-    run: Callable[[list[str]], str | None] = None  # type: ignore[assignment]
-    read: Callable[[str], str | None] = None  # type: ignore[assignment]
+    run: Callable[[list[str]], str | None] = field(default_factory=lambda: _run)
+    read: Callable[[str], str | None] = field(default_factory=lambda: _read)
     glob: Callable[[str], list[str]] = glob.glob
     exists: Callable[[str], bool] = os.path.exists
     realpath: Callable[[str], str] = os.path.realpath
-
-    def __post_init__(self) -> None:
-        self.run = self.run or _run
-        self.read = self.read or _read
 
 
 def detect(probes: Probes | None = None) -> Accelerators:
@@ -362,7 +358,7 @@ def _vulkan_toolkit(p: Probes, distro: str) -> Toolkit:
         line = _apt(distro, install) if distro else (
             "install the Vulkan SDK (headers, loader, glslc and SPIR-V headers)")
         return Toolkit(False, "missing " + ", ".join(missing), line)
-    identity = (f"glslc={Path(glslc).name}",)
+    identity = (f"glslc={Path(glslc or 'glslc').name}",)
     if vulkan_headers_usable(system_headers, p):
         return Toolkit(True, f"Vulkan headers {version}, glslc and SPIR-V headers",
                        identity=(f"vulkan-headers={version}", *identity))

@@ -176,6 +176,7 @@ class Engine:
             _candidate("explicit", explicit, "given with --llama-server or the setting"),
             _candidate("environment", environ.get(ENV_LLAMA_SERVER) or None, f"from {ENV_LLAMA_SERVER}"),
         ]
+        managed: list[tuple[str, Path | None]]
         if key is not None:
             managed = [(key.backend, self.managed_binary(key))]
         else:
@@ -232,7 +233,7 @@ class Engine:
         """Build and install the managed engine for `backend`; a no-op when its key is
         installed."""
         report = progress or (lambda _p: None)
-        plan = await plan_build(backend, self.cache_dir, extra_cmake_args,
+        plan = await plan_build(backend, self.cache_dir or self.data_dir / "cache", extra_cmake_args,
                                 lambda line: report(BuildProgress("fetch", 2, line)))
         key = plan.key
         target = self.managed_binary(key)

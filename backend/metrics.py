@@ -111,9 +111,12 @@ class Metrics:
     def set_backend(self, snapshot: Snapshot) -> None:
         self.effective_parallel_slots.set(snapshot.effective_parallel_slots or 0)
         report = snapshot.engine
-        self.layers_offloaded.set(report.layers_offloaded or 0 if report and report.on_gpu else 0)
         self.device_memory.clear()
-        for device in report.devices if report else ():
+        if report is None:
+            self.layers_offloaded.set(0)
+            return
+        self.layers_offloaded.set(report.layers_offloaded or 0 if report.on_gpu else 0)
+        for device in report.devices:
             self.device_memory.labels(report.backend, device.name).set(round(device.total_mib, 2))
 
     def count_restart(self) -> None:

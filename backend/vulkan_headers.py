@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from backend.accelerators import vulkan_header_version, vulkan_headers_usable
 from backend.errors import EngineBuildFailed
@@ -38,7 +39,8 @@ class VulkanHeaders:
     package: str = ""  # "libvulkan-dev=<Debian version>" when fetched
 
 
-async def ensure_vulkan_headers(cache_dir: Path, report=lambda line: None) -> VulkanHeaders:
+async def ensure_vulkan_headers(cache_dir: Path,
+                                report: Callable[[str], None] = lambda line: None) -> VulkanHeaders:
     """The system's headers when they suffice, else newer ones fetched once into the cache."""
     system = "/usr/include"
     if vulkan_headers_usable(system):

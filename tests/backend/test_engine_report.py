@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend.engine_report import EngineReportReader, gpu_failure_reason
-from backend.supervisor import LoadSpec, Supervisor
+from backend.load import LoadSpec
+from backend.supervisor import Supervisor
 
 # Captured from the CPU engine loading the tiny model (--verbosity 4), trimmed.
 CPU_LOAD = """\

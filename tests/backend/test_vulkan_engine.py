@@ -25,7 +25,7 @@ from backend.engine import Engine
 from backend.errors import GpuLoadFailed
 from backend.service import StudioService
 from backend.settings import Settings
-from backend.supervisor import LoadSpec, State
+from backend.load import LoadSettings, LoadSpec, State
 
 ENABLE = ("build the Vulkan engine to run it: apt-get install mesa-vulkan-drivers "
           "libvulkan-dev glslc spirv-headers vulkan-tools, then "
@@ -93,7 +93,7 @@ async def test_a_default_load_puts_the_layers_on_the_vulkan_device_and_answers_c
 
 async def test_none_keeps_every_layer_off_the_vulkan_device(
         vulkan_service: StudioService, tiny_model: Path):
-    snapshot = await vulkan_service.load(LoadSpec(str(tiny_model), n_gpu_layers="none"))
+    snapshot = await vulkan_service.load(LoadSettings(n_gpu_layers="none").to_spec(str(tiny_model)))
     report = snapshot.engine
     print("engine report:", report.summary())
     assert report.backend == "cpu" and not report.on_gpu
@@ -106,7 +106,7 @@ async def test_a_load_the_vulkan_device_cannot_hold_fails_readably_and_retries_o
     # largest storage buffer (128 MiB): llama.cpp aborts while placing it on the device,
     # as it does on a real GPU given a context too large for it.  On the CPU it loads
     # (about 1 GB of memory for the cache).
-    too_big = LoadSpec(str(tiny_model), parallel="1", ctx_size=1_572_864)
+    too_big = LoadSettings(parallel="1", ctx_size=1_572_864).to_spec(str(tiny_model))
     with pytest.raises(GpuLoadFailed) as failed:
         await vulkan_service.load(too_big)
     print("failure:", failed.value)

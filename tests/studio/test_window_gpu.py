@@ -9,8 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt
 
 from backend.engine_report import DeviceUse, EngineReport
-from backend.model_library import LoadSettings
-from backend.supervisor import Snapshot, State
+from backend.load import LoadSettings, Snapshot, State
 
 WAIT = 10_000
 LOAD_WAIT = 60_000
