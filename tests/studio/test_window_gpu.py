@@ -44,13 +44,13 @@ def test_the_model_tab_says_where_the_model_runs_as_the_engine_reported_it(open_
     view = open_window().model_view
     ready = Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
                      context_length=2048, engine=VULKAN_REPORT)
-    view.set_state(ready, "auto")
+    view.set_state(ready)
     text = view.placement.text()
     assert "3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))" in text
     assert "Vulkan0 29 MiB" in text
     assert "context 8,192 tokens in total" in text and "shrunk from 131,072" in text
     assert not view.cpu_retry_button.isVisible()
-    view.set_state(Snapshot(state=State.STOPPED), None)
+    view.set_state(Snapshot(state=State.STOPPED))
     assert view.placement.text() == "Runs on: —"
 
 
@@ -67,7 +67,7 @@ def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
     # This machine has no GPU to fail on: show the view what a failed GPU load looks like.
     failed = replace(window.bridge.snapshot, state=State.FAILED, cpu_retry_offered=True,
                      error="The GPU ran out of memory while loading the model.")
-    window.model_view.set_state(failed, "auto")
+    window.model_view.set_state(failed)
     assert window.model_view.cpu_retry_button.isVisible()
     qtbot.mouseClick(window.model_view.cpu_retry_button, Qt.MouseButton.LeftButton)
 
