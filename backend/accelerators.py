@@ -381,8 +381,12 @@ def _install_cuda(distro: str) -> str:
 
 def _install_cublas(distro: str, version: str) -> str:
     major = version.split(".")[0] if version and version[0].isdigit() else ""
-    pip = f"pip install 'nvidia-cublas=={major}.*'" if major else "pip install nvidia-cublas"
-    return f"{pip} and put its include/ and lib/ beside nvcc (the CUDA toolkit root)"
+    if not major:
+        return "pip install nvidia-cublas, then copy its include/ and lib/ into the CUDA root"
+    # The wheel's files sit under nvidia/cu<major>/ and have only versioned .so names.
+    return (f"pip install 'nvidia-cublas=={major}.*', then copy its nvidia/cu{major}/include "
+            f"and nvidia/cu{major}/lib into the CUDA root beside nvcc and link libcublas.so and "
+            f"libcublasLt.so to their .so.{major} files")
 
 
 def _install_rocm(distro: str) -> str:
