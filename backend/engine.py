@@ -391,6 +391,11 @@ def machine_backends() -> list[str]:
     return detect_accelerators().wanted()
 
 
+def detected_backends() -> list[str] | None:
+    """`machine_backends()` if this process has looked already, else None (never blocks)."""
+    return _DETECTED.wanted() if _DETECTED is not None else None
+
+
 @dataclass(frozen=True)
 class BuildTools:
     cc: str

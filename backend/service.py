@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 import platformdirs
 
 from backend.admission import AdmissionQueue, AdmissionRegistry
-from backend.engine import Engine
+from backend.engine import Engine, detect_accelerators
 from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsError
 from backend.metrics import Metrics
 from backend.settings import Settings
@@ -118,6 +118,7 @@ class StudioService:
     async def load(self, spec: LoadSpec) -> Snapshot:
         """Load `spec`, letting requests running on the previous load finish first
         (up to `reload_grace` seconds); waiting requests move to the new load."""
+        await asyncio.to_thread(detect_accelerators)  # runs programs once; not on the loop
         binary = self.engine.resolve(self.settings.llama_server or None).path
         self._last_spec = spec
         await self._retire_current_load()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Coroutine, Sequence
 from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.activity import ActivitySample, ActivitySampler
-from backend.engine import Engine, Resolution, detect_accelerators
+from backend.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
 from backend.model_download import DownloadQueue
 from backend.model_fit import FitEstimate
@@ -168,8 +168,11 @@ class ServiceBridge(QObject):
         return self._building is not None and not self._building.done()
 
     def engine_status(self, llama_server: str = "") -> Resolution:
-        """Which llama-server a load with this setting would use, and why; only looks at files."""
-        return self.service.engine.resolve(llama_server or None)
+        """Which llama-server a load with this setting would use, and why; only looks at files
+        (before `accelerators` has run, only the CPU engine is considered: detecting the
+        GPUs runs programs, which the GUI thread does not wait for)."""
+        return self.service.engine.resolve(llama_server or None,
+                                           backends=detected_backends() or ["cpu"])
 
     def accelerators(self, on_done: Callback) -> concurrent.futures.Future:
         """This computer's GPUs and toolkits (runs vulkaninfo once, so off the GUI thread)."""

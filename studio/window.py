@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.accelerators import Accelerators
 from backend.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
@@ -338,7 +339,12 @@ class MainWindow(QMainWindow):
 
     def refresh_engine(self) -> None:
         self.engine.set_resolution(self.bridge.engine_status(self.settings.llama_server), self.bridge.building)
-        self.bridge.accelerators(on_done=self.engine.set_accelerators)
+        self.bridge.accelerators(on_done=self._show_accelerators)
+
+    def _show_accelerators(self, found: Accelerators) -> None:
+        self.engine.set_accelerators(found)
+        # Now that the GPUs are known, the engine a load would use may be a GPU one.
+        self.engine.set_resolution(self.bridge.engine_status(self.settings.llama_server), self.bridge.building)
 
     def build_engine(self) -> None:
         self.tabs.setCurrentIndex(ENGINE_TAB)
