@@ -109,6 +109,8 @@ class EngineView(QWidget):
                                   + "\n".join(found.describe()))
         if self.backend_to_build != "cpu":
             self.build_button.setText(f"&Build the {self.backend_to_build} engine")
+        elif self.build_button.text().startswith("&Build the "):
+            self.build_button.setText("&Build llama-server")
 
     def show_progress(self, events: list[BuildProgress]) -> None:
         self.build_box.show()

@@ -85,3 +85,22 @@ def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None
     qtbot.waitUntil(lambda: "Accelerators" in label.text(), timeout=WAIT)
     for backend in ("cuda", "hip", "vulkan", "cpu"):
         assert f"  {backend} " in label.text()
+
+
+def test_the_engine_tab_offers_the_best_engine_the_computer_can_build(open_window) -> None:
+    from backend.accelerators import detect
+    from tests.backend.test_accelerators import (
+        NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
+    )
+
+    view = open_window().engine
+    view.set_accelerators(detect(machine(tools=["vulkaninfo", "glslc"], files=vulkan_dev_files(),
+                                         outputs={"vulkaninfo": VULKANINFO_DISCRETE})))
+    assert view.backend_to_build == "vulkan"
+    assert view.build_button.text() == "&Build the vulkan engine"
+    # An NVIDIA card without a toolkit: the CPU engine is what can be built, and the
+    # tab says what to install for the GPU.
+    view.set_accelerators(detect(machine(tools=["nvidia-smi"], outputs={"nvidia-smi": NVIDIA_SMI})))
+    assert view.backend_to_build == "cpu"
+    assert view.build_button.text() == "&Build llama-server"
+    assert "install: pip install nvidia-cuda-nvcc" in view.accelerators.text()
