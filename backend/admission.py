@@ -41,6 +41,7 @@ Everything runs on the backend's one asyncio loop, so nothing here takes a lock.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import enum
 import itertools
@@ -66,6 +67,10 @@ __all__ = [
 
 Clock = Callable[[], float]
 
+#: How often one ticket may go back in line after a refused connection before the
+#: request fails: a load that keeps refusing while it counts as ready is not coming back.
+MAX_REQUEUES = 5
+
 log = logging.getLogger(__name__)
 
 
@@ -79,8 +84,8 @@ class TicketState(enum.Enum):
 class Ticket:
     """One request's place: first in a line, then in a slot of one backend."""
 
-    __slots__ = ("state", "queue", "need", "enqueued_at", "admitted_at", "_error",
-                 "_event", "_seq")
+    __slots__ = ("state", "queue", "need", "enqueued_at", "admitted_at", "requeues",
+                 "_error", "_event", "_seq")
 
     def __init__(self, queue: AdmissionQueue, now: float,
                  need: TokenNeed | None = None) -> None:
@@ -90,6 +95,8 @@ class Ticket:
         self.need = need
         self.enqueued_at = now
         self.admitted_at: float | None = None
+        #: Times the load refused the connection and the ticket stood in line again.
+        self.requeues = 0
         self._error: BaseException | None = None
         # Created only when someone awaits: a long line must not cost an Event each.
         self._event: asyncio.Event | None = None
@@ -172,6 +179,26 @@ class Ticket:
             self.state = TicketState.RELEASED
             self.queue._leave(self)
             self._wake()
+
+    def requeue(self) -> bool:
+        """The load refused the connection before any byte of the request reached it:
+        give the slot back and stand in line again at the ticket's original place.
+
+        True when the ticket waits again (await `wait` once more); False when it was not
+        admitted or has been put back `MAX_REQUEUES` times already (the load keeps
+        refusing: the caller gives up).  A refused connection says the load is going
+        away, so a requeue promotes no one by itself: the ticket is admitted again by the
+        next release, arrival or capacity change, or carried to the next load like any
+        waiter when this one is retired.
+        """
+        if self.state is not TicketState.ADMITTED or self.requeues >= MAX_REQUEUES:
+            return False
+        self.requeues += 1
+        self.state = TicketState.WAITING
+        self.admitted_at = None
+        self._event = None  # set by the admission: a new one for the next wait
+        self.queue._requeue(self)
+        return True
 
     def __repr__(self) -> str:
         return f"<Ticket #{self._seq} {self.state.value}>"
@@ -298,8 +325,17 @@ class AdmissionQueue:
                 )
             ticket = Ticket(self, now, need)
             self._line[ticket] = None
+            # A slot left free by a requeue is taken by the head now, in order.
+            self._promote()
         self._changed()
         return ticket
+
+    def admit_waiting(self) -> None:
+        """Admit from the head of the line while there is room.  A requeue leaves its
+        slot free without promoting anyone; whoever still counts on this load (after a
+        short backoff) asks it to try again with this."""
+        if self._promote():
+            self._changed()
 
     def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
         """Growth admits waiters in order; a shrink lets running requests finish.
@@ -384,6 +420,16 @@ class AdmissionQueue:
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
         self._promote()
+        self._changed()
+
+    def _requeue(self, ticket: Ticket) -> None:
+        """Back from a slot to the ticket's place by arrival (O(n), only on a refusal)."""
+        self._active -= 1
+        self._reserved -= ticket.tokens
+        line = list(self._line)
+        at = bisect.bisect(line, ticket._seq, key=lambda t: t._seq)
+        line.insert(at, ticket)
+        self._line = OrderedDict.fromkeys(line)
         self._changed()
 
     def _leave(self, ticket: Ticket) -> None:
@@ -571,6 +617,17 @@ class AdmissionRegistry:
     # --- helpers ---------------------------------------------------------------------
 
     def _queue_changed(self, queue: AdmissionQueue) -> None:
+        current = self._current
+        if queue.retired and queue._line and current is not None and current is not queue:
+            # Waiters of a retired load (a requeue after the next load became current)
+            # belong to the current one, in their order of arrival.
+            tickets = sorted([*current._take_line(), *queue._take_line()],
+                             key=lambda t: t._seq)
+            for ticket in tickets:
+                ticket.queue = current
+                current._line[ticket] = None
+            current._refuse_never_fitting()
+            current._promote()
         if queue.retired and queue.idle and self._queues.get(queue.key) is queue:
             del self._queues[queue.key]
         self._notify()

@@ -69,6 +69,11 @@ class Metrics:
         self.backend_restarts = Counter(
             "gguf_studio_backend_restarts_total",
             "Times the engine was restarted after it stopped unexpectedly.", registry=r)
+        self.requeues = Counter(
+            "gguf_studio_requeues_total",
+            "Requests put back in line because the engine refused the connection before "
+            "anything was sent (it was going away); they wait for the next load.",
+            registry=r)
         self.queue_wait = Histogram(
             "gguf_studio_queue_wait_seconds",
             "Time from arrival to admission of admitted requests.",
@@ -79,6 +84,7 @@ class Metrics:
         self._rejections: dict[str, int] = {}
         self._cancellations: dict[str, int] = {}
         self._restarts = 0
+        self._requeues = 0
         self._queue_waits = 0
         self._queue_wait_sum = 0.0
 
@@ -100,6 +106,11 @@ class Metrics:
         self.cancellations.labels(stage=stage).inc()
         with self._lock:
             self._cancellations[stage] = self._cancellations.get(stage, 0) + 1
+
+    def count_requeue(self) -> None:
+        self.requeues.inc()
+        with self._lock:
+            self._requeues += 1
 
     def count_request(self, route: str, status: int | str) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -150,6 +161,7 @@ class Metrics:
                 "rejections": dict(self._rejections),
                 "cancellations": dict(self._cancellations),
                 "restarts": self._restarts,
+                "requeues": self._requeues,
                 "queue_waits": self._queue_waits,
                 "queue_wait_seconds": self._queue_wait_sum,
             }

@@ -51,8 +51,16 @@ SSE_HEADERS = [
 _DATA_ERROR = b'data: {"error"'
 _NAMED_ERROR = b"event: error"
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
+#: First wait before a load that refused a connection is tried again (then doubled per
+#: try: 0.05 + 0.1 + ... + 0.8 s = 1.55 s over MAX_REQUEUES tries).  A killed engine is
+#: noticed within milliseconds and its waiters then wait for the restarted load instead.
+REFUSAL_BACKOFF = 0.05
 #: How much of an upstream error body is read.
 ERROR_BODY_LIMIT = 64 * 1024
+
+
+class _NotReached(Exception):
+    """The upstream refused the connection (or never accepted it): nothing was sent."""
 
 
 class ExchangeHost(Protocol):
@@ -160,8 +168,7 @@ class Exchange:
         watch = self.watch = DisconnectWatch(self.receive)
         try:
             try:
-                await self._admitted(ticket)
-                last = await self._forward(ticket)
+                last = await self._admitted_and_forwarded(ticket)
             except RequestError as error:
                 last = self._failure(error)
             except Exception as exc:  # a bug: a generic 500 / in-stream error, logged
@@ -221,17 +228,65 @@ class Exchange:
 
     # --- waiting ----------------------------------------------------------------------
 
-    async def _admitted(self, ticket: Ticket) -> None:
+    async def _admitted_and_forwarded(self, ticket: Ticket) -> list[dict[str, Any]]:
+        """Wait for a slot and forward; a load that refused the connection (nothing of
+        the request reached it) sends the ticket back to its place in line, to be
+        served by the next admission, on this load or the restarted one, within what
+        is left of the queue timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.queue_timeout if self.queue_timeout > 0 else None
+        while True:
+            timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
+            await self._admitted(ticket, timeout)
+            try:
+                return await self._forward(ticket)
+            except _NotReached:
+                if not ticket.requeue():
+                    raise UpstreamUnavailable("The model server could not be reached. "
+                                              "Try again shortly.", retry_after=RETRY_SOON) from None
+                self.metrics.count_requeue()
+                self.stage = "queued"
+
+    async def _admitted(self, ticket: Ticket, timeout: float | None) -> None:
         """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""
         if not ticket.admitted:
-            if self.request.parsed.stream:
-                await self._start_stream()
-                await self._keep_alive_until(ticket.wait(self.queue_timeout))
-            else:
-                await ticket.wait(self.queue_timeout)
+            turn = asyncio.ensure_future(self._turn(ticket, timeout))
+            try:
+                if self.request.parsed.stream and not self.headers_sent and ticket.requeues:
+                    # Quiet through the refusal backoff: a load that keeps refusing is
+                    # still a plain 502, a restart noticed meanwhile gets keep-alives.
+                    # (Twice the backoff: the retry comes at once after it.)
+                    await asyncio.wait((turn,), timeout=2 * _backoff(ticket))
+                if self.request.parsed.stream and not turn.done():
+                    if not self.headers_sent:
+                        await self._start_stream()
+                    await self._keep_alive_until(turn)
+                else:
+                    await turn
+            finally:
+                if not turn.done():
+                    turn.cancel()
         self.stage = "running"
-        if ticket.admitted_at is not None:
+        if ticket.admitted_at is not None and ticket.requeues == 0:
             self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
+
+    async def _turn(self, ticket: Ticket, timeout: float | None) -> None:
+        """`ticket.wait`; after a refusal the load may still count as ready (its end not
+        noticed yet, or an attached server that refuses): after a short backoff its
+        queue is asked to admit again, so a load that keeps refusing fails after
+        MAX_REQUEUES tries instead of at the queue timeout."""
+        if ticket.requeues == 0:
+            await ticket.wait(timeout)
+            return
+        waiting = asyncio.ensure_future(ticket.wait(timeout))
+        try:
+            done, _ = await asyncio.wait((waiting,), timeout=_backoff(ticket))
+            if not done and not ticket.queue.retired:
+                ticket.queue.admit_waiting()
+            await waiting
+        finally:
+            if not waiting.done():
+                waiting.cancel()
 
     async def _start_stream(self) -> None:
         """Headers, then at once something the client counts as life: our own
@@ -295,6 +350,8 @@ class Exchange:
         try:
             yield
         except httpx.HTTPError as exc:
+            if connecting and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                raise _NotReached() from None  # nothing was sent: safe on the next load
             error: RequestError
             if ticket.queue.retired:
                 error = LoadReplaced("The model was reloaded or unloaded while this request "
@@ -418,6 +475,10 @@ class _ErrorAfter(Exception):
 def _error_start(chunk: bytes) -> int:
     starts = [i for i in (chunk.find(_DATA_ERROR), chunk.find(_NAMED_ERROR)) if i >= 0]
     return min(starts) if starts else len(chunk)
+
+
+def _backoff(ticket: Ticket) -> float:
+    return float(REFUSAL_BACKOFF * 2 ** (ticket.requeues - 1))
 
 
 def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]

@@ -385,3 +385,54 @@ def test_a_load_without_kv_capacity_admits_by_slots_as_before():
     assert new.kv is None and registry.kv_capacity == 0
     assert new.request(need=50_000).admitted
     assert old.retired
+
+
+async def test_a_requeued_ticket_stands_at_its_original_place_and_is_carried_to_the_next_load():
+    registry = AdmissionRegistry()
+    old = registry.activate(OLD, 2)
+    first, second = old.request(), old.request()
+    third, fourth = old.request(), old.request()
+    await asyncio.gather(started(third), started(fourth))
+    first.release()  # the engine died: a running one fails...
+    assert third.admitted and old.waiting == 1
+    # ...and the waiter promoted onto the dying load finds its connection refused.
+    assert third.requeue()
+    assert list(old._line) == [third, fourth]  # back in front of the later one
+    assert old.active == 1 and third.state is TicketState.WAITING
+    second.release()
+    assert third.admitted and fourth.admitted  # the next release admits them, in order
+    assert fourth.requeue() and third.requeue()
+    assert list(old._line) == [third, fourth]
+    assert old.active == 0  # a requeue promotes no one by itself
+
+    registry.retire_current()
+    waiting = await started(third)
+    new = registry.activate(NEW, 2)
+    await waiting
+    assert third.admitted and fourth.admitted and third.queue is new
+    assert registry.queues == [new]
+
+
+def test_a_ticket_requeued_on_a_retired_load_after_the_next_became_current_joins_it():
+    registry = AdmissionRegistry()
+    old = registry.activate(OLD, 1)
+    ticket = old.request()
+    new = registry.activate(NEW, 1)  # the restart was faster than the refused connect
+    assert ticket.requeue()
+    assert ticket.admitted and ticket.queue is new
+    assert registry.queues == [new]
+
+
+def test_a_load_that_keeps_refusing_is_given_up_after_max_requeues():
+    from backend.admission import MAX_REQUEUES
+    registry = AdmissionRegistry()
+    queue = registry.activate(OLD, 1)
+    ticket = queue.request()
+    for _ in range(MAX_REQUEUES):
+        assert ticket.requeue()
+        queue.request().release()  # an arrival admits the head again
+        assert ticket.admitted
+    assert not ticket.requeue()
+    assert not queue.request().admitted  # the failing ticket still holds its slot...
+    ticket.release()
+    assert queue.active == 1  # ...until released

@@ -71,6 +71,7 @@ def test_counts_are_exact_and_labelled():
         "rejections": {"server_is_overloaded": 2, "queue_timeout": 1},
         "cancellations": {"queued": 1, "running": 2},
         "restarts": 1,
+        "requeues": 0,
         "queue_waits": 0,
         "queue_wait_seconds": 0.0,
     }

@@ -143,6 +143,42 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(service, c
     assert service.registry.current.key != snapshot.base_url
 
 
+async def test_engine_killed_with_requests_waiting_serves_the_waiting_ones_on_the_restarted_load(
+        service, client, tiny_model):
+    """Only the requests the engine had started fail; the ones waiting in line were
+    promoted onto the dying load, had their connection refused, went back to their
+    place and are served by the restarted engine."""
+    snapshot = await service.load(spec(tiny_model, parallel="2"))
+    short = {"max_tokens": 40, "ignore_eos": True}
+    first_token = [asyncio.Event(), asyncio.Event()]
+
+    async def stream(body: dict, started: asyncio.Event | None = None) -> list[str]:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(**body)) as r:
+            assert r.status_code == 200
+            lines = []
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(line)
+                if started is not None and line.startswith("data:"):
+                    started.set()
+            return lines
+
+    running = [asyncio.create_task(stream(LONG, started)) for started in first_token]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_token)), 30)
+    waiting = [asyncio.create_task(stream(short)) for _ in range(3)]
+    await until(lambda: service.registry.total_waiting == 3)
+    os.kill(snapshot.pid, signal.SIGKILL)
+
+    for lines in await asyncio.gather(*running):
+        assert lines[-1] == "data: [DONE]"
+        assert "error" in json.loads(lines[-2].removeprefix("data: "))
+    for lines in await asyncio.gather(*waiting):
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert service.snapshot().pid != snapshot.pid
+    assert service.registry.total_active == 0 and service.registry.total_waiting == 0
+
+
 async def test_reload_lets_running_requests_finish_moves_waiting_ones_and_prunes_the_old_queue(
         service, client, tiny_model):
     old = await service.load(spec(tiny_model, parallel="1"))
