@@ -140,7 +140,8 @@ def _inspect(args: argparse.Namespace) -> int:
 # Command-line options that map one to one onto settings.
 _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
                    "max_queue", "queue_timeout", "keepalive_interval", "max_output_tokens",
-                   "default_output_tokens", "max_body_bytes", "reload_grace",
+                   "default_output_tokens", "max_body_bytes", "client_stall_timeout",
+                   "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "model", "upstream")
 
@@ -445,6 +446,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-output-tokens", type=int,
                        help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body (32 MiB)")
+    serve.add_argument("--client-stall-timeout", type=float,
+                       help="seconds a client may leave its answer unread before it is "
+                       f"dropped and its slot freed, 0 = never (120; {env('client_stall_timeout')})")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--llama-server", help="llama-server binary to use")

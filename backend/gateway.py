@@ -28,6 +28,7 @@ import time
 from typing import Any, AsyncIterator, MutableMapping, Protocol
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -66,6 +67,9 @@ OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
 KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
 #: Set in the scope when the client went away before an answer could be sent.
 _GONE = "gguf_studio.client_gone"
+#: Scope extension: drops the request's connection at once, unsent bytes discarded
+#: (uvicorn's own close waits for a client that stopped reading for ever).
+ABORT_EXTENSION = "gguf_studio.abort_connection"
 
 
 class GatewayContext(Protocol):
@@ -155,7 +159,8 @@ class Gateway:
 
         exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                       parsed, snapshot.model_id, need),
-                            send, receive)
+                            send, receive,
+                            abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
         self._running.add(exchange)
         try:
             await exchange.run()
@@ -372,6 +377,17 @@ def create_app(ctx: GatewayContext) -> Starlette:
 # --- serving -------------------------------------------------------------------------
 
 
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol, giving each request a way to drop its connection."""
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        scope: dict[str, Any] | None = self.scope  # type: ignore[assignment]
+        if scope is not None:
+            extensions = scope.setdefault("extensions", {})
+            extensions.setdefault(ABORT_EXTENSION, self.transport.abort)
+
+
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -420,7 +436,7 @@ class GatewayServer:
         """Listening when this returns; `port` 0 picks a free one (see `.port`)."""
         sock = bind_socket(host, port)
         config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, ws="none",
+            app, lifespan="off", log_config=None, access_log=False, ws="none", http=_Protocol,
             proxy_headers=False, server_header=False,
             # uvicorn waits with asyncio.wait_for, so seconds may be fractional.
             timeout_graceful_shutdown=shutdown_grace)  # type: ignore[arg-type]

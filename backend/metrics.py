@@ -74,6 +74,10 @@ class Metrics:
             "Requests put back in line because the engine refused the connection before "
             "anything was sent (it was going away); they wait for the next load.",
             registry=r)
+        self.stalled_clients = Counter(
+            "gguf_studio_stalled_clients_total",
+            "Clients dropped because they left their answer unread for the stall timeout.",
+            registry=r)
         self.queue_wait = Histogram(
             "gguf_studio_queue_wait_seconds",
             "Time from arrival to admission of admitted requests.",
@@ -85,6 +89,7 @@ class Metrics:
         self._cancellations: dict[str, int] = {}
         self._restarts = 0
         self._requeues = 0
+        self._stalled_clients = 0
         self._queue_waits = 0
         self._queue_wait_sum = 0.0
 
@@ -111,6 +116,11 @@ class Metrics:
         self.requeues.inc()
         with self._lock:
             self._requeues += 1
+
+    def count_stalled_client(self) -> None:
+        self.stalled_clients.inc()
+        with self._lock:
+            self._stalled_clients += 1
 
     def count_request(self, route: str, status: int | str) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -162,6 +172,7 @@ class Metrics:
                 "cancellations": dict(self._cancellations),
                 "restarts": self._restarts,
                 "requeues": self._requeues,
+                "stalled_clients": self._stalled_clients,
                 "queue_waits": self._queue_waits,
                 "queue_wait_seconds": self._queue_wait_sum,
             }

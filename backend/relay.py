@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from backend.settings import Settings
     from backend.upstream_http import UpstreamClient, UpstreamResponse
 
-__all__ = ["DisconnectWatch", "Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS"]
+__all__ = ["DisconnectWatch", "Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS",
+           "StallGuard"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -115,7 +116,11 @@ class DisconnectWatch:
             message = await receive()
             if message["type"] == "http.disconnect":
                 break
-        if not self._stopped and self._task is not None:
+        self.gone()
+
+    def gone(self) -> None:
+        """The client is gone (or dropped): cancel the request's task, once."""
+        if not self._stopped and not self.disconnected and self._task is not None:
             self.disconnected = True
             self._task.cancel()
 
@@ -125,11 +130,53 @@ class DisconnectWatch:
             self._watcher.cancel()
 
 
+class StallGuard:
+    """Calls `on_stall` when one `send` has not returned for `timeout` seconds.
+
+    uvicorn's `send` waits while the connection's write buffer is full, so a client
+    that stops reading (or vanished without a FIN) pauses its stream, and the upstream
+    behind it, for ever, and holds its slot.  One timer per exchange, re-armed from the
+    start of the pending send, keeps the cost per chunk at a clock read.
+    """
+
+    __slots__ = ("_send", "_timeout", "_on_stall", "_loop", "_since", "_timer")
+
+    def __init__(self, send: Any, timeout: float, on_stall: Callable[[], None]) -> None:
+        self._send = send
+        self._timeout = timeout
+        self._on_stall = on_stall
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self._since = self._loop.time()
+        try:
+            await self._send(message)
+        finally:
+            self._since = None
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        since, now = self._since, self._loop.time()
+        if since is not None and now - since >= self._timeout:
+            self._timer = None
+            self._on_stall()
+            return
+        delay = self._timeout if since is None else since + self._timeout - now
+        self._timer = self._loop.call_later(delay, self._check)
+
+
 class Exchange:
     """A gated request and its ticket; `run()` answers every RequestError itself."""
 
     def __init__(self, host: ExchangeHost, queue: AdmissionQueue, request: GatedRequest,
-                 send: Any, receive: Any) -> None:
+                 send: Any, receive: Any, *,
+                 abort_connection: Callable[[], None] | None = None) -> None:
         self.host = host
         self.metrics = host.metrics
         self.client = host.client
@@ -152,6 +199,11 @@ class Exchange:
         self._keepalive = sse.KEEPALIVE_COMMENT
         self._task: asyncio.Task[Any] | None = None
         self._abort: RequestError | None = None
+        #: Drops the client's connection at once (unsent bytes discarded), if the server
+        #: offers it; see `backend.gateway`.
+        self._abort_connection = abort_connection
+        self._stall_timeout = settings.client_stall_timeout
+        self._stall: StallGuard | None = None
 
     # --- the whole exchange ---------------------------------------------------------
 
@@ -166,6 +218,9 @@ class Exchange:
             return
         self._task = asyncio.current_task()
         watch = self.watch = DisconnectWatch(self.receive)
+        if self._stall_timeout > 0:
+            self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
+            self.send = self._stall.send
         try:
             try:
                 last = await self._admitted_and_forwarded(ticket)
@@ -187,7 +242,21 @@ class Exchange:
             ticket.release()
             watch.stop()
             self._task = None  # nothing left to abort
-        await self._send_all(last)
+        try:
+            await self._send_all(last)
+        finally:
+            if self._stall is not None:
+                self._stall.stop()
+
+    def _stalled(self) -> None:
+        """The client left its answer unread for the stall timeout: drop it (the task
+        then ends as for a client that left: upstream request closed, slot freed)."""
+        log.info("dropping a client that read nothing for %.0f s", self._stall_timeout)
+        self.metrics.count_stalled_client()
+        if self._abort_connection is not None:
+            self._abort_connection()
+        if self.watch is not None:
+            self.watch.gone()
 
     def abort(self, base_url: str, error: RequestError) -> bool:
         """End this request with `error` if it runs on the load at `base_url` (and close

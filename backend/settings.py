@@ -52,6 +52,11 @@ class Settings:
     # Output tokens reserved for a request that sends no limit (backend.prompt_tokens).
     default_output_tokens: int = 2048
     max_body_bytes: int = 32 * 1024 * 1024
+    # Seconds a client may leave its answer unread (nothing of it accepted) before the
+    # port drops it and frees its slot; 0 = never.  Twice nginx's `send_timeout` (60 s):
+    # a slow reader always makes some progress in that time, a client stopped in a
+    # debugger or gone without closing holds no slot longer than two minutes.
+    client_stall_timeout: float = 120.0
     reload_grace: float = 30.0
     admission_enabled: bool = True
     # The engine.

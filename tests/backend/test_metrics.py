@@ -72,6 +72,7 @@ def test_counts_are_exact_and_labelled():
         "cancellations": {"queued": 1, "running": 2},
         "restarts": 1,
         "requeues": 0,
+        "stalled_clients": 0,
         "queue_waits": 0,
         "queue_wait_seconds": 0.0,
     }

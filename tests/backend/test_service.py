@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import httpx
@@ -177,6 +178,49 @@ async def test_engine_killed_with_requests_waiting_serves_the_waiting_ones_on_th
         assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     assert service.snapshot().pid != snapshot.pid
     assert service.registry.total_active == 0 and service.registry.total_waiting == 0
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_its_slot_freed(service, tiny_model):
+    """A real socket with a tiny receive buffer that sends a streamed request and never
+    reads: after `client_stall_timeout` without progress the port drops it, closes the
+    engine's request and frees the slot."""
+    service.settings = service.settings.replace(client_stall_timeout=1.0)
+    snapshot = await service.load(spec(tiny_model, parallel="1"))
+    # Top log-probabilities make each event ~3 KB, so the few MB the kernel buffers for
+    # a socket fill within seconds.
+    body = json.dumps(chat(max_tokens=12000, ignore_eos=True, logprobs=True,
+                           top_logprobs=20)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", service.gateway_port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                 + body)
+    try:
+        await until(lambda: service.registry.total_active == 1)
+        await until(lambda: service.metrics.value("gguf_studio_stalled_clients_total") == 1,
+                    timeout=20)
+        await until(lambda: service.registry.total_active == 0, timeout=5)
+
+        async def engine_idle() -> None:
+            while await busy_slots(snapshot.base_url):
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(engine_idle(), 5)
+        # The connection is gone: what the client reads ends (reset or end of stream).
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+
+        async def read_to_end() -> None:
+            while True:
+                try:
+                    if not await loop.sock_recv(sock, 65536):
+                        return
+                except ConnectionResetError:
+                    return
+        await asyncio.wait_for(read_to_end(), 10)
+    finally:
+        sock.close()
+    assert service.snapshot().pid == snapshot.pid  # the engine was not harmed
 
 
 async def test_reload_lets_running_requests_finish_moves_waiting_ones_and_prunes_the_old_queue(

@@ -134,3 +134,13 @@ def test_a_key_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
     settings = Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file)})
     assert settings.api_key == "gs-shared"
     assert "can be read by other users" in caplog.text and "gs-shared" not in caplog.text
+
+
+def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_line(tmp_path):
+    from backend.cli import _parser
+    path = tmp_path / "settings.json"
+    assert Settings.load(path, environ={}).client_stall_timeout == 120.0
+    assert Settings.load(path, environ={"GGUF_STUDIO_CLIENT_STALL_TIMEOUT": "30"}
+                         ).client_stall_timeout == 30.0
+    args = _parser().parse_args(["serve", "--client-stall-timeout", "0"])
+    assert args.client_stall_timeout == 0.0
