@@ -84,15 +84,17 @@ class TicketState(enum.Enum):
 class Ticket:
     """One request's place: first in a line, then in a slot of one backend."""
 
-    __slots__ = ("state", "queue", "need", "enqueued_at", "admitted_at", "requeues",
+    __slots__ = ("state", "queue", "need", "size", "enqueued_at", "admitted_at", "requeues",
                  "_error", "_event", "_seq")
 
     def __init__(self, queue: AdmissionQueue, now: float,
-                 need: TokenNeed | None = None) -> None:
+                 need: TokenNeed | None = None, size: int = 0) -> None:
         self.state = TicketState.WAITING
         self.queue = queue
         #: None: unknown, admitted by slots alone and reserving no tokens.
         self.need = need
+        #: Bytes the request holds while it waits (its body).
+        self.size = size
         self.enqueued_at = now
         self.admitted_at: float | None = None
         #: Times the load refused the connection and the ticket stood in line again.
@@ -297,14 +299,17 @@ class AdmissionQueue:
 
     # --- decisions -------------------------------------------------------------------
 
-    def request(self, need: TokenNeed | int | None = None) -> Ticket:
+    def request(self, need: TokenNeed | int | None = None, *, size: int = 0,
+                max_waiting_bytes: int = 0) -> Ticket:
         """A ticket: admitted at once if nobody waits and there is room, else waiting.
 
         `need` is the request's prompt tokens plus output budget (an int is all
-        prompt); None or 0 means unknown: slots alone decide.  Raises
-        ContextLengthExceeded when the need can never fit one request's share of the
-        cache, QueueFull when `max_waiting` requests already wait, and ModelNotReady
-        when the queue is retired.
+        prompt); None or 0 means unknown: slots alone decide.  `size` is the bytes the
+        request holds while it waits (its body); `max_waiting_bytes` (0: no bound)
+        bounds what everyone waiting holds together.  Raises ContextLengthExceeded when
+        the need can never fit one request's share of the cache, QueueFull when
+        `max_waiting` requests already wait or the bytes would pass their bound, and
+        ModelNotReady when the queue is retired.
         """
         if self._retired:
             raise ModelNotReady("The model is being reloaded. Try again shortly.",
@@ -323,7 +328,16 @@ class AdmissionQueue:
                     "waiting. Try again later.",
                     retry_after=self.retry_after(),
                 )
-            ticket = Ticket(self, now, need)
+            if max_waiting_bytes:
+                held = sum(waiter.size for waiter in self._line)  # O(n), n <= max_waiting
+                if held + size > max_waiting_bytes:
+                    raise QueueFull(
+                        f"The server is busy: the requests already waiting hold "
+                        f"{_mib(held)} of request bodies (the bound is "
+                        f"{_mib(max_waiting_bytes)}). Try again later.",
+                        retry_after=self.retry_after(),
+                    )
+            ticket = Ticket(self, now, need, size)
             self._line[ticket] = None
             # A slot left free by a requeue is taken by the head now, in order.
             self._promote()
@@ -669,6 +683,10 @@ def _as_need(need: TokenNeed | int | None) -> TokenNeed | None:
     if not _whole(need) or need < 0:
         raise ValueError(f"a token need is a whole number, at least 0, not {need!r}")
     return TokenNeed(need, 0) if need else None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _too_long(need: TokenNeed, kv: KvCapacity) -> ContextLengthExceeded:

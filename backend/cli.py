@@ -140,7 +140,8 @@ def _inspect(args: argparse.Namespace) -> int:
 # Command-line options that map one to one onto settings.
 _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
                    "max_queue", "queue_timeout", "keepalive_interval", "max_output_tokens",
-                   "default_output_tokens", "max_body_bytes", "client_stall_timeout",
+                   "default_output_tokens", "max_body_bytes", "max_waiting_body_bytes",
+                   "client_stall_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "model", "upstream")
@@ -445,7 +446,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
     serve.add_argument("--default-output-tokens", type=int,
                        help="output tokens reserved for a request that sends no limit (2048)")
-    serve.add_argument("--max-body-bytes", type=int, help="largest request body (32 MiB)")
+    serve.add_argument("--max-body-bytes", type=int, help="largest request body, 0 = default (32 MiB)")
+    serve.add_argument("--max-waiting-body-bytes", type=int,
+                       help="bytes of bodies requests waiting in line may hold together, "
+                       "0 = no bound (256 MiB)")
     serve.add_argument("--client-stall-timeout", type=float,
                        help="seconds a client may leave its answer unread before it is "
                        f"dropped and its slot freed, 0 = never (120; {env('client_stall_timeout')})")

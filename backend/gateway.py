@@ -45,7 +45,7 @@ from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelN
 from backend.metrics import Metrics
 from backend.relay import Exchange, GatedRequest
 from backend.prompt_tokens import HttpEngineTokenizer, PromptCounter, request_need
-from backend.request_body import ClientGone, Parsed, parse_body, read_body
+from backend.request_body import ClientGone, Parsed, check_body, read_body
 from backend.settings import Settings
 from backend.sse import StreamKind
 from backend.load import Snapshot, State
@@ -142,17 +142,22 @@ class Gateway:
         try:
             self.check_key(scope)
             try:
-                raw = await read_body(receive, headers, settings.max_body_bytes)
+                raw = await read_body(receive, headers, settings.effective_max_body_bytes())
             except ClientGone:
                 scope[_GONE] = True
                 return
-            parsed = parse_body(path, raw, settings.max_output_tokens)
+            parsed = await check_body(path, raw, settings.max_output_tokens)
+            raw_size = len(raw)
+            del raw  # a capped body was re-encoded: hold one copy while waiting, not two
             snapshot = ctx.snapshot()
             queue = ctx.registry.current
             if snapshot.state is not State.READY or queue is None:
                 raise ModelNotReady(not_ready_message(snapshot),
                                     retry_after=RETRY_SOON)
-            need = await self.need(queue, path, parsed, len(raw))
+            need = await self.need(queue, path, parsed, raw_size)
+            # Counted: the parsed objects (several times the body's bytes) are not kept
+            # by a waiting request, only the body (bounded by max_waiting_body_bytes).
+            parsed.data = {}
         except RequestError as error:
             await gateway_errors.send_http_error(send, error, metrics)
             return

@@ -212,7 +212,9 @@ class Exchange:
         request is closed and the ticket released, so a client that has seen the end of
         its answer can count on its slot being free."""
         try:
-            ticket = self.ticket = self.queue.request(self.request.need)
+            ticket = self.ticket = self.queue.request(
+                self.request.need, size=len(self.request.parsed.body),
+                max_waiting_bytes=self.host.settings.max_waiting_body_bytes)
         except RequestError as error:
             await self._send_all(self._failure(error))
             return

@@ -51,7 +51,11 @@ class Settings:
     max_output_tokens: int = 0
     # Output tokens reserved for a request that sends no limit (backend.prompt_tokens).
     default_output_tokens: int = 2048
+    # Largest request body; 0 means this default (a port never takes unlimited bodies).
     max_body_bytes: int = 32 * 1024 * 1024
+    # Bytes of request bodies that requests waiting in line may hold together (bodies are
+    # read before admission); past it a request that would wait gets 429.  0 = no bound.
+    max_waiting_body_bytes: int = 256 * 1024 * 1024
     # Seconds a client may leave its answer unread (nothing of it accepted) before the
     # port drops it and frees its slot; 0 = never.  Twice nginx's `send_timeout` (60 s):
     # a slow reader always makes some progress in that time, a client stopped in a
@@ -78,6 +82,10 @@ class Settings:
         if self.max_queue > 0:
             return self.max_queue
         return max(64, 16 * max(slots, 1))
+
+    def effective_max_body_bytes(self) -> int:
+        """The body limit; 0 from the user means the default."""
+        return self.max_body_bytes or Settings.max_body_bytes
 
     def load_settings(self) -> LoadSettings:
         """The last load's settings, in the shape the library and the window keep."""
