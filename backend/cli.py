@@ -141,7 +141,7 @@ def _inspect(args: argparse.Namespace) -> int:
 _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
                    "max_queue", "queue_timeout", "keepalive_interval", "max_output_tokens",
                    "default_output_tokens", "max_body_bytes", "max_waiting_body_bytes",
-                   "client_stall_timeout",
+                   "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "model", "upstream")
@@ -453,6 +453,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-stall-timeout", type=float,
                        help="seconds a client may leave its answer unread before it is "
                        f"dropped and its slot freed, 0 = never (120; {env('client_stall_timeout')})")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections the port keeps open at once (512)")
+    serve.add_argument("--header-timeout", type=float,
+                       help="seconds a client may take to send a request head or the next "
+                       "part of its body (30)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--llama-server", help="llama-server binary to use")

@@ -134,6 +134,10 @@ class BodyTooLarge(RequestError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class RequestTimeout(RequestError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class Unauthorized(RequestError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, AsyncIterator, MutableMapping, Protocol
+from typing import Any, AsyncIterator, Callable, MutableMapping, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -142,7 +142,8 @@ class Gateway:
         try:
             self.check_key(scope)
             try:
-                raw = await read_body(receive, headers, settings.effective_max_body_bytes())
+                raw = await read_body(receive, headers, settings.effective_max_body_bytes(),
+                                      settings.header_timeout)
             except ClientGone:
                 scope[_GONE] = True
                 return
@@ -383,14 +384,78 @@ def create_app(ctx: GatewayContext) -> Starlette:
 
 
 class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol, giving each request a way to drop its connection."""
+    """uvicorn's h11 protocol with the limits uvicorn lacks (as nginx's
+    `client_header_timeout` and a connection cap), and a way for each request to drop
+    its connection (`ABORT_EXTENSION`).
+
+    A connection is *idle* from its start, and again after each answer, until a whole
+    request head has arrived.  An idle connection gets `header_timeout` seconds (bytes
+    arriving do not extend it: a slowloris client sends a byte at a time).  Past
+    `max_connections`, the idle connection idle the longest is closed to make room;
+    if none is idle, the newcomer is.  Settings are read live, per connection.
+    """
+
+    settings: Callable[[], Settings]
+    _warned_at = float("-inf")
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_scope: object = None
+        self._idle_since = self.loop.time()
+        self._wait_for_head()
+        limit = self.settings().max_connections
+        if limit > 0 and len(self.connections) > limit:
+            self._make_room()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self._idle():  # the next request starts
+            self._idle_since = self.loop.time()
+            self._wait_for_head()
+        super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
         scope: dict[str, Any] | None = self.scope  # type: ignore[assignment]
-        if scope is not None:
-            extensions = scope.setdefault("extensions", {})
-            extensions.setdefault(ABORT_EXTENSION, self.transport.abort)
+        if scope is not None and scope is not self._head_scope:  # a whole head arrived
+            self._head_scope = scope
+            self._stop_head_timer()
+            scope.setdefault("extensions", {})[ABORT_EXTENSION] = self.transport.abort
+
+    def _idle(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _wait_for_head(self) -> None:
+        timeout = self.settings().header_timeout
+        if timeout > 0:
+            self._head_timer = self.loop.call_later(timeout, self._head_too_slow)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._idle():
+            log.debug("closing a connection that sent no whole request head in time")
+            self.transport.abort()
+
+    def _make_room(self) -> None:
+        """O(connections), only past the cap."""
+        idle = [c for c in self.connections if isinstance(c, _Protocol) and c._idle()
+                and not c.transport.is_closing()]
+        victim = min(idle, key=lambda c: c._idle_since) if idle else self
+        now = self.loop.time()
+        if now - _Protocol._warned_at > 60:  # once a minute, not once per connection
+            _Protocol._warned_at = now
+            log.warning("more than %d connections to the port: closing the ones that "
+                        "send no request", self.settings().max_connections)
+        victim.transport.abort()
 
 
 class _Server(uvicorn.Server):
@@ -440,8 +505,12 @@ class GatewayServer:
                     shutdown_grace: float = 3.0) -> "GatewayServer":
         """Listening when this returns; `port` 0 picks a free one (see `.port`)."""
         sock = bind_socket(host, port)
+        gateway = getattr(getattr(app, "state", None), "gateway", None)
+        settings: Callable[[], Settings] = ((lambda: gateway.settings) if gateway is not None
+                                            else Settings)
+        protocol = type("GatewayProtocol", (_Protocol,), {"settings": staticmethod(settings)})
         config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, ws="none", http=_Protocol,
+            app, lifespan="off", log_config=None, access_log=False, ws="none", http=protocol,
             proxy_headers=False, server_header=False,
             # uvicorn waits with asyncio.wait_for, so seconds may be fractional.
             timeout_graceful_shutdown=shutdown_grace)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.errors import BodyTooLarge, InvalidRequest
+from backend.errors import BodyTooLarge, InvalidRequest, RequestTimeout
 
 __all__ = ["ClientGone", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
            "read_body"]
@@ -54,8 +54,10 @@ class Parsed:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
-    """The whole request body; BodyTooLarge past `limit` bytes (at least 1).
+async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int,
+                    timeout: float = 0.0) -> bytes:
+    """The whole request body; BodyTooLarge past `limit` bytes (at least 1), and
+    RequestTimeout when the next part takes longer than `timeout` seconds (0: never).
 
     The declared Content-Length is checked first, then the bytes actually received (a
     chunked upload has no Content-Length, and a lying one is no excuse).
@@ -72,7 +74,11 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
     chunks: list[bytes] = []
     total = 0
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(timeout or None):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout("The request body arrived too slowly.") from None
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")

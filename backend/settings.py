@@ -56,6 +56,14 @@ class Settings:
     # Bytes of request bodies that requests waiting in line may hold together (bodies are
     # read before admission); past it a request that would wait gets 429.  0 = no bound.
     max_waiting_body_bytes: int = 256 * 1024 * 1024
+    # Connections the port keeps open at once; past it, the oldest one that has not sent
+    # a whole request makes room (as nginx drains idle keep-alive connections), else the
+    # newcomer is closed.  Far below the usual file limit (1024 at the least).
+    max_connections: int = 512
+    # Seconds a client may take to send a request's head, and to send the next part of
+    # its body (nginx's client_header_timeout / client_body_timeout, 60 s there: a real
+    # client sends its head in one packet, so half of it is plenty).
+    header_timeout: float = 30.0
     # Seconds a client may leave its answer unread (nothing of it accepted) before the
     # port drops it and frees its slot; 0 = never.  Twice nginx's `send_timeout` (60 s):
     # a slow reader always makes some progress in that time, a client stopped in a

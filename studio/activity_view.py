@@ -30,6 +30,7 @@ REASONS = {
     "unsupported_content_type": "body not JSON",
     "invalid_request": "bad request",
     "request_too_large": "too large",
+    "request_timeout": "sent too slowly",
     "upstream_failed": "engine failed",
     "upstream_unavailable": "engine unreachable",
     "model_reloaded": "model reloaded",
