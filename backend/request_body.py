@@ -8,8 +8,9 @@ A body of `PARSE_OFF_LOOP_BYTES` or more is parsed in a worker thread (`check_bo
 The C JSON decoder never lets go of the GIL by itself, so a thread alone would not help:
 in the thread every JSON object is built by a Python-level hook, where the interpreter
 hands the GIL back to the event loop every few milliseconds.  Measured on the test
-machine (2 cores) with 24 MiB of tiny messages: the loop stood still 0.70 s for a parse
-on the loop, at most 0.17 s while the port parsed it (tests/backend/test_request_body.py).
+machine (2 cores) with 25 MiB of tiny messages: the loop stood still 0.57-0.71 s for a
+parse on the loop, at most 0.05-0.07 s while the port parsed it
+(tests/backend/test_request_body.py prints both).
 """
 
 from __future__ import annotations
