@@ -172,11 +172,17 @@ class Ticket:
             raise self._error.with_traceback(None)
         raise RuntimeError("The ticket was already released.")
 
-    def release(self) -> None:
-        """Give back the slot, or the place in line.  Safe to call more than once."""
+    def release(self, *, hold: bool = False) -> None:
+        """Give back the slot, or the place in line.  Safe to call more than once.
+
+        `hold`: the engine dropped this request while answering, so it is likely going
+        away: nobody is let into the freed slot now (they would find the connection
+        refused, or worse, be cut off as started requests); the caller asks the queue
+        again later with `AdmissionQueue.admit_waiting`, by when a dead load is retired.
+        """
         if self.state is TicketState.ADMITTED:
             self.state = TicketState.RELEASED
-            self.queue._finish(self)
+            self.queue._finish(self, promote=not hold)
         elif self.state is TicketState.WAITING:
             self.state = TicketState.RELEASED
             self.queue._leave(self)
@@ -428,12 +434,13 @@ class AdmissionQueue:
                 del self._line[ticket]
                 ticket._refuse(_too_long(ticket.need, self.kv))
 
-    def _finish(self, ticket: Ticket) -> None:
+    def _finish(self, ticket: Ticket, *, promote: bool = True) -> None:
         self._active -= 1
         self._reserved -= ticket.tokens
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
-        self._promote()
+        if promote:
+            self._promote()
         self._changed()
 
     def _requeue(self, ticket: Ticket) -> None:

@@ -56,6 +56,9 @@ UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "iden
 #: try: 0.05 + 0.1 + ... + 0.8 s = 1.55 s over MAX_REQUEUES tries).  A killed engine is
 #: noticed within milliseconds and its waiters then wait for the restarted load instead.
 REFUSAL_BACKOFF = 0.05
+#: Seconds a slot freed by a request the engine dropped stays empty (see `run`): a
+#: crashed engine is noticed well within it, a live one loses only this much.
+ENGINE_FAILURE_HOLD = 0.5
 #: How much of an upstream error body is read.
 ERROR_BODY_LIMIT = 64 * 1024
 
@@ -199,6 +202,8 @@ class Exchange:
         self._keepalive = sse.KEEPALIVE_COMMENT
         self._task: asyncio.Task[Any] | None = None
         self._abort: RequestError | None = None
+        #: Set when the engine dropped the request while answering (see `run`).
+        self._engine_dropped = False
         #: Drops the client's connection at once (unsent bytes discarded), if the server
         #: offers it; see `backend.gateway`.
         self._abort_connection = abort_connection
@@ -241,7 +246,14 @@ class Exchange:
                 last = self._failure(self._abort or ModelNotReady(
                     "The server is shutting down.", retry_after=RETRY_SOON))
         finally:
-            ticket.release()
+            if self._engine_dropped:
+                # Likely a crash: the waiters wait for the supervisor to say so (it
+                # retires the load within milliseconds), not for a dying engine.
+                ticket.release(hold=True)
+                asyncio.get_running_loop().call_later(ENGINE_FAILURE_HOLD,
+                                                      ticket.queue.admit_waiting)
+            else:
+                ticket.release()
             watch.stop()
             self._task = None  # nothing left to abort
         try:
@@ -433,6 +445,7 @@ class Exchange:
                 error = UpstreamUnavailable("The model server could not be reached. "
                                             "Try again shortly.", retry_after=RETRY_SOON)
             else:
+                self._engine_dropped = True
                 error = UpstreamFailed("The model server stopped while answering. Try again.")
             raise error from None
 

@@ -436,3 +436,16 @@ def test_a_load_that_keeps_refusing_is_given_up_after_max_requeues():
     assert not queue.request().admitted  # the failing ticket still holds its slot...
     ticket.release()
     assert queue.active == 1  # ...until released
+
+
+async def test_a_slot_released_on_hold_admits_no_one_until_asked_again():
+    registry = AdmissionRegistry()
+    queue = registry.activate(OLD, 1)
+    dropped = queue.request()
+    waiter = queue.request()
+    waiting = await started(waiter)
+    dropped.release(hold=True)  # the engine cut this request off: likely a crash
+    assert queue.active == 0 and not waiter.admitted
+    queue.admit_waiting()  # later, and the load was not retired meanwhile
+    await waiting
+    assert waiter.admitted
