@@ -70,16 +70,18 @@ async def read_events(response: httpx.Response) -> list[str]:
 async def test_n_plus_one_streams_with_n_slots_one_waits_with_keepalives_then_completes(
         service, client, tiny_model):
     await service.load(spec(tiny_model, parallel="2"))
-    short = {"max_tokens": 300, "ignore_eos": True}
+    # The first two must still run when the third arrives, however loaded the machine:
+    # long enough that the third is queued behind them, not admitted after they ended.
+    long, short = {"max_tokens": 2000, "ignore_eos": True}, {"max_tokens": 300, "ignore_eos": True}
 
-    async def stream() -> list[str]:
-        async with client.stream("POST", "/v1/chat/completions", json=chat(**short)) as r:
+    async def stream(limits: dict) -> list[str]:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(**limits)) as r:
             assert r.status_code == 200
             return await read_events(r)
 
-    running = [asyncio.create_task(stream()) for _ in range(2)]
+    running = [asyncio.create_task(stream(long)) for _ in range(2)]
     await until(lambda: service.registry.total_active == 2)
-    third = asyncio.create_task(stream())
+    third = asyncio.create_task(stream(short))
     await until(lambda: service.registry.total_waiting == 1)  # exactly one has to wait
     results = await asyncio.gather(*running, third)
     assert results[2][0] == ": keep-alive"  # ...and was kept alive meanwhile
