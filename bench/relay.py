@@ -60,6 +60,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PYTHON = sys.executable
 CHAT = "/v1/chat/completions"
 
+FAKE_CTX_PER_SLOT = 4096
 TARGET_THROUGHPUT = 0.98
 TARGET_TTFT_P50_MS = 2.0
 TARGET_TTFT_P99_MS = 10.0
@@ -213,6 +214,9 @@ def start_port(procs: Processes, name: str, upstream: str, slots: int, config_di
         return status == 200 and body["effective_parallel_slots"] == slots
 
     wait_until(ready, proc, f"{name} did not become ready with {slots} slots", procs, name)
+    # Admission counts prompts only when it knows the engine's KV cache: measured with it on.
+    if get_json(port, "/health")[1].get("kv") is None:
+        raise RuntimeError(f"{name} knows no KV cache of its upstream: prompt counting is off")
     return Target(name, port, proc.pid)
 
 
@@ -504,6 +508,7 @@ class SteadyRun:
     chunks: int          # content chunks relayed while the newcomers arrived
     cpu: dict[str, float]
     errors: int
+    counted: int = 0     # prompt counting calls the upstream answered meanwhile
 
 
 @dataclass
@@ -516,12 +521,18 @@ class Steady:
     upstream_pid: int
     targets: list[Target]
     timeout: float
+    prompt_bytes: int = 0  # the newcomers' message (0: "Hello")
+    upstream_port: int = 0  # the synthetic upstream's, to read how often it was asked to count
     runs: dict[str, list[SteadyRun]] = field(default_factory=dict)
 
     @property
     def background_tokens(self) -> int:
         # ramp-up, the newcomers' window and a margin: still flowing after the last one
         return int((0.5 + self.newcomers * self.interval * 1.3 + 1.5) / self.delay)
+
+    @property
+    def prompt_label(self) -> str:
+        return f"{self.prompt_bytes:,} B" if self.prompt_bytes else '"Hello"'
 
     def added_ttft(self, name: str, q: float) -> list[float]:
         return [quantile(a.ttfts, q) - quantile(b.ttfts, q)
@@ -538,7 +549,7 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
     CPU and the chunks relayed are counted from the first arrival to the last newcomer's
     end."""
     background = chat_request(target.port, synthetic_body(s.background_tokens, s.delay))
-    newcomer = chat_request(target.port, synthetic_body(2, s.delay))
+    newcomer = chat_request(target.port, synthetic_body(2, s.delay, s.prompt_bytes))
     flows = [start_stream(target.port, background, s.timeout, i * 0.5 / s.background)
              for i in range(s.background)]
     clients = [c for c, _ in flows]
@@ -550,6 +561,7 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
     pids = {"relay": target.pid} if target.pid is not None else {}
     before = {k: cpu_times(p) for k, p in pids.items()}
     tokens_before = sum(c.tokens for c in clients)
+    counted_before = upstream_counted(s.upstream_port)
     started = time.perf_counter()
     joining = []
     for at in arrivals:
@@ -559,6 +571,7 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
         joining.append(start_stream(target.port, newcomer, s.timeout))
     await asyncio.gather(*(t for _, t in joining))
     chunks = sum(c.tokens for c in clients) - tokens_before + sum(c.tokens for c, _ in joining)
+    counted = upstream_counted(s.upstream_port) - counted_before
     cpu = {}
     for k, p in pids.items():
         user, system = cpu_times(p)
@@ -573,7 +586,15 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
             ttfts.append(c.t_first - c.t_send)
         else:
             errors += 1
-    return SteadyRun(target.name, ttfts, chunks, cpu, errors)
+    return SteadyRun(target.name, ttfts, chunks, cpu, errors, counted)
+
+
+def upstream_counted(port: int) -> int:
+    """Prompt counting calls the synthetic upstream has answered so far (0: unknown)."""
+    if not port:
+        return 0
+    status, body = get_json(port, "/fake/stats")
+    return body["counted"] if status == 200 else 0
 
 
 async def run_steady_rounds(s: Steady, rounds: int, log: Callable[[str], None]) -> Steady:
@@ -591,7 +612,8 @@ async def run_steady_rounds(s: Steady, rounds: int, log: Callable[[str], None]) 
             s.runs[target.name].append(run)
             line.append(f"{target.name} newcomer ttft p50 {quantile(run.ttfts, 0.5) * 1e3:.1f} ms"
                         + (f" ERRORS {run.errors}" if run.errors else ""))
-        log(f"  steady state round {i + 1}/{rounds}: " + " | ".join(line))
+        log(f"  steady state, newcomer prompt {s.prompt_label} round {i + 1}/{rounds}: "
+            + " | ".join(line))
     return s
 
 
@@ -665,7 +687,7 @@ def steady_table(s: Steady) -> list[str]:
     direct = s.runs["direct"]
     d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
     d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
-    rows = [f"Steady state: a newcomer arrives every {s.interval * 1e3:g}–"
+    rows = [f"Steady state: a newcomer (prompt {s.prompt_label}) arrives every {s.interval * 1e3:g}–"
             f"{s.interval * 1.5e3:g} ms ({s.newcomers} per round, 2 tokens each) while "
             f"{s.background} streams flow at one token per {s.delay * 1e3:g} ms; "
             f"{len(direct)} rounds; direct newcomer TTFT p50 / p99 {d50:.1f} / {d99:.1f} ms; "
@@ -673,8 +695,9 @@ def steady_table(s: Steady) -> list[str]:
             "end ÷ content chunks relayed meanwhile",
             "",
             "| relay | newcomer added TTFT p50 ms | newcomer added TTFT p99 ms "
-            "| relay CPU µs per paced chunk (sys) | chunks per round |",
-            "|---|---|---|---|---|"]
+            "| relay CPU µs per paced chunk (sys) | chunks per round "
+            "| upstream counting calls per newcomer |",
+            "|---|---|---|---|---|---|"]
     for name, runs in s.runs.items():
         if name == "direct":
             continue
@@ -683,16 +706,22 @@ def steady_table(s: Steady) -> list[str]:
         rows.append(f"| {name} | {_range(p50, '{:+.1f}')} | {_range(p99, '{:+.1f}')} "
                     f"| {s.cpu_per_chunk(name, 'relay'):.0f} "
                     f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
-                    f"| {median([r.chunks for r in runs]):,.0f} |")
+                    f"| {median([r.chunks for r in runs]):,.0f} "
+                    f"| {median([r.counted / s.newcomers for r in runs]):.2f} |")
     return rows
 
 
 # --- the benchmark ------------------------------------------------------------------------------
 
 
-def synthetic_body(tokens: int, delay: float) -> bytes:
+def synthetic_body(tokens: int, delay: float, prompt_bytes: int = 0) -> bytes:
+    """A streamed chat request; its message is "Hello", or `prompt_bytes` bytes of words."""
+    content = "Hello"
+    if prompt_bytes > 0:
+        words = "the relay counts this prompt before admission "
+        content = (words * (prompt_bytes // len(words) + 1))[:prompt_bytes]
     return json.dumps({"model": "fake-model", "stream": True,
-                       "messages": [{"role": "user", "content": "Hello"}],
+                       "messages": [{"role": "user", "content": content}],
                        "fake": {"n_tokens": tokens, "delay": delay}}).encode()
 
 
@@ -717,10 +746,14 @@ def stop_children(procs: Processes) -> None:
 
 async def synthetic(args: argparse.Namespace, procs: Processes, work: Path,
                     log: Callable[[str], None]) -> tuple[list[Scenario], Scenario | None,
-                                                         Steady | None]:
+                                                         list[Steady]]:
     slots = max([*args.streams, args.sat_streams, args.steady_background + 1])
+    # A pool of 4,096 tokens per slot, reported as the per-slot context (llama-server
+    # with a unified cache does so): every stream fits at once with the default output
+    # budget, so admission counts every prompt and never queues.
     fake = procs.start("fake-upstream", [PYTHON, "-m", "tests.fake_upstream", "--host", HOST,
-                                         "--port", "0", "--slots", str(slots)])
+                                         "--port", "0", "--slots", str(slots),
+                                         "--n-ctx", str(slots * FAKE_CTX_PER_SLOT)])
     fake_port = int(procs.wait_for_line("fake-upstream", fake,
                                         r"fake llama-server on http://127\.0\.0\.1:(\d+)").group(1))
     upstream = f"http://{HOST}:{fake_port}"
@@ -752,11 +785,12 @@ async def synthetic(args: argparse.Namespace, procs: Processes, work: Path,
                      args.sat_tokens, timeout=180)
         saturation = await run_scenario(s, args.sat_rounds, log)
 
-    steady = None
+    steady = []
     if args.steady_newcomers > 0:
-        steady = Steady(args.steady_background, args.steady_newcomers, args.steady_interval,
-                        args.delay, fake.pid, [*ports, direct, floor], timeout)
-        steady = await run_steady_rounds(steady, args.steady_rounds, log)
+        for size in args.steady_prompt_bytes:
+            s = Steady(args.steady_background, args.steady_newcomers, args.steady_interval,
+                       args.delay, fake.pid, [*ports, direct, floor], timeout, size, fake_port)
+            steady.append(await run_steady_rounds(s, args.steady_rounds, log))
     stop_children(procs)
     return realistic, saturation, steady
 
@@ -841,6 +875,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steady state: a newcomer every this many seconds, plus up to half "
                         "as much jitter (0.1)")
     p.add_argument("--steady-rounds", type=int, help="steady state rounds (3; quick 1)")
+    p.add_argument("--steady-prompt-bytes", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[0, 16000],
+                   help="steady state: the newcomers' prompt sizes in bytes, one scenario "
+                        "each, comma separated; 0 = \"Hello\", which the port's byte bound "
+                        "admits without counting; 16000 is counted by the upstream (0,16000)")
     p.add_argument("--aiohttp", action="store_true",
                    help="also measure the port with aiohttp's client on the upstream leg "
                         "(port-aiohttp, bench/variants/aiohttp_port.py)")
@@ -900,11 +939,11 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
     out += rows
     if saturation is not None:
         out += ["", *saturation_table(saturation)]
-    if steady is not None:
-        out += ["", *steady_table(steady)]
+    for s in steady:
+        out += ["", *steady_table(s)]
     errors = sum(s.errors() for s in [*realistic, saturation, llama] if s is not None)
-    if steady is not None:
-        errors += sum(r.errors for runs in steady.runs.values() for r in runs)
+    for s in steady:
+        errors += sum(r.errors for runs in s.runs.values() for r in runs)
     out += ["", f"Targets for the port at the realistic rate with arrivals spread over "
                 f"{args.spread:g} s (throughput ≥ {TARGET_THROUGHPUT}× direct, "
                 f"added TTFT p50 ≤ {TARGET_TTFT_P50_MS:g} ms, p99 ≤ {TARGET_TTFT_P99_MS:g} ms; "

@@ -10,7 +10,12 @@ path (no delay), to measure the port's own cost.
 Endpoints, in llama-server's shapes: `GET /health` (503 while `loading`), `GET /props`
 (`total_slots`, `default_generation_settings.n_ctx`), `GET /slots`, `GET /v1/models`,
 `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/messages`,
-`/v1/embeddings`, streamed (`"stream": true`) or not.
+`/v1/embeddings`, streamed (`"stream": true`) or not; and the routes the port counts
+prompts with (`/v1/chat/completions/input_tokens`, `/v1/responses/input_tokens`,
+`/v1/messages/count_tokens`, `/apply-template`, `/tokenize`), with plausible counts:
+one token per 4 bytes of text (rounded up), a ChatML-like template (4 tokens per
+message, 3 for the generation prompt) and a BOS.  Those are recorded in `counted`, not
+in `requests`.
 
 Behaviour is set on the `FakeUpstream` object (defaults for every request) and can be
 overridden per request with a `"fake"` object in the JSON body, e.g.
@@ -27,7 +32,9 @@ overridden per request with a `"fake"` object in the JSON body, e.g.
 Every request is recorded in `requests` (path and parsed body); streams whose client
 went away before the end are counted in `disconnects`.
 
-Run on its own: `python -m tests.fake_upstream --port 8081 --slots 4 --delay 0.02`.
+Run on its own: `python -m tests.fake_upstream --port 8081 --slots 4 --delay 0.02`
+(`--n-ctx` sets the per-slot context `/props` reports, which an attached port takes as
+its KV cache).
 """
 
 from __future__ import annotations
@@ -102,6 +109,7 @@ class FakeUpstream:
         self.hang = False
         self.status: int | None = None
         self.requests: list[Received] = []
+        self.counted: list[Received] = []  # prompt counting calls (input_tokens, tokenize, ...)
         self.active = 0
         self.disconnects = 0
         self.completed = 0
@@ -150,6 +158,12 @@ class FakeUpstream:
             Route("/v1/responses", self._responses, methods=["POST"]),
             Route("/v1/messages", self._messages, methods=["POST"]),
             Route("/v1/embeddings", self._embeddings, methods=["POST"]),
+            Route("/v1/chat/completions/input_tokens", self._input_tokens, methods=["POST"]),
+            Route("/v1/responses/input_tokens", self._input_tokens, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._input_tokens, methods=["POST"]),
+            Route("/apply-template", self._apply_template, methods=["POST"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/fake/stats", self._stats),  # not llama-server's: for the benchmark
         ]
         return Starlette(routes=routes)
 
@@ -162,6 +176,9 @@ class FakeUpstream:
         return JSONResponse({"total_slots": self.slots, "model_alias": self.model,
                              "model_path": MODEL_PATH,
                              "default_generation_settings": {"n_ctx": self.n_ctx}})
+
+    async def _stats(self, request: Request) -> Response:
+        return JSONResponse({"requests": len(self.requests), "counted": len(self.counted)})
 
     async def _slots(self, request: Request) -> Response:
         return JSONResponse([{"id": i, "is_processing": i < self.active} for i in range(self.slots)])
@@ -196,6 +213,41 @@ class FakeUpstream:
         if plan.status:
             return _error(int(plan.status), plan.error_type, plan.message)
         return body, plan
+
+    # --- prompt counting -------------------------------------------------------------
+
+    async def _counting_body(self, request: Request) -> dict[str, Any] | Response:
+        if self.loading:
+            return _error(503, "unavailable_error", "Loading model")
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error(400, "invalid_request_error", "bad json")
+        if not isinstance(body, dict):
+            return _error(400, "invalid_request_error", "not an object")
+        self.counted.append(Received(request.url.path, body))
+        return body
+
+    async def _input_tokens(self, request: Request) -> Response:
+        body = await self._counting_body(request)
+        if isinstance(body, Response):
+            return body
+        return JSONResponse({"input_tokens": _chat_tokens(body)})
+
+    async def _apply_template(self, request: Request) -> Response:
+        body = await self._counting_body(request)
+        if isinstance(body, Response):
+            return body
+        turns = "".join(f"<|im_start|>{m.get('role', 'user')}\n{_texts(m.get('content'))}<|im_end|>\n"
+                        for m in body.get("messages") or [] if isinstance(m, dict))
+        return JSONResponse({"prompt": turns + "<|im_start|>assistant\n"})
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await self._counting_body(request)
+        if isinstance(body, Response):
+            return body
+        n = _text_tokens(str(body.get("content", ""))) + (1 if body.get("add_special") else 0)
+        return JSONResponse({"tokens": list(range(n))})
 
     # --- generation ------------------------------------------------------------------
 
@@ -370,6 +422,33 @@ def _limit(body: dict[str, Any]) -> int | None:
     return min(values) if values else None
 
 
+def _text_tokens(text: str) -> int:
+    """Plausible BPE-like count: one token per 4 bytes, rounded up."""
+    return (len(text.encode()) + 3) // 4
+
+
+def _texts(value: Any) -> str:
+    """Every string inside `value` (content parts, tool schemas), joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return " ".join(_texts(v) for v in value)
+    if isinstance(value, dict):
+        return " ".join(_texts(v) for v in value.values())
+    return ""
+
+
+def _chat_tokens(body: dict[str, Any]) -> int:
+    """Prompt tokens of a chat, Responses or messages body under a ChatML-like template:
+    BOS, 4 per message or input item, the texts, the tools, 3 for the generation prompt."""
+    turns = [*(body.get("messages") or []),
+             *(body.get("input") if isinstance(body.get("input"), list) else [body.get("input")]),
+             body.get("system"), body.get("instructions")]
+    turns = [t for t in turns if t]
+    text = " ".join(_texts(t) for t in turns) + " " + _texts(body.get("tools"))
+    return 1 + 4 * len(turns) + _text_tokens(text.strip()) + 3
+
+
 def _text(n: int) -> str:
     return "".join(f"tok{i} " for i in range(n))
 
@@ -404,8 +483,11 @@ async def _main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--n-tokens", type=int, default=64)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--n-ctx", type=int, default=4096,
+                        help="the per-slot context /props reports (4096)")
     args = parser.parse_args()
-    fake = FakeUpstream(slots=args.slots, n_tokens=args.n_tokens, delay=args.delay)
+    fake = FakeUpstream(slots=args.slots, n_ctx=args.n_ctx, n_tokens=args.n_tokens,
+                        delay=args.delay)
     await fake.start(args.host, args.port)
     print(f"fake llama-server on {fake.base_url}", flush=True)
     try:
