@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from backend import event_loop
 from backend.accelerators import BACKENDS
 from backend.api_keys import read_api_key_file
 from backend.engine import Engine, BuildProgress
@@ -161,7 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
     if file_key is not None:
         settings = settings.replace(api_key=file_key)
     try:
-        return asyncio.run(_serve_async(settings, attach))
+        return event_loop.run(_serve_async(settings, attach))
     except KeyboardInterrupt:
         return 0
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
 import platformdirs
 
+from backend import event_loop
 from backend.admission import AdmissionQueue, AdmissionRegistry
 from backend.engine import Engine, detect_accelerators
 from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsError
@@ -229,7 +230,7 @@ class BackendThread:
     """An asyncio loop in a thread of its own, for a caller (the window) on another loop."""
 
     def __init__(self, name: str = "gguf-studio-backend") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop()  # uvloop's where installed
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
