@@ -118,6 +118,7 @@ class Driver(QObject):
             "lag_p50_ms": round(statistics.median(lags), 2) if lags else None,
             "lag_p99_ms": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2) if lags else None,
             "lag_max_ms": round(lags[-1], 2) if lags else None,
+            "backend_loop": type(self.window.bridge.backend_thread.loop).__module__,
         }
         print(json.dumps(report), flush=True)
         self.window.ask = self._answer_yes
