@@ -1,0 +1,56 @@
+"""The fake upstream answers llama-server's counting routes, so a port attached to it
+(`bench/relay.py`) counts prompts for real: short ones by the byte bound, long ones by
+asking it."""
+
+from __future__ import annotations
+
+import json
+
+from backend.kv_capacity import KvCapacity
+from backend.prompt_tokens import TEXT_SLACK, HttpEngineTokenizer, PromptCounter, request_need
+from tests.fake_upstream import FakeUpstream
+
+CHAT = "/v1/chat/completions"
+
+
+def body(content: str) -> dict:
+    return {"model": "fake-model", "stream": True,
+            "messages": [{"role": "user", "content": content}]}
+
+
+async def test_a_port_counts_long_prompts_with_the_fake_and_bounds_short_ones():
+    slots = 64
+    async with FakeUpstream(slots=slots, n_ctx=slots * 4096) as fake:
+        tokenizer = HttpEngineTokenizer(fake.base_url)
+        counter = PromptCounter(tokenizer)
+        kv = KvCapacity.shared(slots * 4096)
+        try:
+            short, long_ = body("Hello"), body("word " * 3200)
+            short_need = await request_need(counter, CHAT, short, len(json.dumps(short)),
+                                            kv=kv, slots=slots)
+            probes = len(fake.counted)  # the template's fixed part, measured once
+            long_need = await request_need(counter, CHAT, long_, len(json.dumps(long_)),
+                                           kv=kv, slots=slots)
+        finally:
+            await tokenizer.aclose()
+    assert probes == 1 and fake.counted[0].body["messages"][0]["content"] == "x"
+    assert [r.path for r in fake.counted[probes:]] == ["/v1/chat/completions/input_tokens"]
+    assert fake.counted[-1].body == long_
+    # ~4 bytes a token: 16,000 bytes of words count as ~4,000 tokens, well under the
+    # 16,000+ the byte bound would have reserved; nothing reached the chat route.
+    assert 3900 < long_need.prompt < 4100
+    # the short one: reserved at its byte bound, without asking
+    assert short_need.prompt == len(json.dumps(short)) + counter.template_base + TEXT_SLACK
+    assert fake.requests == []
+
+
+async def test_the_fake_tokenizes_and_applies_a_template_like_an_older_engine():
+    async with FakeUpstream() as fake:
+        tokenizer = HttpEngineTokenizer(fake.base_url)
+        try:
+            prompt = await tokenizer.apply_template(body("Hello there"))
+            tokens = await tokenizer.tokenize(prompt)
+        finally:
+            await tokenizer.aclose()
+    assert prompt.endswith("<|im_start|>assistant\n") and "Hello there" in prompt
+    assert tokens == (len(prompt.encode()) + 3) // 4 + 1  # one per 4 bytes, and a BOS
