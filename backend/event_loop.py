@@ -4,9 +4,9 @@ asyncio's own.
 Why uvloop: with 63 streams flowing at one token per 20 ms, most of the port's CPU per
 relayed chunk is the loop itself (epoll, callbacks, socket reads and writes in Python);
 uvloop does that part in C.  `bench/relay.py` measured the port's CPU per paced chunk at
-38 µs with uvloop against 47-56 µs with asyncio's loop in the same run (see
-bench/README.md, "The port's event loop").  Nothing else changes: the backend uses only
-the asyncio API, which uvloop implements.
+38 / 38 µs with uvloop against 47 / 56 µs with asyncio's loop in one run, 44 / 52 against
+50 / 55 µs in another (bench/README.md, "The port's event loop").  Nothing else changes:
+the backend uses only the asyncio API, which uvloop implements.
 
 uvloop is optional: it does not exist on Windows, and `GGUF_STUDIO_EVENT_LOOP=asyncio`
 chooses asyncio's loop anyway (to rule uvloop out when something misbehaves).
