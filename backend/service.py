@@ -125,12 +125,16 @@ class StudioService:
         await self._retire_current_load()
         supervisor = self._supervisor
         if supervisor is None or supervisor.binary != binary:
-            await self._close_backend()
+            # Swapped in before anything is awaited, so a load asked for meanwhile uses
+            # this supervisor (which serializes loads) rather than making its own.
+            previous = self._backend
             supervisor = Supervisor(
                 binary, self.log_dir, load_timeout=self.settings.load_timeout,
                 stop_timeout=self.settings.stop_timeout, max_restarts=self.settings.max_restarts)
             self._attach(supervisor)
             self._supervisor = supervisor
+            if previous is not None:
+                await previous.close()
         try:
             return await supervisor.load(spec)
         except BaseException:
@@ -170,14 +174,20 @@ class StudioService:
     def _attach(self, backend: LoadBackend) -> None:
         self._backend = backend
         self._restarts_seen = 0
-        backend.add_listener(self._on_backend_snapshot)
+        def on_snapshot(snapshot: Snapshot) -> None:
+            if self._backend is backend:  # a replaced backend's last words are not news
+                self._on_backend_snapshot(snapshot)
+
+        backend.add_listener(on_snapshot)
         backend.add_log_listener(self._log_listeners)
 
     async def _close_backend(self) -> None:
-        backend, self._backend = self._backend, None
+        backend = self._backend
         self._supervisor = None
         if backend is not None:
-            await backend.close()
+            await backend.close()  # its last snapshot (stopped) still reaches listeners
+        if self._backend is backend:
+            self._backend = None
 
     async def _retire_current_load(self) -> None:
         """No new request goes to the current load; those running on it get

@@ -62,6 +62,10 @@ class Supervisor:
         self._kv_reader = KvLoadReader()
         self._task: asyncio.Task | None = None
         self._report = EngineReportReader()
+        # Loads and unloads take turns; `_wanted` counts requests so that only the
+        # latest one starts an engine (a load overtaken while it waited never does).
+        self._switching = asyncio.Lock()
+        self._wanted = 0
 
     # --- public -------------------------------------------------------------------------
 
@@ -81,20 +85,43 @@ class Supervisor:
     async def load(self, spec: LoadSpec) -> Snapshot:
         """Stop whatever runs, start `spec`, and return once it is ready.
 
-        Raises a LoadError subclass when it does not become ready.  The load keeps
-        being supervised (restarted after crashes) until `unload` or the next `load`.
+        Raises a LoadError subclass when it does not become ready, and LoadSuperseded
+        when a later `load` or `unload` came first.  Loads and unloads are serialized
+        and the last one asked for wins, so exactly one engine ever runs.  The load
+        keeps being supervised (restarted after crashes) until `unload` or the next
+        `load`.
         """
-        await self.unload()
-        ready: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
-        self._task = asyncio.create_task(self._own(spec, ready), name=f"supervise {spec.name}")
+        self._wanted += 1
+        mine = self._wanted
+        async with self._switching:
+            if mine != self._wanted:
+                raise LoadSuperseded("Another load was asked for before this one started.")
+            await self._stop_task()
+            if mine != self._wanted:  # asked for while the old engine stopped
+                raise LoadSuperseded("Another load was asked for before this one started.")
+            ready: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._own(spec, ready), name=f"supervise {spec.name}")
+            # A task cancelled before its first step never runs `_own`, so never answers.
+            task.add_done_callback(lambda _: _supersede(ready))
+            self._task = task
         try:
             return await asyncio.shield(ready)
         except asyncio.CancelledError:
-            # Our caller gave up on this load, so nobody wants it any more.
-            await self.unload()
+            # Our caller gave up on this load, so nobody wants it any more (unless a
+            # later load already replaced it: that one is wanted).
+            if self._task is task:
+                await self.unload()
             raise
 
     async def unload(self) -> None:
+        self._wanted += 1
+        async with self._switching:
+            await self._stop_task()
+
+    async def close(self) -> None:
+        await self.unload()
+
+    async def _stop_task(self) -> None:
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -105,9 +132,6 @@ class Supervisor:
         if self._snapshot.state is not State.STOPPED:
             self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, kv=None, pid=None,
                             restarting=False)
-
-    async def close(self) -> None:
-        await self.unload()
 
     # --- the task that owns the child ------------------------------------------------------
 
@@ -372,6 +396,11 @@ class _Child:
                 self._log_file.write(line + "\n")
                 self._log_file.flush()
             self._on_line(line)
+
+
+def _supersede(ready: "asyncio.Future[Snapshot]") -> None:
+    if not ready.done():
+        ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:

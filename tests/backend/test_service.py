@@ -315,3 +315,21 @@ def test_urls_name_every_address_when_bound_to_all():
     assert "http://127.0.0.1:8899/v1" in urls
     assert urls[-1] == "http://127.0.0.1:8899/v1"  # loopback last: the LAN ones matter more
     assert client_urls("127.0.0.1", 8899) == ["http://127.0.0.1:8899/v1"]
+
+
+async def test_loads_clicked_in_quick_succession_leave_one_engine_serving_the_last(service, client,
+                                                                                    tiny_model):
+    """What the window's Load button does when clicked again while a model starts (it stays
+    enabled so that another model can be chosen mid-load): the last click wins."""
+    from tests.backend.test_supervisor import llama_server_children
+
+    async with asyncio.timeout(120):
+        results = await asyncio.gather(*(service.load(spec(tiny_model, parallel=str(n), ctx=2048))
+                                         for n in (1, 2, 3)), return_exceptions=True)
+    last = results[-1]
+    assert not isinstance(last, BaseException), last
+    assert llama_server_children() == [last.pid]
+    assert service.snapshot().effective_parallel_slots == 3
+    assert service.registry.current.capacity == 3
+    answer = await client.post("/v1/chat/completions", json=chat(stream=False, max_tokens=2))
+    assert answer.status_code == 200

@@ -284,3 +284,44 @@ def test_the_engine_leaves_one_core_to_the_app_unless_told_otherwise(tiny_model)
     assert auto[auto.index("--threads") + 1] == str(default_threads())
     chosen = build_command(Path("llama-server"), LoadSettings(threads=3).to_spec(str(tiny_model)), 1234)
     assert chosen[chosen.index("--threads") + 1] == "3"
+
+
+def llama_server_children() -> list[int]:
+    """Live llama-server processes whose parent is this test process, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        if comm == "llama-server" and fields[0] != "Z" and int(fields[1]) == os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+async def test_overlapping_loads_and_unloads_leave_exactly_the_last_load_running(supervisor, tiny_model):
+    specs = [LoadSettings(parallel=str(n), ctx_size=1024).to_spec(str(tiny_model)) for n in range(1, 7)]
+    calls = []
+    for i, spec in enumerate(specs):
+        calls.append(supervisor.load(spec))
+        if i % 2:
+            calls.append(supervisor.unload())
+    calls.append(supervisor.load(specs[2]))  # the last word
+    async with asyncio.timeout(120):  # before serialization, a superseded load could wait forever
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    try:
+        last = results[-1]
+        assert isinstance(last, Snapshot) and last.state is State.READY
+        assert all(r is None or isinstance(r, (Snapshot, LoadSuperseded)) for r in results), results
+        assert llama_server_children() == [last.pid]
+        assert supervisor.snapshot.state is State.READY
+        assert supervisor.snapshot.pid == last.pid
+        assert supervisor.snapshot.requested == specs[2].settings
+        assert (await props(last.base_url))["total_slots"] == 3
+    finally:
+        await supervisor.unload()
+    assert llama_server_children() == []
