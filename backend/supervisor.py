@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from backend.engine_api import EngineClient, EngineProps
+from backend.engine_log import for_display, read_lines
 from backend.engine_report import EngineReportReader, gpu_failure_reason
 from backend.errors import (
     EngineExitedDuringLoad,
@@ -389,13 +390,13 @@ class _Child:
 
     async def _copy_output(self) -> None:
         assert self.proc.stdout is not None
-        async for raw in self.proc.stdout:
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self._tail.append(line)
+        async for line in read_lines(self.proc.stdout):
             if not self._log_file.closed:
                 self._log_file.write(line + "\n")
                 self._log_file.flush()
-            self._on_line(line)
+            shown = for_display(line)
+            self._tail.append(shown)
+            self._on_line(shown)
 
 
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:

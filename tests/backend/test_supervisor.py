@@ -325,3 +325,25 @@ async def test_overlapping_loads_and_unloads_leave_exactly_the_last_load_running
     finally:
         await supervisor.unload()
     assert llama_server_children() == []
+
+
+async def test_engine_keeps_answering_after_log_lines_longer_than_64_kib(supervisor, tiny_model):
+    """llama-server -v logs each /v1/responses request, converted, as one line; a reader
+    that stopped at the first long line let the pipe fill, then the engine's log queue,
+    and then every engine thread that logs (so every request) blocked."""
+    spec = LoadSettings(parallel="1", ctx_size=1024, extra_args=("-v",)).to_spec(str(tiny_model))
+    snapshot = await supervisor.load(spec)
+    marker = "LONGLINE-"
+    words = "x " * 50_000  # one ~100 KB log line per request
+    body = {"model": "tiny", "input": marker + words, "max_output_tokens": 1}
+    async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=15) as client:
+        for _ in range(40):  # far more than the pipe (64 KiB) and the engine's log queue hold
+            response = await client.post("/v1/responses", json=body)
+            assert response.status_code == 400  # the prompt is longer than the context
+        assert (await client.post("/tokenize", json={"content": "hi"})).status_code == 200
+    long_lines = [line for line in supervisor.log_tail(1000) if marker in line]
+    assert long_lines, "the long lines reach the tail"
+    assert all(len(line) <= 4096 for line in long_lines)  # cut for display
+    await supervisor.unload()
+    logged = Path(snapshot.log_path).read_text()
+    assert logged.count(marker + words.rstrip()) >= 40  # the file keeps every long line whole
