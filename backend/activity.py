@@ -190,11 +190,13 @@ class ActivitySampler:
         engine: EngineClient | None = None
         try:
             while True:
-                base_url = self.service.snapshot().base_url
-                if base_url and (engine is None or engine.base_url != base_url):
+                snapshot = self.service.snapshot()
+                base_url = snapshot.base_url
+                if base_url and (engine is None or engine.base_url != base_url
+                                 or engine.api_key != snapshot.api_key):
                     if engine is not None:
                         await engine.aclose()
-                    engine = EngineClient(base_url, timeout=5.0)
+                    engine = EngineClient(base_url, api_key=snapshot.api_key, timeout=5.0)
                 if base_url and engine is not None:
                     text = await engine.metrics_text()
                     value = parse_prometheus_value(text, "llamacpp:tokens_predicted_total") \

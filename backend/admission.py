@@ -111,6 +111,11 @@ class Ticket:
         return self.queue.key
 
     @property
+    def api_key(self) -> str | None:
+        """The key the engine of this ticket's load requires (it travels with the load)."""
+        return self.queue.api_key
+
+    @property
     def admitted(self) -> bool:
         return self.state is TicketState.ADMITTED
 
@@ -241,6 +246,8 @@ class AdmissionQueue:
                  clock: Clock = time.monotonic,
                  on_change: Callable[[AdmissionQueue], None] | None = None) -> None:
         self.key = key
+        #: What the engine at `key` requires in its Authorization header, if anything.
+        self.api_key: str | None = None
         self.capacity = _check_capacity(capacity)
         #: None: the cache is unknown and only slots are counted.
         self.kv = kv
@@ -540,7 +547,7 @@ class AdmissionRegistry:
     # --- lifecycle -------------------------------------------------------------------
 
     def activate(self, key: str, capacity: int,
-                 kv: KvCapacity | None = None) -> AdmissionQueue:
+                 kv: KvCapacity | None = None, *, api_key: str | None = None) -> AdmissionQueue:
         """A load at `key` became ready with `capacity` slots: make its queue current.
 
         Requests still waiting in earlier queues move to this one, ahead of anyone
@@ -560,6 +567,7 @@ class AdmissionRegistry:
                 queue.capacity = capacity
                 queue.kv = kv
                 queue.max_waiting = self._max_waiting_for(capacity)
+            queue.api_key = api_key
             earlier = list(self._queues.values())
             self._queues[key] = queue
             self._current = queue

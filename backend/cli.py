@@ -154,6 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings.replace(extra_args=list(args.extra_arg))
     # A key kept in a file stays there: --save never copies it into settings.json.
     file_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
+    upstream_key = read_api_key_file(args.upstream_api_key_file) if args.upstream_api_key_file \
+        else args.upstream_api_key
     attach = args.model is None and bool(settings.upstream)
     if not attach and not settings.model:
         raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
@@ -162,12 +164,12 @@ def _serve(args: argparse.Namespace) -> int:
     if file_key is not None:
         settings = settings.replace(api_key=file_key)
     try:
-        return event_loop.run(_serve_async(settings, attach))
+        return event_loop.run(_serve_async(settings, attach, upstream_key))
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve_async(settings: Settings, attach: bool) -> int:
+async def _serve_async(settings: Settings, attach: bool, upstream_key: str | None = None) -> int:
     from backend.service import StudioService
     from backend.load import Snapshot, State
 
@@ -201,7 +203,7 @@ async def _serve_async(settings: Settings, attach: bool) -> int:
         for url in urls:
             print(f"  {url}", flush=True)
         if attach:
-            await service.attach_upstream(settings.upstream)
+            await service.attach_upstream(settings.upstream, api_key=upstream_key)
         else:
             from backend.gguf_info import read_model_info
 
@@ -428,6 +430,12 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key-file", metavar="PATH",
                       help="read the key clients must send from this file, so that it never "
                       f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
+    upstream_keys = serve.add_mutually_exclusive_group()
+    upstream_keys.add_argument("--upstream-api-key", metavar="KEY",
+                               help="the key the --upstream llama-server requires (its --api-key)")
+    upstream_keys.add_argument("--upstream-api-key-file", metavar="PATH",
+                               help="read the --upstream llama-server's key from this file "
+                               "(kept out of the process list)")
     serve.add_argument("--allow-no-key", action="store_true", default=None,
                        help="listen beyond loopback without a key (anyone can use the model)")
     serve.add_argument("--allow-origin", dest="allow_origins", action="append", metavar="ORIGIN",

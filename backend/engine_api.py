@@ -25,12 +25,20 @@ class EngineProps:
     model_alias: str | None
 
 
+def engine_headers(api_key: str | None) -> dict[str, str]:
+    """What every request to the engine carries so that an engine started with
+    `--api-key` (ours always are) accepts it."""
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class EngineClient:
     """llama-server's /health, /props and /metrics at `base_url`; use as `async with`."""
 
-    def __init__(self, base_url: str, *, timeout: float = 5.0) -> None:
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 5.0) -> None:
         self.base_url = base_url
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, trust_env=False)
+        self.api_key = api_key
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, trust_env=False,
+                                         headers=engine_headers(api_key))
 
     async def __aenter__(self) -> "EngineClient":
         return self

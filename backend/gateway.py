@@ -194,7 +194,8 @@ class Gateway:
             # No idle connection is kept to the engine for counting: llama-server waits
             # for its open connections before it stops, which would slow every reload.
             counter = PromptCounter(HttpEngineTokenizer(
-                queue.key, client=self.client, headers={"Connection": "close"}))
+                queue.key, api_key=queue.api_key, client=self.client,
+                headers={"Connection": "close"}))
             held = self._counters[queue.key] = (queue, counter)
             for key in [k for k, (q, _) in self._counters.items() if q.retired]:
                 del self._counters[key]

@@ -21,10 +21,12 @@ from backend.errors import SettingsError
 from backend.kv_capacity import KvCapacity, planned_capacity
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 
-# Flags GGUF Studio owns; a user's extra arguments may not override them.
+# Flags GGUF Studio owns; a user's extra arguments may not override them.  Every
+# spelling the pinned llama.cpp accepts (common/arg.cpp; tests check them against it):
+# llama.cpp reads `--api_key` as `--api-key`, and we also refuse `--flag=value`.
 OWNED_FLAGS = frozenset({
     "-m", "--model", "--host", "--port", "-np", "--parallel", "--api-key",
-    "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "--hf-repo",
+    "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.
@@ -57,7 +59,7 @@ class LoadSettings:
         parallel = str(self.parallel)
         if parallel != "auto" and not (parallel.isdigit() and int(parallel) > 0):
             raise SettingsError(f"Parallel slots must be 'auto' or a positive number, not {self.parallel!r}.")
-        owned = sorted(set(self.extra_args) & OWNED_FLAGS)
+        owned = sorted({flag for flag in map(_flag_name, self.extra_args) if flag in OWNED_FLAGS})
         if owned:
             raise SettingsError(
                 f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
@@ -150,12 +152,21 @@ class Snapshot:
     engine: EngineReport | None = None
     # The last load failed on the GPU; the same load with no GPU layers may work.
     cpu_retry_offered: bool = False
+    # The key the engine's own port requires (a random one per start of a managed engine,
+    # so no other local process can use the engine around the gateway's key and queue).
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
     def describe_kv(self) -> str:
         """What the engine really gave, for people; "" while unknown."""
         if self.kv is None or not self.effective_parallel_slots:
             return ""
         return "Engine gave: " + self.kv.describe(self.effective_parallel_slots) + "."
+
+
+def _flag_name(arg: str) -> str:
+    """The option an argument names, as llama.cpp spells it: `--api_key=x` is `--api-key`."""
+    name = arg.split("=", 1)[0]
+    return name.replace("_", "-") if name.startswith("--") else name
 
 
 Listener = Callable[[Snapshot], None]

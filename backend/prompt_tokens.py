@@ -56,6 +56,7 @@ from typing import Any, Protocol
 import httpx
 
 from backend.kv_capacity import KvCapacity, TokenNeed
+from backend.engine_api import engine_headers
 from backend.upstream_http import UpstreamClient
 
 __all__ = [
@@ -309,10 +310,12 @@ async def request_need(counter: PromptCounter, route: str, body: Mapping[str, An
 class HttpEngineTokenizer:
     """EngineTokenizer over llama-server's HTTP routes at `base_url`."""
 
-    def __init__(self, base_url: str, *, headers: Mapping[str, str] | None = None,
+    def __init__(self, base_url: str, *, api_key: str | None = None,
+                 headers: Mapping[str, str] | None = None,
                  client: UpstreamClient | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Content-Type": "application/json", **(headers or {})}
+        self._headers = {"Content-Type": "application/json", **engine_headers(api_key),
+                         **(headers or {})}
         self._client = client or UpstreamClient(connect_timeout=5.0, max_idle=8)
         self._owns_client = client is None
 

@@ -26,6 +26,7 @@ import httpx
 from backend import gateway_errors
 from backend import sse
 from backend.admission import AdmissionQueue, Ticket, TokenNeed
+from backend.engine_api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
                             UpstreamFailed, UpstreamUnavailable)
 from backend.upstream_http import MalformedAnswer
@@ -453,7 +454,8 @@ class Exchange:
         """Forward to the ticket's load; returns the last messages still to send."""
         request = self.client.build_request("POST", ticket.base_url + self.request.path,
                                             content=self.request.parsed.body,
-                                            headers=UPSTREAM_HEADERS)
+                                            headers={**UPSTREAM_HEADERS,
+                                                     **engine_headers(ticket.api_key)})
         with self._upstream_failures(ticket, connecting=True):
             upstream = await self.client.send(request, stream=True)
         try:

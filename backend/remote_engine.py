@@ -28,8 +28,9 @@ log = logging.getLogger("gguf_studio.remote_engine")
 class RemoteEngine:
     """Watches a llama-server at `url`; a `LoadBackend` without a process or logs."""
 
-    def __init__(self, url: str, *, interval: float = 1.0) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, interval: float = 1.0) -> None:
         self.base_url = normalise_base_url(url)
+        self.api_key = api_key
         self.interval = interval
         self._snapshot = Snapshot(model_id=None, model_path=None)
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "remote engine listener")
@@ -65,7 +66,7 @@ class RemoteEngine:
         await self.unload()
 
     async def _watch(self) -> None:
-        async with EngineClient(self.base_url, timeout=5.0) as engine:
+        async with EngineClient(self.base_url, api_key=self.api_key, timeout=5.0) as engine:
             while True:
                 healthy = await engine.healthy()
                 ready = self._snapshot.state is State.READY
@@ -75,7 +76,7 @@ class RemoteEngine:
                     except LoadError as exc:
                         log.warning("remote engine is healthy but unusable: %s; retrying", exc)
                     else:
-                        self._set_state(State.READY, base_url=self.base_url,
+                        self._set_state(State.READY, base_url=self.base_url, api_key=self.api_key,
                                         effective_parallel_slots=props.effective_parallel_slots,
                                         context_length=props.context_length,
                                         kv=kv_from_props(props.context_length),

@@ -149,12 +149,12 @@ class StudioService:
         return await self.load(dataclasses.replace(
             spec, settings=dataclasses.replace(spec.settings, n_gpu_layers="none")))
 
-    async def attach_upstream(self, url: str) -> Snapshot:
+    async def attach_upstream(self, url: str, api_key: str | None = None) -> Snapshot:
         """Serve a llama-server that runs elsewhere.  Returns at once; the snapshot turns
         ready (slots read from its /props) whenever it answers healthy."""
         await self._retire_current_load()
         await self._close_backend()
-        remote = RemoteEngine(url)
+        remote = RemoteEngine(url, api_key=api_key)
         self._attach(remote)
         return await remote.start()
 
@@ -222,7 +222,7 @@ class StudioService:
         previous, self._snapshot = self._snapshot, snapshot
         if snapshot.state is State.READY and snapshot.base_url and snapshot.effective_parallel_slots:
             self.registry.activate(snapshot.base_url, snapshot.effective_parallel_slots,
-                                   snapshot.kv)
+                                   snapshot.kv, api_key=snapshot.api_key)
         elif previous.state is State.READY and snapshot.state is not State.READY:
             # A crash or a stop: nothing new may go to this load.
             self.registry.retire_current()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import replace
@@ -164,7 +167,7 @@ class Supervisor:
                     continue
                 bind_retries = 0
                 became_ready = time.monotonic()
-                self._set_state(State.READY, base_url=child.base_url,
+                self._set_state(State.READY, base_url=child.base_url, api_key=child.key.value,
                                 effective_parallel_slots=props.effective_parallel_slots,
                                 context_length=props.context_length,
                                 kv=self._kv_reader.capacity(props.effective_parallel_slots)
@@ -228,17 +231,22 @@ class Supervisor:
     async def _spawn(self, spec: LoadSpec, port: int) -> "_Child":
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
-        args = build_command(self.binary, spec, port)
+        key = _EngineKey.create()
+        args = build_command(self.binary, spec, port, api_key_file=key.path)
         self._kv_reader = KvLoadReader()  # this start's cache, read from its own output
         self._report = EngineReportReader()
-        child = await _Child.start(args, port, log_path, self._on_log_line)
+        try:
+            child = await _Child.start(args, port, log_path, self._on_log_line, key)
+        except BaseException:
+            key.forget()
+            raise
         self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
         return child
 
     async def _wait_ready(self, child: "_Child") -> EngineProps:
         """What /props says once /health says 200; each way of not getting there has its
         own error."""
-        async with EngineClient(child.base_url, timeout=10.0) as engine:
+        async with EngineClient(child.base_url, api_key=child.key.value, timeout=10.0) as engine:
             return await self._wait_healthy_then_props(child, engine)
 
     async def _wait_healthy_then_props(self, child: "_Child", engine: EngineClient) -> EngineProps:
@@ -272,12 +280,17 @@ class Supervisor:
         self._log_listeners(line)
 
     def _set_state(self, state: State, **changes: Any) -> None:
+        if "base_url" in changes and changes["base_url"] is None:
+            changes.setdefault("api_key", None)
         self._snapshot = replace(self._snapshot, state=state, **changes)
         self._listeners(self._snapshot)
 
 
-def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
-    """llama-server's command line: every setting explicit, never the binary's defaults."""
+def build_command(binary: Path, spec: LoadSpec, port: int, *,
+                  api_key_file: Path | None = None) -> list[str]:
+    """llama-server's command line: every setting explicit, never the binary's defaults.
+    `api_key_file` holds the key the engine's port will require (a file, so that the key
+    never shows in the process list)."""
     settings = spec.settings
     parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
     args = [
@@ -297,6 +310,8 @@ def build_command(binary: Path, spec: LoadSpec, port: int) -> list[str]:
         "--verbosity", "4",
     ]
     args += ["--threads", str(settings.threads or default_threads())]
+    if api_key_file is not None:
+        args += ["--api-key-file", str(api_key_file)]
     if spec.chat_template:
         args.append("--jinja")
     args += list(settings.extra_args)
@@ -326,8 +341,9 @@ class _Child:
     """A running llama-server and the task copying its output to the log file and tail."""
 
     def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file: TextIO,
-                 on_line: LogListener) -> None:
+                 on_line: LogListener, key: "_EngineKey") -> None:
         self.proc = proc
+        self.key = key
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self._log_file = log_file
@@ -336,19 +352,20 @@ class _Child:
         self._reader = asyncio.create_task(self._copy_output())
 
     @classmethod
-    async def start(cls, args: list[str], port: int, log_path: Path, on_line: LogListener) -> "_Child":
+    async def start(cls, args: list[str], port: int, log_path: Path, on_line: LogListener,
+                    key: "_EngineKey") -> "_Child":
         log_file = log_path.open("a", encoding="utf-8", errors="replace")
         log_file.write("$ " + " ".join(args) + "\n")
         try:
             proc = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=_child_environment(),
                 preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None,
             )
         except BaseException:
             log_file.close()
             raise
-        return cls(proc, port, log_file, on_line)
+        return cls(proc, port, log_file, on_line, key)
 
     @property
     def pid(self) -> int:
@@ -383,6 +400,7 @@ class _Child:
                 await self.proc.wait()
             except ProcessLookupError:
                 pass
+        self.key.forget()
         await self.drain_output()
         if not self._reader.done():
             self._reader.cancel()
@@ -397,6 +415,40 @@ class _Child:
             shown = for_display(line)
             self._tail.append(shown)
             self._on_line(shown)
+
+
+class _EngineKey:
+    """A random key for one engine start, in a 0600 file inside a 0700 directory of its
+    own while the engine runs: other users cannot read it, and our own tools (bench/)
+    can find it from the engine's command line."""
+
+    def __init__(self, value: str, directory: Path) -> None:
+        self.value = value
+        self._directory: Path | None = directory
+
+    @classmethod
+    def create(cls) -> "_EngineKey":
+        value = secrets.token_urlsafe(32)
+        directory = Path(tempfile.mkdtemp(prefix="gguf-studio-engine-"))  # mode 0700
+        fd = os.open(directory / "api-key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        return cls(value, directory)
+
+    @property
+    def path(self) -> Path:
+        assert self._directory is not None
+        return self._directory / "api-key"
+
+    def forget(self) -> None:
+        directory, self._directory = self._directory, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _child_environment() -> dict[str, str]:
+    """Ours, minus what would give the engine's port another key than the one we set."""
+    return {k: v for k, v in os.environ.items() if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")}
 
 
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:

@@ -152,8 +152,9 @@ def engine_child(serve_pid: int) -> tuple[str, dict[str, str]]:
         if "--port" in args:
             port = args[args.index("--port") + 1]
             headers = {}
-            if "--api-key" in args:
-                headers["Authorization"] = "Bearer " + args[args.index("--api-key") + 1]
+            if "--api-key-file" in args:  # the random key GGUF Studio gave its engine
+                key = Path(args[args.index("--api-key-file") + 1]).read_text().strip()
+                headers["Authorization"] = "Bearer " + key
             return f"http://127.0.0.1:{port}", headers
     raise RuntimeError("the serve process has no llama-server child")
 

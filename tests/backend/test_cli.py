@@ -136,3 +136,10 @@ def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list_and_allows_
         proc.kill()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_serve_reads_the_upstream_key_file_and_says_when_it_cannot(tmp_path, user_dirs):
+    out = cli("serve", "--upstream", "http://127.0.0.1:9", "--port", "0",
+              "--upstream-api-key-file", str(tmp_path / "missing.key"), env=user_dirs)
+    assert out.returncode == 1
+    assert "missing.key cannot be read" in out.stderr and "Traceback" not in out.stderr

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from backend.errors import SettingsError
-from backend.load import LoadSettings
+from backend.load import OWNED_FLAGS, LoadSettings
 from backend.settings import Settings
 
 
@@ -40,3 +42,29 @@ def test_the_last_load_survives_the_settings_file_in_the_same_shape(tmp_path) ->
                           extra_args=("--temp", "0.1"))
     Settings().with_load_settings(wanted).save(tmp_path / "s.json", environ={})
     assert Settings.load(tmp_path / "s.json", environ={}).load_settings() == wanted
+
+
+OWNED_SPELLINGS = ["--port", "--port=80", "--api_key", "--api-key=x", "--api_key_file", "-m",
+                   "-m=x.gguf", "-np", "-a", "--alias=x", "--hf_repo", "-hfr",
+                   "--model_url", "--host=0.0.0.0"]
+
+
+@pytest.mark.parametrize("flag", OWNED_SPELLINGS)
+def test_owned_flags_are_refused_in_every_spelling_llama_cpp_accepts(flag):
+    with pytest.raises(SettingsError, match="cannot be given as extra arguments"):
+        LoadSettings(extra_args=(flag, "1")).validate()
+
+
+def test_flags_that_are_not_owned_are_passed_through():
+    LoadSettings(extra_args=("--temp", "0.5", "-v", "--api-keys-are-not-a-flag", "-mg", "0")).validate()
+
+
+def test_owned_flags_list_every_alias_of_the_pinned_llama_cpp(source_tree):
+    """Each option we own, in each spelling arg.cpp of the pinned llama.cpp declares."""
+    arg_cpp = (source_tree / "common" / "arg.cpp").read_text()
+    declared = [re.findall(r'"(-[^"]+)"', group)
+                for group in re.findall(r"common_arg\(\s*\{([^}]*)\}", arg_cpp)]
+    owned_options = [spellings for spellings in declared if set(spellings) & OWNED_FLAGS]
+    assert len(owned_options) >= 9
+    for spellings in owned_options:
+        assert set(spellings) <= OWNED_FLAGS, spellings

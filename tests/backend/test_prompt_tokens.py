@@ -43,6 +43,7 @@ TOOL = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the project and return its text.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                    "required": ["path"]}}}
+ENGINE_KEY = "engine-only-key"
 LONG_SYSTEM = "You are a careful coding agent. " * 40
 
 
@@ -50,13 +51,17 @@ LONG_SYSTEM = "You are a careful coding agent. " * 40
 def engine_url(llama_server_binary: Path, tiny_model: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real llama-server for the module, started with the product's flags that
-    matter for counting (--jinja renders the model's own chat template)."""
+    matter for counting (--jinja renders the model's own chat template, and a key that
+    the tokenizer must send, as GGUF Studio's engines require)."""
     port = pick_free_port()
-    log = (tmp_path_factory.mktemp("engine") / "llama-server.log").open("wb")
+    engine_dir = tmp_path_factory.mktemp("engine")
+    (engine_dir / "key").write_text(ENGINE_KEY + "\n")
+    log = (engine_dir / "llama-server.log").open("wb")
     child = subprocess.Popen(
         [str(llama_server_binary), "-m", str(tiny_model), "--host", "127.0.0.1",
          "--port", str(port), "-np", "2", "-c", "8192", "--jinja", "--no-webui",
-         "--embeddings", "--pooling", "mean", "-t", "1"], stdout=log, stderr=subprocess.STDOUT)
+         "--embeddings", "--pooling", "mean", "-t", "1",
+         "--api-key-file", str(engine_dir / "key")], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -78,7 +83,7 @@ def engine_url(llama_server_binary: Path, tiny_model: Path,
 
 @pytest.fixture
 async def counter(engine_url: str) -> Iterator[PromptCounter]:
-    tokenizer = HttpEngineTokenizer(engine_url)
+    tokenizer = HttpEngineTokenizer(engine_url, api_key=ENGINE_KEY)
     yield PromptCounter(tokenizer)
     await tokenizer.aclose()
 
@@ -98,7 +103,7 @@ async def engine_prompt_tokens(engine_url: str, route: str, body: dict) -> int:
         body["max_output_tokens"] = 1
     elif route != EMBEDDINGS:
         body["max_tokens"] = 1
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {ENGINE_KEY}"}) as client:
         response = await client.post(engine_url + route, json=body)
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
@@ -208,7 +213,7 @@ async def test_an_engine_without_the_counting_route_is_asked_for_template_and_to
         async def count_input_tokens(self, route, body):
             return len(await self._post("/v1/no-such-route", body))
 
-    tokenizer = OlderEngine(engine_url)
+    tokenizer = OlderEngine(engine_url, api_key=ENGINE_KEY)
     route, body = CASES["chat with system prompt and tools"]
     try:
         count = await counted(PromptCounter(tokenizer), route, body)

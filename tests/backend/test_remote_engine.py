@@ -18,10 +18,11 @@ from backend.supervisor import pick_free_port
 from backend.remote_engine import normalise_base_url
 
 
-def start_llama_server(binary: Path, model: Path, port: int, parallel: int) -> subprocess.Popen:
+def start_llama_server(binary: Path, model: Path, port: int, parallel: int,
+                       extra: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "-np", str(parallel), "-c", "2048", "--alias", "elsewhere", "--no-webui"],
+         "-np", str(parallel), "-c", "2048", "--alias", "elsewhere", "--no-webui", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -91,6 +92,31 @@ async def test_an_attached_engine_that_goes_away_and_comes_back_is_followed(
     finally:
         again.kill()
         again.wait()
+
+
+async def test_an_attached_engine_that_requires_a_key_is_served_with_it(
+        tmp_path, llama_server_binary, tiny_model):
+    port = pick_free_port()
+    key_file = tmp_path / "upstream.key"
+    key_file.write_text("upstream-secret\n")
+    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=2,
+                                extra=("--api-key-file", str(key_file)))
+    service = StudioService(Settings(port=0), log_dir=tmp_path / "logs")
+    ready = asyncio.Event()
+    service.add_listener(lambda s: ready.set() if s.state is State.READY else None)
+    try:
+        await service.start_gateway()
+        await service.attach_upstream(f"http://127.0.0.1:{port}", api_key="upstream-secret")
+        await asyncio.wait_for(ready.wait(), 60)
+        assert service.snapshot().effective_parallel_slots == 2  # /props needs the key
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
+            answer = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
+        assert answer.status_code == 200, answer.text
+    finally:
+        await service.close()
+        engine.kill()
+        engine.wait()
 
 
 @pytest.mark.parametrize("given, expected", [

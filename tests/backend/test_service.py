@@ -16,7 +16,8 @@ import pytest
 from backend.errors import SettingsError
 from backend.service import StudioService, check_bind_allowed, client_urls
 from backend.settings import Settings
-from backend.load import LoadSettings, LoadSpec, State
+from backend.engine_api import engine_headers
+from backend.load import LoadSettings, LoadSpec, Snapshot, State
 
 # A long generation holds a slot for seconds on the tiny model (random weights never
 # stop by themselves; ignore_eos makes sure).
@@ -57,9 +58,9 @@ async def until(predicate, timeout: float = 30.0, interval: float = 0.02) -> Non
     await asyncio.wait_for(poll(), timeout)
 
 
-async def busy_slots(base_url: str) -> int:
-    async with httpx.AsyncClient() as c:
-        slots = (await c.get(f"{base_url}/slots")).json()
+async def busy_slots(snapshot: Snapshot) -> int:
+    async with httpx.AsyncClient(headers=engine_headers(snapshot.api_key)) as c:
+        slots = (await c.get(f"{snapshot.base_url}/slots")).raise_for_status().json()
     return sum(1 for s in slots if s.get("is_processing"))
 
 
@@ -97,14 +98,14 @@ async def test_disconnect_while_running_frees_the_engine_slot(service, client, t
         async for line in r.aiter_lines():
             if line.startswith("data:"):
                 break  # the first token arrived: the request is running on the engine
-        assert await busy_slots(snapshot.base_url) == 1
+        assert await busy_slots(snapshot) == 1
     # The client went away: the port closes the engine's request and frees the slot.
     await until(lambda: service.registry.total_active == 0, timeout=5)
     slots_busy = -1
 
     async def check():
         nonlocal slots_busy
-        slots_busy = await busy_slots(snapshot.base_url)
+        slots_busy = await busy_slots(snapshot)
         return slots_busy
 
     async def poll():
@@ -211,7 +212,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_slot_freed(service
         await until(lambda: service.registry.total_active == 0, timeout=5)
 
         async def engine_idle() -> None:
-            while await busy_slots(snapshot.base_url):
+            while await busy_slots(snapshot):
                 await asyncio.sleep(0.05)
         await asyncio.wait_for(engine_idle(), 5)
         # The connection is gone: what the client reads ends (reset or end of stream).

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from backend.kv_capacity import KvCapacity
-from backend.load import LoadSettings, LoadSpec, State
+from backend.engine_api import engine_headers
+from backend.load import LoadSettings, LoadSpec, Snapshot, State
 from backend.service import StudioService
 from backend.settings import Settings
 
@@ -51,27 +52,33 @@ def port_client(service: StudioService, *, idle_timeout: float = 60.0) -> httpx.
                              timeout=httpx.Timeout(60.0, read=idle_timeout))
 
 
-async def prompt_of(base_url: str, tokens: int) -> str:
+def engine(snapshot: Snapshot, **options) -> httpx.AsyncClient:
+    """A client of the engine's own port, with the key only the app knows."""
+    return httpx.AsyncClient(base_url=snapshot.base_url, headers=engine_headers(snapshot.api_key),
+                             **options)
+
+
+async def prompt_of(snapshot: Snapshot, tokens: int) -> str:
     """Text of about `tokens` tokens for the engine's own tokenizer."""
     words = " ".join(WORDS[i % len(WORDS)] for i in range(tokens))
-    async with httpx.AsyncClient() as c:
-        counted = len((await c.post(f"{base_url}/tokenize", json={"content": words})).json()["tokens"])
+    async with engine(snapshot) as c:
+        counted = len((await c.post("/tokenize", json={"content": words})).json()["tokens"])
     return " ".join(WORDS[i % len(WORDS)] for i in range(tokens * tokens // counted))
 
 
-async def engine_prompt_tokens_total(base_url: str) -> float:
-    async with httpx.AsyncClient() as c:
-        text = (await c.get(f"{base_url}/metrics")).text
+async def engine_prompt_tokens_total(snapshot: Snapshot) -> float:
+    async with engine(snapshot) as c:
+        text = (await c.get("/metrics")).text
     for line in text.splitlines():
         if line.startswith("llamacpp:prompt_tokens_total"):
             return float(line.split()[-1])
     raise AssertionError("llama-server reported no prompt_tokens_total")
 
 
-async def busy_slots(base_url: str) -> int:
+async def busy_slots(snapshot: Snapshot) -> int:
     # llama-server answers /slots between batches: slow while it evaluates a long prompt.
-    async with httpx.AsyncClient(timeout=60) as c:
-        return sum(1 for s in (await c.get(f"{base_url}/slots")).json() if s.get("is_processing"))
+    async with engine(snapshot, timeout=60) as c:
+        return sum(1 for s in (await c.get("/slots")).json() if s.get("is_processing"))
 
 
 async def read_events(response: httpx.Response) -> list[str]:
@@ -81,9 +88,9 @@ async def read_events(response: httpx.Response) -> list[str]:
 class Watch:
     """Samples, until stopped, the engine's busy slots and the port's reserved tokens."""
 
-    def __init__(self, service: StudioService, base_url: str) -> None:
+    def __init__(self, service: StudioService, snapshot: Snapshot) -> None:
         self.service = service
-        self.base_url = base_url
+        self.snapshot = snapshot
         self.most_busy = 0
         self.most_reserved = 0
         self.most_active = 0
@@ -96,7 +103,7 @@ class Watch:
             self.most_reserved = max(self.most_reserved, registry.total_reserved_tokens)
             self.most_active = max(self.most_active, registry.total_active)
             self.most_waiting = max(self.most_waiting, registry.total_waiting)
-            self.most_busy = max(self.most_busy, await busy_slots(self.base_url))
+            self.most_busy = max(self.most_busy, await busy_slots(self.snapshot))
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
@@ -122,10 +129,10 @@ async def test_auto_slots_load_reports_its_shared_pool_in_health_and_metrics(ser
 async def test_streams_that_fit_alone_but_not_together_all_complete_one_waiting_with_keepalives(
         service, tiny_model):
     snapshot = await service.load(auto_spec(tiny_model))
-    prompt = await prompt_of(snapshot.base_url, 4500)
+    prompt = await prompt_of(snapshot, 4500)
     body = {"model": "tiny", "stream": True, "max_tokens": 2000, "ignore_eos": True,
             "messages": [{"role": "user", "content": prompt}]}
-    watch = Watch(service, snapshot.base_url)
+    watch = Watch(service, snapshot)
 
     # The client gives up after 1 s of silence; the third stream waits longer than that
     # for tokens (two requests of ~2,000 generated tokens each must finish first).
@@ -152,7 +159,7 @@ async def test_streams_that_fit_alone_but_not_together_all_complete_one_waiting_
 async def test_a_responses_stream_waiting_for_tokens_gets_in_progress_events_and_completes(
         service, tiny_model):
     snapshot = await service.load(auto_spec(tiny_model))
-    prompt = await prompt_of(snapshot.base_url, 4500)
+    prompt = await prompt_of(snapshot, 4500)
     chat = {"model": "tiny", "stream": True, "max_tokens": 2000, "ignore_eos": True,
             "messages": [{"role": "user", "content": prompt}]}
     responses = {"model": "tiny", "stream": True, "max_output_tokens": 2000,
@@ -186,7 +193,7 @@ async def test_four_short_requests_still_run_at_once(service, tiny_model):
     snapshot = await service.load(auto_spec(tiny_model))
     body = {"model": "tiny", "stream": True, "max_tokens": 400, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Write a function that parses a path."}]}
-    watch = Watch(service, snapshot.base_url)
+    watch = Watch(service, snapshot)
     async with port_client(service) as client:
         async def stream() -> list[str]:
             async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -202,8 +209,8 @@ async def test_four_short_requests_still_run_at_once(service, tiny_model):
 async def test_a_prompt_that_can_never_fit_is_refused_at_once_before_the_engine_starts_it(
         service, tiny_model):
     snapshot = await service.load(auto_spec(tiny_model))
-    prompt = await prompt_of(snapshot.base_url, PER_REQUEST + 500)
-    before = await engine_prompt_tokens_total(snapshot.base_url)
+    prompt = await prompt_of(snapshot, PER_REQUEST + 500)
+    before = await engine_prompt_tokens_total(snapshot)
     async with port_client(service) as client:
         for stream in (True, False):
             started = time.monotonic()
@@ -217,8 +224,8 @@ async def test_a_prompt_that_can_never_fit_is_refused_at_once_before_the_engine_
             assert f"{PER_REQUEST:,} tokens per request" in error["message"]
         metrics = (await client.get("/metrics")).text
     assert 'gguf_studio_rejections_total{reason="context_length_exceeded"} 2.0' in metrics
-    assert await busy_slots(snapshot.base_url) == 0
-    assert await engine_prompt_tokens_total(snapshot.base_url) == before  # nothing evaluated
+    assert await busy_slots(snapshot) == 0
+    assert await engine_prompt_tokens_total(snapshot) == before  # nothing evaluated
 
 
 async def until(predicate, timeout: float = 30.0, interval: float = 0.02) -> None:
@@ -235,7 +242,7 @@ async def test_without_admission_the_engines_context_error_reaches_clients_with_
     code is the number 500; the port relays it as OpenAI's `context_length_exceeded`."""
     snapshot = await service.load(auto_spec(tiny_model))
     await service.apply_settings(service.settings.replace(admission_enabled=False))
-    prompt = await prompt_of(snapshot.base_url, 4500)
+    prompt = await prompt_of(snapshot, 4500)
     body = {"model": "tiny", "stream": True, "max_tokens": 2000, "ignore_eos": True,
             "messages": [{"role": "user", "content": prompt}]}
     async with port_client(service) as client:
@@ -262,7 +269,7 @@ async def test_when_the_engine_cannot_count_in_time_the_documented_estimate_deci
     snapshot = await service.load(auto_spec(tiny_model))
     gateway = service._gateway.app.state.gateway
     gateway.counter_for(service.registry.current).timeout = 1e-9
-    prompt = await prompt_of(snapshot.base_url, 700)  # beyond the byte bound's shortcut
+    prompt = await prompt_of(snapshot, 700)  # beyond the byte bound's shortcut
     async with port_client(service) as client:
         ok = await client.post("/v1/chat/completions", json={
             "model": "tiny", "max_tokens": 20,

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from backend.engine_api import engine_headers
 from backend.errors import EngineExitedDuringLoad, LoadSuperseded, LoadTimedOut, SettingsError
 from backend.load import LoadSettings, LoadSpec, Snapshot, State
 from backend.supervisor import Supervisor, pick_free_port
@@ -67,9 +68,10 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-async def props(base_url: str) -> dict:
-    async with httpx.AsyncClient() as client:
-        return (await client.get(f"{base_url}/props")).json()
+async def props(snapshot: Snapshot) -> dict:
+    """The engine's /props, asked with the key the engine's port requires."""
+    async with httpx.AsyncClient(headers=engine_headers(snapshot.api_key)) as client:
+        return (await client.get(f"{snapshot.base_url}/props")).raise_for_status().json()
 
 
 async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(supervisor, tiny_model):
@@ -80,7 +82,7 @@ async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(super
         assert snapshot.state is State.READY
         assert snapshot.requested == wanted  # what was asked, next to what the engine did
         assert snapshot.effective_parallel_slots == 3
-        assert (await props(snapshot.base_url))["total_slots"] == 3
+        assert (await props(snapshot))["total_slots"] == 3
         assert snapshot.base_url.startswith("http://127.0.0.1:")
         assert snapshot.model_id == "tiny"
         assert rec.states == [State.STARTING, State.READY]
@@ -91,7 +93,7 @@ async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(super
 async def test_parallel_auto_reports_the_slot_count_the_server_chose(supervisor, tiny_model):
     snapshot = await supervisor.load(LoadSettings(parallel="auto", ctx_size=4096).to_spec(str(tiny_model)))
     try:
-        chosen = (await props(snapshot.base_url))["total_slots"]
+        chosen = (await props(snapshot))["total_slots"]
         assert chosen >= 1
         assert snapshot.effective_parallel_slots == chosen
     finally:
@@ -321,7 +323,7 @@ async def test_overlapping_loads_and_unloads_leave_exactly_the_last_load_running
         assert supervisor.snapshot.state is State.READY
         assert supervisor.snapshot.pid == last.pid
         assert supervisor.snapshot.requested == specs[2].settings
-        assert (await props(last.base_url))["total_slots"] == 3
+        assert (await props(last))["total_slots"] == 3
     finally:
         await supervisor.unload()
     assert llama_server_children() == []
@@ -336,7 +338,8 @@ async def test_engine_keeps_answering_after_log_lines_longer_than_64_kib(supervi
     marker = "LONGLINE-"
     words = "x " * 50_000  # one ~100 KB log line per request
     body = {"model": "tiny", "input": marker + words, "max_output_tokens": 1}
-    async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=15) as client:
+    async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=15,
+                                 headers=engine_headers(snapshot.api_key)) as client:
         for _ in range(40):  # far more than the pipe (64 KiB) and the engine's log queue hold
             response = await client.post("/v1/responses", json=body)
             assert response.status_code == 400  # the prompt is longer than the context
@@ -347,3 +350,29 @@ async def test_engine_keeps_answering_after_log_lines_longer_than_64_kib(supervi
     await supervisor.unload()
     logged = Path(snapshot.log_path).read_text()
     assert logged.count(marker + words.rstrip()) >= 40  # the file keeps every long line whole
+
+
+async def test_the_engines_own_port_refuses_requests_without_the_apps_key(supervisor, tiny_model):
+    snapshot = await supervisor.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=30) as client:
+        for path in ("/v1/chat/completions", "/completion"):
+            refused = await client.post(path, json=request | {"prompt": "hi"})
+            assert refused.status_code == 401
+        assert (await client.get("/slots")).status_code == 401
+        assert (await client.get("/props")).status_code == 401
+        wrong = await client.post("/v1/chat/completions", json=request,
+                                  headers={"authorization": "Bearer not-the-key"})
+        assert wrong.status_code == 401
+        answered = await client.post("/v1/chat/completions", json=request,
+                                     headers=engine_headers(snapshot.api_key))
+        assert answered.status_code == 200
+    assert snapshot.api_key and len(snapshot.api_key) >= 32
+    assert snapshot.api_key not in repr(snapshot)
+    cmdline = Path(f"/proc/{snapshot.pid}/cmdline").read_bytes().decode()
+    assert snapshot.api_key not in cmdline  # the key is in a file, not in `ps`
+    key_file = Path(cmdline.split("\0")[cmdline.split("\0").index("--api-key-file") + 1])
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.parent.stat().st_mode & 0o777 == 0o700
+    await supervisor.unload()
+    assert not key_file.exists()
