@@ -3,6 +3,13 @@
 One asyncio task owns the child process for the whole life of a load.  Every change of
 state goes through `_set_state`, which notifies listeners.  The health wait races the
 child's exit, the deadline and cancellation, each ending with its own error.
+
+While ready, /health is asked every `health_interval` seconds; an engine that fails to
+answer within `health_timeout`, `health_failures` times in a row (hung, or stopped with
+SIGSTOP) is killed and restarted like a crashed one.  Restarts are bounded over time: at
+most `max_restarts` within any `restart_window` seconds, whatever the engine's uptime in
+between (a request that crashes the engine after a minute of work must not reload it
+forever); past the bound the load fails and says so.
 """
 
 from __future__ import annotations
@@ -49,15 +56,21 @@ class Supervisor:
     def __init__(self, binary: Path | str, log_dir: Path, *, load_timeout: float = 300.0,
                  stop_timeout: float = 10.0, max_restarts: int = 5,
                  restart_backoff: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
-                 stable_after: float = 30.0,
-                 port_picker: Callable[[], int] | None = None) -> None:
+                 restart_window: float = 600.0, health_interval: float = 5.0,
+                 health_timeout: float = 5.0, health_failures: int = 3,
+                 port_picker: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.binary = Path(binary)
         self.log_dir = Path(log_dir)
         self.load_timeout = load_timeout
         self.stop_timeout = stop_timeout
         self.max_restarts = max_restarts
         self.restart_backoff = tuple(restart_backoff)
-        self.stable_after = stable_after
+        self.restart_window = restart_window
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.health_failures = health_failures
+        self._clock = clock
         self._pick_port = port_picker or pick_free_port
         self._snapshot = Snapshot()
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "state listener")
@@ -144,7 +157,7 @@ class Supervisor:
                         requested=spec.settings, base_url=None, effective_parallel_slots=None, kv=None, context_length=None,
                         restarts=0, restarting=False, error=None, pid=None, engine=None,
                         cpu_retry_offered=False)
-        crashes_in_a_row = 0
+        restarts: deque[float] = deque()  # when each restart of this load happened
         bind_retries = 0
         child: _Child | None = None
         try:
@@ -161,12 +174,10 @@ class Supervisor:
                         continue
                     if not ready.done():
                         raise _gpu_failure(exc, spec, self.log_tail(80)) or exc
-                    crashes_in_a_row += 1
-                    if not await self._back_off(crashes_in_a_row, str(exc)):
+                    if not await self._back_off(restarts, str(exc)):
                         return
                     continue
                 bind_retries = 0
-                became_ready = time.monotonic()
                 self._set_state(State.READY, base_url=child.base_url, api_key=child.key.value,
                                 effective_parallel_slots=props.effective_parallel_slots,
                                 context_length=props.context_length,
@@ -176,16 +187,12 @@ class Supervisor:
                                 error=None, pid=child.pid, engine=self._report.report())
                 if not ready.done():
                     ready.set_result(self._snapshot)
-                code = await child.wait()
+                reason = await self._until_gone(child)
                 await child.stop(self.stop_timeout)
-                reason = f"llama-server stopped unexpectedly ({_describe_exit(code)})."
                 log.warning("%s", reason)
-                if time.monotonic() - became_ready >= self.stable_after:
-                    crashes_in_a_row = 0
-                crashes_in_a_row += 1
                 self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
                                 pid=None, restarting=True, error=reason)
-                if not await self._back_off(crashes_in_a_row, reason):
+                if not await self._back_off(restarts, reason):
                     return
         except LoadError as exc:
             await self._stop_child(child)
@@ -208,17 +215,59 @@ class Supervisor:
             self._set_state(State.STOPPING)
         await child.stop(self.stop_timeout)
 
-    async def _back_off(self, attempt: int, reason: str) -> bool:
-        """Wait before restart `attempt`; False when attempts are used up (state FAILED)."""
-        if attempt > self.max_restarts:
-            self._set_state(State.FAILED, error=f"{reason} Gave up after {self.max_restarts} restarts.",
-                            restarting=False, base_url=None, effective_parallel_slots=None, kv=None, pid=None)
+    async def _back_off(self, restarts: deque[float], reason: str) -> bool:
+        """Wait before the next restart; False when `max_restarts` already happened within
+        the last `restart_window` seconds (state FAILED, saying so)."""
+        now = self._clock()
+        while restarts and now - restarts[0] > self.restart_window:
+            restarts.popleft()
+        if len(restarts) >= self.max_restarts:
+            self._set_state(State.FAILED, error=(
+                f"{reason} Gave up: it had to be restarted {len(restarts)} times within "
+                f"{self.restart_window:g} seconds (at most {self.max_restarts}). Load the model "
+                "again to retry."), restarting=False, base_url=None, effective_parallel_slots=None,
+                kv=None, pid=None)
             return False
+        restarts.append(now)
         self._set_state(State.STARTING, restarts=self._snapshot.restarts + 1, restarting=True,
-                        error=f"{reason} Restarting (attempt {attempt} of {self.max_restarts}).")
-        delay = self.restart_backoff[min(attempt - 1, len(self.restart_backoff) - 1)] if self.restart_backoff else 0
+                        error=f"{reason} Restarting ({len(restarts)} of at most {self.max_restarts} "
+                              f"restarts within {self.restart_window:g} seconds).")
+        backoff = self.restart_backoff
+        delay = backoff[min(len(restarts) - 1, len(backoff) - 1)] if backoff else 0
         await asyncio.sleep(delay)
         return True
+
+    async def _until_gone(self, child: "_Child") -> str:
+        """Wait while the ready engine runs and answers; why it no longer does (it exited,
+        or it stopped answering /health and was killed)."""
+        exited = asyncio.create_task(child.wait())
+        watch = asyncio.create_task(self._watch_health(child))
+        try:
+            await asyncio.wait({exited, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            exited.cancel()
+            raise
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        if exited.done():
+            return f"llama-server stopped unexpectedly ({_describe_exit(exited.result())})."
+        child.proc.kill()  # SIGKILL: a hung (or SIGSTOPped) engine would not act on SIGTERM
+        await exited
+        return (f"llama-server stopped answering (no health answer within "
+                f"{self.health_timeout:g} s, {self.health_failures} times in a row); it was killed.")
+
+    async def _watch_health(self, child: "_Child") -> None:
+        """Returns once the engine failed `health_failures` health checks in a row."""
+        failures = 0
+        async with EngineClient(child.base_url, api_key=child.key.value) as engine:
+            while failures < self.health_failures:
+                await asyncio.sleep(self.health_interval)
+                healthy = await engine.healthy(timeout=self.health_timeout)
+                failures = 0 if healthy else failures + 1
+                if not healthy:
+                    log.warning("llama-server did not answer its health check (%d of %d)",
+                                failures, self.health_failures)
 
     def _fail(self, message: str, ready: asyncio.Future, exc: Exception,
               cpu_retry_offered: bool = False) -> None:

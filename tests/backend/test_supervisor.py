@@ -129,18 +129,89 @@ async def test_killed_child_is_restarted_and_slots_are_read_again(supervisor, ti
         await supervisor.unload()
 
 
-async def test_restarts_are_bounded(llama_server_binary, tiny_model, tmp_path):
-    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60,
-                     restart_backoff=(0.0,), max_restarts=1)
+class SteppedClock:
+    """time.monotonic plus a jump we choose: stands for minutes of engine uptime between
+    crashes without waiting for them (the restarts and the kills themselves are real)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skipped
+
+
+async def crash_when_ready(rec: Recorder, sup: Supervisor, seen: set[int]) -> None:
+    ready = await rec.until(lambda s: s.state is State.READY and s.pid not in seen)
+    seen.add(ready.pid)
+    os.kill(ready.pid, signal.SIGKILL)
+
+
+async def test_an_engine_crashing_after_each_minute_of_work_is_given_up_within_the_window(
+        llama_server_binary, tiny_model, tmp_path):
+    """Each crash comes 61 s of uptime after the last (a request that kills the engine,
+    sent again and again): the old streak, reset after 30 s of uptime, reloaded forever."""
+    clock = SteppedClock()
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, restart_backoff=(0.0,),
+                     max_restarts=2, restart_window=300, clock=clock)
+    rec = Recorder(sup)
+    seen: set[int] = set()
+    try:
+        await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+        for _ in range(3):
+            await crash_when_ready(rec, sup, seen)
+            await rec.until(lambda s: s.state is not State.READY)
+            clock.skipped += 61
+        failed = await rec.until(lambda s: s.state is State.FAILED)
+        assert "Gave up: it had to be restarted 2 times within 300 seconds (at most 2)" in failed.error
+        assert "killed by SIGKILL" in failed.error
+        assert failed.effective_parallel_slots is None and failed.pid is None
+        assert llama_server_children() == []
+        assert [s.error for s in rec.snapshots if s.error and "Restarting (1 of at most 2" in s.error]
+    finally:
+        await sup.unload()
+
+
+async def test_crashes_further_apart_than_the_window_keep_being_restarted(
+        llama_server_binary, tiny_model, tmp_path):
+    clock = SteppedClock()
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, restart_backoff=(0.0,),
+                     max_restarts=1, restart_window=300, clock=clock)
+    rec = Recorder(sup)
+    seen: set[int] = set()
+    try:
+        await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+        for _ in range(3):
+            await crash_when_ready(rec, sup, seen)
+            await rec.until(lambda s: s.state is not State.READY)
+            clock.skipped += 301
+        back = await rec.until(lambda s: s.state is State.READY and s.pid not in seen)
+        assert back.restarts == 3
+    finally:
+        await sup.unload()
+
+
+async def test_an_engine_that_stops_answering_is_killed_and_replaced(
+        llama_server_binary, tiny_model, tmp_path):
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, restart_backoff=(0.0,),
+                     health_interval=0.2, health_timeout=0.5, health_failures=2)
     rec = Recorder(sup)
     first = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
-    os.kill(first.pid, signal.SIGKILL)
-    second = await rec.until(lambda s: s.state is State.READY and s.pid != first.pid)
-    os.kill(second.pid, signal.SIGKILL)
-    failed = await rec.until(lambda s: s.state is State.FAILED)
-    assert "Gave up after 1 restarts" in failed.error
-    assert failed.effective_parallel_slots is None
-    await sup.unload()
+    try:
+        os.kill(first.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        noticed = await rec.until(lambda s: s.state is not State.READY, timeout=30)
+        # Two checks of at most 0.2 s wait + 0.5 s timeout each, plus scheduling slack.
+        assert time.monotonic() - stopped_at < 2 * (0.2 + 0.5) + 3.0
+        assert "stopped answering" in noticed.error
+        assert not pid_alive(first.pid)
+        again = await rec.until(lambda s: s.state is State.READY)
+        assert again.pid != first.pid and again.restarts == 1
+        assert (await props(again))["total_slots"] == 1
+        assert llama_server_children() == [again.pid]
+    finally:
+        if pid_alive(first.pid):
+            os.kill(first.pid, signal.SIGKILL)
+        await sup.unload()
 
 
 @pytest.mark.parametrize("breaker", [write_truncated_copy, "not_gguf"])
