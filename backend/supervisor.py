@@ -27,10 +27,10 @@ import time
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Sequence
 
 from backend.engine_api import EngineClient, EngineProps
-from backend.engine_log import for_display, read_lines
+from backend.engine_log import EngineLogFile, for_display, read_lines
 from backend.engine_report import EngineReportReader, gpu_failure_reason
 from backend.errors import (
     EngineExitedDuringLoad,
@@ -58,6 +58,7 @@ class Supervisor:
                  restart_backoff: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
                  restart_window: float = 600.0, health_interval: float = 5.0,
                  health_timeout: float = 5.0, health_failures: int = 3,
+                 log_max_bytes: int = 8 << 20, log_keep_starts: int = 5,
                  port_picker: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.binary = Path(binary)
@@ -71,6 +72,9 @@ class Supervisor:
         self.health_timeout = health_timeout
         self.health_failures = health_failures
         self._clock = clock
+        # Per model: the newest `log_keep_starts` starts, each at most 2 x `log_max_bytes`.
+        self.log_max_bytes = log_max_bytes
+        self.log_keep_starts = log_keep_starts
         self._pick_port = port_picker or pick_free_port
         self._snapshot = Snapshot()
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "state listener")
@@ -278,18 +282,20 @@ class Supervisor:
             ready.set_exception(exc)
 
     async def _spawn(self, spec: LoadSpec, port: int) -> "_Child":
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+        log_file = await asyncio.to_thread(
+            EngineLogFile.for_start, self.log_dir, spec.name, port,
+            max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = _EngineKey.create()
         args = build_command(self.binary, spec, port, api_key_file=key.path)
         self._kv_reader = KvLoadReader()  # this start's cache, read from its own output
         self._report = EngineReportReader()
         try:
-            child = await _Child.start(args, port, log_path, self._on_log_line, key)
+            child = await _Child.start(args, port, log_file, self._on_log_line, key)
         except BaseException:
             key.forget()
+            await asyncio.to_thread(log_file.close)
             raise
-        self._set_state(State.STARTING, pid=child.pid, log_path=str(log_path))
+        self._set_state(State.STARTING, pid=child.pid, log_path=str(log_file.path))
         return child
 
     async def _wait_ready(self, child: "_Child") -> EngineProps:
@@ -389,7 +395,7 @@ def pick_free_port() -> int:
 class _Child:
     """A running llama-server and the task copying its output to the log file and tail."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file: TextIO,
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file: EngineLogFile,
                  on_line: LogListener, key: "_EngineKey") -> None:
         self.proc = proc
         self.key = key
@@ -401,10 +407,9 @@ class _Child:
         self._reader = asyncio.create_task(self._copy_output())
 
     @classmethod
-    async def start(cls, args: list[str], port: int, log_path: Path, on_line: LogListener,
+    async def start(cls, args: list[str], port: int, log_file: EngineLogFile, on_line: LogListener,
                     key: "_EngineKey") -> "_Child":
-        log_file = log_path.open("a", encoding="utf-8", errors="replace")
-        log_file.write("$ " + " ".join(args) + "\n")
+        log_file.write("$ " + " ".join(args))
         try:
             proc = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -412,7 +417,7 @@ class _Child:
                 preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None,
             )
         except BaseException:
-            log_file.close()
+            await asyncio.to_thread(log_file.close)
             raise
         return cls(proc, port, log_file, on_line, key)
 
@@ -453,14 +458,12 @@ class _Child:
         await self.drain_output()
         if not self._reader.done():
             self._reader.cancel()
-        self._log_file.close()
+        await asyncio.to_thread(self._log_file.close)
 
     async def _copy_output(self) -> None:
         assert self.proc.stdout is not None
         async for line in read_lines(self.proc.stdout):
-            if not self._log_file.closed:
-                self._log_file.write(line + "\n")
-                self._log_file.flush()
+            self._log_file.write(line)
             shown = for_display(line)
             self._tail.append(shown)
             self._on_line(shown)

@@ -447,3 +447,36 @@ async def test_the_engines_own_port_refuses_requests_without_the_apps_key(superv
     assert key_file.parent.stat().st_mode & 0o777 == 0o700
     await supervisor.unload()
     assert not key_file.exists()
+
+
+async def test_engine_logs_are_bounded_in_size_and_number_per_model(llama_server_binary, tiny_model,
+                                                                   tmp_path):
+    max_bytes = 256 * 1024
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60,
+                     log_max_bytes=max_bytes, log_keep_starts=2)
+    spec = LoadSettings(parallel="1", ctx_size=1024, extra_args=("-v",)).to_spec(str(tiny_model))
+    other = tmp_path / "logs" / "llama-server-tinyer-20200101-000000-1.log"  # another model's
+    other.parent.mkdir(parents=True)
+    other.write_text("kept\n")
+    body = {"model": "tiny", "input": "x " * 50_000, "max_output_tokens": 1}  # ~100 KB lines
+    try:
+        for start in range(3):
+            snapshot = await sup.load(spec)
+            async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=15,
+                                         headers=engine_headers(snapshot.api_key)) as client:
+                for _ in range(8):  # ~800 KB of log per start: rotated at 256 KiB
+                    assert (await client.post("/v1/responses", json=body)).status_code == 400
+                marker = f"START-{start}-LAST"
+                await client.post("/v1/responses", json=body | {"input": marker})
+            await sup.unload()
+            current = Path(snapshot.log_path)
+            newest = current.with_name(current.name + ".1").read_text() + current.read_text()
+            assert marker in newest  # the newest lines are kept
+    finally:
+        await sup.unload()
+    logs = sorted(p for p in (tmp_path / "logs").iterdir() if p != other)
+    assert len({p.name.removesuffix(".1") for p in logs}) == 2  # the two newest starts
+    assert any(p.name.endswith(".log.1") for p in logs)  # it did rotate
+    assert all(p.stat().st_size <= max_bytes for p in logs)
+    assert sum(p.stat().st_size for p in logs) <= 2 * 2 * max_bytes
+    assert other.read_text() == "kept\n"
