@@ -214,6 +214,7 @@ class SharingView(QWidget):
         self.max_connections.setValue(settings.max_connections)
         self.header_timeout.setValue(settings.header_timeout)
         self.client_stall.setValue(settings.client_stall_timeout)
+        self.max_body.setValue(round(settings.max_body_bytes / MiB))
         self.waiting_bodies.setValue(round(settings.max_waiting_body_bytes / MiB))
         for line, names in ((self.allow_origins, settings.allow_origins),
                             (self.allow_hosts, settings.allow_hosts)):
@@ -257,6 +258,13 @@ class SharingView(QWidget):
             "Request bodies that requests waiting in line may hold in memory together; past "
             "it a request that would have to wait is refused (429). 0 = no bound. "
             f"Default {default.max_waiting_body_bytes // MiB} MiB.")
+        self.max_body = QSpinBox()
+        self.max_body.setRange(0, 1_048_576)
+        self.max_body.setSuffix(" MiB")
+        self.max_body.setSpecialValueText(f"Default ({default.max_body_bytes // MiB} MiB)")
+        self.max_body.setToolTip(
+            "The largest request body the port takes (413 past it). 0 = the default, "
+            f"{default.max_body_bytes // MiB} MiB: a port never takes unlimited bodies.")
         self.allow_origins = QLineEdit()
         self.allow_origins.setPlaceholderText("e.g. https://app.example.com, http://*.local:3000")
         self.allow_origins.setToolTip(
@@ -270,7 +278,7 @@ class SharingView(QWidget):
             "addresses, separated by commas; * allows any. Checked only when no API key is "
             "set (it guards against DNS rebinding). Default: none.")
         for box in (self.max_connections, self.header_timeout, self.client_stall,
-                    self.waiting_bodies, self.allow_origins, self.allow_hosts):
+                    self.max_body, self.waiting_bodies, self.allow_origins, self.allow_hosts):
             box.editingFinished.connect(self._on_advanced_limits)
         self.allow_origins.setAccessibleName("Allowed web origins")
         self.allow_hosts.setAccessibleName("Allowed host names")
@@ -279,6 +287,7 @@ class SharingView(QWidget):
         form.addRow("Max &connections:", self.max_connections)
         form.addRow("Request &head timeout:", self.header_timeout)
         form.addRow("Unread answer &timeout:", self.client_stall)
+        form.addRow("Largest b&ody:", self.max_body)
         form.addRow("Waiting &bodies:", self.waiting_bodies)
         form.addRow("Allowed &origins:", self.allow_origins)
         form.addRow("Allowed &host names:", self.allow_hosts)
@@ -358,12 +367,15 @@ class SharingView(QWidget):
                                   "default_output_tokens": self.default_output.value()})
 
     def _on_advanced_limits(self) -> None:
-        waiting = self.waiting_bodies.value() * MiB
-        if self.waiting_bodies.value() == round(self._settings.max_waiting_body_bytes / MiB):
-            waiting = self._settings.max_waiting_body_bytes  # shown rounded; keep it exact
-        self.limits_changed.emit({"max_connections": self.max_connections.value(),
-                                  "header_timeout": float(self.header_timeout.value()),
-                                  "client_stall_timeout": float(self.client_stall.value()),
-                                  "max_waiting_body_bytes": waiting,
-                                  "allow_origins": parse_names(self.allow_origins.text()),
-                                  "allow_hosts": parse_names(self.allow_hosts.text())})
+        def in_bytes(box: QSpinBox, now: int) -> int:
+            return now if box.value() == round(now / MiB) else box.value() * MiB  # shown rounded
+
+        settings = self._settings
+        self.limits_changed.emit({
+            "max_connections": self.max_connections.value(),
+            "header_timeout": float(self.header_timeout.value()),
+            "client_stall_timeout": float(self.client_stall.value()),
+            "max_body_bytes": in_bytes(self.max_body, settings.max_body_bytes),
+            "max_waiting_body_bytes": in_bytes(self.waiting_bodies, settings.max_waiting_body_bytes),
+            "allow_origins": parse_names(self.allow_origins.text()),
+            "allow_hosts": parse_names(self.allow_hosts.text())})

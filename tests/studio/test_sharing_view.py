@@ -12,6 +12,7 @@ from backend.settings import Settings
 
 WAIT = 15_000
 PAGE = "https://app.example.com"
+MiB = 1024 * 1024
 
 
 def preflight(port: int) -> httpx.Response:
@@ -46,7 +47,7 @@ def test_the_other_advanced_limits_reach_the_service_and_are_saved(open_window, 
     sharing = window.sharing
     defaults = Settings()
     assert sharing.max_connections.value() == defaults.max_connections
-    assert sharing.waiting_bodies.value() == defaults.max_waiting_body_bytes // (1024 * 1024)
+    assert sharing.waiting_bodies.value() == defaults.max_waiting_body_bytes // MiB
     for box, default in ((sharing.max_connections, "512"), (sharing.header_timeout, "30 s"),
                          (sharing.client_stall, "120 s"), (sharing.waiting_bodies, "256 MiB")):
         assert f"Default {default}" in box.toolTip()
@@ -61,17 +62,17 @@ def test_the_other_advanced_limits_reach_the_service_and_are_saved(open_window, 
     sharing.header_timeout.setValue(1)
     sharing.client_stall.setValue(0)
     sharing.waiting_bodies.setValue(16)
+    sharing.max_body.setValue(1)
     sharing.allow_hosts.setText("studio.lan")
     sharing.allow_hosts.editingFinished.emit()
 
     live = lambda: window.bridge.service.settings  # noqa: E731
     qtbot.waitUntil(lambda: live().allow_hosts == ["studio.lan"], timeout=WAIT)
     assert (live().max_connections, live().header_timeout, live().client_stall_timeout,
-            live().max_waiting_body_bytes) == (64, 1.0, 0.0, 16 * 1024 * 1024)
+            live().max_waiting_body_bytes, live().max_body_bytes) == (64, 1.0, 0.0, 16 * MiB, MiB)
     saved = Settings.load()
     assert (saved.max_connections, saved.header_timeout, saved.client_stall_timeout,
-            saved.max_waiting_body_bytes, saved.allow_hosts) == (64, 1.0, 0.0, 16 * 1024 * 1024,
-                                                                 ["studio.lan"])
+            saved.max_waiting_body_bytes, saved.allow_hosts) == (64, 1.0, 0.0, 16 * MiB, ["studio.lan"])
 
     # The running port follows: a client that sends half a head is cut off after 1 s
     # (the default would wait 30 s), and the allowed name is answered.
@@ -85,3 +86,7 @@ def test_the_other_advanced_limits_reach_the_service_and_are_saved(open_window, 
             pass  # aborted: the same cut
         assert time.monotonic() - started < 5
     assert httpx.get(models, headers={"Host": "studio.lan"}, timeout=10).status_code != 403
+    # A 2 MiB body is now too large (the default takes 32 MiB).
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 * MiB)}]}
+    too_large = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=big, timeout=10)
+    assert too_large.status_code == 413
