@@ -42,7 +42,7 @@ def test_an_origin_allowed_in_the_window_gets_cors_answers_from_the_running_port
     assert Settings.load().allow_origins == [PAGE, "http://*.local:3000"]
 
 
-def test_the_other_advanced_limits_reach_the_service_and_are_saved(open_window, qtbot):
+def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_window, qtbot):
     window = open_window()
     sharing = window.sharing
     defaults = Settings()
@@ -66,7 +66,9 @@ def test_the_other_advanced_limits_reach_the_service_and_are_saved(open_window, 
     sharing.allow_hosts.setText("studio.lan")
     sharing.allow_hosts.editingFinished.emit()
 
-    live = lambda: window.bridge.service.settings  # noqa: E731
+    def live() -> Settings:
+        return window.bridge.service.settings
+
     qtbot.waitUntil(lambda: live().allow_hosts == ["studio.lan"], timeout=WAIT)
     assert (live().max_connections, live().header_timeout, live().client_stall_timeout,
             live().max_waiting_body_bytes, live().max_body_bytes) == (64, 1.0, 0.0, 16 * MiB, MiB)
