@@ -25,6 +25,7 @@ BACKENDS = ("cpu", "cuda", "hip", "metal", "vulkan")
 # Preference when more than one accelerated engine fits the machine: the vendor's own
 # backend first, Vulkan as the portable fallback.
 PREFERENCE = ("cuda", "hip", "metal", "vulkan", "cpu")
+UNIFIED_GPU_SHARE = 0.75  # of an Apple Silicon Mac's memory, what Metal may wire by default
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,21 @@ class Accelerators:
         than the CPU engine, so it is never preferred (build and choose it explicitly)."""
         return [b for b in PREFERENCE if self.get(b).usable and (
             b == "cpu" or any(d.kind != "cpu" for d in self.get(b).devices))]
+
+    def offload_memory(self) -> list[tuple[str, int]]:
+        """(device name, bytes of memory a model may fill) for each device llama.cpp offloads
+        model layers to here.  Software devices (lavapipe) report the host's RAM as their
+        memory and run on the CPU: they are not GPU memory, so they are left out, as are
+        devices whose memory is not reported (Vulkan and ROCm listings carry none).  Apple's
+        unified memory counts three quarters: what macOS lets the GPU wire by default."""
+        found = []
+        for backend in self.wanted():
+            for d in self.get(backend).devices:
+                if d.kind == "cpu" or not d.memory_mib:
+                    continue
+                share = UNIFIED_GPU_SHARE if backend == "metal" else 1.0
+                found.append((d.name, int(d.memory_mib * 1024 * 1024 * share)))
+        return found
 
     def best_buildable(self) -> str:
         """The best backend that has both a device and a toolkit here."""

@@ -246,6 +246,7 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
+    from backend.engine import detect_accelerators
     from backend.model_download import TransferMeter, bytes_on_disk, download_model
     from backend.model_fit import estimate_fit, machine_memory
     from backend.model_hub import list_repo, parse_pull_target, pick_choice
@@ -253,7 +254,8 @@ def _pull(args: argparse.Namespace) -> int:
     repo_id, selector = parse_pull_target(args.target)
     listing = list_repo(repo_id)
     choice = pick_choice(listing, selector)
-    fit = estimate_fit(choice.size, machine_memory(), context=args.context,
+    fit = estimate_fit(choice.size, machine_memory(detect_accelerators().offload_memory()),
+                       context=args.context,
                        repo_metadata=listing.gguf_metadata)
     parts = f" in {len(choice.files)} parts" if len(choice.files) > 1 else ""
     print(f"{repo_id}: {choice.name} ({choice.quant or 'unknown quantization'}, "

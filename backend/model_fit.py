@@ -4,7 +4,8 @@ Need = the weights (the file sizes: llama.cpp maps them as they are) + the KV ca
 the chosen context + a margin for compute buffers.  The KV cache comes from the GGUF
 header when the file is here (layers, KV heads, key and value widths), else roughly from
 the parameter count the repository reports.  The machine is a `MachineMemory`: RAM is
-read here; GPU memory is whatever the accelerator detection hands in (empty until then).
+read here; GPU memory is what the accelerator detection reports
+(`Accelerators.offload_memory`), handed in by the caller: detection runs programs.
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ FITS_GPU, FITS_RAM, TOO_BIG = "fits in GPU", "fits in RAM", "too big"
 
 @dataclass(frozen=True)
 class MachineMemory:
-    """What the machine offers; `gpu_vram_bytes` has one entry per GPU (none: CPU only)."""
+    """What the machine offers; `gpu_vram_bytes` has one entry per GPU (none: CPU only),
+    `gpu_names` their names in the same order (when known)."""
 
     ram_bytes: int
     gpu_vram_bytes: tuple[int, ...] = ()
+    gpu_names: tuple[str, ...] = ()
 
     @property
     def vram_bytes(self) -> int:
@@ -105,7 +108,10 @@ class FitEstimate:
             kv = f"{about}{format_bytes(self.kv_bytes)} for {self.context:,} tokens of context"
         machine = f"this machine: {format_bytes(self.memory.ram_bytes)} RAM"
         if self.memory.gpu_vram_bytes:
-            machine += ", " + " + ".join(format_bytes(v) for v in self.memory.gpu_vram_bytes) + " GPU"
+            names = self.memory.gpu_names
+            machine += ", " + " + ".join(
+                format_bytes(v) + (f" ({names[i]})" if i < len(names) else "")
+                for i, v in enumerate(self.memory.gpu_vram_bytes)) + " GPU memory"
         return (f"Needs about {format_bytes(self.total_bytes)}: weights {format_bytes(self.weights_bytes)}, "
                 f"{kv}, {format_bytes(self.margin_bytes)} working space; {machine}.")
 
@@ -137,8 +143,10 @@ def estimate_fit(weights_bytes: int, memory: MachineMemory, *, context: int = DE
     return FitEstimate(weights_bytes, kv, margin, context, basis, verdict, memory)
 
 
-def machine_memory(gpu_vram_bytes: Sequence[int] = ()) -> MachineMemory:
-    return MachineMemory(total_ram_bytes(), tuple(int(v) for v in gpu_vram_bytes))
+def machine_memory(gpus: Sequence[tuple[str, int]] = ()) -> MachineMemory:
+    """This machine's RAM with `gpus` as (name, bytes), e.g. `Accelerators.offload_memory()`."""
+    return MachineMemory(total_ram_bytes(), tuple(int(size) for _, size in gpus),
+                         tuple(name for name, _ in gpus))
 
 
 def total_ram_bytes() -> int:

@@ -213,6 +213,11 @@ def _read_saved(path: Path) -> dict[str, Any]:
     return values
 
 
+def parse_names(text: str) -> list[str]:
+    """Origins or host names typed on one line, separated by commas or spaces."""
+    return [part for part in text.replace(",", " ").split() if part]
+
+
 def env_var(name: str) -> str:
     return ENV_PREFIX + name.upper()
 

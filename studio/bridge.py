@@ -28,7 +28,7 @@ from backend.activity import ActivitySample, ActivitySampler
 from backend.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
 from backend.model_download import DownloadQueue
-from backend.model_fit import FitEstimate
+from backend.model_fit import FitEstimate, MachineMemory
 from backend.model_hub import CuratedModel, ModelChoice, RepoListing, curated_models
 from backend.service import BackendThread, StudioService
 from backend.settings import Settings
@@ -220,21 +220,20 @@ class ServiceBridge(QObject):
     def list_repo(self, repo_id: str, context: int, on_done: Callback,
                   on_error: Callable[[str], None]) -> concurrent.futures.Future:
         """Calls `on_done((listing, fits))`: the repository's models and a badge for each."""
-        from backend.model_fit import fit_choices, machine_memory
+        from backend.model_fit import fit_choices
         from backend.model_hub import list_repo
 
         def listing_with_fits() -> tuple[RepoListing, dict[str, FitEstimate]]:
             listing = list_repo(repo_id)
-            # GPU memory joins here once accelerator detection reports it.
-            return listing, fit_choices(listing, machine_memory(), context)
+            return listing, fit_choices(listing, _machine_memory(), context)
 
         return self._in_hub(listing_with_fits, on_done=on_done, on_error=on_error)
 
     def refit(self, listing: RepoListing, context: int, on_done: Callback) -> concurrent.futures.Future:
         """New badges for another context: local work only (headers of files already here)."""
-        from backend.model_fit import fit_choices, machine_memory
+        from backend.model_fit import fit_choices
 
-        return self.run_in_thread(lambda: (listing, fit_choices(listing, machine_memory(), context)),
+        return self.run_in_thread(lambda: (listing, fit_choices(listing, _machine_memory(), context)),
                                   on_done=on_done)
 
     def download(self, choice: ModelChoice, commit: str) -> str:
@@ -362,6 +361,14 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}."
     return f"Unexpected error: {exc or type(exc).__name__}"
+
+
+def _machine_memory() -> MachineMemory:
+    """RAM and the GPU memory the engines can use.  Detection runs programs (once a
+    process): called only from the worker threads, never the GUI thread or the loop."""
+    from backend.model_fit import machine_memory
+
+    return machine_memory(detect_accelerators().offload_memory())
 
 
 class _Batcher:

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.settings import Settings
+from backend.settings import Settings, parse_names
 from backend.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from studio.widgets import CopyButton, monospace_font, secondary_label
@@ -29,6 +29,7 @@ __all__ = ["SharingView"]
 
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
+MiB = 1024 * 1024
 
 
 class SharingView(QWidget):
@@ -133,10 +134,13 @@ class SharingView(QWidget):
         limits_form.addRow("Output cap (tokens):", self.max_output)
         limits_form.addRow("Output &budget (tokens):", self.default_output)
 
+        advanced = self._advanced_limits()
+
         left = QVBoxLayout()
         left.addWidget(access)
         left.addWidget(self.urls_box)
         left.addWidget(limits)
+        left.addWidget(advanced)
         left.addStretch(1)
 
         # --- snippets
@@ -206,7 +210,88 @@ class SharingView(QWidget):
         self.queue_timeout.setValue(settings.queue_timeout)
         self.max_output.setValue(settings.max_output_tokens)
         self.default_output.setValue(settings.default_output_tokens)
+        self._settings = settings
+        self.max_connections.setValue(settings.max_connections)
+        self.header_timeout.setValue(settings.header_timeout)
+        self.client_stall.setValue(settings.client_stall_timeout)
+        self.max_body.setValue(round(settings.max_body_bytes / MiB))
+        self.waiting_bodies.setValue(round(settings.max_waiting_body_bytes / MiB))
+        for line, names in ((self.allow_origins, settings.allow_origins),
+                            (self.allow_hosts, settings.allow_hosts)):
+            line.setText(", ".join(parse_names(" ".join(names))))
+            line.setCursorPosition(0)
         self._render_snippets()
+
+    def _advanced_limits(self) -> QGroupBox:
+        """The port's protection limits, each with what it does and its default."""
+        default = Settings()
+        self._settings = default
+        self.max_connections = QSpinBox()
+        self.max_connections.setRange(0, 1_000_000)
+        self.max_connections.setSpecialValueText("No limit")
+        self.max_connections.setToolTip(
+            "Connections the port keeps open at once. Past it, the oldest connection that has "
+            "not sent a whole request is closed to make room, else the newcomer is refused. "
+            f"0 = no limit. Default {default.max_connections}.")
+        self.header_timeout = QDoubleSpinBox()
+        self.header_timeout.setRange(0, 86_400)
+        self.header_timeout.setDecimals(0)
+        self.header_timeout.setSuffix(" s")
+        self.header_timeout.setSpecialValueText("No limit")
+        self.header_timeout.setToolTip(
+            "Seconds a client may take to send a request's head, and to send each next part "
+            f"of its body, before the port closes the connection (408). 0 = no limit. "
+            f"Default {default.header_timeout:g} s.")
+        self.client_stall = QDoubleSpinBox()
+        self.client_stall.setRange(0, 86_400)
+        self.client_stall.setDecimals(0)
+        self.client_stall.setSuffix(" s")
+        self.client_stall.setSpecialValueText("Never")
+        self.client_stall.setToolTip(
+            "Seconds a client may leave its answer unread before the port drops it and frees "
+            f"its slot for others. 0 = never. Default {default.client_stall_timeout:g} s.")
+        self.waiting_bodies = QSpinBox()
+        self.waiting_bodies.setRange(0, 1_048_576)
+        self.waiting_bodies.setSuffix(" MiB")
+        self.waiting_bodies.setSpecialValueText("No bound")
+        self.waiting_bodies.setToolTip(
+            "Request bodies that requests waiting in line may hold in memory together; past "
+            "it a request that would have to wait is refused (429). 0 = no bound. "
+            f"Default {default.max_waiting_body_bytes // MiB} MiB.")
+        self.max_body = QSpinBox()
+        self.max_body.setRange(0, 1_048_576)
+        self.max_body.setSuffix(" MiB")
+        self.max_body.setSpecialValueText(f"Default ({default.max_body_bytes // MiB} MiB)")
+        self.max_body.setToolTip(
+            "The largest request body the port takes (413 past it). 0 = the default, "
+            f"{default.max_body_bytes // MiB} MiB: a port never takes unlimited bodies.")
+        self.allow_origins = QLineEdit()
+        self.allow_origins.setPlaceholderText("e.g. https://app.example.com, http://*.local:3000")
+        self.allow_origins.setToolTip(
+            "Web pages (origins) allowed to call the port from a browser, separated by commas; "
+            "* wildcards allowed. Pages served from this computer are always allowed. "
+            "Default: none.")
+        self.allow_hosts = QLineEdit()
+        self.allow_hosts.setPlaceholderText("e.g. studio.lan, *")
+        self.allow_hosts.setToolTip(
+            "Host names clients may use to reach the port beyond this computer's own names and "
+            "addresses, separated by commas; * allows any. Checked only when no API key is "
+            "set (it guards against DNS rebinding). Default: none.")
+        for box in (self.max_connections, self.header_timeout, self.client_stall,
+                    self.max_body, self.waiting_bodies, self.allow_origins, self.allow_hosts):
+            box.editingFinished.connect(self._on_advanced_limits)
+        self.allow_origins.setAccessibleName("Allowed web origins")
+        self.allow_hosts.setAccessibleName("Allowed host names")
+        group = QGroupBox("Advanced limits")
+        form = QFormLayout(group)
+        form.addRow("Max &connections:", self.max_connections)
+        form.addRow("Request &head timeout:", self.header_timeout)
+        form.addRow("Unread answer &timeout:", self.client_stall)
+        form.addRow("Largest b&ody:", self.max_body)
+        form.addRow("Waiting &bodies:", self.waiting_bodies)
+        form.addRow("Allowed &origins:", self.allow_origins)
+        form.addRow("Allowed &host names:", self.allow_hosts)
+        return group
 
     def set_urls(self, urls: list[str]) -> None:
         for shown in self.url_rows:
@@ -280,3 +365,17 @@ class SharingView(QWidget):
                                   "queue_timeout": float(self.queue_timeout.value()),
                                   "max_output_tokens": self.max_output.value(),
                                   "default_output_tokens": self.default_output.value()})
+
+    def _on_advanced_limits(self) -> None:
+        def in_bytes(box: QSpinBox, now: int) -> int:
+            return now if box.value() == round(now / MiB) else box.value() * MiB  # shown rounded
+
+        settings = self._settings
+        self.limits_changed.emit({
+            "max_connections": self.max_connections.value(),
+            "header_timeout": float(self.header_timeout.value()),
+            "client_stall_timeout": float(self.client_stall.value()),
+            "max_body_bytes": in_bytes(self.max_body, settings.max_body_bytes),
+            "max_waiting_body_bytes": in_bytes(self.waiting_bodies, settings.max_waiting_body_bytes),
+            "allow_origins": parse_names(self.allow_origins.text()),
+            "allow_hosts": parse_names(self.allow_hosts.text())})

@@ -205,3 +205,26 @@ def test_status_lines_and_json_say_why_for_every_backend():
     assert data["best_buildable"] == "cpu"
     assert {b["backend"] for b in data["backends"]} == {"cpu", "cuda", "hip", "metal", "vulkan"}
     assert all(b["reason"] for b in data["backends"])
+
+
+NVIDIA_SMI_24GB = "NVIDIA GeForce RTX 4090, 24564\n"
+
+
+def test_the_fit_badge_counts_the_memory_of_gpus_the_engines_offload_to():
+    found = detect(machine(tools=["nvidia-smi"], outputs={"nvidia-smi": NVIDIA_SMI_24GB}))
+    assert found.offload_memory() == [("NVIDIA GeForce RTX 4090", 24564 * 1024 * 1024)]
+    assert detect(machine()).offload_memory() == []
+
+
+def test_software_vulkan_and_devices_without_a_reported_size_add_no_gpu_memory():
+    # lavapipe reports the host's RAM as its memory and runs on the CPU: not GPU memory.
+    lavapipe = detect(machine(tools=["vulkaninfo"], outputs={"vulkaninfo": VULKANINFO_LAVAPIPE}))
+    assert lavapipe.get("vulkan").usable and lavapipe.offload_memory() == []
+    # vulkaninfo --summary names a discrete GPU but not its size: nothing to count on.
+    discrete = detect(machine(tools=["vulkaninfo"], outputs={"vulkaninfo": VULKANINFO_DISCRETE}))
+    assert discrete.offload_memory() == []
+
+
+def test_apple_unified_memory_counts_what_metal_may_wire():
+    found = detect(machine(system="Darwin", arch="arm64", outputs={"sysctl": "17179869184\n"}))
+    assert found.offload_memory() == [("Apple GPU (unified memory)", 12 * 1024 ** 3)]

@@ -50,6 +50,14 @@ def test_the_badge_prefers_the_gpu_when_its_memory_holds_the_model():
     assert "4.0 GB GPU" in small_gpu.details() and "32.0 GB RAM" in small_gpu.details()
 
 
+def test_the_numbers_on_hover_name_the_gpu():
+    memory = MachineMemory(32 * GB, (24 * GB,), ("NVIDIA GeForce RTX 4090",))
+    fit = estimate_fit(5 * GB, memory)
+    assert fit.verdict == FITS_GPU
+    assert "24.0 GB (NVIDIA GeForce RTX 4090) GPU memory" in fit.details()
+    assert machine_memory([("NVIDIA GeForce RTX 4090", 24 * GB)]).gpu_names == ("NVIDIA GeForce RTX 4090",)
+
+
 def test_without_a_header_or_parameter_count_the_context_is_said_to_be_unknown():
     fit = estimate_fit(2 * GB, MachineMemory(16 * GB))
     assert fit.basis == "size" and fit.kv_bytes == 0

@@ -133,3 +133,40 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
     qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
     entry = window.library_view.current_entry
     qtbot.waitUntil(lambda: entry() is not None and entry().detail == GATED_REPO, timeout=WAIT)
+
+
+def _badge_with(open_window, qtbot, monkeypatch, found):
+    """The tab's badge for the tiny Q4 model on a machine whose detection found `found`
+    (fake probes: this machine's own GPUs would make the answer vary)."""
+    import backend.engine
+
+    monkeypatch.setattr(backend.engine, "_DETECTED", found)
+    d = open_window().discover
+    d.query.setText("tiny")
+    click(qtbot, d.search_button)
+    qtbot.waitUntil(lambda: d.repos.count() == 2 and d.search_button.isEnabled(), timeout=WAIT)
+    d.repos.setCurrentRow(0)
+    qtbot.waitUntil(lambda: d.files.topLevelItemCount() == 2, timeout=WAIT)
+    q4 = d.files.topLevelItem(0).child(0)
+    return q4.text(2), q4.toolTip(2)
+
+
+def test_a_model_fits_in_gpu_on_a_machine_with_a_24_gb_gpu(open_window, qtbot, hf_hub, monkeypatch):
+    from backend.accelerators import detect
+    from tests.backend.test_accelerators import NVIDIA_SMI_24GB, machine
+
+    badge, hover = _badge_with(open_window, qtbot, monkeypatch, detect(
+        machine(tools=["nvidia-smi"], outputs={"nvidia-smi": NVIDIA_SMI_24GB})))
+    assert badge == "fits in GPU"
+    assert "25.8 GB (NVIDIA GeForce RTX 4090) GPU memory" in hover
+
+
+def test_a_model_fits_in_ram_on_a_machine_without_a_gpu(open_window, qtbot, hf_hub, monkeypatch):
+    from backend.accelerators import detect
+    from tests.backend.test_accelerators import VULKANINFO_LAVAPIPE, machine
+
+    # Only lavapipe (software Vulkan, whose memory is the host's): no GPU memory.
+    badge, hover = _badge_with(open_window, qtbot, monkeypatch, detect(
+        machine(tools=["vulkaninfo"], outputs={"vulkaninfo": VULKANINFO_LAVAPIPE})))
+    assert badge == "fits in RAM"
+    assert "GPU" not in hover and "RAM" in hover

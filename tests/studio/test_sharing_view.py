@@ -1,0 +1,94 @@
+"""The Sharing tab's advanced limits: edited in the window, they change what the running
+port does at once and are remembered for the next start."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+from backend.settings import Settings
+
+WAIT = 15_000
+PAGE = "https://app.example.com"
+MiB = 1024 * 1024
+
+
+def preflight(port: int) -> httpx.Response:
+    """A browser's CORS preflight from PAGE for a chat completion (no model needed)."""
+    return httpx.options(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=10,
+                         headers={"Origin": PAGE, "Access-Control-Request-Method": "POST"})
+
+
+def test_an_origin_allowed_in_the_window_gets_cors_answers_from_the_running_port(open_window, qtbot):
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    port = window.bridge.gateway_port
+    assert port is not None
+    assert preflight(port).status_code == 403  # a page of another site: refused
+    assert "default" in sharing.allow_origins.toolTip().lower()
+
+    sharing.allow_origins.setText(f"{PAGE}, http://*.local:3000")
+    sharing.allow_origins.editingFinished.emit()
+    qtbot.waitUntil(lambda: window.bridge.service.settings.allow_origins
+                    == [PAGE, "http://*.local:3000"], timeout=WAIT)
+
+    answer = preflight(port)
+    assert answer.status_code in (200, 204)
+    assert answer.headers["access-control-allow-origin"] == PAGE
+    assert window.bridge.gateway_port == port  # applied live, not by reopening the port
+    assert Settings.load().allow_origins == [PAGE, "http://*.local:3000"]
+
+
+def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_window, qtbot):
+    window = open_window()
+    sharing = window.sharing
+    defaults = Settings()
+    assert sharing.max_connections.value() == defaults.max_connections
+    assert sharing.waiting_bodies.value() == defaults.max_waiting_body_bytes // MiB
+    for box, default in ((sharing.max_connections, "512"), (sharing.header_timeout, "30 s"),
+                         (sharing.client_stall, "120 s"), (sharing.waiting_bodies, "256 MiB")):
+        assert f"Default {default}" in box.toolTip()
+
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    port = window.bridge.gateway_port
+    assert port is not None
+    models = f"http://127.0.0.1:{port}/v1/models"
+    assert httpx.get(models, headers={"Host": "studio.lan"}, timeout=10).status_code == 403
+
+    sharing.max_connections.setValue(64)
+    sharing.header_timeout.setValue(1)
+    sharing.client_stall.setValue(0)
+    sharing.waiting_bodies.setValue(16)
+    sharing.max_body.setValue(1)
+    sharing.allow_hosts.setText("studio.lan")
+    sharing.allow_hosts.editingFinished.emit()
+
+    def live() -> Settings:
+        return window.bridge.service.settings
+
+    qtbot.waitUntil(lambda: live().allow_hosts == ["studio.lan"], timeout=WAIT)
+    assert (live().max_connections, live().header_timeout, live().client_stall_timeout,
+            live().max_waiting_body_bytes, live().max_body_bytes) == (64, 1.0, 0.0, 16 * MiB, MiB)
+    saved = Settings.load()
+    assert (saved.max_connections, saved.header_timeout, saved.client_stall_timeout,
+            saved.max_waiting_body_bytes, saved.allow_hosts) == (64, 1.0, 0.0, 16 * MiB, ["studio.lan"])
+
+    # The running port follows: a client that sends half a head is cut off after 1 s
+    # (the default would wait 30 s), and the allowed name is answered.
+    assert window.bridge.gateway_port == port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+        slow.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        started = time.monotonic()
+        try:
+            assert slow.recv(1024) == b""
+        except ConnectionResetError:
+            pass  # aborted: the same cut
+        assert time.monotonic() - started < 5
+    assert httpx.get(models, headers={"Host": "studio.lan"}, timeout=10).status_code != 403
+    # A 2 MiB body is now too large (the default takes 32 MiB).
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 * MiB)}]}
+    too_large = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=big, timeout=10)
+    assert too_large.status_code == 413
