@@ -3,15 +3,19 @@
 llama-server prints, while it loads: the devices it uses (`using device Vulkan0 (...) -
 N MiB free`), how many layers went to the GPU (`offloaded 5/5 layers to GPU`), the
 buffers it allocated on each device (model, KV cache, compute) and the context it ended
-up with (`n_ctx = N`, which `--fit on` may have shrunk).  `EngineReportReader` is fed
-every line of one start and turns them into an `EngineReport`; `gpu_failure_reason`
-reads a failed start's lines for the GPU problem behind it.
+up with (`n_ctx = N`, which `--fit on` may have shrunk), then its slots and how they share
+the KV cache (`initializing, n_slots = N, n_ctx_slot = S, kv_unified = 'true'`).
+`EngineReportReader` is the one reader of that output: fed every line of one start, it
+gives the `EngineReport` and the `KvCapacity` (whose rules live in `backend.kv_capacity`);
+`gpu_failure_reason` reads a failed start's lines for the GPU problem behind it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+
+from backend.kv_capacity import KvCapacity, kv_from_load
 
 HOST = "CPU"
 
@@ -70,16 +74,23 @@ class EngineReport:
 
 
 class EngineReportReader:
-    """Collects one start's output lines; `report()` any time after the load."""
+    """Collects one start's output lines; `report()` and `kv_capacity()` after the load."""
 
     def __init__(self) -> None:
         self._devices: dict[str, dict] = {}
         self._order: list[str] = []
         self._layers: tuple[int, int] | None = None
-        self._ctx: int | None = None
+        self._ctx: int | None = None  # --fit's dry run prints one too; the real load's comes last
         self._reduced_from: int | None = None
+        self._slots: int | None = None
+        self._per_slot: int | None = None
+        self._unified = False
+        self._pool_at_least = 0  # from the server's capping messages
 
     def feed(self, line: str) -> None:
+        if "n_ctx" in line or "context (" in line:  # few lines get past these two tests
+            if self._feed_context(line):
+                return
         if _REAL_LOAD.search(line):
             # Anything before was --fit measuring; the real load's buffers start here.
             for dev in self._devices.values():
@@ -106,9 +117,6 @@ class EngineReportReader:
             dev = self._device(_owner(m.group("buffer")))
             dev[kind] = dev.get(kind, 0.0) + float(m.group("mib"))
             return
-        m = _N_CTX.search(line)
-        if m:
-            self._ctx = int(m.group(1))
 
     def report(self) -> EngineReport:
         accelerators = [n for n in self._order if n != HOST]
@@ -117,6 +125,27 @@ class EngineReportReader:
         backend = _backend_of(accelerators[0]) if accelerators else "cpu"
         offloaded, total = self._layers or (None, None)
         return EngineReport(backend, devices, offloaded, total, self._ctx, self._reduced_from)
+
+    def kv_capacity(self, slots: int | None = None) -> KvCapacity | None:
+        """The cache the engine reported, or None when its load line never came."""
+        return kv_from_load(slots or self._slots, self._per_slot, self._unified,
+                            self._ctx, self._pool_at_least)
+
+    def _feed_context(self, line: str) -> bool:
+        m = _INITIALIZING.search(line)
+        if m:
+            self._slots, self._per_slot = int(m.group(1)), int(m.group(2))
+            self._unified = m.group(3) == "true"
+            return True
+        m = _N_CTX.search(line)
+        if m:
+            self._ctx = int(m.group(1))
+            return True
+        m = _CAPPED.search(line)
+        if m:
+            self._pool_at_least = max(self._pool_at_least, int(m.group(1) or m.group(2)))
+            return True
+        return False
 
     def _device(self, name: str) -> dict:
         if name not in self._devices:
@@ -144,6 +173,12 @@ _BUFFER = re.compile(
 _REAL_LOAD = re.compile(r"load_tensors: loading model tensors")
 _FIT_REDUCED = re.compile(r"context size reduced from (\d+) to (\d+)")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+=\s*(\d+)")
+_INITIALIZING = re.compile(
+    r"initializing, n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(true|false)'")
+# "capping per-slot context (POOL) to --kv-unified-per-slot", and "the slot context (C)
+# exceeds the training context of the model" where C is the pool, or the smaller
+# per-slot cap: both lower bounds of the pool.
+_CAPPED = re.compile(r"capping per-slot context \((\d+)\)|the slot context \((\d+)\) exceeds")
 
 _BACKEND_PREFIXES = (("Vulkan", "vulkan"), ("CUDA", "cuda"), ("ROCm", "hip"), ("HIP", "hip"),
                      ("MTL", "metal"), ("Metal", "metal"))

@@ -5,16 +5,16 @@ to show; `backend.prompt_tokens` makes the needs.
 
 Where the capacity comes from after a healthy load:
 
-- **a supervised engine** (`KvLoadReader`): llama-server's own load output.  At its
-  default verbosity it prints `initializing, n_slots = N, n_ctx_slot = S, kv_unified =
-  'true'`; S is one request's limit (already capped by `--kv-unified-per-slot` and the
-  model's training context).  A split cache holds N x S.  A unified pool holds
-  llama_context's `n_ctx`, printed at verbosity 4 (`llama_context: n_ctx = T`) and
-  otherwise only when a cap made S smaller than the pool (`capping per-slot context (T)
-  to --kv-unified-per-slot`, or `the slot context (T) exceeds the training context of
-  the model` when the model was trained on less than the pool); without any of those
-  lines the pool is taken as S, which is exact when nothing capped S (the common case)
-  and too small, never too large, otherwise.
+- **a supervised engine** (`kv_from_load`, from what `backend.engine_report` read of
+  llama-server's own load output).  At its default verbosity it prints `initializing,
+  n_slots = N, n_ctx_slot = S, kv_unified = 'true'`; S is one request's limit (already
+  capped by `--kv-unified-per-slot` and the model's training context).  A split cache
+  holds N x S.  A unified pool holds llama_context's `n_ctx`, printed at verbosity 4
+  (`llama_context: n_ctx = T`) and otherwise only when a cap made S smaller than the
+  pool (`capping per-slot context (T) to --kv-unified-per-slot`, or `the slot context
+  (T) exceeds the training context of the model` when the model was trained on less
+  than the pool); without any of those lines the pool is taken as S, which is exact
+  when nothing capped S (the common case) and too small, never too large, otherwise.
 - **an attached engine** (`kv_from_props`): its `/props` gives only the slots and S,
   not whether the cache is shared.  The only rule safe for both kinds is one pool of S
   tokens: every request may use its whole limit, and requests run together only while
@@ -24,10 +24,9 @@ Where the capacity comes from after a healthy load:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-__all__ = ["KvCapacity", "KvLoadReader", "TokenNeed", "kv_from_props", "planned_capacity"]
+__all__ = ["KvCapacity", "TokenNeed", "kv_from_load", "kv_from_props", "planned_capacity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,44 +66,20 @@ class KvCapacity:
         return {"total": self.total, "per_request": self.per_request, "unified": self.unified}
 
 
-class KvLoadReader:
-    """Fed every output line of one llama-server start; `capacity()` after the load."""
+def kv_from_load(slots: int | None, per_slot: int | None, unified: bool,
+                 pool: int | None = None, pool_at_least: int = 0) -> KvCapacity | None:
+    """The cache a supervised engine reported at its load, or None without its load line.
 
-    __slots__ = ("_slots", "_per_slot", "_unified", "_pool", "_pool_at_least")
-
-    def __init__(self) -> None:
-        self._slots: int | None = None
-        self._per_slot: int | None = None
-        self._unified = False
-        self._pool: int | None = None  # llama_context's n_ctx (verbosity 4)
-        self._pool_at_least = 0  # from the server's capping messages
-
-    def feed(self, line: str) -> None:
-        if "n_ctx" not in line and "context (" not in line:
-            return  # nearly every line: two substring tests
-        m = _INITIALIZING.search(line)
-        if m:
-            self._slots, self._per_slot = int(m.group(1)), int(m.group(2))
-            self._unified = m.group(3) == "true"
-            return
-        m = _CONTEXT.search(line)
-        if m:
-            # --fit's dry run prints a context too; the real load's comes last.
-            self._pool = int(m.group(1))
-            return
-        m = _CAPPED.search(line)
-        if m:
-            self._pool_at_least = max(self._pool_at_least, int(m.group(1) or m.group(2)))
-
-    def capacity(self, slots: int | None = None) -> KvCapacity | None:
-        """The cache the engine reported, or None when its load line never came."""
-        if self._per_slot is None or self._per_slot < 1:
-            return None
-        n = slots or self._slots or 1
-        if not self._unified:
-            return KvCapacity.split(n * self._per_slot, n)
-        pool = self._pool if self._pool else max(self._pool_at_least, self._per_slot)
-        return KvCapacity.shared(max(pool, self._per_slot), self._per_slot)
+    `per_slot` is the load line's n_ctx_slot; `pool` llama_context's n_ctx when printed;
+    `pool_at_least` the largest lower bound of the pool from the capping messages.
+    """
+    if per_slot is None or per_slot < 1:
+        return None
+    n = slots or 1
+    if not unified:
+        return KvCapacity.split(n * per_slot, n)
+    known = pool if pool else max(pool_at_least, per_slot)
+    return KvCapacity.shared(max(known, per_slot), per_slot)
 
 
 def kv_from_props(per_slot_context: int | None) -> KvCapacity | None:
@@ -169,15 +144,6 @@ def _flag_value(args: tuple[str, ...], flag: str) -> int:
         if value is not None and value.isdigit():
             return int(value)
     return 0
-
-
-_INITIALIZING = re.compile(
-    r"initializing, n_slots = (\d+), n_ctx_slot = (\d+), kv_unified = '(true|false)'")
-_CONTEXT = re.compile(r"llama_context: n_ctx\s+=\s*(\d+)")
-# "capping per-slot context (POOL) to --kv-unified-per-slot", and "the slot context (C)
-# exceeds the training context of the model" where C is the pool, or the smaller
-# per-slot cap: both lower bounds of the pool.
-_CAPPED = re.compile(r"capping per-slot context \((\d+)\)|the slot context \((\d+)\) exceeds")
 
 
 def _whole(n: object) -> bool:

@@ -41,7 +41,7 @@ from backend.errors import (
 )
 from backend.gpu_layers import gpu_layer_args
 from backend.listeners import Listeners
-from backend.kv_capacity import KvLoadReader, kv_from_props
+from backend.kv_capacity import kv_from_props
 from backend.load import OWNED_FLAGS, Listener, LoadSpec, LogListener, Snapshot, State
 
 __all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
@@ -80,9 +80,8 @@ class Supervisor:
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "state listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
         self._log_tail: deque[str] = deque(maxlen=1000)
-        self._kv_reader = KvLoadReader()
         self._task: asyncio.Task | None = None
-        self._report = EngineReportReader()
+        self._load_output = EngineReportReader()
         # Loads and unloads take turns; `_wanted` counts requests so that only the
         # latest one starts an engine (a load overtaken while it waited never does).
         self._switching = asyncio.Lock()
@@ -185,10 +184,10 @@ class Supervisor:
                 self._set_state(State.READY, base_url=child.base_url, api_key=child.key.value,
                                 effective_parallel_slots=props.effective_parallel_slots,
                                 context_length=props.context_length,
-                                kv=self._kv_reader.capacity(props.effective_parallel_slots)
+                                kv=self._load_output.kv_capacity(props.effective_parallel_slots)
                                 or kv_from_props(props.context_length),
                                 restarting=False,
-                                error=None, pid=child.pid, engine=self._report.report())
+                                error=None, pid=child.pid, engine=self._load_output.report())
                 if not ready.done():
                     ready.set_result(self._snapshot)
                 reason = await self._until_gone(child)
@@ -287,8 +286,7 @@ class Supervisor:
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = _EngineKey.create()
         args = build_command(self.binary, spec, port, api_key_file=key.path)
-        self._kv_reader = KvLoadReader()  # this start's cache, read from its own output
-        self._report = EngineReportReader()
+        self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
             child = await _Child.start(args, port, log_file, self._on_log_line, key)
         except BaseException:
@@ -330,8 +328,7 @@ class Supervisor:
 
     def _on_log_line(self, line: str) -> None:
         self._log_tail.append(line)
-        self._kv_reader.feed(line)
-        self._report.feed(line)
+        self._load_output.feed(line)
         self._log_listeners(line)
 
     def _set_state(self, state: State, **changes: Any) -> None:

@@ -1,10 +1,11 @@
-"""Reading where the model runs from llama-server's own load output."""
+"""Reading where the model runs and its KV cache from llama-server's own load output."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from backend.engine_report import EngineReportReader, gpu_failure_reason
+from backend.kv_capacity import KvCapacity
 from backend.load import LoadSpec
 from backend.supervisor import Supervisor
 
@@ -50,6 +51,16 @@ def read(text: str):
     return reader.report()
 
 
+def read_kv(*lines: str) -> KvCapacity | None:
+    reader = EngineReportReader()
+    for line in lines:
+        reader.feed(line)
+    return reader.kv_capacity()
+
+
+INIT = "0.00.203.455 I srv    load_model: initializing, n_slots = {}, n_ctx_slot = {}, kv_unified = '{}'"
+
+
 def test_a_cpu_load_reports_every_buffer_on_the_host_and_the_context():
     report = read(CPU_LOAD)
     assert report.backend == "cpu" and not report.on_gpu
@@ -84,6 +95,48 @@ def test_a_context_shrunk_by_fit_says_from_what():
     report = read("common_params_fit_impl: context size reduced from 131072 to 32768 -> need "
                   "4096 MiB less memory in total\n" + CPU_LOAD.replace("8192", "32768"))
     assert (report.context_reduced_from, report.context_size) == (131072, 32768)
+
+
+def test_a_split_cache_gives_each_slot_its_own_share():
+    assert read_kv(INIT.format(2, 8192, "false")) == KvCapacity(16384, 8192, unified=False)
+
+
+def test_a_unified_pool_nothing_capped_is_one_slots_context():
+    assert read_kv("llama_server: initializing ...", INIT.format(4, 32768, "true")) == \
+        KvCapacity(32768, 32768, unified=True)
+
+
+def test_a_pool_larger_than_the_training_context_is_read_from_the_capping_warning():
+    # The tiny test model, Auto slots, --ctx-size 16384 (captured from a real load).
+    assert read_kv(
+        "0.00.186.836 W llama_context: n_ctx_seq (16384) > n_ctx_train (8192) -- possible "
+        "training context overflow",
+        "0.00.202.230 W srv    load_model: the slot context (16384) exceeds the training "
+        "context of the model (8192) - capping",
+        INIT.format(4, 8192, "true")) == KvCapacity(16384, 8192, unified=True)
+
+
+def test_kv_unified_per_slot_caps_one_request_below_the_pool():
+    assert read_kv("I srv load_model: capping per-slot context (32768) to --kv-unified-per-slot (8192)",
+                   INIT.format(4, 8192, "true")) == KvCapacity(32768, 8192, unified=True)
+
+
+def test_the_real_loads_context_wins_over_fits_dry_run():
+    assert read_kv("llama_context: n_ctx                 = 65536",  # --fit measuring
+                   "llama_context: n_ctx                 = 24576",  # the real load (verbosity 4)
+                   INIT.format(4, 24576, "true")) == KvCapacity(24576, 24576, unified=True)
+
+
+def test_no_load_line_means_unknown():
+    assert read_kv("llama_server: model loaded") is None
+
+
+def test_one_reading_gives_the_report_and_the_kv_cache_from_the_same_context():
+    reader = EngineReportReader()
+    for line in (CPU_LOAD + INIT.format(2, 4096, "true")).splitlines():
+        reader.feed(line)
+    assert reader.report().context_size == 8192
+    assert reader.kv_capacity() == KvCapacity(8192, 4096, unified=True)
 
 
 def test_gpu_failures_are_worded_for_people_and_other_failures_are_not_blamed_on_the_gpu():

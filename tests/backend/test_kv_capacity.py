@@ -1,54 +1,10 @@
-"""Reading the engine's KV cache from its load output, and the attached-engine rule."""
+"""The KV cache rules: an attached engine's cache, the plan before a load, and how it reads."""
 
 from __future__ import annotations
 
 import pytest
 
-from backend.kv_capacity import KvCapacity, KvLoadReader, kv_from_props, planned_capacity
-
-
-def read(*lines: str) -> KvCapacity | None:
-    reader = KvLoadReader()
-    for line in lines:
-        reader.feed(line)
-    return reader.capacity()
-
-
-INIT = "0.00.203.455 I srv    load_model: initializing, n_slots = {}, n_ctx_slot = {}, kv_unified = '{}'"
-
-
-def test_a_split_cache_gives_each_slot_its_own_share():
-    assert read(INIT.format(2, 8192, "false")) == KvCapacity(16384, 8192, unified=False)
-
-
-def test_a_unified_pool_nothing_capped_is_one_slots_context():
-    assert read("llama_server: initializing ...", INIT.format(4, 32768, "true")) == \
-        KvCapacity(32768, 32768, unified=True)
-
-
-def test_a_pool_larger_than_the_training_context_is_read_from_the_capping_warning():
-    # The tiny test model, Auto slots, --ctx-size 16384 (captured from a real load).
-    assert read(
-        "0.00.186.836 W llama_context: n_ctx_seq (16384) > n_ctx_train (8192) -- possible "
-        "training context overflow",
-        "0.00.202.230 W srv    load_model: the slot context (16384) exceeds the training "
-        "context of the model (8192) - capping",
-        INIT.format(4, 8192, "true")) == KvCapacity(16384, 8192, unified=True)
-
-
-def test_kv_unified_per_slot_caps_one_request_below_the_pool():
-    assert read("I srv load_model: capping per-slot context (32768) to --kv-unified-per-slot (8192)",
-                INIT.format(4, 8192, "true")) == KvCapacity(32768, 8192, unified=True)
-
-
-def test_the_real_loads_context_wins_over_fits_dry_run():
-    assert read("llama_context: n_ctx                 = 65536",  # --fit measuring
-                "llama_context: n_ctx                 = 24576",  # the real load (verbosity 4)
-                INIT.format(4, 24576, "true")) == KvCapacity(24576, 24576, unified=True)
-
-
-def test_no_load_line_means_unknown():
-    assert read("llama_server: model loaded") is None
+from backend.kv_capacity import KvCapacity, kv_from_props, planned_capacity
 
 
 @pytest.mark.parametrize("context", [None, 0])
