@@ -25,6 +25,12 @@ prompt needs, forever.  The price is head-of-line blocking: while a big head wai
 slots may stand idle.  Concurrency is unchanged whenever the needs fit (the common
 case), because then the token check never says no.
 
+Optimistic admission: a long prompt need not wait for its count when its byte bound
+(an upper bound of the count, see `backend.prompt_tokens`) fits right now and nobody
+waits (`fits_now`): it is admitted reserving the bound, and `Ticket.settle` shrinks the
+reservation to the count when that returns, promoting waiters in order.  Only an empty
+line is ever entered this way, so no one is passed.
+
 This module only decides.  It opens no sockets, sends nothing and never sleeps; the
 gateway asks it for a ticket, awaits the ticket, forwards the request to the ticket's
 `base_url` and releases the ticket when the upstream answer is finished or abandoned.
@@ -193,6 +199,28 @@ class Ticket:
             self.queue._leave(self)
             self._wake()
 
+    def settle(self, need: TokenNeed | int) -> int:
+        """The request's prompt was counted after it was admitted on its byte bound:
+        shrink the reservation to `need` and return the tokens given back (0 if none).
+
+        Waiters behind it are promoted in order, as on a release.  The bound is an
+        upper bound of the count, so a `need` above the reservation cannot come from a
+        sound bound: the reservation is kept (never grown, which could overcommit the
+        pool behind the admission's back).  A no-op, returning 0, on a released or
+        refused ticket, on one reserving nothing, and when called again.  A ticket sent
+        back in line (`requeue`) shrinks too, and the head of the line is then tried.
+        """
+        settled = _as_need(need)
+        if (settled is None or self.need is None
+                or self.state not in (TicketState.ADMITTED, TicketState.WAITING)):
+            return 0
+        excess = self.need.total - settled.total
+        if excess <= 0:
+            return 0
+        self.need = settled
+        self.queue._shrunk(self, excess)
+        return excess
+
     def requeue(self) -> bool:
         """The load refused the connection before any byte of the request reached it:
         give the slot back and stand in line again at the ticket's original place.
@@ -357,6 +385,16 @@ class AdmissionQueue:
         self._changed()
         return ticket
 
+    def fits_now(self, need: TokenNeed | int | None) -> bool:
+        """Would `request(need)` admit at once?  Nobody waits (no one is passed), this
+        load is current, a slot and the tokens are free, and the need fits one
+        request's share.  The gateway admits a long prompt on its byte bound when this
+        holds, and counts it while it runs (`Ticket.settle`)."""
+        need = _as_need(need)
+        if self._retired or self._line or not self._has_room(need):
+            return False
+        return need is None or self.kv is None or need.total <= self.kv.per_request
+
     def admit_waiting(self) -> None:
         """Admit from the head of the line while there is room.  A requeue leaves its
         slot free without promoting anyone; whoever still counts on this load (after a
@@ -448,6 +486,13 @@ class AdmissionQueue:
         self._observe(self._clock() - ticket.admitted_at)
         if promote:
             self._promote()
+        self._changed()
+
+    def _shrunk(self, ticket: Ticket, excess: int) -> None:
+        """`ticket`'s need shrank by `excess` tokens (`Ticket.settle`)."""
+        if ticket.state is TicketState.ADMITTED:
+            self._reserved -= excess
+        self._promote()
         self._changed()
 
     def _requeue(self, ticket: Ticket) -> None:

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, AsyncIterator, Callable, MutableMapping, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -44,7 +44,14 @@ from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelN
                             RequestError, SettingsError, Unauthorized, UpgradeRequired)
 from backend.metrics import Metrics
 from backend.relay import Exchange, GatedRequest
-from backend.prompt_tokens import HttpEngineTokenizer, PromptCounter, request_need
+from backend.prompt_tokens import (
+    HttpEngineTokenizer,
+    PromptCounter,
+    bound_need,
+    counted_need,
+    output_budget,
+    request_need,
+)
 from backend.request_body import ClientGone, Parsed, check_body, read_body
 from backend.settings import Settings
 from backend.sse import StreamKind
@@ -155,7 +162,7 @@ class Gateway:
             if snapshot.state is not State.READY or queue is None:
                 raise ModelNotReady(not_ready_message(snapshot),
                                     retry_after=RETRY_SOON)
-            need = await self.need(queue, path, parsed, raw_size)
+            need, count = await self.need(queue, path, parsed, raw_size)
             # Counted: the parsed objects (several times the body's bytes) are not kept
             # by a waiting request, only the body (bounded by max_waiting_body_bytes).
             parsed.data = {}
@@ -164,7 +171,8 @@ class Gateway:
             return
 
         exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                      parsed, snapshot.model_id, need),
+                                                      parsed, snapshot.model_id, need,
+                                                      count),
                             send, receive,
                             abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
         self._running.add(exchange)
@@ -175,17 +183,42 @@ class Gateway:
         if exchange.client_gone:
             scope[_GONE] = True
 
-    async def need(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int) -> TokenNeed | None:
-        """What the request will hold of the load's KV cache; None when the cache is
-        unknown or admission is off (slots alone decide, or nothing does)."""
+    async def need(self, queue: AdmissionQueue, path: str, parsed: Parsed, body_bytes: int
+                   ) -> tuple[TokenNeed | None, Callable[[], Awaitable[TokenNeed]] | None]:
+        """What the request will hold of the load's KV cache (None when the cache is
+        unknown or admission is off: slots alone decide, or nothing does), and how to
+        count it later when it is admitted on its byte bound before being counted.
+
+        Short requests are reserved at their byte bound, never counted.  A longer one
+        whose bound fits right now, with nobody waiting (`AdmissionQueue.fits_now`), is
+        admitted on the bound and counted while it runs (`Exchange` settles the ticket
+        with the count): the count's round trip no longer delays its first token.
+        Otherwise it is counted before it queues, as its bound may hold back others.
+        """
         kv = queue.kv
         if kv is None or not queue.enabled:
-            return None
+            return None, None
         settings = self.settings
-        return await request_need(self.counter_for(queue), path, parsed.data, body_bytes,
-                                  kv=kv, slots=queue.capacity, cap=settings.max_output_tokens,
-                                  default=settings.default_output_tokens)
+        counter = self.counter_for(queue)
+        body = parsed.data
+        options = dict(kv=kv, cap=settings.max_output_tokens,
+                       default=settings.default_output_tokens)
+        bound = await bound_need(counter, path, body, body_bytes, **options)
+        if bound is not None and not self._short(bound, path, body, queue) \
+                and queue.fits_now(bound):
+            return bound, lambda: counted_need(counter, path, body, body_bytes, **options)
+        return await request_need(counter, path, body, body_bytes, slots=queue.capacity,
+                                  **options), None
+
+    def _short(self, bound: TokenNeed, path: str, body: Any, queue: AdmissionQueue) -> bool:
+        """`request_need` reserves its bound without counting (it fits its fair share)."""
+        kv = queue.kv
+        assert kv is not None
+        share = min(kv.per_request, kv.total // max(1, queue.capacity))
+        budget = output_budget(path, body, prompt_tokens=0, limit=kv.per_request,
+                               cap=self.settings.max_output_tokens,
+                               default=self.settings.default_output_tokens)
+        return bound.prompt + budget <= share
 
     def counter_for(self, queue: AdmissionQueue) -> PromptCounter:
         """One counter per load, asking that load's engine (it knows its template)."""

@@ -70,6 +70,8 @@ __all__ = [
     "HttpEngineTokenizer",
     "PromptCount",
     "PromptCounter",
+    "bound_need",
+    "counted_need",
     "output_budget",
     "request_need",
     "token_need",
@@ -180,6 +182,21 @@ class PromptCounter:
             field = "prompt" if route == COMPLETIONS else "input"
             return await self._count_prompts(body.get(field), fits_below)
         raise ValueError(f"no prompt to count on {route}")
+
+    async def bound(self, route: str, body: Mapping[str, Any], body_bytes: int) -> int | None:
+        """The byte bound of the prompt without counting it (the template's fixed part
+        is measured once per counter); None where no bound holds: tools, images, or
+        the template could not be measured."""
+        if route in COUNT_ROUTES:
+            if _images(body)[0] or body.get("tools"):
+                return None
+            base = await self._template_base()
+            return None if base is None else body_bytes + base + TEXT_SLACK
+        if route in (COMPLETIONS, EMBEDDINGS):
+            texts, exact = _split_prompts(body.get("prompt" if route == COMPLETIONS
+                                                   else "input"))
+            return exact + sum(len(t.encode()) + TEXT_SLACK for t in texts)
+        return None
 
     # --- chat, Responses, messages -------------------------------------------------
 
@@ -304,6 +321,29 @@ async def request_need(counter: PromptCounter, route: str, body: Mapping[str, An
                            default=default)
     prompt = await counter.count(route, body, body_bytes,
                                  fits_below=max(0, share - budget))
+    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
+
+
+async def bound_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
+                     body_bytes: int, *, kv: KvCapacity, cap: int = 0,
+                     default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed | None:
+    """The need on the prompt's byte bound, without asking the engine to count it; None
+    where no bound holds.  Never below the counted need (`counted_need`): the prompt's
+    bound is at least its count, and a larger prompt leaves a budget no larger than
+    the room it takes (`output_budget`), so the sum only grows with the prompt."""
+    prompt = await counter.bound(route, body, body_bytes)
+    if prompt is None:
+        return None
+    return token_need(route, body, PromptCount(prompt, "bound"), limit=kv.per_request,
+                      cap=cap, default=default)
+
+
+async def counted_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
+                       body_bytes: int, *, kv: KvCapacity, cap: int = 0,
+                       default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
+    """The need with the prompt counted by the engine (or its conservative estimate
+    when the engine cannot count, which is the byte bound for a body that has one)."""
+    prompt = await counter.count(route, body, body_bytes)
     return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
 
 

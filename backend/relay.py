@@ -94,6 +94,9 @@ class GatedRequest:
     model_id: str | None
     #: KV tokens it may hold (prompt + output budget); None: unknown, slots alone decide.
     need: TokenNeed | None = None
+    #: Set when `need` is the prompt's byte bound, admitted before counting: counts the
+    #: prompt, for `Ticket.settle` while the request runs.
+    count: Callable[[], Awaitable[TokenNeed]] | None = None
 
 
 class DisconnectWatch:
@@ -225,6 +228,8 @@ class Exchange:
             await self._send_all(self._failure(error))
             return
         self._task = asyncio.current_task()
+        counting = (asyncio.ensure_future(self._settle(ticket, self.request.count))
+                    if self.request.count is not None else None)
         watch = self.watch = DisconnectWatch(self.receive)
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
@@ -247,6 +252,8 @@ class Exchange:
                 last = self._failure(self._abort or ModelNotReady(
                     "The server is shutting down.", retry_after=RETRY_SOON))
         finally:
+            if counting is not None:
+                counting.cancel()  # its answer is of no use once the ticket goes
             if self._engine_dropped:
                 # Likely a crash: the waiters wait for the supervisor to say so (it
                 # retires the load within milliseconds), not for a dying engine.
@@ -262,6 +269,23 @@ class Exchange:
         finally:
             if self._stall is not None:
                 self._stall.stop()
+
+    async def _settle(self, ticket: Ticket,
+                      count: Callable[[], Awaitable[TokenNeed]]) -> None:
+        """Count the prompt of a request admitted on its byte bound, and give back what
+        the bound reserved beyond the count.  A failed count keeps the bound."""
+        try:
+            need = await count()
+        except Exception:  # a bug: counting failures are estimates, never raised
+            log.exception("counting the prompt of a running request failed; the byte "
+                          "bound stays reserved")
+            return
+        if ticket.queue is not self.queue:
+            return  # carried to another load while counting: not its engine's count
+        if need.total > ticket.tokens:
+            log.warning("a prompt counted %d tokens above its byte bound; the bound "
+                        "stays reserved", need.total - ticket.tokens)
+        ticket.settle(need)
 
     def _stalled(self) -> None:
         """The client left its answer unread for the stall timeout: drop it (the task
