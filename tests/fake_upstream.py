@@ -15,7 +15,7 @@ prompts with (`/v1/chat/completions/input_tokens`, `/v1/responses/input_tokens`,
 `/v1/messages/count_tokens`, `/apply-template`, `/tokenize`), with plausible counts:
 one token per 4 bytes of text (rounded up), a ChatML-like template (4 tokens per
 message, 3 for the generation prompt) and a BOS.  Those are recorded in `counted`, not
-in `requests`.
+in `requests`; `count_gate` (an Event) holds their answers until it is set.
 
 Behaviour is set on the `FakeUpstream` object (defaults for every request) and can be
 overridden per request with a `"fake"` object in the JSON body, e.g.
@@ -110,6 +110,9 @@ class FakeUpstream:
         self.status: int | None = None
         self.requests: list[Received] = []
         self.counted: list[Received] = []  # prompt counting calls (input_tokens, tokenize, ...)
+        #: While set to an unset Event, the counting routes record the call and answer
+        #: only once it is set (a count's round trip held open for exact timing).
+        self.count_gate: asyncio.Event | None = None
         self.active = 0
         self.disconnects = 0
         self.completed = 0
@@ -226,6 +229,8 @@ class FakeUpstream:
         if not isinstance(body, dict):
             return _error(400, "invalid_request_error", "not an object")
         self.counted.append(Received(request.url.path, body))
+        if self.count_gate is not None:
+            await self.count_gate.wait()
         return body
 
     async def _input_tokens(self, request: Request) -> Response:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 
 from backend.access_guard import AccessGuard
-from backend.admission import AdmissionRegistry
+from backend.admission import AdmissionRegistry, KvCapacity
 from backend.gateway import GatewayServer, create_app
 from backend.metrics import Metrics
 from backend.settings import Settings
@@ -82,14 +82,15 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def open_gateway(base_url: str, slots: int, *, model_id: str = "fake-model",
-                       context_length: int = 4096, **settings: Any) -> AsyncIterator[Gateway]:
+                       context_length: int = 4096, kv: KvCapacity | None = None,
+                       **settings: Any) -> AsyncIterator[Gateway]:
     """A gateway on 127.0.0.1:0 in front of the llama-server at `base_url`."""
     defaults = dict(keepalive_interval=0.05, queue_timeout=30.0)
     defaults.update(settings)
     snapshot = Snapshot(state=State.READY, model_id=model_id, base_url=base_url,
                         effective_parallel_slots=slots, context_length=context_length)
     ctx = Context(Settings(**defaults), snapshot)
-    ctx.registry.activate(base_url, slots)
+    ctx.registry.activate(base_url, slots, kv)
     server = await GatewayServer.start(create_app(ctx), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.port}"
     client = httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False)
