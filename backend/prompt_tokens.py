@@ -31,7 +31,10 @@ a one-message conversation (`template_base`).  So:
     prompt tokens <= body bytes + template_base + TEXT_SLACK
 
 A request whose bound fits is reserved at its bound (an over-reservation, small because
-the request is short).  Tools are excluded because templates render them with
+the request is short).  A longer one whose bound (`bound_need`) fits the free cache right
+now, with nobody waiting, is admitted on it and counted while it runs (`counted_need`,
+then `Ticket.settle`, see `backend.gateway`); only when the bound does not fit now is the
+count awaited before admission.  Tools are excluded because templates render them with
 instructions and re-indented schemas; images because their bytes say nothing.
 
 When the engine cannot answer (an error, a timeout, a missing route) the count falls
