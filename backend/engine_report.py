@@ -52,19 +52,20 @@ class EngineReport:
         return bool(self.layers_offloaded) and bool(self.gpu_devices)
 
     def summary(self) -> str:
-        """One line for people: where the layers are and what memory they took."""
+        """One line for people: where the layers are and what memory they took ("the
+        CPU; memory: 29 MiB", "vulkan: 3/3 layers on Vulkan0 (...); memory: ...")."""
         if self.on_gpu:
             where = ", ".join(f"{d.name} ({d.description})" if d.description else d.name
                               for d in self.gpu_devices)
-            text = f"{self.layers_offloaded}/{self.layers_total} layers on {where}"
-        elif self.layers_total:
-            text = f"all {self.layers_total} layers on the CPU"
+            text = f"{self.backend}: {self.layers_offloaded}/{self.layers_total} layers on {where}"
         else:
-            text = "on the CPU"
-        memory = ", ".join(f"{d.name} {d.total_mib:.0f} MiB" for d in self.devices if d.total_mib)
-        if memory:
-            text += f"; memory: {memory}"
-        return f"{self.backend}: {text}"
+            text = "the CPU" + (f" (all {self.layers_total} layers)" if self.layers_total else "")
+        used = [d for d in self.devices if d.total_mib]
+        if [d.name for d in used] == [HOST] and not self.on_gpu:
+            text += f"; memory: {used[0].total_mib:.0f} MiB"
+        elif used:
+            text += "; memory: " + ", ".join(f"{d.name} {d.total_mib:.0f} MiB" for d in used)
+        return text
 
     def to_dict(self) -> dict:
         data = asdict(self)

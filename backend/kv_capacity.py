@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KvCapacity", "TokenNeed", "kv_from_load", "kv_from_props", "planned_capacity"]
+__all__ = ["KvCapacity", "KvPlan", "TokenNeed", "kv_from_load", "kv_from_props", "planned_capacity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +54,17 @@ class KvCapacity:
         """One pool (--kv-unified), optionally capped per request (--kv-unified-per-slot)."""
         return cls(total, total if per_request is None else per_request, unified=True)
 
-    def describe(self, slots: int) -> str:
-        """For people: "up to 4 requests at once; each up to 16,384 tokens (one shared
-        pool of 16,384)"."""
-        pool = (f"one shared pool of {self.total:,}" if self.unified
-                else f"{self.per_request:,} reserved for each")
-        return (f"up to {slots} request{'s' if slots != 1 else ''} at once; each up to "
-                f"{self.per_request:,} tokens ({pool})")
+    def describe(self, slots: int, *, at_most: bool = False) -> str:
+        """For people: "up to 4 requests at once; each up to 8,192 tokens; one shared pool
+        of 16,384 tokens", or "...; each slot has its own 4,096 tokens" for a split cache.
+        `at_most`: the numbers are the most the engine may give."""
+        start = f"up to {slots} request{'s' if slots != 1 else ''} at once; "
+        if self.unified:
+            return (start + f"each up to {self.per_request:,} tokens; one shared pool of "
+                    f"{'up to ' if at_most else ''}{self.total:,} tokens")
+        if at_most:
+            return start + f"each slot has up to {self.per_request:,} tokens of its own"
+        return start + f"each slot has its own {self.per_request:,} tokens"
 
     def to_dict(self) -> dict[str, object]:
         return {"total": self.total, "per_request": self.per_request, "unified": self.unified}
@@ -101,49 +105,130 @@ class TokenNeed:
         return self.prompt + self.output
 
 
-def planned_capacity(ctx_size: int, parallel: str, trained: int | None,
-                     extra_args: tuple[str, ...] = ()) -> tuple[int, KvCapacity] | None:
-    """(slots, cache) llama-server will give a load, by its own rules, before loading.
+@dataclass(frozen=True, slots=True)
+class KvPlan:
+    """What llama-server will give a load, worked out before loading."""
 
-    Auto slots: 4 sharing one pool (--kv-unified); a number of slots: each its own
-    share (unless --kv-unified is among the extra arguments).  Context 0: the model's
-    trained context.  The pool is rounded up to 256, a split share too; one request
-    never exceeds the trained context nor --kv-unified-per-slot.  None when the
-    trained context is unknown and needed.  `--fit` may still shrink the context to
-    fit the memory: what the engine really gave is read after the load.
+    slots: int
+    kv: KvCapacity
+    #: --fit may shrink the context to fit the memory: the numbers are the most it gives
+    at_most: bool = False
+    fit_floor: int = 0  #: the least --fit shrinks the whole context to, when `at_most`
+
+    def describe(self) -> str:
+        """For people: "Up to 4 requests at once; each slot has its own 8,192 tokens"."""
+        text = self.kv.describe(self.slots, at_most=self.at_most).capitalize() + "."
+        if self.at_most:
+            text += (f" The engine may give less to fit the memory (not below "
+                     f"{self.fit_floor:,} tokens in total).")
+        return text
+
+
+def planned_capacity(ctx_size: int, parallel: str, trained: int | None,
+                     extra_args: tuple[str, ...] = (), *, fit: bool = True) -> KvPlan | None:
+    """What llama-server will give a load, by the pinned llama.cpp's own rules.
+
+    The app starts it with `--parallel P --ctx-size C [--fit on|off] EXTRA...`; later
+    arguments win, so `-c`, `--fit`, `--fit-ctx`, `--kv-unified` and
+    `--kv-unified-per-slot` in `extra_args` count.  `fit` is False when the GPU
+    layers are "none" (the app passes `--fit off`).  None when the context depends on
+    a trained context that is unknown.  The rules, in the order the engine applies them:
+
+    1. tools/server/server.cpp: auto slots (-1) become 4 sharing one pool, whatever
+       `--no-kv-unified` says; a number of slots shares only with `--kv-unified`.  A
+       context of 0 with `--kv-unified-per-slot N` becomes slots x N, but only when
+       `--fit-ctx` was given after `-c 0` (`-c 0` itself asks for the full context).
+    2. common/fit.cpp, with --fit on and a context of 0: the model's trained context
+       for each stream (one when unified, one per slot when split), so a split cache
+       gives every slot the trained context.  It shrinks that to fit the memory only
+       when `--fit-ctx` set a floor after `-c 0`.
+    3. src/llama-context.cpp: a context of 0 is the trained context in total; the pool
+       is padded up to 256; split, each slot gets the pool / slots padded up to 256.
+    4. tools/server/server-context.cpp: one slot never exceeds the trained context nor
+       `--kv-unified-per-slot`.
     """
-    auto = str(parallel) in ("", "auto", "0", "-1")
+    args = _Args(("--ctx-size", str(ctx_size), "--fit", "on" if fit else "off", *extra_args))
+    auto = str(parallel).strip() in ("", "auto", "0", "-1")
     slots = 4 if auto else max(1, int(parallel))
-    unified = auto or any(a in ("--kv-unified", "-kvu") for a in extra_args)
-    if any(a in ("--no-kv-unified", "-no-kvu") for a in extra_args):
-        unified = False
-    total = ctx_size or trained
-    if not total:
-        return None
-    total = _pad(total)
-    limit = trained or total
-    per_slot_cap = _flag_value(extra_args, "--kv-unified-per-slot")
-    if unified:
-        per_request = min(total, limit, per_slot_cap or total)
-        return slots, KvCapacity.shared(total, max(1, per_request))
-    share = _pad(total // slots)
-    return slots, KvCapacity(share * slots, max(1, min(share, limit)), unified=False)
+    unified = True if auto else args.switch(("-kvu", "--kv-unified"), ("-no-kvu", "--no-kv-unified"))
+    context, full_context_asked = args.context()
+    per_slot_cap = args.number(("--kv-unified-per-slot",)) or 0
+    fit_on = args.last(("-fit", "--fit")) != "off"
+
+    if per_slot_cap > 0 and context == 0 and not full_context_asked:
+        context = slots * per_slot_cap
+    at_most, fit_floor = False, 0
+    if context == 0:
+        if not trained:
+            return None
+        streams = 1 if unified else slots
+        context = trained * streams if fit_on else trained
+        floor = (args.number(("-fitc", "--fit-ctx")) or 0) * streams
+        if fit_on and not full_context_asked and context > floor:
+            at_most, fit_floor = True, floor
+    pool = _pad(context)
+    share = pool if unified else _pad(pool // slots)
+    per_request = min(share, per_slot_cap or share, trained or share)
+    kv = (KvCapacity.shared(pool, per_request) if unified
+          else KvCapacity(per_request * slots, per_request, unified=False))
+    return KvPlan(slots, kv, at_most, fit_floor)
 
 
 def _pad(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
-def _flag_value(args: tuple[str, ...], flag: str) -> int:
-    for index, arg in enumerate(args):
-        value = None
-        if arg == flag and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-        if value is not None and value.isdigit():
-            return int(value)
-    return 0
+class _Args:
+    """llama-server's command line as its parser reads it: the last value of a flag wins,
+    given as `--flag value` or `--flag=value`."""
+
+    def __init__(self, args: tuple[str, ...]) -> None:
+        self._pairs: list[tuple[str, str | None]] = []
+        for index, arg in enumerate(args):
+            name, eq, value = arg.partition("=")
+            if eq and name.startswith("-"):
+                self._pairs.append((name, value))
+            else:
+                following = args[index + 1] if index + 1 < len(args) else None
+                self._pairs.append((arg, following))
+
+    def last(self, names: tuple[str, ...]) -> str | None:
+        found = None
+        for name, value in self._pairs:
+            if name in names:
+                found = value
+        return found
+
+    def number(self, names: tuple[str, ...]) -> int | None:
+        return _int_or_none(self.last(names))
+
+    def switch(self, on: tuple[str, ...], off: tuple[str, ...]) -> bool:
+        state = False
+        for name, _ in self._pairs:
+            if name in on:
+                state = True
+            elif name in off:
+                state = False
+        return state
+
+    def context(self) -> tuple[int, bool]:
+        """(context, whether the full context was asked for): `-c 0` disables --fit's
+        shrinking, until a later `--fit-ctx` sets a floor again (common/arg.cpp)."""
+        context, full = 0, False
+        for name, value in self._pairs:
+            number = _int_or_none(value)
+            if name in ("-c", "--ctx-size") and number is not None:
+                context, full = number, number == 0
+            elif name in ("-fitc", "--fit-ctx") and number is not None:
+                full = False
+        return context, full
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _whole(n: object) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Protocol
 from backend.engine_report import EngineReport
 from backend.errors import SettingsError
 from backend.kv_capacity import KvCapacity, planned_capacity
-from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
+from backend.gpu_layers import NONE, parse_gpu_layers, read_saved_gpu_layers
 
 # Flags GGUF Studio owns; a user's extra arguments may not override them.  Every
 # spelling the pinned llama.cpp accepts (common/arg.cpp; tests check them against it):
@@ -73,18 +73,17 @@ class LoadSettings:
                         chat_template=chat_template, model_id=model_id)
 
     def describe_plan(self, trained_context: int | None) -> str:
-        """What these settings mean for clients, before loading ("up to 4 requests at
-        once; each up to 8,192 tokens (one shared pool of 16,384)"), for a model
-        trained on `trained_context` tokens."""
+        """What these settings mean for clients, before loading ("Up to 4 requests at
+        once; each slot has its own 8,192 tokens."), for a model trained on
+        `trained_context` tokens, by llama-server's own rules (`planned_capacity`)."""
         try:
             plan = planned_capacity(self.ctx_size, str(self.parallel), trained_context,
-                                    tuple(self.extra_args))
+                                    tuple(self.extra_args), fit=self.n_gpu_layers != NONE)
         except ValueError:
             plan = None
         if plan is None:
             return "The engine decides the context; it is shown after loading."
-        slots, kv = plan
-        return kv.describe(slots).capitalize() + "."
+        return plan.describe()
 
     @staticmethod
     def parse_extra_args(text: str) -> tuple[str, ...]:

@@ -70,8 +70,8 @@ def test_serve_runs_until_interrupted_and_leaves_no_engine_behind(tiny_model, ll
                 break
         assert lines[-1].startswith(
             "[ready] tiny: effective parallel slots 2, context 1024 per slot; "
-            "KV cache: up to 2 requests at once; each up to 1,024 tokens "
-            "(1,024 reserved for each); runs on cpu: on the CPU; memory: CPU ")
+            "KV cache: up to 2 requests at once; each slot has its own 1,024 tokens; "
+            "runs on the CPU; memory: ")
         url = next(l.strip() for l in lines if l.strip().startswith("http://"))
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", url)
         health = httpx.get(url.removesuffix("/v1") + "/health").json()

@@ -67,7 +67,7 @@ def test_a_cpu_load_reports_every_buffer_on_the_host_and_the_context():
     (host,) = report.devices
     assert (host.name, host.model_mib, host.kv_mib, host.compute_mib) == ("CPU", 15.94, 4.0, 9.01)
     assert report.context_size == 8192
-    assert report.summary() == "cpu: on the CPU; memory: CPU 29 MiB"
+    assert report.summary() == "the CPU; memory: 29 MiB"
 
 
 def test_a_vulkan_load_reports_the_device_its_layers_and_memory_on_each_side():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.kv_capacity import KvCapacity, kv_from_props, planned_capacity
+from backend.kv_capacity import KvCapacity, KvPlan, kv_from_props, planned_capacity
 
 
 @pytest.mark.parametrize("context", [None, 0])
@@ -19,22 +19,73 @@ def test_an_attached_engine_is_taken_as_one_pool_of_one_slots_context():
 
 def test_describe_says_what_the_choice_means():
     assert KvCapacity(16384, 8192, unified=True).describe(4) == \
-        "up to 4 requests at once; each up to 8,192 tokens (one shared pool of 16,384)"
+        "up to 4 requests at once; each up to 8,192 tokens; one shared pool of 16,384 tokens"
     assert KvCapacity.split(8192, 2).describe(2) == \
-        "up to 2 requests at once; each up to 4,096 tokens (4,096 reserved for each)"
+        "up to 2 requests at once; each slot has its own 4,096 tokens"
 
 
 def test_auto_slots_plan_four_requests_sharing_one_pool_capped_by_training():
-    assert planned_capacity(16384, "auto", 8192) == (4, KvCapacity(16384, 8192, unified=True))
-    assert planned_capacity(0, "auto", 32768) == (4, KvCapacity(32768, 32768, unified=True))
+    assert planned_capacity(16384, "auto", 8192) == KvPlan(4, KvCapacity(16384, 8192, unified=True))
+    assert planned_capacity(0, "auto", 32768) == KvPlan(4, KvCapacity(32768, 32768, unified=True))
+
+
+def test_auto_slots_share_one_pool_even_when_the_extra_arguments_say_otherwise():
+    # server.cpp turns -np -1 into 4 slots and kv_unified after reading every argument.
+    assert planned_capacity(4096, "auto", 8192, ("--no-kv-unified",)).kv.unified
 
 
 def test_a_number_of_slots_plans_a_share_each():
-    assert planned_capacity(16384, "2", 32768) == (2, KvCapacity(16384, 8192, unified=False))
-    assert planned_capacity(2048, "2", 8192) == (2, KvCapacity(2048, 1024, unified=False))
+    assert planned_capacity(16384, "2", 32768) == KvPlan(2, KvCapacity(16384, 8192, unified=False))
+    assert planned_capacity(2048, "2", 8192) == KvPlan(2, KvCapacity(2048, 1024, unified=False))
+
+
+def test_the_models_own_context_gives_each_split_slot_the_whole_trained_context():
+    # The case: 4 slots, "Model's own" on an 8,192-token model; --fit on sizes
+    # the cache for 4 streams of 8,192 (common/fit.cpp), not 4 shares of 2,048.
+    plan = planned_capacity(0, "4", 8192)
+    assert plan == KvPlan(4, KvCapacity(32768, 8192, unified=False))
+    assert plan.describe() == "Up to 4 requests at once; each slot has its own 8,192 tokens."
+
+
+def test_without_fit_the_models_own_context_is_cut_into_shares():
+    # GPU layers "none" passes --fit off: llama_context takes the trained context in total.
+    assert planned_capacity(0, "4", 8192, fit=False) == KvPlan(4, KvCapacity(8192, 2048, unified=False))
+    assert planned_capacity(0, "4", 8192, ("--fit", "off")).kv.per_request == 2048
+
+
+def test_a_split_share_is_padded_to_256_and_capped_by_training():
+    assert planned_capacity(4096, "3", 8192).kv == KvCapacity(4608, 1536, unified=False)
+    assert planned_capacity(16384, "1", 8192).kv == KvCapacity(8192, 8192, unified=False)
+
+
+def test_the_extra_arguments_win_over_the_window_like_on_the_engines_command_line():
+    assert planned_capacity(0, "2", 8192, ("-c", "4096")).kv == KvCapacity(4096, 2048, unified=False)
+    assert planned_capacity(0, "2", 8192, ("--ctx-size=4096",)).kv.total == 4096
+    assert planned_capacity(4096, "2", 8192, ("-kvu",)).kv == KvCapacity(4096, 4096, unified=True)
+    assert planned_capacity(4096, "2", 8192, ("-kvu", "-no-kvu")).kv.unified is False
 
 
 def test_per_slot_cap_and_unknown_training_context():
     assert planned_capacity(32768, "auto", 32768, ("--kv-unified-per-slot", "8192")) == \
-        (4, KvCapacity(32768, 8192, unified=True))
+        KvPlan(4, KvCapacity(32768, 8192, unified=True))
     assert planned_capacity(0, "auto", None) is None
+    assert planned_capacity(4096, "2", None) == KvPlan(2, KvCapacity(4096, 2048, unified=False))
+
+
+def test_a_per_slot_cap_sizes_the_pool_only_once_fit_may_choose_the_context():
+    # `-c 0` (what the window sends for "Model's own") asks for the full context; a later
+    # --fit-ctx lifts that, and then server.cpp sizes the pool to slots x cap.
+    cap = ("--kv-unified-per-slot", "2048")
+    assert planned_capacity(0, "auto", 8192, cap).kv == KvCapacity(8192, 2048, unified=True)
+    assert planned_capacity(0, "auto", 8192, cap + ("--fit-ctx", "1024")) == \
+        KvPlan(4, KvCapacity(8192, 2048, unified=True))
+
+
+def test_fit_may_shrink_the_models_own_context_only_with_a_floor_and_the_plan_says_up_to():
+    plan = planned_capacity(0, "2", 8192, ("--fit-ctx", "1024"))
+    assert plan == KvPlan(2, KvCapacity(16384, 8192, unified=False), at_most=True, fit_floor=2048)
+    assert plan.describe() == ("Up to 2 requests at once; each slot has up to 8,192 tokens "
+                               "of its own. The engine may give less to fit the memory "
+                               "(not below 2,048 tokens in total).")
+    assert not planned_capacity(0, "2", 8192, ("--fit-ctx", "1024"), fit=False).at_most
+    assert not planned_capacity(4096, "2", 8192, ("--fit-ctx", "1024")).at_most

@@ -305,15 +305,20 @@ def test_load_settings_say_what_they_mean_before_loading_and_what_the_engine_gav
     view = window.model_view
     view.ctx_size.setValue(16384)
     view.parallel.setValue(0)  # Auto
-    assert view.plan.text() == ("Up to 4 requests at once; each up to 8,192 tokens "
-                                "(one shared pool of 16,384).")
+    assert view.plan.text() == ("Up to 4 requests at once; each up to 8,192 tokens; "
+                                "one shared pool of 16,384 tokens.")
     view.parallel.setValue(2)
-    assert view.plan.text().startswith("Up to 2 requests at once; each up to 8,192 tokens")
+    assert view.plan.text() == "Up to 2 requests at once; each slot has its own 8,192 tokens."
+    # The model's own context with a number of slots: llama-server gives each slot the
+    # whole trained context (8,192), not a quarter of it.
+    view.ctx_size.setValue(0)
+    view.parallel.setValue(4)
+    assert view.plan.text() == "Up to 4 requests at once; each slot has its own 8,192 tokens."
     view.set_state(Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
                             context_length=4096, kv=KvCapacity(16384, 4096, unified=True),
                             requested=LoadSettings(parallel="auto", ctx_size=16384)))
-    assert ("Engine gave: up to 4 requests at once; each up to 4,096 tokens "
-            "(one shared pool of 16,384).") in view.slots.text()
+    assert ("Engine gave: up to 4 requests at once; each up to 4,096 tokens; "
+            "one shared pool of 16,384 tokens.") in view.slots.text()
 
 
 def test_activity_shows_kv_tokens_reserved_next_to_the_slots(open_window) -> None:
