@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from backend.gguf_info import read_model_info
 from backend.kv_capacity import KvCapacity, KvPlan, kv_from_props, planned_capacity
+from backend.load import LoadSettings, State
+from backend.supervisor import Supervisor
 
 
 @pytest.mark.parametrize("context", [None, 0])
@@ -89,3 +94,57 @@ def test_fit_may_shrink_the_models_own_context_only_with_a_floor_and_the_plan_sa
                                "(not below 2,048 tokens in total).")
     assert not planned_capacity(0, "2", 8192, ("--fit-ctx", "1024"), fit=False).at_most
     assert not planned_capacity(4096, "2", 8192, ("--fit-ctx", "1024")).at_most
+
+
+# --- the plan against the real engine -------------------------------------------------------
+# Each case loads the tiny model (trained on 8,192 tokens) in a real llama-server through
+# the Supervisor, exactly as the window's Load button does, and compares what the window
+# promised before loading with what the engine then reported (Snapshot.kv).
+
+GRID = [(parallel, ctx, extra)
+        for parallel in ("auto", "2", "4")
+        for ctx in (0, 4096, 16384)
+        for extra in ((), ("--kv-unified",))]
+EDGES = [
+    # GPU layers "none" starts it with --fit off: the trained context is cut into shares.
+    ("4", 0, (), "none"),
+    # -c in the extra arguments wins over the window's context.
+    ("2", 0, ("-c", "4096"), "auto"),
+    # A per-request cap on a shared pool.
+    ("auto", 16384, ("--kv-unified-per-slot", "2048"), "auto"),
+    # --fit-ctx after -c 0 lets --fit choose: the pool is sized to slots x the cap.
+    ("auto", 0, ("--kv-unified-per-slot", "2048", "--fit-ctx", "1024"), "auto"),
+    # --fit may shrink the context: the plan gives the most ("up to"), which this
+    # machine's memory holds, so the engine gives exactly that.
+    ("2", 0, ("--fit-ctx", "1024"), "auto"),
+    # Auto slots share one pool whatever --no-kv-unified says.
+    ("auto", 4096, ("--no-kv-unified",), "auto"),
+]
+
+
+@pytest.fixture
+async def supervisor(llama_server_binary: Path, tmp_path: Path):
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, stop_timeout=5)
+    yield sup
+    await sup.unload()
+
+
+@pytest.mark.parametrize(("parallel", "ctx", "extra", "gpu_layers"),
+                         [(p, c, e, "auto") for p, c, e in GRID] + EDGES,
+                         ids=lambda v: (" ".join(v) or "no-extra-args") if isinstance(v, tuple) else str(v))
+async def test_the_plan_shown_before_loading_is_what_the_engine_gives(
+        supervisor, tiny_model, parallel, ctx, extra, gpu_layers):
+    settings = LoadSettings(ctx_size=ctx, parallel=parallel, n_gpu_layers=gpu_layers,
+                            extra_args=extra)
+    trained = read_model_info(tiny_model).context_length
+    plan = planned_capacity(ctx, parallel, trained, extra, fit=gpu_layers != "none")
+    assert plan is not None
+
+    snapshot = await supervisor.load(settings.to_spec(str(tiny_model)))
+
+    assert snapshot.state is State.READY
+    assert (snapshot.effective_parallel_slots, snapshot.kv) == (plan.slots, plan.kv)
+    # The two lines the window shows say the same thing (an "up to" plan says more).
+    promised = settings.describe_plan(trained)
+    gave = snapshot.describe_kv().removeprefix("Engine gave: ").capitalize()
+    assert promised == gave or (plan.at_most and "up to" in promised)
