@@ -76,7 +76,7 @@ def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
     command = Path(window.bridge.snapshot.log_path).read_text().splitlines()[0]
     assert "--n-gpu-layers 0 --device none --fit off" in command
     assert not window.model_view.cpu_retry_button.isVisible()
-    assert window.model_view.placement.text().startswith("Runs on: cpu:")
+    assert window.model_view.placement.text().startswith("Runs on: the CPU;")
 
 
 def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None:
