@@ -26,7 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KvCapacity", "KvPlan", "TokenNeed", "kv_from_load", "kv_from_props", "planned_capacity"]
+__all__ = ["FIT_MIN_CONTEXT", "KvCapacity", "KvPlan", "TokenNeed", "context_args", "kv_from_load",
+           "kv_from_props", "planned_capacity"]
+
+#: The least context `--fit` may shrink a "model's own" context to, per stream: llama.cpp's
+#: own default for `--fit-ctx`, given explicitly because `-c 0` alone turns shrinking off.
+FIT_MIN_CONTEXT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,30 +129,46 @@ class KvPlan:
         return text
 
 
+def context_args(ctx_size: int, *, fit: bool) -> list[str]:
+    """llama-server's context arguments for a load (its `--fit on|off` comes with the GPU
+    layers).  `-c 0` alone would tell --fit the user asked for the whole trained context
+    (common/arg.cpp sets fit_params_min_ctx to UINT32_MAX), so a "model's own" context
+    that does not fit the memory would fail the load instead of shrinking; the floor
+    after it restores llama.cpp's default, letting --fit shrink it down to 4,096 tokens
+    per stream.  It also lets `--kv-unified-per-slot N` size the pool to slots x N, as
+    llama-server documents for a context left unset."""
+    args = ["--ctx-size", str(ctx_size)]
+    if ctx_size == 0 and fit:
+        args += ["--fit-ctx", str(FIT_MIN_CONTEXT)]
+    return args
+
+
 def planned_capacity(ctx_size: int, parallel: str, trained: int | None,
                      extra_args: tuple[str, ...] = (), *, fit: bool = True) -> KvPlan | None:
     """What llama-server will give a load, by the pinned llama.cpp's own rules.
 
     The app starts it with `--parallel P --ctx-size C [--fit on|off] EXTRA...`; later
     arguments win, so `-c`, `--fit`, `--fit-ctx`, `--kv-unified` and
-    `--kv-unified-per-slot` in `extra_args` count.  `fit` is False when the GPU
-    layers are "none" (the app passes `--fit off`).  None when the context depends on
+    `--kv-unified-per-slot` in `extra_args` count (`context_args` gives the app's own).
+    `fit` is False when the GPU layers are "none" (the app passes `--fit off`).  None when the context depends on
     a trained context that is unknown.  The rules, in the order the engine applies them:
 
     1. tools/server/server.cpp: auto slots (-1) become 4 sharing one pool, whatever
        `--no-kv-unified` says; a number of slots shares only with `--kv-unified`.  A
        context of 0 with `--kv-unified-per-slot N` becomes slots x N, but only when
-       `--fit-ctx` was given after `-c 0` (`-c 0` itself asks for the full context).
+       `--fit-ctx` came after `-c 0` (`-c 0` itself asks for the full context); the app
+       gives one with --fit on (`context_args`).
     2. common/fit.cpp, with --fit on and a context of 0: the model's trained context
        for each stream (one when unified, one per slot when split), so a split cache
-       gives every slot the trained context.  It shrinks that to fit the memory only
-       when `--fit-ctx` set a floor after `-c 0`.
+       gives every slot the trained context.  It shrinks that to fit the memory, not
+       below the `--fit-ctx` floor per stream, unless `-c 0` came last: the plan then
+       says "up to".
     3. src/llama-context.cpp: a context of 0 is the trained context in total; the pool
        is padded up to 256; split, each slot gets the pool / slots padded up to 256.
     4. tools/server/server-context.cpp: one slot never exceeds the trained context nor
        `--kv-unified-per-slot`.
     """
-    args = _Args(("--ctx-size", str(ctx_size), "--fit", "on" if fit else "off", *extra_args))
+    args = _Args((*context_args(ctx_size, fit=fit), "--fit", "on" if fit else "off", *extra_args))
     auto = str(parallel).strip() in ("", "auto", "0", "-1")
     slots = 4 if auto else max(1, int(parallel))
     unified = True if auto else args.switch(("-kvu", "--kv-unified"), ("-no-kvu", "--no-kv-unified"))

@@ -39,9 +39,9 @@ from backend.errors import (
     LoadSuperseded,
     LoadTimedOut,
 )
-from backend.gpu_layers import gpu_layer_args
+from backend.gpu_layers import NONE, gpu_layer_args
 from backend.listeners import Listeners
-from backend.kv_capacity import kv_from_props
+from backend.kv_capacity import context_args, kv_from_props
 from backend.load import OWNED_FLAGS, Listener, LoadSpec, LogListener, Snapshot, State
 
 __all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
@@ -352,7 +352,7 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         "--host", "127.0.0.1",
         "--port", str(port),
         "--parallel", parallel,
-        "--ctx-size", str(settings.ctx_size),
+        *context_args(settings.ctx_size, fit=settings.n_gpu_layers != NONE),
         *gpu_layer_args(settings.n_gpu_layers),
         "--metrics",
         "--no-webui",

@@ -85,8 +85,13 @@ class ModelView(QWidget):
 
         # --- load settings
         self.ctx_size = _spin(0, 4_194_304, "Model's own", step=1024,
-                              tip="Context size in tokens, shared by the parallel slots. "
-                                  "Model's own: the context the model was trained with.")
+                              tip="Context size in tokens for all parallel slots together: "
+                                  "one shared pool with Auto slots, an equal share each with "
+                                  "a number of slots. Model's own: each request may use the "
+                                  "context the model was trained with (each slot its own with "
+                                  "a number of slots), less if the engine must shrink it to fit "
+                                  "the memory; with GPU layers None the trained context is "
+                                  "shared out instead. The line below says what it means.")
         self.parallel = _spin(0, 256, "Auto",
                               tip="Requests the engine runs at once. Auto lets llama-server decide; "
                                   "the number it chose is shown after loading.")

@@ -22,7 +22,10 @@ def test_a_default_load_offloads_what_fits_and_lets_fit_choose_the_context():
     args = flags(LoadSettings().to_spec("m.gguf"))
     assert args[args.index("--n-gpu-layers") + 1] == "auto"
     assert args[args.index("--fit") + 1] == "on"
-    assert args[args.index("--ctx-size") + 1] == "0"  # unset, so --fit may shrink it
+    assert args[args.index("--ctx-size") + 1] == "0"
+    # -c 0 alone would forbid --fit to shrink it; the floor after it allows that again.
+    assert args[args.index("--ctx-size"):args.index("--ctx-size") + 4] == \
+        ["--ctx-size", "0", "--fit-ctx", "4096"]
     assert "--device" not in args
 
 

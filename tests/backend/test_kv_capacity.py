@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from backend.gguf_info import read_model_info
-from backend.kv_capacity import KvCapacity, KvPlan, kv_from_props, planned_capacity
+from backend.kv_capacity import KvCapacity, KvPlan, context_args, kv_from_props, planned_capacity
 from backend.load import LoadSettings, State
 from backend.supervisor import Supervisor
 
@@ -31,7 +31,8 @@ def test_describe_says_what_the_choice_means():
 
 def test_auto_slots_plan_four_requests_sharing_one_pool_capped_by_training():
     assert planned_capacity(16384, "auto", 8192) == KvPlan(4, KvCapacity(16384, 8192, unified=True))
-    assert planned_capacity(0, "auto", 32768) == KvPlan(4, KvCapacity(32768, 32768, unified=True))
+    assert planned_capacity(0, "auto", 32768, fit=False) == \
+        KvPlan(4, KvCapacity(32768, 32768, unified=True))
 
 
 def test_auto_slots_share_one_pool_even_when_the_extra_arguments_say_otherwise():
@@ -47,7 +48,7 @@ def test_a_number_of_slots_plans_a_share_each():
 def test_the_models_own_context_gives_each_split_slot_the_whole_trained_context():
     # The case: 4 slots, "Model's own" on an 8,192-token model; --fit on sizes
     # the cache for 4 streams of 8,192 (common/fit.cpp), not 4 shares of 2,048.
-    plan = planned_capacity(0, "4", 8192)
+    plan = planned_capacity(0, "4", 8192, ("-c", "0"))  # -c 0 last: the whole context
     assert plan == KvPlan(4, KvCapacity(32768, 8192, unified=False))
     assert plan.describe() == "Up to 4 requests at once; each slot has its own 8,192 tokens."
 
@@ -77,16 +78,33 @@ def test_per_slot_cap_and_unknown_training_context():
     assert planned_capacity(4096, "2", None) == KvPlan(2, KvCapacity(4096, 2048, unified=False))
 
 
-def test_a_per_slot_cap_sizes_the_pool_only_once_fit_may_choose_the_context():
-    # `-c 0` (what the window sends for "Model's own") asks for the full context; a later
-    # --fit-ctx lifts that, and then server.cpp sizes the pool to slots x cap.
-    cap = ("--kv-unified-per-slot", "2048")
-    assert planned_capacity(0, "auto", 8192, cap).kv == KvCapacity(8192, 2048, unified=True)
-    assert planned_capacity(0, "auto", 8192, cap + ("--fit-ctx", "1024")) == \
-        KvPlan(4, KvCapacity(8192, 2048, unified=True))
+def test_a_per_slot_cap_sizes_the_pool_only_when_the_context_is_left_to_fit():
+    # `-c 0` alone asks for the full context; the --fit-ctx the app adds after it with
+    # --fit on lifts that, and then server.cpp sizes the pool to slots x cap.
+    cap = ("--kv-unified-per-slot", "1024")
+    assert planned_capacity(0, "auto", 32768, cap) == KvPlan(4, KvCapacity(4096, 1024, unified=True))
+    assert planned_capacity(0, "auto", 32768, cap, fit=False).kv == \
+        KvCapacity(32768, 1024, unified=True)
+    assert planned_capacity(0, "auto", 32768, cap + ("-c", "0")).kv == \
+        KvCapacity(32768, 1024, unified=True)
 
 
-def test_fit_may_shrink_the_models_own_context_only_with_a_floor_and_the_plan_says_up_to():
+def test_the_models_own_context_with_fit_on_is_a_most_the_engine_may_shrink():
+    assert context_args(0, fit=True) == ["--ctx-size", "0", "--fit-ctx", "4096"]
+    assert context_args(0, fit=False) == ["--ctx-size", "0"]
+    assert context_args(4096, fit=True) == ["--ctx-size", "4096"]
+    assert planned_capacity(0, "auto", 32768) == \
+        KvPlan(4, KvCapacity(32768, 32768, unified=True), at_most=True, fit_floor=4096)
+    plan = planned_capacity(0, "4", 8192)
+    assert plan == KvPlan(4, KvCapacity(32768, 8192, unified=False), at_most=True, fit_floor=16384)
+    assert plan.describe() == ("Up to 4 requests at once; each slot has up to 8,192 tokens "
+                               "of its own. The engine may give less to fit the memory "
+                               "(not below 16,384 tokens in total).")
+    # A model trained on no more than the floor is never shrunk.
+    assert not planned_capacity(0, "auto", 4096).at_most
+
+
+def test_a_fit_floor_in_the_extra_arguments_counts():
     plan = planned_capacity(0, "2", 8192, ("--fit-ctx", "1024"))
     assert plan == KvPlan(2, KvCapacity(16384, 8192, unified=False), at_most=True, fit_floor=2048)
     assert plan.describe() == ("Up to 2 requests at once; each slot has up to 8,192 tokens "
@@ -112,8 +130,10 @@ EDGES = [
     ("2", 0, ("-c", "4096"), "auto"),
     # A per-request cap on a shared pool.
     ("auto", 16384, ("--kv-unified-per-slot", "2048"), "auto"),
-    # --fit-ctx after -c 0 lets --fit choose: the pool is sized to slots x the cap.
-    ("auto", 0, ("--kv-unified-per-slot", "2048", "--fit-ctx", "1024"), "auto"),
+    # A context left to --fit: the pool is sized to slots x the cap; -c 0 last: the
+    # whole trained context, capped per request.
+    ("auto", 0, ("--kv-unified-per-slot", "1024"), "auto"),
+    ("auto", 0, ("--kv-unified-per-slot", "1024", "-c", "0"), "auto"),
     # --fit may shrink the context: the plan gives the most ("up to"), which this
     # machine's memory holds, so the engine gives exactly that.
     ("2", 0, ("--fit-ctx", "1024"), "auto"),

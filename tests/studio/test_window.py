@@ -310,10 +310,12 @@ def test_load_settings_say_what_they_mean_before_loading_and_what_the_engine_gav
     view.parallel.setValue(2)
     assert view.plan.text() == "Up to 2 requests at once; each slot has its own 8,192 tokens."
     # The model's own context with a number of slots: llama-server gives each slot the
-    # whole trained context (8,192), not a quarter of it.
+    # whole trained context (8,192), not a quarter of it, unless --fit shrinks it.
     view.ctx_size.setValue(0)
     view.parallel.setValue(4)
-    assert view.plan.text() == "Up to 4 requests at once; each slot has its own 8,192 tokens."
+    assert view.plan.text() == ("Up to 4 requests at once; each slot has up to 8,192 tokens of "
+                                "its own. The engine may give less to fit the memory (not "
+                                "below 16,384 tokens in total).")
     view.set_state(Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
                             context_length=4096, kv=KvCapacity(16384, 4096, unified=True),
                             requested=LoadSettings(parallel="auto", ctx_size=16384)))
