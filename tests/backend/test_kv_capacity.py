@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,25 @@ async def test_the_plan_shown_before_loading_is_what_the_engine_gives(
     promised = settings.describe_plan(trained)
     gave = snapshot.describe_kv().removeprefix("Engine gave: ").capitalize()
     assert promised == gave or (plan.at_most and "up to" in promised)
+
+
+async def test_when_fit_shrinks_the_models_own_context_the_engine_gives_less_than_the_plans_most(
+        supervisor, tiny_model):
+    # --fit measures against the host's total memory less a margin (--fit-target, MiB).
+    # A first load prints what the full context would use; a margin that leaves 4 MiB
+    # less than that makes --fit shrink the context, as it would on a machine that is short.
+    settings = LoadSettings(ctx_size=0, parallel="4")
+    first = await supervisor.load(settings.to_spec(str(tiny_model)))
+    used, total = map(int, re.search(r"projected to use (\d+) MiB of host memory vs\. (\d+) MiB",
+                                     Path(first.log_path).read_text()).groups())
+    short = LoadSettings(ctx_size=0, parallel="4", extra_args=("--fit-target", str(total - used + 4)))
+    plan = planned_capacity(0, "4", 8192, short.extra_args)
+    assert plan is not None and plan.at_most
+    assert plan.describe().startswith("Up to 4 requests at once; each slot has up to 8,192 tokens")
+
+    snapshot = await supervisor.load(short.to_spec(str(tiny_model)))
+
+    assert snapshot.state is State.READY and snapshot.kv is not None
+    assert snapshot.engine.context_reduced_from == plan.kv.total == 32768
+    assert plan.fit_floor <= snapshot.kv.total < plan.kv.total
+    assert snapshot.kv.per_request < plan.kv.per_request and not snapshot.kv.unified
