@@ -201,14 +201,15 @@ class Gateway:
         settings = self.settings
         counter = self.counter_for(queue)
         body = parsed.data
-        options = dict(kv=kv, cap=settings.max_output_tokens,
-                       default=settings.default_output_tokens)
-        bound = await bound_need(counter, path, body, body_bytes, **options)
+        cap, default = settings.max_output_tokens, settings.default_output_tokens
+        bound = await bound_need(counter, path, body, body_bytes, kv=kv, cap=cap,
+                                 default=default)
         if bound is not None and not self._short(bound, path, body, queue) \
                 and queue.fits_now(bound):
-            return bound, lambda: counted_need(counter, path, body, body_bytes, **options)
-        return await request_need(counter, path, body, body_bytes, slots=queue.capacity,
-                                  **options), None
+            return bound, lambda: counted_need(counter, path, body, body_bytes, kv=kv,
+                                               cap=cap, default=default)
+        return await request_need(counter, path, body, body_bytes, kv=kv,
+                                  slots=queue.capacity, cap=cap, default=default), None
 
     def _short(self, bound: TokenNeed, path: str, body: Any, queue: AdmissionQueue) -> bool:
         """`request_need` reserves its bound without counting (it fits its fair share)."""
