@@ -31,7 +31,7 @@ from backend.remote_engine import RemoteEngine
 from backend.supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from backend.gateway import GatewayServer
+    from backend.gateway_server import GatewayServer
 
 T = TypeVar("T")
 
@@ -83,7 +83,8 @@ class StudioService:
     async def start_gateway(self) -> list[str]:
         """Open the OpenAI-compatible port; returns the base URLs clients should use."""
         check_bind_allowed(self.settings)
-        from backend.gateway import GatewayServer, create_app  # starlette only when serving
+        from backend.gateway import create_app  # starlette only when serving
+        from backend.gateway_server import GatewayServer
 
         async with self._gateway_lock:
             if self._gateway is None:

@@ -127,7 +127,7 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "FakeUpstream":
-        from backend.gateway import GatewayServer
+        from backend.gateway_server import GatewayServer
 
         logging.getLogger("uvicorn.error").addFilter(_quiet)
         self._server = await GatewayServer.start(self.app, host, port, shutdown_grace=1.0)

@@ -16,9 +16,9 @@ if os.environ.get("BENCH_EXTRA_PATH"):
 
 import httptools  # noqa: E402,F401  (fails here, clearly, when it is not installed)
 
-from backend import gateway  # noqa: E402
+from backend import gateway_server  # noqa: E402
 
-gateway.uvicorn.Config = functools.partial(gateway.uvicorn.Config, http="httptools")
+gateway_server.uvicorn.Config = functools.partial(gateway_server.uvicorn.Config, http="httptools")
 
 from backend.cli import main  # noqa: E402
 

@@ -14,7 +14,8 @@ import httpx
 
 from backend.access_guard import AccessGuard
 from backend.admission import AdmissionRegistry, KvCapacity
-from backend.gateway import GatewayServer, create_app
+from backend.gateway import create_app
+from backend.gateway_server import GatewayServer
 from backend.metrics import Metrics
 from backend.settings import Settings
 from backend.load import Snapshot, State

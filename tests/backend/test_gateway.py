@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from backend.errors import SettingsError
-from backend.gateway import GatewayServer, create_app
+from backend.gateway import create_app
+from backend.gateway_server import GatewayServer
 from backend.load import Snapshot, State
 from tests.backend.gateway_harness import (
     CHAT, Gateway, KEY, RESPONSES, assert_clean_error, assert_no_internals, cancel, chat,
