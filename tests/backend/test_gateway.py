@@ -19,9 +19,6 @@ import httpx
 import openai
 import pytest
 
-from backend.errors import SettingsError
-from backend.gateway import create_app
-from backend.gateway_server import GatewayServer
 from backend.load import Snapshot, State
 from tests.backend.gateway_harness import (
     CHAT, Gateway, KEY, RESPONSES, assert_clean_error, assert_no_internals, cancel, chat,
@@ -341,27 +338,6 @@ async def test_upstream_error_answers_pass_through_without_internals(gw, fake):
     assert "exceeds the available context size" in error["message"]
     assert sum(gw.metrics.totals()["rejections"].values()) == 0
 
-
-
-# --- the server -------------------------------------------------------------------------------
-
-
-async def test_a_taken_port_is_a_clear_settings_error(gw):
-    with pytest.raises(SettingsError, match="already in use"):
-        await GatewayServer.start(create_app(gw.ctx), "127.0.0.1", gw.server.port)
-
-
-async def test_stop_ends_running_streams_cleanly(fake):
-    async with open_gateway(fake.base_url, fake.slots) as gw:
-        task = asyncio.create_task(stream(gw.client, CHAT, chat(True, fake={"hang": True})))
-        await until(lambda: gw.registry.total_active == 1)
-        await asyncio.wait_for(gw.server.stop(grace=0.1), 5)
-        response, raw = await asyncio.wait_for(task, 5)
-    assert response.status_code == 200
-    parsed = events(raw)
-    assert parsed[-2]["data"]["error"]["code"] == "model_not_ready"
-    assert parsed[-1]["data"] == "[DONE]"
-    assert gw.registry.total_active == 0
 
 
 # --- the OpenAI Python SDK -----------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The port's connections under slow and idle clients: real sockets against a real port
-(the fake upstream answers the one gated request, as the engine is not the point)."""
+"""Serving the port: its connections under slow and idle clients, a port already taken,
+and a stop that ends running streams cleanly.  Real sockets against a real port (the
+fake upstream answers the gated requests, as the engine is not the point)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import contextlib
 import socket
 from typing import AsyncIterator
 
-from tests.backend.gateway_harness import CHAT, Gateway, chat, until
+import pytest
+
+from backend.errors import SettingsError
+from backend.gateway import create_app
+from backend.gateway_server import GatewayServer
+from tests.backend.gateway_harness import CHAT, Gateway, chat, events, open_gateway, stream, until
 
 #: What a slowloris client dribbles, one byte at a time: a head that never ends.
 HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Padding: " + b"a" * 10_000
@@ -93,3 +99,21 @@ async def test_a_body_that_stops_arriving_is_a_408(gw, fake):
     assert b'"code": "request_timeout"' in answer
     assert fake.requests == []
     await until(lambda: gw.registry.total_waiting == 0 and gw.registry.total_active == 0)
+
+
+async def test_a_taken_port_is_a_clear_settings_error(gw):
+    with pytest.raises(SettingsError, match="already in use"):
+        await GatewayServer.start(create_app(gw.ctx), "127.0.0.1", gw.server.port)
+
+
+async def test_stop_ends_running_streams_cleanly(fake):
+    async with open_gateway(fake.base_url, fake.slots) as gw:
+        task = asyncio.create_task(stream(gw.client, CHAT, chat(True, fake={"hang": True})))
+        await until(lambda: gw.registry.total_active == 1)
+        await asyncio.wait_for(gw.server.stop(grace=0.1), 5)
+        response, raw = await asyncio.wait_for(task, 5)
+    assert response.status_code == 200
+    parsed = events(raw)
+    assert parsed[-2]["data"]["error"]["code"] == "model_not_ready"
+    assert parsed[-1]["data"] == "[DONE]"
+    assert gw.registry.total_active == 0
