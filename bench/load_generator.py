@@ -161,17 +161,8 @@ def chat_request(port: int, body: bytes) -> bytes:
 
 
 async def one_stream(port: int, request: bytes, timeout: float, start_after: float) -> StreamClient:
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    client = StreamClient(request, done)
-    if start_after > 0:
-        await asyncio.sleep(start_after)
-    try:
-        await asyncio.wait_for(loop.create_connection(lambda: client, HOST, port), timeout)
-        await asyncio.wait_for(done, timeout)
-    except (OSError, asyncio.TimeoutError):
-        if client.transport is not None:
-            client.transport.close()
+    client = StreamClient(request, asyncio.get_running_loop().create_future())
+    await _stream(client, port, timeout, start_after)
     return client
 
 
@@ -179,20 +170,8 @@ def start_stream(port: int, request: bytes, timeout: float,
                  start_after: float = 0.0) -> tuple[StreamClient, asyncio.Task]:
     """`one_stream`, but the client is returned at once, so its progress can be read."""
     loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    client = StreamClient(request, done)
-
-    async def run() -> None:
-        if start_after > 0:
-            await asyncio.sleep(start_after)
-        try:
-            await asyncio.wait_for(loop.create_connection(lambda: client, HOST, port), timeout)
-            await asyncio.wait_for(done, timeout)
-        except (OSError, asyncio.TimeoutError):
-            if client.transport is not None:
-                client.transport.close()
-
-    return client, loop.create_task(run())
+    client = StreamClient(request, loop.create_future())
+    return client, loop.create_task(_stream(client, port, timeout, start_after))
 
 
 async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
@@ -225,3 +204,17 @@ async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
         else:
             errors += 1
     return Run(target.name, wall, sum(c.tokens for c in clients), ttfts, errors, cpu)
+
+
+async def _stream(client: StreamClient, port: int, timeout: float, start_after: float) -> None:
+    """Connects `client` after `start_after` seconds and waits for its answer to end; a
+    refused connection or a timeout leaves the client as far as it got."""
+    loop = asyncio.get_running_loop()
+    if start_after > 0:
+        await asyncio.sleep(start_after)
+    try:
+        await asyncio.wait_for(loop.create_connection(lambda: client, HOST, port), timeout)
+        await asyncio.wait_for(client.done, timeout)
+    except (OSError, asyncio.TimeoutError):
+        if client.transport is not None:
+            client.transport.close()
