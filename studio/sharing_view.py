@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -226,71 +228,48 @@ class SharingView(QWidget):
         """The port's protection limits, each with what it does and its default."""
         default = Settings()
         self._settings = default
-        self.max_connections = QSpinBox()
-        self.max_connections.setRange(0, 1_000_000)
-        self.max_connections.setSpecialValueText("No limit")
-        self.max_connections.setToolTip(
+        self.max_connections = _limit_box(QSpinBox(), 1_000_000, "No limit", (
             "Connections the port keeps open at once. Past it, the oldest connection that has "
             "not sent a whole request is closed to make room, else the newcomer is refused. "
-            f"0 = no limit. Default {default.max_connections}.")
-        self.header_timeout = QDoubleSpinBox()
-        self.header_timeout.setRange(0, 86_400)
-        self.header_timeout.setDecimals(0)
-        self.header_timeout.setSuffix(" s")
-        self.header_timeout.setSpecialValueText("No limit")
-        self.header_timeout.setToolTip(
+            f"0 = no limit. Default {default.max_connections}."))
+        self.header_timeout = _limit_box(QDoubleSpinBox(), 86_400, "No limit", (
             "Seconds a client may take to send a request's head, and to send each next part "
             f"of its body, before the port closes the connection (408). 0 = no limit. "
-            f"Default {default.header_timeout:g} s.")
-        self.client_stall = QDoubleSpinBox()
-        self.client_stall.setRange(0, 86_400)
-        self.client_stall.setDecimals(0)
-        self.client_stall.setSuffix(" s")
-        self.client_stall.setSpecialValueText("Never")
-        self.client_stall.setToolTip(
+            f"Default {default.header_timeout:g} s."), suffix=" s")
+        self.client_stall = _limit_box(QDoubleSpinBox(), 86_400, "Never", (
             "Seconds a client may leave its answer unread before the port drops it and frees "
-            f"its slot for others. 0 = never. Default {default.client_stall_timeout:g} s.")
-        self.waiting_bodies = QSpinBox()
-        self.waiting_bodies.setRange(0, 1_048_576)
-        self.waiting_bodies.setSuffix(" MiB")
-        self.waiting_bodies.setSpecialValueText("No bound")
-        self.waiting_bodies.setToolTip(
+            f"its slot for others. 0 = never. Default {default.client_stall_timeout:g} s."),
+            suffix=" s")
+        self.waiting_bodies = _limit_box(QSpinBox(), 1_048_576, "No bound", (
             "Request bodies that requests waiting in line may hold in memory together; past "
             "it a request that would have to wait is refused (429). 0 = no bound. "
-            f"Default {default.max_waiting_body_bytes // MiB} MiB.")
-        self.max_body = QSpinBox()
-        self.max_body.setRange(0, 1_048_576)
-        self.max_body.setSuffix(" MiB")
-        self.max_body.setSpecialValueText(f"Default ({default.max_body_bytes // MiB} MiB)")
-        self.max_body.setToolTip(
-            "The largest request body the port takes (413 past it). 0 = the default, "
-            f"{default.max_body_bytes // MiB} MiB: a port never takes unlimited bodies.")
-        self.allow_origins = QLineEdit()
-        self.allow_origins.setPlaceholderText("e.g. https://app.example.com, http://*.local:3000")
-        self.allow_origins.setToolTip(
+            f"Default {default.max_waiting_body_bytes // MiB} MiB."), suffix=" MiB")
+        self.max_body = _limit_box(
+            QSpinBox(), 1_048_576, f"Default ({default.max_body_bytes // MiB} MiB)", (
+                "The largest request body the port takes (413 past it). 0 = the default, "
+                f"{default.max_body_bytes // MiB} MiB: a port never takes unlimited bodies."),
+            suffix=" MiB")
+        self.allow_origins = _names_line(
+            "Allowed web origins", "e.g. https://app.example.com, http://*.local:3000",
             "Web pages (origins) allowed to call the port from a browser, separated by commas; "
             "* wildcards allowed. Pages served from this computer are always allowed. "
             "Default: none.")
-        self.allow_hosts = QLineEdit()
-        self.allow_hosts.setPlaceholderText("e.g. studio.lan, *")
-        self.allow_hosts.setToolTip(
+        self.allow_hosts = _names_line(
+            "Allowed host names", "e.g. studio.lan, *",
             "Host names clients may use to reach the port beyond this computer's own names and "
             "addresses, separated by commas; * allows any. Checked only when no API key is "
             "set (it guards against DNS rebinding). Default: none.")
-        for box in (self.max_connections, self.header_timeout, self.client_stall,
-                    self.max_body, self.waiting_bodies, self.allow_origins, self.allow_hosts):
-            box.editingFinished.connect(self._on_advanced_limits)
-        self.allow_origins.setAccessibleName("Allowed web origins")
-        self.allow_hosts.setAccessibleName("Allowed host names")
         group = QGroupBox("Advanced limits")
         form = QFormLayout(group)
-        form.addRow("Max &connections:", self.max_connections)
-        form.addRow("Request &head timeout:", self.header_timeout)
-        form.addRow("Unread answer &timeout:", self.client_stall)
-        form.addRow("Largest b&ody:", self.max_body)
-        form.addRow("Waiting &bodies:", self.waiting_bodies)
-        form.addRow("Allowed &origins:", self.allow_origins)
-        form.addRow("Allowed &host names:", self.allow_hosts)
+        for label, box in (("Max &connections:", self.max_connections),
+                           ("Request &head timeout:", self.header_timeout),
+                           ("Unread answer &timeout:", self.client_stall),
+                           ("Largest b&ody:", self.max_body),
+                           ("Waiting &bodies:", self.waiting_bodies),
+                           ("Allowed &origins:", self.allow_origins),
+                           ("Allowed &host names:", self.allow_hosts)):
+            box.editingFinished.connect(self._on_advanced_limits)
+            form.addRow(label, box)
         return group
 
     def set_urls(self, urls: list[str]) -> None:
@@ -379,3 +358,26 @@ class SharingView(QWidget):
             "max_waiting_body_bytes": in_bytes(self.waiting_bodies, settings.max_waiting_body_bytes),
             "allow_origins": parse_names(self.allow_origins.text()),
             "allow_hosts": parse_names(self.allow_hosts.text())})
+
+
+SpinBox = TypeVar("SpinBox", QSpinBox, QDoubleSpinBox)
+
+
+def _limit_box(box: SpinBox, top: int, zero_text: str, tip: str, *, suffix: str = "") -> SpinBox:
+    """A whole-number limit from 0 to `top`, where 0 shows `zero_text` (no limit, default...)."""
+    box.setRange(0, top)
+    if isinstance(box, QDoubleSpinBox):
+        box.setDecimals(0)
+    box.setSuffix(suffix)
+    box.setSpecialValueText(zero_text)
+    box.setToolTip(tip)
+    return box
+
+
+def _names_line(name: str, example: str, tip: str) -> QLineEdit:
+    """A comma-separated list of names (origins, hosts) typed in one line."""
+    line = QLineEdit()
+    line.setAccessibleName(name)
+    line.setPlaceholderText(example)
+    line.setToolTip(tip)
+    return line
