@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import httpx
 import pytest
@@ -146,48 +148,47 @@ async def crash_when_ready(rec: Recorder, sup: Supervisor, seen: set[int]) -> No
     os.kill(ready.pid, signal.SIGKILL)
 
 
+@contextlib.asynccontextmanager
+async def crashed_three_times(binary: Path, model: Path, log_dir: Path, *, uptime: float,
+                              max_restarts: int) -> AsyncIterator[tuple[Recorder, set[int]]]:
+    """A supervised engine killed three times, each after `uptime` seconds of (skipped)
+    uptime, under a 300 s restart window; yields what was heard and the killed pids."""
+    clock = SteppedClock()
+    sup = Supervisor(binary, log_dir, load_timeout=60, restart_backoff=(0.0,),
+                     max_restarts=max_restarts, restart_window=300, clock=clock)
+    rec = Recorder(sup)
+    seen: set[int] = set()
+    try:
+        await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(model)))
+        for _ in range(3):
+            await crash_when_ready(rec, sup, seen)
+            await rec.until(lambda s: s.state is not State.READY)
+            clock.skipped += uptime
+        yield rec, seen
+    finally:
+        await sup.unload()
+
+
 async def test_an_engine_crashing_after_each_minute_of_work_is_given_up_within_the_window(
         llama_server_binary, tiny_model, tmp_path):
     """Each crash comes 61 s of uptime after the last (a request that kills the engine,
     sent again and again): the old streak, reset after 30 s of uptime, reloaded forever."""
-    clock = SteppedClock()
-    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, restart_backoff=(0.0,),
-                     max_restarts=2, restart_window=300, clock=clock)
-    rec = Recorder(sup)
-    seen: set[int] = set()
-    try:
-        await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
-        for _ in range(3):
-            await crash_when_ready(rec, sup, seen)
-            await rec.until(lambda s: s.state is not State.READY)
-            clock.skipped += 61
+    async with crashed_three_times(llama_server_binary, tiny_model, tmp_path / "logs",
+                                   uptime=61, max_restarts=2) as (rec, _):
         failed = await rec.until(lambda s: s.state is State.FAILED)
         assert "Gave up: it had to be restarted 2 times within 300 seconds (at most 2)" in failed.error
         assert "killed by SIGKILL" in failed.error
         assert failed.effective_parallel_slots is None and failed.pid is None
         assert llama_server_children() == []
         assert [s.error for s in rec.snapshots if s.error and "Restarting (1 of at most 2" in s.error]
-    finally:
-        await sup.unload()
 
 
 async def test_crashes_further_apart_than_the_window_keep_being_restarted(
         llama_server_binary, tiny_model, tmp_path):
-    clock = SteppedClock()
-    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, restart_backoff=(0.0,),
-                     max_restarts=1, restart_window=300, clock=clock)
-    rec = Recorder(sup)
-    seen: set[int] = set()
-    try:
-        await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
-        for _ in range(3):
-            await crash_when_ready(rec, sup, seen)
-            await rec.until(lambda s: s.state is not State.READY)
-            clock.skipped += 301
+    async with crashed_three_times(llama_server_binary, tiny_model, tmp_path / "logs",
+                                   uptime=301, max_restarts=1) as (rec, seen):
         back = await rec.until(lambda s: s.state is State.READY and s.pid not in seen)
         assert back.restarts == 3
-    finally:
-        await sup.unload()
 
 
 async def test_an_engine_that_stops_answering_is_killed_and_replaced(
