@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Callable, Mapping, Protocol
 from backend.engine_report import EngineReport
 from backend.errors import SettingsError
 from backend.kv_capacity import KvCapacity, planned_capacity
+from backend.listeners import Listeners
 from backend.gpu_layers import NONE, parse_gpu_layers, read_saved_gpu_layers
 
 # Flags GGUF Studio owns; a user's extra arguments may not override them.  Every
@@ -187,3 +189,23 @@ class LoadBackend(Protocol):
     async def unload(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class SnapshotPublisher:
+    """The state half of a `LoadBackend`: the current snapshot, and listeners that hear
+    every new one.  Subclasses change state only through `_set_state`."""
+
+    def __init__(self, snapshot: Snapshot, logger: logging.Logger, what: str) -> None:
+        self._snapshot = snapshot
+        self._listeners: Listeners[[Snapshot]] = Listeners(logger, what)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.add(listener)
+
+    def _set_state(self, state: State, **changes: Any) -> None:
+        self._snapshot = dataclasses.replace(self._snapshot, state=state, **changes)
+        self._listeners(self._snapshot)

@@ -10,38 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
-from typing import Any
 from urllib.parse import urlsplit
 
 from backend.engine_api import EngineClient
 from backend.errors import LoadError, SettingsError
 from backend.kv_capacity import kv_from_props
-from backend.listeners import Listeners
-from backend.load import Listener, LogListener, Snapshot, State
+from backend.load import LogListener, Snapshot, SnapshotPublisher, State
 
 __all__ = ["RemoteEngine", "normalise_base_url"]
 
 log = logging.getLogger("gguf_studio.remote_engine")
 
 
-class RemoteEngine:
+class RemoteEngine(SnapshotPublisher):
     """Watches a llama-server at `url`; a `LoadBackend` without a process or logs."""
 
     def __init__(self, url: str, *, api_key: str | None = None, interval: float = 1.0) -> None:
         self.base_url = normalise_base_url(url)
         self.api_key = api_key
         self.interval = interval
-        self._snapshot = Snapshot(model_id=None, model_path=None)
-        self._listeners: Listeners[[Snapshot]] = Listeners(log, "remote engine listener")
+        super().__init__(Snapshot(model_id=None, model_path=None), log, "remote engine listener")
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def snapshot(self) -> Snapshot:
-        return self._snapshot
-
-    def add_listener(self, listener: Listener) -> None:
-        self._listeners.add(listener)
 
     def add_log_listener(self, listener: LogListener) -> None:
         """Nothing to hear: the engine's output stays on the machine that runs it."""
@@ -86,10 +75,6 @@ class RemoteEngine:
                     self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
                                     restarting=True, error="The upstream llama-server stopped answering.")
                 await asyncio.sleep(self.interval)
-
-    def _set_state(self, state: State, **changes: Any) -> None:
-        self._snapshot = replace(self._snapshot, state=state, **changes)
-        self._listeners(self._snapshot)
 
 
 def normalise_base_url(url: str) -> str:

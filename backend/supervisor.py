@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,7 +41,7 @@ from backend.errors import (
 from backend.gpu_layers import NONE, gpu_layer_args
 from backend.listeners import Listeners
 from backend.kv_capacity import context_args, kv_from_props
-from backend.load import OWNED_FLAGS, Listener, LoadSpec, LogListener, Snapshot, State
+from backend.load import OWNED_FLAGS, LoadSpec, LogListener, Snapshot, SnapshotPublisher, State
 
 __all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
 
@@ -50,7 +49,7 @@ __all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pic
 log = logging.getLogger("gguf_studio.supervisor")
 
 
-class Supervisor:
+class Supervisor(SnapshotPublisher):
     """Runs at most one llama-server and keeps it alive while it is wanted."""
 
     def __init__(self, binary: Path | str, log_dir: Path, *, load_timeout: float = 300.0,
@@ -76,8 +75,7 @@ class Supervisor:
         self.log_max_bytes = log_max_bytes
         self.log_keep_starts = log_keep_starts
         self._pick_port = port_picker or pick_free_port
-        self._snapshot = Snapshot()
-        self._listeners: Listeners[[Snapshot]] = Listeners(log, "state listener")
+        super().__init__(Snapshot(), log, "state listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
         self._log_tail: deque[str] = deque(maxlen=1000)
         self._task: asyncio.Task | None = None
@@ -88,13 +86,6 @@ class Supervisor:
         self._wanted = 0
 
     # --- public -------------------------------------------------------------------------
-
-    @property
-    def snapshot(self) -> Snapshot:
-        return self._snapshot
-
-    def add_listener(self, listener: Listener) -> None:
-        self._listeners.add(listener)
 
     def add_log_listener(self, listener: LogListener) -> None:
         self._log_listeners.add(listener)
@@ -334,8 +325,7 @@ class Supervisor:
     def _set_state(self, state: State, **changes: Any) -> None:
         if "base_url" in changes and changes["base_url"] is None:
             changes.setdefault("api_key", None)
-        self._snapshot = replace(self._snapshot, state=state, **changes)
-        self._listeners(self._snapshot)
+        super()._set_state(state, **changes)
 
 
 def build_command(binary: Path, spec: LoadSpec, port: int, *,
