@@ -12,6 +12,7 @@ prometheus internals.
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -31,57 +32,51 @@ QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests_waiting = Gauge(
-            "gguf_studio_requests_waiting", "Requests waiting in line for a slot.", registry=r)
-        self.requests_active = Gauge(
-            "gguf_studio_requests_active", "Requests holding a slot of the model.", registry=r)
-        self.effective_parallel_slots = Gauge(
+        gauge = partial(Gauge, registry=self.registry)
+        counter = partial(Counter, registry=self.registry)
+        self.requests_waiting = gauge(
+            "gguf_studio_requests_waiting", "Requests waiting in line for a slot.")
+        self.requests_active = gauge(
+            "gguf_studio_requests_active", "Requests holding a slot of the model.")
+        self.effective_parallel_slots = gauge(
             "gguf_studio_effective_parallel_slots",
-            "Requests the loaded llama-server runs at once (0 when nothing is loaded).",
-            registry=r)
-        self.kv_capacity_tokens = Gauge(
+            "Requests the loaded llama-server runs at once (0 when nothing is loaded).")
+        self.kv_capacity_tokens = gauge(
             "gguf_studio_kv_capacity_tokens",
-            "KV cache tokens of the loaded engine (0 when nothing is loaded or unknown).",
-            registry=r)
-        self.kv_reserved_tokens = Gauge(
+            "KV cache tokens of the loaded engine (0 when nothing is loaded or unknown).")
+        self.kv_reserved_tokens = gauge(
             "gguf_studio_kv_reserved_tokens",
-            "KV tokens reserved by running requests (prompt plus output budget).",
-            registry=r)
-        self.layers_offloaded = Gauge(
+            "KV tokens reserved by running requests (prompt plus output budget).")
+        self.layers_offloaded = gauge(
             "gguf_studio_engine_layers_offloaded",
-            "Model layers the engine put on a GPU (0 on the CPU or when nothing is loaded).",
-            registry=r)
-        self.device_memory = Gauge(
+            "Model layers the engine put on a GPU (0 on the CPU or when nothing is loaded).")
+        self.device_memory = gauge(
             "gguf_studio_engine_device_memory_mib",
             "Memory the loaded model took on each device (model, KV cache and compute buffers).",
-            ["backend", "device"], registry=r)
-        self.rejections = Counter(
+            ["backend", "device"])
+        self.rejections = counter(
             "gguf_studio_rejections_total",
-            "Requests answered with an error by the port, by error code.", ["reason"],
-            registry=r)
-        self.cancellations = Counter(
+            "Requests answered with an error by the port, by error code.", ["reason"])
+        self.cancellations = counter(
             "gguf_studio_cancellations_total",
-            "Clients that went away, by stage (queued or running).", ["stage"], registry=r)
-        self.requests = Counter(
+            "Clients that went away, by stage (queued or running).", ["stage"])
+        self.requests = counter(
             "gguf_studio_requests_total", "Requests answered by the port, by route and status.",
-            ["route", "status"], registry=r)
-        self.backend_restarts = Counter(
+            ["route", "status"])
+        self.backend_restarts = counter(
             "gguf_studio_backend_restarts_total",
-            "Times the engine was restarted after it stopped unexpectedly.", registry=r)
-        self.requeues = Counter(
+            "Times the engine was restarted after it stopped unexpectedly.")
+        self.requeues = counter(
             "gguf_studio_requeues_total",
             "Requests put back in line because the engine refused the connection before "
-            "anything was sent (it was going away); they wait for the next load.",
-            registry=r)
-        self.stalled_clients = Counter(
+            "anything was sent (it was going away); they wait for the next load.")
+        self.stalled_clients = counter(
             "gguf_studio_stalled_clients_total",
-            "Clients dropped because they left their answer unread for the stall timeout.",
-            registry=r)
+            "Clients dropped because they left their answer unread for the stall timeout.")
         self.queue_wait = Histogram(
             "gguf_studio_queue_wait_seconds",
             "Time from arrival to admission of admitted requests.",
-            buckets=QUEUE_WAIT_BUCKETS, registry=r)
+            buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
 
         self._lock = threading.Lock()
         self._requests = 0
