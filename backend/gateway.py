@@ -43,8 +43,8 @@ from backend.prompt_tokens import (
     PromptCounter,
     bound_need,
     counted_need,
-    output_budget,
     request_need,
+    uncounted_room,
 )
 from backend.request_body import ClientGone, Parsed, check_body, read_body
 from backend.settings import Settings
@@ -204,13 +204,10 @@ class Gateway:
 
     def _short(self, bound: TokenNeed, path: str, body: Any, queue: AdmissionQueue) -> bool:
         """`request_need` reserves its bound without counting (it fits its fair share)."""
-        kv = queue.kv
-        assert kv is not None
-        share = min(kv.per_request, kv.total // max(1, queue.capacity))
-        budget = output_budget(path, body, prompt_tokens=0, limit=kv.per_request,
-                               cap=self.settings.max_output_tokens,
-                               default=self.settings.default_output_tokens)
-        return bound.prompt + budget <= share
+        assert queue.kv is not None
+        return bound.prompt <= uncounted_room(
+            path, body, kv=queue.kv, slots=queue.capacity,
+            cap=self.settings.max_output_tokens, default=self.settings.default_output_tokens)
 
     def counter_for(self, queue: AdmissionQueue) -> PromptCounter:
         """One counter per load, asking that load's engine (it knows its template)."""

@@ -319,12 +319,21 @@ async def request_need(counter: PromptCounter, route: str, body: Mapping[str, An
     slot's share of a unified pool, or its own slot of a split one) is not counted by
     the engine: reserving its bound cannot cost any concurrency.
     """
+    prompt = await counter.count(route, body, body_bytes,
+                                 fits_below=uncounted_room(route, body, kv=kv, slots=slots,
+                                                           cap=cap, default=default))
+    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
+
+
+def uncounted_room(route: str, body: Mapping[str, Any], *, kv: KvCapacity, slots: int,
+                   cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> int:
+    """The largest prompt bound that is reserved without counting: bound plus budget
+    within one request's fair share of the cache (every slot's share of a unified pool,
+    or its own slot of a split one), where reserving the bound costs no concurrency."""
     share = min(kv.per_request, kv.total // max(1, slots))
     budget = output_budget(route, body, prompt_tokens=0, limit=kv.per_request, cap=cap,
                            default=default)
-    prompt = await counter.count(route, body, body_bytes,
-                                 fits_below=max(0, share - budget))
-    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
+    return max(0, share - budget)
 
 
 async def bound_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
