@@ -3,7 +3,7 @@
 Messages are written for the person reading them: they never contain ports, stack
 traces or internal ids.  Errors that reach an HTTP client carry their OpenAI-style
 `code` and `type`; the gateway turns them into answers in one place
-(`backend.gateway_errors.error_response`).
+(`backend.port.http_errors.error_response`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class Unauthorized(RequestError):
 
 
 class ForbiddenOrigin(RequestError):
-    """A web page of an origin the user did not allow (see backend.access_guard)."""
+    """A web page of an origin the user did not allow (see backend.port.access_guard)."""
 
     status, type, code = 403, "invalid_request_error", "origin_not_allowed"
 

@@ -24,7 +24,6 @@ import platformdirs
 from backend.api_keys import read_api_key_file
 from backend.errors import SettingsError
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
-from backend.load import LoadSettings
 
 APP_NAME = "gguf-studio"
 ENV_PREFIX = "GGUF_STUDIO_"
@@ -41,7 +40,7 @@ class Settings:
     api_key: str = ""
     allow_no_key: bool = False
     # Web pages (origins) and host names the port accepts beyond this machine's own; see
-    # backend/access_guard.py.  The environment may give them comma- or space-separated.
+    # backend/port/access_guard.py.  The environment may give them comma- or space-separated.
     allow_origins: list[str] = field(default_factory=list)
     allow_hosts: list[str] = field(default_factory=list)
     # Admission.  max_queue 0 means "16 x slots, at least 64"; see effective_max_queue.
@@ -49,7 +48,7 @@ class Settings:
     queue_timeout: float = 600.0
     keepalive_interval: float = 5.0
     max_output_tokens: int = 0
-    # Output tokens reserved for a request that sends no limit (backend.prompt_tokens).
+    # Output tokens reserved for a request that sends no limit (backend.port.prompt_tokens).
     default_output_tokens: int = 2048
     # Largest request body; 0 means this default (a port never takes unlimited bodies).
     max_body_bytes: int = 32 * 1024 * 1024
@@ -94,18 +93,6 @@ class Settings:
     def effective_max_body_bytes(self) -> int:
         """The body limit; 0 from the user means the default."""
         return self.max_body_bytes or Settings.max_body_bytes
-
-    def load_settings(self) -> LoadSettings:
-        """The last load's settings, in the shape the library and the window keep."""
-        return LoadSettings(ctx_size=self.ctx_size, parallel=self.parallel,
-                            n_gpu_layers=self.n_gpu_layers, threads=self.threads,
-                            extra_args=tuple(self.extra_args))
-
-    def with_load_settings(self, load: LoadSettings) -> "Settings":
-        """A copy remembering `load` as the last load's settings."""
-        return self.replace(ctx_size=load.ctx_size, parallel=str(load.parallel),
-                            n_gpu_layers=load.n_gpu_layers, threads=load.threads,
-                            extra_args=list(load.extra_args))
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -43,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backend.engine import Engine  # noqa: E402
+from backend.llama.engine import Engine  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402
 
 WORDS = ("function return value error import class module test file path string list "
@@ -165,7 +165,7 @@ async def one_run(mode: str, model: Path, binary: Path, args: argparse.Namespace
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
     env.update(XDG_CONFIG_HOME=str(home / "config"), XDG_STATE_HOME=str(home / "state"),
                XDG_CACHE_HOME=str(home / "cache"), PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model),
+    command = [sys.executable, "-m", "backend.app.cli", "serve", "--model", str(model),
                "--port", str(port), "--parallel", args.parallel, "--ctx-size", str(args.ctx_size),
                "--llama-server", str(binary), "--threads", str(args.threads)]
     serve = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -162,10 +162,10 @@ def start_port(procs: Processes, name: str, upstream: str, slots: int, config_di
     """`gguf-studio serve --upstream URL` in its own process; ready once it reports `slots`."""
     serve = ["serve", "--upstream", upstream, "--host", HOST, "--port", "0",
              "--max-output-tokens", "0"]
-    if patch:  # a file that patches the port, then runs backend.cli.main(sys.argv[1:])
+    if patch:  # a file that patches the port, then runs backend.app.cli.main(sys.argv[1:])
         cmd = [PYTHON, patch, *serve]
     else:
-        cmd = [PYTHON, "-m", "backend.cli", *serve]
+        cmd = [PYTHON, "-m", "backend.app.cli", *serve]
     proc = procs.start(name, cmd, env=port_env(config_dir))
     port = int(procs.wait_for_line(name, proc, r"http://127\.0\.0\.1:(\d+)/v1").group(1))
 

@@ -36,9 +36,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.engine import Engine  # noqa: E402
-from backend.prompt_tokens import HttpEngineTokenizer, PromptCounter  # noqa: E402
-from backend.supervisor import pick_free_port  # noqa: E402
+from backend.llama.engine import Engine  # noqa: E402
+from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter  # noqa: E402
+from backend.llama.supervisor import pick_free_port  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402
 
 CHAT = "/v1/chat/completions"

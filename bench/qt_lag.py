@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from backend.engine import Engine  # noqa: E402
+from backend.llama.engine import Engine  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402
 from tests.studio.conftest import free_port, private_environment  # noqa: E402
 

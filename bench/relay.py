@@ -110,7 +110,7 @@ async def synthetic(args: argparse.Namespace, procs: Processes, work: Path,
 
 async def real_llama(args: argparse.Namespace, procs: Processes, work: Path,
                      log: Callable[[str], None]) -> Scenario | None:
-    from backend.engine import Engine
+    from backend.llama.engine import Engine
     from tests.model_factory import write_tiny_model
 
     engine = Engine()
@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(port-aiohttp, bench/variants/aiohttp_port.py)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                    help="also measure a patched port: FILE patches, then calls "
-                        "backend.cli.main(sys.argv[1:]) (repeatable)")
+                        "backend.app.cli.main(sys.argv[1:]) (repeatable)")
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the processes' logs and print where")
     args = p.parse_args(argv)

@@ -1,5 +1,5 @@
 """Strictness of the two upstream clients, side by side: the port's own
-(`backend/upstream_http.py`) and aiohttp's (`bench/variants/upstream_aiohttp.py`).
+(`backend/port/upstream_http.py`) and aiohttp's (`bench/variants/upstream_aiohttp.py`).
 
     python bench/strictness.py
 
@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
-from backend.upstream_http import UpstreamClient  # noqa: E402
+from backend.port.upstream_http import UpstreamClient  # noqa: E402
 from bench.variants.upstream_aiohttp import AiohttpUpstreamClient  # noqa: E402
 from tests.malformed_upstream import (CLOSE, GOOD_STREAM, INTERIM, MALFORMED, WELL_FORMED,  # noqa: E402
                                       MalformedUpstream)

@@ -10,7 +10,7 @@
 
 The self-test uses the window's `studio.app.self_test(model, llama_server=...)` when the
 window module provides one (it shows the window offscreen while the test runs), and the
-headless `backend.self_test` otherwise.  Everything is imported lazily, so that the
+headless `backend.app.self_test` otherwise.  Everything is imported lazily, so that the
 self-test of a bundle works even where Qt cannot start.
 """
 
@@ -39,7 +39,7 @@ def _has_flag(argv: list[str], flag: str) -> bool:
 
 
 def _self_test(argv: list[str]) -> int:
-    from backend import self_test as headless
+    from backend.app import self_test as headless
 
     parser = argparse.ArgumentParser(prog="gguf-studio")
     parser.add_argument("--self-test", metavar="MODEL", required=True,
@@ -67,7 +67,7 @@ def _window_self_test():
 
 
 def _desktop_entry(argv: list[str]) -> int:
-    from backend import desktop_entry
+    from backend.app import desktop_entry
 
     parser = argparse.ArgumentParser(prog="gguf-studio")
     action = parser.add_mutually_exclusive_group(required=True)

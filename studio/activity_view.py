@@ -6,7 +6,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPaintEvent, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QVBoxLayout, QWidget
 
-from backend.activity import ActivityHistory, ActivitySample
+from backend.app.activity import ActivityHistory, ActivitySample
 
 from studio.widgets import secondary_label
 

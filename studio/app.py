@@ -19,10 +19,10 @@ from PySide6.QtCore import QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
-from backend.desktop_entry import find_icon_source
-from backend.desktop_libraries import platform_problem
+from backend.app.desktop_entry import find_icon_source
+from backend.app.desktop_libraries import platform_problem
 from backend.errors import SettingsError
-from backend.model_library import ModelLibrary
+from backend.models.library import ModelLibrary
 from backend.settings import APP_NAME, Settings, settings_path
 
 from studio.bridge import ServiceBridge
@@ -70,7 +70,7 @@ def self_test(model_path: str, *, llama_server: str | None = None, timeout: floa
     a loopback ephemeral port, answer one chat completion through that port, quit.
     Returns 0 when all of it worked.  The traffic runs on the backend thread; the Qt loop
     only waits for the result."""
-    from backend.self_test import FAILED
+    from backend.app.self_test import FAILED
 
     app = _application([])
     loop = qasync.QEventLoop(app)
@@ -98,7 +98,7 @@ def self_test(model_path: str, *, llama_server: str | None = None, timeout: floa
 def _self_test_from_args(argv: list[str]) -> int:
     import argparse
 
-    from backend import self_test as headless
+    from backend.app import self_test as headless
 
     parser = argparse.ArgumentParser(prog="gguf-studio-app")
     parser.add_argument("--self-test", metavar="MODEL", required=True)

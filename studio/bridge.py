@@ -24,15 +24,15 @@ from typing import Any, Callable, Coroutine, Sequence
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from backend.activity import ActivitySample, ActivitySampler
-from backend.engine import Engine, Resolution, detect_accelerators, detected_backends
+from backend.app.activity import ActivitySample, ActivitySampler
+from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
-from backend.model_download import DownloadQueue
-from backend.model_fit import FitEstimate, MachineMemory
-from backend.model_hub import CuratedModel, ModelChoice, RepoListing, curated_models
-from backend.service import BackendThread, StudioService
+from backend.models.download import DownloadQueue
+from backend.models.fit import FitEstimate, MachineMemory
+from backend.models.hub import CuratedModel, ModelChoice, RepoListing, curated_models
+from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
-from backend.load import LoadSpec, Snapshot
+from backend.llama.load import LoadSpec, Snapshot
 
 __all__ = ["ACCESS_LOGGER", "LogLine", "ServiceBridge", "describe_error"]
 
@@ -194,7 +194,7 @@ class ServiceBridge(QObject):
     def run_self_test(self, model_path: str, llama_server: str | None, timeout: float
                       ) -> concurrent.futures.Future[int]:
         """`--self-test` through this bridge's own service and port; the exit code."""
-        from backend.self_test import run_self_test
+        from backend.app.self_test import run_self_test
 
         return self.backend_thread.submit(run_self_test(
             model_path, llama_server=llama_server, service=self.service, timeout=timeout))
@@ -213,15 +213,15 @@ class ServiceBridge(QObject):
 
     def search_models(self, text: str, sort: str, on_done: Callback,
                       on_error: Callable[[str], None]) -> concurrent.futures.Future:
-        from backend.model_hub import search
+        from backend.models.hub import search
 
         return self._in_hub(lambda: search(text, sort=sort), on_done=on_done, on_error=on_error)
 
     def list_repo(self, repo_id: str, context: int, on_done: Callback,
                   on_error: Callable[[str], None]) -> concurrent.futures.Future:
         """Calls `on_done((listing, fits))`: the repository's models and a badge for each."""
-        from backend.model_fit import fit_choices
-        from backend.model_hub import list_repo
+        from backend.models.fit import fit_choices
+        from backend.models.hub import list_repo
 
         def listing_with_fits() -> tuple[RepoListing, dict[str, FitEstimate]]:
             listing = list_repo(repo_id)
@@ -231,7 +231,7 @@ class ServiceBridge(QObject):
 
     def refit(self, listing: RepoListing, context: int, on_done: Callback) -> concurrent.futures.Future:
         """New badges for another context: local work only (headers of files already here)."""
-        from backend.model_fit import fit_choices
+        from backend.models.fit import fit_choices
 
         return self.run_in_thread(lambda: (listing, fit_choices(listing, _machine_memory(), context)),
                                   on_done=on_done)
@@ -249,7 +249,7 @@ class ServiceBridge(QObject):
         self.downloads.cancel(job_id)
 
     def save_hf_token(self, token: str, on_error: Callable[[str], None] | None = None) -> None:
-        from backend.model_hub import save_token
+        from backend.models.hub import save_token
 
         self.run_in_thread(save_token, token, on_error=on_error)
 
@@ -366,7 +366,7 @@ def describe_error(exc: BaseException) -> str:
 def _machine_memory() -> MachineMemory:
     """RAM and the GPU memory the engines can use.  Detection runs programs (once a
     process): called only from the worker threads, never the GUI thread or the loop."""
-    from backend.model_fit import machine_memory
+    from backend.models.fit import machine_memory
 
     return machine_memory(detect_accelerators().offload_memory())
 

@@ -27,10 +27,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.gguf_info import format_file_size
-from backend.model_download import DownloadProgress
-from backend.model_fit import DEFAULT_FIT_CONTEXT, FITS_GPU, FITS_RAM, FitEstimate
-from backend.model_hub import CuratedModel, ModelChoice, RepoListing, RepoSummary
+from backend.models.gguf_info import format_file_size
+from backend.models.download import DownloadProgress
+from backend.models.fit import DEFAULT_FIT_CONTEXT, FITS_GPU, FITS_RAM, FitEstimate
+from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary
 from studio.widgets import heading, secondary_label
 
 __all__ = ["DiscoverView", "DownloadRow"]

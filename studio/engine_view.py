@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.accelerators import Accelerators
-from backend.engine import BuildProgress, Resolution
+from backend.llama.accelerators import Accelerators
+from backend.llama.engine import BuildProgress, Resolution
 
 from studio.widgets import heading, monospace_font, secondary_label
 

@@ -18,8 +18,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.gguf_info import format_file_size
-from backend.model_library import ModelEntry, search
+from backend.models.gguf_info import format_file_size
+from backend.models.library import ModelEntry, search
 from studio.widgets import secondary_label
 
 __all__ = ["LibraryView"]

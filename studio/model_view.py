@@ -23,9 +23,9 @@ from PySide6.QtWidgets import (
 )
 
 from backend.errors import SettingsError
-from backend.gguf_info import ModelInfo, format_file_size, format_parameter_count
+from backend.models.gguf_info import ModelInfo, format_file_size, format_parameter_count
 from backend.gpu_layers import parse_gpu_layers
-from backend.load import THREADS_HELP, LoadSettings, Snapshot, State
+from backend.llama.load import THREADS_HELP, LoadSettings, Snapshot, State
 
 from studio.widgets import heading, secondary_label
 

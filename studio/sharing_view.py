@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.settings import Settings, parse_names
-from backend.snippets import ClientTarget, Snippet, client_snippets, key_requirement
+from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from studio.widgets import CopyButton, monospace_font, secondary_label
 

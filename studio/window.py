@@ -21,15 +21,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.accelerators import Accelerators
-from backend.activity import ActivitySample
+from backend.llama.accelerators import Accelerators
+from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
-from backend.gguf_info import ModelInfo, read_model_info
-from backend.model_download import DownloadProgress
-from backend.model_library import ModelEntry, ModelLibrary
+from backend.models.gguf_info import ModelInfo, read_model_info
+from backend.models.download import DownloadProgress
+from backend.models.library import ModelEntry, ModelLibrary
 from backend.settings import Settings
-from backend.load import Snapshot, State
+from backend.llama.load import Snapshot, State
 
 from studio.activity_view import ActivityView
 from studio.bridge import ServiceBridge
@@ -264,7 +264,7 @@ class MainWindow(QMainWindow):
         self.library.remember_settings(path, wanted)
         self.library.mark_used(path)
         self._save_library()
-        self.apply_settings(self.settings.with_load_settings(spec.settings).replace(model=path))
+        self.apply_settings(spec.settings.remembered_in(self.settings).replace(model=path))
         self.bridge.load(spec, on_error=self._on_load_error)
         self.refresh_library(select=path)
 

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from backend.engine import Engine  # noqa: E402
+from backend.llama.engine import Engine  # noqa: E402
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
 from tests.model_factory import write_tiny_model, write_tiny_split_model  # noqa: E402
 

@@ -127,10 +127,10 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "FakeUpstream":
-        from backend.gateway_server import GatewayServer
+        from backend.port.server import GatewayServer, PlainApp
 
         logging.getLogger("uvicorn.error").addFilter(_quiet)
-        self._server = await GatewayServer.start(self.app, host, port, shutdown_grace=1.0)
+        self._server = await GatewayServer.start(PlainApp(self.app), host, port, shutdown_grace=1.0)
         self.port = self._server.port
         return self
 

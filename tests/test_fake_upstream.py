@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from backend.kv_capacity import KvCapacity
-from backend.prompt_tokens import TEXT_SLACK, HttpEngineTokenizer, PromptCounter, request_need
+from backend.llama.kv_capacity import KvCapacity
+from backend.port.prompt_tokens import TEXT_SLACK, HttpEngineTokenizer, PromptCounter, request_need
 from tests.fake_upstream import FakeUpstream
 
 CHAT = "/v1/chat/completions"

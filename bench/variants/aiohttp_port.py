@@ -6,11 +6,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backend import gateway  # noqa: E402
+from backend.port import gateway  # noqa: E402
 from bench.variants.upstream_aiohttp import AiohttpUpstreamClient  # noqa: E402
 
 gateway.UpstreamClient = AiohttpUpstreamClient
 
-from backend.cli import main  # noqa: E402
+from backend.app.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

@@ -8,6 +8,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ["GGUF_STUDIO_EVENT_LOOP"] = "asyncio"
 
-from backend.cli import main  # noqa: E402
+from backend.app.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

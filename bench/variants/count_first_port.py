@@ -8,10 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backend.admission import AdmissionQueue  # noqa: E402
+from backend.port.admission import AdmissionQueue  # noqa: E402
 
 AdmissionQueue.fits_now = lambda self, need: False  # type: ignore[method-assign]
 
-from backend.cli import main  # noqa: E402
+from backend.app.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

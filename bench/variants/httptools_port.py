@@ -16,10 +16,10 @@ if os.environ.get("BENCH_EXTRA_PATH"):
 
 import httptools  # noqa: E402,F401  (fails here, clearly, when it is not installed)
 
-from backend import gateway_server  # noqa: E402
+from backend.port import server as gateway_server  # noqa: E402
 
 gateway_server.uvicorn.Config = functools.partial(gateway_server.uvicorn.Config, http="httptools")
 
-from backend.cli import main  # noqa: E402
+from backend.app.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

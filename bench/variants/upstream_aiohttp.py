@@ -1,7 +1,7 @@
-"""The upstream leg's client on aiohttp, with `backend.upstream_http.UpstreamClient`'s
+"""The upstream leg's client on aiohttp, with `backend.port.upstream_http.UpstreamClient`'s
 interface: `build_request`, `send(stream=True)`, a response with `status_code`,
 `headers.get`, `aiter_raw`, `aread`, `aclose`; errors are httpx's exception types, so
-`backend.relay` needs no change.
+`backend.port.relay` needs no change.
 
 It exists to measure aiohttp's client (its llhttp-based C parser) against the
 hand-written one: speed with `bench/relay.py --aiohttp`, strictness with
@@ -16,7 +16,7 @@ from typing import AsyncIterator
 import aiohttp
 import httpx
 
-from backend.upstream_http import MalformedAnswer
+from backend.port.upstream_http import MalformedAnswer
 
 __all__ = ["AiohttpUpstreamClient", "AiohttpUpstreamResponse"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.admission import AdmissionQueue, KvCapacity, Ticket
+from backend.port.admission import AdmissionQueue, KvCapacity, Ticket
 
 OLD = "http://127.0.0.1:41001"
 NEW = "http://127.0.0.1:41002"

@@ -12,13 +12,13 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 
-from backend.access_guard import AccessGuard
-from backend.admission import AdmissionRegistry, KvCapacity
-from backend.gateway import create_app
-from backend.gateway_server import GatewayServer
-from backend.metrics import Metrics
+from backend.port.access_guard import AccessGuard
+from backend.port.admission import AdmissionRegistry, KvCapacity
+from backend.port.gateway import create_app
+from backend.port.server import GatewayServer
+from backend.port.metrics import Metrics
 from backend.settings import Settings
-from backend.load import Snapshot, State
+from backend.llama.load import Snapshot, State
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -65,7 +65,7 @@ class Gateway:
 
     @property
     def guard(self) -> AccessGuard:
-        return self.server.app.state.gateway.guard
+        return self.server.served.guard
 
     def configure(self, **changes: Any) -> None:
         """Change settings live: the gateway reads them on every request."""

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from backend import event_loop
-from backend.load import LoadSettings, State
-from backend.service import BackendThread, StudioService
+from backend.llama.load import LoadSettings, State
+from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
 
 uvloop = pytest.importorskip("uvloop")

@@ -9,9 +9,9 @@ import pytest
 
 from backend.errors import SettingsError
 from backend.gpu_layers import gpu_layer_args, parse_gpu_layers
-from backend.load import LoadSettings, LoadSpec
+from backend.llama.load import LoadSettings, LoadSpec
 from backend.settings import Settings
-from backend.supervisor import build_command
+from backend.llama.supervisor import build_command
 
 
 def flags(spec: LoadSpec) -> list[str]:

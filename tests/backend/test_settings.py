@@ -137,7 +137,7 @@ def test_a_key_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
 
 
 def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_line(tmp_path):
-    from backend.cli import _parser
+    from backend.app.cli import _parser
     path = tmp_path / "settings.json"
     assert Settings.load(path, environ={}).client_stall_timeout == 120.0
     assert Settings.load(path, environ={"GGUF_STUDIO_CLIENT_STALL_TIMEOUT": "30"}

@@ -27,9 +27,9 @@ from typing import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from backend.service import StudioService
+from backend.app.service import StudioService
 from backend.settings import Settings
-from backend.load import LoadSettings, LoadSpec
+from backend.llama.load import LoadSettings, LoadSpec
 from tests.model_factory import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

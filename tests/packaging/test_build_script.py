@@ -20,7 +20,7 @@ build = load_build()
 
 def make_checkout(root: Path) -> None:
     for name in ("packaging/gguf-studio.spec", "packaging/build.py", "packaging/entry.py",
-                 "pyproject.toml", "backend/service.py", "studio/app.py", "resources/icon.svg"):
+                 "pyproject.toml", "backend/app/service.py", "studio/app.py", "resources/icon.svg"):
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(name)
@@ -37,7 +37,7 @@ def test_digest_follows_sources_spec_and_resources(tmp_path):
     (tmp_path / "build" / "anything").write_text("x")
     assert build.inputs_digest(tmp_path) == first  # caches and outputs do not count
 
-    for name in ("backend/service.py", "studio/app.py", "resources/icon.svg",
+    for name in ("backend/app/service.py", "studio/app.py", "resources/icon.svg",
                  "packaging/gguf-studio.spec", "pyproject.toml"):
         path = tmp_path / name
         path.write_text(path.read_text() + " changed")

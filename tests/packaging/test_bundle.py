@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.self_test import FAILED, PASSED
+from backend.app.self_test import FAILED, PASSED
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "packaging" / "build.py"

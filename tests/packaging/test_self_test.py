@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from backend.self_test import FAILED, PASSED, run_self_test
-from backend.service import StudioService
+from backend.app.self_test import FAILED, PASSED, run_self_test
+from backend.app.service import StudioService
 from backend.settings import Settings
-from backend.load import State
+from backend.llama.load import State
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,14 +90,14 @@ def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
 
 
 def test_command_line(tiny_model, llama_server_binary):
-    result = _run([sys.executable, "-m", "backend.self_test", str(tiny_model),
+    result = _run([sys.executable, "-m", "backend.app.self_test", str(tiny_model),
                    "--llama-server", str(llama_server_binary)])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(PASSED)
 
 
 def test_engine_from_the_environment_like_the_app(tiny_model, llama_server_binary, tmp_path):
-    result = _run([sys.executable, "-m", "backend.self_test", str(tiny_model)],
+    result = _run([sys.executable, "-m", "backend.app.self_test", str(tiny_model)],
                   GGUF_STUDIO_LLAMA_SERVER=str(llama_server_binary),
                   GGUF_STUDIO_DATA_DIR=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "cfg"))
     assert result.returncode == 0, result.stderr

@@ -21,7 +21,7 @@ import time
 import httpx
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from backend.load import State
+from backend.llama.load import State
 from studio.app import main
 from studio.window import ACTIVITY_TAB, MainWindow
 

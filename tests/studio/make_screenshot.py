@@ -28,7 +28,7 @@ def main(model: str, out: str, tab: int = 0) -> int:
     from PySide6.QtWidgets import QApplication
 
     from backend.settings import Settings
-    from backend.load import State
+    from backend.llama.load import State
     from studio.app import app_icon, build_window
 
     app = QApplication([sys.argv[0]])

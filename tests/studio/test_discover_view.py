@@ -10,8 +10,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
-from backend.model_hub import curated_models
-from backend.supervisor import State
+from backend.models.hub import curated_models
+from backend.llama.supervisor import State
 from studio.window import GET_MODELS_TAB
 from tests.conftest import CODER_REPO
 
@@ -107,7 +107,7 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
                                                                      monkeypatch):
     from PySide6.QtWidgets import QInputDialog
 
-    from backend.model_hub import token_path
+    from backend.models.hub import token_path
     from tests.conftest import GATED_REPO
 
     window = open_window()
@@ -138,9 +138,9 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
 def _badge_with(open_window, qtbot, monkeypatch, found):
     """The tab's badge for the tiny Q4 model on a machine whose detection found `found`
     (fake probes: this machine's own GPUs would make the answer vary)."""
-    import backend.engine
+    import backend.llama.engine
 
-    monkeypatch.setattr(backend.engine, "_DETECTED", found)
+    monkeypatch.setattr(backend.llama.engine, "_DETECTED", found)
     d = open_window().discover
     d.query.setText("tiny")
     click(qtbot, d.search_button)
@@ -152,7 +152,7 @@ def _badge_with(open_window, qtbot, monkeypatch, found):
 
 
 def test_a_model_fits_in_gpu_on_a_machine_with_a_24_gb_gpu(open_window, qtbot, hf_hub, monkeypatch):
-    from backend.accelerators import detect
+    from backend.llama.accelerators import detect
     from tests.backend.test_accelerators import NVIDIA_SMI_24GB, machine
 
     badge, hover = _badge_with(open_window, qtbot, monkeypatch, detect(
@@ -162,7 +162,7 @@ def test_a_model_fits_in_gpu_on_a_machine_with_a_24_gb_gpu(open_window, qtbot, h
 
 
 def test_a_model_fits_in_ram_on_a_machine_without_a_gpu(open_window, qtbot, hf_hub, monkeypatch):
-    from backend.accelerators import detect
+    from backend.llama.accelerators import detect
     from tests.backend.test_accelerators import VULKANINFO_LAVAPIPE, machine
 
     # Only lavapipe (software Vulkan, whose memory is the host's): no GPU memory.

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 from PySide6.QtCore import Qt
 
-from backend.service import client_urls
-from backend.snippets import KEY_ENV_VAR, PROVIDER_ID
-from backend.load import State
+from backend.addresses import client_urls
+from backend.app.snippets import KEY_ENV_VAR, PROVIDER_ID
+from backend.llama.load import State
 from studio.window import ACTIVITY_TAB
 
 LOAD_WAIT = 60_000

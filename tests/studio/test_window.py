@@ -7,11 +7,11 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
-from backend.activity import ActivitySample
-from backend.engine import BuildProgress
-from backend.kv_capacity import KvCapacity
+from backend.app.activity import ActivitySample
+from backend.llama.engine import BuildProgress
+from backend.llama.kv_capacity import KvCapacity
 from backend.settings import Settings
-from backend.load import LoadSettings, Snapshot, State
+from backend.llama.load import LoadSettings, Snapshot, State
 from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
 from tests.studio.conftest import close_and_stop
 

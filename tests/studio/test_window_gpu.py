@@ -8,8 +8,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
-from backend.engine_report import DeviceUse, EngineReport
-from backend.load import LoadSettings, Snapshot, State
+from backend.llama.report import DeviceUse, EngineReport
+from backend.llama.load import LoadSettings, Snapshot, State
 
 WAIT = 10_000
 LOAD_WAIT = 60_000
@@ -88,7 +88,7 @@ def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None
 
 
 def test_the_engine_tab_offers_the_best_engine_the_computer_can_build(open_window) -> None:
-    from backend.accelerators import detect
+    from backend.llama.accelerators import detect
     from tests.backend.test_accelerators import (
         NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
     )

@@ -1,0 +1,485 @@
+"""The `gguf-studio` command line.
+
+    gguf-studio                      open the window (see `launcher`)
+    gguf-studio engine status|build|path
+    gguf-studio inspect MODEL [--json]
+    gguf-studio serve --model MODEL | --upstream URL  [options]
+    gguf-studio search [TEXT]        GGUF repositories on Hugging Face (none: the curated list)
+    gguf-studio pull REPO[:QUANT|FILE]
+    gguf-studio hf-token [--forget]  save a Hugging Face token for gated repositories
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import signal
+import sys
+from typing import TYPE_CHECKING, Sequence
+
+from backend import event_loop
+from backend.llama.accelerators import BACKENDS
+from backend.api_keys import read_api_key_file
+from backend.llama.engine import Engine, BuildProgress
+from backend.errors import StudioError
+from backend.llama.load import THREADS_HELP, LoadSettings
+from backend.settings import API_KEY_FILE_ENV, Settings, env_var
+
+if TYPE_CHECKING:
+    from backend.models.download import TransferMeter
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if not getattr(args, "verbose", False) else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:  # the window is the launcher's (`launcher.main`)
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except StudioError as exc:
+        print(f"gguf-studio: {exc}", file=sys.stderr)
+        tail = getattr(exc, "log_tail", "")
+        if tail:
+            print("--- last lines of the log ---\n" + tail.rstrip(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+# --- engine -------------------------------------------------------------------------------
+
+
+def _engine_status(args: argparse.Namespace) -> int:
+    from backend.llama.engine import detect_accelerators
+
+    engine = Engine()
+    resolution = engine.resolve(args.llama_server)
+    accelerators = detect_accelerators()
+    if args.json:
+        chosen = resolution.chosen
+        print(json.dumps({
+            "chosen": {"source": chosen.source, "path": str(chosen.path)} if chosen else None,
+            "candidates": [{"source": c.source, "path": str(c.path) if c.path else None,
+                            "usable": c.usable, "reason": c.reason} for c in resolution.candidates],
+            "installed": {b: str(p) for b, p in engine.installed_backends().items()},
+            "accelerators": accelerators.to_dict(),
+        }, indent=2))
+        return 0 if chosen else 1
+    for line in resolution.describe():
+        print(line)
+    print("accelerators (backend, usable here, why):")
+    for line in accelerators.describe():
+        print(line)
+    print(f"best engine this machine can build: {accelerators.best_buildable()} "
+          f"(gguf-studio engine build --backend {accelerators.best_buildable()})")
+    return 0 if resolution.chosen else 1
+
+
+def _engine_path(args: argparse.Namespace) -> int:
+    print(Engine().resolve(args.llama_server).path)
+    return 0
+
+
+def _engine_build(args: argparse.Namespace) -> int:
+    printer = _ProgressPrinter(verbose=args.verbose)
+    from backend.llama.engine import detect_accelerators
+
+    backend = args.backend or detect_accelerators().best_buildable()
+    print(f"building the {backend} engine", flush=True)
+    path = asyncio.run(Engine().build(args.cmake_arg or (), printer, jobs=args.jobs,
+                                      backend=backend))
+    printer.finish()
+    print(path)
+    return 0
+
+
+class _ProgressPrinter:
+    """Percent on one line when a terminal shows it; every 5 % as its own line otherwise."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.tty = sys.stdout.isatty()
+        self.verbose = verbose
+        self._last: tuple[str, int] | None = None
+
+    def __call__(self, p: BuildProgress) -> None:
+        if self.verbose:
+            print(f"[{p.percent:5.1f}%] {p.line}", flush=True)
+        elif self.tty:
+            sys.stdout.write(f"\r[{p.percent:5.1f}%] {p.phase:<9} {p.line[:60]:<60}")
+            sys.stdout.flush()
+        elif (p.phase, int(p.percent) // 5) != self._last:
+            self._last = (p.phase, int(p.percent) // 5)
+            print(f"[{p.percent:5.1f}%] {p.phase}: {p.line[:100]}", flush=True)
+
+    def finish(self) -> None:
+        if self.tty and not self.verbose:
+            print()
+
+
+# --- inspect --------------------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from backend.models.gguf_info import read_model_info
+
+    info = read_model_info(args.path)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+    else:
+        print("\n".join(info.summary_lines()))
+    return 0
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+# Command-line options that map one to one onto settings.
+_SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
+                   "max_queue", "queue_timeout", "keepalive_interval", "max_output_tokens",
+                   "default_output_tokens", "max_body_bytes", "max_waiting_body_bytes",
+                   "client_stall_timeout", "max_connections", "header_timeout",
+                   "reload_grace",
+                   "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
+                   "load_timeout", "model", "upstream")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = Settings.load().with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
+    if args.extra_arg:
+        settings = settings.replace(extra_args=list(args.extra_arg))
+    # A key kept in a file stays there: --save never copies it into settings.json.
+    file_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
+    upstream_key = read_api_key_file(args.upstream_api_key_file) if args.upstream_api_key_file \
+        else args.upstream_api_key
+    attach = args.model is None and bool(settings.upstream)
+    if not attach and not settings.model:
+        raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
+    if args.save:
+        settings.save()
+    if file_key is not None:
+        settings = settings.replace(api_key=file_key)
+    try:
+        return event_loop.run(_serve_async(settings, attach, upstream_key))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve_async(settings: Settings, attach: bool, upstream_key: str | None = None) -> int:
+    from backend.app.service import StudioService
+    from backend.llama.load import Snapshot, State
+
+    service = StudioService(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    def report(snapshot: Snapshot) -> None:
+        line = f"[{snapshot.state.value}]"
+        if snapshot.state is State.READY:
+            line += f" {snapshot.model_id}: effective parallel slots {snapshot.effective_parallel_slots}"
+            if snapshot.context_length:
+                line += f", context {snapshot.context_length} per slot"
+            if snapshot.kv is not None and snapshot.effective_parallel_slots:
+                line += f"; KV cache: {snapshot.kv.describe(snapshot.effective_parallel_slots)}"
+            if snapshot.engine:
+                line += f"; runs on {snapshot.engine.summary()}"
+        if snapshot.error:
+            line += f" {snapshot.error}"
+        print(line, flush=True)
+
+    service.add_listener(report)
+    try:
+        urls = await service.start_gateway()
+        print("OpenAI-compatible base URL" + ("s" if len(urls) > 1 else "") + ":", flush=True)
+        for url in urls:
+            print(f"  {url}", flush=True)
+        if attach:
+            await service.attach_upstream(settings.upstream, api_key=upstream_key)
+        else:
+            from backend.models.gguf_info import read_model_info
+
+            info = read_model_info(settings.model)
+            spec = LoadSettings.last_load(settings).to_spec(settings.model,
+                                                    chat_template=info.has_chat_template)
+            load = asyncio.create_task(service.load(spec))
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if load.done():
+                load.result()
+            else:
+                load.cancel()
+                await asyncio.gather(load, return_exceptions=True)
+        await stop.wait()
+        print("stopping", flush=True)
+        return 0
+    finally:
+        await service.close()
+
+
+# --- Hugging Face -----------------------------------------------------------------------------
+
+
+def _search(args: argparse.Namespace) -> int:
+    from backend.models.hub import curated_models, search
+
+    if not args.text:
+        for model in curated_models():
+            print(f"{model.repo_id:<48} {model.size:<7} {model.name}")
+        return 0
+    found = search(" ".join(args.text), sort=args.sort, limit=args.limit)
+    if not found:
+        print("No GGUF repositories match.", file=sys.stderr)
+        return 1
+    for repo in found:
+        gated = "  (gated)" if repo.gated else ""
+        print(f"{repo.repo_id:<56} {repo.downloads:>10,} downloads  {repo.last_modified[:10]}{gated}")
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from backend.llama.engine import detect_accelerators
+    from backend.models.download import TransferMeter, bytes_on_disk, download_model
+    from backend.models.fit import estimate_fit, machine_memory
+    from backend.models.hub import list_repo, parse_pull_target, pick_choice
+
+    repo_id, selector = parse_pull_target(args.target)
+    listing = list_repo(repo_id)
+    choice = pick_choice(listing, selector)
+    fit = estimate_fit(choice.size, machine_memory(detect_accelerators().offload_memory()),
+                       context=args.context,
+                       repo_metadata=listing.gguf_metadata)
+    parts = f" in {len(choice.files)} parts" if len(choice.files) > 1 else ""
+    print(f"{repo_id}: {choice.name} ({choice.quant or 'unknown quantization'}, "
+          f"{_size(choice.size)}{parts}) - {fit.verdict}", flush=True)
+    print(f"  {fit.details()}", flush=True)
+    meter = TransferMeter(bytes_on_disk(choice, listing.commit), choice.size)
+    if meter.done:
+        print(f"  resuming: {_size(meter.done)} already here", flush=True)
+    bar = _TransferBar(meter)
+    try:
+        path = download_model(choice, listing.commit, on_bytes=bar.add, on_verifying=bar.verifying)
+    except KeyboardInterrupt:
+        bar.finish()
+        print("Paused: run the same command again to resume.", file=sys.stderr)
+        return 130
+    bar.finish()
+    print(path)
+    print(f"Ready: gguf-studio serve --model {shlex.quote(str(path))}")
+    return 0
+
+
+def _hf_token(args: argparse.Namespace) -> int:
+    import getpass
+
+    from backend.models.hub import forget_token, save_token
+
+    if args.forget:
+        forget_token()
+        print("The saved Hugging Face token is forgotten.")
+        return 0
+    token = getpass.getpass("Hugging Face token (input hidden): ").strip() if sys.stdin.isatty() \
+        else sys.stdin.readline().strip()
+    if not token:
+        raise StudioError("No token given; nothing saved.")
+    path = save_token(token)
+    print(f"Saved to {path} (readable by you only). HF_TOKEN, when set, takes precedence.")
+    return 0
+
+
+class _TransferBar:
+    """A bar on one line on a terminal; a line every 10 % otherwise (logs, CI)."""
+
+    WIDTH = 30
+
+    def __init__(self, meter: "TransferMeter") -> None:
+        self.meter = meter
+        self.tty = sys.stdout.isatty()
+        self._last_tenth = -1.0
+        self._last_draw = 0.0
+
+    def add(self, n: int) -> None:
+        import time
+
+        self.meter.add(n)
+        now = time.monotonic()
+        if self.tty:
+            if now - self._last_draw >= 0.1 or self.meter.done >= self.meter.total:
+                self._last_draw = now
+                sys.stdout.write("\r" + self._line())
+                sys.stdout.flush()
+        elif (tenth := self._fraction() * 10 // 1) != self._last_tenth:
+            self._last_tenth = tenth
+            print(self._line(), flush=True)
+
+    def verifying(self) -> None:
+        if self.tty:
+            sys.stdout.write("\r" + self._line() + "  verifying SHA-256...")
+            sys.stdout.flush()
+        else:
+            print("verifying SHA-256...", flush=True)
+
+    def finish(self) -> None:
+        if self.tty:
+            print()
+
+    def _fraction(self) -> float:
+        return self.meter.done / self.meter.total if self.meter.total else 1.0
+
+    def _line(self) -> str:
+        from backend.models.download import describe_duration
+
+        fraction = min(self._fraction(), 1.0)
+        filled = int(fraction * self.WIDTH)
+        text = (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction * 100:5.1f}% "
+                f"{_size(self.meter.done)} / {_size(self.meter.total)}")
+        if self.meter.speed > 0:
+            text += f"  {_size(int(self.meter.speed))}/s"
+            if self.meter.eta is not None:
+                text += f"  {describe_duration(self.meter.eta)} left"
+        return text
+
+
+def _size(n: int) -> str:
+    from backend.models.gguf_info import format_file_size
+
+    return format_file_size(n)
+
+
+# --- argument parsing -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gguf-studio",
+                                description="Share a local GGUF model on your network.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(command=None)
+    sub = p.add_subparsers(dest="command")
+
+    engine = sub.add_parser("engine", help="find or build llama-server")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    for name, fn, text in (("status", _engine_status, "which llama-server is used, and why"),
+                           ("path", _engine_path, "print the llama-server that would be used"),
+                           ("build", _engine_build, "build the managed llama-server from source")):
+        e = engine_sub.add_parser(name, help=text)
+        e.add_argument("--llama-server", help="an explicit llama-server binary")
+        e.add_argument("-v", "--verbose", action="store_true")
+        e.set_defaults(run=fn)
+        if name == "status":
+            e.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "build":
+            e.add_argument("--backend", choices=BACKENDS,
+                           help="engine to build (default: the best this machine can build)")
+            e.add_argument("--cmake-arg", action="append", metavar="FLAG",
+                           help="extra CMake flag, e.g. -DGGML_NATIVE=OFF (repeatable)")
+            e.add_argument("-j", "--jobs", type=int, default=None)
+
+    inspect = sub.add_parser("inspect", help="show a GGUF file's metadata")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(run=_inspect)
+
+    from backend.app import desktop_entry
+
+    from backend.app import self_test
+    for name, fn, text in (("install-desktop", desktop_entry.cli_install,
+                            "add GGUF Studio to the desktop's application menu (Linux)"),
+                           ("uninstall-desktop", desktop_entry.cli_uninstall,
+                            "remove what install-desktop wrote")):
+        d = sub.add_parser(name, help=text)
+        desktop_entry.add_arguments(d)
+        d.set_defaults(run=fn)
+
+    found = sub.add_parser("search", help="find GGUF repositories on Hugging Face")
+    found.add_argument("text", nargs="*", help="words to look for (none: the curated coding models)")
+    found.add_argument("--sort", choices=("downloads", "recent", "likes"), default="downloads")
+    found.add_argument("--limit", type=int, default=20)
+    found.set_defaults(run=_search)
+
+    pull = sub.add_parser("pull", help="download a GGUF model into the Hugging Face cache")
+    pull.add_argument("target", metavar="REPO[:QUANT|FILE]",
+                      help="e.g. Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:Q4_K_M")
+    pull.add_argument("--context", type=int, default=8192,
+                      help="context size the memory estimate assumes (default 8192)")
+    pull.set_defaults(run=_pull)
+
+    token = sub.add_parser("hf-token", help="save a Hugging Face token (read from the terminal or stdin)")
+    token.add_argument("--forget", action="store_true", help="delete the saved token")
+    token.set_defaults(run=_hf_token)
+
+    st = sub.add_parser("self-test", help="load MODEL, answer one request through the port, exit")
+    st.add_argument("model", metavar="MODEL")
+    self_test.add_arguments(st)
+    st.set_defaults(run=lambda args: asyncio.run(self_test.run_self_test(
+        args.model, llama_server=args.llama_server, ctx_size=args.ctx_size, timeout=args.timeout)))
+
+    serve = sub.add_parser("serve", help="run headless: engine + OpenAI-compatible port")
+    group = serve.add_mutually_exclusive_group()
+    group.add_argument("--model", help="GGUF file to load")
+    group.add_argument("--upstream", help="attach to a running llama-server at this URL instead")
+    env = env_var
+    serve.add_argument("--host", help=f"address to listen on (default 127.0.0.1; {env('host')})")
+    serve.add_argument("--port", type=int, help=f"port to listen on (default 8899; {env('port')})")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", help=f"key clients must send ({env('api_key')}); "
+                      "visible to other local users in the process list, see --api-key-file")
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help="read the key clients must send from this file, so that it never "
+                      f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
+    upstream_keys = serve.add_mutually_exclusive_group()
+    upstream_keys.add_argument("--upstream-api-key", metavar="KEY",
+                               help="the key the --upstream llama-server requires (its --api-key)")
+    upstream_keys.add_argument("--upstream-api-key-file", metavar="PATH",
+                               help="read the --upstream llama-server's key from this file "
+                               "(kept out of the process list)")
+    serve.add_argument("--allow-no-key", action="store_true", default=None,
+                       help="listen beyond loopback without a key (anyone can use the model)")
+    serve.add_argument("--allow-origin", dest="allow_origins", action="append", metavar="ORIGIN",
+                       help="let web pages of this origin use the port, e.g. "
+                       "https://chat.example.com or https://*.example.com (repeatable; "
+                       f"{env('allow_origins')}, comma-separated)")
+    serve.add_argument("--allow-host", dest="allow_hosts", action="append", metavar="NAME",
+                       help="accept this host name without a key, besides the machine's own "
+                       f"names and addresses (repeatable; {env('allow_hosts')})")
+    serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
+    serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
+    serve.add_argument("--n-gpu-layers", help="layers on the GPU: auto (what fits; default), all, none or N")
+    serve.add_argument("--threads", type=int, help=f"CPU threads, 0 = {THREADS_HELP}")
+    serve.add_argument("--max-queue", type=int, help="waiting places, 0 = 16 x slots, at least 64")
+    serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
+    serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
+    serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
+    serve.add_argument("--default-output-tokens", type=int,
+                       help="output tokens reserved for a request that sends no limit (2048)")
+    serve.add_argument("--max-body-bytes", type=int, help="largest request body, 0 = default (32 MiB)")
+    serve.add_argument("--max-waiting-body-bytes", type=int,
+                       help="bytes of bodies requests waiting in line may hold together, "
+                       "0 = no bound (256 MiB)")
+    serve.add_argument("--client-stall-timeout", type=float,
+                       help="seconds a client may leave its answer unread before it is "
+                       f"dropped and its slot freed, 0 = never (120; {env('client_stall_timeout')})")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections the port keeps open at once (512)")
+    serve.add_argument("--header-timeout", type=float,
+                       help="seconds a client may take to send a request head or the next "
+                       "part of its body (30)")
+    serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
+    serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
+    serve.add_argument("--llama-server", help="llama-server binary to use")
+    serve.add_argument("--extra-arg", action="append", metavar="ARG",
+                       help="extra llama-server argument (repeatable)")
+    serve.add_argument("--save", action="store_true", help="remember these options as settings")
+    serve.set_defaults(run=_serve)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""The engine: llama.cpp's `llama-server`, built from pinned sources and run here or
+watched elsewhere.
+
+Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`), runs and
+supervises one load (`supervisor`) or watches a remote one (`remote_engine`), talks to
+its own API (`api`), reads what it reported (`report`, `log`) and knows its KV cache
+rules (`kv_capacity`).  `load` is the contract everything above uses: what a load is
+asked for, the state it is in, and the `Serving` value that exists while it serves.
+"""

@@ -1,0 +1,499 @@
+"""Finding or building the `llama-server` binary.
+
+Resolution order: an explicit path (setting or `--llama-server`), the environment
+variable GGUF_STUDIO_LLAMA_SERVER, the managed engine in the user data dir, `PATH`.
+
+The managed engine is compiled here from the llama.cpp sources vendored in the pinned
+llama-cpp-python source distribution, which pip fetches from the package registry and
+whose hash we check.  No prebuilt binary is ever downloaded.  Builds are keyed by
+version and CMake flags and installed atomically: a directory appears under its final
+name only once it holds a working binary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import platformdirs
+
+from backend.llama.accelerators import BACKENDS, Accelerators, detect
+from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
+
+# The one place the engine's version is pinned.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_PYTHON_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+ENV_LLAMA_SERVER = "GGUF_STUDIO_LLAMA_SERVER"
+ENV_DATA_DIR = "GGUF_STUDIO_DATA_DIR"
+BINARY_NAME = "llama-server.exe" if os.name == "nt" else "llama-server"
+
+BASE_CMAKE_ARGS: tuple[str, ...] = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+@dataclass(frozen=True)
+class BuildProgress:
+    """One step of a build, for the command line and the window alike."""
+
+    phase: str  # "fetch", "configure", "compile", "install", "done"
+    percent: float  # 0..100 over the whole build
+    line: str = ""
+
+
+ProgressCallback = Callable[[BuildProgress], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    source: str  # "explicit", "environment", "managed", "PATH"
+    path: Path | None
+    usable: bool
+    reason: str  # why it is used, or why not
+
+
+@dataclass(frozen=True)
+class Resolution:
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.usable), None)
+
+    @property
+    def path(self) -> Path:
+        chosen = self.chosen
+        if chosen is None or chosen.path is None:
+            raise EngineNotFound(
+                "No llama-server found. Build the managed engine with "
+                "`gguf-studio engine build`, or point GGUF Studio at a binary with "
+                f"--llama-server PATH or {ENV_LLAMA_SERVER}."
+            )
+        return chosen.path
+
+    def describe(self) -> list[str]:
+        chosen = self.chosen
+        lines = []
+        for c in self.candidates:
+            mark = "->" if c is chosen else "  "
+            where = f" {c.path}" if c.path else ""
+            lines.append(f"{mark} {c.source}:{where} ({c.reason})")
+        return lines
+
+
+@dataclass(frozen=True)
+class BuildKey:
+    """What makes one engine differ from another; its name is the install directory.
+
+    `toolkit` names the external headers/compilers a GPU build used (with versions), so
+    a rebuild against other ones gets a new key.  The CPU key is unchanged from the
+    days before GPU backends, so existing CPU engines stay found.
+    """
+
+    version: str = LLAMA_CPP_PYTHON_VERSION
+    extra_cmake_args: tuple[str, ...] = ()
+    backend: str = "cpu"
+    toolkit: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        parts = [self.version, *BASE_CMAKE_ARGS, *self.extra_cmake_args, *self.toolkit]
+        digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
+        if self.backend == "cpu":
+            return f"llama.cpp-{self.version}-{digest}"
+        return f"llama.cpp-{self.version}-{self.backend}-{digest}"
+
+
+@dataclass
+class Engine:
+    """Where engines live for one user, and how to find or build one."""
+
+    data_dir: Path = field(default_factory=lambda: default_data_dir())
+    # Sources and build trees; shareable between data dirs (the tests do).
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        self.cache_dir = Path(self.cache_dir) if self.cache_dir else self.data_dir / "cache"
+
+    @property
+    def engines_dir(self) -> Path:
+        return self.data_dir / "engines"
+
+    def managed_binary(self, key: BuildKey = BuildKey()) -> Path:
+        return self.engines_dir / key.name / BINARY_NAME
+
+    def installed(self, key: BuildKey = BuildKey()) -> bool:
+        return _is_executable(self.managed_binary(key))
+
+    def managed_binary_for(self, backend: str) -> Path | None:
+        """The newest installed engine of `backend` for the pinned version, if any."""
+        if backend == "cpu":
+            return self.managed_binary(BuildKey(extra_cmake_args=backend_cmake_args("cpu")))
+        found = [d / BINARY_NAME for d in self.engines_dir.glob(
+                     f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{backend}-*")
+                 if _is_executable(d / BINARY_NAME)]
+        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+    def installed_backends(self) -> dict[str, Path]:
+        out = {}
+        for backend in BACKENDS:
+            binary = self.managed_binary_for(backend)
+            if binary is not None and _is_executable(binary):
+                out[backend] = binary
+        return out
+
+    def resolve(self, explicit: str | os.PathLike | None = None,
+                environ: Mapping[str, str] | None = None,
+                key: BuildKey | None = None,
+                backends: Sequence[str] | None = None) -> Resolution:
+        """Which llama-server to run.  Managed engines are tried for `backends` in order
+        (default: the accelerated ones this machine can run, best first, then the CPU)."""
+        environ = os.environ if environ is None else environ
+        candidates = [
+            _candidate("explicit", explicit, "given with --llama-server or the setting"),
+            _candidate("environment", environ.get(ENV_LLAMA_SERVER) or None, f"from {ENV_LLAMA_SERVER}"),
+        ]
+        managed: list[tuple[str, Path | None]]
+        if key is not None:
+            managed = [(key.backend, self.managed_binary(key))]
+        else:
+            wanted = list(backends) if backends is not None else machine_backends()
+            managed = [(b, self.managed_binary_for(b)) for b in wanted]
+        for backend, binary in managed:
+            label = "managed" if backend == "cpu" else f"managed {backend}"
+            built = binary is not None and _is_executable(binary)
+            candidates.append(Candidate(
+                label, binary if built else (binary or None), built,
+                "built by GGUF Studio" if built
+                else f"not built yet (gguf-studio engine build --backend {backend})",
+            ))
+        on_path = shutil.which(BINARY_NAME, path=environ.get("PATH"))
+        candidates.append(Candidate(
+            "PATH", Path(on_path) if on_path else None, on_path is not None,
+            "found on PATH" if on_path else "none on PATH",
+        ))
+        # Only the first usable one is used; say so for the ones after it.
+        seen_usable = False
+        final = []
+        for c in candidates:
+            if c.usable and seen_usable:
+                c = Candidate(c.source, c.path, True, c.reason + "; not used, an earlier one wins")
+            seen_usable = seen_usable or c.usable
+            final.append(c)
+        return Resolution(tuple(final))
+
+    def source_tree(self, progress: ProgressCallback | None = None) -> Path:
+        """The vendored llama.cpp tree of the pinned sdist, fetched and unpacked once."""
+        return asyncio.run(self.source_tree_async(progress))
+
+    async def source_tree_async(self, progress: ProgressCallback | None = None) -> Path:
+        report = progress or (lambda _p: None)
+        src_root = self.cache_dir / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+        tree = src_root / "vendor" / "llama.cpp"
+        if (tree / "CMakeLists.txt").is_file():
+            return tree
+        sdist = await self._fetch_sdist(report)
+        report(BuildProgress("fetch", 4, "unpacking sources"))
+        src_root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=src_root.parent, prefix=".unpack-"))
+        try:
+            await asyncio.to_thread(_extract, sdist, tmp)
+            unpacked = next(tmp.iterdir())
+            os.replace(unpacked, src_root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return tree
+
+    async def build(self, extra_cmake_args: Sequence[str] = (),
+                    progress: ProgressCallback | None = None,
+                    jobs: int | None = None, backend: str = "cpu") -> Path:
+        """Build and install the managed engine for `backend`; a no-op when its key is
+        installed."""
+        report = progress or (lambda _p: None)
+        plan = await plan_build(backend, self.cache_dir or self.data_dir / "cache", extra_cmake_args,
+                                lambda line: report(BuildProgress("fetch", 2, line)))
+        key = plan.key
+        target = self.managed_binary(key)
+        if _is_executable(target):
+            report(BuildProgress("done", 100, f"already built: {key.name}"))
+            return target
+        tools = find_build_tools()
+        tree = await self.source_tree_async(report)
+        build_dir = self.cache_dir / "build" / key.name
+        log_path = self.cache_dir / "build" / f"{key.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, CC=tools.cc, CXX=tools.cxx)
+        with log_path.open("w") as log:
+            report(BuildProgress("configure", 5, "configuring with CMake"))
+            await _run_logged(
+                [tools.cmake, "-S", str(tree), "-B", str(build_dir), "-G", "Ninja",
+                 f"-DCMAKE_MAKE_PROGRAM={tools.ninja}", *BASE_CMAKE_ARGS, *key.extra_cmake_args,
+                 *plan.machine_args],
+                log, env, lambda line: report(BuildProgress("configure", 5, line)),
+                failure="Configuring llama.cpp failed", log_path=log_path,
+            )
+            jobs = jobs or os.cpu_count() or 2
+            report(BuildProgress("compile", 8, f"compiling llama-server with {jobs} jobs"))
+
+            def on_compile_line(line: str) -> None:
+                m = _NINJA_PROGRESS.match(line)
+                if m:
+                    done, total = int(m.group(1)), int(m.group(2))
+                    report(BuildProgress("compile", 8 + 90 * done / max(total, 1), line))
+
+            await _run_logged(
+                [tools.cmake, "--build", str(build_dir), "--target", "llama-server",
+                 "-j", str(jobs)],
+                log, env, on_compile_line, failure="Compiling llama-server failed",
+                log_path=log_path,
+            )
+        built = build_dir / "bin" / BINARY_NAME
+        if not _is_executable(built):
+            raise EngineBuildFailed(f"The build finished but produced no {BINARY_NAME}.",
+                                    _tail(log_path))
+        report(BuildProgress("install", 99, f"installing {key.name}"))
+        self._install(key, built)
+        report(BuildProgress("done", 100, f"built {key.name}"))
+        return target
+
+    def _install(self, key: BuildKey, built: Path) -> None:
+        self.engines_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=self.engines_dir, prefix=".staging-"))
+        try:
+            shutil.copy2(built, staging / BINARY_NAME)
+            (staging / "engine.json").write_text(json.dumps({
+                "llama_cpp_python": key.version,
+                "backend": key.backend,
+                "toolkit": list(key.toolkit),
+                "cmake_args": [*BASE_CMAKE_ARGS, *key.extra_cmake_args],
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }, indent=2))
+            final = self.engines_dir / key.name
+            if final.exists():  # a leftover without a binary; never a working engine
+                shutil.rmtree(final)
+            os.replace(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    async def _fetch_sdist(self, report: ProgressCallback) -> Path:
+        sdist_dir = self.cache_dir / "sdist"
+        sdist_dir.mkdir(parents=True, exist_ok=True)
+        name = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+        path = sdist_dir / name
+        if not (path.is_file() and _sha256(path) == LLAMA_CPP_PYTHON_SDIST_SHA256):
+            report(BuildProgress("fetch", 1, f"fetching llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sources"))
+            tmp = Path(tempfile.mkdtemp(dir=sdist_dir, prefix=".fetch-"))
+            try:
+                with (tmp / "pip.log").open("w") as log:
+                    await _run_logged(
+                        [sys.executable, "-m", "pip", "download", "--no-deps",
+                         "--no-binary", ":all:",
+                         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmp)],
+                        log, dict(os.environ), lambda line: None,
+                        failure="Fetching the llama.cpp sources from the package registry failed",
+                        log_path=tmp / "pip.log",
+                    )
+                fetched = tmp / name
+                if not fetched.is_file():
+                    raise EngineBuildFailed("The package registry did not return the llama.cpp sources.")
+                digest = _sha256(fetched)
+                if digest != LLAMA_CPP_PYTHON_SDIST_SHA256:
+                    raise EngineBuildFailed(
+                        f"The llama.cpp sources failed their hash check (got {digest[:16]}…); "
+                        "refusing to build them.")
+                os.replace(fetched, path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    key: BuildKey
+    machine_args: tuple[str, ...] = ()  # paths on this machine; not part of the key
+
+
+async def plan_build(backend: str, cache_dir: Path, extra_cmake_args: Sequence[str] = (),
+                     report: Callable[[str], None] = lambda line: None,
+                     accelerators: "Accelerators | None" = None) -> BuildPlan:
+    """The key and CMake arguments of a `backend` engine; fetches Vulkan headers when the
+    system's are too old.  Raises BuildToolMissing (with the install line) when this
+    machine lacks the backend's toolkit."""
+    if backend not in BACKENDS:
+        raise BuildToolMissing(f"Unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    flags = (*backend_cmake_args(backend), *extra_cmake_args)
+    if backend == "cpu":
+        return BuildPlan(BuildKey(extra_cmake_args=tuple(flags)))
+    status = (accelerators or detect_accelerators()).get(backend)
+    if not status.toolkit.present:
+        hint = f" Install: {status.toolkit.install}" if status.toolkit.install else ""
+        raise BuildToolMissing(f"Cannot build the {backend} engine here: {status.toolkit.reason}.{hint}")
+    if backend == "vulkan":
+        from backend.llama.vulkan_headers import ensure_vulkan_headers
+
+        headers = await ensure_vulkan_headers(cache_dir, report)
+        if headers.fetched:
+            return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
+                                      toolkit=(headers.package,)),
+                             (f"-DVulkan_INCLUDE_DIR={headers.include_dir}",))
+        return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
+                                  toolkit=(f"vulkan-headers={headers.version}",)))
+    return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
+                              toolkit=status.toolkit.identity), status.toolkit.cmake_args)
+
+
+def backend_cmake_args(backend: str, system: str | None = None) -> tuple[str, ...]:
+    """The llama.cpp switches of one backend.  llama.cpp turns Metal on by itself on
+    macOS, so the CPU engine there says no to it."""
+    system = system or platform.system()
+    if backend == "cpu":
+        return ("-DGGML_METAL=OFF",) if system == "Darwin" else ()
+    return {"cuda": ("-DGGML_CUDA=ON",), "vulkan": ("-DGGML_VULKAN=ON",),
+            "metal": ("-DGGML_METAL=ON",), "hip": ("-DGGML_HIP=ON",)}[backend]
+
+
+_DETECTED: "Accelerators | None" = None
+
+
+def detect_accelerators(refresh: bool = False) -> "Accelerators":
+    """This machine's accelerators, looked at once per process (it runs vulkaninfo)."""
+    global _DETECTED
+    if _DETECTED is None or refresh:
+        _DETECTED = detect()
+    return _DETECTED
+
+
+def machine_backends() -> list[str]:
+    """Engine backends worth running here, best first; ends with the CPU."""
+    return detect_accelerators().wanted()
+
+
+def detected_backends() -> list[str] | None:
+    """`machine_backends()` if this process has looked already, else None (never blocks)."""
+    return _DETECTED.wanted() if _DETECTED is not None else None
+
+
+@dataclass(frozen=True)
+class BuildTools:
+    cc: str
+    cxx: str
+    cmake: str
+    ninja: str
+
+
+def find_build_tools(environ: Mapping[str, str] | None = None) -> BuildTools:
+    """The compiler and build tools, preferring the cmake/ninja installed beside Python."""
+    environ = os.environ if environ is None else environ
+    path = environ.get("PATH", "")
+    venv_bin = str(Path(sys.executable).parent)
+    search = os.pathsep.join([venv_bin, path])
+
+    def need(names: Sequence[str], what: str, hint: str) -> str:
+        for name in names:
+            found = shutil.which(name, path=search)
+            if found:
+                return found
+        raise BuildToolMissing(f"No {what} found ({', '.join(names)}). {hint}")
+
+    compiler_hint = ("Install a C/C++ compiler (Debian/Ubuntu: `apt install build-essential`; "
+                     "macOS: `xcode-select --install`; Windows: Visual Studio Build Tools).")
+    cc = need([environ["CC"]] if environ.get("CC") else ["cc", "gcc", "clang"], "C compiler", compiler_hint)
+    cxx = need([environ["CXX"]] if environ.get("CXX") else ["c++", "g++", "clang++"], "C++ compiler", compiler_hint)
+    cmake = need(["cmake"], "CMake", "Install it with `pip install cmake`.")
+    ninja = need(["ninja"], "Ninja", "Install it with `pip install ninja`.")
+    return BuildTools(cc, cxx, cmake, ninja)
+
+
+def default_data_dir() -> Path:
+    override = os.environ.get(ENV_DATA_DIR)
+    return Path(override) if override else Path(platformdirs.user_data_dir("gguf-studio"))
+
+
+# --- helpers --------------------------------------------------------------------------
+
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+def _candidate(source: str, value: str | os.PathLike | None, origin: str) -> Candidate:
+    if not value:
+        return Candidate(source, None, False, "not set")
+    path = Path(value).expanduser()
+    if _is_executable(path):
+        return Candidate(source, path, True, origin)
+    why = "not an executable file" if path.exists() else "does not exist"
+    return Candidate(source, path, False, f"{origin}, but {why}")
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _extract(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def _tail(log_path: Path, lines: int = 30) -> str:
+    try:
+        with log_path.open(errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except OSError:
+        return ""
+
+
+async def _run_logged(cmd: Sequence[str], log, env: Mapping[str, str],
+                      on_line: Callable[[str], None], *, failure: str, log_path: Path) -> None:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL, env=dict(env))
+    except OSError as exc:
+        raise EngineBuildFailed(f"{failure}: {exc.strerror or exc}") from None
+    try:
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            log.write(line + "\n")
+            on_line(line)
+        code = await proc.wait()
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.communicate()  # reap it and close its pipe
+        raise
+    finally:
+        log.flush()
+    if code != 0:
+        raise EngineBuildFailed(f"{failure} (exit {code}); the full log is {log_path}.",
+                                _tail(log_path))

@@ -1,0 +1,225 @@
+"""What a load is: the settings a user asks for, the spec the engine gets, the state it is in.
+
+The contract between whatever runs llama-server (the local `Supervisor`, or a
+`RemoteEngine` that watches one running elsewhere) and everything that uses it
+(service, admission, gateway, metrics, the window).  `LoadSettings` is the one shape
+load parameters are kept in: the model library, the window and `Settings` all convert
+to and from it, and `LoadSpec` is built from it in one place (`LoadSettings.to_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+from backend.llama.report import EngineReport
+from backend.errors import SettingsError
+from backend.llama.kv_capacity import KvCapacity, planned_capacity
+from backend.listeners import Listeners
+from backend.settings import Settings
+from backend.gpu_layers import NONE, parse_gpu_layers, read_saved_gpu_layers
+
+# Flags GGUF Studio owns; a user's extra arguments may not override them.  Every
+# spelling the pinned llama.cpp accepts (common/arg.cpp; tests check them against it):
+# llama.cpp reads `--api_key` as `--api-key`, and we also refuse `--flag=value`.
+OWNED_FLAGS = frozenset({
+    "-m", "--model", "--host", "--port", "-np", "--parallel", "--api-key",
+    "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo",
+})
+
+# What threads 0 (the default) means, for every help text that mentions it.
+THREADS_HELP = "every core but one, so the window and the port stay responsive"
+
+
+class State(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How the user wants one model loaded; saved per model and as the last load."""
+
+    ctx_size: int = 0  # 0: the model's trained context
+    parallel: str = "auto"  # "auto" or a positive integer
+    n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
+    threads: int = 0  # 0: every core but one (THREADS_HELP)
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n_gpu_layers", parse_gpu_layers(self.n_gpu_layers))
+
+    def validate(self) -> None:
+        """Raises SettingsError for an unusable value or a flag GGUF Studio owns."""
+        parallel = str(self.parallel)
+        if parallel != "auto" and not (parallel.isdigit() and int(parallel) > 0):
+            raise SettingsError(f"Parallel slots must be 'auto' or a positive number, not {self.parallel!r}.")
+        owned = sorted({flag for flag in map(_flag_name, self.extra_args) if flag in OWNED_FLAGS})
+        if owned:
+            raise SettingsError(
+                f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
+                "the model, host, port, parallel slots and API key itself.")
+
+    def to_spec(self, model_path: str, *, chat_template: bool = True, model_id: str = "") -> "LoadSpec":
+        """The one way a load is built.  Raises SettingsError like `validate`."""
+        settings = dataclasses.replace(self, parallel=str(self.parallel).strip() or "auto",
+                                       extra_args=tuple(self.extra_args))
+        return LoadSpec(model_path=str(model_path), settings=settings,
+                        chat_template=chat_template, model_id=model_id)
+
+    def describe_plan(self, trained_context: int | None) -> str:
+        """What these settings mean for clients, before loading ("Up to 4 requests at
+        once; each slot has its own 8,192 tokens."), for a model trained on
+        `trained_context` tokens, by llama-server's own rules (`planned_capacity`)."""
+        try:
+            plan = planned_capacity(self.ctx_size, str(self.parallel), trained_context,
+                                    tuple(self.extra_args), fit=self.n_gpu_layers != NONE)
+        except ValueError:
+            plan = None
+        if plan is None:
+            return "The engine decides the context; it is shown after loading."
+        return plan.describe()
+
+    @classmethod
+    def last_load(cls, settings: Settings) -> "LoadSettings":
+        """The last load's settings, as `Settings` remembers them."""
+        return cls(ctx_size=settings.ctx_size, parallel=settings.parallel,
+                   n_gpu_layers=settings.n_gpu_layers, threads=settings.threads,
+                   extra_args=tuple(settings.extra_args))
+
+    def remembered_in(self, settings: Settings) -> Settings:
+        """A copy of `settings` remembering these as the last load's settings."""
+        return settings.replace(ctx_size=self.ctx_size, parallel=str(self.parallel),
+                                n_gpu_layers=self.n_gpu_layers, threads=self.threads,
+                                extra_args=list(self.extra_args))
+
+    @staticmethod
+    def parse_extra_args(text: str) -> tuple[str, ...]:
+        try:
+            return tuple(shlex.split(text))
+        except ValueError as exc:
+            raise SettingsError(f"The extra arguments cannot be read: {exc}.") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["extra_args"] = list(self.extra_args)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LoadSettings":
+        def number(key: str) -> int:
+            try:
+                return max(0, int(data.get(key, 0)))
+            except (TypeError, ValueError):
+                return 0
+
+        extra = data.get("extra_args") or ()
+        return cls(ctx_size=number("ctx_size"), parallel=str(data.get("parallel") or "auto"),
+                   n_gpu_layers=read_saved_gpu_layers(data.get("n_gpu_layers", "auto")),
+                   threads=number("threads"),
+                   extra_args=tuple(str(a) for a in extra) if isinstance(extra, (list, tuple)) else ())
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything that defines one load; replaying it after a crash gives the same load."""
+
+    model_path: str
+    settings: LoadSettings = LoadSettings()
+    chat_template: bool = True  # --jinja: render the model's own chat template
+    model_id: str = ""  # the name clients see; the file name without .gguf by default
+
+    def __post_init__(self) -> None:
+        self.settings.validate()
+
+    @property
+    def name(self) -> str:
+        return self.model_id or Path(self.model_path).name.removesuffix(".gguf")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a load looks like right now; listeners get a new one on every change."""
+
+    state: State = State.STOPPED
+    model_id: str | None = None
+    model_path: str | None = None
+    base_url: str | None = None
+    effective_parallel_slots: int | None = None
+    context_length: int | None = None  # one request's limit (per slot)
+    kv: KvCapacity | None = None  # the engine's KV cache; None while not ready or unknown
+    restarts: int = 0
+    restarting: bool = False
+    error: str | None = None
+    pid: int | None = None
+    log_path: str | None = None
+    requested: LoadSettings | None = None  # what the load was asked for; None when remote
+    # What the engine says it runs on (devices, layers offloaded, memory), once ready;
+    # None for a llama-server GGUF Studio did not start.
+    engine: EngineReport | None = None
+    # The last load failed on the GPU; the same load with no GPU layers may work.
+    cpu_retry_offered: bool = False
+    # The key the engine's own port requires (a random one per start of a managed engine,
+    # so no other local process can use the engine around the gateway's key and queue).
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+
+    def describe_kv(self) -> str:
+        """What the engine really gave, for people; "" while unknown."""
+        if self.kv is None or not self.effective_parallel_slots:
+            return ""
+        return "Engine gave: " + self.kv.describe(self.effective_parallel_slots) + "."
+
+
+def _flag_name(arg: str) -> str:
+    """The option an argument names, as llama.cpp spells it: `--api_key=x` is `--api-key`."""
+    name = arg.split("=", 1)[0]
+    return name.replace("_", "-") if name.startswith("--") else name
+
+
+Listener = Callable[[Snapshot], None]
+LogListener = Callable[[str], None]
+
+
+class LoadBackend(Protocol):
+    """What runs (or watches) one llama-server; the service drives either kind alike."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    def add_listener(self, listener: Listener) -> None: ...
+
+    def add_log_listener(self, listener: LogListener) -> None: ...
+
+    def log_tail(self, lines: int = 200) -> list[str]: ...
+
+    async def unload(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class SnapshotPublisher:
+    """The state half of a `LoadBackend`: the current snapshot, and listeners that hear
+    every new one.  Subclasses change state only through `_set_state`."""
+
+    def __init__(self, snapshot: Snapshot, logger: logging.Logger, what: str) -> None:
+        self._snapshot = snapshot
+        self._listeners: Listeners[[Snapshot]] = Listeners(logger, what)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.add(listener)
+
+    def _set_state(self, state: State, **changes: Any) -> None:
+        self._snapshot = dataclasses.replace(self._snapshot, state=state, **changes)
+        self._listeners(self._snapshot)

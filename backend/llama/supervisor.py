@@ -1,0 +1,547 @@
+"""One llama-server process: start, health, slots, logs, stop, restart.
+
+One asyncio task owns the child process for the whole life of a load.  Every change of
+state goes through `_set_state`, which notifies listeners.  The health wait races the
+child's exit, the deadline and cancellation, each ending with its own error.
+
+While ready, /health is asked every `health_interval` seconds; an engine that fails to
+answer within `health_timeout`, `health_failures` times in a row (hung, or stopped with
+SIGSTOP) is killed and restarted like a crashed one.  Restarts are bounded over time: at
+most `max_restarts` within any `restart_window` seconds, whatever the engine's uptime in
+between (a request that crashes the engine after a minute of work must not reload it
+forever); past the bound the load fails and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from backend.llama.api import EngineClient, EngineProps
+from backend.llama.log import EngineLogFile, for_display, read_lines
+from backend.llama.report import EngineReportReader, gpu_failure_reason
+from backend.errors import (
+    EngineExitedDuringLoad,
+    GpuLoadFailed,
+    LoadError,
+    LoadSuperseded,
+    LoadTimedOut,
+)
+from backend.gpu_layers import NONE, gpu_layer_args
+from backend.listeners import Listeners
+from backend.llama.kv_capacity import context_args, kv_from_props
+from backend.llama.load import OWNED_FLAGS, LoadSpec, LogListener, Snapshot, SnapshotPublisher, State
+
+__all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
+
+
+log = logging.getLogger("gguf_studio.supervisor")
+
+
+class Supervisor(SnapshotPublisher):
+    """Runs at most one llama-server and keeps it alive while it is wanted."""
+
+    def __init__(self, binary: Path | str, log_dir: Path, *, load_timeout: float = 300.0,
+                 stop_timeout: float = 10.0, max_restarts: int = 5,
+                 restart_backoff: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0),
+                 restart_window: float = 600.0, health_interval: float = 5.0,
+                 health_timeout: float = 5.0, health_failures: int = 3,
+                 log_max_bytes: int = 8 << 20, log_keep_starts: int = 5,
+                 port_picker: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.binary = Path(binary)
+        self.log_dir = Path(log_dir)
+        self.load_timeout = load_timeout
+        self.stop_timeout = stop_timeout
+        self.max_restarts = max_restarts
+        self.restart_backoff = tuple(restart_backoff)
+        self.restart_window = restart_window
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.health_failures = health_failures
+        self._clock = clock
+        # Per model: the newest `log_keep_starts` starts, each at most 2 x `log_max_bytes`.
+        self.log_max_bytes = log_max_bytes
+        self.log_keep_starts = log_keep_starts
+        self._pick_port = port_picker or pick_free_port
+        super().__init__(Snapshot(), log, "state listener")
+        self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
+        self._log_tail: deque[str] = deque(maxlen=1000)
+        self._task: asyncio.Task | None = None
+        self._load_output = EngineReportReader()
+        # Loads and unloads take turns; `_wanted` counts requests so that only the
+        # latest one starts an engine (a load overtaken while it waited never does).
+        self._switching = asyncio.Lock()
+        self._wanted = 0
+
+    # --- public -------------------------------------------------------------------------
+
+    def add_log_listener(self, listener: LogListener) -> None:
+        self._log_listeners.add(listener)
+
+    def log_tail(self, lines: int = 200) -> list[str]:
+        return list(self._log_tail)[-lines:]
+
+    async def load(self, spec: LoadSpec) -> Snapshot:
+        """Stop whatever runs, start `spec`, and return once it is ready.
+
+        Raises a LoadError subclass when it does not become ready, and LoadSuperseded
+        when a later `load` or `unload` came first.  Loads and unloads are serialized
+        and the last one asked for wins, so exactly one engine ever runs.  The load
+        keeps being supervised (restarted after crashes) until `unload` or the next
+        `load`.
+        """
+        self._wanted += 1
+        mine = self._wanted
+        async with self._switching:
+            if mine != self._wanted:
+                raise LoadSuperseded("Another load was asked for before this one started.")
+            await self._stop_task()
+            if mine != self._wanted:  # asked for while the old engine stopped
+                raise LoadSuperseded("Another load was asked for before this one started.")
+            ready: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._own(spec, ready), name=f"supervise {spec.name}")
+            # A task cancelled before its first step never runs `_own`, so never answers.
+            task.add_done_callback(lambda _: _supersede(ready))
+            self._task = task
+        try:
+            return await asyncio.shield(ready)
+        except asyncio.CancelledError:
+            # Our caller gave up on this load, so nobody wants it any more (unless a
+            # later load already replaced it: that one is wanted).
+            if self._task is task:
+                await self.unload()
+            raise
+
+    async def unload(self) -> None:
+        self._wanted += 1
+        async with self._switching:
+            await self._stop_task()
+
+    async def close(self) -> None:
+        await self.unload()
+
+    async def _stop_task(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        if self._snapshot.state is not State.STOPPED:
+            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, kv=None, pid=None,
+                            restarting=False)
+
+    # --- the task that owns the child ------------------------------------------------------
+
+    async def _own(self, spec: LoadSpec, ready: asyncio.Future[Snapshot]) -> None:
+        self._set_state(State.STARTING, model_id=spec.name, model_path=spec.model_path,
+                        requested=spec.settings, base_url=None, effective_parallel_slots=None, kv=None, context_length=None,
+                        restarts=0, restarting=False, error=None, pid=None, engine=None,
+                        cpu_retry_offered=False)
+        restarts: deque[float] = deque()  # when each restart of this load happened
+        bind_retries = 0
+        child: _Child | None = None
+        try:
+            while True:
+                port = self._pick_port()
+                child = await self._spawn(spec, port)
+                try:
+                    props = await self._wait_ready(child)
+                except EngineExitedDuringLoad as exc:
+                    await child.stop(self.stop_timeout)
+                    if _is_bind_failure(exc.log_tail) and bind_retries < 3:
+                        bind_retries += 1
+                        log.warning("port %d was taken; retrying on another", port)
+                        continue
+                    if not ready.done():
+                        raise _gpu_failure(exc, spec, self.log_tail(80)) or exc
+                    if not await self._back_off(restarts, str(exc)):
+                        return
+                    continue
+                bind_retries = 0
+                self._set_state(State.READY, base_url=child.base_url, api_key=child.key.value,
+                                effective_parallel_slots=props.effective_parallel_slots,
+                                context_length=props.context_length,
+                                kv=self._load_output.kv_capacity(props.effective_parallel_slots)
+                                or kv_from_props(props.context_length),
+                                restarting=False,
+                                error=None, pid=child.pid, engine=self._load_output.report())
+                if not ready.done():
+                    ready.set_result(self._snapshot)
+                reason = await self._until_gone(child)
+                await child.stop(self.stop_timeout)
+                log.warning("%s", reason)
+                self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
+                                pid=None, restarting=True, error=reason)
+                if not await self._back_off(restarts, reason):
+                    return
+        except LoadError as exc:
+            await self._stop_child(child)
+            self._fail(str(exc), ready, exc, cpu_retry_offered=isinstance(exc, GpuLoadFailed))
+        except asyncio.CancelledError:
+            if not ready.done():
+                ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
+            raise
+        except Exception as exc:  # a bug, or the OS refusing us: never leave a load half-owned
+            log.exception("supervisor failed")
+            await self._stop_child(child)
+            self._fail(f"Could not start llama-server: {exc}", ready, LoadError(f"Could not start llama-server: {exc}"))
+        finally:
+            await asyncio.shield(self._stop_child(child))
+
+    async def _stop_child(self, child: "_Child | None") -> None:
+        if child is None:
+            return
+        if child.running:
+            self._set_state(State.STOPPING)
+        await child.stop(self.stop_timeout)
+
+    async def _back_off(self, restarts: deque[float], reason: str) -> bool:
+        """Wait before the next restart; False when `max_restarts` already happened within
+        the last `restart_window` seconds (state FAILED, saying so)."""
+        now = self._clock()
+        while restarts and now - restarts[0] > self.restart_window:
+            restarts.popleft()
+        if len(restarts) >= self.max_restarts:
+            self._set_state(State.FAILED, error=(
+                f"{reason} Gave up: it had to be restarted {len(restarts)} times within "
+                f"{self.restart_window:g} seconds (at most {self.max_restarts}). Load the model "
+                "again to retry."), restarting=False, base_url=None, effective_parallel_slots=None,
+                kv=None, pid=None)
+            return False
+        restarts.append(now)
+        self._set_state(State.STARTING, restarts=self._snapshot.restarts + 1, restarting=True,
+                        error=f"{reason} Restarting ({len(restarts)} of at most {self.max_restarts} "
+                              f"restarts within {self.restart_window:g} seconds).")
+        backoff = self.restart_backoff
+        delay = backoff[min(len(restarts) - 1, len(backoff) - 1)] if backoff else 0
+        await asyncio.sleep(delay)
+        return True
+
+    async def _until_gone(self, child: "_Child") -> str:
+        """Wait while the ready engine runs and answers; why it no longer does (it exited,
+        or it stopped answering /health and was killed)."""
+        exited = asyncio.create_task(child.wait())
+        watch = asyncio.create_task(self._watch_health(child))
+        try:
+            await asyncio.wait({exited, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            exited.cancel()
+            raise
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        if exited.done():
+            return f"llama-server stopped unexpectedly ({_describe_exit(exited.result())})."
+        child.proc.kill()  # SIGKILL: a hung (or SIGSTOPped) engine would not act on SIGTERM
+        await exited
+        return (f"llama-server stopped answering (no health answer within "
+                f"{self.health_timeout:g} s, {self.health_failures} times in a row); it was killed.")
+
+    async def _watch_health(self, child: "_Child") -> None:
+        """Returns once the engine failed `health_failures` health checks in a row."""
+        failures = 0
+        async with EngineClient(child.base_url, api_key=child.key.value) as engine:
+            while failures < self.health_failures:
+                await asyncio.sleep(self.health_interval)
+                healthy = await engine.healthy(timeout=self.health_timeout)
+                failures = 0 if healthy else failures + 1
+                if not healthy:
+                    log.warning("llama-server did not answer its health check (%d of %d)",
+                                failures, self.health_failures)
+
+    def _fail(self, message: str, ready: asyncio.Future, exc: Exception,
+              cpu_retry_offered: bool = False) -> None:
+        self._set_state(State.FAILED, error=message, base_url=None,
+                        effective_parallel_slots=None, kv=None, pid=None, restarting=False,
+                        cpu_retry_offered=cpu_retry_offered)
+        if not ready.done():
+            ready.set_exception(exc)
+
+    async def _spawn(self, spec: LoadSpec, port: int) -> "_Child":
+        log_file = await asyncio.to_thread(
+            EngineLogFile.for_start, self.log_dir, spec.name, port,
+            max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
+        key = _EngineKey.create()
+        args = build_command(self.binary, spec, port, api_key_file=key.path)
+        self._load_output = EngineReportReader()  # this start's report, read from its own output
+        try:
+            child = await _Child.start(args, port, log_file, self._on_log_line, key)
+        except BaseException:
+            key.forget()
+            await asyncio.to_thread(log_file.close)
+            raise
+        self._set_state(State.STARTING, pid=child.pid, log_path=str(log_file.path))
+        return child
+
+    async def _wait_ready(self, child: "_Child") -> EngineProps:
+        """What /props says once /health says 200; each way of not getting there has its
+        own error."""
+        async with EngineClient(child.base_url, api_key=child.key.value, timeout=10.0) as engine:
+            return await self._wait_healthy_then_props(child, engine)
+
+    async def _wait_healthy_then_props(self, child: "_Child", engine: EngineClient) -> EngineProps:
+        deadline = self.load_timeout
+        health = asyncio.create_task(engine.wait_healthy())
+        exited = asyncio.create_task(child.wait())
+        try:
+            done, _ = await asyncio.wait({health, exited}, timeout=deadline,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (health, exited):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(health, exited, return_exceptions=True)
+        if exited in done and not (health in done and not health.cancelled() and health.exception() is None):
+            await child.drain_output()
+            tail = "\n".join(child.tail(20))
+            raise EngineExitedDuringLoad(
+                f"llama-server exited while loading the model ({_describe_exit(exited.result())}). "
+                f"{_reason_from_log(child.tail(40))}".strip(), tail)
+        if health not in done:
+            raise LoadTimedOut(f"The model did not become ready within {self.load_timeout:g} seconds.",
+                               "\n".join(child.tail(20)))
+        health.result()
+        return await engine.props()
+
+    def _on_log_line(self, line: str) -> None:
+        self._log_tail.append(line)
+        self._load_output.feed(line)
+        self._log_listeners(line)
+
+    def _set_state(self, state: State, **changes: Any) -> None:
+        if "base_url" in changes and changes["base_url"] is None:
+            changes.setdefault("api_key", None)
+        super()._set_state(state, **changes)
+
+
+def build_command(binary: Path, spec: LoadSpec, port: int, *,
+                  api_key_file: Path | None = None) -> list[str]:
+    """llama-server's command line: every setting explicit, never the binary's defaults.
+    `api_key_file` holds the key the engine's port will require (a file, so that the key
+    never shows in the process list)."""
+    settings = spec.settings
+    parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
+    args = [
+        str(binary),
+        "--model", spec.model_path,
+        "--alias", spec.name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--parallel", parallel,
+        *context_args(settings.ctx_size, fit=settings.n_gpu_layers != NONE),
+        *gpu_layer_args(settings.n_gpu_layers),
+        "--metrics",
+        "--no-webui",
+        # llama.cpp prints where the model went (devices, layers offloaded, buffers, the
+        # context --fit chose) at trace level only; the engine report reads those lines.
+        # It also adds about 30 lines per request to the engine log.
+        "--verbosity", "4",
+    ]
+    args += ["--threads", str(settings.threads or default_threads())]
+    if api_key_file is not None:
+        args += ["--api-key-file", str(api_key_file)]
+    if spec.chat_template:
+        args.append("--jinja")
+    args += list(settings.extra_args)
+    return args
+
+
+def default_threads(cores: int | None = None) -> int:
+    """Every core but one.  llama-server's own default takes them all, and its worker
+    threads spin while they wait, so on a small machine the window and the port starve:
+    measured with 2 cores and 64 streams, the window's loop stalled 123 ms at p99 with
+    both cores to the engine and 8 ms with one (bench/qt_lag.py), and keep-alives were
+    late enough for Codex to give up."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def pick_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+class _Child:
+    """A running llama-server and the task copying its output to the log file and tail."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file: EngineLogFile,
+                 on_line: LogListener, key: "_EngineKey") -> None:
+        self.proc = proc
+        self.key = key
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log_file = log_file
+        self._on_line = on_line
+        self._tail: deque[str] = deque(maxlen=200)
+        self._reader = asyncio.create_task(self._copy_output())
+
+    @classmethod
+    async def start(cls, args: list[str], port: int, log_file: EngineLogFile, on_line: LogListener,
+                    key: "_EngineKey") -> "_Child":
+        log_file.write("$ " + " ".join(args))
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=_child_environment(),
+                preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None,
+            )
+        except BaseException:
+            await asyncio.to_thread(log_file.close)
+            raise
+        return cls(proc, port, log_file, on_line, key)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc.returncode is None
+
+    def tail(self, lines: int) -> list[str]:
+        return list(self._tail)[-lines:]
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def drain_output(self) -> None:
+        """Let the reader copy what the child wrote before it exited."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
+        except (asyncio.TimeoutError, Exception):
+            pass
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout`."""
+        if self.running:
+            try:
+                self.proc.terminate()
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("llama-server ignored SIGTERM for %gs; killing it", timeout)
+                self.proc.kill()
+                await self.proc.wait()
+            except ProcessLookupError:
+                pass
+        self.key.forget()
+        await self.drain_output()
+        if not self._reader.done():
+            self._reader.cancel()
+        await asyncio.to_thread(self._log_file.close)
+
+    async def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        async for line in read_lines(self.proc.stdout):
+            self._log_file.write(line)
+            shown = for_display(line)
+            self._tail.append(shown)
+            self._on_line(shown)
+
+
+class _EngineKey:
+    """A random key for one engine start, in a 0600 file inside a 0700 directory of its
+    own while the engine runs: other users cannot read it, and our own tools (bench/)
+    can find it from the engine's command line."""
+
+    def __init__(self, value: str, directory: Path) -> None:
+        self.value = value
+        self._directory: Path | None = directory
+
+    @classmethod
+    def create(cls) -> "_EngineKey":
+        value = secrets.token_urlsafe(32)
+        directory = Path(tempfile.mkdtemp(prefix="gguf-studio-engine-"))  # mode 0700
+        fd = os.open(directory / "api-key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        return cls(value, directory)
+
+    @property
+    def path(self) -> Path:
+        assert self._directory is not None
+        return self._directory / "api-key"
+
+    def forget(self) -> None:
+        directory, self._directory = self._directory, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _child_environment() -> dict[str, str]:
+    """Ours, minus what would give the engine's port another key than the one we set."""
+    return {k: v for k, v in os.environ.items() if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")}
+
+
+def _supersede(ready: "asyncio.Future[Snapshot]") -> None:
+    if not ready.done():
+        ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn asking Linux to SIGKILL the child when its parent dies, even by SIGKILL."""
+    def preexec() -> None:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+def _gpu_failure(exc: EngineExitedDuringLoad, spec: LoadSpec,
+                 output: list[str]) -> GpuLoadFailed | None:
+    """The GPU problem behind a failed start, worded for people, with a CPU retry offered.
+    `output` reaches further back than the exception's tail: the allocation error comes
+    before the engine's own clean-up lines."""
+    if spec.settings.n_gpu_layers == "none":
+        return None
+    reason = gpu_failure_reason(output)
+    if reason is None:
+        return None
+    return GpuLoadFailed(f"{reason} (GPU layers \"none\" loads it on the CPU.)", exc.log_tail)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _is_bind_failure(log_tail: str) -> bool:
+    return "couldn't bind" in log_tail or "Address already in use" in log_tail
+
+
+def _reason_from_log(lines: list[str]) -> str:
+    """The most telling error line of llama-server's output, for a one-line message."""
+    keys = ("error", "failed", "invalid", "unable", "couldn't", "cannot")
+    for line in reversed(lines):
+        lowered = line.lower()
+        if any(k in lowered for k in keys):
+            text = line.strip()
+            # llama-server prefixes lines with source locations; keep the message only.
+            return text.split(": ", 1)[-1] if ": " in text else text
+    return ""

@@ -1,0 +1,2 @@
+"""Models: the GGUF files on this machine (`library`, `gguf_info`), the Hugging Face hub
+and its cache (`hub`, `download`), and whether a model fits this machine (`fit`)."""

@@ -1,0 +1,285 @@
+"""Who may use the port: the API key, repeated wrong keys, and what a browser could send.
+
+Every HTTP request passes `AccessGuard.screen` before it is routed:
+
+* **Origin** (any mode).  A request carrying an `Origin` header comes from a web page.
+  Pages served from this machine's loopback (`http://localhost:*`, `127.0.0.1`, `[::1]`)
+  and the origins the user allowed (`--allow-origin`, like Ollama's `OLLAMA_ORIGINS`;
+  `*` and `fnmatch` patterns such as `https://*.example.com`) get CORS headers and
+  answered preflights; any other origin is refused with 403 `origin_not_allowed`.
+* **Host** (only without a key).  A name that is not this machine's (`localhost`, its
+  host name, its addresses) nor one the user allowed (`--allow-host`) is refused with
+  403 `host_not_allowed`: that is what a DNS-rebinding page sends.
+* **Content type** (only without a key).  A POST to a model route whose body is not declared JSON is
+  refused with 415 `unsupported_content_type`: `text/plain`, forms and untyped bodies
+  are what a page may send without a preflight.
+
+With a key, the key is the guard (a page cannot add `Authorization` without a preflight,
+which a foreign origin fails), so Host and content type are left to the client.
+
+`check_key` compares the key in constant time and throttles repeated failures per client
+address: after `FREE_FAILURES` wrong or missing keys in a row, that address gets 429
+`too_many_failed_keys` with `Retry-After` (1 s, doubling up to `MAX_LOCKOUT`) without its
+key being checked, until the lockout ends; a right key clears its record, and failures
+are forgotten after `FORGET_FAILURES_AFTER` seconds without another.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import ipaddress
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, MutableMapping
+
+from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, Unauthorized,
+                            UnsupportedContentType)
+from backend.addresses import lan_addresses
+from backend.settings import Settings
+
+__all__ = ["FREE_FAILURES", "MAX_LOCKOUT", "AccessGuard", "Screening"]
+
+FREE_FAILURES = 5
+MAX_LOCKOUT = 60.0
+#: Client addresses remembered by the throttle; the oldest are forgotten first.
+MAX_TRACKED_CLIENTS = 4096
+#: Failures older than this are forgotten (a typo last week does not count today).
+FORGET_FAILURES_AFTER = 600.0
+#: How long the machine's own addresses are trusted before they are asked for again.
+ADDRESS_TTL = 30.0
+
+PREFLIGHT_METHODS = "GET, POST, OPTIONS"
+PREFLIGHT_MAX_AGE = "600"
+EXPOSED_HEADERS = "Retry-After, Content-Type"
+
+
+@dataclass
+class Screening:
+    """What `screen` decided for a request that may go on."""
+
+    cors_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    preflight: bool = False
+    requested_headers: bytes = b""  # a preflight's Access-Control-Request-Headers
+
+    def wrap(self, send: Any) -> Any:
+        """`send` with the CORS headers added to the answer's head."""
+        if not self.cors_headers:
+            return send
+        extra = self.cors_headers
+
+        async def send_with_cors(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+        return send_with_cors
+
+    async def answer_preflight(self, send: Any) -> None:
+        headers = [*self.cors_headers,
+                   (b"access-control-allow-methods", PREFLIGHT_METHODS.encode()),
+                   (b"access-control-max-age", PREFLIGHT_MAX_AGE.encode()),
+                   (b"content-length", b"0")]
+        if self.requested_headers:
+            headers.append((b"access-control-allow-headers", self.requested_headers))
+        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class AccessGuard:
+    """The checks of one port; `settings` is read per request (it may change live)."""
+
+    def __init__(self, settings: Callable[[], Settings], *, json_paths: Iterable[str] = (),
+                 clock: Callable[[], float] = time.monotonic,
+                 own_addresses: Callable[[], set[str]] | None = None) -> None:
+        self._settings = settings
+        self._json_paths = frozenset(json_paths)
+        self.clock = clock
+        self.free_failures = FREE_FAILURES
+        self._own_addresses = own_addresses or _machine_addresses
+        self._addresses: set[str] = set()
+        self._addresses_at = float("-inf")
+        self._failures: OrderedDict[str, _Failures] = OrderedDict()
+
+    # --- before routing ---------------------------------------------------------------
+
+    def screen(self, scope: dict) -> Screening:
+        """Raise the refusal for a request a browser page may not make; else say which
+        CORS headers its answer carries and whether it is a preflight to answer here."""
+        settings = self._settings()
+        headers = _headers(scope)
+        screening = Screening()
+        origin = headers.get(b"origin")
+        if origin is not None:
+            text = origin.decode("latin-1").strip()
+            if not self.origin_allowed(text, settings):
+                raise ForbiddenOrigin(
+                    "Requests from web pages of this origin are not allowed. Start the server "
+                    "with --allow-origin ORIGIN (or GGUF_STUDIO_ALLOW_ORIGINS) to allow it.")
+            screening.cors_headers = [(b"access-control-allow-origin", origin.strip()),
+                                      (b"vary", b"Origin"),
+                                      (b"access-control-expose-headers", EXPOSED_HEADERS.encode())]
+            if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+                screening.preflight = True
+                screening.requested_headers = headers.get(b"access-control-request-headers", b"")
+                return screening
+        if settings.api_key:
+            return screening
+        host = headers.get(b"host")
+        if host is not None and not self.host_allowed(host.decode("latin-1"), settings):
+            raise ForbiddenHost(
+                "This server does not answer to that host name. Use its address, or start it "
+                "with --allow-host NAME (or GGUF_STUDIO_ALLOW_HOSTS) to allow the name.")
+        if (scope["method"] == "POST" and scope["path"] in self._json_paths
+                and not _is_json(headers.get(b"content-type"))):
+            raise UnsupportedContentType(
+                "Send the request body as JSON, with 'Content-Type: application/json'.")
+        return screening
+
+    def origin_allowed(self, origin: str, settings: Settings) -> bool:
+        origin = origin.lower().rstrip("/")
+        for pattern in _entries(settings.allow_origins):
+            if fnmatch.fnmatchcase(origin, pattern.lower().rstrip("/")):
+                return True
+        scheme, sep, rest = origin.partition("://")
+        if not sep or scheme not in {"http", "https"}:
+            return False
+        return _is_loopback_name(_strip_port(rest))
+
+    def host_allowed(self, host: str, settings: Settings) -> bool:
+        name = _strip_port(host.strip().lower()).rstrip(".")
+        if not name:
+            return False
+        if _is_loopback_name(name):
+            return True
+        allowed = {entry.lower().rstrip(".") for entry in _entries(settings.allow_hosts)}
+        if "*" in allowed or name in allowed:
+            return True
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return name in _machine_names()
+        if address.is_unspecified:
+            return True
+        return str(address) in self._machine_addresses()
+
+    # --- the key ------------------------------------------------------------------------
+
+    def check_key(self, scope: MutableMapping[str, Any]) -> None:
+        """Raise unless the request carries the key (when one is set); throttled per
+        client address after repeated failures."""
+        key = self._settings().api_key
+        if not key:
+            return
+        client = (scope.get("client") or ("unknown", 0))[0]
+        record = self._failures.get(client)
+        now = self.clock()
+        if record is not None and now - record.last_failure > FORGET_FAILURES_AFTER:
+            del self._failures[client]
+            record = None
+        if record is not None and record.locked_until > now:
+            raise TooManyKeyFailures(
+                "Too many requests with a wrong or missing API key from this address. "
+                "Wait, then send the right key.", retry_after=record.locked_until - now)
+        try:
+            _compare_key(scope["headers"], key.encode())
+        except Unauthorized:
+            self._note_failure(client, now)
+            raise
+        if record is not None:
+            del self._failures[client]
+
+    def _note_failure(self, client: str, now: float) -> None:
+        record = self._failures.pop(client, None) or _Failures()
+        record.count += 1
+        record.last_failure = now
+        if record.count >= self.free_failures:
+            record.locked_until = now + min(MAX_LOCKOUT, 2.0 ** (record.count - self.free_failures))
+        self._failures[client] = record
+        while len(self._failures) > MAX_TRACKED_CLIENTS:
+            self._failures.popitem(last=False)
+
+    def _machine_addresses(self) -> set[str]:
+        now = self.clock()
+        if now - self._addresses_at > ADDRESS_TTL:
+            self._addresses = self._own_addresses()
+            self._addresses_at = now
+        return self._addresses
+
+
+@dataclass
+class _Failures:
+    count: int = 0
+    last_failure: float = float("-inf")
+    locked_until: float = float("-inf")
+
+
+def _compare_key(headers: list[tuple[bytes, bytes]], expected: bytes) -> None:
+    bearer = supplied = None
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, rest = value.partition(b" ")
+            if scheme.lower() == b"bearer":
+                bearer = rest.strip()
+        elif name == b"x-api-key":
+            supplied = value.strip()
+    if bearer is None and supplied is None:
+        raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer KEY' "
+                           "or as 'x-api-key: KEY'.")
+    matched = False
+    for given in (bearer, supplied):
+        if given is not None and hmac.compare_digest(given, expected):
+            matched = True
+    if not matched:
+        raise Unauthorized("Incorrect API key.")
+
+
+def _headers(scope: dict) -> dict[bytes, bytes]:
+    """The request's headers by lower-case name; the first of repeated ones."""
+    out: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        out.setdefault(name, value)
+    return out
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/")
+                                            and media.endswith(b"+json"))
+
+
+def _entries(values: list[str]) -> list[str]:
+    """Settings entries, which the environment may give comma-separated."""
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _strip_port(host: str) -> str:
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    if host.count(":") == 1:
+        return host.split(":", 1)[0]
+    return host
+
+
+def _is_loopback_name(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _machine_names() -> set[str]:
+    import socket
+
+    name = socket.gethostname().lower().rstrip(".")
+    short = name.split(".", 1)[0]
+    return {name, short, short + ".local"}
+
+
+def _machine_addresses() -> set[str]:
+
+    return set(lan_addresses())

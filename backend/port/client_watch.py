@@ -1,0 +1,93 @@
+"""The client's side of one gated request: whether it left, and whether it stopped reading.
+
+`DisconnectWatch` cancels the request's task the moment the client disconnects;
+`StallGuard` notices a `send` that has not returned for too long (a client that stopped
+reading holds its slot and the upstream behind it).  `backend.port.relay.Exchange` holds one
+of each for the request's life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+__all__ = ["DisconnectWatch", "StallGuard"]
+
+
+class DisconnectWatch:
+    """Cancels the request's task the moment its client disconnects.
+
+    uvicorn's `send` stays silent after a disconnect, and a request that waits in line
+    or for a slow upstream sends nothing for a long time: so one small task listens on
+    `receive` (the body has been read already) and cancels the handler, which then
+    leaves the line, or closes the upstream request and releases its slot, at once.
+    `stop()` must be called before the final message of the response is sent, because
+    `receive` reports a completed response as a disconnect too.
+    """
+
+    __slots__ = ("disconnected", "_stopped", "_task", "_watcher")
+
+    def __init__(self, receive: Any) -> None:
+        self.disconnected = False
+        self._stopped = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        self.gone()
+
+    def gone(self) -> None:
+        """The client is gone (or dropped): cancel the request's task, once."""
+        if not self._stopped and not self.disconnected and self._task is not None:
+            self.disconnected = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self._stopped = True
+        if not self._watcher.done():
+            self._watcher.cancel()
+
+
+class StallGuard:
+    """Calls `on_stall` when one `send` has not returned for `timeout` seconds.
+
+    uvicorn's `send` waits while the connection's write buffer is full, so a client
+    that stops reading (or vanished without a FIN) pauses its stream, and the upstream
+    behind it, for ever, and holds its slot.  One timer per exchange, re-armed from the
+    start of the pending send, keeps the cost per chunk at a clock read.
+    """
+
+    __slots__ = ("_send", "_timeout", "_on_stall", "_loop", "_since", "_timer")
+
+    def __init__(self, send: Any, timeout: float, on_stall: Callable[[], None]) -> None:
+        self._send = send
+        self._timeout = timeout
+        self._on_stall = on_stall
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self._since = self._loop.time()
+        try:
+            await self._send(message)
+        finally:
+            self._since = None
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        since, now = self._since, self._loop.time()
+        if since is not None and now - since >= self._timeout:
+            self._timer = None
+            self._on_stall()
+            return
+        delay = self._timeout if since is None else since + self._timeout - now
+        self._timer = self._loop.call_later(delay, self._check)

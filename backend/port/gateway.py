@@ -1,0 +1,408 @@
+"""The OpenAI-compatible port: routes, auth, admission, forwarding, metrics.
+
+Gated (a slot of the model is needed, through the admission queue):
+`POST /v1/chat/completions`, `/v1/responses`, `/v1/completions`, `/v1/messages`,
+`/v1/embeddings`.  Ungated: `GET /v1/models`, `/health`, `/metrics`.  Nothing else, and
+none of llama-server's own endpoints, is reachable: every other path is a 404.
+
+Auth, when `settings.api_key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
+compared in constant time, on every route except `/health` (left open for probes).  The
+key check, its throttle and the browser checks (Origin, Host, content type, CORS) live in
+`backend.port.access_guard`.
+
+`create_app(ctx)` builds the Starlette app; `backend.port.server` serves it.
+Errors become answers in `backend.port.http_errors`, the streaming relay lives in
+`backend.port.relay`, body checks and the output cap in `backend.port.request_body`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.port import http_errors
+from backend.port.access_guard import AccessGuard
+from backend.port.access_log import log_request
+from backend.port.admission import AdmissionQueue, AdmissionRegistry, TokenNeed
+from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
+                            RequestError, Unauthorized, UpgradeRequired)
+from backend.port.server import ABORT_EXTENSION
+from backend.port.metrics import Metrics
+from backend.port.relay import Exchange, GatedRequest
+from backend.port.prompt_tokens import (
+    HttpEngineTokenizer,
+    PromptCounter,
+    bound_need,
+    counted_need,
+    request_need,
+    uncounted_room,
+)
+from backend.port.request_body import ClientGone, Parsed, check_body, read_body
+from backend.settings import Settings
+from backend.port.sse import StreamKind
+from backend.llama.load import Snapshot, State
+from backend.port.upstream_http import UpstreamClient
+
+__all__ = ["GATED_ROUTES", "GatewayContext", "create_app"]
+
+log = logging.getLogger("gguf_studio.gateway")
+
+#: Gated route -> the framing of its streams (None: never streams).
+GATED_ROUTES: dict[str, StreamKind | None] = {
+    "/v1/chat/completions": StreamKind.CHAT,
+    "/v1/completions": StreamKind.CHAT,
+    "/v1/responses": StreamKind.RESPONSES,
+    "/v1/messages": StreamKind.MESSAGES,
+    "/v1/embeddings": None,
+}
+OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
+KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
+#: Set in the scope when the client went away before an answer could be sent.
+_GONE = "gguf_studio.client_gone"
+
+
+class GatewayContext(Protocol):
+    settings: Settings  # read per request: it may change while the port runs
+    registry: AdmissionRegistry
+    metrics: Metrics
+
+    def snapshot(self) -> Snapshot: ...
+
+
+class Gateway:
+    """The app's state: the context, one shared upstream client, the handlers."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+        self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES)
+        self.closing = False
+        self.started_at = int(time.time())
+        self._client: UpstreamClient | None = None
+        # Running exchanges, so that a load going away can end them (see `abort_load`).
+        self._running: set[Exchange] = set()
+        # Load's base URL -> (its queue, its prompt counter); see `counter_for`.
+        self._counters: dict[str, tuple[AdmissionQueue, PromptCounter]] = {}
+        #: The ASGI app that `backend.port.server` serves.
+        self.app = _starlette_app(self)
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.ctx.metrics
+
+    @property
+    def settings(self) -> Settings:
+        return self.ctx.settings
+
+    @property
+    def client(self) -> UpstreamClient:
+        if self._client is None:
+            # No read/write limit: a generation may be silent for minutes (prompt
+            # processing), and admission already bounds the number of requests.  It never
+            # goes through a proxy.  See backend/port/upstream_http.py for why not httpx here.
+            self._client = UpstreamClient(connect_timeout=10.0, max_idle=256)
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        await self.aclose()
+
+    def abort_load(self, base_url: str, error: RequestError) -> int:
+        """End every request admitted on `base_url` with `error` (an in-stream error, or
+        an HTTP answer if nothing was sent yet) and close its upstream request: the engine
+        then has nothing left to finish and stops at once."""
+        return sum(exchange.abort(base_url, error) for exchange in list(self._running))
+
+    # --- auth ------------------------------------------------------------------------
+
+    def check_key(self, scope: MutableMapping[str, Any]) -> None:
+        self.guard.check_key(scope)
+
+    # --- gated routes ----------------------------------------------------------------
+
+    async def handle_gated(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+        ctx = self.ctx
+        settings = ctx.settings
+        metrics = ctx.metrics
+        headers = scope["headers"]
+        try:
+            self.check_key(scope)
+            try:
+                raw = await read_body(receive, headers, settings.effective_max_body_bytes(),
+                                      settings.header_timeout)
+            except ClientGone:
+                scope[_GONE] = True
+                return
+            parsed = await check_body(path, raw, settings.max_output_tokens)
+            raw_size = len(raw)
+            del raw  # a capped body was re-encoded: hold one copy while waiting, not two
+            snapshot = ctx.snapshot()
+            queue = ctx.registry.current
+            if snapshot.state is not State.READY or queue is None:
+                raise ModelNotReady(not_ready_message(snapshot),
+                                    retry_after=RETRY_SOON)
+            need, count = await self.need(queue, path, parsed, raw_size)
+            # Counted: the parsed objects (several times the body's bytes) are not kept
+            # by a waiting request, only the body (bounded by max_waiting_body_bytes).
+            parsed.data = {}
+        except RequestError as error:
+            await http_errors.send_http_error(send, error, metrics)
+            return
+
+        exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
+                                                      parsed, snapshot.model_id, need,
+                                                      count),
+                            send, receive,
+                            abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
+        self._running.add(exchange)
+        try:
+            await exchange.run()
+        finally:
+            self._running.discard(exchange)
+        if exchange.client_gone:
+            scope[_GONE] = True
+
+    async def need(self, queue: AdmissionQueue, path: str, parsed: Parsed, body_bytes: int
+                   ) -> tuple[TokenNeed | None, Callable[[], Awaitable[TokenNeed]] | None]:
+        """What the request will hold of the load's KV cache (None when the cache is
+        unknown or admission is off: slots alone decide, or nothing does), and how to
+        count it later when it is admitted on its byte bound before being counted.
+
+        Short requests are reserved at their byte bound, never counted.  A longer one
+        whose bound fits right now, with nobody waiting (`AdmissionQueue.fits_now`), is
+        admitted on the bound and counted while it runs (`Exchange` settles the ticket
+        with the count): the count's round trip no longer delays its first token.
+        Otherwise it is counted before it queues, as its bound may hold back others.
+        """
+        kv = queue.kv
+        if kv is None or not queue.enabled:
+            return None, None
+        settings = self.settings
+        counter = self.counter_for(queue)
+        body = parsed.data
+        cap, default = settings.max_output_tokens, settings.default_output_tokens
+        bound = await bound_need(counter, path, body, body_bytes, kv=kv, cap=cap,
+                                 default=default)
+        if bound is not None and not self._short(bound, path, body, queue) \
+                and queue.fits_now(bound):
+            return bound, lambda: counted_need(counter, path, body, body_bytes, kv=kv,
+                                               cap=cap, default=default)
+        return await request_need(counter, path, body, body_bytes, kv=kv,
+                                  slots=queue.capacity, cap=cap, default=default), None
+
+    def _short(self, bound: TokenNeed, path: str, body: Any, queue: AdmissionQueue) -> bool:
+        """`request_need` reserves its bound without counting (it fits its fair share)."""
+        assert queue.kv is not None
+        return bound.prompt <= uncounted_room(
+            path, body, kv=queue.kv, slots=queue.capacity,
+            cap=self.settings.max_output_tokens, default=self.settings.default_output_tokens)
+
+    def counter_for(self, queue: AdmissionQueue) -> PromptCounter:
+        """One counter per load, asking that load's engine (it knows its template)."""
+        held = self._counters.get(queue.key)
+        if held is None or held[0] is not queue:
+            # No idle connection is kept to the engine for counting: llama-server waits
+            # for its open connections before it stops, which would slow every reload.
+            counter = PromptCounter(HttpEngineTokenizer(
+                queue.key, api_key=queue.api_key, client=self.client,
+                headers={"Connection": "close"}))
+            held = self._counters[queue.key] = (queue, counter)
+            for key in [k for k, (q, _) in self._counters.items() if q.retired]:
+                del self._counters[key]
+        return held[1]
+
+    # --- open routes -----------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.check_key(request.scope)
+        snapshot = self.ctx.snapshot()
+        data = []
+        if snapshot.model_id and (snapshot.state is State.READY or snapshot.restarting):
+            # What one request may use: its context (prompt + output), and its output
+            # (the operator's cap, else whatever the context leaves).
+            context = snapshot.kv.per_request if snapshot.kv else snapshot.context_length
+            cap = self.settings.max_output_tokens
+            output = min(cap, context) if cap and context else (cap or context)
+            data.append({"id": snapshot.model_id, "object": "model", "created": self.started_at,
+                         "owned_by": "gguf-studio", "context_length": context,
+                         "max_output_tokens": output or None})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        snapshot = self.ctx.snapshot()
+        registry = self.ctx.registry
+        body = {
+            "state": snapshot.state.value,
+            "model": snapshot.model_id,
+            "effective_parallel_slots": snapshot.effective_parallel_slots,
+            "active": registry.total_active,
+            "waiting": registry.total_waiting,
+            "kv": (None if snapshot.kv is None else
+                   dict(snapshot.kv.to_dict(), reserved=registry.total_reserved_tokens)),
+            # Which backend and devices the engine uses (no paths, ports or URLs in it).
+            "engine": snapshot.engine.to_dict() if snapshot.engine else None,
+        }
+        return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.check_key(request.scope)
+        body, content_type = self.ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # --- errors raised inside Starlette ------------------------------------------------
+
+    async def on_http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        headers = dict(exc.headers or {})
+        error: RequestError
+        if exc.status_code == 404:
+            error = NotFound("Unknown path. This server answers /v1/chat/completions, "
+                             "/v1/responses, /v1/completions, /v1/messages, /v1/embeddings, "
+                             "/v1/models, /health and /metrics.")
+        elif exc.status_code == 405:
+            allowed = headers.get("Allow", "")
+            error = MethodNotAllowed(f"Method {request.method} is not allowed here."
+                                     + (f" Use {allowed}." if allowed else ""))
+        else:
+            error = InvalidRequest("The request could not be handled.")
+            error.status = exc.status_code
+        return http_errors.error_response(error, self.ctx.metrics, extra_headers=headers)
+
+    async def on_request_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+        return http_errors.error_response(exc, self.ctx.metrics, extra_headers=extra)
+
+
+def not_ready_message(snapshot: Snapshot) -> str:
+    if snapshot.restarting:
+        return "The model is restarting. Try again shortly."
+    if snapshot.state is State.STARTING:
+        return "The model is loading. Try again shortly."
+    if snapshot.state is State.READY:
+        return "The model is being reloaded. Try again shortly."
+    return "No model is loaded right now. Try again later."
+
+
+class GatewayMiddleware:
+    """Outermost app layer: access log, request counts, 426, last-resort 500.
+
+    Gated POSTs are dispatched here directly (no router walk, one send wrapper less per
+    relayed chunk); everything else goes through Starlette's router.
+    """
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await _refuse_websocket(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope["path"]
+        method = scope["method"]
+        metrics = self.gateway.ctx.metrics
+        try:
+            screening = self.gateway.guard.screen(scope)  # Origin, Host, content type
+            reply = screening.wrap(send_and_note)
+            if screening.preflight:
+                await screening.answer_preflight(send_and_note)
+            elif path == "/v1/responses" and _is_websocket_upgrade(scope["headers"]):
+                await http_errors.send_http_error(reply, UpgradeRequired(
+                    "WebSocket is not supported here; use HTTP with streaming (SSE)."), metrics)
+            elif method == "POST" and path in GATED_ROUTES:
+                await self.gateway.handle_gated(scope, receive, reply, path)
+            else:
+                await self.app(scope, receive, reply)
+        except Exception as exc:
+            error = http_errors.as_request_error(exc)
+            if not status:
+                await http_errors.send_http_error(send_and_note, error, metrics)
+        finally:
+            if not status:
+                status = 499 if scope.get(_GONE) else 500
+            route = path if path in KNOWN_ROUTES else "other"
+            metrics.count_request(route, status)
+            log_request(scope, status, (time.perf_counter() - started) * 1000)
+
+
+def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"upgrade" and b"websocket" in value.lower():
+            return True
+    return False
+
+
+async def _refuse_websocket(scope: dict, receive: Any, send: Any) -> None:
+    """Only under a server that speaks WebSocket (ours is started with ws='none')."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    if "websocket.http.response" in scope.get("extensions", {}):
+        status, headers, body = http_errors.http_error(UpgradeRequired(
+            "WebSocket is not supported here; use HTTP with streaming (SSE)."), None)
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+
+
+class _GatedEndpoint:
+    """The gated route as a plain ASGI app (reached only if the middleware is bypassed)."""
+
+    def __init__(self, gateway: Gateway, path: str) -> None:
+        self.gateway = gateway
+        self.path = path
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.gateway.handle_gated(scope, receive, send, self.path)
+
+
+def create_app(ctx: GatewayContext) -> Gateway:
+    """The port for `ctx`: the gateway, whose `app` the server serves."""
+    return Gateway(ctx)
+
+
+def _starlette_app(gateway: Gateway) -> Starlette:
+    routes = [Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
+              for path in GATED_ROUTES]
+    routes += [
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(GatewayMiddleware, gateway=gateway)],
+        exception_handlers={HTTPException: gateway.on_http_exception,
+                            RequestError: gateway.on_request_error},
+        lifespan=gateway.lifespan,
+    )
+    app.router.redirect_slashes = False
+    return app

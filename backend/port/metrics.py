@@ -1,0 +1,173 @@
+"""Prometheus metrics of one service, in a registry of its own.
+
+Each `Metrics` owns its `CollectorRegistry`, so several services (and tests) can live in
+one process without their series colliding.  The gateway and the service call the small
+methods below; `/metrics` serves `render()`; the window reads `totals()`.
+
+`totals()` is kept in plain Python counters next to the Prometheus ones so that another
+thread (the window's) can read it without touching the admission registry or the
+prometheus internals.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from backend.port.admission import AdmissionRegistry
+    from backend.llama.load import Snapshot
+
+__all__ = ["Metrics", "QUEUE_WAIT_BUCKETS"]
+
+#: From "admitted at once" to "waited the whole default queue timeout".
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                      120.0, 300.0, 600.0, float("inf"))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        gauge = partial(Gauge, registry=self.registry)
+        counter = partial(Counter, registry=self.registry)
+        self.requests_waiting = gauge(
+            "gguf_studio_requests_waiting", "Requests waiting in line for a slot.")
+        self.requests_active = gauge(
+            "gguf_studio_requests_active", "Requests holding a slot of the model.")
+        self.effective_parallel_slots = gauge(
+            "gguf_studio_effective_parallel_slots",
+            "Requests the loaded llama-server runs at once (0 when nothing is loaded).")
+        self.kv_capacity_tokens = gauge(
+            "gguf_studio_kv_capacity_tokens",
+            "KV cache tokens of the loaded engine (0 when nothing is loaded or unknown).")
+        self.kv_reserved_tokens = gauge(
+            "gguf_studio_kv_reserved_tokens",
+            "KV tokens reserved by running requests (prompt plus output budget).")
+        self.layers_offloaded = gauge(
+            "gguf_studio_engine_layers_offloaded",
+            "Model layers the engine put on a GPU (0 on the CPU or when nothing is loaded).")
+        self.device_memory = gauge(
+            "gguf_studio_engine_device_memory_mib",
+            "Memory the loaded model took on each device (model, KV cache and compute buffers).",
+            ["backend", "device"])
+        self.rejections = counter(
+            "gguf_studio_rejections_total",
+            "Requests answered with an error by the port, by error code.", ["reason"])
+        self.cancellations = counter(
+            "gguf_studio_cancellations_total",
+            "Clients that went away, by stage (queued or running).", ["stage"])
+        self.requests = counter(
+            "gguf_studio_requests_total", "Requests answered by the port, by route and status.",
+            ["route", "status"])
+        self.backend_restarts = counter(
+            "gguf_studio_backend_restarts_total",
+            "Times the engine was restarted after it stopped unexpectedly.")
+        self.requeues = counter(
+            "gguf_studio_requeues_total",
+            "Requests put back in line because the engine refused the connection before "
+            "anything was sent (it was going away); they wait for the next load.")
+        self.stalled_clients = counter(
+            "gguf_studio_stalled_clients_total",
+            "Clients dropped because they left their answer unread for the stall timeout.")
+        self.queue_wait = Histogram(
+            "gguf_studio_queue_wait_seconds",
+            "Time from arrival to admission of admitted requests.",
+            buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
+
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._rejections: dict[str, int] = {}
+        self._cancellations: dict[str, int] = {}
+        self._restarts = 0
+        self._requeues = 0
+        self._stalled_clients = 0
+        self._queue_waits = 0
+        self._queue_wait_sum = 0.0
+
+    # --- called by the gateway ------------------------------------------------------
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.queue_wait.observe(seconds)
+        with self._lock:
+            self._queue_waits += 1
+            self._queue_wait_sum += seconds
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejections.labels(reason=reason).inc()
+        with self._lock:
+            self._rejections[reason] = self._rejections.get(reason, 0) + 1
+
+    def count_cancellation(self, stage: str) -> None:
+        self.cancellations.labels(stage=stage).inc()
+        with self._lock:
+            self._cancellations[stage] = self._cancellations.get(stage, 0) + 1
+
+    def count_requeue(self) -> None:
+        self.requeues.inc()
+        with self._lock:
+            self._requeues += 1
+
+    def count_stalled_client(self) -> None:
+        self.stalled_clients.inc()
+        with self._lock:
+            self._stalled_clients += 1
+
+    def count_request(self, route: str, status: int | str) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        with self._lock:
+            self._requests += 1
+
+    # --- called by the service ------------------------------------------------------
+
+    def set_backend(self, snapshot: Snapshot) -> None:
+        self.effective_parallel_slots.set(snapshot.effective_parallel_slots or 0)
+        report = snapshot.engine
+        self.device_memory.clear()
+        if report is None:
+            self.layers_offloaded.set(0)
+            return
+        self.layers_offloaded.set(report.layers_offloaded or 0 if report.on_gpu else 0)
+        for device in report.devices:
+            self.device_memory.labels(report.backend, device.name).set(round(device.total_mib, 2))
+
+    def count_restart(self) -> None:
+        self.backend_restarts.inc()
+        with self._lock:
+            self._restarts += 1
+
+    def bind_registry(self, registry: AdmissionRegistry) -> None:
+        """Read waiting/active from the admission registry at every scrape."""
+        self.requests_waiting.set_function(lambda: registry.total_waiting)
+        self.requests_active.set_function(lambda: registry.total_active)
+        self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
+        self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
+
+    # --- read -----------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type.  Call on the loop."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample's current value (0.0 if absent); for tests and diagnostics."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if found is None else found
+
+    def totals(self) -> dict[str, Any]:
+        """Counts since start, safe to call from any thread."""
+        with self._lock:
+            return {
+                "requests": self._requests,
+                "rejections": dict(self._rejections),
+                "cancellations": dict(self._cancellations),
+                "restarts": self._restarts,
+                "requeues": self._requeues,
+                "stalled_clients": self._stalled_clients,
+                "queue_waits": self._queue_waits,
+                "queue_wait_seconds": self._queue_wait_sum,
+            }

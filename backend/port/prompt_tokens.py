@@ -1,0 +1,495 @@
+"""How many KV tokens a gated request needs: its prompt, counted by the engine, plus
+its output budget.
+
+Counting asks llama-server itself, so the model's own chat template and tokenizer
+decide, tools, system prompts and images included:
+
+- chat completions, Responses and Anthropic messages: llama-server's counting routes
+  (`/v1/chat/completions/input_tokens`, `/v1/responses/input_tokens`,
+  `/v1/messages/count_tokens`).  They run the very conversion, template and
+  tokenization of a real request (Responses `input` items and `instructions`,
+  Anthropic `system` and content blocks and `tools` become chat messages in C++,
+  exactly as for generation), with the special tokens a real prompt gets (BOS), and
+  without touching a slot.  An engine without those routes (an older attached one)
+  is asked for `/apply-template` then `/tokenize` for chat completions.
+- completions and embeddings: `/tokenize` with `add_special` (BOS, as a real prompt)
+  for strings; token arrays are counted as they are.  An array of several prompts
+  counts as the sum of them (llama-server runs them as separate tasks; summing can
+  only over-reserve).
+
+Short requests skip the engine when a byte bound proves they fit (`PromptCounter.count`
+with `fits_below`): every tokenizer llama.cpp has for text models makes a token of at
+least one byte of the text it was given (byte-level BPE; SentencePiece with byte
+fallback and a vocabulary holding the "▁" space piece, as every llama-family vocabulary
+does, where one space becomes one "▁" symbol), apart from at most `TEXT_SLACK` added
+tokens (BOS/EOS, the SentencePiece dummy prefix).  For a chat-like body without tools
+and without images, the template adds, per message, fewer tokens than the 29 bytes of
+`{"role":"user","content":""}` that the JSON spends on it, plus a fixed part (generation
+prompt, a default system prompt, a date) that is measured once per engine by counting
+a one-message conversation (`template_base`).  So:
+
+    prompt tokens <= body bytes + template_base + TEXT_SLACK
+
+A request whose bound fits is reserved at its bound (an over-reservation, small because
+the request is short).  A longer one whose bound (`bound_need`) fits the free cache right
+now, with nobody waiting, is admitted on it and counted while it runs (`counted_need`,
+then `Ticket.settle`, see `backend.port.gateway`); only when the bound does not fit now is the
+count awaited before admission.  Tools are excluded because templates render them with
+instructions and re-indented schemas; images because their bytes say nothing.
+
+When the engine cannot answer (an error, a timeout, a missing route) the count falls
+back to a conservative estimate, logged once per counter: the body's bytes (without
+image payloads), the tool definitions' bytes once more (templates may pretty-print
+them), `IMAGE_TOKENS` per image, and the template's fixed part (measured, else
+`TEMPLATE_ALLOWANCE`).
+
+The output budget (`output_budget`) is the request's own limit or the default budget,
+capped by the operator's cap and by the room the prompt leaves in one request's share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.api import engine_headers
+from backend.port.upstream_http import UpstreamClient
+
+__all__ = [
+    "DEFAULT_OUTPUT_TOKENS",
+    "IMAGE_TOKENS",
+    "MIN_OUTPUT_TOKENS",
+    "TEMPLATE_ALLOWANCE",
+    "TEXT_SLACK",
+    "CountFailed",
+    "EngineTokenizer",
+    "HttpEngineTokenizer",
+    "PromptCount",
+    "PromptCounter",
+    "bound_need",
+    "counted_need",
+    "output_budget",
+    "request_need",
+    "token_need",
+]
+
+log = logging.getLogger(__name__)
+
+#: The output budget of a request that sends no limit of its own (Codex sends none).
+#: Admission reserves prompt + budget, so the default decides how many such requests
+#: share a unified cache: every slot stays busy while each need fits its fair share
+#: (context / slots).  With 2,048: at 16,384 tokens on 4 slots (a 16k model with Auto
+#: slots) prompts of up to 2,048 tokens run 4 at once, at 32,768 on 4 slots up to 6,144;
+#: with 4,096 the first case never runs 4 at once, and with 8,192 the second neither.
+#: The risk on the other side: a reply longer than its budget.  If the gateway forwards
+#: the budget as the request's limit, such a reply ends with finish reason "length";
+#: if it only reserves, the reply uses tokens nobody reserved, which is harmless while
+#: the pool has slack and fails only when every running request overruns together.
+#: 2,048 holds most agent turns (tool calls, a patch of ~150 lines, a summary); long
+#: reasoning may need more.  The gateway only reserves it (the operator's cap alone is
+#: written into requests): see bench/README.md for why and the figures.
+#: Settings.default_output_tokens overrides it.
+DEFAULT_OUTPUT_TOKENS = 2048
+#: The least output a request is admitted with: a prompt that leaves less room in its
+#: share of the context is refused rather than answered with a reply cut off at once.
+MIN_OUTPUT_TOKENS = 16
+#: Tokens counted per image when the engine cannot count (the engine counts them
+#: exactly through its vision projector otherwise).  Fixed-size encoders use 256
+#: (Gemma 3) to 576 (LLaVA 1.5); tiled and dynamic ones up to 2,880 (LLaVA-NeXT) or a
+#: few thousand (Qwen2-VL at llama.cpp's default pixel limits).
+IMAGE_TOKENS = 4096
+#: Tokens a tokenizer may add to any text beyond one per byte (BOS, EOS, dummy prefix).
+TEXT_SLACK = 4
+#: The template's fixed part when it could not be measured: generous, since some
+#: templates add a default system prompt with a date and tool-use instructions.
+TEMPLATE_ALLOWANCE = 1024
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+EMBEDDINGS = "/v1/embeddings"
+
+#: Route -> llama-server's counting route for it.
+COUNT_ROUTES = {
+    CHAT: "/v1/chat/completions/input_tokens",
+    RESPONSES: "/v1/responses/input_tokens",
+    MESSAGES: "/v1/messages/count_tokens",
+}
+_OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_IMAGE_PARTS = {"image_url", "input_image", "image"}
+_PROBE = {"messages": [{"role": "user", "content": "x"}]}
+
+
+class CountFailed(Exception):
+    """The engine could not count (unreachable, an error, a timeout).
+
+    `missing` is True when the engine answered that it has no such route.
+    """
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class EngineTokenizer(Protocol):
+    """What counting needs of an engine.  Each method raises CountFailed."""
+
+    async def count_input_tokens(self, route: str, body: Mapping[str, Any]) -> int:
+        """Prompt tokens of a chat, Responses or messages `body` for `route`."""
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str:
+        """The prompt text the chat template makes of a chat completions body."""
+
+    async def tokenize(self, text: str) -> int:
+        """Tokens of `text` as a prompt (with BOS and special tokens parsed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    tokens: int
+    #: "engine" (counted by it), "exact" (token arrays), "bound" (byte bound, short
+    #: request) or "estimate" (the engine could not count).
+    how: str
+
+
+class PromptCounter:
+    """Counts prompts for one engine load; remembers its template's fixed part."""
+
+    def __init__(self, tokenizer: EngineTokenizer, *, timeout: float = 10.0) -> None:
+        self.tokenizer = tokenizer
+        self.timeout = timeout
+        #: Tokens of a one-message conversation of one byte (an upper bound of the
+        #: template's fixed part); None until measured.
+        self.template_base: int | None = None
+        self._calibrating: asyncio.Future[int | None] | None = None
+        self._logged_fallback = False
+
+    async def count(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
+                    fits_below: int = 0) -> PromptCount:
+        """Prompt tokens of a parsed `body` of `body_bytes` bytes sent to `route`.
+
+        `fits_below`: when the byte bound proves the prompt is at most this many
+        tokens, the bound is returned without asking the engine (0: always count).
+        """
+        if route in COUNT_ROUTES:
+            return await self._count_chat_like(route, body, body_bytes, fits_below)
+        if route in (COMPLETIONS, EMBEDDINGS):
+            field = "prompt" if route == COMPLETIONS else "input"
+            return await self._count_prompts(body.get(field), fits_below)
+        raise ValueError(f"no prompt to count on {route}")
+
+    async def bound(self, route: str, body: Mapping[str, Any], body_bytes: int) -> int | None:
+        """The byte bound of the prompt without counting it (the template's fixed part
+        is measured once per counter); None where no bound holds: tools, images, or
+        the template could not be measured."""
+        if route in COUNT_ROUTES:
+            if _images(body)[0] or body.get("tools"):
+                return None
+            base = await self._template_base()
+            return None if base is None else body_bytes + base + TEXT_SLACK
+        if route in (COMPLETIONS, EMBEDDINGS):
+            texts, exact = _split_prompts(body.get("prompt" if route == COMPLETIONS
+                                                   else "input"))
+            return exact + sum(len(t.encode()) + TEXT_SLACK for t in texts)
+        return None
+
+    # --- chat, Responses, messages -------------------------------------------------
+
+    async def _count_chat_like(self, route: str, body: Mapping[str, Any], body_bytes: int,
+                               fits_below: int) -> PromptCount:
+        images, image_bytes = _images(body)
+        ask = True
+        if fits_below > 0 and not images and not body.get("tools"):
+            base = await self._template_base()
+            if base is not None and body_bytes + base + TEXT_SLACK <= fits_below:
+                return PromptCount(body_bytes + base + TEXT_SLACK, "bound")
+            # The probe just failed: asking again would only double the wait.
+            ask = base is not None
+        if ask:
+            try:
+                return PromptCount(await self._ask_chat_like(route, body), "engine")
+            except CountFailed as error:
+                self._log_fallback(error)
+        tools = body.get("tools")
+        tool_bytes = len(_compact(tools)) if tools else 0
+        base = self.template_base if self.template_base is not None else TEMPLATE_ALLOWANCE
+        estimate = (body_bytes - image_bytes + tool_bytes + images * IMAGE_TOKENS
+                    + base + TEXT_SLACK)
+        return PromptCount(estimate, "estimate")
+
+    async def _ask_chat_like(self, route: str, body: Mapping[str, Any]) -> int:
+        async with _deadline(self.timeout):
+            try:
+                return await self.tokenizer.count_input_tokens(route, body)
+            except CountFailed as error:
+                if not (error.missing and route == CHAT):
+                    raise
+            return await self.tokenizer.tokenize(await self.tokenizer.apply_template(body))
+
+    async def _template_base(self) -> int | None:
+        """Measured once per counter; concurrent first requests share one probe."""
+        if self.template_base is not None:
+            return self.template_base
+        if self._calibrating is None:
+            self._calibrating = asyncio.ensure_future(self._measure_template())
+        return await asyncio.shield(self._calibrating)
+
+    async def _measure_template(self) -> int | None:
+        try:
+            tokens = await self._ask_chat_like(CHAT, _PROBE)
+        except CountFailed as error:
+            self._log_fallback(error)
+            self._calibrating = None  # try again with a later request
+            return None
+        # All of it, the probe message's own markers included: a safe upper bound of
+        # the fixed part, whatever the split between fixed and per-message text.
+        self.template_base = tokens
+        return self.template_base
+
+    # --- completions and embeddings ---------------------------------------------------
+
+    async def _count_prompts(self, prompt: Any, fits_below: int) -> PromptCount:
+        texts, exact = _split_prompts(prompt)
+        bound = exact + sum(len(t.encode()) + TEXT_SLACK for t in texts)
+        if not texts:
+            return PromptCount(exact, "exact")
+        if 0 < fits_below and bound <= fits_below:
+            return PromptCount(bound, "bound")
+        try:
+            async with _deadline(self.timeout):
+                counted = [await self.tokenizer.tokenize(t) for t in texts]
+            return PromptCount(exact + sum(counted), "engine")
+        except CountFailed as error:
+            self._log_fallback(error)
+            return PromptCount(bound, "estimate")
+
+    def _log_fallback(self, error: CountFailed) -> None:
+        if self._logged_fallback:
+            log.debug("prompt tokens estimated: %s", error)
+            return
+        self._logged_fallback = True
+        log.warning("The engine could not count prompt tokens (%s); using a conservative "
+                    "estimate from the request's size (logged once per load).", error)
+
+
+def output_budget(route: str, body: Mapping[str, Any], *, prompt_tokens: int, limit: int,
+                  cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> int:
+    """Output tokens to reserve for a request whose prompt is `prompt_tokens`.
+
+    The request's own limit (`max_tokens`, `max_completion_tokens`, `max_output_tokens`,
+    `n_predict`), else `default`; then at most the operator's `cap` (0: none), and at
+    most the room left in one request's share `limit` (llama-server stops a slot at its
+    context end with finish reason "length", so a larger limit could never be used);
+    never below MIN_OUTPUT_TOKENS, so a prompt too long for any reply does not fit.
+    Embeddings generate nothing: 0.
+    """
+    if route == EMBEDDINGS:
+        return 0
+    requested = next((body[name] for name in _OUTPUT_LIMITS if _positive(body.get(name))),
+                     None)
+    if requested is None and _positive(body.get("n_predict")):
+        requested = body["n_predict"]
+    budget = requested if requested is not None else default
+    if cap > 0:
+        budget = min(budget, cap)
+    return max(MIN_OUTPUT_TOKENS, min(budget, limit - prompt_tokens))
+
+
+def token_need(route: str, body: Mapping[str, Any], prompt: PromptCount, *, limit: int,
+               cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
+    """The admission need: counted prompt plus its output budget."""
+    return TokenNeed(prompt.tokens, output_budget(route, body, prompt_tokens=prompt.tokens,
+                                                  limit=limit, cap=cap, default=default))
+
+
+async def request_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
+                       body_bytes: int, *, kv: KvCapacity, slots: int, cap: int = 0,
+                       default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
+    """The admission need of one gated request on a load with cache `kv` and `slots`.
+
+    A request whose byte bound plus budget fits its fair share of the cache (every
+    slot's share of a unified pool, or its own slot of a split one) is not counted by
+    the engine: reserving its bound cannot cost any concurrency.
+    """
+    prompt = await counter.count(route, body, body_bytes,
+                                 fits_below=uncounted_room(route, body, kv=kv, slots=slots,
+                                                           cap=cap, default=default))
+    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
+
+
+def uncounted_room(route: str, body: Mapping[str, Any], *, kv: KvCapacity, slots: int,
+                   cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> int:
+    """The largest prompt bound that is reserved without counting: bound plus budget
+    within one request's fair share of the cache (every slot's share of a unified pool,
+    or its own slot of a split one), where reserving the bound costs no concurrency."""
+    share = min(kv.per_request, kv.total // max(1, slots))
+    budget = output_budget(route, body, prompt_tokens=0, limit=kv.per_request, cap=cap,
+                           default=default)
+    return max(0, share - budget)
+
+
+async def bound_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
+                     body_bytes: int, *, kv: KvCapacity, cap: int = 0,
+                     default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed | None:
+    """The need on the prompt's byte bound, without asking the engine to count it; None
+    where no bound holds.  Never below the counted need (`counted_need`): the prompt's
+    bound is at least its count, and a larger prompt leaves a budget no larger than
+    the room it takes (`output_budget`), so the sum only grows with the prompt."""
+    prompt = await counter.bound(route, body, body_bytes)
+    if prompt is None:
+        return None
+    return token_need(route, body, PromptCount(prompt, "bound"), limit=kv.per_request,
+                      cap=cap, default=default)
+
+
+async def counted_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
+                       body_bytes: int, *, kv: KvCapacity, cap: int = 0,
+                       default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
+    """The need with the prompt counted by the engine (or its conservative estimate
+    when the engine cannot count, which is the byte bound for a body that has one)."""
+    prompt = await counter.count(route, body, body_bytes)
+    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
+
+
+class HttpEngineTokenizer:
+    """EngineTokenizer over llama-server's HTTP routes at `base_url`."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None,
+                 headers: Mapping[str, str] | None = None,
+                 client: UpstreamClient | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Content-Type": "application/json", **engine_headers(api_key),
+                         **(headers or {})}
+        self._client = client or UpstreamClient(connect_timeout=5.0, max_idle=8)
+        self._owns_client = client is None
+
+    async def count_input_tokens(self, route: str, body: Mapping[str, Any]) -> int:
+        answer = await self._post(COUNT_ROUTES[route], body)
+        tokens = answer.get("input_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise CountFailed("the engine's count had no input_tokens")
+        return tokens
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str:
+        prompt = (await self._post("/apply-template", body)).get("prompt")
+        if not isinstance(prompt, str):
+            raise CountFailed("the engine's template answer had no prompt")
+        return prompt
+
+    async def tokenize(self, text: str) -> int:
+        answer = await self._post("/tokenize", {"content": text, "add_special": True,
+                                                "parse_special": True})
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list):
+            raise CountFailed("the engine's tokenize answer had no tokens")
+        return len(tokens)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        request = self._client.build_request("POST", self.base_url + path,
+                                             content=_compact(body).encode(),
+                                             headers=self._headers)
+        try:
+            response = await self._client.send(request)
+            try:
+                raw = await response.aread()
+            finally:
+                await response.aclose()
+        except (httpx.HTTPError, OSError) as error:
+            raise CountFailed(f"{path}: {type(error).__name__}") from None
+        if response.status_code in (404, 405, 501):
+            raise CountFailed(f"{path}: HTTP {response.status_code}", missing=True)
+        if response.status_code != 200:
+            raise CountFailed(f"{path}: HTTP {response.status_code}")
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise CountFailed(f"{path}: not JSON") from None
+        if not isinstance(answer, dict):
+            raise CountFailed(f"{path}: not a JSON object")
+        return answer
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+class _deadline:
+    """asyncio.timeout that turns its TimeoutError into CountFailed."""
+
+    def __init__(self, seconds: float) -> None:
+        self._timeout = asyncio.timeout(seconds if seconds > 0 else None)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, kind: Any, error: Any, tb: Any) -> None:
+        try:
+            await self._timeout.__aexit__(kind, error, tb)
+        except TimeoutError:
+            raise CountFailed("the engine did not answer in time") from None
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _images(body: Mapping[str, Any]) -> tuple[int, int]:
+    """(images, bytes of their payloads) in messages, `input` items and `system`."""
+    count = payload = 0
+    stack: list[Any] = [body.get("messages"), body.get("input"), body.get("system")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if item.get("type") in _IMAGE_PARTS:
+                count += 1
+                payload += len(_compact(item).encode())
+            else:
+                stack.append(item.get("content"))
+    return count, payload
+
+
+def _split_prompts(prompt: Any) -> tuple[list[str], int]:
+    """(texts to tokenize, tokens already given as ids) of a completions prompt."""
+    if isinstance(prompt, str):
+        return [prompt], 0
+    if not isinstance(prompt, list):
+        return [], 0
+    texts: list[str] = []
+    exact = 0
+    for part in prompt:
+        if isinstance(part, str):
+            texts.append(part)
+        elif _whole(part):
+            exact += 1
+        elif isinstance(part, list):
+            inner_texts, inner_exact = _split_prompts(part)
+            texts += inner_texts
+            exact += inner_exact
+        elif isinstance(part, dict):  # multimodal {"prompt_string": ..., "multimodal_data": [...]}
+            text = part.get("prompt_string") or part.get("content")
+            if isinstance(text, str):
+                texts.append(text)
+            data = part.get("multimodal_data")
+            exact += IMAGE_TOKENS * (len(data) if isinstance(data, list) else 0)
+    return texts, exact
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    return _whole(value) and value > 0

@@ -1,0 +1,194 @@
+"""Reading and checking the JSON body of a gated request, and the output-token cap.
+
+Only what the gateway itself depends on is checked (the body is a JSON object, the types
+of `model`, `stream`, `messages` and the token limits); everything else is llama-server's
+business and is forwarded untouched.  The body is re-encoded only when the cap changed it.
+
+A body of `PARSE_OFF_LOOP_BYTES` or more is parsed in a worker thread (`check_body`).
+The C JSON decoder never lets go of the GIL by itself, so a thread alone would not help:
+in the thread every JSON object is built by a Python-level hook, where the interpreter
+hands the GIL back to the event loop every few milliseconds.  Measured on the test
+machine (2 cores) with 25 MiB of tiny messages: the loop stood still 0.57-0.71 s for a
+parse on the loop, at most 0.05-0.07 s while the port parsed it
+(tests/backend/port/test_request_body.py prints both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.errors import BodyTooLarge, InvalidRequest, RequestTimeout
+
+__all__ = ["ClientGone", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
+           "read_body"]
+
+#: Bodies at least this large are parsed off the event loop.  Below it a parse takes
+#: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less
+#: than the thread hand-off is worth; almost every chat turn is far smaller.
+PARSE_OFF_LOOP_BYTES = 256 * 1024
+
+#: Route -> the token-limit fields its clients use (the first is set when none is given).
+LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+    "/v1/messages": ("max_tokens",),
+    "/v1/embeddings": (),
+}
+_ALL_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_NEEDS_MESSAGES = {"/v1/chat/completions", "/v1/messages"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+@dataclass(slots=True)
+class Parsed:
+    body: bytes
+    stream: bool
+    model: str | None
+    #: The parsed body (output cap applied), for counting its prompt tokens.
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int,
+                    timeout: float = 0.0) -> bytes:
+    """The whole request body; BodyTooLarge past `limit` bytes (at least 1), and
+    RequestTimeout when the next part takes longer than `timeout` seconds (0: never).
+
+    The declared Content-Length is checked first, then the bytes actually received (a
+    chunked upload has no Content-Length, and a lying one is no excuse).
+    """
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise InvalidRequest("The Content-Length header is not a number.") from None
+            if declared > limit:
+                raise _too_large(limit)
+            break
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        try:
+            async with asyncio.timeout(timeout or None):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout("The request body arrived too slowly.") from None
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"The request body is larger than the limit of {_size(limit)}.")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
+
+
+async def check_body(route: str, raw: bytes, max_output_tokens: int) -> Parsed:
+    """`parse_body`, in a worker thread for a large body (see the module's docstring)."""
+    if len(raw) < PARSE_OFF_LOOP_BYTES:
+        return parse_body(route, raw, max_output_tokens)
+    return await asyncio.to_thread(parse_body, route, raw, max_output_tokens, yielding=True)
+
+
+def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
+               yielding: bool = False) -> Parsed:
+    """Check `raw` for `route` and apply the output cap; InvalidRequest when unusable.
+
+    `yielding`: build objects in Python, so that another thread (the event loop) runs
+    while this one parses."""
+    try:
+        data = json.loads(raw, object_pairs_hook=_dict) if yielding else json.loads(raw)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string.", param="model")
+    stream = data.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be true or false.", param="stream")
+    if route in _NEEDS_MESSAGES:
+        messages = data.get("messages")
+        if not isinstance(messages, list):
+            raise InvalidRequest("'messages' must be a list of messages.", param="messages")
+    for name in _ALL_LIMITS:
+        value = data.get(name)
+        if value is not None and not _positive_int(value):
+            raise InvalidRequest(f"'{name}' must be a positive whole number.", param=name)
+    n_predict = data.get("n_predict")
+    if n_predict is not None and (not _int(n_predict) or n_predict < -1):
+        raise InvalidRequest("'n_predict' must be a whole number, -1 or more.", param="n_predict")
+
+    changed = _cap(data, LIMIT_FIELDS.get(route, ()), max_output_tokens) if max_output_tokens > 0 else False
+    if route == "/v1/embeddings":
+        stream = False
+    body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() if changed else raw
+    return Parsed(body=body, stream=stream, model=model, data=data)
+
+
+def _cap(data: dict[str, Any], fields: tuple[str, ...], cap: int) -> bool:
+    """Apply `cap` as the default and the ceiling of the route's limit fields."""
+    if not fields:
+        return False
+    changed = False
+    used = False
+    for name in fields:
+        value = data.get(name)
+        if value is None:
+            continue
+        used = True
+        if value > cap:
+            data[name] = cap
+            changed = True
+    # llama-server's own spelling overrides the OpenAI ones: cap it as well.
+    n_predict = data.get("n_predict")
+    if n_predict is not None:
+        used = True
+        if n_predict == -1 or n_predict > cap:
+            data["n_predict"] = cap
+            changed = True
+    if not used:
+        data[fields[0]] = cap
+        for name in fields[1:]:
+            if name in data:  # present as null: a default, like the others
+                data[name] = cap
+        changed = True
+    return changed
+
+
+def _dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A Python frame per JSON object: a point where the GIL can change hands.
+    return dict(pairs)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _int(value) and value > 0

@@ -1,0 +1,145 @@
+"""`gguf-studio` as a user runs it: a real process, real output, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.model_factory import write_not_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.app.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, env=env, timeout=120, **kwargs)
+
+
+@pytest.fixture
+def user_dirs(tmp_path: Path) -> dict:
+    """A user with no saved settings, logs kept in tmp."""
+    return dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "config"),
+                XDG_STATE_HOME=str(tmp_path / "state"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+
+
+def test_inspect_prints_the_models_card(tiny_model):
+    out = cli("inspect", str(tiny_model))
+    assert out.returncode == 0
+    assert "llama" in out.stdout
+
+
+def test_inspect_json_is_machine_readable(tiny_model):
+    info = json.loads(cli("inspect", str(tiny_model), "--json").stdout)
+    assert info["architecture"] == "llama"
+    assert info["has_chat_template"] is True
+
+
+def test_inspect_of_a_broken_file_is_one_clear_line(tmp_path):
+    out = cli("inspect", str(write_not_gguf(tmp_path / "notes.gguf")))
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1
+    assert "notes.gguf" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_refuses_a_lan_bind_without_a_key(tiny_model, user_dirs):
+    env = {k: v for k, v in user_dirs.items() if k != "GGUF_STUDIO_API_KEY"}
+    out = cli("serve", "--model", str(tiny_model), "--host", "0.0.0.0", env=env)
+    assert out.returncode == 1
+    assert "without an API key" in out.stderr and "--allow-no-key" in out.stderr
+
+
+def test_serve_runs_until_interrupted_and_leaves_no_engine_behind(tiny_model, llama_server_binary,
+                                                                  user_dirs):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--model", str(tiny_model), "--port", "0",
+         "--parallel", "2", "--ctx-size", "2048", "--llama-server", str(llama_server_binary)],
+        cwd=ROOT, env=user_dirs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("[ready]") or line.startswith("[failed]"):
+                break
+        assert lines[-1].startswith(
+            "[ready] tiny: effective parallel slots 2, context 1024 per slot; "
+            "KV cache: up to 2 requests at once; each slot has its own 1,024 tokens; "
+            "runs on the CPU; memory: ")
+        url = next(l.strip() for l in lines if l.strip().startswith("http://"))
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", url)
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        assert health["effective_parallel_slots"] == 2
+        engine_pid = _engine_pid(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert not Path(f"/proc/{engine_pid}").exists()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def _engine_pid(parent: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent and "llama-server" in stat:
+                return int(entry.name)
+    raise AssertionError("no llama-server child")
+
+
+def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list_and_allows_origins(tmp_path, user_dirs):
+    key = "gs-kept-out-of-ps-" + os.urandom(8).hex()
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    env = {k: v for k, v in user_dirs.items() if not k.startswith("GGUF_STUDIO_API_KEY")}
+    # Attached to an upstream that never answers: the port opens all the same.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--upstream", "http://127.0.0.1:9",
+         "--port", "0", "--api-key-file", str(key_file),
+         "--allow-origin", "https://chat.example.com"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = ""
+        for line in proc.stdout:
+            if line.strip().startswith("http://"):
+                url = line.strip().removesuffix("/v1")
+                break
+        assert url, proc.stderr.read()
+        listing = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(proc.pid)],
+                                 capture_output=True, text=True, check=True).stdout
+        assert "--api-key-file" in listing and key not in listing
+        assert key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert httpx.get(url + "/v1/models").status_code == 401
+        answer = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}",
+                                                        "Origin": "https://chat.example.com"})
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://chat.example.com"
+        foreign = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}",
+                                                         "Origin": "https://evil.example"})
+        assert foreign.status_code == 403
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert not (Path(user_dirs["XDG_CONFIG_HOME"]) / "gguf-studio" / "settings.json").exists()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_serve_reads_the_upstream_key_file_and_says_when_it_cannot(tmp_path, user_dirs):
+    out = cli("serve", "--upstream", "http://127.0.0.1:9", "--port", "0",
+              "--upstream-api-key-file", str(tmp_path / "missing.key"), env=user_dirs)
+    assert out.returncode == 1
+    assert "missing.key cannot be read" in out.stderr and "Traceback" not in out.stderr

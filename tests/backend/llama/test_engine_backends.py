@@ -1,0 +1,78 @@
+"""Engines per backend: their build keys, what a build needs, and which one a load uses."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from backend.llama.accelerators import detect
+from backend.llama.engine import BuildKey, Engine, backend_cmake_args, plan_build
+from backend.errors import BuildToolMissing
+from tests.backend.test_accelerators import (
+    NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
+)
+from tests.backend.test_engine import fake_executable
+
+
+def plan(backend: str, probes, tmp_path: Path):
+    return asyncio.run(plan_build(backend, tmp_path, accelerators=detect(probes)))
+
+
+def test_each_backend_has_its_own_key_and_the_cpu_key_is_unchanged():
+    cpu = BuildKey()
+    assert cpu.name == "llama.cpp-0.3.36-788912df729d"  # engines built before GPU backends
+    vulkan = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan",
+                      toolkit=("vulkan-headers=1.4.309",))
+    assert vulkan.name.startswith("llama.cpp-0.3.36-vulkan-")
+    other_headers = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan",
+                             toolkit=("vulkan-headers=1.4.321",))
+    assert len({cpu.name, vulkan.name, other_headers.name}) == 3
+
+
+def test_the_cuda_plan_points_cmake_at_the_toolkit_without_putting_paths_in_the_key(tmp_path):
+    files = {"/usr/local/cuda/bin/nvcc": "", "/usr/local/cuda/include/cublas_v2.h": "",
+             "/usr/lib/x86_64-linux-gnu/libcuda.so": ""}
+    probes = machine(tools=["nvidia-smi"], files=files, outputs={
+        "nvidia-smi": NVIDIA_SMI, "nvcc": "Cuda compilation tools, release 12.4, V12.4.131"})
+    cuda = plan("cuda", probes, tmp_path)
+    assert cuda.key.extra_cmake_args == ("-DGGML_CUDA=ON",)
+    assert cuda.key.toolkit == ("nvcc=12.4",)
+    assert "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc" in cuda.machine_args
+    assert "/usr/local" not in cuda.key.name
+
+
+def test_building_without_the_toolkit_fails_first_with_the_install_line(tmp_path):
+    probes = machine(tools=["nvidia-smi"], outputs={"nvidia-smi": NVIDIA_SMI})
+    with pytest.raises(BuildToolMissing, match="Install: pip install nvidia-cuda-nvcc"):
+        plan("cuda", probes, tmp_path)
+    with pytest.raises(BuildToolMissing, match="Metal exists only on macOS"):
+        plan("metal", probes, tmp_path)
+
+
+def test_the_cpu_engine_on_macos_leaves_metal_out():
+    assert backend_cmake_args("cpu", "Darwin") == ("-DGGML_METAL=OFF",)
+    assert backend_cmake_args("cpu", "Linux") == ()
+    assert backend_cmake_args("metal", "Darwin") == ("-DGGML_METAL=ON",)
+
+
+def test_a_machine_with_a_gpu_loads_with_its_engine_and_falls_back_to_the_cpu_one(tmp_path):
+    engine = Engine(data_dir=tmp_path / "data")
+    cpu = fake_executable(engine.managed_binary())
+    environ = {"PATH": str(tmp_path / "empty")}
+    wanted = detect(machine(tools=["vulkaninfo", "glslc"], files=vulkan_dev_files(),
+                            outputs={"vulkaninfo": VULKANINFO_DISCRETE})).wanted()
+    assert wanted == ["vulkan", "cpu"]
+
+    before = engine.resolve(None, environ, backends=wanted)
+    assert before.chosen.path == cpu
+    assert any("engine build --backend vulkan" in line for line in before.describe())
+
+    key = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan", toolkit=("x",))
+    vulkan = fake_executable(engine.managed_binary(key))
+    after = engine.resolve(None, environ, backends=wanted)
+    assert after.chosen.path == vulkan and after.chosen.source == "managed vulkan"
+    assert engine.installed_backends() == {"cpu": cpu, "vulkan": vulkan}
+    # A machine without the GPU keeps using the CPU engine even with both installed.
+    assert engine.resolve(None, environ, backends=["cpu"]).chosen.path == cpu

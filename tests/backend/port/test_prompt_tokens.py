@@ -1,0 +1,352 @@
+"""Counting prompt tokens before admission, against the real llama-server and tiny model.
+
+Every count is compared with what the engine itself reports as the prompt of a real
+request (`usage` of a one-token completion): the same template, tokenizer and special
+tokens, or the admission's arithmetic would be wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backend.port.admission import AdmissionQueue, KvCapacity
+from backend.errors import ContextLengthExceeded
+from backend.port.prompt_tokens import (
+    DEFAULT_OUTPUT_TOKENS,
+    IMAGE_TOKENS,
+    MIN_OUTPUT_TOKENS,
+    TEXT_SLACK,
+    HttpEngineTokenizer,
+    PromptCount,
+    PromptCounter,
+    output_budget,
+    request_need,
+    token_need,
+)
+from backend.llama.supervisor import pick_free_port
+
+CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+    "/v1/embeddings")
+
+TOOL = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the project and return its text.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+ENGINE_KEY = "engine-only-key"
+LONG_SYSTEM = "You are a careful coding agent. " * 40
+
+
+@pytest.fixture(scope="module")
+def engine_url(llama_server_binary: Path, tiny_model: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real llama-server for the module, started with the product's flags that
+    matter for counting (--jinja renders the model's own chat template, and a key that
+    the tokenizer must send, as GGUF Studio's engines require)."""
+    port = pick_free_port()
+    engine_dir = tmp_path_factory.mktemp("engine")
+    (engine_dir / "key").write_text(ENGINE_KEY + "\n")
+    log = (engine_dir / "llama-server.log").open("wb")
+    child = subprocess.Popen(
+        [str(llama_server_binary), "-m", str(tiny_model), "--host", "127.0.0.1",
+         "--port", str(port), "-np", "2", "-c", "8192", "--jinja", "--no-webui",
+         "--embeddings", "--pooling", "mean", "-t", "1",
+         "--api-key-file", str(engine_dir / "key")], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert child.poll() is None, "llama-server exited during load"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "llama-server did not become healthy"
+            time.sleep(0.05)  # polling a real condition, with a deadline
+        yield url
+    finally:
+        child.terminate()
+        child.wait(10)
+        log.close()
+
+
+@pytest.fixture
+async def counter(engine_url: str) -> Iterator[PromptCounter]:
+    tokenizer = HttpEngineTokenizer(engine_url, api_key=ENGINE_KEY)
+    yield PromptCounter(tokenizer)
+    await tokenizer.aclose()
+
+
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    """An address where nothing listens: bound, so no one else takes it, never listening."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
+async def engine_prompt_tokens(engine_url: str, route: str, body: dict) -> int:
+    """The prompt size llama-server reports for a real one-token request of `body`."""
+    body = dict(body, stream=False)
+    if route == RESPONSES:
+        body["max_output_tokens"] = 1
+    elif route != EMBEDDINGS:
+        body["max_tokens"] = 1
+    async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {ENGINE_KEY}"}) as client:
+        response = await client.post(engine_url + route, json=body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    if route == MESSAGES:  # Anthropic splits off what came from the prompt cache
+        return (usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+                + usage.get("cache_creation_input_tokens", 0))
+    return usage.get("prompt_tokens", usage.get("input_tokens"))
+
+
+async def counted(counter: PromptCounter, route: str, body: dict,
+                  fits_below: int = 0) -> PromptCount:
+    return await counter.count(route, body, len(json.dumps(body).encode()),
+                               fits_below=fits_below)
+
+
+CASES = {
+    "chat with system prompt and tools": (CHAT, {
+        "messages": [{"role": "system", "content": LONG_SYSTEM},
+                     {"role": "user", "content": "Open README.md and summarise it."}],
+        "tools": [TOOL]}),
+    "chat with a tool call and its result": (CHAT, {
+        "messages": [
+            {"role": "user", "content": "What is in a.txt?"},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "read_file", "arguments": "{\"path\":\"a.txt\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "hello from a"}],
+        "tools": [TOOL]}),
+    "completions prompt string": (COMPLETIONS, {"prompt": "def fib(n):\n    return"}),
+    "completions token array": (COMPLETIONS, {"prompt": [1, 450, 4996, 17354, 1701]}),
+    "responses with instructions, items and tools": (RESPONSES, {
+        "instructions": LONG_SYSTEM,
+        "input": [{"type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": "List the files."}]}],
+        "tools": [{"type": "function", "name": "read_file",
+                   "description": "Read a file.", "parameters": TOOL["function"]["parameters"]}]}),
+    "responses with a plain input string": (RESPONSES, {"input": "Say hello."}),
+    "messages with system, blocks and tools": (MESSAGES, {
+        "system": LONG_SYSTEM,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Fix the bug."}]}],
+        "tools": [{"name": "read_file", "description": "Read a file.",
+                   "input_schema": TOOL["function"]["parameters"]}]}),
+    "embeddings input": (EMBEDDINGS, {"input": "the quick brown fox"}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_count_matches_the_prompt_tokens_the_engine_reports(counter, engine_url, case):
+    route, body = CASES[case]
+    count = await counted(counter, route, body)
+    assert count.how in ("engine", "exact")
+    assert count.tokens == await engine_prompt_tokens(engine_url, route, body)
+
+
+async def test_short_request_is_bounded_by_its_bytes_without_asking_the_engine(
+        counter, engine_url):
+    body = {"messages": [{"role": "user", "content": "Hi!"}]}
+    first = await counted(counter, CHAT, body, fits_below=4096)  # measures the template
+    real = await engine_prompt_tokens(engine_url, CHAT, body)
+    asks = []
+    original = counter.tokenizer.count_input_tokens
+
+    async def spy(route, body):
+        asks.append(route)
+        return await original(route, body)
+    counter.tokenizer.count_input_tokens = spy
+
+    again = await counted(counter, CHAT, body, fits_below=4096)
+
+    assert first.how == again.how == "bound" and asks == []
+    assert real <= again.tokens <= real + len(json.dumps(body)) + 2 * TEXT_SLACK
+    assert counter.template_base is not None
+
+
+SHORT_BODIES = [
+    (CHAT, {"messages": [{"role": "user", "content": "x"}] * 40}),  # many tiny messages
+    (CHAT, {"messages": [{"role": "system", "content": "Réponds en français, s'il te plaît."},
+                         {"role": "user", "content": "Привет, как дела? 你好 🙂"}]}),
+    (RESPONSES, {"input": [{"role": "user", "content": "a"},
+                           {"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": "b"}]}] * 10}),
+    (MESSAGES, {"system": "Be brief.", "messages": [{"role": "user", "content": "?"}] * 20}),
+    (COMPLETIONS, {"prompt": "   \n\n\t  spaces    and\ttabs  \n" * 5}),
+    (CHAT, {"messages": CASES["chat with a tool call and its result"][1]["messages"] * 3}),
+]
+
+
+@pytest.mark.parametrize("index", range(len(SHORT_BODIES)))
+async def test_the_byte_bound_is_never_below_the_engines_count(counter, engine_url, index):
+    route, body = SHORT_BODIES[index]
+    bound = await counted(counter, route, body, fits_below=1 << 20)
+    assert bound.how == "bound"
+    assert bound.tokens >= await engine_prompt_tokens(engine_url, route, body)
+
+
+async def test_a_request_above_the_bound_threshold_is_counted_by_the_engine(counter):
+    body = {"messages": [{"role": "user", "content": "word " * 300}]}
+    count = await counted(counter, CHAT, body, fits_below=100)
+    assert count.how == "engine"
+
+
+async def test_an_engine_without_the_counting_route_is_asked_for_template_and_tokens(
+        engine_url):
+    class OlderEngine(HttpEngineTokenizer):
+        """A real engine whose counting route does not exist (404), as on older builds."""
+
+        async def count_input_tokens(self, route, body):
+            return len(await self._post("/v1/no-such-route", body))
+
+    tokenizer = OlderEngine(engine_url, api_key=ENGINE_KEY)
+    route, body = CASES["chat with system prompt and tools"]
+    try:
+        count = await counted(PromptCounter(tokenizer), route, body)
+    finally:
+        await tokenizer.aclose()
+    assert count.how == "engine"
+    assert count.tokens == await engine_prompt_tokens(engine_url, route, body)
+
+
+async def test_unreachable_engine_falls_back_to_a_conservative_estimate_logged_once(
+        engine_url, dead_url, caplog):
+    tokenizer = HttpEngineTokenizer(dead_url)
+    counter = PromptCounter(tokenizer)
+    caplog.set_level(logging.WARNING, "backend.port.prompt_tokens")
+    estimates = {}
+    for case in ("chat with system prompt and tools", "responses with instructions, "
+                 "items and tools", "messages with system, blocks and tools",
+                 "completions prompt string"):
+        route, body = CASES[case]
+        estimates[case] = (await counted(counter, route, body), route, body)
+    await tokenizer.aclose()
+
+    for case, (estimate, route, body) in estimates.items():
+        assert estimate.how == "estimate", case
+        assert estimate.tokens >= await engine_prompt_tokens(engine_url, route, body), case
+    warnings = [r for r in caplog.records if "could not count" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+async def test_an_engine_that_does_not_answer_in_time_falls_back(engine_url):
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader, writer):  # accepts, reads, never answers
+        accepted.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tokenizer = HttpEngineTokenizer(f"http://127.0.0.1:{port}")
+    counter = PromptCounter(tokenizer, timeout=0.2)
+    route, body = CASES["chat with system prompt and tools"]
+    try:
+        started = time.monotonic()
+        estimate = await counted(counter, route, body)
+        short = await counted(counter, CHAT, {"messages": [{"role": "user", "content": "hi"}]},
+                              fits_below=4096)  # the template probe times out too
+        elapsed = time.monotonic() - started
+    finally:
+        await tokenizer.aclose()
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert estimate.how == short.how == "estimate"
+    assert elapsed < 3  # two timeouts of 0.2 s, never the default 10 s
+    assert estimate.tokens >= await engine_prompt_tokens(engine_url, route, body)
+
+
+async def test_images_are_estimated_at_image_tokens_each_not_by_their_bytes(dead_url):
+    tokenizer = HttpEngineTokenizer(dead_url)
+    counter = PromptCounter(tokenizer, timeout=2)
+    picture = "data:image/png;base64," + "A" * 200_000
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": picture}}]}]}
+    try:
+        estimate = await counted(counter, CHAT, body)
+    finally:
+        await tokenizer.aclose()
+    assert estimate.how == "estimate"
+    assert IMAGE_TOKENS <= estimate.tokens < IMAGE_TOKENS + 2_000
+
+
+# --- output budget --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route, body, expected", [
+    (CHAT, {"max_tokens": 300}, 300),
+    (CHAT, {"max_completion_tokens": 500}, 500),
+    (RESPONSES, {"max_output_tokens": 700}, 700),
+    (COMPLETIONS, {"n_predict": 900}, 900),
+    (COMPLETIONS, {"n_predict": -1}, DEFAULT_OUTPUT_TOKENS),
+    (RESPONSES, {}, DEFAULT_OUTPUT_TOKENS),  # Codex sends no limit
+    (EMBEDDINGS, {"max_tokens": 50}, 0),
+])
+def test_output_budget_is_the_requests_own_limit_or_the_default(route, body, expected):
+    assert output_budget(route, body, prompt_tokens=100, limit=32_768) == expected
+
+
+def test_output_budget_is_capped_by_the_operator_and_by_the_room_left():
+    assert output_budget(CHAT, {"max_tokens": 9_000}, prompt_tokens=10, limit=32_768,
+                         cap=2_000) == 2_000
+    assert output_budget(CHAT, {}, prompt_tokens=10, limit=32_768, cap=1_000,
+                         default=8_192) == 1_000
+    assert output_budget(CHAT, {"max_tokens": 9_000}, prompt_tokens=30_000,
+                         limit=32_768) == 2_768
+    assert output_budget(CHAT, {}, prompt_tokens=32_760, limit=32_768) == MIN_OUTPUT_TOKENS
+
+
+def test_a_prompt_that_leaves_no_room_for_a_reply_is_refused_by_admission():
+    queue = AdmissionQueue("http://127.0.0.1:1", 4, kv=KvCapacity.shared(32_768))
+    fits = token_need(CHAT, {}, PromptCount(31_000, "engine"), limit=32_768)
+    too_long = token_need(CHAT, {}, PromptCount(32_760, "engine"), limit=32_768)
+
+    assert fits.total == 32_768 and queue.request(need=fits).admitted
+    with pytest.raises(ContextLengthExceeded) as refused:
+        queue.request(need=too_long)
+    assert "32,760 prompt tokens" in str(refused.value)
+
+
+async def test_four_short_requests_fit_a_unified_cache_on_four_slots_without_counting(
+        counter, engine_url):
+    kv = KvCapacity.shared(16_384)
+    queue = AdmissionQueue(engine_url, 4, kv=kv)
+    body = {"messages": [{"role": "system", "content": "You are a coding agent."},
+                         {"role": "user", "content": "Rename foo to bar in main.py."}]}
+    real = await engine_prompt_tokens(engine_url, CHAT, body)
+
+    needs = [await request_need(counter, CHAT, body, len(json.dumps(body)), kv=kv, slots=4)
+             for _ in range(4)]
+
+    assert all(need.prompt > real and need.output == DEFAULT_OUTPUT_TOKENS
+               for need in needs)  # the byte bound: more than the exact count
+    assert counter.template_base is not None  # bounded, not counted: the template probe
+    assert all(queue.request(need=need).admitted for need in needs)
+
+
+async def test_a_long_request_is_counted_exactly_and_its_budget_fits_the_room(
+        counter, engine_url):
+    kv = KvCapacity.shared(8_192)
+    body = {"messages": [{"role": "user", "content": "lorem ipsum dolor " * 600}]}
+    real = await engine_prompt_tokens(engine_url, CHAT, body)
+
+    need = await request_need(counter, CHAT, body, len(json.dumps(body)), kv=kv, slots=2)
+
+    assert need.prompt == real
+    assert need.total == min(8_192, real + DEFAULT_OUTPUT_TOKENS)

@@ -1,0 +1,119 @@
+"""Serving the port: its connections under slow and idle clients, a port already taken,
+and a stop that ends running streams cleanly.  Real sockets against a real port (the
+fake upstream answers the gated requests, as the engine is not the point)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import AsyncIterator
+
+import pytest
+
+from backend.errors import SettingsError
+from backend.port.gateway import create_app
+from backend.port.server import GatewayServer
+from tests.backend.gateway_harness import CHAT, Gateway, chat, events, open_gateway, stream, until
+
+#: What a slowloris client dribbles, one byte at a time: a head that never ends.
+HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Padding: " + b"a" * 10_000
+
+
+@contextlib.asynccontextmanager
+async def slowloris(port: int, sockets: int) -> AsyncIterator[list[socket.socket]]:
+    """`sockets` connections, each sending its head byte by byte every 50 ms."""
+    loop = asyncio.get_running_loop()
+    opened: list[socket.socket] = []
+
+    async def dribble(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            for byte in HEAD:
+                await loop.sock_sendall(sock, bytes([byte]))
+                await asyncio.sleep(0.05)  # the attacker's pace, not a synchronisation
+
+    for _ in range(sockets):
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        opened.append(sock)
+    tasks = [asyncio.create_task(dribble(sock)) for sock in opened]
+    try:
+        yield opened
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in opened:
+            sock.close()
+
+
+async def closed_by_server(sock: socket.socket) -> None:
+    """Returns once the server closed `sock` (end of stream or reset)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            if not await loop.sock_recv(sock, 65536):
+                return
+        except (ConnectionResetError, BrokenPipeError):
+            return
+
+
+def server_connections(gw: Gateway) -> int:
+    return len(gw.server._server.server_state.connections)
+
+
+async def test_a_slowloris_flood_neither_holds_more_connections_than_allowed_nor_blocks_a_client(gw):
+    gw.configure(max_connections=40, header_timeout=30.0)
+    async with slowloris(gw.server.port, 60):
+        await until(lambda: server_connections(gw) >= 30)
+        # The oldest connections that never sent a whole head make room for newer ones.
+        assert server_connections(gw) <= 40
+        health = await asyncio.wait_for(gw.client.get("/health"), 5)
+        assert health.status_code == 200
+        answer = await asyncio.wait_for(gw.client.post(CHAT, json=chat()), 5)
+        assert answer.status_code == 200
+        assert server_connections(gw) <= 40
+
+
+async def test_a_head_that_takes_longer_than_the_header_timeout_is_dropped(gw):
+    gw.configure(header_timeout=0.5)
+    async with slowloris(gw.server.port, 3) as sockets:
+        # Still sending, a byte every 50 ms: only the timeout can end it.
+        await asyncio.wait_for(asyncio.gather(*(closed_by_server(s) for s in sockets)), 10)
+    health = await gw.client.get("/health")
+    assert health.status_code == 200
+
+
+async def test_a_body_that_stops_arriving_is_a_408(gw, fake):
+    gw.configure(header_timeout=0.5)
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+        await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                      b"Content-Type: application/json\r\n"
+                                      b"Content-Length: 100\r\n\r\n{\"model\":")
+        answer = await asyncio.wait_for(loop.sock_recv(sock, 65536), 10)
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert b'"code": "request_timeout"' in answer
+    assert fake.requests == []
+    await until(lambda: gw.registry.total_waiting == 0 and gw.registry.total_active == 0)
+
+
+async def test_a_taken_port_is_a_clear_settings_error(gw):
+    with pytest.raises(SettingsError, match="already in use"):
+        await GatewayServer.start(create_app(gw.ctx), "127.0.0.1", gw.server.port)
+
+
+async def test_stop_ends_running_streams_cleanly(fake):
+    async with open_gateway(fake.base_url, fake.slots) as gw:
+        task = asyncio.create_task(stream(gw.client, CHAT, chat(True, fake={"hang": True})))
+        await until(lambda: gw.registry.total_active == 1)
+        await asyncio.wait_for(gw.server.stop(grace=0.1), 5)
+        response, raw = await asyncio.wait_for(task, 5)
+    assert response.status_code == 200
+    parsed = events(raw)
+    assert parsed[-2]["data"]["error"]["code"] == "model_not_ready"
+    assert parsed[-1]["data"] == "[DONE]"
+    assert gw.registry.total_active == 0

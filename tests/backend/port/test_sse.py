@@ -1,0 +1,76 @@
+"""The relay's byte handling, chunk by chunk: whole events only, one response id, and
+error texts scrubbed of internals."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.port.http_errors import scrub
+from backend.port.sse import EventFramer, ResponsesRewriter
+
+
+
+# --- the relay's byte handling, chunk by chunk ----------------------------------------------
+
+
+def relay_through(chunks: list[bytes], our_id: str | None) -> tuple[list[bytes], ResponsesRewriter]:
+    framer, rewriter = EventFramer(), ResponsesRewriter(our_id)
+    sent = [rewriter.feed(framer.feed(chunk)) for chunk in chunks]
+    sent.append(rewriter.feed(framer.flush()) + rewriter.flush())
+    return sent, rewriter
+
+
+UPSTREAM_HEAD = (b'event: response.created\ndata: {"type":"response.created","response":'
+                 b'{"id":"resp_up1","object":"response","status":"in_progress"}}\n\n')
+UPSTREAM_BODY = (b'event: response.in_progress\ndata: {"type":"response.in_progress","response":'
+                 b'{"id":"resp_up1"}}\n\nevent: response.completed\ndata: {"type":"response.completed",'
+                 b'"response":{"id":"resp_up1","status":"completed"}}\n\n')
+
+
+@pytest.mark.parametrize("cut", [1, 7, 30, len(UPSTREAM_HEAD) - 1, len(UPSTREAM_HEAD) + 40,
+                                 len(UPSTREAM_HEAD) + 75])
+def test_the_upstream_id_is_replaced_wherever_the_chunks_are_cut(cut):
+    stream_ = b": ping\n\n" + UPSTREAM_HEAD + UPSTREAM_BODY
+    sent, rewriter = relay_through([stream_[:cut], stream_[cut:]], "resp_ours")
+    out = b"".join(sent)
+    assert rewriter.upstream_id == "resp_up1" and rewriter.client_id == "resp_ours"
+    assert b"resp_up1" not in out and b"response.created" not in out
+    assert out.startswith(b": ping\n\n")
+    assert out.count(b'"id":"resp_ours"') == 2
+    assert all(not chunk or chunk.endswith(b"\n\n") for chunk in sent), "whole events only"
+
+
+def test_a_stream_nobody_waited_for_keeps_the_upstream_id():
+    sent, rewriter = relay_through([UPSTREAM_HEAD + UPSTREAM_BODY], None)
+    assert b"".join(sent) == UPSTREAM_HEAD + UPSTREAM_BODY
+    assert rewriter.client_id == "resp_up1"
+
+
+def test_a_stream_that_does_not_start_with_response_created_is_passed_on():
+    error = b'data: {"error":{"code":500,"message":"x"}}\n\n'
+    sent, rewriter = relay_through([error, UPSTREAM_BODY], "resp_ours")
+    assert b"".join(sent) == error + UPSTREAM_BODY
+    assert rewriter.client_id == "resp_ours"
+
+
+def test_the_framer_holds_partial_events_and_understands_crlf():
+    framer = EventFramer()
+    assert framer.feed(b"data: 1\n\ndata: 2") == b"data: 1\n\n"
+    assert framer.feed(b"2\n") == b""
+    assert framer.feed(b"\ndata: 3\r\n\r\n") == b"data: 22\n\ndata: 3\r\n\r\n"
+    assert framer.feed(b"data: half") == b""
+    framer.drop()  # the upstream died: the half event is never sent
+    assert framer.flush() == b""
+    big = b"x" * (EventFramer.LIMIT + 1)
+    assert framer.feed(big) == big, "not SSE at all: let it through rather than hoard it"
+
+
+def test_scrub_removes_internals_but_keeps_the_sentence():
+    text = ("cannot open /home/ann/models/llama 3.gguf or C:\\Users\\ann\\m.gguf via "
+            "http://127.0.0.1:8080/slots at 10.0.0.5:8080, [::1]:9000 and localhost:1234")
+    cleaned = scrub(text)
+    for needle in ("/home", "C:\\", "127.0.0.1", "10.0.0.5", "8080", "9000", "1234", "http"):
+        assert needle not in cleaned
+    assert cleaned.startswith("cannot open")
+    assert scrub("request (9000 tokens) exceeds the available context size (4096 tokens)") == \
+        "request (9000 tokens) exceeds the available context size (4096 tokens)"
