@@ -280,8 +280,9 @@ class ModelView(QWidget):
         busy = snapshot.state in (State.STARTING, State.STOPPING)
         self.progress.setVisible(busy)
         self.state.setText(describe_state(snapshot))
-        slots = snapshot.effective_parallel_slots
-        if snapshot.state is State.READY and slots:
+        serving = snapshot.serving
+        if serving is not None:
+            slots = serving.slots
             text = f"Effective parallel slots: <b>{slots}</b>"
             differs = requested_parallel is not None and requested_parallel != "auto" \
                 and int(requested_parallel) != slots
@@ -290,10 +291,10 @@ class ModelView(QWidget):
                          "llama-server decided otherwise")
             elif requested_parallel == "auto":
                 text += " (chosen by llama-server)"
-            if snapshot.context_length:
-                text += f" · context {snapshot.context_length:,} tokens per slot"
-            if snapshot.kv is not None:
-                text += "<br>" + snapshot.describe_kv()
+            if serving.context_length:
+                text += f" · context {serving.context_length:,} tokens per slot"
+            if serving.kv is not None:
+                text += "<br>" + serving.describe_kv()
             self.slots.setText(text)
             self.slots_icon.setVisible(differs)
             self.slots.setProperty("differs", differs)

@@ -279,8 +279,8 @@ class MainWindow(QMainWindow):
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         self.model_view.set_state(snapshot)
-        ready = snapshot.state is State.READY
-        self.sharing.set_model(snapshot.model_id, snapshot.context_length if ready else None)
+        serving = snapshot.serving
+        self.sharing.set_model(snapshot.model_id, serving.context_length if serving else None)
         self.status_state.setText(describe_state(snapshot))
 
     # --- sharing ------------------------------------------------------------------------------

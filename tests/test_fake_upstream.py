@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 from backend.llama.kv_capacity import KvCapacity
-from backend.port.prompt_tokens import TEXT_SLACK, HttpEngineTokenizer, PromptCounter, request_need
+from backend.llama.load import Serving
+from backend.port.need_planner import NeedPlanner
+from backend.port.prompt_tokens import TEXT_SLACK, HttpEngineTokenizer, PromptCounter
 from tests.fake_upstream import FakeUpstream
 
 CHAT = "/v1/chat/completions"
@@ -24,13 +26,12 @@ async def test_a_port_counts_long_prompts_with_the_fake_and_bounds_short_ones():
         tokenizer = HttpEngineTokenizer(fake.base_url)
         counter = PromptCounter(tokenizer)
         kv = KvCapacity.shared(slots * 4096)
+        planner = NeedPlanner(Serving(fake.base_url, slots, kv=kv), counter)
         try:
             short, long_ = body("Hello"), body("word " * 3200)
-            short_need = await request_need(counter, CHAT, short, len(json.dumps(short)),
-                                            kv=kv, slots=slots)
+            short_need = await planner.request_need(CHAT, short, len(json.dumps(short)))
             probes = len(fake.counted)  # the template's fixed part, measured once
-            long_need = await request_need(counter, CHAT, long_, len(json.dumps(long_)),
-                                           kv=kv, slots=slots)
+            long_need = await planner.request_need(CHAT, long_, len(json.dumps(long_)))
         finally:
             await tokenizer.aclose()
     assert probes == 1 and fake.counted[0].body["messages"][0]["content"] == "x"

@@ -190,13 +190,13 @@ class ActivitySampler:
         engine: EngineClient | None = None
         try:
             while True:
-                snapshot = self.service.snapshot()
-                base_url = snapshot.base_url
-                if base_url and (engine is None or engine.base_url != base_url
-                                 or engine.api_key != snapshot.api_key):
+                serving = self.service.snapshot().serving
+                base_url = serving.base_url if serving is not None else None
+                if serving is not None and (engine is None or engine.base_url != serving.base_url
+                                            or engine.api_key != serving.api_key):
                     if engine is not None:
                         await engine.aclose()
-                    engine = EngineClient(base_url, api_key=snapshot.api_key, timeout=5.0)
+                    engine = EngineClient(serving.base_url, api_key=serving.api_key, timeout=5.0)
                 if base_url and engine is not None:
                     text = await engine.metrics_text()
                     value = parse_prometheus_value(text, "llamacpp:tokens_predicted_total") \

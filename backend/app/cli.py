@@ -184,12 +184,13 @@ async def _serve_async(settings: Settings, attach: bool, upstream_key: str | Non
 
     def report(snapshot: Snapshot) -> None:
         line = f"[{snapshot.state.value}]"
-        if snapshot.state is State.READY:
-            line += f" {snapshot.model_id}: effective parallel slots {snapshot.effective_parallel_slots}"
-            if snapshot.context_length:
-                line += f", context {snapshot.context_length} per slot"
-            if snapshot.kv is not None and snapshot.effective_parallel_slots:
-                line += f"; KV cache: {snapshot.kv.describe(snapshot.effective_parallel_slots)}"
+        serving = snapshot.serving
+        if serving is not None:
+            line += f" {snapshot.model_id}: effective parallel slots {serving.slots}"
+            if serving.context_length:
+                line += f", context {serving.context_length} per slot"
+            if serving.kv is not None:
+                line += f"; KV cache: {serving.kv.describe(serving.slots)}"
             if snapshot.engine:
                 line += f"; runs on {snapshot.engine.summary()}"
         if snapshot.error:

@@ -130,7 +130,7 @@ async def _run(model: Path, llama_server: str | os.PathLike | None,
         choice = answer["choices"][0]
         text = (choice.get("message") or {}).get("content") or ""
         return (f"{snapshot.model_id} loaded in {load_seconds:.1f} s "
-                f"({snapshot.effective_parallel_slots} slot, ctx {ctx_size}); "
+                f"({snapshot.serving.slots if snapshot.serving else 0} slot, ctx {ctx_size}); "
                 f"1 chat completion through port {port} in {request_seconds:.2f} s "
                 f"({tokens if tokens is not None else '?'} tokens, finish_reason "
                 f"{choice.get('finish_reason')}, {len(text)} chars); "

@@ -101,8 +101,7 @@ class StudioService:
         check_bind_allowed(settings)
         old, self.settings = self.settings, settings
         self.registry.enabled = settings.admission_enabled
-        if self.registry.current is not None:
-            self.registry.set_capacity(self.registry.current.capacity)  # recomputes the line bound
+        self.registry.refresh_bounds()
         if self._gateway is not None and (old.host, old.port) != (settings.host, settings.port):
             await self.stop_gateway()
         return await self.start_gateway() if self._gateway is None else \
@@ -220,9 +219,8 @@ class StudioService:
 
     def _on_backend_snapshot(self, snapshot: Snapshot) -> None:
         previous, self._snapshot = self._snapshot, snapshot
-        if snapshot.state is State.READY and snapshot.base_url and snapshot.effective_parallel_slots:
-            self.registry.activate(snapshot.base_url, snapshot.effective_parallel_slots,
-                                   snapshot.kv, api_key=snapshot.api_key)
+        if snapshot.serving is not None:
+            self.registry.activate(snapshot.serving)
         elif previous.state is State.READY and snapshot.state is not State.READY:
             # A crash or a stop: nothing new may go to this load.
             self.registry.retire_current()

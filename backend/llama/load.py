@@ -145,6 +145,47 @@ class LoadSpec:
         return self.model_id or Path(self.model_path).name.removesuffix(".gguf")
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """An engine that serves: where it listens, its key, and what it holds.
+
+    Exists exactly while an engine serves (a `Snapshot` in state READY has one, any other
+    has None), so "not serving" is one `None`, never a set of cleared fields.  Admission
+    keeps one queue per `key`; a new process of the same load has a new port, hence a new
+    key and a new queue.
+    """
+
+    base_url: str
+    slots: int  #: the effective parallel slots, as the engine reported them
+    context_length: int | None = None  #: one request's limit (the per-slot context)
+    kv: KvCapacity | None = None  #: the engine's KV cache; None while unknown
+    #: What the engine's own port requires (a random key per start of a managed engine,
+    #: so no other local process can use it around the gateway's key and queue).
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    #: The `model` to send upstream when the engine is another port serving several models.
+    upstream_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+            raise ValueError(f"an engine serves with at least 1 slot, not {self.slots!r}")
+
+    @property
+    def key(self) -> str:
+        """The admission key: the base URL, and the model for a multi-model upstream."""
+        return self.base_url if self.upstream_model is None else f"{self.base_url}#{self.upstream_model}"
+
+    @property
+    def per_request(self) -> int | None:
+        """The most one request may hold: the cache's per-request limit, else the context."""
+        return self.kv.per_request if self.kv is not None else self.context_length
+
+    def describe_kv(self) -> str:
+        """What the engine really gave, for people; "" while the cache is unknown."""
+        if self.kv is None:
+            return ""
+        return "Engine gave: " + self.kv.describe(self.slots) + "."
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What a load looks like right now; listeners get a new one on every change."""
@@ -152,10 +193,8 @@ class Snapshot:
     state: State = State.STOPPED
     model_id: str | None = None
     model_path: str | None = None
-    base_url: str | None = None
-    effective_parallel_slots: int | None = None
-    context_length: int | None = None  # one request's limit (per slot)
-    kv: KvCapacity | None = None  # the engine's KV cache; None while not ready or unknown
+    #: Set exactly while READY: the engine's address, key, slots and cache.
+    serving: Serving | None = None
     restarts: int = 0
     restarting: bool = False
     error: str | None = None
@@ -167,15 +206,14 @@ class Snapshot:
     engine: EngineReport | None = None
     # The last load failed on the GPU; the same load with no GPU layers may work.
     cpu_retry_offered: bool = False
-    # The key the engine's own port requires (a random one per start of a managed engine,
-    # so no other local process can use the engine around the gateway's key and queue).
-    api_key: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.state is State.READY) != (self.serving is not None):
+            raise ValueError("a snapshot serves exactly while it is READY")
 
     def describe_kv(self) -> str:
         """What the engine really gave, for people; "" while unknown."""
-        if self.kv is None or not self.effective_parallel_slots:
-            return ""
-        return "Engine gave: " + self.kv.describe(self.effective_parallel_slots) + "."
+        return "" if self.serving is None else self.serving.describe_kv()
 
 
 def _flag_name(arg: str) -> str:
@@ -221,5 +259,9 @@ class SnapshotPublisher:
         self._listeners.add(listener)
 
     def _set_state(self, state: State, **changes: Any) -> None:
+        """The one way the state changes.  Leaving READY ends serving: the `Serving`
+        goes with it, so no caller spells out what "not serving" means."""
+        if state is not State.READY:
+            changes["serving"] = None
         self._snapshot = dataclasses.replace(self._snapshot, state=state, **changes)
         self._listeners(self._snapshot)

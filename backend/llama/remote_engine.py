@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from backend.llama.api import EngineClient
 from backend.errors import LoadError, SettingsError
 from backend.llama.kv_capacity import kv_from_props
-from backend.llama.load import LogListener, Snapshot, SnapshotPublisher, State
+from backend.llama.load import LogListener, Serving, Snapshot, SnapshotPublisher, State
 
 __all__ = ["RemoteEngine", "normalise_base_url"]
 
@@ -49,7 +49,7 @@ class RemoteEngine(SnapshotPublisher):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, kv=None)
+        self._set_state(State.STOPPED)
 
     async def close(self) -> None:
         await self.unload()
@@ -65,15 +65,15 @@ class RemoteEngine(SnapshotPublisher):
                     except LoadError as exc:
                         log.warning("remote engine is healthy but unusable: %s; retrying", exc)
                     else:
-                        self._set_state(State.READY, base_url=self.base_url, api_key=self.api_key,
-                                        effective_parallel_slots=props.effective_parallel_slots,
-                                        context_length=props.context_length,
-                                        kv=kv_from_props(props.context_length),
+                        serving = Serving(self.base_url, props.effective_parallel_slots,
+                                          context_length=props.context_length,
+                                          kv=kv_from_props(props.context_length),
+                                          api_key=self.api_key)
+                        self._set_state(State.READY, serving=serving,
                                         model_id=props.model_alias or "upstream",
                                         restarting=False, error=None)
                 elif not healthy and ready:
-                    self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
-                                    restarting=True, error="The upstream llama-server stopped answering.")
+                    self._set_state(State.STARTING, restarting=True, error="The upstream llama-server stopped answering.")
                 await asyncio.sleep(self.interval)
 
 

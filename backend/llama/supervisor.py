@@ -41,7 +41,8 @@ from backend.errors import (
 from backend.gpu_layers import NONE, gpu_layer_args
 from backend.listeners import Listeners
 from backend.llama.kv_capacity import context_args, kv_from_props
-from backend.llama.load import OWNED_FLAGS, LoadSpec, LogListener, Snapshot, SnapshotPublisher, State
+from backend.llama.load import (OWNED_FLAGS, LoadSpec, LogListener, Serving, Snapshot,
+                                SnapshotPublisher, State)
 
 __all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
 
@@ -141,15 +142,13 @@ class Supervisor(SnapshotPublisher):
             except asyncio.CancelledError:
                 pass
         if self._snapshot.state is not State.STOPPED:
-            self._set_state(State.STOPPED, base_url=None, effective_parallel_slots=None, kv=None, pid=None,
-                            restarting=False)
+            self._set_state(State.STOPPED, pid=None, restarting=False)
 
     # --- the task that owns the child ------------------------------------------------------
 
     async def _own(self, spec: LoadSpec, ready: asyncio.Future[Snapshot]) -> None:
         self._set_state(State.STARTING, model_id=spec.name, model_path=spec.model_path,
-                        requested=spec.settings, base_url=None, effective_parallel_slots=None, kv=None, context_length=None,
-                        restarts=0, restarting=False, error=None, pid=None, engine=None,
+                        requested=spec.settings, restarts=0, restarting=False, error=None, pid=None, engine=None,
                         cpu_retry_offered=False)
         restarts: deque[float] = deque()  # when each restart of this load happened
         bind_retries = 0
@@ -172,20 +171,19 @@ class Supervisor(SnapshotPublisher):
                         return
                     continue
                 bind_retries = 0
-                self._set_state(State.READY, base_url=child.base_url, api_key=child.key.value,
-                                effective_parallel_slots=props.effective_parallel_slots,
-                                context_length=props.context_length,
-                                kv=self._load_output.kv_capacity(props.effective_parallel_slots)
-                                or kv_from_props(props.context_length),
-                                restarting=False,
+                serving = Serving(child.base_url, props.effective_parallel_slots,
+                                  context_length=props.context_length,
+                                  kv=self._load_output.kv_capacity(props.effective_parallel_slots)
+                                  or kv_from_props(props.context_length),
+                                  api_key=child.key.value)
+                self._set_state(State.READY, serving=serving, restarting=False,
                                 error=None, pid=child.pid, engine=self._load_output.report())
                 if not ready.done():
                     ready.set_result(self._snapshot)
                 reason = await self._until_gone(child)
                 await child.stop(self.stop_timeout)
                 log.warning("%s", reason)
-                self._set_state(State.STARTING, base_url=None, effective_parallel_slots=None, kv=None,
-                                pid=None, restarting=True, error=reason)
+                self._set_state(State.STARTING, pid=None, restarting=True, error=reason)
                 if not await self._back_off(restarts, reason):
                     return
         except LoadError as exc:
@@ -219,8 +217,7 @@ class Supervisor(SnapshotPublisher):
             self._set_state(State.FAILED, error=(
                 f"{reason} Gave up: it had to be restarted {len(restarts)} times within "
                 f"{self.restart_window:g} seconds (at most {self.max_restarts}). Load the model "
-                "again to retry."), restarting=False, base_url=None, effective_parallel_slots=None,
-                kv=None, pid=None)
+                "again to retry."), restarting=False, pid=None)
             return False
         restarts.append(now)
         self._set_state(State.STARTING, restarts=self._snapshot.restarts + 1, restarting=True,
@@ -265,8 +262,7 @@ class Supervisor(SnapshotPublisher):
 
     def _fail(self, message: str, ready: asyncio.Future, exc: Exception,
               cpu_retry_offered: bool = False) -> None:
-        self._set_state(State.FAILED, error=message, base_url=None,
-                        effective_parallel_slots=None, kv=None, pid=None, restarting=False,
+        self._set_state(State.FAILED, error=message, pid=None, restarting=False,
                         cpu_retry_offered=cpu_retry_offered)
         if not ready.done():
             ready.set_exception(exc)
@@ -321,12 +317,6 @@ class Supervisor(SnapshotPublisher):
         self._log_tail.append(line)
         self._load_output.feed(line)
         self._log_listeners(line)
-
-    def _set_state(self, state: State, **changes: Any) -> None:
-        if "base_url" in changes and changes["base_url"] is None:
-            changes.setdefault("api_key", None)
-        super()._set_state(state, **changes)
-
 
 def build_command(binary: Path, spec: LoadSpec, port: int, *,
                   api_key_file: Path | None = None) -> list[str]:

@@ -1,8 +1,18 @@
-"""Who may talk to llama-server now, and who waits: one bounded FIFO per backend.
+"""Who may talk to an engine now, and who waits.
+
+Three nouns:
+
+- `AdmissionQueue`: the slots and KV tokens of one engine (one `Serving`, keyed by its
+  `key`: a new process of a load has a new port, hence a new queue);
+- `Line`: the waiters of one model, in front of every engine that serves it; a waiter
+  goes to whichever of them has room first;
+- `AdmissionRegistry`: the lines by model and the engines by key, and which engine is
+  the current one of each engine slot (a supervised or attached load whose successive
+  processes replace each other).
 
 Capacity is two numbers: free slots and free KV tokens.  A request's *need* is its
-prompt tokens plus its output budget (`TokenNeed`, counted by `backend.port.prompt_tokens`).
-The engine's cache (`KvCapacity`) is either
+prompt tokens plus its output budget (`TokenNeed`, see `backend.port.need_planner`).
+An engine's cache (`KvCapacity`) is either
 
 - **split**: each slot owns `total / slots` tokens, so a request must fit one slot
   (`need <= per_request`) and then always fits, whatever the others hold; or
@@ -10,45 +20,49 @@ The engine's cache (`KvCapacity`) is either
   newcomer's must fit `total` (and each need must fit `per_request`, the engine's cap
   on one sequence).
 
-The head of the line starts when a slot is free and its need fits.  A need above
-`per_request` can never fit: `request()` refuses it at once with
-`ContextLengthExceeded`, and a waiter whose need no longer fits after a reload is
-refused the same way.  A ticket without a known need (`need=None` or 0) reserves no
-tokens and is admitted by slots alone, exactly as before KV accounting existed.
+The head of a line starts on an engine of its model with a free slot and room for its
+need.  A need above every engine's `per_request` can never fit: `request()` refuses it
+at once with `ContextLengthExceeded`, and a waiter whose need no longer fits after a
+reload is refused the same way.  A ticket without a known need (`need=None` or 0)
+reserves no tokens and is admitted by slots alone.
 
-Fairness: strictly first come, first served.  **No request ever passes the head of
-the line**, not even a small one that would fit while a big head waits for tokens.
-The head only waits for running requests to finish (each has a bounded output
-budget), so its wait is bounded and no one starves; letting smaller requests pass
-would let a steady stream of short agent turns hold the pool below what a long
-prompt needs, forever.  The price is head-of-line blocking: while a big head waits,
-slots may stand idle.  Concurrency is unchanged whenever the needs fit (the common
-case), because then the token check never says no.
+Fairness: strictly first come, first served within a line.  **No request ever passes
+the head of the line**, not even a small one that would fit while a big head waits for
+tokens.  The head only waits for running requests to finish (each has a bounded output
+budget), so its wait is bounded and no one starves; letting smaller requests pass would
+let a steady stream of short agent turns hold the pool below what a long prompt needs,
+forever.  The price is head-of-line blocking: while a big head waits, slots may stand
+idle.  Concurrency is unchanged whenever the needs fit (the common case).
 
 Optimistic admission: a long prompt need not wait for its count when its byte bound
-(an upper bound of the count, see `backend.port.prompt_tokens`) fits right now and nobody
-waits (`fits_now`): it is admitted reserving the bound, and `Ticket.settle` shrinks the
-reservation to the count when that returns, promoting waiters in order.  Only an empty
-line is ever entered this way, so no one is passed.
+(an upper bound of the count) fits right now and nobody waits (`fits_now`): it is
+admitted reserving the bound, and `Ticket.settle` shrinks the reservation to the count
+when that returns, promoting waiters in order.  Only an empty line is ever entered
+this way, so no one is passed.
+
+Waiters belong to their model's line, not to an engine: when an engine goes away (a
+crash, a reload), its waiters simply wait for the next engine of their model, in their
+order of arrival; only the requests it had started end with an error.
 
 This module only decides.  It opens no sockets, sends nothing and never sleeps; the
-gateway asks it for a ticket, awaits the ticket, forwards the request to the ticket's
-`base_url` and releases the ticket when the upstream answer is finished or abandoned.
-Everything runs on the backend's one asyncio loop, so nothing here takes a lock.
+gateway asks a line for a ticket, awaits the ticket, forwards the request to the
+engine the ticket was admitted on and releases the ticket when the answer is finished
+or abandoned.  Everything runs on the backend's one asyncio loop, so nothing here takes
+a lock.
 
-    ticket = registry.current.request()      # may raise QueueFull
+    ticket = registry.line(model).request(need)   # may raise QueueFull
     try:
-        await ticket.wait(queue_timeout)      # may raise QueueTimeout or a refusal
-        ...forward to ticket.base_url...
+        await ticket.wait(queue_timeout)           # may raise QueueTimeout or a refusal
+        ...forward to ticket.serving.base_url...
     finally:
-        ticket.release()                      # idempotent
+        ticket.release()                           # idempotent
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import itertools
+import dataclasses
 import logging
 import math
 import time
@@ -56,16 +70,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from types import EllipsisType
 
-from backend.port.admission_ticket import MAX_REQUEUES, Ticket, TicketState, as_need
 from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull
-from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.listeners import Listeners
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.load import Serving
+from backend.port.admission_ticket import MAX_REQUEUES, Ticket, TicketState, as_need
 
 __all__ = [
+    "DEFAULT_MODEL",
     "MAX_REQUEUES",
     "AdmissionQueue",
     "AdmissionRegistry",
     "KvCapacity",
+    "Line",
+    "Serving",
     "Ticket",
     "TicketState",
     "TokenNeed",
@@ -73,53 +91,61 @@ __all__ = [
 
 Clock = Callable[[], float]
 
+#: The line of requests that name no model, or of a port that fronts one load.
+DEFAULT_MODEL = ""
+
 log = logging.getLogger(__name__)
 
 
 class AdmissionQueue:
-    """The slots of one llama-server process and the FIFO line in front of them."""
+    """The slots and KV tokens of one engine; its model's `Line` waits in front of it."""
 
-    #: Weight of the newest admitted→released duration in the service-time estimate.
-    SERVICE_TIME_WEIGHT = 0.2
-    #: The service-time estimate before any request has finished.
-    DEFAULT_SERVICE_TIME = 1.0
-
-    def __init__(self, key: str, capacity: int, *, kv: KvCapacity | None = None,
-                 max_waiting: int = 0, enabled: bool = True,
-                 clock: Clock = time.monotonic,
-                 on_change: Callable[[AdmissionQueue], None] | None = None) -> None:
-        self.key = key
-        #: What the engine at `key` requires in its Authorization header, if anything.
-        self.api_key: str | None = None
-        self.capacity = _check_capacity(capacity)
-        #: None: the cache is unknown and only slots are counted.
-        self.kv = kv
-        self.max_waiting = max_waiting
+    def __init__(self, serving: Serving, *, line: Line | None = None, max_waiting: int = 0,
+                 enabled: bool = True, clock: Clock = time.monotonic) -> None:
+        self.serving = serving
+        self._active = 0
         self._reserved = 0
         self._enabled = enabled
-        self._clock = clock
-        self._on_change = on_change
         self._retired = False
-        self._active = 0
-        # An ordered set: O(1) append, O(1) pop from the front, O(1) removal of any
-        # ticket (a list would make every cancellation O(n)).
-        self._line: OrderedDict[Ticket, None] = OrderedDict()
-        self._service_time: float | None = None
+        self.line = line if line is not None else Line(max_waiting=max_waiting, clock=clock)
+        self.line.attach(self)
 
     # --- state -----------------------------------------------------------------------
+
+    @property
+    def key(self) -> str:
+        return self.serving.key
+
+    @property
+    def api_key(self) -> str | None:
+        """What the engine requires in its Authorization header, if anything."""
+        return self.serving.api_key
+
+    @property
+    def capacity(self) -> int:
+        return self.serving.slots
+
+    @property
+    def kv(self) -> KvCapacity | None:
+        """None: the cache is unknown and only slots are counted."""
+        return self.serving.kv
 
     @property
     def active(self) -> int:
         return self._active
 
     @property
+    def free_slots(self) -> int:
+        return max(0, self.capacity - self._active)
+
+    @property
     def waiting(self) -> int:
-        """Everyone in line, whether for a slot or for KV tokens."""
-        return len(self._line)
+        """Everyone in this engine's line, whether for a slot or for KV tokens."""
+        return 0 if self._retired else self.line.waiting
 
     @property
     def reserved_tokens(self) -> int:
-        """KV tokens held by the running requests of this load."""
+        """KV tokens held by the running requests on this engine."""
         return self._reserved
 
     @property
@@ -129,11 +155,12 @@ class AdmissionQueue:
 
     @property
     def idle(self) -> bool:
-        return self._active == 0 and not self._line
+        """Nothing runs on it and nobody waits for it."""
+        return self._active == 0 and self.waiting == 0
 
     @property
     def retired(self) -> bool:
-        """No longer the current load: admits no one new."""
+        """No longer serving: admits no one new; what runs on it goes on."""
         return self._retired
 
     @property
@@ -143,8 +170,142 @@ class AdmissionQueue:
     @enabled.setter
     def enabled(self, value: bool) -> None:
         self._enabled = bool(value)
-        if self._promote():
-            self._changed()
+        self.line.admit_waiting()
+
+    @property
+    def max_waiting(self) -> int:
+        return self.line.max_waiting
+
+    @max_waiting.setter
+    def max_waiting(self, value: int) -> None:
+        self.line.max_waiting = value
+
+    @property
+    def service_time(self) -> float:
+        """Recent mean admitted→released duration in seconds, on its line."""
+        return self.line.service_time
+
+    # --- decisions -------------------------------------------------------------------
+
+    def request(self, need: TokenNeed | int | None = None, *, size: int = 0,
+                max_waiting_bytes: int = 0) -> Ticket:
+        """A ticket in this engine's line (see `Line.request`); ModelNotReady once the
+        engine is retired."""
+        if self._retired:
+            raise ModelNotReady("The model is being reloaded. Try again shortly.",
+                                retry_after=self.line.retry_after())
+        return self.line.request(need, size=size, max_waiting_bytes=max_waiting_bytes)
+
+    def fits_now(self, need: TokenNeed | int | None) -> bool:
+        """Would `request(need)` admit at once?  See `Line.fits_now`."""
+        return not self._retired and self.line.fits_now(need)
+
+    def admit_waiting(self) -> None:
+        """Admit from the head of the line while there is room (after a requeue or a
+        slot released on hold)."""
+        self.line.admit_waiting()
+
+    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
+        """Growth admits waiters in order; a shrink lets running requests finish.
+
+        `kv` replaces the cache's size (omitted: unchanged).  Waiters whose need no
+        longer fits any engine of the line are refused with ContextLengthExceeded.
+        """
+        _check_capacity(n)
+        new_kv = self.kv if kv is ... else kv
+        self.serving = _replace_serving(self.serving, slots=n, kv=new_kv)
+        self.line.engines_changed()
+
+    def retry_after(self, position: int | None = None) -> float:
+        return self.line.retry_after(position)
+
+    def has_room(self, need: TokenNeed | None) -> bool:
+        """A free slot, and the need fits one request's share and the free tokens."""
+        kv = self.kv
+        if need is not None and kv is not None and need.total > kv.per_request:
+            return False  # never here: another engine of the model may take it
+        if not self._enabled:
+            return True
+        if self._active >= self.capacity:
+            return False
+        # A split cache gives every slot its own share, checked above; only a unified
+        # pool can run out with a slot free.
+        if need is None or kv is None or not kv.unified:
+            return True
+        return self._reserved + need.total <= kv.total
+
+    def __repr__(self) -> str:
+        flag = " retired" if self._retired else ""
+        tokens = (f", {self._reserved}/{self.kv.total} tokens"
+                  if self.kv is not None else "")
+        return (f"<AdmissionQueue {self.key} {self._active}/{self.capacity} active"
+                f"{tokens}, {self.waiting} waiting{flag}>")
+
+    # --- the line's bookkeeping ---------------------------------------------------------
+
+    def take(self, ticket: Ticket, now: float) -> None:
+        self._active += 1
+        self._reserved += ticket.tokens
+        ticket.admit(self, now)
+
+    def give_back(self, ticket: Ticket) -> None:
+        self._active -= 1
+        self._reserved -= ticket.tokens
+
+    def give_back_tokens(self, tokens: int) -> None:
+        self._reserved -= tokens
+
+    def retire(self) -> None:
+        self._retired = True
+        self.line.detach(self)
+
+    def serve(self, serving: Serving, line: Line) -> None:
+        """Serve again (the same engine re-read, or back after retiring) on `line`."""
+        self.serving = serving
+        self._retired = False
+        if self.line is not line:
+            self.line.detach(self)
+            self.line = line
+        line.attach(self)
+
+
+class Line:
+    """The waiters of one model, first come first served, in front of its engines."""
+
+    #: Weight of the newest admitted→released duration in the service-time estimate.
+    SERVICE_TIME_WEIGHT = 0.2
+    #: The service-time estimate before any request has finished.
+    DEFAULT_SERVICE_TIME = 1.0
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, max_waiting: int = 0,
+                 clock: Clock = time.monotonic,
+                 on_change: Callable[[Line], None] | None = None) -> None:
+        self.model = model
+        self.max_waiting = max_waiting
+        self._clock = clock
+        self._on_change = on_change
+        self._engines: list[AdmissionQueue] = []
+        # An ordered set: O(1) append, O(1) pop from the front, O(1) removal of any
+        # ticket (a list would make every cancellation O(n)).
+        self._waiters: OrderedDict[Ticket, None] = OrderedDict()
+        self._waiting_bytes = 0
+        self._service_time: float | None = None
+
+    # --- state -----------------------------------------------------------------------
+
+    @property
+    def engines(self) -> list[AdmissionQueue]:
+        """The engines serving this model now, in the order they joined."""
+        return list(self._engines)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def capacity(self) -> int:
+        """Slots of every engine serving the model."""
+        return sum(engine.capacity for engine in self._engines)
 
     @property
     def service_time(self) -> float:
@@ -153,82 +314,72 @@ class AdmissionQueue:
             return self.DEFAULT_SERVICE_TIME
         return self._service_time
 
+    @property
+    def per_request(self) -> int | None:
+        """The largest need one of its engines could ever take; None while any is
+        unknown (or none serves): no need is then refused for its size."""
+        limits = [engine.kv.per_request if engine.kv is not None else None
+                  for engine in self._engines]
+        if not limits or None in limits:
+            return None
+        return max(limit for limit in limits if limit is not None)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        """The waiters in order of admission."""
+        return iter(list(self._waiters))
+
     # --- decisions -------------------------------------------------------------------
 
     def request(self, need: TokenNeed | int | None = None, *, size: int = 0,
                 max_waiting_bytes: int = 0) -> Ticket:
-        """A ticket: admitted at once if nobody waits and there is room, else waiting.
+        """A ticket: admitted at once if nobody waits and an engine has room, else
+        waiting.
 
         `need` is the request's prompt tokens plus output budget (an int is all
         prompt); None or 0 means unknown: slots alone decide.  `size` is the bytes the
         request holds while it waits (its body); `max_waiting_bytes` (0: no bound)
         bounds what everyone waiting holds together.  Raises ContextLengthExceeded when
-        the need can never fit one request's share of the cache, QueueFull when
-        `max_waiting` requests already wait or the bytes would pass their bound, and
-        ModelNotReady when the queue is retired.
+        the need can never fit one request's share of any engine's cache, and QueueFull
+        when `max_waiting` requests already wait or the bytes would pass their bound.
         """
-        if self._retired:
-            raise ModelNotReady("The model is being reloaded. Try again shortly.",
-                                retry_after=self.retry_after())
         need = as_need(need)
-        if need is not None and self.kv is not None and need.total > self.kv.per_request:
-            raise _too_long(need, self.kv)
+        self._check_fits_some_engine(need)
         now = self._clock()
-        if not self._line and self._has_room(need):
+        engine = None if self._waiters else self._engine_for(need)
+        if engine is not None:
             ticket = Ticket(self, now, need)
-            self._admit(ticket, now)
+            engine.take(ticket, now)
         else:
-            if self.max_waiting and len(self._line) >= self.max_waiting:
+            if self.max_waiting and len(self._waiters) >= self.max_waiting:
                 raise QueueFull(
-                    f"The server is busy: {len(self._line)} requests are already "
+                    f"The server is busy: {len(self._waiters)} requests are already "
                     "waiting. Try again later.",
                     retry_after=self.retry_after(),
                 )
-            if max_waiting_bytes:
-                held = sum(waiter.size for waiter in self._line)  # O(n), n <= max_waiting
-                if held + size > max_waiting_bytes:
-                    raise QueueFull(
-                        f"The server is busy: the requests already waiting hold "
-                        f"{_mib(held)} of request bodies (the bound is "
-                        f"{_mib(max_waiting_bytes)}). Try again later.",
-                        retry_after=self.retry_after(),
-                    )
+            if max_waiting_bytes and self._waiting_bytes + size > max_waiting_bytes:
+                raise QueueFull(
+                    f"The server is busy: the requests already waiting hold "
+                    f"{_mib(self._waiting_bytes)} of request bodies (the bound is "
+                    f"{_mib(max_waiting_bytes)}). Try again later.",
+                    retry_after=self.retry_after(),
+                )
             ticket = Ticket(self, now, need, size)
-            self._line[ticket] = None
+            self._push(ticket)
             # A slot left free by a requeue is taken by the head now, in order.
             self._promote()
         self._changed()
         return ticket
 
     def fits_now(self, need: TokenNeed | int | None) -> bool:
-        """Would `request(need)` admit at once?  Nobody waits (no one is passed), this
-        load is current, a slot and the tokens are free, and the need fits one
-        request's share.  The gateway admits a long prompt on its byte bound when this
-        holds, and counts it while it runs (`Ticket.settle`)."""
-        need = as_need(need)
-        if self._retired or self._line or not self._has_room(need):
-            return False
-        return need is None or self.kv is None or need.total <= self.kv.per_request
+        """Would `request(need)` admit at once?  Nobody waits (no one is passed), and
+        an engine has a slot free and room for the need.  The gateway admits a long
+        prompt on its byte bound when this holds, and counts it while it runs."""
+        return not self._waiters and self._engine_for(as_need(need)) is not None
 
     def admit_waiting(self) -> None:
-        """Admit from the head of the line while there is room.  A requeue leaves its
-        slot free without promoting anyone; whoever still counts on this load (after a
-        short backoff) asks it to try again with this."""
+        """Admit from the head of the line while there is room."""
         if self._promote():
             self._changed()
-
-    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
-        """Growth admits waiters in order; a shrink lets running requests finish.
-
-        `kv` replaces the cache's size (omitted: unchanged).  Waiters whose need no
-        longer fits one request's share are refused with ContextLengthExceeded.
-        """
-        self.capacity = _check_capacity(n)
-        if kv is not ...:
-            self.kv = kv
-            self._refuse_never_fitting()
-        self._promote()
-        self._changed()
 
     def retry_after(self, position: int | None = None) -> float:
         """Whole seconds (at least 1) until the ticket at `position` is likely admitted.
@@ -236,97 +387,160 @@ class AdmissionQueue:
         `position` None means the back of the line, where a newcomer would stand.
         """
         if position is None:
-            position = len(self._line)
-        estimate = (position + 1) / self.capacity * self.service_time
+            position = len(self._waiters)
+        estimate = (position + 1) / max(1, self.capacity) * self.service_time
         return float(max(1, math.ceil(estimate)))
 
     def __repr__(self) -> str:
-        flag = " retired" if self._retired else ""
-        tokens = (f", {self._reserved}/{self.kv.total} tokens"
-                  if self.kv is not None else "")
-        return (f"<AdmissionQueue {self.key} {self._active}/{self.capacity} active"
-                f"{tokens}, {len(self._line)} waiting{flag}>")
+        return (f"<Line {self.model!r} {len(self._engines)} engines, "
+                f"{len(self._waiters)} waiting>")
 
-    # --- helpers ---------------------------------------------------------------------
+    # --- the ticket's seam (backend.port.admission_ticket.TicketSeam) ---------------------
 
-    def _has_room(self, need: TokenNeed | None) -> bool:
-        if not self._enabled:
-            return True
-        if self._active >= self.capacity:
-            return False
-        # A split cache gives every slot its own share, which `request()` already
-        # checked the need against; only a unified pool can run out with a slot free.
-        if need is None or self.kv is None or not self.kv.unified:
-            return True
-        return self._reserved + need.total <= self.kv.total
-
-    def _admit(self, ticket: Ticket, now: float) -> None:
-        self._active += 1
-        self._reserved += ticket.tokens
-        ticket._admit(now)
-
-    def _promote(self) -> bool:
-        """Admit from the front of the line while the head fits.  True if any moved.
-
-        Only ever the head: see the module docstring for why no one passes it.
-        """
-        if self._retired:
-            return False
-        moved = False
-        while self._line:
-            ticket = next(iter(self._line))
-            if not self._has_room(ticket.need):
-                break
-            del self._line[ticket]
-            self._admit(ticket, self._clock())
-            moved = True
-        return moved
-
-    def _refuse_never_fitting(self) -> None:
-        """After the cache changed: refuse waiters that no load of this size could run.
-
-        O(n) in the line, but only on a reload or re-read, never per request.
-        """
-        if self.kv is None:
-            return
-        for ticket in list(self._line):
-            if ticket.need is not None and ticket.need.total > self.kv.per_request:
-                del self._line[ticket]
-                ticket._refuse(_too_long(ticket.need, self.kv))
-
-    def _finish(self, ticket: Ticket, *, promote: bool = True) -> None:
-        self._active -= 1
-        self._reserved -= ticket.tokens
+    def finish(self, ticket: Ticket, *, hold: bool) -> None:
+        engine = self._engine_of(ticket)
+        engine.give_back(ticket)
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
-        if promote:
-            self._promote()
+        self._promote(skip=engine if hold else None)
         self._changed()
 
-    def _shrunk(self, ticket: Ticket, excess: int) -> None:
-        """`ticket`'s need shrank by `excess` tokens (`Ticket.settle`)."""
-        if ticket.state is TicketState.ADMITTED:
-            self._reserved -= excess
-        self._promote()
-        self._changed()
-
-    def _requeue(self, ticket: Ticket) -> None:
-        """Back from a slot to the ticket's place by arrival (O(n), only on a refusal)."""
-        self._active -= 1
-        self._reserved -= ticket.tokens
-        line = list(self._line)
-        at = bisect.bisect(line, ticket._seq, key=lambda t: t._seq)
-        line.insert(at, ticket)
-        self._line = OrderedDict.fromkeys(line)
-        self._changed()
-
-    def _leave(self, ticket: Ticket) -> None:
-        was_head = next(iter(self._line)) is ticket
-        del self._line[ticket]
+    def leave(self, ticket: Ticket) -> None:
+        was_head = next(iter(self._waiters)) is ticket
+        self._pop(ticket)
         # A head that waited for tokens may have held back smaller ones behind it.
         if was_head:
             self._promote()
         self._changed()
+
+    def shrink(self, ticket: Ticket, excess: int) -> None:
+        if ticket.state is TicketState.ADMITTED:
+            self._engine_of(ticket).give_back_tokens(excess)
+        self._promote()
+        self._changed()
+
+    def requeue(self, ticket: Ticket) -> None:
+        """Back from a slot to the ticket's place by arrival (O(n), only on a refusal).
+        The refusing engine's slot takes no one now; another engine of the model may."""
+        engine = self._engine_of(ticket)
+        engine.give_back(ticket)
+        waiters = list(self._waiters)
+        at = bisect.bisect(waiters, ticket.seq, key=lambda t: t.seq)
+        waiters.insert(at, ticket)
+        self._waiters = OrderedDict.fromkeys(waiters)
+        self._waiting_bytes += ticket.size
+        self._promote(skip=engine)
+        self._changed()
+
+    def position(self, ticket: Ticket) -> int | None:
+        for index, waiter in enumerate(self._waiters):
+            if waiter is ticket:
+                return index
+        return None
+
+    # --- the engines' side ----------------------------------------------------------------
+
+    def attach(self, engine: AdmissionQueue) -> None:
+        """`engine` serves this model now (its waiters may go to it)."""
+        if engine not in self._engines:
+            self._engines.append(engine)
+        self.engines_changed()
+
+    def detach(self, engine: AdmissionQueue) -> None:
+        """`engine` no longer takes anyone; what runs on it goes on."""
+        if engine in self._engines:
+            self._engines.remove(engine)
+        self._changed()
+
+    def engines_changed(self) -> None:
+        """An engine joined, or its slots or cache changed: refuse waiters that can never
+        fit now, admit those that fit."""
+        self._refuse_never_fitting()
+        self._promote()
+        self._changed()
+
+    def refuse_waiting(self, error: BaseException) -> int:
+        """Refuse every waiter with `error`; how many."""
+        tickets = list(self._waiters)
+        self._waiters.clear()
+        self._waiting_bytes = 0
+        for ticket in tickets:
+            ticket.refuse(error)
+        if tickets:
+            self._changed()
+        return len(tickets)
+
+    def take_waiters(self, other: Line) -> None:
+        """`other`'s waiters join this line, everyone in order of arrival (a load that
+        replaces another under a new name keeps the old one's waiters)."""
+        if other is self or not other._waiters:
+            return
+        tickets = sorted([*self._waiters, *other._waiters], key=lambda t: t.seq)
+        other._waiters.clear()
+        other._waiting_bytes = 0
+        self._waiters = OrderedDict.fromkeys(tickets)
+        self._waiting_bytes = sum(t.size for t in tickets)
+        for ticket in tickets:
+            ticket.line = self
+        other._changed()
+        self.engines_changed()
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _engine_for(self, need: TokenNeed | None, skip: AdmissionQueue | None = None
+                    ) -> AdmissionQueue | None:
+        """The engine with room for `need` and the most free slots (spreading the load)."""
+        best: AdmissionQueue | None = None
+        for engine in self._engines:
+            if engine is not skip and engine.has_room(need) and (
+                    best is None or engine.free_slots > best.free_slots):
+                best = engine
+        return best
+
+    def _promote(self, skip: AdmissionQueue | None = None) -> bool:
+        """Admit from the front of the line while the head fits an engine.  True if any
+        moved.  Only ever the head: see the module docstring for why no one passes it."""
+        moved = False
+        while self._waiters:
+            ticket = next(iter(self._waiters))
+            engine = self._engine_for(ticket.need, skip)
+            if engine is None:
+                break
+            self._pop(ticket)
+            engine.take(ticket, self._clock())
+            moved = True
+        return moved
+
+    def _check_fits_some_engine(self, need: TokenNeed | None) -> None:
+        limit = self.per_request
+        if need is not None and limit is not None and need.total > limit:
+            raise _too_long(need, limit)
+
+    def _refuse_never_fitting(self) -> None:
+        """Refuse waiters that no engine of this line could run.
+
+        O(n) in the line, but only on a reload or re-read, never per request.
+        """
+        limit = self.per_request
+        if limit is None:
+            return
+        for ticket in list(self._waiters):
+            if ticket.need is not None and ticket.need.total > limit:
+                self._pop(ticket)
+                ticket.refuse(_too_long(ticket.need, limit))
+
+    def _push(self, ticket: Ticket) -> None:
+        self._waiters[ticket] = None
+        self._waiting_bytes += ticket.size
+
+    def _pop(self, ticket: Ticket) -> None:
+        del self._waiters[ticket]
+        self._waiting_bytes -= ticket.size
+
+    def _engine_of(self, ticket: Ticket) -> AdmissionQueue:
+        engine = ticket.engine
+        assert isinstance(engine, AdmissionQueue), "a ticket of this line was admitted elsewhere"
+        return engine
 
     def _observe(self, duration: float) -> None:
         duration = max(0.0, duration)
@@ -335,18 +549,13 @@ class AdmissionQueue:
         else:
             self._service_time += self.SERVICE_TIME_WEIGHT * (duration - self._service_time)
 
-    def _take_line(self) -> list[Ticket]:
-        tickets = list(self._line)
-        self._line.clear()
-        return tickets
-
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
 
 
 class AdmissionRegistry:
-    """One AdmissionQueue per backend base URL; exactly one of them is current."""
+    """The lines by model and the engines by key; one current engine per engine slot."""
 
     def __init__(self, *,
                  max_waiting_for: Callable[[int], int] = lambda slots: max(64, 16 * slots),
@@ -354,23 +563,33 @@ class AdmissionRegistry:
         self._max_waiting_for = max_waiting_for
         self._enabled = enabled
         self._clock = clock
-        # Insertion order is age; the current queue is moved to the end.
+        # Insertion order is age; a queue made current is moved to the end.
         self._queues: dict[str, AdmissionQueue] = {}
-        self._current: AdmissionQueue | None = None
+        self._lines: dict[str, Line] = {}
+        # Engine slot (a load whose processes replace each other) -> its current queue.
+        self._current: dict[str, AdmissionQueue] = {}
         self._listeners: Listeners[[]] = Listeners(log, "admission listener")
-        # Set while several queues change at once, so listeners hear one final state.
+        # Set while several things change at once, so listeners hear one final state.
         self._batching = False
 
     # --- state -----------------------------------------------------------------------
 
     @property
     def current(self) -> AdmissionQueue | None:
-        return self._current
+        """The current queue of the default engine slot."""
+        return self._current.get("")
+
+    def current_of(self, engine: str) -> AdmissionQueue | None:
+        return self._current.get(engine)
 
     @property
     def queues(self) -> list[AdmissionQueue]:
-        """Every live queue, oldest first, the current one last."""
+        """Every live queue, oldest first, the most recently activated last."""
         return list(self._queues.values())
+
+    @property
+    def lines(self) -> list[Line]:
+        return list(self._lines.values())
 
     @property
     def total_active(self) -> int:
@@ -378,17 +597,17 @@ class AdmissionRegistry:
 
     @property
     def total_waiting(self) -> int:
-        return sum(queue.waiting for queue in self._queues.values())
+        return sum(line.waiting for line in self._lines.values())
 
     @property
     def total_reserved_tokens(self) -> int:
-        """KV tokens held by running requests, on every live load."""
+        """KV tokens held by running requests, on every live engine."""
         return sum(queue.reserved_tokens for queue in self._queues.values())
 
     @property
     def kv_capacity(self) -> int:
-        """The current load's total KV tokens, 0 without a load or while unknown."""
-        return 0 if self._current is None else self._current.kv_capacity
+        """KV tokens of every serving engine together, 0 while none is known."""
+        return sum(queue.kv_capacity for queue in self._current.values())
 
     @property
     def enabled(self) -> bool:
@@ -404,92 +623,99 @@ class AdmissionRegistry:
     def queue_for(self, key: str) -> AdmissionQueue | None:
         return self._queues.get(key)
 
+    def line(self, model: str = DEFAULT_MODEL) -> Line:
+        """The line of `model`, made on first use."""
+        line = self._lines.get(model)
+        if line is None:
+            line = self._lines[model] = Line(model, max_waiting=self._max_waiting_for(1),
+                                             clock=self._clock, on_change=self._line_changed)
+        return line
+
     # --- lifecycle -------------------------------------------------------------------
 
-    def activate(self, key: str, capacity: int,
-                 kv: KvCapacity | None = None, *, api_key: str | None = None) -> AdmissionQueue:
-        """A load at `key` became ready with `capacity` slots: make its queue current.
-
-        Requests still waiting in earlier queues move to this one, ahead of anyone
-        newer and in their order of arrival: they were never admitted, so no backend
-        is bound to them yet.  Their needs are checked against this load's cache
-        `kv`: those that can never fit it are refused with ContextLengthExceeded.
+    def activate(self, serving: Serving, *, model: str = DEFAULT_MODEL,
+                 engine: str = "") -> AdmissionQueue:
+        """The load in engine slot `engine` serves `model` as `serving` now: make its
+        queue current there.  The slot's previous queue retires (its running requests
+        go on); the model's waiters may go to the new one, in their order of arrival.
+        Waiters that can never fit the model's engines now are refused with
+        ContextLengthExceeded.
         """
-        _check_capacity(capacity)
+        line = self.line(model)
         with self._batch():
-            queue = self._queues.pop(key, None)
+            previous = self._current.get(engine)
+            if previous is not None and previous.key != serving.key:
+                previous.retire()
+            queue = self._queues.pop(serving.key, None)
             if queue is None:
-                queue = AdmissionQueue(
-                    key, capacity, kv=kv, max_waiting=self._max_waiting_for(capacity),
-                    enabled=self._enabled, clock=self._clock, on_change=self._queue_changed)
+                queue = AdmissionQueue(serving, line=line, enabled=self._enabled,
+                                       clock=self._clock)
             else:
-                queue._retired = False
-                queue.capacity = capacity
-                queue.kv = kv
-                queue.max_waiting = self._max_waiting_for(capacity)
-            queue.api_key = api_key
-            earlier = list(self._queues.values())
-            self._queues[key] = queue
-            self._current = queue
-
-            carried = [queue._take_line()]
-            for old in earlier:
-                old._retired = True
-                carried.append(old._take_line())
-            for ticket in sorted(itertools.chain.from_iterable(carried),
-                                 key=lambda t: t._seq):
-                ticket.queue = queue
-                queue._line[ticket] = None
-
-            queue._refuse_never_fitting()
+                queue.serve(serving, line)
+            self._queues[serving.key] = queue  # the newest last
+            self._current[engine] = queue
+            self._bound(line)
             self.prune()
-            queue._promote()
         return queue
 
-    def retire_current(self) -> None:
-        """The current load is going away: stop admitting; running requests go on.
-
-        Its waiters keep their places until the next `activate` or `refuse_waiting`.
-        """
-        queue, self._current = self._current, None
+    def retire(self, engine: str = "") -> None:
+        """The current load of slot `engine` is going away: it admits no one new, its
+        running requests go on, its model's waiters wait for another engine."""
+        queue = self._current.pop(engine, None)
         if queue is None:
             return
         with self._batch():
-            queue._retired = True
+            queue.retire()
             self.prune()
 
-    def refuse_waiting(self, error: BaseException) -> int:
-        """Refuse every waiter of every retired queue with `error`; return how many."""
+    def retire_current(self) -> None:
+        self.retire("")
+
+    def carry(self, from_model: str, to_model: str) -> None:
+        """Waiters for `from_model` now wait for `to_model`, in order of arrival."""
+        if from_model != to_model and from_model in self._lines:
+            with self._batch():
+                self.line(to_model).take_waiters(self._lines[from_model])
+                self.prune()
+
+    def refuse_waiting(self, error: BaseException, model: str | None = None) -> int:
+        """Refuse the waiters of every line no engine serves (or only `model`'s) with
+        `error`; how many."""
         refused = 0
         with self._batch():
-            for queue in list(self._queues.values()):
-                if not queue.retired:
-                    continue
-                for ticket in queue._take_line():
-                    ticket._refuse(error)
-                    refused += 1
+            for name, line in list(self._lines.items()):
+                if (model is None or name == model) and not line.engines:
+                    refused += line.refuse_waiting(error)
             self.prune()
         return refused
 
     def prune(self) -> None:
-        """Forget retired queues that have nothing running and nobody waiting."""
-        for key, queue in list(self._queues.items()):
-            if queue.retired and queue.idle:
-                del self._queues[key]
+        """Forget retired queues with nothing running, and lines with neither engines,
+        waiters nor running requests."""
+        self._prune_retired()
+        in_use = {id(queue.line) for queue in self._queues.values()}
+        for model, line in list(self._lines.items()):
+            if not line.engines and not line.waiting and id(line) not in in_use:
+                del self._lines[model]
         self._notify()
 
-    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
-        """The current load's slots (and cache, unless omitted) were re-read.
-
-        Without a current load: nothing.
-        """
-        queue = self._current
+    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...,
+                     engine: str = "") -> None:
+        """The current load of slot `engine` re-read its slots (and cache, unless
+        omitted).  Without a current load there: nothing."""
+        queue = self._current.get(engine)
         if queue is None:
             return
         _check_capacity(n)
         with self._batch():
-            queue.max_waiting = self._max_waiting_for(n)
             queue.set_capacity(n, kv)
+            self._bound(queue.line)
+
+    def refresh_bounds(self) -> None:
+        """The settings changed: every line's bound again."""
+        with self._batch():
+            for line in self._lines.values():
+                self._bound(line)
 
     # --- listeners -------------------------------------------------------------------
 
@@ -501,25 +727,25 @@ class AdmissionRegistry:
         self._listeners.remove(callback)
 
     def __repr__(self) -> str:
-        return f"<AdmissionRegistry {self.queues!r}>"
+        return f"<AdmissionRegistry {self.queues!r} {self.lines!r}>"
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _queue_changed(self, queue: AdmissionQueue) -> None:
-        current = self._current
-        if queue.retired and queue._line and current is not None and current is not queue:
-            # Waiters of a retired load (a requeue after the next load became current)
-            # belong to the current one, in their order of arrival.
-            tickets = sorted([*current._take_line(), *queue._take_line()],
-                             key=lambda t: t._seq)
-            for ticket in tickets:
-                ticket.queue = current
-                current._line[ticket] = None
-            current._refuse_never_fitting()
-            current._promote()
-        if queue.retired and queue.idle and self._queues.get(queue.key) is queue:
-            del self._queues[queue.key]
-        self._notify()
+    def _bound(self, line: Line) -> None:
+        if line.engines:
+            line.max_waiting = self._max_waiting_for(line.capacity)
+
+    def _line_changed(self, line: Line) -> None:
+        """Every change of counts: cheap, it runs for every request."""
+        if not self._batching:
+            self._prune_retired()
+            self._listeners()
+
+    def _prune_retired(self) -> None:
+        if len(self._queues) > len(self._current):  # some are retired
+            for key, queue in list(self._queues.items()):
+                if queue.retired and queue.active == 0:
+                    del self._queues[key]
 
     def _notify(self) -> None:
         if not self._batching:
@@ -536,8 +762,7 @@ class AdmissionRegistry:
             yield
         finally:
             self._batching = False
-            self._notify()
-
+            self.prune()
 
 
 def _check_capacity(n: int) -> int:
@@ -546,10 +771,14 @@ def _check_capacity(n: int) -> int:
     return n
 
 
+def _replace_serving(serving: Serving, *, slots: int, kv: KvCapacity | None) -> Serving:
+    return dataclasses.replace(serving, slots=slots, kv=kv)
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _too_long(need: TokenNeed, kv: KvCapacity) -> ContextLengthExceeded:
+def _too_long(need: TokenNeed, limit: int) -> ContextLengthExceeded:
     return ContextLengthExceeded(prompt_tokens=need.prompt, output_tokens=need.output,
-                                 limit=kv.per_request)
+                                 limit=limit)

@@ -1,11 +1,11 @@
-"""One request's place in admission: first in a load's line, then in one of its slots.
+"""One request's place in admission: first in its model's line, then in a slot of one engine.
 
-`Ticket` is what `AdmissionQueue.request()` hands out and the gateway holds for the
-request's whole life: it waits on it, releases it when the answer is finished or
-abandoned, sends it back in line when the load refused the connection (`requeue`), and
-shrinks its reservation once the prompt is counted (`settle`).  The queue decides who is
-admitted (`backend.port.admission`); the ticket carries out its own transitions and tells
-its queue.
+`Ticket` is what `Line.request()` hands out and the gateway holds for the request's
+whole life: it waits on it, releases it when the answer is finished or abandoned, sends
+it back in line when the engine refused the connection (`requeue`), and shrinks its
+reservation once the prompt is counted (`settle`).  The line decides who is admitted
+(`backend.port.admission`); the ticket carries out its own transitions and tells its line
+through the small `TicketSeam` below, the only thing it knows of admission.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
+from backend.llama.load import Serving
 
-if TYPE_CHECKING:
-    from backend.port.admission import AdmissionQueue
-
-__all__ = ["MAX_REQUEUES", "Ticket", "TicketState", "as_need"]
+__all__ = ["MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState", "as_need"]
 
 #: How often one ticket may go back in line after a refused connection before the
 #: request fails: a load that keeps refusing while it counts as ready is not coming back.
@@ -35,39 +33,83 @@ class TicketState(enum.Enum):
     REFUSED = "refused"
 
 
+class EngineSeat(Protocol):
+    """The engine a ticket was admitted on, as the ticket's holder sees it."""
+
+    @property
+    def serving(self) -> Serving: ...
+
+    @property
+    def retired(self) -> bool: ...
+
+
+class TicketSeam(Protocol):
+    """What a ticket may ask of the line it belongs to; the line does the bookkeeping."""
+
+    def finish(self, ticket: Ticket, *, hold: bool) -> None:
+        """An admitted ticket is done: free its slot and tokens (`hold`: admit no one
+        into that engine now)."""
+
+    def leave(self, ticket: Ticket) -> None:
+        """A waiting ticket leaves the line."""
+
+    def shrink(self, ticket: Ticket, excess: int) -> None:
+        """The ticket's need shrank by `excess` tokens."""
+
+    def requeue(self, ticket: Ticket) -> None:
+        """An admitted ticket goes back to its place by arrival, its engine refused it."""
+
+    def admit_waiting(self) -> None:
+        """Admit from the line while there is room (after a hold or a requeue)."""
+
+    def retry_after(self, position: int | None = None) -> float:
+        """Whole seconds until the ticket at `position` is likely admitted."""
+
+    def position(self, ticket: Ticket) -> int | None:
+        """0-based place of a waiting ticket, else None."""
+
+
 class Ticket:
-    """One request's place: first in a line, then in a slot of one backend."""
+    """One request's place: first in a line, then in a slot of one engine."""
 
-    __slots__ = ("state", "queue", "need", "size", "enqueued_at", "admitted_at", "requeues",
-                 "_error", "_event", "_seq")
+    __slots__ = ("state", "line", "engine", "need", "size", "enqueued_at", "admitted_at",
+                 "requeues", "seq", "_error", "_event")
 
-    def __init__(self, queue: AdmissionQueue, now: float,
+    def __init__(self, line: TicketSeam, now: float,
                  need: TokenNeed | None = None, size: int = 0) -> None:
         self.state = TicketState.WAITING
-        self.queue = queue
+        self.line = line
+        #: The engine it is admitted on (the last one, once released); None until then.
+        self.engine: EngineSeat | None = None
         #: None: unknown, admitted by slots alone and reserving no tokens.
         self.need = need
         #: Bytes the request holds while it waits (its body).
         self.size = size
         self.enqueued_at = now
         self.admitted_at: float | None = None
-        #: Times the load refused the connection and the ticket stood in line again.
+        #: Times the engine refused the connection and the ticket stood in line again.
         self.requeues = 0
+        #: Global arrival order: a ticket sent back in line returns to its place.
+        self.seq = next(_arrivals)
         self._error: BaseException | None = None
         # Created only when someone awaits: a long line must not cost an Event each.
         self._event: asyncio.Event | None = None
-        # Global arrival order, so that lines merged on carry-over stay first come,
-        # first served across queues.
-        self._seq = next(_arrivals)
+
+    @property
+    def serving(self) -> Serving:
+        """The engine this ticket was admitted on; only while (or after) admitted."""
+        if self.engine is None:
+            raise RuntimeError("The ticket was never admitted.")
+        return self.engine.serving
 
     @property
     def base_url(self) -> str:
-        return self.queue.key
+        return self.serving.base_url
 
     @property
     def api_key(self) -> str | None:
         """The key the engine of this ticket's load requires (it travels with the load)."""
-        return self.queue.api_key
+        return self.serving.api_key
 
     @property
     def admitted(self) -> bool:
@@ -88,10 +130,7 @@ class Ticket:
         """0-based place in line while waiting, else None.  O(n): diagnostics only."""
         if self.state is not TicketState.WAITING:
             return None
-        for index, ticket in enumerate(self.queue._line):
-            if ticket is self:
-                return index
-        return None  # unreachable while the invariants hold
+        return self.line.position(self)
 
     async def wait(self, timeout: float | None = None) -> None:
         """Return once admitted.  `timeout` None or 0 waits for as long as it takes.
@@ -110,12 +149,12 @@ class Ticket:
             except TimeoutError:
                 # An admission that raced the timer wins: the slot is already held.
                 if self.state is TicketState.WAITING:
-                    queue = self.queue
+                    line = self.line
                     self.release()
                     raise QueueTimeout(
                         "The request waited too long for room on the model. "
                         "Try again later.",
-                        retry_after=queue.retry_after(),
+                        retry_after=line.retry_after(),
                     ) from None
             except BaseException:
                 # The client is gone; a slot granted in the meantime would never be
@@ -136,15 +175,15 @@ class Ticket:
 
         `hold`: the engine dropped this request while answering, so it is likely going
         away: nobody is let into the freed slot now (they would find the connection
-        refused, or worse, be cut off as started requests); the caller asks the queue
-        again later with `AdmissionQueue.admit_waiting`, by when a dead load is retired.
+        refused, or worse, be cut off as started requests); the caller asks the line
+        again later with `admit_waiting`, by when a dead load is retired.
         """
         if self.state is TicketState.ADMITTED:
             self.state = TicketState.RELEASED
-            self.queue._finish(self, promote=not hold)
+            self.line.finish(self, hold=hold)
         elif self.state is TicketState.WAITING:
             self.state = TicketState.RELEASED
-            self.queue._leave(self)
+            self.line.leave(self)
             self._wake()
 
     def settle(self, need: TokenNeed | int) -> int:
@@ -166,19 +205,19 @@ class Ticket:
         if excess <= 0:
             return 0
         self.need = settled
-        self.queue._shrunk(self, excess)
+        self.line.shrink(self, excess)
         return excess
 
     def requeue(self) -> bool:
-        """The load refused the connection before any byte of the request reached it:
+        """The engine refused the connection before any byte of the request reached it:
         give the slot back and stand in line again at the ticket's original place.
 
-        True when the ticket waits again (await `wait` once more); False when it was not
-        admitted or has been put back `MAX_REQUEUES` times already (the load keeps
-        refusing: the caller gives up).  A refused connection says the load is going
-        away, so a requeue promotes no one by itself: the ticket is admitted again by the
-        next release, arrival or capacity change, or carried to the next load like any
-        waiter when this one is retired.
+        True when the ticket waits again (await `wait` once more) or was admitted at
+        once on another engine of its model; False when it was not admitted or has been
+        put back `MAX_REQUEUES` times already (the engine keeps refusing: the caller
+        gives up).  A refused connection says the engine is going away, so its freed
+        slot takes no one by itself: the ticket is admitted again by the next release,
+        arrival or capacity change, or by another engine of its model.
         """
         if self.state is not TicketState.ADMITTED or self.requeues >= MAX_REQUEUES:
             return False
@@ -186,20 +225,21 @@ class Ticket:
         self.state = TicketState.WAITING
         self.admitted_at = None
         self._event = None  # set by the admission: a new one for the next wait
-        self.queue._requeue(self)
+        self.line.requeue(self)
         return True
 
     def __repr__(self) -> str:
-        return f"<Ticket #{self._seq} {self.state.value}>"
+        return f"<Ticket #{self.seq} {self.state.value}>"
 
-    # --- called by the queue ---------------------------------------------------------
+    # --- called by the line ----------------------------------------------------------
 
-    def _admit(self, now: float) -> None:
+    def admit(self, engine: EngineSeat, now: float) -> None:
         self.state = TicketState.ADMITTED
+        self.engine = engine
         self.admitted_at = now
         self._wake()
 
-    def _refuse(self, error: BaseException) -> None:
+    def refuse(self, error: BaseException) -> None:
         self.state = TicketState.REFUSED
         self._error = error
         self._wake()

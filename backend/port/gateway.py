@@ -32,20 +32,14 @@ from starlette.routing import Route
 from backend.port import http_errors
 from backend.port.access_guard import AccessGuard
 from backend.port.access_log import log_request
-from backend.port.admission import AdmissionQueue, AdmissionRegistry, TokenNeed
+from backend.port.admission import AdmissionQueue, AdmissionRegistry
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION
 from backend.port.metrics import Metrics
+from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
+from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
 from backend.port.relay import Exchange, GatedRequest
-from backend.port.prompt_tokens import (
-    HttpEngineTokenizer,
-    PromptCounter,
-    bound_need,
-    counted_need,
-    request_need,
-    uncounted_room,
-)
 from backend.port.request_body import ClientGone, Parsed, check_body, read_body
 from backend.settings import Settings
 from backend.port.sse import StreamKind
@@ -89,8 +83,8 @@ class Gateway:
         self._client: UpstreamClient | None = None
         # Running exchanges, so that a load going away can end them (see `abort_load`).
         self._running: set[Exchange] = set()
-        # Load's base URL -> (its queue, its prompt counter); see `counter_for`.
-        self._counters: dict[str, tuple[AdmissionQueue, PromptCounter]] = {}
+        # Engine key -> its need planner (and prompt counter); see `planner_for`.
+        self._planners: dict[str, NeedPlanner] = {}
         #: The ASGI app that `backend.port.server` serves.
         self.app = _starlette_app(self)
 
@@ -121,11 +115,11 @@ class Gateway:
         yield
         await self.aclose()
 
-    def abort_load(self, base_url: str, error: RequestError) -> int:
-        """End every request admitted on `base_url` with `error` (an in-stream error, or
-        an HTTP answer if nothing was sent yet) and close its upstream request: the engine
-        then has nothing left to finish and stops at once."""
-        return sum(exchange.abort(base_url, error) for exchange in list(self._running))
+    def abort_load(self, key: str, error: RequestError) -> int:
+        """End every request admitted on the engine with admission key `key` with `error`
+        (an in-stream error, or an HTTP answer if nothing was sent yet) and close its
+        upstream request: the engine then has nothing left to finish and stops at once."""
+        return sum(exchange.abort(key, error) for exchange in list(self._running))
 
     # --- auth ------------------------------------------------------------------------
 
@@ -155,17 +149,16 @@ class Gateway:
             if snapshot.state is not State.READY or queue is None:
                 raise ModelNotReady(not_ready_message(snapshot),
                                     retry_after=RETRY_SOON)
-            need, count = await self.need(queue, path, parsed, raw_size)
-            # Counted: the parsed objects (several times the body's bytes) are not kept
+            plan = await self.plan(queue, path, parsed, raw_size)
+            # Planned: the parsed objects (several times the body's bytes) are not kept
             # by a waiting request, only the body (bounded by max_waiting_body_bytes).
             parsed.data = {}
         except RequestError as error:
             await http_errors.send_http_error(send, error, metrics)
             return
 
-        exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                      parsed, snapshot.model_id, need,
-                                                      count),
+        exchange = Exchange(self, queue.line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
+                                                           parsed, snapshot.model_id, plan),
                             send, receive,
                             abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
         self._running.add(exchange)
@@ -176,54 +169,35 @@ class Gateway:
         if exchange.client_gone:
             scope[_GONE] = True
 
-    async def need(self, queue: AdmissionQueue, path: str, parsed: Parsed, body_bytes: int
-                   ) -> tuple[TokenNeed | None, Callable[[], Awaitable[TokenNeed]] | None]:
-        """What the request will hold of the load's KV cache (None when the cache is
-        unknown or admission is off: slots alone decide, or nothing does), and how to
-        count it later when it is admitted on its byte bound before being counted.
+    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
+                   body_bytes: int) -> Plan:
+        """What the request will hold of the engine's KV cache (`NeedPlanner`); no need
+        when the cache is unknown or admission is off: slots alone decide, or nothing."""
+        planner = self.planner_for(queue)
+        if planner is None:
+            return NO_PLAN
+        return await planner.plan(path, parsed.data, body_bytes, fits_now=queue.line.fits_now)
 
-        Short requests are reserved at their byte bound, never counted.  A longer one
-        whose bound fits right now, with nobody waiting (`AdmissionQueue.fits_now`), is
-        admitted on the bound and counted while it runs (`Exchange` settles the ticket
-        with the count): the count's round trip no longer delays its first token.
-        Otherwise it is counted before it queues, as its bound may hold back others.
-        """
-        kv = queue.kv
-        if kv is None or not queue.enabled:
-            return None, None
-        settings = self.settings
-        counter = self.counter_for(queue)
-        body = parsed.data
-        cap, default = settings.max_output_tokens, settings.default_output_tokens
-        bound = await bound_need(counter, path, body, body_bytes, kv=kv, cap=cap,
-                                 default=default)
-        if bound is not None and not self._short(bound, path, body, queue) \
-                and queue.fits_now(bound):
-            return bound, lambda: counted_need(counter, path, body, body_bytes, kv=kv,
-                                               cap=cap, default=default)
-        return await request_need(counter, path, body, body_bytes, kv=kv,
-                                  slots=queue.capacity, cap=cap, default=default), None
-
-    def _short(self, bound: TokenNeed, path: str, body: Any, queue: AdmissionQueue) -> bool:
-        """`request_need` reserves its bound without counting (it fits its fair share)."""
-        assert queue.kv is not None
-        return bound.prompt <= uncounted_room(
-            path, body, kv=queue.kv, slots=queue.capacity,
-            cap=self.settings.max_output_tokens, default=self.settings.default_output_tokens)
-
-    def counter_for(self, queue: AdmissionQueue) -> PromptCounter:
-        """One counter per load, asking that load's engine (it knows its template)."""
-        held = self._counters.get(queue.key)
-        if held is None or held[0] is not queue:
-            # No idle connection is kept to the engine for counting: llama-server waits
-            # for its open connections before it stops, which would slow every reload.
-            counter = PromptCounter(HttpEngineTokenizer(
-                queue.key, api_key=queue.api_key, client=self.client,
-                headers={"Connection": "close"}))
-            held = self._counters[queue.key] = (queue, counter)
-            for key in [k for k, (q, _) in self._counters.items() if q.retired]:
-                del self._counters[key]
-        return held[1]
+    def planner_for(self, queue: AdmissionQueue) -> NeedPlanner | None:
+        """One planner per serving engine, counting with that engine (it knows its
+        template); remade when the engine's cache or the output policy changes."""
+        serving = queue.serving
+        if serving.kv is None or not queue.enabled:
+            return None
+        policy = OutputPolicy(self.settings.max_output_tokens, self.settings.default_output_tokens)
+        planner = self._planners.get(serving.key)
+        if planner is None or planner.serving is not serving or planner.policy != policy:
+            counter = planner.counter if planner is not None else PromptCounter(
+                # No idle connection is kept to the engine for counting: llama-server
+                # waits for its open connections before it stops, which would slow
+                # every reload.
+                HttpEngineTokenizer(serving.base_url, api_key=serving.api_key,
+                                    client=self.client, headers={"Connection": "close"}))
+            planner = self._planners[serving.key] = NeedPlanner(serving, counter, policy)
+            registry = self.ctx.registry
+            for key in [k for k in self._planners if registry.queue_for(k) is None]:
+                del self._planners[key]
+        return planner
 
     # --- open routes -----------------------------------------------------------------
 
@@ -234,7 +208,8 @@ class Gateway:
         if snapshot.model_id and (snapshot.state is State.READY or snapshot.restarting):
             # What one request may use: its context (prompt + output), and its output
             # (the operator's cap, else whatever the context leaves).
-            context = snapshot.kv.per_request if snapshot.kv else snapshot.context_length
+            serving = snapshot.serving
+            context = serving.per_request if serving is not None else None
             cap = self.settings.max_output_tokens
             output = min(cap, context) if cap and context else (cap or context)
             data.append({"id": snapshot.model_id, "object": "model", "created": self.started_at,
@@ -245,14 +220,16 @@ class Gateway:
     async def health(self, request: Request) -> Response:
         snapshot = self.ctx.snapshot()
         registry = self.ctx.registry
+        serving = snapshot.serving
+        kv = serving.kv if serving is not None else None
         body = {
             "state": snapshot.state.value,
             "model": snapshot.model_id,
-            "effective_parallel_slots": snapshot.effective_parallel_slots,
+            "effective_parallel_slots": serving.slots if serving is not None else None,
             "active": registry.total_active,
             "waiting": registry.total_waiting,
-            "kv": (None if snapshot.kv is None else
-                   dict(snapshot.kv.to_dict(), reserved=registry.total_reserved_tokens)),
+            "kv": (None if kv is None else
+                   dict(kv.to_dict(), reserved=registry.total_reserved_tokens)),
             # Which backend and devices the engine uses (no paths, ports or URLs in it).
             "engine": snapshot.engine.to_dict() if snapshot.engine else None,
         }

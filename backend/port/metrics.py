@@ -125,7 +125,7 @@ class Metrics:
     # --- called by the service ------------------------------------------------------
 
     def set_backend(self, snapshot: Snapshot) -> None:
-        self.effective_parallel_slots.set(snapshot.effective_parallel_slots or 0)
+        self.effective_parallel_slots.set(snapshot.serving.slots if snapshot.serving else 0)
         report = snapshot.engine
         self.device_memory.clear()
         if report is None:

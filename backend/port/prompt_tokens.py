@@ -31,10 +31,10 @@ a one-message conversation (`template_base`).  So:
     prompt tokens <= body bytes + template_base + TEXT_SLACK
 
 A request whose bound fits is reserved at its bound (an over-reservation, small because
-the request is short).  A longer one whose bound (`bound_need`) fits the free cache right
-now, with nobody waiting, is admitted on it and counted while it runs (`counted_need`,
-then `Ticket.settle`, see `backend.port.gateway`); only when the bound does not fit now is the
-count awaited before admission.  Tools are excluded because templates render them with
+the request is short).  A longer one whose bound fits the free cache right now, with
+nobody waiting, is admitted on it and counted while it runs; only when the bound does
+not fit now is the count awaited before admission (`backend.port.need_planner` plans
+which).  Tools are excluded because templates render them with
 instructions and re-indented schemas; images because their bytes say nothing.
 
 When the engine cannot answer (an error, a timeout, a missing route) the count falls
@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.kv_capacity import TokenNeed
 from backend.llama.api import engine_headers
 from backend.port.upstream_http import UpstreamClient
 
@@ -73,10 +73,7 @@ __all__ = [
     "HttpEngineTokenizer",
     "PromptCount",
     "PromptCounter",
-    "bound_need",
-    "counted_need",
     "output_budget",
-    "request_need",
     "token_need",
 ]
 
@@ -308,55 +305,6 @@ def token_need(route: str, body: Mapping[str, Any], prompt: PromptCount, *, limi
     """The admission need: counted prompt plus its output budget."""
     return TokenNeed(prompt.tokens, output_budget(route, body, prompt_tokens=prompt.tokens,
                                                   limit=limit, cap=cap, default=default))
-
-
-async def request_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
-                       body_bytes: int, *, kv: KvCapacity, slots: int, cap: int = 0,
-                       default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
-    """The admission need of one gated request on a load with cache `kv` and `slots`.
-
-    A request whose byte bound plus budget fits its fair share of the cache (every
-    slot's share of a unified pool, or its own slot of a split one) is not counted by
-    the engine: reserving its bound cannot cost any concurrency.
-    """
-    prompt = await counter.count(route, body, body_bytes,
-                                 fits_below=uncounted_room(route, body, kv=kv, slots=slots,
-                                                           cap=cap, default=default))
-    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
-
-
-def uncounted_room(route: str, body: Mapping[str, Any], *, kv: KvCapacity, slots: int,
-                   cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> int:
-    """The largest prompt bound that is reserved without counting: bound plus budget
-    within one request's fair share of the cache (every slot's share of a unified pool,
-    or its own slot of a split one), where reserving the bound costs no concurrency."""
-    share = min(kv.per_request, kv.total // max(1, slots))
-    budget = output_budget(route, body, prompt_tokens=0, limit=kv.per_request, cap=cap,
-                           default=default)
-    return max(0, share - budget)
-
-
-async def bound_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
-                     body_bytes: int, *, kv: KvCapacity, cap: int = 0,
-                     default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed | None:
-    """The need on the prompt's byte bound, without asking the engine to count it; None
-    where no bound holds.  Never below the counted need (`counted_need`): the prompt's
-    bound is at least its count, and a larger prompt leaves a budget no larger than
-    the room it takes (`output_budget`), so the sum only grows with the prompt."""
-    prompt = await counter.bound(route, body, body_bytes)
-    if prompt is None:
-        return None
-    return token_need(route, body, PromptCount(prompt, "bound"), limit=kv.per_request,
-                      cap=cap, default=default)
-
-
-async def counted_need(counter: PromptCounter, route: str, body: Mapping[str, Any],
-                       body_bytes: int, *, kv: KvCapacity, cap: int = 0,
-                       default: int = DEFAULT_OUTPUT_TOKENS) -> TokenNeed:
-    """The need with the prompt counted by the engine (or its conservative estimate
-    when the engine cannot count, which is the byte bound for a body that has one)."""
-    prompt = await counter.count(route, body, body_bytes)
-    return token_need(route, body, prompt, limit=kv.per_request, cap=cap, default=default)
 
 
 class HttpEngineTokenizer:

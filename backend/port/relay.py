@@ -25,7 +25,8 @@ import httpx
 
 from backend.port import http_errors
 from backend.port import sse
-from backend.port.admission import AdmissionQueue, Ticket, TokenNeed
+from backend.port.admission import Line, Ticket
+from backend.port.need_planner import NO_PLAN, Plan
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
@@ -93,17 +94,14 @@ class GatedRequest:
     kind: sse.StreamKind
     parsed: Parsed
     model_id: str | None
-    #: KV tokens it may hold (prompt + output budget); None: unknown, slots alone decide.
-    need: TokenNeed | None = None
-    #: Set when `need` is the prompt's byte bound, admitted before counting: counts the
-    #: prompt, for `Ticket.settle` while the request runs.
-    count: Callable[[], Awaitable[TokenNeed]] | None = None
+    #: What it will hold of the engine's cache, and whether it is counted while it runs.
+    plan: Plan = NO_PLAN
 
 
 class Exchange:
     """A gated request and its ticket; `run()` answers every RequestError itself."""
 
-    def __init__(self, host: ExchangeHost, queue: AdmissionQueue, request: GatedRequest,
+    def __init__(self, host: ExchangeHost, line: Line, request: GatedRequest,
                  send: Any, receive: Any, *,
                  abort_connection: Callable[[], None] | None = None) -> None:
         self.host = host
@@ -112,7 +110,7 @@ class Exchange:
         settings = host.settings
         self.queue_timeout = settings.queue_timeout
         self.keepalive_interval = settings.keepalive_interval
-        self.queue = queue
+        self.line = line
         self.request = request
         self.kind = request.kind
         self.send = send
@@ -143,15 +141,16 @@ class Exchange:
         request is closed and the ticket released, so a client that has seen the end of
         its answer can count on its slot being free."""
         try:
-            ticket = self.ticket = self.queue.request(
-                self.request.need, size=len(self.request.parsed.body),
+            ticket = self.ticket = self.line.request(
+                self.request.plan.need, size=len(self.request.parsed.body),
                 max_waiting_bytes=self.host.settings.max_waiting_body_bytes)
         except RequestError as error:
             await self._send_all(self._failure(error))
             return
         self._task = asyncio.current_task()
-        counting = (asyncio.ensure_future(self._settle(ticket, self.request.count))
-                    if self.request.count is not None else None)
+        plan = self.request.plan
+        counting = (asyncio.ensure_future(plan.settle(ticket))
+                    if plan.settle_later else None)
         watch = self.watch = DisconnectWatch(self.receive)
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
@@ -181,7 +180,7 @@ class Exchange:
                 # retires the load within milliseconds), not for a dying engine.
                 ticket.release(hold=True)
                 asyncio.get_running_loop().call_later(ENGINE_FAILURE_HOLD,
-                                                      ticket.queue.admit_waiting)
+                                                      ticket.line.admit_waiting)
             else:
                 ticket.release()
             watch.stop()
@@ -191,23 +190,6 @@ class Exchange:
         finally:
             if self._stall is not None:
                 self._stall.stop()
-
-    async def _settle(self, ticket: Ticket,
-                      count: Callable[[], Awaitable[TokenNeed]]) -> None:
-        """Count the prompt of a request admitted on its byte bound, and give back what
-        the bound reserved beyond the count.  A failed count keeps the bound."""
-        try:
-            need = await count()
-        except Exception:  # a bug: counting failures are estimates, never raised
-            log.exception("counting the prompt of a running request failed; the byte "
-                          "bound stays reserved")
-            return
-        if ticket.queue is not self.queue:
-            return  # carried to another load while counting: not its engine's count
-        if need.total > ticket.tokens:
-            log.warning("a prompt counted %d tokens above its byte bound; the bound "
-                        "stays reserved", need.total - ticket.tokens)
-        ticket.settle(need)
 
     def _stalled(self) -> None:
         """The client left its answer unread for the stall timeout: drop it (the task
@@ -219,12 +201,13 @@ class Exchange:
         if self.watch is not None:
             self.watch.gone()
 
-    def abort(self, base_url: str, error: RequestError) -> bool:
-        """End this request with `error` if it runs on the load at `base_url` (and close
-        its upstream request, so the engine stops at once).  True when it will."""
+    def abort(self, key: str, error: RequestError) -> bool:
+        """End this request with `error` if it runs on the engine with admission key
+        `key` (and close its upstream request, so the engine stops at once).  True when
+        it will."""
         ticket = self.ticket
         if (self._task is None or self._abort is not None or ticket is None
-                or not ticket.admitted or ticket.base_url != base_url):
+                or not ticket.admitted or ticket.serving.key != key):
             return False
         self._abort = error
         self._task.cancel()
@@ -311,8 +294,8 @@ class Exchange:
         waiting = asyncio.ensure_future(ticket.wait(timeout))
         try:
             done, _ = await asyncio.wait((waiting,), timeout=_backoff(ticket))
-            if not done and not ticket.queue.retired:
-                ticket.queue.admit_waiting()
+            if not done:
+                ticket.line.admit_waiting()
             await waiting
         finally:
             if not waiting.done():
@@ -383,7 +366,7 @@ class Exchange:
             if connecting and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                 raise _NotReached() from None  # nothing was sent: safe on the next load
             error: RequestError
-            if ticket.queue.retired:
+            if ticket.engine is not None and ticket.engine.retired:
                 error = LoadReplaced("The model was reloaded or unloaded while this request "
                                      "ran. Send it again.", retry_after=RETRY_SOON)
             elif isinstance(exc, MalformedAnswer):
@@ -398,7 +381,7 @@ class Exchange:
 
     async def _forward(self, ticket: Ticket) -> list[dict[str, Any]]:
         """Forward to the ticket's load; returns the last messages still to send."""
-        request = self.client.build_request("POST", ticket.base_url + self.request.path,
+        request = self.client.build_request("POST", ticket.serving.base_url + self.request.path,
                                             content=self.request.parsed.body,
                                             headers={**UPSTREAM_HEADERS,
                                                      **engine_headers(ticket.api_key)})

@@ -44,7 +44,7 @@ class Served(Protocol):
 
     closing: bool
 
-    def abort_load(self, base_url: str, error: RequestError) -> int: ...
+    def abort_load(self, key: str, error: RequestError) -> int: ...
 
     async def aclose(self) -> None: ...
 
@@ -58,7 +58,7 @@ class PlainApp:
         self.app = app
         self.settings = Settings()
 
-    def abort_load(self, base_url: str, error: RequestError) -> int:
+    def abort_load(self, key: str, error: RequestError) -> int:
         return 0
 
     async def aclose(self) -> None:
@@ -75,9 +75,10 @@ class GatewayServer:
         self._server = server
         self._task = task
 
-    def abort_load(self, base_url: str, error: RequestError) -> int:
-        """End every request running on the load at `base_url` with `error`; how many."""
-        return self.served.abort_load(base_url, error)
+    def abort_load(self, key: str, error: RequestError) -> int:
+        """End every request running on the engine with admission key `key` with
+        `error`; how many."""
+        return self.served.abort_load(key, error)
 
     @classmethod
     async def start(cls, served: Served, host: str, port: int, *,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backend.port.admission import AdmissionQueue  # noqa: E402
+from backend.port.admission import Line  # noqa: E402
 
-AdmissionQueue.fits_now = lambda self, need: False  # type: ignore[method-assign]
+Line.fits_now = lambda self, need: False  # type: ignore[method-assign]
 
 from backend.app.cli import main  # noqa: E402
 

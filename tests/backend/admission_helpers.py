@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.port.admission import AdmissionQueue, KvCapacity, Ticket
+from backend.port.admission import AdmissionQueue, KvCapacity, Serving, Ticket
 
 OLD = "http://127.0.0.1:41001"
 NEW = "http://127.0.0.1:41002"
@@ -31,9 +31,10 @@ async def started(ticket: Ticket, timeout: float | None = None) -> asyncio.Task[
     return task
 
 
-def queue_of(capacity: int = 1, max_waiting: int = 0, **kwargs) -> AdmissionQueue:
-    return AdmissionQueue(OLD, capacity, max_waiting=max_waiting, **kwargs)
+def queue_of(capacity: int = 1, max_waiting: int = 0, *, kv: KvCapacity | None = None,
+             **kwargs) -> AdmissionQueue:
+    return AdmissionQueue(Serving(OLD, capacity, kv=kv), max_waiting=max_waiting, **kwargs)
 
 
 def kv_queue_of(slots: int, kv: KvCapacity, max_waiting: int = 0) -> AdmissionQueue:
-    return AdmissionQueue(OLD, slots, kv=kv, max_waiting=max_waiting)
+    return AdmissionQueue(Serving(OLD, slots, kv=kv), max_waiting=max_waiting)

@@ -18,7 +18,7 @@ from backend.port.gateway import create_app
 from backend.port.server import GatewayServer
 from backend.port.metrics import Metrics
 from backend.settings import Settings
-from backend.llama.load import Snapshot, State
+from backend.llama.load import Serving, Snapshot, State
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -88,10 +88,10 @@ async def open_gateway(base_url: str, slots: int, *, model_id: str = "fake-model
     """A gateway on 127.0.0.1:0 in front of the llama-server at `base_url`."""
     defaults = dict(keepalive_interval=0.05, queue_timeout=30.0)
     defaults.update(settings)
-    snapshot = Snapshot(state=State.READY, model_id=model_id, base_url=base_url,
-                        effective_parallel_slots=slots, context_length=context_length)
+    serving = Serving(base_url, slots, context_length=context_length, kv=kv)
+    snapshot = Snapshot(state=State.READY, model_id=model_id, serving=serving)
     ctx = Context(Settings(**defaults), snapshot)
-    ctx.registry.activate(base_url, slots, kv)
+    ctx.registry.activate(serving)
     server = await GatewayServer.start(create_app(ctx), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.port}"
     client = httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False)

@@ -11,7 +11,7 @@ from backend.app.activity import ActivitySample
 from backend.llama.engine import BuildProgress
 from backend.llama.kv_capacity import KvCapacity
 from backend.settings import Settings
-from backend.llama.load import LoadSettings, Snapshot, State
+from backend.llama.load import LoadSettings, Serving, Snapshot, State
 from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
 from tests.studio.conftest import close_and_stop
 
@@ -96,8 +96,8 @@ def test_owned_flags_are_refused_with_a_message(open_window, qtbot, tiny_model: 
 def test_effective_slots_are_marked_when_the_server_decided_otherwise(open_window) -> None:
     view = open_window().model_view
     def ready(parallel: str) -> Snapshot:
-        return Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
-                        context_length=2048, requested=LoadSettings(parallel=parallel))
+        return Snapshot(state=State.READY, model_id="m", serving=Serving("http://e", 4, 2048),
+                        requested=LoadSettings(parallel=parallel))
 
     view.set_state(ready("2"))
     assert "<b>4</b>" in view.slots.text() and "you asked for 2" in view.slots.text()
@@ -316,8 +316,9 @@ def test_load_settings_say_what_they_mean_before_loading_and_what_the_engine_gav
     assert view.plan.text() == ("Up to 4 requests at once; each slot has up to 8,192 tokens of "
                                 "its own. The engine may give less to fit the memory (not "
                                 "below 16,384 tokens in total).")
-    view.set_state(Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
-                            context_length=4096, kv=KvCapacity(16384, 4096, unified=True),
+    view.set_state(Snapshot(state=State.READY, model_id="m",
+                            serving=Serving("http://e", 4, 4096,
+                                            kv=KvCapacity(16384, 4096, unified=True)),
                             requested=LoadSettings(parallel="auto", ctx_size=16384)))
     assert ("Engine gave: up to 4 requests at once; each up to 4,096 tokens; "
             "one shared pool of 16,384 tokens.") in view.slots.text()

@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt
 
 from backend.llama.report import DeviceUse, EngineReport
-from backend.llama.load import LoadSettings, Snapshot, State
+from backend.llama.load import LoadSettings, Serving, Snapshot, State
 
 WAIT = 10_000
 LOAD_WAIT = 60_000
@@ -42,8 +42,8 @@ def test_gpu_layers_default_to_automatic_and_offer_all_none_or_a_number(open_win
 
 def test_the_model_tab_says_where_the_model_runs_as_the_engine_reported_it(open_window) -> None:
     view = open_window().model_view
-    ready = Snapshot(state=State.READY, model_id="m", effective_parallel_slots=4,
-                     context_length=2048, engine=VULKAN_REPORT)
+    ready = Snapshot(state=State.READY, model_id="m", serving=Serving("http://e", 4, 2048),
+                     engine=VULKAN_REPORT)
     view.set_state(ready)
     text = view.placement.text()
     assert "3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))" in text
@@ -65,7 +65,7 @@ def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
     assert "--n-gpu-layers auto --fit on" in Path(first_log).read_text().splitlines()[0]
 
     # This machine has no GPU to fail on: show the view what a failed GPU load looks like.
-    failed = replace(window.bridge.snapshot, state=State.FAILED, cpu_retry_offered=True,
+    failed = replace(window.bridge.snapshot, state=State.FAILED, serving=None, cpu_retry_offered=True,
                      error="The GPU ran out of memory while loading the model.")
     window.model_view.set_state(failed)
     assert window.model_view.cpu_retry_button.isVisible()
@@ -89,7 +89,7 @@ def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None
 
 def test_the_engine_tab_offers_the_best_engine_the_computer_can_build(open_window) -> None:
     from backend.llama.accelerators import detect
-    from tests.backend.test_accelerators import (
+    from tests.backend.llama.test_accelerators import (
         NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
     )
 

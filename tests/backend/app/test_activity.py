@@ -15,7 +15,7 @@ from backend.app.activity import (
 )
 from backend.port.admission import AdmissionRegistry
 from backend.port.metrics import Metrics
-from backend.llama.load import Snapshot
+from backend.llama.load import Serving, Snapshot, State
 
 
 class FakeService:
@@ -38,7 +38,7 @@ class Clock:
 
 def test_sample_reads_queue_counts_and_totals() -> None:
     service = FakeService()
-    queue = service.registry.activate("http://127.0.0.1:1", 2)
+    queue = service.registry.activate(Serving("http://127.0.0.1:1", 2))
     tickets = [queue.request() for _ in range(3)]
     service.metrics.count_rejection("server_is_overloaded")
     service.metrics.count_rejection("server_is_overloaded")
@@ -62,7 +62,7 @@ def test_no_current_load_means_no_slots() -> None:
     service = FakeService()
     sample = ActivitySampler(service, lambda s: None, clock=Clock()).sample()
     assert (sample.slots_total, sample.active, sample.waiting) == (0, 0, 0)
-    service.registry.activate("http://127.0.0.1:1", 4)
+    service.registry.activate(Serving("http://127.0.0.1:1", 4))
     service.registry.retire_current()
     assert ActivitySampler(service, lambda s: None, clock=Clock()).sample().slots_total == 0
 
@@ -84,7 +84,7 @@ def test_request_rate_over_the_window() -> None:
 
 def test_peaks_catch_requests_shorter_than_the_interval() -> None:
     service = FakeService()
-    queue = service.registry.activate("http://127.0.0.1:1", 1)
+    queue = service.registry.activate(Serving("http://127.0.0.1:1", 1))
     sampler = ActivitySampler(service, lambda s: None, clock=Clock())
     first, second = queue.request(), queue.request()
     first.release()
@@ -152,7 +152,7 @@ async def test_sampler_runs_and_reads_engine_tokens() -> None:
         return httpx.Response(200, text="llamacpp:tokens_predicted_total 42\n")
 
     service = FakeService()
-    service._snapshot = Snapshot(base_url="http://engine.test")
+    service._snapshot = Snapshot(state=State.READY, serving=Serving("http://engine.test", 1))
     samples: list[ActivitySample] = []
     got = asyncio.Event()
 

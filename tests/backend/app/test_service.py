@@ -60,8 +60,8 @@ async def until(predicate, timeout: float = 30.0, interval: float = 0.02) -> Non
 
 
 async def busy_slots(snapshot: Snapshot) -> int:
-    async with httpx.AsyncClient(headers=engine_headers(snapshot.api_key)) as c:
-        slots = (await c.get(f"{snapshot.base_url}/slots")).raise_for_status().json()
+    async with httpx.AsyncClient(headers=engine_headers(snapshot.serving.api_key)) as c:
+        slots = (await c.get(f"{snapshot.serving.base_url}/slots")).raise_for_status().json()
     return sum(1 for s in slots if s.get("is_processing"))
 
 
@@ -146,7 +146,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(service, c
         assert "127.0.0.1" not in json.dumps(error)
     # ...and the engine comes back by itself, on a new queue.
     await until(lambda: service.snapshot().state is State.READY and service.snapshot().pid != snapshot.pid)
-    assert service.registry.current.key != snapshot.base_url
+    assert service.registry.current.key != snapshot.serving.base_url
 
 
 async def test_engine_killed_with_requests_waiting_serves_the_waiting_ones_on_the_restarted_load(
@@ -258,8 +258,8 @@ async def test_reload_lets_running_requests_finish_moves_waiting_ones_and_prunes
     first, second = await asyncio.gather(running, waiting)
     assert first[-1] == "data: [DONE]" and '"finish_reason":"length"' in first[-2]
     assert second[-1] == "data: [DONE]" and '"finish_reason":"length"' in second[-2]
-    assert [q.key for q in service.registry.queues] == [new.base_url]
-    assert old.base_url != new.base_url
+    assert [q.key for q in service.registry.queues] == [new.serving.base_url]
+    assert old.serving.base_url != new.serving.base_url
 
 
 async def test_reload_grace_expiry_ends_running_requests_cleanly(service, client, tiny_model, caplog):
@@ -301,7 +301,7 @@ async def test_health_and_models_describe_the_load(service, client, tiny_model):
     assert health["effective_parallel_slots"] == 2
     model = (await client.get("/v1/models")).json()["data"][0]
     assert model["id"] == "tiny"
-    assert model["context_length"] == service.snapshot().context_length
+    assert model["context_length"] == service.snapshot().serving.context_length
 
 
 def test_lan_bind_without_a_key_is_refused():
@@ -323,7 +323,7 @@ async def test_loads_clicked_in_quick_succession_leave_one_engine_serving_the_la
                                                                                     tiny_model):
     """What the window's Load button does when clicked again while a model starts (it stays
     enabled so that another model can be chosen mid-load): the last click wins."""
-    from tests.backend.test_supervisor import llama_server_children
+    from tests.backend.llama.test_supervisor import llama_server_children
 
     async with asyncio.timeout(120):
         results = await asyncio.gather(*(service.load(spec(tiny_model, parallel=str(n), ctx=2048))
@@ -331,7 +331,7 @@ async def test_loads_clicked_in_quick_succession_leave_one_engine_serving_the_la
     last = results[-1]
     assert not isinstance(last, BaseException), last
     assert llama_server_children() == [last.pid]
-    assert service.snapshot().effective_parallel_slots == 3
+    assert service.snapshot().serving.slots == 3
     assert service.registry.current.capacity == 3
     answer = await client.post("/v1/chat/completions", json=chat(stream=False, max_tokens=2))
     assert answer.status_code == 200

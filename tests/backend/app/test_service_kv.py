@@ -54,7 +54,7 @@ def port_client(service: StudioService, *, idle_timeout: float = 60.0) -> httpx.
 
 def engine(snapshot: Snapshot, **options) -> httpx.AsyncClient:
     """A client of the engine's own port, with the key only the app knows."""
-    return httpx.AsyncClient(base_url=snapshot.base_url, headers=engine_headers(snapshot.api_key),
+    return httpx.AsyncClient(base_url=snapshot.serving.base_url, headers=engine_headers(snapshot.serving.api_key),
                              **options)
 
 
@@ -113,8 +113,8 @@ class Watch:
 
 async def test_auto_slots_load_reports_its_shared_pool_in_health_and_metrics(service, tiny_model):
     snapshot = await service.load(auto_spec(tiny_model))
-    assert snapshot.effective_parallel_slots == 4
-    assert snapshot.kv == KvCapacity(total=POOL, per_request=PER_REQUEST, unified=True)
+    assert snapshot.serving.slots == 4
+    assert snapshot.serving.kv == KvCapacity(total=POOL, per_request=PER_REQUEST, unified=True)
     async with port_client(service) as client:
         health = (await client.get("/health")).json()
         assert health["kv"] == {"total": POOL, "per_request": PER_REQUEST, "unified": True,
@@ -268,7 +268,9 @@ async def test_when_the_engine_cannot_count_in_time_the_documented_estimate_deci
     measured by its bytes (plus TEMPLATE_ALLOWANCE), with one warning in the log."""
     snapshot = await service.load(auto_spec(tiny_model))
     gateway = service._gateway.served
-    gateway.counter_for(service.registry.current).timeout = 1e-9
+    planner = gateway.planner_for(service.registry.current)
+    assert planner is not None
+    planner.counter.timeout = 1e-9
     prompt = await prompt_of(snapshot, 700)  # beyond the byte bound's shortcut
     async with port_client(service) as client:
         ok = await client.post("/v1/chat/completions", json={
@@ -295,7 +297,7 @@ async def test_the_cache_is_forgotten_with_the_slots_when_the_engine_stops_and_r
     await until(lambda: service.snapshot().state is State.READY
                 and service.snapshot().pid != first.pid)
     restarting = [s for s in seen if s.restarting]
-    assert restarting and all(s.kv is None and s.effective_parallel_slots is None
+    assert restarting and all(s.serving is None
                               for s in restarting)
-    assert service.snapshot().kv == first.kv
+    assert service.snapshot().serving.kv == first.serving.kv
     assert service.registry.kv_capacity == POOL

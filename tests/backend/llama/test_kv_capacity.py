@@ -164,7 +164,7 @@ async def test_the_plan_shown_before_loading_is_what_the_engine_gives(
     snapshot = await supervisor.load(settings.to_spec(str(tiny_model)))
 
     assert snapshot.state is State.READY
-    assert (snapshot.effective_parallel_slots, snapshot.kv) == (plan.slots, plan.kv)
+    assert (snapshot.serving.slots, snapshot.serving.kv) == (plan.slots, plan.kv)
     # The two lines the window shows say the same thing (an "up to" plan says more).
     promised = settings.describe_plan(trained)
     gave = snapshot.describe_kv().removeprefix("Engine gave: ").capitalize()
@@ -187,7 +187,7 @@ async def test_when_fit_shrinks_the_models_own_context_the_engine_gives_less_tha
 
     snapshot = await supervisor.load(short.to_spec(str(tiny_model)))
 
-    assert snapshot.state is State.READY and snapshot.kv is not None
+    assert snapshot.state is State.READY and snapshot.serving.kv is not None
     assert snapshot.engine.context_reduced_from == plan.kv.total == 32768
-    assert plan.fit_floor <= snapshot.kv.total < plan.kv.total
-    assert snapshot.kv.per_request < plan.kv.per_request and not snapshot.kv.unified
+    assert plan.fit_floor <= snapshot.serving.kv.total < plan.kv.total
+    assert snapshot.serving.kv.per_request < plan.kv.per_request and not snapshot.serving.kv.unified

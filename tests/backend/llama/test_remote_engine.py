@@ -60,10 +60,10 @@ async def attached(tmp_path, llama_server_binary, tiny_model):
 async def test_attached_engine_is_served_with_its_slots_after_it_turns_healthy(attached):
     service, until, port, _engine = attached
     ready = await until(lambda s: s.state is State.READY)
-    assert ready.effective_parallel_slots == 3
+    assert ready.serving.slots == 3
     # -np 3 -c 2048: 768 tokens per slot; /props cannot say whether the cache is shared,
     # so the port assumes one pool of one slot's context (never more than the engine has).
-    assert ready.kv == KvCapacity(768, 768, unified=True)
+    assert ready.serving.kv == KvCapacity(768, 768, unified=True)
     assert service.registry.kv_capacity == 768
     assert ready.model_id == "elsewhere"
     assert service.registry.current.capacity == 3
@@ -81,13 +81,13 @@ async def test_an_attached_engine_that_goes_away_and_comes_back_is_followed(
     engine.kill()
     engine.wait()
     gone = await until(lambda s: s.state is not State.READY)
-    assert gone.restarting and gone.effective_parallel_slots is None and gone.kv is None
+    assert gone.restarting and gone.serving is None
     assert service.registry.current is None
     again = start_llama_server(llama_server_binary, tiny_model, port, parallel=2)
     try:
         back = await until(lambda s: s.state is State.READY)
-        assert back.effective_parallel_slots == 2  # slots read again
-        assert back.kv == KvCapacity(1024, 1024, unified=True)  # and the cache
+        assert back.serving.slots == 2  # slots read again
+        assert back.serving.kv == KvCapacity(1024, 1024, unified=True)  # and the cache
         assert service.registry.current.capacity == 2
     finally:
         again.kill()
@@ -108,7 +108,7 @@ async def test_an_attached_engine_that_requires_a_key_is_served_with_it(
         await service.start_gateway()
         await service.attach_upstream(f"http://127.0.0.1:{port}", api_key="upstream-secret")
         await asyncio.wait_for(ready.wait(), 60)
-        assert service.snapshot().effective_parallel_slots == 2  # /props needs the key
+        assert service.snapshot().serving.slots == 2  # /props needs the key
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
             answer = await client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)

@@ -164,4 +164,4 @@ async def test_a_real_cpu_load_carries_its_report_in_the_snapshot(tmp_path: Path
     assert report is not None and report.backend == "cpu" and not report.on_gpu
     host = report.devices[-1]
     assert host.name == "CPU" and host.model_mib > 0 and host.kv_mib > 0
-    assert report.context_size >= snapshot.context_length
+    assert report.context_size >= snapshot.serving.context_length

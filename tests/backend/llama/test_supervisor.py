@@ -72,8 +72,8 @@ def pid_alive(pid: int) -> bool:
 
 async def props(snapshot: Snapshot) -> dict:
     """The engine's /props, asked with the key the engine's port requires."""
-    async with httpx.AsyncClient(headers=engine_headers(snapshot.api_key)) as client:
-        return (await client.get(f"{snapshot.base_url}/props")).raise_for_status().json()
+    async with httpx.AsyncClient(headers=engine_headers(snapshot.serving.api_key)) as client:
+        return (await client.get(f"{snapshot.serving.base_url}/props")).raise_for_status().json()
 
 
 async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(supervisor, tiny_model):
@@ -83,9 +83,9 @@ async def test_load_reaches_ready_with_three_slots_as_read_from_the_server(super
     try:
         assert snapshot.state is State.READY
         assert snapshot.requested == wanted  # what was asked, next to what the engine did
-        assert snapshot.effective_parallel_slots == 3
+        assert snapshot.serving.slots == 3
         assert (await props(snapshot))["total_slots"] == 3
-        assert snapshot.base_url.startswith("http://127.0.0.1:")
+        assert snapshot.serving.base_url.startswith("http://127.0.0.1:")
         assert snapshot.model_id == "tiny"
         assert rec.states == [State.STARTING, State.READY]
     finally:
@@ -97,7 +97,7 @@ async def test_parallel_auto_reports_the_slot_count_the_server_chose(supervisor,
     try:
         chosen = (await props(snapshot))["total_slots"]
         assert chosen >= 1
-        assert snapshot.effective_parallel_slots == chosen
+        assert snapshot.serving.slots == chosen
     finally:
         await supervisor.unload()
 
@@ -107,8 +107,8 @@ async def test_unload_stops_the_child_and_resets_slots(supervisor, tiny_model):
     rec = Recorder(supervisor)
     await supervisor.unload()
     assert supervisor.snapshot.state is State.STOPPED
-    assert supervisor.snapshot.effective_parallel_slots is None
-    assert supervisor.snapshot.base_url is None
+    assert supervisor.snapshot.serving is None
+    assert supervisor.snapshot.serving is None
     assert not pid_alive(snapshot.pid)
     assert rec.states == [State.STOPPING, State.STOPPED]
 
@@ -119,13 +119,13 @@ async def test_killed_child_is_restarted_and_slots_are_read_again(supervisor, ti
     try:
         os.kill(first.pid, signal.SIGKILL)
         crashed = await rec.until(lambda s: s.state is State.STARTING)
-        assert crashed.effective_parallel_slots is None
+        assert crashed.serving is None
         assert crashed.restarting
         again = await rec.until(lambda s: s.state is State.READY)
         assert again.restarts == 1
         assert again.pid != first.pid
-        assert again.base_url != first.base_url  # a new port, so a new admission queue
-        assert again.effective_parallel_slots == 2
+        assert again.serving.base_url != first.serving.base_url  # a new port, so a new admission queue
+        assert again.serving.slots == 2
         assert "killed by SIGKILL" in (crashed.error or "")
     finally:
         await supervisor.unload()
@@ -178,7 +178,7 @@ async def test_an_engine_crashing_after_each_minute_of_work_is_given_up_within_t
         failed = await rec.until(lambda s: s.state is State.FAILED)
         assert "Gave up: it had to be restarted 2 times within 300 seconds (at most 2)" in failed.error
         assert "killed by SIGKILL" in failed.error
-        assert failed.effective_parallel_slots is None and failed.pid is None
+        assert failed.serving is None and failed.pid is None
         assert llama_server_children() == []
         assert [s.error for s in rec.snapshots if s.error and "Restarting (1 of at most 2" in s.error]
 
@@ -245,7 +245,7 @@ async def test_occupied_port_is_skipped_for_a_fresh_one(llama_server_binary, tin
         snapshot = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
         try:
             assert snapshot.state is State.READY
-            assert not snapshot.base_url.endswith(f":{taken}")
+            assert not snapshot.serving.base_url.endswith(f":{taken}")
         finally:
             await sup.unload()
 
@@ -276,7 +276,7 @@ async def test_new_load_stops_the_old_one_first(supervisor, tiny_model):
     second = await supervisor.load(LoadSettings(parallel="2", ctx_size=1024).to_spec(str(tiny_model)))
     try:
         assert not pid_alive(first.pid)
-        assert second.effective_parallel_slots == 2
+        assert second.serving.slots == 2
     finally:
         await supervisor.unload()
 
@@ -410,8 +410,8 @@ async def test_engine_keeps_answering_after_log_lines_longer_than_64_kib(supervi
     marker = "LONGLINE-"
     words = "x " * 50_000  # one ~100 KB log line per request
     body = {"model": "tiny", "input": marker + words, "max_output_tokens": 1}
-    async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=15,
-                                 headers=engine_headers(snapshot.api_key)) as client:
+    async with httpx.AsyncClient(base_url=snapshot.serving.base_url, timeout=15,
+                                 headers=engine_headers(snapshot.serving.api_key)) as client:
         for _ in range(40):  # far more than the pipe (64 KiB) and the engine's log queue hold
             response = await client.post("/v1/responses", json=body)
             assert response.status_code == 400  # the prompt is longer than the context
@@ -427,7 +427,7 @@ async def test_engine_keeps_answering_after_log_lines_longer_than_64_kib(supervi
 async def test_the_engines_own_port_refuses_requests_without_the_apps_key(supervisor, tiny_model):
     snapshot = await supervisor.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=snapshot.serving.base_url, timeout=30) as client:
         for path in ("/v1/chat/completions", "/completion"):
             refused = await client.post(path, json=request | {"prompt": "hi"})
             assert refused.status_code == 401
@@ -437,12 +437,12 @@ async def test_the_engines_own_port_refuses_requests_without_the_apps_key(superv
                                   headers={"authorization": "Bearer not-the-key"})
         assert wrong.status_code == 401
         answered = await client.post("/v1/chat/completions", json=request,
-                                     headers=engine_headers(snapshot.api_key))
+                                     headers=engine_headers(snapshot.serving.api_key))
         assert answered.status_code == 200
-    assert snapshot.api_key and len(snapshot.api_key) >= 32
-    assert snapshot.api_key not in repr(snapshot)
+    assert snapshot.serving.api_key and len(snapshot.serving.api_key) >= 32
+    assert snapshot.serving.api_key not in repr(snapshot)
     cmdline = Path(f"/proc/{snapshot.pid}/cmdline").read_bytes().decode()
-    assert snapshot.api_key not in cmdline  # the key is in a file, not in `ps`
+    assert snapshot.serving.api_key not in cmdline  # the key is in a file, not in `ps`
     key_file = Path(cmdline.split("\0")[cmdline.split("\0").index("--api-key-file") + 1])
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert key_file.parent.stat().st_mode & 0o777 == 0o700
@@ -463,8 +463,8 @@ async def test_engine_logs_are_bounded_in_size_and_number_per_model(llama_server
     try:
         for start in range(3):
             snapshot = await sup.load(spec)
-            async with httpx.AsyncClient(base_url=snapshot.base_url, timeout=15,
-                                         headers=engine_headers(snapshot.api_key)) as client:
+            async with httpx.AsyncClient(base_url=snapshot.serving.base_url, timeout=15,
+                                         headers=engine_headers(snapshot.serving.api_key)) as client:
                 for _ in range(8):  # ~800 KB of log per start: rotated at 256 KiB
                     assert (await client.post("/v1/responses", json=body)).status_code == 400
                 marker = f"START-{start}-LAST"

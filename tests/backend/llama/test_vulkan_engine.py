@@ -72,7 +72,7 @@ async def test_a_default_load_puts_the_layers_on_the_vulkan_device_and_answers_c
     (device,) = report.gpu_devices
     assert device.name == "Vulkan0" and "llvmpipe" in device.description
     assert device.model_mib > 0 and device.kv_mib > 0
-    assert report.context_size and report.context_size >= snapshot.context_length
+    assert report.context_size and report.context_size >= snapshot.serving.context_length
 
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{vulkan_service.gateway_port}",
                                  timeout=120) as client:

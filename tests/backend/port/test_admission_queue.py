@@ -13,6 +13,7 @@ from backend.port.admission import (
     AdmissionQueue,
     AdmissionRegistry,
     KvCapacity,
+    Serving,
     Ticket,
     TicketState,
     TokenNeed,
@@ -96,7 +97,7 @@ def test_capacity_shrink_lets_running_requests_finish():
 
 def test_capacity_must_be_at_least_one_slot():
     with pytest.raises(ValueError):
-        AdmissionQueue(OLD, 0)
+        AdmissionQueue(Serving(OLD, 0))
     with pytest.raises(ValueError):
         queue_of().set_capacity(0)
 
@@ -165,7 +166,7 @@ def test_admission_times_come_from_the_injected_clock():
 
 def test_waiting_line_is_an_ordered_set_so_cancel_is_constant_time():
     queue = queue_of(capacity=1)
-    assert type(queue._line) is OrderedDict
+    assert type(queue.line._waiters) is OrderedDict
 
 
 @pytest.mark.timeout(30)
@@ -173,14 +174,14 @@ def test_cancelling_the_middle_of_a_long_line_is_fast_and_keeps_order():
     queue = queue_of(capacity=1)
     running = queue.request()
     tickets = [queue.request() for _ in range(100_000)]
-    assert type(queue._line) is OrderedDict
+    assert type(queue.line._waiters) is OrderedDict
 
     for ticket in tickets[25_000:75_000]:
         ticket.release()
 
     assert queue.waiting == 50_000
     survivors = tickets[:25_000] + tickets[75_000:]
-    assert list(queue._line) == survivors
+    assert list(queue.line) == survivors
     running.release()
     for ticket in survivors:
         assert ticket.admitted
@@ -197,7 +198,7 @@ def test_disabled_admission_admits_everyone_at_once_and_still_counts():
 
 def test_retired_queue_refuses_newcomers_as_not_ready():
     registry = AdmissionRegistry()
-    queue = registry.activate(OLD, 1)
+    queue = registry.activate(Serving(OLD, 1))
     queue.request()
     registry.retire_current()
     with pytest.raises(ModelNotReady) as caught:
@@ -402,7 +403,7 @@ def test_set_capacity_without_kv_keeps_the_cache():
 
 
 def test_disabled_admission_ignores_tokens_too_but_still_counts_them():
-    queue = AdmissionQueue(OLD, 1, kv=KvCapacity.shared(1_000), enabled=False)
+    queue = AdmissionQueue(Serving(OLD, 1, kv=KvCapacity.shared(1_000)), enabled=False)
     tickets = [queue.request(need=900) for _ in range(3)]
     assert all(t.admitted for t in tickets) and queue.reserved_tokens == 2_700
 

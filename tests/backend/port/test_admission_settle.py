@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.port.admission import AdmissionRegistry, KvCapacity, TicketState, TokenNeed
+from backend.port.admission import AdmissionRegistry, KvCapacity, Serving, TicketState, TokenNeed
 from tests.backend.admission_helpers import NEW, OLD, kv_queue_of, started
 
 
@@ -76,9 +76,9 @@ def test_a_bound_fits_now_only_when_nobody_waits_and_the_tokens_are_free():
 
 def test_a_retired_load_admits_no_bound_and_its_tickets_still_settle():
     registry = AdmissionRegistry()
-    old = registry.activate(OLD, 2, KvCapacity.shared(8_000))
+    old = registry.activate(Serving(OLD, 2, kv=KvCapacity.shared(8_000)))
     ticket = old.request(TokenNeed(5_000, 1_000))
-    registry.activate(NEW, 2, KvCapacity.shared(8_000))  # the engine restarted
+    registry.activate(Serving(NEW, 2, kv=KvCapacity.shared(8_000)))  # the engine restarted
     assert old.retired and not old.fits_now(TokenNeed(10, 10))
 
     # It still runs on the old engine: what it holds there shrinks with the count.

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from backend.llama.load import Snapshot, State
+from backend.llama.load import Serving, Snapshot, State
 from tests.backend.gateway_harness import (
     CHAT, Gateway, KEY, RESPONSES, assert_clean_error, assert_no_internals, cancel, chat,
     events, holding, open_gateway, stream, until)
@@ -144,8 +144,8 @@ async def test_queue_full_gives_exact_429s_with_retry_after(gw, fake):
 
 async def test_model_not_ready_is_503_with_retry_after(gw):
     ready = gw.ctx.snapshot()
-    for snapshot in (replace(ready, state=State.STARTING),
-                     replace(ready, state=State.STARTING, restarting=True),
+    for snapshot in (replace(ready, state=State.STARTING, serving=None),
+                     replace(ready, state=State.STARTING, serving=None, restarting=True),
                      Snapshot()):
         gw.ctx.set_snapshot(snapshot)
         for path, body in ((CHAT, chat()), (RESPONSES, {"input": "x", "stream": True}),
@@ -299,7 +299,7 @@ async def test_upstream_dying_after_a_reload_says_the_model_was_reloaded(gw, fak
     async with gw.client.stream("POST", CHAT, json=body) as response:
         chunks = response.aiter_raw()
         first = await chunks.__anext__()
-        gw.registry.activate("http://127.0.0.1:9", 1)  # a new load took over meanwhile
+        gw.registry.activate(Serving("http://127.0.0.1:9", 1))  # a new load took over meanwhile
         raw = first + b"".join([chunk async for chunk in chunks])
     parsed = events(raw)
     assert parsed[-2]["data"]["error"]["code"] == "model_reloaded"

@@ -53,7 +53,7 @@ def counting_long(fake: FakeUpstream) -> bool:
 
 
 def settle_tasks() -> list[asyncio.Task]:
-    return [t for t in asyncio.all_tasks() if "_settle" in repr(t.get_coro())]
+    return [t for t in asyncio.all_tasks() if "Plan.settle" in repr(t.get_coro())]
 
 
 async def test_a_long_prompt_on_an_idle_port_is_forwarded_before_its_count_returns(counting):

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.port.admission import AdmissionRegistry
 from backend.port.metrics import Metrics
-from backend.llama.load import Snapshot, State
+from backend.llama.load import Serving, Snapshot, State
 
 BASE = "http://127.0.0.1:41001"
 
@@ -93,7 +93,7 @@ def test_waiting_and_active_are_read_from_the_admission_registry_at_scrape_time(
     metrics = Metrics()
     registry = AdmissionRegistry(max_waiting_for=lambda slots: 8)
     metrics.bind_registry(registry)
-    queue = registry.activate(BASE, 2)
+    queue = registry.activate(Serving(BASE, 2))
     tickets = [queue.request() for _ in range(5)]
     assert metrics.value("gguf_studio_requests_active") == 2
     assert metrics.value("gguf_studio_requests_waiting") == 3
@@ -105,7 +105,7 @@ def test_waiting_and_active_are_read_from_the_admission_registry_at_scrape_time(
 
 def test_effective_slots_follow_the_backend_snapshot():
     metrics = Metrics()
-    metrics.set_backend(Snapshot(state=State.READY, effective_parallel_slots=4))
+    metrics.set_backend(Snapshot(state=State.READY, serving=Serving("http://e", 4)))
     assert metrics.value("gguf_studio_effective_parallel_slots") == 4
     metrics.set_backend(Snapshot(state=State.STOPPED))  # reset on unload / crash
     assert metrics.value("gguf_studio_effective_parallel_slots") == 0

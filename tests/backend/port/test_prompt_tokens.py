@@ -19,8 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.port.admission import AdmissionQueue, KvCapacity
+from backend.port.admission import AdmissionQueue, KvCapacity, Serving
 from backend.errors import ContextLengthExceeded
+from backend.port.need_planner import NeedPlanner
 from backend.port.prompt_tokens import (
     DEFAULT_OUTPUT_TOKENS,
     IMAGE_TOKENS,
@@ -30,7 +31,6 @@ from backend.port.prompt_tokens import (
     PromptCount,
     PromptCounter,
     output_budget,
-    request_need,
     token_need,
 )
 from backend.llama.supervisor import pick_free_port
@@ -313,7 +313,7 @@ def test_output_budget_is_capped_by_the_operator_and_by_the_room_left():
 
 
 def test_a_prompt_that_leaves_no_room_for_a_reply_is_refused_by_admission():
-    queue = AdmissionQueue("http://127.0.0.1:1", 4, kv=KvCapacity.shared(32_768))
+    queue = AdmissionQueue(Serving("http://127.0.0.1:1", 4, kv=KvCapacity.shared(32_768)))
     fits = token_need(CHAT, {}, PromptCount(31_000, "engine"), limit=32_768)
     too_long = token_need(CHAT, {}, PromptCount(32_760, "engine"), limit=32_768)
 
@@ -326,13 +326,13 @@ def test_a_prompt_that_leaves_no_room_for_a_reply_is_refused_by_admission():
 async def test_four_short_requests_fit_a_unified_cache_on_four_slots_without_counting(
         counter, engine_url):
     kv = KvCapacity.shared(16_384)
-    queue = AdmissionQueue(engine_url, 4, kv=kv)
+    queue = AdmissionQueue(Serving(engine_url, 4, kv=kv))
     body = {"messages": [{"role": "system", "content": "You are a coding agent."},
                          {"role": "user", "content": "Rename foo to bar in main.py."}]}
     real = await engine_prompt_tokens(engine_url, CHAT, body)
 
-    needs = [await request_need(counter, CHAT, body, len(json.dumps(body)), kv=kv, slots=4)
-             for _ in range(4)]
+    planner = NeedPlanner(Serving(engine_url, 4, kv=kv), counter)
+    needs = [await planner.request_need(CHAT, body, len(json.dumps(body))) for _ in range(4)]
 
     assert all(need.prompt > real and need.output == DEFAULT_OUTPUT_TOKENS
                for need in needs)  # the byte bound: more than the exact count
@@ -346,7 +346,8 @@ async def test_a_long_request_is_counted_exactly_and_its_budget_fits_the_room(
     body = {"messages": [{"role": "user", "content": "lorem ipsum dolor " * 600}]}
     real = await engine_prompt_tokens(engine_url, CHAT, body)
 
-    need = await request_need(counter, CHAT, body, len(json.dumps(body)), kv=kv, slots=2)
+    planner = NeedPlanner(Serving(engine_url, 2, kv=kv), counter)
+    need = await planner.request_need(CHAT, body, len(json.dumps(body)))
 
     assert need.prompt == real
     assert need.total == min(8_192, real + DEFAULT_OUTPUT_TOKENS)
