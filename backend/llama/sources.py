@@ -68,8 +68,9 @@ async def fetch_pinned(pinned: PinnedFile, dest: Path,
             if link is not None:
                 break
         else:
-            raise EngineBuildFailed(f"No package index offers {pinned.filename} "
-                                    f"(asked {', '.join(map(_origin, indexes))}).")
+            raise EngineBuildFailed(f"No package index offers {pinned.filename} (asked "
+                                    f"{', '.join(map(_origin, indexes))}, pip's index-url and "
+                                    "extra-index-url; file:// indexes are not read).")
         try:
             await _download(client, link, pinned, dest, progress, _auth_for(link, index))
         except BaseException:
@@ -210,6 +211,8 @@ def _auth_for(url: str, index: str) -> httpx.Auth | None:
 def _origin(url: str) -> str:
     """A URL's scheme and host, without credentials or path, for messages."""
     parts = urlsplit(url)
+    if not parts.hostname:  # file:///a/local/index
+        return f"{parts.scheme}://{parts.path}"
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{parts.hostname}{port}"
 

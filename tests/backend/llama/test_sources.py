@@ -91,3 +91,17 @@ async def test_an_index_that_sends_more_than_the_pinned_size_is_cut_off_and_noth
             await scratch.source_tree_async()
     assert list((scratch.cache_dir / "sdist").iterdir()) == []
     assert not (scratch.cache_dir / "src").exists()
+
+
+async def test_an_index_without_the_sources_is_named_in_the_refusal_without_its_credentials(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    with PackageIndex() as index:
+        use_only(index, monkeypatch)
+        origin = index.url.removesuffix("/simple")
+        monkeypatch.setenv("PIP_INDEX_URL", index.url.replace("://", "://someone:s3cret@"))
+        scratch = Engine(data_dir=tmp_path / "data")
+        with pytest.raises(EngineBuildFailed) as refused:
+            await scratch.source_tree_async()
+    assert f"No package index offers {SDIST} (asked {origin}," in str(refused.value)
+    assert "s3cret" not in str(refused.value)
+    assert list((scratch.cache_dir / "sdist").iterdir()) == []
