@@ -4,8 +4,10 @@ Resolution order: an explicit path (setting or `--llama-server`), the environmen
 variable GGUF_STUDIO_LLAMA_SERVER, the managed engine in the user data dir, `PATH`.
 
 The managed engine is compiled here from the llama.cpp sources vendored in the pinned
-llama-cpp-python source distribution, which pip fetches from the package registry and
-whose hash we check.  No prebuilt binary is ever downloaded.  Builds are keyed by
+llama-cpp-python source distribution, fetched from the package index pip is configured
+with and checked against its pinned size and SHA-256 before anything reads it
+(backend/llama/sources.py says why not with pip).  No prebuilt binary is ever
+downloaded.  Builds are keyed by
 version and CMake flags and installed atomically: a directory appears under its final
 name only once it holds a working binary.
 """
@@ -31,11 +33,14 @@ from typing import Callable, Mapping, Sequence
 import platformdirs
 
 from backend.llama.accelerators import BACKENDS, Accelerators, detect
+from backend.llama.log import for_display, read_lines
+from backend.llama.sources import PinnedFile, fetch_pinned
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
 
 # The one place the engine's version is pinned.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_PYTHON_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+LLAMA_CPP_PYTHON_SDIST_SIZE = 76_589_250
 
 ENV_LLAMA_SERVER = "GGUF_STUDIO_LLAMA_SERVER"
 ENV_DATA_DIR = "GGUF_STUDIO_DATA_DIR"
@@ -245,7 +250,7 @@ class Engine:
         build_dir = self.cache_dir / "build" / key.name
         log_path = self.cache_dir / "build" / f"{key.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, CC=tools.cc, CXX=tools.cxx)
+        env = engine_environment() | {"CC": tools.cc, "CXX": tools.cxx}
         with log_path.open("w") as log:
             report(BuildProgress("configure", 5, "configuring with CMake"))
             await _run_logged(
@@ -301,30 +306,26 @@ class Engine:
     async def _fetch_sdist(self, report: ProgressCallback) -> Path:
         sdist_dir = self.cache_dir / "sdist"
         sdist_dir.mkdir(parents=True, exist_ok=True)
-        name = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-        path = sdist_dir / name
-        if not (path.is_file() and _sha256(path) == LLAMA_CPP_PYTHON_SDIST_SHA256):
-            report(BuildProgress("fetch", 1, f"fetching llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sources"))
+        pinned = PinnedFile("llama-cpp-python", f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz",
+                            LLAMA_CPP_PYTHON_SDIST_SHA256, LLAMA_CPP_PYTHON_SDIST_SIZE,
+                            "the llama.cpp sources")
+        path = sdist_dir / pinned.filename
+        if not (path.is_file() and _sha256(path) == pinned.sha256):
+            fetching = f"fetching llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sources"
+            report(BuildProgress("fetch", 1, fetching))
+            shown = 0
+
+            def on_bytes(received: int) -> None:
+                nonlocal shown
+                if received - shown >= pinned.size // 100 or received == pinned.size:
+                    shown = received
+                    report(BuildProgress("fetch", 1 + 3 * received / pinned.size,
+                                         f"{fetching}: {received >> 20} of {pinned.size >> 20} MiB"))
+
             tmp = Path(tempfile.mkdtemp(dir=sdist_dir, prefix=".fetch-"))
             try:
-                with (tmp / "pip.log").open("w") as log:
-                    await _run_logged(
-                        [sys.executable, "-m", "pip", "download", "--no-deps",
-                         "--no-binary", ":all:",
-                         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmp)],
-                        log, dict(os.environ), lambda line: None,
-                        failure="Fetching the llama.cpp sources from the package registry failed",
-                        log_path=tmp / "pip.log",
-                    )
-                fetched = tmp / name
-                if not fetched.is_file():
-                    raise EngineBuildFailed("The package registry did not return the llama.cpp sources.")
-                digest = _sha256(fetched)
-                if digest != LLAMA_CPP_PYTHON_SDIST_SHA256:
-                    raise EngineBuildFailed(
-                        f"The llama.cpp sources failed their hash check (got {digest[:16]}…); "
-                        "refusing to build them.")
-                os.replace(fetched, path)
+                await fetch_pinned(pinned, tmp / pinned.filename, on_bytes)
+                os.replace(tmp / pinned.filename, path)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
@@ -427,6 +428,15 @@ def find_build_tools(environ: Mapping[str, str] | None = None) -> BuildTools:
     return BuildTools(cc, cxx, cmake, ninja)
 
 
+def engine_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the engine's processes (llama-server, its build tools, apt):
+    ours without the app's own settings (the port's key among them) and without
+    credentials, which none of them needs: hub tokens and any *_TOKEN, *_API_KEY,
+    *_SECRET, *_PASSWORD."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items() if not _is_withheld(name)}
+
+
 def default_data_dir() -> Path:
     override = os.environ.get(ENV_DATA_DIR)
     return Path(override) if override else Path(platformdirs.user_data_dir("gguf-studio"))
@@ -435,6 +445,15 @@ def default_data_dir() -> Path:
 # --- helpers --------------------------------------------------------------------------
 
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+
+
+def _is_withheld(name: str) -> bool:
+    upper = name.upper()
+    return (upper.startswith("GGUF_STUDIO_") or upper in _HUB_TOKENS
+            or upper.endswith(("_TOKEN", "_API_KEY", "_SECRET", "_SECRET_KEY", "_PASSWORD")))
+
+
+_HUB_TOKENS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"})
 
 
 def _candidate(source: str, value: str | os.PathLike | None, origin: str) -> Candidate:
@@ -482,10 +501,10 @@ async def _run_logged(cmd: Sequence[str], log, env: Mapping[str, str],
         raise EngineBuildFailed(f"{failure}: {exc.strerror or exc}") from None
     try:
         assert proc.stdout is not None
-        async for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
+        async for line in read_lines(proc.stdout):  # compilers write lines of any length
+            line = line.rstrip()
             log.write(line + "\n")
-            on_line(line)
+            on_line(for_display(line))
         code = await proc.wait()
     except BaseException:
         if proc.returncode is None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from backend.llama.api import EngineClient, EngineProps
+from backend.llama.engine import engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
 from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.errors import (
@@ -476,8 +477,10 @@ class _EngineKey:
 
 
 def _child_environment() -> dict[str, str]:
-    """Ours, minus what would give the engine's port another key than the one we set."""
-    return {k: v for k, v in os.environ.items() if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")}
+    """The engine's processes' environment, minus what would give the engine's port
+    another key than the one we set."""
+    return {k: v for k, v in engine_environment().items()
+            if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")}
 
 
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:

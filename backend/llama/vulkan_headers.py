@@ -12,10 +12,12 @@ system's (Vulkan's ABI is stable; new entry points are looked up at run time).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -23,12 +25,17 @@ from pathlib import Path
 from typing import Callable
 
 from backend.llama.accelerators import vulkan_header_version, vulkan_headers_usable
+from backend.llama.engine import engine_environment
 from backend.errors import EngineBuildFailed
 
 # The Debian release whose libvulkan-dev (1.4.309) carries what the pinned llama.cpp uses.
 NEWER_SUITE = "trixie"
 PACKAGE = "libvulkan-dev"
 KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
+# Seconds one apt-get call may take (a release's package index is tens of MB), and the
+# unpacking of the one package.  Past them the call is stopped and the build says so.
+APT_TIMEOUT = 600.0
+UNPACK_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -96,15 +103,17 @@ def _fetch(root: Path) -> VulkanHeaders:
         options = [f"-o=Dir::Etc={etc}", f"-o=Dir::State::Lists={work / 'lists'}",
                    f"-o=Dir::Cache={work / 'cache'}", "-o=Dir::State::status=/dev/null",
                    "-o=Debug::NoLocking=1", "-o=APT::Sandbox::User=root", "-qq"]
-        _check([apt_get, *options, "update"], work, "Reading the Debian package index failed")
+        _check([apt_get, *options, "update"], work, "Reading the Debian package index failed",
+               APT_TIMEOUT)
         _check([apt_get, *options, "download", PACKAGE], work,
-               f"Downloading {PACKAGE} from Debian {NEWER_SUITE} failed")
+               f"Downloading {PACKAGE} from Debian {NEWER_SUITE} failed", APT_TIMEOUT)
         deb = next(work.glob(f"{PACKAGE}_*.deb"), None)
         if deb is None:
             raise EngineBuildFailed(f"apt did not download {PACKAGE}.")
         version = deb.name.split("_")[1]
         unpacked = work / "unpacked"
-        _check([dpkg_deb, "-x", str(deb), str(unpacked)], work, f"Unpacking {PACKAGE} failed")
+        _check([dpkg_deb, "-x", str(deb), str(unpacked)], work, f"Unpacking {PACKAGE} failed",
+               UNPACK_TIMEOUT)
         final = root / f"{PACKAGE}-{version}"
         if final.exists():
             shutil.rmtree(final)
@@ -120,9 +129,22 @@ def _fetch(root: Path) -> VulkanHeaders:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _check(cmd: list[str], cwd: Path, failure: str) -> None:
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise EngineBuildFailed(f"{failure} (exit {done.returncode}).",
-                                (done.stderr or done.stdout)[-2000:])
-
+def _check(cmd: list[str], cwd: Path, failure: str, timeout: float) -> None:
+    """Run `cmd`; a failure or a run past `timeout` seconds raises EngineBuildFailed.  The
+    command runs in a process group of its own, so a stop ends the helpers it started
+    too (apt's download methods), which would otherwise hold its output open."""
+    with subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          env=engine_environment()) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise EngineBuildFailed(f"{failure}: no answer from {Path(cmd[0]).name} in "
+                                        f"{timeout:g} s; it was stopped.") from None
+            raise
+    if proc.returncode != 0:
+        raise EngineBuildFailed(f"{failure} (exit {proc.returncode}).", (err or out)[-2000:])

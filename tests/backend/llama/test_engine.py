@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from backend.llama.engine import BuildKey, BuildProgress, Engine, find_build_tools
+from backend.llama.engine import (LLAMA_CPP_PYTHON_VERSION, BuildKey, BuildProgress, Engine,
+                                  find_build_tools)
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
 
 
@@ -160,3 +162,54 @@ async def test_sources_that_fail_their_hash_check_are_refused_and_not_kept(tmp_p
         await scratch.source_tree_async()
     assert list((scratch.cache_dir / "sdist").iterdir()) == []
     assert not (scratch.cache_dir / "src").exists()
+
+
+def fake_engine_sources(cache_dir: Path, line_repeats: int = 1) -> Path:
+    """A stand-in for the vendored llama.cpp tree, where the engine build looks for it: a
+    CMake project that prints a line of `line_repeats` x 15 characters while configuring
+    and compiling, records the environment it was given, and builds a `llama-server` in
+    seconds."""
+    tree = cache_dir / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    tree.mkdir(parents=True)
+    (tree / "main.c").write_text("int main(void) { return 0; }\n")
+    (tree / "CMakeLists.txt").write_text(textwrap.dedent("""\
+        cmake_minimum_required(VERSION 3.16)
+        project(fake_llama C)
+        string(REPEAT "configure-says-" @REPEATS@ LONG_CONFIGURE)
+        message(STATUS "${LONG_CONFIGURE}")
+        execute_process(COMMAND ${CMAKE_COMMAND} -E environment
+                        OUTPUT_FILE ${CMAKE_BINARY_DIR}/build-environment.txt)
+        set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+        add_executable(llama-server main.c)
+        string(REPEAT "compiler-says-" @REPEATS@ LONG_COMPILE)
+        add_custom_command(TARGET llama-server POST_BUILD
+                           COMMAND ${CMAKE_COMMAND} -E echo "${LONG_COMPILE}")
+        """).replace("@REPEATS@", str(line_repeats)))
+    return tree
+
+
+async def test_build_output_lines_over_64_kib_are_logged_whole_and_the_build_completes(tmp_path):
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    fake_engine_sources(scratch.cache_dir, line_repeats=6000)
+    events: list[BuildProgress] = []
+    built = await scratch.build(progress=events.append, jobs=1)
+    assert scratch.installed() and built == scratch.managed_binary()
+    log = (scratch.cache_dir / "build" / f"{BuildKey().name}.log").read_text()
+    assert "configure-says-" * 6000 in log  # 90,000 characters on one line, kept whole
+    assert "compiler-says-" * 6000 in log
+    assert all(len(e.line) <= 4096 for e in events)  # cut for the window and the terminal
+    assert any("configure-says-" in e.line for e in events)
+
+
+async def test_the_build_tools_are_not_given_the_ports_key_or_hub_tokens(tmp_path, monkeypatch):
+    withheld = {"GGUF_STUDIO_API_KEY": "port-key-0123456789abcdef",
+                "HF_TOKEN": "hf_secret_token_of_the_user",
+                "HUGGING_FACE_HUB_TOKEN": "hf_older_name_of_the_token"}
+    for name, value in withheld.items():
+        monkeypatch.setenv(name, value)
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    fake_engine_sources(scratch.cache_dir)
+    await scratch.build(jobs=1)
+    seen = (scratch.cache_dir / "build" / BuildKey().name / "build-environment.txt").read_text()
+    assert not any(value in seen for value in withheld.values())
+    assert f"PATH={os.environ['PATH']}" in seen  # the rest is the tools' as before

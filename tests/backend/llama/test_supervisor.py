@@ -335,7 +335,7 @@ def test_child_dies_with_the_app_even_when_the_app_is_killed(llama_server_binary
         asyncio.run(main())
         """)
     app = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                           cwd=Path(__file__).resolve().parents[2])
+                           cwd=Path(__file__).resolve().parents[3])
     try:
         child_pid = int(app.stdout.readline())
         assert pid_alive(child_pid)
@@ -481,3 +481,23 @@ async def test_engine_logs_are_bounded_in_size_and_number_per_model(llama_server
     assert all(p.stat().st_size <= max_bytes for p in logs)
     assert sum(p.stat().st_size for p in logs) <= 2 * 2 * max_bytes
     assert other.read_text() == "kept\n"
+
+
+async def test_the_engine_is_not_given_the_ports_key_or_hub_tokens(supervisor, tiny_model, monkeypatch):
+    """Whoever reads the engine's environment (a crash dump, a /proc reader, a model's
+    tool) must not find the port's key or the user's Hugging Face token there."""
+    withheld = {"GGUF_STUDIO_API_KEY": "port-key-0123456789abcdef",
+                "GGUF_STUDIO_API_KEY_FILE": "/home/someone/.config/gguf-studio/key",
+                "HF_TOKEN": "hf_secret_token_of_the_user",
+                "HUGGING_FACE_HUB_TOKEN": "hf_older_name_of_the_token"}
+    for name, value in withheld.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GGUF_STUDIO_ENV_PASSED_ON", "no")
+    snapshot = await supervisor.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+    raw = Path(f"/proc/{snapshot.pid}/environ").read_bytes().decode()
+    environ = dict(entry.split("=", 1) for entry in raw.split("\0") if "=" in entry)
+    await supervisor.unload()
+    assert not set(withheld) & set(environ)
+    assert not any(value in raw for value in withheld.values())
+    assert "GGUF_STUDIO_ENV_PASSED_ON" not in environ  # none of the app's own settings
+    assert environ["PATH"] == os.environ["PATH"]  # the rest is the engine's as before
