@@ -75,7 +75,7 @@ class DiscoverView(QWidget):
         self.repos = QListWidget()
         self.repos.setAccessibleName("Repositories")
         self.repos.currentItemChanged.connect(self._on_repo)
-        self.repos_title = QLabel()
+        self.repos_title = _plain(QLabel())
 
         self.context = QSpinBox()
         self.context.setRange(512, 1_048_576)
@@ -91,8 +91,10 @@ class DiscoverView(QWidget):
         self.files.itemDoubleClicked.connect(lambda *_: self._download())
         self.download_button = QPushButton("&Download")
         self.download_button.clicked.connect(self._download)
-        self.repo_title = heading("", 1.1)
-        self.status = secondary_label("")
+        # Repository ids, file names and error sentences come from the hub: shown as
+        # they are, never interpreted as rich text (markup, links, images).
+        self.repo_title = _plain(heading("", 1.1))
+        self.status = _plain(secondary_label(""))
 
         self.queue_box = QVBoxLayout()
         self.queue_box.setContentsMargins(0, 0, 0, 0)
@@ -246,11 +248,11 @@ class DownloadRow(QWidget):
         super().__init__(view)
         self.job_id = job_id
         self.state = ""
-        self.name = QLabel()
+        self.name = _plain(QLabel())
         self.bar = QProgressBar()
         self.bar.setRange(0, 1000)
         self.bar.setAccessibleName("Download progress")
-        self.detail = secondary_label()
+        self.detail = _plain(secondary_label())
         self.pause_button = QPushButton("Pause")
         self.pause_button.clicked.connect(
             lambda: (view.resume_requested if self.state in ("paused", "failed") else view.pause_requested)
@@ -276,6 +278,11 @@ class DownloadRow(QWidget):
         active = p.state not in ("done", "cancelled")
         self.pause_button.setEnabled(active and p.state != "verifying")
         self.cancel_button.setEnabled(active)
+
+
+def _plain(label: QLabel) -> QLabel:
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    return label
 
 
 def _color(verdict: str) -> QColor:

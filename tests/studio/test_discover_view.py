@@ -170,3 +170,32 @@ def test_a_model_fits_in_ram_on_a_machine_without_a_gpu(open_window, qtbot, hf_h
         machine(tools=["vulkaninfo"], outputs={"vulkaninfo": VULKANINFO_LAVAPIPE})))
     assert badge == "fits in RAM"
     assert "GPU" not in hover and "RAM" in hover
+
+
+def test_hub_strings_are_shown_as_plain_text_not_markup(open_window, qtbot, hf_hub, coder_models):
+    from tests.hf_endpoint import HubRepo
+
+    q4 = coder_models["Tiny-Coder-Q4_K_M.gguf"]
+    hf_hub.repos["test-org/Bold-GGUF"] = HubRepo("test-org/Bold-GGUF", {"<b>Bold<b>-Q4_K_M.gguf": q4})
+    hf_hub.repos["test-org/Bold-Evil-GGUF"] = HubRepo("test-org/Bold-Evil-GGUF", {"<i>x</i>/../../x.gguf": q4})
+    window = open_window()
+    d = window.discover
+    d.query.setText("bold")
+    click(qtbot, d.search_button)
+    qtbot.waitUntil(lambda: d.repos.count() == 2 and d.search_button.isEnabled(), timeout=WAIT)
+    rows = [d.repos.item(i).text().split("\n")[0] for i in range(2)]
+
+    d.repos.setCurrentRow(rows.index("test-org/Bold-Evil-GGUF"))
+    qtbot.waitUntil(lambda: "refused" in d.status.text(), timeout=WAIT)
+    assert "“<i>x</i>/../../x.gguf”" in d.status.text()
+    assert d.status.textFormat() == Qt.TextFormat.PlainText
+
+    d.repos.setCurrentRow(rows.index("test-org/Bold-GGUF"))
+    qtbot.waitUntil(lambda: d.files.topLevelItemCount() == 1, timeout=WAIT)
+    assert d.repo_title.textFormat() == Qt.TextFormat.PlainText
+    d.files.setCurrentItem(d.files.topLevelItem(0).child(0))
+    click(qtbot, d.download_button)
+    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == "done", timeout=WAIT)
+    [row] = d.rows.values()
+    assert row.name.text() == "<b>Bold<b>-Q4_K_M"
+    assert row.name.textFormat() == row.detail.textFormat() == Qt.TextFormat.PlainText
