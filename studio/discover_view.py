@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.models.gguf_info import format_file_size
-from backend.models.download import DownloadProgress
+from backend.models.download import DownloadProgress, DownloadState
 from backend.models.fit import DEFAULT_FIT_CONTEXT, FITS_GPU, FITS_RAM, FitEstimate
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary
 from studio.widgets import heading, secondary_label
@@ -247,7 +247,7 @@ class DownloadRow(QWidget):
     def __init__(self, job_id: str, view: DiscoverView) -> None:
         super().__init__(view)
         self.job_id = job_id
-        self.state = ""
+        self.state: DownloadState | None = None
         self.name = _plain(QLabel())
         self.bar = QProgressBar()
         self.bar.setRange(0, 1000)
@@ -255,8 +255,7 @@ class DownloadRow(QWidget):
         self.detail = _plain(secondary_label())
         self.pause_button = QPushButton("Pause")
         self.pause_button.clicked.connect(
-            lambda: (view.resume_requested if self.state in ("paused", "failed") else view.pause_requested)
-            .emit(self.job_id))
+            lambda: (view.resume_requested if self._resumes() else view.pause_requested).emit(self.job_id))
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.clicked.connect(lambda: view.cancel_requested.emit(self.job_id))
         layout = QGridLayout(self)
@@ -273,11 +272,14 @@ class DownloadRow(QWidget):
         self.name.setText(p.name)
         self.name.setToolTip(p.repo_id)
         self.bar.setValue(int(p.fraction * 1000))
-        self.detail.setText("Ready in the library." if p.state == "done" else p.describe())
-        self.pause_button.setText("Resume" if p.state in ("paused", "failed") else "Pause")
-        active = p.state not in ("done", "cancelled")
-        self.pause_button.setEnabled(active and p.state != "verifying")
-        self.cancel_button.setEnabled(active)
+        self.detail.setText("Ready in the library." if p.state is DownloadState.DONE else p.describe())
+        self.pause_button.setText("Resume" if self._resumes() else "Pause")
+        self.pause_button.setEnabled(not p.state.finished and p.state is not DownloadState.VERIFYING)
+        self.cancel_button.setEnabled(not p.state.finished)
+
+    def _resumes(self) -> bool:
+        """Whether the Pause button reads Resume: a paused or failed download."""
+        return self.state in (DownloadState.PAUSED, DownloadState.FAILED)
 
 
 def _plain(label: QLabel) -> QLabel:

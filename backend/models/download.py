@@ -18,6 +18,7 @@ what this download made, and the token goes only to the endpoint itself.
 
 from __future__ import annotations
 
+import enum
 import errno
 import hashlib
 import json
@@ -47,13 +48,17 @@ from backend.models.hub import (
     is_on_endpoint,
     translate_hub_error,
 )
+from backend.listeners import Listeners
 from backend.settings import APP_NAME, PRIVATE_DIR_MODE
+from backend.throttle import Throttle
 
 __all__ = [
     "DownloadProgress",
     "DownloadQueue",
+    "DownloadState",
     "DownloadStopped",
     "ModelDownload",
+    "StopReason",
     "Stopper",
     "TransferMeter",
     "describe_duration",
@@ -70,7 +75,35 @@ log = logging.getLogger("gguf_studio.downloads")
 CHUNK_SIZE = 1024 * 1024
 MAX_REDIRECTS = 10
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-STATES = ("queued", "downloading", "verifying", "paused", "done", "failed", "cancelled")
+
+
+class DownloadState(enum.Enum):
+    QUEUED = "queued"
+    DOWNLOADING = "downloading"
+    VERIFYING = "verifying"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def active(self) -> bool:
+        """Running or about to: its bytes are moving, or will without being asked."""
+        return self in (DownloadState.QUEUED, DownloadState.DOWNLOADING, DownloadState.VERIFYING)
+
+    @property
+    def resumable(self) -> bool:
+        return self in (DownloadState.PAUSED, DownloadState.FAILED, DownloadState.CANCELLED)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more will happen to it, and it is not remembered across restarts."""
+        return self in (DownloadState.DONE, DownloadState.CANCELLED)
+
+
+class StopReason(enum.Enum):
+    PAUSE = "pause"  # keep the bytes, resume later
+    CANCEL = "cancel"  # remove what the download made
 
 
 @dataclass(frozen=True)
@@ -78,7 +111,7 @@ class DownloadProgress:
     job_id: str
     repo_id: str
     name: str
-    state: str  # one of STATES
+    state: DownloadState
     done_bytes: int
     total_bytes: int
     speed: float = 0.0  # bytes per second over the last few seconds
@@ -93,30 +126,30 @@ class DownloadProgress:
     def describe(self) -> str:
         """"1.2 GiB of 4.4 GiB, 35.0 MiB/s, 1 min 33 s left" and the like."""
         text = f"{format_file_size(self.done_bytes)} of {format_file_size(self.total_bytes)}"
-        if self.state == "downloading" and self.speed > 0:
+        if self.state is DownloadState.DOWNLOADING and self.speed > 0:
             text += f", {format_file_size(int(self.speed))}/s"
             if self.eta is not None:
                 text += f", {describe_duration(self.eta)} left"
-        elif self.state != "downloading":
-            text += f" ({self.message or self.state})"
+        elif self.state is not DownloadState.DOWNLOADING:
+            text += f" ({self.message or self.state.value})"
         return text
 
 
 class DownloadStopped(Exception):
     """Raised inside a download when it is paused or cancelled; never shown to the user."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason  # "pause" or "cancel"
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
 
 
 class Stopper:
     """Asks a running download, from any thread, to pause or cancel."""
 
     def __init__(self) -> None:
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: StopReason) -> None:
         self.reason = reason
 
     def check(self) -> None:
@@ -233,7 +266,7 @@ class ModelDownload:
             except OSError as exc:
                 raise _disk_error(exc, self.choice.files[0]) from exc
         except DownloadStopped as stop:
-            if stop.reason == "cancel":
+            if stop.reason is StopReason.CANCEL:
                 self.discard()
             raise
         except (ChecksumMismatch, WrongSize):
@@ -441,9 +474,10 @@ def _verify(remote: _Remote, digest: Any, repo_id: str) -> None:
 class DownloadQueue:
     """Several downloads, one at a time, on a worker thread; remembered across restarts.
 
-    Listeners get a `DownloadProgress` on every state change and at most ten times a
-    second while bytes flow, on the worker thread.  Jobs that were running or queued
-    when the app closed come back paused: nothing touches the network until asked.
+    Listeners get a `DownloadProgress` on every state change and, through a `Throttle`,
+    at most ten times a second while bytes flow (the last bytes always reported), on the
+    worker or a timer thread.  Jobs that were running or queued when the app closed come
+    back paused: nothing touches the network until asked.
     """
 
     def __init__(self, state_path: Path | None = None, *, cache_dir: Path | None = None,
@@ -453,14 +487,14 @@ class DownloadQueue:
         self.token = token
         self.report_interval = report_interval
         self._jobs: dict[str, _Job] = {}
-        self._listeners: list[Callable[[DownloadProgress], None]] = []
+        self._listeners: Listeners[[DownloadProgress]] = Listeners(log, "download listener")
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._closing = False
         self._load()
 
     def add_listener(self, fn: Callable[[DownloadProgress], None]) -> None:
-        self._listeners.append(fn)
+        self._listeners.add(fn)
 
     def jobs(self) -> list[DownloadProgress]:
         with self._lock:
@@ -470,31 +504,31 @@ class DownloadQueue:
         """Queue `choice`; the same model twice is one job (resumed if it was paused)."""
         with self._lock:
             for job in self._jobs.values():
-                if job.choice == choice and job.commit == commit and job.progress.state not in ("done", "cancelled"):
+                if job.choice == choice and job.commit == commit and not job.progress.state.finished:
                     job_id = job.progress.job_id
                     break
             else:
                 job_id = uuid.uuid4().hex[:12]
                 download = ModelDownload(choice, commit, cache_dir=self.cache_dir, token=self.token)
                 self._jobs[job_id] = _Job(choice, commit, DownloadProgress(
-                    job_id, choice.repo_id, choice.name, "paused", download.bytes_on_disk(), choice.size),
+                    job_id, choice.repo_id, choice.name, DownloadState.PAUSED, download.bytes_on_disk(), choice.size),
                     download)
         self.resume(job_id)
         return job_id
 
     def pause(self, job_id: str) -> None:
-        self._stop(job_id, "pause")
+        self._stop(job_id, StopReason.PAUSE)
 
     def cancel(self, job_id: str) -> None:
-        self._stop(job_id, "cancel")
+        self._stop(job_id, StopReason.CANCEL)
 
     def resume(self, job_id: str) -> None:
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or job.progress.state not in ("paused", "failed", "cancelled"):
+            if job is None or not job.progress.state.resumable:
                 return
             job.stopper = Stopper()
-            self._set(job, state="queued", message="")
+            self._set(job, state=DownloadState.QUEUED, message="")
             self._ensure_worker()
         self._save()
 
@@ -503,7 +537,7 @@ class DownloadQueue:
         with self._lock:
             self._closing = True
             for job in self._jobs.values():
-                job.stopper.stop("pause")
+                job.stopper.stop(StopReason.PAUSE)
             worker = self._worker
         if worker is not None:
             worker.join(timeout)
@@ -511,20 +545,21 @@ class DownloadQueue:
 
     # --- worker ------------------------------------------------------------------------------
 
-    def _stop(self, job_id: str, reason: str) -> None:
+    def _stop(self, job_id: str, reason: StopReason) -> None:
+        cancel = reason is StopReason.CANCEL
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
             state = job.progress.state
-            if state in ("downloading", "verifying"):
+            if state in (DownloadState.DOWNLOADING, DownloadState.VERIFYING):
                 job.stopper.stop(reason)  # the worker reports the new state
-            elif state == "queued" or (reason == "cancel" and state in ("paused", "failed")):
+            elif state is DownloadState.QUEUED or (cancel and state in (DownloadState.PAUSED, DownloadState.FAILED)):
                 job.stopper.stop(reason)
-                if reason == "cancel" and job.download is not None:
+                if cancel and job.download is not None:
                     job.download.discard()
-                self._set(job, state="paused" if reason == "pause" else "cancelled",
-                          done_bytes=0 if reason == "cancel" else job.progress.done_bytes)
+                self._set(job, state=DownloadState.CANCELLED if cancel else DownloadState.PAUSED,
+                          done_bytes=0 if cancel else job.progress.done_bytes)
         self._save()
 
     def _ensure_worker(self) -> None:
@@ -535,45 +570,34 @@ class DownloadQueue:
     def _work(self) -> None:
         while True:
             with self._lock:
-                job = next((j for j in self._jobs.values() if j.progress.state == "queued"), None)
+                job = next((j for j in self._jobs.values() if j.progress.state is DownloadState.QUEUED), None)
                 if job is None or self._closing:
                     self._worker = None
                     return
-                self._set(job, state="downloading", done_bytes=job.bytes_on_disk())
+                self._set(job, state=DownloadState.DOWNLOADING, done_bytes=job.bytes_on_disk())
             self._run(job)
             self._save()
 
     def _run(self, job: _Job) -> None:
         meter = TransferMeter(job.progress.done_bytes, job.progress.total_bytes)
-        last_report = 0.0
-        trailing: threading.Timer | None = None
 
         def report_latest() -> None:
-            nonlocal last_report, trailing
             with self._lock:
-                trailing = None
-                if job.progress.state == "downloading":
-                    last_report = time.monotonic()
-                    self._set(job, speed=meter.speed, eta=meter.eta)
+                if job.progress.state is DownloadState.DOWNLOADING:  # not after it ended
+                    self._set(job, done_bytes=meter.done, speed=meter.speed, eta=meter.eta)
+
+        reports = Throttle(self.report_interval, report_latest)
 
         def on_bytes(n: int) -> None:
-            nonlocal last_report, trailing
             with self._lock:
                 meter.add(n)
-                now = time.monotonic()
-                quiet = now - last_report < self.report_interval
-                if not quiet:
-                    last_report = now
-                elif trailing is None:
-                    # When bytes stop flowing, the last of them is still reported.
-                    trailing = threading.Timer(self.report_interval, report_latest)
-                    trailing.daemon = True
-                    trailing.start()
-                self._set(job, done_bytes=meter.done, speed=meter.speed, eta=meter.eta, quiet=quiet)
+                if job.progress.state is DownloadState.VERIFYING:  # the next part's bytes
+                    self._set(job, state=DownloadState.DOWNLOADING, done_bytes=meter.done)
+            reports.poke()
 
         def on_verifying() -> None:
             with self._lock:
-                self._set(job, state="verifying", speed=0.0, eta=None)
+                self._set(job, state=DownloadState.VERIFYING, done_bytes=meter.done, speed=0.0, eta=None)
 
         try:
             if job.download is None:
@@ -581,10 +605,10 @@ class DownloadQueue:
             path = job.download.run(job.stopper, on_bytes, on_verifying)
         except DownloadStopped as stop:
             with self._lock:
-                if stop.reason == "cancel":
-                    self._set(job, state="cancelled", done_bytes=0, speed=0.0, eta=None)
+                if stop.reason is StopReason.CANCEL:
+                    self._set(job, state=DownloadState.CANCELLED, done_bytes=0, speed=0.0, eta=None)
                 else:
-                    self._set(job, state="paused", speed=0.0, eta=None, done_bytes=job.bytes_on_disk())
+                    self._set(job, state=DownloadState.PAUSED, speed=0.0, eta=None, done_bytes=job.bytes_on_disk())
         except HubError as exc:
             self._fail(job, str(exc))
         except Exception as exc:  # a bug must not kill the worker and freeze the queue
@@ -592,32 +616,27 @@ class DownloadQueue:
             self._fail(job, f"The download failed: {exc}.")
         else:
             with self._lock:
-                self._set(job, state="done", done_bytes=job.progress.total_bytes, speed=0.0,
+                self._set(job, state=DownloadState.DONE, done_bytes=job.progress.total_bytes, speed=0.0,
                           eta=None, path=str(path))
 
     def _fail(self, job: _Job, message: str) -> None:
         with self._lock:
-            self._set(job, state="failed", message=message, speed=0.0, eta=None,
+            self._set(job, state=DownloadState.FAILED, message=message, speed=0.0, eta=None,
                       done_bytes=job.bytes_on_disk())
 
-    def _set(self, job: _Job, *, quiet: bool = False, **changes: Any) -> None:
+    def _set(self, job: _Job, **changes: Any) -> None:
         # Called with the lock held; listeners must not call back into the queue.
         job.progress = replace(job.progress, **changes)
-        if not quiet:
-            for fn in list(self._listeners):
-                try:
-                    fn(job.progress)
-                except Exception:
-                    log.exception("download listener failed")
+        self._listeners(job.progress)
 
     # --- persistence -------------------------------------------------------------------------
 
     def _save(self) -> None:
         with self._lock:
             kept = [{"choice": _choice_to_dict(j.choice), "commit": j.commit,
-                     "job_id": j.progress.job_id, "state": j.progress.state,
+                     "job_id": j.progress.job_id, "state": j.progress.state.value,
                      "created": j.download.created() if j.download is not None else []}
-                    for j in self._jobs.values() if j.progress.state not in ("done", "cancelled")]
+                    for j in self._jobs.values() if not j.progress.state.finished]
         try:
             self.state_path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
             tmp = self.state_path.with_suffix(".tmp")
@@ -639,7 +658,8 @@ class DownloadQueue:
                 created = [str(blob_id) for blob_id in entry.get("created", [])]
             except (KeyError, TypeError, ValueError, AttributeError):
                 continue
-            state = "failed" if entry.get("state") == "failed" else "paused"
+            failed = entry.get("state") == DownloadState.FAILED.value
+            state = DownloadState.FAILED if failed else DownloadState.PAUSED
             # The saved record is checked as a hub's answer is: it may have come from one
             # before these checks existed, or been edited.  A refused one stays listed,
             # failed with the reason, so the person sees it and can remove it.
@@ -648,7 +668,7 @@ class DownloadQueue:
                     choice, commit, cache_dir=self.cache_dir, token=self.token, created=created)
                 refusal = ""
             except UnsafeHubAnswer as exc:
-                download, refusal, state = None, str(exc), "failed"
+                download, refusal, state = None, str(exc), DownloadState.FAILED
             job = _Job(choice, commit, DownloadProgress(
                 job_id, printable(choice.repo_id, 100), printable(choice.name, 100), state, 0, choice.size,
                 message=refusal), download, refusal)
@@ -785,7 +805,7 @@ def _digest_of(path: Path, length: int, stopper: Stopper, new_digest: Callable[[
         while left and (chunk := f.read(min(4 * 1024 * 1024, left))):
             digest.update(chunk)
             left -= len(chunk)
-            if stopper.reason == "cancel":
+            if stopper.reason is StopReason.CANCEL:
                 stopper.check()
     return digest
 

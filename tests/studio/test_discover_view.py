@@ -10,6 +10,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
+from backend.models.download import DownloadState
 from backend.models.hub import curated_models
 from backend.llama.supervisor import State
 from studio.window import GET_MODELS_TAB
@@ -67,13 +68,13 @@ def test_search_pick_download_pause_resume_then_load(open_window, qtbot, hf_hub,
     assert row.pause_button.text() == "Pause"
     click(qtbot, row.pause_button)
     hf_hub.release()
-    qtbot.waitUntil(lambda: row.state == "paused", timeout=WAIT)
+    qtbot.waitUntil(lambda: row.state == DownloadState.PAUSED, timeout=WAIT)
     assert row.pause_button.text() == "Resume" and 0 < row.bar.value() < 1000
     kept = hf_hub.served[-1].sent  # at least what reached the disk
     assert kept > 0
 
     click(qtbot, row.pause_button)
-    qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
+    qtbot.waitUntil(lambda: row.state == DownloadState.DONE, timeout=WAIT)
     assert row.bar.value() == 1000 and row.detail.text() == "Ready in the library."
     assert hf_hub.served[-1].start > 0  # resumed, not started over
 
@@ -120,7 +121,7 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
     assert "gated" in d.repo_title.text()
     d.files.setCurrentItem(d.files.topLevelItem(0).child(0))
     click(qtbot, d.download_button)
-    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == "failed", timeout=WAIT)
+    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == DownloadState.FAILED, timeout=WAIT)
     [row] = d.rows.values()
     assert "is gated" in row.detail.text() and row.pause_button.text() == "Resume"
 
@@ -130,7 +131,7 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
     click(qtbot, d.token_button)
     qtbot.waitUntil(token_path().is_file, timeout=WAIT)
     click(qtbot, row.pause_button)  # "Resume" retries with the saved token
-    qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
+    qtbot.waitUntil(lambda: row.state == DownloadState.DONE, timeout=WAIT)
     entry = window.library_view.current_entry
     qtbot.waitUntil(lambda: entry() is not None and entry().detail == GATED_REPO, timeout=WAIT)
 
@@ -195,7 +196,7 @@ def test_hub_strings_are_shown_as_plain_text_not_markup(open_window, qtbot, hf_h
     assert d.repo_title.textFormat() == Qt.TextFormat.PlainText
     d.files.setCurrentItem(d.files.topLevelItem(0).child(0))
     click(qtbot, d.download_button)
-    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == "done", timeout=WAIT)
+    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == DownloadState.DONE, timeout=WAIT)
     [row] = d.rows.values()
     assert row.name.text() == "<b>Bold<b>-Q4_K_M"
     assert row.name.textFormat() == row.detail.textFormat() == Qt.TextFormat.PlainText

@@ -24,7 +24,9 @@ from backend.errors import ChecksumMismatch, DownloadFailed, HubAccessDenied, Un
 from backend.models.hf_cache import repo_cache
 from backend.models.download import (
     DownloadQueue,
+    DownloadState,
     DownloadStopped,
+    StopReason,
     Stopper,
     bytes_on_disk,
     download_model,
@@ -142,7 +144,7 @@ def test_a_sha256_that_is_not_one_is_refused_and_deletes_nothing(hf_hub, home, c
         list_repo(EVIL_REPO)
     choice = lfs_choice(Q4, sha256, coder_models[Q4].stat().st_size)
     stopper = Stopper()
-    stopper.stop("cancel")  # a cancel removes what the download made: here, nothing at all
+    stopper.stop(StopReason.CANCEL)  # a cancel removes what the download made: here, nothing at all
     for attempt in (lambda: download_model(choice, COMMIT), lambda: download_model(choice, COMMIT, stopper=stopper),
                     lambda: bytes_on_disk(choice, COMMIT)):
         with pytest.raises(UnsafeHubAnswer):
@@ -213,7 +215,7 @@ def test_cancel_keeps_a_blob_that_another_commits_snapshot_links_to(hf_hub, home
     hf_hub.repos[CODER_REPO].commit = "c" * 40  # the repository moved on; the file did not
     second = list_repo(CODER_REPO)
     stopper = Stopper()
-    stopper.stop("cancel")
+    stopper.stop(StopReason.CANCEL)
     with pytest.raises(DownloadStopped):
         download_model(pick_choice(second, "Q4_K_M"), second.commit, stopper=stopper)
     assert old.is_file()  # the older snapshot still opens
@@ -227,7 +229,7 @@ def test_cancel_keeps_a_blob_another_tool_put_in_the_cache(hf_hub, home, coder_m
     blob.parent.mkdir(parents=True)
     shutil.copyfile(coder_models[Q4], blob)  # as another tool left it, not yet linked
     stopper = Stopper()
-    stopper.stop("cancel")
+    stopper.stop(StopReason.CANCEL)
     with pytest.raises(DownloadStopped):
         download_model(choice, listing.commit, stopper=stopper)
     assert blob.read_bytes() == coder_models[Q4].read_bytes()
@@ -345,13 +347,13 @@ def test_a_replayed_download_record_is_refused_and_deletes_nothing(hf_hub, home,
     queue.add_listener(seen)
     try:
         jobs = queue.jobs()
-        assert [j.state for j in jobs] == ["failed"] * 3
+        assert [j.state for j in jobs] == [DownloadState.FAILED] * 3
         assert all("refused" in j.message for j in jobs)
         queue.resume("job0")  # resuming asks nothing of the network and refuses again
-        seen.wait_for(lambda p: p.job_id == "job0" and p.state == "failed")
+        seen.wait_for(lambda p: p.job_id == "job0" and p.state == DownloadState.FAILED)
         for job in jobs:
             queue.cancel(job.job_id)
-        assert [j.state for j in queue.jobs()] == ["cancelled"] * 3
+        assert [j.state for j in queue.jobs()] == [DownloadState.CANCELLED] * 3
     finally:
         queue.close()
     assert hf_hub.requests == []
@@ -369,7 +371,8 @@ def test_a_part_finished_before_a_restart_is_removed_by_a_cancel_after_it(hf_hub
     seen = Recorder()
     queue.add_listener(seen)
     job = queue.add(choice, listing.commit)
-    seen.wait_for(lambda p: p.done_bytes > first_part.size)  # part 1 verified, part 2 on its way
+    # Part 1 verified, part 2 on its way (and reported as downloading again: pausable).
+    seen.wait_for(lambda p: p.state is DownloadState.DOWNLOADING and p.done_bytes > first_part.size)
     assert hf_hub.holding.wait(30)
     closing = threading.Thread(target=queue.close)  # the app quits mid-download
     closing.start()
