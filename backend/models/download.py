@@ -184,6 +184,15 @@ class TransferMeter:
         return max(self.total - self.done, 0) / speed if speed > 0 else None
 
 
+def describe_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
 def repo_folder(repo_id: str, cache_dir: Path | None = None) -> Path:
     return repo_cache(repo_id, cache_dir).folder
 
@@ -336,139 +345,6 @@ class ModelDownload:
         except OSError as exc:
             raise _disk_error(exc, f) from exc
         return blob
-
-
-@dataclass(frozen=True)
-class _Remote:
-    """One file as the hub's answer and the listing pin it: where its bytes are, the blob
-    they become, how many there are, and the digest they must have."""
-
-    file: HubFile
-    url: str
-    blob_id: str
-    size: int
-    lfs: bool  # False: a file kept in git, verified by its git blob id
-
-    def new_digest(self) -> Any:
-        if self.lfs:
-            return hashlib.sha256()
-        digest = hashlib.sha1()  # git's blob id: SHA-1 of "blob <size>\0" and the bytes
-        digest.update(b"blob %d\0" % self.size)
-        return digest
-
-    @property
-    def name(self) -> str:
-        return self.file.path.rsplit("/", 1)[-1]
-
-
-def _locate(repo_id: str, commit: str, f: HubFile, token: str | None) -> _Remote:
-    """Ask the hub (HEAD) where the file's bytes are, and check what it says against the listing."""
-    from huggingface_hub.file_download import hf_hub_url
-
-    url = hf_hub_url(repo_id, f.path, revision=commit, endpoint=hub_endpoint())
-    try:
-        response = _head(url, token)
-    except HubError:
-        raise
-    except Exception as exc:
-        raise translate_hub_error(exc, repo_id) from exc
-    name = f.path.rsplit("/", 1)[-1]
-    redirected = response.has_redirect_location
-    announced = response.headers.get("X-Linked-Size") or \
-        (None if redirected else response.headers.get("Content-Length"))
-    if announced is not None and announced.strip() != str(f.size):
-        raise WrongSize(f"Hugging Face announced two different sizes for {printable(name)}; "
-                        "refused, nothing was written. Try again later.")
-    location = urljoin(str(response.url), response.headers["Location"]) if redirected else str(response.url)
-    if f.sha256:
-        return _Remote(f, location, f.sha256, f.size, lfs=True)
-    etag = (response.headers.get("X-Linked-Etag") or response.headers.get("ETag") or "").strip()
-    etag = etag.removeprefix("W/").strip('"')
-    if not GIT_BLOB_ID.fullmatch(etag):
-        raise UnsafeHubAnswer(f"Hugging Face did not identify {printable(name)} by a git blob id "
-                              f"(it said “{printable(etag, 80)}”), and a file outside LFS is taken only "
-                              "with one; refused, nothing was written.")
-    return _Remote(f, location, etag, f.size, lfs=False)
-
-
-def _head(url: str, token: str | None) -> Any:
-    """HEAD of a file, following redirects only on the endpoint: the answer that points
-    elsewhere (a CDN) carries the file's metadata itself, and the token stays behind."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils._headers import build_hf_headers
-    from huggingface_hub.utils._http import get_session, hf_raise_for_status
-
-    for _ in range(MAX_REDIRECTS):
-        headers = {**build_hf_headers(token=False), **auth_headers(url, token), "Accept-Encoding": "identity"}
-        response = get_session().head(url, headers=headers, follow_redirects=False,
-                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
-        hf_raise_for_status(response)
-        if not response.has_redirect_location:
-            return response
-        target = urljoin(url, response.headers["Location"])
-        if not is_on_endpoint(target):
-            return response
-        url = target
-    raise HubError("Hugging Face redirected a download in circles; try again later.")
-
-
-def _kept_bytes(partial: Path, size: int) -> int:
-    have = partial.stat().st_size if partial.is_file() else 0
-    if have > size:  # not the bytes of this file: start over
-        partial.unlink()
-        return 0
-    return have
-
-
-def _ensure_room(folder: Path, needed: int, f: HubFile) -> None:
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise DownloadFailed(f"Not enough disk space for {f.path.rsplit('/', 1)[-1]}: "
-                             f"{format_file_size(needed)} needed, {format_file_size(free)} free.")
-
-
-def _transfer(remote: _Remote, partial: Path, have: int, digest: Any, stopper: Stopper,
-              on_bytes: Callable[[int], None], token: str | None) -> Any:
-    """Append the missing bytes to `partial`; returns the digest of the whole file."""
-    from huggingface_hub import constants
-    # Modules named in full: the lazy top-level names hide them from PyInstaller.
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils._headers import build_hf_headers
-    from huggingface_hub.utils.tqdm import silent_tqdm
-
-    constants.DOWNLOAD_CHUNK_SIZE = CHUNK_SIZE
-    headers = {**build_hf_headers(token=False), **auth_headers(remote.url, token)}
-    # O_NOFOLLOW: a link left where the unfinished file goes is never written through.
-    fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
-    with os.fdopen(fd, "ab") as out:
-        sink = _Sink(out, partial, have, remote, stopper, on_bytes, digest)
-        try:
-            http_get(remote.url, sink, resume_size=have,  # type: ignore[arg-type]
-                     headers=headers, expected_size=remote.size, tqdm_class=silent_tqdm)
-        except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
-            raise translate_hub_error(exc, remote.file.path) from exc
-        except (DownloadStopped, HubError):
-            raise
-        except OSError as exc:
-            if "Consistency check failed" in str(exc):
-                raise WrongSize(f"{printable(remote.name)} arrived with fewer bytes than Hugging Face "
-                                "announced; the download was discarded. Try again.") from exc
-            raise
-        except Exception as exc:
-            raise translate_hub_error(exc, remote.file.path) from exc
-    return sink.digest
-
-
-def _verify(remote: _Remote, digest: Any, repo_id: str) -> None:
-    if digest.hexdigest() != remote.blob_id:
-        what = "SHA-256" if remote.lfs else "git blob id"
-        raise ChecksumMismatch(
-            f"{printable(remote.name)} from {repo_id} does not match the {what} the repository "
-            "publishes; the download was discarded. Try again later.")
-
-
-# --- the queue ---------------------------------------------------------------------------------
 
 
 class DownloadQueue:
@@ -680,21 +556,129 @@ def default_state_path() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME)) / "downloads.json"
 
 
-# --- one file ------------------------------------------------------------------------------
+# --- one file, in steps: locate, make room, transfer, verify, link ---------------------------
 
 
-class _Job:
-    def __init__(self, choice: ModelChoice, commit: str, progress: DownloadProgress,
-                 download: ModelDownload | None, refusal: str = "") -> None:
-        self.choice = choice
-        self.commit = commit
-        self.progress = progress
-        self.download = download  # None when the saved record was refused (see `refusal`)
-        self.refusal = refusal
-        self.stopper = Stopper()
+@dataclass(frozen=True)
+class _Remote:
+    """One file as the hub's answer and the listing pin it: where its bytes are, the blob
+    they become, how many there are, and the digest they must have."""
 
-    def bytes_on_disk(self) -> int:
-        return self.download.bytes_on_disk() if self.download is not None else 0
+    file: HubFile
+    url: str
+    blob_id: str
+    size: int
+    lfs: bool  # False: a file kept in git, verified by its git blob id
+
+    def new_digest(self) -> Any:
+        if self.lfs:
+            return hashlib.sha256()
+        digest = hashlib.sha1()  # git's blob id: SHA-1 of "blob <size>\0" and the bytes
+        digest.update(b"blob %d\0" % self.size)
+        return digest
+
+    @property
+    def name(self) -> str:
+        return self.file.path.rsplit("/", 1)[-1]
+
+
+def _locate(repo_id: str, commit: str, f: HubFile, token: str | None) -> _Remote:
+    """Ask the hub (HEAD) where the file's bytes are, and check what it says against the listing."""
+    from huggingface_hub.file_download import hf_hub_url
+
+    url = hf_hub_url(repo_id, f.path, revision=commit, endpoint=hub_endpoint())
+    try:
+        response = _head(url, token)
+    except HubError:
+        raise
+    except Exception as exc:
+        raise translate_hub_error(exc, repo_id) from exc
+    name = f.path.rsplit("/", 1)[-1]
+    redirected = response.has_redirect_location
+    announced = response.headers.get("X-Linked-Size") or \
+        (None if redirected else response.headers.get("Content-Length"))
+    if announced is not None and announced.strip() != str(f.size):
+        raise WrongSize(f"Hugging Face announced two different sizes for {printable(name)}; "
+                        "refused, nothing was written. Try again later.")
+    location = urljoin(str(response.url), response.headers["Location"]) if redirected else str(response.url)
+    if f.sha256:
+        return _Remote(f, location, f.sha256, f.size, lfs=True)
+    etag = (response.headers.get("X-Linked-Etag") or response.headers.get("ETag") or "").strip()
+    etag = etag.removeprefix("W/").strip('"')
+    if not GIT_BLOB_ID.fullmatch(etag):
+        raise UnsafeHubAnswer(f"Hugging Face did not identify {printable(name)} by a git blob id "
+                              f"(it said “{printable(etag, 80)}”), and a file outside LFS is taken only "
+                              "with one; refused, nothing was written.")
+    return _Remote(f, location, etag, f.size, lfs=False)
+
+
+def _head(url: str, token: str | None) -> Any:
+    """HEAD of a file, following redirects only on the endpoint: the answer that points
+    elsewhere (a CDN) carries the file's metadata itself, and the token stays behind."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils._headers import build_hf_headers
+    from huggingface_hub.utils._http import get_session, hf_raise_for_status
+
+    for _ in range(MAX_REDIRECTS):
+        headers = {**build_hf_headers(token=False), **auth_headers(url, token), "Accept-Encoding": "identity"}
+        response = get_session().head(url, headers=headers, follow_redirects=False,
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        hf_raise_for_status(response)
+        if not response.has_redirect_location:
+            return response
+        target = urljoin(url, response.headers["Location"])
+        if not is_on_endpoint(target):
+            return response
+        url = target
+    raise HubError("Hugging Face redirected a download in circles; try again later.")
+
+
+def _kept_bytes(partial: Path, size: int) -> int:
+    have = partial.stat().st_size if partial.is_file() else 0
+    if have > size:  # not the bytes of this file: start over
+        partial.unlink()
+        return 0
+    return have
+
+
+def _ensure_room(folder: Path, needed: int, f: HubFile) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise DownloadFailed(f"Not enough disk space for {f.path.rsplit('/', 1)[-1]}: "
+                             f"{format_file_size(needed)} needed, {format_file_size(free)} free.")
+
+
+def _transfer(remote: _Remote, partial: Path, have: int, digest: Any, stopper: Stopper,
+              on_bytes: Callable[[int], None], token: str | None) -> Any:
+    """Append the missing bytes to `partial`; returns the digest of the whole file."""
+    from huggingface_hub import constants
+    # Modules named in full: the lazy top-level names hide them from PyInstaller.
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils._headers import build_hf_headers
+    from huggingface_hub.utils.tqdm import silent_tqdm
+
+    constants.DOWNLOAD_CHUNK_SIZE = CHUNK_SIZE
+    headers = {**build_hf_headers(token=False), **auth_headers(remote.url, token)}
+    # O_NOFOLLOW: a link left where the unfinished file goes is never written through.
+    fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+    with os.fdopen(fd, "ab") as out:
+        sink = _Sink(out, partial, have, remote, stopper, on_bytes, digest)
+        try:
+            http_get(remote.url, sink, resume_size=have,  # type: ignore[arg-type]
+                     headers=headers, expected_size=remote.size, tqdm_class=silent_tqdm)
+        except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
+            raise translate_hub_error(exc, remote.file.path) from exc
+        except (DownloadStopped, HubError):
+            raise
+        except OSError as exc:
+            if "Consistency check failed" in str(exc):
+                raise WrongSize(f"{printable(remote.name)} arrived with fewer bytes than Hugging Face "
+                                "announced; the download was discarded. Try again.") from exc
+            raise
+        except Exception as exc:
+            raise translate_hub_error(exc, remote.file.path) from exc
+    return sink.digest
 
 
 class _Sink:
@@ -737,6 +721,14 @@ class _Sink:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)
+
+
+def _verify(remote: _Remote, digest: Any, repo_id: str) -> None:
+    if digest.hexdigest() != remote.blob_id:
+        what = "SHA-256" if remote.lfs else "git blob id"
+        raise ChecksumMismatch(
+            f"{printable(remote.name)} from {repo_id} does not match the {what} the repository "
+            "publishes; the download was discarded. Try again later.")
 
 
 def _link(cache: RepoCache, commit: str, path_in_repo: str, blob: Path) -> None:
@@ -825,13 +817,21 @@ def _disk_error(exc: OSError, f: HubFile) -> HubError:
     return DownloadFailed(f"Downloading {name} failed: {exc.strerror or exc}.")
 
 
-def describe_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+# --- the queue's parts -----------------------------------------------------------------------
+
+
+class _Job:
+    def __init__(self, choice: ModelChoice, commit: str, progress: DownloadProgress,
+                 download: ModelDownload | None, refusal: str = "") -> None:
+        self.choice = choice
+        self.commit = commit
+        self.progress = progress
+        self.download = download  # None when the saved record was refused (see `refusal`)
+        self.refusal = refusal
+        self.stopper = Stopper()
+
+    def bytes_on_disk(self) -> int:
+        return self.download.bytes_on_disk() if self.download is not None else 0
 
 
 def _choice_to_dict(choice: ModelChoice) -> dict[str, Any]:
