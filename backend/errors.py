@@ -68,6 +68,15 @@ class ChecksumMismatch(DownloadFailed):
     """The downloaded bytes do not match the SHA-256 the repository publishes."""
 
 
+class WrongSize(DownloadFailed):
+    """The hub sent more or fewer bytes than it announced for a file."""
+
+
+class UnsafeHubAnswer(HubError):
+    """A value from the hub (a commit id, checksum or file name) that could lead a path
+    out of the cache, or a saved download naming one; refused before touching the disk."""
+
+
 # --- supervision ------------------------------------------------------------------
 
 

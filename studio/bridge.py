@@ -33,6 +33,7 @@ from backend.models.hub import CuratedModel, ModelChoice, RepoListing, curated_m
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.llama.load import LoadSpec, Snapshot
+from backend.throttle import Throttle
 
 __all__ = ["ACCESS_LOGGER", "LogLine", "ServiceBridge", "describe_error"]
 
@@ -372,38 +373,34 @@ def _machine_memory() -> MachineMemory:
 
 
 class _Batcher:
-    """Collects items from any thread and hands them on in batches from the backend loop."""
+    """Collects items from any thread and hands them on in batches from the backend loop,
+    at most one batch per interval (the `Throttle` the download queue's progress uses too)."""
 
     def __init__(self, thread: BackendThread, emit: Callable[[list], None], *,
                  interval: float = BATCH_INTERVAL, limit: int = 5000) -> None:
         self._thread = thread
         self._emit = emit
-        self._interval = interval
         # A flood beyond the limit within one interval keeps its newest lines: the window
         # shows a tail anyway.
         self._items: deque[Any] = deque(maxlen=limit)
         self._lock = threading.Lock()
-        self._scheduled = False
+        self._throttle = Throttle(interval, self._flush, self._on_the_loop)
 
     def push(self, item: Any) -> None:
         with self._lock:
             self._items.append(item)
-            if self._scheduled:
-                return
-            self._scheduled = True
         try:
-            self._thread.call_soon(self._schedule)
+            self._throttle.poke()
         except RuntimeError:  # the loop is closed
             pass
 
-    def _schedule(self) -> None:
-        self._thread.loop.call_later(self._interval, self._flush)
+    def _on_the_loop(self, delay: float, fn: Callable[[], None]) -> None:
+        self._thread.call_soon(self._thread.loop.call_later, delay, fn)
 
     def _flush(self) -> None:
         with self._lock:
             items = list(self._items)
             self._items.clear()
-            self._scheduled = False
         if items:
             try:
                 self._emit(items)

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.models.gguf_info import format_file_size
-from backend.models.download import DownloadProgress
+from backend.models.download import DownloadProgress, DownloadState
 from backend.models.fit import DEFAULT_FIT_CONTEXT, FITS_GPU, FITS_RAM, FitEstimate
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary
 from studio.widgets import heading, secondary_label
@@ -75,7 +75,7 @@ class DiscoverView(QWidget):
         self.repos = QListWidget()
         self.repos.setAccessibleName("Repositories")
         self.repos.currentItemChanged.connect(self._on_repo)
-        self.repos_title = QLabel()
+        self.repos_title = _plain(QLabel())
 
         self.context = QSpinBox()
         self.context.setRange(512, 1_048_576)
@@ -91,8 +91,10 @@ class DiscoverView(QWidget):
         self.files.itemDoubleClicked.connect(lambda *_: self._download())
         self.download_button = QPushButton("&Download")
         self.download_button.clicked.connect(self._download)
-        self.repo_title = heading("", 1.1)
-        self.status = secondary_label("")
+        # Repository ids, file names and error sentences come from the hub: shown as
+        # they are, never interpreted as rich text (markup, links, images).
+        self.repo_title = _plain(heading("", 1.1))
+        self.status = _plain(secondary_label(""))
 
         self.queue_box = QVBoxLayout()
         self.queue_box.setContentsMargins(0, 0, 0, 0)
@@ -245,16 +247,15 @@ class DownloadRow(QWidget):
     def __init__(self, job_id: str, view: DiscoverView) -> None:
         super().__init__(view)
         self.job_id = job_id
-        self.state = ""
-        self.name = QLabel()
+        self.state: DownloadState | None = None
+        self.name = _plain(QLabel())
         self.bar = QProgressBar()
         self.bar.setRange(0, 1000)
         self.bar.setAccessibleName("Download progress")
-        self.detail = secondary_label()
+        self.detail = _plain(secondary_label())
         self.pause_button = QPushButton("Pause")
         self.pause_button.clicked.connect(
-            lambda: (view.resume_requested if self.state in ("paused", "failed") else view.pause_requested)
-            .emit(self.job_id))
+            lambda: (view.resume_requested if self._resumes() else view.pause_requested).emit(self.job_id))
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.clicked.connect(lambda: view.cancel_requested.emit(self.job_id))
         layout = QGridLayout(self)
@@ -271,11 +272,19 @@ class DownloadRow(QWidget):
         self.name.setText(p.name)
         self.name.setToolTip(p.repo_id)
         self.bar.setValue(int(p.fraction * 1000))
-        self.detail.setText("Ready in the library." if p.state == "done" else p.describe())
-        self.pause_button.setText("Resume" if p.state in ("paused", "failed") else "Pause")
-        active = p.state not in ("done", "cancelled")
-        self.pause_button.setEnabled(active and p.state != "verifying")
-        self.cancel_button.setEnabled(active)
+        self.detail.setText("Ready in the library." if p.state is DownloadState.DONE else p.describe())
+        self.pause_button.setText("Resume" if self._resumes() else "Pause")
+        self.pause_button.setEnabled(not p.state.finished and p.state is not DownloadState.VERIFYING)
+        self.cancel_button.setEnabled(not p.state.finished)
+
+    def _resumes(self) -> bool:
+        """Whether the Pause button reads Resume: a paused or failed download."""
+        return self.state in (DownloadState.PAUSED, DownloadState.FAILED)
+
+
+def _plain(label: QLabel) -> QLabel:
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    return label
 
 
 def _color(verdict: str) -> QColor:

@@ -26,7 +26,7 @@ from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
 from backend.models.gguf_info import ModelInfo, read_model_info
-from backend.models.download import DownloadProgress
+from backend.models.download import DownloadProgress, DownloadState
 from backend.models.library import ModelEntry, ModelLibrary
 from backend.settings import Settings
 from backend.llama.load import Snapshot, State
@@ -185,7 +185,7 @@ class MainWindow(QMainWindow):
 
     def _on_download(self, progress: DownloadProgress) -> None:
         self.discover.show_progress(progress)
-        if progress.state == "done":
+        if progress.state is DownloadState.DONE:
             self.refresh_library(select=progress.path)  # ready to load
 
     def _set_tab_order(self) -> None:

@@ -9,7 +9,15 @@ Knobs a real hub lacks, for what it cannot do on demand: `hold_after` stops a do
 after that many bytes until `release()` (so a test can pause at a known point without
 timing), `ignore_ranges` answers a range request with the whole file, `wrong_sha256`
 publishes a wrong checksum, `claimed_size` announces a size bigger than any disk, and
-repositories can be gated.
+repositories can be gated.  Files can be kept in git instead of LFS (`in_git`), as small
+files on the real hub are; `redirect_to` sends downloads to a second endpoint, as the
+hub sends them to its CDN, and every endpoint records which requests carried a token.
+
+The hostile mode: a hub that lies, as a mirror, a proxy or a spoofed plain-http endpoint
+may.  A repository's file names and commit id are whatever a test gives it; on top,
+`published_sha256` announces any string as a file's SHA-256, `etag` any string as the
+ETag of a file kept in git, and `extra_bytes` streams more (or, negative, fewer) bytes
+than the file has, with a Content-Length to match.
 """
 
 from __future__ import annotations
@@ -38,9 +46,28 @@ class HubRepo:
     wrong_sha256: set[str] = field(default_factory=set)
     claimed_size: dict[str, int] = field(default_factory=dict)  # a size to announce instead
     gguf: dict = field(default_factory=dict)
+    in_git: set[str] = field(default_factory=set)  # listed without LFS, identified by git blob id
+    # The hostile mode (see the module's docstring): values announced instead of the truth.
+    published_sha256: dict[str, str] = field(default_factory=dict)
+    etag: dict[str, str] = field(default_factory=dict)
+    extra_bytes: dict[str, int] = field(default_factory=dict)
 
     def sha256(self, path: str) -> str:
         return _sha256(self.files[path])
+
+    def git_blob_id(self, path: str) -> str:
+        data = self.files[path].read_bytes()
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def announced_sha256(self, path: str) -> str:
+        if path in self.published_sha256:
+            return self.published_sha256[path]
+        return "0" * 64 if path in self.wrong_sha256 else self.sha256(path)
+
+    def announced_etag(self, path: str) -> str:
+        if path in self.etag:
+            return self.etag[path]
+        return self.git_blob_id(path) if path in self.in_git else self.sha256(path)
 
 
 @dataclass
@@ -54,21 +81,27 @@ class Served:
 
 
 class HubEndpoint:
-    def __init__(self, repos: list[HubRepo]) -> None:
+    def __init__(self, repos: list[HubRepo], *, host: str = "127.0.0.1",
+                 redirect_to: "HubEndpoint | None" = None, open_to_all: bool = False) -> None:
         self.repos = {r.repo_id: r for r in repos}
         self.served: list[Served] = []
         self.requests: list[str] = []  # every request, "GET /path?query"
+        self.authorized: list[str] = []  # the requests that carried an Authorization header
         self.hold_after: int | None = None  # bytes per response before holding
+        self.hold_path: str | None = None  # only that file's responses are held; None: all
         self.ignore_ranges = False  # answer 200 and the whole file, as some CDNs do
+        self.redirect_to = redirect_to  # downloads are sent there (302), as the hub sends them to its CDN
+        self.open_to_all = open_to_all  # a CDN: serves gated files to anyone sent there (signed URLs)
         self._release = threading.Event()
         self.holding = threading.Event()  # set while a response is held
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = ThreadingHTTPServer((host, 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
 
     def __enter__(self) -> "HubEndpoint":
         self._thread.start()
@@ -79,8 +112,10 @@ class HubEndpoint:
         self._server.shutdown()
         self._server.server_close()
 
-    def hold(self, after: int) -> None:
+    def hold(self, after: int, path: str | None = None) -> None:
+        """Hold every download (or only that of `path`) after `after` bytes, until `release()`."""
         self.hold_after = after
+        self.hold_path = path
         self._release.clear()
         self.holding.clear()
 
@@ -107,6 +142,8 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
 
         def _route(self, head: bool) -> None:
             hub.requests.append(f"{self.command} {self.path}")
+            if self.headers.get("Authorization") is not None:
+                hub.authorized.append(f"{self.command} {self.path}")
             url = urlparse(self.path)
             query = parse_qs(url.query)
             path = unquote(url.path)
@@ -141,7 +178,10 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             siblings = []
             for path, local in repo.files.items():
                 size = repo.claimed_size.get(path, local.stat().st_size)
-                sha = "0" * 64 if path in repo.wrong_sha256 else repo.sha256(path)
+                if path in repo.in_git:
+                    siblings.append({"rfilename": path, "size": size, "blobId": repo.git_blob_id(path)})
+                    continue
+                sha = repo.announced_sha256(path)
                 siblings.append({"rfilename": path, "size": size, "blobId": sha[:40],
                                  "lfs": {"sha256": sha, "size": size, "pointerSize": 134}})
             self._json({"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": repo.commit,
@@ -162,12 +202,25 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             repo = self._repo(repo_id)
             if repo is None:
                 return
-            if repo.gated and self.headers.get("Authorization") != f"Bearer {repo.token}":
+            if repo.gated and not hub.open_to_all and self.headers.get("Authorization") != f"Bearer {repo.token}":
                 return self._error(401, "Access to this repository is restricted.", "GatedRepo")
             if revision not in ("main", repo.commit) or file not in repo.files:
                 return self._error(404, "Entry not found", "EntryNotFound")
             data = repo.files[file].read_bytes()
-            sha = repo.sha256(file)
+            extra = repo.extra_bytes.get(file, 0)
+            data = data + b"\0" * extra if extra >= 0 else data[:extra]
+            etag = repo.announced_etag(file)
+            linked_size = str(repo.claimed_size.get(file, repo.files[file].stat().st_size))
+            if hub.redirect_to is not None:
+                self.send_response(302)
+                self.send_header("Location", hub.redirect_to.url + self.path)
+                self.send_header("Content-Length", "0")
+                self.send_header("X-Repo-Commit", repo.commit)
+                if file not in repo.in_git:
+                    self.send_header("X-Linked-Etag", f'"{etag}"')
+                    self.send_header("X-Linked-Size", linked_size)
+                self.end_headers()
+                return
             start = 0
             status = 200
             match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
@@ -178,10 +231,11 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", f'"{sha}"')
+            self.send_header("ETag", f'"{etag}"')
             self.send_header("X-Repo-Commit", repo.commit)
-            self.send_header("X-Linked-Etag", f'"{sha}"')
-            self.send_header("X-Linked-Size", str(repo.claimed_size.get(file, len(data))))
+            if file not in repo.in_git:
+                self.send_header("X-Linked-Etag", f'"{etag}"')
+                self.send_header("X-Linked-Size", linked_size)
             if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.end_headers()
@@ -196,7 +250,7 @@ def _handler(hub: HubEndpoint) -> type[BaseHTTPRequestHandler]:
             try:
                 for offset in range(0, len(body), step):
                     hold = hub.hold_after
-                    if hold is not None and served.sent >= hold:
+                    if hold is not None and served.sent >= hold and hub.hold_path in (None, served.path):
                         hub.holding.set()
                         hub._release.wait(60)
                     piece = body[offset:offset + step]

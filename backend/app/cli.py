@@ -26,6 +26,7 @@ from backend.api_keys import read_api_key_file
 from backend.llama.engine import Engine, BuildProgress
 from backend.errors import StudioError
 from backend.llama.load import THREADS_HELP, LoadSettings
+from backend.models.hf_cache import printable
 from backend.settings import API_KEY_FILE_ENV, Settings, env_var
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except StudioError as exc:
-        print(f"gguf-studio: {exc}", file=sys.stderr)
+        print(f"gguf-studio: {_printable_lines(str(exc))}", file=sys.stderr)
         tail = getattr(exc, "log_tail", "")
         if tail:
             print("--- last lines of the log ---\n" + tail.rstrip(), file=sys.stderr)
@@ -234,7 +235,7 @@ def _search(args: argparse.Namespace) -> int:
 
     if not args.text:
         for model in curated_models():
-            print(f"{model.repo_id:<48} {model.size:<7} {model.name}")
+            print(f"{model.repo_id:<48} {model.size:<7} {printable(model.name)}")
         return 0
     found = search(" ".join(args.text), sort=args.sort, limit=args.limit)
     if not found:
@@ -242,7 +243,8 @@ def _search(args: argparse.Namespace) -> int:
         return 1
     for repo in found:
         gated = "  (gated)" if repo.gated else ""
-        print(f"{repo.repo_id:<56} {repo.downloads:>10,} downloads  {repo.last_modified[:10]}{gated}")
+        print(f"{printable(repo.repo_id):<56} {repo.downloads:>10,} downloads  "
+              f"{printable(repo.last_modified[:10])}{gated}")
     return 0
 
 
@@ -259,7 +261,7 @@ def _pull(args: argparse.Namespace) -> int:
                        context=args.context,
                        repo_metadata=listing.gguf_metadata)
     parts = f" in {len(choice.files)} parts" if len(choice.files) > 1 else ""
-    print(f"{repo_id}: {choice.name} ({choice.quant or 'unknown quantization'}, "
+    print(f"{printable(repo_id)}: {printable(choice.name)} ({printable(choice.quant) or 'unknown quantization'}, "
           f"{_size(choice.size)}{parts}) - {fit.verdict}", flush=True)
     print(f"  {fit.details()}", flush=True)
     meter = TransferMeter(bytes_on_disk(choice, listing.commit), choice.size)
@@ -273,8 +275,8 @@ def _pull(args: argparse.Namespace) -> int:
         print("Paused: run the same command again to resume.", file=sys.stderr)
         return 130
     bar.finish()
-    print(path)
-    print(f"Ready: gguf-studio serve --model {shlex.quote(str(path))}")
+    print(printable(path, 4096))
+    print(f"Ready: gguf-studio serve --model {shlex.quote(printable(path, 4096))}")
     return 0
 
 
@@ -347,6 +349,12 @@ class _TransferBar:
             if self.meter.eta is not None:
                 text += f"  {describe_duration(self.meter.eta)} left"
         return text
+
+
+def _printable_lines(text: str) -> str:
+    """`text` with its line breaks kept and every other control character or escape code
+    shown escaped: messages can carry a hub's strings, which must not drive the terminal."""
+    return "\n".join(printable(line, 100_000) for line in text.split("\n"))
 
 
 def _size(n: int) -> str:

@@ -6,13 +6,19 @@ library's own `hf_hub_download` is not used because since 2.x it writes to a tem
 name unique to the process and deletes it on any failure, so a download could not
 be paused, nor survive a restart.  Here the bytes go to `blobs/<sha256>.incomplete`
 (the name older huggingface_hub versions used), which a later run resumes with a range
-request.  A file is verified against the SHA-256 the repository publishes *before* it
-becomes a blob, and a model's snapshot links (what the library and other tools see) are
-made only when every part of it is verified: a half or corrupt model never appears.
+request.  A file is verified against the SHA-256 the repository publishes (a file kept
+in git, against its git blob id) *before* it becomes a blob, and a model's snapshot links
+(what the library and other tools see) are made only when every part of it is verified:
+a half or corrupt model never appears.
+
+What the hub answers is input, not truth (`backend.models.hf_cache` checks every value that
+becomes a path): no byte is written past the size it announced, a cancel removes only
+what this download made, and the token goes only to the endpoint itself.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import hashlib
 import json
@@ -25,20 +31,34 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+from urllib.parse import urljoin
 
 import platformdirs
 
-from backend.errors import ChecksumMismatch, DownloadFailed, HubError
+from backend.errors import ChecksumMismatch, DownloadFailed, HubError, UnsafeHubAnswer, WrongSize
 from backend.models.gguf_info import format_file_size
-from backend.models.hub import HubFile, ModelChoice, current_token, hub_endpoint, translate_hub_error
-from backend.models.library import hugging_face_cache
-from backend.settings import APP_NAME
+from backend.models.hf_cache import GIT_BLOB_ID, RepoCache, check_blob_id, check_commit, printable, repo_cache
+from backend.models.hub import (
+    HubFile,
+    ModelChoice,
+    auth_headers,
+    check_choice,
+    hub_endpoint,
+    is_on_endpoint,
+    translate_hub_error,
+)
+from backend.listeners import Listeners
+from backend.settings import APP_NAME, PRIVATE_DIR_MODE
+from backend.throttle import Throttle
 
 __all__ = [
     "DownloadProgress",
     "DownloadQueue",
+    "DownloadState",
     "DownloadStopped",
+    "ModelDownload",
+    "StopReason",
     "Stopper",
     "TransferMeter",
     "describe_duration",
@@ -53,7 +73,37 @@ log = logging.getLogger("gguf_studio.downloads")
 # huggingface_hub reads its chunk size at call time; 10 MiB chunks would make progress
 # and a pause react only every 10 MiB.
 CHUNK_SIZE = 1024 * 1024
-STATES = ("queued", "downloading", "verifying", "paused", "done", "failed", "cancelled")
+MAX_REDIRECTS = 10
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class DownloadState(enum.Enum):
+    QUEUED = "queued"
+    DOWNLOADING = "downloading"
+    VERIFYING = "verifying"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def active(self) -> bool:
+        """Running or about to: its bytes are moving, or will without being asked."""
+        return self in (DownloadState.QUEUED, DownloadState.DOWNLOADING, DownloadState.VERIFYING)
+
+    @property
+    def resumable(self) -> bool:
+        return self in (DownloadState.PAUSED, DownloadState.FAILED, DownloadState.CANCELLED)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more will happen to it, and it is not remembered across restarts."""
+        return self in (DownloadState.DONE, DownloadState.CANCELLED)
+
+
+class StopReason(enum.Enum):
+    PAUSE = "pause"  # keep the bytes, resume later
+    CANCEL = "cancel"  # remove what the download made
 
 
 @dataclass(frozen=True)
@@ -61,7 +111,7 @@ class DownloadProgress:
     job_id: str
     repo_id: str
     name: str
-    state: str  # one of STATES
+    state: DownloadState
     done_bytes: int
     total_bytes: int
     speed: float = 0.0  # bytes per second over the last few seconds
@@ -76,30 +126,30 @@ class DownloadProgress:
     def describe(self) -> str:
         """"1.2 GiB of 4.4 GiB, 35.0 MiB/s, 1 min 33 s left" and the like."""
         text = f"{format_file_size(self.done_bytes)} of {format_file_size(self.total_bytes)}"
-        if self.state == "downloading" and self.speed > 0:
+        if self.state is DownloadState.DOWNLOADING and self.speed > 0:
             text += f", {format_file_size(int(self.speed))}/s"
             if self.eta is not None:
                 text += f", {describe_duration(self.eta)} left"
-        elif self.state != "downloading":
-            text += f" ({self.message or self.state})"
+        elif self.state is not DownloadState.DOWNLOADING:
+            text += f" ({self.message or self.state.value})"
         return text
 
 
 class DownloadStopped(Exception):
     """Raised inside a download when it is paused or cancelled; never shown to the user."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason  # "pause" or "cancel"
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
 
 
 class Stopper:
     """Asks a running download, from any thread, to pause or cancel."""
 
     def __init__(self) -> None:
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: StopReason) -> None:
         self.reason = reason
 
     def check(self) -> None:
@@ -134,27 +184,27 @@ class TransferMeter:
         return max(self.total - self.done, 0) / speed if speed > 0 else None
 
 
+def describe_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
 def repo_folder(repo_id: str, cache_dir: Path | None = None) -> Path:
-    cache = Path(cache_dir) if cache_dir else hugging_face_cache()
-    return cache / ("models--" + repo_id.replace("/", "--"))
+    return repo_cache(repo_id, cache_dir).folder
 
 
 def snapshot_path(choice: ModelChoice, commit: str, cache_dir: Path | None = None) -> Path:
     """Where the model's first file is once downloaded: the path llama-server opens."""
-    return repo_folder(choice.repo_id, cache_dir) / "snapshots" / commit / choice.first_file
+    return repo_cache(choice.repo_id, cache_dir).pointer(commit, choice.first_file)
 
 
 def bytes_on_disk(choice: ModelChoice, commit: str, cache_dir: Path | None = None) -> int:
     """How much of the model is already here, finished or resumable."""
-    blobs = repo_folder(choice.repo_id, cache_dir) / "blobs"
-    done = 0
-    for f in choice.files:
-        blob = blobs / f.sha256 if f.sha256 else None
-        if blob is not None and blob.is_file():
-            done += blob.stat().st_size
-        elif blob is not None and (partial := _incomplete(blob)).is_file():
-            done += min(partial.stat().st_size, f.size)
-    return done
+    return ModelDownload(choice, commit, cache_dir=cache_dir).bytes_on_disk()
 
 
 def download_model(choice: ModelChoice, commit: str, *, cache_dir: Path | None = None,
@@ -165,48 +215,145 @@ def download_model(choice: ModelChoice, commit: str, *, cache_dir: Path | None =
 
     Blocking (run it off the GUI thread).  `on_bytes` gets each chunk's size as it is
     written.  A pause leaves `.incomplete` files that the next call resumes; a cancel or
-    a failed checksum removes what this model left behind.
+    a failed checksum removes what this download left behind.
     """
-    folder = repo_folder(choice.repo_id, cache_dir)
-    stopper = stopper or Stopper()
-    token = token or current_token()
-    try:
-        blobs = [_fetch_blob(choice.repo_id, commit, f, folder, token, stopper, on_bytes, on_verifying)
-                 for f in choice.files]
-        for f, blob in zip(choice.files, blobs):
-            _link(folder, commit, f.path, blob)
-        _write_ref(folder, commit)
-    except DownloadStopped as stop:
-        if stop.reason == "cancel":
-            discard_partial(choice, commit, cache_dir)
-        raise
-    except ChecksumMismatch:
-        discard_partial(choice, commit, cache_dir)
-        raise
-    return folder / "snapshots" / commit / choice.first_file
+    return ModelDownload(choice, commit, cache_dir=cache_dir, token=token).run(
+        stopper or Stopper(), on_bytes, on_verifying)
 
 
-def discard_partial(choice: ModelChoice, commit: str, cache_dir: Path | None = None) -> None:
-    """Remove the model's unfinished files and any part blob no snapshot links to yet."""
-    folder = repo_folder(choice.repo_id, cache_dir)
-    for f in choice.files:
-        if not f.sha256:
-            continue
-        blob = folder / "blobs" / f.sha256
-        _incomplete(blob).unlink(missing_ok=True)
-        if not (folder / "snapshots" / commit / f.path).exists():
-            blob.unlink(missing_ok=True)
+class ModelDownload:
+    """One model at one commit: each part fetched and verified into its blob, then linked.
 
+    Everything the hub said about it (repository, commit, file names, checksums) is
+    checked when it is made, so nothing unchecked ever becomes a path.  `created` names
+    the blobs whose bytes this download wrote, also before a pause when the queue hands
+    them back: `discard` removes only those, and never one that a snapshot links to.
+    """
 
-# --- the queue ---------------------------------------------------------------------------------
+    def __init__(self, choice: ModelChoice, commit: str, *, cache_dir: Path | None = None,
+                 token: str | None = None, created: Iterable[str] = ()) -> None:
+        self.choice = check_choice(choice)
+        self.commit = check_commit(commit)
+        self.cache = repo_cache(choice.repo_id, cache_dir)
+        for f in choice.files:
+            self.cache.pointer(commit, f.path)
+        self.token = token
+        self._created = {check_blob_id(blob_id) for blob_id in created}
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> Path:
+        return self.cache.pointer(self.commit, self.choice.first_file)
+
+    def created(self) -> list[str]:
+        with self._lock:
+            return sorted(self._created)
+
+    def bytes_on_disk(self) -> int:
+        done = 0
+        for f in self.choice.files:
+            if not f.sha256:
+                continue
+            blob = self.cache.blob(f.sha256)
+            if blob.is_file():
+                done += blob.stat().st_size
+            elif (partial := self.cache.incomplete(f.sha256)).is_file():
+                done += min(partial.stat().st_size, f.size)
+        return done
+
+    def run(self, stopper: Stopper, on_bytes: Callable[[int], None],
+            on_verifying: Callable[[], None]) -> Path:
+        try:
+            blobs = [self._fetch(f, stopper, on_bytes, on_verifying) for f in self.choice.files]
+            for f, blob in zip(self.choice.files, blobs):
+                try:
+                    _link(self.cache, self.commit, f.path, blob)
+                except OSError as exc:
+                    raise _disk_error(exc, f) from exc
+            try:
+                _write_ref(self.cache.ref(), self.commit)
+            except OSError as exc:
+                raise _disk_error(exc, self.choice.files[0]) from exc
+        except DownloadStopped as stop:
+            if stop.reason is StopReason.CANCEL:
+                self.discard()
+            raise
+        except (ChecksumMismatch, WrongSize):
+            self.discard()
+            raise
+        return self.path
+
+    def discard(self) -> None:
+        """Remove this download's unfinished files, and the blobs it finished that no
+        snapshot links to.  A blob another fetch is busy with is left alone."""
+        from filelock import FileLock, Timeout
+
+        linked = self.cache.linked_blobs()
+        for blob_id in self.created():
+            lock = self.cache.lock(blob_id)
+            try:
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                with FileLock(str(lock), timeout=0):
+                    self.cache.incomplete(blob_id).unlink(missing_ok=True)
+                    blob = self.cache.blob(blob_id)
+                    if blob_id not in linked and _only_name_of(blob):
+                        blob.unlink(missing_ok=True)
+            except Timeout:
+                continue
+            except OSError as exc:
+                log.warning("could not remove an unfinished download: %s", exc)
+                continue
+            with self._lock:
+                self._created.discard(blob_id)
+
+    # --- one part, in steps ----------------------------------------------------------------
+
+    def _fetch(self, f: HubFile, stopper: Stopper, on_bytes: Callable[[int], None],
+               on_verifying: Callable[[], None]) -> Path:
+        from filelock import FileLock
+
+        stopper.check()
+        if f.sha256 and (blob := self.cache.blob(f.sha256)).is_file():
+            return blob
+        remote = _locate(self.choice.repo_id, self.commit, f, self.token)
+        blob = self.cache.blob(remote.blob_id)
+        if blob.is_file():
+            return blob
+        lock = self.cache.lock(remote.blob_id)
+        try:
+            self.cache.blobs.mkdir(parents=True, exist_ok=True)
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(lock)):
+                if blob.is_file():  # another process finished it while this one waited
+                    return blob
+                with self._lock:
+                    self._created.add(remote.blob_id)
+                partial = self.cache.incomplete(remote.blob_id)
+                have = _kept_bytes(partial, remote.size)
+                _ensure_room(self.cache.blobs, remote.size - have, f)
+                digest = _digest_of(partial, have, stopper, remote.new_digest)
+                try:
+                    if have < remote.size:
+                        digest = _transfer(remote, partial, have, digest, stopper, on_bytes, self.token)
+                    on_verifying()
+                    _verify(remote, digest, self.choice.repo_id)
+                except (WrongSize, ChecksumMismatch):
+                    partial.unlink(missing_ok=True)
+                    raise
+                os.chmod(partial, 0o644)
+                os.replace(partial, blob)
+        except OSError as exc:
+            raise _disk_error(exc, f) from exc
+        return blob
 
 
 class DownloadQueue:
     """Several downloads, one at a time, on a worker thread; remembered across restarts.
 
-    Listeners get a `DownloadProgress` on every state change and at most ten times a
-    second while bytes flow, on the worker thread.  Jobs that were running or queued
-    when the app closed come back paused: nothing touches the network until asked.
+    Listeners get a `DownloadProgress` on every state change and, through a `Throttle`,
+    at most ten times a second while bytes flow (the last bytes always reported), on the
+    worker or a timer thread.  Jobs that were running or queued when the app closed come
+    back paused: nothing touches the network until asked.
     """
 
     def __init__(self, state_path: Path | None = None, *, cache_dir: Path | None = None,
@@ -216,14 +363,14 @@ class DownloadQueue:
         self.token = token
         self.report_interval = report_interval
         self._jobs: dict[str, _Job] = {}
-        self._listeners: list[Callable[[DownloadProgress], None]] = []
+        self._listeners: Listeners[[DownloadProgress]] = Listeners(log, "download listener")
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._closing = False
         self._load()
 
     def add_listener(self, fn: Callable[[DownloadProgress], None]) -> None:
-        self._listeners.append(fn)
+        self._listeners.add(fn)
 
     def jobs(self) -> list[DownloadProgress]:
         with self._lock:
@@ -233,30 +380,31 @@ class DownloadQueue:
         """Queue `choice`; the same model twice is one job (resumed if it was paused)."""
         with self._lock:
             for job in self._jobs.values():
-                if job.choice == choice and job.commit == commit and job.progress.state not in ("done", "cancelled"):
+                if job.choice == choice and job.commit == commit and not job.progress.state.finished:
                     job_id = job.progress.job_id
                     break
             else:
                 job_id = uuid.uuid4().hex[:12]
-                done = bytes_on_disk(choice, commit, self.cache_dir)
+                download = ModelDownload(choice, commit, cache_dir=self.cache_dir, token=self.token)
                 self._jobs[job_id] = _Job(choice, commit, DownloadProgress(
-                    job_id, choice.repo_id, choice.name, "paused", done, choice.size))
+                    job_id, choice.repo_id, choice.name, DownloadState.PAUSED, download.bytes_on_disk(), choice.size),
+                    download)
         self.resume(job_id)
         return job_id
 
     def pause(self, job_id: str) -> None:
-        self._stop(job_id, "pause")
+        self._stop(job_id, StopReason.PAUSE)
 
     def cancel(self, job_id: str) -> None:
-        self._stop(job_id, "cancel")
+        self._stop(job_id, StopReason.CANCEL)
 
     def resume(self, job_id: str) -> None:
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or job.progress.state not in ("paused", "failed", "cancelled"):
+            if job is None or not job.progress.state.resumable:
                 return
             job.stopper = Stopper()
-            self._set(job, state="queued", message="")
+            self._set(job, state=DownloadState.QUEUED, message="")
             self._ensure_worker()
         self._save()
 
@@ -265,7 +413,7 @@ class DownloadQueue:
         with self._lock:
             self._closing = True
             for job in self._jobs.values():
-                job.stopper.stop("pause")
+                job.stopper.stop(StopReason.PAUSE)
             worker = self._worker
         if worker is not None:
             worker.join(timeout)
@@ -273,20 +421,21 @@ class DownloadQueue:
 
     # --- worker ------------------------------------------------------------------------------
 
-    def _stop(self, job_id: str, reason: str) -> None:
+    def _stop(self, job_id: str, reason: StopReason) -> None:
+        cancel = reason is StopReason.CANCEL
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return
             state = job.progress.state
-            if state in ("downloading", "verifying"):
+            if state in (DownloadState.DOWNLOADING, DownloadState.VERIFYING):
                 job.stopper.stop(reason)  # the worker reports the new state
-            elif state == "queued" or (reason == "cancel" and state in ("paused", "failed")):
+            elif state is DownloadState.QUEUED or (cancel and state in (DownloadState.PAUSED, DownloadState.FAILED)):
                 job.stopper.stop(reason)
-                if reason == "cancel":
-                    discard_partial(job.choice, job.commit, self.cache_dir)
-                self._set(job, state="paused" if reason == "pause" else "cancelled",
-                          done_bytes=0 if reason == "cancel" else job.progress.done_bytes)
+                if cancel and job.download is not None:
+                    job.download.discard()
+                self._set(job, state=DownloadState.CANCELLED if cancel else DownloadState.PAUSED,
+                          done_bytes=0 if cancel else job.progress.done_bytes)
         self._save()
 
     def _ensure_worker(self) -> None:
@@ -297,57 +446,45 @@ class DownloadQueue:
     def _work(self) -> None:
         while True:
             with self._lock:
-                job = next((j for j in self._jobs.values() if j.progress.state == "queued"), None)
+                job = next((j for j in self._jobs.values() if j.progress.state is DownloadState.QUEUED), None)
                 if job is None or self._closing:
                     self._worker = None
                     return
-                self._set(job, state="downloading",
-                          done_bytes=bytes_on_disk(job.choice, job.commit, self.cache_dir))
+                self._set(job, state=DownloadState.DOWNLOADING, done_bytes=job.bytes_on_disk())
             self._run(job)
             self._save()
 
     def _run(self, job: _Job) -> None:
         meter = TransferMeter(job.progress.done_bytes, job.progress.total_bytes)
-        last_report = 0.0
-        trailing: threading.Timer | None = None
 
         def report_latest() -> None:
-            nonlocal last_report, trailing
             with self._lock:
-                trailing = None
-                if job.progress.state == "downloading":
-                    last_report = time.monotonic()
-                    self._set(job, speed=meter.speed, eta=meter.eta)
+                if job.progress.state is DownloadState.DOWNLOADING:  # not after it ended
+                    self._set(job, done_bytes=meter.done, speed=meter.speed, eta=meter.eta)
+
+        reports = Throttle(self.report_interval, report_latest)
 
         def on_bytes(n: int) -> None:
-            nonlocal last_report, trailing
             with self._lock:
                 meter.add(n)
-                now = time.monotonic()
-                quiet = now - last_report < self.report_interval
-                if not quiet:
-                    last_report = now
-                elif trailing is None:
-                    # When bytes stop flowing, the last of them is still reported.
-                    trailing = threading.Timer(self.report_interval, report_latest)
-                    trailing.daemon = True
-                    trailing.start()
-                self._set(job, done_bytes=meter.done, speed=meter.speed, eta=meter.eta, quiet=quiet)
+                if job.progress.state is DownloadState.VERIFYING:  # the next part's bytes
+                    self._set(job, state=DownloadState.DOWNLOADING, done_bytes=meter.done)
+            reports.poke()
 
         def on_verifying() -> None:
             with self._lock:
-                self._set(job, state="verifying", speed=0.0, eta=None)
+                self._set(job, state=DownloadState.VERIFYING, done_bytes=meter.done, speed=0.0, eta=None)
 
         try:
-            path = download_model(job.choice, job.commit, cache_dir=self.cache_dir, token=self.token,
-                                  stopper=job.stopper, on_bytes=on_bytes, on_verifying=on_verifying)
+            if job.download is None:
+                raise UnsafeHubAnswer(job.refusal)
+            path = job.download.run(job.stopper, on_bytes, on_verifying)
         except DownloadStopped as stop:
             with self._lock:
-                if stop.reason == "cancel":
-                    self._set(job, state="cancelled", done_bytes=0, speed=0.0, eta=None)
+                if stop.reason is StopReason.CANCEL:
+                    self._set(job, state=DownloadState.CANCELLED, done_bytes=0, speed=0.0, eta=None)
                 else:
-                    self._set(job, state="paused", speed=0.0, eta=None,
-                              done_bytes=bytes_on_disk(job.choice, job.commit, self.cache_dir))
+                    self._set(job, state=DownloadState.PAUSED, speed=0.0, eta=None, done_bytes=job.bytes_on_disk())
         except HubError as exc:
             self._fail(job, str(exc))
         except Exception as exc:  # a bug must not kill the worker and freeze the queue
@@ -355,33 +492,29 @@ class DownloadQueue:
             self._fail(job, f"The download failed: {exc}.")
         else:
             with self._lock:
-                self._set(job, state="done", done_bytes=job.progress.total_bytes, speed=0.0,
+                self._set(job, state=DownloadState.DONE, done_bytes=job.progress.total_bytes, speed=0.0,
                           eta=None, path=str(path))
 
     def _fail(self, job: _Job, message: str) -> None:
         with self._lock:
-            self._set(job, state="failed", message=message, speed=0.0, eta=None,
-                      done_bytes=bytes_on_disk(job.choice, job.commit, self.cache_dir))
+            self._set(job, state=DownloadState.FAILED, message=message, speed=0.0, eta=None,
+                      done_bytes=job.bytes_on_disk())
 
-    def _set(self, job: _Job, *, quiet: bool = False, **changes: Any) -> None:
+    def _set(self, job: _Job, **changes: Any) -> None:
         # Called with the lock held; listeners must not call back into the queue.
         job.progress = replace(job.progress, **changes)
-        if not quiet:
-            for fn in list(self._listeners):
-                try:
-                    fn(job.progress)
-                except Exception:
-                    log.exception("download listener failed")
+        self._listeners(job.progress)
 
     # --- persistence -------------------------------------------------------------------------
 
     def _save(self) -> None:
         with self._lock:
             kept = [{"choice": _choice_to_dict(j.choice), "commit": j.commit,
-                     "job_id": j.progress.job_id, "state": j.progress.state}
-                    for j in self._jobs.values() if j.progress.state not in ("done", "cancelled")]
+                     "job_id": j.progress.job_id, "state": j.progress.state.value,
+                     "created": j.download.created() if j.download is not None else []}
+                    for j in self._jobs.values() if not j.progress.state.finished]
         try:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            self.state_path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
             tmp = self.state_path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"version": 1, "downloads": kept}, indent=2))
             os.replace(tmp, self.state_path)
@@ -394,163 +527,269 @@ class DownloadQueue:
             entries = data["downloads"]
         except (OSError, ValueError, KeyError, TypeError):
             return
-        for entry in entries:
+        for entry in entries if isinstance(entries, list) else []:
             try:
                 choice = _choice_from_dict(entry["choice"])
                 commit, job_id = str(entry["commit"]), str(entry["job_id"])
-            except (KeyError, TypeError, ValueError):
+                created = [str(blob_id) for blob_id in entry.get("created", [])]
+            except (KeyError, TypeError, ValueError, AttributeError):
                 continue
-            state = "failed" if entry.get("state") == "failed" else "paused"
-            done = bytes_on_disk(choice, commit, self.cache_dir)
-            self._jobs[job_id] = _Job(choice, commit, DownloadProgress(
-                job_id, choice.repo_id, choice.name, state, done, choice.size))
+            failed = entry.get("state") == DownloadState.FAILED.value
+            state = DownloadState.FAILED if failed else DownloadState.PAUSED
+            # The saved record is checked as a hub's answer is: it may have come from one
+            # before these checks existed, or been edited.  A refused one stays listed,
+            # failed with the reason, so the person sees it and can remove it.
+            try:
+                download: ModelDownload | None = ModelDownload(
+                    choice, commit, cache_dir=self.cache_dir, token=self.token, created=created)
+                refusal = ""
+            except UnsafeHubAnswer as exc:
+                download, refusal, state = None, str(exc), DownloadState.FAILED
+            job = _Job(choice, commit, DownloadProgress(
+                job_id, printable(choice.repo_id, 100), printable(choice.name, 100), state, 0, choice.size,
+                message=refusal), download, refusal)
+            job.progress = replace(job.progress, done_bytes=job.bytes_on_disk())
+            self._jobs[job_id] = job
 
 
 def default_state_path() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME)) / "downloads.json"
 
 
-# --- one file ------------------------------------------------------------------------------
+# --- one file, in steps: locate, make room, transfer, verify, link ---------------------------
 
 
-class _Job:
-    def __init__(self, choice: ModelChoice, commit: str, progress: DownloadProgress) -> None:
-        self.choice = choice
-        self.commit = commit
-        self.progress = progress
-        self.stopper = Stopper()
+@dataclass(frozen=True)
+class _Remote:
+    """One file as the hub's answer and the listing pin it: where its bytes are, the blob
+    they become, how many there are, and the digest they must have."""
+
+    file: HubFile
+    url: str
+    blob_id: str
+    size: int
+    lfs: bool  # False: a file kept in git, verified by its git blob id
+
+    def new_digest(self) -> Any:
+        if self.lfs:
+            return hashlib.sha256()
+        digest = hashlib.sha1()  # git's blob id: SHA-1 of "blob <size>\0" and the bytes
+        digest.update(b"blob %d\0" % self.size)
+        return digest
+
+    @property
+    def name(self) -> str:
+        return self.file.path.rsplit("/", 1)[-1]
+
+
+def _locate(repo_id: str, commit: str, f: HubFile, token: str | None) -> _Remote:
+    """Ask the hub (HEAD) where the file's bytes are, and check what it says against the listing."""
+    from huggingface_hub.file_download import hf_hub_url
+
+    url = hf_hub_url(repo_id, f.path, revision=commit, endpoint=hub_endpoint())
+    try:
+        response = _head(url, token)
+    except HubError:
+        raise
+    except Exception as exc:
+        raise translate_hub_error(exc, repo_id) from exc
+    name = f.path.rsplit("/", 1)[-1]
+    redirected = response.has_redirect_location
+    announced = response.headers.get("X-Linked-Size") or \
+        (None if redirected else response.headers.get("Content-Length"))
+    if announced is not None and announced.strip() != str(f.size):
+        raise WrongSize(f"Hugging Face announced two different sizes for {printable(name)}; "
+                        "refused, nothing was written. Try again later.")
+    location = urljoin(str(response.url), response.headers["Location"]) if redirected else str(response.url)
+    if f.sha256:
+        return _Remote(f, location, f.sha256, f.size, lfs=True)
+    etag = (response.headers.get("X-Linked-Etag") or response.headers.get("ETag") or "").strip()
+    etag = etag.removeprefix("W/").strip('"')
+    if not GIT_BLOB_ID.fullmatch(etag):
+        raise UnsafeHubAnswer(f"Hugging Face did not identify {printable(name)} by a git blob id "
+                              f"(it said “{printable(etag, 80)}”), and a file outside LFS is taken only "
+                              "with one; refused, nothing was written.")
+    return _Remote(f, location, etag, f.size, lfs=False)
+
+
+def _head(url: str, token: str | None) -> Any:
+    """HEAD of a file, following redirects only on the endpoint: the answer that points
+    elsewhere (a CDN) carries the file's metadata itself, and the token stays behind."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils._headers import build_hf_headers
+    from huggingface_hub.utils._http import get_session, hf_raise_for_status
+
+    for _ in range(MAX_REDIRECTS):
+        headers = {**build_hf_headers(token=False), **auth_headers(url, token), "Accept-Encoding": "identity"}
+        response = get_session().head(url, headers=headers, follow_redirects=False,
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        hf_raise_for_status(response)
+        if not response.has_redirect_location:
+            return response
+        target = urljoin(url, response.headers["Location"])
+        if not is_on_endpoint(target):
+            return response
+        url = target
+    raise HubError("Hugging Face redirected a download in circles; try again later.")
+
+
+def _kept_bytes(partial: Path, size: int) -> int:
+    have = partial.stat().st_size if partial.is_file() else 0
+    if have > size:  # not the bytes of this file: start over
+        partial.unlink()
+        return 0
+    return have
+
+
+def _ensure_room(folder: Path, needed: int, f: HubFile) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise DownloadFailed(f"Not enough disk space for {f.path.rsplit('/', 1)[-1]}: "
+                             f"{format_file_size(needed)} needed, {format_file_size(free)} free.")
+
+
+def _transfer(remote: _Remote, partial: Path, have: int, digest: Any, stopper: Stopper,
+              on_bytes: Callable[[int], None], token: str | None) -> Any:
+    """Append the missing bytes to `partial`; returns the digest of the whole file."""
+    from huggingface_hub import constants
+    # Modules named in full: the lazy top-level names hide them from PyInstaller.
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils._headers import build_hf_headers
+    from huggingface_hub.utils.tqdm import silent_tqdm
+
+    constants.DOWNLOAD_CHUNK_SIZE = CHUNK_SIZE
+    headers = {**build_hf_headers(token=False), **auth_headers(remote.url, token)}
+    # O_NOFOLLOW: a link left where the unfinished file goes is never written through.
+    fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+    with os.fdopen(fd, "ab") as out:
+        sink = _Sink(out, partial, have, remote, stopper, on_bytes, digest)
+        try:
+            http_get(remote.url, sink, resume_size=have,  # type: ignore[arg-type]
+                     headers=headers, expected_size=remote.size, tqdm_class=silent_tqdm)
+        except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
+            raise translate_hub_error(exc, remote.file.path) from exc
+        except (DownloadStopped, HubError):
+            raise
+        except OSError as exc:
+            if "Consistency check failed" in str(exc):
+                raise WrongSize(f"{printable(remote.name)} arrived with fewer bytes than Hugging Face "
+                                "announced; the download was discarded. Try again.") from exc
+            raise
+        except Exception as exc:
+            raise translate_hub_error(exc, remote.file.path) from exc
+    return sink.digest
 
 
 class _Sink:
-    """The file huggingface_hub writes into: counts and hashes bytes, stops between chunks.
+    """The file huggingface_hub writes into: counts and hashes bytes, stops between chunks,
+    and refuses any byte past the size the hub announced.
 
     Hashing as the bytes arrive spares reading the whole file again to verify it (a
     20 GB model would spend some 20 s on that); a resumed file hashes only its kept part.
     """
 
-    def __init__(self, file: Any, stopper: Stopper, on_bytes: Callable[[int], None],
-                 digest: Any) -> None:
+    def __init__(self, file: Any, path: Path, size: int, remote: _Remote, stopper: Stopper,
+                 on_bytes: Callable[[int], None], digest: Any) -> None:
         self._file = file
+        self._path = path
+        self._size = size
+        self._remote = remote
         self._stopper = stopper
         self._on_bytes = on_bytes
         self.digest = digest
 
     def write(self, data: bytes) -> int:
+        if self._size + len(data) > self._remote.size:
+            raise WrongSize(f"{printable(self._remote.name)} is bigger than Hugging Face announced "
+                            f"({format_file_size(self._remote.size)}); the download was discarded.")
         # Written first, then stopped: a paused download keeps every byte it was sent.
-        n = self._file.write(data)
+        n = int(self._file.write(data))
+        self._size += n
         self.digest.update(data)
         self._on_bytes(len(data))
         self._stopper.check()
-        return int(n)
+        return n
 
     def truncate(self, size: int | None = None) -> int:
         # huggingface_hub starts over when a server ignores the range: hash what is left.
         kept = int(self._file.truncate(size))
         self._file.flush()
-        self.digest = _sha256_of(Path(self._file.name), kept, self._stopper)
+        self._size = kept
+        self.digest = _digest_of(self._path, kept, self._stopper, self._remote.new_digest)
         return kept
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)
 
 
-def _fetch_blob(repo_id: str, commit: str, f: HubFile, folder: Path, token: str | None,
-                stopper: Stopper, on_bytes: Callable[[int], None],
-                on_verifying: Callable[[], None]) -> Path:
-    from filelock import FileLock
-    from huggingface_hub import constants
-    # Modules named in full: the lazy top-level names hide them from PyInstaller.
-    from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.utils._headers import build_hf_headers
-    from huggingface_hub.utils.tqdm import silent_tqdm
-
-    stopper.check()
-    blobs = folder / "blobs"
-    if f.sha256 and (blobs / f.sha256).is_file():
-        return blobs / f.sha256
-    url = hf_hub_url(repo_id, f.path, revision=commit, endpoint=hub_endpoint())
-    try:
-        meta = get_hf_file_metadata(url, token=token)
-    except Exception as exc:
-        raise translate_hub_error(exc, repo_id) from exc
-    name = f.sha256 or meta.etag
-    if not name:
-        raise HubError(f"Hugging Face did not identify {f.path}; try again later.")
-    size = meta.size if meta.size is not None else f.size
-    blob = blobs / name
-    if blob.is_file():
-        return blob
-    lock = Path(str(blob) + ".lock")
-    try:
-        blobs.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(lock)):
-            partial = _incomplete(blob)
-            have = partial.stat().st_size if partial.is_file() else 0
-            if have > size:
-                partial.unlink()
-                have = 0
-            free = shutil.disk_usage(blobs).free
-            if free < size - have:
-                raise DownloadFailed(f"Not enough disk space for {f.path.rsplit('/', 1)[-1]}: "
-                                     f"{format_file_size(size - have)} needed, {format_file_size(free)} free.")
-            digest = _sha256_of(partial, have, stopper)
-            if have < size:
-                constants.DOWNLOAD_CHUNK_SIZE = CHUNK_SIZE
-                headers = build_hf_headers(token=token)
-                with open(partial, "ab") as out:
-                    sink = _Sink(out, stopper, on_bytes, digest)
-                    try:
-                        http_get(meta.location, sink, resume_size=have,  # type: ignore[arg-type]
-                                 headers=headers, expected_size=size, tqdm_class=silent_tqdm)
-                    except HfHubHTTPError as exc:  # an OSError too, but the hub's answer
-                        raise translate_hub_error(exc, repo_id) from exc
-                    except (DownloadStopped, DownloadFailed, OSError):
-                        raise
-                    except Exception as exc:
-                        raise translate_hub_error(exc, repo_id) from exc
-                digest = sink.digest
-            on_verifying()
-            if f.sha256:
-                if digest.hexdigest() != f.sha256.lower():
-                    partial.unlink(missing_ok=True)
-                    raise ChecksumMismatch(
-                        f"{f.path.rsplit('/', 1)[-1]} from {repo_id} does not match the SHA-256 the "
-                        "repository publishes; the download was discarded. Try again later.")
-            os.chmod(partial, 0o644)
-            os.replace(partial, blob)
-    except OSError as exc:
-        raise _disk_error(exc, f) from exc
-    finally:
-        lock.unlink(missing_ok=True)
-    return blob
+def _verify(remote: _Remote, digest: Any, repo_id: str) -> None:
+    if digest.hexdigest() != remote.blob_id:
+        what = "SHA-256" if remote.lfs else "git blob id"
+        raise ChecksumMismatch(
+            f"{printable(remote.name)} from {repo_id} does not match the {what} the repository "
+            "publishes; the download was discarded. Try again later.")
 
 
-def _link(folder: Path, commit: str, path_in_repo: str, blob: Path) -> None:
-    pointer = folder / "snapshots" / commit / path_in_repo
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    if pointer.exists():
-        return
+def _link(cache: RepoCache, commit: str, path_in_repo: str, blob: Path) -> None:
+    """Make the snapshot's entry for the file: a relative link to its blob, or a copy
+    where the file system has no links.  An old link there is replaced, never written through."""
+    pointer = cache.pointer(commit, path_in_repo)
+    _make_folders(cache.folder, pointer.parent)
+    if os.path.islink(pointer):
+        if os.path.realpath(pointer) == os.path.realpath(blob):
+            return
+        os.unlink(pointer)  # the link itself: a stale one (its blob deleted) or another's
+    elif os.path.lexists(pointer):
+        return  # a copy made where links are unsupported
     try:
         os.symlink(os.path.relpath(blob, pointer.parent), pointer)
-    except OSError:
-        shutil.copyfile(blob, pointer)  # no symlinks (Windows without developer mode)
+    except OSError as exc:
+        if not _links_unsupported(exc):
+            raise
+        with open(blob, "rb") as source, \
+                os.fdopen(os.open(pointer, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644), "wb") as copy:
+            shutil.copyfileobj(source, copy, 4 * 1024 * 1024)
 
 
-def _write_ref(folder: Path, commit: str) -> None:
-    refs = folder / "refs"
-    refs.mkdir(parents=True, exist_ok=True)
-    if not (refs / "main").exists():
-        (refs / "main").write_text(commit)
+def _make_folders(base: Path, folder: Path) -> None:
+    """`folder` and the folders on the way from `base`, none of them through a link."""
+    current = base
+    for part in folder.relative_to(base).parts:
+        current = current / part
+        if os.path.islink(current):
+            raise UnsafeHubAnswer(f"“{printable(part)}” in the Hugging Face cache is a link to "
+                                  "elsewhere; refused, nothing was written through it.")
+        current.mkdir(exist_ok=True)
 
 
-def _incomplete(blob: Path) -> Path:
-    return blob.with_name(blob.name + ".incomplete")
+def _links_unsupported(exc: OSError) -> bool:
+    # FAT and exFAT say EPERM; Windows without developer mode says "privilege not held".
+    return exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS) \
+        or getattr(exc, "winerror", None) == 1314
 
 
-def _sha256_of(path: Path, length: int, stopper: Stopper) -> Any:
-    """A running SHA-256 of the first `length` bytes of `path` (none: an empty one)."""
-    digest = hashlib.sha256()
+def _write_ref(ref: Path, commit: str) -> None:
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(ref, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    except FileExistsError:
+        return  # refs/main names the newest commit some tool saw; not this one's to change
+    with os.fdopen(fd, "w") as f:
+        f.write(commit)
+
+
+def _only_name_of(blob: Path) -> bool:
+    """False when another tool hard-linked the blob elsewhere."""
+    try:
+        return os.lstat(blob).st_nlink <= 1
+    except FileNotFoundError:
+        return True
+
+
+def _digest_of(path: Path, length: int, stopper: Stopper, new_digest: Callable[[], Any]) -> Any:
+    """A running digest of the first `length` bytes of `path` (none: an empty one)."""
+    digest = new_digest()
     if length <= 0:
         return digest
     with open(path, "rb") as f:
@@ -558,7 +797,7 @@ def _sha256_of(path: Path, length: int, stopper: Stopper) -> Any:
         while left and (chunk := f.read(min(4 * 1024 * 1024, left))):
             digest.update(chunk)
             left -= len(chunk)
-            if stopper.reason == "cancel":
+            if stopper.reason is StopReason.CANCEL:
                 stopper.check()
     return digest
 
@@ -578,13 +817,21 @@ def _disk_error(exc: OSError, f: HubFile) -> HubError:
     return DownloadFailed(f"Downloading {name} failed: {exc.strerror or exc}.")
 
 
-def describe_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+# --- the queue's parts -----------------------------------------------------------------------
+
+
+class _Job:
+    def __init__(self, choice: ModelChoice, commit: str, progress: DownloadProgress,
+                 download: ModelDownload | None, refusal: str = "") -> None:
+        self.choice = choice
+        self.commit = commit
+        self.progress = progress
+        self.download = download  # None when the saved record was refused (see `refusal`)
+        self.refusal = refusal
+        self.stopper = Stopper()
+
+    def bytes_on_disk(self) -> int:
+        return self.download.bytes_on_disk() if self.download is not None else 0
 
 
 def _choice_to_dict(choice: ModelChoice) -> dict[str, Any]:

@@ -9,6 +9,7 @@ the network is touched only when `search` or `list_repo` is called.  The endpoin
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -16,11 +17,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
+from urllib.parse import urlsplit
 
 import platformdirs
 
-from backend.errors import HubAccessDenied, HubError, HubNotFound, HubUnreachable
-from backend.settings import APP_NAME
+from backend.errors import HubAccessDenied, HubError, HubNotFound, HubUnreachable, UnsafeHubAnswer
+from backend.models.hf_cache import check_commit, check_file_name, check_repo_id, check_sha256, printable
+from backend.settings import APP_NAME, PRIVATE_DIR_MODE
 
 __all__ = [
     "DEFAULT_QUANT_PREFERENCE",
@@ -29,16 +32,20 @@ __all__ = [
     "ModelChoice",
     "RepoListing",
     "RepoSummary",
+    "auth_headers",
+    "check_choice",
     "curated_models",
     "current_token",
     "forget_token",
     "hub_endpoint",
+    "is_on_endpoint",
     "list_repo",
     "parse_pull_target",
     "pick_choice",
     "quantization_of",
     "save_token",
     "search",
+    "token_for",
     "token_path",
     "translate_hub_error",
 ]
@@ -128,31 +135,52 @@ def search(text: str, *, sort: str = "downloads", limit: int = 30,
         params.append(("search", text.strip()))
 
     def fetch() -> list[dict[str, Any]]:
-        response = get_session().get(f"{hub_endpoint()}/api/models", params=params, timeout=SEARCH_TIMEOUT,
-                                     headers=build_hf_headers(token=token or current_token()))
+        url = f"{hub_endpoint()}/api/models"
+        response = get_session().get(url, params=params, timeout=SEARCH_TIMEOUT,
+                                     headers={**build_hf_headers(token=False), **auth_headers(url, token)})
         hf_raise_for_status(response)
-        return response.json()
+        found = response.json()
+        return found if isinstance(found, list) else []
 
     found = _hub_call(fetch, f"the search for “{text}”")
+    # Only what could be listed and downloaded: a hub's junk entries are left out.
     return [RepoSummary(repo_id=str(m.get("id") or m.get("modelId")), downloads=_count(m.get("downloads")),
-                        likes=_count(m.get("likes")), last_modified=str(m.get("lastModified") or ""),
-                        gated=bool(m.get("gated"))) for m in found if isinstance(m, dict)]
+                        likes=_count(m.get("likes")), last_modified=_date(m.get("lastModified")),
+                        gated=bool(m.get("gated")))
+            for m in found if isinstance(m, dict) and _is_repo_id(m.get("id") or m.get("modelId"))]
 
 
 def list_repo(repo_id: str, *, token: str | None = None) -> RepoListing:
     """A repository's GGUF models with sizes and published SHA-256s, at its current commit."""
     from huggingface_hub.hf_api import HfApi
 
-    repo_id = repo_id.strip()
-    api = HfApi(endpoint=hub_endpoint(), token=token or current_token())
+    repo_id = check_repo_id(repo_id.strip())
+    endpoint = hub_endpoint()
+    api = HfApi(endpoint=endpoint, token=token_for(endpoint, token) or False)
     info = _hub_call(lambda: api.model_info(repo_id, files_metadata=True), repo_id)
-    files = [HubFile(s.rfilename, int(s.size or (s.lfs.size if s.lfs else 0) or 0),
-                     (s.lfs.sha256 if s.lfs else "") or "")
+    files = [HubFile(str(s.rfilename), _count(s.size) or (_count(s.lfs.size) if s.lfs else 0),
+                     str(s.lfs.sha256 if s.lfs else "") or "")
              for s in (info.siblings or [])]
     gguf: dict[str, Any] = info.gguf if isinstance(info.gguf, dict) else {}
-    return RepoListing(repo_id=repo_id, commit=info.sha or "main",
-                       choices=tuple(group_choices(repo_id, files)), gguf_metadata=gguf,
+    choices = tuple(group_choices(repo_id, files))
+    commit = check_commit(str(info.sha or ""))
+    for choice in choices:
+        check_choice(choice)
+    return RepoListing(repo_id=repo_id, commit=commit, choices=choices, gguf_metadata=gguf,
                        gated=bool(info.gated))
+
+
+def check_choice(choice: ModelChoice) -> ModelChoice:
+    """`choice` as far as a hub said it: a repository id, file names and SHA-256s that can
+    name nothing outside the cache (raises `UnsafeHubAnswer` otherwise)."""
+    check_repo_id(choice.repo_id)
+    for f in choice.files:
+        check_file_name(f.path)
+        if f.sha256:
+            check_sha256(f.sha256)
+        if not isinstance(f.size, int) or f.size < 0:
+            raise UnsafeHubAnswer(f"Hugging Face announced a size of {f.size!r} for a file; refused.")
+    return choice
 
 
 def group_choices(repo_id: str, files: Iterable[HubFile]) -> list[ModelChoice]:
@@ -190,8 +218,8 @@ def quantization_of(file_name: str) -> str:
 def parse_pull_target(target: str) -> tuple[str, str]:
     """`REPO[:QUANT|FILE]` -> (repo, selector); the selector is "" when none is given."""
     repo, _, selector = target.strip().partition(":")
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise HubError(f"“{target}” is not a repository: write it as owner/name, "
+    if not _is_repo_id(repo):
+        raise HubError(f"“{printable(target)}” is not a repository: write it as owner/name, "
                        "optionally followed by :QUANT or :FILE.")
     return repo, selector.strip()
 
@@ -227,6 +255,39 @@ def curated_models() -> list[CuratedModel]:
 # --- the token for gated repositories ------------------------------------------------------
 
 
+def token_for(url: str, token: str | None = None) -> str | None:
+    """The token to send with a request to `url`, or None when it must not go there.
+
+    It goes only to the endpoint's own scheme, host and port (a redirect to a CDN or any
+    other host gets none, as huggingface_hub's own downloads do), and never over plain
+    http:// unless the endpoint is this machine: on a café network a plain-http mirror is
+    one spoofed answer away from someone else.  `token` defaults to `HF_TOKEN`, the one
+    saved here, then the login of Hugging Face's own tools.
+    """
+    endpoint = urlsplit(hub_endpoint())
+    if not is_on_endpoint(url):
+        return None
+    if endpoint.scheme != "https" and not _is_loopback(endpoint.hostname or ""):
+        return None
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    return current_token() or get_token()
+
+
+def is_on_endpoint(url: str) -> bool:
+    """Whether `url` has the endpoint's scheme, host and port."""
+    return _origin(urlsplit(url)) == _origin(urlsplit(hub_endpoint()))
+
+
+def auth_headers(url: str, token: str | None = None) -> dict[str, str]:
+    """{"authorization": ...} for a request to `url` when `token_for` lets the token go there."""
+    chosen = token_for(url, token)
+    return {"authorization": f"Bearer {chosen}"} if chosen else {}
+
+
+
 def token_path() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME)) / "hf_token"
 
@@ -247,7 +308,7 @@ def current_token() -> str | None:
 def save_token(token: str) -> Path:
     """Keep `token` readable by this user only (0600), written atomically."""
     path = token_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -305,7 +366,39 @@ def translate_hub_error(exc: BaseException, what: str) -> HubError:
 
 
 def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _date(value: Any) -> str:
+    return printable(value, 40) if isinstance(value, str) else ""
+
+
+def _is_repo_id(value: Any) -> bool:
+    try:
+        check_repo_id(value)
+    except UnsafeHubAnswer:
+        return False
+    return True
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: Any) -> tuple[str, str, int]:
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    return (url.scheme.lower(), (url.hostname or "").lower(), port or _DEFAULT_PORTS.get(url.scheme.lower(), 0))
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _hub_call(fn: Callable[[], T], what: str) -> T:

@@ -23,8 +23,9 @@ from typing import Any, Iterable, Iterator, Mapping
 import platformdirs
 
 from backend.errors import SettingsError
-from backend.settings import APP_NAME
 from backend.llama.load import LoadSettings
+from backend.models.hf_cache import hugging_face_cache, repo_id_of_folder
+from backend.settings import APP_NAME, PRIVATE_DIR_MODE
 
 __all__ = [
     "SOURCE_LABELS",
@@ -116,7 +117,7 @@ class ModelLibrary:
         with self._lock:
             data = {"version": 1, "opened": list(self.opened), "folders": list(self.folders),
                     "recent": dict(self.recent), "load_settings": dict(self._load_settings)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.path)
@@ -253,18 +254,6 @@ def default_locations(environ: Mapping[str, str] | None = None,
     ]
 
 
-def hugging_face_cache(environ: Mapping[str, str] | None = None, home: Path | None = None) -> Path:
-    """The Hugging Face hub cache, as huggingface_hub itself decides it (read at call time)."""
-    environ = os.environ if environ is None else environ
-    home = Path(home) if home else Path.home()
-    if environ.get("HF_HUB_CACHE"):
-        return Path(environ["HF_HUB_CACHE"])
-    if environ.get("HF_HOME"):
-        return Path(environ["HF_HOME"]) / "hub"
-    cache = Path(environ["XDG_CACHE_HOME"]) if environ.get("XDG_CACHE_HOME") else home / ".cache"
-    return cache / "huggingface" / "hub"
-
-
 def find_gguf_files(root: Path, *, max_depth: int = 8, limit: int = 10_000) -> Iterator[Path]:
     """Loadable GGUF files under `root`: no projectors, only the first part of a split."""
     root = Path(root)
@@ -314,8 +303,8 @@ def _detail(location: Location, path: Path) -> str:
     except ValueError:
         return ""
     parts = relative.parts
-    if location.source == "huggingface" and parts and parts[0].startswith("models--"):
-        return "/".join(parts[0].removeprefix("models--").split("--", 1))
+    if location.source == "huggingface" and parts and (repo_id := repo_id_of_folder(parts[0])):
+        return repo_id
     if location.source == "lmstudio" and len(parts) >= 3:
         return f"{parts[0]}/{parts[1]}"
     if location.source == "folder":

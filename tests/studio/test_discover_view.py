@@ -10,6 +10,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
+from backend.models.download import DownloadState
 from backend.models.hub import curated_models
 from backend.llama.supervisor import State
 from studio.window import GET_MODELS_TAB
@@ -67,13 +68,13 @@ def test_search_pick_download_pause_resume_then_load(open_window, qtbot, hf_hub,
     assert row.pause_button.text() == "Pause"
     click(qtbot, row.pause_button)
     hf_hub.release()
-    qtbot.waitUntil(lambda: row.state == "paused", timeout=WAIT)
+    qtbot.waitUntil(lambda: row.state == DownloadState.PAUSED, timeout=WAIT)
     assert row.pause_button.text() == "Resume" and 0 < row.bar.value() < 1000
     kept = hf_hub.served[-1].sent  # at least what reached the disk
     assert kept > 0
 
     click(qtbot, row.pause_button)
-    qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
+    qtbot.waitUntil(lambda: row.state == DownloadState.DONE, timeout=WAIT)
     assert row.bar.value() == 1000 and row.detail.text() == "Ready in the library."
     assert hf_hub.served[-1].start > 0  # resumed, not started over
 
@@ -120,7 +121,7 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
     assert "gated" in d.repo_title.text()
     d.files.setCurrentItem(d.files.topLevelItem(0).child(0))
     click(qtbot, d.download_button)
-    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == "failed", timeout=WAIT)
+    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == DownloadState.FAILED, timeout=WAIT)
     [row] = d.rows.values()
     assert "is gated" in row.detail.text() and row.pause_button.text() == "Resume"
 
@@ -130,7 +131,7 @@ def test_a_gated_model_downloads_once_a_token_is_saved_from_the_tab(open_window,
     click(qtbot, d.token_button)
     qtbot.waitUntil(token_path().is_file, timeout=WAIT)
     click(qtbot, row.pause_button)  # "Resume" retries with the saved token
-    qtbot.waitUntil(lambda: row.state == "done", timeout=WAIT)
+    qtbot.waitUntil(lambda: row.state == DownloadState.DONE, timeout=WAIT)
     entry = window.library_view.current_entry
     qtbot.waitUntil(lambda: entry() is not None and entry().detail == GATED_REPO, timeout=WAIT)
 
@@ -170,3 +171,32 @@ def test_a_model_fits_in_ram_on_a_machine_without_a_gpu(open_window, qtbot, hf_h
         machine(tools=["vulkaninfo"], outputs={"vulkaninfo": VULKANINFO_LAVAPIPE})))
     assert badge == "fits in RAM"
     assert "GPU" not in hover and "RAM" in hover
+
+
+def test_hub_strings_are_shown_as_plain_text_not_markup(open_window, qtbot, hf_hub, coder_models):
+    from tests.hf_endpoint import HubRepo
+
+    q4 = coder_models["Tiny-Coder-Q4_K_M.gguf"]
+    hf_hub.repos["test-org/Bold-GGUF"] = HubRepo("test-org/Bold-GGUF", {"<b>Bold<b>-Q4_K_M.gguf": q4})
+    hf_hub.repos["test-org/Bold-Evil-GGUF"] = HubRepo("test-org/Bold-Evil-GGUF", {"<i>x</i>/../../x.gguf": q4})
+    window = open_window()
+    d = window.discover
+    d.query.setText("bold")
+    click(qtbot, d.search_button)
+    qtbot.waitUntil(lambda: d.repos.count() == 2 and d.search_button.isEnabled(), timeout=WAIT)
+    rows = [d.repos.item(i).text().split("\n")[0] for i in range(2)]
+
+    d.repos.setCurrentRow(rows.index("test-org/Bold-Evil-GGUF"))
+    qtbot.waitUntil(lambda: "refused" in d.status.text(), timeout=WAIT)
+    assert "“<i>x</i>/../../x.gguf”" in d.status.text()
+    assert d.status.textFormat() == Qt.TextFormat.PlainText
+
+    d.repos.setCurrentRow(rows.index("test-org/Bold-GGUF"))
+    qtbot.waitUntil(lambda: d.files.topLevelItemCount() == 1, timeout=WAIT)
+    assert d.repo_title.textFormat() == Qt.TextFormat.PlainText
+    d.files.setCurrentItem(d.files.topLevelItem(0).child(0))
+    click(qtbot, d.download_button)
+    qtbot.waitUntil(lambda: len(d.rows) == 1 and next(iter(d.rows.values())).state == DownloadState.DONE, timeout=WAIT)
+    [row] = d.rows.values()
+    assert row.name.text() == "<b>Bold<b>-Q4_K_M"
+    assert row.name.textFormat() == row.detail.textFormat() == Qt.TextFormat.PlainText

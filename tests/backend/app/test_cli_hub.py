@@ -57,3 +57,25 @@ def test_pull_failures_are_one_readable_line(hf_hub):
 
     unknown = cli("pull", f"{CODER_REPO}:Q2_K", env=user_env())
     assert unknown.returncode == 1 and "Available: Q4_K_M, Q8_0" in unknown.stderr
+
+
+def test_hub_strings_reach_the_terminal_without_escape_codes(hf_hub, coder_models):
+    from tests.hf_endpoint import HubRepo
+
+    q4 = coder_models["Tiny-Coder-Q4_K_M.gguf"]
+    hf_hub.repos["test-org/Tiny\x1b[31mRed-GGUF"] = HubRepo("test-org/Tiny\x1b[31mRed-GGUF", {"x.gguf": q4})
+    hf_hub.repos["test-org/Tiny-Title-GGUF"] = HubRepo(
+        "test-org/Tiny-Title-GGUF", {"Tiny\x1b]0;owned\x07-Q4_K_M.gguf": q4})
+    hf_hub.repos["test-org/Tiny-Date-GGUF"] = HubRepo(
+        "test-org/Tiny-Date-GGUF", {"x.gguf": q4}, last_modified="2026\x1b]0;x\x07-11-01")
+    found = cli("search", "tiny", env=user_env())
+    assert found.returncode == 0, found.stderr
+    assert "\x1b" not in found.stdout and "\x07" not in found.stdout
+    assert "Red-GGUF" not in found.stdout  # not a repository id: left out
+    assert "test-org/Tiny-Date-GGUF" in found.stdout and "2026\\x1b]0" in found.stdout
+
+    pulled = cli("pull", "test-org/Tiny-Title-GGUF", env=user_env())
+    assert pulled.returncode == 1
+    assert "\x1b" not in pulled.stdout + pulled.stderr and "\x07" not in pulled.stdout + pulled.stderr
+    assert pulled.stderr.startswith("gguf-studio: Hugging Face named a file “Tiny\\x1b]0;owned\\x07-Q4_K_M.gguf”")
+    assert not repo_folder("test-org/Tiny-Title-GGUF").exists()

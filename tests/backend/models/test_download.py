@@ -26,7 +26,9 @@ from backend.errors import (
 from backend.models.download import (
     DownloadProgress,
     DownloadQueue,
+    DownloadState,
     DownloadStopped,
+    StopReason,
     Stopper,
     bytes_on_disk,
     download_model,
@@ -76,7 +78,7 @@ def test_a_paused_download_resumes_without_fetching_any_byte_twice(hf_hub, tmp_p
         nonlocal written
         written += n
         if written >= 3 * MiB:
-            stopper.stop("pause")
+            stopper.stop(StopReason.PAUSE)
 
     with pytest.raises(DownloadStopped):
         download_model(choice, listing.commit, stopper=stopper, on_bytes=pause_after_three_mib)
@@ -98,7 +100,7 @@ def test_a_server_that_ignores_the_range_restarts_the_file_and_it_still_verifies
     choice = pick_choice(listing, "Q4_K_M")
     stopper = Stopper()
     with pytest.raises(DownloadStopped):
-        download_model(choice, listing.commit, stopper=stopper, on_bytes=lambda n: stopper.stop("pause"))
+        download_model(choice, listing.commit, stopper=stopper, on_bytes=lambda n: stopper.stop(StopReason.PAUSE))
     assert bytes_on_disk(choice, listing.commit) > 0
     hf_hub.ignore_ranges = True
     path = download_model(choice, listing.commit)  # the kept bytes are dropped, not doubled
@@ -122,7 +124,7 @@ def test_a_cancelled_download_leaves_nothing_behind(hf_hub, tmp_path):
     stopper = Stopper()
     with pytest.raises(DownloadStopped):
         download_model(choice, listing.commit, stopper=stopper,
-                       on_bytes=lambda n: stopper.stop("cancel"))
+                       on_bytes=lambda n: stopper.stop(StopReason.CANCEL))
     assert bytes_on_disk(choice, listing.commit) == 0
     assert cache_files(CODER_REPO) == []
 
@@ -198,7 +200,7 @@ async def test_a_split_model_downloads_as_one_and_appears_only_when_whole(hf_hub
 
     def pause_in_the_second_part(n: int) -> None:
         if hf_hub.served and hf_hub.served[-1].path.endswith("00002-of-00002.gguf"):
-            stopper.stop("pause")
+            stopper.stop(StopReason.PAUSE)
 
     with pytest.raises(DownloadStopped):
         download_model(choice, listing.commit, stopper=stopper, on_bytes=pause_in_the_second_part)
@@ -246,14 +248,14 @@ def test_the_queue_runs_downloads_one_at_a_time_and_reports_progress(hf_hub, tmp
     try:
         first = queue.add(pick_choice(listing, "Q4_K_M"), listing.commit)
         second = queue.add(pick_choice(listing, "Q8_0"), listing.commit)
-        done_second = seen.wait_for(lambda p: p.job_id == second and p.state == "done")
+        done_second = seen.wait_for(lambda p: p.job_id == second and p.state == DownloadState.DONE)
         assert Path(done_second.path).is_file()
         states = [(p.job_id, p.state) for p in seen.events]
         # The second waited while the first ran.
-        assert states.index((first, "done")) < states.index((second, "downloading"))
-        moving = [p for p in seen.events if p.job_id == first and p.state == "downloading"]
+        assert states.index((first, DownloadState.DONE)) < states.index((second, DownloadState.DOWNLOADING))
+        moving = [p for p in seen.events if p.job_id == first and p.state == DownloadState.DOWNLOADING]
         assert moving[-1].done_bytes > moving[0].done_bytes
-        assert any(p.state == "verifying" for p in seen.events)
+        assert any(p.state == DownloadState.VERIFYING for p in seen.events)
     finally:
         queue.close()
     assert library_names(tmp_path) == ["Tiny-Coder-Q4_K_M", "Tiny-Coder-Q8_0"]
@@ -268,7 +270,7 @@ def test_a_queued_download_survives_a_restart_paused_and_resumes(hf_hub, tmp_pat
     seen = Recorder()
     queue.add_listener(seen)
     job = queue.add(choice, listing.commit)
-    seen.wait_for(lambda p: p.state == "downloading" and p.done_bytes >= 2 * MiB)
+    seen.wait_for(lambda p: p.state == DownloadState.DOWNLOADING and p.done_bytes >= 2 * MiB)
     assert hf_hub.holding.is_set()
     closing = threading.Thread(target=queue.close)  # the app quits mid-download
     closing.start()
@@ -285,10 +287,10 @@ def test_a_queued_download_survives_a_restart_paused_and_resumes(hf_hub, tmp_pat
     queue.add_listener(seen)
     try:
         [paused] = queue.jobs()
-        assert (paused.job_id, paused.state, paused.done_bytes) == (job, "paused", kept)
+        assert (paused.job_id, paused.state, paused.done_bytes) == (job, DownloadState.PAUSED, kept)
         assert len(hf_hub.served) == served_before
         queue.resume(job)
-        done = seen.wait_for(lambda p: p.state == "done")
+        done = seen.wait_for(lambda p: p.state == DownloadState.DONE)
         assert Path(done.path).is_file()
     finally:
         queue.close()
@@ -305,12 +307,12 @@ def test_cancel_in_the_queue_removes_the_partial_file(hf_hub, tmp_path):
     queue.add_listener(seen)
     try:
         job = queue.add(choice, listing.commit)
-        seen.wait_for(lambda p: p.state == "downloading" and p.done_bytes >= 2 * MiB)
+        seen.wait_for(lambda p: p.state == DownloadState.DOWNLOADING and p.done_bytes >= 2 * MiB)
         queue.cancel(job)
         hf_hub.release()
-        seen.wait_for(lambda p: p.state == "cancelled")
+        seen.wait_for(lambda p: p.state == DownloadState.CANCELLED)
     finally:
         queue.close()
     assert bytes_on_disk(choice, listing.commit) == 0
-    assert queue.jobs()[0].state == "cancelled"
+    assert queue.jobs()[0].state == DownloadState.CANCELLED
     assert DownloadQueue(tmp_path / "downloads.json").jobs() == []  # not remembered

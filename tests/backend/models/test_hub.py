@@ -24,6 +24,7 @@ from backend.models.hub import (
     quantization_of,
     save_token,
     search,
+    token_for,
     token_path,
 )
 from tests.conftest import CODER_REPO
@@ -119,3 +120,27 @@ def test_a_saved_token_is_private_and_the_environment_wins(hf_hub, monkeypatch):
     assert current_token() == "hf_saved"
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
     assert current_token() == "hf_from_env"
+
+
+@pytest.mark.parametrize("endpoint, url, sent", [
+    ("https://huggingface.co", "https://huggingface.co/api/models", True),
+    ("https://huggingface.co", "https://huggingface.co:443/o/r/resolve/x", True),
+    ("https://huggingface.co", "https://cdn-lfs.huggingface.co/x", False),  # another host
+    ("https://huggingface.co", "http://huggingface.co/x", False),  # another scheme
+    ("https://huggingface.co", "https://huggingface.co:8443/x", False),  # another port
+    ("https://mirror.example", "https://huggingface.co/x", False),
+    ("http://mirror.example", "http://mirror.example/x", False),  # plain http off this machine
+    ("http://127.0.0.1:8080", "http://127.0.0.1:8080/x", True),
+    ("http://localhost:8080", "http://localhost:8080/x", True),
+    ("http://[::1]:8080", "http://[::1]:8080/x", True),
+    ("http://127.0.0.1:8080", "http://127.0.0.1:8081/x", False),
+])
+def test_the_token_goes_only_to_the_endpoint_itself(monkeypatch, endpoint, url, sent):
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert (token_for(url) == "hf_secret") is sent
+
+
+def test_the_token_folder_is_private_when_it_is_made(hf_hub, tmp_path):
+    save_token("hf_saved")
+    assert stat.S_IMODE(os.stat(token_path().parent).st_mode) == 0o700
