@@ -21,8 +21,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
-import httpx
-
 from backend.port import http_errors
 from backend.port import sse
 from backend.port.admission import AdmissionQueue, Ticket, TokenNeed
@@ -30,7 +28,7 @@ from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
                             UpstreamFailed, UpstreamUnavailable)
-from backend.port.upstream_http import MalformedAnswer
+from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
     from backend.port.metrics import Metrics
@@ -379,8 +377,8 @@ class Exchange:
         engine unreachable, or gone while answering, or its load replaced meanwhile."""
         try:
             yield
-        except httpx.HTTPError as exc:
-            if connecting and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        except UpstreamError as exc:
+            if connecting and isinstance(exc, ConnectFailed):
                 raise _NotReached() from None  # nothing was sent: safe on the next load
             error: RequestError
             if ticket.queue.retired:
@@ -439,7 +437,7 @@ class Exchange:
                 body += chunk
                 if len(body) > ERROR_BODY_LIMIT:
                     break
-        except httpx.HTTPError:
+        except UpstreamError:
             pass
         return body
 
