@@ -149,8 +149,8 @@ class EndOfMessage:
 
 
 #: Body bytes come as `bytes` (transfer coding removed), not wrapped like h11's `Data`:
-#: an object per relayed chunk costs about a microsecond, a fifth of the port's CPU per
-#: chunk at saturation.
+#: an object per relayed chunk costs about a microsecond here, against ~5 µs of the
+#: port's whole CPU per chunk at saturation (bench/README.md).
 Event: TypeAlias = ResponseHead | bytes | EndOfMessage
 
 
@@ -181,11 +181,86 @@ class ResponseParser:
         if self._rest:
             data = self._rest + data
             self._rest = b""
-        if self._state == _HEAD:
-            return self._head_and_body(data)
-        if self._state == _DONE:
+        end = len(data)
+        pos = 0
+        state = self._state
+        if state == _HEAD:
+            found = self._final_head(data)
+            if found is None:
+                return
+            head, pos = found
+            yield head
+            state = self._state
+            if state == _DONE:
+                yield EndOfMessage(self._keep_alive and pos == end)
+                return
+        elif state == _DONE:
             raise MalformedAnswer("The upstream sent bytes after its answer.")
-        return self._body(data, 0)
+        left = self._left
+        try:
+            while pos < end:
+                if state == _CHUNK_DATA or state == _SIZED:
+                    take = left if left <= end - pos else end - pos
+                    piece = data if take == end else data[pos:pos + take]
+                    pos += take
+                    left -= take
+                    if left:
+                        yield piece
+                    elif state == _CHUNK_DATA:
+                        state, left = _CHUNK_CRLF, 2
+                        yield piece
+                    else:
+                        state = _DONE
+                        yield piece
+                        yield EndOfMessage(self._keep_alive and pos == end)
+                        break
+                elif state == _CHUNK_CRLF:  # the CRLF that ends a chunk's data
+                    take = left if left <= end - pos else end - pos
+                    if data[pos:pos + take] != _CRLF[2 - left:2 - left + take]:
+                        raise MalformedAnswer("The upstream sent a chunk without its CRLF.")
+                    pos += take
+                    left -= take
+                    if not left:
+                        state = _CHUNK_SIZE
+                elif state == _CHUNK_SIZE:
+                    eol = data.find(b"\r\n", pos)
+                    if eol < 0:
+                        _check_line_length(end - pos)
+                        break
+                    # chunk-size [BWS ";" chunk-ext]: hex digits only (int() would also
+                    # take "0x10", "+10", " 10" and "1_0")
+                    digits = data[pos:eol]
+                    if b";" in digits:
+                        digits = digits.split(b";", 1)[0].rstrip(b" \t")
+                    if not digits or digits.strip(_HEX_DIGITS):
+                        raise MalformedAnswer("The upstream sent a malformed chunk size.")
+                    left = int(digits, 16)
+                    if left > MAX_CHUNK:
+                        raise MalformedAnswer("The upstream sent a malformed chunk size.")
+                    pos = eol + 2
+                    state = _CHUNK_DATA if left else _TRAILER
+                elif state == _TRAILER:
+                    eol = data.find(b"\r\n", pos)
+                    if eol < 0:
+                        _check_line_length(end - pos)
+                        break
+                    line = data[pos:eol]
+                    pos = eol + 2
+                    if line and _field(line) is None:
+                        raise MalformedAnswer("The upstream sent a malformed trailer.")
+                    if not line:
+                        state = _DONE
+                        yield EndOfMessage(self._keep_alive and pos == end)
+                        break
+                else:  # _UNTIL_CLOSE
+                    piece = data if pos == 0 else data[pos:]
+                    pos = end
+                    yield piece
+        finally:
+            self._state = state
+            self._left = left
+            if state != _DONE and pos < end:
+                self._rest = data[pos:]
 
     def feed_eof(self) -> list[Event]:
         """The connection ended: the end of a body delimited by it, else `ConnectionLost`
@@ -198,17 +273,6 @@ class ResponseParser:
         return []
 
     # --- the head ------------------------------------------------------------------------
-
-    def _head_and_body(self, data: bytes) -> Iterator[Event]:
-        found = self._final_head(data)
-        if found is None:
-            return
-        head, pos = found
-        yield head
-        if self._state == _DONE:
-            yield EndOfMessage(self._keep_alive and pos == len(data))
-        else:
-            yield from self._body(data, pos)
 
     def _final_head(self, data: bytes) -> tuple[ResponseHead, int] | None:
         """The final head in `data` and where its blank line ends, interim 1xx heads
@@ -254,68 +318,6 @@ class ResponseParser:
         connection = head.headers.get("connection", "").lower()
         if "close" in connection or (version == b"0" and "keep-alive" not in connection):
             self._keep_alive = False
-
-    # --- the body ------------------------------------------------------------------------
-
-    def _body(self, data: bytes, pos: int) -> Iterator[Event]:
-        end = len(data)
-        state = self._state
-        left = self._left
-        try:
-            while pos < end:
-                if state == _CHUNK_DATA or state == _SIZED:
-                    take = left if left <= end - pos else end - pos
-                    piece = data if take == end else data[pos:pos + take]
-                    pos += take
-                    left -= take
-                    if left:
-                        yield piece
-                    elif state == _CHUNK_DATA:
-                        state, left = _CHUNK_CRLF, 2
-                        yield piece
-                    else:
-                        state = _DONE
-                        yield piece
-                        yield EndOfMessage(self._keep_alive and pos == end)
-                        break
-                elif state == _CHUNK_CRLF:  # the CRLF that ends a chunk's data
-                    take = left if left <= end - pos else end - pos
-                    if data[pos:pos + take] != _CRLF[2 - left:2 - left + take]:
-                        raise MalformedAnswer("The upstream sent a chunk without its CRLF.")
-                    pos += take
-                    left -= take
-                    if not left:
-                        state = _CHUNK_SIZE
-                elif state == _CHUNK_SIZE:
-                    eol = data.find(b"\r\n", pos)
-                    if eol < 0:
-                        _check_line_length(end - pos)
-                        break
-                    left = _chunk_size(data[pos:eol])
-                    pos = eol + 2
-                    state = _CHUNK_DATA if left else _TRAILER
-                elif state == _TRAILER:
-                    eol = data.find(b"\r\n", pos)
-                    if eol < 0:
-                        _check_line_length(end - pos)
-                        break
-                    line = data[pos:eol]
-                    pos = eol + 2
-                    if line and _field(line) is None:
-                        raise MalformedAnswer("The upstream sent a malformed trailer.")
-                    if not line:
-                        state = _DONE
-                        yield EndOfMessage(self._keep_alive and pos == end)
-                        break
-                else:  # _UNTIL_CLOSE
-                    piece = data if pos == 0 else data[pos:]
-                    pos = end
-                    yield piece
-        finally:
-            self._state = state
-            self._left = left
-            if state != _DONE and pos < end:
-                self._rest = data[pos:]
 
 
 # --- the client --------------------------------------------------------------------------
@@ -675,18 +677,6 @@ def _field(line: bytes) -> tuple[str, str] | None:
     if not colon or _TOKEN.fullmatch(name) is None or _NOT_FIELD_TEXT.search(value):
         return None
     return name.lower().decode("ascii"), value.strip(b" \t").decode("latin-1")
-
-
-def _chunk_size(line: bytes) -> int:
-    """chunk-size [BWS ";" chunk-ext]: hex digits only (int() would also take "0x10",
-    "+10", " 10" and "1_0")."""
-    digits = line.split(b";", 1)[0].rstrip(b" \t") if b";" in line else line
-    if not digits or digits.strip(_HEX_DIGITS):
-        raise MalformedAnswer("The upstream sent a malformed chunk size.")
-    size = int(digits, 16)
-    if size > MAX_CHUNK:
-        raise MalformedAnswer("The upstream sent a malformed chunk size.")
-    return size
 
 
 def _check_line_length(length: int) -> None:
