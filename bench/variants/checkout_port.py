@@ -19,6 +19,9 @@ import backend  # noqa: E402
 if not Path(backend.__file__).resolve().is_relative_to(checkout):
     raise SystemExit(f"backend came from {backend.__file__}, not from {checkout}")
 
-from backend.cli import main  # noqa: E402
+try:  # the CLI's place since backend/ became rooms, then before
+    from backend.app.cli import main
+except ModuleNotFoundError:
+    from backend.cli import main  # type: ignore[no-redef]
 
 sys.exit(main(sys.argv[1:]))
