@@ -5,7 +5,7 @@
 
 Every malformed answer of `tests/malformed_upstream.py` (a raw asyncio socket: a real
 llama-server cannot send them) is sent to each client, then a good answer.  A client
-passes a case when the malformed answer raised an httpx error, nothing was left in its
+passes a case when the malformed answer raised an `UpstreamError`, nothing was left in its
 pool, and the good answer came on a new connection; an answer that is read until the
 upstream closes (which it does not) "hangs".  The well-formed twins and interim 1xx
 heads must be read, and their connection kept.
@@ -22,9 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import httpx  # noqa: E402
-
-from backend.port.upstream_http import UpstreamClient  # noqa: E402
+from backend.port.upstream_http import UpstreamClient, UpstreamError  # noqa: E402
 from bench.variants.upstream_aiohttp import AiohttpUpstreamClient  # noqa: E402
 from tests.malformed_upstream import (CLOSE, GOOD_STREAM, INTERIM, MALFORMED, WELL_FORMED,  # noqa: E402
                                       MalformedUpstream)
@@ -49,7 +47,7 @@ async def refuses(make: Callable[[], Any], answer: bytes) -> str:
         async with MalformedUpstream([answer]) as upstream:
             try:
                 await asyncio.wait_for(exchange(client, upstream.base_url), HANG)
-            except httpx.HTTPError:
+            except UpstreamError:
                 pass
             except asyncio.TimeoutError:
                 return "HANGS"
@@ -69,7 +67,7 @@ async def reads(make: Callable[[], Any], answer: bytes) -> str:
         async with MalformedUpstream([answer]) as upstream:
             try:
                 status, _ = await asyncio.wait_for(exchange(client, upstream.base_url), HANG)
-            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            except (UpstreamError, asyncio.TimeoutError) as exc:
                 return f"FAILED ({type(exc).__name__})"
             return "read" if status == 200 and client.pooled() == 1 else "NOT KEPT"
     finally:
@@ -86,7 +84,7 @@ async def survives_a_closed_keepalive(make: Callable[[], Any], _: bytes) -> str:
             await exchange(client, upstream.base_url)
             try:
                 await asyncio.wait_for(exchange(client, upstream.base_url), HANG)
-            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            except (UpstreamError, asyncio.TimeoutError) as exc:
                 return f"FAILED ({type(exc).__name__})"
             return "read"
     finally:

@@ -56,11 +56,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
-
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.api import engine_headers
-from backend.port.upstream_http import UpstreamClient
+from backend.port.upstream_http import UpstreamClient, UpstreamError
 
 __all__ = [
     "DEFAULT_OUTPUT_TOKENS",
@@ -354,7 +352,7 @@ class HttpEngineTokenizer:
                 raw = await response.aread()
             finally:
                 await response.aclose()
-        except (httpx.HTTPError, OSError) as error:
+        except (UpstreamError, OSError) as error:
             raise CountFailed(f"{path}: {type(error).__name__}") from None
         if response.status_code in (404, 405, 501):
             raise CountFailed(f"{path}: HTTP {response.status_code}", missing=True)

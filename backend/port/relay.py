@@ -21,8 +21,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
-import httpx
-
 from backend.port import http_errors
 from backend.port import sse
 from backend.port.admission import Line, Ticket
@@ -31,7 +29,7 @@ from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
                             UpstreamFailed, UpstreamUnavailable)
-from backend.port.upstream_http import MalformedAnswer
+from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
     from backend.port.metrics import Metrics
@@ -362,8 +360,8 @@ class Exchange:
         engine unreachable, or gone while answering, or its load replaced meanwhile."""
         try:
             yield
-        except httpx.HTTPError as exc:
-            if connecting and isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        except UpstreamError as exc:
+            if connecting and isinstance(exc, ConnectFailed):
                 raise _NotReached() from None  # nothing was sent: safe on the next load
             error: RequestError
             if ticket.engine is not None and ticket.engine.retired:
@@ -422,7 +420,7 @@ class Exchange:
                 body += chunk
                 if len(body) > ERROR_BODY_LIMIT:
                     break
-        except httpx.HTTPError:
+        except UpstreamError:
             pass
         return body
 

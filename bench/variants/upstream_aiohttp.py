@@ -1,7 +1,7 @@
 """The upstream leg's client on aiohttp, with `backend.port.upstream_http.UpstreamClient`'s
 interface: `build_request`, `send(stream=True)`, a response with `status_code`,
-`headers.get`, `aiter_raw`, `aread`, `aclose`; errors are httpx's exception types, so
-`backend.port.relay` needs no change.
+`headers.get`, `aiter_raw`, `aread`, `aclose`; errors are that module's `UpstreamError`s,
+so `backend.port.relay` needs no change.
 
 It exists to measure aiohttp's client (its llhttp-based C parser) against the
 hand-written one: speed with `bench/relay.py --aiohttp`, strictness with
@@ -14,9 +14,9 @@ import asyncio
 from typing import AsyncIterator
 
 import aiohttp
-import httpx
 
-from backend.port.upstream_http import MalformedAnswer
+from backend.port.upstream_http import (ConnectFailed, ConnectionLost, ConnectTimeout,
+                                   MalformedAnswer, UnsupportedURL)
 
 __all__ = ["AiohttpUpstreamClient", "AiohttpUpstreamResponse"]
 
@@ -40,7 +40,7 @@ class AiohttpUpstreamResponse:
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self.status_code = response.status
-        self.headers = response.headers  # a case-insensitive multidict: `get` as httpx's
+        self.headers = response.headers  # a case-insensitive multidict: `get` as ours
         self._closed = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
@@ -52,7 +52,7 @@ class AiohttpUpstreamResponse:
                     return
                 yield data
         except aiohttp.ClientError as exc:
-            raise httpx.RemoteProtocolError(_say(exc)) from None
+            raise ConnectionLost(_say(exc)) from None
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_raw()])
@@ -95,15 +95,15 @@ class AiohttpUpstreamClient:
             response = await session.request(request.method, request.url,
                                              data=request.content, headers=request.headers)
         except aiohttp.InvalidURL as exc:
-            raise httpx.UnsupportedProtocol(_say(exc)) from None
+            raise UnsupportedURL(_say(exc)) from None
         except (aiohttp.ConnectionTimeoutError, asyncio.TimeoutError):
-            raise httpx.ConnectTimeout("Connecting to the upstream timed out.") from None
+            raise ConnectTimeout("Connecting to the upstream timed out.") from None
         except aiohttp.ClientConnectorError as exc:
-            raise httpx.ConnectError(f"Cannot connect to the upstream: {_say(exc)}") from None
+            raise ConnectFailed(f"Cannot connect to the upstream: {_say(exc)}") from None
         except aiohttp.ClientResponseError as exc:  # the parser refused the head
             raise MalformedAnswer(_say(exc)) from None
         except aiohttp.ClientError as exc:
-            raise httpx.RemoteProtocolError(_say(exc)) from None
+            raise ConnectionLost(_say(exc)) from None
         return AiohttpUpstreamResponse(response)
 
     def pooled(self) -> int:
