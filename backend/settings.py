@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from backend.api_keys import read_api_key_file
+from backend.api_keys import check_api_key, read_api_key_file
 from backend.errors import SettingsError
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 
@@ -83,6 +83,9 @@ class Settings:
     n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
     threads: int = 0
     extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key)  # from any source: file, environment, flag, window
 
     def effective_max_queue(self, slots: int) -> int:
         """Waiting places for a load with `slots` slots; 0 from the user means default."""

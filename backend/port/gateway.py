@@ -66,6 +66,8 @@ GATED_ROUTES: dict[str, StreamKind | None] = {
 }
 OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
 KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
+#: Answered without the key when one is set (for probes); see `backend.access_guard`.
+KEYLESS_ROUTES = ("/health",)
 #: Set in the scope when the client went away before an answer could be sent.
 _GONE = "gguf_studio.client_gone"
 
@@ -83,7 +85,8 @@ class Gateway:
 
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
-        self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES)
+        self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
+                                 keyless_paths=KEYLESS_ROUTES)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
