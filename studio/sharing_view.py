@@ -234,7 +234,8 @@ class SharingView(QWidget):
             f"0 = no limit. Default {default.max_connections}."))
         self.header_timeout = _limit_box(QDoubleSpinBox(), 86_400, "No limit", (
             "Seconds a client may take to send a request's head, and to send each next part "
-            f"of its body, before the port closes the connection (408). 0 = no limit. "
+            "of its body (the whole body: this plus a second per KiB), before the port closes "
+            f"the connection (408). 0 = no limit. "
             f"Default {default.header_timeout:g} s."), suffix=" s")
         self.client_stall = _limit_box(QDoubleSpinBox(), 86_400, "Never", (
             "Seconds a client may leave its answer unread before the port drops it and frees "

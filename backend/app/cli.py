@@ -470,7 +470,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="connections the port keeps open at once (512)")
     serve.add_argument("--header-timeout", type=float,
                        help="seconds a client may take to send a request head or the next "
-                       "part of its body (30)")
+                       "part of its body; the whole body gets this plus 1 s per KiB (30)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--llama-server", help="llama-server binary to use")

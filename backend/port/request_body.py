@@ -22,13 +22,18 @@ from typing import Any
 
 from backend.errors import BodyTooLarge, InvalidRequest, RequestTimeout
 
-__all__ = ["ClientGone", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
+__all__ = ["ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
            "read_body"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
 #: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less
 #: than the thread hand-off is worth; almost every chat turn is far smaller.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
+
+#: The least average rate of a request body, in bytes per second, once its first
+#: `header_timeout` seconds are spent (Apache's mod_reqtimeout asks 500): a phone on a
+#: poor link still sends far more, a client trickling a byte per part timeout far less.
+MIN_BODY_RATE = 1024
 
 #: Route -> the token-limit fields its clients use (the first is set when none is given).
 LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -58,7 +63,10 @@ class Parsed:
 async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int,
                     timeout: float = 0.0) -> bytes:
     """The whole request body; BodyTooLarge past `limit` bytes (at least 1), and
-    RequestTimeout when the next part takes longer than `timeout` seconds (0: never).
+    RequestTimeout when the next part takes longer than `timeout` seconds, or the whole
+    body longer than `timeout` plus a second per `MIN_BODY_RATE` bytes received (0:
+    never): a client sending a byte just before each part's timeout is not idle, but
+    it would hold its connection and its place in the in-flight budget for ever.
 
     The declared Content-Length is checked first, then the bytes actually received (a
     chunked upload has no Content-Length, and a lying one is no excuse).
@@ -74,9 +82,11 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
             break
     chunks: list[bytes] = []
     total = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     while True:
         try:
-            async with asyncio.timeout(timeout or None):
+            async with asyncio.timeout(min(timeout, deadline - loop.time()) if timeout else None):
                 message = await receive()
         except TimeoutError:
             raise RequestTimeout("The request body arrived too slowly.") from None
@@ -84,6 +94,7 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
             raise ClientGone()
         chunk = message.get("body", b"")
         if chunk:
+            deadline += len(chunk) / MIN_BODY_RATE
             total += len(chunk)
             if total > limit:
                 raise _too_large(limit)
