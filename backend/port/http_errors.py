@@ -10,7 +10,9 @@
 * `as_request_error` — anything else (a bug) becomes a generic 500 `internal_error`;
   the exception is logged, its text never reaches the client.
 * `upstream_error` — an error answer of llama-server, reduced to the four OpenAI keys
-  with anything that looks like an internal (paths, addresses, URLs) cut out.
+  with anything that looks like an internal (paths, addresses, URLs) cut out; its 500s
+  that are about the request (a type error of its JSON library, unreadable messages or
+  tools) become the 400s they are, without the library's text.
 
 Every refusal produced by the port is counted in `gguf_studio_rejections_total{reason}`
 here, exactly once: by the function that renders it.  Errors relayed from llama-server
@@ -209,6 +211,38 @@ _EXTRA_INTS = ("n_prompt_tokens", "n_ctx")
 _CONTEXT_FULL = "Context size has been exceeded"
 
 
+def _request_fault(message: str) -> UpstreamAnswer | None:
+    """A 500 of llama-server that is about the request, as the 400 it is; else None.
+
+    llama-server answers with 500 whatever exception reading a request raises: its JSON
+    library's errors (`[json.exception.type_error.302] type must be string, but is
+    number`), messages or tools it could not convert, media the model cannot take.  The
+    port checks the fields it knows first (backend.request_fields); this catches the rest.
+    The JSON library's text says nothing a client can act on and is left out."""
+    for prefix, param, text in _REQUEST_FAULTS:
+        if message.startswith(prefix):
+            return UpstreamAnswer(text or scrub(message), status=400,
+                                  type="invalid_request_error", code="invalid_request",
+                                  param=param)
+    return None
+
+
+#: (how the engine's message starts, the field it is about, the client's message: None
+#: keeps the engine's own).
+_REQUEST_FAULTS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("[json.exception.", None, "The model server could not read the request: a field has "
+                               "the wrong type or an unusable value."),
+    ("Failed to parse messages", "messages", "The model server could not read 'messages': "
+                                             "check each message's role, content and tool "
+                                             "calls."),
+    ("Failed to parse tools", "tools", "The model server could not read 'tools': each tool "
+                                       "must be a function with a name."),
+    ("image input is not supported", None, "This model does not take images."),
+    ("audio input is not supported", None, "This model does not take audio."),
+    ("video input is not supported", None, "This model does not take video."),
+)
+
+
 def scrub(text: str) -> str:
     """`text` without URLs, addresses, ports and file-system paths."""
     text = text[:_MAX_SCANNED]
@@ -239,6 +273,9 @@ def upstream_error(status: int, body: bytes) -> RequestError:
             return UpstreamFailed("The model server failed to answer the request.")
         return UpstreamAnswer("The model server refused the request.", status=status,
                               type="invalid_request_error", code="upstream_error")
+    fault = _request_fault(error["message"]) if status == 500 else None
+    if fault is not None:
+        return fault
     raw_type = error.get("type")
     default_type = "server_error" if status >= 500 else "invalid_request_error"
     type_ = raw_type if raw_type in _KNOWN_TYPES else default_type

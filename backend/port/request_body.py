@@ -1,8 +1,11 @@
 """Reading and checking the JSON body of a gated request, and the output-token cap.
 
-Only what the gateway itself depends on is checked (the body is a JSON object, the types
-of `model`, `stream`, `messages` and the token limits); everything else is llama-server's
-business and is forwarded untouched.  The body is re-encoded only when the cap changed it.
+The body must be standard JSON as llama-server reads it: UTF-8, no `NaN` or `Infinity`,
+no number beyond a double's range, no half of a surrogate pair (Python's reader takes all
+of these, llama-server's answers them with a 500).  The gateway checks what it depends on
+(a JSON object, `model`, `stream`, the token limits), and `backend.request_fields` the
+shapes of the fields the engine reads; everything else is forwarded untouched.  The body
+is re-encoded only when the cap changed it.
 
 A body of `PARSE_OFF_LOOP_BYTES` or more is parsed in a worker thread (`check_body`).
 The C JSON decoder never lets go of the GIL by itself, so a thread alone would not help:
@@ -17,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.errors import BodyTooLarge, InvalidRequest, RequestTimeout
+from backend.request_fields import check_fields
 
 __all__ = ["ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
            "read_body"]
@@ -44,7 +50,9 @@ LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
     "/v1/embeddings": (),
 }
 _ALL_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-_NEEDS_MESSAGES = {"/v1/chat/completions", "/v1/messages"}
+#: A `\\uD800`-`\\uDFFF` escape (only where one is found is the parsed body searched for a
+#: half of a surrogate pair, which Python's reader accepts and llama-server's refuses).
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ClientGone(Exception):
@@ -129,9 +137,18 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
     `yielding`: build objects in Python, so that another thread (the event loop) runs
     while this one parses."""
     try:
-        data = json.loads(raw, object_pairs_hook=_dict) if yielding else json.loads(raw)
+        text = raw.decode("utf-8")
+        data = json.loads(text, parse_constant=_not_a_number, parse_float=_finite,
+                          parse_int=_int_literal, object_pairs_hook=_dict if yielding else None)
+    except UnicodeDecodeError:
+        raise InvalidRequest("The request body is not UTF-8 text.") from None
+    except _NotStandard as error:
+        raise InvalidRequest(f"The request body is not valid JSON: {error}") from None
     except (ValueError, RecursionError):
         raise InvalidRequest("The request body is not valid JSON.") from None
+    if _LONE_SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise InvalidRequest("The request body is not valid JSON: a \\u escape names half "
+                             "of a UTF-16 surrogate pair.")
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.")
 
@@ -143,10 +160,6 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
         stream = False
     elif not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false.", param="stream")
-    if route in _NEEDS_MESSAGES:
-        messages = data.get("messages")
-        if not isinstance(messages, list):
-            raise InvalidRequest("'messages' must be a list of messages.", param="messages")
     for name in _ALL_LIMITS:
         value = data.get(name)
         if value is not None and not _positive_int(value):
@@ -154,6 +167,8 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
     n_predict = data.get("n_predict")
     if n_predict is not None and (not _int(n_predict) or n_predict < -1):
         raise InvalidRequest("'n_predict' must be a whole number, -1 or more.", param="n_predict")
+
+    check_fields(route, data)
 
     changed = _cap(data, LIMIT_FIELDS.get(route, ()), max_output_tokens) if max_output_tokens > 0 else False
     if route == "/v1/embeddings":
@@ -190,6 +205,51 @@ def _cap(data: dict[str, Any], fields: tuple[str, ...], cap: int) -> bool:
                 data[name] = cap
         changed = True
     return changed
+
+
+class _NotStandard(Exception):
+    """JSON that Python's reader takes and llama-server's (standard JSON) refuses."""
+
+
+def _not_a_number(name: str) -> Any:
+    raise _NotStandard(f"{name} is not a JSON number.")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise _NotStandard(f"the number {literal[:20]}… is too large.")
+    return value
+
+
+def _int_literal(literal: str) -> int:
+    if len(literal) > 300 and math.isinf(float(literal)):
+        raise _NotStandard(f"the number {literal[:20]}… is too large.")
+    return int(literal)
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string (or key) in `data` holds half of a surrogate pair (a whole pair
+    is decoded to one character, so any surrogate left is half of one)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            items: Any = (item,)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+            items = item.keys()
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for text in items:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def _dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
