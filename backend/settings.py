@@ -55,6 +55,13 @@ class Settings:
     # Bytes of request bodies that requests waiting in line may hold together (bodies are
     # read before admission); past it a request that would wait gets 429.  0 = no bound.
     max_waiting_body_bytes: int = 256 * 1024 * 1024
+    # Bytes of request bodies being read, parsed and counted at once, before they wait in
+    # line or run (their parsed form takes several times their bytes); past it a request
+    # gets 429.  0 = no bound.  A body alone always passes (max_body_bytes bounds it).
+    max_incoming_body_bytes: int = 64 * 1024 * 1024
+    # Prompt counts the port asks one engine for at once; past it a request that waits
+    # for its count gets 429.  0 means twice the engine's slots; see effective_max_prompt_counts.
+    max_prompt_counts: int = 0
     # Connections the port keeps open at once; past it, the oldest one that has not sent
     # a whole request makes room (as nginx drains idle keep-alive connections), else the
     # newcomer is closed.  Far below the usual file limit (1024 at the least).
@@ -93,6 +100,12 @@ class Settings:
         if self.max_queue > 0:
             return self.max_queue
         return max(64, 16 * max(slots, 1))
+
+    def effective_max_prompt_counts(self, slots: int) -> int:
+        """Prompt counts one engine of `slots` slots is asked for at once."""
+        if self.max_prompt_counts > 0:
+            return self.max_prompt_counts
+        return 2 * max(slots, 1)
 
     def effective_max_body_bytes(self) -> int:
         """The body limit; 0 from the user means the default."""

@@ -46,7 +46,7 @@ from backend.port.prompt_tokens import (
     request_need,
     uncounted_room,
 )
-from backend.port.request_body import ClientGone, Parsed, check_body, read_body
+from backend.port.request_body import BodyBudget, ClientGone, Parsed, check_body, read_body
 from backend.settings import Settings
 from backend.port.sse import StreamKind
 from backend.llama.load import Snapshot, State
@@ -96,6 +96,8 @@ class Gateway:
         self._counters: dict[str, tuple[AdmissionQueue, PromptCounter]] = {}
         #: The ASGI app that `backend.port.server` serves.
         self.app = _starlette_app(self)
+        #: Bodies being read, parsed and counted (before any queue bound holds them).
+        self.incoming = BodyBudget(lambda: ctx.settings.max_incoming_body_bytes)
 
     @property
     def metrics(self) -> Metrics:
@@ -142,11 +144,14 @@ class Gateway:
         settings = ctx.settings
         metrics = ctx.metrics
         headers = scope["headers"]
+        # Until the request waits in line or runs, its body (read, parsed, counted) is
+        # held against the port's budget of incoming bodies.
+        hold = self.incoming.hold()
         try:
             self.check_key(scope)
             try:
                 raw = await read_body(receive, headers, settings.effective_max_body_bytes(),
-                                      settings.header_timeout)
+                                      settings.header_timeout, hold)
             except ClientGone:
                 scope[_GONE] = True
                 return
@@ -163,8 +168,11 @@ class Gateway:
             # by a waiting request, only the body (bounded by max_waiting_body_bytes).
             parsed.data = {}
         except RequestError as error:
+            hold.release()  # before the answer: a client that got its 429 finds room
             await http_errors.send_http_error(send, error, metrics)
             return
+        finally:
+            hold.release()
 
         exchange = Exchange(self, queue, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                       parsed, snapshot.model_id, need,
@@ -215,7 +223,8 @@ class Gateway:
             cap=self.settings.max_output_tokens, default=self.settings.default_output_tokens)
 
     def counter_for(self, queue: AdmissionQueue) -> PromptCounter:
-        """One counter per load, asking that load's engine (it knows its template)."""
+        """One counter per load, asking that load's engine (it knows its template); its
+        cap of counts at once follows the settings live."""
         held = self._counters.get(queue.key)
         if held is None or held[0] is not queue:
             # No idle connection is kept to the engine for counting: llama-server waits
@@ -226,7 +235,9 @@ class Gateway:
             held = self._counters[queue.key] = (queue, counter)
             for key in [k for k, (q, _) in self._counters.items() if q.retired]:
                 del self._counters[key]
-        return held[1]
+        counter = held[1]
+        counter.max_counts = self.settings.effective_max_prompt_counts(queue.capacity)
+        return counter
 
     # --- open routes -----------------------------------------------------------------
 

@@ -23,12 +23,12 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from backend.errors import BodyTooLarge, InvalidRequest, RequestTimeout
+from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
 from backend.request_fields import check_fields
 
-__all__ = ["ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
+__all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
            "read_body"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
@@ -40,6 +40,10 @@ PARSE_OFF_LOOP_BYTES = 256 * 1024
 #: `header_timeout` seconds are spent (Apache's mod_reqtimeout asks 500): a phone on a
 #: poor link still sends far more, a client trickling a byte per part timeout far less.
 MIN_BODY_RATE = 1024
+
+#: Retry-After of a request refused while the budget of incoming bodies is full: bodies
+#: leave it as fast as they are read and checked.
+BUSY_RETRY_AFTER = 1.0
 
 #: Route -> the token-limit fields its clients use (the first is set when none is given).
 LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -68,8 +72,53 @@ class Parsed:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+class BodyBudget:
+    """The request-body bytes a port reads, parses and counts at once (before they wait
+    in line or run, where the queue's own bounds hold them).  Each request takes a
+    `BodyHold` that grows with its body and is released when it is admitted or refused;
+    past `limit` bytes (read live: 0 = no bound) a request gets 429, unless it is alone
+    (its own size is `max_body_bytes`' business)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self.limit = limit
+        #: Bytes held now.
+        self.used = 0
+
+    def hold(self) -> BodyHold:
+        return BodyHold(self)
+
+
+class BodyHold:
+    """One request's share of a `BodyBudget`; `release()` is safe to call twice."""
+
+    __slots__ = ("_budget", "size")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self.size = 0
+
+    def reserve(self, total: int) -> None:
+        """Hold `total` bytes (no change if it holds as many); BodiesInFlightFull if the
+        budget cannot take them."""
+        budget = self._budget
+        if total <= self.size:
+            return
+        others = budget.used - self.size
+        limit = budget.limit()
+        if limit > 0 and others > 0 and others + total > limit:
+            raise BodiesInFlightFull(
+                f"The server is reading and checking as many request bytes as it takes at "
+                f"once ({_size(limit)}). Try again shortly.", retry_after=BUSY_RETRY_AFTER)
+        budget.used = others + total
+        self.size = total
+
+    def release(self) -> None:
+        self._budget.used -= self.size
+        self.size = 0
+
+
 async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int,
-                    timeout: float = 0.0) -> bytes:
+                    timeout: float = 0.0, hold: BodyHold | None = None) -> bytes:
     """The whole request body; BodyTooLarge past `limit` bytes (at least 1), and
     RequestTimeout when the next part takes longer than `timeout` seconds, or the whole
     body longer than `timeout` plus a second per `MIN_BODY_RATE` bytes received (0:
@@ -77,7 +126,9 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
     it would hold its connection and its place in the in-flight budget for ever.
 
     The declared Content-Length is checked first, then the bytes actually received (a
-    chunked upload has no Content-Length, and a lying one is no excuse).
+    chunked upload has no Content-Length, and a lying one is no excuse).  `hold` takes
+    the declared length from its budget before any byte is read, and grows with the
+    bytes received past it.
     """
     for name, value in headers:
         if name == b"content-length":
@@ -87,6 +138,8 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
                 raise InvalidRequest("The Content-Length header is not a number.") from None
             if declared > limit:
                 raise _too_large(limit)
+            if hold is not None:
+                hold.reserve(declared)
             break
     chunks: list[bytes] = []
     total = 0
@@ -106,6 +159,8 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
             total += len(chunk)
             if total > limit:
                 raise _too_large(limit)
+            if hold is not None:
+                hold.reserve(total)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break

@@ -146,6 +146,24 @@ def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_lin
     assert args.client_stall_timeout == 0.0
 
 
+def test_the_bounds_of_work_before_admission_come_from_file_environment_and_command_line(tmp_path):
+    from backend.cli import _SERVE_SETTINGS, _parser
+    path = tmp_path / "settings.json"
+    defaults = Settings.load(path, environ={})
+    assert defaults.max_incoming_body_bytes == 64 * 1024 * 1024
+    assert defaults.effective_max_prompt_counts(4) == 8  # 0: twice the slots
+    Settings(max_incoming_body_bytes=1000, max_prompt_counts=3).save(path, environ={})
+    saved = Settings.load(path, environ={})
+    assert (saved.max_incoming_body_bytes, saved.effective_max_prompt_counts(4)) == (1000, 3)
+    env = Settings.load(path, environ={"GGUF_STUDIO_MAX_INCOMING_BODY_BYTES": "2000",
+                                       "GGUF_STUDIO_MAX_PROMPT_COUNTS": "5"})
+    assert (env.max_incoming_body_bytes, env.max_prompt_counts) == (2000, 5)
+    args = _parser().parse_args(["serve", "--max-incoming-body-bytes", "0",
+                                 "--max-prompt-counts", "7"])
+    flags = env.with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
+    assert (flags.max_incoming_body_bytes, flags.max_prompt_counts) == (0, 7)
+
+
 # --- the key is long enough ---------------------------------------------------------------
 
 
