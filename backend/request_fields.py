@@ -277,14 +277,19 @@ def _subprompt(item: Any, where: str) -> None:
             _check(value, f"{where}.multimodal_data[{i}]", STRING, required=True)
         return
     raise InvalidRequest(
-        f"'{where}' must be a string, a list of token ids and strings, or an object with "
-        "a 'prompt_string'.", param=where)
+        f"'{where}' must be a string, a list of token ids (0 to 2^31 - 1) and strings, or "
+        "an object with a 'prompt_string'.", param=where)
 
 
 def _tokens_or_texts(value: Any) -> bool:
-    """A non-empty list of token ids (whole numbers) and strings."""
+    """A non-empty list of token ids and strings."""
     return isinstance(value, list) and bool(value) and all(
-        isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)) for v in value)
+        isinstance(v, str) or _token_id(v) for v in value)
+
+
+def _token_id(value: Any) -> bool:
+    """A whole number that fits llama.cpp's token type (a 32-bit signed integer)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 def _check(value: Any, where: str, *kinds: Kind, required: bool = False) -> None:

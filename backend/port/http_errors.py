@@ -12,7 +12,8 @@
 * `upstream_error` — an error answer of llama-server, reduced to the four OpenAI keys
   with anything that looks like an internal (paths, addresses, URLs) cut out; its 500s
   that are about the request (a type error of its JSON library, unreadable messages or
-  tools) become the 400s they are, without the library's text.
+  tools) become the 400s they are, without the library's text, and its 501s (what the
+  load does not do, such as embeddings) 400s too.
 
 Every refusal produced by the port is counted in `gguf_studio_rejections_total{reason}`
 here, exactly once: by the function that renders it.  Errors relayed from llama-server
@@ -276,6 +277,10 @@ def upstream_error(status: int, body: bytes) -> RequestError:
     fault = _request_fault(error["message"]) if status == 500 else None
     if fault is not None:
         return fault
+    if status == 501:
+        # What this load does not do (embeddings without --embeddings, a feature its
+        # model lacks): asking for it is the request's problem, as OpenAI answers it.
+        status = 400
     raw_type = error.get("type")
     default_type = "server_error" if status >= 500 else "invalid_request_error"
     type_ = raw_type if raw_type in _KNOWN_TYPES else default_type
