@@ -187,6 +187,8 @@ def upstream_stream_error(events: bytes) -> RequestError | None:
     return None
 
 
+#: The JSON library's tag in llama-server's messages (`[json.exception.type_error.302] `).
+_JSON_EXCEPTION = re.compile(r"\[json\.exception\.[a-z_]+\.\d+\] ?")
 _URL = re.compile(r"(?<![\w+.-])[a-z][a-z0-9+.-]*+://\S+", re.IGNORECASE)
 _BRACKETED = re.compile(r"\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d{1,5})?", re.IGNORECASE)
 _HOST_PORT = re.compile(r"\b(?:\d{1,3}(?:\.\d{1,3}){3}|localhost)(?::\d{1,5})?\b", re.IGNORECASE)
@@ -295,7 +297,8 @@ def upstream_error(status: int, body: bytes) -> RequestError:
              if isinstance(error.get(key), int) and not isinstance(error.get(key), bool)}
     if not 400 <= status <= 599:
         status = 502
-    answer = UpstreamAnswer(scrub(error["message"]) or "The model server refused the request.",
+    message = _JSON_EXCEPTION.sub("", error["message"])  # "Field 'x': [json.exception...] ..."
+    answer = UpstreamAnswer(scrub(message) or "The model server refused the request.",
                             status=status, type=type_, code=scrub(code)[:100], param=param,
                             extra=extra)
     if status == 503:  # llama-server still loading, or busy: a retry will do

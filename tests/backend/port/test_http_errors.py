@@ -112,3 +112,11 @@ def test_other_engine_500s_stay_server_errors():
     body = b'{"error":{"code":500,"message":"failed to decode the batch","type":"server_error"}}'
     error = upstream_error(500, body)
     assert error.status == 500 and error.type == "server_error"
+
+
+def test_the_json_librarys_tag_is_cut_from_an_engine_400():
+    body = json.dumps({"error": {"code": 400, "type": "invalid_request_error", "message":
+                                 "Field 'temperature': [json.exception.type_error.302] type "
+                                 "must be number, but is array"}})
+    error = upstream_error(400, body.encode())
+    assert str(error) == "Field 'temperature': type must be number, but is array"
