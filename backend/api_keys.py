@@ -17,7 +17,7 @@ log = logging.getLogger("gguf_studio.settings")
 # A recognisable prefix lets people (and secret scanners) tell the key apart from others.
 KEY_PREFIX = "gs-"
 #: The shortest key the port accepts.  A short key falls to online guessing however the
-#: port throttles wrong keys (backend.access_guard answers every guess a client sends);
+#: port throttles wrong keys (backend.port.access_guard answers every guess a client sends);
 #: 16 characters of a random key are about 95 bits.
 MIN_API_KEY_LENGTH = 16
 

@@ -69,7 +69,7 @@ class Settings:
     # Seconds a client may take to send a request's head, and to send the next part of
     # its body (nginx's client_header_timeout / client_body_timeout, 60 s there: a real
     # client sends its head in one packet, so half of it is plenty); the whole body gets
-    # this plus a second per KiB (backend.request_body.MIN_BODY_RATE).
+    # this plus a second per KiB (backend.port.request_body.MIN_BODY_RATE).
     header_timeout: float = 30.0
     # Seconds a client may leave its answer unread (nothing of it accepted) before the
     # port drops it and frees its slot; 0 = never.  Twice nginx's `send_timeout` (60 s):

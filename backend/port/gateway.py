@@ -66,7 +66,7 @@ GATED_ROUTES: dict[str, StreamKind | None] = {
 }
 OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
 KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
-#: Answered without the key when one is set (for probes); see `backend.access_guard`.
+#: Answered without the key when one is set (for probes); see `backend.port.access_guard`.
 KEYLESS_ROUTES = ("/health",)
 #: Set in the scope when the client went away before an answer could be sent.
 _GONE = "gguf_studio.client_gone"

@@ -220,7 +220,7 @@ def _request_fault(message: str) -> UpstreamAnswer | None:
     llama-server answers with 500 whatever exception reading a request raises: its JSON
     library's errors (`[json.exception.type_error.302] type must be string, but is
     number`), messages or tools it could not convert, media the model cannot take.  The
-    port checks the fields it knows first (backend.request_fields); this catches the rest.
+    port checks the fields it knows first (backend.port.request_fields); this catches the rest.
     The JSON library's text says nothing a client can act on and is left out."""
     for prefix, param, text in _REQUEST_FAULTS:
         if message.startswith(prefix):

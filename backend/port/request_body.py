@@ -3,7 +3,7 @@
 The body must be standard JSON as llama-server reads it: UTF-8, no `NaN` or `Infinity`,
 no number beyond a double's range, no half of a surrogate pair (Python's reader takes all
 of these, llama-server's answers them with a 500).  The gateway checks what it depends on
-(a JSON object, `model`, `stream`, the token limits), and `backend.request_fields` the
+(a JSON object, `model`, `stream`, the token limits), and `backend.port.request_fields` the
 shapes of the fields the engine reads; everything else is forwarded untouched.  The body
 is re-encoded only when the cap changed it.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
-from backend.request_fields import check_fields
+from backend.port.request_fields import check_fields
 
 __all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
            "read_body"]

@@ -147,7 +147,7 @@ def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_lin
 
 
 def test_the_bounds_of_work_before_admission_come_from_file_environment_and_command_line(tmp_path):
-    from backend.cli import _SERVE_SETTINGS, _parser
+    from backend.app.cli import _SERVE_SETTINGS, _parser
     path = tmp_path / "settings.json"
     defaults = Settings.load(path, environ={})
     assert defaults.max_incoming_body_bytes == 64 * 1024 * 1024

@@ -247,8 +247,8 @@ def real_port(llama_server_binary, tiny_model, tmp_path_factory) -> Iterator[tup
     """The product's port in front of the tiny model under a supervised llama-server (the
     product's flags, its template, its key), on a loop of its own.  Answers are capped
     at a few tokens: the engine's reading of requests is the point, not its writing."""
-    from backend.load import LoadSettings
-    from backend.service import StudioService
+    from backend.llama.load import LoadSettings
+    from backend.app.service import StudioService
     from backend.settings import Settings
 
     thread = BackendThread("fuzzed-real-port")

@@ -10,7 +10,7 @@ against the shapes the OpenAI and Anthropic APIs give them, and answers 400
 not know are left to the engine; values of the right type are never judged (an unknown
 role, an empty prompt: the engine says what it makes of them).
 
-`check_fields(route, data)` runs on the parsed body (`backend.request_body.parse_body`).
+`check_fields(route, data)` runs on the parsed body (`backend.port.request_body.parse_body`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from tests.backend.gateway_harness import (CHAT, Gateway, assert_clean_error, ch
                                            until)
 from tests.fake_upstream import FakeUpstream
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MiB = 1024 * 1024
 SLOTS = 4
 
@@ -63,7 +63,7 @@ async def serve(slow_counter: FakeUpstream, tmp_path: Path) -> AsyncIterator[tup
                XDG_STATE_HOME=str(tmp_path / "state"), XDG_CACHE_HOME=str(tmp_path / "cache"))
     env = {k: v for k, v in env.items() if not k.startswith("GGUF_STUDIO_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "backend.cli", "serve", "--upstream", slow_counter.base_url,
+        sys.executable, "-m", "backend.app.cli", "serve", "--upstream", slow_counter.base_url,
         "--port", "0", "--max-incoming-body-bytes", os.environ.get("PG_BUDGET", str(4 * MiB)), "--max-prompt-counts", "100",
         "--max-body-bytes", str(8 * MiB), cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -73,7 +73,7 @@ async def serve(slow_counter: FakeUpstream, tmp_path: Path) -> AsyncIterator[tup
         ready = False
         while not (url and ready):
             line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            assert line, "serve exited"
+            assert line, (await proc.stderr.read()).decode()  # serve exited
             if line.strip().startswith("http://"):
                 url = line.strip().removesuffix("/v1")
             ready = ready or line.startswith("[ready]")
