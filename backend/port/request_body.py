@@ -126,9 +126,9 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
     it would hold its connection and its place in the in-flight budget for ever.
 
     The declared Content-Length is checked first, then the bytes actually received (a
-    chunked upload has no Content-Length, and a lying one is no excuse).  `hold` takes
-    the declared length from its budget before any byte is read, and grows with the
-    bytes received past it.
+    chunked upload has no Content-Length, and a lying one is no excuse).  `hold` grows
+    with the bytes received, not with the length declared: declaring costs a client
+    nothing, so it must not take the budget from others.
     """
     for name, value in headers:
         if name == b"content-length":
@@ -138,8 +138,6 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
                 raise InvalidRequest("The Content-Length header is not a number.") from None
             if declared > limit:
                 raise _too_large(limit)
-            if hold is not None:
-                hold.reserve(declared)
             break
     chunks: list[bytes] = []
     total = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -121,6 +122,27 @@ async def test_forty_counted_requests_keep_the_ports_memory_within_the_budget(sl
     # allocator keeps what reading and parsing it took: measured here +17 MiB for the
     # three held (4.2x the budget), where the 40 unbounded took +200 MiB.
     assert growth < 6 * 4 * MiB
+
+
+async def test_a_declared_length_alone_takes_nothing_from_the_budget(slow_counter, gw_counting):
+    """Declaring 8 MiB and sending nothing costs a client nothing: it must not shut
+    others out of a 4 MiB budget (only bytes received are held)."""
+    gw = gw_counting
+    gw.configure(max_incoming_body_bytes=4 * MiB, max_body_bytes=8 * MiB)
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+        await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                      b"Content-Type: application/json\r\n"
+                                      b"Content-Length: %d\r\n\r\n{" % (8 * MiB))
+        await until(lambda: gw.server.served.incoming.used == 1)
+        counted = len(slow_counter.counted)
+        response = await gw.client.post(CHAT, content=with_image(2 * MiB),
+                                        headers={"content-type": "application/json"})
+        assert response.status_code != 429, response.text
+        assert len(slow_counter.counted) == counted + 1  # read, parsed and counted
+    await until(lambda: gw.server.served.incoming.used == 0)
 
 
 # --- the counts asked of the engine at once ------------------------------------------------
