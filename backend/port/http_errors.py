@@ -219,9 +219,11 @@ def _request_fault(message: str) -> UpstreamAnswer | None:
 
     llama-server answers with 500 whatever exception reading a request raises: its JSON
     library's errors (`[json.exception.type_error.302] type must be string, but is
-    number`), messages or tools it could not convert, media the model cannot take.  The
-    port checks the fields it knows first (backend.port.request_fields); this catches the rest.
-    The JSON library's text says nothing a client can act on and is left out."""
+    number`), messages or tools it could not convert, media the model cannot take, values
+    it does not know (`Unknown reasoning format: x`).  The port checks the fields it knows
+    first (backend.port.request_fields); this catches the rest, by the way llama-server's
+    messages for them begin.  The JSON library's text says nothing a client can act on
+    and is left out; the others are kept (scrubbed)."""
     for prefix, param, text in _REQUEST_FAULTS:
         if message.startswith(prefix):
             return UpstreamAnswer(text or scrub(message), status=400,
@@ -243,6 +245,19 @@ _REQUEST_FAULTS: tuple[tuple[str, str | None, str | None], ...] = (
     ("image input is not supported", None, "This model does not take images."),
     ("audio input is not supported", None, "This model does not take audio."),
     ("video input is not supported", None, "This model does not take video."),
+    ("Multimodal data provided", None, "This model does not take images or audio."),
+    ("for mtmd, input prompt must be a string", "prompt", None),
+    ("Failed to load image or audio file", None, None),
+    ("Failed to download image", None, None),
+    ("Invalid base64 value", None, None),
+    ("Unknown reasoning format", "reasoning_format", None),
+    ('"prompt"', "prompt", None),
+    ("'messages' is required", "messages", None),
+    ("Only no echo is supported", "echo", None),
+    ("Unsupported param: ", None, None),
+    ("Cannot use both json_schema and grammar", None, None),
+    ("tools param requires --jinja", "tools", None),
+    ("tool_choice param requires --jinja", "tool_choice", None),
 )
 
 

@@ -94,6 +94,8 @@ def test_content_that_mentions_errors_is_not_an_error_event():
     ("Failed to parse tools: Missing tool function: {}; tools = []", "tools", "'tools'"),
     ("image input is not supported - hint: if this is unexpected, you may need to provide "
      "the mmproj", None, "does not take images"),
+    ("Unknown reasoning format: ", "reasoning_format", "Unknown reasoning format"),
+    ('"prompt" must not be empty', "prompt", '"prompt" must not be empty'),
 ])
 def test_an_engine_500_about_the_request_is_a_400_without_the_parsers_text(message, param, says):
     body = json.dumps({"error": {"code": 500, "message": message, "type": "server_error"}})
@@ -102,6 +104,7 @@ def test_an_engine_500_about_the_request_is_a_400_without_the_parsers_text(messa
         400, "invalid_request_error", "invalid_request", param)
     assert says in str(error)
     assert "json.exception" not in str(error) and "Missing" not in str(error)
+    assert "hint" not in str(error)
     # the same inside a stream
     streamed = upstream_stream_error(b"data: " + json.dumps({"error": {
         "code": 500, "message": message, "type": "server_error"}}).encode() + b"\n\n")
