@@ -232,14 +232,19 @@ class _Failures:
 
 
 def _presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-    """The non-empty keys a request presents (`Authorization: Bearer`, `x-api-key`)."""
+    """The non-empty keys a request presents: the first `Authorization` header's bearer
+    and the first `x-api-key` (one of each: repeating the headers must not turn one
+    request into many guesses)."""
     keys = []
+    seen: set[bytes] = set()
     for name, value in headers:
+        if name in seen or name not in (b"authorization", b"x-api-key"):
+            continue
+        seen.add(name)
         if name == b"authorization":
             scheme, _, rest = value.partition(b" ")
-            if scheme.lower() == b"bearer" and rest.strip():
-                keys.append(rest.strip())
-        elif name == b"x-api-key" and value.strip():
+            value = rest if scheme.lower() == b"bearer" else b""
+        if value.strip():
             keys.append(value.strip())
     return keys
 

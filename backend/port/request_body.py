@@ -28,8 +28,8 @@ from typing import Any, Callable
 from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
 from backend.port.request_fields import check_fields
 
-__all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
-           "read_body"]
+__all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES",
+           "Parsed", "check_body", "parse_body", "read_body"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
 #: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less

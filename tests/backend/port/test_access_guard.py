@@ -212,6 +212,15 @@ async def test_a_wrong_key_flood_is_throttled_and_the_right_key_still_passes(gw,
     assert int(still.headers["retry-after"]) >= 1
 
 
+async def test_one_request_is_at_most_two_guesses_however_many_key_headers_it_repeats(gw):
+    gw.configure(api_key=KEY)
+    guesses = [("x-api-key", f"guess-{i:02d}-guess-guess") for i in range(50)] + [("x-api-key", KEY)]
+    response = await gw.client.get("/v1/models", headers=guesses)
+    assert_clean_error(response, 401, "invalid_api_key", gw)  # the last one is not read
+    first = await gw.client.get("/v1/models", headers=[("x-api-key", KEY)] + guesses)
+    assert first.status_code == 200
+
+
 async def test_a_keyless_flood_locks_nobody_out(gw, fake):
     """What a web page's <img> tags (or a client not set up yet) send: no key at all.
     It is told the key is missing, every time, and never counts toward a lockout."""
