@@ -9,17 +9,31 @@ from pathlib import Path
 
 from backend.errors import SettingsError
 
-__all__ = ["KEY_PREFIX", "generate_api_key", "mask_api_key", "read_api_key_file"]
+__all__ = ["KEY_PREFIX", "MIN_API_KEY_LENGTH", "check_api_key", "generate_api_key",
+           "mask_api_key", "read_api_key_file"]
 
 log = logging.getLogger("gguf_studio.settings")
 
 # A recognisable prefix lets people (and secret scanners) tell the key apart from others.
 KEY_PREFIX = "gs-"
+#: The shortest key the port accepts.  A short key falls to online guessing however the
+#: port throttles wrong keys (backend.port.access_guard answers every guess a client sends);
+#: 16 characters of a random key are about 95 bits.
+MIN_API_KEY_LENGTH = 16
 
 
 def generate_api_key() -> str:
     """A new random key: 256 bits, URL- and shell-safe."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def check_api_key(key: str) -> None:
+    """SettingsError for a key the port refuses to run with (no key at all is fine here:
+    whether the port may run without one is `check_bind_allowed`'s business)."""
+    if key and len(key) < MIN_API_KEY_LENGTH:
+        raise SettingsError(
+            f"The API key is too short ({len(key)} characters): use at least "
+            f"{MIN_API_KEY_LENGTH} characters, or a key the window makes (Generate key).")
 
 
 def mask_api_key(key: str, visible: int = 4) -> str:

@@ -209,6 +209,18 @@ class QueueFull(RequestError):
     status, type, code = 429, "server_error", "server_is_overloaded"
 
 
+class BodiesInFlightFull(RequestError):
+    """The request bodies being read, parsed and counted fill the port's budget."""
+
+    status, type, code = 429, "server_error", "bodies_in_flight_full"
+
+
+class CountingFull(RequestError):
+    """The engine counts as many prompts at once as the port lets it."""
+
+    status, type, code = 429, "server_error", "prompt_counts_full"
+
+
 class ModelNotReady(RequestError):
     status, type, code = 503, "server_error", "model_not_ready"
 

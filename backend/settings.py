@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from backend.api_keys import read_api_key_file
+from backend.api_keys import check_api_key, read_api_key_file
 from backend.errors import SettingsError
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 
@@ -55,13 +55,21 @@ class Settings:
     # Bytes of request bodies that requests waiting in line may hold together (bodies are
     # read before admission); past it a request that would wait gets 429.  0 = no bound.
     max_waiting_body_bytes: int = 256 * 1024 * 1024
+    # Bytes of request bodies being read, parsed and counted at once, before they wait in
+    # line or run (their parsed form takes several times their bytes); past it a request
+    # gets 429.  0 = no bound.  A body alone always passes (max_body_bytes bounds it).
+    max_incoming_body_bytes: int = 64 * 1024 * 1024
+    # Prompt counts the port asks one engine for at once; past it a request that waits
+    # for its count gets 429.  0 means twice the engine's slots; see effective_max_prompt_counts.
+    max_prompt_counts: int = 0
     # Connections the port keeps open at once; past it, the oldest one that has not sent
     # a whole request makes room (as nginx drains idle keep-alive connections), else the
     # newcomer is closed.  Far below the usual file limit (1024 at the least).
     max_connections: int = 512
     # Seconds a client may take to send a request's head, and to send the next part of
     # its body (nginx's client_header_timeout / client_body_timeout, 60 s there: a real
-    # client sends its head in one packet, so half of it is plenty).
+    # client sends its head in one packet, so half of it is plenty); the whole body gets
+    # this plus a second per KiB (backend.port.request_body.MIN_BODY_RATE).
     header_timeout: float = 30.0
     # Seconds a client may leave its answer unread (nothing of it accepted) before the
     # port drops it and frees its slot; 0 = never.  Twice nginx's `send_timeout` (60 s):
@@ -84,11 +92,20 @@ class Settings:
     threads: int = 0
     extra_args: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key)  # from any source: file, environment, flag, window
+
     def effective_max_queue(self, slots: int) -> int:
         """Waiting places for a load with `slots` slots; 0 from the user means default."""
         if self.max_queue > 0:
             return self.max_queue
         return max(64, 16 * max(slots, 1))
+
+    def effective_max_prompt_counts(self, slots: int) -> int:
+        """Prompt counts one engine of `slots` slots is asked for at once."""
+        if self.max_prompt_counts > 0:
+            return self.max_prompt_counts
+        return 2 * max(slots, 1)
 
     def effective_max_body_bytes(self) -> int:
         """The body limit; 0 from the user means the default."""

@@ -21,6 +21,8 @@ REPAINT_INTERVAL_MS = 100  # at most ten repaints a second, however fast samples
 
 REASONS = {
     "server_is_overloaded": "queue full",
+    "bodies_in_flight_full": "too many bodies at once",
+    "prompt_counts_full": "too many counts at once",
     "queue_timeout": "waited too long",
     "model_not_ready": "model not ready",
     "invalid_api_key": "wrong or missing key",

@@ -218,6 +218,8 @@ class SharingView(QWidget):
         self.client_stall.setValue(settings.client_stall_timeout)
         self.max_body.setValue(round(settings.max_body_bytes / MiB))
         self.waiting_bodies.setValue(round(settings.max_waiting_body_bytes / MiB))
+        self.incoming_bodies.setValue(round(settings.max_incoming_body_bytes / MiB))
+        self.prompt_counts.setValue(settings.max_prompt_counts)
         for line, names in ((self.allow_origins, settings.allow_origins),
                             (self.allow_hosts, settings.allow_hosts)):
             line.setText(", ".join(parse_names(" ".join(names))))
@@ -234,7 +236,8 @@ class SharingView(QWidget):
             f"0 = no limit. Default {default.max_connections}."))
         self.header_timeout = _limit_box(QDoubleSpinBox(), 86_400, "No limit", (
             "Seconds a client may take to send a request's head, and to send each next part "
-            f"of its body, before the port closes the connection (408). 0 = no limit. "
+            "of its body (the whole body: this plus a second per KiB), before the port closes "
+            f"the connection (408). 0 = no limit. "
             f"Default {default.header_timeout:g} s."), suffix=" s")
         self.client_stall = _limit_box(QDoubleSpinBox(), 86_400, "Never", (
             "Seconds a client may leave its answer unread before the port drops it and frees "
@@ -244,6 +247,15 @@ class SharingView(QWidget):
             "Request bodies that requests waiting in line may hold in memory together; past "
             "it a request that would have to wait is refused (429). 0 = no bound. "
             f"Default {default.max_waiting_body_bytes // MiB} MiB."), suffix=" MiB")
+        self.incoming_bodies = _limit_box(QSpinBox(), 1_048_576, "No bound", (
+            "Request bodies the port reads, checks and has counted at once, before they wait "
+            "in line or run (each takes several times its size in memory meanwhile); past it "
+            "a request is refused (429). 0 = no bound. "
+            f"Default {default.max_incoming_body_bytes // MiB} MiB."), suffix=" MiB")
+        self.prompt_counts = _limit_box(QSpinBox(), 100_000, "Auto (2 per slot)", (
+            "Prompts the model's server is asked to count at once (the port counts long "
+            "prompts before admitting them); past it a request is refused (429). "
+            "0 = twice the slots."))
         self.max_body = _limit_box(
             QSpinBox(), 1_048_576, f"Default ({default.max_body_bytes // MiB} MiB)", (
                 "The largest request body the port takes (413 past it). 0 = the default, "
@@ -266,6 +278,8 @@ class SharingView(QWidget):
                            ("Unread answer &timeout:", self.client_stall),
                            ("Largest b&ody:", self.max_body),
                            ("Waiting &bodies:", self.waiting_bodies),
+                           ("&Incoming bodies:", self.incoming_bodies),
+                           ("Prompt co&unts at once:", self.prompt_counts),
                            ("Allowed &origins:", self.allow_origins),
                            ("Allowed &host names:", self.allow_hosts)):
             box.editingFinished.connect(self._on_advanced_limits)
@@ -356,6 +370,9 @@ class SharingView(QWidget):
             "client_stall_timeout": float(self.client_stall.value()),
             "max_body_bytes": in_bytes(self.max_body, settings.max_body_bytes),
             "max_waiting_body_bytes": in_bytes(self.waiting_bodies, settings.max_waiting_body_bytes),
+            "max_incoming_body_bytes": in_bytes(self.incoming_bodies,
+                                                settings.max_incoming_body_bytes),
+            "max_prompt_counts": self.prompt_counts.value(),
             "allow_origins": parse_names(self.allow_origins.text()),
             "allow_hosts": parse_names(self.allow_hosts.text())})
 

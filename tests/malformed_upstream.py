@@ -5,8 +5,8 @@ behind uvicorn, whose HTTP writer is correct) can send a malformed HTTP answer: 
 sizes, a chunk without its CRLF, odd `Transfer-Encoding`s, conflicting `Content-Length`s,
 hundreds of 1xx heads, broken status lines.  Each request (head and `Content-Length`
 body read in full) gets the next answer of `answers`, or `fallback` once they run out;
-the connection stays open afterwards, so that a client which wrongly reuses it is seen
-in `requests` (the connection number of every request).
+the connection stays open afterwards (unless the answer is a `Cut`), so that a client
+which wrongly reuses it is seen in `requests` (the connection number of every request).
 """
 
 from __future__ import annotations
@@ -15,11 +15,18 @@ import asyncio
 from typing import Any
 
 __all__ = ["CLOSE", "DATA16", "GOOD_EVENTS", "GOOD_STREAM", "INTERIM", "MALFORMED", "WELL_FORMED",
-           "MalformedUpstream", "chunked", "good_json", "sized"]
+           "Cut", "MalformedUpstream", "chunked", "good_json", "sized"]
 
 #: An answer that is no answer: the connection is closed as the request arrives (a server
 #: closing an idle keep-alive connection just as the client reuses it).
 CLOSE = b""
+
+
+class Cut(bytes):
+    """An answer after which the connection is closed (a killed engine: the bytes it
+    wrote arrive, then the end of the connection)."""
+
+
 GOOD_EVENTS = (b'data: {"choices":[{"delta":{"content":"ok"}}]}\n\n', b"data: [DONE]\n\n")
 GOOD_STREAM = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n"
@@ -145,6 +152,8 @@ class MalformedUpstream:
                     break
                 writer.write(answer)
                 await writer.drain()
+                if isinstance(answer, Cut):
+                    break
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         finally:

@@ -143,6 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
 _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "allow_hosts",
                    "max_queue", "queue_timeout", "keepalive_interval", "max_output_tokens",
                    "default_output_tokens", "max_body_bytes", "max_waiting_body_bytes",
+                   "max_incoming_body_bytes", "max_prompt_counts",
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
@@ -472,6 +473,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-body-bytes", type=int,
                        help="bytes of bodies requests waiting in line may hold together, "
                        "0 = no bound (256 MiB)")
+    serve.add_argument("--max-incoming-body-bytes", type=int,
+                       help="bytes of bodies being read, parsed and counted at once, before "
+                       f"they queue, 0 = no bound (64 MiB; {env('max_incoming_body_bytes')})")
+    serve.add_argument("--max-prompt-counts", type=int,
+                       help="prompt counts asked of the engine at once, 0 = twice its slots "
+                       f"({env('max_prompt_counts')})")
     serve.add_argument("--client-stall-timeout", type=float,
                        help="seconds a client may leave its answer unread before it is "
                        f"dropped and its slot freed, 0 = never (120; {env('client_stall_timeout')})")
@@ -479,7 +486,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="connections the port keeps open at once (512)")
     serve.add_argument("--header-timeout", type=float,
                        help="seconds a client may take to send a request head or the next "
-                       "part of its body (30)")
+                       "part of its body; the whole body gets this plus 1 s per KiB (30)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--llama-server", help="llama-server binary to use")

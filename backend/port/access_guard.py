@@ -7,21 +7,33 @@ Every HTTP request passes `AccessGuard.screen` before it is routed:
   and the origins the user allowed (`--allow-origin`, like Ollama's `OLLAMA_ORIGINS`;
   `*` and `fnmatch` patterns such as `https://*.example.com`) get CORS headers and
   answered preflights; any other origin is refused with 403 `origin_not_allowed`.
-* **Host** (only without a key).  A name that is not this machine's (`localhost`, its
-  host name, its addresses) nor one the user allowed (`--allow-host`) is refused with
-  403 `host_not_allowed`: that is what a DNS-rebinding page sends.
+* **Host** (without a key; with one, on the paths open without it: `/health`).  A name
+  that is not this machine's (`localhost`, its host name, its addresses) nor one the
+  user allowed (`--allow-host`) is refused with 403 `host_not_allowed`: that is what a
+  DNS-rebinding page sends, and such a page must not read the model's and devices'
+  names from `/health` either.
 * **Content type** (only without a key).  A POST to a model route whose body is not declared JSON is
   refused with 415 `unsupported_content_type`: `text/plain`, forms and untyped bodies
   are what a page may send without a preflight.
 
 With a key, the key is the guard (a page cannot add `Authorization` without a preflight,
-which a foreign origin fails), so Host and content type are left to the client.
+which a foreign origin fails, nor knows the key after rebinding), so Host and content
+type are left to the client on the routes that need it.
 
-`check_key` compares the key in constant time and throttles repeated failures per client
-address: after `FREE_FAILURES` wrong or missing keys in a row, that address gets 429
-`too_many_failed_keys` with `Retry-After` (1 s, doubling up to `MAX_LOCKOUT`) without its
-key being checked, until the lockout ends; a right key clears its record, and failures
-are forgotten after `FORGET_FAILURES_AFTER` seconds without another.
+`check_key` compares the key in constant time and throttles repeated wrong keys per
+client address: after `FREE_FAILURES` wrong keys in a row, a wrong key from that address
+gets 429 `too_many_failed_keys` with `Retry-After` instead of 401 until the lockout ends
+(1 s, doubled by each wrong key after a lockout, up to `MAX_LOCKOUT`); failures are
+forgotten after `FORGET_FAILURES_AFTER` seconds without another.
+
+Only a key that was *presented* and is wrong counts: a request without a key (what any
+web page's `<img>` sends, or a client not set up yet) is a plain 401 and locks no one
+out.  The right key always passes, during a lockout too, so a lockout slows the guesser
+and never the rightful user behind the same address (one NAT, one machine).  For the
+same reason the right key does not clear the address's record: a guesser sharing the
+address with a working client stays throttled.  A guesser that ignores `Retry-After`
+still has every guess answered, so the key itself is the real defence: at least
+`MIN_API_KEY_LENGTH` characters (backend.api_keys), 256 random bits when generated.
 """
 
 from __future__ import annotations
@@ -90,10 +102,12 @@ class AccessGuard:
     """The checks of one port; `settings` is read per request (it may change live)."""
 
     def __init__(self, settings: Callable[[], Settings], *, json_paths: Iterable[str] = (),
+                 keyless_paths: Iterable[str] = (),
                  clock: Callable[[], float] = time.monotonic,
                  own_addresses: Callable[[], set[str]] | None = None) -> None:
         self._settings = settings
         self._json_paths = frozenset(json_paths)
+        self._keyless_paths = frozenset(keyless_paths)
         self.clock = clock
         self.free_failures = FREE_FAILURES
         self._own_addresses = own_addresses or _machine_addresses
@@ -123,13 +137,15 @@ class AccessGuard:
                 screening.preflight = True
                 screening.requested_headers = headers.get(b"access-control-request-headers", b"")
                 return screening
-        if settings.api_key:
+        if settings.api_key and scope["path"] not in self._keyless_paths:
             return screening
         host = headers.get(b"host")
         if host is not None and not self.host_allowed(host.decode("latin-1"), settings):
             raise ForbiddenHost(
                 "This server does not answer to that host name. Use its address, or start it "
                 "with --allow-host NAME (or GGUF_STUDIO_ALLOW_HOSTS) to allow the name.")
+        if settings.api_key:
+            return screening
         if (scope["method"] == "POST" and scope["path"] in self._json_paths
                 and not _is_json(headers.get(b"content-type"))):
             raise UnsupportedContentType(
@@ -166,8 +182,8 @@ class AccessGuard:
     # --- the key ------------------------------------------------------------------------
 
     def check_key(self, scope: MutableMapping[str, Any]) -> None:
-        """Raise unless the request carries the key (when one is set); throttled per
-        client address after repeated failures."""
+        """Raise unless the request carries the key (when one is set); wrong keys from
+        one client address are throttled after repeated failures, missing ones never."""
         key = self._settings().api_key
         if not key:
             return
@@ -177,17 +193,18 @@ class AccessGuard:
         if record is not None and now - record.last_failure > FORGET_FAILURES_AFTER:
             del self._failures[client]
             record = None
+        presented = _presented_keys(scope["headers"])
+        if not presented:
+            raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer KEY' "
+                               "or as 'x-api-key: KEY'.")
+        if _matches(presented, key.encode()):
+            return
         if record is not None and record.locked_until > now:
             raise TooManyKeyFailures(
-                "Too many requests with a wrong or missing API key from this address. "
-                "Wait, then send the right key.", retry_after=record.locked_until - now)
-        try:
-            _compare_key(scope["headers"], key.encode())
-        except Unauthorized:
-            self._note_failure(client, now)
-            raise
-        if record is not None:
-            del self._failures[client]
+                "Too many requests with a wrong API key from this address. Wait, then "
+                "send the right key.", retry_after=record.locked_until - now)
+        self._note_failure(client, now)
+        raise Unauthorized("Incorrect API key.")
 
     def _note_failure(self, client: str, now: float) -> None:
         record = self._failures.pop(client, None) or _Failures()
@@ -214,24 +231,30 @@ class _Failures:
     locked_until: float = float("-inf")
 
 
-def _compare_key(headers: list[tuple[bytes, bytes]], expected: bytes) -> None:
-    bearer = supplied = None
+def _presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """The non-empty keys a request presents: the first `Authorization` header's bearer
+    and the first `x-api-key` (one of each: repeating the headers must not turn one
+    request into many guesses)."""
+    keys = []
+    seen: set[bytes] = set()
     for name, value in headers:
+        if name in seen or name not in (b"authorization", b"x-api-key"):
+            continue
+        seen.add(name)
         if name == b"authorization":
             scheme, _, rest = value.partition(b" ")
-            if scheme.lower() == b"bearer":
-                bearer = rest.strip()
-        elif name == b"x-api-key":
-            supplied = value.strip()
-    if bearer is None and supplied is None:
-        raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer KEY' "
-                           "or as 'x-api-key: KEY'.")
+            value = rest if scheme.lower() == b"bearer" else b""
+        if value.strip():
+            keys.append(value.strip())
+    return keys
+
+
+def _matches(presented: list[bytes], expected: bytes) -> bool:
+    """Whether any presented key is the key, each compared in constant time."""
     matched = False
-    for given in (bearer, supplied):
-        if given is not None and hmac.compare_digest(given, expected):
-            matched = True
-    if not matched:
-        raise Unauthorized("Incorrect API key.")
+    for given in presented:
+        matched |= hmac.compare_digest(given, expected)
+    return matched
 
 
 def _headers(scope: dict) -> dict[bytes, bytes]:

@@ -40,7 +40,7 @@ from backend.port.metrics import Metrics
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
 from backend.port.relay import Exchange, GatedRequest
-from backend.port.request_body import ClientGone, Parsed, check_body, read_body
+from backend.port.request_body import BodyBudget, ClientGone, Parsed, check_body, read_body
 from backend.settings import Settings
 from backend.port.sse import StreamKind
 from backend.llama.load import Snapshot, State
@@ -60,6 +60,8 @@ GATED_ROUTES: dict[str, StreamKind | None] = {
 }
 OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
 KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
+#: Answered without the key when one is set (for probes); see `backend.port.access_guard`.
+KEYLESS_ROUTES = ("/health",)
 #: Set in the scope when the client went away before an answer could be sent.
 _GONE = "gguf_studio.client_gone"
 
@@ -77,7 +79,8 @@ class Gateway:
 
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
-        self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES)
+        self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
+                                 keyless_paths=KEYLESS_ROUTES)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
@@ -87,6 +90,8 @@ class Gateway:
         self._planners: dict[str, NeedPlanner] = {}
         #: The ASGI app that `backend.port.server` serves.
         self.app = _starlette_app(self)
+        #: Bodies being read, parsed and counted (before any queue bound holds them).
+        self.incoming = BodyBudget(lambda: ctx.settings.max_incoming_body_bytes)
 
     @property
     def metrics(self) -> Metrics:
@@ -133,11 +138,14 @@ class Gateway:
         settings = ctx.settings
         metrics = ctx.metrics
         headers = scope["headers"]
+        # Until the request waits in line or runs, its body (read, parsed, counted) is
+        # held against the port's budget of incoming bodies.
+        hold = self.incoming.hold()
         try:
             self.check_key(scope)
             try:
                 raw = await read_body(receive, headers, settings.effective_max_body_bytes(),
-                                      settings.header_timeout)
+                                      settings.header_timeout, hold)
             except ClientGone:
                 scope[_GONE] = True
                 return
@@ -154,8 +162,11 @@ class Gateway:
             # by a waiting request, only the body (bounded by max_waiting_body_bytes).
             parsed.data = {}
         except RequestError as error:
+            hold.release()  # before the answer: a client that got its 429 finds room
             await http_errors.send_http_error(send, error, metrics)
             return
+        finally:
+            hold.release()
 
         exchange = Exchange(self, queue.line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                            parsed, snapshot.model_id, plan),
@@ -197,6 +208,8 @@ class Gateway:
             registry = self.ctx.registry
             for key in [k for k in self._planners if registry.queue_for(k) is None]:
                 del self._planners[key]
+        # Its cap of counts at once follows the settings live.
+        planner.counter.max_counts = self.settings.effective_max_prompt_counts(queue.capacity)
         return planner
 
     # --- open routes -----------------------------------------------------------------

@@ -10,7 +10,10 @@
 * `as_request_error` — anything else (a bug) becomes a generic 500 `internal_error`;
   the exception is logged, its text never reaches the client.
 * `upstream_error` — an error answer of llama-server, reduced to the four OpenAI keys
-  with anything that looks like an internal (paths, addresses, URLs) cut out.
+  with anything that looks like an internal (paths, addresses, URLs) cut out; its 500s
+  that are about the request (a type error of its JSON library, unreadable messages or
+  tools) become the 400s they are, without the library's text, and its 501s (what the
+  load does not do, such as embeddings) 400s too.
 
 Every refusal produced by the port is counted in `gguf_studio_rejections_total{reason}`
 here, exactly once: by the function that renders it.  Errors relayed from llama-server
@@ -184,6 +187,8 @@ def upstream_stream_error(events: bytes) -> RequestError | None:
     return None
 
 
+#: The JSON library's tag in llama-server's messages (`[json.exception.type_error.302] `).
+_JSON_EXCEPTION = re.compile(r"\[json\.exception\.[a-z_]+\.\d+\] ?")
 _URL = re.compile(r"(?<![\w+.-])[a-z][a-z0-9+.-]*+://\S+", re.IGNORECASE)
 _BRACKETED = re.compile(r"\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d{1,5})?", re.IGNORECASE)
 _HOST_PORT = re.compile(r"\b(?:\d{1,3}(?:\.\d{1,3}){3}|localhost)(?::\d{1,5})?\b", re.IGNORECASE)
@@ -207,6 +212,53 @@ _KNOWN_TYPES = {"invalid_request_error", "authentication_error", "permission_err
 _EXTRA_INTS = ("n_prompt_tokens", "n_ctx")
 # llama-server's message (with the numeric code 500) when its KV cache ran out mid-batch.
 _CONTEXT_FULL = "Context size has been exceeded"
+
+
+def _request_fault(message: str) -> UpstreamAnswer | None:
+    """A 500 of llama-server that is about the request, as the 400 it is; else None.
+
+    llama-server answers with 500 whatever exception reading a request raises: its JSON
+    library's errors (`[json.exception.type_error.302] type must be string, but is
+    number`), messages or tools it could not convert, media the model cannot take, values
+    it does not know (`Unknown reasoning format: x`).  The port checks the fields it knows
+    first (backend.port.request_fields); this catches the rest, by the way llama-server's
+    messages for them begin.  The JSON library's text says nothing a client can act on
+    and is left out; the others are kept (scrubbed)."""
+    for prefix, param, text in _REQUEST_FAULTS:
+        if message.startswith(prefix):
+            return UpstreamAnswer(text or scrub(message), status=400,
+                                  type="invalid_request_error", code="invalid_request",
+                                  param=param)
+    return None
+
+
+#: (how the engine's message starts, the field it is about, the client's message: None
+#: keeps the engine's own).
+_REQUEST_FAULTS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("[json.exception.", None, "The model server could not read the request: a field has "
+                               "the wrong type or an unusable value."),
+    ("Failed to parse messages", "messages", "The model server could not read 'messages': "
+                                             "check each message's role, content and tool "
+                                             "calls."),
+    ("Failed to parse tools", "tools", "The model server could not read 'tools': each tool "
+                                       "must be a function with a name."),
+    ("image input is not supported", None, "This model does not take images."),
+    ("audio input is not supported", None, "This model does not take audio."),
+    ("video input is not supported", None, "This model does not take video."),
+    ("Multimodal data provided", None, "This model does not take images or audio."),
+    ("for mtmd, input prompt must be a string", "prompt", None),
+    ("Failed to load image or audio file", None, None),
+    ("Failed to download image", None, None),
+    ("Invalid base64 value", None, None),
+    ("Unknown reasoning format", "reasoning_format", None),
+    ('"prompt"', "prompt", None),
+    ("'messages' is required", "messages", None),
+    ("Only no echo is supported", "echo", None),
+    ("Unsupported param: ", None, None),
+    ("Cannot use both json_schema and grammar", None, None),
+    ("tools param requires --jinja", "tools", None),
+    ("tool_choice param requires --jinja", "tool_choice", None),
+)
 
 
 def scrub(text: str) -> str:
@@ -239,6 +291,13 @@ def upstream_error(status: int, body: bytes) -> RequestError:
             return UpstreamFailed("The model server failed to answer the request.")
         return UpstreamAnswer("The model server refused the request.", status=status,
                               type="invalid_request_error", code="upstream_error")
+    fault = _request_fault(error["message"]) if status == 500 else None
+    if fault is not None:
+        return fault
+    if status == 501:
+        # What this load does not do (embeddings without --embeddings, a feature its
+        # model lacks): asking for it is the request's problem, as OpenAI answers it.
+        status = 400
     raw_type = error.get("type")
     default_type = "server_error" if status >= 500 else "invalid_request_error"
     type_ = raw_type if raw_type in _KNOWN_TYPES else default_type
@@ -253,7 +312,8 @@ def upstream_error(status: int, body: bytes) -> RequestError:
              if isinstance(error.get(key), int) and not isinstance(error.get(key), bool)}
     if not 400 <= status <= 599:
         status = 502
-    answer = UpstreamAnswer(scrub(error["message"]) or "The model server refused the request.",
+    message = _JSON_EXCEPTION.sub("", error["message"])  # "Field 'x': [json.exception...] ..."
+    answer = UpstreamAnswer(scrub(message) or "The model server refused the request.",
                             status=status, type=type_, code=scrub(code)[:100], param=param,
                             extra=extra)
     if status == 503:  # llama-server still loading, or busy: a retry will do

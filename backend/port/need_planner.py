@@ -129,8 +129,11 @@ class NeedPlanner:
     async def counted_need(self, route: str, body: Mapping[str, Any],
                            body_bytes: int) -> TokenNeed:
         """The need with the prompt counted by the engine (or its conservative estimate
-        when the engine cannot count, which is the byte bound for a body that has one)."""
-        return self._need(route, body, await self.counter.count(route, body, body_bytes))
+        when the engine cannot count, which is the byte bound for a body that has one), for
+        a request already running: it is never refused for a busy engine (it keeps its
+        bound instead)."""
+        prompt = await self.counter.count(route, body, body_bytes, refuse_when_busy=False)
+        return self._need(route, body, prompt)
 
     def _need(self, route: str, body: Mapping[str, Any], prompt: PromptCount) -> TokenNeed:
         return token_need(route, body, prompt, limit=self.kv.per_request,

@@ -22,26 +22,34 @@ with `fits_below`): every tokenizer llama.cpp has for text models makes a token 
 least one byte of the text it was given (byte-level BPE; SentencePiece with byte
 fallback and a vocabulary holding the "▁" space piece, as every llama-family vocabulary
 does, where one space becomes one "▁" symbol), apart from at most `TEXT_SLACK` added
-tokens (BOS/EOS, the SentencePiece dummy prefix).  For a chat-like body without tools
-and without images, the template adds, per message, fewer tokens than the 29 bytes of
+tokens (BOS/EOS, the SentencePiece dummy prefix).  For a chat-like body without images,
+the template adds, per message, fewer tokens than the 29 bytes of
 `{"role":"user","content":""}` that the JSON spends on it, plus a fixed part (generation
 prompt, a default system prompt, a date) that is measured once per engine by counting
-a one-message conversation (`template_base`).  So:
+a one-message conversation (`template_base`).  What a template may render larger than
+the body holds is added: each tool call's arguments at their indented size (templates
+may parse and re-indent them), and for tools, measured once per engine with two probe
+tools (`ToolCosts`), the fixed tool-use instructions plus, per tool, its wrapper and
+its JSON indented by 4 with non-ASCII escaped (the largest JSON templates render; the
+tool's bytes in the body are not counted twice).  So:
 
-    prompt tokens <= body bytes + template_base + TEXT_SLACK
+    prompt tokens <= body bytes + template_base + tool allowances + TEXT_SLACK
 
 A request whose bound fits is reserved at its bound (an over-reservation, small because
 the request is short).  A longer one whose bound fits the free cache right now, with
 nobody waiting, is admitted on it and counted while it runs; only when the bound does
 not fit now is the count awaited before admission (`backend.port.need_planner` plans
-which).  Tools are excluded because templates render them with
-instructions and re-indented schemas; images because their bytes say nothing.
+which).  Images have no bound: their bytes say nothing.
+
+Counting is work done before any queue bound holds, so `PromptCounter.max_counts` caps
+the counts asked of one engine at once: past it a request that would wait for its count
+is refused (`CountingFull`, 429), one already running keeps its bound.
 
 When the engine cannot answer (an error, a timeout, a missing route) the count falls
-back to a conservative estimate, logged once per counter: the body's bytes (without
-image payloads), the tool definitions' bytes once more (templates may pretty-print
-them), `IMAGE_TOKENS` per image, and the template's fixed part (measured, else
-`TEMPLATE_ALLOWANCE`).
+back to a conservative estimate, logged once per counter: the byte bound where one is
+known; else the body's bytes (without image payloads), the tool definitions' bytes once
+more (templates may pretty-print them), `IMAGE_TOKENS` per image, and the template's
+fixed part (measured, else `TEMPLATE_ALLOWANCE`).
 
 The output budget (`output_budget`) is the request's own limit or the default budget,
 capped by the operator's cap and by the room the prompt leaves in one request's share.
@@ -50,12 +58,14 @@ capped by the operator's cap and by the room the prompt leaves in one request's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from backend.errors import CountingFull
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.api import engine_headers
 from backend.port.upstream_http import UpstreamClient, UpstreamError
@@ -71,6 +81,7 @@ __all__ = [
     "HttpEngineTokenizer",
     "PromptCount",
     "PromptCounter",
+    "ToolCosts",
     "output_budget",
     "token_need",
 ]
@@ -106,6 +117,12 @@ TEXT_SLACK = 4
 #: templates add a default system prompt with a date and tool-use instructions.
 TEMPLATE_ALLOWANCE = 1024
 
+#: Bytes llama-server may add to a tool when it converts a Responses or messages tool
+#: to a chat one (`"type": "function"`, `"function": {...}`, `"strict": true`).
+TOOL_CONVERSION = 64
+#: Retry-After of a request refused while the engine counts `max_counts` prompts.
+BUSY_RETRY_AFTER = 1.0
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
@@ -121,6 +138,10 @@ COUNT_ROUTES = {
 _OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
 _PROBE = {"messages": [{"role": "user", "content": "x"}]}
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": name, "description": "x", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+    for name in ("a", "b")]
 
 
 class CountFailed(Exception):
@@ -155,64 +176,129 @@ class PromptCount:
     how: str
 
 
-class PromptCounter:
-    """Counts prompts for one engine load; remembers its template's fixed part."""
+@dataclass(frozen=True, slots=True)
+class ToolCosts:
+    """What a template adds for tools, measured on the engine: `fixed` tokens once
+    (tool-use instructions) and `per_tool` around each tool's JSON (an upper bound)."""
 
-    def __init__(self, tokenizer: EngineTokenizer, *, timeout: float = 10.0) -> None:
+    fixed: int
+    per_tool: int
+
+    def allowance(self, tools: list[Any]) -> int:
+        """An upper bound of the tokens `tools` take in a prompt (see `_known_bound`)."""
+        return self.fixed + sum(self.per_tool + _indented_bytes(tool) + TOOL_CONVERSION
+                                for tool in tools)
+
+
+class PromptCounter:
+    """Counts prompts for one engine load; remembers its template's fixed parts.
+
+    `max_counts` caps the counts it asks the engine for at once (0: no cap): past it a
+    request that waits for its count is refused (CountingFull, 429), and one already
+    running keeps its byte bound (`count(..., refuse_when_busy=False)`).  Counting is
+    work done before admission, for requests no queue bound holds yet."""
+
+    def __init__(self, tokenizer: EngineTokenizer, *, timeout: float = 10.0,
+                 max_counts: int = 0) -> None:
         self.tokenizer = tokenizer
         self.timeout = timeout
+        self.max_counts = max_counts
+        #: Counts asked of the engine and not answered yet.
+        self.counting = 0
         #: Tokens of a one-message conversation of one byte (an upper bound of the
         #: template's fixed part); None until measured.
         self.template_base: int | None = None
+        #: What tools add to a prompt (`ToolCosts`); None until measured.
+        self.tool_costs: ToolCosts | None = None
         self._calibrating: asyncio.Future[int | None] | None = None
+        self._calibrating_tools: asyncio.Future[ToolCosts | None] | None = None
         self._logged_fallback = False
 
     async def count(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
-                    fits_below: int = 0) -> PromptCount:
+                    fits_below: int = 0, refuse_when_busy: bool = True) -> PromptCount:
         """Prompt tokens of a parsed `body` of `body_bytes` bytes sent to `route`.
 
         `fits_below`: when the byte bound proves the prompt is at most this many
         tokens, the bound is returned without asking the engine (0: always count).
+        When `max_counts` counts are under way: CountingFull, or the conservative
+        estimate if not `refuse_when_busy`.
         """
         if route in COUNT_ROUTES:
-            return await self._count_chat_like(route, body, body_bytes, fits_below)
+            return await self._count_chat_like(route, body, body_bytes, fits_below,
+                                               refuse_when_busy)
         if route in (COMPLETIONS, EMBEDDINGS):
             field = "prompt" if route == COMPLETIONS else "input"
-            return await self._count_prompts(body.get(field), fits_below)
+            return await self._count_prompts(body.get(field), fits_below, refuse_when_busy)
         raise ValueError(f"no prompt to count on {route}")
 
     async def bound(self, route: str, body: Mapping[str, Any], body_bytes: int) -> int | None:
-        """The byte bound of the prompt without counting it (the template's fixed part
-        is measured once per counter); None where no bound holds: tools, images, or
-        the template could not be measured."""
+        """The byte bound of the prompt without counting it (the template's fixed parts
+        are measured once per counter); None where no bound holds: images, or the
+        template could not be measured."""
         if route in COUNT_ROUTES:
-            if _images(body)[0] or body.get("tools"):
-                return None
-            base = await self._template_base()
-            return None if base is None else body_bytes + base + TEXT_SLACK
+            return await self._chat_bound(body, body_bytes)
         if route in (COMPLETIONS, EMBEDDINGS):
             texts, exact = _split_prompts(body.get("prompt" if route == COMPLETIONS
                                                    else "input"))
             return exact + sum(len(t.encode()) + TEXT_SLACK for t in texts)
         return None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a count asked now would be one more than `max_counts`."""
+        return 0 < self.max_counts <= self.counting
+
     # --- chat, Responses, messages -------------------------------------------------
 
+    async def _chat_bound(self, body: Mapping[str, Any], body_bytes: int) -> int | None:
+        """The bound, measuring the template's parts it needs first."""
+        if _images(body)[0] or await self._template_base() is None:
+            return None
+        if body.get("tools") and await self._tool_costs() is None:
+            return None
+        return self._known_bound(body, body_bytes)
+
+    def _known_bound(self, body: Mapping[str, Any], body_bytes: int) -> int | None:
+        """The bound from what is measured already; None if that is not enough.
+
+        Without tools, the template adds per message fewer tokens than the JSON spends
+        on it (see the module's docstring), and a tool call's arguments, which a
+        template may re-indent, get their indented size once more.  Tools are rendered
+        by templates as JSON (indented by at most 4, with or without `\\u` escapes)
+        inside a fixed wrapper, plus fixed instructions: both wrappers are measured
+        (`ToolCosts`), and each tool's JSON counts at its indented, escaped size in
+        place of the bytes it takes in the body."""
+        base = self.template_base
+        if base is None or _images(body)[0]:
+            return None
+        extra = _tool_call_allowance(body)
+        tools = body.get("tools")
+        if tools:
+            if self.tool_costs is None or not isinstance(tools, list):
+                return None
+            extra += self.tool_costs.allowance(tools) - len(_compact(tools).encode())
+        return body_bytes + base + extra + TEXT_SLACK
+
     async def _count_chat_like(self, route: str, body: Mapping[str, Any], body_bytes: int,
-                               fits_below: int) -> PromptCount:
+                               fits_below: int, refuse_when_busy: bool) -> PromptCount:
         images, image_bytes = _images(body)
         ask = True
-        if fits_below > 0 and not images and not body.get("tools"):
-            base = await self._template_base()
-            if base is not None and body_bytes + base + TEXT_SLACK <= fits_below:
-                return PromptCount(body_bytes + base + TEXT_SLACK, "bound")
-            # The probe just failed: asking again would only double the wait.
-            ask = base is not None
-        if ask:
+        if fits_below > 0 and not images:
+            bound = await self._chat_bound(body, body_bytes)
+            if bound is not None and bound <= fits_below:
+                return PromptCount(bound, "bound")
+            # A probe just failed: asking again would only double the wait.
+            ask = self.template_base is not None and (
+                not body.get("tools") or self.tool_costs is not None)
+        if ask and self._may_ask(refuse_when_busy):
             try:
-                return PromptCount(await self._ask_chat_like(route, body), "engine")
+                with self._asking():
+                    return PromptCount(await self._ask_chat_like(route, body), "engine")
             except CountFailed as error:
                 self._log_fallback(error)
+        bound = self._known_bound(body, body_bytes)
+        if bound is not None:
+            return PromptCount(bound, "estimate")
         tools = body.get("tools")
         tool_bytes = len(_compact(tools)) if tools else 0
         base = self.template_base if self.template_base is not None else TEMPLATE_ALLOWANCE
@@ -249,18 +335,66 @@ class PromptCounter:
         self.template_base = tokens
         return self.template_base
 
+    async def _tool_costs(self) -> ToolCosts | None:
+        """Measured once per counter, like the template's base."""
+        if self.tool_costs is not None:
+            return self.tool_costs
+        if self._calibrating_tools is None:
+            self._calibrating_tools = asyncio.ensure_future(self._measure_tools())
+        return await asyncio.shield(self._calibrating_tools)
+
+    async def _measure_tools(self) -> ToolCosts | None:
+        """The probe conversation with no tool, one and two (the same tool's shape under
+        two names): the second tool's tokens are what each tool costs beyond its JSON
+        (its JSON's own tokens included: an upper bound), the first's beyond that is
+        the fixed part (tool-use instructions)."""
+        try:
+            none = await self._ask_chat_like(CHAT, _PROBE)
+            one = await self._ask_chat_like(CHAT, dict(_PROBE, tools=[_PROBE_TOOLS[0]]))
+            two = await self._ask_chat_like(CHAT, dict(_PROBE, tools=_PROBE_TOOLS))
+        except CountFailed as error:
+            self._log_fallback(error)
+            self._calibrating_tools = None
+            return None
+        per_tool = max(0, two - one)
+        self.tool_costs = ToolCosts(fixed=max(0, one - none - per_tool), per_tool=per_tool)
+        return self.tool_costs
+
+    def _may_ask(self, refuse_when_busy: bool) -> bool:
+        """Whether a count may be asked of the engine now; CountingFull when it may not
+        and the caller waits for its count before admission."""
+        if not self.busy:
+            return True
+        if refuse_when_busy:
+            raise CountingFull(
+                "The server is counting the prompts of as many requests as it takes at "
+                "once. Try again shortly.", retry_after=BUSY_RETRY_AFTER)
+        return False
+
+    @contextlib.contextmanager
+    def _asking(self) -> Iterator[None]:
+        self.counting += 1
+        try:
+            yield
+        finally:
+            self.counting -= 1
+
     # --- completions and embeddings ---------------------------------------------------
 
-    async def _count_prompts(self, prompt: Any, fits_below: int) -> PromptCount:
+    async def _count_prompts(self, prompt: Any, fits_below: int,
+                             refuse_when_busy: bool) -> PromptCount:
         texts, exact = _split_prompts(prompt)
         bound = exact + sum(len(t.encode()) + TEXT_SLACK for t in texts)
         if not texts:
             return PromptCount(exact, "exact")
         if 0 < fits_below and bound <= fits_below:
             return PromptCount(bound, "bound")
+        if not self._may_ask(refuse_when_busy):
+            return PromptCount(bound, "estimate")
         try:
-            async with _deadline(self.timeout):
-                counted = [await self.tokenizer.tokenize(t) for t in texts]
+            with self._asking():
+                async with _deadline(self.timeout):
+                    counted = [await self.tokenizer.tokenize(t) for t in texts]
             return PromptCount(exact + sum(counted), "engine")
         except CountFailed as error:
             self._log_fallback(error)
@@ -388,6 +522,39 @@ class _deadline:
 
 def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _indented_bytes(value: Any) -> int:
+    """Bytes of `value` as the largest JSON a template renders of it: indented by 4,
+    non-ASCII escaped (`\\uXXXX`, 6 bytes for at most 4 in UTF-8)."""
+    return len(json.dumps(value, indent=4))
+
+
+def _tool_call_allowance(body: Mapping[str, Any]) -> int:
+    """Indented bytes of the arguments of every tool call in `body` (chat `tool_calls`,
+    Responses `function_call` items, messages `tool_use` blocks): a template may render
+    them parsed and re-indented, larger than the string the body holds."""
+    total = 0
+    stack: list[Any] = [body.get("messages"), body.get("input")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            arguments = item.get("arguments")
+            if arguments is None and isinstance(item.get("function"), dict):
+                arguments = item["function"].get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass
+            if arguments is not None:
+                total += _indented_bytes(arguments)
+            if item.get("type") == "tool_use":
+                total += _indented_bytes(item.get("input"))
+            stack.extend((item.get("tool_calls"), item.get("content")))
+    return total
 
 
 def _images(body: Mapping[str, Any]) -> tuple[int, int]:

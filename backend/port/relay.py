@@ -376,6 +376,9 @@ class Exchange:
                 self._engine_dropped = True
                 error = UpstreamFailed("The model server stopped while answering. Try again.")
             raise error from None
+        except sse.BrokenStream:
+            raise UpstreamFailed("The model server's answer broke off in the middle of an "
+                                 "event. Try again.") from None
 
     async def _forward(self, ticket: Ticket) -> list[dict[str, Any]]:
         """Forward to the ticket's load; returns the last messages still to send."""
@@ -461,19 +464,21 @@ class Exchange:
                 if marker in chunk:
                     chunk = self._before_error(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        tail = framer.flush()
+        tail = framer.finish()
         if rewriter is not None:
             tail = rewriter.feed(tail) + rewriter.flush()
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
     def _before_error(self, chunk: bytes) -> bytes:
-        """`chunk` if it holds no error event of the engine; else raises the error,
-        normalized (string code), once the events before it are sent."""
-        error = http_errors.upstream_stream_error(chunk)
-        if error is None:
-            return chunk
-        head = chunk[:_error_start(chunk)]
-        raise _ErrorAfter(head, error)
+        """`chunk` (whole events) if it holds no error event of the engine; else raises
+        the error, normalized (string code), once the events before it are sent."""
+        start = 0
+        for end in sse.event_ends(chunk):
+            error = http_errors.upstream_stream_error(chunk[start:end])
+            if error is not None:
+                raise _ErrorAfter(chunk[:start], error)
+            start = end
+        return chunk
 
 
 class _ErrorAfter(Exception):
@@ -483,11 +488,6 @@ class _ErrorAfter(Exception):
         super().__init__(str(error))
         self.head = head
         self.error = error
-
-
-def _error_start(chunk: bytes) -> int:
-    starts = [i for i in (chunk.find(_DATA_ERROR), chunk.find(_NAMED_ERROR)) if i >= 0]
-    return min(starts) if starts else len(chunk)
 
 
 def _backoff(ticket: Ticket) -> float:

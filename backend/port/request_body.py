@@ -1,8 +1,11 @@
 """Reading and checking the JSON body of a gated request, and the output-token cap.
 
-Only what the gateway itself depends on is checked (the body is a JSON object, the types
-of `model`, `stream`, `messages` and the token limits); everything else is llama-server's
-business and is forwarded untouched.  The body is re-encoded only when the cap changed it.
+The body must be standard JSON as llama-server reads it: UTF-8, no `NaN` or `Infinity`,
+no number beyond a double's range, no half of a surrogate pair (Python's reader takes all
+of these, llama-server's answers them with a 500).  The gateway checks what it depends on
+(a JSON object, `model`, `stream`, the token limits), and `backend.port.request_fields` the
+shapes of the fields the engine reads; everything else is forwarded untouched.  The body
+is re-encoded only when the cap changed it.
 
 A body of `PARSE_OFF_LOOP_BYTES` or more is parsed in a worker thread (`check_body`).
 The C JSON decoder never lets go of the GIL by itself, so a thread alone would not help:
@@ -17,18 +20,30 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from backend.errors import BodyTooLarge, InvalidRequest, RequestTimeout
+from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
+from backend.port.request_fields import check_fields
 
-__all__ = ["ClientGone", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "parse_body",
-           "read_body"]
+__all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES",
+           "Parsed", "check_body", "parse_body", "read_body"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
 #: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less
 #: than the thread hand-off is worth; almost every chat turn is far smaller.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
+
+#: The least average rate of a request body, in bytes per second, once its first
+#: `header_timeout` seconds are spent (Apache's mod_reqtimeout asks 500): a phone on a
+#: poor link still sends far more, a client trickling a byte per part timeout far less.
+MIN_BODY_RATE = 1024
+
+#: Retry-After of a request refused while the budget of incoming bodies is full: bodies
+#: leave it as fast as they are read and checked.
+BUSY_RETRY_AFTER = 1.0
 
 #: Route -> the token-limit fields its clients use (the first is set when none is given).
 LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -39,7 +54,9 @@ LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
     "/v1/embeddings": (),
 }
 _ALL_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-_NEEDS_MESSAGES = {"/v1/chat/completions", "/v1/messages"}
+#: A `\\uD800`-`\\uDFFF` escape (only where one is found is the parsed body searched for a
+#: half of a surrogate pair, which Python's reader accepts and llama-server's refuses).
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ClientGone(Exception):
@@ -55,13 +72,63 @@ class Parsed:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+class BodyBudget:
+    """The request-body bytes a port reads, parses and counts at once (before they wait
+    in line or run, where the queue's own bounds hold them).  Each request takes a
+    `BodyHold` that grows with its body and is released when it is admitted or refused;
+    past `limit` bytes (read live: 0 = no bound) a request gets 429, unless it is alone
+    (its own size is `max_body_bytes`' business)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self.limit = limit
+        #: Bytes held now.
+        self.used = 0
+
+    def hold(self) -> BodyHold:
+        return BodyHold(self)
+
+
+class BodyHold:
+    """One request's share of a `BodyBudget`; `release()` is safe to call twice."""
+
+    __slots__ = ("_budget", "size")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self.size = 0
+
+    def reserve(self, total: int) -> None:
+        """Hold `total` bytes (no change if it holds as many); BodiesInFlightFull if the
+        budget cannot take them."""
+        budget = self._budget
+        if total <= self.size:
+            return
+        others = budget.used - self.size
+        limit = budget.limit()
+        if limit > 0 and others > 0 and others + total > limit:
+            raise BodiesInFlightFull(
+                f"The server is reading and checking as many request bytes as it takes at "
+                f"once ({_size(limit)}). Try again shortly.", retry_after=BUSY_RETRY_AFTER)
+        budget.used = others + total
+        self.size = total
+
+    def release(self) -> None:
+        self._budget.used -= self.size
+        self.size = 0
+
+
 async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int,
-                    timeout: float = 0.0) -> bytes:
+                    timeout: float = 0.0, hold: BodyHold | None = None) -> bytes:
     """The whole request body; BodyTooLarge past `limit` bytes (at least 1), and
-    RequestTimeout when the next part takes longer than `timeout` seconds (0: never).
+    RequestTimeout when the next part takes longer than `timeout` seconds, or the whole
+    body longer than `timeout` plus a second per `MIN_BODY_RATE` bytes received (0:
+    never): a client sending a byte just before each part's timeout is not idle, but
+    it would hold its connection and its place in the in-flight budget for ever.
 
     The declared Content-Length is checked first, then the bytes actually received (a
-    chunked upload has no Content-Length, and a lying one is no excuse).
+    chunked upload has no Content-Length, and a lying one is no excuse).  `hold` grows
+    with the bytes received, not with the length declared: declaring costs a client
+    nothing, so it must not take the budget from others.
     """
     for name, value in headers:
         if name == b"content-length":
@@ -74,9 +141,11 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
             break
     chunks: list[bytes] = []
     total = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     while True:
         try:
-            async with asyncio.timeout(timeout or None):
+            async with asyncio.timeout(min(timeout, deadline - loop.time()) if timeout else None):
                 message = await receive()
         except TimeoutError:
             raise RequestTimeout("The request body arrived too slowly.") from None
@@ -84,9 +153,12 @@ async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int
             raise ClientGone()
         chunk = message.get("body", b"")
         if chunk:
+            deadline += len(chunk) / MIN_BODY_RATE
             total += len(chunk)
             if total > limit:
                 raise _too_large(limit)
+            if hold is not None:
+                hold.reserve(total)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
@@ -118,9 +190,18 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
     `yielding`: build objects in Python, so that another thread (the event loop) runs
     while this one parses."""
     try:
-        data = json.loads(raw, object_pairs_hook=_dict) if yielding else json.loads(raw)
+        text = raw.decode("utf-8")
+        data = json.loads(text, parse_constant=_not_a_number, parse_float=_finite,
+                          parse_int=_int_literal, object_pairs_hook=_dict if yielding else None)
+    except UnicodeDecodeError:
+        raise InvalidRequest("The request body is not UTF-8 text.") from None
+    except _NotStandard as error:
+        raise InvalidRequest(f"The request body is not valid JSON: {error}") from None
     except (ValueError, RecursionError):
         raise InvalidRequest("The request body is not valid JSON.") from None
+    if _LONE_SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise InvalidRequest("The request body is not valid JSON: a \\u escape names half "
+                             "of a UTF-16 surrogate pair.")
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.")
 
@@ -132,10 +213,6 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
         stream = False
     elif not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false.", param="stream")
-    if route in _NEEDS_MESSAGES:
-        messages = data.get("messages")
-        if not isinstance(messages, list):
-            raise InvalidRequest("'messages' must be a list of messages.", param="messages")
     for name in _ALL_LIMITS:
         value = data.get(name)
         if value is not None and not _positive_int(value):
@@ -143,6 +220,8 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
     n_predict = data.get("n_predict")
     if n_predict is not None and (not _int(n_predict) or n_predict < -1):
         raise InvalidRequest("'n_predict' must be a whole number, -1 or more.", param="n_predict")
+
+    check_fields(route, data)
 
     changed = _cap(data, LIMIT_FIELDS.get(route, ()), max_output_tokens) if max_output_tokens > 0 else False
     if route == "/v1/embeddings":
@@ -179,6 +258,51 @@ def _cap(data: dict[str, Any], fields: tuple[str, ...], cap: int) -> bool:
                 data[name] = cap
         changed = True
     return changed
+
+
+class _NotStandard(Exception):
+    """JSON that Python's reader takes and llama-server's (standard JSON) refuses."""
+
+
+def _not_a_number(name: str) -> Any:
+    raise _NotStandard(f"{name} is not a JSON number.")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise _NotStandard(f"the number {literal[:20]}… is too large.")
+    return value
+
+
+def _int_literal(literal: str) -> int:
+    if len(literal) > 300 and math.isinf(float(literal)):
+        raise _NotStandard(f"the number {literal[:20]}… is too large.")
+    return int(literal)
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string (or key) in `data` holds half of a surrogate pair (a whole pair
+    is decoded to one character, so any surrogate left is half of one)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            items: Any = (item,)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+            items = item.keys()
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for text in items:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def _dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

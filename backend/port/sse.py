@@ -4,7 +4,7 @@ Nothing here parses a chat stream: chat, completions and messages chunks are rel
 bytes.  Only the head of a `/v1/responses` stream is read (to learn the upstream's
 response id), and after that the id is swapped with one `bytes.replace` per chunk.
 `EventFramer` makes sure that only whole events are sent, so that an error event can
-always be appended cleanly.
+always be appended cleanly and a stream cut mid-event never hands a client half of one.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ import time
 from typing import Any
 
 __all__ = [
+    "BrokenStream",
     "DONE",
     "StreamKind",
     "EventFramer",
     "KEEPALIVE_COMMENT",
     "ResponsesRewriter",
     "data_event",
+    "event_ends",
     "named_event",
     "new_response_id",
     "response_stub",
@@ -148,23 +150,31 @@ class ResponsesRewriter:
             return b"".join(out) + buf.replace(self._old, self._new)
 
 
+class BrokenStream(Exception):
+    """The upstream's stream cannot be cut into whole events (see `EventFramer`)."""
+
+
 class EventFramer:
     """Cuts a byte stream at SSE event boundaries, so that only whole events are sent.
 
     A chunk that ends an event (the usual case: llama-server writes whole events) costs
-    one `endswith`.  A partial event is held until its end arrives, so an error event
-    appended after an upstream failure never lands in the middle of another event.
+    one `endswith`.  A partial event is held until its end arrives, and never sent
+    otherwise: an error event appended after an upstream failure never lands in the
+    middle of another event, and a client never gets half an event it cannot parse.
     """
 
     __slots__ = ("_pending",)
 
-    #: Past this, pending bytes are let through even without an event boundary.
-    LIMIT = 1 << 20
+    #: The largest event held whole.  llama-server's largest is a Responses stream's
+    #: `response.completed`, which repeats the whole output (a few hundred KiB for a
+    #: context's worth of tokens); past it the stream is broken (BrokenStream).
+    LIMIT = 16 << 20
 
     def __init__(self) -> None:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        """The whole events `chunk` completes; BrokenStream past `LIMIT` pending bytes."""
         if self._pending:
             chunk = self._pending + chunk
             self._pending = b""
@@ -173,24 +183,38 @@ class EventFramer:
         end = _block_end_last(chunk)
         if end < 0:
             if len(chunk) > self.LIMIT:
-                return chunk
+                raise BrokenStream("an event larger than the framer's limit")
             self._pending = chunk
             return b""
         self._pending = chunk[end:]
         return chunk[:end]
 
-    def flush(self) -> bytes:
+    def finish(self) -> bytes:
+        """The end of the stream: blank lines still held; BrokenStream if an event
+        started and did not end."""
         out, self._pending = self._pending, b""
+        if out.strip(b"\r\n"):
+            raise BrokenStream("the stream ended in the middle of an event")
         return out
 
     def drop(self) -> None:
         self._pending = b""
 
 
-def _block_end(buf: bytes) -> int:
-    """End (exclusive) of the first complete event in `buf`, or -1."""
-    a = buf.find(b"\n\n")
-    b = buf.find(b"\r\n\r\n")
+def event_ends(data: bytes) -> list[int]:
+    """Where each whole event of `data` ends (exclusive), `data` starting at an event."""
+    ends = []
+    end = _block_end(data)
+    while end >= 0:
+        ends.append(end)
+        end = _block_end(data, end)
+    return ends
+
+
+def _block_end(buf: bytes, start: int = 0) -> int:
+    """End (exclusive) of the first complete event in `buf` from `start`, or -1."""
+    a = buf.find(b"\n\n", start)
+    b = buf.find(b"\r\n\r\n", start)
     ends = [end for end in (a + 2 if a >= 0 else -1, b + 4 if b >= 0 else -1) if end >= 0]
     return min(ends) if ends else -1
 

@@ -22,7 +22,7 @@ from backend.llama.load import Serving, Snapshot, State
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
-KEY = "sk-test-key"
+KEY = "sk-test-key-0123456789"
 
 # --- harness -------------------------------------------------------------------------
 

@@ -22,13 +22,13 @@ def test_environment_overrides_the_saved_file_and_flags_override_both(tmp_path):
 
 def test_values_from_the_environment_are_not_made_permanent_by_saving(tmp_path):
     path = tmp_path / "settings.json"
-    Settings(api_key="saved-key").save(path, environ={})
-    environ = {"GGUF_STUDIO_API_KEY": "from-env", "GGUF_STUDIO_LLAMA_SERVER": "/opt/llama-server"}
+    Settings(api_key="gs-saved-key-0123456789").save(path, environ={})
+    environ = {"GGUF_STUDIO_API_KEY": "gs-from-env-0123456789", "GGUF_STUDIO_LLAMA_SERVER": "/opt/llama-server"}
     settings = Settings.load(path, environ=environ)
-    assert settings.api_key == "from-env"
+    assert settings.api_key == "gs-from-env-0123456789"
     settings.replace(port=9999).save(path, environ=environ)
     written = json.loads(path.read_text())
-    assert written["api_key"] == "saved-key"
+    assert written["api_key"] == "gs-saved-key-0123456789"
     assert written["llama_server"] == ""
     assert written["port"] == 9999
 
@@ -75,12 +75,12 @@ def _mode(path) -> int:
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
 def test_saved_settings_are_private_to_the_user(tmp_path, loose_umask):
     path = tmp_path / "config" / "gguf-studio" / "settings.json"
-    Settings(api_key="gs-secret").save(path, environ={})
+    Settings(api_key="gs-secret-0123456789").save(path, environ={})
     assert _mode(path) == 0o600
     assert _mode(path.parent) == 0o700
-    Settings(api_key="gs-other").save(path, environ={})  # rewriting keeps it private
+    Settings(api_key="gs-other-0123456789").save(path, environ={})  # rewriting keeps it private
     assert _mode(path) == 0o600
-    assert json.loads(path.read_text())["api_key"] == "gs-other"
+    assert json.loads(path.read_text())["api_key"] == "gs-other-0123456789"
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
@@ -88,24 +88,24 @@ def test_a_world_readable_settings_file_is_made_private_on_load(tmp_path, loose_
     config = tmp_path / "gguf-studio"
     config.mkdir(mode=0o755)
     path = config / "settings.json"
-    path.write_text(json.dumps({"api_key": "gs-old-version"}))
+    path.write_text(json.dumps({"api_key": "gs-old-version-0123456789"}))
     os.chmod(path, 0o644)
     os.chmod(config, 0o755)
-    assert Settings.load(path, environ={}).api_key == "gs-old-version"
+    assert Settings.load(path, environ={}).api_key == "gs-old-version-0123456789"
     assert _mode(path) == 0o600
     assert _mode(config) == 0o700
 
 
 def test_the_key_can_come_from_a_file_named_in_the_environment(tmp_path):
     path = tmp_path / "settings.json"
-    Settings(api_key="gs-saved").save(path, environ={})
+    Settings(api_key="gs-saved-0123456789").save(path, environ={})
     key_file = tmp_path / "key"
-    key_file.write_text("gs-from-file\n")
+    key_file.write_text("gs-from-file-0123456789\n")
     environ = {"GGUF_STUDIO_API_KEY_FILE": str(key_file)}
     settings = Settings.load(path, environ=environ)
-    assert settings.api_key == "gs-from-file"
+    assert settings.api_key == "gs-from-file-0123456789"
     settings.replace(port=9001).save(path, environ=environ)
-    assert json.loads(path.read_text())["api_key"] == "gs-saved"  # the file's key stays in the file
+    assert json.loads(path.read_text())["api_key"] == "gs-saved-0123456789"  # the file's key stays in the file
 
 
 @pytest.mark.parametrize("content,message", [(None, "cannot be read"), ("\n", "is empty"),
@@ -129,11 +129,11 @@ def test_a_key_and_a_key_file_together_are_refused(tmp_path):
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
 def test_a_key_file_others_can_read_is_used_with_a_warning(tmp_path, caplog):
     key_file = tmp_path / "key"
-    key_file.write_text("gs-shared")
+    key_file.write_text("gs-shared-0123456789")
     os.chmod(key_file, 0o644)
     settings = Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file)})
-    assert settings.api_key == "gs-shared"
-    assert "can be read by other users" in caplog.text and "gs-shared" not in caplog.text
+    assert settings.api_key == "gs-shared-0123456789"
+    assert "can be read by other users" in caplog.text and "gs-shared-0123456789" not in caplog.text
 
 
 def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_line(tmp_path):
@@ -144,3 +144,49 @@ def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_lin
                          ).client_stall_timeout == 30.0
     args = _parser().parse_args(["serve", "--client-stall-timeout", "0"])
     assert args.client_stall_timeout == 0.0
+
+
+def test_the_bounds_of_work_before_admission_come_from_file_environment_and_command_line(tmp_path):
+    from backend.app.cli import _SERVE_SETTINGS, _parser
+    path = tmp_path / "settings.json"
+    defaults = Settings.load(path, environ={})
+    assert defaults.max_incoming_body_bytes == 64 * 1024 * 1024
+    assert defaults.effective_max_prompt_counts(4) == 8  # 0: twice the slots
+    Settings(max_incoming_body_bytes=1000, max_prompt_counts=3).save(path, environ={})
+    saved = Settings.load(path, environ={})
+    assert (saved.max_incoming_body_bytes, saved.effective_max_prompt_counts(4)) == (1000, 3)
+    env = Settings.load(path, environ={"GGUF_STUDIO_MAX_INCOMING_BODY_BYTES": "2000",
+                                       "GGUF_STUDIO_MAX_PROMPT_COUNTS": "5"})
+    assert (env.max_incoming_body_bytes, env.max_prompt_counts) == (2000, 5)
+    args = _parser().parse_args(["serve", "--max-incoming-body-bytes", "0",
+                                 "--max-prompt-counts", "7"])
+    flags = env.with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
+    assert (flags.max_incoming_body_bytes, flags.max_prompt_counts) == (0, 7)
+
+
+# --- the key is long enough ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["saved", "environment", "key file", "flag", "window"])
+def test_a_key_shorter_than_16_characters_is_refused_wherever_it_comes_from(tmp_path, source):
+    short = "gs-short-key"  # 12 characters
+    path = tmp_path / "settings.json"
+    key_file = tmp_path / "key"
+    key_file.write_text(short + "\n")
+    with pytest.raises(SettingsError, match="API key is too short \\(12 characters\\).*at least 16"):
+        if source == "saved":
+            path.write_text(json.dumps({"api_key": short}))
+            Settings.load(path, environ={})
+        elif source == "environment":
+            Settings.load(path, environ={"GGUF_STUDIO_API_KEY": short})
+        elif source == "key file":
+            Settings.load(path, environ={"GGUF_STUDIO_API_KEY_FILE": str(key_file)})
+        elif source == "flag":
+            Settings().with_overrides({"api_key": short})
+        else:  # the window changes settings with replace()
+            Settings().replace(api_key=short)
+
+
+def test_a_key_of_16_characters_and_no_key_at_all_are_accepted():
+    assert Settings(api_key="x" * 16).api_key == "x" * 16
+    assert Settings(api_key="").api_key == ""

@@ -49,8 +49,10 @@ def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_wi
     assert sharing.max_connections.value() == defaults.max_connections
     assert sharing.waiting_bodies.value() == defaults.max_waiting_body_bytes // MiB
     for box, default in ((sharing.max_connections, "512"), (sharing.header_timeout, "30 s"),
-                         (sharing.client_stall, "120 s"), (sharing.waiting_bodies, "256 MiB")):
+                         (sharing.client_stall, "120 s"), (sharing.waiting_bodies, "256 MiB"),
+                         (sharing.incoming_bodies, "64 MiB")):
         assert f"Default {default}" in box.toolTip()
+    assert sharing.prompt_counts.value() == 0 and "twice the slots" in sharing.prompt_counts.toolTip()
 
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     port = window.bridge.gateway_port
@@ -62,6 +64,8 @@ def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_wi
     sharing.header_timeout.setValue(1)
     sharing.client_stall.setValue(0)
     sharing.waiting_bodies.setValue(16)
+    sharing.incoming_bodies.setValue(8)
+    sharing.prompt_counts.setValue(3)
     sharing.max_body.setValue(1)
     sharing.allow_hosts.setText("studio.lan")
     sharing.allow_hosts.editingFinished.emit()
@@ -72,9 +76,11 @@ def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_wi
     qtbot.waitUntil(lambda: live().allow_hosts == ["studio.lan"], timeout=WAIT)
     assert (live().max_connections, live().header_timeout, live().client_stall_timeout,
             live().max_waiting_body_bytes, live().max_body_bytes) == (64, 1.0, 0.0, 16 * MiB, MiB)
+    assert (live().max_incoming_body_bytes, live().max_prompt_counts) == (8 * MiB, 3)
     saved = Settings.load()
     assert (saved.max_connections, saved.header_timeout, saved.client_stall_timeout,
             saved.max_waiting_body_bytes, saved.allow_hosts) == (64, 1.0, 0.0, 16 * MiB, ["studio.lan"])
+    assert (saved.max_incoming_body_bytes, saved.max_prompt_counts) == (8 * MiB, 3)
 
     # The running port follows: a client that sends half a head is cut off after 1 s
     # (the default would wait 30 s), and the allowed name is answered.

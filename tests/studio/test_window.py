@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -164,6 +165,20 @@ def test_lan_needs_a_key_and_regenerating_replaces_it(open_window, qtbot) -> Non
     qtbot.waitUntil(lambda: bool(window.sharing.urls) and "127.0.0.1" in window.sharing.urls[0],
                     timeout=WAIT)
     assert window.settings.host == "127.0.0.1"
+
+
+def test_a_saved_key_that_is_too_short_is_named_and_not_served(open_window, studio_home: Path
+                                                                ) -> None:
+    """An older version took any key: the window says why it is not used, and the port
+    it opens is this computer's only, without the short key."""
+    path = studio_home / "config" / "gguf-studio" / "settings.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(saved, host="0.0.0.0", api_key="letmein")))
+    window = open_window()
+    message = window.statusBar().currentMessage()
+    assert "API key is too short (7 characters)" in message and "at least 16" in message
+    assert window.settings.api_key == "" and window.settings.host == "127.0.0.1"
+    assert window.sharing.local_only.isChecked()
 
 
 def test_port_in_use_is_reported(open_window, qtbot) -> None:

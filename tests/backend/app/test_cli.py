@@ -56,6 +56,15 @@ def test_serve_refuses_a_lan_bind_without_a_key(tiny_model, user_dirs):
     assert "without an API key" in out.stderr and "--allow-no-key" in out.stderr
 
 
+def test_serve_refuses_a_short_key_with_one_clear_line(tiny_model, user_dirs):
+    env = {k: v for k, v in user_dirs.items() if not k.startswith("GGUF_STUDIO_API_KEY")}
+    out = cli("serve", "--model", str(tiny_model), "--host", "0.0.0.0", "--api-key", "letmein",
+              env=env)
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "API key is too short (7 characters)" in out.stderr and "at least 16" in out.stderr
+
+
 def test_serve_runs_until_interrupted_and_leaves_no_engine_behind(tiny_model, llama_server_binary,
                                                                   user_dirs):
     proc = subprocess.Popen(

@@ -307,7 +307,7 @@ async def test_health_and_models_describe_the_load(service, client, tiny_model):
 def test_lan_bind_without_a_key_is_refused():
     with pytest.raises(SettingsError, match="without an API key"):
         check_bind_allowed(Settings(host="0.0.0.0"))
-    check_bind_allowed(Settings(host="0.0.0.0", api_key="k"))
+    check_bind_allowed(Settings(host="0.0.0.0", api_key="gs-0123456789abcdef"))
     check_bind_allowed(Settings(host="0.0.0.0", allow_no_key=True))
     check_bind_allowed(Settings(host="127.0.0.1"))
 

@@ -52,6 +52,19 @@ async def test_with_a_key_any_host_name_may_be_used(gw):
     assert response.status_code == 200
 
 
+async def test_with_a_key_a_rebinding_page_still_cannot_read_health(gw):
+    """/health answers without the key (for probes), so the key does not guard it: a
+    rebound page would read the model's and the devices' names there."""
+    gw.configure(api_key=KEY)
+    port = gw.url.rsplit(":", 1)[1]
+    response = await gw.client.get("/health", headers={"host": f"attacker.example:{port}"})
+    assert_clean_error(response, 403, "host_not_allowed", gw)
+    assert "fake-model" not in response.text
+    assert (await gw.client.get("/health", headers={"host": f"localhost:{port}"})).status_code == 200
+    gw.configure(allow_hosts=["gpu-box.example"])  # a name the user allowed: probes work
+    assert (await gw.client.get("/health", headers={"host": "gpu-box.example"})).status_code == 200
+
+
 # --- Origin and CORS ---------------------------------------------------------------------------
 
 
@@ -164,27 +177,68 @@ class Clock:
 async def test_repeated_wrong_keys_from_one_address_are_throttled(gw, fake):
     gw.configure(api_key=KEY)
     clock = gw.guard.clock = Clock()  # the lockout ends when the test says, not after a sleep
-    wrong = {"authorization": "Bearer guess"}
+    wrong = {"authorization": "Bearer guess-guess-guess-guess"}
     for _ in range(FREE_FAILURES):
         assert_clean_error(await gw.client.post(CHAT, json=chat(), headers=wrong), 401,
                            "invalid_api_key", gw)
-    locked = await gw.client.post(CHAT, json=chat(), headers={"authorization": f"Bearer {KEY}"})
+    locked = await gw.client.post(CHAT, json=chat(), headers=wrong)
     assert_clean_error(locked, 429, "too_many_failed_keys", gw)
     assert locked.headers["retry-after"] == "1"
-    assert fake.requests == []  # not even the right key gets through while locked
+    assert fake.requests == []
 
     clock.now += 1.0
     assert_clean_error(await gw.client.post(CHAT, json=chat(), headers=wrong), 401, "invalid_api_key", gw)
     again = await gw.client.get("/v1/models", headers=wrong)
     assert_clean_error(again, 429, "too_many_failed_keys", gw)
     assert again.headers["retry-after"] == "2"  # each further failure doubles the wait
-
-    clock.now += 2.0
-    right = await gw.client.post(CHAT, json=chat(), headers={"x-api-key": KEY})
-    assert right.status_code == 200
-    # A right key clears the record: the next mistake is a plain 401 again.
-    assert_clean_error(await gw.client.get("/v1/models", headers=wrong), 401, "invalid_api_key", gw)
     assert gw.rejections("too_many_failed_keys") == 2
+
+
+async def test_a_wrong_key_flood_is_throttled_and_the_right_key_still_passes(gw, fake):
+    """The guesser gets 429s; the rightful user behind the same address is served
+    throughout, and its requests do not lift the guesser's lockout."""
+    gw.configure(api_key=KEY)
+    gw.guard.clock = Clock()
+    wrong = {"authorization": "Bearer guess-guess-guess-guess"}
+    answers = [(await gw.client.get("/v1/models", headers=wrong)).status_code for _ in range(50)]
+    assert answers == [401] * FREE_FAILURES + [429] * (50 - FREE_FAILURES)
+
+    right = await gw.client.post(CHAT, json=chat(), headers={"authorization": f"Bearer {KEY}"})
+    assert right.status_code == 200, right.text
+    assert len(fake.requests) == 1
+    assert (await gw.client.get("/v1/models", headers={"x-api-key": KEY})).status_code == 200
+    still = await gw.client.get("/v1/models", headers=wrong)
+    assert_clean_error(still, 429, "too_many_failed_keys", gw)
+    assert int(still.headers["retry-after"]) >= 1
+
+
+async def test_one_request_is_at_most_two_guesses_however_many_key_headers_it_repeats(gw):
+    gw.configure(api_key=KEY)
+    guesses = [("x-api-key", f"guess-{i:02d}-guess-guess") for i in range(50)] + [("x-api-key", KEY)]
+    response = await gw.client.get("/v1/models", headers=guesses)
+    assert_clean_error(response, 401, "invalid_api_key", gw)  # the last one is not read
+    first = await gw.client.get("/v1/models", headers=[("x-api-key", KEY)] + guesses)
+    assert first.status_code == 200
+
+
+async def test_a_keyless_flood_locks_nobody_out(gw, fake):
+    """What a web page's <img> tags (or a client not set up yet) send: no key at all.
+    It is told the key is missing, every time, and never counts toward a lockout."""
+    gw.configure(api_key=KEY)
+    gw.guard.clock = Clock()
+    for headers in ({}, {"authorization": "Bearer"}, {"authorization": "Basic dXNlcjpwdw=="},
+                    {"x-api-key": ""}):
+        for _ in range(3 * FREE_FAILURES):
+            response = await gw.client.get("/v1/models", headers=headers)
+            error = assert_clean_error(response, 401, "invalid_api_key", gw)
+            assert "Missing API key" in error["message"]
+    assert gw.rejections("too_many_failed_keys") == 0
+
+    right = await gw.client.post(CHAT, json=chat(), headers={"x-api-key": KEY})
+    assert right.status_code == 200, right.text
+    # A typo afterwards is a plain 401: the flood left no record behind.
+    typo = await gw.client.get("/v1/models", headers={"x-api-key": KEY + "x"})
+    assert_clean_error(typo, 401, "invalid_api_key", gw)
 
 
 async def test_old_failures_are_forgotten(gw):

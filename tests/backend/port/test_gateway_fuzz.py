@@ -1,19 +1,23 @@
 """Fuzzing the port: generated methods, paths, headers and bodies against a running port.
 
-The port fronts the fake upstream, not the real engine: 1,200 cases must run in well
-under a minute on a shared 2-core machine, and a real llama-server spends tens of
-milliseconds per accepted request generating tokens (and answers some odd bodies with
-its own 500s, which would be the engine's behaviour, not the port's).  What is fuzzed
-here is the port itself: routing, access checks, body reading and checking, admission,
-relaying.  The examples are derandomized, so CI runs the same cases every time.
+Two targets.  The fake upstream: 1,200 cases in well under a minute, fuzzing the port
+itself (routing, access checks, body reading and checking, admission, relaying).  The
+real engine (the tiny model under a supervised llama-server, as the product loads it):
+1,200 requests aimed at what the engine reads (messages, content, roles, tools, prompts,
+inputs, stop, sampling fields, with values of every type, and the non-standard JSON that
+Python's reader takes), because only the real engine shows which mistakes of a client it
+answers with a 500.  The examples are derandomized (seeded), so CI runs the same cases
+every time.
 
 Every answer must be one the port documents (2xx or a 4xx with an OpenAI-style error
-body; never a 500), and afterwards the port and the upstream still answer and nothing
-is left running or waiting.
+body; never a 5xx: the engine's 502/503 would mean its state changed, which the test
+checks did not happen), and afterwards the port and the upstream still answer and
+nothing is left running or waiting.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any, Iterator
@@ -154,3 +158,154 @@ def test_generated_requests_get_only_documented_answers_and_leave_the_port_healt
             assert time.monotonic() < deadline, gw.registry
             time.sleep(0.01)  # polling a condition with a deadline
     assert fake.active == 0
+
+
+# --- against the real engine ------------------------------------------------------------------
+
+#: Values of every JSON type, the wrong ones included, for the fields the engine reads.
+anything = json_values | st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e300,
+                                          2**64, -1, 0, "", [], {}, None])
+TOOL = {"type": "function", "function": {"name": "read", "description": "Read a file.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "path": {"type": "string"}}}}}
+#: Requests each route answers, in the shapes real clients send: the fuzz makes one to
+#: three mistakes in one of them, so that most requests reach the engine's own reading.
+VALID: dict[str, list[dict[str, Any]]] = {
+    "/v1/chat/completions": [
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+         "stream": True, "stop": ["\n"], "temperature": 0.5},
+        {"messages": [{"role": "user", "content": "read a"},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": "c1", "type": "function",
+                           "function": {"name": "read", "arguments": '{"path": "a"}'}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "text"}],
+         "tools": [TOOL], "tool_choice": "auto"},
+    ],
+    "/v1/completions": [{"prompt": "Once upon"}, {"prompt": [1, 450, "time"], "stream": True}],
+    "/v1/embeddings": [{"input": "hello"}, {"input": ["a", "b"]}],
+    "/v1/responses": [
+        {"input": "hi"},
+        {"instructions": "Be brief.", "input": [
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "hi"}]}],
+         "tools": [{"type": "function", "name": "read", "parameters": {"type": "object"}}],
+         "stream": True},
+    ],
+    "/v1/messages": [
+        {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        {"max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}], "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+         "tools": [{"name": "read", "input_schema": {"type": "object"}}], "stream": True},
+    ],
+}
+ENGINE_FIELDS = ["model", "messages", "stream", "max_tokens", "temperature", "top_p",
+                 "top_k", "seed", "stop", "tools", "tool_choice", "response_format",
+                 "stream_options", "reasoning_format", "chat_template_kwargs", "prompt",
+                 "input", "instructions", "system", "n_predict", "n_probs", "logit_bias",
+                 "role", "content", "type", "text", "tool_calls", "function", "arguments",
+                 "name", "parameters", "input_schema", "image_url", "tool_call_id"]
+
+
+@st.composite
+def engine_requests(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid request of a route with one to three mistakes: a value anywhere in it
+    replaced by one of any type, a field dropped, or a known field added."""
+    route = draw(st.sampled_from(list(VALID)))
+    body = copy.deepcopy(draw(st.sampled_from(VALID[route])))
+    for _ in range(draw(st.integers(1, 3))):
+        parent: Any = body
+        key: Any = None
+        while True:  # walk down to a random place
+            children = (list(parent) if isinstance(parent, dict)
+                        else list(range(len(parent))) if isinstance(parent, list) else [])
+            if not children or (key is not None and draw(st.booleans())):
+                break
+            key = draw(st.sampled_from(children))
+            if not isinstance(parent[key], (dict, list)) or draw(st.integers(0, 2)) == 0:
+                break
+            parent = parent[key]
+            key = None
+        action = draw(st.integers(0, 4))
+        if isinstance(parent, dict) and (key is None or action == 0):
+            parent[draw(st.sampled_from(ENGINE_FIELDS))] = copy.deepcopy(draw(anything))
+        elif isinstance(parent, dict) and action == 1:
+            del parent[key]
+        elif key is not None:
+            parent[key] = copy.deepcopy(draw(anything))
+    return route, body
+
+
+def encoded(body: dict[str, Any]) -> bytes:
+    """JSON as Python writes it: NaN and Infinity included, as some clients send them."""
+    return json.dumps(body, allow_nan=True).encode()
+
+
+@pytest.fixture(scope="module")
+def real_port(llama_server_binary, tiny_model, tmp_path_factory) -> Iterator[tuple[str, Any]]:
+    """The product's port in front of the tiny model under a supervised llama-server (the
+    product's flags, its template, its key), on a loop of its own.  Answers are capped
+    at a few tokens: the engine's reading of requests is the point, not its writing."""
+    from backend.llama.load import LoadSettings
+    from backend.app.service import StudioService
+    from backend.settings import Settings
+
+    thread = BackendThread("fuzzed-real-port")
+    settings = Settings(port=0, llama_server=str(llama_server_binary), max_output_tokens=4,
+                        load_timeout=60, queue_timeout=30, keepalive_interval=1.0)
+
+    async def open_all() -> Any:
+        service = StudioService(settings, log_dir=tmp_path_factory.mktemp("fuzz-logs"))
+        await service.start_gateway()
+        load = LoadSettings(parallel="2", ctx_size=8192,
+                            extra_args=("--embeddings", "--pooling", "mean"))
+        await service.load(load.to_spec(str(tiny_model)))
+        return service
+
+    service = thread.submit(open_all()).result(120)
+    try:
+        yield f"http://127.0.0.1:{service.gateway_port}", service
+    finally:
+        thread.submit(service.close()).result(60)
+        thread.stop()
+
+
+def test_requests_aimed_at_the_real_engine_never_get_a_5xx(real_port):
+    url, service = real_port
+    pid = service.snapshot().pid
+    seen: dict[tuple[str, int], int] = {}
+    started = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=60.0, trust_env=False) as client:
+
+        @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(request=engine_requests())
+        def one(request: tuple[str, dict[str, Any]]) -> None:
+            route, body = request
+            response = client.post(route, content=encoded(body),
+                                   headers={"content-type": "application/json"})
+            status = response.status_code
+            assert status < 500, (status, route, body, response.text[:400])
+            assert status in DOCUMENTED, (status, route, body, response.text[:300])
+            if status >= 400:
+                error = response.json()["error"]
+                assert isinstance(error["message"], str) and isinstance(error["code"], str)
+                assert "json.exception" not in error["message"], (route, body, error)
+                assert "Traceback" not in response.text and "127.0.0.1:" not in error["message"]
+            seen[route, status] = seen.get((route, status), 0) + 1
+
+        one()
+
+        runs = sum(seen.values())
+        print(f"\n{runs} generated requests to the real engine in "
+              f"{time.perf_counter() - started:.1f} s; answers by route and status: "
+              f"{sorted(seen.items())}")
+        assert runs >= 1000
+        assert any(status == 200 for _, status in seen)
+        snapshot = service.snapshot()
+        assert snapshot.pid == pid, "the engine restarted during the fuzz"
+        assert client.get("/health").status_code == 200
+        answer = client.post("/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200, answer.text

@@ -1,5 +1,6 @@
 """What the port makes of a malformed or unexpected upstream answer: a clean 502 (or an
-in-stream error once the stream has started), and a fresh upstream connection next time.
+in-stream error once the stream has started), and a fresh upstream connection next time;
+a stream cut in the middle of an event reaches the client as whole events, then the error.
 
 The upstream is `tests/malformed_upstream.py`, a raw asyncio socket, because a real
 llama-server cannot produce these answers.
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 from tests.backend.gateway_harness import (CHAT, assert_clean_error, assert_no_internals,
                                            chat, events, open_gateway, stream)
-from tests.malformed_upstream import GOOD_EVENTS, MalformedUpstream, good_json
+import pytest
+
+from tests.malformed_upstream import GOOD_EVENTS, Cut, MalformedUpstream, good_json
 
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
@@ -74,3 +77,49 @@ async def test_interim_1xx_heads_before_the_answer_are_skipped():
             assert response.status_code == 200 and response.json()["object"] == "chat.completion"
             await gw.client.post(CHAT, json=chat())
             assert upstream.requests == [1, 1]  # a good answer keeps its connection
+
+
+# --- a stream cut in the middle of an event ------------------------------------------------
+
+#: The first bytes of an event, as a killed engine may leave them.
+PARTIAL = b'data: {"choices":[{"delta":{"content":"cut h'
+CLOSE_DELIMITED = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+CUTS = {
+    # The connection ends (the engine was killed) inside a chunk, or between chunks.
+    "killed inside a chunk": Cut(SSE_HEAD + chunk(GOOD_EVENTS[0]) + b"40\r\n" + PARTIAL),
+    "killed between chunks": Cut(SSE_HEAD + chunk(GOOD_EVENTS[0] + PARTIAL)),
+    # The HTTP answer itself ends cleanly, but its last event is not whole.
+    "chunked answer ends mid-event": SSE_HEAD + chunk(GOOD_EVENTS[0] + PARTIAL) + b"0\r\n\r\n",
+    "close-delimited answer ends mid-event": Cut(CLOSE_DELIMITED + GOOD_EVENTS[0] + PARTIAL),
+}
+
+
+@pytest.mark.parametrize("answer", list(CUTS.values()), ids=list(CUTS))
+async def test_a_stream_cut_mid_event_delivers_whole_events_then_the_clean_error(answer):
+    """(Injected by a raw-socket upstream: a real engine is cut mid-event only by chance,
+    about once in ten kills.)"""
+    async with MalformedUpstream([answer]) as upstream:
+        async with open_gateway(upstream.base_url, 1) as gw:
+            response, raw = await stream(gw.client, CHAT, chat(True))
+            assert response.status_code == 200
+            assert b"cut h" not in raw
+            parsed = events(raw)  # every event parses: none is cut
+            assert parsed[0]["data"]["choices"][0]["delta"] == {"content": "ok"}
+            assert parsed[1]["data"]["error"]["code"] == "upstream_failed"
+            assert parsed[2:] == [{"event": None, "data": "[DONE]", "comment": None}]
+            assert_no_internals(raw.decode(), gw)
+            assert gw.registry.total_active == 0
+
+
+async def test_an_engine_error_after_text_that_looks_like_an_event_keeps_that_event_whole():
+    """The engine's error event is found at an event's start, not inside a text."""
+    tricky = b'data: {"choices":[{"delta":{"content":"see event: error below"}}]}\n\n'
+    failure = b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+    answer = SSE_HEAD + chunk(tricky + failure) + b"0\r\n\r\n"
+    async with MalformedUpstream([answer]) as upstream:
+        async with open_gateway(upstream.base_url, 1) as gw:
+            _, raw = await stream(gw.client, CHAT, chat(True))
+            parsed = events(raw)
+            assert parsed[0]["data"]["choices"][0]["delta"] == {"content": "see event: error below"}
+            assert parsed[1]["data"]["error"]["message"] == "boom"
+            assert parsed[2]["data"] == "[DONE]" and len(parsed) == 3

@@ -79,3 +79,47 @@ def test_a_messages_error_event_is_read_too():
 def test_content_that_mentions_errors_is_not_an_error_event():
     assert upstream_stream_error(
         b'data: {"choices":[{"delta":{"content":"event: error data: {\\"error\\"}"}}]}\n\n') is None
+
+
+# --- the engine's 500s that are the client's mistakes -----------------------------------
+
+
+@pytest.mark.parametrize("message,param,says", [
+    ("[json.exception.type_error.302] type must be string, but is number", None,
+     "a field has the wrong type"),
+    ("[json.exception.parse_error.101] parse error at line 1, column 62: syntax error while "
+     "parsing value - invalid literal; last read: 'NaN'", None, "a field has the wrong type"),
+    ("Failed to parse messages: Missing 'role' in message: {\"content\":\"x\"}", "messages",
+     "'messages'"),
+    ("Failed to parse tools: Missing tool function: {}; tools = []", "tools", "'tools'"),
+    ("image input is not supported - hint: if this is unexpected, you may need to provide "
+     "the mmproj", None, "does not take images"),
+    ("Unknown reasoning format: ", "reasoning_format", "Unknown reasoning format"),
+    ('"prompt" must not be empty', "prompt", '"prompt" must not be empty'),
+])
+def test_an_engine_500_about_the_request_is_a_400_without_the_parsers_text(message, param, says):
+    body = json.dumps({"error": {"code": 500, "message": message, "type": "server_error"}})
+    error = upstream_error(500, body.encode())
+    assert (error.status, error.type, error.code, error.param) == (
+        400, "invalid_request_error", "invalid_request", param)
+    assert says in str(error)
+    assert "json.exception" not in str(error) and "Missing" not in str(error)
+    assert "hint" not in str(error)
+    # the same inside a stream
+    streamed = upstream_stream_error(b"data: " + json.dumps({"error": {
+        "code": 500, "message": message, "type": "server_error"}}).encode() + b"\n\n")
+    assert streamed is not None and streamed.status == 400
+
+
+def test_other_engine_500s_stay_server_errors():
+    body = b'{"error":{"code":500,"message":"failed to decode the batch","type":"server_error"}}'
+    error = upstream_error(500, body)
+    assert error.status == 500 and error.type == "server_error"
+
+
+def test_the_json_librarys_tag_is_cut_from_an_engine_400():
+    body = json.dumps({"error": {"code": 400, "type": "invalid_request_error", "message":
+                                 "Field 'temperature': [json.exception.type_error.302] type "
+                                 "must be number, but is array"}})
+    error = upstream_error(400, body.encode())
+    assert str(error) == "Field 'temperature': type must be number, but is array"

@@ -8,6 +8,7 @@ tokens, or the admission's arithmetic would be wrong.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -47,21 +48,43 @@ ENGINE_KEY = "engine-only-key"
 LONG_SYSTEM = "You are a careful coding agent. " * 40
 
 
-@pytest.fixture(scope="module")
-def engine_url(llama_server_binary: Path, tiny_model: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real llama-server for the module, started with the product's flags that
-    matter for counting (--jinja renders the model's own chat template, and a key that
-    the tokenizer must send, as GGUF Studio's engines require)."""
+#: A template that renders tools and tool calls as JSON indented by 4 (as Llama 3.1's and
+#: Granite's do), with tool-use instructions: the tiny model's own ignores tools.
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\nYou can call these tools. To call one, answer with "
+    "<tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call>.\\n\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson(indent=4) + '\\n\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.tool_calls -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- for call in message.tool_calls -%}"
+    "{{- '<tool_call>' + (call.function | tojson(indent=4)) + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@contextlib.contextmanager
+def running_engine(binary: Path, model: Path, folder: Path, *extra: str) -> Iterator[str]:
+    """A real llama-server started with the product's flags that matter for counting
+    (--jinja renders the chat template, and a key that the tokenizer must send, as GGUF
+    Studio's engines require); its URL."""
     port = pick_free_port()
-    engine_dir = tmp_path_factory.mktemp("engine")
-    (engine_dir / "key").write_text(ENGINE_KEY + "\n")
-    log = (engine_dir / "llama-server.log").open("wb")
+    (folder / "key").write_text(ENGINE_KEY + "\n")
+    log = (folder / "llama-server.log").open("wb")
     child = subprocess.Popen(
-        [str(llama_server_binary), "-m", str(tiny_model), "--host", "127.0.0.1",
+        [str(binary), "-m", str(model), "--host", "127.0.0.1",
          "--port", str(port), "-np", "2", "-c", "8192", "--jinja", "--no-webui",
          "--embeddings", "--pooling", "mean", "-t", "1",
-         "--api-key-file", str(engine_dir / "key")], stdout=log, stderr=subprocess.STDOUT)
+         "--api-key-file", str(folder / "key"), *extra], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -81,9 +104,35 @@ def engine_url(llama_server_binary: Path, tiny_model: Path,
         log.close()
 
 
+@pytest.fixture(scope="module")
+def engine_url(llama_server_binary: Path, tiny_model: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real llama-server for the module, with the tiny model's own template."""
+    with running_engine(llama_server_binary, tiny_model, tmp_path_factory.mktemp("engine")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tools_engine_url(llama_server_binary: Path, tiny_model: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The same, with a template that renders tools (`TOOLS_TEMPLATE`)."""
+    folder = tmp_path_factory.mktemp("tools-engine")
+    (folder / "tools.jinja").write_text(TOOLS_TEMPLATE)
+    with running_engine(llama_server_binary, tiny_model, folder,
+                        "--chat-template-file", str(folder / "tools.jinja")) as url:
+        yield url
+
+
 @pytest.fixture
 async def counter(engine_url: str) -> Iterator[PromptCounter]:
     tokenizer = HttpEngineTokenizer(engine_url, api_key=ENGINE_KEY)
+    yield PromptCounter(tokenizer)
+    await tokenizer.aclose()
+
+
+@pytest.fixture
+async def tools_counter(tools_engine_url: str) -> Iterator[PromptCounter]:
+    tokenizer = HttpEngineTokenizer(tools_engine_url, api_key=ENGINE_KEY)
     yield PromptCounter(tokenizer)
     await tokenizer.aclose()
 
@@ -188,6 +237,31 @@ SHORT_BODIES = [
     (MESSAGES, {"system": "Be brief.", "messages": [{"role": "user", "content": "?"}] * 20}),
     (COMPLETIONS, {"prompt": "   \n\n\t  spaces    and\ttabs  \n" * 5}),
     (CHAT, {"messages": CASES["chat with a tool call and its result"][1]["messages"] * 3}),
+    # tools (agents send them with every request), and tool calls whose arguments a
+    # template may re-indent
+    (CHAT, CASES["chat with system prompt and tools"][1]),
+    (CHAT, CASES["chat with a tool call and its result"][1]),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {
+            "name": f"tool_{i}", "description": "Tröpfchen, 水, 🙂 " * 3,
+            "parameters": {"type": "object", "properties": {
+                "deep": {"type": "object", "properties": {"a": {"type": "object", "properties": {
+                    "b": {"type": "array", "items": {"type": "string", "enum": ["x", "y"]}}}}}},
+                "n": {"type": "integer", "minimum": 0}}}}} for i in range(8)]}),
+    (CHAT, {"messages": [{"role": "user", "content": "go"}, {
+        "role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function", "function": {
+                "name": "read_file", "arguments": json.dumps({"a": {"b": {"c": [1, 2, {"d": 3}]}}})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": [TOOL]}),
+    (RESPONSES, CASES["responses with instructions, items and tools"][1]),
+    (MESSAGES, CASES["messages with system, blocks and tools"][1]),
+    (MESSAGES, {"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "read_file",
+                                           "input": {"path": {"deep": ["a", {"b": 1}]}}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "done"}]}],
+        "tools": CASES["messages with system, blocks and tools"][1]["tools"]}),
 ]
 
 
@@ -197,6 +271,45 @@ async def test_the_byte_bound_is_never_below_the_engines_count(counter, engine_u
     bound = await counted(counter, route, body, fits_below=1 << 20)
     assert bound.how == "bound"
     assert bound.tokens >= await engine_prompt_tokens(engine_url, route, body)
+
+
+TOOL_BODIES = [(route, body) for route, body in SHORT_BODIES
+               if body.get("tools") and route == CHAT]
+
+
+@pytest.mark.parametrize("index", range(len(TOOL_BODIES)))
+async def test_the_byte_bound_of_tools_holds_where_the_template_renders_them(
+        tools_counter, tools_engine_url, index):
+    """Tools and tool calls rendered as JSON indented by 4, with instructions: the bound
+    (with the tools' costs measured on this engine) still holds."""
+    route, body = TOOL_BODIES[index]
+    bound = await counted(tools_counter, route, body, fits_below=1 << 20)
+    assert bound.how == "bound"
+    real = await engine_prompt_tokens(tools_engine_url, route, body)
+    print(f"\n{len(body['tools'])} tools: bound {bound.tokens}, engine {real}, "
+          f"{tools_counter.tool_costs}")
+    assert bound.tokens >= real
+    assert tools_counter.tool_costs is not None and tools_counter.tool_costs.fixed > 0
+
+
+async def test_what_tools_cost_is_measured_once_and_shared(tools_counter):
+    counter = tools_counter
+    body = TOOL_BODIES[0][1]
+    asks = []
+    original = counter.tokenizer.count_input_tokens
+
+    async def spy(route, body):
+        asks.append(route)
+        return await original(route, body)
+    counter.tokenizer.count_input_tokens = spy
+    first = await asyncio.gather(*(counted(counter, CHAT, body, fits_below=1 << 20)
+                                   for _ in range(5)))
+    assert {count.how for count in first} == {"bound"}
+    assert len(asks) == 4  # the template's base, then no tool, one and two probe tools
+    await counted(counter, CHAT, body, fits_below=1 << 20)
+    assert len(asks) == 4
+    costs = counter.tool_costs
+    assert costs is not None and costs.fixed > 0 and costs.per_tool > 0
 
 
 async def test_a_request_above_the_bound_threshold_is_counted_by_the_engine(counter):

@@ -101,6 +101,37 @@ async def test_a_body_that_stops_arriving_is_a_408(gw, fake):
     await until(lambda: gw.registry.total_waiting == 0 and gw.registry.total_active == 0)
 
 
+async def test_a_body_that_trickles_in_is_a_408_at_its_deadline(gw, fake):
+    """A byte just before each part's timeout keeps a connection busy for ever unless the
+    body as a whole has a deadline: the head timeout, plus a second per KiB received."""
+    gw.configure(header_timeout=0.5)
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+        await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                      b"Content-Type: application/json\r\n"
+                                      b"Content-Length: 1000\r\n\r\n")
+
+        async def trickle() -> None:
+            with contextlib.suppress(OSError):
+                for _ in range(1000):  # 1,000 bytes at this pace take 300 s
+                    await loop.sock_sendall(sock, b" ")
+                    await asyncio.sleep(0.3)  # the client's pace: under the part timeout
+
+        started = loop.time()
+        sending = asyncio.create_task(trickle())
+        try:
+            answer = await asyncio.wait_for(loop.sock_recv(sock, 65536), 10)
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b'"code": "request_timeout"' in answer
+    assert loop.time() - started < 3
+    assert fake.requests == []
+
+
 async def test_a_taken_port_is_a_clear_settings_error(gw):
     with pytest.raises(SettingsError, match="already in use"):
         await GatewayServer.start(create_app(gw.ctx), "127.0.0.1", gw.server.port)

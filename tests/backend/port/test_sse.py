@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backend.port.http_errors import scrub
-from backend.port.sse import EventFramer, ResponsesRewriter
+from backend.port.sse import BrokenStream, EventFramer, ResponsesRewriter, event_ends
 
 
 
@@ -16,7 +16,7 @@ from backend.port.sse import EventFramer, ResponsesRewriter
 def relay_through(chunks: list[bytes], our_id: str | None) -> tuple[list[bytes], ResponsesRewriter]:
     framer, rewriter = EventFramer(), ResponsesRewriter(our_id)
     sent = [rewriter.feed(framer.feed(chunk)) for chunk in chunks]
-    sent.append(rewriter.feed(framer.flush()) + rewriter.flush())
+    sent.append(rewriter.feed(framer.finish()) + rewriter.flush())
     return sent, rewriter
 
 
@@ -60,9 +60,24 @@ def test_the_framer_holds_partial_events_and_understands_crlf():
     assert framer.feed(b"\ndata: 3\r\n\r\n") == b"data: 22\n\ndata: 3\r\n\r\n"
     assert framer.feed(b"data: half") == b""
     framer.drop()  # the upstream died: the half event is never sent
-    assert framer.flush() == b""
-    big = b"x" * (EventFramer.LIMIT + 1)
-    assert framer.feed(big) == big, "not SSE at all: let it through rather than hoard it"
+    assert framer.finish() == b""
+
+
+def test_a_stream_that_ends_or_runs_on_inside_an_event_is_broken():
+    framer = EventFramer()
+    assert framer.feed(b"data: 1\n\ndata: {\"cut") == b"data: 1\n\n"
+    with pytest.raises(BrokenStream):
+        framer.finish()  # the half event is not handed to the client
+    framer = EventFramer()
+    assert framer.feed(b"data: 1\n\n\r\n") == b"data: 1\n\n"
+    assert framer.finish() == b"\r\n"  # a stray blank line is no event
+    with pytest.raises(BrokenStream):  # not SSE at all: neither hoarded nor let through
+        framer.feed(b"x" * (EventFramer.LIMIT + 1))
+
+
+def test_event_ends_finds_whole_events_only():
+    assert event_ends(b"data: 1\n\ndata: 2\r\n\r\ndata: 3") == [9, 20]
+    assert event_ends(b"data: half") == []
 
 
 def test_scrub_removes_internals_but_keeps_the_sentence():

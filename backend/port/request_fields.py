@@ -1,0 +1,302 @@
+"""The shapes of the fields llama-server reads from a gated request, checked before it is
+forwarded.
+
+llama-server answers a field of the wrong type with HTTP 500 and its JSON library's text
+(`[json.exception.type_error.302] type must be string, but is number`), and a malformed
+message, prompt or tool with a 500 too ("Failed to parse messages: ..."): the client's
+mistake would look like the server's.  So the port checks the fields the engine reads
+against the shapes the OpenAI and Anthropic APIs give them, and answers 400
+`invalid_request_error` naming the field (`messages[2].content[0].text`).  Fields it does
+not know are left to the engine; values of the right type are never judged (an unknown
+role, an empty prompt: the engine says what it makes of them).
+
+`check_fields(route, data)` runs on the parsed body (`backend.port.request_body.parse_body`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from backend.errors import InvalidRequest
+
+__all__ = ["check_fields"]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+EMBEDDINGS = "/v1/embeddings"
+
+# Kinds of JSON values, as a check and the words an error uses for it.
+Kind = tuple[Callable[[Any], bool], str]
+STRING: Kind = (lambda v: isinstance(v, str), "a string")
+NUMBER: Kind = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+BOOLEAN: Kind = (lambda v: isinstance(v, bool), "true or false")
+OBJECT: Kind = (lambda v: isinstance(v, dict), "an object")
+ARRAY: Kind = (lambda v: isinstance(v, list), "a list")
+
+#: Fields of every generating route that llama-server reads with a fixed type (sampling,
+#: grammar, template options).  `null` is always allowed: it means "not given".
+SAMPLING: dict[str, tuple[Kind, ...]] = {
+    **{name: (NUMBER,) for name in (
+        "temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty",
+        "repeat_last_n", "presence_penalty", "frequency_penalty", "seed", "n", "n_probs",
+        "top_logprobs", "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range",
+        "dynatemp_exponent", "xtc_probability", "xtc_threshold", "dry_multiplier",
+        "dry_base", "dry_allowed_length", "dry_penalty_last_n", "n_keep", "n_indent",
+        "min_keep", "id_slot")},
+    **{name: (BOOLEAN,) for name in (
+        "cache_prompt", "ignore_eos", "parallel_tool_calls", "add_generation_prompt",
+        "return_tokens", "post_sampling_probs", "timings_per_token", "return_progress")},
+    **{name: (STRING,) for name in ("grammar", "reasoning_format", "user")},
+    **{name: (OBJECT,) for name in ("stream_options", "response_format", "json_schema",
+                                    "chat_template_kwargs", "metadata")},
+    "tool_choice": (STRING, OBJECT),
+    "logit_bias": (OBJECT, ARRAY),
+}
+
+
+def check_fields(route: str, data: Mapping[str, Any]) -> None:
+    """InvalidRequest naming the first field of `data` whose shape the engine cannot use."""
+    if route != EMBEDDINGS:
+        for name, kinds in SAMPLING.items():
+            _check(data.get(name), name, *kinds)
+    _ROUTES[route](data)
+
+
+# --- routes ------------------------------------------------------------------------------
+
+
+def _chat(data: Mapping[str, Any]) -> None:
+    _check(data.get("reasoning_effort"), "reasoning_effort", STRING)
+    _stop(data.get("stop"), "stop")
+    _messages(data.get("messages"), "messages", _chat_content)
+    _chat_tools(data.get("tools"), "tools")
+
+
+def _completions(data: Mapping[str, Any]) -> None:
+    _stop(data.get("stop"), "stop")
+    if "prompt" not in data or data["prompt"] is None:
+        raise InvalidRequest("'prompt' is required.", param="prompt")
+    _prompts(data["prompt"], "prompt")
+
+
+def _embeddings(data: Mapping[str, Any]) -> None:
+    name = "input" if "input" in data else "content"
+    if data.get(name) is None:
+        raise InvalidRequest("'input' is required.", param="input")
+    _prompts(data[name], name)
+
+
+def _responses(data: Mapping[str, Any]) -> None:
+    _check(data.get("instructions"), "instructions", STRING)
+    _check(data.get("reasoning"), "reasoning", OBJECT)
+    _check(data.get("text"), "text", OBJECT)
+    _stop(data.get("stop"), "stop")
+    items = data.get("input")
+    if items is None:
+        raise InvalidRequest("'input' is required.", param="input")
+    _check(items, "input", STRING, ARRAY)
+    if isinstance(items, list):
+        for i, item in enumerate(items):
+            where = f"input[{i}]"
+            _check(item, where, OBJECT, required=True)
+            for name in ("role", "type", "call_id", "name", "arguments", "output_text"):
+                _check(item.get(name), f"{where}.{name}", STRING)
+            content = item.get("content")
+            _check(content, f"{where}.content", STRING, ARRAY)
+            if isinstance(content, list):
+                _parts(content, f"{where}.content")
+            output = item.get("output")
+            _check(output, f"{where}.output", STRING, ARRAY)
+            if isinstance(output, list):
+                _parts(output, f"{where}.output")
+    tools = data.get("tools")
+    _check(tools, "tools", ARRAY)
+    for i, tool in enumerate(tools or ()):
+        _check(tool, f"tools[{i}]", OBJECT, required=True)
+        _check(tool.get("type"), f"tools[{i}].type", STRING)
+        _check(tool.get("name"), f"tools[{i}].name", STRING)
+        _check(tool.get("description"), f"tools[{i}].description", STRING)
+        _check(tool.get("parameters"), f"tools[{i}].parameters", OBJECT)
+
+
+def _messages_route(data: Mapping[str, Any]) -> None:
+    """Anthropic's messages API."""
+    system = data.get("system")
+    _check(system, "system", STRING, ARRAY)
+    if isinstance(system, list):
+        _parts(system, "system")
+    _check(data.get("stop_sequences"), "stop_sequences", ARRAY)
+    for i, stop in enumerate(data.get("stop_sequences") or ()):
+        _check(stop, f"stop_sequences[{i}]", STRING, required=True)
+    _check(data.get("thinking"), "thinking", OBJECT)
+    _messages(data.get("messages"), "messages", _anthropic_content)
+    tools = data.get("tools")
+    _check(tools, "tools", ARRAY)
+    for i, tool in enumerate(tools or ()):
+        _check(tool, f"tools[{i}]", OBJECT, required=True)
+        _check(tool.get("name"), f"tools[{i}].name", STRING)
+        _check(tool.get("description"), f"tools[{i}].description", STRING)
+        _check(tool.get("input_schema"), f"tools[{i}].input_schema", OBJECT)
+
+
+_ROUTES: dict[str, Callable[[Mapping[str, Any]], None]] = {
+    CHAT: _chat, COMPLETIONS: _completions, RESPONSES: _responses,
+    MESSAGES: _messages_route, EMBEDDINGS: _embeddings,
+}
+
+
+# --- parts -------------------------------------------------------------------------------
+
+
+def _messages(messages: Any, where: str,
+              content: Callable[[Any, str], None]) -> None:
+    if not isinstance(messages, list):
+        raise InvalidRequest(f"'{where}' must be a list of messages.", param=where)
+    for i, message in enumerate(messages):
+        at = f"{where}[{i}]"
+        _check(message, at, OBJECT, required=True)
+        if "role" not in message:
+            raise InvalidRequest(f"'{at}.role' is required.", param=f"{at}.role")
+        _check(message["role"], f"{at}.role", STRING, required=True)
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            # present means a string: llama-server reads a null here as a type error
+            _check(message.get(name), f"{at}.{name}", STRING, required=name in message)
+        content(message.get("content"), f"{at}.content")
+        _tool_calls(message.get("tool_calls"), f"{at}.tool_calls")
+
+
+def _chat_content(content: Any, where: str) -> None:
+    _check(content, where, STRING, ARRAY)
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            at = f"{where}[{i}]"
+            _check(part, at, OBJECT, required=True)
+            if "type" not in part:
+                raise InvalidRequest(f"'{at}.type' is required.", param=f"{at}.type")
+            _check(part["type"], f"{at}.type", STRING, required=True)
+            if part["type"] == "text" or "text" in part:
+                _check(part.get("text"), f"{at}.text", STRING, required=part["type"] == "text")
+            image = part.get("image_url")
+            _check(image, f"{at}.image_url", OBJECT, STRING)
+            if isinstance(image, dict):
+                _check(image.get("url"), f"{at}.image_url.url", STRING)
+            _check(part.get("input_audio"), f"{at}.input_audio", OBJECT)
+
+
+def _anthropic_content(content: Any, where: str) -> None:
+    _check(content, where, STRING, ARRAY)
+    if isinstance(content, list):
+        _parts(content, where)
+
+
+def _parts(parts: list[Any], where: str) -> None:
+    """Content blocks of the Responses and messages APIs: objects with a string type and
+    string texts."""
+    for i, part in enumerate(parts):
+        at = f"{where}[{i}]"
+        _check(part, at, OBJECT, required=True)
+        for name in ("type", "text", "thinking", "id", "name", "tool_use_id", "image_url",
+                     "refusal"):
+            _check(part.get(name), f"{at}.{name}", STRING)
+        _check(part.get("source"), f"{at}.source", OBJECT)
+        _check(part.get("input"), f"{at}.input", OBJECT)
+        inner = part.get("content")
+        _check(inner, f"{at}.content", STRING, ARRAY)
+        if isinstance(inner, list):
+            _parts(inner, f"{at}.content")
+
+
+def _tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's tool calls, as llama-server requires them."""
+    _check(calls, where, ARRAY)
+    for i, call in enumerate(calls or ()):
+        at = f"{where}[{i}]"
+        _check(call, at, OBJECT, required=True)
+        _check(call.get("id"), f"{at}.id", STRING, required="id" in call)
+        _function(call, at, "arguments")
+        _check(call["function"]["arguments"], f"{at}.function.arguments", STRING, OBJECT,
+               required=True)
+
+
+def _chat_tools(tools: Any, where: str) -> None:
+    _check(tools, where, ARRAY)
+    for i, tool in enumerate(tools or ()):
+        at = f"{where}[{i}]"
+        _check(tool, at, OBJECT, required=True)
+        _function(tool, at)
+        function = tool["function"]
+        _check(function.get("description"), f"{at}.function.description", STRING,
+               required="description" in function)
+        _check(function.get("parameters"), f"{at}.function.parameters", OBJECT)
+
+
+def _function(item: Mapping[str, Any], where: str, *required: str) -> None:
+    """`{"type": "function", "function": {"name": ..., ...}}` (a tool or a tool call)."""
+    if item.get("type") != "function":
+        raise InvalidRequest(f"'{where}.type' must be \"function\" (the only kind of tool "
+                             "this server runs).", param=f"{where}.type")
+    function: Any = item.get("function")
+    _check(function, f"{where}.function", OBJECT, required=True)
+    _check(function.get("name"), f"{where}.function.name", STRING, required=True)
+    for name in required:
+        if name not in function:
+            raise InvalidRequest(f"'{where}.function.{name}' is required.",
+                                 param=f"{where}.function.{name}")
+
+
+def _stop(stop: Any, where: str) -> None:
+    _check(stop, where, STRING, ARRAY)
+    if isinstance(stop, list):
+        for i, value in enumerate(stop):
+            _check(value, f"{where}[{i}]", STRING, required=True)
+
+
+def _prompts(prompt: Any, where: str) -> None:
+    """A completions prompt or embeddings input: a string, token ids, a list mixing
+    both, an object with a `prompt_string`, or a list of those."""
+    if isinstance(prompt, str) or _tokens_or_texts(prompt):
+        return
+    if not isinstance(prompt, list):
+        _subprompt(prompt, where)
+        return
+    if not prompt:
+        raise InvalidRequest(f"'{where}' must not be empty.", param=where)
+    for i, item in enumerate(prompt):
+        _subprompt(item, f"{where}[{i}]")
+
+
+def _subprompt(item: Any, where: str) -> None:
+    if isinstance(item, str) or _tokens_or_texts(item):
+        return
+    if isinstance(item, dict) and isinstance(item.get("prompt_string"), str):
+        data = item.get("multimodal_data")
+        _check(data, f"{where}.multimodal_data", ARRAY)
+        for i, value in enumerate(data or ()):
+            _check(value, f"{where}.multimodal_data[{i}]", STRING, required=True)
+        return
+    raise InvalidRequest(
+        f"'{where}' must be a string, a list of token ids (0 to 2^31 - 1) and strings, or "
+        "an object with a 'prompt_string'.", param=where)
+
+
+def _tokens_or_texts(value: Any) -> bool:
+    """A non-empty list of token ids and strings."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(v, str) or _token_id(v) for v in value)
+
+
+def _token_id(value: Any) -> bool:
+    """A whole number that fits llama.cpp's token type (a 32-bit signed integer)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def _check(value: Any, where: str, *kinds: Kind, required: bool = False) -> None:
+    """InvalidRequest unless `value` is of one of `kinds` (or None, when not required)."""
+    if value is None and not required:
+        return
+    if any(test(value) for test, _ in kinds):
+        return
+    names = " or ".join(name for _, name in kinds)
+    raise InvalidRequest(f"'{where}' must be {names}.", param=where)
