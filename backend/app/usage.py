@@ -122,25 +122,30 @@ class UsageLedger:
 
     @classmethod
     def load(cls, path: Path | None = None, *, clock: Callable[[], float] = time.time,
-             keep_minutes: int = KEEP_MINUTES) -> "UsageLedger":
+             keep_minutes: int = KEEP_MINUTES, writer: bool = True) -> "UsageLedger":
         """The ledger saved at `path` (empty if there is none).  A file that cannot be
-        read is set aside as usage.json.bad, with a warning, rather than written over:
-        usage is worth keeping but never worth refusing to serve for."""
+        read is set aside as usage.json.bad by the `writer` (the serving process), with
+        a warning, rather than written over: usage is worth keeping but never worth
+        refusing to serve for.  A reader (`keys list`) only warns."""
         ledger = cls(path, clock=clock, keep_minutes=keep_minutes)
-        make_private(ledger.path)
+        if writer:
+            make_private(ledger.path)
         try:
             text = ledger.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return ledger
-        except (OSError, UnicodeDecodeError) as exc:
-            ledger._set_aside(getattr(exc, "strerror", None) or "not readable text")
-            return ledger
-        try:
             ledger._read(json.loads(text))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except FileNotFoundError:
+            pass
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError,
+                AttributeError) as exc:
             ledger._totals.clear()
             ledger._minutes.clear()
-            ledger._set_aside(f"not a usage file: {exc}")
+            ledger._encoded.clear()
+            reason = getattr(exc, "strerror", None) or f"not a usage file: {exc}"
+            if writer:
+                ledger._set_aside(reason)
+            else:
+                log.warning("The usage file %s could not be read (%s).", ledger.path.name,
+                            reason)
         return ledger
 
     # --- recording (the hot path) --------------------------------------------------------

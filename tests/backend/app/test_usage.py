@@ -134,6 +134,8 @@ def test_nothing_is_written_when_nothing_changed(path):
 def test_an_unreadable_file_is_set_aside_not_written_over(path, caplog):
     path.parent.mkdir(parents=True)
     path.write_text('{"version": 1, "keys": {"alice": {"requests": "many"}}}')
+    assert UsageLedger.load(path, writer=False).snapshot() == {}  # `keys list` moves nothing
+    assert path.exists()
     ledger = UsageLedger.load(path)
     assert ledger.snapshot() == {}
     assert "could not be read" in caplog.text and "usage.json.bad" in caplog.text
