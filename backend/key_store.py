@@ -55,6 +55,7 @@ import platformdirs
 from backend.api_keys import generate_api_key
 from backend.errors import KeyExpired, KeyRevoked, KeyStoreError, SettingsError, Unauthorized
 from backend.private_files import PRIVATE_FILE_MODE, make_private, write_private
+from backend.settings import APP_NAME
 
 __all__ = [
     "CHECK_INTERVAL",
@@ -72,7 +73,6 @@ __all__ = [
 
 log = logging.getLogger("gguf_studio.keys")
 
-APP_NAME = "gguf-studio"  # the settings' folder (backend.settings.APP_NAME)
 OWNER_NAME = "owner"
 FILE_VERSION = 1
 #: Seconds between two looks at the file for changes made by another process.
@@ -206,7 +206,8 @@ class KeyStore:
         return record
 
     def get(self, name: str) -> KeyRecord | None:
-        """The key called `name` as it is now (`OWNER` for "owner"), None if there is none."""
+        """The key called `name` as it is now (`OWNER` for "owner"), None if there is none
+        (a key deleted from the file by hand: treat its waiting requests as revoked)."""
         if name == OWNER_NAME:
             return OWNER
         self._check_file()
@@ -282,7 +283,7 @@ class KeyStore:
                                     "key instead.")
             record = dataclasses.replace(record, **changes)
             _check_limits(record)
-            records[name] = record
+            records[record.name] = record
         return record
 
     def revoke(self, name: str) -> KeyRecord:
@@ -290,7 +291,7 @@ class KeyStore:
         with self._changing() as records:
             record = _existing(records, name)
             if record.revoked_at is None:
-                record = records[name] = dataclasses.replace(
+                record = records[record.name] = dataclasses.replace(
                     record, revoked_at=_second(self._wall_clock()))
         return record
 
@@ -533,7 +534,8 @@ def _existing(records: dict[str, KeyRecord], name: str) -> KeyRecord:
     if name.casefold() == OWNER_NAME:
         raise KeyStoreError("The owner's key is the one in the settings and has no limits; "
                             "change it in the settings.")
-    record = records.get(name)
+    record = records.get(name) or next(
+        (r for r in records.values() if r.name.casefold() == name.casefold()), None)
     if record is None:
         raise KeyStoreError(f"There is no key named {name!r} (gguf-studio keys list shows "
                             "them).")

@@ -395,7 +395,8 @@ def _keys_revoke(args: argparse.Namespace) -> int:
     from backend.key_store import KeyStore, describe_time
 
     store = KeyStore()
-    before = store.get(args.name)
+    before = next((r for r in store.records() if r.name.casefold() == args.name.casefold()),
+                  None)
     record = store.revoke(args.name)
     assert record.revoked_at is not None
     if before is not None and before.revoked_at is not None:

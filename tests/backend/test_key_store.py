@@ -292,6 +292,9 @@ def test_names_are_unique_whatever_their_case(path):
     store.add("Alice")
     with pytest.raises(KeyStoreError, match="'Alice' already exists; choose another name"):
         store.add("alice")
+    assert store.edit("alice", weight=2).name == "Alice"
+    assert store.revoke("ALICE").name == "Alice"
+    assert [r.name for r in store.records()] == ["Alice"]
 
 
 def test_editing_a_key_that_does_not_exist_or_the_owners_is_refused(path):
