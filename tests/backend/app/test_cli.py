@@ -15,7 +15,7 @@ import pytest
 
 from tests.model_factory import write_not_gguf
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def cli(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:

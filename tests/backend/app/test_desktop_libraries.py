@@ -19,7 +19,7 @@ import pytest
 from backend.app.desktop_libraries import (install_line, missing_libraries, missing_packages,
                                        platform_problem, uses_xcb, xcb_plugin)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 REAL_NEED, FAKE_NEED = b"libxcb-icccm.so.4", b"libxcb-icccz.so.4"
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("ldd") is None,

@@ -335,7 +335,7 @@ def test_child_dies_with_the_app_even_when_the_app_is_killed(llama_server_binary
         asyncio.run(main())
         """)
     app = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                           cwd=Path(__file__).resolve().parents[2])
+                           cwd=Path(__file__).resolve().parents[3])
     try:
         child_pid = int(app.stdout.readline())
         assert pid_alive(child_pid)
