@@ -153,7 +153,7 @@ def _badge_with(open_window, qtbot, monkeypatch, found):
 
 def test_a_model_fits_in_gpu_on_a_machine_with_a_24_gb_gpu(open_window, qtbot, hf_hub, monkeypatch):
     from backend.llama.accelerators import detect
-    from tests.backend.test_accelerators import NVIDIA_SMI_24GB, machine
+    from tests.backend.llama.test_accelerators import NVIDIA_SMI_24GB, machine
 
     badge, hover = _badge_with(open_window, qtbot, monkeypatch, detect(
         machine(tools=["nvidia-smi"], outputs={"nvidia-smi": NVIDIA_SMI_24GB})))
@@ -163,7 +163,7 @@ def test_a_model_fits_in_gpu_on_a_machine_with_a_24_gb_gpu(open_window, qtbot, h
 
 def test_a_model_fits_in_ram_on_a_machine_without_a_gpu(open_window, qtbot, hf_hub, monkeypatch):
     from backend.llama.accelerators import detect
-    from tests.backend.test_accelerators import VULKANINFO_LAVAPIPE, machine
+    from tests.backend.llama.test_accelerators import VULKANINFO_LAVAPIPE, machine
 
     # Only lavapipe (software Vulkan, whose memory is the host's): no GPU memory.
     badge, hover = _badge_with(open_window, qtbot, monkeypatch, detect(

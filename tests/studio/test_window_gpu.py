@@ -89,7 +89,7 @@ def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None
 
 def test_the_engine_tab_offers_the_best_engine_the_computer_can_build(open_window) -> None:
     from backend.llama.accelerators import detect
-    from tests.backend.test_accelerators import (
+    from tests.backend.llama.test_accelerators import (
         NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
     )
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from backend.models.download import repo_folder
-from tests.backend.test_cli import cli
+from tests.backend.app.test_cli import cli
 from tests.conftest import BROKEN_REPO, CODER_REPO, GATED_REPO
 
 

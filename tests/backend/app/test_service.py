@@ -323,7 +323,7 @@ async def test_loads_clicked_in_quick_succession_leave_one_engine_serving_the_la
                                                                                     tiny_model):
     """What the window's Load button does when clicked again while a model starts (it stays
     enabled so that another model can be chosen mid-load): the last click wins."""
-    from tests.backend.test_supervisor import llama_server_children
+    from tests.backend.llama.test_supervisor import llama_server_children
 
     async with asyncio.timeout(120):
         results = await asyncio.gather(*(service.load(spec(tiny_model, parallel=str(n), ctx=2048))

@@ -10,10 +10,10 @@ import pytest
 from backend.llama.accelerators import detect
 from backend.llama.engine import BuildKey, Engine, backend_cmake_args, plan_build
 from backend.errors import BuildToolMissing
-from tests.backend.test_accelerators import (
+from tests.backend.llama.test_accelerators import (
     NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
 )
-from tests.backend.test_engine import fake_executable
+from tests.backend.llama.test_engine import fake_executable
 
 
 def plan(backend: str, probes, tmp_path: Path):
