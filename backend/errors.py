@@ -111,6 +111,11 @@ class SettingsError(StudioError):
     """A setting, flag or environment variable has an unusable value."""
 
 
+class KeyStoreError(SettingsError):
+    """The named keys' file is unreadable, or a change to a key is unusable (a duplicate
+    name, a date in the past, a weight of zero...)."""
+
+
 # --- requests (answered over HTTP) ---------------------------------------------------
 
 
@@ -149,6 +154,36 @@ class RequestTimeout(RequestError):
 
 class Unauthorized(RequestError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class KeyRevoked(Unauthorized):
+    """A named key its owner revoked: refused at once, also while it waits in line."""
+
+
+class KeyExpired(Unauthorized):
+    """A named key past its expiry date."""
+
+
+class ModelNotAllowed(RequestError):
+    """A named key asked for a model outside the models it may use."""
+
+    status, type, code = 403, "invalid_request_error", "model_not_allowed"
+
+
+class RateLimitExceeded(RequestError):
+    """A named key is over its tokens per minute (`reason` "tokens_per_minute") or its
+    tokens per day ("tokens_per_day"); see backend.port.rate_limits.  `headers` are the
+    answer's extra headers (`retry-after-ms`, OpenAI's `x-ratelimit-*`); `retry_after`
+    is None when the request can never fit the limit (it is larger than the limit)."""
+
+    # OpenAI's own 429 for a token limit has type "tokens", code "rate_limit_exceeded".
+    status, type, code = 429, "tokens", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, reason: str, retry_after: float | None,
+                 headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.reason = reason
+        self.headers = headers
 
 
 class ForbiddenOrigin(RequestError):

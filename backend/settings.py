@@ -5,7 +5,7 @@ the command line and the environment all configure the same thing.
 
 The saved file holds the API key, so it is private to the user: written 0600 in a 0700
 directory, and a file or directory left readable by others (an older version wrote 0644)
-is made private again whenever settings are loaded.  `GGUF_STUDIO_API_KEY_FILE` names a
+is made private again whenever settings are loaded (backend.private_files).  `GGUF_STUDIO_API_KEY_FILE` names a
 file holding the key, for people who keep the key out of the environment and out of
 `ps` (the command line's `--api-key-file` does the same).
 """
@@ -24,12 +24,11 @@ import platformdirs
 from backend.api_keys import check_api_key, read_api_key_file
 from backend.errors import SettingsError
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
+from backend.private_files import make_private, write_private
 
 APP_NAME = "gguf-studio"
 ENV_PREFIX = "GGUF_STUDIO_"
 API_KEY_FILE_ENV = ENV_PREFIX + "API_KEY_FILE"
-PRIVATE_FILE_MODE = 0o600
-PRIVATE_DIR_MODE = 0o700
 
 
 @dataclass
@@ -134,11 +133,7 @@ class Settings:
         for name in env_overrides(os.environ if environ is None else environ):
             if values[name] == getattr(from_env, name):
                 values[name] = previous.get(name, getattr(Settings(), name))
-        path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-        make_private(path)
-        tmp = path.with_suffix(".tmp")
-        _write_private(tmp, json.dumps(values, indent=2).encode())
-        os.replace(tmp, path)
+        write_private(path, json.dumps(values, indent=2).encode())
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Settings":
         """A copy with `overrides` (field name -> raw value) converted and applied."""
@@ -171,36 +166,6 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
                                 "set only one of them.")
         out["api_key"] = read_api_key_file(environ[API_KEY_FILE_ENV])
     return out
-
-
-def make_private(path: Path) -> None:
-    """Make the settings file (0600) and its directory (0700) private to the user where
-    others may read them.  The directory only if it is the user's own (a settings file
-    kept in a shared directory such as /tmp leaves that directory alone).  No-op on
-    Windows, whose modes mean little."""
-    if os.name == "nt":
-        return
-    for target, is_dir in ((path.parent, True), (path, False)):
-        try:
-            info = target.stat()
-        except OSError:
-            continue
-        if not info.st_mode & 0o077 or (is_dir and info.st_uid != os.getuid()):
-            continue
-        try:
-            os.chmod(target, info.st_mode & 0o700)
-        except OSError as exc:
-            raise SettingsError(f"{target.name} is readable by other users and could not be "
-                                f"made private ({exc.strerror}).") from None
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path`, created 0600 (and made so if it was already there)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "wb") as file:
-        if os.name != "nt":
-            os.fchmod(fd, PRIVATE_FILE_MODE)
-        file.write(data)
 
 
 def _read_saved(path: Path) -> dict[str, Any]:
