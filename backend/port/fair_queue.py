@@ -11,12 +11,12 @@ Bands: interactive before normal before batch.  A flow has a band; a request may
 its own (never raise it).  A flow's requests of one band form a *lane*, first come first
 served; a request that lowered its band waits in the flow's lower lane, so it holds back
 none of the flow's own higher-priority requests.  Aging bounds a lower band's wait: a
-lane's head that has been the head for `aging` seconds competes one band higher, two
-bands higher after twice that, and there goes before that band's own lanes (oldest head
-first).  Aging is counted from when an item became its lane's head, not from its
-arrival, so a long backlog that waited together does not take over the higher band at
-once: each lane lifts one request per period.  It only lifts over a band that has
-waiters: inside a band the fair order alone decides.
+lane's head that has been the head for `aging` seconds is *lifted* one band, two bands
+after twice that.  Lifted heads compete in the higher band as one more flow of weight
+`AGED_WEIGHT` (oldest head first among them): a lower band gets a bounded share of a
+busy higher band, never all of it, however many of its lanes have aged.  Aging counts
+from when an item became its lane's head, not from its arrival, and it only lifts over a
+band that has waiters: inside a band the fair order alone decides.
 
 Fair share inside a band: start-time fair queuing (SFQ, Goyal et al. 1996) on reserved
 tokens.  Each lane has a virtual start tag, its service so far in tokens divided by its
@@ -31,13 +31,13 @@ so it serves each flow in bursts of up to a quantum: a newcomer waits behind a w
 quantum of every backlogged flow, where SFQ admits it next (bench/fairness_core.py
 measures both).  SFQ costs O(log F) heap operations per admission instead.
 
-KV fit: the first lane in that order whose head fits is admitted.  Heads that do not fit
-may be passed, but only `max_passes` times: the first one passed is remembered, every
-later admission of anyone else counts as passing it, and after `max_passes` nothing is
-admitted until it fits.  Running requests end, so it does fit, and no one starves.
-`max_passes=0` is the strict rule of a FIFO line (only the first in order may go).  With
-a single flow in a single band there is one lane and nobody to pass: the order is
-exactly first come, first served.
+KV fit: the first head in that order that fits is admitted.  Each head tried before it
+that did not fit has been *passed* once; a head passed `max_passes` times is a barrier:
+nothing behind it in the order is admitted until it fits (those ahead of it still go).
+Running requests end, so it does fit, and no head is passed more than `max_passes`
+times.  `max_passes=0` is the strict rule of a FIFO line (only the first in order may
+go).  With a single flow in a single band there is one lane and nobody to pass: the
+order is exactly first come, first served.
 
 State stays bounded: a lane with nothing waiting is kept only while it owes service
 (its tag is ahead of the band's paid-up virtual time, which advances like a
@@ -63,9 +63,12 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["Band", "FairQueue", "Flow"]
+__all__ = ["AGED_WEIGHT", "Band", "FairQueue", "Flow"]
 
 T = TypeVar("T", bound=Hashable)
+
+#: The weight lifted heads compete with, together, in the band they were lifted into.
+AGED_WEIGHT = 1.0
 
 
 class Band(enum.IntEnum):
@@ -102,8 +105,9 @@ class FairQueue(Generic[T]):
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  aging: float = 30.0, max_passes: int = 4, max_scan: int = 8) -> None:
         """`aging`: seconds as a lane's head per band lifted (math.inf: never).
-        `max_passes`: admissions that may pass a head that does not fit before nothing
-        passes it.  `max_scan`: heads that do not fit tried per call beyond the first."""
+        `max_passes`: how often a head that does not fit may be passed before nothing
+        behind it is admitted.  `max_scan`: heads that do not fit tried per call beyond
+        the first."""
         if not aging > 0:
             raise ValueError(f"aging is a positive number of seconds, not {aging!r}")
         for name, value in (("max_passes", max_passes), ("max_scan", max_scan)):
@@ -118,9 +122,6 @@ class FairQueue(Generic[T]):
         self._running: dict[T, _Entry[T]] = {}
         self._bands = tuple(_BandState[T]() for _ in Band)
         self._ties = itertools.count()
-        # The head first passed while it did not fit, and how often it was passed since.
-        self._blocked: _Entry[T] | None = None
-        self._passes = 0
 
     # --- state -----------------------------------------------------------------------
 
@@ -223,8 +224,6 @@ class FairQueue(Generic[T]):
         was_head = _head(lane) is entry
         del lane.items[item]
         state.waiting -= 1
-        if self._blocked is entry:
-            self._blocked, self._passes = None, 0
         if was_head:
             lane.head_since = self._clock()
             self._rekey(lane)
@@ -238,28 +237,19 @@ class FairQueue(Generic[T]):
         """
         if not self._waiting:
             return None
-        blocked = self._blocked
-        if blocked is not None and self._passes >= self._max_passes:
-            if self._eligible(blocked.flow) and fits(blocked.item):
-                return self._admit(blocked, self._clock())
-            return None
         now = self._clock()
-        missed: _Entry[T] | None = None
-        tries = 0
-        for lane in self._candidates(now):
+        missed: list[_Entry[T]] = []
+        for lane, lifted_into in self._candidates(now):
             entry = _head(lane)
             if fits(entry.item):
-                if entry is not blocked:
-                    if blocked is not None:
-                        self._passes += 1
-                    elif missed is not None:
-                        self._blocked, self._passes = missed, 1
-                return self._admit(entry, now)
-            if missed is None:
-                missed = entry
-            tries += 1
-            if tries > self._max_scan or self._max_passes == 0:
-                break
+                for passed in missed:
+                    passed.passes += 1
+                return self._admit(entry, now, lifted_into)
+            if entry.passes >= self._max_passes:
+                return None  # nothing passes it any more
+            missed.append(entry)
+            if len(missed) > self._max_scan:
+                return None
         return None
 
     def finished(self, item: T) -> None:
@@ -344,9 +334,6 @@ class FairQueue(Generic[T]):
         if _head(lane) is entry:
             lane.head_since = head_since
             self._rekey(lane)
-            blocked = self._blocked
-            if blocked is not None and blocked.flow is lane.flow and blocked.band == lane.band:
-                self._blocked = entry  # the passed head is behind it in its own lane now
 
     def _eligible(self, state: _FlowState[T]) -> bool:
         limit = state.flow.max_concurrent
@@ -390,7 +377,7 @@ class FairQueue(Generic[T]):
             if lane.listed != (eligible and bool(lane.items)):
                 self._rekey(lane)
 
-    def _admit(self, entry: _Entry[T], now: float) -> T:
+    def _admit(self, entry: _Entry[T], now: float, lifted_into: int | None) -> T:
         state = entry.flow
         lane = state.lanes[entry.band]
         band = self._bands[entry.band]
@@ -401,24 +388,33 @@ class FairQueue(Generic[T]):
         state.running += 1
         state.reserved += entry.cost
         self._running[item] = entry
-        if self._blocked is entry:
-            self._blocked, self._passes = None, 0
         start = lane.vtime
         entry.weight = state.flow.weight
         lane.vtime = start + entry.cost / entry.weight
         band.vtime = max(band.vtime, start)
-        # A processor-sharing clock: how far every backlogged lane's debt is paid.
-        band.paid = max(band.paid + entry.cost / band.weight, band.vtime)
+        paid = band.paid + entry.cost / band.weight  # the weight of everyone listed
+        if lifted_into is not None:
+            higher = self._bands[lifted_into]
+            aged_start = max(higher.aged_vtime, higher.vtime)
+            higher.aged_vtime = aged_start + entry.cost / AGED_WEIGHT
+            higher.vtime = max(higher.vtime, aged_start)
+            higher.paid = max(higher.paid, higher.vtime)
+        lane.head_since = now
+        self._rekey(lane)
+        self._refresh(state)
+        # A processor-sharing clock: how far every backlogged lane's debt is paid.  It
+        # never passes the finish tag of the least served lane still waiting, as in GPS.
+        least = next(_in_order(band.order), None)
+        if least is not None:
+            paid = min(paid, least[0] + _head(least[3]).cost / least[3].flow.flow.weight)
+        band.paid = max(band.paid, band.vtime, paid)
         idle = band.idle
         while idle and idle[0][0] <= band.paid:
             _, _, owing, version = heapq.heappop(idle)
             if owing.version == version and not owing.items:
                 self._drop_lane(owing)
-        lane.head_since = now
-        self._rekey(lane)
         if not lane.items:
             self._emptied(lane)
-        self._refresh(state)
         return item
 
     def _emptied(self, lane: _Lane[T]) -> None:
@@ -429,7 +425,7 @@ class FairQueue(Generic[T]):
             # No one waits in this band: as in SFQ's idle system, everyone starts even.
             owing = [lane, *(e[2] for e in band.idle if e[2].version == e[3])]
             top = max(o.vtime for o in owing)
-            band.vtime = band.paid = max(band.vtime, band.paid, top)
+            band.vtime = band.paid = band.aged_vtime = max(band.vtime, band.paid, top)
             band.idle.clear()
             for idle in owing:
                 if not idle.items and idle.flow.lanes.get(idle.band) is idle:
@@ -450,25 +446,54 @@ class FairQueue(Generic[T]):
             if self._flows.get(state.flow.key) is state:
                 del self._flows[state.flow.key]
 
-    def _candidates(self, now: float) -> Iterator[_Lane[T]]:
-        """Listed lanes in the order their heads should go, lazily."""
+    def _candidates(self, now: float) -> Iterator[tuple[_Lane[T], int | None]]:
+        """Listed lanes in the order their heads should go, lazily, each with the band
+        it was lifted into (None: it competes in its own band)."""
         bands = self._bands
         seen: set[_Lane[T]] = set()
         for level, band in enumerate(bands):
             if not band.listed:
                 continue
-            if self._aging != math.inf:
-                streams = [_aged(bands[lower].age, now - (lower - level) * self._aging)
-                           for lower in range(level + 1, len(bands)) if bands[lower].listed]
-                lifted = streams[0] if len(streams) == 1 else heapq.merge(*streams)
-                for entry in lifted:
+            lifted = self._lifted(level, now, seen)
+            first = next(lifted, None)
+            if first is None:
+                for entry in _in_order(band.order):
                     if entry[3] not in seen:
                         seen.add(entry[3])
-                        yield entry[3]
-            for entry in _in_order(band.order):
+                        yield entry[3], None
+                continue
+            # The lifted heads are one more flow of this band: they go at its tag.
+            aged_tag = max(band.aged_vtime, band.vtime)
+            natives = _in_order(band.order)
+            for entry in natives:
+                if entry[0] >= aged_tag:
+                    natives = itertools.chain((entry,), natives)
+                    break
                 if entry[3] not in seen:
                     seen.add(entry[3])
-                    yield entry[3]
+                    yield entry[3], None
+            seen.add(first)
+            yield first, level
+            for lane in lifted:
+                seen.add(lane)
+                yield lane, level
+            for entry in natives:
+                if entry[3] not in seen:
+                    seen.add(entry[3])
+                    yield entry[3], None
+
+    def _lifted(self, level: int, now: float, seen: set[_Lane[T]]) -> Iterator[_Lane[T]]:
+        """Lanes of lower bands whose head has aged into `level`, oldest head first."""
+        if self._aging == math.inf:
+            return
+        bands = self._bands
+        streams = [_aged(bands[lower].age, now - (lower - level) * self._aging)
+                   for lower in range(level + 1, len(bands)) if bands[lower].listed]
+        if not streams:
+            return
+        for entry in streams[0] if len(streams) == 1 else heapq.merge(*streams):
+            if entry[3] not in seen:
+                yield entry[3]
 
     def _lifted_band(self, lane: _Lane[T], now: float, with_waiters: set[int]) -> int:
         """The band `lane`'s head competes in now, by aging over bands with waiters."""
@@ -487,7 +512,7 @@ _HeapEntry = tuple[float, int, int, "_Lane[T]", int]  # key, head seq, tie, lane
 class _Entry(Generic[T]):
     """One item, waiting or running."""
 
-    __slots__ = ("item", "flow", "band", "cost", "seq", "enqueued_at", "weight")
+    __slots__ = ("item", "flow", "band", "cost", "seq", "enqueued_at", "weight", "passes")
 
     def __init__(self, item: T, flow: _FlowState[T], band: Band, cost: int, seq: int,
                  enqueued_at: float) -> None:
@@ -500,6 +525,8 @@ class _Entry(Generic[T]):
         #: The flow's weight when it was admitted: a refund or requeue undoes its
         #: charge at the same rate.
         self.weight = flow.flow.weight
+        #: Admissions that passed it while it was a head that did not fit.
+        self.passes = 0
 
 
 class _Lane(Generic[T]):
@@ -532,7 +559,8 @@ class _FlowState(Generic[T]):
 
 
 class _BandState(Generic[T]):
-    __slots__ = ("vtime", "paid", "order", "age", "idle", "listed", "weight", "backlogged")
+    __slots__ = ("vtime", "paid", "aged_vtime", "order", "age", "idle", "listed", "weight",
+                 "backlogged")
 
     def __init__(self) -> None:
         #: SFQ's virtual time: the largest start tag admitted.
@@ -540,6 +568,8 @@ class _BandState(Generic[T]):
         #: Processor-sharing virtual time (>= vtime): idle lanes tagged below it owe
         #: nothing and are dropped.
         self.paid = 0.0
+        #: The tag of the heads lifted into this band, competing as one flow.
+        self.aged_vtime = 0.0
         self.order: list[_HeapEntry[T]] = []  # listed lanes by (tag, head seq)
         self.age: list[_HeapEntry[T]] = []  # listed lanes by (head since, head seq)
         self.idle: list[tuple[float, int, _Lane[T], int]] = []  # by tag, still owing
