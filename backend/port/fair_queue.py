@@ -39,11 +39,13 @@ times.  `max_passes=0` is the strict rule of a FIFO line (only the first in orde
 go).  With a single flow in a single band there is one lane and nobody to pass: the
 order is exactly first come, first served.
 
-State stays bounded: a lane with nothing waiting is kept only while it owes service
-(its tag is ahead of the band's paid-up virtual time, which advances like a
-processor-sharing clock, by cost / the backlogged weight on each admission), and every
-idle lane of a band is dropped when the band has no one waiting.  A flow is dropped when
-it has no lane and nothing running.
+State stays bounded: a lane with nothing waiting is kept only while it owes service,
+so that a flow coming back soon after a large request still pays for it.  It owes while
+its tag is ahead of the band's *paid* time, a processor-sharing (GPS) clock that
+advances by cost / the backlogged weight on each admission and, as in GPS, never passes
+the finish tag of the least served lane still waiting.  Every idle lane of a band is
+dropped when the band has no one waiting, and a flow when it has no lane and nothing
+running.
 
 Pure: no I/O, no asyncio, no locks.  `fits` must not change the queue.  Costs:
 `push`, `remove`, `finished`, `refund`: O(log F) (F = backlogged lanes);
@@ -234,6 +236,8 @@ class FairQueue(Generic[T]):
         """The item to admit now, or None; it leaves the line and its flow is charged.
 
         `fits(item)`: is there room for it right now.  It must not change the queue.
+        Ask only while some engine has a free slot: when nothing can fit, each head
+        tried costs a `fits` call and a step down the heap, up to `max_scan` + 1.
         """
         if not self._waiting:
             return None
@@ -404,7 +408,7 @@ class FairQueue(Generic[T]):
         self._refresh(state)
         # A processor-sharing clock: how far every backlogged lane's debt is paid.  It
         # never passes the finish tag of the least served lane still waiting, as in GPS.
-        least = next(_in_order(band.order), None)
+        least = _first(band.order)
         if least is not None:
             paid = min(paid, least[0] + _head(least[3]).cost / least[3].flow.flow.weight)
         band.paid = max(band.paid, band.vtime, paid)
@@ -589,12 +593,17 @@ def _current(entry: _HeapEntry[T]) -> bool:
     return lane.listed and lane.version == entry[4]
 
 
+def _first(heap: list[_HeapEntry[T]]) -> _HeapEntry[T] | None:
+    """The current entry with the smallest key (stale ones on top are dropped)."""
+    while heap and not _current(heap[0]):
+        heapq.heappop(heap)
+    return heap[0] if heap else None
+
+
 def _in_order(heap: list[_HeapEntry[T]]) -> Iterator[_HeapEntry[T]]:
     """The current entries of `heap` in key order, leaving the heap as it is (only
     stale entries on top are dropped).  O(log n) per entry."""
-    while heap and not _current(heap[0]):
-        heapq.heappop(heap)
-    if not heap:
+    if _first(heap) is None:
         return
     frontier: list[tuple[_HeapEntry[T], int]] = [(heap[0], 0)]
     size = len(heap)
