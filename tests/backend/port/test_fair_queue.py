@@ -82,7 +82,7 @@ class Model:
         limit = self.flows[key].max_concurrent
         return limit == 0 or self.running_of(key) < limit
 
-    def enter_lane(self, waiter: Waiter, now: int, head_since: int) -> None:
+    def enter_lane(self, waiter: Waiter, head_since: int) -> None:
         lane = self.lane(waiter)
         lane.append(waiter.item)
         lane.sort(key=lambda i: self.waiting[i].seq)
@@ -102,22 +102,22 @@ AGING = 25  # steps
 PASSES = 3
 SLOTS, KV = 4, 4096
 SMALL, LARGE = (512, 2048), (2048, 4096)
+WEIGHTS = (1.0, 2.0)
 
 
 def simulate(seed: int, steps: int = 5000, aging: float = AGING, passes: int = PASSES):
     """5,000 steps of arrivals (bursts and lulls), admissions into a pool of 4 slots
     and 4,096 KV tokens, finishes after 1–6 steps, removals, refunds, requeues and live
     edits of flows; checks the books and the order after every step, and returns the
-    figures the tests assert on."""
+    queue, the model, the pool and the figures the tests assert on."""
     rng = random.Random(seed)
     clock = Clock()
     queue: FairQueue[int] = FairQueue(clock=clock, aging=aging, max_passes=passes)
-    flows = {f"k{i}": Flow(f"k{i}", weight=rng.choice([1.0, 2.0]),
+    flows = {f"k{i}": Flow(f"k{i}", weight=rng.choice(WEIGHTS),
                            band=Band(rng.choice([0, 1, 1, 2])),
                            max_concurrent=rng.choice([0, 0, 1, 2])) for i in range(5)}
     model = Model(dict(flows))  # the flows as the queue knows them: from their last push
     pool = Pool(SLOTS, KV)
-    weights = {w for f in flows.values() for w in (f.weight, 1.0, 2.0)}
     figures = {"admitted": 0, "max_wait": 0, "worst_ratio": 0.0, "due_heads": 0,
                "removed": 0, "refunded": 0, "requeued": 0, "edits": 0}
     # For each due head: tokens admitted to every other lane while it was due, and the
@@ -151,7 +151,7 @@ def simulate(seed: int, steps: int = 5000, aging: float = AGING, passes: int = P
             queue.push(seq, flow, cost, seq, lowered)
             model.flows[key] = flow
             model.waiting[seq] = waiter
-            model.enter_lane(waiter, now, now)
+            model.enter_lane(waiter, now)
             seq += 1
 
         roll = rng.random()
@@ -180,13 +180,13 @@ def simulate(seed: int, steps: int = 5000, aging: float = AGING, passes: int = P
                 del model.running[item], pool.held[item]
                 queue.requeue(item)
                 model.waiting[item] = waiter
-                model.enter_lane(waiter, now, waiter.pushed)
+                model.enter_lane(waiter, waiter.pushed)
                 figures["requeued"] += 1
                 for slack in due_slack.values():
                     slack[1] += 1
         elif roll < 0.18:
             key = rng.choice(list(flows))
-            flows[key] = replace(flows[key], weight=rng.choice([1.0, 2.0]),
+            flows[key] = replace(flows[key], weight=rng.choice(WEIGHTS),
                                  max_concurrent=rng.choice([0, 1, 2]))
             figures["edits"] += 1  # applies at the flow's next push
 
@@ -219,7 +219,7 @@ def simulate(seed: int, steps: int = 5000, aging: float = AGING, passes: int = P
                 older, requeues = due_slack.pop(item)
                 for tokens in due_tokens.pop(item, {}).values():
                     figures["worst_ratio"] = max(figures["worst_ratio"],
-                                                 tokens / due_bound(weights, older, requeues))
+                                                 tokens / due_bound(older, requeues))
 
         # The books, every step: what each flow holds and how many wait and run.
         for key in flows:
@@ -231,14 +231,14 @@ def simulate(seed: int, steps: int = 5000, aging: float = AGING, passes: int = P
     return queue, model, pool, figures
 
 
-def due_bound(weights: set[float], older: int, requeues: int) -> float:
+def due_bound(older: int, requeues: int) -> float:
     """Tokens one other lane may be admitted while a head is due: start-time fair
     queuing lets a lane of weight w get at most w/w_head largest requests and one more
     ahead of a head (the lifted heads compete as one flow of weight AGED_WEIGHT = 1, so a
     lifted head also waits for the `older` lifted heads before it, each letting the band
     have that much again), plus the passes while it did not fit and the requeued items
     admitted a second time."""
-    ratio = max(weights) / min(*weights, 1.0)
+    ratio = max(WEIGHTS) / min(*WEIGHTS, 1.0)  # 1.0: AGED_WEIGHT
     return LARGE[1] * (ratio * (1 + older) + 1 + PASSES + requeues)
 
 
