@@ -217,6 +217,13 @@ class FairQueue(Generic[T]):
         state.waiting += 1
         self._insert(lane, entry, now)
 
+    def update_flow(self, flow: Flow) -> None:
+        """A key was edited: its weight and max_concurrent apply now (a lower limit
+        lets running items finish), its band to requests pushed from now on.  Nothing
+        when the queue holds nothing of that key."""
+        if flow.key in self._flows:
+            self._flow_state(flow)
+
     def remove(self, item: T) -> None:
         """A waiting item left the line (timed out, client gone, refused).  KeyError
         if it is not waiting."""

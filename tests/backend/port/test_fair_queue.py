@@ -481,6 +481,20 @@ def test_a_changed_weight_applies_from_the_flows_next_push():
     assert sum(1 for item in after if item.startswith("b")) == 6
 
 
+def test_an_edited_key_applies_at_once_to_the_requests_already_waiting():
+    queue: FairQueue[str] = FairQueue(clock=Clock())
+    capped = Flow("capped", max_concurrent=1)
+    for i in range(4):
+        queue.push(f"c{i}", capped, 100, i)
+    assert admit_all(queue, lambda _: True) == ["c0"]
+
+    queue.update_flow(replace(capped, max_concurrent=3))
+    queue.update_flow(Flow("unknown"))  # holds nothing: nothing to do
+
+    assert admit_all(queue, lambda _: True) == ["c1", "c2"]
+    assert queue.tracked_flows == 1
+
+
 # --- bands and aging -----------------------------------------------------------------------
 
 def test_bands_admit_interactive_before_normal_before_batch():
