@@ -1,0 +1,645 @@
+"""Who goes next among the waiters of one model: priority bands, a fair share between
+flows inside a band, first come first served inside a flow.
+
+A *flow* is whoever a share is owed to: a named key, or a client address when there are
+no named keys.  Each request is an item with a *cost*, the KV tokens it reserves (at
+least 1, so that a request of unknown size still counts).  The admission asks
+`next_to_admit(fits)` whenever room may have freed; `fits` says whether some engine has
+a slot and the tokens for an item right now.
+
+Bands: interactive before normal before batch.  A flow has a band; a request may lower
+its own (never raise it).  A flow's requests of one band form a *lane*, first come first
+served; a request that lowered its band waits in the flow's lower lane, so it holds back
+none of the flow's own higher-priority requests.  Aging bounds a lower band's wait: a
+lane's head that has been the head for `aging` seconds is *lifted* one band, two bands
+after twice that.  Lifted heads compete in the higher band as one more flow of weight
+`AGED_WEIGHT` (oldest head first among them): a lower band gets a bounded share of a
+busy higher band, never all of it, however many of its lanes have aged.  Aging counts
+from when an item became its lane's head, not from its arrival, and it only lifts over a
+band that has waiters: inside a band the fair order alone decides.
+
+Fair share inside a band: start-time fair queuing (SFQ, Goyal et al. 1996) on reserved
+tokens.  Each lane has a virtual start tag, its service so far in tokens divided by its
+flow's weight; the band's virtual time is the largest start tag admitted yet.  The lane
+with the smallest tag goes next (ties: the older head), and is charged cost/weight when
+admitted.  A lane that becomes backlogged (or eligible again after its flow was at its
+`max_concurrent`) starts at max(its tag, the band's virtual time): a flow cannot bank
+credit while it has nothing waiting, and a newcomer is served next rather than behind
+anyone's backlog.  Why not deficit round robin: costs range from tens to tens of
+thousands of tokens, and DRR is only O(1) when its quantum is at least the largest cost,
+so it serves each flow in bursts of up to a quantum: a newcomer waits behind a whole
+quantum of every backlogged flow, where SFQ admits it next (bench/fairness_core.py
+measures both).  SFQ costs O(log F) heap operations per admission instead.
+
+KV fit: the first head in that order that fits is admitted.  Each head tried before it
+that did not fit has been *passed* once; a head passed `max_passes` times is a barrier:
+nothing behind it in the order is admitted until it fits (those ahead of it still go).
+Running requests end, so it does fit, and no head is passed more than `max_passes`
+times.  `max_passes=0` is the strict rule of a FIFO line (only the first in order may
+go).  With a single flow in a single band there is one lane and nobody to pass: the
+order is exactly first come, first served.
+
+State stays bounded: a lane with nothing waiting is kept only while it owes service,
+so that a flow coming back soon after a large request still pays for it.  It owes while
+its tag is ahead of the band's *paid* time, a processor-sharing (GPS) clock that
+advances by cost / the backlogged weight on each admission and, as in GPS, never passes
+the finish tag of the least served lane still waiting.  Every idle lane of a band is
+dropped when the band has no one waiting, and a flow when it has no lane and nothing
+running.
+
+Pure: no I/O, no asyncio, no locks.  `fits` must not change the queue.  Costs:
+`push`, `remove`, `finished`, `refund`: O(log F) (F = backlogged lanes);
+`next_to_admit`: O(log F) when the first candidate fits, O(k log F) when k do not
+(k <= `max_scan`); `requeue`: O(n) in the lane; `position`, `__iter__`: O(n log n).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["AGED_WEIGHT", "Band", "FairQueue", "Flow"]
+
+T = TypeVar("T", bound=Hashable)
+
+#: The weight lifted heads compete with, together, in the band they were lifted into.
+AGED_WEIGHT = 1.0
+
+
+class Band(enum.IntEnum):
+    """Priority bands; a smaller value goes first."""
+
+    INTERACTIVE = 0
+    NORMAL = 1
+    BATCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """Whoever a share is owed to: a key, or a client address without named keys."""
+
+    key: str
+    weight: float = 1.0
+    band: Band = Band.NORMAL
+    #: 0: no limit.  At the limit, the flow's requests wait in its own lanes.
+    max_concurrent: int = 0
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool)
+                or not math.isfinite(self.weight) or self.weight <= 0):
+            raise ValueError(f"a flow's weight is a positive number, not {self.weight!r}")
+        if not _whole(self.max_concurrent) or self.max_concurrent < 0:
+            raise ValueError("a flow's max_concurrent is a whole number, at least 0 "
+                             f"(0: no limit), not {self.max_concurrent!r}")
+        object.__setattr__(self, "band", Band(self.band))
+
+
+class FairQueue(Generic[T]):
+    """The waiters of one model: who should be admitted next, and what each flow holds."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 aging: float = 30.0, max_passes: int = 4, max_scan: int = 8) -> None:
+        """`aging`: seconds as a lane's head per band lifted (math.inf: never).
+        `max_passes`: how often a head that does not fit may be passed before nothing
+        behind it is admitted.  `max_scan`: heads that do not fit tried per call beyond
+        the first."""
+        if not aging > 0:
+            raise ValueError(f"aging is a positive number of seconds, not {aging!r}")
+        for name, value in (("max_passes", max_passes), ("max_scan", max_scan)):
+            if not _whole(value) or value < 0:
+                raise ValueError(f"{name} is a whole number, at least 0, not {value!r}")
+        self._clock = clock
+        self._aging = float(aging)
+        self._max_passes = max_passes
+        self._max_scan = max_scan
+        self._flows: dict[str, _FlowState[T]] = {}
+        self._waiting: dict[T, _Entry[T]] = {}
+        self._running: dict[T, _Entry[T]] = {}
+        self._bands = tuple(_BandState[T]() for _ in Band)
+        self._ties = itertools.count()
+
+    # --- state -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Items waiting (running ones are not in line)."""
+        return len(self._waiting)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._waiting
+
+    def __iter__(self) -> Iterator[T]:
+        """The waiting items in arrival order (by seq): for carry-over and diagnostics."""
+        return iter([e.item for e in sorted(self._waiting.values(), key=_by_seq)])
+
+    def waiting_of(self, flow_key: str) -> int:
+        state = self._flows.get(flow_key)
+        return 0 if state is None else state.waiting
+
+    def running_of(self, flow_key: str) -> int:
+        """Items of the flow admitted and not finished."""
+        state = self._flows.get(flow_key)
+        return 0 if state is None else state.running
+
+    def reserved_of(self, flow_key: str) -> int:
+        """Tokens the flow's running items reserve (their costs, less refunds)."""
+        state = self._flows.get(flow_key)
+        return 0 if state is None else state.reserved
+
+    @property
+    def tracked_flows(self) -> int:
+        """Flows the queue keeps state for: waiting, running, or still owing service."""
+        return len(self._flows)
+
+    def position(self, item: T) -> int | None:
+        """0-based place in the order the waiters would be admitted if each fitted when
+        its turn came, nothing arrived and nothing finished: an estimate for Retry-After
+        and diagnostics, O(n log n).  None when `item` is not waiting.  With a single
+        flow in a single band it is the place in the FIFO line."""
+        if item not in self._waiting:
+            return None
+        now = self._clock()
+        with_waiters = {band for band, state in enumerate(self._bands) if state.backlogged}
+        ties = itertools.count()
+        heap: list[tuple[int, int, float, int, int, int, list[_Entry[T]], float]] = []
+        for flow in self._flows.values():
+            for lane in flow.lanes.values():
+                if not lane.items:
+                    continue
+                entries = list(lane.items.values())
+                tag = max(lane.vtime, self._bands[lane.band].vtime)
+                lifted = self._lifted_band(lane, now, with_waiters)
+                if lifted < lane.band:
+                    key = (lifted, 0, lane.head_since, entries[0].seq)
+                else:
+                    key = (lane.band, 1, tag, entries[0].seq)
+                heap.append((*key, next(ties), 0, entries, tag))
+        heapq.heapify(heap)
+        place = 0
+        while heap:
+            _, _, _, _, _, index, entries, tag = heapq.heappop(heap)
+            entry = entries[index]
+            if entry.item == item:
+                return place
+            place += 1
+            tag += entry.cost / entry.flow.flow.weight
+            if index + 1 < len(entries):
+                heapq.heappush(heap, (entry.band, 1, tag, entries[index + 1].seq,
+                                      next(ties), index + 1, entries, tag))
+        return None  # unreachable: item is waiting
+
+    # --- changes ---------------------------------------------------------------------
+
+    def push(self, item: T, flow: Flow, cost: int, seq: int,
+             band: Band | None = None) -> None:
+        """`item` of `flow` waits now.  `cost`: the KV tokens it reserves (at least 1).
+        `seq`: arrival order (items of one lane are kept in seq order).  `band` may
+        lower the flow's band for this item, never raise it.  A changed `flow` (weight,
+        band, max_concurrent) for a known key applies from now on."""
+        if item in self._waiting or item in self._running:
+            raise ValueError(f"{item!r} is already in the queue")
+        cost = _check_cost(cost)
+        state = self._flow_state(flow)
+        lane_band = flow.band if band is None else max(flow.band, Band(band))
+        lane = state.lanes.get(lane_band)
+        if lane is None:
+            lane = state.lanes[lane_band] = _Lane(state, lane_band,
+                                                 self._bands[lane_band].vtime)
+        now = self._clock()
+        entry = _Entry(item, state, lane_band, cost, seq, now)
+        self._waiting[item] = entry
+        state.waiting += 1
+        self._insert(lane, entry, now)
+
+    def update_flow(self, flow: Flow) -> None:
+        """A key was edited: its weight and max_concurrent apply now (a lower limit
+        lets running items finish), its band to requests pushed from now on.  Nothing
+        when the queue holds nothing of that key."""
+        if flow.key in self._flows:
+            self._flow_state(flow)
+
+    def remove(self, item: T) -> None:
+        """A waiting item left the line (timed out, client gone, refused).  KeyError
+        if it is not waiting."""
+        entry = self._waiting.pop(item)
+        state = entry.flow
+        lane = state.lanes[entry.band]
+        was_head = _head(lane) is entry
+        del lane.items[item]
+        state.waiting -= 1
+        if was_head:
+            lane.head_since = self._clock()
+            self._rekey(lane)
+        if not lane.items:
+            self._emptied(lane)
+
+    def next_to_admit(self, fits: Callable[[T], bool]) -> T | None:
+        """The item to admit now, or None; it leaves the line and its flow is charged.
+
+        `fits(item)`: is there room for it right now.  It must not change the queue.
+        Ask only while some engine has a free slot: when nothing can fit, each head
+        tried costs a `fits` call and a step down the heap, up to `max_scan` + 1.
+        """
+        if not self._waiting:
+            return None
+        now = self._clock()
+        missed: list[_Entry[T]] = []
+        for lane, lifted_into in self._candidates(now):
+            entry = _head(lane)
+            if fits(entry.item):
+                for passed in missed:
+                    passed.passes += 1
+                return self._admit(entry, now, lifted_into)
+            if entry.passes >= self._max_passes:
+                return None  # nothing passes it any more
+            missed.append(entry)
+            if len(missed) > self._max_scan:
+                return None
+        return None
+
+    def finished(self, item: T) -> None:
+        """A running item ended: its flow's slot under max_concurrent and its tokens
+        are free.  Its service stays charged.  KeyError if it is not running."""
+        entry = self._running.pop(item)
+        state = entry.flow
+        state.running -= 1
+        state.reserved -= entry.cost
+        self._refresh(state)
+        self._forget_if_done(state)
+
+    def refund(self, item: T, tokens: int) -> None:
+        """`item`'s reservation shrank by `tokens` (its prompt was counted): a waiting
+        item will cost less; a running one holds less and its flow is charged less.
+        The cost stays at least 1.  KeyError if the item is neither waiting nor running."""
+        entry = self._waiting.get(item) or self._running[item]
+        if not _whole(tokens) or tokens < 0 or tokens >= entry.cost:
+            raise ValueError(f"a refund is a whole number of tokens below the cost "
+                             f"({entry.cost}), not {tokens!r}")
+        if tokens == 0:
+            return
+        entry.cost -= tokens
+        if item in self._waiting:
+            return
+        state = entry.flow
+        state.reserved -= tokens
+        lane = state.lanes.get(entry.band)
+        if lane is None:  # forgotten since: it owed nothing, and still owes nothing
+            return
+        lane.vtime -= tokens / entry.weight
+        if lane.listed:
+            self._rekey(lane)
+        elif not lane.items and lane.vtime <= self._bands[lane.band].paid:
+            self._drop_lane(lane)
+
+    def requeue(self, item: T) -> None:
+        """A running item goes back to its arrival place in its lane, uncharged (the
+        engine refused it before it was served).  KeyError if it is not running."""
+        entry = self._running.pop(item)
+        state = entry.flow
+        state.running -= 1
+        state.reserved -= entry.cost
+        lane = state.lanes.get(entry.band)
+        if lane is None:
+            lane = state.lanes[entry.band] = _Lane(state, entry.band,
+                                                  self._bands[entry.band].vtime)
+        else:
+            lane.vtime -= entry.cost / entry.weight
+        self._waiting[item] = entry
+        state.waiting += 1
+        self._insert(lane, entry, entry.enqueued_at)
+        if lane.listed:
+            self._rekey(lane)  # its tag went back
+        self._refresh(state)
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _flow_state(self, flow: Flow) -> _FlowState[T]:
+        state = self._flows.get(flow.key)
+        if state is None:
+            state = self._flows[flow.key] = _FlowState(flow)
+        elif state.flow != flow:
+            old, state.flow = state.flow, flow
+            for lane in state.lanes.values():
+                if lane.listed:
+                    self._bands[lane.band].weight += flow.weight - old.weight
+            self._refresh(state)
+        return state
+
+    def _insert(self, lane: _Lane[T], entry: _Entry[T], head_since: float) -> None:
+        items = lane.items
+        was_empty = not items
+        if was_empty or entry.seq > items[next(reversed(items))].seq:
+            items[entry.item] = entry
+        else:
+            ordered = sorted([*items.values(), entry], key=_by_seq)
+            items.clear()
+            items.update((e.item, e) for e in ordered)
+        if was_empty:
+            self._bands[lane.band].backlogged += 1
+        if _head(lane) is entry:
+            lane.head_since = head_since
+            self._rekey(lane)
+
+    def _eligible(self, state: _FlowState[T]) -> bool:
+        limit = state.flow.max_concurrent
+        return limit == 0 or state.running < limit
+
+    def _rekey(self, lane: _Lane[T]) -> None:
+        """List `lane` under its current tag and head, or unlist it (O(log F))."""
+        band = self._bands[lane.band]
+        lane.version += 1
+        listed = bool(lane.items) and self._eligible(lane.flow)
+        if listed and not lane.listed:
+            # Backlogged, or eligible, again: no credit from the time it was not.
+            lane.vtime = max(lane.vtime, band.vtime)
+            lane.listed = True
+            band.listed += 1
+            band.weight += lane.flow.flow.weight
+        elif not listed and lane.listed:
+            lane.listed = False
+            band.listed -= 1
+            band.weight = band.weight - lane.flow.flow.weight if band.listed else 0.0
+        if not listed:
+            return
+        head = _head(lane)
+        tie = next(self._ties)
+        heapq.heappush(band.order, (lane.vtime, head.seq, tie, lane, lane.version))
+        if lane.band != Band.INTERACTIVE:
+            heapq.heappush(band.age, (lane.head_since, head.seq, tie, lane, lane.version))
+        # Entries of earlier keys are skipped lazily; rebuild before they dominate.
+        bound = 2 * band.listed + 32
+        if len(band.order) > bound:
+            band.order = [e for e in band.order if _current(e)]
+            heapq.heapify(band.order)
+        if len(band.age) > bound:
+            band.age = [e for e in band.age if _current(e)]
+            heapq.heapify(band.age)
+
+    def _refresh(self, state: _FlowState[T]) -> None:
+        """List or unlist the flow's lanes after its running count or limit changed."""
+        eligible = self._eligible(state)
+        for lane in list(state.lanes.values()):
+            if lane.listed != (eligible and bool(lane.items)):
+                self._rekey(lane)
+
+    def _admit(self, entry: _Entry[T], now: float, lifted_into: int | None) -> T:
+        state = entry.flow
+        lane = state.lanes[entry.band]
+        band = self._bands[entry.band]
+        assert _head(lane) is entry, "only a lane's head is admitted"
+        item, _ = lane.items.popitem(last=False)
+        del self._waiting[item]
+        state.waiting -= 1
+        state.running += 1
+        state.reserved += entry.cost
+        self._running[item] = entry
+        start = lane.vtime
+        entry.weight = state.flow.weight
+        lane.vtime = start + entry.cost / entry.weight
+        band.vtime = max(band.vtime, start)
+        paid = band.paid + entry.cost / band.weight  # the weight of everyone listed
+        if lifted_into is not None:
+            higher = self._bands[lifted_into]
+            aged_start = max(higher.aged_vtime, higher.vtime)
+            higher.aged_vtime = aged_start + entry.cost / AGED_WEIGHT
+            higher.vtime = max(higher.vtime, aged_start)
+            higher.paid = max(higher.paid, higher.vtime)
+        lane.head_since = now
+        self._rekey(lane)
+        self._refresh(state)
+        # A processor-sharing clock: how far every backlogged lane's debt is paid.  It
+        # never passes the finish tag of the least served lane still waiting, as in GPS.
+        least = _first(band.order)
+        if least is not None:
+            paid = min(paid, least[0] + _head(least[3]).cost / least[3].flow.flow.weight)
+        band.paid = max(band.paid, band.vtime, paid)
+        idle = band.idle
+        while idle and idle[0][0] <= band.paid:
+            _, _, owing, version = heapq.heappop(idle)
+            if owing.version == version and not owing.items:
+                self._drop_lane(owing)
+        if not lane.items:
+            self._emptied(lane)
+        return item
+
+    def _emptied(self, lane: _Lane[T]) -> None:
+        """`lane` has nothing waiting any more (it is unlisted already)."""
+        band = self._bands[lane.band]
+        band.backlogged -= 1
+        if band.backlogged == 0:
+            # No one waits in this band: as in SFQ's idle system, everyone starts even.
+            owing = [lane, *(e[2] for e in band.idle if e[2].version == e[3])]
+            top = max(o.vtime for o in owing)
+            band.vtime = band.paid = band.aged_vtime = max(band.vtime, band.paid, top)
+            band.idle.clear()
+            for idle in owing:
+                if not idle.items and idle.flow.lanes.get(idle.band) is idle:
+                    self._drop_lane(idle)
+        elif lane.vtime <= band.paid:
+            self._drop_lane(lane)
+        else:
+            heapq.heappush(band.idle, (lane.vtime, next(self._ties), lane, lane.version))
+
+    def _drop_lane(self, lane: _Lane[T]) -> None:
+        lane.version += 1
+        state = lane.flow
+        del state.lanes[lane.band]
+        self._forget_if_done(state)
+
+    def _forget_if_done(self, state: _FlowState[T]) -> None:
+        if not state.lanes and not state.running and not state.waiting:
+            if self._flows.get(state.flow.key) is state:
+                del self._flows[state.flow.key]
+
+    def _candidates(self, now: float) -> Iterator[tuple[_Lane[T], int | None]]:
+        """Listed lanes in the order their heads should go, lazily, each with the band
+        it was lifted into (None: it competes in its own band)."""
+        bands = self._bands
+        seen: set[_Lane[T]] = set()
+        for level, band in enumerate(bands):
+            if not band.listed:
+                continue
+            lifted = self._lifted(level, now, seen)
+            first = next(lifted, None)
+            if first is None:
+                for entry in _in_order(band.order):
+                    if entry[3] not in seen:
+                        seen.add(entry[3])
+                        yield entry[3], None
+                continue
+            # The lifted heads are one more flow of this band: they go at its tag.
+            aged_tag = max(band.aged_vtime, band.vtime)
+            natives = _in_order(band.order)
+            for entry in natives:
+                if entry[0] >= aged_tag:
+                    natives = itertools.chain((entry,), natives)
+                    break
+                if entry[3] not in seen:
+                    seen.add(entry[3])
+                    yield entry[3], None
+            seen.add(first)
+            yield first, level
+            for lane in lifted:
+                seen.add(lane)
+                yield lane, level
+            for entry in natives:
+                if entry[3] not in seen:
+                    seen.add(entry[3])
+                    yield entry[3], None
+
+    def _lifted(self, level: int, now: float, seen: set[_Lane[T]]) -> Iterator[_Lane[T]]:
+        """Lanes of lower bands whose head has aged into `level`, oldest head first."""
+        if self._aging == math.inf:
+            return
+        bands = self._bands
+        streams = [_aged(bands[lower].age, now - (lower - level) * self._aging)
+                   for lower in range(level + 1, len(bands)) if bands[lower].listed]
+        if not streams:
+            return
+        for entry in streams[0] if len(streams) == 1 else heapq.merge(*streams):
+            if entry[3] not in seen:
+                yield entry[3]
+
+    def _lifted_band(self, lane: _Lane[T], now: float, with_waiters: set[int]) -> int:
+        """The band `lane`'s head competes in now, by aging over bands with waiters."""
+        waited = now - lane.head_since
+        for level in range(lane.band):
+            if level in with_waiters and waited >= (lane.band - level) * self._aging:
+                return level
+        return lane.band
+
+
+# --- records -----------------------------------------------------------------------
+
+_HeapEntry = tuple[float, int, int, "_Lane[T]", int]  # key, head seq, tie, lane, version
+
+
+class _Entry(Generic[T]):
+    """One item, waiting or running."""
+
+    __slots__ = ("item", "flow", "band", "cost", "seq", "enqueued_at", "weight", "passes")
+
+    def __init__(self, item: T, flow: _FlowState[T], band: Band, cost: int, seq: int,
+                 enqueued_at: float) -> None:
+        self.item = item
+        self.flow = flow
+        self.band = band
+        self.cost = cost
+        self.seq = seq
+        self.enqueued_at = enqueued_at
+        #: The flow's weight when it was admitted: a refund or requeue undoes its
+        #: charge at the same rate.
+        self.weight = flow.flow.weight
+        #: Admissions that passed it while it was a head that did not fit.
+        self.passes = 0
+
+
+class _Lane(Generic[T]):
+    """A flow's waiting items of one band, in seq order, and its service tag."""
+
+    __slots__ = ("flow", "band", "items", "vtime", "head_since", "version", "listed")
+
+    def __init__(self, flow: _FlowState[T], band: Band, vtime: float) -> None:
+        self.flow = flow
+        self.band = band
+        self.items: OrderedDict[T, _Entry[T]] = OrderedDict()
+        #: Virtual start tag: service in tokens / weight, caught up on backlogging.
+        self.vtime = vtime
+        self.head_since = 0.0
+        #: Bumped on every change of key: heap entries of an older version are stale.
+        self.version = 0
+        #: In its band's heaps: has waiters and its flow is under max_concurrent.
+        self.listed = False
+
+
+class _FlowState(Generic[T]):
+    __slots__ = ("flow", "lanes", "running", "reserved", "waiting")
+
+    def __init__(self, flow: Flow) -> None:
+        self.flow = flow
+        self.lanes: dict[Band, _Lane[T]] = {}
+        self.running = 0
+        self.reserved = 0
+        self.waiting = 0
+
+
+class _BandState(Generic[T]):
+    __slots__ = ("vtime", "paid", "aged_vtime", "order", "age", "idle", "listed", "weight",
+                 "backlogged")
+
+    def __init__(self) -> None:
+        #: SFQ's virtual time: the largest start tag admitted.
+        self.vtime = 0.0
+        #: Processor-sharing virtual time (>= vtime): idle lanes tagged below it owe
+        #: nothing and are dropped.
+        self.paid = 0.0
+        #: The tag of the heads lifted into this band, competing as one flow.
+        self.aged_vtime = 0.0
+        self.order: list[_HeapEntry[T]] = []  # listed lanes by (tag, head seq)
+        self.age: list[_HeapEntry[T]] = []  # listed lanes by (head since, head seq)
+        self.idle: list[tuple[float, int, _Lane[T], int]] = []  # by tag, still owing
+        self.listed = 0
+        self.weight = 0.0  # of the listed lanes' flows
+        self.backlogged = 0  # lanes with waiters, listed or at their flow's limit
+
+
+# --- functions -----------------------------------------------------------------------
+
+def _head(lane: _Lane[T]) -> _Entry[T]:
+    return lane.items[next(iter(lane.items))]
+
+
+def _current(entry: _HeapEntry[T]) -> bool:
+    lane = entry[3]
+    return lane.listed and lane.version == entry[4]
+
+
+def _first(heap: list[_HeapEntry[T]]) -> _HeapEntry[T] | None:
+    """The current entry with the smallest key (stale ones on top are dropped)."""
+    while heap and not _current(heap[0]):
+        heapq.heappop(heap)
+    return heap[0] if heap else None
+
+
+def _in_order(heap: list[_HeapEntry[T]]) -> Iterator[_HeapEntry[T]]:
+    """The current entries of `heap` in key order, leaving the heap as it is (only
+    stale entries on top are dropped).  O(log n) per entry."""
+    if _first(heap) is None:
+        return
+    frontier: list[tuple[_HeapEntry[T], int]] = [(heap[0], 0)]
+    size = len(heap)
+    while frontier:
+        entry, index = heapq.heappop(frontier)
+        if _current(entry):
+            yield entry
+        for child in (2 * index + 1, 2 * index + 2):
+            if child < size:
+                heapq.heappush(frontier, (heap[child], child))
+
+
+def _aged(heap: list[_HeapEntry[T]], since: float) -> Iterator[_HeapEntry[T]]:
+    """Current entries of an age heap whose head has waited since `since` or earlier."""
+    for entry in _in_order(heap):
+        if entry[0] > since:
+            return
+        yield entry
+
+
+def _by_seq(entry: _Entry[T]) -> int:
+    return entry.seq
+
+
+def _check_cost(cost: int) -> int:
+    if not _whole(cost) or cost < 1:
+        raise ValueError(f"a cost is a whole number of tokens, at least 1, not {cost!r}")
+    return cost
+
+
+def _whole(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
