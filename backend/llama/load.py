@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from backend.llama.api import UpstreamModel
 from backend.llama.report import EngineReport
 from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvCapacity, planned_capacity
@@ -170,6 +171,11 @@ class Snapshot:
     # The key the engine's own port requires (a random one per start of a managed engine,
     # so no other local process can use the engine around the gateway's key and queue).
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    # Set when the KV cache is an assumption that may hold the engine back (an attached
+    # llama-server whose layout was not stated), for the log, the window and /health.
+    kv_note: str | None = None
+    # The models an attached GGUF Studio port lists, each with its context.
+    upstream_models: tuple[UpstreamModel, ...] = ()
 
     def describe_kv(self) -> str:
         """What the engine really gave, for people; "" while unknown."""
