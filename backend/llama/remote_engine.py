@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
 from backend.errors import LoadError, SettingsError
-from backend.llama.api import EngineClient, StudioHealth, UpstreamModel
+from backend.llama.api import EngineClient, EngineProps, StudioHealth, UpstreamModel
 from backend.llama.kv_capacity import KvCapacity, KvLayout, assumed_layout_note, kv_from_props
 from backend.llama.load import LogListener, Snapshot, SnapshotPublisher, State
 
@@ -131,7 +132,7 @@ class RemoteEngine(SnapshotPublisher):
         note = assumed_layout_note(kv, slots, self.kv_layout)
         if note:
             log.warning("%s: %s", self.base_url, note)
-        self._serve(model_id=props.model_alias or "upstream", slots=slots, context_length=per_slot,
+        self._serve(model_id=_served_name(props), slots=slots, context_length=per_slot,
                     kv=kv, kv_note=note, upstream_models=())
 
     async def _follow_studio(self, engine: EngineClient, health: StudioHealth) -> None:
@@ -189,6 +190,16 @@ class RemoteEngine(SnapshotPublisher):
         unchanged = self._snapshot.state is State.READY and self._read == read
         self._read = read
         return unchanged
+
+
+def _served_name(props: EngineProps) -> str:
+    """The name clients see: llama-server's alias, whose default is the model's path on
+    its machine, which is cut to the file's name (paths are never shown)."""
+    alias = props.model_alias or ""
+    if not alias or alias == props.model_path or "/" in alias or "\\" in alias:
+        name = PurePath(alias.replace("\\", "/")).name.removesuffix(".gguf")
+        return name or "upstream"
+    return alias
 
 
 def normalise_base_url(url: str) -> str:
