@@ -144,3 +144,14 @@ def test_the_client_stall_timeout_comes_from_the_environment_and_the_command_lin
                          ).client_stall_timeout == 30.0
     args = _parser().parse_args(["serve", "--client-stall-timeout", "0"])
     assert args.client_stall_timeout == 0.0
+
+
+def test_the_upstreams_kv_layout_comes_from_the_environment_and_the_command_line(tmp_path):
+    from backend.app.cli import _parser
+    path = tmp_path / "settings.json"
+    assert Settings.load(path, environ={}).upstream_kv == ""
+    assert Settings.load(path, environ={"GGUF_STUDIO_UPSTREAM_KV": "Split"}).upstream_kv == "split"
+    with pytest.raises(SettingsError, match="upstream_kv has an unusable value 'shared'"):
+        Settings.load(path, environ={"GGUF_STUDIO_UPSTREAM_KV": "shared"})
+    args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--upstream-kv", "unified"])
+    assert args.upstream_kv == "unified"
