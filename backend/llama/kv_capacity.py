@@ -18,7 +18,7 @@ Where the capacity comes from after a healthy load:
 - **an attached llama-server** (`kv_from_props`): its `/props` (and `/slots`) give the
   slots N and S, never whether the cache is shared: `-np 4 -c 16384` reads 4 x 4,096
   split, and `-np 4 -c 4096 --kv-unified` reads the same 4 x 4,096 over a pool of 4,096
-  (tests/backend/llama/test_remote_kv.py measures it).  So the operator states the
+  (tests/backend/llama/test_remote_engine.py measures it).  So the operator states the
   layout (`KvLayout`): split holds N x S; unified holds a pool of S (exact unless the
   engine caps a slot with `--kv-unified-per-slot`, when the pool is larger).  Without a
   statement the only rule safe for both is one pool of S tokens: requests run together
