@@ -236,3 +236,8 @@ async def test_when_fit_shrinks_the_models_own_context_the_engine_gives_less_tha
     assert snapshot.engine.context_reduced_from == plan.kv.total == 32768
     assert plan.fit_floor <= snapshot.kv.total < plan.kv.total
     assert snapshot.kv.per_request < plan.kv.per_request and not snapshot.kv.unified
+
+
+def test_settings_accept_exactly_the_layouts_an_upstream_can_be_stated_as():
+    from backend.settings import UPSTREAM_KV_LAYOUTS
+    assert UPSTREAM_KV_LAYOUTS == tuple(layout.value for layout in KvLayout)
