@@ -85,6 +85,10 @@ class Settings:
     # Last load, so that `serve` and the window can offer it again.
     model: str = ""
     upstream: str = ""
+    # How the upstream llama-server's KV cache is laid out, which it cannot report:
+    # "split" (each slot its own share, the default of -np N), "unified" (--kv-unified),
+    # or "" (not stated: one shared pool of one slot's context is assumed).
+    upstream_kv: str = ""
     parallel: str = "auto"
     ctx_size: int = 0
     n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
@@ -191,6 +195,17 @@ def env_var(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+#: The KV layouts an operator may state for an upstream (backend.llama.kv_capacity.KvLayout).
+UPSTREAM_KV_LAYOUTS = ("split", "unified")
+
+
+def _upstream_kv(raw: Any) -> str:
+    word = str(raw).strip().lower()
+    if word and word not in UPSTREAM_KV_LAYOUTS:
+        raise ValueError(raw)
+    return word
+
+
 def _convert(name: str, type_name: str, raw: Any) -> Any:
     try:
         if type_name == "bool":
@@ -211,6 +226,8 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
             return [str(v) for v in raw] if isinstance(raw, (list, tuple)) else str(raw).split()
         elif name == "n_gpu_layers":
             return parse_gpu_layers(raw)
+        elif name == "upstream_kv":
+            return _upstream_kv(raw)
         else:
             return str(raw)
     except (TypeError, ValueError):

@@ -26,9 +26,10 @@ from backend.llama.accelerators import BACKENDS
 from backend.api_keys import read_api_key_file
 from backend.llama.engine import Engine, BuildProgress
 from backend.errors import StudioError
+from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import THREADS_HELP, LoadSettings
 from backend.models.hf_cache import printable
-from backend.settings import API_KEY_FILE_ENV, Settings, env_var
+from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, env_var
 
 if TYPE_CHECKING:
     from backend.app.usage import KeyUsage
@@ -150,7 +151,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "model", "upstream")
+                   "load_timeout", "model", "upstream", "upstream_kv")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -198,6 +199,8 @@ async def _serve_async(settings: Settings, attach: bool, upstream_key: str | Non
                 line += f"; KV cache: {serving.kv.describe(serving.slots)}"
             if snapshot.engine:
                 line += f"; runs on {snapshot.engine.summary()}"
+            if serving.kv_note:
+                line += f"\n  {serving.kv_note} (--upstream-kv split|unified)"
         if snapshot.error:
             line += f" {snapshot.error}"
         print(line, flush=True)
@@ -209,7 +212,8 @@ async def _serve_async(settings: Settings, attach: bool, upstream_key: str | Non
         for url in urls:
             print(f"  {url}", flush=True)
         if attach:
-            await service.attach_upstream(settings.upstream, api_key=upstream_key)
+            await service.attach_upstream(settings.upstream, api_key=upstream_key,
+                                          kv_layout=KvLayout.parse(settings.upstream_kv))
         else:
             from backend.models.gguf_info import read_model_info
 
@@ -633,6 +637,11 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key-file", metavar="PATH",
                       help="read the key clients must send from this file, so that it never "
                       f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
+    serve.add_argument("--upstream-kv", choices=UPSTREAM_KV_LAYOUTS,
+                       help="how the --upstream llama-server's KV cache is laid out, which it "
+                       "cannot report: split (each slot its own share, its default with -np N) "
+                       "or unified (--kv-unified); unstated, one shared pool of one slot's "
+                       f"context is assumed, which limits concurrency ({env('upstream_kv')})")
     upstream_keys = serve.add_mutually_exclusive_group()
     upstream_keys.add_argument("--upstream-api-key", metavar="KEY",
                                help="the key the --upstream llama-server requires (its --api-key)")

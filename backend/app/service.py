@@ -25,6 +25,7 @@ from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsErro
 from backend.port.metrics import Metrics
 from backend.settings import Settings
 from backend.listeners import Listeners
+from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import Listener, LoadBackend, LogListener, LoadSpec, Snapshot, State
 from backend.llama.remote_engine import RemoteEngine
 from backend.llama.supervisor import Supervisor
@@ -148,12 +149,14 @@ class StudioService:
         return await self.load(dataclasses.replace(
             spec, settings=dataclasses.replace(spec.settings, n_gpu_layers="none")))
 
-    async def attach_upstream(self, url: str, api_key: str | None = None) -> Snapshot:
-        """Serve a llama-server that runs elsewhere.  Returns at once; the snapshot turns
-        ready (slots read from its /props) whenever it answers healthy."""
+    async def attach_upstream(self, url: str, api_key: str | None = None,
+                              kv_layout: KvLayout | None = None) -> Snapshot:
+        """Serve a llama-server (or GGUF Studio port) that runs elsewhere.  Returns at
+        once; the snapshot turns ready (slots and KV read from it) whenever it answers
+        healthy.  `kv_layout`: what the operator states about a llama-server's cache."""
         await self._retire_current_load()
         await self._close_backend()
-        remote = RemoteEngine(url, api_key=api_key)
+        remote = RemoteEngine(url, api_key=api_key, kv_layout=kv_layout)
         self._attach(remote)
         return await remote.start()
 

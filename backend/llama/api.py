@@ -1,8 +1,10 @@
-"""A client for llama-server's own API (not the OpenAI one the relay forwards).
+"""A client for an engine's own API (not the OpenAI one the relay forwards).
 
 Every caller that asks the engine about itself (the supervisor's health wait and props
 read, the remote-engine watch, activity's token count) goes through `EngineClient`,
 which never takes proxies from the environment: the engine is ours or named by the user.
+The engine is a llama-server, or (for the remote-engine watch) another GGUF Studio
+port, whose `/health` says what it serves (`StudioHealth`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import httpx
 
 from backend.errors import LoadError
+from backend.llama.kv_capacity import KvCapacity, kv_from_health
+
+__all__ = ["EngineClient", "EngineProps", "HealthAnswer", "StudioHealth", "UpstreamModel",
+           "engine_headers"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,64 @@ class EngineProps:
     effective_parallel_slots: int
     context_length: int | None  # per slot
     model_alias: str | None
+    build_info: str | None = None
+    #: Where the engine's model file is on its machine: told apart, never shown.
+    model_path: str | None = None
+
+
+@dataclass(frozen=True)
+class HealthAnswer:
+    """What `/health` answered: its status and JSON body (None when not JSON)."""
+
+    status: int
+    body: Any
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+@dataclass(frozen=True)
+class StudioHealth:
+    """Another GGUF Studio port's `/health`: what it serves, and its exact capacity."""
+
+    state: str
+    model: str | None
+    slots: int | None
+    kv: KvCapacity | None
+    active: int = 0
+    waiting: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and bool(self.slots) and self.kv is not None
+
+    @classmethod
+    def read(cls, body: Any) -> StudioHealth | None:
+        """The body's meaning when a GGUF Studio port sent it; None for anything else
+        (llama-server's is `{"status": "ok"}`)."""
+        if not (isinstance(body, dict) and isinstance(body.get("state"), str)
+                and "effective_parallel_slots" in body and "kv" in body):
+            return None
+        model = body.get("model")
+        return cls(state=body["state"], model=model if isinstance(model, str) and model else None,
+                   slots=_positive(body.get("effective_parallel_slots")),
+                   kv=kv_from_health(body.get("kv")),
+                   active=body["active"] if _count(body.get("active")) else 0,
+                   waiting=body["waiting"] if _count(body.get("waiting")) else 0)
+
+
+@dataclass(frozen=True)
+class UpstreamModel:
+    """One model another port lists in `/v1/models`, with what one request may use."""
+
+    id: str
+    context_length: int | None = None
+    max_output_tokens: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"id": self.id, "context_length": self.context_length,
+                "max_output_tokens": self.max_output_tokens}
 
 
 def engine_headers(api_key: str | None) -> dict[str, str]:
@@ -64,16 +129,57 @@ class EngineClient:
         while not await self.healthy(timeout=2.0):
             await asyncio.sleep(interval)
 
+    async def health(self, timeout: float | None = None) -> HealthAnswer | None:
+        """What /health answered, or None when nothing answered."""
+        try:
+            response = await self._client.get(
+                "/health", timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+        except httpx.HTTPError:
+            return None
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        return HealthAnswer(response.status_code, body)
+
     async def props(self) -> EngineProps:
         """Slots and per-slot context from /props; a LoadError when they are missing."""
         try:
-            props = (await self._client.get("/props")).raise_for_status().json()
+            response = await self._client.get("/props")
+            _refuse_unauthorized(response)
+            props = response.raise_for_status().json()
             slots = int(props["total_slots"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise LoadError(f"llama-server became healthy but did not report its slots ({exc}).") from None
         generation = props.get("default_generation_settings") or {}
         ctx = generation.get("n_ctx") or props.get("n_ctx")
-        return EngineProps(slots, int(ctx) if ctx else None, props.get("model_alias"))
+        return EngineProps(slots, int(ctx) if ctx else None, props.get("model_alias"),
+                           _text(props.get("build_info")), _text(props.get("model_path")))
+
+    async def slot_contexts(self) -> tuple[int, ...] | None:
+        """Each slot's context from /slots, or None where the engine keeps /slots off
+        (`--no-slots`) or it does not read as slots."""
+        try:
+            response = await self._client.get("/slots")
+            if response.status_code != 200:
+                return None
+            slots = response.json()
+            contexts = tuple(slot["n_ctx"] for slot in slots)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return contexts if contexts and all(_positive(n) for n in contexts) else None
+
+    async def models(self) -> tuple[UpstreamModel, ...]:
+        """The models /v1/models lists, with their context (GGUF Studio's
+        `context_length`, llama-server's `meta.n_ctx`); a LoadError when unreadable."""
+        try:
+            response = await self._client.get("/v1/models")
+            _refuse_unauthorized(response)
+            listed = response.raise_for_status().json()["data"]
+            return tuple(_listed_model(entry) for entry in listed if isinstance(entry, dict)
+                         and isinstance(entry.get("id"), str) and entry["id"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise LoadError(f"The upstream did not list its models ({exc}).") from None
 
     async def metrics_text(self) -> str | None:
         """The Prometheus text of /metrics, or None when the engine does not answer it."""
@@ -82,3 +188,26 @@ class EngineClient:
         except httpx.HTTPError:
             return None
         return response.text if response.status_code == 200 else None
+
+
+def _refuse_unauthorized(response: httpx.Response) -> None:
+    if response.status_code in (401, 403):
+        raise LoadError("The upstream refused the API key: give the key it requires.")
+
+
+def _listed_model(entry: dict[str, Any]) -> UpstreamModel:
+    meta = entry.get("meta")
+    context = entry.get("context_length", meta.get("n_ctx") if isinstance(meta, dict) else None)
+    return UpstreamModel(entry["id"], _positive(context), _positive(entry.get("max_output_tokens")))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> int | None:
+    return value if _count(value) and value > 0 else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None

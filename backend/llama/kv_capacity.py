@@ -15,23 +15,53 @@ Where the capacity comes from after a healthy load:
   (T) exceeds the training context of the model` when the model was trained on less
   than the pool); without any of those lines the pool is taken as S, which is exact
   when nothing capped S (the common case) and too small, never too large, otherwise.
-- **an attached engine** (`kv_from_props`): its `/props` gives only the slots and S,
-  not whether the cache is shared.  The only rule safe for both kinds is one pool of S
-  tokens: every request may use its whole limit, and requests run together only while
-  their needs sum to S.  A split cache would have allowed more; nothing is ever over-
-  committed.
+- **an attached llama-server** (`kv_from_props`): its `/props` (and `/slots`) give the
+  slots N and S, never whether the cache is shared: `-np 4 -c 16384` reads 4 x 4,096
+  split, and `-np 4 -c 4096 --kv-unified` reads the same 4 x 4,096 over a pool of 4,096
+  (tests/backend/llama/test_remote_engine.py measures it).  So the operator states the
+  layout (`KvLayout`): split holds N x S; unified holds a pool of S (exact unless the
+  engine caps a slot with `--kv-unified-per-slot`, when the pool is larger).  Without a
+  statement the only rule safe for both is one pool of S tokens: requests run together
+  only while their needs sum to S.  Nothing is ever over-committed, but a split cache
+  would have run more at once, and `assumed_layout_note` says so.
+- **another GGUF Studio port** (`kv_from_health`): its `/health` carries its exact
+  capacity in `KvCapacity.to_dict`'s shape.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["FIT_MIN_CONTEXT", "KvCapacity", "KvPlan", "TokenNeed", "context_args", "kv_from_load",
-           "kv_from_props", "planned_capacity"]
+from backend.errors import SettingsError
+
+__all__ = ["FIT_MIN_CONTEXT", "KvCapacity", "KvLayout", "KvPlan", "TokenNeed", "assumed_layout_note",
+           "context_args", "kv_from_health", "kv_from_load", "kv_from_props", "planned_capacity"]
 
 #: The least context `--fit` may shrink a "model's own" context to, per stream: llama.cpp's
 #: own default for `--fit-ctx`, given explicitly because `-c 0` alone turns shrinking off.
 FIT_MIN_CONTEXT = 4096
+
+
+class KvLayout(enum.Enum):
+    """How a llama-server's cache is laid out, as its operator states it (`/props` cannot
+    tell): `split` (the default of `-np N`), each slot its own share; `unified`
+    (`--kv-unified`, or `-np` left at auto), one pool every slot draws from."""
+
+    SPLIT = "split"
+    UNIFIED = "unified"
+
+    @classmethod
+    def parse(cls, text: str | None) -> KvLayout | None:
+        """'split', 'unified', or '' / None for not stated; a SettingsError otherwise."""
+        word = (text or "").strip().lower()
+        if not word:
+            return None
+        try:
+            return cls(word)
+        except ValueError:
+            raise SettingsError(f"An upstream's KV layout is 'split' or 'unified', not {text!r}.") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +121,40 @@ def kv_from_load(slots: int | None, per_slot: int | None, unified: bool,
     return KvCapacity.shared(max(known, per_slot), per_slot)
 
 
-def kv_from_props(per_slot_context: int | None) -> KvCapacity | None:
-    """The conservative cache of an attached engine: one pool of one slot's context."""
+def kv_from_props(per_slot_context: int | None, *, slots: int = 1,
+                  layout: KvLayout | None = None) -> KvCapacity | None:
+    """The cache of a llama-server that reports `slots` slots of `per_slot_context`
+    tokens, by the layout its operator stated; without one, one pool of one slot's
+    context (never more than the engine has, whichever it is)."""
     if not per_slot_context or per_slot_context < 1:
         return None
+    if layout is KvLayout.SPLIT:
+        return KvCapacity.split(per_slot_context * max(1, slots), max(1, slots))
     return KvCapacity.shared(per_slot_context)
+
+
+def assumed_layout_note(kv: KvCapacity, slots: int, layout: KvLayout | None) -> str | None:
+    """For the log and the window, when the safe assumption may hold back an engine:
+    its layout was not stated and it has more than one slot (one slot is the same
+    either way)."""
+    if layout is not None or slots <= 1:
+        return None
+    return (f"KV layout unknown: assuming one shared pool of {kv.total:,} tokens; this limits "
+            f"concurrency — state split or unified for this upstream.")
+
+
+def kv_from_health(data: Any) -> KvCapacity | None:
+    """The exact cache another GGUF Studio port gives in its `/health` (`to_dict`'s
+    shape); None when it has none or it does not read as one."""
+    if not isinstance(data, dict):
+        return None
+    total, per_request, unified = data.get("total"), data.get("per_request"), data.get("unified")
+    if not isinstance(unified, bool):
+        return None
+    try:
+        return KvCapacity(total, per_request, unified)  # type: ignore[arg-type]
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)

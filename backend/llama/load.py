@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from backend.llama.api import UpstreamModel
 from backend.llama.report import EngineReport
 from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvCapacity, planned_capacity
@@ -164,6 +165,11 @@ class Serving:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     #: The `model` to send upstream when the engine is another port serving several models.
     upstream_model: str | None = None
+    #: Set when the KV cache is an assumption that may hold the engine back (an attached
+    #: llama-server whose layout was not stated), for the log, the window and /health.
+    kv_note: str | None = None
+    #: The models an attached GGUF Studio port lists, each with its context.
+    upstream_models: tuple[UpstreamModel, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:

@@ -1,36 +1,70 @@
-"""A llama-server that runs elsewhere, watched like one we supervise.
+"""An engine that runs elsewhere, watched like one we supervise.
 
-No process to own, but the same health watch, the same slots read from `/props` each
-time it turns healthy, and the same snapshots, so admission and the gateway cannot tell
-the difference.  Its KV cache is not reported by `/props` beyond one slot's context, so
-it is taken conservatively as one shared pool of that size (`kv_from_props`).
+No process to own, but a health watch and snapshots like the supervisor's, so admission
+and the gateway cannot tell the difference.  The upstream is a plain llama-server or
+another GGUF Studio port; its `/health` says which each time it answers:
+
+- **llama-server** (`{"status": "ok"}`): slots and one slot's context from `/props`
+  (each slot's from `/slots` where the engine keeps it on); the KV cache by the layout
+  its operator stated (`KvLayout`), since nothing it reports tells split from unified.
+  Unstated, it is one shared pool of one slot's context, never more than the engine
+  has; with more than one slot that may hold requests back, and the snapshot's
+  `kv_note` and the log say so.  Read again every `reread_interval` seconds and each
+  time it comes back; a change (slots, context, model, build) gives a new snapshot.
+- **GGUF Studio** (`/health` with `state`, `effective_parallel_slots`, `kv`, `model`):
+  its exact slots and KV cache, read at every health check, and the models it lists
+  in `/v1/models` with their context (the list read again every `reread_interval`).
+
+A failed health check (no answer, or not ready) takes the engine out: its snapshot
+leaves READY, so nothing new is sent to it; it comes back by itself once healthy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
+from pathlib import PurePath
+from typing import Any
 from urllib.parse import urlsplit
 
-from backend.llama.api import EngineClient
 from backend.errors import LoadError, SettingsError
-from backend.llama.kv_capacity import kv_from_props
+from backend.llama.api import EngineClient, EngineProps, StudioHealth, UpstreamModel
+from backend.llama.kv_capacity import KvCapacity, KvLayout, assumed_layout_note, kv_from_props
 from backend.llama.load import LogListener, Serving, Snapshot, SnapshotPublisher, State
 
-__all__ = ["RemoteEngine", "normalise_base_url"]
+__all__ = ["RemoteEngine", "UpstreamKind", "normalise_base_url"]
 
 log = logging.getLogger("gguf_studio.remote_engine")
 
+#: Seconds between two reads of what an upstream runs (its health is checked every `interval`).
+REREAD_INTERVAL = 30.0
+
+
+class UpstreamKind(enum.Enum):
+    LLAMA_SERVER = "llama-server"
+    GGUF_STUDIO = "gguf-studio"
+
 
 class RemoteEngine(SnapshotPublisher):
-    """Watches a llama-server at `url`; a `LoadBackend` without a process or logs."""
+    """Watches an engine at `url`; a `LoadBackend` without a process or logs.
 
-    def __init__(self, url: str, *, api_key: str | None = None, interval: float = 1.0) -> None:
+    `api_key` is the key that upstream requires; `kv_layout` what its operator states
+    about a plain llama-server's cache (None: not stated)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, kv_layout: KvLayout | None = None,
+                 interval: float = 1.0, reread_interval: float = REREAD_INTERVAL) -> None:
         self.base_url = normalise_base_url(url)
         self.api_key = api_key
+        self.kv_layout = kv_layout
         self.interval = interval
+        self.reread_interval = reread_interval
+        #: What answered at `base_url` last; None until something did.
+        self.kind: UpstreamKind | None = None
         super().__init__(Snapshot(model_id=None, model_path=None), log, "remote engine listener")
         self._task: asyncio.Task[None] | None = None
+        self._next_read = 0.0
+        self._read: tuple[Any, ...] | None = None  # what the last read found, to tell a change
 
     def add_log_listener(self, listener: LogListener) -> None:
         """Nothing to hear: the engine's output stays on the machine that runs it."""
@@ -49,6 +83,7 @@ class RemoteEngine(SnapshotPublisher):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        self._read = None
         self._set_state(State.STOPPED)
 
     async def close(self) -> None:
@@ -57,24 +92,113 @@ class RemoteEngine(SnapshotPublisher):
     async def _watch(self) -> None:
         async with EngineClient(self.base_url, api_key=self.api_key, timeout=5.0) as engine:
             while True:
-                healthy = await engine.healthy()
-                ready = self._snapshot.state is State.READY
-                if healthy and not ready:
-                    try:
-                        props = await engine.props()
-                    except LoadError as exc:
-                        log.warning("remote engine is healthy but unusable: %s; retrying", exc)
-                    else:
-                        serving = Serving(self.base_url, props.effective_parallel_slots,
-                                          context_length=props.context_length,
-                                          kv=kv_from_props(props.context_length),
-                                          api_key=self.api_key)
-                        self._set_state(State.READY, serving=serving,
-                                        model_id=props.model_alias or "upstream",
-                                        restarting=False, error=None)
-                elif not healthy and ready:
-                    self._set_state(State.STARTING, restarting=True, error="The upstream llama-server stopped answering.")
+                await self._check(engine)
                 await asyncio.sleep(self.interval)
+
+    async def _check(self, engine: EngineClient) -> None:
+        answer = await engine.health()
+        if answer is None:
+            self._leave("The upstream does not answer.")
+            return
+        studio = StudioHealth.read(answer.body)
+        if studio is not None:
+            self.kind = UpstreamKind.GGUF_STUDIO
+            await self._follow_studio(engine, studio)
+        elif answer.ok:
+            self.kind = UpstreamKind.LLAMA_SERVER
+            await self._follow_llama_server(engine)
+        else:
+            self._leave(f"The upstream is not ready (its health check answers HTTP {answer.status}).")
+
+    async def _follow_llama_server(self, engine: EngineClient) -> None:
+        if not self._read_due():
+            return
+        try:
+            props = await engine.props()
+        except LoadError as exc:
+            self._leave(str(exc))
+            return
+        contexts = await engine.slot_contexts()
+        self._schedule_read()
+        slots = props.effective_parallel_slots
+        per_slot = min(contexts) if contexts else props.context_length
+        kv = kv_from_props(per_slot, slots=slots, layout=self.kv_layout)
+        if kv is None:
+            self._leave("The upstream llama-server did not report its context size.")
+            return
+        if self._unchanged(props, contexts):
+            return
+        note = assumed_layout_note(kv, slots, self.kv_layout)
+        if note:
+            log.warning("%s: %s", self.base_url, note)
+        self._serve(model_id=_served_name(props), slots=slots, context_length=per_slot,
+                    kv=kv, kv_note=note, upstream_models=())
+
+    async def _follow_studio(self, engine: EngineClient, health: StudioHealth) -> None:
+        if not health.ready:
+            self._leave(f"The upstream GGUF Studio port has no model ready ({health.state}).")
+            return
+        assert health.slots is not None and health.kv is not None
+        serving = self._snapshot.serving
+        models = serving.upstream_models if serving is not None else ()
+        if self._read_due() or health.model != self._snapshot.model_id:
+            try:
+                models = await engine.models()
+            except LoadError as exc:
+                self._leave(str(exc))
+                return
+            self._schedule_read()
+        if self._unchanged(health.model, health.slots, health.kv, models):
+            return
+        self._serve(model_id=health.model or "upstream", slots=health.slots,
+                    context_length=health.kv.per_request, kv=health.kv, kv_note=None,
+                    upstream_models=models)
+
+    def _serve(self, *, model_id: str, slots: int, context_length: int | None, kv: KvCapacity,
+               kv_note: str | None, upstream_models: tuple[UpstreamModel, ...]) -> None:
+        if self._snapshot.state is not State.READY:
+            log.info("%s (%s) joins: %s, %s", self.base_url, self.kind.value if self.kind else "?",
+                     model_id, kv.describe(slots))
+        else:
+            log.info("%s changed: %s, %s", self.base_url, model_id, kv.describe(slots))
+        serving = Serving(self.base_url, slots, context_length=context_length, kv=kv,
+                          api_key=self.api_key, kv_note=kv_note, upstream_models=upstream_models)
+        self._set_state(State.READY, serving=serving, model_id=model_id, restarting=False,
+                        error=None)
+
+    def _leave(self, error: str) -> None:
+        """Out of the pool until the upstream is healthy again, when it is read anew."""
+        self._next_read, self._read = 0.0, None
+        if self._snapshot.state is State.READY:
+            log.warning("%s leaves: %s", self.base_url, error)
+            self._set_state(State.STARTING, restarting=True, error=error)
+        elif self._snapshot.error != error:
+            log.info("%s: %s", self.base_url, error)
+            self._set_state(self._snapshot.state, error=error)
+
+    def _read_due(self) -> bool:
+        return self._snapshot.state is not State.READY or \
+            asyncio.get_running_loop().time() >= self._next_read
+
+    def _schedule_read(self) -> None:
+        self._next_read = asyncio.get_running_loop().time() + self.reread_interval
+
+    def _unchanged(self, *read: Any) -> bool:
+        """Whether the upstream still runs what it ran at the last read (a restart with
+        other settings, another model or another build is a change)."""
+        unchanged = self._snapshot.state is State.READY and self._read == read
+        self._read = read
+        return unchanged
+
+
+def _served_name(props: EngineProps) -> str:
+    """The name clients see: llama-server's alias, whose default is the model's path on
+    its machine, which is cut to the file's name (paths are never shown)."""
+    alias = props.model_alias or ""
+    if not alias or alias == props.model_path or "/" in alias or "\\" in alias:
+        name = PurePath(alias.replace("\\", "/")).name.removesuffix(".gguf")
+        return name or "upstream"
+    return alias
 
 
 def normalise_base_url(url: str) -> str:

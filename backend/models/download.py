@@ -49,7 +49,8 @@ from backend.models.hub import (
     translate_hub_error,
 )
 from backend.listeners import Listeners
-from backend.settings import APP_NAME, PRIVATE_DIR_MODE
+from backend.private_files import PRIVATE_DIR_MODE
+from backend.settings import APP_NAME
 from backend.throttle import Throttle
 
 __all__ = [

@@ -23,7 +23,8 @@ import platformdirs
 
 from backend.errors import HubAccessDenied, HubError, HubNotFound, HubUnreachable, UnsafeHubAnswer
 from backend.models.hf_cache import check_commit, check_file_name, check_repo_id, check_sha256, printable
-from backend.settings import APP_NAME, PRIVATE_DIR_MODE
+from backend.private_files import PRIVATE_DIR_MODE
+from backend.settings import APP_NAME
 
 __all__ = [
     "DEFAULT_QUANT_PREFERENCE",

@@ -25,7 +25,8 @@ import platformdirs
 from backend.errors import SettingsError
 from backend.llama.load import LoadSettings
 from backend.models.hf_cache import hugging_face_cache, repo_id_of_folder
-from backend.settings import APP_NAME, PRIVATE_DIR_MODE
+from backend.private_files import PRIVATE_DIR_MODE
+from backend.settings import APP_NAME
 
 __all__ = [
     "SOURCE_LABELS",

@@ -190,3 +190,14 @@ def test_a_key_shorter_than_16_characters_is_refused_wherever_it_comes_from(tmp_
 def test_a_key_of_16_characters_and_no_key_at_all_are_accepted():
     assert Settings(api_key="x" * 16).api_key == "x" * 16
     assert Settings(api_key="").api_key == ""
+
+
+def test_the_upstreams_kv_layout_comes_from_the_environment_and_the_command_line(tmp_path):
+    from backend.app.cli import _parser
+    path = tmp_path / "settings.json"
+    assert Settings.load(path, environ={}).upstream_kv == ""
+    assert Settings.load(path, environ={"GGUF_STUDIO_UPSTREAM_KV": "Split"}).upstream_kv == "split"
+    with pytest.raises(SettingsError, match="upstream_kv has an unusable value 'shared'"):
+        Settings.load(path, environ={"GGUF_STUDIO_UPSTREAM_KV": "shared"})
+    args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--upstream-kv", "unified"])
+    assert args.upstream_kv == "unified"

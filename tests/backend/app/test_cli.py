@@ -152,3 +152,10 @@ def test_serve_reads_the_upstream_key_file_and_says_when_it_cannot(tmp_path, use
               "--upstream-api-key-file", str(tmp_path / "missing.key"), env=user_dirs)
     assert out.returncode == 1
     assert "missing.key cannot be read" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_refuses_an_upstream_kv_layout_it_does_not_know(user_dirs):
+    out = cli("serve", "--upstream", "http://127.0.0.1:9", "--upstream-kv", "shared", env=user_dirs)
+    assert out.returncode == 2
+    assert "--upstream-kv: invalid choice: 'shared'" in out.stderr
+    assert "split" in out.stderr and "unified" in out.stderr

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from backend.models.gguf_info import read_model_info
-from backend.llama.kv_capacity import KvCapacity, KvPlan, context_args, kv_from_props, planned_capacity
+from backend.errors import SettingsError
+from backend.llama.kv_capacity import (KvCapacity, KvLayout, KvPlan, assumed_layout_note, context_args,
+                                       kv_from_health, kv_from_props, planned_capacity)
 from backend.llama.load import LoadSettings, State
 from backend.llama.supervisor import Supervisor
 
@@ -21,6 +23,49 @@ def test_an_attached_engine_without_a_context_has_no_known_cache(context):
 def test_an_attached_engine_is_taken_as_one_pool_of_one_slots_context():
     # Safe whether it is split (each slot holds 4,096) or unified (a pool of >= 4,096).
     assert kv_from_props(4096) == KvCapacity(4096, 4096, unified=True)
+    assert kv_from_props(4096, slots=4) == KvCapacity(4096, 4096, unified=True)
+
+
+def test_a_stated_split_gives_every_slot_its_own_share():
+    assert kv_from_props(4096, slots=4, layout=KvLayout.SPLIT) == KvCapacity(16384, 4096, unified=False)
+
+
+def test_a_stated_unified_cache_is_one_pool_of_one_slots_context():
+    # Unified, a slot's context is the pool (unless --kv-unified-per-slot caps it).
+    assert kv_from_props(16384, slots=4, layout=KvLayout.UNIFIED) == KvCapacity(16384, 16384, unified=True)
+
+
+def test_the_assumption_is_named_only_where_it_may_hold_requests_back():
+    assumed = kv_from_props(4096, slots=4)
+    assert assumed_layout_note(assumed, 4, None) == (
+        "KV layout unknown: assuming one shared pool of 4,096 tokens; this limits concurrency — "
+        "state split or unified for this upstream.")
+    assert assumed_layout_note(assumed, 1, None) is None  # one slot: both layouts are the same
+    assert assumed_layout_note(assumed, 4, KvLayout.UNIFIED) is None
+
+
+@pytest.mark.parametrize("text, layout", [("split", KvLayout.SPLIT), (" Unified ", KvLayout.UNIFIED),
+                                          ("", None), (None, None)])
+def test_the_operators_statement_reads_as_a_layout(text, layout):
+    assert KvLayout.parse(text) is layout
+
+
+def test_a_statement_that_is_no_layout_is_refused_clearly():
+    with pytest.raises(SettingsError, match="'split' or 'unified', not 'shared'"):
+        KvLayout.parse("shared")
+
+
+def test_another_ports_health_gives_its_exact_cache():
+    assert kv_from_health({"total": 8192, "per_request": 2048, "unified": False, "reserved": 0}) == \
+        KvCapacity(8192, 2048, unified=False)
+    assert kv_from_health(KvCapacity(16384, 8192, unified=True).to_dict()) == KvCapacity(16384, 8192, True)
+
+
+@pytest.mark.parametrize("data", [None, "8192", {"total": 8192, "per_request": 2048},
+                                  {"total": 2048, "per_request": 8192, "unified": True},
+                                  {"total": "8192", "per_request": 2048, "unified": True}])
+def test_a_health_cache_that_does_not_read_as_one_is_none(data):
+    assert kv_from_health(data) is None
 
 
 def test_describe_says_what_the_choice_means():
@@ -191,3 +236,8 @@ async def test_when_fit_shrinks_the_models_own_context_the_engine_gives_less_tha
     assert snapshot.engine.context_reduced_from == plan.kv.total == 32768
     assert plan.fit_floor <= snapshot.serving.kv.total < plan.kv.total
     assert snapshot.serving.kv.per_request < plan.kv.per_request and not snapshot.serving.kv.unified
+
+
+def test_settings_accept_exactly_the_layouts_an_upstream_can_be_stated_as():
+    from backend.settings import UPSTREAM_KV_LAYOUTS
+    assert UPSTREAM_KV_LAYOUTS == tuple(layout.value for layout in KvLayout)
