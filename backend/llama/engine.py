@@ -35,6 +35,7 @@ import platformdirs
 from backend.llama.accelerators import BACKENDS, Accelerators, detect
 from backend.llama.log import for_display, read_lines
 from backend.llama.sources import PinnedFile, fetch_pinned
+from backend.llama.environment import engine_environment
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
 
 # The one place the engine's version is pinned.
@@ -428,15 +429,6 @@ def find_build_tools(environ: Mapping[str, str] | None = None) -> BuildTools:
     return BuildTools(cc, cxx, cmake, ninja)
 
 
-def engine_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of the engine's processes (llama-server, its build tools, apt):
-    ours without the app's own settings (the port's key among them) and without
-    credentials, which none of them needs: hub tokens and any *_TOKEN, *_API_KEY,
-    *_SECRET, *_PASSWORD."""
-    environ = os.environ if environ is None else environ
-    return {name: value for name, value in environ.items() if not _is_withheld(name)}
-
-
 def default_data_dir() -> Path:
     override = os.environ.get(ENV_DATA_DIR)
     return Path(override) if override else Path(platformdirs.user_data_dir("gguf-studio"))
@@ -445,15 +437,6 @@ def default_data_dir() -> Path:
 # --- helpers --------------------------------------------------------------------------
 
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
-
-
-def _is_withheld(name: str) -> bool:
-    upper = name.upper()
-    return (upper.startswith("GGUF_STUDIO_") or upper in _HUB_TOKENS
-            or upper.endswith(("_TOKEN", "_API_KEY", "_SECRET", "_SECRET_KEY", "_PASSWORD")))
-
-
-_HUB_TOKENS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"})
 
 
 def _candidate(source: str, value: str | os.PathLike | None, origin: str) -> Candidate:

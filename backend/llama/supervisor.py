@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from backend.llama.api import EngineClient, EngineProps
-from backend.llama.engine import engine_environment
+from backend.llama.environment import engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
 from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.errors import (

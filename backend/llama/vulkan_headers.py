@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from backend.llama.accelerators import vulkan_header_version, vulkan_headers_usable
-from backend.llama.engine import engine_environment
+from backend.llama.environment import engine_environment
 from backend.errors import EngineBuildFailed
 
 # The Debian release whose libvulkan-dev (1.4.309) carries what the pinned llama.cpp uses.
