@@ -41,11 +41,11 @@ async def test_the_embeddings_model_answers_with_vectors_of_its_width(
     width = read_model_info(embedding_model).embedding_length
     settings = LoadSettings(parallel="2", extra_args=("--embeddings",))
     async with loaded(llama_server_binary, tmp_path, embedding_model, settings) as engine:
-        assert engine.effective_parallel_slots == 2
-        async with httpx.AsyncClient(headers=engine_headers(engine.api_key), timeout=60) as client:
-            answer = await client.post(f"{engine.base_url}/v1/embeddings",
+        assert engine.serving.slots == 2
+        async with httpx.AsyncClient(headers=engine_headers(engine.serving.api_key), timeout=60) as client:
+            answer = await client.post(f"{engine.serving.base_url}/v1/embeddings",
                                        json={"input": ["a retriever's query", "a passage"]})
-            chat_answer = await client.post(f"{engine.base_url}/v1/chat/completions",
+            chat_answer = await client.post(f"{engine.serving.base_url}/v1/chat/completions",
                                             json={"messages": [{"role": "user", "content": "hi"}]})
     assert answer.status_code == 200, answer.text
     vectors = [item["embedding"] for item in answer.json()["data"]]
@@ -74,8 +74,8 @@ async def loaded(binary: Path, log_dir: Path, model: Path, settings: LoadSetting
 
 
 async def chat(engine: Snapshot, question: str) -> dict:
-    async with httpx.AsyncClient(headers=engine_headers(engine.api_key), timeout=120) as client:
-        answer = await client.post(f"{engine.base_url}/v1/chat/completions", json={
+    async with httpx.AsyncClient(headers=engine_headers(engine.serving.api_key), timeout=120) as client:
+        answer = await client.post(f"{engine.serving.base_url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": question}],
             "temperature": 0, "max_tokens": 48})
     assert answer.status_code == 200, answer.text
