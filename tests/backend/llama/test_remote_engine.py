@@ -102,7 +102,7 @@ async def attached(tmp_path, llama_server_binary, tiny_model):
 async def test_attached_engine_is_served_with_its_slots_after_it_turns_healthy(attached):
     service, until, port, _engine = attached
     ready_now = await until(ready)
-    assert ready_now.serving.effective_parallel_slots == 3
+    assert ready_now.serving.slots == 3
     # -np 3 -c 2048: 768 tokens per slot; nobody said whether the cache is shared, so the
     # port assumes one pool of one slot's context (never more than the engine has) ...
     assert ready_now.serving.kv == KvCapacity(768, 768, unified=True)
@@ -247,7 +247,7 @@ async def test_an_attached_engine_that_requires_a_key_is_served_with_it(
         await service.attach_upstream(f"http://127.0.0.1:{port}", api_key="upstream-secret",
                                       kv_layout=KvLayout.SPLIT)
         ready_now = await watch.until(ready)
-        assert ready_now.serving.effective_parallel_slots == 2  # /props needs the key
+        assert ready_now.serving.slots == 2  # /props needs the key
         assert ready_now.serving.kv == KvCapacity(2048, 1024, unified=False) and ready_now.serving.kv_note is None
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
             answer = await client.post("/v1/chat/completions", json={
@@ -310,11 +310,11 @@ async def test_a_gguf_studio_upstreams_exact_cache_and_models_are_read_from_it(
     service.add_listener(watch)
     try:
         await service.start_gateway()
-        await service.attach_upstream(f"http://127.0.0.1:{port}/v1", api_key="studio-key")
+        await service.attach_upstream(f"http://127.0.0.1:{port}/v1", api_key="studio-key-0123456789")
         served = await watch.until(ready)
         # -np 2 -c 4096 split: 2,048 per slot, 4,096 in all; read exactly, not assumed.
         assert served.serving.kv == KvCapacity(4096, 2048, unified=False) and served.serving.kv_note is None
-        assert served.serving.effective_parallel_slots == 2 and served.serving.context_length == 2048
+        assert served.serving.slots == 2 and served.serving.context_length == 2048
         assert served.model_id == "tiny"
         assert served.serving.upstream_models == (UpstreamModel("tiny", 2048, 2048),)
         assert service.registry.current.kv.total == 4096
@@ -333,7 +333,7 @@ async def test_a_gguf_studio_upstream_that_stops_and_starts_again_leaves_and_rej
         tmp_path, llama_server_binary, tiny_model):
     port = pick_free_port()
     studio = start_studio(tmp_path, llama_server_binary, tiny_model, port)
-    remote = RemoteEngine(f"http://127.0.0.1:{port}", api_key="studio-key", interval=0.05)
+    remote = RemoteEngine(f"http://127.0.0.1:{port}", api_key="studio-key-0123456789", interval=0.05)
     watch = Watch()
     remote.add_listener(watch)
     try:
@@ -456,7 +456,7 @@ def start_studio(tmp_path: Path, binary: Path, model: Path, port: int, parallel:
     """`gguf-studio serve --model tiny.gguf` on `port`, split 2,048 tokens per slot, with
     a key of its own."""
     key_file = tmp_path / "studio.key"
-    key_file.write_text("studio-key\n")
+    key_file.write_text("studio-key-0123456789\n")
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "studio-config"),
                XDG_STATE_HOME=str(tmp_path / "studio-state"), XDG_CACHE_HOME=str(tmp_path / "studio-cache"))
     return subprocess.Popen(
