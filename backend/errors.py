@@ -260,6 +260,12 @@ class ModelNotReady(RequestError):
     status, type, code = 503, "server_error", "model_not_ready"
 
 
+class ModelNotFound(RequestError):
+    """The request names a model this port does not serve; the message lists those it does."""
+
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
 class QueueTimeout(RequestError):
     status, type, code = 503, "server_error", "queue_timeout"
 

@@ -1,7 +1,7 @@
 """The one object the window and the command line talk to.
 
-It wires the supervisor (or an attached upstream), the admission registry, the metrics
-and the gateway together on one asyncio loop.  `BackendThread` gives that loop a thread
+It wires the pool (local models, each run by its own supervisor, and engines elsewhere),
+the admission registry, the metrics and the gateway together on one asyncio loop.  `BackendThread` gives that loop a thread
 of its own when a GUI owns the main thread.
 """
 
@@ -19,16 +19,20 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
-from backend.port.admission import AdmissionQueue, AdmissionRegistry
+from backend.app.pool import Pool
+from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.errors import RequestError, SettingsError
+from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
-from backend.errors import RETRY_SOON, LoadReplaced, ModelNotReady, SettingsError
+from backend.llama.kv_capacity import KvLayout
+from backend.llama.load import Listener, LoadSpec, LogListener, Snapshot
+from backend.llama.supervisor import Supervisor
+from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
+from backend.models.gguf_info import read_model_info
+from backend.port.admission import AdmissionRegistry
+from backend.port.catalog import ModelCard
 from backend.port.metrics import Metrics
 from backend.settings import Settings
-from backend.listeners import Listeners
-from backend.llama.kv_capacity import KvLayout
-from backend.llama.load import Listener, LoadBackend, LogListener, LoadSpec, Snapshot, State
-from backend.llama.remote_engine import RemoteEngine
-from backend.llama.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from backend.port.server import GatewayServer
@@ -52,14 +56,18 @@ class StudioService:
             enabled=settings.admission_enabled,
         )
         self.metrics.bind_registry(self.registry)
-        self._backend: LoadBackend | None = None
-        self._supervisor: Supervisor | None = None  # the backend, when it runs the engine here
+        self.pool = Pool(self.registry, settings=lambda: self.settings,
+                         engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
+                         abort=self._abort, memory_budget=memory_budget,
+                         estimate=estimate_model_bytes)
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "service listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "engine log listener")
         self._gateway: GatewayServer | None = None
         self._gateway_lock = asyncio.Lock()
-        self._restarts_seen = 0
+        self._restarts_seen: dict[str, int] = {}
         self._snapshot = Snapshot()
+        self.pool.add_listener(self._on_engine_snapshot)
+        self.pool.add_log_listener(lambda model, line: self._log_listeners(line))
         self._last_spec: LoadSpec | None = None
 
     # --- state --------------------------------------------------------------------------
@@ -76,7 +84,11 @@ class StudioService:
         self._log_listeners.add(listener)
 
     def log_tail(self, lines: int = 200) -> list[str]:
-        return self._backend.log_tail(lines) if self._backend is not None else []
+        """The default model's engine's last lines."""
+        for model, backend in self.pool.backends():
+            if model == self.pool.default_model:
+                return backend.log_tail(lines)
+        return []
 
     # --- the port ---------------------------------------------------------------------------
 
@@ -117,29 +129,10 @@ class StudioService:
     # --- loads ----------------------------------------------------------------------------
 
     async def load(self, spec: LoadSpec) -> Snapshot:
-        """Load `spec`, letting requests running on the previous load finish first
-        (up to `reload_grace` seconds); waiting requests move to the new load."""
-        await asyncio.to_thread(detect_accelerators)  # runs programs once; not on the loop
-        binary = self.engine.resolve(self.settings.llama_server or None).path
+        """Load `spec` as the default model, letting requests running on the previous
+        one finish first (up to `reload_grace` seconds); waiting requests move to it."""
         self._last_spec = spec
-        await self._retire_current_load()
-        supervisor = self._supervisor
-        if supervisor is None or supervisor.binary != binary:
-            # Swapped in before anything is awaited, so a load asked for meanwhile uses
-            # this supervisor (which serializes loads) rather than making its own.
-            previous = self._backend
-            supervisor = Supervisor(
-                binary, self.log_dir, load_timeout=self.settings.load_timeout,
-                stop_timeout=self.settings.stop_timeout, max_restarts=self.settings.max_restarts)
-            self._attach(supervisor)
-            self._supervisor = supervisor
-            if previous is not None:
-                await previous.close()
-        try:
-            return await supervisor.load(spec)
-        except BaseException:
-            self.registry.refuse_waiting(ModelNotReady("The model failed to load.", retry_after=RETRY_SOON))
-            raise
+        return await self.pool.replace_default(spec)
 
     async def retry_on_cpu(self) -> Snapshot:
         """Load the last model again with no GPU layers, after a GPU load failed."""
@@ -154,87 +147,74 @@ class StudioService:
         """Serve a llama-server (or GGUF Studio port) that runs elsewhere.  Returns at
         once; the snapshot turns ready (slots and KV read from it) whenever it answers
         healthy.  `kv_layout`: what the operator states about a llama-server's cache."""
-        await self._retire_current_load()
-        await self._close_backend()
-        remote = RemoteEngine(url, api_key=api_key, kv_layout=kv_layout)
-        self._attach(remote)
-        return await remote.start()
+        return await self.pool.add_upstream(UpstreamEntry(url, api_key, kv_layout))
+
+    async def start_pool(self, config: PoolConfig) -> None:
+        """Serve `config`'s models and upstreams; models marked `preload` load now, one
+        after the other, the others on their first request."""
+        self.pool.memory_limit_mib = config.memory_limit_mib
+        for entry in config.models:
+            self.pool.add_model(entry)
+        if config.default_model:
+            self.pool.set_default(config.default_model)
+        for upstream in config.upstreams:
+            await self.pool.add_upstream(upstream)
+        await self.pool.start()
 
     async def unload(self) -> None:
-        await self._retire_current_load()
-        if self._backend is not None:
-            await self._backend.unload()
-        self.registry.refuse_waiting(ModelNotReady("The model was unloaded.", retry_after=RETRY_SOON))
+        """Unload the default model; its waiters are told it is gone."""
+        name = self.pool.default_model
+        if name is not None:
+            await self.pool.unload_model(name)
 
     async def close(self) -> None:
         await self.stop_gateway()
-        await self.unload()
-        await self._close_backend()
+        await self.pool.close()
+
+    # --- the gateway's view of the pool --------------------------------------------------
+
+    def route(self, path: str, requested: object) -> str:
+        return self.pool.route(path, requested)
+
+    def model_cards(self) -> list[ModelCard]:
+        cap = self.settings.max_output_tokens
+        cards = []
+        for status in self.pool.statuses():
+            context = status.context_length
+            output = min(cap, context) if cap and context else (cap or context)
+            cards.append(ModelCard(
+                id=status.name, state=status.residency.value, context_length=context,
+                max_output_tokens=output or None, default=status.default,
+                details={"aliases": list(status.aliases), "local": status.local,
+                         "pinned": status.pinned, "idle_ttl": status.idle_ttl,
+                         "embeddings": status.embeddings, "decision": status.decision,
+                         "error": status.error,
+                         "engines": [dataclasses.asdict(e) for e in status.engines]}))
+        return cards
 
     # --- wiring --------------------------------------------------------------------------
 
-    def _attach(self, backend: LoadBackend) -> None:
-        self._backend = backend
-        self._restarts_seen = 0
-        def on_snapshot(snapshot: Snapshot) -> None:
-            if self._backend is backend:  # a replaced backend's last words are not news
-                self._on_backend_snapshot(snapshot)
+    async def _engine_binary(self) -> Path:
+        await asyncio.to_thread(detect_accelerators)  # runs programs once; not on the loop
+        return self.engine.resolve(self.settings.llama_server or None).path
 
-        backend.add_listener(on_snapshot)
-        backend.add_log_listener(self._log_listeners)
+    def _new_supervisor(self, binary: Path) -> Supervisor:
+        return Supervisor(binary, self.log_dir, load_timeout=self.settings.load_timeout,
+                          stop_timeout=self.settings.stop_timeout,
+                          max_restarts=self.settings.max_restarts)
 
-    async def _close_backend(self) -> None:
-        backend = self._backend
-        self._supervisor = None
-        if backend is not None:
-            await backend.close()  # its last snapshot (stopped) still reaches listeners
-        if self._backend is backend:
-            self._backend = None
+    def _abort(self, key: str, error: RequestError) -> int:
+        return self._gateway.abort_load(key, error) if self._gateway is not None else 0
 
-    async def _retire_current_load(self) -> None:
-        """No new request goes to the current load; those running on it get
-        `reload_grace` seconds to finish, then end with a clean error."""
-        queue = self.registry.current
-        if queue is None:
-            return
-        self.registry.retire_current()
-        if queue.active and self.settings.reload_grace > 0:
-            await self._wait_drained(queue, self.settings.reload_grace)
-        if queue.active and self._gateway is not None:
-            log.warning("%d request(s) still running on the old load; ending them", queue.active)
-            self._gateway.abort_load(queue.key, LoadReplaced(
-                "The model was replaced or unloaded while this request ran. Send it again."))
-
-    async def _wait_drained(self, queue: AdmissionQueue, timeout: float) -> None:
-        drained = asyncio.Event()
-
-        def check() -> None:
-            if queue.active == 0:
-                drained.set()
-
-        self.registry.add_listener(check)
-        try:
-            await asyncio.wait_for(drained.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            self.registry.remove_listener(check)
-
-    def _on_backend_snapshot(self, snapshot: Snapshot) -> None:
-        previous, self._snapshot = self._snapshot, snapshot
-        if snapshot.serving is not None:
-            self.registry.activate(snapshot.serving)
-        elif previous.state is State.READY and snapshot.state is not State.READY:
-            # A crash or a stop: nothing new may go to this load.
-            self.registry.retire_current()
-            if snapshot.state is State.FAILED:
-                self.registry.refuse_waiting(ModelNotReady("The model stopped working.", retry_after=RETRY_SOON))
-        if snapshot.restarts > self._restarts_seen:
-            for _ in range(snapshot.restarts - self._restarts_seen):
-                self.metrics.count_restart()
-            self._restarts_seen = snapshot.restarts
-        self.metrics.set_backend(snapshot)
-        self._listeners(snapshot)
+    def _on_engine_snapshot(self, model: str, snapshot: Snapshot) -> None:
+        seen = self._restarts_seen.get(model, 0)
+        for _ in range(snapshot.restarts - seen):
+            self.metrics.count_restart()
+        self._restarts_seen[model] = snapshot.restarts
+        if model == self.pool.default_model:
+            self._snapshot = snapshot
+            self.metrics.set_backend(snapshot)
+            self._listeners(snapshot)
 
 
 class BackendThread:
@@ -282,3 +262,16 @@ def check_bind_allowed(settings: Settings) -> None:
         f"Refusing to listen on {settings.host} without an API key: anyone on the network could "
         "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), or pass --allow-no-key "
         "if you really mean it.")
+
+
+def memory_budget() -> int:
+    """What local models may take together: the usable part of this machine's RAM.
+    (GPU memory is not added: a model that runs on a GPU also maps its file in RAM.)"""
+    return int(machine_memory().ram_bytes * RAM_USABLE)
+
+
+def estimate_model_bytes(entry: ModelEntry) -> int:
+    """The fit estimate of `entry` at its context (weights, KV cache, working space)."""
+    info = read_model_info(entry.path)
+    return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size,
+                        info=info).total_bytes

@@ -60,6 +60,7 @@ a lock.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import dataclasses
@@ -70,7 +71,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from types import EllipsisType
 
-from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull
+from backend.errors import RETRY_SOON, ContextLengthExceeded, ModelNotReady, QueueFull
 from backend.listeners import Listeners
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
@@ -290,6 +291,9 @@ class Line:
         self._waiters: OrderedDict[Ticket, None] = OrderedDict()
         self._waiting_bytes = 0
         self._service_time: float | None = None
+        # Requests that wait for any engine to serve the model (it is loading) before
+        # they can be planned and take a ticket.
+        self._awaiting_engine: set[asyncio.Future[None]] = set()
 
     # --- state -----------------------------------------------------------------------
 
@@ -300,7 +304,23 @@ class Line:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        """Everyone in line, and those waiting for the model's first engine."""
+        return len(self._waiters) + len(self._awaiting_engine)
+
+    @property
+    def busy(self) -> bool:
+        """Someone runs on one of its engines or waits for them."""
+        return bool(self.waiting or any(engine.active for engine in self._engines))
+
+    @property
+    def planning_engine(self) -> AdmissionQueue | None:
+        """The engine whose cache plans a request's need: the one that can take the
+        largest (a need refused there fits none of them); None while none serves."""
+        best: AdmissionQueue | None = None
+        for engine in self._engines:
+            if best is None or _limit(engine) > _limit(best):
+                best = engine
+        return best
 
     @property
     def capacity(self) -> int:
@@ -376,6 +396,22 @@ class Line:
         prompt on its byte bound when this holds, and counts it while it runs."""
         return not self._waiters and self._engine_for(as_need(need)) is not None
 
+    def when_served(self) -> asyncio.Future[None]:
+        """Done once an engine serves the model (at once if one does); fails with the
+        refusal if the model's waiters are refused first (its load failed).  Cancel it
+        to stop waiting."""
+        served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self._engines and self.max_waiting and self.waiting >= self.max_waiting:
+            raise QueueFull(f"The server is busy: {self.waiting} requests already wait for "
+                            "the model to load. Try again later.", retry_after=RETRY_SOON)
+        if self._engines:
+            served.set_result(None)
+        else:
+            self._awaiting_engine.add(served)
+            served.add_done_callback(self._stop_awaiting)
+            self._changed()
+        return served
+
     def admit_waiting(self) -> None:
         """Admit from the head of the line while there is room."""
         if self._promote():
@@ -444,6 +480,9 @@ class Line:
         """`engine` serves this model now (its waiters may go to it)."""
         if engine not in self._engines:
             self._engines.append(engine)
+        for served in list(self._awaiting_engine):
+            if not served.done():
+                served.set_result(None)
         self.engines_changed()
 
     def detach(self, engine: AdmissionQueue) -> None:
@@ -466,9 +505,12 @@ class Line:
         self._waiting_bytes = 0
         for ticket in tickets:
             ticket.refuse(error)
-        if tickets:
+        awaiting = [served for served in self._awaiting_engine if not served.done()]
+        for served in awaiting:
+            served.set_exception(error)
+        if tickets or awaiting:
             self._changed()
-        return len(tickets)
+        return len(tickets) + len(awaiting)
 
     def take_waiters(self, other: Line) -> None:
         """`other`'s waiters join this line, everyone in order of arrival (a load that
@@ -529,6 +571,10 @@ class Line:
                 self._pop(ticket)
                 ticket.refuse(_too_long(ticket.need, limit))
 
+    def _stop_awaiting(self, served: asyncio.Future[None]) -> None:
+        self._awaiting_engine.discard(served)
+        self._changed()
+
     def _push(self, ticket: Ticket) -> None:
         self._waiters[ticket] = None
         self._waiting_bytes += ticket.size
@@ -568,6 +614,8 @@ class AdmissionRegistry:
         self._lines: dict[str, Line] = {}
         # Engine slot (a load whose processes replace each other) -> its current queue.
         self._current: dict[str, AdmissionQueue] = {}
+        #: The engine slot `current` names: the default model's, in a pool.
+        self.default_engine = ""
         self._listeners: Listeners[[]] = Listeners(log, "admission listener")
         # Set while several things change at once, so listeners hear one final state.
         self._batching = False
@@ -577,7 +625,7 @@ class AdmissionRegistry:
     @property
     def current(self) -> AdmissionQueue | None:
         """The current queue of the default engine slot."""
-        return self._current.get("")
+        return self._current.get(self.default_engine)
 
     def current_of(self, engine: str) -> AdmissionQueue | None:
         return self._current.get(engine)
@@ -622,6 +670,16 @@ class AdmissionRegistry:
 
     def queue_for(self, key: str) -> AdmissionQueue | None:
         return self._queues.get(key)
+
+    def find_line(self, model: str) -> Line | None:
+        """The line of `model` if it exists (no line is made)."""
+        return self._lines.get(model)
+
+    def busy(self, model: str) -> bool:
+        """Someone runs on, or waits for, an engine of `model` (retired ones included)."""
+        line = self._lines.get(model)
+        return line is not None and (line.busy or any(
+            queue.line is line and queue.active for queue in self._queues.values()))
 
     def line(self, model: str = DEFAULT_MODEL) -> Line:
         """The line of `model`, made on first use."""
@@ -669,7 +727,7 @@ class AdmissionRegistry:
             self.prune()
 
     def retire_current(self) -> None:
-        self.retire("")
+        self.retire(self.default_engine)
 
     def carry(self, from_model: str, to_model: str) -> None:
         """Waiters for `from_model` now wait for `to_model`, in order of arrival."""
@@ -773,6 +831,11 @@ def _check_capacity(n: int) -> int:
 
 def _replace_serving(serving: Serving, *, slots: int, kv: KvCapacity | None) -> Serving:
     return dataclasses.replace(serving, slots=slots, kv=kv)
+
+
+def _limit(engine: AdmissionQueue) -> int:
+    kv = engine.kv
+    return kv.per_request if kv is not None else 0
 
 
 def _mib(n: int) -> str:

@@ -33,6 +33,7 @@ from backend.port import http_errors
 from backend.port.access_guard import AccessGuard
 from backend.port.access_log import log_request
 from backend.port.admission import AdmissionQueue, AdmissionRegistry
+from backend.port.catalog import ModelCard
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION
@@ -71,7 +72,15 @@ class GatewayContext(Protocol):
     registry: AdmissionRegistry
     metrics: Metrics
 
-    def snapshot(self) -> Snapshot: ...
+    def snapshot(self) -> Snapshot:
+        """The default model's engine."""
+
+    def route(self, path: str, requested: object) -> str:
+        """The model (its admission line) a request for `path` naming model `requested`
+        goes to; may start loading it.  Raises ModelNotFound or ModelNotReady."""
+
+    def model_cards(self) -> list[ModelCard]:
+        """Every model served or loadable, for /v1/models and /health."""
 
 
 class Gateway:
@@ -152,15 +161,16 @@ class Gateway:
             parsed = await check_body(path, raw, settings.max_output_tokens)
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
-            snapshot = ctx.snapshot()
-            queue = ctx.registry.current
-            if snapshot.state is not State.READY or queue is None:
-                raise ModelNotReady(not_ready_message(snapshot),
-                                    retry_after=RETRY_SOON)
-            plan = await self.plan(queue, path, parsed, raw_size)
-            # Planned: the parsed objects (several times the body's bytes) are not kept
-            # by a waiting request, only the body (bounded by max_waiting_body_bytes).
-            parsed.data = {}
+            model = ctx.route(path, parsed.data.get("model"))
+            line = ctx.registry.line(model)
+            queue = line.planning_engine
+            plan: Plan | None = None
+            if queue is not None:
+                plan = await self.plan(queue, path, parsed, raw_size)
+                # Planned: the parsed objects (several times the body's bytes) are not
+                # kept by a waiting request, only the body (max_waiting_body_bytes).
+                parsed.data = {}
+            # Else the model is loading: the exchange waits for it, then plans.
         except RequestError as error:
             hold.release()  # before the answer: a client that got its 429 finds room
             await http_errors.send_http_error(send, error, metrics)
@@ -168,8 +178,8 @@ class Gateway:
         finally:
             hold.release()
 
-        exchange = Exchange(self, queue.line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                           parsed, snapshot.model_id, plan),
+        exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
+                                                     parsed, model, plan, raw_size),
                             send, receive,
                             abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
         self._running.add(exchange)
@@ -216,18 +226,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self.check_key(request.scope)
-        snapshot = self.ctx.snapshot()
-        data = []
-        if snapshot.model_id and (snapshot.state is State.READY or snapshot.restarting):
-            # What one request may use: its context (prompt + output), and its output
-            # (the operator's cap, else whatever the context leaves).
-            serving = snapshot.serving
-            context = serving.per_request if serving is not None else None
-            cap = self.settings.max_output_tokens
-            output = min(cap, context) if cap and context else (cap or context)
-            data.append({"id": snapshot.model_id, "object": "model", "created": self.started_at,
-                         "owned_by": "gguf-studio", "context_length": context,
-                         "max_output_tokens": output or None})
+        data = [card.to_model(self.started_at) for card in self.ctx.model_cards()]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
@@ -245,6 +244,10 @@ class Gateway:
                    dict(kv.to_dict(), reserved=registry.total_reserved_tokens)),
             # Which backend and devices the engine uses (no paths, ports or URLs in it).
             "engine": snapshot.engine.to_dict() if snapshot.engine else None,
+            # Every model, its residency and the reason of its last decision, its engines.
+            "models": [{"id": card.id, "state": card.state, "default": card.default,
+                        "context_length": card.context_length, **card.details}
+                       for card in self.ctx.model_cards()],
         }
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
 

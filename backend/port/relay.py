@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 
 from backend.port import http_errors
 from backend.port import sse
-from backend.port.admission import Line, Ticket
+from backend.port.admission import AdmissionQueue, Line, Ticket
 from backend.port.need_planner import NO_PLAN, Plan
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
-from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, RequestError,
-                            UpstreamFailed, UpstreamUnavailable)
+from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
+                            RequestError, UpstreamFailed, UpstreamUnavailable)
 from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
@@ -83,6 +83,9 @@ class ExchangeHost(Protocol):
     @property
     def closing(self) -> bool: ...
 
+    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
+                   body_bytes: int) -> Plan: ...
+
 
 @dataclass(frozen=True, slots=True)
 class GatedRequest:
@@ -92,8 +95,11 @@ class GatedRequest:
     kind: sse.StreamKind
     parsed: Parsed
     model_id: str | None
-    #: What it will hold of the engine's cache, and whether it is counted while it runs.
-    plan: Plan = NO_PLAN
+    #: What it will hold of the engine's cache, and whether it is counted while it runs;
+    #: None while no engine serves its model yet (it is loading): planned once one does.
+    plan: Plan | None = NO_PLAN
+    #: The body's size as received, for planning later.
+    body_bytes: int = 0
 
 
 class Exchange:
@@ -131,6 +137,8 @@ class Exchange:
         self._abort_connection = abort_connection
         self._stall_timeout = settings.client_stall_timeout
         self._stall: StallGuard | None = None
+        #: Counting a prompt admitted on its byte bound, while it runs.
+        self._counting: asyncio.Future[None] | None = None
 
     # --- the whole exchange ---------------------------------------------------------
 
@@ -138,24 +146,20 @@ class Exchange:
         """Admit, wait, forward, answer.  The last messages go out after the upstream
         request is closed and the ticket released, so a client that has seen the end of
         its answer can count on its slot being free."""
-        try:
-            ticket = self.ticket = self.line.request(
-                self.request.plan.need, size=len(self.request.parsed.body),
-                max_waiting_bytes=self.host.settings.max_waiting_body_bytes)
-        except RequestError as error:
-            await self._send_all(self._failure(error))
-            return
+        if self.request.plan is not None:  # refused at once, before anything else starts
+            try:
+                self._take_ticket(self.request.plan)
+            except RequestError as error:
+                await self._send_all(self._failure(error))
+                return
         self._task = asyncio.current_task()
-        plan = self.request.plan
-        counting = (asyncio.ensure_future(plan.settle(ticket))
-                    if plan.settle_later else None)
         watch = self.watch = DisconnectWatch(self.receive)
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
             self.send = self._stall.send
         try:
             try:
-                last = await self._admitted_and_forwarded(ticket)
+                last = await self._admitted_and_forwarded()
             except RequestError as error:
                 last = self._failure(error)
             except Exception as exc:  # a bug: a generic 500 / in-stream error, logged
@@ -171,9 +175,12 @@ class Exchange:
                 last = self._failure(self._abort or ModelNotReady(
                     "The server is shutting down.", retry_after=RETRY_SOON))
         finally:
-            if counting is not None:
-                counting.cancel()  # its answer is of no use once the ticket goes
-            if self._engine_dropped:
+            if self._counting is not None:
+                self._counting.cancel()  # its answer is of no use once the ticket goes
+            ticket = self.ticket
+            if ticket is None:
+                pass  # it never had a place in line
+            elif self._engine_dropped:
                 # Likely a crash: the waiters wait for the supervisor to say so (it
                 # retires the load within milliseconds), not for a dying engine.
                 ticket.release(hold=True)
@@ -239,13 +246,31 @@ class Exchange:
 
     # --- waiting ----------------------------------------------------------------------
 
-    async def _admitted_and_forwarded(self, ticket: Ticket) -> list[dict[str, Any]]:
+    def _take_ticket(self, plan: Plan) -> Ticket:
+        ticket = self.ticket = self.line.request(
+            plan.need, size=len(self.request.parsed.body),
+            max_waiting_bytes=self.host.settings.max_waiting_body_bytes)
+        if plan.settle_later:
+            self._counting = asyncio.ensure_future(plan.settle(ticket))
+        return ticket
+
+    async def _admitted_and_forwarded(self) -> list[dict[str, Any]]:
         """Wait for a slot and forward; a load that refused the connection (nothing of
         the request reached it) sends the ticket back to its place in line, to be
         served by the next admission, on this load or the restarted one, within what
-        is left of the queue timeout."""
+        is left of the queue timeout.  A request for a model that is loading first
+        waits for its engine, then is planned and takes its place."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.queue_timeout if self.queue_timeout > 0 else None
+        ticket = self.ticket
+        if ticket is None:
+            await self._served(None if deadline is None else deadline - loop.time())
+            queue = self.line.planning_engine
+            parsed = self.request.parsed
+            plan = NO_PLAN if queue is None else await self.host.plan(
+                queue, self.request.path, parsed, self.request.body_bytes)
+            parsed.data = {}
+            ticket = self._take_ticket(plan)
         while True:
             timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
             await self._admitted(ticket, timeout)
@@ -257,6 +282,23 @@ class Exchange:
                                               "Try again shortly.", retry_after=RETRY_SOON) from None
                 self.metrics.count_requeue()
                 self.stage = "queued"
+
+    async def _served(self, timeout: float | None) -> None:
+        """Returns once an engine serves the request's model (it was loading); a
+        streaming client sees life meanwhile.  Its queue timeout counts."""
+        served = self.line.when_served()
+        try:
+            if self.request.parsed.stream:
+                if not self.headers_sent:
+                    await self._start_stream()
+                await self._keep_alive_until(asyncio.wait_for(served, timeout))
+            else:
+                await asyncio.wait_for(served, timeout)
+        except TimeoutError:
+            raise QueueTimeout("The model is still loading. Try again shortly.",
+                               retry_after=RETRY_SOON) from None
+        finally:
+            served.cancel()
 
     async def _admitted(self, ticket: Ticket, timeout: float | None) -> None:
         """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""

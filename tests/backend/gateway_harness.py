@@ -13,7 +13,10 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 
 from backend.port.access_guard import AccessGuard
-from backend.port.admission import AdmissionRegistry, KvCapacity
+from backend.errors import RETRY_SOON, ModelNotReady
+from backend.port.admission import DEFAULT_MODEL, AdmissionRegistry, KvCapacity
+from backend.port.catalog import ModelCard
+from backend.port.gateway import not_ready_message
 from backend.port.gateway import create_app
 from backend.port.server import GatewayServer
 from backend.port.metrics import Metrics
@@ -45,6 +48,21 @@ class Context:
     def set_snapshot(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
         self.metrics.set_backend(snapshot)
+
+    def route(self, path: str, requested: object) -> str:
+        """One load, as a port without a pool: any model name reaches it while ready."""
+        if self._snapshot.state is not State.READY or self.registry.current is None:
+            raise ModelNotReady(not_ready_message(self._snapshot), retry_after=RETRY_SOON)
+        return DEFAULT_MODEL
+
+    def model_cards(self) -> list[ModelCard]:
+        serving = self._snapshot.serving
+        if serving is None or not self._snapshot.model_id:
+            return []
+        context = serving.per_request
+        cap = self.settings.max_output_tokens
+        output = min(cap, context) if cap and context else (cap or context)
+        return [ModelCard(self._snapshot.model_id, "ready", context, output or None, True)]
 
 
 @dataclass

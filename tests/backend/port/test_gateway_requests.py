@@ -117,10 +117,10 @@ async def test_websocket_upgrade_on_responses_is_426(gw):
 
 
 async def test_unexpected_errors_are_a_generic_500(gw, caplog):
-    def broken() -> Snapshot:
+    def broken(path: str, requested: object) -> str:
         raise RuntimeError(f"boom in {MODEL_PATH}")
 
-    gw.ctx.snapshot = broken
+    gw.ctx.route = broken
     with caplog.at_level(logging.ERROR, logger="gguf_studio.gateway"):
         response = await gw.client.post(CHAT, json=chat())
     error = assert_clean_error(response, 500, "internal_error", gw)
@@ -169,14 +169,16 @@ async def test_models_and_health(gw, fake):
     assert models["object"] == "list"
     assert models["data"] == [{"id": "fake-model", "object": "model", "owned_by": "gguf-studio",
                                "context_length": 4096, "max_output_tokens": 4096,
-                               "created": models["data"][0]["created"]}]
+                               "state": "ready", "created": models["data"][0]["created"]}]
     gw.configure(max_output_tokens=1000)
     assert (await gw.client.get("/v1/models")).json()["data"][0]["max_output_tokens"] == 1000
     health = await gw.client.get("/health")
     assert health.status_code == 200
     assert health.json() == {"state": "ready", "model": "fake-model",
                              "effective_parallel_slots": 2, "active": 0, "waiting": 0, "kv": None,
-                             "engine": None}  # a llama-server we did not start: no load report
+                             "engine": None,  # a llama-server we did not start: no load report
+                             "models": [{"id": "fake-model", "state": "ready", "default": True,
+                                         "context_length": 4096}]}
     async with holding(gw, fake.slots):
         waiter = asyncio.create_task(stream(gw.client, CHAT, chat(True)))
         await until(lambda: gw.registry.total_waiting == 1)

@@ -1,0 +1,656 @@
+"""The pool: the models this port serves, and the engines that serve them.
+
+A model is either a GGUF file on this machine (a `ModelEntry`, run by its own
+`Supervisor`: its own llama-server, key, report, restarts, logs, slots and KV), or what
+an engine elsewhere serves (an `UpstreamEntry` watched by a `RemoteEngine`).  Every
+engine that serves joins its model's admission line under its own key (base URL), so
+the admission sees each engine's own slots and KV, and a waiter goes to whichever engine
+of its model has room first.
+
+Residency of local models follows the fit estimate (`backend.models.fit`):
+
+- a request for a known model that is not loaded loads it (it waits meanwhile, with
+  keep-alives; its queue timeout counts);
+- before a load, the model's estimated memory must fit beside the loaded ones within
+  the budget (the machine's usable RAM and VRAM, or `memory_limit_mib`); if it does
+  not, the least recently used unpinned model that nobody uses is unloaded first —
+  drained, never killed with a request on it; if every other model is busy, the load
+  waits for one to become idle;
+- a model idle for its `idle_ttl` is unloaded.
+
+Each decision, with its reason, is kept on the model (`ModelStatus.decision`), logged,
+and shown by the window and `/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
+                            RequestError)
+from backend.listeners import Listeners
+from backend.llama.load import LoadBackend, LoadSpec, Snapshot, State
+from backend.llama.remote_engine import RemoteEngine
+from backend.llama.supervisor import Supervisor
+from backend.port.admission import AdmissionRegistry
+from backend.app.pool_config import ModelEntry, UpstreamEntry
+from backend.settings import Settings
+
+__all__ = ["EMBEDDINGS_ROUTE", "EngineStatus", "ModelStatus", "Pool", "Residency"]
+
+log = logging.getLogger("gguf_studio.pool")
+
+EMBEDDINGS_ROUTE = "/v1/embeddings"
+#: How often idle models are looked at for their idle TTL (at most).
+IDLE_CHECK_INTERVAL = 1.0
+
+
+class Residency(enum.Enum):
+    """Where a local model is in its life; a remote one is READY or UNLOADED."""
+
+    UNLOADED = "unloaded"  #: known, not in memory: loaded on its first request
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    EVICTED = "evicted"  #: unloaded to make room or for idleness; loaded again on demand
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine serving a model, for the window and /health (no paths, no keys)."""
+
+    id: str  #: "local:<model>" or "remote:<url>"
+    where: str  #: "this machine" or "upstream N" (addresses stay out of /health)
+    state: str
+    slots: int | None
+    kv: dict[str, object] | None
+    active: int
+    waiting: int
+    reserved_tokens: int
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    aliases: tuple[str, ...]
+    local: bool
+    residency: Residency
+    pinned: bool
+    idle_ttl: float
+    embeddings: bool
+    default: bool
+    context_length: int | None  #: what one request may use (prompt + output), when known
+    decision: str  #: the last residency decision and its reason
+    error: str | None
+    engines: tuple[EngineStatus, ...]
+
+
+class _Local:
+    """A local model's runtime state."""
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.entry = entry
+        self.supervisor: Supervisor | None = None
+        self.residency = Residency.UNLOADED
+        self.decision = "not loaded yet" if not entry.preload else "loading at start"
+        self.error: str | None = None
+        self.last_used = 0.0
+        self.loading: asyncio.Task[Snapshot] | None = None
+        self.estimate: int | None = None  # bytes, once worked out
+
+    @property
+    def engine_id(self) -> str:
+        return f"local:{self.entry.name}"
+
+    @property
+    def resident(self) -> bool:
+        return self.residency in (Residency.LOADING, Residency.READY, Residency.UNLOADING)
+
+
+class _Remote:
+    def __init__(self, entry: UpstreamEntry, backend: RemoteEngine) -> None:
+        self.entry = entry
+        self.backend = backend
+        self.model: str | None = None  # the name it serves, once it answered
+
+    @property
+    def engine_id(self) -> str:
+        return f"remote:{self.backend.base_url}"
+
+
+class Pool:
+    """Local models and remote engines behind one port; see the module docstring."""
+
+    def __init__(self, registry: AdmissionRegistry, *, settings: Callable[[], Settings],
+                 engine_binary: Callable[[], Awaitable[Path]],
+                 new_supervisor: Callable[[Path], Supervisor],
+                 abort: Callable[[str, RequestError], int],
+                 memory_budget: Callable[[], int],
+                 estimate: Callable[[ModelEntry], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self._settings = settings
+        self._engine_binary = engine_binary
+        self._new_supervisor = new_supervisor
+        self._abort = abort
+        self._memory_budget = memory_budget
+        self._estimate = estimate
+        self._clock = clock
+        self._locals: dict[str, _Local] = {}
+        self._remotes: dict[str, _Remote] = {}
+        self._default: str | None = None
+        self.memory_limit_mib = 0
+        self._listeners: Listeners[[str, Snapshot]] = Listeners(log, "pool listener")
+        self._log_listeners: Listeners[[str, str]] = Listeners(log, "pool log listener")
+        self._changed_listeners: Listeners[[]] = Listeners(log, "pool change listener")
+        self._residency_lock = asyncio.Lock()
+        self._idle_task: asyncio.Task[None] | None = None
+
+    # --- listeners ---------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[str, Snapshot], None]) -> None:
+        """`listener(model, snapshot)` for every new snapshot of any engine."""
+        self._listeners.add(listener)
+
+    def add_log_listener(self, listener: Callable[[str, str], None]) -> None:
+        """`listener(model, line)` for every line a local engine writes."""
+        self._log_listeners.add(listener)
+
+    def add_change_listener(self, listener: Callable[[], None]) -> None:
+        """Called after every change of the catalogue or of a residency."""
+        self._changed_listeners.add(listener)
+
+    # --- the catalogue -----------------------------------------------------------------
+
+    @property
+    def default_model(self) -> str | None:
+        if self._default is not None and self._known(self._default):
+            return self._default
+        names = self.names()
+        return names[0] if names else None
+
+    def set_default(self, name: str | None) -> None:
+        self._default = name
+        self._sync_default_engine()
+        self._changed_listeners()
+
+    def names(self) -> list[str]:
+        """Every model the pool serves or can load, local ones first."""
+        names = [name for name, m in self._locals.items() if not m.entry.embeddings]
+        names += [name for name, m in self._locals.items() if m.entry.embeddings]
+        names += [r.model for r in self._remotes.values()
+                  if r.model is not None and r.model not in names]
+        return names
+
+    def resolve(self, path: str, requested: object) -> str:
+        """The model a request for `path` naming `requested` goes to.
+
+        No model (or an empty one): the default model (for /v1/embeddings the first
+        embeddings model, if any).  A name: a model's name or alias or file name, exact,
+        else ignoring case.  Unknown: ModelNotFound listing the models.
+        """
+        if not isinstance(requested, str) or not requested.strip():
+            if path == EMBEDDINGS_ROUTE:
+                for name, m in self._locals.items():
+                    if m.entry.embeddings:
+                        return name
+            default = self.default_model
+            if default is None:
+                raise ModelNotReady("No model is loaded right now. Try again later.",
+                                    retry_after=RETRY_SOON)
+            return default
+        wanted = requested.strip()
+        for exact in (True, False):
+            for name, names in self._all_names():
+                if any(n == wanted if exact else n.lower() == wanted.lower() for n in names):
+                    return name
+        listed = ", ".join(self.names()) or "none"
+        raise ModelNotFound(f"The model {printable(wanted)!r} is not served here. Models: {listed}.",
+                            param="model")
+
+    def route(self, path: str, requested: object) -> str:
+        """`resolve`, then make sure the model will be served: a local model that is not
+        loaded starts loading; one whose load failed answers ModelNotReady."""
+        name = self.resolve(path, requested)
+        local = self._locals.get(name)
+        if local is not None:
+            local.last_used = self._clock()
+            if local.residency is Residency.FAILED and not self.registry.busy(name):
+                raise ModelNotReady(f"The model {name} failed to load. {local.error or ''}".strip(),
+                                    retry_after=RETRY_SOON)
+            if not local.resident and local.loading is None:
+                self._start_loading(local, why="loaded on demand")
+        return name
+
+    def statuses(self) -> list[ModelStatus]:
+        return [self.status(name) for name in self.names()]
+
+    def status(self, name: str) -> ModelStatus:
+        local = self._locals.get(name)
+        engines = tuple(self._engine_statuses(name))
+        context = None
+        line = self.registry.find_line(name)
+        if line is not None and line.per_request is not None:
+            context = line.per_request
+        else:
+            for engine in engines:
+                if engine.kv is not None:
+                    context = int(str(engine.kv["per_request"]))
+        if local is not None:
+            entry = local.entry
+            return ModelStatus(name, entry.aliases, True, local.residency, entry.pinned,
+                               entry.idle_ttl, entry.embeddings, name == self.default_model,
+                               context, local.decision, local.error, engines)
+        ready = any(e.state == State.READY.value for e in engines)
+        return ModelStatus(name, (), False, Residency.READY if ready else Residency.UNLOADED,
+                           True, 0.0, False, name == self.default_model, context,
+                           "served by an engine elsewhere", None, engines)
+
+    def snapshot(self, name: str | None = None) -> Snapshot:
+        """The snapshot of `name`'s engine (the default model's when None)."""
+        name = name if name is not None else self.default_model
+        if name is None:
+            return Snapshot()
+        local = self._locals.get(name)
+        if local is not None:
+            return local.supervisor.snapshot if local.supervisor is not None else Snapshot(
+                model_id=name, model_path=local.entry.path)
+        for remote in self._remotes.values():
+            if remote.model == name or (remote.model is None and name is None):
+                return remote.backend.snapshot
+        return Snapshot()
+
+    def backends(self) -> list[tuple[str, LoadBackend]]:
+        """(model, backend) of every engine, for logs and the window."""
+        found: list[tuple[str, LoadBackend]] = [
+            (name, m.supervisor) for name, m in self._locals.items() if m.supervisor is not None]
+        found += [(r.model or r.backend.base_url, r.backend) for r in self._remotes.values()]
+        return found
+
+    # --- local models ------------------------------------------------------------------
+
+    def add_model(self, entry: ModelEntry, *, default: bool = False) -> None:
+        """Know `entry` (replacing an entry of the same name, which keeps its state)."""
+        self._check_names(entry)
+        local = self._locals.get(entry.name)
+        if local is None:
+            self._locals[entry.name] = _Local(entry)
+        else:
+            local.entry = entry
+            local.estimate = None
+        if default:
+            self._default = entry.name
+        self._sync_default_engine()
+        self._ensure_idle_watch()
+        self._changed_listeners()
+
+    async def remove_model(self, name: str) -> None:
+        await self.unload_model(name, reason="removed")
+        self._locals.pop(name, None)
+        self._changed_listeners()
+
+    async def start(self) -> None:
+        """Load every model marked to load at start (one after the other)."""
+        for local in list(self._locals.values()):
+            if local.entry.preload and not local.resident:
+                try:
+                    await self.load_model(local.entry.name, why="loaded at start")
+                except LoadError as error:
+                    log.error("%s did not load: %s", local.entry.name, error)
+
+    async def load_model(self, name: str, *, why: str = "loaded on request") -> Snapshot:
+        """Load `name` (making room first if needed) and return its ready snapshot.
+        Raises LoadError when it does not load."""
+        local = self._local(name)
+        if local.loading is None:
+            self._start_loading(local, why=why)
+        assert local.loading is not None
+        return await asyncio.shield(local.loading)
+
+    async def replace_default(self, spec: LoadSpec) -> Snapshot:
+        """The window's and `serve`'s one load: `spec` becomes the default model; the
+        previous default (when another model) is unloaded after its running requests
+        finish (up to the reload grace), and its waiters move to the new one."""
+        previous = self.default_model
+        entry = ModelEntry(name=spec.name, path=spec.model_path, settings=spec.settings,
+                           chat_template=spec.chat_template, pinned=True)
+        existing = self._locals.get(spec.name)
+        if existing is not None and existing.resident:
+            await self.unload_model(spec.name, reason="reloaded", refuse=False)
+        self._locals.setdefault(spec.name, _Local(entry)).entry = entry
+        self._default = spec.name
+        self._sync_default_engine()
+        if previous is not None and previous != spec.name and previous in self._locals:
+            self.registry.carry(previous, spec.name)
+            await self.unload_model(previous, reason=f"replaced by {spec.name}", refuse=False)
+            self._locals.pop(previous, None)
+        self._sync_default_engine()
+        self._changed_listeners()
+        try:
+            return await self.load_model(spec.name, why="loaded on request")
+        except BaseException:
+            self.registry.refuse_waiting(
+                ModelNotReady("The model failed to load.", retry_after=RETRY_SOON), spec.name)
+            raise
+
+    async def unload_model(self, name: str, *, reason: str = "unloaded on request",
+                           refuse: bool = True, evicted: bool = False) -> None:
+        """Stop serving `name`: nothing new goes to it, requests running on it get the
+        reload grace to finish (then end with a clean error), then its engine stops.
+        `refuse`: its waiters are told it is gone (else they wait for its next load)."""
+        local = self._locals.get(name)
+        if local is None or local.supervisor is None:
+            return
+        if local.loading is not None and not local.loading.done():
+            local.loading.cancel()
+        local.residency = Residency.UNLOADING
+        self._decide(local, reason)
+        queue = self.registry.current_of(local.engine_id)
+        self.registry.retire(local.engine_id)
+        if queue is not None:
+            grace = self._settings().reload_grace
+            if queue.active and grace > 0:
+                await self._drained(lambda: queue.active == 0, grace)
+            if queue.active:
+                log.warning("%d request(s) still running on %s; ending them", queue.active, name)
+                self._abort(queue.key, LoadReplaced(
+                    "The model was replaced or unloaded while this request ran. Send it again."))
+        await local.supervisor.unload()
+        local.residency = Residency.EVICTED if evicted else Residency.UNLOADED
+        local.loading = None
+        if refuse:
+            self.registry.refuse_waiting(
+                ModelNotReady(f"The model {name} was unloaded.", retry_after=RETRY_SOON), name)
+        self._changed_listeners()
+
+    async def unload_all(self) -> None:
+        for name in list(self._locals):
+            await self.unload_model(name)
+
+    # --- remote engines ----------------------------------------------------------------
+
+    async def add_upstream(self, entry: UpstreamEntry) -> Snapshot:
+        """Watch an engine elsewhere; it joins when it answers healthy."""
+        backend = RemoteEngine(entry.url, api_key=entry.api_key, kv_layout=entry.kv_layout)
+        if backend.base_url in self._remotes:
+            await self.remove_upstream(backend.base_url)
+        remote = _Remote(entry, backend)
+        self._remotes[backend.base_url] = remote
+        backend.add_listener(lambda snapshot: self._on_remote_snapshot(remote, snapshot))
+        self._changed_listeners()
+        return await backend.start()
+
+    async def remove_upstream(self, url: str) -> None:
+        remote = self._remotes.pop(url, None) or next(
+            (r for r in self._remotes.values() if r.entry.url == url), None)
+        if remote is None:
+            return
+        self._remotes.pop(remote.backend.base_url, None)
+        self.registry.retire(remote.engine_id)
+        await remote.backend.close()
+        self._changed_listeners()
+
+    def upstreams(self) -> list[tuple[UpstreamEntry, Snapshot]]:
+        return [(r.entry, r.backend.snapshot) for r in self._remotes.values()]
+
+    async def close(self) -> None:
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+            await asyncio.gather(self._idle_task, return_exceptions=True)
+            self._idle_task = None
+        await self.unload_all()
+        for url in list(self._remotes):
+            await self.remove_upstream(url)
+
+    # --- loading and residency ----------------------------------------------------------
+
+    def _start_loading(self, local: _Local, *, why: str) -> None:
+        local.residency = Residency.LOADING
+        local.error = None
+        local.loading = asyncio.ensure_future(self._load(local, why))
+        local.loading.add_done_callback(self._loaded)
+        self._changed_listeners()
+
+    def _loaded(self, task: asyncio.Task[Snapshot]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved here; awaiting callers re-raise it themselves
+
+    async def _load(self, local: _Local, why: str) -> Snapshot:
+        name = local.entry.name
+        try:
+            await self._make_room(local, why)
+            binary = await self._engine_binary()
+            supervisor = local.supervisor
+            if supervisor is not None and supervisor.binary != binary:
+                await supervisor.close()  # another engine was built or chosen meanwhile
+                supervisor = local.supervisor = None
+            if supervisor is None:
+                supervisor = local.supervisor = self._new_supervisor(binary)
+                supervisor.add_listener(lambda snapshot: self._on_local_snapshot(local, snapshot))
+                supervisor.add_log_listener(lambda line: self._log_listeners(name, line))
+            entry = local.entry
+            spec = entry.settings.to_spec(entry.path, chat_template=entry.chat_template,
+                                          model_id=name)
+            snapshot = await supervisor.load(spec)
+            local.residency = Residency.READY
+            local.last_used = self._clock()
+            self._changed_listeners()
+            return snapshot
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            local.residency = Residency.FAILED
+            local.error = str(error)
+            self._decide(local, f"failed to load: {error}")
+            self.registry.refuse_waiting(
+                ModelNotReady(f"The model {name} failed to load.", retry_after=RETRY_SOON), name)
+            raise
+        finally:
+            if local.loading is asyncio.current_task():
+                local.loading = None
+
+    async def _make_room(self, local: _Local, why: str) -> None:
+        """Unload least recently used idle models until `local` fits the budget; wait
+        while the only candidates are busy; fail when pinned models leave no room."""
+        name = local.entry.name
+        async with self._residency_lock:
+            need = await self._estimate_of(local)
+            while True:
+                budget = self._budget()
+                resident = [m for m in self._locals.values() if m is not local and m.resident]
+                used = sum([await self._estimate_of(m) for m in resident])
+                if budget <= 0 or used + need <= budget:
+                    self._decide(local, f"{why}: needs about {_gib(need)}, fits beside "
+                                        f"{_names(resident)} ({_gib(used + need)} of {_gib(budget)})")
+                    return
+                idle = sorted((m for m in resident if not m.entry.pinned
+                               and m.residency is Residency.READY
+                               and not self.registry.busy(m.entry.name)),
+                              key=lambda m: m.last_used)
+                if idle:
+                    victim = idle[0]
+                    reason = (f"evicted to make room for {name} (least recently used; "
+                              f"{_gib(used + need)} would pass the {_gib(budget)} budget)")
+                    log.info("%s %s", victim.entry.name, reason)
+                    await self.unload_model(victim.entry.name, reason=reason, refuse=False,
+                                            evicted=True)
+                    continue
+                busy = [m for m in resident if not m.entry.pinned]
+                if not busy:
+                    raise LoadError(
+                        f"{name} needs about {_gib(need)} but only {_gib(max(0, budget - used))} "
+                        f"of the {_gib(budget)} budget is left beside the pinned models "
+                        f"({_names(resident)}). Unload one or raise the memory limit.")
+                self._decide(local, f"waiting for room: {_names(busy)} still serve requests")
+                await self._drained(lambda: any(
+                    not self.registry.busy(m.entry.name) for m in busy), timeout=None)
+
+    async def _estimate_of(self, local: _Local) -> int:
+        if local.estimate is None:
+            local.estimate = await asyncio.to_thread(self._estimate, local.entry)
+        return local.estimate
+
+    def _budget(self) -> int:
+        if self.memory_limit_mib > 0:
+            return self.memory_limit_mib * 1024 * 1024
+        return self._memory_budget()
+
+    # --- idleness ---------------------------------------------------------------------------
+
+    def _ensure_idle_watch(self) -> None:
+        if self._idle_task is None and any(m.entry.idle_ttl > 0 for m in self._locals.values()):
+            try:
+                self._idle_task = asyncio.get_running_loop().create_task(
+                    self._watch_idle(), name="idle models")
+            except RuntimeError:  # no loop yet: started with the first load
+                pass
+
+    async def _watch_idle(self) -> None:
+        while True:
+            ttls = [m.entry.idle_ttl for m in self._locals.values() if m.entry.idle_ttl > 0]
+            await asyncio.sleep(min([IDLE_CHECK_INTERVAL, *(t / 4 for t in ttls)]))
+            now = self._clock()
+            for local in list(self._locals.values()):
+                name = local.entry.name
+                ttl = local.entry.idle_ttl
+                if ttl <= 0 or local.entry.pinned or local.residency is not Residency.READY:
+                    continue
+                if self.registry.busy(name):
+                    local.last_used = now
+                elif now - local.last_used >= ttl:
+                    reason = f"idle for {ttl:g} s: unloaded"
+                    log.info("%s %s", name, reason)
+                    await self.unload_model(name, reason=reason, refuse=False, evicted=True)
+
+    # --- engines' snapshots ----------------------------------------------------------------
+
+    def _on_local_snapshot(self, local: _Local, snapshot: Snapshot) -> None:
+        name = local.entry.name
+        if snapshot.serving is not None:
+            self.registry.activate(snapshot.serving, model=name, engine=local.engine_id)
+            if local.residency is Residency.LOADING:
+                local.residency = Residency.READY
+        elif self.registry.current_of(local.engine_id) is not None:
+            self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
+            if snapshot.state is State.FAILED:
+                local.residency = Residency.FAILED
+                local.error = snapshot.error
+                self.registry.refuse_waiting(
+                    ModelNotReady("The model stopped working.", retry_after=RETRY_SOON), name)
+        self._listeners(name, snapshot)
+
+    def _on_remote_snapshot(self, remote: _Remote, snapshot: Snapshot) -> None:
+        if snapshot.serving is not None and snapshot.model_id:
+            remote.model = snapshot.model_id
+            self._sync_default_engine()
+            self.registry.activate(snapshot.serving, model=snapshot.model_id,
+                                   engine=remote.engine_id)
+            self._changed_listeners()
+        elif self.registry.current_of(remote.engine_id) is not None:
+            self.registry.retire(remote.engine_id)
+            self._changed_listeners()
+        self._listeners(remote.model or remote.backend.base_url, snapshot)
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _sync_default_engine(self) -> None:
+        """The registry's `current` is the default model's engine (what a port with
+        one model calls "the load")."""
+        name = self.default_model
+        engine = ""
+        if name in self._locals:
+            engine = self._locals[name].engine_id
+        else:
+            engine = next((r.engine_id for r in self._remotes.values() if r.model == name), "")
+        self.registry.default_engine = engine
+
+    def _engine_statuses(self, name: str) -> list[EngineStatus]:
+        found = []
+        local = self._locals.get(name)
+        if local is not None:
+            found.append(self._engine_status(local.engine_id, "this machine",
+                                             self.snapshot(name)))
+        for number, remote in enumerate(self._remotes.values(), 1):
+            if remote.model == name:
+                found.append(self._engine_status(remote.engine_id, f"upstream {number}",
+                                                 remote.backend.snapshot))
+        return found
+
+    def _engine_status(self, engine_id: str, where: str, snapshot: Snapshot) -> EngineStatus:
+        serving = snapshot.serving
+        queue = self.registry.current_of(engine_id)
+        return EngineStatus(
+            engine_id if engine_id.startswith("local:") else where, where,
+            "restarting" if snapshot.restarting else snapshot.state.value,
+            serving.slots if serving is not None else None,
+            serving.kv.to_dict() if serving is not None and serving.kv is not None else None,
+            queue.active if queue is not None else 0,
+            queue.line.waiting if queue is not None else 0,
+            queue.reserved_tokens if queue is not None else 0,
+            serving.kv_note if serving is not None else None)
+
+    def _all_names(self) -> list[tuple[str, tuple[str, ...]]]:
+        found = [(name, m.entry.names) for name, m in self._locals.items()]
+        found += [(r.model, (r.model,)) for r in self._remotes.values() if r.model is not None]
+        return found
+
+    def _known(self, name: str) -> bool:
+        return name in self._locals or any(r.model == name for r in self._remotes.values())
+
+    def _check_names(self, entry: ModelEntry) -> None:
+        for name, names in self._all_names():
+            if name == entry.name:
+                continue
+            clash = set(names) & set(entry.names)
+            if clash:
+                raise ValueError(f"{entry.name} and {name} are both called {sorted(clash)[0]!r}.")
+
+    def _local(self, name: str) -> _Local:
+        local = self._locals.get(name)
+        if local is None:
+            raise ModelNotFound(f"The model {name!r} is not in the pool.")
+        return local
+
+    def _decide(self, local: _Local, decision: str) -> None:
+        local.decision = decision
+        log.info("%s: %s", local.entry.name, decision)
+        self._changed_listeners()
+
+    async def _drained(self, done: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until `done()` holds (checked on every admission change)."""
+        if done():
+            return
+        changed = asyncio.Event()
+        listener = changed.set
+        self.registry.add_listener(listener)
+        try:
+            async with asyncio.timeout(timeout):
+                while not done():
+                    changed.clear()
+                    await changed.wait()
+        except TimeoutError:
+            pass
+        finally:
+            self.registry.remove_listener(listener)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters escaped, cut to a sane length."""
+    cut = text[:80] + ("…" if len(text) > 80 else "")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _names(models: list[_Local]) -> str:
+    return ", ".join(m.entry.name for m in models) or "nothing"

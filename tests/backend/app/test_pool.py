@@ -1,0 +1,292 @@
+"""The pool with real engines: several models at once, on-demand loads and evictions,
+idle unloads, engines elsewhere sharing one model's line, an embeddings model beside a
+chat model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backend.app.pool import Residency
+from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.service import StudioService, estimate_model_bytes
+from backend.llama.kv_capacity import KvLayout
+from backend.llama.load import LoadSettings
+from backend.llama.supervisor import pick_free_port
+from backend.settings import Settings
+from tests.backend.llama.test_remote_engine import (_until_healthy, end_studio,
+                                                    start_llama_server, start_studio, stop)
+from tests.model_factory import write_tiny_model
+
+LONG = {"max_tokens": 4000, "ignore_eos": True}
+SMALL = LoadSettings(parallel="1", ctx_size=2048)
+
+
+@pytest.fixture
+async def service(tmp_path: Path, llama_server_binary: Path):
+    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.1,
+                        reload_grace=30, load_timeout=60, queue_timeout=120)
+    svc = StudioService(settings, log_dir=tmp_path / "logs")
+    await svc.start_gateway()
+    yield svc
+    await svc.close()
+
+
+@pytest.fixture
+async def client(service: StudioService):
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def other_tiny_model(tmp_path_factory: pytest.TempPathFactory, vocab_path: Path) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("other") / "other.gguf", vocab_path, seed=7)
+
+
+def chat(model: str | None, stream: bool = False, **extra: object) -> dict:
+    body: dict = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                  "stream": stream, "temperature": 0, "max_tokens": 48, **extra}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+async def until(predicate, timeout: float = 60.0) -> None:
+    """Poll the running system (engines' slots and residency have no events here)."""
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def stream_lines(client: httpx.AsyncClient, body: dict,
+                       started: asyncio.Event | None = None) -> list[str]:
+    lines = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line:
+                lines.append(line)
+                if started is not None and line.startswith("data: {"):
+                    started.set()
+    return lines
+
+
+def text_of(answer: httpx.Response) -> tuple[str, str]:
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    return choice["message"]["content"], choice["finish_reason"]
+
+
+# --- several models at once --------------------------------------------------------------
+
+
+async def test_two_models_at_once_answer_by_name_and_are_listed(service, client, tiny_model,
+                                                              smollm2_model):
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SMALL),
+        ModelEntry.for_file(str(smollm2_model), name="smol", settings=SMALL,
+                            aliases=("SmolLM2",)))))
+
+    tiny_text, tiny_end = text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
+    smol_text, smol_end = text_of(await client.post("/v1/chat/completions", json=chat("SmolLM2")))
+    default_text, _ = text_of(await client.post("/v1/chat/completions", json=chat(None)))
+
+    assert "Paris" in smol_text and smol_end == "stop"  # the trained model answers and stops
+    assert tiny_end == "length" and tiny_text != smol_text  # random weights run to the limit
+    assert default_text == tiny_text  # no model: the default, the first one
+    models = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["state"], m["context_length"]) for m in models] == [
+        ("tiny", "ready", 2048), ("smol", "ready", 2048)]
+    unknown = await client.post("/v1/chat/completions", json=chat("gpt-4o"))
+    assert unknown.status_code == 404
+    error = unknown.json()["error"]
+    assert error["code"] == "model_not_found" and "tiny, smol" in error["message"]
+    health = (await client.get("/health")).json()
+    assert [m["id"] for m in health["models"]] == ["tiny", "smol"]
+    assert all(m["engines"][0]["where"] == "this machine" for m in health["models"])
+
+
+# --- on demand, eviction, idleness ------------------------------------------------------
+
+
+async def test_a_model_loads_on_demand_evicting_the_idle_one_never_the_busy_one(
+        service, client, tiny_model, other_tiny_model, smollm2_model):
+    busy = ModelEntry.for_file(str(tiny_model), settings=SMALL)
+    idle = ModelEntry.for_file(str(smollm2_model), name="smol", settings=SMALL)
+    third = ModelEntry.for_file(str(other_tiny_model), settings=SMALL, preload=False)
+    sizes = [estimate_model_bytes(entry) for entry in (busy, idle, third)]
+    limit_mib = (sum(sizes) - 1) // (1 << 20)  # two fit, not three
+    await service.start_pool(PoolConfig(models=(busy, idle, third), memory_limit_mib=limit_mib))
+    pool = service.pool
+    assert pool.status("other").residency is Residency.UNLOADED
+
+    running_started = asyncio.Event()
+    running = asyncio.create_task(stream_lines(client, chat("tiny", True, **LONG),
+                                               running_started))
+    await running_started.wait()
+    text_of(await client.post("/v1/chat/completions", json=chat("smol")))
+    # The busy model is now the least recently used one; the idle one must go instead.
+    demanded = await stream_lines(client, chat("other", True))
+
+    assert demanded[0].startswith(":")  # keep-alives flowed while it loaded
+    assert demanded[-1] == "data: [DONE]"
+    assert pool.status("smol").residency is Residency.EVICTED
+    assert "evicted to make room for other" in pool.status("smol").decision
+    assert pool.status("tiny").residency is Residency.READY and not running.done()
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    # The evicted model comes back on demand (the idle "other" makes room for it).
+    smol_text, _ = text_of(await client.post("/v1/chat/completions", json=chat("smol")))
+    assert "Paris" in smol_text
+
+
+async def test_a_busy_model_is_never_evicted_its_stream_completes(
+        service, client, tiny_model, other_tiny_model):
+    busy = ModelEntry.for_file(str(tiny_model), settings=SMALL)
+    third = ModelEntry.for_file(str(other_tiny_model), settings=SMALL, preload=False)
+    limit_mib = (max(estimate_model_bytes(busy), estimate_model_bytes(third)) + (1 << 20)) >> 20
+    await service.start_pool(PoolConfig(models=(busy, third), memory_limit_mib=limit_mib))
+
+    started = asyncio.Event()
+    running = asyncio.create_task(stream_lines(
+        client, chat("tiny", True, max_tokens=400, ignore_eos=True), started))
+    await started.wait()
+    waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat("other")))
+    await until(lambda: "waiting for room" in service.pool.status("other").decision)
+    assert service.pool.status("tiny").residency is Residency.READY
+
+    lines = await running
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+    text_of(await waiting)  # loaded once the busy one was idle, which made room
+    assert service.pool.status("tiny").residency is Residency.EVICTED
+
+
+async def test_an_idle_model_is_unloaded_after_its_ttl(service, client, tiny_model):
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SMALL, idle_ttl=0.5),)))
+    text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
+    await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+    assert "idle for 0.5 s" in service.pool.status("tiny").decision
+    text_of(await client.post("/v1/chat/completions", json=chat("tiny")))  # back on demand
+
+
+async def test_embeddings_go_to_the_embeddings_model_beside_the_chat_model(
+        service, client, tiny_model, embedding_model):
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SMALL),
+        ModelEntry.for_file(str(embedding_model), name="embed", embeddings=True,
+                            settings=LoadSettings(parallel="2", ctx_size=1024,
+                                                  extra_args=("--embeddings",))))))
+    vectors = await client.post("/v1/embeddings", json={"input": ["a cat", "a dog"]})
+    assert vectors.status_code == 200, vectors.text
+    assert [len(item["embedding"]) for item in vectors.json()["data"]] == [64, 64]
+    text_of(await client.post("/v1/chat/completions", json=chat(None)))  # chat: the tiny one
+
+
+# --- engines elsewhere -------------------------------------------------------------------
+
+
+async def test_two_upstreams_of_one_model_run_twice_the_slots_and_survive_one_dying(
+        service, client, llama_server_binary, tiny_model):
+    ports = [pick_free_port(), pick_free_port()]
+    engines = [start_llama_server(llama_server_binary, tiny_model, port, parallel=2, ctx=4096)
+               for port in ports]
+    try:
+        for port in ports:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+                await _until_healthy(probe)
+        for port in ports:
+            await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+
+        first_tokens = [asyncio.Event() for _ in range(4)]
+        running = [asyncio.create_task(stream_lines(client, chat("elsewhere", True, **LONG), ev))
+                   for ev in first_tokens]
+        await asyncio.gather(*(ev.wait() for ev in first_tokens))
+        assert (service.registry.total_active, service.registry.total_waiting) == (4, 0)
+
+        waiters = [asyncio.create_task(stream_lines(
+            client, chat("elsewhere", True, max_tokens=40, ignore_eos=True))) for _ in range(2)]
+        await until(lambda: service.registry.total_waiting == 2)
+        stop(engines[0])  # SIGKILL: its running requests end, its waiters go to the other
+        await until(lambda: sum(t.done() for t in running) >= 2)
+        failed = [t.result() for t in running if t.done()]
+        for lines in failed:
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] in (
+                "upstream_failed", "model_reloaded")
+        for task in running:
+            if not task.done():
+                task.cancel()  # the other engine's long streams: free its slots
+        done = await asyncio.wait_for(asyncio.gather(*waiters), 60)
+        for lines in done:
+            assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+        await asyncio.gather(*running, return_exceptions=True)
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                stop(engine)
+
+
+async def test_two_gguf_studio_ports_behind_a_third_share_one_models_line(
+        service, client, tmp_path, llama_server_binary, tiny_model):
+    ports = [pick_free_port(), pick_free_port()]
+    homes = [tmp_path / f"studio{i}" for i in range(2)]
+    for home in homes:
+        home.mkdir()
+    studios = [start_studio(home, llama_server_binary, tiny_model, port)
+               for home, port in zip(homes, ports)]
+    try:
+        for port in ports:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+                await _until_healthy(probe)
+            await service.attach_upstream(f"http://127.0.0.1:{port}",
+                                          api_key="studio-key-0123456789")
+        await until(lambda: len(service.registry.line("tiny").engines) == 2)
+
+        first_tokens = [asyncio.Event() for _ in range(4)]
+        running = [asyncio.create_task(stream_lines(client, chat("tiny", True, **LONG), ev))
+                   for ev in first_tokens]
+        await asyncio.gather(*(ev.wait() for ev in first_tokens))
+        assert (service.registry.total_active, service.registry.total_waiting) == (4, 0)
+        waiter = asyncio.create_task(stream_lines(
+            client, chat("tiny", True, max_tokens=40, ignore_eos=True)))
+        await until(lambda: service.registry.total_waiting == 1)
+
+        studios[0].kill()  # SIGKILL: its engine dies with it
+        await until(lambda: sum(t.done() for t in running) >= 2, timeout=90)
+        for task in running:
+            if not task.done():
+                task.cancel()
+        lines = await asyncio.wait_for(waiter, 90)
+        assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+        await asyncio.gather(*running, return_exceptions=True)
+    finally:
+        for studio in studios:
+            end_studio(studio)
+
+
+async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(
+        service, client, llama_server_binary, tiny_model, other_tiny_model):
+    port = pick_free_port()
+    engine = start_llama_server(llama_server_binary, other_tiny_model, port, parallel=1)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.start_pool(PoolConfig(
+            models=(ModelEntry.for_file(str(tiny_model), settings=SMALL),),
+            upstreams=(UpstreamEntry(f"http://127.0.0.1:{port}"),)))
+        await until(lambda: "elsewhere" in service.pool.names())
+        models = (await client.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "elsewhere"]
+        remote, _ = text_of(await client.post("/v1/chat/completions", json=chat("elsewhere")))
+        local, _ = text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
+        assert remote != local  # two different models answered
+    finally:
+        stop(engine)
