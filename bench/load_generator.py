@@ -1,6 +1,7 @@
-"""The relay benchmark's load generator: a lean asyncio HTTP/1.1 client, the same code for
-every target.  One `asyncio.Protocol` per stream over its own connection; it counts
-content chunks and notes the time to the first one.
+"""The benchmarks' load generator: a lean asyncio HTTP/1.1 client, the same code for
+every target.  One `asyncio.Protocol` per stream over its own connection (`StreamClient`),
+or per agent sending request after request on one kept-alive connection
+(`KeptAliveClient`); it counts content chunks and notes the time to the first one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class StreamClient(asyncio.Protocol):
         self.request = request
         self.done = done
         self.transport: asyncio.Transport | None = None
+        self._new_answer()
+
+    def _new_answer(self) -> None:
         self.head = b""
         self.in_head = True
         self.status = 0
@@ -38,9 +42,11 @@ class StreamClient(asyncio.Protocol):
         self.raw = b""      # undecoded chunked bytes
         self.need = 0       # chunk data bytes still to come
         self.skip = 0       # CRLF bytes after a chunk still to skip
+        self.trailer = False  # past the last chunk, reading the (empty) trailer section
         self.tail = b""     # a partial event
         self.tokens = 0
         self.saw_done = False
+        self.keep_alive = True  # the server did not say `Connection: close`
         self.t_send = self.t_first = self.t_end = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -66,6 +72,8 @@ class StreamClient(asyncio.Protocol):
                     self.chunked = True
                 elif name == b"content-length":
                     self.remaining = int(value)
+                elif name == b"connection" and b"close" in value.lower():
+                    self.keep_alive = False
         if self.chunked:
             self._dechunk(data)
         else:
@@ -96,11 +104,16 @@ class StreamClient(asyncio.Protocol):
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
                     break
-                size = int(buf[pos:eol].split(b";", 1)[0], 16)
-                pos = eol + 2
+                line, pos = buf[pos:eol], eol + 2
+                if self.trailer:  # the answer ends with the trailer section's blank line
+                    if not line:
+                        last = True
+                        break
+                    continue
+                size = int(line.split(b";", 1)[0], 16)
                 if size == 0:
-                    last = True
-                    break
+                    self.trailer = True
+                    continue
                 self.need = size
         self.raw = buf[pos:] if pos < end else b""
         if parts:
@@ -138,6 +151,57 @@ class StreamClient(asyncio.Protocol):
         if not self.done.done():
             self.t_end = time.perf_counter()
             self.done.set_result(None)
+
+
+class KeptAliveClient(StreamClient):
+    """One agent: `requests` streamed requests one after the other on one kept-alive
+    connection, each written the moment the answer before it ended.  Notes the time to
+    the first content chunk of the requests sent on the kept-alive connection (`ttfts`:
+    the second on; the first went out on a new connection) and counts the answers that
+    failed."""
+
+    def __init__(self, request: bytes, requests: int, done: asyncio.Future,
+                 expect_tokens: int | None) -> None:
+        super().__init__(request, done)
+        self.left = requests
+        self.sent = 0
+        self.expect_tokens = expect_tokens
+        self.ttfts: list[float] = []
+        self.chunks = 0
+        self.errors = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._send()
+
+    def _send(self) -> None:
+        self._new_answer()
+        self.sent += 1
+        self.t_send = time.perf_counter()
+        assert self.transport is not None
+        self.transport.write(self.request)
+
+    def _finish(self) -> None:
+        ok = self.status == 200 and self.saw_done and self.tokens > 0
+        if self.expect_tokens is not None and self.tokens != self.expect_tokens:
+            ok = False
+        if not ok:
+            self.errors += 1
+        elif self.sent > 1:
+            self.ttfts.append(self.t_first - self.t_send)
+        self.chunks += self.tokens
+        self.left -= 1
+        if self.left > 0 and self.keep_alive:
+            self._send()
+            return
+        self.errors += self.left  # a server that closed the connection cut the rest
+        self.left = 0
+        super()._finish()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.errors += self.left
+        self.left = 0
+        super().connection_lost(exc)
 
 
 @dataclass
@@ -204,6 +268,36 @@ async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
         else:
             errors += 1
     return Run(target.name, wall, sum(c.tokens for c in clients), ttfts, errors, cpu)
+
+
+async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int, requests: int,
+                          body: bytes, expect_tokens: int | None, timeout: float,
+                          spread: float = 0.0) -> Run:
+    """`clients` agents (`KeptAliveClient`), agent i connecting i*spread/clients seconds
+    in, each sending `requests` requests one after the other on its connection.  The
+    run's TTFTs are those of the requests on a kept-alive connection (each agent's
+    second request on), which is what this measures; throughput counts every chunk."""
+    loop = asyncio.get_running_loop()
+    request = chat_request(target.port, body)
+    pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
+    if target.pid is not None:
+        pids["relay"] = target.pid
+    before = {k: cpu_times(p) for k, p in pids.items()}
+    client_before = time.process_time()
+    agents = [KeptAliveClient(request, requests, loop.create_future(), expect_tokens)
+              for _ in range(clients)]
+    started = time.perf_counter()
+    await asyncio.gather(*(_stream(agent, target.port, timeout * requests, i * spread / clients)
+                           for i, agent in enumerate(agents)))
+    wall = time.perf_counter() - started
+    cpu = {}
+    for k, p in pids.items():
+        user, system = cpu_times(p)
+        cpu[k] = user + system - sum(before[k])
+        cpu[k + "_sys"] = system - before[k][1]
+    cpu["client"] = time.process_time() - client_before
+    return Run(target.name, wall, sum(a.chunks for a in agents),
+               [t for a in agents for t in a.ttfts], sum(a.errors for a in agents), cpu)
 
 
 async def _stream(client: StreamClient, port: int, timeout: float, start_after: float) -> None:
