@@ -188,18 +188,20 @@ def start_port(procs: Processes, name: str, upstream: str | list[str], slots: in
 
 
 def health_slots(body: Any) -> int | None:
-    """The slots a port's `/health` reports in all: its `effective_parallel_slots`, or the
-    sum over the engines it lists."""
+    """The slots a port's `/health` reports in all: the sum over the ready engines of
+    every model where it lists them (a pool), else its `effective_parallel_slots`."""
     if not isinstance(body, dict):
         return None
+    models = body.get("models")
+    if isinstance(models, list):
+        total = sum(engine.get("slots") or 0
+                    for model in models if isinstance(model, dict)
+                    for engine in model.get("engines") or []
+                    if isinstance(engine, dict) and engine.get("state") == "ready")
+        if total:
+            return total
     slots = body.get("effective_parallel_slots")
-    if isinstance(slots, int):
-        return slots
-    engines = body.get("engines")
-    if isinstance(engines, list):
-        return sum(e.get("effective_parallel_slots") or e.get("slots") or 0
-                   for e in engines if isinstance(e, dict))
-    return None
+    return slots if isinstance(slots, int) else None
 
 
 def _health_text(port: int) -> str:

@@ -148,3 +148,24 @@ async def test_stop_ends_running_streams_cleanly(fake):
     assert parsed[-2]["data"]["error"]["code"] == "model_not_ready"
     assert parsed[-1]["data"] == "[DONE]"
     assert gw.registry.total_active == 0
+
+
+async def test_both_legs_of_an_answer_go_out_at_once_without_nagles_algorithm(fake):
+    """TCP_NODELAY on the client's connection and on the one to the engine.  Without it a
+    small write (the first event after the head) waits for the ACK of the one before,
+    which a peer in a request/response pattern delays by up to 40 ms: every answer on a
+    kept-alive connection comes about 20 ms late (`bench/pool.py`'s closed loop measured
+    it on a relay without it).  asyncio's loop sets it only on sockets made with
+    IPPROTO_TCP, so it hangs on how the port makes its sockets."""
+    async with open_gateway(fake.base_url, fake.slots) as gw:
+        task = asyncio.create_task(stream(gw.client, CHAT, chat(True, fake={"hang": True})))
+        await until(lambda: gw.registry.total_active == 1 and gw.server.served.client._all)
+        client_side = [c.transport.get_extra_info("socket")
+                       for c in gw.server._server.server_state.connections]
+        engine_side = [c._transport.get_extra_info("socket") for c in gw.server.served.client._all]
+        nodelay = [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                   for s in [*client_side, *engine_side]]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert len(client_side) == 1 and len(engine_side) == 1
+    assert all(nodelay), nodelay
