@@ -14,7 +14,8 @@
    - routing CPU per request: the admission decision in this process (µs, for N
      engines), and the port process's whole CPU per short request (from /proc).
    Until `serve` takes `--upstream` more than once, only N = 1 runs, and the output
-   says so.
+   says so; `--pool-via-service` runs N > 1 meanwhile through
+   `bench/variants/pool_upstreams_port.py` (the others attached through the service).
 2. Closed loop: C agents (64 and 8), each on its own kept-alive connection, sending its
    next request the moment the last one's answer ended (as coding agents do), 256 tokens
    at 20 ms per token, to one synthetic engine of C slots: the time to first token the
@@ -85,8 +86,7 @@ def pool_supported() -> tuple[bool, str]:
         return False, f"serve's options could not be read ({type(exc).__name__}: {exc})"
     if isinstance(upstream, argparse._AppendAction) or upstream.nargs in ("+", "*"):
         return True, ""
-    return False, ("this checkout's `serve` takes --upstream once (the pool is not on main "
-                   "yet): only N = 1 runs")
+    return False, "this checkout's `serve` takes --upstream once"
 
 
 @dataclass
@@ -111,7 +111,8 @@ async def pool_part(args: argparse.Namespace, procs: Processes, work: Path,
         direct = [target for target, _ in engines]
         pids = [proc.pid for _, proc in engines]
         urls = [f"http://{HOST}:{t.port}" for t in direct]
-        port = start_port(procs, "port", urls, SLOTS * n, work / "config", need_kv=n == 1)
+        port = start_port(procs, "port", urls, SLOTS * n, work / "config",
+                          patch=args.pool_launcher if n > 1 else None, need_kv=n == 1)
         log(f"pool of {n}: engines on " + ", ".join(f":{t.port}" for t in direct)
             + f"; port pid {port.pid} on :{port.port}")
         result = PoolResult(n)
@@ -377,6 +378,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also measure a patched port in the closed loop: FILE patches, then "
                         "calls backend.app.cli.main(sys.argv[1:]) (repeatable)")
     p.add_argument("--skip-pool", action="store_true", help="skip the pool part")
+    p.add_argument("--pool-via-service", action="store_true",
+                   help="while `serve` takes --upstream once: run N > 1 anyway, the other "
+                        "upstreams attached through the service "
+                        "(bench/variants/pool_upstreams_port.py)")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = p.parse_args(argv)
     defaults = {"engines": ([1, 2, 4], [1, 2]), "rounds": (5, 1), "tokens": (100, 25),
@@ -394,6 +399,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--variant takes NAME=FILE, NAME not one of port, direct, tcp-proxy")
         variants.append((name, str(Path(path).resolve())))
     args.variant = variants
+    args.pool_launcher = None
     return args
 
 
@@ -404,9 +410,15 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
         print(f"[{time.monotonic() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
 
     supported, why = pool_supported()
-    if not supported and any(n > 1 for n in args.engines):
-        log(why)
+    if not supported and args.pool_via_service:
+        args.pool_launcher = str(REPO / "bench" / "variants" / "pool_upstreams_port.py")
+        why += ("; N > 1 is measured anyway, the other upstreams attached through the "
+                "service (bench/variants/pool_upstreams_port.py)")
+    elif not supported:
         args.engines = [n for n in args.engines if n == 1] or [1]
+        why += ": only N = 1 runs"
+    if not supported:
+        log(why)
     pool = [] if args.skip_pool else await pool_part(args, procs, work, log)
     routing = {n: routing_cpu(n, args.routing_iterations) for n in (1, 2, 4, 16)}
     closed = await closed_part(args, procs, work, log) if args.clients else []
