@@ -1,7 +1,7 @@
 """The benchmarks' load generator: a lean asyncio HTTP/1.1 client, the same code for
 every target.  One `asyncio.Protocol` per stream over its own connection (`StreamClient`),
-or per agent sending request after request on one kept-alive connection
-(`KeptAliveClient`); it counts content chunks and notes the time to the first one.
+or an agent sending request after request on its kept-alive connection (`Agent`); it
+counts content chunks and notes the time to the first one.
 """
 
 from __future__ import annotations
@@ -154,21 +154,18 @@ class StreamClient(asyncio.Protocol):
 
 
 class KeptAliveClient(StreamClient):
-    """One agent: `requests` streamed requests one after the other on one kept-alive
-    connection, each written the moment the answer before it ended.  Notes the time to
-    the first content chunk of the requests sent on the kept-alive connection (`ttfts`:
-    the second on; the first went out on a new connection) and counts the answers that
-    failed."""
+    """One connection of an agent (`Agent`): its requests one after the other, each
+    written the moment the answer before it ended, for as long as the server keeps the
+    connection.  `done` is set when the connection ends or has carried `left` requests;
+    a request the server closed the connection on before any byte of its answer came
+    (a kept-alive connection it closed as it was reused) is left for a new connection,
+    as HTTP clients do."""
 
-    def __init__(self, request: bytes, requests: int, done: asyncio.Future,
-                 expect_tokens: int | None) -> None:
-        super().__init__(request, done)
-        self.left = requests
-        self.sent = 0
-        self.expect_tokens = expect_tokens
-        self.ttfts: list[float] = []
-        self.chunks = 0
-        self.errors = 0
+    def __init__(self, agent: Agent, done: asyncio.Future) -> None:
+        super().__init__(agent.request, done)
+        self.agent = agent
+        self.answering = False
+        self.used = 0  # requests sent on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -176,32 +173,77 @@ class KeptAliveClient(StreamClient):
 
     def _send(self) -> None:
         self._new_answer()
-        self.sent += 1
+        self.answering = True
+        self.used += 1
         self.t_send = time.perf_counter()
+        if self.agent.t_asked is None:  # a resent request keeps its first time
+            self.agent.t_asked = self.t_send
         assert self.transport is not None
         self.transport.write(self.request)
 
     def _finish(self) -> None:
+        self.answering = False
+        agent = self.agent
         ok = self.status == 200 and self.saw_done and self.tokens > 0
-        if self.expect_tokens is not None and self.tokens != self.expect_tokens:
+        if agent.expect_tokens is not None and self.tokens != agent.expect_tokens:
             ok = False
         if not ok:
-            self.errors += 1
-        elif self.sent > 1:
-            self.ttfts.append(self.t_first - self.t_send)
-        self.chunks += self.tokens
-        self.left -= 1
-        if self.left > 0 and self.keep_alive:
+            agent.errors += 1
+        elif agent.answered:  # every request but the agent's first
+            assert agent.t_asked is not None
+            agent.ttfts.append(self.t_first - agent.t_asked)
+            if self.used == 1:
+                agent.reconnected += 1
+        agent.answered += 1
+        agent.t_asked = None
+        agent.chunks += self.tokens
+        agent.left -= 1
+        if agent.left > 0 and self.keep_alive:
             self._send()
             return
-        self.errors += self.left  # a server that closed the connection cut the rest
-        self.left = 0
         super()._finish()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.errors += self.left
-        self.left = 0
+        if self.answering:
+            self.answering = False
+            if self.in_head and not self.head and self.used > 1:
+                pass  # closed as it was reused: the agent sends it again on a new one
+            else:
+                self.agent.errors += 1
+                self.agent.left -= 1
+                self.agent.t_asked = None
         super().connection_lost(exc)
+
+
+class Agent:
+    """A client that sends `requests` streamed requests one after the other, each the
+    moment the answer before it ended, on a kept-alive connection (a new one only when
+    the server closes it).  `ttfts`: from a request's first write to its first content
+    chunk, for every request but the first (which also opened the connection);
+    `reconnected` counts those that went out on a new connection all the same."""
+
+    def __init__(self, request: bytes, requests: int, expect_tokens: int | None) -> None:
+        self.request = request
+        self.left = requests
+        self.expect_tokens = expect_tokens
+        self.ttfts: list[float] = []
+        self.answered = 0
+        self.t_asked: float | None = None
+        self.reconnected = 0
+        self.chunks = 0
+        self.errors = 0
+
+    async def run(self, port: int, timeout: float, start_after: float = 0.0) -> None:
+        loop = asyncio.get_running_loop()
+        if start_after > 0:
+            await asyncio.sleep(start_after)
+        while self.left > 0:
+            before = (self.left, self.errors)
+            client = KeptAliveClient(self, loop.create_future())
+            await _stream(client, port, timeout, 0.0)
+            if (self.left, self.errors) == before and not client.used:
+                self.errors += self.left  # could not even connect
+                return
 
 
 @dataclass
@@ -212,6 +254,9 @@ class Run:
     ttfts: list[float]
     errors: int
     cpu: dict[str, float]  # seconds: relay, upstream, client
+    #: Closed loop: measured requests that went out on a new connection all the same
+    #: (the server had closed the kept-alive one).
+    reconnected: int = 0
 
     @property
     def rate(self) -> float:
@@ -273,21 +318,19 @@ async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
 async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int, requests: int,
                           body: bytes, expect_tokens: int | None, timeout: float,
                           spread: float = 0.0) -> Run:
-    """`clients` agents (`KeptAliveClient`), agent i connecting i*spread/clients seconds
-    in, each sending `requests` requests one after the other on its connection.  The
-    run's TTFTs are those of the requests on a kept-alive connection (each agent's
-    second request on), which is what this measures; throughput counts every chunk."""
-    loop = asyncio.get_running_loop()
+    """`clients` agents (`Agent`), agent i starting i*spread/clients seconds in, each
+    sending `requests` requests one after the other on its kept-alive connection.  The
+    run's TTFTs are those of every agent's second request on, which is what this
+    measures; throughput counts every chunk."""
     request = chat_request(target.port, body)
     pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
     if target.pid is not None:
         pids["relay"] = target.pid
     before = {k: cpu_times(p) for k, p in pids.items()}
     client_before = time.process_time()
-    agents = [KeptAliveClient(request, requests, loop.create_future(), expect_tokens)
-              for _ in range(clients)]
+    agents = [Agent(request, requests, expect_tokens) for _ in range(clients)]
     started = time.perf_counter()
-    await asyncio.gather(*(_stream(agent, target.port, timeout * requests, i * spread / clients)
+    await asyncio.gather(*(agent.run(target.port, timeout * requests, i * spread / clients)
                            for i, agent in enumerate(agents)))
     wall = time.perf_counter() - started
     cpu = {}
@@ -297,7 +340,8 @@ async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int
         cpu[k + "_sys"] = system - before[k][1]
     cpu["client"] = time.process_time() - client_before
     return Run(target.name, wall, sum(a.chunks for a in agents),
-               [t for a in agents for t in a.ttfts], sum(a.errors for a in agents), cpu)
+               [t for a in agents for t in a.ttfts], sum(a.errors for a in agents), cpu,
+               reconnected=sum(a.reconnected for a in agents))
 
 
 async def _stream(client: StreamClient, port: int, timeout: float, start_after: float) -> None:

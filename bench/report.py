@@ -211,7 +211,8 @@ def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list
             "relay − direct within a round, median over rounds (min–max)",
             "",
             "| relay | throughput ÷ direct | added TTFT p50 ms | added TTFT p99 ms "
-            "| relay CPU µs/chunk (sys) | requests measured per round |",
+            "| relay CPU µs/chunk (sys) | requests measured per round (on a new connection: "
+            "relay / direct) |",
             "|---|---|---|---|---|---|"]
     verdicts = []
     for name in s.runs:
@@ -222,7 +223,9 @@ def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list
         rows.append(f"| {name} | {_range(s.throughput_ratios(name))} | {_range(p50, '{:+.1f}')} "
                     f"| {_range(p99, '{:+.1f}')} | {s.cpu_per_chunk(name, 'relay'):.0f} "
                     f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
-                    f"| {median([len(r.ttfts) for r in s.runs[name]]):.0f} |")
+                    f"| {median([len(r.ttfts) for r in s.runs[name]]):.0f} "
+                    f"({median([r.reconnected for r in s.runs[name]]):.0f} / "
+                    f"{median([r.reconnected for r in direct]):.0f}) |")
         if judged and name == "port":
             checks = [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
                        median(p50) <= TARGET_TTFT_P50_MS),
