@@ -139,6 +139,10 @@ class RequestError(StudioError):
         if retry_after is not None:
             self.retry_after = retry_after
 
+    def answer_headers(self) -> dict[str, str]:
+        """Headers its HTTP answer carries beyond the body's and Retry-After."""
+        return {}
+
 
 class InvalidRequest(RequestError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
@@ -184,6 +188,9 @@ class RateLimitExceeded(RequestError):
         super().__init__(message, retry_after=retry_after)
         self.reason = reason
         self.headers = headers
+
+    def answer_headers(self) -> dict[str, str]:
+        return self.headers
 
 
 class ForbiddenOrigin(RequestError):

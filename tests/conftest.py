@@ -28,6 +28,14 @@ HUGE_REPO = "test-org/Huge-Coder-GGUF"
 SPLIT_REPO = "test-org/Split-Coder-GGUF"
 
 
+@pytest.fixture(autouse=True)
+def private_config(tmp_path_factory: pytest.TempPathFactory,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets a config dir of its own: settings, named keys and usage never leak
+    between tests, nor into the user's."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
     return Engine()

@@ -15,7 +15,9 @@ import httpx
 from backend.port.access_guard import AccessGuard
 from backend.errors import RETRY_SOON, ModelNotReady
 from backend.port.admission import DEFAULT_MODEL, AdmissionRegistry, KvCapacity
+from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
+from backend.port.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
 from backend.port.gateway import create_app
 from backend.port.server import GatewayServer
@@ -41,6 +43,8 @@ class Context:
         self.metrics.bind_registry(self.registry)
         self._snapshot = snapshot
         self.metrics.set_backend(snapshot)
+        self.keys: KeyStore | None = None
+        self.flows = FlowControl()
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
