@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from backend.errors import RpcWorkerFailed, RpcWorkerRefused
+from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import for_display, read_lines
 
 __all__ = ["INSECURE_FLAG", "RpcProtocol", "RpcWorker", "check_rpc_workers",
@@ -112,8 +113,13 @@ async def hello(worker: str, *, connect_timeout: float = 10.0,
         writer.write(struct.pack("<BQ", _CMD_HELLO, _CAPS_SIZE) + bytes(_CAPS_SIZE))
         try:
             await writer.drain()
-            head = await asyncio.wait_for(reader.readexactly(8 + 4), answer_timeout)
+            answer = await asyncio.wait_for(reader.readexactly(8 + 4 + _CAPS_SIZE), answer_timeout)
         except asyncio.TimeoutError:
+            # The greeting waits in the worker's queue; closed plainly, the worker would
+            # answer it once free and die of SIGPIPE (it does not ignore that signal).  A
+            # reset connection is dropped without an answer.
+            writer.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             raise RpcWorkerFailed(
                 f"RPC worker {worker} does not answer: it is most likely serving another "
                 "engine already (a worker serves one engine at a time). Start another "
@@ -123,7 +129,7 @@ async def hello(worker: str, *, connect_timeout: float = 10.0,
             raise RpcWorkerFailed(
                 f"RPC worker {worker} closed the connection without answering: it is not "
                 "an RPC worker of a GGUF Studio engine (or one too old to greet).") from None
-        size, major, minor, patch = struct.unpack("<QBBB", head[:11])
+        size, major, minor, patch = struct.unpack("<QBBB", answer[:11])
         if size != 4 + _CAPS_SIZE:
             raise RpcWorkerFailed(f"RPC worker {worker} answered in a form this engine does "
                                   f"not speak: {_SAME_VERSION_HINT}")
@@ -190,8 +196,9 @@ class RpcWorker:
         self.endpoint = endpoint
         self.protocol: RpcProtocol | None = None
         self._on_line = on_line
-        self._hide_own_greeting = True
-        self._output: list[str] = []
+        self._own_greeting = list(_GREETING_LINES)  # what `start`'s check makes it print
+        #: The last lines the server printed (for the reason when it stops).
+        self.output: list[str] = []
         self._reader = asyncio.create_task(self._copy_output())
 
     @classmethod
@@ -203,7 +210,12 @@ class RpcWorker:
         _check_port_free(host, port)
         proc = await asyncio.create_subprocess_exec(
             *worker_command(binary, host, port, threads), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            # Its own session: Ctrl-C reaches us, and we stop it (and say so) ourselves.
+            start_new_session=True, env=engine_environment(), preexec_fn=die_with_parent(),
+            # SIGPIPE stays ignored, as Python has it: a client gone while the server
+            # answers (an engine killed mid-reply) must not end the worker.
+            restore_signals=False)
         worker = cls(proc, f"{host}:{port}", on_line)
         try:
             await asyncio.wait_for(worker._until_answering(), timeout)
@@ -242,7 +254,7 @@ class RpcWorker:
                 if exited.done():
                     greeted.cancel()
                     await asyncio.gather(greeted, self._reader, return_exceptions=True)
-                    reason = next((line for line in reversed(self._output)
+                    reason = next((line for line in reversed(self.output)
                                    if any(word in line.lower() for word in _FAILURE_WORDS)), "")
                     raise RpcWorkerRefused(
                         f"The RPC server stopped before it listened on {self.endpoint}"
@@ -258,17 +270,18 @@ class RpcWorker:
         assert self.proc.stdout is not None
         async for line in read_lines(self.proc.stdout):
             shown = for_display(line.rstrip())
-            if self._hide_own_greeting and shown == "Accepted client connection":
+            if self._own_greeting and shown == self._own_greeting[0]:
                 # The first client is `start` checking that the server answers.
-                self._hide_own_greeting = False
+                self._own_greeting.pop(0)
                 continue
-            self._output.append(shown)
-            del self._output[:-50]
+            self.output.append(shown)
+            del self.output[:-50]
             self._on_line(shown)
 
 
 # --- helpers --------------------------------------------------------------------------------
 
+_GREETING_LINES = ("Accepted client connection", "Client connection closed")
 _CMD_HELLO = 14  # llama.cpp: "RPC_CMD_HELLO must be always 14"
 _CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE: zeros ask for plain TCP
 _PROTO_DEFINE = re.compile(r"#define\s+RPC_PROTO_(MAJOR|MINOR|PATCH)_VERSION\s+(\d+)")

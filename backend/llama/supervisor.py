@@ -21,7 +21,6 @@ import secrets
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from collections import deque
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from backend.llama.api import EngineClient, EngineProps
-from backend.llama.environment import engine_environment
+from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
 from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.llama.rpc_worker import check_rpc_workers, protocol_of_engine, rpc_failure_reason
@@ -412,7 +411,7 @@ class _Child:
             proc = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=_child_environment(),
-                preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent(),
             )
         except BaseException:
             await asyncio.to_thread(log_file.close)
@@ -506,18 +505,6 @@ def _child_environment() -> dict[str, str]:
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:
     if not ready.done():
         ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec_fn asking Linux to SIGKILL the child when its parent dies, even by SIGKILL."""
-    def preexec() -> None:
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 def _gpu_failure(exc: EngineExitedDuringLoad, spec: LoadSpec,
