@@ -101,9 +101,9 @@ class ModelView(QWidget):
         self.extra_args = QLineEdit()
         self.extra_args.setPlaceholderText("e.g. --flash-attn on --cache-type-k q8_0")
         self.extra_args.setToolTip("More llama-server arguments. The model, host, port, parallel "
-                                   "slots and API key are set by GGUF Studio.")
+                                   "slots, API key and RPC workers are set by GGUF Studio.")
         self.rpc = QLineEdit()
-        self.rpc.setPlaceholderText("none — e.g. 192.168.1.20:50052, 192.168.1.21:50052")
+        self.rpc.setPlaceholderText("e.g. 192.168.1.20:50052, 192.168.1.21:50052")
         rpc_tip = ("Spread the model over other machines, each running `gguf-studio "
                    "rpc-worker` (host:port, comma-separated). llama.cpp's RPC has no key and no "
                    "encryption: use it on a trusted wired network only.")
@@ -128,9 +128,17 @@ class ModelView(QWidget):
         settings_box = QGroupBox("Load settings")
         form = QFormLayout(settings_box)
         form.addRow("&Context size:", self.ctx_size)
-        form.addRow("&Parallel slots:", self.parallel)
+        # Slots and threads share a row, so that the RPC workers' row adds no height.
+        threads_label = QLabel("&Threads:")
+        threads_label.setBuddy(self.threads)
+        slots_and_threads = QHBoxLayout()
+        slots_and_threads.addWidget(self.parallel, 1)
+        slots_and_threads.addWidget(threads_label)
+        slots_and_threads.addWidget(self.threads, 1)
+        slots_label = QLabel("&Parallel slots:")
+        slots_label.setBuddy(self.parallel)
+        form.addRow(slots_label, slots_and_threads)
         form.addRow("GPU la&yers:", self.gpu_layers)
-        form.addRow("&Threads:", self.threads)
         form.addRow("E&xtra arguments:", self.extra_args)
         form.addRow("&RPC workers:", self.rpc)
         form.addRow(self.plan)

@@ -144,6 +144,16 @@ async def test_a_worker_that_goes_away_fails_the_load_with_its_address(
         await supervisor.unload()
 
 
+async def test_workers_in_the_environment_are_not_added_to_a_load_that_asked_for_none(
+        llama_server_binary, tiny_model, tmp_path, monkeypatch):
+    """llama-server reads LLAMA_ARG_RPC as --rpc; left in, a load without workers would
+    try to reach one (here a closed port, which would end the engine)."""
+    monkeypatch.setenv("LLAMA_ARG_RPC", f"127.0.0.1:{pick_free_port()}")
+    async with loaded(llama_server_binary, tmp_path, tiny_model, SETTINGS) as engine:
+        assert (await chat(engine))["tokens"] == 16
+        assert engine.engine is not None and [d.name for d in engine.engine.devices] == ["CPU"]
+
+
 async def test_the_engines_own_words_for_an_unreachable_worker_are_worded_for_people(
         llama_server_binary, tiny_model, tmp_path):
     """Past the check (a worker gone between it and the load) the engine aborts; what it
