@@ -166,6 +166,9 @@ def _serve(args: argparse.Namespace) -> int:
     attach = args.model is None and bool(settings.upstream)
     if not attach and not settings.model:
         raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
+    if attach and args.rpc:
+        raise StudioError("--rpc spreads a model this machine loads (--model) over workers; "
+                          "an --upstream engine has its own.")
     if not attach:
         LoadSettings.last_load(settings).validate()  # before anything starts
     if args.save:

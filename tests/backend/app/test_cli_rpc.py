@@ -82,6 +82,9 @@ def test_serve_names_an_unusable_worker_before_starting_anything(tiny_model, use
     out = cli("serve", "--model", str(tiny_model), "--port", "0", "--rpc", "127.0.0.1:50052",
               "--n-gpu-layers", "none", env=user_dirs)
     assert out.returncode == 1 and "keeps every layer on this machine" in out.stderr
+    out = cli("serve", "--upstream", "http://127.0.0.1:9", "--rpc", "127.0.0.1:50052",
+              env=user_dirs)
+    assert out.returncode == 1 and "an --upstream engine has its own" in out.stderr
 
 
 def start(*args: str, env: dict) -> subprocess.Popen:
