@@ -100,6 +100,16 @@ class LoadTimedOut(LoadError):
     pass
 
 
+class RpcWorkerFailed(LoadError):
+    """A load's RPC worker cannot serve it: unreachable, busy with another engine, of
+    another protocol version, or gone while the model loaded; or this engine lacks RPC."""
+
+
+class RpcWorkerRefused(StudioError):
+    """`gguf-studio rpc-worker` will not start as asked (a non-loopback address without
+    the flag that accepts the risk, an address the RPC server cannot bind)."""
+
+
 class LoadSuperseded(LoadError):
     """Another load or an unload replaced this one before it became ready."""
 

@@ -25,6 +25,7 @@ from backend.api_keys import check_api_key, read_api_key_file
 from backend.errors import SettingsError
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 from backend.private_files import make_private, write_private
+from backend.rpc_workers import parse_rpc_workers
 
 APP_NAME = "gguf-studio"
 ENV_PREFIX = "GGUF_STUDIO_"
@@ -94,6 +95,9 @@ class Settings:
     n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
     threads: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # Machines running `gguf-studio rpc-worker` the model is spread over ("host:port";
+    # the environment gives them comma- or space-separated).
+    rpc: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)  # from any source: file, environment, flag, window
@@ -218,6 +222,8 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
                 return False
             raise ValueError(raw)
         value: float
+        if name == "rpc":
+            return list(parse_rpc_workers(raw))
         if type_name == "int":
             value = int(raw)
         elif type_name == "float":

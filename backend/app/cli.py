@@ -4,6 +4,7 @@
     gguf-studio engine status|build|path
     gguf-studio inspect MODEL [--json]
     gguf-studio serve --model MODEL | --upstream URL  [options]
+    gguf-studio rpc-worker [--host H --port P]   lend this machine to an engine elsewhere (RPC)
     gguf-studio search [TEXT]        GGUF repositories on Hugging Face (none: the curated list)
     gguf-studio pull REPO[:QUANT|FILE]
     gguf-studio hf-token [--forget]  save a Hugging Face token for gated repositories
@@ -151,7 +152,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "model", "upstream", "upstream_kv")
+                   "load_timeout", "model", "upstream", "upstream_kv", "rpc")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -165,6 +166,11 @@ def _serve(args: argparse.Namespace) -> int:
     attach = args.model is None and bool(settings.upstream)
     if not attach and not settings.model:
         raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
+    if attach and args.rpc:
+        raise StudioError("--rpc spreads a model this machine loads (--model) over workers; "
+                          "an --upstream engine has its own.")
+    if not attach:
+        LoadSettings.last_load(settings).validate()  # before anything starts
     if args.save:
         settings.save()
     if file_key is not None:
@@ -233,6 +239,53 @@ async def _serve_async(settings: Settings, attach: bool, upstream_key: str | Non
         return 0
     finally:
         await service.close()
+
+
+# --- RPC worker -------------------------------------------------------------------------------
+
+
+def _rpc_worker(args: argparse.Namespace) -> int:
+    from backend.llama.rpc_worker import check_worker_address, insecurity_warning
+    from backend.llama.supervisor import default_threads
+
+    check_worker_address(args.host, args.port, args.i_understand_rpc_is_insecure)
+    binary = Engine().rpc_server(args.rpc_server)
+    print(insecurity_warning(args.host, args.port), file=sys.stderr, flush=True)
+    try:
+        return event_loop.run(_rpc_worker_async(binary, args.host, args.port,
+                                                args.threads or default_threads()))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _rpc_worker_async(binary: Any, host: str, port: int, threads: int) -> int:
+    from backend.llama.rpc_worker import RpcWorker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    worker = await RpcWorker.start(binary, host, port, threads, lambda line: print(line, flush=True))
+    try:
+        reach = "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") else host
+        print(f"RPC worker ready on {host}:{port} (RPC protocol {worker.protocol}). On the "
+              f"engine's machine: gguf-studio serve --model MODEL --rpc {reach}:{port}"
+              + (" (with this machine's address)" if host == "0.0.0.0" else ""), flush=True)
+        exited = asyncio.create_task(worker.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if exited.done():
+            code = exited.result()
+            print(f"gguf-studio: the RPC server stopped (exit {code}).", file=sys.stderr)
+            return code or 1
+        print("stopping", flush=True)
+        return 0
+    finally:
+        await worker.stop()
 
 
 # --- Hugging Face -----------------------------------------------------------------------------
@@ -688,11 +741,44 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--llama-server", help="llama-server binary to use")
+    serve.add_argument("--rpc", metavar="HOST:PORT,...",
+                       help="spread the model over these machines, each running `gguf-studio "
+                       "rpc-worker` (trusted wired network only; llama.cpp's RPC is insecure) "
+                       f"({env('rpc')})")
     serve.add_argument("--extra-arg", action="append", metavar="ARG",
                        help="extra llama-server argument (repeatable)")
     serve.add_argument("--save", action="store_true", help="remember these options as settings")
     serve.set_defaults(run=_serve)
+
+    _rpc_worker_parser(sub)
     return p
+
+
+def _rpc_worker_parser(sub: Any) -> None:
+    from backend.llama.rpc_worker import INSECURE_FLAG
+    from backend.rpc_workers import DEFAULT_PORT
+
+    worker = sub.add_parser(
+        "rpc-worker", help="lend this machine's memory and devices to an engine on another "
+        "machine (llama.cpp RPC; insecure: trusted wired network only)",
+        description="Runs llama.cpp's RPC server from this machine's engine, so that a "
+        "`serve --rpc HOST:PORT` on another machine spreads its model over this one. "
+        "llama.cpp's RPC has no key and no encryption: anyone who can reach the port can use "
+        "this machine's memory and devices. It listens on 127.0.0.1 unless told otherwise.")
+    worker.add_argument("--host", default="127.0.0.1",
+                        help="IPv4 address to listen on (default 127.0.0.1; another needs "
+                        f"{INSECURE_FLAG})")
+    worker.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"port to listen on (default {DEFAULT_PORT})")
+    worker.add_argument("--threads", type=int, default=0,
+                        help="CPU threads of the worker's CPU device, 0 = every core but one")
+    worker.add_argument(INSECURE_FLAG, action="store_true",
+                        help="listen on an address other machines can reach: only on a "
+                        "trusted wired network, with the port closed to everyone else")
+    worker.add_argument("--rpc-server", metavar="PATH",
+                        help="a ggml-rpc-server binary (default: the one of this machine's "
+                        "engine, built by `gguf-studio engine build`)")
+    worker.set_defaults(run=_rpc_worker)
 
 
 def _key_parsers(sub: Any) -> None:

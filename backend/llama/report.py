@@ -22,7 +22,7 @@ HOST = "CPU"
 
 @dataclass(frozen=True)
 class DeviceUse:
-    name: str  # llama.cpp's device name: "Vulkan0", "CUDA0", "MTL0", "ROCm0", or "CPU"
+    name: str  # llama.cpp's device name: "Vulkan0", "CUDA0", "MTL0", "ROCm0", "RPC0", or "CPU"
     description: str = ""  # "NVIDIA GeForce RTX 4090", "llvmpipe (LLVM 15.0.6, 256 bits)"
     free_mib: int | None = None  # free when the load began
     model_mib: float = 0.0
@@ -36,7 +36,7 @@ class DeviceUse:
 
 @dataclass(frozen=True)
 class EngineReport:
-    backend: str  # "cpu", "cuda", "vulkan", "metal", "hip"
+    backend: str  # "cpu", "cuda", "vulkan", "metal", "hip"; "rpc" when the first device is a worker
     devices: tuple[DeviceUse, ...] = ()  # accelerators first, then the host ("CPU")
     layers_offloaded: int | None = None
     layers_total: int | None = None
@@ -182,7 +182,7 @@ _INITIALIZING = re.compile(
 _CAPPED = re.compile(r"capping per-slot context \((\d+)\)|the slot context \((\d+)\) exceeds")
 
 _BACKEND_PREFIXES = (("Vulkan", "vulkan"), ("CUDA", "cuda"), ("ROCm", "hip"), ("HIP", "hip"),
-                     ("MTL", "metal"), ("Metal", "metal"))
+                     ("MTL", "metal"), ("Metal", "metal"), ("RPC", "rpc"))
 
 _GPU_FAILURES = (
     (r"in a buffer \((Vulkan|CUDA|ROCm|MTL|Metal)\w*\) that cannot run",
@@ -207,10 +207,11 @@ _GPU_FAILURES = (
 
 
 def _owner(buffer: str) -> str:
-    """The device a buffer lives on: host buffers (CPU_Mapped, CUDA_Host, ...) are the CPU."""
+    """The device a buffer lives on: host buffers (CPU_Mapped, CUDA_Host, ...) are the CPU;
+    an RPC worker's buffers carry its address ("RPC0[10.0.0.2:50052]" is RPC0)."""
     if buffer.startswith("CPU") or buffer.endswith("_Host") or buffer.endswith("_Mapped"):
         return HOST
-    return buffer
+    return buffer.split("[", 1)[0]
 
 
 def _backend_of(device: str) -> str:

@@ -43,6 +43,21 @@ VULKAN_LOAD = """\
 0.00.188.776 I sched_reserve: Vulkan_Host compute buffer size =     8.26 MiB
 """
 
+# Captured from the CPU engine loading the tiny model with all layers on an RPC worker
+# (`--rpc 127.0.0.1:44135 --n-gpu-layers all`), trimmed.
+RPC_LOAD = """\
+0.00.009.662 I cmn  common_param:   - RPC0    : 127.0.0.1:44135 (24105 MiB, 24105 MiB free)
+0.00.069.299 I common_memory_breakdown_print: |   - RPC0 (127.0.0.1:44135) | 24105 = 24105 + (  10 =     8 +       0 +       2) +         -10 |
+0.00.088.336 I llama_prepare_model_devices: using device RPC0 (127.0.0.1:44135) (unknown id) - 24105 MiB free
+0.00.137.390 I load_tensors: offloaded 3/3 layers to GPU
+0.00.137.395 I load_tensors:   CPU_Mapped model buffer size =     7.81 MiB
+0.00.137.396 I load_tensors: RPC0[127.0.0.1:44135] model buffer size =     8.13 MiB
+0.00.156.237 I llama_context:        CPU  output buffer size =     0.12 MiB
+0.00.168.223 I llama_kv_cache: RPC0[127.0.0.1:44135] KV buffer size =     0.50 MiB
+0.00.169.416 I sched_reserve: RPC0[127.0.0.1:44135] compute buffer size =     2.13 MiB
+0.00.169.442 I sched_reserve:        CPU compute buffer size =     1.26 MiB
+"""
+
 
 def read(text: str):
     reader = EngineReportReader()
@@ -83,6 +98,17 @@ def test_a_vulkan_load_reports_the_device_its_layers_and_memory_on_each_side():
     assert report.summary() == ("vulkan: 3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)); "
                                 "memory: Vulkan0 21 MiB, CPU 16 MiB")
     assert report.to_dict()["devices"][0]["total_mib"] == 21.14
+
+
+def test_an_rpc_load_reports_the_workers_device_with_its_address_and_its_buffers():
+    report = read(RPC_LOAD)
+    assert report.backend == "rpc" and report.on_gpu
+    worker, host = report.devices
+    assert (worker.name, worker.description, worker.free_mib) == ("RPC0", "127.0.0.1:44135", 24105)
+    assert (worker.model_mib, worker.kv_mib, worker.compute_mib) == (8.13, 0.5, 2.13)
+    assert host.name == "CPU" and host.model_mib == 7.81
+    assert report.summary() == ("rpc: 3/3 layers on RPC0 (127.0.0.1:44135); "
+                                "memory: RPC0 11 MiB, CPU 9 MiB")
 
 
 def test_buffers_measured_by_fit_before_the_real_load_are_not_counted_twice():
