@@ -569,11 +569,11 @@ class _Reader:
             settings = LoadSettings(ctx_size=ctx_size, parallel=parallel, threads=threads,
                                     n_gpu_layers=table.get("n_gpu_layers", "auto"), extra_args=extra_args)
         except SettingsError as exc:
-            raise self.error("model", i, "n_gpu_layers", str(exc).rstrip(".")) from None
+            raise self.error("model", i, "n_gpu_layers", str(exc)) from None
         try:
             settings.validate()  # parallel is checked above: what is left is extra_args
         except SettingsError as exc:
-            raise self.error("model", i, "extra_args", str(exc).rstrip(".")) from None
+            raise self.error("model", i, "extra_args", str(exc)) from None
         try:
             return ModelEntry.for_file(path, name or None, settings=settings, **values)
         except SettingsError as exc:
@@ -659,7 +659,7 @@ class _Reader:
         return f"{at} ({', '.join(what)})" if what else at
 
     def error(self, kind: str | None, i: int, key: str | None, problem: str) -> SettingsError:
-        return SettingsError(f"{self.where(kind, i, key)}: {problem}.")
+        return SettingsError(f"{self.where(kind, i, key)}: {problem.rstrip('.')}.")
 
 
 _TABLE_ARRAY = re.compile(r"\s*\[\[\s*([A-Za-z0-9_-]+)\s*\]\]\s*(#.*)?$")
