@@ -35,7 +35,6 @@ from backend.port.metrics import Metrics
 from backend.settings import Settings
 
 if TYPE_CHECKING:
-    from backend.app.pool_config import PoolConfig
     from backend.port.server import GatewayServer
 
 T = TypeVar("T")
@@ -161,22 +160,6 @@ class StudioService:
         for upstream in config.upstreams:
             await self.pool.add_upstream(upstream)
         await self.pool.start()
-
-    async def start_pool(self, config: "PoolConfig") -> Snapshot:
-        """STAND-IN (branch poolconfig) until the pool (backend/app/pool.py) replaces it:
-        serves the default model, else the first upstream, with the single-load code;
-        every other model and upstream of `config` is left unserved."""
-        from backend.models.gguf_info import read_model_info
-
-        entry = config.default
-        if entry is not None:
-            info = await asyncio.to_thread(read_model_info, entry.path)
-            return await self.load(entry.to_spec(has_chat_template=info.has_chat_template))
-        if not config.upstreams:
-            raise SettingsError("There is no model and no upstream to serve.")
-        upstream = config.upstreams[0]
-        return await self.attach_upstream(upstream.url, api_key=upstream.api_key,
-                                          kv_layout=upstream.kv_layout)
 
     async def unload(self) -> None:
         """Unload the default model; its waiters are told it is gone."""

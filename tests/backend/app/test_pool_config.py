@@ -98,7 +98,8 @@ def test_requests_find_a_model_by_name_alias_or_file_name_regardless_of_case():
     assert config.resolve("nomic-embed-text-v1.5.q8_0") is embed
     assert config.resolve("") is coder and config.resolve(None) is coder  # the default
     assert config.resolve("gpt-4o") is None
-    assert config.names(coder) == ("coder", "qwen", "Qwen2.5-Coder-7B-Instruct-Q4_K_M")
+    assert config.names(coder) == ("coder", "qwen", "Qwen2.5-Coder-7B-Instruct-Q4_K_M",
+                                   "Qwen2.5-Coder-7B-Instruct-Q4_K_M.gguf")
 
 
 def test_without_a_default_the_first_chat_model_is_it_not_an_embeddings_model():
@@ -131,18 +132,21 @@ def test_a_file_in_the_hugging_face_cache_answers_to_repo_and_quantization_as_pu
     config = PoolConfig((coder, split))
 
     assert coder.name == "Tiny-Coder-Q8_0"
-    assert config.names(coder) == ("Tiny-Coder-Q8_0", f"{CODER_REPO}:Q8_0")
+    assert config.names(coder) == ("Tiny-Coder-Q8_0", "Tiny-Coder-Q8_0.gguf", f"{CODER_REPO}:Q8_0")
     assert pulled[SPLIT_REPO].name == "Split-Coder-Q8_0-00001-of-00002.gguf"
     assert config.names(split) == ("Split-Coder-Q8_0", "Split-Coder-Q8_0-00001-of-00002",
-                                   f"{SPLIT_REPO}:Q8_0")
-    assert parse_pull_target(config.names(coder)[1]) == (CODER_REPO, "Q8_0")  # the same words
+                                   "Split-Coder-Q8_0-00001-of-00002.gguf", f"{SPLIT_REPO}:Q8_0")
+    assert parse_pull_target(config.names(coder)[-1]) == (CODER_REPO, "Q8_0")  # the same words
     assert config.resolve(f"{CODER_REPO.lower()}:q8_0") is coder
 
 
 def test_names_outside_the_cache_are_the_file_names_only():
-    assert file_names("/home/me/models--not/a/cache/Model-Q4_K_M.gguf") == ("Model-Q4_K_M",)
-    assert file_names("/x/models--o--r/snapshots/c/sub/M-Q5_K_M.gguf") == ("M-Q5_K_M", "o/r:Q5_K_M")
-    assert file_names("/x/models--o--r/snapshots/c/readme-model.gguf") == ("readme-model",)  # no quant
+    assert file_names("/home/me/models--not/a/cache/Model-Q4_K_M.gguf") == ("Model-Q4_K_M",
+                                                                           "Model-Q4_K_M.gguf")
+    assert file_names("/x/models--o--r/snapshots/c/sub/M-Q5_K_M.gguf") == (
+        "M-Q5_K_M", "M-Q5_K_M.gguf", "o/r:Q5_K_M")
+    assert file_names("/x/models--o--r/snapshots/c/readme-model.gguf") == (
+        "readme-model", "readme-model.gguf")  # no quantization in the name
 
 
 # --- names that would answer two ways ------------------------------------------------------
@@ -175,7 +179,7 @@ def test_a_name_given_explicitly_wins_over_another_models_file_name():
     config = PoolConfig((ModelEntry.for_file("/m/qwen.gguf", "coder"),
                          ModelEntry.for_file("/m/other.gguf", "qwen")))
     assert config.resolve("qwen") is config.models[1]
-    assert config.names(config.models[0]) == ("coder",)
+    assert config.names(config.models[0]) == ("coder", "qwen.gguf")
 
 
 # --- every mistake named ---------------------------------------------------------------------
