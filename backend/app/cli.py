@@ -267,11 +267,11 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
         except (NotImplementedError, RuntimeError):
             pass
 
-    def report(snapshot: Snapshot) -> None:
-        line = f"[{snapshot.state.value}]"
+    def report(model: str, snapshot: Snapshot) -> None:
+        line = f"[{snapshot.state.value}] {snapshot.model_id or model}"
         serving = snapshot.serving
         if serving is not None:
-            line += f" {snapshot.model_id}: effective parallel slots {serving.slots}"
+            line += f": effective parallel slots {serving.slots}"
             if serving.context_length:
                 line += f", context {serving.context_length} per slot"
             if serving.kv is not None:
@@ -281,10 +281,10 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
             if serving.kv_note:
                 line += f"\n  {serving.kv_note} (--upstream-kv split|unified)"
         if snapshot.error:
-            line += f" {snapshot.error}"
+            line += f": {snapshot.error}"
         print(line, flush=True)
 
-    service.add_listener(report)
+    service.pool.add_listener(report)  # every model's engine, not only the default's
     try:
         urls = await service.start_gateway()
         print("OpenAI-compatible base URL" + ("s" if len(urls) > 1 else "") + ":", flush=True)

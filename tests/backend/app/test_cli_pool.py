@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from backend.app import cli
@@ -14,7 +18,7 @@ from backend.app.pool_config import PoolConfig
 from backend.errors import SettingsError, StudioError
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
-from tests.backend.app.test_cli import cli as run_cli
+from tests.backend.app.test_cli import ROOT, cli as run_cli
 
 
 @pytest.fixture
@@ -153,3 +157,43 @@ def test_serve_with_a_broken_models_file_says_where_in_one_line(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr == ("gguf-studio: pool.toml line 3 (model 1, ctx_size): must be a whole number "
                           "of tokens, 0 for the model's own, not 'lots'.\n")
+
+
+def test_serve_with_two_models_answers_each_by_name_and_lists_both(tiny_model, smollm2_model,
+                                                                    llama_server_binary, tmp_path):
+    """`serve --model A --model NAME=B` as a user runs it: both load side by side, and a
+    request reaches the model it names (their answers differ)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_STATE_HOME=str(tmp_path / "state"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--model", str(tiny_model),
+         "--model", f"smol={smollm2_model}", "--port", "0", "--parallel", "1", "--ctx-size", "2048",
+         "--threads", "1", "--llama-server", str(llama_server_binary)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url, ready = "", set()
+        for line in proc.stdout:
+            if line.strip().startswith("http://") and not url:
+                url = line.strip()
+            if line.startswith("[ready] "):
+                ready.add(line.split()[1].rstrip(":"))
+            if ready == {"tiny", "smol"} or line.startswith("[failed]"):
+                break
+        assert ready == {"tiny", "smol"}, line
+        listed = httpx.get(f"{url}/models").json()["data"]
+        assert {"tiny", "smol"} <= {m["id"] for m in listed}
+        answers = {}
+        for model in ("tiny", "smol"):
+            answer = httpx.post(f"{url}/chat/completions", timeout=120, json={
+                "model": model, "temperature": 0, "max_tokens": 48,
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
+            assert answer.status_code == 200, answer.text
+            answers[model] = answer.json()["choices"][0]["message"]["content"]
+        assert "Paris" in answers["smol"] and answers["tiny"] != answers["smol"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
