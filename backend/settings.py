@@ -86,6 +86,9 @@ class Settings:
     # Last load, so that `serve` and the window can offer it again.
     model: str = ""
     upstream: str = ""
+    # The models file (backend.app.pool_config): the models and upstreams `serve` runs
+    # side by side; flags add to it.
+    models_file: str = ""
     # How the upstream llama-server's KV cache is laid out, which it cannot report:
     # "split" (each slot its own share, the default of -np N), "unified" (--kv-unified),
     # or "" (not stated: one shared pool of one slot's context is assumed).

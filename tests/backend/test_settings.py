@@ -200,7 +200,7 @@ def test_the_upstreams_kv_layout_comes_from_the_environment_and_the_command_line
     with pytest.raises(SettingsError, match="upstream_kv has an unusable value 'shared'"):
         Settings.load(path, environ={"GGUF_STUDIO_UPSTREAM_KV": "shared"})
     args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--upstream-kv", "unified"])
-    assert args.upstream_kv == "unified"
+    assert args.upstream_kv == ["unified"]
 
 
 def test_rpc_workers_come_from_the_environment_comma_separated_and_bad_ones_are_named(tmp_path):
