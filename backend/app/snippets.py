@@ -108,10 +108,10 @@ def codex_snippet(target: ClientTarget) -> Snippet:
 
 
 def opencode_snippet(target: ClientTarget) -> Snippet:
-    model: dict = {"name": target.model_id}
+    model: dict[str, object] = {"name": target.model_id}
     if target.context_length:
         model["limit"] = {"context": int(target.context_length), "output": target.output_limit}
-    options: dict = {"baseURL": target.base_url}
+    options: dict[str, object] = {"baseURL": target.base_url}
     if target.api_key:
         options["apiKey"] = "{env:" + KEY_ENV_VAR + "}"
     config = {
