@@ -453,9 +453,9 @@ def _from_json(entry: Any, path: Path) -> KeyRecord:
 def _optional_int(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(value)
-    return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(value)
 
 
 def _second(when: float | None) -> float | None:

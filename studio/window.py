@@ -286,7 +286,7 @@ class MainWindow(QMainWindow):
     # --- sharing ------------------------------------------------------------------------------
 
     def set_lan(self, lan: bool) -> None:
-        changes: dict = {"host": ALL_INTERFACES if lan else LOOPBACK}
+        changes: dict[str, str] = {"host": ALL_INTERFACES if lan else LOOPBACK}
         if lan and not self.settings.api_key:
             # Nobody may reach the model from the network without a key.
             changes["api_key"] = generate_api_key()

@@ -46,7 +46,7 @@ def llama_server_binary(engine: Engine) -> Path:
     # The CPU engine, also on a machine whose GPU engine is built: the suite's timings
     # and outputs stay those of the CPU (the GPU path has its own tests).
     chosen = engine.resolve(backends=["cpu"]).chosen
-    if chosen is None:
+    if chosen is None or chosen.path is None:
         pytest.fail("no llama-server: run scripts/setup (or `gguf-studio engine build`) first")
     return chosen.path
 

@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.run(args)
+        code: int = args.run(args)  # each command's run, set with set_defaults
+        return code
     except StudioError as exc:
         print(f"gguf-studio: {_printable_lines(str(exc))}", file=sys.stderr)
         tail = getattr(exc, "log_tail", "")

@@ -193,14 +193,14 @@ def _codex_profiles(models: tuple[ClientModel, ...]) -> list[tuple[str, ClientMo
 
 
 def opencode_snippet(target: ClientTarget) -> Snippet:
-    models: dict[str, dict] = {}
+    models: dict[str, dict[str, object]] = {}
     for model in target.models:
-        entry: dict = {"name": model.model_id}
+        entry: dict[str, object] = {"name": model.model_id}
         if model.context_length:
             entry["limit"] = {"context": int(model.context_length),
                               "output": target.output_limit_of(model)}
         models[model.model_id] = entry
-    options: dict = {"baseURL": target.base_url}
+    options: dict[str, object] = {"baseURL": target.base_url}
     if target.api_key:
         options["apiKey"] = "{env:" + KEY_ENV_VAR + "}"
     config = {

@@ -33,9 +33,9 @@ import tarfile
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TextIO
 
 import platformdirs
 
@@ -150,17 +150,17 @@ class BuildKey:
         return f"llama.cpp-{self.version}-{self.backend}-{digest}"
 
 
-@dataclass
+@dataclass(init=False)
 class Engine:
     """Where engines live for one user, and how to find or build one."""
 
-    data_dir: Path = field(default_factory=lambda: default_data_dir())
+    data_dir: Path
     # Sources and build trees; shareable between data dirs (the tests do).
-    cache_dir: Path | None = None
+    cache_dir: Path
 
-    def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir)
-        self.cache_dir = Path(self.cache_dir) if self.cache_dir else self.data_dir / "cache"
+    def __init__(self, data_dir: Path | None = None, cache_dir: Path | None = None) -> None:
+        self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache"
 
     @property
     def engines_dir(self) -> Path:
@@ -193,7 +193,7 @@ class Engine:
                 out[backend] = binary
         return out
 
-    def rpc_server(self, explicit: str | os.PathLike | None = None,
+    def rpc_server(self, explicit: str | os.PathLike[str] | None = None,
                    backends: Sequence[str] | None = None) -> Path:
         """The RPC server a worker runs: `explicit`, else the one of the best managed
         engine here (`backends` in order, default: this machine's best first) built
@@ -211,7 +211,7 @@ class Engine:
             "No RPC server here: the engine on this machine was built before GGUF Studio's "
             "engines had RPC, or not at all. `gguf-studio engine build` builds one with it.")
 
-    def resolve(self, explicit: str | os.PathLike | None = None,
+    def resolve(self, explicit: str | os.PathLike[str] | None = None,
                 environ: Mapping[str, str] | None = None,
                 key: BuildKey | None = None,
                 backends: Sequence[str] | None = None) -> Resolution:
@@ -279,7 +279,7 @@ class Engine:
         """Build and install the managed engine for `backend`; a no-op when its key is
         installed."""
         report = progress or (lambda _p: None)
-        plan = await plan_build(backend, self.cache_dir or self.data_dir / "cache", extra_cmake_args,
+        plan = await plan_build(backend, self.cache_dir, extra_cmake_args,
                                 lambda line: report(BuildProgress("fetch", 2, line)))
         key = plan.key
         target = self.managed_binary(key)
@@ -506,7 +506,7 @@ _WITHOUT_RPC = ("built by GGUF Studio before engines had RPC: fine without RPC w
                 "`gguf-studio engine build` builds one with it")
 
 
-def _candidate(source: str, value: str | os.PathLike | None, origin: str) -> Candidate:
+def _candidate(source: str, value: str | os.PathLike[str] | None, origin: str) -> Candidate:
     if not value:
         return Candidate(source, None, False, "not set")
     path = Path(value).expanduser()
@@ -541,7 +541,7 @@ def _tail(log_path: Path, lines: int = 30) -> str:
         return ""
 
 
-async def _run_logged(cmd: Sequence[str], log, env: Mapping[str, str],
+async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
                       on_line: Callable[[str], None], *, failure: str, log_path: Path) -> None:
     try:
         proc = await asyncio.create_subprocess_exec(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from backend.llama.kv_capacity import KvCapacity, kv_from_load
 
@@ -67,7 +68,7 @@ class EngineReport:
             text += "; memory: " + ", ".join(f"{d.name} {d.total_mib:.0f} MiB" for d in used)
         return text
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["devices"] = [dict(asdict(d), total_mib=round(d.total_mib, 2)) for d in self.devices]
         data["summary"] = self.summary()
@@ -78,7 +79,7 @@ class EngineReportReader:
     """Collects one start's output lines; `report()` and `kv_capacity()` after the load."""
 
     def __init__(self) -> None:
-        self._devices: dict[str, dict] = {}
+        self._devices: dict[str, dict[str, Any]] = {}
         self._order: list[str] = []
         self._layers: tuple[int, int] | None = None
         self._ctx: int | None = None  # --fit's dry run prints one too; the real load's comes last
@@ -148,7 +149,7 @@ class EngineReportReader:
             return True
         return False
 
-    def _device(self, name: str) -> dict:
+    def _device(self, name: str) -> dict[str, Any]:
         if name not in self._devices:
             self._devices[name] = {}
             self._order.append(name)

@@ -81,7 +81,7 @@ class Supervisor(SnapshotPublisher):
         super().__init__(Snapshot(), log, "state listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
         self._log_tail: deque[str] = deque(maxlen=1000)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._load_output = EngineReportReader()
         # Loads and unloads take turns; `_wanted` counts requests so that only the
         # latest one starts an engine (a load overtaken while it waited never does).
@@ -279,7 +279,7 @@ class Supervisor(SnapshotPublisher):
                     log.warning("llama-server did not answer its health check (%d of %d)",
                                 failures, self.health_failures)
 
-    def _fail(self, message: str, ready: asyncio.Future, exc: Exception,
+    def _fail(self, message: str, ready: asyncio.Future[Snapshot], exc: Exception,
               cpu_retry_offered: bool = False) -> None:
         self._set_state(State.FAILED, error=message, pid=None, restarting=False,
                         cpu_retry_offered=cpu_retry_offered)
@@ -383,7 +383,8 @@ def default_threads(cores: int | None = None) -> int:
 def pick_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 # --- helpers ------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ class Screening:
             return send
         extra = self.cors_headers
 
-        async def send_with_cors(message: dict) -> None:
+        async def send_with_cors(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
@@ -120,7 +120,7 @@ class AccessGuard:
 
     # --- before routing ---------------------------------------------------------------
 
-    def screen(self, scope: dict) -> Screening:
+    def screen(self, scope: MutableMapping[str, Any]) -> Screening:
         """Raise the refusal for a request a browser page may not make; else say which
         CORS headers its answer carries and whether it is a preflight to answer here."""
         settings = self._settings()
@@ -289,7 +289,7 @@ def _matches(presented: list[bytes], expected: bytes) -> bool:
     return matched
 
 
-def _headers(scope: dict) -> dict[bytes, bytes]:
+def _headers(scope: MutableMapping[str, Any]) -> dict[bytes, bytes]:
     """The request's headers by lower-case name; the first of repeated ones."""
     out: dict[bytes, bytes] = {}
     for name, value in scope["headers"]:

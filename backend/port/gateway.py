@@ -155,7 +155,7 @@ class Gateway:
 
     # --- gated routes ----------------------------------------------------------------
 
-    async def handle_gated(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+    async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any, path: str) -> None:
         ctx = self.ctx
         settings = ctx.settings
         metrics = ctx.metrics
@@ -320,7 +320,7 @@ class GatewayMiddleware:
         self.app = app
         self.gateway = gateway
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await _refuse_websocket(scope, receive, send)
@@ -330,7 +330,7 @@ class GatewayMiddleware:
         started = time.perf_counter()
         status = 0
 
-        async def send_and_note(message: dict) -> None:
+        async def send_and_note(message: dict[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -370,7 +370,7 @@ def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _refuse_websocket(scope: dict, receive: Any, send: Any) -> None:
+async def _refuse_websocket(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Only under a server that speaks WebSocket (ours is started with ws='none')."""
     message = await receive()
     if message["type"] != "websocket.connect":
@@ -391,7 +391,7 @@ class _GatedEndpoint:
         self.gateway = gateway
         self.path = path
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         await self.gateway.handle_gated(scope, receive, send, self.path)
 
 

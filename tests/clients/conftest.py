@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
@@ -166,6 +167,7 @@ async def occupied(service: StudioService, *, max_tokens: int = 100_000) -> Asyn
                 await service.apply_settings(capped)
                 # Hold on to the line iterator: once garbage, it would close the stream.
                 lines = response.aiter_lines()
+                assert isinstance(lines, AsyncGenerator)  # so it has aclose (httpx's is one)
                 try:
                     async for line in lines:
                         if line.startswith("data: {"):
@@ -257,6 +259,7 @@ class Process:
 
     @property
     def running(self) -> bool:
+        assert self._result is not None  # set by start
         return not self._result.done()
 
     async def _communicate(self, stdin: bytes | None) -> Run:
@@ -281,6 +284,7 @@ class Process:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     async def result(self) -> Run:
+        assert self._result is not None  # set by start
         return await self._result
 
     async def stop(self) -> None:

@@ -247,7 +247,11 @@ def test_choosing_a_binary_uses_it(open_window, monkeypatch, tmp_path: Path,
 def test_closing_with_requests_in_flight_asks_first(open_window) -> None:
     window = open_window()
     asked = []
-    window.ask = lambda *args: asked.append(args) or False
+
+    def ask(*args):
+        asked.append(args)
+        return False
+    window.ask = ask
     window.bridge.requests_in_flight = lambda timeout=1.0: 3
     window.close()
     assert asked and "3 requests" in asked[0][1]
@@ -321,7 +325,11 @@ def test_open_log_folder(open_window, monkeypatch, studio_home: Path) -> None:
     from PySide6.QtGui import QDesktopServices
 
     opened = []
-    monkeypatch.setattr(QDesktopServices, "openUrl", lambda url: opened.append(url) or True)
+
+    def open_url(url):
+        opened.append(url)
+        return True
+    monkeypatch.setattr(QDesktopServices, "openUrl", open_url)
     logs = open_window().logs
     logs.open_folder.click()
     assert [url.toLocalFile() for url in opened] == [str(logs.log_dir)]

@@ -71,6 +71,7 @@ def test_serve_runs_until_interrupted_and_leaves_no_engine_behind(tiny_model, ll
         [sys.executable, "-m", "backend.app.cli", "serve", "--model", str(tiny_model), "--port", "0",
          "--parallel", "2", "--ctx-size", "2048", "--llama-server", str(llama_server_binary)],
         cwd=ROOT, env=user_dirs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
     try:
         lines = []
         for line in proc.stdout:
@@ -121,6 +122,7 @@ def test_serve_with_a_key_file_keeps_the_key_out_of_the_process_list_and_allows_
          "--port", "0", "--api-key-file", str(key_file),
          "--allow-origin", "https://chat.example.com"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
     try:
         url = ""
         for line in proc.stdout:

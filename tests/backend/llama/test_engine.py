@@ -16,6 +16,7 @@ from backend.llama.engine import (LLAMA_CPP_PYTHON_VERSION, BuildKey, BuildProgr
                                   find_build_tools)
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
 from backend.llama.rpc_worker import RpcProtocol, protocol_of_engine
+from tests.not_none import not_none
 
 
 def fake_executable(path: Path) -> Path:
@@ -129,7 +130,7 @@ async def test_interrupted_build_leaves_no_half_engine(engine, source_tree, tmp_
 
 def test_build_progress_is_parsed_from_ninja_output():
     from backend.llama.engine import _NINJA_PROGRESS
-    m = _NINJA_PROGRESS.match("[103/206] Building CXX object src/llama.cpp.o")
+    m = not_none(_NINJA_PROGRESS.match("[103/206] Building CXX object src/llama.cpp.o"))
     assert (int(m.group(1)), int(m.group(2))) == (103, 206)
 
 

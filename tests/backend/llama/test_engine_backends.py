@@ -16,6 +16,7 @@ from tests.backend.llama.test_accelerators import (
     NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
 )
 from tests.backend.llama.test_engine import fake_executable
+from tests.not_none import not_none
 
 
 def plan(backend: str, probes, tmp_path: Path):
@@ -71,23 +72,23 @@ def test_a_machine_with_a_gpu_loads_with_its_engine_and_falls_back_to_the_cpu_on
     assert wanted == ["vulkan", "cpu"]
 
     before = engine.resolve(None, environ, backends=wanted)
-    assert before.chosen.path == cpu
+    assert not_none(before.chosen).path == cpu
     assert any("engine build --backend vulkan" in line for line in before.describe())
 
     key = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan", toolkit=("x",))
     vulkan = fake_executable(engine.managed_binary(key))
     after = engine.resolve(None, environ, backends=wanted)
-    assert after.chosen.path == vulkan and after.chosen.source == "managed vulkan"
+    assert not_none(after.chosen).path == vulkan and not_none(after.chosen).source == "managed vulkan"
     assert engine.installed_backends() == {"cpu": cpu, "vulkan": vulkan}
     # A machine without the GPU keeps using the CPU engine even with both installed.
-    assert engine.resolve(None, environ, backends=["cpu"]).chosen.path == cpu
+    assert not_none(engine.resolve(None, environ, backends=["cpu"]).chosen).path == cpu
 
 
 def test_an_engine_from_before_rpc_serves_until_one_with_rpc_is_built(tmp_path):
     engine = Engine(data_dir=tmp_path / "data")
     environ = {"PATH": str(tmp_path / "empty")}
     old = fake_executable(engine.managed_binary(BuildKey(rpc=False)))
-    chosen = engine.resolve(None, environ, backends=["cpu"]).chosen
+    chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
     assert chosen.path == old and "before engines had RPC" in chosen.reason
     assert "gguf-studio engine build" in chosen.reason
     with pytest.raises(EngineNotFound, match="built before GGUF Studio's engines had RPC"):
@@ -95,7 +96,7 @@ def test_an_engine_from_before_rpc_serves_until_one_with_rpc_is_built(tmp_path):
 
     new = fake_executable(engine.managed_binary())
     rpc_server = fake_executable(new.parent / RPC_SERVER_NAME)
-    chosen = engine.resolve(None, environ, backends=["cpu"]).chosen
+    chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
     assert chosen.path == new and chosen.reason == "built by GGUF Studio"
     assert engine.rpc_server(backends=["cpu"]) == rpc_server
 

@@ -38,7 +38,7 @@ def test_extra_args_are_split_like_a_shell() -> None:
 
 
 def test_the_last_load_survives_the_settings_file_in_the_same_shape(tmp_path) -> None:
-    wanted = LoadSettings(ctx_size=4096, parallel="3", n_gpu_layers=7, threads=2,
+    wanted = LoadSettings(ctx_size=4096, parallel="3", n_gpu_layers="7", threads=2,
                           extra_args=("--temp", "0.1"))
     wanted.remembered_in(Settings()).save(tmp_path / "s.json", environ={})
     assert LoadSettings.last_load(Settings.load(tmp_path / "s.json", environ={})) == wanted

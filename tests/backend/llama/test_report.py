@@ -8,6 +8,7 @@ from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import LoadSpec
 from backend.llama.supervisor import Supervisor
+from tests.not_none import not_none
 
 # Captured from the CPU engine loading the tiny model (--verbosity 4), trimmed.
 CPU_LOAD = """\
@@ -169,13 +170,13 @@ def test_gpu_failures_are_worded_for_people_and_other_failures_are_not_blamed_on
     oom = ["ggml_vulkan: Device memory allocation of size 4294967296 failed.",
            "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory",
            "llama_init_from_model: failed to initialize the context"]
-    assert "ran out of memory" in gpu_failure_reason(oom)
+    assert "ran out of memory" in not_none(gpu_failure_reason(oom))
     driver = ["ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient "
               "for CUDA runtime version"]
-    assert "driver" in gpu_failure_reason(driver)
+    assert "driver" in not_none(gpu_failure_reason(driver))
     too_big = ["ggml/src/ggml-backend.cpp:941: pre-allocated tensor (cache_k_l0) in a buffer "
                "(Vulkan0) that cannot run the operation (NONE)"]
-    assert "context is too large" in gpu_failure_reason(too_big)
+    assert "context is too large" in not_none(gpu_failure_reason(too_big))
     assert gpu_failure_reason(["error: failed to open GGUF file '/m.gguf'"]) is None
 
 
@@ -190,4 +191,6 @@ async def test_a_real_cpu_load_carries_its_report_in_the_snapshot(tmp_path: Path
     assert report is not None and report.backend == "cpu" and not report.on_gpu
     host = report.devices[-1]
     assert host.name == "CPU" and host.model_mib > 0 and host.kv_mib > 0
-    assert report.context_size >= snapshot.serving.context_length
+    serving = not_none(snapshot.serving)
+    assert report.context_size is not None and serving.context_length is not None
+    assert report.context_size >= serving.context_length
