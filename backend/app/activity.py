@@ -120,7 +120,7 @@ class ActivitySampler:
         self._tokens = _EngineTokens()
         self._recent: deque[tuple[float, int, int | None]] = deque()
         self._peaks = [0, 0]
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         service.registry.add_listener(self._track_peaks)
 
     def sample(self) -> ActivitySample:
@@ -153,7 +153,7 @@ class ActivitySampler:
             active_peak=max(peaks[0], active), waiting_peak=max(peaks[1], waiting),
             kv_reserved=registry.total_reserved_tokens, kv_capacity=registry.kv_capacity)
 
-    def start(self) -> asyncio.Task:
+    def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self.run(), name="activity sampler")
         return self._task

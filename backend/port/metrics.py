@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import threading
 from functools import partial
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
@@ -147,6 +149,11 @@ class Metrics:
         self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
         self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
 
+    def bind_usage(self, usage: Callable[[], Mapping[str, Any]]) -> None:
+        """Usage per key (backend.app.usage.KeyUsage by key name, never the secret),
+        read at every scrape."""
+        self.registry.register(_KeyUsageCollector(usage))
+
     # --- read -----------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
@@ -171,3 +178,33 @@ class Metrics:
                 "queue_waits": self._queue_waits,
                 "queue_wait_seconds": self._queue_wait_sum,
             }
+
+
+class _KeyUsageCollector:
+    """`gguf_studio_key_*` families, labelled by key name, from the usage ledger."""
+
+    def __init__(self, usage: Callable[[], Mapping[str, Any]]) -> None:
+        self._usage = usage
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        requests = CounterMetricFamily("gguf_studio_key_requests",
+                                       "Requests answered, by key.", labels=["key"])
+        tokens = CounterMetricFamily("gguf_studio_key_tokens",
+                                     "Tokens the engine reported, by key and kind.",
+                                     labels=["key", "kind"])
+        waits = CounterMetricFamily("gguf_studio_key_queue_wait_seconds",
+                                    "Seconds requests of a key waited in line.", labels=["key"])
+        refusals = CounterMetricFamily("gguf_studio_key_refusals",
+                                       "Requests refused, by key and reason.",
+                                       labels=["key", "reason"])
+        for key, used in sorted(self._usage().items()):
+            requests.add_metric([key], used.requests)
+            tokens.add_metric([key, "prompt"], used.prompt_tokens)
+            tokens.add_metric([key, "completion"], used.completion_tokens)
+            waits.add_metric([key], used.wait_seconds)
+            for reason, count in sorted(used.refusals.items()):
+                refusals.add_metric([key, reason], count)
+        yield from (requests, tokens, waits, refusals)
