@@ -58,7 +58,7 @@ async def test_the_fake_tokenizes_and_applies_a_template_like_an_older_engine():
     assert tokens == (len(prompt.encode()) + 3) // 4 + 1  # one per 4 bytes, and a BOS
 
 
-async def _first_content(client, url: str, tokens: int, started, fake: FakeUpstream) -> int:
+async def _first_content(client, url: str, tokens: int, started, fake: FakeUpstream) -> int | None:
     """Streams one chat; returns how many generations had completed when its first
     content chunk arrived (`started` is set once it is under way)."""
     request = dict(body("Hello"), fake={"n_tokens": tokens, "delay": 0.02})
@@ -68,7 +68,7 @@ async def _first_content(client, url: str, tokens: int, started, fake: FakeUpstr
             if '"content":"' in line and seen is None:
                 seen = fake.completed
                 started.set()
-        return seen
+        return seen  # None: no content came
 
 
 async def test_with_enforced_slots_a_request_beyond_them_waits_for_a_free_one():
@@ -87,6 +87,6 @@ async def test_with_enforced_slots_a_request_beyond_them_waits_for_a_free_one():
                 await first
         if enforce:
             # the second started only once the first had finished
-            assert second >= 1 and fake.waited == 1 and fake.peak_active == 1
+            assert second is not None and second >= 1 and fake.waited == 1 and fake.peak_active == 1
         else:  # it ran beside the first (10 tokens at 20 ms each)
             assert second == 0 and fake.waited == 0 and fake.peak_active == 2
