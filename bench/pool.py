@@ -5,7 +5,8 @@
 
 1. Pool: N = 1, 2, 4 synthetic engines (`tests/fake_upstream.py --enforce-slots`: 4
    slots each, a request beyond them waits as on llama-server; one token per 20 ms)
-   behind one `gguf-studio serve --upstream A --upstream B ...`:
+   behind one `gguf-studio serve --upstream A --upstream B ...` (attached as users
+   attach them: the KV layout unstated):
    - throughput: 4N streams through the port, against 4 on each engine directly and 4
      on one engine alone (target: the port's rate >= 0.95 x N x one engine's);
    - newcomer: 4N-1 streams flow and newcomers arrive one by one, each taking the one
@@ -13,21 +14,22 @@
      engine with the free slot (targets: p50 <= 2 ms, p99 <= 10 ms);
    - routing CPU per request: the admission decision in this process (µs, for N
      engines), and the port process's whole CPU per short request (from /proc).
-   Until `serve` takes `--upstream` more than once, only N = 1 runs, and the output
-   says so; `--pool-via-service` runs N > 1 meanwhile through
-   `bench/variants/pool_upstreams_port.py` (the others attached through the service).
 2. Closed loop: C agents (64 and 8), each on its own kept-alive connection, sending its
    next request the moment the last one's answer ended (as coding agents do), 256 tokens
    at 20 ms per token, to one synthetic engine of C slots: the time to first token the
    port adds over direct (p50, p99; target 2 ms), next to the byte-forwarding tcp-proxy.
    `--variant NAME=FILE` adds a patched port, or another checkout's
    (`bench/variants/checkout_port.py`): before and after in one run.
-3. The real llama-server with the tiny test model (`tests/model_factory.py`), started as
-   users start it (`-np 4`, its default split cache; `--threads 1` on this shared
-   machine): throughput, newcomer and closed loop (4 agents), through the port as
-   attached (`serve --upstream URL`, the cache's layout unstated) and with
-   `--upstream-kv split`, against direct.  Not judged: the tiny model streams far faster
-   than the realistic rate.
+3. Real engines: two llama-servers with the tiny test model (`tests/model_factory.py`),
+   started as users start them (`-np 4`, the default cache; `--threads 1`, see below),
+   attached as users attach them (`serve --upstream A [--upstream B]`): the throughput
+   of 4N streams through the port over N = 1, 2 of them, against 4 on each directly and
+   4 on one alone; and the closed loop of 4 agents over one.  Not judged: the tiny
+   model streams far faster than the realistic rate, so one engine takes a whole core
+   and two take both of this machine's (the port and the client then compete with
+   them, directly or not).  SmolLM2 (`tests/wheel_models.py`) is not used: the managed
+   engine dies on it in llama.cpp's AMX path on this machine unless started with
+   `--no-repack`, which is not how users start it.
 
 Every round runs every target of a scenario one after the other, and the figures are
 medians over rounds of per-round ratios or differences (see bench/README.md).  Only
@@ -41,6 +43,7 @@ import asyncio
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,23 +75,6 @@ LOG = Callable[[str], None]
 # --- the pool ------------------------------------------------------------------------------
 
 
-def pool_supported() -> tuple[bool, str]:
-    """Whether `gguf-studio serve` takes `--upstream` more than once (read from its
-    argument parser), and if not, why not."""
-    try:
-        from backend.app import cli
-        parser = cli._parser()
-        subparsers = next(a for a in parser._actions
-                          if isinstance(a, argparse._SubParsersAction))
-        serve = subparsers.choices["serve"]
-        upstream = next(a for a in serve._actions if "--upstream" in a.option_strings)
-    except Exception as exc:  # a bench reading another module's internals: say, never crash
-        return False, f"serve's options could not be read ({type(exc).__name__}: {exc})"
-    if isinstance(upstream, argparse._AppendAction) or upstream.nargs in ("+", "*"):
-        return True, ""
-    return False, "this checkout's `serve` takes --upstream once"
-
-
 @dataclass
 class PoolResult:
     """The figures of one pool size."""
@@ -111,8 +97,7 @@ async def pool_part(args: argparse.Namespace, procs: Processes, work: Path,
         direct = [target for target, _ in engines]
         pids = [proc.pid for _, proc in engines]
         urls = [f"http://{HOST}:{t.port}" for t in direct]
-        port = start_port(procs, "port", urls, SLOTS * n, work / "config",
-                          patch=args.pool_launcher if n > 1 else None, need_kv=n == 1)
+        port = start_port(procs, "port", urls, SLOTS * n, work / "config")
         log(f"pool of {n}: engines on " + ", ".join(f":{t.port}" for t in direct)
             + f"; port pid {port.pid} on :{port.port}")
         result = PoolResult(n)
@@ -122,19 +107,9 @@ async def pool_part(args: argparse.Namespace, procs: Processes, work: Path,
         plans = {"one engine": [direct[0].port] * SLOTS,
                  "direct": [t.port for t in direct for _ in range(SLOTS)],
                  "port": [port.port] * (SLOTS * n)}
-        result.throughput = {name: [] for name in plans}
-        result.waited = {name: 0 for name in plans}
-        for i in range(args.rounds):
-            line = []
-            for name, ports in plans.items():
-                waited = engines_waited(direct)
-                run = await run_streams(name, port.pid if name == "port" else None, pids,
-                                        ports, body, args.tokens, timeout)
-                result.waited[name] += engines_waited(direct) - waited
-                result.throughput[name].append(run)
-                line.append(f"{name} {run.rate:,.0f} chunks/s"
-                            + (f" ERRORS {run.errors}" if run.errors else ""))
-            log(f"  pool of {n}, throughput round {i + 1}/{args.rounds}: " + " | ".join(line))
+        result.throughput, result.waited = await throughput_rounds(
+            plans, port.pid, pids, body, args.tokens, timeout, args.rounds,
+            lambda text: log(f"  pool of {n}, {text}"), fakes=direct)
 
         # Newcomers: the engine with the free slot is engines[0] (direct: it gets 3
         # background streams, every other one 4; the port must find it by itself).
@@ -158,6 +133,30 @@ async def pool_part(args: argparse.Namespace, procs: Processes, work: Path,
         results.append(result)
         stop_children(procs)
     return results
+
+
+async def throughput_rounds(plans: dict[str, list[int]], port_pid: int | None,
+                            engine_pids: list[int], body: bytes, expect_tokens: int | None,
+                            timeout: float, rounds: int, log: LOG,
+                            fakes: list[Target] | None = None
+                            ) -> tuple[dict[str, list[Run]], dict[str, int]]:
+    """`rounds` rounds of every plan in turn (a plan: one stream to each of its ports,
+    all at once); the runs per plan, and for synthetic engines (`fakes`) the requests
+    that waited there for a slot, per plan."""
+    runs: dict[str, list[Run]] = {name: [] for name in plans}
+    waited = {name: 0 for name in plans}
+    for i in range(rounds):
+        line = []
+        for name, ports in plans.items():
+            before = engines_waited(fakes) if fakes else 0
+            run = await run_streams(name, port_pid if name == "port" else None, engine_pids,
+                                    ports, body, expect_tokens, timeout)
+            waited[name] += (engines_waited(fakes) - before) if fakes else 0
+            runs[name].append(run)
+            line.append(f"{name} {run.rate:,.0f} chunks/s"
+                        + (f" ERRORS {run.errors}" if run.errors else ""))
+        log(f"throughput round {i + 1}/{rounds}: " + " | ".join(line))
+    return runs, waited
 
 
 def engines_waited(engines: list[Target]) -> int:
@@ -274,10 +273,8 @@ def _q(values: list[float], q: float) -> float:
 @dataclass
 class RealResult:
     title: str
-    throughput: Scenario
-    steady: Steady | None
-    closed: Scenario
-    note: str = ""
+    pool: list[PoolResult]
+    closed: Scenario | None
 
 
 async def real_part(args: argparse.Namespace, procs: Processes, work: Path,
@@ -292,54 +289,47 @@ async def real_part(args: argparse.Namespace, procs: Processes, work: Path,
         return None
     vocab = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
     model = write_tiny_model(work / "tiny.gguf", vocab)
-    port = free_port()
-    # As users start it: -np 4, the default (split) cache and context; one thread, because
-    # on this shared 2-core machine spinning worker threads stall when descheduled.
-    cmd = [str(chosen.path), "--model", str(model), "--host", HOST, "--port", str(port),
-           "-np", str(SLOTS), "--threads", "1"]
-    server = procs.start("llama-server", cmd)
-    wait_until(lambda: get_json(port, "/health")[0] == 200, server,
-               "llama-server did not become healthy", procs, "llama-server", 120)
-    props = get_json(port, "/props")[1]
-    per_slot = props["default_generation_settings"]["n_ctx"]
-    upstream = f"http://{HOST}:{port}"
-    attached = start_port(procs, "port", upstream, SLOTS, work / "config")
-    split = start_port(procs, "port-split", upstream, SLOTS, work / "config",
-                       extra=["--upstream-kv", "split"])
-    note = get_json(attached.port, "/health")[1].get("kv") or {}
-    log(f"llama-server pid {server.pid} on :{port} (-np {props['total_slots']}, "
-        f"{per_slot} tokens per slot); port pid {attached.pid} on :{attached.port} "
-        f"(kv as attached: {json.dumps(note)}); port-split pid {split.pid} on :{split.port}")
-    direct = Target("direct", port, None)
-    title = f"llama-server -np {SLOTS}, tiny model"
+    servers: list[tuple[Target, subprocess.Popen]] = []
+    for i in range(max(args.llama_engines)):
+        port = free_port()
+        # As users start it: -np 4 and the default cache and context; one thread, because
+        # on this shared 2-core machine spinning worker threads stall when descheduled.
+        server = procs.start(f"llama-server{i}", [
+            str(chosen.path), "--model", str(model), "--host", HOST, "--port", str(port),
+            "-np", str(SLOTS), "--threads", "1"])
+        wait_until(lambda: get_json(port, "/health")[0] == 200, server,
+                   "llama-server did not become healthy", procs, f"llama-server{i}", 120)
+        servers.append((Target(f"llama-server{i}", port, None), server))
+    direct = [t for t, _ in servers]
+    pids = [p.pid for _, p in servers]
+    props = get_json(direct[0].port, "/props")[1]
+    title = (f"llama-server -np {props['total_slots']}, tiny model, "
+             f"{props['default_generation_settings']['n_ctx']} tokens per slot")
+    log(f"{title}: " + ", ".join(f"pid {p.pid} on :{t.port}" for t, p in servers))
 
-    tokens = args.llama_tokens
-    thr = Scenario(title, SLOTS, tokens, llama_body(tokens), server.pid,
-                   [attached, split, direct], None, timeout=120, judged=False)
-    from bench.scenarios import run_scenario
-    await run_scenario(thr, args.rounds, log)
-    per_stream = median([r.rate for r in thr.runs["direct"]]) / SLOTS  # tokens/s of a stream
-
-    # Newcomers among 3 busy streams; the background must last the newcomers' window and
-    # fit one slot's context.  Through the port as attached, 3 such streams do not fit its
-    # assumed pool of one slot's context together: only port-split runs it.
-    window = 0.5 + args.llama_newcomers * args.interval * 1.3 + 1.5
-    length = min(int(per_stream * window * 1.5), per_slot - 64)
-    steady = Steady(SLOTS - 1, args.llama_newcomers, args.interval, args.delay, server.pid,
-                    [split, direct], timeout=120, background_length=length,
-                    background_body=llama_body(length), newcomer_body=llama_body(2),
-                    exact_tokens=False)
-    await run_steady_rounds(steady, args.rounds, log)
-
-    closed = Scenario(f"{title}, closed loop", SLOTS, args.closed_tokens,
-                      llama_body(args.closed_tokens), server.pid, [attached, split, direct],
-                      None, timeout=120, spread=0.0, requests=args.closed_requests_few)
-    await closed_rounds(closed, args.rounds, log)
+    # A real engine's chunk may carry no text: the content chunks are not checked.
+    body = llama_body(args.llama_tokens)
+    pool, closed = [], None
+    for n in args.llama_engines:
+        port = start_port(procs, f"port{n}", [f"http://{HOST}:{t.port}" for t in direct[:n]],
+                          SLOTS * n, work / "config")
+        plans = {"one engine": [direct[0].port] * SLOTS,
+                 "direct": [t.port for t in direct[:n] for _ in range(SLOTS)],
+                 "port": [port.port] * (SLOTS * n)}
+        result = PoolResult(n)
+        await run_streams("warm-up", None, pids, plans["direct"], body, None, 120)
+        result.throughput, result.waited = await throughput_rounds(
+            plans, port.pid, pids[:n], body, None, 120, args.rounds,
+            lambda text: log(f"  real engines, pool of {n}, {text}"))
+        pool.append(result)
+        if n == 1:
+            closed = Scenario(f"{title}, closed loop", SLOTS, args.closed_tokens,
+                              llama_body(args.closed_tokens), pids[0],
+                              [port, Target("direct", direct[0].port, None)], None,
+                              timeout=120, spread=0.0, requests=args.closed_requests_few)
+            await closed_rounds(closed, args.rounds, log)
     stop_children(procs)
-    return RealResult(title, thr, steady, closed,
-                      note=f"{per_slot} tokens per slot; through `port` (layout unstated) "
-                           f"the port assumes one pool of one slot's context: "
-                           f"{json.dumps(note)}")
+    return RealResult(title, pool, closed)
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -373,22 +363,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the agents connect evenly over this many seconds (0.5)")
     p.add_argument("--llama-tokens", type=int,
                    help="tokens per real-engine stream, 0 skips the real engine (200; quick 32)")
-    p.add_argument("--llama-newcomers", type=int, help="real engine: newcomers per round (10; quick 5)")
+    p.add_argument("--llama-engines", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 2], help="real-engine pool sizes, comma separated (1,2); the "
+                   "closed loop runs over one engine when 1 is among them")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                    help="also measure a patched port in the closed loop: FILE patches, then "
                         "calls backend.app.cli.main(sys.argv[1:]) (repeatable)")
     p.add_argument("--skip-pool", action="store_true", help="skip the pool part")
-    p.add_argument("--pool-via-service", action="store_true",
-                   help="while `serve` takes --upstream once: run N > 1 anyway, the other "
-                        "upstreams attached through the service "
-                        "(bench/variants/pool_upstreams_port.py)")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = p.parse_args(argv)
     defaults = {"engines": ([1, 2, 4], [1, 2]), "rounds": (5, 1), "tokens": (100, 25),
                 "newcomers": (40, 10), "steady_rounds": (3, 1), "short_requests": (50, 10),
                 "clients": ([64, 8], [64]), "closed_requests": (3, 2),
                 "closed_requests_few": (6, 3), "closed_rounds": (3, 1),
-                "llama_tokens": (200, 32), "llama_newcomers": (10, 5)}
+                "llama_tokens": (200, 32)}
     for name, (full, small) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if args.quick else full)
@@ -399,7 +387,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--variant takes NAME=FILE, NAME not one of port, direct, tcp-proxy")
         variants.append((name, str(Path(path).resolve())))
     args.variant = variants
-    args.pool_launcher = None
     return args
 
 
@@ -409,16 +396,6 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
     def log(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
 
-    supported, why = pool_supported()
-    if not supported and args.pool_via_service:
-        args.pool_launcher = str(REPO / "bench" / "variants" / "pool_upstreams_port.py")
-        why += ("; N > 1 is measured anyway, the other upstreams attached through the "
-                "service (bench/variants/pool_upstreams_port.py)")
-    elif not supported:
-        args.engines = [n for n in args.engines if n == 1] or [1]
-        why += ": only N = 1 runs"
-    if not supported:
-        log(why)
     pool = [] if args.skip_pool else await pool_part(args, procs, work, log)
     routing = {n: routing_cpu(n, args.routing_iterations) for n in (1, 2, 4, 16)}
     closed = await closed_part(args, procs, work, log) if args.clients else []
@@ -426,8 +403,6 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
 
     out = [f"pool benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()}; "
            f"{time.monotonic() - started:.0f} s{' (quick)' if args.quick else ''}", ""]
-    if not supported:
-        out += [f"Note: {why}.", ""]
     verdicts: list[str] = []
     if pool:
         rows, v = pool_throughput_table(pool, SLOTS, args.tokens, args.delay)
@@ -442,15 +417,14 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
         out += [*rows, ""]
         verdicts += v
     if real is not None:
-        out += [*real_engine_tables(real), ""]
+        out += [*real_engine_tables(real, SLOTS, args.llama_tokens), ""]
     errors = sum(r.errors for p in pool for runs in p.throughput.values() for r in runs)
     errors += sum(r.errors for p in pool if p.steady for runs in p.steady.runs.values()
                   for r in runs)
     errors += sum(s.errors() for s in closed)
     if real is not None:
-        errors += real.throughput.errors() + real.closed.errors()
-        if real.steady is not None:
-            errors += sum(r.errors for runs in real.steady.runs.values() for r in runs)
+        errors += sum(r.errors for p in real.pool for runs in p.throughput.values() for r in runs)
+        errors += real.closed.errors() if real.closed is not None else 0
     out += ["Targets:", *(verdicts or ["- none judged in this run"]), f"stream errors: {errors}"]
     print("\n".join(out), flush=True)
     return 1 if errors else 0

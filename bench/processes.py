@@ -158,8 +158,7 @@ class Target:
 
 
 def start_port(procs: Processes, name: str, upstream: str | list[str], slots: int,
-               config_dir: Path, patch: str | None = None, extra: list[str] | None = None,
-               need_kv: bool = True) -> Target:
+               config_dir: Path, patch: str | None = None, extra: list[str] | None = None) -> Target:
     """`gguf-studio serve --upstream URL [--upstream URL ...]` in its own process; ready
     once it reports `slots` in all (`/health`'s `effective_parallel_slots`, or the sum
     over its `engines` where it lists them)."""
@@ -182,7 +181,7 @@ def start_port(procs: Processes, name: str, upstream: str | list[str], slots: in
     except RuntimeError as exc:
         raise RuntimeError(f"{exc}\n/health answered: {_health_text(port)}") from None
     # Admission counts prompts only when it knows the engine's KV cache: measured with it on.
-    if need_kv and get_json(port, "/health")[1].get("kv") is None:
+    if get_json(port, "/health")[1].get("kv") is None:
         raise RuntimeError(f"{name} knows no KV cache of its upstream: prompt counting is off")
     return Target(name, port, proc.pid)
 
