@@ -193,11 +193,8 @@ def health_slots(body: Any) -> int | None:
         return None
     models = body.get("models")
     if isinstance(models, list):
-        # Once per model id (a model served by several upstreams may be listed more
-        # than once), the sum over its ready engines.
-        by_id = {m.get("id"): m for m in models if isinstance(m, dict)}
         total = sum(engine.get("slots") or 0
-                    for model in by_id.values()
+                    for model in models if isinstance(model, dict)
                     for engine in model.get("engines") or []
                     if isinstance(engine, dict) and engine.get("state") == "ready")
         if total:
