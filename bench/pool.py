@@ -21,10 +21,12 @@
    `--variant NAME=FILE` adds a patched port, or another checkout's
    (`bench/variants/checkout_port.py`): before and after in one run.
 3. Real engines: two llama-servers with the tiny test model (`tests/model_factory.py`),
-   started as users start them (`-np 4`, the default cache; `--threads 1`, see below),
+   started as users start them (`-np 4`, the default cache; but `--threads 1`: on this
+   shared 2-core machine spinning worker threads stall whenever one is descheduled),
    attached as users attach them (`serve --upstream A [--upstream B]`): the throughput
    of 4N streams through the port over N = 1, 2 of them, against 4 on each directly and
-   4 on one alone; and the closed loop of 4 agents over one.  Not judged: the tiny
+   4 on one alone (for N = 1, "direct" and "one engine" are the same: their ratio is
+   the run's noise); and the closed loop of 4 agents over one.  Not judged: the tiny
    model streams far faster than the realistic rate, so one engine takes a whole core
    and two take both of this machine's (the port and the client then compete with
    them, directly or not).  SmolLM2 (`tests/wheel_models.py`) is not used: the managed
@@ -292,8 +294,7 @@ async def real_part(args: argparse.Namespace, procs: Processes, work: Path,
     servers: list[tuple[Target, subprocess.Popen]] = []
     for i in range(max(args.llama_engines)):
         port = free_port()
-        # As users start it: -np 4 and the default cache and context; one thread, because
-        # on this shared 2-core machine spinning worker threads stall when descheduled.
+        # As users start it (-np 4, the default cache and context), on one thread.
         server = procs.start(f"llama-server{i}", [
             str(chosen.path), "--model", str(model), "--host", HOST, "--port", str(port),
             "-np", str(SLOTS), "--threads", "1"])
