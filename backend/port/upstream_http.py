@@ -351,7 +351,10 @@ class UpstreamClient:
         head.append(b"Content-Length: %d\r\n\r\n" % len(request.content))
         payload = b"".join(head) + request.content
         for attempt in (0, 1):
-            connection = self._acquire(origin)
+            # The retry never takes another pooled connection: a server that closed one
+            # as it was reused may be closing them all (llama-server closes each a
+            # moment after its streamed answer), and then the request would fail.
+            connection = self._acquire(origin) if attempt == 0 else None
             reused = connection is not None
             if connection is None:
                 connection = await self._connect(origin)

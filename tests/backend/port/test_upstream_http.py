@@ -344,6 +344,18 @@ async def test_a_kept_alive_connection_closed_as_it_is_reused_is_retried_on_a_ne
         assert upstream.requests == [1, 1, 2]  # sent on the kept connection, then again
 
 
+async def test_the_retry_of_a_request_a_closing_server_dropped_goes_on_a_new_connection(client):
+    """llama-server closes a kept-alive connection after a streamed answer, a moment
+    later: every pooled connection may be going.  The retry takes none of them."""
+    async with MalformedUpstream(on_reuse=CLOSE) as upstream:
+        await asyncio.gather(exchange(client, upstream.base_url),
+                             exchange(client, upstream.base_url))
+        assert client.pooled() == 2
+        status, body = await exchange(client, upstream.base_url)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert upstream.connections == 3 and upstream.requests[-1] == 3
+
+
 async def test_a_connection_closed_before_any_answer_on_a_new_connection_is_lost(client):
     async with MalformedUpstream([CLOSE]) as upstream:
         with pytest.raises(ConnectionLost):  # something may have been processed: no retry
