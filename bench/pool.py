@@ -1,7 +1,7 @@
 """Pool benchmark: the port in front of N engines, and directly, side by side in one run.
 
     python bench/pool.py            # the full run (about 15 minutes)
-    python bench/pool.py --quick    # a smoke run (about 3 minutes)
+    python bench/pool.py --quick    # a smoke run (about 2 minutes)
 
 1. Pool: N = 1, 2, 4 synthetic engines (`tests/fake_upstream.py --enforce-slots`: 4
    slots each, a request beyond them waits as on llama-server; one token per 20 ms)
@@ -19,7 +19,9 @@
    at 20 ms per token, to one synthetic engine of C slots: the time to first token the
    port adds over direct (p50, p99; target 2 ms), next to the byte-forwarding tcp-proxy.
    `--variant NAME=FILE` adds a patched port, or another checkout's
-   (`bench/variants/checkout_port.py`): before and after in one run.
+   (`bench/variants/checkout_port.py`): before and after in one run;
+   `bench/variants/traced_port.py` (with `--keep-logs`) says which part of the added
+   time is the port's own work and which the engine's.
 3. Real engines: two llama-servers with the tiny test model (`tests/model_factory.py`),
    started as users start them (`-np 4`, the default cache; but `--threads 1`: on this
    shared 2-core machine spinning worker threads stall whenever one is descheduled),
@@ -326,7 +328,8 @@ async def real_part(args: argparse.Namespace, procs: Processes, work: Path,
         if n == 1:
             closed = Scenario(f"{title}, closed loop", SLOTS, args.closed_tokens,
                               llama_body(args.closed_tokens), pids[0],
-                              [port, Target("direct", direct[0].port, None)], None,
+                              [Target("port", port.port, port.pid),
+                               Target("direct", direct[0].port, None)], None,
                               timeout=120, spread=0.0, requests=args.closed_requests_few)
             await closed_rounds(closed, args.rounds, log)
     stop_children(procs)
