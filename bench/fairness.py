@@ -169,7 +169,8 @@ def make_keys(config: Path, agents: list[int]) -> Keys:
 
     folder = config / APP_NAME
     store = KeyStore(folder / "keys.json")
-    names, secrets = [], {}
+    names: list[str] = []
+    secrets: dict[str, str] = {}
     for n in agents:
         name = f"agents-{n}" if f"agents-{n}" not in secrets else f"agents-{n}-{len(names)}"
         secrets[name] = store.add(name)[1]
@@ -419,7 +420,7 @@ def line_round(module: Any, costs: list[int], flows: list[int] | None, requests:
 
     taken: deque[Any] = deque()
 
-    class Engine(module.AdmissionQueue):  # type: ignore[name-defined,misc]
+    class Engine(module.AdmissionQueue):  # type: ignore[misc]
         def take(self, ticket: Any, now: float) -> None:
             super().take(ticket, now)
             taken.append(ticket)
