@@ -101,11 +101,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-tokens", type=int, default=64,
                    help="tokens per request on llama-server (0: skip it)")
     p.add_argument("--llama-parallel", type=int, default=4, help="llama-server's -np")
+    p.add_argument("--llama-threads", type=int, default=0,
+                   help="llama-server's --threads (0: not given, its own default)")
+    p.add_argument("--upstreams", default="synthetic,llama",
+                   help="which upstreams to measure behind the port")
     p.add_argument("--cpu-requests", type=int, default=40_000,
                    help="admissions per CPU round (0: skip)")
     p.add_argument("--cpu-rounds", type=int, default=7)
     args = p.parse_args()
     args.agents = [int(n) for n in args.agents.split(",")]
+    args.upstreams = set(args.upstreams.split(","))
     if args.quick:
         args.rounds, args.seconds, args.warmup = 1, 8.0, 2.0
         args.cpu_requests, args.cpu_rounds = min(args.cpu_requests, 5_000), 3
@@ -142,13 +147,14 @@ async def shares_and_waits(args: argparse.Namespace, procs: Processes,
     config = work / "config"
     keys = make_keys(config, args.agents)
     results = []
-    upstream, slots = start_fake(procs, args)
-    body = synthetic_body(args.tokens, args.delay)
-    title = (f"synthetic upstream ({slots} slots, {args.delay * 1e3:g} ms/token, "
-             f"{args.tokens} tokens a request)")
-    results.append(await compare(title, args, procs, config, keys, upstream, slots, body))
-    stop_children(procs)
-    if args.llama_tokens:
+    if "synthetic" in args.upstreams:
+        upstream, slots = start_fake(procs, args)
+        body = synthetic_body(args.tokens, args.delay)
+        title = (f"synthetic upstream ({slots} slots, {args.delay * 1e3:g} ms/token, "
+                 f"{args.tokens} tokens a request)")
+        results.append(await compare(title, args, procs, config, keys, upstream, slots, body))
+        stop_children(procs)
+    if "llama" in args.upstreams and args.llama_tokens:
         started = await start_llama(procs, work, args)
         if started is not None:
             upstream, slots, what = started
@@ -206,24 +212,29 @@ async def start_llama(procs: Processes, work: Path,
     vocab_path = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
     model = write_tiny_model(work / "tiny.gguf", vocab_path)
     port = free_port()
-    server = procs.start("llama-server", [str(chosen.path), "-m", str(model), "-np",
-                                          str(args.llama_parallel), "--host", HOST,
-                                          "--port", str(port)])
+    command = [str(chosen.path), "-m", str(model), "-np", str(args.llama_parallel),
+               "--host", HOST, "--port", str(port)]
+    if args.llama_threads:
+        command += ["--threads", str(args.llama_threads)]
+    server = procs.start("llama-server", command)
 
     def healthy() -> bool:
         return get_json(port, "/health")[0] == 200
 
     wait_until(healthy, server, "llama-server did not become healthy", procs, "llama-server",
                120)
-    props = get_json(port, "/props")[1]
-    slots = props["total_slots"]
-    n_ctx = props["default_generation_settings"]["n_ctx"]
-    return f"http://{HOST}:{port}", slots, f"tiny model, -np {slots}, n_ctx {n_ctx} a slot"
+    slots = get_json(port, "/props")[1]["total_slots"]
+    threads = (f"--threads {args.llama_threads}" if args.llama_threads
+               else "its default threads")
+    return f"http://{HOST}:{port}", slots, f"tiny model, -np {slots}, {threads}"
 
 
 async def compare(title: str, args: argparse.Namespace, procs: Processes, config: Path,
                   keys: Keys, upstream: str, slots: int, body: bytes) -> tuple[str, list[str]]:
     port = start_port(procs, "port", upstream, slots, config)
+    kv = get_json(port.port, "/health")[1]["kv"]
+    title += (f"; the port's view of its cache: {'one pool' if kv['unified'] else 'split'}"
+              f" of {kv['total']:,} tokens, up to {kv['per_request']:,} a request")
     log(f"{title}: port pid {port.pid} on :{port.port}")
     service = await lone_ttft(port, body, keys.owner)
     log(f"  a lone request's time to first token through the port: {service * 1e3:.1f} ms")
