@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import types
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +132,7 @@ class KeyRun:
     clients: list[StreamClient] = field(default_factory=list)
     tokens: int = 0          # content chunks streamed in the window
     waits: list[float] = field(default_factory=list)  # seconds, requests sent in the window
-    errors: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  # by what went wrong
 
 
 @dataclass
@@ -244,7 +244,8 @@ async def compare(title: str, args: argparse.Namespace, procs: Processes, config
             result = await run_mode(mode, port, keys, body, service, args)
             runs[mode].append(result)
             log(f"  round {round_ + 1} {mode:<4}: " + ", ".join(
-                f"{r.name} {r.tokens} tokens ({len(r.waits)} requests, {r.errors} errors)"
+                f"{r.name} {r.tokens} tokens ({len(r.waits)} requests"
+                + (f", errors: {dict(r.errors)})" if r.errors else ")")
                 for r in result.values()))
             await settle(port)
     heading = (f"{title}; {args.rounds} round(s) of {args.seconds:g} s per mode after "
@@ -309,8 +310,16 @@ async def run_mode(mode: str, port: Target, keys: Keys, body: bytes, service: fl
             ended_badly = 0 < c.t_end <= cut and not (c.status == 200 and c.saw_done
                                                        and c.tokens)
             if ended_badly or (in_window and not c.t_first):
-                run.errors += 1
+                run.errors[_what_failed(c)] += 1
     return runs
+
+
+def _what_failed(c: StreamClient) -> str:
+    if c.status != 200:
+        return f"HTTP {c.status}" if c.status else "no answer"
+    if not c.t_first:
+        return "no token"
+    return "no [DONE]" if not c.saw_done else "?"
 
 
 def _tokens(run: KeyRun) -> int:
@@ -375,7 +384,7 @@ def share_table(keys: Keys, agents: list[int], slots: int,
             cells.append(f"{quantile(waits[mode], 0.5) * 1e3:.0f} / "
                          f"{quantile(waits[mode], 0.99) * 1e3:.0f}")
         cells.append(f"{len(waits['fair'])} / {len(waits['FIFO'])}")
-        cells.append(" / ".join(str(sum(result[name].errors for result in runs[mode]))
+        cells.append(" / ".join(str(sum(result[name].errors.total() for result in runs[mode]))
                                 for mode in ("fair", "FIFO")))
         rows.append("| " + " | ".join(cells) + " |")
     return rows
