@@ -7,6 +7,9 @@ hundreds of 1xx heads, broken status lines.  Each request (head and `Content-Len
 body read in full) gets the next answer of `answers`, or `fallback` once they run out;
 the connection stays open afterwards (unless the answer is a `Cut`), so that a client
 which wrongly reuses it is seen in `requests` (the connection number of every request).
+With `answers_per_connection`, a connection that gave that many answers is closed as its
+next request arrives, every connection alike (llama-server closes its connection after
+each streamed answer without a `Connection: close`: a client reusing it sees it end).
 """
 
 from __future__ import annotations
@@ -108,9 +111,11 @@ WELL_FORMED = {
 
 
 class MalformedUpstream:
-    def __init__(self, answers: list[bytes] | None = None, fallback: bytes = GOOD_STREAM) -> None:
+    def __init__(self, answers: list[bytes] | None = None, fallback: bytes = GOOD_STREAM,
+                 answers_per_connection: int = 0) -> None:
         self.answers = list(answers or [])
         self.fallback = fallback
+        self.answers_per_connection = answers_per_connection
         self.connections = 0
         self.requests: list[int] = []  # the connection number of each request, from 1
         self._server: asyncio.Server | None = None
@@ -137,6 +142,7 @@ class MalformedUpstream:
         self.connections += 1
         number = self.connections
         self._writers.add(writer)
+        answered = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -147,9 +153,12 @@ class MalformedUpstream:
                         length = int(value)
                 await reader.readexactly(length)
                 self.requests.append(number)
+                if self.answers_per_connection and answered >= self.answers_per_connection:
+                    break
                 answer = self.answers.pop(0) if self.answers else self.fallback
                 if answer == CLOSE:
                     break
+                answered += 1
                 writer.write(answer)
                 await writer.drain()
                 if isinstance(answer, Cut):
