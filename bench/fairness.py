@@ -2,8 +2,9 @@
 4 and 16 requests in flight, through a real GGUF Studio port, next to today's FIFO; and
 the admission's CPU per request with 100 flows.
 
-    .venv/bin/python bench/fairness.py            # about 6 minutes
-    .venv/bin/python bench/fairness.py --quick    # about 1 minute
+    .venv/bin/python bench/fairness.py                       # about 6 minutes
+    .venv/bin/python bench/fairness.py --llama-threads 0,1   # llama-server twice
+    .venv/bin/python bench/fairness.py --quick               # about 2 minutes
     .venv/bin/python bench/fairness.py --help
 
 **Shares and waits.**  One `gguf-studio serve --upstream URL` with three named keys (made
@@ -21,7 +22,8 @@ and its queue wait, p50 / p99: time to first token minus the same port's time to
 token for a lone request (the service's own part).  The queue line is the admission's;
 the engines behind it are the synthetic upstream (`tests/fake_upstream.py`: 4 slots,
 20 ms per token) and a real llama-server started as users start it (`-m MODEL -np 4`,
-its default cache, its default threads) with the tiny model of tests/model_factory.py.
+its default cache and threads; `--llama-threads` adds runs with --threads N) with the
+tiny model of tests/model_factory.py.
 "Max-min fair" is the share each key would get if the slots were split max-min fairly
 (a key can hold no more slots than it has agents); FIFO tends to the agents' proportion.
 
@@ -101,8 +103,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-tokens", type=int, default=64,
                    help="tokens per request on llama-server (0: skip it)")
     p.add_argument("--llama-parallel", type=int, default=4, help="llama-server's -np")
-    p.add_argument("--llama-threads", type=int, default=0,
-                   help="llama-server's --threads (0: not given, its own default)")
+    p.add_argument("--llama-threads", default="0",
+                   help="llama-server's --threads, a run for each of a comma-separated list "
+                        "(0: not given, its own default, as users start it)")
     p.add_argument("--upstreams", default="synthetic,llama",
                    help="which upstreams to measure behind the port")
     p.add_argument("--cpu-requests", type=int, default=40_000,
@@ -111,6 +114,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.agents = [int(n) for n in args.agents.split(",")]
     args.upstreams = set(args.upstreams.split(","))
+    args.llama_threads = [int(n) for n in args.llama_threads.split(",")]
     if args.quick:
         args.rounds, args.seconds, args.warmup = 1, 8.0, 2.0
         args.cpu_requests, args.cpu_rounds = min(args.cpu_requests, 5_000), 3
@@ -154,8 +158,9 @@ async def shares_and_waits(args: argparse.Namespace, procs: Processes,
                  f"{args.tokens} tokens a request)")
         results.append(await compare(title, args, procs, config, keys, upstream, slots, body))
         stop_children(procs)
-    if "llama" in args.upstreams and args.llama_tokens:
-        started = await start_llama(procs, work, args)
+    llama_runs = args.llama_threads if "llama" in args.upstreams and args.llama_tokens else []
+    for threads in llama_runs:
+        started = await start_llama(procs, work, args, threads)
         if started is not None:
             upstream, slots, what = started
             body = llama_body(args.llama_tokens)
@@ -198,8 +203,8 @@ def start_fake(procs: Processes, args: argparse.Namespace) -> tuple[str, int]:
     return f"http://{HOST}:{port}", args.slots
 
 
-async def start_llama(procs: Processes, work: Path,
-                args: argparse.Namespace) -> tuple[str, int, str] | None:
+async def start_llama(procs: Processes, work: Path, args: argparse.Namespace,
+                      threads: int) -> tuple[str, int, str] | None:
     """llama-server as a user starts it: the model, -np, a port; nothing else."""
     from backend.llama.engine import Engine
     from tests.model_factory import write_tiny_model
@@ -214,8 +219,8 @@ async def start_llama(procs: Processes, work: Path,
     port = free_port()
     command = [str(chosen.path), "-m", str(model), "-np", str(args.llama_parallel),
                "--host", HOST, "--port", str(port)]
-    if args.llama_threads:
-        command += ["--threads", str(args.llama_threads)]
+    if threads:
+        command += ["--threads", str(threads)]
     server = procs.start("llama-server", command)
 
     def healthy() -> bool:
@@ -224,9 +229,8 @@ async def start_llama(procs: Processes, work: Path,
     wait_until(healthy, server, "llama-server did not become healthy", procs, "llama-server",
                120)
     slots = get_json(port, "/props")[1]["total_slots"]
-    threads = (f"--threads {args.llama_threads}" if args.llama_threads
-               else "its default threads")
-    return f"http://{HOST}:{port}", slots, f"tiny model, -np {slots}, {threads}"
+    given = f"--threads {threads}" if threads else "its default threads"
+    return f"http://{HOST}:{port}", slots, f"tiny model, -np {slots}, {given}"
 
 
 async def compare(title: str, args: argparse.Namespace, procs: Processes, config: Path,
