@@ -73,7 +73,7 @@ TARGET_EXTRA_US = 20.0
 def main() -> int:
     args = parse_args()
     print(f"fairness benchmark, {time.strftime('%Y-%m-%d %H:%M')}, load average "
-          f"{open('/proc/loadavg').read().split()[0]} at the start\n")
+          f"{Path('/proc/loadavg').read_text().split()[0]} at the start\n")
     cpu_ok = True
     if args.cpu_requests:
         cpu_ok = print_cpu(args)
