@@ -49,6 +49,8 @@ log = logging.getLogger("gguf_studio.pool")
 EMBEDDINGS_ROUTE = "/v1/embeddings"
 #: How often idle models are looked at for their idle TTL (at most).
 IDLE_CHECK_INTERVAL = 1.0
+#: How long requests ended by an unload get to close their engine connections.
+ABORT_WAIT = 5.0
 
 
 class Residency(enum.Enum):
@@ -369,6 +371,9 @@ class Pool:
                 log.warning("%d request(s) still running on %s; ending them", queue.active, name)
                 self._abort(queue.key, LoadReplaced(
                     "The model was replaced or unloaded while this request ran. Send it again."))
+                # Their connections to the engine close as they end: llama-server stops
+                # on SIGTERM at once then, instead of finishing each generation first.
+                await self._drained(lambda: queue.active == 0, ABORT_WAIT)
         await local.supervisor.unload()
         local.residency = Residency.EVICTED if evicted else Residency.UNLOADED
         local.loading = None
