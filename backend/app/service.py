@@ -228,6 +228,9 @@ class StudioService:
 
     # --- the gateway's view of the pool --------------------------------------------------
 
+    def resolve(self, path: str, requested: object) -> str:
+        return self.pool.resolve(path, requested)
+
     def route(self, path: str, requested: object) -> str:
         return self.pool.route(path, requested)
 
