@@ -20,11 +20,12 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
+from backend.app.key_table import KeyTable, key_table
 from backend.app.pool import Pool
 from backend.app.usage import UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.errors import KeyRevoked, RequestError, SettingsError
-from backend.key_store import KeyStore
+from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
@@ -225,6 +226,29 @@ class StudioService:
                 self.registry.refuse_flow(flow, refusal)
             elif record is not None:
                 self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
+
+    def add_key(self, name: str, **limits: Any) -> tuple[KeyRecord, str]:
+        """Make a named key (`KeyStore.add`); the port takes it at once."""
+        return self.keys.add(name, **limits)
+
+    def edit_key(self, name: str, **changes: Any) -> KeyRecord:
+        """Change a key's limits; its requests waiting in line wait under the new ones."""
+        record = self.keys.edit(name, **changes)
+        self.apply_keys()
+        return record
+
+    def revoke_key(self, name: str) -> KeyRecord:
+        """Revoke a key: the port refuses it from now on (401), its waiting requests too."""
+        record = self.keys.revoke(name)
+        self.apply_keys()
+        return record
+
+    def key_table(self, chart_key: str | None = None, span: int = 60) -> KeyTable:
+        """The keys with their usage, and the chart of `chart_key` (None: every key) over
+        the last `span` minutes.  On the service's loop, where the usage is recorded."""
+        return key_table(self.keys.records(), self.usage.snapshot(), self.usage.series(chart_key),
+                         owner_key_set=bool(self.settings.api_key), chart_key=chart_key,
+                         span=span)
 
     # --- the gateway's view of the pool --------------------------------------------------
 
