@@ -218,7 +218,8 @@ class PoolConfig:
 
     @property
     def _table(self) -> "_NameTable":
-        return self.__dict__["_names"]
+        table: _NameTable = self.__dict__["_names"]
+        return table
 
     # --- combining --------------------------------------------------------------------
 
@@ -619,7 +620,8 @@ class _Reader:
         value = table.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise self.error(kind, i, key, f"must be a whole number of {unit}, not {value!r}")
-        return value
+        whole: int = value
+        return whole
 
     def _parallel(self, i: int, table: Mapping[str, Any]) -> str:
         value = table.get("parallel", "auto")

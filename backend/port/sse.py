@@ -241,9 +241,8 @@ def _created_id(data: bytes) -> str | None:
     if not isinstance(event, dict) or event.get("type") != "response.created":
         return None
     response = event.get("response")
-    if isinstance(response, dict) and isinstance(response.get("id"), str) and response["id"]:
-        return response["id"]
-    return None
+    created = response.get("id") if isinstance(response, dict) else None
+    return created if isinstance(created, str) and created else None
 
 
 def find_usage(data: bytes) -> tuple[int, int] | None:

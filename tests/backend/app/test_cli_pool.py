@@ -19,6 +19,7 @@ from backend.errors import SettingsError, StudioError
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from tests.backend.app.test_cli import ROOT, cli as run_cli
+from tests.not_none import not_none
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_the_models_file_and_the_flags_make_one_pool(user):
     assert [m.name for m in config.models] == ["coder", "small"]
     assert config.models[0].pinned
     assert [u.url for u in config.upstreams] == ["http://box2:8899", "http://box3:8080"]
-    assert (config.memory_limit_mib, config.default.name) == (12000, "small")
+    assert (config.memory_limit_mib, not_none(config.default).name) == (12000, "small")
 
 
 def test_the_models_file_may_come_from_the_environment(user, monkeypatch):
@@ -173,7 +174,7 @@ def test_serve_with_two_models_answers_each_by_name_and_lists_both(tiny_model, s
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url, ready = "", set()
-        for line in proc.stdout:
+        for line in not_none(proc.stdout):
             if line.strip().startswith("http://") and not url:
                 url = line.strip()
             if line.startswith("[ready] "):
@@ -195,5 +196,5 @@ def test_serve_with_two_models_answers_each_by_name_and_lists_both(tiny_model, s
         assert proc.wait(30) == 0
     finally:
         proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
+        not_none(proc.stdout).close()
+        not_none(proc.stderr).close()

@@ -12,6 +12,7 @@ import httpx
 from backend.llama.rpc_worker import protocol_of_sources
 from backend.llama.supervisor import pick_free_port
 from tests.backend.app.test_cli import ROOT, cli, user_dirs  # noqa: F401 - a fixture
+from tests.not_none import not_none
 
 
 def test_a_worker_warns_listens_on_loopback_and_serve_spreads_the_model_over_it(
@@ -38,7 +39,7 @@ def test_a_worker_warns_listens_on_loopback_and_serve_spreads_the_model_over_it(
         worker.send_signal(signal.SIGINT)
         assert worker.wait(30) == 0
         assert not Path(f"/proc/{worker_server}").exists()  # no RPC port left open
-        stderr = worker.stderr.read()
+        stderr = not_none(worker.stderr).read()
         assert stderr.startswith("WARNING: llama.cpp's RPC is insecure. This worker accepts "
                                  "this machine only (loopback)")
         assert "Use it on a trusted wired network only" in stderr
@@ -47,8 +48,8 @@ def test_a_worker_warns_listens_on_loopback_and_serve_spreads_the_model_over_it(
             if proc is not None:
                 proc.kill()
                 proc.wait()
-                proc.stdout.close()
-                proc.stderr.close()
+                not_none(proc.stdout).close()
+                not_none(proc.stderr).close()
 
 
 def test_a_worker_refuses_a_network_address_unless_the_risk_is_accepted(user_dirs):  # noqa: F811
@@ -66,12 +67,12 @@ def test_a_worker_refuses_a_network_address_unless_the_risk_is_accepted(user_dir
             f"RPC worker ready on 0.0.0.0:{port}")
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0
-        assert f"accepts every machine that can reach 0.0.0.0:{port}" in worker.stderr.read()
+        assert f"accepts every machine that can reach 0.0.0.0:{port}" in not_none(worker.stderr).read()
     finally:
         worker.kill()
         worker.wait()
-        worker.stdout.close()
-        worker.stderr.close()
+        not_none(worker.stdout).close()
+        not_none(worker.stderr).close()
 
 
 def test_serve_names_an_unusable_worker_before_starting_anything(tiny_model, user_dirs):  # noqa: F811
@@ -87,22 +88,22 @@ def test_serve_names_an_unusable_worker_before_starting_anything(tiny_model, use
     assert out.returncode == 1 and "an --upstream engine has its own" in out.stderr
 
 
-def start(*args: str, env: dict) -> subprocess.Popen:
+def start(*args: str, env: dict) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "backend.app.cli", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def read_until(proc: subprocess.Popen, start_of_line: str) -> str:
+def read_until(proc: subprocess.Popen[str], start_of_line: str) -> str:
     return read_lines_until(proc, start_of_line)[-1]
 
 
-def read_lines_until(proc: subprocess.Popen, start_of_line: str) -> list[str]:
-    lines = []
-    for line in proc.stdout:
+def read_lines_until(proc: subprocess.Popen[str], start_of_line: str) -> list[str]:
+    lines: list[str] = []
+    for line in not_none(proc.stdout):
         lines.append(line.rstrip())
         if line.startswith(start_of_line) or line.startswith("[failed]"):
             return lines
-    raise AssertionError(f"ended without {start_of_line!r}: {lines} {proc.stderr.read()}")
+    raise AssertionError(f"ended without {start_of_line!r}: {lines} {not_none(proc.stderr).read()}")
 
 
 def child_of(parent: int, name: str) -> int:

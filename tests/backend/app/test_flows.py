@@ -44,7 +44,7 @@ async def first_token(client: httpx.AsyncClient, key: str, body: dict,
                       times: list[float], priority: str | None = None,
                       durations: list[float] | None = None) -> list[str]:
     """Stream `body` with `key`; note when the first token came; return the events."""
-    lines = []
+    lines: list[str] = []
     headers = {"Authorization": f"Bearer {key}"}
     if priority is not None:
         headers["x-priority"] = priority

@@ -23,6 +23,7 @@ from backend.llama.rpc_worker import (RpcProtocol, RpcWorker, check_rpc_workers,
                                       check_worker_address, hello, insecurity_warning,
                                       protocol_of_sources, rpc_failure_reason)
 from backend.llama.supervisor import Supervisor, build_command, pick_free_port
+from tests.not_none import not_none
 
 SETTINGS = LoadSettings(ctx_size=1024, parallel="1", n_gpu_layers="all", threads=1)
 
@@ -52,7 +53,7 @@ async def test_the_tiny_model_over_a_worker_answers_exactly_as_without_it_and_it
     spread = dataclasses.replace(SETTINGS, rpc=(worker.endpoint,))
     async with loaded(llama_server_binary, tmp_path / "rpc", tiny_model, spread) as over_rpc:
         there = await chat(over_rpc)
-        log = Path(over_rpc.log_path).read_text()
+        log = Path(not_none(over_rpc.log_path)).read_text()
     assert there["content"] == here["content"] and there["tokens"] == here["tokens"] == 16
     # The engine itself says where the layers went: every layer on the worker's device,
     # with the model's weights held there, none of them on this machine's CPU.
