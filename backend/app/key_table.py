@@ -180,7 +180,12 @@ class KeyRow:
     cells: tuple[str, ...]  # by COLUMNS
     summary: str  # the key's limits in a sentence (the row's tooltip)
     refusals: Mapping[str, int]  # by reason, for the Refused cell's tooltip
-    owner: bool = False  # the owner's key: every model, no limits, changed in Access
+    record: KeyRecord  # as the store has it (its secret's digest, never the secret)
+
+    @property
+    def owner(self) -> bool:
+        """The owner's key: every model, no limits, changed in Access."""
+        return self.record.is_owner
 
     @property
     def editable(self) -> bool:
@@ -234,6 +239,13 @@ class UsageChart:
     @property
     def refusals(self) -> int:
         return sum(b.refusals for b in self.bins)
+
+    @property
+    def ticks(self) -> tuple[tuple[float, str], ...]:
+        """The time axis: (fraction of the width from the left, label), oldest first."""
+        hours = self.span % 60 == 0 and self.span > 60
+        unit, size = ("h", self.span // 60) if hours else ("min", self.span)
+        return ((0.0, f"−{size} {unit}"), (0.5, f"−{size / 2:g} {unit}"), (1.0, "now"))
 
     @property
     def summary(self) -> str:
@@ -295,7 +307,7 @@ def key_row(record: KeyRecord, usage: KeyUsage | None, now: float) -> KeyRow:
              f"{used.completion_tokens:,}", f"{wait:.2f} s" if wait is not None else "-",
              f"{sum(used.refusals.values()):,}",
              describe_time(used.last_used) if used.last_used else "never")
-    return KeyRow(record.name, state, cells, summary, dict(used.refusals), record.is_owner)
+    return KeyRow(record.name, state, cells, summary, dict(used.refusals), record)
 
 
 def describe_limit(value: int | None) -> str:
