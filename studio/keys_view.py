@@ -38,6 +38,7 @@ from backend.app.key_table import (
     KeyForm,
     KeyRow,
     KeyTable,
+    WEIGHT_STEP,
     UsageChart,
     describe_key,
     first_key_warning,
@@ -370,8 +371,9 @@ class KeyDialog(QDialog):
         self.priority.setToolTip("Band: interactive before normal before batch.")
         self.weight = QDoubleSpinBox()
         self.weight.setAccessibleName("Weight")
-        self.weight.setRange(0.01, 1000.0)
+        self.weight.setRange(WEIGHT_STEP, 1000.0)
         self.weight.setDecimals(2)
+        self.weight.setSingleStep(0.25)
         self.weight.setValue(form.weight)
         self.weight.setToolTip("Share of the model against other keys of its band (1).")
         self.expires = QLineEdit(form.expires)
@@ -405,6 +407,7 @@ class KeyDialog(QDialog):
         layout.addRow(self.warning)
         layout.addRow(self.error)
         layout.addRow(self.buttons)
+        self.setMinimumWidth(self.fontMetrics().horizontalAdvance("x") * 72)
         (self.models if record is not None else self.name).setFocus()
 
     def form(self) -> KeyForm:

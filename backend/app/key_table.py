@@ -27,6 +27,7 @@ __all__ = [
     "CHART_BINS",
     "CHART_SPANS",
     "COLUMNS",
+    "WEIGHT_STEP",
     "KeyForm",
     "KeyRow",
     "KeyTable",
@@ -50,6 +51,8 @@ COLUMNS = ("Name", "Models", "At once", "Tokens/min", "Tokens/day", "Priority", 
            "Mean queue wait", "Refused", "Last used")
 #: The chart's spans in minutes, with their names; a day is what the ledger keeps.
 CHART_SPANS = ((60, "Last hour"), (6 * 60, "Last 6 hours"), (24 * 60, "Last 24 hours"))
+#: The smallest change of a key's weight a form tells apart.
+WEIGHT_STEP = 0.01
 #: Bars per chart, whatever its span: a minute each over an hour, 24 minutes over a day.
 CHART_BINS = 60
 
@@ -112,7 +115,8 @@ class KeyForm:
                 changes[name] = value
         if _priority(self.priority) != record.priority:
             changes["priority"] = _priority(self.priority)
-        if _weight(self.weight) != record.weight:
+        # The dialog shows a weight to two decimals: one left as shown stays as it is.
+        if abs(_weight(self.weight) - record.weight) >= WEIGHT_STEP / 2:
             changes["weight"] = _weight(self.weight)
         if self.expires.strip() != shown.expires:
             changes["expires_at"] = parse_expiry(self.expires, now)

@@ -93,6 +93,12 @@ def test_an_edit_changes_only_what_differs_and_keeps_an_expiry_left_as_shown(sto
     assert longer.changes(record) == {"expires_at": None}
 
 
+def test_a_weight_left_as_the_dialog_shows_it_is_not_a_change():
+    record = KeyRecord("alice", weight=1 / 3)
+    assert replace(KeyForm.of(record), weight=0.33).changes(record) == {}
+    assert replace(KeyForm.of(record), weight=0.5).changes(record) == {"weight": 0.5}
+
+
 def test_an_expired_key_can_be_edited_without_touching_its_expiry():
     expired = KeyRecord("old", expires_at=NOW - 60)
     form = replace(KeyForm.of(expired), weight=3.0)
