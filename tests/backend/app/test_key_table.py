@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,12 @@ from backend.app.key_table import (
     short_number,
     usage_chart,
 )
+from backend.app.service import StudioService
 from backend.app.snippets import ClientModel, ClientTarget, opencode_snippet
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.errors import KeyStoreError
 from backend.key_store import KeyRecord, KeyStore, Priority, describe_time
+from backend.settings import Settings
 
 NOW = 1_750_000_000.0  # 10:26:40 UTC: 40 s into a minute
 MINUTE = 60.0
@@ -214,6 +217,39 @@ def test_an_idle_chart_says_so():
 def test_scale_labels_are_short():
     assert [short_number(v) for v in (950, 1234, 12_345, 1_234_567, 12_345_678)] == \
         ["950", "1.2k", "12k", "1.2M", "12M"]
+
+
+def test_the_services_chart_sums_the_minutes_over_once_and_this_minutes_every_time(tmp_path):
+    """The minutes that are over are summed once a minute (a day of many keys is slow to
+    sum); what happens in this minute shows at once; the next minute sums them again."""
+    clock = [NOW]
+    service = StudioService(Settings(), log_dir=tmp_path / "logs")
+    service.usage = UsageLedger(tmp_path / "usage.json", clock=lambda: clock[0])
+    service.usage.record_request("alice", 100, 10)
+    clock[0] += MINUTE
+    service.usage.record_request("alice", 200, 20)
+    first = service.key_table("alice", 60, now=clock[0]).chart
+    assert (first.requests, first.total_tokens) == (2, 330)
+    sums: list[tuple[float | None, float | None]] = []
+    service.usage.series = spy(service.usage.series, sums)  # type: ignore[method-assign]
+    service.usage.record_request("alice", 300, 30)
+    again = service.key_table("alice", 60, now=clock[0] + 1).chart
+    assert (again.requests, again.total_tokens) == (3, 660)
+    assert sums == [(NOW - NOW % 60 + MINUTE, None)]  # this minute's only
+    clock[0] += MINUTE
+    service.usage.record_request("alice", 1, 1)
+    later = service.key_table("alice", 60, now=clock[0]).chart
+    assert (later.requests, later.total_tokens) == (4, 662)
+    assert len(sums) == 3  # the minutes over (now one more), then this one's
+    assert service.key_table(None, 60, now=clock[0]).chart.requests == 4
+
+
+def spy(series: Any, calls: list[tuple[float | None, float | None]]) -> Any:
+    def called(key: str | None = None, since: float | None = None,
+               until: float | None = None) -> list[MinuteUsage]:
+        calls.append((since, until))
+        return series(key, since, until)
+    return called
 
 
 # --- client set-up ---------------------------------------------------------------------
