@@ -25,7 +25,6 @@ from typing import Any, Callable, Coroutine, Sequence, TypeVar
 from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.app.activity import ActivitySample, ActivitySampler
-from backend.app.key_table import KeyTable
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
@@ -33,6 +32,7 @@ from backend.key_store import KeyRecord
 from backend.models.download import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
+from backend.app.key_table import KeyTable
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.llama.load import LoadSpec, Snapshot
@@ -217,24 +217,24 @@ class ServiceBridge(QObject):
                 on_error: Callable[[str], None]
                 ) -> concurrent.futures.Future[tuple[KeyRecord, str]]:
         """Make a key; `on_done((record, secret))`: the secret exists nowhere else."""
-        return self._call(_on_loop(self.service.add_key, name, **limits), on_done=on_done,
+        return self._call(_now_on_loop(self.service.add_key, name, **limits), on_done=on_done,
                           on_error=on_error)
 
     def edit_key(self, name: str, changes: dict[str, Any], on_done: Callback,
                  on_error: Callable[[str], None]) -> concurrent.futures.Future[KeyRecord]:
-        return self._call(_on_loop(self.service.edit_key, name, **changes), on_done=on_done,
+        return self._call(_now_on_loop(self.service.edit_key, name, **changes), on_done=on_done,
                           on_error=on_error)
 
     def revoke_key(self, name: str, on_done: Callback | None = None,
                    on_error: Callable[[str], None] | None = None
                    ) -> concurrent.futures.Future[KeyRecord]:
-        return self._call(_on_loop(self.service.revoke_key, name), on_done=on_done,
+        return self._call(_now_on_loop(self.service.revoke_key, name), on_done=on_done,
                           on_error=on_error)
 
     def key_table(self, chart_key: str | None, span: int, on_done: Callback
                   ) -> concurrent.futures.Future[KeyTable]:
         """The keys, their usage and the chart of `chart_key` (None: every key)."""
-        return self._call(_on_loop(self.service.key_table, chart_key, span), on_done=on_done)
+        return self._call(_now_on_loop(self.service.key_table, chart_key, span), on_done=on_done)
 
     # --- Hugging Face ------------------------------------------------------------------------
 
@@ -387,7 +387,7 @@ class ServiceBridge(QObject):
             pass
 
 
-async def _on_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+async def _now_on_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`fn(*args, **kwargs)` as a coroutine, for `_call` to run on the backend loop."""
     return fn(*args, **kwargs)
 
