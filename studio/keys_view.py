@@ -80,6 +80,10 @@ class KeysView(QGroupBox):
         self.hint = secondary_label(
             "A key for each person or agent, with its own models, limits and share of the "
             "model; its secret is shown once, when it is made.")
+        self.problem = QLabel()
+        self.problem.setWordWrap(True)
+        self.problem.setAccessibleName("Keys problem")
+        self.problem.hide()
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(list(COLUMNS))
         self.table.setAccessibleName("Named API keys")
@@ -124,6 +128,7 @@ class KeysView(QGroupBox):
 
         layout = QVBoxLayout(self)
         layout.addWidget(self.hint)
+        layout.addWidget(self.problem)
         layout.addWidget(self.table)
         layout.addLayout(buttons)
         layout.addLayout(chart_row)
@@ -201,7 +206,8 @@ class KeysView(QGroupBox):
         if self.dialog is not None and self.dialog.isVisible():
             self.dialog.show_error(message)
         else:
-            self.chart_summary.setText(message)
+            self.problem.setText(message)
+            self.problem.show()
 
     # --- intent ---------------------------------------------------------------------------
 
@@ -249,6 +255,7 @@ class KeysView(QGroupBox):
         self._timer.stop()
 
     def _open_dialog(self, dialog: "KeyDialog") -> None:
+        self.problem.hide()
         if self.dialog is not None:
             self.dialog.close()
         self.dialog = dialog
