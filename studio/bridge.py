@@ -28,9 +28,11 @@ from backend.app.activity import ActivitySample, ActivitySampler
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
+from backend.key_store import KeyRecord
 from backend.models.download import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
+from backend.app.key_table import KeyTable
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.llama.load import LoadSpec, Snapshot
@@ -208,6 +210,32 @@ class ServiceBridge(QObject):
         """Run blocking file work (scanning, reading a model's header) off the GUI thread."""
         return self._in_pool(self._files, fn, *args, on_done=on_done, on_error=on_error)
 
+    # --- named keys --------------------------------------------------------------------------
+    # On the backend loop, like the port that reads the key store and fills the ledger.
+
+    def add_key(self, name: str, limits: dict[str, Any], on_done: Callback,
+                on_error: Callable[[str], None]
+                ) -> concurrent.futures.Future[tuple[KeyRecord, str]]:
+        """Make a key; `on_done((record, secret))`: the secret exists nowhere else."""
+        return self._call(_now_on_loop(self.service.add_key, name, **limits), on_done=on_done,
+                          on_error=on_error)
+
+    def edit_key(self, name: str, changes: dict[str, Any], on_done: Callback,
+                 on_error: Callable[[str], None]) -> concurrent.futures.Future[KeyRecord]:
+        return self._call(_now_on_loop(self.service.edit_key, name, **changes), on_done=on_done,
+                          on_error=on_error)
+
+    def revoke_key(self, name: str, on_done: Callback | None = None,
+                   on_error: Callable[[str], None] | None = None
+                   ) -> concurrent.futures.Future[KeyRecord]:
+        return self._call(_now_on_loop(self.service.revoke_key, name), on_done=on_done,
+                          on_error=on_error)
+
+    def key_table(self, chart_key: str | None, span: int, on_done: Callback
+                  ) -> concurrent.futures.Future[KeyTable]:
+        """The keys, their usage and the chart of `chart_key` (None: every key)."""
+        return self._call(_now_on_loop(self.service.key_table, chart_key, span), on_done=on_done)
+
     # --- Hugging Face ------------------------------------------------------------------------
 
     def curated_models(self) -> list[CuratedModel]:
@@ -357,6 +385,11 @@ class ServiceBridge(QObject):
             self.activity_sampled.emit(sample)
         except RuntimeError:
             pass
+
+
+async def _now_on_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` as a coroutine, for `_call` to run on the backend loop."""
+    return fn(*args, **kwargs)
 
 
 def describe_error(exc: BaseException) -> str:

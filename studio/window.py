@@ -100,6 +100,7 @@ class MainWindow(QMainWindow):
 
         self._build_menu()
         self._connect()
+        self._connect_keys()
         self._set_tab_order()
 
         self.sharing.set_settings(settings)
@@ -324,6 +325,17 @@ class MainWindow(QMainWindow):
         self.sharing.show_problem("")
         self.sharing.set_urls(urls)
         self.status_url.setText(urls[0] if urls else "")
+
+    def _connect_keys(self) -> None:
+        keys, b = self.sharing.keys, self.bridge
+        keys.refresh_requested.connect(lambda chart_key, span: b.key_table(
+            chart_key, span, on_done=keys.show_table))
+        keys.create_requested.connect(lambda name, limits: b.add_key(
+            name, limits, on_done=keys.show_created, on_error=keys.show_dialog_error))
+        keys.edit_requested.connect(lambda name, changes: b.edit_key(
+            name, changes, on_done=keys.show_edited, on_error=keys.show_dialog_error))
+        keys.revoke_requested.connect(lambda name: b.revoke_key(
+            name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
 
     # --- activity -------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -20,11 +21,12 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
+from backend.app.key_table import KeyTable, key_table
 from backend.app.pool import Pool
-from backend.app.usage import UsageLedger
+from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.errors import KeyRevoked, RequestError, SettingsError
-from backend.key_store import KeyStore
+from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
@@ -73,6 +75,7 @@ class StudioService:
         self.flows = FlowControl(limiter, self.usage)
         self.metrics.bind_usage(self.usage.snapshot)
         self._flow_tasks: list[asyncio.Future[None]] = []
+        self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
                          abort=self._abort, memory_budget=memory_budget,
@@ -225,6 +228,42 @@ class StudioService:
                 self.registry.refuse_flow(flow, refusal)
             elif record is not None:
                 self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
+
+    def add_key(self, name: str, **limits: Any) -> tuple[KeyRecord, str]:
+        """Make a named key (`KeyStore.add`); the port takes it at once."""
+        return self.keys.add(name, **limits)
+
+    def edit_key(self, name: str, **changes: Any) -> KeyRecord:
+        """Change a key's limits; its requests waiting in line wait under the new ones."""
+        record = self.keys.edit(name, **changes)
+        self.apply_keys()
+        return record
+
+    def revoke_key(self, name: str) -> KeyRecord:
+        """Revoke a key: the port refuses it from now on (401), its waiting requests too."""
+        record = self.keys.revoke(name)
+        self.apply_keys()
+        return record
+
+    def key_table(self, chart_key: str | None = None, span: int = 60,
+                  now: float | None = None) -> KeyTable:
+        """The keys with their usage, and the chart of `chart_key` (None: every key) over
+        the last `span` minutes.  On the service's loop, where the usage is recorded."""
+        now = time.time() if now is None else now
+        return key_table(self.keys.records(), self.usage.snapshot(),
+                         self._chart_series(chart_key, span, math.floor(now / 60) * 60.0),
+                         owner_key_set=bool(self.settings.api_key), chart_key=chart_key,
+                         span=span, now=now)
+
+    def _chart_series(self, key: str | None, span: int, this_minute: float) -> list[MinuteUsage]:
+        """`key`'s minutes over the chart's span.  The minutes that are over are summed
+        once a minute (a day of fifty keys takes 0.2 s, too long for the port's loop every
+        second); this minute's, which still change, every time."""
+        wanted = (key, span, this_minute)
+        if self._chart_minutes is None or self._chart_minutes[0] != wanted:
+            over = self.usage.series(key, since=this_minute - (span - 1) * 60, until=this_minute)
+            self._chart_minutes = (wanted, over)
+        return self._chart_minutes[1] + self.usage.series(key, since=this_minute)
 
     # --- the gateway's view of the pool --------------------------------------------------
 
