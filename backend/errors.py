@@ -100,6 +100,16 @@ class LoadTimedOut(LoadError):
     pass
 
 
+class RpcWorkerFailed(LoadError):
+    """A load's RPC worker cannot serve it: unreachable, busy with another engine, of
+    another protocol version, or gone while the model loaded; or this engine lacks RPC."""
+
+
+class RpcWorkerRefused(StudioError):
+    """`gguf-studio rpc-worker` will not start as asked (a non-loopback address without
+    the flag that accepts the risk, an address the RPC server cannot bind)."""
+
+
 class LoadSuperseded(LoadError):
     """Another load or an unload replaced this one before it became ready."""
 
@@ -138,6 +148,10 @@ class RequestError(StudioError):
         self.param = param
         if retry_after is not None:
             self.retry_after = retry_after
+
+    def answer_headers(self) -> dict[str, str]:
+        """Headers its HTTP answer carries beyond the body's and Retry-After."""
+        return {}
 
 
 class InvalidRequest(RequestError):
@@ -184,6 +198,9 @@ class RateLimitExceeded(RequestError):
         super().__init__(message, retry_after=retry_after)
         self.reason = reason
         self.headers = headers
+
+    def answer_headers(self) -> dict[str, str]:
+        return self.headers
 
 
 class ForbiddenOrigin(RequestError):

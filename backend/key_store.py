@@ -198,6 +198,8 @@ class KeyStore:
         if self._owner_hash and hmac.compare_digest(self._owner_hash, digest):
             return OWNER
         record = self._by_hash.get(digest)
+        if record is None and self.refresh():  # a key made a moment ago works at once
+            record = self._by_hash.get(digest)
         if record is None or not hmac.compare_digest(record.secret_hash, digest):
             return None
         refusal = record.refusal(self._wall_clock())
@@ -212,6 +214,14 @@ class KeyStore:
             return OWNER
         self._check_file()
         return self._records.get(name)
+
+    def has_named_keys(self) -> bool:
+        """Whether any named key exists (revoked ones too): then every request needs one,
+        and each key is its own flow."""
+        self._check_file()
+        if not self._records:
+            self.refresh()  # the first key, made a moment ago, applies at once
+        return bool(self._records)
 
     def records(self) -> list[KeyRecord]:
         """Every named key (revoked ones too), oldest first."""
@@ -443,9 +453,9 @@ def _from_json(entry: Any, path: Path) -> KeyRecord:
 def _optional_int(value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(value)
-    return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(value)
 
 
 def _second(when: float | None) -> float | None:

@@ -25,6 +25,7 @@ from backend.api_keys import check_api_key, read_api_key_file
 from backend.errors import SettingsError
 from backend.gpu_layers import parse_gpu_layers, read_saved_gpu_layers
 from backend.private_files import make_private, write_private
+from backend.rpc_workers import parse_rpc_workers
 
 APP_NAME = "gguf-studio"
 ENV_PREFIX = "GGUF_STUDIO_"
@@ -85,6 +86,9 @@ class Settings:
     # Last load, so that `serve` and the window can offer it again.
     model: str = ""
     upstream: str = ""
+    # The models file (backend.app.pool_config): the models and upstreams `serve` runs
+    # side by side; flags add to it.
+    models_file: str = ""
     # How the upstream llama-server's KV cache is laid out, which it cannot report:
     # "split" (each slot its own share, the default of -np N), "unified" (--kv-unified),
     # or "" (not stated: one shared pool of one slot's context is assumed).
@@ -94,6 +98,9 @@ class Settings:
     n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
     threads: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # Machines running `gguf-studio rpc-worker` the model is spread over ("host:port";
+    # the environment gives them comma- or space-separated).
+    rpc: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)  # from any source: file, environment, flag, window
@@ -218,6 +225,8 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
                 return False
             raise ValueError(raw)
         value: float
+        if name == "rpc":
+            return list(parse_rpc_workers(raw))
         if type_name == "int":
             value = int(raw)
         elif type_name == "float":

@@ -20,18 +20,19 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.app.activity import ActivitySample, ActivitySampler
 from backend.app.pool_config import ModelEntry
 from backend.app.pool_state import PoolState
+from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
 from backend.models.download import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
-from backend.models.hub import CuratedModel, ModelChoice, RepoListing, curated_models
+from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
 from backend.llama.kv_capacity import KvLayout
@@ -47,6 +48,7 @@ BATCH_INTERVAL = 0.1  # seconds: at most ten batches a second reach the GUI
 LogLine = tuple[str, str]  # (source, text); source is "llama-server" or "access"
 
 Callback = Callable[[Any], None]
+T = TypeVar("T")
 
 
 class ServiceBridge(QObject):
@@ -86,7 +88,7 @@ class ServiceBridge(QObject):
         self.pool_state = PoolState()
         self._sampler: ActivitySampler | None = None
         self._port_lock: asyncio.Lock | None = None  # made on the backend loop
-        self._building: concurrent.futures.Future | None = None
+        self._building: concurrent.futures.Future[Path] | None = None
         self._closed = False
         self.snapshot = Snapshot()
         self.urls: list[str] = []
@@ -139,40 +141,40 @@ class ServiceBridge(QObject):
     # --- intent -------------------------------------------------------------------------
 
     def load(self, spec: LoadSpec, on_error: Callable[[str], None] | None = None
-             ) -> concurrent.futures.Future:
+             ) -> concurrent.futures.Future[Snapshot]:
         return self._call(self.service.load(spec), on_error=on_error, quiet=(LoadSuperseded,))
 
     def retry_on_cpu(self, on_error: Callable[[str], None] | None = None
-                     ) -> concurrent.futures.Future:
+                     ) -> concurrent.futures.Future[Snapshot]:
         """After a GPU load failed: the same load with no GPU layers."""
         return self._call(self.service.retry_on_cpu(), on_error=on_error, quiet=(LoadSuperseded,))
 
-    def unload(self) -> concurrent.futures.Future:
+    def unload(self) -> concurrent.futures.Future[None]:
         return self._call(self.service.unload())
 
     # --- the pool -----------------------------------------------------------------------
 
     def add_model(self, entry: ModelEntry, on_error: Callable[[str], None] | None = None
-                  ) -> concurrent.futures.Future:
+                  ) -> concurrent.futures.Future[Snapshot]:
         """Serve `entry` beside the loaded models (the default one stays) and load it."""
         return self._call(self.service.add_model(entry), on_error=on_error)
 
-    def load_model(self, name: str) -> concurrent.futures.Future:
+    def load_model(self, name: str) -> concurrent.futures.Future[Snapshot]:
         return self._call(self.service.load_model(name))
 
-    def unload_model(self, name: str) -> concurrent.futures.Future:
+    def unload_model(self, name: str) -> concurrent.futures.Future[None]:
         return self._call(self.service.unload_model(name))
 
-    def remove_model(self, name: str) -> concurrent.futures.Future:
+    def remove_model(self, name: str) -> concurrent.futures.Future[None]:
         return self._call(self.service.remove_model(name))
 
     def set_model_options(self, name: str, *, pinned: bool | None = None,
-                          idle_ttl: float | None = None) -> concurrent.futures.Future:
+                          idle_ttl: float | None = None) -> concurrent.futures.Future[None]:
         return self._call(self.service.set_model_options(name, pinned=pinned, idle_ttl=idle_ttl))
 
     def add_upstream(self, url: str, api_key: str, kv_layout: str,
                      on_done: Callback | None = None,
-                     on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+                     on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[Snapshot]:
         """Serve through the engine at `url` (a llama-server or a GGUF Studio port);
         `kv_layout` is "split", "unified" or "" (not stated)."""
         async def attach() -> Snapshot:
@@ -181,23 +183,23 @@ class ServiceBridge(QObject):
 
         return self._call(attach(), on_done=on_done, on_error=on_error)
 
-    def remove_upstream(self, url: str) -> concurrent.futures.Future:
+    def remove_upstream(self, url: str) -> concurrent.futures.Future[None]:
         return self._call(self.service.remove_upstream(url))
 
     # --- the port -----------------------------------------------------------------------
 
-    def open_port(self, on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+    def open_port(self, on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[list[str]]:
         return self._call(self._one_at_a_time(self.service.start_gateway), on_done=self._set_urls,
                           on_error=on_error)
 
     def apply_settings(self, settings: Settings,
-                       on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+                       on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[list[str]]:
         """Give the service new settings; the port reopens if its address changed."""
         return self._call(self._one_at_a_time(self.service.apply_settings, settings),
                           on_done=self._set_urls, on_error=on_error)
 
     def build_engine(self, extra_cmake_args: Sequence[str] = (),
-                     backend: str = "cpu") -> concurrent.futures.Future:
+                     backend: str = "cpu") -> concurrent.futures.Future[Path]:
         if self._building is not None and not self._building.done():
             return self._building
 
@@ -220,7 +222,7 @@ class ServiceBridge(QObject):
         return self.service.engine.resolve(llama_server or None,
                                            backends=detected_backends() or ["cpu"])
 
-    def accelerators(self, on_done: Callback) -> concurrent.futures.Future:
+    def accelerators(self, on_done: Callback) -> concurrent.futures.Future[Accelerators]:
         """This computer's GPUs and toolkits (runs vulkaninfo once, so off the GUI thread)."""
         return self.run_in_thread(detect_accelerators, on_done=on_done)
 
@@ -245,9 +247,9 @@ class ServiceBridge(QObject):
         return self.backend_thread.submit(run_self_test(
             model_path, llama_server=llama_server, service=self.service, timeout=timeout))
 
-    def run_in_thread(self, fn: Callable[..., Any], *args: Any,
+    def run_in_thread(self, fn: Callable[..., T], *args: Any,
                       on_done: Callback | None = None,
-                      on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future:
+                      on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[T]:
         """Run blocking file work (scanning, reading a model's header) off the GUI thread."""
         return self._in_pool(self._files, fn, *args, on_done=on_done, on_error=on_error)
 
@@ -258,13 +260,14 @@ class ServiceBridge(QObject):
         return curated_models()
 
     def search_models(self, text: str, sort: str, on_done: Callback,
-                      on_error: Callable[[str], None]) -> concurrent.futures.Future:
+                      on_error: Callable[[str], None]) -> concurrent.futures.Future[list[RepoSummary]]:
         from backend.models.hub import search
 
         return self._in_hub(lambda: search(text, sort=sort), on_done=on_done, on_error=on_error)
 
     def list_repo(self, repo_id: str, context: int, on_done: Callback,
-                  on_error: Callable[[str], None]) -> concurrent.futures.Future:
+                  on_error: Callable[[str], None]
+                  ) -> concurrent.futures.Future[tuple[RepoListing, dict[str, FitEstimate]]]:
         """Calls `on_done((listing, fits))`: the repository's models and a badge for each."""
         from backend.models.fit import fit_choices
         from backend.models.hub import list_repo
@@ -275,7 +278,8 @@ class ServiceBridge(QObject):
 
         return self._in_hub(listing_with_fits, on_done=on_done, on_error=on_error)
 
-    def refit(self, listing: RepoListing, context: int, on_done: Callback) -> concurrent.futures.Future:
+    def refit(self, listing: RepoListing, context: int, on_done: Callback
+              ) -> concurrent.futures.Future[tuple[RepoListing, dict[str, FitEstimate]]]:
         """New badges for another context: local work only (headers of files already here)."""
         from backend.models.fit import fit_choices
 
@@ -299,17 +303,17 @@ class ServiceBridge(QObject):
 
         self.run_in_thread(save_token, token, on_error=on_error)
 
-    def _in_hub(self, fn: Callable[..., Any], *args: Any, on_done: Callback | None,
-                on_error: Callable[[str], None] | None) -> concurrent.futures.Future:
+    def _in_hub(self, fn: Callable[..., T], *args: Any, on_done: Callback | None,
+                on_error: Callable[[str], None] | None) -> concurrent.futures.Future[T]:
         return self._in_pool(self._hub, fn, *args, on_done=on_done, on_error=on_error)
 
-    def _in_pool(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., Any],
+    def _in_pool(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
                  *args: Any, on_done: Callback | None,
-                 on_error: Callable[[str], None] | None) -> concurrent.futures.Future:
+                 on_error: Callable[[str], None] | None) -> concurrent.futures.Future[T]:
         if self._closed:
             # A callback still queued when the app shut down (a scan's result selecting a
             # model, say) asks for more work: there is none to do.
-            future: concurrent.futures.Future = concurrent.futures.Future()
+            future: concurrent.futures.Future[T] = concurrent.futures.Future()
             future.cancel()
             return future
         future = pool.submit(fn, *args)
@@ -324,22 +328,22 @@ class ServiceBridge(QObject):
 
     # --- plumbing ------------------------------------------------------------------------
 
-    def _call(self, coro: Coroutine[Any, Any, Any], *, on_done: Callback | None = None,
+    def _call(self, coro: Coroutine[Any, Any, T], *, on_done: Callback | None = None,
               on_error: Callable[[str], None] | None = None,
-              quiet: tuple[type[BaseException], ...] = ()) -> concurrent.futures.Future:
+              quiet: tuple[type[BaseException], ...] = ()) -> concurrent.futures.Future[T]:
         if self._closed:
             coro.close()
-            future: concurrent.futures.Future = concurrent.futures.Future()
+            future: concurrent.futures.Future[T] = concurrent.futures.Future()
             future.cancel()
             return future
         future = self.backend_thread.submit(coro)
         self._when_done(future, on_done, on_error, quiet)
         return future
 
-    def _when_done(self, future: concurrent.futures.Future, on_done: Callback | None,
+    def _when_done(self, future: concurrent.futures.Future[T], on_done: Callback | None,
                    on_error: Callable[[str], None] | None,
                    quiet: tuple[type[BaseException], ...]) -> None:
-        def done(f: concurrent.futures.Future) -> None:
+        def done(f: concurrent.futures.Future[T]) -> None:
             if f.cancelled():
                 return
             exc = f.exception()
@@ -367,7 +371,7 @@ class ServiceBridge(QObject):
 
     # --- on the backend loop ------------------------------------------------------------
 
-    async def _one_at_a_time(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+    async def _one_at_a_time(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         # Opening and reopening the port must not interleave: a second open while the
         # first is still binding would leave the port on the old address.
         if self._port_lock is None:
@@ -441,7 +445,7 @@ class _Batcher:
     """Collects items from any thread and hands them on in batches from the backend loop,
     at most one batch per interval (the `Throttle` the download queue's progress uses too)."""
 
-    def __init__(self, thread: BackendThread, emit: Callable[[list], None], *,
+    def __init__(self, thread: BackendThread, emit: Callable[[list[Any]], None], *,
                  interval: float = BATCH_INTERVAL, limit: int = 5000) -> None:
         self._emit = emit
         # A flood beyond the limit within one interval keeps its newest lines: the window

@@ -98,7 +98,8 @@ class LibraryView(QWidget):
 
     def current_entry(self) -> ModelEntry | None:
         item = self.list.currentItem()
-        return item.data(ENTRY_ROLE) if item is not None else None
+        entry: ModelEntry | None = item.data(ENTRY_ROLE) if item is not None else None
+        return entry
 
     def select_path(self, path: str) -> bool:
         for row in range(self.list.count()):

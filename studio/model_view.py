@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 from backend.errors import SettingsError
 from backend.models.gguf_info import ModelInfo, format_file_size, format_parameter_count
 from backend.gpu_layers import parse_gpu_layers
+from backend.rpc_workers import parse_rpc_workers
 from backend.llama.load import THREADS_HELP, LoadSettings, Snapshot, State
 
 from studio.widgets import heading, secondary_label
@@ -101,11 +102,19 @@ class ModelView(QWidget):
         self.extra_args = QLineEdit()
         self.extra_args.setPlaceholderText("e.g. --flash-attn on --cache-type-k q8_0")
         self.extra_args.setToolTip("More llama-server arguments. The model, host, port, parallel "
-                                   "slots and API key are set by GGUF Studio.")
+                                   "slots, API key and RPC workers are set by GGUF Studio.")
+        self.rpc = QLineEdit()
+        self.rpc.setPlaceholderText("e.g. 192.168.1.20:50052, 192.168.1.21:50052")
+        rpc_tip = ("Spread the model over other machines, each running `gguf-studio "
+                   "rpc-worker` (host:port, comma-separated). llama.cpp's RPC has no key and no "
+                   "encryption: use it on a trusted wired network only.")
+        self.rpc.setToolTip(rpc_tip)
+        self.rpc.setAccessibleDescription(rpc_tip)
         for box in (self.ctx_size, self.parallel, self.threads):
             box.valueChanged.connect(self.settings_edited)
         self.gpu_layers.currentTextChanged.connect(self.settings_edited)
         self.extra_args.editingFinished.connect(self.settings_edited)
+        self.rpc.editingFinished.connect(self.settings_edited)
         self.plan = secondary_label("")
         self.plan.setWordWrap(True)
         self.plan.setAccessibleName("What these settings mean")
@@ -120,10 +129,19 @@ class ModelView(QWidget):
         settings_box = QGroupBox("Load settings")
         form = QFormLayout(settings_box)
         form.addRow("&Context size:", self.ctx_size)
-        form.addRow("&Parallel slots:", self.parallel)
+        # Slots and threads share a row, so that the RPC workers' row adds no height.
+        threads_label = QLabel("&Threads:")
+        threads_label.setBuddy(self.threads)
+        slots_and_threads = QHBoxLayout()
+        slots_and_threads.addWidget(self.parallel, 1)
+        slots_and_threads.addWidget(threads_label)
+        slots_and_threads.addWidget(self.threads, 1)
+        slots_label = QLabel("&Parallel slots:")
+        slots_label.setBuddy(self.parallel)
+        form.addRow(slots_label, slots_and_threads)
         form.addRow("GPU la&yers:", self.gpu_layers)
-        form.addRow("&Threads:", self.threads)
         form.addRow("E&xtra arguments:", self.extra_args)
+        form.addRow("&RPC workers:", self.rpc)
         form.addRow(self.plan)
         form.addRow(self.settings_error)
 
@@ -249,15 +267,18 @@ class ModelView(QWidget):
     # --- load settings ----------------------------------------------------------------------
 
     def load_settings(self) -> LoadSettings:
-        """What the fields say; raises SettingsError for unreadable extra arguments."""
+        """What the fields say; raises SettingsError for unreadable extra arguments or
+        RPC workers."""
         return LoadSettings(
             ctx_size=self.ctx_size.value(),
             parallel=str(self.parallel.value()) if self.parallel.value() else "auto",
             n_gpu_layers=_gpu_layers_value(self.gpu_layers), threads=self.threads.value(),
-            extra_args=LoadSettings.parse_extra_args(self.extra_args.text()))
+            extra_args=LoadSettings.parse_extra_args(self.extra_args.text()),
+            rpc=parse_rpc_workers(self.rpc.text()))
 
     def set_load_settings(self, settings: LoadSettings) -> None:
-        fields = (self.ctx_size, self.parallel, self.gpu_layers, self.threads, self.extra_args)
+        fields = (self.ctx_size, self.parallel, self.gpu_layers, self.threads, self.extra_args,
+                  self.rpc)
         for field in fields:
             field.blockSignals(True)
         self.ctx_size.setValue(settings.ctx_size)
@@ -265,6 +286,7 @@ class ModelView(QWidget):
         _show_gpu_layers(self.gpu_layers, settings.n_gpu_layers)
         self.threads.setValue(settings.threads)
         self.extra_args.setText(shlex.join(settings.extra_args))
+        self.rpc.setText(", ".join(settings.rpc))
         for field in fields:
             field.blockSignals(False)
         self.show_settings_error("")
@@ -316,7 +338,7 @@ class ModelView(QWidget):
     def _show_plan(self) -> None:
         try:
             settings = self.load_settings()
-        except SettingsError:  # unreadable extra arguments: the settings error says so
+        except SettingsError:  # unreadable extra arguments or workers: the settings error says so
             self.plan.setText("")
             return
         trained = self._info.context_length if self._info is not None else None

@@ -210,7 +210,7 @@ class MainWindow(QMainWindow):
     def _set_tab_order(self) -> None:
         lv, mv = self.library_view, self.model_view
         chain = [lv.search, lv.list, lv.open_button, lv.folder_button, lv.rescan_button,
-                 mv.ctx_size, mv.parallel, mv.gpu_layers, mv.threads, mv.extra_args,
+                 mv.ctx_size, mv.parallel, mv.threads, mv.gpu_layers, mv.extra_args, mv.rpc,
                  mv.load_button, mv.unload_button, mv.add_button, self.tabs]
         for first, second in zip(chain, chain[1:]):
             QWidget.setTabOrder(first, second)
@@ -326,7 +326,7 @@ class MainWindow(QMainWindow):
     # --- sharing ------------------------------------------------------------------------------
 
     def set_lan(self, lan: bool) -> None:
-        changes: dict = {"host": ALL_INTERFACES if lan else LOOPBACK}
+        changes: dict[str, str] = {"host": ALL_INTERFACES if lan else LOOPBACK}
         if lan and not self.settings.api_key:
             # Nobody may reach the model from the network without a key.
             changes["api_key"] = generate_api_key()

@@ -28,6 +28,14 @@ HUGE_REPO = "test-org/Huge-Coder-GGUF"
 SPLIT_REPO = "test-org/Split-Coder-GGUF"
 
 
+@pytest.fixture(autouse=True)
+def private_config(tmp_path_factory: pytest.TempPathFactory,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets a config dir of its own: settings, named keys and usage never leak
+    between tests, nor into the user's."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
     return Engine()
@@ -38,7 +46,7 @@ def llama_server_binary(engine: Engine) -> Path:
     # The CPU engine, also on a machine whose GPU engine is built: the suite's timings
     # and outputs stay those of the CPU (the GPU path has its own tests).
     chosen = engine.resolve(backends=["cpu"]).chosen
-    if chosen is None:
+    if chosen is None or chosen.path is None:
         pytest.fail("no llama-server: run scripts/setup (or `gguf-studio engine build`) first")
     return chosen.path
 

@@ -423,8 +423,8 @@ class FakeUpstream:
 def _limit(body: dict[str, Any]) -> int | None:
     values = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens",
                                     "n_predict")]
-    values = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return min(values) if values else None
+    limits = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return min(limits) if limits else None
 
 
 def _text_tokens(text: str) -> int:
@@ -446,8 +446,8 @@ def _texts(value: Any) -> str:
 def _chat_tokens(body: dict[str, Any]) -> int:
     """Prompt tokens of a chat, Responses or messages body under a ChatML-like template:
     BOS, 4 per message or input item, the texts, the tools, 3 for the generation prompt."""
-    turns = [*(body.get("messages") or []),
-             *(body.get("input") if isinstance(body.get("input"), list) else [body.get("input")]),
+    given = body.get("input")
+    turns = [*(body.get("messages") or []), *(given if isinstance(given, list) else [given]),
              body.get("system"), body.get("instructions")]
     turns = [t for t in turns if t]
     text = " ".join(_texts(t) for t in turns) + " " + _texts(body.get("tools"))

@@ -101,6 +101,7 @@ class HubEndpoint:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str)
         return f"http://{host}:{port}"
 
     def __enter__(self) -> "HubEndpoint":

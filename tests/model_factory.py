@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, PoolingType
@@ -182,7 +183,7 @@ def bert_tensor_shapes(n_vocab: int, context_length: int) -> dict[str, tuple[int
     return shapes
 
 
-def _tokenizer_fields(vocab_path: Path) -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
+def _tokenizer_fields(vocab_path: Path) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
     reader = GGUFReader(vocab_path)
     fields = {}
     for key, field in reader.fields.items():

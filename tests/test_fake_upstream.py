@@ -11,6 +11,7 @@ from backend.llama.load import Serving
 from backend.port.need_planner import NeedPlanner
 from backend.port.prompt_tokens import TEXT_SLACK, HttpEngineTokenizer, PromptCounter
 from tests.fake_upstream import FakeUpstream
+from tests.not_none import not_none
 
 CHAT = "/v1/chat/completions"
 
@@ -41,7 +42,7 @@ async def test_a_port_counts_long_prompts_with_the_fake_and_bounds_short_ones():
     # 16,000+ the byte bound would have reserved; nothing reached the chat route.
     assert 3900 < long_need.prompt < 4100
     # the short one: reserved at its byte bound, without asking
-    assert short_need.prompt == len(json.dumps(short)) + counter.template_base + TEXT_SLACK
+    assert short_need.prompt == len(json.dumps(short)) + not_none(counter.template_base) + TEXT_SLACK
     assert fake.requests == []
 
 

@@ -150,7 +150,7 @@ class ActivitySampler:
         self._tokens_rate = _Rate()
         self._engine_rates: dict[EngineKey, _Rate] = {}
         self._peaks = [0, 0]
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         service.registry.add_listener(self._track_peaks)
 
     def count_tokens(self, engine: EngineKey, base_url: str, value: int) -> None:
@@ -180,7 +180,7 @@ class ActivitySampler:
             kv_reserved=registry.total_reserved_tokens, kv_capacity=registry.kv_capacity,
             engines=self._engines(now))
 
-    def start(self) -> asyncio.Task:
+    def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self.run(), name="activity sampler")
         return self._task

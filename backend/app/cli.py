@@ -3,7 +3,8 @@
     gguf-studio                      open the window (see `launcher`)
     gguf-studio engine status|build|path
     gguf-studio inspect MODEL [--json]
-    gguf-studio serve --model MODEL | --upstream URL  [options]
+    gguf-studio serve [--model [NAME=]MODEL]... [--upstream URL]... [--models-file FILE] [options]
+    gguf-studio rpc-worker [--host H --port P]   lend this machine to an engine elsewhere (RPC)
     gguf-studio search [TEXT]        GGUF repositories on Hugging Face (none: the curated list)
     gguf-studio pull REPO[:QUANT|FILE]
     gguf-studio hf-token [--forget]  save a Hugging Face token for gated repositories
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -30,6 +32,7 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import THREADS_HELP, LoadSettings
 from backend.models.hf_cache import printable
 from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, env_var
+from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 
 if TYPE_CHECKING:
     from backend.app.usage import KeyUsage
@@ -46,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.run(args)
+        code: int = args.run(args)  # each command's run, set with set_defaults
+        return code
     except StudioError as exc:
         print(f"gguf-studio: {_printable_lines(str(exc))}", file=sys.stderr)
         tail = getattr(exc, "log_tail", "")
@@ -151,31 +155,111 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "model", "upstream", "upstream_kv")
+                   "load_timeout", "models_file", "rpc")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = Settings.load().with_overrides({name: getattr(args, name) for name in _SERVE_SETTINGS})
-    if args.extra_arg:
-        settings = settings.replace(extra_args=list(args.extra_arg))
+    settings = serve_settings(args)
     # A key kept in a file stays there: --save never copies it into settings.json.
     file_key = read_api_key_file(args.api_key_file) if args.api_key_file else None
-    upstream_key = read_api_key_file(args.upstream_api_key_file) if args.upstream_api_key_file \
-        else args.upstream_api_key
-    attach = args.model is None and bool(settings.upstream)
-    if not attach and not settings.model:
-        raise StudioError("Give a model with --model PATH, or a running llama-server with --upstream URL.")
+    config = pool_config(args, settings)
+    missing = [m for m in config.models if not os.path.isfile(m.path)]
+    if missing:
+        raise StudioError("No GGUF file at " + "; ".join(
+            f"{printable(m.path, 4096)} (model {printable(m.name)})" for m in missing) + ".")
+    if args.rpc and not config.models:
+        raise StudioError("--rpc spreads a model this machine loads (--model) over workers; "
+                          "an --upstream engine has its own.")
     if args.save:
         settings.save()
     if file_key is not None:
         settings = settings.replace(api_key=file_key)
     try:
-        return event_loop.run(_serve_async(settings, attach, upstream_key))
+        return event_loop.run(_serve_async(settings, config))
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve_async(settings: Settings, attach: bool, upstream_key: str | None = None) -> int:
+def serve_settings(args: argparse.Namespace) -> Settings:
+    """The settings `serve ARGS` runs with: saved, then the environment, then the flags;
+    the first model and upstream of the flags remembered as the last load."""
+    overrides = {name: getattr(args, name) for name in _SERVE_SETTINGS}
+    if args.models_file:
+        overrides["models_file"] = os.path.abspath(os.path.expanduser(args.models_file))
+    if args.model:
+        overrides["model"] = os.path.abspath(os.path.expanduser(_named_path(args.model[0])[1]))
+    if args.upstream:
+        overrides["upstream"] = args.upstream[0]
+    if args.upstream_kv and len(args.upstream_kv) == 1:
+        overrides["upstream_kv"] = args.upstream_kv[0]
+    settings = Settings.load().with_overrides(overrides)
+    if args.extra_arg:
+        settings = settings.replace(extra_args=list(args.extra_arg))
+    return settings
+
+
+def pool_config(args: argparse.Namespace, settings: Settings) -> PoolConfig:
+    """What `serve ARGS` serves: the models file (--models-file, else the settings'),
+    with the models and upstreams of the flags added.  Without any, the last load
+    (the saved or exported model or upstream), as before there were several."""
+    load = LoadSettings.last_load(settings)
+    models = [ModelEntry.for_file(os.path.abspath(os.path.expanduser(path)), name, settings=load)
+              for name, path in map(_named_path, args.model or ())]
+    models += [ModelEntry.for_file(os.path.abspath(os.path.expanduser(path)), name, settings=load,
+                                   embeddings=True)
+               for name, path in map(_named_path, args.embeddings_model or ())]
+    urls = list(args.upstream or ())
+    from_file = PoolConfig.from_file(settings.models_file) if settings.models_file else PoolConfig()
+    if not models and not urls and not from_file.models and not from_file.upstreams:
+        if settings.upstream:
+            urls = [settings.upstream]
+        elif settings.model:
+            models = [ModelEntry.for_file(settings.model, settings=load)]
+    flags = PoolConfig(tuple(models), _upstreams(args, settings, urls), args.default_model,
+                       args.memory_limit or 0)
+    config = from_file.merge(flags)
+    if not config.models and not config.upstreams:
+        raise StudioError("Give a model with --model PATH, a models file with --models-file FILE, "
+                          "or a running llama-server with --upstream URL.")
+    return config
+
+
+def _upstreams(args: argparse.Namespace, settings: Settings, urls: list[str]) -> tuple[UpstreamEntry, ...]:
+    """The flags' upstreams, each with its key and KV layout given in the same order."""
+    keys: list[str] = args.upstream_api_key or []
+    key_files: list[str] = args.upstream_api_key_file or []
+    layouts: list[str] = args.upstream_kv or []
+    given = "--upstream-api-key-file" if key_files else "--upstream-api-key"
+    if (keys or key_files or layouts) and not urls:
+        raise StudioError(f"{given if keys or key_files else '--upstream-kv'} goes with --upstream URL; "
+                          "an upstream of the models file has its api_key_file and kv_layout there.")
+    if (keys or key_files) and len(keys or key_files) != len(urls):
+        raise StudioError(f"Give one {given} per --upstream, in the same order ('' for one that "
+                          f"needs none): {len(urls)} upstream(s), {len(keys or key_files)} key(s).")
+    if len(layouts) > 1 and len(layouts) != len(urls):
+        raise StudioError("Give one --upstream-kv for every upstream, or one per --upstream in "
+                          f"the same order: {len(urls)} upstream(s), {len(layouts)} layouts.")
+    upstreams = []
+    for i, url in enumerate(urls):
+        layout = KvLayout.parse(layouts[i] if len(layouts) > 1 else layouts[0] if layouts
+                                else settings.upstream_kv)
+        if key_files:
+            upstreams.append(UpstreamEntry.with_key_file(url, key_files[i] or None, layout))
+        else:
+            upstreams.append(UpstreamEntry(url, keys[i] if keys and keys[i] else None, layout))
+    return tuple(upstreams)
+
+
+def _named_path(text: str) -> tuple[str | None, str]:
+    """`NAME=PATH` -> (NAME, PATH); a plain path (one that exists, or with no name before
+    an =) -> (None, PATH)."""
+    name, sep, path = text.partition("=")
+    if sep and name and path and "/" not in name and os.sep not in name and not os.path.exists(text):
+        return name, path
+    return None, text
+
+
+async def _serve_async(settings: Settings, config: PoolConfig) -> int:
     from backend.app.service import StudioService
     from backend.llama.load import Snapshot, State
 
@@ -188,11 +272,11 @@ async def _serve_async(settings: Settings, attach: bool, upstream_key: str | Non
         except (NotImplementedError, RuntimeError):
             pass
 
-    def report(snapshot: Snapshot) -> None:
-        line = f"[{snapshot.state.value}]"
+    def report(model: str, snapshot: Snapshot) -> None:
+        line = f"[{snapshot.state.value}] {snapshot.model_id or model}"
         serving = snapshot.serving
         if serving is not None:
-            line += f" {snapshot.model_id}: effective parallel slots {serving.slots}"
+            line += f": effective parallel slots {serving.slots}"
             if serving.context_length:
                 line += f", context {serving.context_length} per slot"
             if serving.kv is not None:
@@ -202,37 +286,75 @@ async def _serve_async(settings: Settings, attach: bool, upstream_key: str | Non
             if serving.kv_note:
                 line += f"\n  {serving.kv_note} (--upstream-kv split|unified)"
         if snapshot.error:
-            line += f" {snapshot.error}"
+            line += f": {snapshot.error}"
         print(line, flush=True)
 
-    service.add_listener(report)
+    service.pool.add_listener(report)  # every model's engine, not only the default's
     try:
         urls = await service.start_gateway()
         print("OpenAI-compatible base URL" + ("s" if len(urls) > 1 else "") + ":", flush=True)
         for url in urls:
             print(f"  {url}", flush=True)
-        if attach:
-            await service.attach_upstream(settings.upstream, api_key=upstream_key,
-                                          kv_layout=KvLayout.parse(settings.upstream_kv))
+        start = asyncio.create_task(service.start_pool(config))
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()
         else:
-            from backend.models.gguf_info import read_model_info
-
-            info = read_model_info(settings.model)
-            spec = LoadSettings.last_load(settings).to_spec(settings.model,
-                                                    chat_template=info.has_chat_template)
-            load = asyncio.create_task(service.load(spec))
-            waiter = asyncio.create_task(stop.wait())
-            await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if load.done():
-                load.result()
-            else:
-                load.cancel()
-                await asyncio.gather(load, return_exceptions=True)
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
         await stop.wait()
         print("stopping", flush=True)
         return 0
     finally:
         await service.close()
+
+
+# --- RPC worker -------------------------------------------------------------------------------
+
+
+def _rpc_worker(args: argparse.Namespace) -> int:
+    from backend.llama.rpc_worker import check_worker_address, insecurity_warning
+    from backend.llama.supervisor import default_threads
+
+    check_worker_address(args.host, args.port, args.i_understand_rpc_is_insecure)
+    binary = Engine().rpc_server(args.rpc_server)
+    print(insecurity_warning(args.host, args.port), file=sys.stderr, flush=True)
+    try:
+        return event_loop.run(_rpc_worker_async(binary, args.host, args.port,
+                                                args.threads or default_threads()))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _rpc_worker_async(binary: Any, host: str, port: int, threads: int) -> int:
+    from backend.llama.rpc_worker import RpcWorker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    worker = await RpcWorker.start(binary, host, port, threads, lambda line: print(line, flush=True))
+    try:
+        reach = "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") else host
+        print(f"RPC worker ready on {host}:{port} (RPC protocol {worker.protocol}). On the "
+              f"engine's machine: gguf-studio serve --model MODEL --rpc {reach}:{port}"
+              + (" (with this machine's address)" if host == "0.0.0.0" else ""), flush=True)
+        exited = asyncio.create_task(worker.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if exited.done():
+            code = exited.result()
+            print(f"gguf-studio: the RPC server stopped (exit {code}).", file=sys.stderr)
+            return code or 1
+        print("stopping", flush=True)
+        return 0
+    finally:
+        await worker.stop()
 
 
 # --- Hugging Face -----------------------------------------------------------------------------
@@ -624,11 +746,25 @@ def _parser() -> argparse.ArgumentParser:
     st.set_defaults(run=lambda args: asyncio.run(self_test.run_self_test(
         args.model, llama_server=args.llama_server, ctx_size=args.ctx_size, timeout=args.timeout)))
 
-    serve = sub.add_parser("serve", help="run headless: engine + OpenAI-compatible port")
-    group = serve.add_mutually_exclusive_group()
-    group.add_argument("--model", help="GGUF file to load")
-    group.add_argument("--upstream", help="attach to a running llama-server at this URL instead")
+    serve = sub.add_parser("serve", help="run headless: engines + OpenAI-compatible port")
     env = env_var
+    serve.add_argument("--model", action="append", metavar="[NAME=]PATH",
+                       help="GGUF file to serve, requested by NAME (default: the file name "
+                       "without .gguf); repeatable: the models run side by side")
+    serve.add_argument("--embeddings-model", action="append", metavar="[NAME=]PATH",
+                       help="GGUF embeddings model to serve on /v1/embeddings (repeatable)")
+    serve.add_argument("--models-file", metavar="FILE",
+                       help="TOML file of models (per-model context, slots, GPU layers, aliases, "
+                       f"pinned, idle TTL) and upstreams with their keys; flags add to it "
+                       f"({env('models_file')})")
+    serve.add_argument("--upstream", action="append", metavar="URL",
+                       help="a running llama-server or GGUF Studio port to serve through this "
+                       "port (repeatable)")
+    serve.add_argument("--default-model", metavar="NAME",
+                       help="the model for requests that name none (default: the first)")
+    serve.add_argument("--memory-limit", type=int, metavar="MIB",
+                       help="memory the loaded models may take together, in MiB (default: "
+                       "the machine's RAM, and VRAM where models are offloaded)")
     serve.add_argument("--host", help=f"address to listen on (default 127.0.0.1; {env('host')})")
     serve.add_argument("--port", type=int, help=f"port to listen on (default 8899; {env('port')})")
     keys = serve.add_mutually_exclusive_group()
@@ -637,17 +773,19 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key-file", metavar="PATH",
                       help="read the key clients must send from this file, so that it never "
                       f"appears in the process list ({API_KEY_FILE_ENV}; not saved by --save)")
-    serve.add_argument("--upstream-kv", choices=UPSTREAM_KV_LAYOUTS,
+    serve.add_argument("--upstream-kv", choices=UPSTREAM_KV_LAYOUTS, action="append",
                        help="how the --upstream llama-server's KV cache is laid out, which it "
                        "cannot report: split (each slot its own share, its default with -np N) "
                        "or unified (--kv-unified); unstated, one shared pool of one slot's "
-                       f"context is assumed, which limits concurrency ({env('upstream_kv')})")
+                       "context is assumed, which limits concurrency. Once for every "
+                       f"upstream, or once per --upstream in the same order ({env('upstream_kv')})")
     upstream_keys = serve.add_mutually_exclusive_group()
-    upstream_keys.add_argument("--upstream-api-key", metavar="KEY",
-                               help="the key the --upstream llama-server requires (its --api-key)")
-    upstream_keys.add_argument("--upstream-api-key-file", metavar="PATH",
-                               help="read the --upstream llama-server's key from this file "
-                               "(kept out of the process list)")
+    upstream_keys.add_argument("--upstream-api-key", metavar="KEY", action="append",
+                               help="the key the --upstream llama-server requires (its --api-key); "
+                               "one per --upstream in the same order, '' for none")
+    upstream_keys.add_argument("--upstream-api-key-file", metavar="PATH", action="append",
+                               help="read the --upstream's key from this file (kept out of the "
+                               "process list); one per --upstream in the same order, '' for none")
     serve.add_argument("--allow-no-key", action="store_true", default=None,
                        help="listen beyond loopback without a key (anyone can use the model)")
     serve.add_argument("--allow-origin", dest="allow_origins", action="append", metavar="ORIGIN",
@@ -688,11 +826,44 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--llama-server", help="llama-server binary to use")
+    serve.add_argument("--rpc", metavar="HOST:PORT,...",
+                       help="spread the model over these machines, each running `gguf-studio "
+                       "rpc-worker` (trusted wired network only; llama.cpp's RPC is insecure) "
+                       f"({env('rpc')})")
     serve.add_argument("--extra-arg", action="append", metavar="ARG",
                        help="extra llama-server argument (repeatable)")
     serve.add_argument("--save", action="store_true", help="remember these options as settings")
     serve.set_defaults(run=_serve)
+
+    _rpc_worker_parser(sub)
     return p
+
+
+def _rpc_worker_parser(sub: Any) -> None:
+    from backend.llama.rpc_worker import INSECURE_FLAG
+    from backend.rpc_workers import DEFAULT_PORT
+
+    worker = sub.add_parser(
+        "rpc-worker", help="lend this machine's memory and devices to an engine on another "
+        "machine (llama.cpp RPC; insecure: trusted wired network only)",
+        description="Runs llama.cpp's RPC server from this machine's engine, so that a "
+        "`serve --rpc HOST:PORT` on another machine spreads its model over this one. "
+        "llama.cpp's RPC has no key and no encryption: anyone who can reach the port can use "
+        "this machine's memory and devices. It listens on 127.0.0.1 unless told otherwise.")
+    worker.add_argument("--host", default="127.0.0.1",
+                        help="IPv4 address to listen on (default 127.0.0.1; another needs "
+                        f"{INSECURE_FLAG})")
+    worker.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"port to listen on (default {DEFAULT_PORT})")
+    worker.add_argument("--threads", type=int, default=0,
+                        help="CPU threads of the worker's CPU device, 0 = every core but one")
+    worker.add_argument(INSECURE_FLAG, action="store_true",
+                        help="listen on an address other machines can reach: only on a "
+                        "trusted wired network, with the port closed to everyone else")
+    worker.add_argument("--rpc-server", metavar="PATH",
+                        help="a ggml-rpc-server binary (default: the one of this machine's "
+                        "engine, built by `gguf-studio engine build`)")
+    worker.set_defaults(run=_rpc_worker)
 
 
 def _key_parsers(sub: Any) -> None:

@@ -69,7 +69,7 @@ def icon_path(home: Path) -> Path:
     return Path(home) / "icons" / "hicolor" / "scalable" / "apps" / ICON_FILE
 
 
-def installed_paths(home: str | os.PathLike | None = None) -> list[Path]:
+def installed_paths(home: str | os.PathLike[str] | None = None) -> list[Path]:
     """The files `install` writes (whether or not they exist now)."""
     home = Path(home) if home is not None else data_home()
     return [desktop_file_path(home), icon_path(home)]
@@ -162,9 +162,9 @@ def _escape_string(value: str) -> str:
 # --- install / uninstall ----------------------------------------------------------------
 
 
-def install(data_home: str | os.PathLike | None = None,
+def install(data_home: str | os.PathLike[str] | None = None,
             exec_command: Sequence[str] | str | None = None,
-            icon_source: str | os.PathLike | None = None) -> list[Path]:
+            icon_source: str | os.PathLike[str] | None = None) -> list[Path]:
     """Write the desktop entry and its icon; returns the files written.
 
     `data_home` defaults to $XDG_DATA_HOME (or ~/.local/share); `exec_command` to the
@@ -189,7 +189,7 @@ def install(data_home: str | os.PathLike | None = None,
     return [desktop_path, svg_path]
 
 
-def uninstall(data_home: str | os.PathLike | None = None) -> list[Path]:
+def uninstall(data_home: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove what `install` wrote; returns the files removed (none if not installed).
 
     A gguf-studio.desktop that `install` did not write (no installer mark) is left alone,

@@ -1,54 +1,698 @@
-"""What the pool serves: local models with their own settings, and engines elsewhere."""
+"""The pool's configuration: the models this machine serves and how, and the engines
+elsewhere that join the port.
+
+Plain values and their file.  `serve` builds a `PoolConfig` from its flags and the
+models file, merged (`PoolConfig.merge`); the window edits one and writes it back
+(`to_toml`, `save`); `backend.app.pool` runs it.
+
+The models file is TOML, read with the standard library's `tomllib`: it takes comments,
+so an operator can write down why a model is pinned; it has no indentation to get wrong
+(YAML) and no braces and commas to balance (JSON, which takes no comments either); and
+Codex's own config.toml, which the same people edit, is TOML too.
+
+    default_model = "coder"        # else the first model
+    memory_limit_mib = 20000       # else the machine's (RAM, and VRAM as the fit estimate sees it)
+
+    [[model]]
+    path = "~/models/Qwen2.5-Coder-7B-Instruct-Q4_K_M.gguf"
+    name = "coder"                 # else the file name without .gguf
+    aliases = ["qwen"]
+    ctx_size = 32768
+    parallel = 4
+    pinned = true                  # never unloaded
+    # rpc = ["10.0.0.3:50052"]     # spread over `gguf-studio rpc-worker`s (trusted wired network only)
+
+    [[model]]
+    path = "nomic-embed-text-v1.5.Q8_0.gguf"   # relative to this file's folder
+    embeddings = true              # started with --embeddings; /v1/embeddings goes to it
+    idle_ttl = "30m"               # unloaded after 30 minutes without a request
+    preload = false                # loaded on its first request
+
+    [[upstream]]
+    url = "http://10.0.0.2:8899"
+    api_key_file = "box2.key"      # its key, kept out of this file
+    kv_layout = "split"            # what a plain llama-server cannot report
+
+Names: a model answers to its name, its aliases, and the names its file gives it: the
+file name with and without .gguf (and without a split file's -00001-of-00003) and, for a
+file in the Hugging Face cache, `owner/repo:QUANT` as `gguf-studio pull` takes it.  Names are
+compared regardless of case.  A name or alias given to two models is an error naming
+both; a file-given name two models share is dropped from both (they are asked for by
+their own names).
+
+An upstream's key is best kept in a file of its own (`api_key_file`).  A models file
+that holds a key itself (`api_key`) is made private (0600) when it is read, as the
+settings are, and is written private.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+import os
+import re
+import shlex
+import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import Any, Callable, Iterable, Mapping
 
+from backend.api_keys import read_api_key_file
+from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvLayout
-from backend.llama.load import LoadSettings
+from backend.llama.load import LoadSettings, LoadSpec
+from backend.llama.remote_engine import normalise_base_url
+from backend.models.hf_cache import printable, repo_id_of_folder
+from backend.models.hub import quantization_of
+from backend.rpc_workers import parse_rpc_workers
+from backend.app.toml_text import toml_key, toml_value
 
-__all__ = ["ModelEntry", "PoolConfig", "UpstreamEntry"]
+__all__ = ["EMBEDDINGS_FLAG", "ModelEntry", "PoolConfig", "UpstreamEntry", "file_names",
+           "model_name", "parse_duration"]
+
+log = logging.getLogger("gguf_studio.pool_config")
+
+#: The llama-server flag an embeddings model is started with (llama.cpp also reads `--embedding`).
+EMBEDDINGS_FLAG = "--embeddings"
+MAX_NAME_LENGTH = 256
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A GGUF file on this machine that the pool may load, and how."""
+    """One GGUF file this machine serves, with how to load it and keep it."""
 
-    name: str  #: the id clients use: the alias, else the file name without .gguf
+    name: str  #: the id clients use: the name given, else the file name without .gguf
     path: str  #: the GGUF file (for split files the first part)
-    settings: LoadSettings = field(default_factory=LoadSettings)
-    aliases: tuple[str, ...] = ()  #: other names accepted
-    pinned: bool = False  #: never unloaded to make room, nor for idleness
-    idle_ttl: float = 0.0  #: seconds idle before it is unloaded; 0: never
+    settings: LoadSettings = LoadSettings()
+    aliases: tuple[str, ...] = ()  #: other names the operator gave it (file-given ones: `file_names`)
+    pinned: bool = False  #: never unloaded, neither to make room nor for idleness
+    idle_ttl: float = 0.0  #: seconds without a request before it is unloaded; 0: never
     embeddings: bool = False  #: started with --embeddings; /v1/embeddings goes to it
-    chat_template: bool = True
-    preload: bool = True  #: loaded at start; else on the first request
+    chat_template: bool = True  #: render the model's own chat template (where it has one)
+    preload: bool = True  #: loaded at start; else on its first request
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+        _check_name(self.name, "A model's name")
+        for alias in self.aliases:
+            _check_name(alias, f"An alias of {self.name}")
+        if not isinstance(self.path, str) or not self.path.strip():
+            raise SettingsError(f"The model {self.name} needs the path of its GGUF file.")
+        if isinstance(self.idle_ttl, bool) or not isinstance(self.idle_ttl, (int, float)) \
+                or not math.isfinite(self.idle_ttl) or self.idle_ttl < 0:
+            raise SettingsError(f"The idle TTL of {self.name} must be 0 (never) or a number of "
+                                f"seconds, not {self.idle_ttl!r}.")
+        object.__setattr__(self, "idle_ttl", float(self.idle_ttl))
+        if self.pinned and self.idle_ttl:
+            raise SettingsError(f"{self.name} is pinned, so it is never unloaded and an idle TTL "
+                                "cannot apply: drop one of them.")
+        self.settings.validate()
+        flagged = any(arg in _EMBEDDINGS_SPELLINGS for arg in self.settings.extra_args)
+        if self.embeddings and not flagged:
+            object.__setattr__(self, "settings", dataclasses.replace(
+                self.settings, extra_args=(*self.settings.extra_args, EMBEDDINGS_FLAG)))
+        elif flagged:
+            object.__setattr__(self, "embeddings", True)
 
     @classmethod
-    def for_file(cls, path: str, **fields: object) -> "ModelEntry":
-        name = str(fields.pop("name", "") or Path(path).name.removesuffix(".gguf"))
-        return cls(name=name, path=str(path), **fields)  # type: ignore[arg-type]
+    def for_file(cls, path: str | os.PathLike[str], name: str | None = None,
+                 **fields: Any) -> "ModelEntry":
+        """The entry for the GGUF file at `path`, named `name` or after its file."""
+        path = os.fspath(path)
+        return cls(name=name or model_name(path), path=path, **fields)
+
+    def file_names(self) -> tuple[str, ...]:
+        """The names its file gives it (see `file_names`)."""
+        return file_names(self.path)
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Every name that reaches this model: its own, its aliases, its file's."""
-        file = Path(self.path).name
-        return tuple(dict.fromkeys((self.name, *self.aliases, file, file.removesuffix(".gguf"))))
+        """Every name that may reach it: its own, its aliases, its file's (which a
+        `PoolConfig` drops where two models share one: `PoolConfig.names`)."""
+        return tuple(dict.fromkeys((self.name, *self.aliases, *self.file_names())))
+
+    def to_spec(self, *, has_chat_template: bool = True) -> LoadSpec:
+        """The load; `has_chat_template`: whether the file carries a template to render."""
+        return self.settings.to_spec(self.path, chat_template=self.chat_template and has_chat_template,
+                                     model_id=self.name)
 
 
 @dataclass(frozen=True)
 class UpstreamEntry:
-    """An engine on another machine: a llama-server or another GGUF Studio port."""
+    """An engine elsewhere: a llama-server or another GGUF Studio port."""
 
-    url: str
-    api_key: str | None = field(default=None, repr=False)
-    kv_layout: KvLayout | None = None
+    url: str  #: its base URL, as `normalise_base_url` gives it
+    api_key: str | None = field(default=None, repr=False)  #: the key it requires
+    kv_layout: KvLayout | None = None  #: a plain llama-server's cache, as its operator states it
+    #: Where `api_key` was read from; written back in its place, so the key stays out.
+    api_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", normalise_base_url(self.url))
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
+                                         or any(c.isspace() or not c.isprintable() for c in self.api_key)):
+            raise SettingsError(f"The key of the upstream {self.url} must be one word of "
+                                "printable characters.")
+
+    @classmethod
+    def with_key_file(cls, url: str, api_key_file: str | os.PathLike[str] | None,
+                      kv_layout: KvLayout | None = None) -> "UpstreamEntry":
+        """The upstream at `url` whose key is in `api_key_file` (read now; None: no key)."""
+        if not api_key_file:
+            return cls(url, kv_layout=kv_layout)
+        key_file = os.path.abspath(os.path.expanduser(os.fspath(api_key_file)))
+        return cls(url, read_api_key_file(key_file), kv_layout, key_file)
 
 
 @dataclass(frozen=True)
 class PoolConfig:
+    """Every model and upstream of the port.  Checked whole when made: names unique,
+    upstreams distinct, the default model known."""
+
     models: tuple[ModelEntry, ...] = ()
     upstreams: tuple[UpstreamEntry, ...] = ()
-    default_model: str | None = None  #: else the first model
-    memory_limit_mib: int = 0  #: 0: this machine's memory, as the fit estimate sees it
+    default_model: str | None = None  #: a name or alias; else the first chat model
+    memory_limit_mib: int = 0  #: 0: the machine's (RAM, and VRAM as the fit estimate sees it)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "upstreams", tuple(self.upstreams))
+        if isinstance(self.memory_limit_mib, bool) or not isinstance(self.memory_limit_mib, int) \
+                or self.memory_limit_mib < 0:
+            raise SettingsError("The memory limit must be a whole number of MiB, 0 for the "
+                                f"machine's, not {self.memory_limit_mib!r}.")
+        object.__setattr__(self, "_names", _NameTable(self.models, _describe_entry))
+        _check_distinct(self.upstreams, lambda i: self.upstreams[i].url)
+        if self.default_model is not None:
+            _check_name(self.default_model, "The default model")
+            # A GGUF Studio upstream's models are known only once it answers.
+            if self.resolve(self.default_model) is None and not self.upstreams:
+                raise SettingsError(f"The default model {self.default_model!r} is none of the "
+                                    f"models: {_listing(self.models)}.")
+
+    # --- names --------------------------------------------------------------------------
+
+    def resolve(self, name: str | None) -> ModelEntry | None:
+        """The model a request's `model` asks for: by name, alias or file-given name,
+        regardless of case; no name (None or "") means the default.  None when unknown
+        here (it may still be an upstream's)."""
+        if not name:
+            return self.default
+        return self._table.resolve(name)
+
+    def names(self, entry: ModelEntry) -> tuple[str, ...]:
+        """Every name `entry` answers to: its name first, then its aliases, then the
+        names its file gives it that no other model claims."""
+        return self._table.names_of(entry)
+
+    @property
+    def default(self) -> ModelEntry | None:
+        """The model a request that names none goes to: `default_model`, else the first
+        chat model, else the first model.  None without local models, or when
+        `default_model` is none of them (an upstream's)."""
+        if self.default_model:
+            return self._table.resolve(self.default_model)
+        chat = [m for m in self.models if not m.embeddings]
+        return next(iter(chat or self.models), None)
+
+    @property
+    def _table(self) -> "_NameTable":
+        table: _NameTable = self.__dict__["_names"]
+        return table
+
+    # --- combining --------------------------------------------------------------------
+
+    def merge(self, other: "PoolConfig") -> "PoolConfig":
+        """This configuration with `other`'s on top (the command line's over the models
+        file's): its models and upstreams added, its default model and memory limit
+        taking over where it sets them.  A model of `other` for a file already here,
+        under no name of its own, is the one already here; an upstream at a URL already
+        here keeps the key and layout `other` does not state."""
+        here = {_same_file(m.path) for m in self.models}
+        models = list(self.models)
+        for entry in other.models:
+            if _same_file(entry.path) in here and entry.name == model_name(entry.path):
+                continue
+            models.append(entry)
+        upstreams = list(self.upstreams)
+        for upstream in other.upstreams:
+            index = next((i for i, u in enumerate(upstreams) if u.url == upstream.url), None)
+            if index is None:
+                upstreams.append(upstream)
+                continue
+            old = upstreams[index]
+            keyed = upstream if upstream.api_key is not None else old
+            upstreams[index] = UpstreamEntry(upstream.url, keyed.api_key,
+                                             upstream.kv_layout or old.kv_layout, keyed.api_key_file)
+        return PoolConfig(tuple(models), tuple(upstreams),
+                          other.default_model or self.default_model,
+                          other.memory_limit_mib or self.memory_limit_mib)
+
+    # --- the file ---------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "PoolConfig":
+        """The models file at `path`.  Paths in it are relative to its folder.  Raises
+        SettingsError naming the line and field of anything unusable."""
+        path = Path(path).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+            raise SettingsError(f"The models file {path.name} cannot be read ({reason}).") from None
+        config = cls.from_toml(text, folder=path.parent.absolute(), source=path.name)
+        if any(u.api_key is not None and u.api_key_file is None for u in config.upstreams):
+            _make_private(path)
+        return config
+
+    @classmethod
+    def from_toml(cls, text: str, *, folder: Path | None = None,
+                  source: str = "the models file") -> "PoolConfig":
+        """A models file's text; relative paths are taken from `folder` (else the
+        current directory); `source` names the file in messages."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{source} is not valid TOML: {exc}.") from None
+        return _Reader(text, source, Path(folder) if folder else Path.cwd()).config(data)
+
+    def to_toml(self, folder: Path | None = None) -> str:
+        """The models file for this configuration; `from_toml` reads back an equal one.
+        Paths inside `folder` are written relative to it.  Comments are not kept."""
+        lines = ["# GGUF Studio models file: `gguf-studio serve --models-file FILE`."]
+        if self.default_model:
+            lines.append(f"default_model = {toml_value(self.default_model)}")
+        if self.memory_limit_mib:
+            lines.append(f"memory_limit_mib = {self.memory_limit_mib}")
+        for entry in self.models:
+            lines += ["", "[[model]]"]
+            lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in _model_fields(entry, folder)]
+        for upstream in self.upstreams:
+            lines += ["", "[[upstream]]", f"url = {toml_value(upstream.url)}"]
+            if upstream.api_key_file:
+                lines.append(f"api_key_file = {toml_value(_written_path(upstream.api_key_file, folder))}")
+            elif upstream.api_key is not None:
+                lines.append(f"api_key = {toml_value(upstream.api_key)}")
+            if upstream.kv_layout is not None:
+                lines.append(f"kv_layout = {toml_value(upstream.kv_layout.value)}")
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the models file atomically: private (0600) when it holds a key itself."""
+        path = Path(path).expanduser()
+        private = any(u.api_key is not None and not u.api_key_file for u in self.upstreams)
+        data = self.to_toml(path.parent.absolute()).encode()
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+        with os.fdopen(fd, "wb") as file:
+            if private and os.name != "nt":
+                os.fchmod(fd, 0o600)  # a .tmp left behind keeps its old mode otherwise
+            file.write(data)
+        os.replace(tmp, path)
+
+
+def model_name(path: str | os.PathLike[str]) -> str:
+    """The name a file gives a model: its file name without .gguf, and for a split
+    model without the part's -00001-of-00003."""
+    return file_names(path)[0]
+
+
+def file_names(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """Every name the file at `path` gives its model: the file name without .gguf
+    (first without a split's part number, then with it), the file name itself, and
+    `owner/repo:QUANT` for a file in the Hugging Face cache
+    (`models--owner--repo/snapshots/<commit>/...`)."""
+    pure = PurePath(os.fspath(path))
+    stem = pure.name[:-5] if pure.name.lower().endswith(".gguf") else pure.name
+    names = [_SPLIT_PART.sub("", stem) or stem, stem, pure.name]
+    repo, quant = _hf_repo(pure), quantization_of(pure.name)
+    if repo and quant:
+        names.append(f"{repo}:{quant}")
+    return tuple(dict.fromkeys(names))
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number of seconds or from "90s", "30m", "2h", "1d"; "never" is 0.
+    ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower()
+        if text in {"never", "off", ""}:
+            return 0.0
+        found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd]?)", text)
+        if not found:
+            raise ValueError(value)
+        seconds = float(found[1]) * _UNIT_SECONDS[found[2] or "s"]
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(value)
+    return seconds
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$", re.IGNORECASE)
+_EMBEDDINGS_SPELLINGS = frozenset({"--embedding", "--embeddings"})
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_MODEL_KEYS = ("name", "path", "aliases", "ctx_size", "parallel", "n_gpu_layers", "threads",
+               "extra_args", "rpc", "pinned", "idle_ttl", "embeddings", "chat_template", "preload")
+_UPSTREAM_KEYS = ("url", "api_key", "api_key_file", "kv_layout")
+_TOP_KEYS = ("default_model", "memory_limit_mib", "model", "upstream")
+
+
+def _check_name(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise SettingsError(f"{what} must be some text, not {name!r}.")
+    if name != name.strip() or any(not c.isprintable() for c in name) or len(name) > MAX_NAME_LENGTH:
+        raise SettingsError(f"{what} “{printable(name, 80)}” must be printable, without spaces "
+                            f"around it, at most {MAX_NAME_LENGTH} characters.")
+
+
+def _describe_entry(index: int, entry: ModelEntry, name: str) -> str:
+    return f"{entry.name} ({PurePath(entry.path).name})"
+
+
+def _check_distinct(upstreams: tuple[UpstreamEntry, ...], describe: Callable[[int], str]) -> None:
+    seen: set[str] = set()
+    for i, upstream in enumerate(upstreams):
+        if upstream.url in seen:
+            raise SettingsError(f"The upstream {describe(i)} is given twice.")
+        seen.add(upstream.url)
+
+
+def _listing(models: Iterable[ModelEntry]) -> str:
+    names = [m.name for m in models]
+    return ", ".join(names) if names else "there are none"
+
+
+def _hf_repo(path: PurePath) -> str | None:
+    parts = path.parts
+    for i in range(len(parts) - 3):
+        repo = repo_id_of_folder(parts[i])
+        if repo and parts[i + 1] == "snapshots":
+            return repo
+    return None
+
+
+def _same_file(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def _written_path(path: str, folder: Path | None) -> str:
+    if folder is not None:
+        try:
+            return str(Path(path).relative_to(folder))
+        except ValueError:
+            pass
+    return path
+
+
+def _describe_duration(seconds: float) -> str | float:
+    if seconds != int(seconds):
+        return seconds
+    for unit in ("d", "h", "m"):
+        if seconds and seconds % _UNIT_SECONDS[unit] == 0:
+            return f"{int(seconds) // _UNIT_SECONDS[unit]}{unit}"
+    return f"{int(seconds)}s"
+
+
+def _model_fields(entry: ModelEntry, folder: Path | None) -> list[tuple[str, Any]]:
+    """The keys of one [[model]] table: the name and path, then what differs from the defaults."""
+    fields: list[tuple[str, Any]] = [("name", entry.name), ("path", _written_path(entry.path, folder))]
+    if entry.aliases:
+        fields.append(("aliases", list(entry.aliases)))
+    settings, default = entry.settings, LoadSettings()
+    for key in ("ctx_size", "parallel", "n_gpu_layers", "threads"):
+        value = getattr(settings, key)
+        if str(value) != str(getattr(default, key)):
+            fields.append((key, int(value) if key == "parallel" else value))
+    extra = [a for a in settings.extra_args if not (entry.embeddings and a in _EMBEDDINGS_SPELLINGS)]
+    if extra:
+        fields.append(("extra_args", extra))
+    if settings.rpc:
+        fields.append(("rpc", list(settings.rpc)))
+    for key in ("pinned", "embeddings", "chat_template", "preload"):
+        if getattr(entry, key) != getattr(ModelEntry, key):
+            fields.append((key, getattr(entry, key)))
+    if entry.idle_ttl:
+        fields.append(("idle_ttl", _describe_duration(entry.idle_ttl)))
+    return fields
+
+
+def _make_private(path: Path) -> None:
+    """The models file holds a key: make it 0600 where others may read it (as the
+    settings are), or refuse it when that cannot be done."""
+    if os.name == "nt":
+        return
+    mode = path.stat().st_mode
+    if not mode & 0o077:
+        return
+    try:
+        os.chmod(path, mode & 0o700)
+    except OSError as exc:
+        raise SettingsError(f"The models file {path.name} holds an upstream's key and is readable "
+                            f"by other users, and could not be made private ({exc.strerror}): "
+                            "chmod 600 it, or keep the key in an api_key_file.") from None
+    log.warning("The models file %s holds an upstream's key and was readable by other users; "
+                "it is now private (0600).", path.name)
+
+
+class _NameTable:
+    """Names (case-folded) to models: given names and aliases must be unique; a
+    file-given name two models share answers for neither."""
+
+    def __init__(self, models: tuple[ModelEntry, ...],
+                 describe: Callable[[int, ModelEntry, str], str]) -> None:
+        self._models = models
+        owner: dict[str, int] = {}
+        for i, entry in enumerate(models):
+            for name in (entry.name, *entry.aliases):
+                key = name.casefold()
+                if owner.get(key, i) != i:
+                    first = owner[key]
+                    raise _NameCollision(f"The name {name!r} is given to two models: "
+                                         f"{describe(first, models[first], name)} and "
+                                         f"{describe(i, entry, name)}.")
+                owner[key] = i
+        claims: dict[str, set[int]] = {}
+        for i, entry in enumerate(models):
+            for name in entry.file_names():
+                if name.casefold() not in owner:
+                    claims.setdefault(name.casefold(), set()).add(i)
+        self._owner = owner | {key: next(iter(who)) for key, who in claims.items() if len(who) == 1}
+
+    def resolve(self, name: str) -> ModelEntry | None:
+        index = self._owner.get(name.casefold())
+        return None if index is None else self._models[index]
+
+    def names_of(self, entry: ModelEntry) -> tuple[str, ...]:
+        index = next((i for i, m in enumerate(self._models) if m is entry), None)
+        if index is None:
+            index = self._models.index(entry)
+        found = (entry.name, *entry.aliases, *entry.file_names())
+        return tuple(dict.fromkeys(n for n in found if self._owner.get(n.casefold()) == index))
+
+
+class _NameCollision(SettingsError):
+    """Two models given one name."""
+
+
+class _Reader:
+    """One models file's values, each checked, every complaint naming its line and field."""
+
+    def __init__(self, text: str, source: str, folder: Path) -> None:
+        self.source = source
+        self.folder = folder
+        self._lines = _key_lines(text)
+
+    def config(self, data: Mapping[str, Any]) -> PoolConfig:
+        self._unknown(data, _TOP_KEYS, None, 0)
+        models = tuple(self._model(i, table) for i, table in enumerate(self._tables(data, "model")))
+        upstreams = tuple(self._upstream(i, table)
+                          for i, table in enumerate(self._tables(data, "upstream")))
+        default = data.get("default_model")
+        if default is not None and not isinstance(default, str):
+            raise self.error(None, 0, "default_model", f"must be a model's name, not {default!r}")
+        limit = data.get("memory_limit_mib", 0)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise self.error(None, 0, "memory_limit_mib",
+                             f"must be a whole number of MiB, 0 for the machine's, not {limit!r}")
+        try:
+            _NameTable(models, self._describe_model)
+        except _NameCollision as exc:
+            raise SettingsError(f"{self.source}: {exc}") from None
+        _check_distinct(upstreams, lambda i: f"{upstreams[i].url} ({self.where('upstream', i, 'url')})")
+        try:
+            return PoolConfig(models, upstreams, default or None, limit)
+        except SettingsError as exc:  # the default model is none of them
+            raise SettingsError(f"{self.where(None, 0, 'default_model')}: {exc}") from None
+
+    def _describe_model(self, i: int, entry: ModelEntry, name: str) -> str:
+        key = "name" if entry.name.casefold() == name.casefold() else "aliases"
+        line = self._lines.get(("model", i, key)) or self._lines.get(("model", i, None))
+        return f"{entry.name} (model {i + 1}" + (f", line {line})" if line else ")")
+
+    # --- tables -----------------------------------------------------------------------
+
+    def _tables(self, data: Mapping[str, Any], kind: str) -> list[Mapping[str, Any]]:
+        tables = data.get(kind, [])
+        if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+            raise self.error(None, 0, kind, f"must be [[{kind}]] tables")
+        return tables
+
+    def _model(self, i: int, table: Mapping[str, Any]) -> ModelEntry:
+        self._unknown(table, _MODEL_KEYS, "model", i)
+        raw_path = table.get("path")
+        if not isinstance(raw_path, str) or not raw_path.strip():
+            raise self.error("model", i, "path" if "path" in table else None,
+                             "needs path = the GGUF file to load")
+        path = os.path.normpath(self.folder / Path(raw_path).expanduser())
+        name = table.get("name")
+        if name is not None and not isinstance(name, str):
+            raise self.error("model", i, "name", f"must be text, not {name!r}")
+        values: dict[str, Any] = {
+            "aliases": self._strings("model", i, table, "aliases", split=False),
+            "pinned": self._flag("model", i, table, "pinned", False),
+            "embeddings": self._flag("model", i, table, "embeddings", False),
+            "chat_template": self._flag("model", i, table, "chat_template", True),
+            "preload": self._flag("model", i, table, "preload", True),
+        }
+        if "idle_ttl" in table:
+            try:
+                values["idle_ttl"] = parse_duration(table["idle_ttl"])
+            except ValueError:
+                raise self.error("model", i, "idle_ttl", "must be seconds or a duration like "
+                                 f"\"90s\", \"30m\", \"2h\" (0: never), not {table['idle_ttl']!r}") from None
+        ctx_size = self._whole("model", i, table, "ctx_size", "tokens, 0 for the model's own")
+        parallel = self._parallel(i, table)
+        threads = self._whole("model", i, table, "threads", "threads, 0 for every core but one")
+        extra_args = self._strings("model", i, table, "extra_args", split=True)
+        try:
+            rpc = parse_rpc_workers(table.get("rpc", ()))
+        except SettingsError as exc:
+            raise self.error("model", i, "rpc", str(exc)) from None
+        try:
+            settings = LoadSettings(ctx_size=ctx_size, parallel=parallel, threads=threads,
+                                    n_gpu_layers=table.get("n_gpu_layers", "auto"), extra_args=extra_args,
+                                    rpc=rpc)
+        except SettingsError as exc:
+            raise self.error("model", i, "n_gpu_layers", str(exc)) from None
+        try:
+            settings.validate()  # parallel is checked above: what is left is extra_args
+        except SettingsError as exc:
+            raise self.error("model", i, "extra_args", str(exc)) from None
+        try:
+            return ModelEntry.for_file(path, name or None, settings=settings, **values)
+        except SettingsError as exc:
+            raise SettingsError(f"{self.where('model', i, None)}: {exc}") from None
+
+    def _upstream(self, i: int, table: Mapping[str, Any]) -> UpstreamEntry:
+        self._unknown(table, _UPSTREAM_KEYS, "upstream", i)
+        url = table.get("url")
+        if not isinstance(url, str):
+            raise self.error("upstream", i, "url" if "url" in table else None,
+                             "needs url = the engine's address, like http://host:8080")
+        for key in ("api_key", "api_key_file", "kv_layout"):
+            if key in table and not isinstance(table[key], str):
+                raise self.error("upstream", i, key, f"must be text, not {table[key]!r}")
+        if "api_key" in table and "api_key_file" in table:
+            raise self.error("upstream", i, "api_key_file", "and api_key are both given: keep one")
+        try:
+            layout = KvLayout.parse(table.get("kv_layout"))
+        except SettingsError:
+            raise self.error("upstream", i, "kv_layout", "must be \"split\" or \"unified\", not "
+                             f"{table['kv_layout']!r}") from None
+        try:
+            if "api_key_file" in table:
+                return UpstreamEntry.with_key_file(url, self.folder / Path(table["api_key_file"]).expanduser(),
+                                                   layout)
+            return UpstreamEntry(url, table.get("api_key"), layout)
+        except SettingsError as exc:
+            key = "api_key_file" if "key file" in str(exc) else "api_key" if "key" in str(exc) else "url"
+            raise self.error("upstream", i, key, str(exc)) from None
+
+    # --- values -----------------------------------------------------------------------
+
+    def _whole(self, kind: str, i: int, table: Mapping[str, Any], key: str, unit: str) -> int:
+        value = table.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.error(kind, i, key, f"must be a whole number of {unit}, not {value!r}")
+        whole: int = value
+        return whole
+
+    def _parallel(self, i: int, table: Mapping[str, Any]) -> str:
+        value = table.get("parallel", "auto")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return str(value)
+        if value == "auto":
+            return "auto"
+        raise self.error("model", i, "parallel", f"must be \"auto\" or a number of slots, not {value!r}")
+
+    def _flag(self, kind: str, i: int, table: Mapping[str, Any], key: str, default: bool) -> bool:
+        value = table.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(kind, i, key, f"must be true or false, not {value!r}")
+        return value
+
+    def _strings(self, kind: str, i: int, table: Mapping[str, Any], key: str, *,
+                 split: bool) -> tuple[str, ...]:
+        value = table.get(key, [])
+        if isinstance(value, str):
+            if not split:
+                return (value,)
+            try:
+                return tuple(shlex.split(value))
+            except ValueError as exc:
+                raise self.error(kind, i, key, f"cannot be read: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(kind, i, key, f"must be a list of texts, not {value!r}")
+        return tuple(value)
+
+    def _unknown(self, table: Mapping[str, Any], known: tuple[str, ...], kind: str | None,
+                 i: int) -> None:
+        for key in table:
+            if key not in known:
+                raise self.error(kind, i, key, f"is not a setting here (known: {', '.join(known)})")
+
+    # --- where ------------------------------------------------------------------------
+
+    def where(self, kind: str | None, i: int, key: str | None) -> str:
+        """"models.toml line 7 (model 2, ctx_size)": the key's line where the file has
+        one, else its table's."""
+        line = self._lines.get((kind, i, key)) or self._lines.get((kind, i, None))
+        at = f"{self.source} line {line}" if line else self.source
+        what = [f"{kind} {i + 1}"] if kind else []
+        if key:
+            what.append(key)
+        return f"{at} ({', '.join(what)})" if what else at
+
+    def error(self, kind: str | None, i: int, key: str | None, problem: str) -> SettingsError:
+        return SettingsError(f"{self.where(kind, i, key)}: {problem.rstrip('.')}.")
+
+
+_TABLE_ARRAY = re.compile(r"\s*\[\[\s*([A-Za-z0-9_-]+)\s*\]\]\s*(#.*)?$")
+_TABLE = re.compile(r"\s*\[")
+_KEY = re.compile(r"\s*([A-Za-z0-9_-]+|\"[^\"]*\")\s*=")
+
+
+def _key_lines(text: str) -> dict[tuple[str | None, int, str | None], int]:
+    """(table kind, index, key) -> the line (1-based) it is on, for the shapes people
+    write: top-level keys and [[model]] / [[upstream]] tables (key None: the header)."""
+    found: dict[tuple[str | None, int, str | None], int] = {}
+    counts: dict[str, int] = {}
+    table: tuple[str | None, int] | None = (None, 0)
+    for number, line in enumerate(text.splitlines(), 1):
+        header = _TABLE_ARRAY.match(line)
+        if header:
+            kind = header[1]
+            counts[kind] = counts.get(kind, -1) + 1
+            table = (kind, counts[kind])
+            found.setdefault((*table, None), number)
+        elif _TABLE.match(line):
+            table = None
+        elif table is not None and (key := _KEY.match(line)):
+            found.setdefault((*table, key[1].strip('"')), number)
+    return found

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Sequence, TextIO
 
 import httpx
 
@@ -47,7 +47,7 @@ class SelfTestFailed(Exception):
     """One step of the self-test did not work; the message says which and why."""
 
 
-async def run_self_test(model_path: str | os.PathLike, *, llama_server: str | os.PathLike | None = None,
+async def run_self_test(model_path: str | os.PathLike[str], *, llama_server: str | os.PathLike[str] | None = None,
                         service: "StudioService | None" = None, ctx_size: int = DEFAULT_CTX_SIZE,
                         timeout: float = DEFAULT_TIMEOUT, out: TextIO | None = None,
                         err: TextIO | None = None) -> int:
@@ -79,7 +79,7 @@ async def run_self_test(model_path: str | os.PathLike, *, llama_server: str | os
     return 0
 
 
-async def _run(model: Path, llama_server: str | os.PathLike | None,
+async def _run(model: Path, llama_server: str | os.PathLike[str] | None,
                service: "StudioService | None", ctx_size: int, started: float) -> str:
     from backend.models.gguf_info import read_model_info
     from backend.app.service import StudioService
@@ -90,7 +90,7 @@ async def _run(model: Path, llama_server: str | os.PathLike | None,
     info = read_model_info(model)  # a clear error for a file that is not a GGUF model
 
     own = service is None
-    logs: tempfile.TemporaryDirectory | None = None
+    logs: tempfile.TemporaryDirectory[str] | None = None
     if own:
         binary = resolve_engine(llama_server)
         logs = tempfile.TemporaryDirectory(prefix="gguf-studio-self-test-")
@@ -150,7 +150,7 @@ class _LoadFailed(StudioError):
         self.log_tail = log_tail
 
 
-def resolve_engine(explicit: str | os.PathLike | None = None) -> Path:
+def resolve_engine(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The llama-server the app would use; an explicit path must itself be usable.
 
     Order, as in the app: `explicit` (--llama-server), GGUF_STUDIO_LLAMA_SERVER (or the
@@ -186,11 +186,11 @@ def _client_host(bind_host: str) -> str:
     return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
-def _check_answer(response: httpx.Response) -> dict:
+def _check_answer(response: httpx.Response) -> dict[str, Any]:
     if response.status_code != 200:
         raise SelfTestFailed(f"its own port answered HTTP {response.status_code}: {response.text[:300]}")
     try:
-        answer = response.json()
+        answer: dict[str, Any] = response.json()
         choices = answer["choices"]
         if not choices or "message" not in choices[0]:
             raise ValueError("no choice with a message")

@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
 
@@ -20,8 +21,10 @@ import platformdirs
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
 from backend.app.pool import Pool
+from backend.app.usage import UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.errors import RequestError, SettingsError
+from backend.errors import KeyRevoked, RequestError, SettingsError
+from backend.key_store import KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
@@ -29,7 +32,10 @@ from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapsho
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
+from backend.port.access_guard import ADDRESS_FLOW, Caller
 from backend.port.admission import AdmissionRegistry
+from backend.port.flow_control import FlowControl
+from backend.port.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, Metrics, ModelLoad
 from backend.settings import Settings
@@ -40,6 +46,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 log = logging.getLogger("gguf_studio.service")
+
+#: How often waiting requests are checked against their keys (revoked, expired, edited).
+KEY_CHECK_INTERVAL = 0.5
 
 
 class StudioService:
@@ -56,6 +65,14 @@ class StudioService:
             enabled=settings.admission_enabled,
         )
         self.metrics.bind_registry(self.registry)
+        self.keys = KeyStore(owner_secret=settings.api_key)
+        self.usage = UsageLedger.load()
+        limiter = RateLimiter()
+        for record in self.keys.records():
+            limiter.preload(record.name, self.usage.day_tokens(record.name))
+        self.flows = FlowControl(limiter, self.usage)
+        self.metrics.bind_usage(self.usage.snapshot)
+        self._flow_tasks: list[asyncio.Future[None]] = []
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
                          abort=self._abort, memory_budget=memory_budget,
@@ -103,6 +120,7 @@ class StudioService:
             if self._gateway is None:
                 self._gateway = await GatewayServer.start(create_app(self), self.settings.host,
                                                           self.settings.port)
+                self._start_flow_tasks()
         return client_urls(self.settings.host, self._gateway.port)
 
     @property
@@ -114,6 +132,7 @@ class StudioService:
         address or number changed."""
         check_bind_allowed(settings)
         old, self.settings = self.settings, settings
+        self.keys.set_owner_secret(settings.api_key)
         self.registry.enabled = settings.admission_enabled
         self.registry.refresh_bounds()
         if self._gateway is not None and (old.host, old.port) != (settings.host, settings.port):
@@ -194,14 +213,50 @@ class StudioService:
         await self.pool.start()
 
     async def unload(self) -> None:
-        """Unload the default model; its waiters are told it is gone."""
+        """Unload the default model and stop serving it (requests for it are refused
+        until a load, not loaded on demand); its waiters are told it is gone."""
         name = self.pool.default_model
         if name is not None:
-            await self.pool.unload_model(name)
+            await self.pool.remove_model(name)
 
     async def close(self) -> None:
         await self.stop_gateway()
         await self.pool.close()
+        for task in self._flow_tasks:
+            task.cancel()
+        await asyncio.gather(*self._flow_tasks, return_exceptions=True)
+        self._flow_tasks.clear()
+        self.usage.save()
+
+    # --- keys ----------------------------------------------------------------------------
+
+    def _start_flow_tasks(self) -> None:
+        if not self._flow_tasks:
+            self._flow_tasks = [asyncio.ensure_future(self.usage.autosave()),
+                                asyncio.ensure_future(self._watch_keys())]
+
+    async def _watch_keys(self) -> None:
+        """Keys edited, revoked or expired while their requests wait: revoked and expired
+        ones are refused at once (401), edited ones wait under their new weight, band
+        and concurrency."""
+        while True:
+            await asyncio.sleep(KEY_CHECK_INTERVAL)
+            self.keys.refresh()
+            self.apply_keys()
+
+    def apply_keys(self) -> None:
+        """Apply the key store as it is now to every request that waits."""
+        now = time.time()
+        for flow in self.registry.waiting_flows():
+            if flow.startswith(ADDRESS_FLOW):
+                continue
+            record = self.keys.get(flow)
+            refusal = (KeyRevoked(f"The API key {flow!r} no longer exists.") if record is None
+                       else record.refusal(now))
+            if refusal is not None:
+                self.registry.refuse_flow(flow, refusal)
+            elif record is not None:
+                self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
 
     # --- the gateway's view of the pool --------------------------------------------------
 

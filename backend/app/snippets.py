@@ -1,24 +1,35 @@
-"""Ready-to-paste client configuration for the shared model: Codex CLI, OpenCode, curl.
+"""Ready-to-paste client configuration for the shared models: Codex CLI, OpenCode, curl.
 
-Each snippet is filled with the live base URL, model id and key.  Config files name the
+Each snippet is filled with the live base URL, model ids and key.  Config files name the
 key's environment variable rather than the key itself, so they can be committed or
 shared; the `shell` line of the snippet sets that variable.
+
+With several models, each client is offered all of them the way it switches models:
+OpenCode lists every model under its provider, with its limits, and takes a
+`small_model` for titles and summaries; Codex CLI (0.171) takes one model per config,
+and switches with `codex --profile NAME`, which layers `$CODEX_HOME/NAME.config.toml`
+over config.toml (its older `[profiles.NAME]` tables cannot hold a model's context
+window), so every other model gets a profile file of its own (`Snippet.files`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 
 from backend.api_keys import mask_api_key
+from backend.app.toml_text import toml_string
 from backend.port.prompt_tokens import DEFAULT_OUTPUT_TOKENS
 
 __all__ = [
     "KEY_ENV_VAR",
     "PROVIDER_ID",
+    "ClientModel",
     "ClientTarget",
     "Snippet",
+    "SnippetFile",
     "client_snippets",
     "codex_snippet",
     "curl_snippet",
@@ -33,8 +44,18 @@ PROVIDER_NAME = "GGUF Studio"
 
 
 @dataclass(frozen=True)
+class ClientModel:
+    """One more model of the port a client may use (chat models only: an embeddings
+    model answers no chat)."""
+
+    model_id: str
+    context_length: int | None = None  # tokens one request may use (the per-slot context)
+    size: int = 0  # bytes of its file, 0 when unknown: the smallest is OpenCode's small_model
+
+
+@dataclass(frozen=True)
 class ClientTarget:
-    """What a client needs to know to use the shared model."""
+    """What a client needs to know to use the shared models: the default one first."""
 
     base_url: str  # ends in /v1
     model_id: str
@@ -42,6 +63,11 @@ class ClientTarget:
     context_length: int | None = None  # tokens one request may use (the per-slot context)
     max_output_tokens: int = 0  # the operator's cap, 0 for none
     default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # reserved when a request sends none
+    size: int = 0  # bytes of the default model's file, 0 when unknown
+    others: tuple[ClientModel, ...] = ()  # the port's other chat models
+    #: OpenCode's model for titles and summaries; "" for the smallest file when every
+    #: size is known, else the default model.
+    small_model: str = ""
 
     @property
     def output_limit(self) -> int:
@@ -49,10 +75,44 @@ class ClientTarget:
         port reserves for a request without a limit.  OpenCode sends it as every
         request's limit and keeps the context minus it for the conversation, so a
         larger figure would cost both concurrency and room for the prompt."""
+        return self.output_limit_of(self.default)
+
+    def output_limit_of(self, model: ClientModel) -> int:
         limit = self.max_output_tokens or self.default_output_tokens
-        if self.context_length:
-            limit = min(limit, self.context_length)
+        if model.context_length:
+            limit = min(limit, model.context_length)
         return limit
+
+    @property
+    def default(self) -> ClientModel:
+        return ClientModel(self.model_id, self.context_length, self.size)
+
+    @property
+    def models(self) -> tuple[ClientModel, ...]:
+        """Every model, the default first, each id once."""
+        found: dict[str, ClientModel] = {}
+        for model in (self.default, *self.others):
+            found.setdefault(model.model_id, model)
+        return tuple(found.values())
+
+    @property
+    def small(self) -> ClientModel:
+        models = self.models
+        chosen = next((m for m in models if m.model_id == self.small_model), None)
+        if chosen is not None:
+            return chosen
+        if len(models) > 1 and all(m.size > 0 for m in models):
+            return min(models, key=lambda m: m.size)  # the default wins a tie: it comes first
+        return models[0]
+
+
+@dataclass(frozen=True)
+class SnippetFile:
+    """One more file a snippet needs, e.g. a Codex profile per other model."""
+
+    where: str  # "~/.codex/small.config.toml"
+    text: str
+    usage: str = ""  # how to use it: "codex --profile small"
 
 
 @dataclass(frozen=True)
@@ -63,6 +123,7 @@ class Snippet:
     text: str
     shell: str = ""  # a line to run first (sets the key's variable), or ""
     secret: str = ""  # the key as it appears in text/shell, for masking
+    files: tuple[SnippetFile, ...] = ()  # more files in the same language, after `text`'s
 
     def masked(self) -> "Snippet":
         """The same snippet with the key hidden, for display while the key is hidden."""
@@ -71,7 +132,9 @@ class Snippet:
         hidden = mask_api_key(self.secret)
         return Snippet(self.client, self.where, self.language,
                        self.text.replace(self.secret, hidden),
-                       self.shell.replace(self.secret, hidden), "")
+                       self.shell.replace(self.secret, hidden), "",
+                       tuple(SnippetFile(f.where, f.text.replace(self.secret, hidden), f.usage)
+                             for f in self.files))
 
 
 def client_snippets(target: ClientTarget) -> list[Snippet]:
@@ -80,18 +143,7 @@ def client_snippets(target: ClientTarget) -> list[Snippet]:
 
 def codex_snippet(target: ClientTarget) -> Snippet:
     # Root keys must come before the first table in TOML.
-    lines = [
-        f"model = {_toml_string(target.model_id)}",
-        f"model_provider = {_toml_string(PROVIDER_ID)}",
-    ]
-    if target.context_length:
-        lines.append(f"model_context_window = {int(target.context_length)}")
-        # Codex sends no output limit: the port reserves the output budget beside the
-        # prompt, so Codex compacts its conversation before prompt + budget outgrow
-        # what one request may use.
-        room = int(target.context_length) - target.output_limit
-        if room > 0:
-            lines.append(f"model_auto_compact_token_limit = {room}")
+    lines = _codex_model_lines(target, target.default)
     lines += [
         "",
         f"[model_providers.{PROVIDER_ID}]",
@@ -103,15 +155,52 @@ def codex_snippet(target: ClientTarget) -> Snippet:
     if target.api_key:
         lines.append(f"env_key = {_toml_string(KEY_ENV_VAR)}")
     lines.append('wire_api = "responses"')
+    files = tuple(SnippetFile(f"~/.codex/{profile}.config.toml",
+                              "\n".join(_codex_model_lines(target, model)) + "\n",
+                              f"codex --profile {profile}")
+                  for profile, model in _codex_profiles(target.models[1:]))
     return Snippet("Codex CLI", "~/.codex/config.toml", "toml", "\n".join(lines) + "\n",
-                   _export_line(target.api_key), target.api_key)
+                   _export_line(target.api_key), target.api_key, files)
+
+
+def _codex_model_lines(target: ClientTarget, model: ClientModel) -> list[str]:
+    lines = [f"model = {_toml_string(model.model_id)}",
+             f"model_provider = {_toml_string(PROVIDER_ID)}"]
+    if model.context_length:
+        lines.append(f"model_context_window = {int(model.context_length)}")
+        # Codex sends no output limit: the port reserves the output budget beside the
+        # prompt, so Codex compacts its conversation before prompt + budget outgrow
+        # what one request may use.
+        room = int(model.context_length) - target.output_limit_of(model)
+        if room > 0:
+            lines.append(f"model_auto_compact_token_limit = {room}")
+    return lines
+
+
+def _codex_profiles(models: tuple[ClientModel, ...]) -> list[tuple[str, ClientModel]]:
+    """A profile name per model: Codex takes plain names (letters, digits, - and _)."""
+    taken: set[str] = set()
+    named = []
+    for model in models:
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", model.model_id).strip("-_") or "model"
+        name, n = base, 1
+        while name.lower() in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name.lower())
+        named.append((name, model))
+    return named
 
 
 def opencode_snippet(target: ClientTarget) -> Snippet:
-    model: dict = {"name": target.model_id}
-    if target.context_length:
-        model["limit"] = {"context": int(target.context_length), "output": target.output_limit}
-    options: dict = {"baseURL": target.base_url}
+    models: dict[str, dict[str, object]] = {}
+    for model in target.models:
+        entry: dict[str, object] = {"name": model.model_id}
+        if model.context_length:
+            entry["limit"] = {"context": int(model.context_length),
+                              "output": target.output_limit_of(model)}
+        models[model.model_id] = entry
+    options: dict[str, object] = {"baseURL": target.base_url}
     if target.api_key:
         options["apiKey"] = "{env:" + KEY_ENV_VAR + "}"
     config = {
@@ -121,10 +210,13 @@ def opencode_snippet(target: ClientTarget) -> Snippet:
                 "npm": "@ai-sdk/openai-compatible",
                 "name": PROVIDER_NAME,
                 "options": options,
-                "models": {target.model_id: model},
+                "models": models,
             }
         },
         "model": f"{PROVIDER_ID}/{target.model_id}",
+        # Titles and summaries.  Unset, OpenCode looks among the provider's models for
+        # a family it knows (haiku, flash, nano), finds none of ours, and uses `model`.
+        "small_model": f"{PROVIDER_ID}/{target.small.model_id}",
     }
     return Snippet("OpenCode", "opencode.json", "json", json.dumps(config, indent=2) + "\n",
                    _export_line(target.api_key), target.api_key)
@@ -157,5 +249,4 @@ def _export_line(api_key: str) -> str:
 
 
 def _toml_string(value: str) -> str:
-    # JSON's escapes are a subset of TOML basic strings' escapes.
-    return json.dumps(value)
+    return toml_string(value)

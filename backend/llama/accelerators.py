@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 BACKENDS = ("cpu", "cuda", "hip", "metal", "vulkan")
 # Preference when more than one accelerated engine fits the machine: the vendor's own
@@ -61,7 +61,7 @@ class BackendStatus:
     def buildable(self) -> bool:
         return self.toolkit.present
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "usable": self.usable, "buildable": self.buildable,
                 "reason": self.reason, "devices": [asdict(d) for d in self.devices],
                 "toolkit": {"present": self.toolkit.present, "reason": self.toolkit.reason,
@@ -102,7 +102,7 @@ class Accelerators:
         """The best backend that has both a device and a toolkit here."""
         return next(b for b in self.wanted() if self.get(b).buildable)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"system": self.system, "best_buildable": self.best_buildable(),
                 "backends": [b.to_dict() for b in self.backends]}
 

@@ -10,6 +10,13 @@ with and checked against its pinned size and SHA-256 before anything reads it
 downloaded.  Builds are keyed by
 version and CMake flags and installed atomically: a directory appears under its final
 name only once it holds a working binary.
+
+Every engine built now has llama.cpp's RPC backend: its llama-server takes `--rpc` and
+its directory holds `ggml-rpc-server` (run by `gguf-studio rpc-worker`), both from the
+same sources, so a worker always speaks the engine's RPC protocol version.  An engine
+built before that (same flags but no RPC) stays found and used for every load without RPC
+workers, so nobody has to rebuild for a feature they do not use; a load with workers on
+such an engine says to rebuild.
 """
 
 from __future__ import annotations
@@ -26,14 +33,15 @@ import tarfile
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TextIO
 
 import platformdirs
 
 from backend.llama.accelerators import BACKENDS, Accelerators, detect
 from backend.llama.log import for_display, read_lines
+from backend.llama.rpc_worker import RpcProtocol, protocol_of_sources
 from backend.llama.sources import PinnedFile, fetch_pinned
 from backend.llama.environment import engine_environment
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
@@ -46,6 +54,8 @@ LLAMA_CPP_PYTHON_SDIST_SIZE = 76_589_250
 ENV_LLAMA_SERVER = "GGUF_STUDIO_LLAMA_SERVER"
 ENV_DATA_DIR = "GGUF_STUDIO_DATA_DIR"
 BINARY_NAME = "llama-server.exe" if os.name == "nt" else "llama-server"
+# llama.cpp's own name for its RPC server (tools/rpc), installed beside llama-server.
+RPC_SERVER_NAME = "ggml-rpc-server.exe" if os.name == "nt" else "ggml-rpc-server"
 
 BASE_CMAKE_ARGS: tuple[str, ...] = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -58,6 +68,8 @@ BASE_CMAKE_ARGS: tuple[str, ...] = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+# Part of every engine built now; engines from before (their key without it) lack RPC.
+RPC_CMAKE_ARGS: tuple[str, ...] = ("-DGGML_RPC=ON",)
 
 
 @dataclass(frozen=True)
@@ -114,35 +126,41 @@ class BuildKey:
     """What makes one engine differ from another; its name is the install directory.
 
     `toolkit` names the external headers/compilers a GPU build used (with versions), so
-    a rebuild against other ones gets a new key.  The CPU key is unchanged from the
-    days before GPU backends, so existing CPU engines stay found.
+    a rebuild against other ones gets a new key.  `rpc=False` names the engines built
+    before every engine had RPC (their names are what they always were), so they stay
+    found.
     """
 
     version: str = LLAMA_CPP_PYTHON_VERSION
     extra_cmake_args: tuple[str, ...] = ()
     backend: str = "cpu"
     toolkit: tuple[str, ...] = ()
+    rpc: bool = True
+
+    @property
+    def cmake_args(self) -> tuple[str, ...]:
+        return (*BASE_CMAKE_ARGS, *(RPC_CMAKE_ARGS if self.rpc else ()), *self.extra_cmake_args)
 
     @property
     def name(self) -> str:
-        parts = [self.version, *BASE_CMAKE_ARGS, *self.extra_cmake_args, *self.toolkit]
+        parts = [self.version, *self.cmake_args, *self.toolkit]
         digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
         if self.backend == "cpu":
             return f"llama.cpp-{self.version}-{digest}"
         return f"llama.cpp-{self.version}-{self.backend}-{digest}"
 
 
-@dataclass
+@dataclass(init=False)
 class Engine:
     """Where engines live for one user, and how to find or build one."""
 
-    data_dir: Path = field(default_factory=lambda: default_data_dir())
+    data_dir: Path
     # Sources and build trees; shareable between data dirs (the tests do).
-    cache_dir: Path | None = None
+    cache_dir: Path
 
-    def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir)
-        self.cache_dir = Path(self.cache_dir) if self.cache_dir else self.data_dir / "cache"
+    def __init__(self, data_dir: Path | None = None, cache_dir: Path | None = None) -> None:
+        self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache"
 
     @property
     def engines_dir(self) -> Path:
@@ -155,13 +173,17 @@ class Engine:
         return _is_executable(self.managed_binary(key))
 
     def managed_binary_for(self, backend: str) -> Path | None:
-        """The newest installed engine of `backend` for the pinned version, if any."""
+        """The installed engine of `backend` for the pinned version, if any: one with RPC
+        before one from before RPC, then the newest."""
         if backend == "cpu":
-            return self.managed_binary(BuildKey(extra_cmake_args=backend_cmake_args("cpu")))
+            flags = backend_cmake_args("cpu")
+            keys = (BuildKey(extra_cmake_args=flags), BuildKey(extra_cmake_args=flags, rpc=False))
+            return next((b for b in map(self.managed_binary, keys) if _is_executable(b)),
+                        self.managed_binary(keys[0]))
         found = [d / BINARY_NAME for d in self.engines_dir.glob(
                      f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{backend}-*")
                  if _is_executable(d / BINARY_NAME)]
-        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+        return max(found, key=lambda p: (has_rpc(p), p.stat().st_mtime)) if found else None
 
     def installed_backends(self) -> dict[str, Path]:
         out = {}
@@ -171,7 +193,25 @@ class Engine:
                 out[backend] = binary
         return out
 
-    def resolve(self, explicit: str | os.PathLike | None = None,
+    def rpc_server(self, explicit: str | os.PathLike[str] | None = None,
+                   backends: Sequence[str] | None = None) -> Path:
+        """The RPC server a worker runs: `explicit`, else the one of the best managed
+        engine here (`backends` in order, default: this machine's best first) built
+        with RPC."""
+        if explicit:
+            path = Path(explicit).expanduser()
+            if not _is_executable(path):
+                raise EngineNotFound(f"The RPC server {path} is not an executable file.")
+            return path
+        for backend in (list(backends) if backends is not None else machine_backends()):
+            found = rpc_server_beside(self.managed_binary_for(backend))
+            if found is not None:
+                return found
+        raise EngineNotFound(
+            "No RPC server here: the engine on this machine was built before GGUF Studio's "
+            "engines had RPC, or not at all. `gguf-studio engine build` builds one with it.")
+
+    def resolve(self, explicit: str | os.PathLike[str] | None = None,
                 environ: Mapping[str, str] | None = None,
                 key: BuildKey | None = None,
                 backends: Sequence[str] | None = None) -> Resolution:
@@ -193,7 +233,7 @@ class Engine:
             built = binary is not None and _is_executable(binary)
             candidates.append(Candidate(
                 label, binary if built else (binary or None), built,
-                "built by GGUF Studio" if built
+                ("built by GGUF Studio" if has_rpc(binary) else _WITHOUT_RPC) if built
                 else f"not built yet (gguf-studio engine build --backend {backend})",
             ))
         on_path = shutil.which(BINARY_NAME, path=environ.get("PATH"))
@@ -239,7 +279,7 @@ class Engine:
         """Build and install the managed engine for `backend`; a no-op when its key is
         installed."""
         report = progress or (lambda _p: None)
-        plan = await plan_build(backend, self.cache_dir or self.data_dir / "cache", extra_cmake_args,
+        plan = await plan_build(backend, self.cache_dir, extra_cmake_args,
                                 lambda line: report(BuildProgress("fetch", 2, line)))
         key = plan.key
         target = self.managed_binary(key)
@@ -256,13 +296,14 @@ class Engine:
             report(BuildProgress("configure", 5, "configuring with CMake"))
             await _run_logged(
                 [tools.cmake, "-S", str(tree), "-B", str(build_dir), "-G", "Ninja",
-                 f"-DCMAKE_MAKE_PROGRAM={tools.ninja}", *BASE_CMAKE_ARGS, *key.extra_cmake_args,
+                 f"-DCMAKE_MAKE_PROGRAM={tools.ninja}", *key.cmake_args,
                  *plan.machine_args],
                 log, env, lambda line: report(BuildProgress("configure", 5, line)),
                 failure="Configuring llama.cpp failed", log_path=log_path,
             )
             jobs = jobs or os.cpu_count() or 2
-            report(BuildProgress("compile", 8, f"compiling llama-server with {jobs} jobs"))
+            report(BuildProgress("compile", 8, f"compiling llama-server and its RPC server "
+                                                f"with {jobs} jobs"))
 
             def on_compile_line(line: str) -> None:
                 m = _NINJA_PROGRESS.match(line)
@@ -271,30 +312,39 @@ class Engine:
                     report(BuildProgress("compile", 8 + 90 * done / max(total, 1), line))
 
             await _run_logged(
-                [tools.cmake, "--build", str(build_dir), "--target", "llama-server",
+                [tools.cmake, "--build", str(build_dir), "--target", *_BUILD_TARGETS,
                  "-j", str(jobs)],
                 log, env, on_compile_line, failure="Compiling llama-server failed",
                 log_path=log_path,
             )
-        built = build_dir / "bin" / BINARY_NAME
-        if not _is_executable(built):
-            raise EngineBuildFailed(f"The build finished but produced no {BINARY_NAME}.",
-                                    _tail(log_path))
+        built = [build_dir / "bin" / name for name in (BINARY_NAME, RPC_SERVER_NAME)]
+        for binary in built:
+            if not _is_executable(binary):
+                raise EngineBuildFailed(f"The build finished but produced no {binary.name}.",
+                                        _tail(log_path))
         report(BuildProgress("install", 99, f"installing {key.name}"))
-        self._install(key, built)
+        self._install(key, built, protocol_of_sources(tree))
         report(BuildProgress("done", 100, f"built {key.name}"))
         return target
 
-    def _install(self, key: BuildKey, built: Path) -> None:
+    def _install(self, key: BuildKey, built: Sequence[Path],
+                 rpc_protocol: RpcProtocol | None = None) -> None:
+        """Every binary of the build appears at once: the directory is filled aside and
+        renamed into place."""
         self.engines_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=self.engines_dir, prefix=".staging-"))
         try:
-            shutil.copy2(built, staging / BINARY_NAME)
+            for binary in built:
+                shutil.copy2(binary, staging / binary.name)
             (staging / "engine.json").write_text(json.dumps({
                 "llama_cpp_python": key.version,
                 "backend": key.backend,
                 "toolkit": list(key.toolkit),
-                "cmake_args": [*BASE_CMAKE_ARGS, *key.extra_cmake_args],
+                "rpc": key.rpc,
+                # What its workers must speak (backend.llama.rpc_worker.check_rpc_workers).
+                "rpc_protocol": [rpc_protocol.major, rpc_protocol.minor, rpc_protocol.patch]
+                if rpc_protocol else None,
+                "cmake_args": list(key.cmake_args),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }, indent=2))
             final = self.engines_dir / key.name
@@ -429,6 +479,20 @@ def find_build_tools(environ: Mapping[str, str] | None = None) -> BuildTools:
     return BuildTools(cc, cxx, cmake, ninja)
 
 
+def rpc_server_beside(llama_server: Path | None) -> Path | None:
+    """The RPC server built with this llama-server (in the same engine directory), if any."""
+    if llama_server is None:
+        return None
+    candidate = llama_server.parent / RPC_SERVER_NAME
+    return candidate if _is_executable(candidate) else None
+
+
+def has_rpc(llama_server: Path | None) -> bool:
+    """Whether a managed engine was built with RPC (its RPC server lies beside it).  Says
+    nothing of a binary GGUF Studio did not build: that one's output tells at load."""
+    return rpc_server_beside(llama_server) is not None
+
+
 def default_data_dir() -> Path:
     override = os.environ.get(ENV_DATA_DIR)
     return Path(override) if override else Path(platformdirs.user_data_dir("gguf-studio"))
@@ -437,9 +501,12 @@ def default_data_dir() -> Path:
 # --- helpers --------------------------------------------------------------------------
 
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+_BUILD_TARGETS = ("llama-server", "ggml-rpc-server")
+_WITHOUT_RPC = ("built by GGUF Studio before engines had RPC: fine without RPC workers; "
+                "`gguf-studio engine build` builds one with it")
 
 
-def _candidate(source: str, value: str | os.PathLike | None, origin: str) -> Candidate:
+def _candidate(source: str, value: str | os.PathLike[str] | None, origin: str) -> Candidate:
     if not value:
         return Candidate(source, None, False, "not set")
     path = Path(value).expanduser()
@@ -474,7 +541,7 @@ def _tail(log_path: Path, lines: int = 30) -> str:
         return ""
 
 
-async def _run_logged(cmd: Sequence[str], log, env: Mapping[str, str],
+async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
                       on_line: Callable[[str], None], *, failure: str, log_path: Path) -> None:
     try:
         proc = await asyncio.create_subprocess_exec(

@@ -1,11 +1,14 @@
-"""The environment the engine's processes get: llama-server, its build tools, apt."""
+"""The environment the engine's processes get: llama-server, its build tools, apt; and
+the tie that ends llama-server and the RPC server with the process that started them."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import signal
+import sys
+from collections.abc import Callable, Mapping
 
-__all__ = ["engine_environment"]
+__all__ = ["die_with_parent", "engine_environment"]
 
 
 def engine_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -15,6 +18,23 @@ def engine_environment(environ: Mapping[str, str] | None = None) -> dict[str, st
     *_SECRET, *_PASSWORD."""
     environ = os.environ if environ is None else environ
     return {name: value for name, value in environ.items() if not _is_withheld(name)}
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGKILL the child when this process dies, even by
+    SIGKILL (an engine or an open RPC port must not outlive its owner); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent_pid = os.getpid()
+
+    def preexec() -> None:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
 
 
 def _is_withheld(name: str) -> bool:

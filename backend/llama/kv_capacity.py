@@ -149,10 +149,10 @@ def kv_from_health(data: Any) -> KvCapacity | None:
     if not isinstance(data, dict):
         return None
     total, per_request, unified = data.get("total"), data.get("per_request"), data.get("unified")
-    if not isinstance(unified, bool):
+    if not (isinstance(total, int) and isinstance(per_request, int) and isinstance(unified, bool)):
         return None
     try:
-        return KvCapacity(total, per_request, unified)  # type: ignore[arg-type]
+        return KvCapacity(total, per_request, unified)
     except ValueError:
         return None
 

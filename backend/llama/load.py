@@ -24,6 +24,7 @@ from backend.llama.kv_capacity import KvCapacity, planned_capacity
 from backend.listeners import Listeners
 from backend.settings import Settings
 from backend.gpu_layers import NONE, parse_gpu_layers, read_saved_gpu_layers
+from backend.rpc_workers import parse_rpc_workers
 
 # Flags GGUF Studio owns; a user's extra arguments may not override them.  Every
 # spelling the pinned llama.cpp accepts (common/arg.cpp; tests check them against it):
@@ -31,6 +32,9 @@ from backend.gpu_layers import NONE, parse_gpu_layers, read_saved_gpu_layers
 OWNED_FLAGS = frozenset({
     "-m", "--model", "--host", "--port", "-np", "--parallel", "--api-key",
     "--api-key-file", "-a", "--alias", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo",
+    # The RPC workers setting: checked for reachability before the engine starts, and
+    # its failures worded for people (backend.llama.rpc_worker).
+    "--rpc",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.
@@ -54,9 +58,15 @@ class LoadSettings:
     n_gpu_layers: str = "auto"  # "auto", "all", "none" or a number (backend/gpu_layers.py)
     threads: int = 0  # 0: every core but one (THREADS_HELP)
     extra_args: tuple[str, ...] = ()
+    #: Machines running `gguf-studio rpc-worker` ("host:port") the model is spread over.
+    rpc: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "n_gpu_layers", parse_gpu_layers(self.n_gpu_layers))
+        try:
+            object.__setattr__(self, "rpc", parse_rpc_workers(self.rpc))
+        except SettingsError:  # kept as given: `validate` (every load) says what is wrong
+            object.__setattr__(self, "rpc", tuple(str(w) for w in self.rpc))
 
     def validate(self) -> None:
         """Raises SettingsError for an unusable value or a flag GGUF Studio owns."""
@@ -67,7 +77,12 @@ class LoadSettings:
         if owned:
             raise SettingsError(
                 f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
-                "the model, host, port, parallel slots and API key itself.")
+                "the model, host, port, parallel slots, API key and RPC workers itself.")
+        parse_rpc_workers(self.rpc)
+        if self.rpc and self.n_gpu_layers == NONE:
+            raise SettingsError(
+                "RPC workers take the model's layers as devices, and GPU layers \"none\" "
+                "keeps every layer on this machine: use auto or all with RPC workers.")
 
     def to_spec(self, model_path: str, *, chat_template: bool = True, model_id: str = "") -> "LoadSpec":
         """The one way a load is built.  Raises SettingsError like `validate`."""
@@ -94,13 +109,13 @@ class LoadSettings:
         """The last load's settings, as `Settings` remembers them."""
         return cls(ctx_size=settings.ctx_size, parallel=settings.parallel,
                    n_gpu_layers=settings.n_gpu_layers, threads=settings.threads,
-                   extra_args=tuple(settings.extra_args))
+                   extra_args=tuple(settings.extra_args), rpc=tuple(settings.rpc))
 
     def remembered_in(self, settings: Settings) -> Settings:
         """A copy of `settings` remembering these as the last load's settings."""
         return settings.replace(ctx_size=self.ctx_size, parallel=str(self.parallel),
                                 n_gpu_layers=self.n_gpu_layers, threads=self.threads,
-                                extra_args=list(self.extra_args))
+                                extra_args=list(self.extra_args), rpc=list(self.rpc))
 
     @staticmethod
     def parse_extra_args(text: str) -> tuple[str, ...]:
@@ -112,6 +127,7 @@ class LoadSettings:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["extra_args"] = list(self.extra_args)
+        data["rpc"] = list(self.rpc)
         return data
 
     @classmethod
@@ -122,11 +138,18 @@ class LoadSettings:
             except (TypeError, ValueError):
                 return 0
 
-        extra = data.get("extra_args") or ()
+        def strings(key: str) -> tuple[str, ...]:
+            value = data.get(key) or ()
+            if key == "rpc" and isinstance(value, str):  # "a:50052,b:50052", as typed
+                return tuple(value.replace(",", " ").split())
+            return tuple(str(a) for a in value) if isinstance(value, (list, tuple)) else ()
+
+        # Workers are kept as saved, even unusable ones: the load then says what is wrong
+        # with them instead of quietly loading the model on this machine alone.
         return cls(ctx_size=number("ctx_size"), parallel=str(data.get("parallel") or "auto"),
                    n_gpu_layers=read_saved_gpu_layers(data.get("n_gpu_layers", "auto")),
-                   threads=number("threads"),
-                   extra_args=tuple(str(a) for a in extra) if isinstance(extra, (list, tuple)) else ())
+                   threads=number("threads"), extra_args=strings("extra_args"),
+                   rpc=strings("rpc"))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from backend.llama.kv_capacity import KvCapacity, kv_from_load
 
@@ -22,7 +23,7 @@ HOST = "CPU"
 
 @dataclass(frozen=True)
 class DeviceUse:
-    name: str  # llama.cpp's device name: "Vulkan0", "CUDA0", "MTL0", "ROCm0", or "CPU"
+    name: str  # llama.cpp's device name: "Vulkan0", "CUDA0", "MTL0", "ROCm0", "RPC0", or "CPU"
     description: str = ""  # "NVIDIA GeForce RTX 4090", "llvmpipe (LLVM 15.0.6, 256 bits)"
     free_mib: int | None = None  # free when the load began
     model_mib: float = 0.0
@@ -36,7 +37,7 @@ class DeviceUse:
 
 @dataclass(frozen=True)
 class EngineReport:
-    backend: str  # "cpu", "cuda", "vulkan", "metal", "hip"
+    backend: str  # "cpu", "cuda", "vulkan", "metal", "hip"; "rpc" when the first device is a worker
     devices: tuple[DeviceUse, ...] = ()  # accelerators first, then the host ("CPU")
     layers_offloaded: int | None = None
     layers_total: int | None = None
@@ -67,7 +68,7 @@ class EngineReport:
             text += "; memory: " + ", ".join(f"{d.name} {d.total_mib:.0f} MiB" for d in used)
         return text
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["devices"] = [dict(asdict(d), total_mib=round(d.total_mib, 2)) for d in self.devices]
         data["summary"] = self.summary()
@@ -78,7 +79,7 @@ class EngineReportReader:
     """Collects one start's output lines; `report()` and `kv_capacity()` after the load."""
 
     def __init__(self) -> None:
-        self._devices: dict[str, dict] = {}
+        self._devices: dict[str, dict[str, Any]] = {}
         self._order: list[str] = []
         self._layers: tuple[int, int] | None = None
         self._ctx: int | None = None  # --fit's dry run prints one too; the real load's comes last
@@ -148,7 +149,7 @@ class EngineReportReader:
             return True
         return False
 
-    def _device(self, name: str) -> dict:
+    def _device(self, name: str) -> dict[str, Any]:
         if name not in self._devices:
             self._devices[name] = {}
             self._order.append(name)
@@ -182,7 +183,7 @@ _INITIALIZING = re.compile(
 _CAPPED = re.compile(r"capping per-slot context \((\d+)\)|the slot context \((\d+)\) exceeds")
 
 _BACKEND_PREFIXES = (("Vulkan", "vulkan"), ("CUDA", "cuda"), ("ROCm", "hip"), ("HIP", "hip"),
-                     ("MTL", "metal"), ("Metal", "metal"))
+                     ("MTL", "metal"), ("Metal", "metal"), ("RPC", "rpc"))
 
 _GPU_FAILURES = (
     (r"in a buffer \((Vulkan|CUDA|ROCm|MTL|Metal)\w*\) that cannot run",
@@ -207,10 +208,11 @@ _GPU_FAILURES = (
 
 
 def _owner(buffer: str) -> str:
-    """The device a buffer lives on: host buffers (CPU_Mapped, CUDA_Host, ...) are the CPU."""
+    """The device a buffer lives on: host buffers (CPU_Mapped, CUDA_Host, ...) are the CPU;
+    an RPC worker's buffers carry its address ("RPC0[10.0.0.2:50052]" is RPC0)."""
     if buffer.startswith("CPU") or buffer.endswith("_Host") or buffer.endswith("_Mapped"):
         return HOST
-    return buffer
+    return buffer.split("[", 1)[0]
 
 
 def _backend_of(device: str) -> str:

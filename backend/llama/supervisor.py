@@ -21,7 +21,6 @@ import secrets
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from collections import deque
@@ -29,15 +28,17 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from backend.llama.api import EngineClient, EngineProps
-from backend.llama.environment import engine_environment
+from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
 from backend.llama.report import EngineReportReader, gpu_failure_reason
+from backend.llama.rpc_worker import check_rpc_workers, protocol_of_engine, rpc_failure_reason
 from backend.errors import (
     EngineExitedDuringLoad,
     GpuLoadFailed,
     LoadError,
     LoadSuperseded,
     LoadTimedOut,
+    RpcWorkerFailed,
 )
 from backend.gpu_layers import NONE, gpu_layer_args
 from backend.listeners import Listeners
@@ -80,7 +81,7 @@ class Supervisor(SnapshotPublisher):
         super().__init__(Snapshot(), log, "state listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "log listener")
         self._log_tail: deque[str] = deque(maxlen=1000)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._load_output = EngineReportReader()
         # Loads and unloads take turns; `_wanted` counts requests so that only the
         # latest one starts an engine (a load overtaken while it waited never does).
@@ -156,6 +157,14 @@ class Supervisor(SnapshotPublisher):
         child: _Child | None = None
         try:
             while True:
+                try:
+                    await self._check_rpc_workers(spec)
+                except RpcWorkerFailed as exc:
+                    if not ready.done():
+                        raise
+                    if not await self._back_off(restarts, str(exc)):
+                        return
+                    continue
                 port = self._pick_port()
                 child = await self._spawn(spec, port)
                 try:
@@ -166,9 +175,11 @@ class Supervisor(SnapshotPublisher):
                         bind_retries += 1
                         log.warning("port %d was taken; retrying on another", port)
                         continue
+                    failure = (_rpc_failure(exc, spec, self.log_tail(80))
+                               or _gpu_failure(exc, spec, self.log_tail(80)) or exc)
                     if not ready.done():
-                        raise _gpu_failure(exc, spec, self.log_tail(80)) or exc
-                    if not await self._back_off(restarts, str(exc)):
+                        raise failure
+                    if not await self._back_off(restarts, str(failure)):
                         return
                     continue
                 bind_retries = 0
@@ -200,6 +211,13 @@ class Supervisor(SnapshotPublisher):
             self._fail(f"Could not start llama-server: {exc}", ready, LoadError(f"Could not start llama-server: {exc}"))
         finally:
             await asyncio.shield(self._stop_child(child))
+
+    async def _check_rpc_workers(self, spec: LoadSpec) -> None:
+        """Each of the load's RPC workers answers and can serve this engine (else
+        RpcWorkerFailed saying which and why), before an engine is started for them."""
+        if spec.settings.rpc:
+            await check_rpc_workers(spec.settings.rpc,
+                                    await asyncio.to_thread(protocol_of_engine, self.binary))
 
     async def _stop_child(self, child: "_Child | None") -> None:
         if child is None:
@@ -261,7 +279,7 @@ class Supervisor(SnapshotPublisher):
                     log.warning("llama-server did not answer its health check (%d of %d)",
                                 failures, self.health_failures)
 
-    def _fail(self, message: str, ready: asyncio.Future, exc: Exception,
+    def _fail(self, message: str, ready: asyncio.Future[Snapshot], exc: Exception,
               cpu_retry_offered: bool = False) -> None:
         self._set_state(State.FAILED, error=message, pid=None, restarting=False,
                         cpu_retry_offered=cpu_retry_offered)
@@ -335,6 +353,7 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         "--parallel", parallel,
         *context_args(settings.ctx_size, fit=settings.n_gpu_layers != NONE),
         *gpu_layer_args(settings.n_gpu_layers),
+        *(["--rpc", ",".join(settings.rpc)] if settings.rpc else []),
         "--metrics",
         "--no-webui",
         # llama.cpp prints where the model went (devices, layers offloaded, buffers, the
@@ -364,7 +383,8 @@ def default_threads(cores: int | None = None) -> int:
 def pick_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -392,7 +412,7 @@ class _Child:
             proc = await asyncio.create_subprocess_exec(
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=_child_environment(),
-                preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent(),
             )
         except BaseException:
             await asyncio.to_thread(log_file.close)
@@ -478,9 +498,9 @@ class _EngineKey:
 
 def _child_environment() -> dict[str, str]:
     """The engine's processes' environment, minus what would give the engine's port
-    another key than the one we set."""
+    another key than the one we set, or RPC workers the load did not ask for."""
     return {k: v for k, v in engine_environment().items()
-            if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE")}
+            if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_RPC")}
 
 
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:
@@ -488,29 +508,24 @@ def _supersede(ready: "asyncio.Future[Snapshot]") -> None:
         ready.set_exception(LoadSuperseded("The load was cancelled before the model was ready."))
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec_fn asking Linux to SIGKILL the child when its parent dies, even by SIGKILL."""
-    def preexec() -> None:
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-    return preexec
-
-
 def _gpu_failure(exc: EngineExitedDuringLoad, spec: LoadSpec,
                  output: list[str]) -> GpuLoadFailed | None:
     """The GPU problem behind a failed start, worded for people, with a CPU retry offered.
     `output` reaches further back than the exception's tail: the allocation error comes
     before the engine's own clean-up lines."""
-    if spec.settings.n_gpu_layers == "none":
-        return None
+    if spec.settings.n_gpu_layers == "none" or spec.settings.rpc:
+        return None  # GPU layers "none" would keep the layers off the RPC workers too
     reason = gpu_failure_reason(output)
     if reason is None:
         return None
     return GpuLoadFailed(f"{reason} (GPU layers \"none\" loads it on the CPU.)", exc.log_tail)
+
+
+def _rpc_failure(exc: EngineExitedDuringLoad, spec: LoadSpec,
+                 output: list[str]) -> RpcWorkerFailed | None:
+    """The RPC problem behind a failed start of a load with workers, worded for people."""
+    reason = rpc_failure_reason(output) if spec.settings.rpc else None
+    return RpcWorkerFailed(reason, exc.log_tail) if reason else None
 
 
 def _describe_exit(code: int | None) -> str:

@@ -72,8 +72,9 @@ def debian_archive_uri(sources_dir: str = "/etc/apt") -> str | None:
             text = Path(path).read_text()
         except OSError:
             continue
-        for uri in re.findall(r"^URIs:\s*(\S+)", text, re.M) + re.findall(
-                r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+\S+", text, re.M):
+        uris: list[str] = re.findall(r"^URIs:\s*(\S+)", text, re.M) + re.findall(
+            r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+\S+", text, re.M)
+        for uri in uris:
             if "security" not in uri and uri.rstrip("/").endswith("/debian"):
                 return uri.rstrip("/")
     return None

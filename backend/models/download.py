@@ -666,6 +666,8 @@ def _transfer(remote: _Remote, partial: Path, have: int, digest: Any, stopper: S
     with os.fdopen(fd, "ab") as out:
         sink = _Sink(out, partial, have, remote, stopper, on_bytes, digest)
         try:
+            # http_get asks for a BinaryIO; the sink is one in all but name (it forwards the
+            # rest to `out`), and http_get only writes, seeks, tells and truncates.
             http_get(remote.url, sink, resume_size=have,  # type: ignore[arg-type]
                      headers=headers, expected_size=remote.size, tqdm_class=silent_tqdm)
         except HfHubHTTPError as exc:  # an OSError too, but the hub's answer

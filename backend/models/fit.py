@@ -176,6 +176,8 @@ def format_bytes(n: int) -> str:
 
 
 def _windows_ram() -> int:
+    if sys.platform != "win32":  # ctypes.windll exists only there; mypy reads this too
+        return 0
     import ctypes
 
     class MemoryStatus(ctypes.Structure):
@@ -187,7 +189,7 @@ def _windows_ram() -> int:
 
     status = MemoryStatus()
     status.dwLength = ctypes.sizeof(MemoryStatus)
-    if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):  # type: ignore[attr-defined]
+    if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):
         return 0
     return int(status.ullTotalPhys)
 

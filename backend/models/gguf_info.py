@@ -357,9 +357,9 @@ def _text(value: Any) -> str | None:
 
 
 def _integer(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
 
 
 def _first_integer(value: Any) -> int | None:

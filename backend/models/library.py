@@ -317,7 +317,7 @@ def _strings(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
-def _mapping(value: Any) -> dict:
+def _mapping(value: Any) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
 
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, Unauthorized,
                             UnsupportedContentType)
 from backend.addresses import lan_addresses
+from backend.key_store import OWNER, KeyRecord, KeyStore
 from backend.settings import Settings
 
 __all__ = ["FREE_FAILURES", "MAX_LOCKOUT", "AccessGuard", "Screening"]
@@ -81,7 +82,7 @@ class Screening:
             return send
         extra = self.cors_headers
 
-        async def send_with_cors(message: dict) -> None:
+        async def send_with_cors(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
@@ -104,8 +105,10 @@ class AccessGuard:
     def __init__(self, settings: Callable[[], Settings], *, json_paths: Iterable[str] = (),
                  keyless_paths: Iterable[str] = (),
                  clock: Callable[[], float] = time.monotonic,
-                 own_addresses: Callable[[], set[str]] | None = None) -> None:
+                 own_addresses: Callable[[], set[str]] | None = None,
+                 keys: Callable[[], KeyStore | None] = lambda: None) -> None:
         self._settings = settings
+        self._keys = keys
         self._json_paths = frozenset(json_paths)
         self._keyless_paths = frozenset(keyless_paths)
         self.clock = clock
@@ -117,7 +120,7 @@ class AccessGuard:
 
     # --- before routing ---------------------------------------------------------------
 
-    def screen(self, scope: dict) -> Screening:
+    def screen(self, scope: MutableMapping[str, Any]) -> Screening:
         """Raise the refusal for a request a browser page may not make; else say which
         CORS headers its answer carries and whether it is a preflight to answer here."""
         settings = self._settings()
@@ -181,13 +184,17 @@ class AccessGuard:
 
     # --- the key ------------------------------------------------------------------------
 
-    def check_key(self, scope: MutableMapping[str, Any]) -> None:
-        """Raise unless the request carries the key (when one is set); wrong keys from
-        one client address are throttled after repeated failures, missing ones never."""
-        key = self._settings().api_key
-        if not key:
-            return
-        client = (scope.get("client") or ("unknown", 0))[0]
+    def check_key(self, scope: MutableMapping[str, Any]) -> Caller:
+        """Who sends the request: the owner's key, a named key, or (with no key set) the
+        client's address; raise unless it carries a right key when keys are set.  Wrong
+        keys from one client address are throttled after repeated failures, missing
+        ones never, and a right key always passes."""
+        client = str((scope.get("client") or ("unknown", 0))[0])
+        owner = self._settings().api_key
+        store = self._keys()
+        named = store is not None and store.has_named_keys()
+        if not owner and not named:
+            return Caller(ADDRESS_FLOW + client)
         record = self._failures.get(client)
         now = self.clock()
         if record is not None and now - record.last_failure > FORGET_FAILURES_AFTER:
@@ -197,8 +204,13 @@ class AccessGuard:
         if not presented:
             raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer KEY' "
                                "or as 'x-api-key: KEY'.")
-        if _matches(presented, key.encode()):
-            return
+        if owner and _matches(presented, owner.encode()):
+            return Caller(OWNER.name if named else ADDRESS_FLOW + client, OWNER)
+        if store is not None:
+            for given in presented:
+                found = store.authenticate(given.decode("utf-8", "replace"))  # 401 if revoked
+                if found is not None:
+                    return Caller(found.name, found)
         if record is not None and record.locked_until > now:
             raise TooManyKeyFailures(
                 "Too many requests with a wrong API key from this address. Wait, then "
@@ -222,6 +234,26 @@ class AccessGuard:
             self._addresses = self._own_addresses()
             self._addresses_at = now
         return self._addresses
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the flow it counts against (a key's name, or the client's
+    address when no named keys exist), and its key's limits (None: no key at all)."""
+
+    flow: str
+    key: KeyRecord | None = None
+
+    @property
+    def name(self) -> str:
+        """For usage and metrics: the key's name, or "anonymous" (never an address)."""
+        return self.key.name if self.key is not None else "anonymous"
+
+
+#: Without named keys each client address is one flow, called this + the address.
+ADDRESS_FLOW = "address "
+#: The caller of a request no key or address is known for.
+ANONYMOUS = Caller("")
 
 
 @dataclass
@@ -257,7 +289,7 @@ def _matches(presented: list[bytes], expected: bytes) -> bool:
     return matched
 
 
-def _headers(scope: dict) -> dict[bytes, bytes]:
+def _headers(scope: MutableMapping[str, Any]) -> dict[bytes, bytes]:
     """The request's headers by lower-case name; the first of repeated ones."""
     out: dict[bytes, bytes] = {}
     for name, value in scope["headers"]:

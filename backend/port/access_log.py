@@ -9,6 +9,7 @@ window shows this log to the person running the server.
 from __future__ import annotations
 
 import logging
+from typing import Any, Mapping
 from urllib.parse import quote
 
 __all__ = ["ACCESS_LOGGER", "log_request", "loggable_path"]
@@ -17,13 +18,13 @@ ACCESS_LOGGER = "gguf_studio.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
 
 
-def log_request(scope: dict, status: int, elapsed_ms: float) -> None:
+def log_request(scope: Mapping[str, Any], status: int, elapsed_ms: float) -> None:
     if access_log.isEnabledFor(logging.INFO):
         access_log.info("%s %s %d %.1fms", _printable(scope["method"].encode("latin-1")),
                         loggable_path(scope), status, elapsed_ms)
 
 
-def loggable_path(scope: dict) -> str:
+def loggable_path(scope: Mapping[str, Any]) -> str:
     """The request's path as sent (no query), every unprintable byte as `%XX`."""
     raw = scope.get("raw_path")
     if not isinstance(raw, bytes):  # a server that does not give it: re-encode

@@ -26,13 +26,17 @@ at once with `ContextLengthExceeded`, and a waiter whose need no longer fits aft
 reload is refused the same way.  A ticket without a known need (`need=None` or 0)
 reserves no tokens and is admitted by slots alone.
 
-Fairness: strictly first come, first served within a line.  **No request ever passes
-the head of the line**, not even a small one that would fit while a big head waits for
-tokens.  The head only waits for running requests to finish (each has a bounded output
-budget), so its wait is bounded and no one starves; letting smaller requests pass would
-let a steady stream of short agent turns hold the pool below what a long prompt needs,
-forever.  The price is head-of-line blocking: while a big head waits, slots may stand
-idle.  Concurrency is unchanged whenever the needs fit (the common case).
+Fairness (`backend.port.fair_queue`): each request belongs to a *flow* (its key, or its
+client's address without named keys).  Priority bands go in order (interactive, normal,
+batch, with aging so that a lower band's wait is bounded); inside a band the flow that
+has received the least service so far, in reserved tokens scaled by its weight, goes
+next; inside a flow, first come first served.  With one flow this is a plain FIFO line,
+and **no request ever passes the head of its own flow**: a big head waits only for
+running requests to finish (each has a bounded output budget), so its wait is bounded.
+Another flow's request that fits may pass a head that does not fit at most `MAX_PASSES`
+times; then nothing passes it until it fits, so no head starves.  The price of that
+rule is head-of-line blocking while a big head waits; concurrency is unchanged whenever
+the needs fit (the common case).
 
 Optimistic admission: a long prompt need not wait for its count when its byte bound
 (an upper bound of the count) fits right now and nobody waits (`fits_now`): it is
@@ -61,13 +65,11 @@ a lock.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from types import EllipsisType
 
@@ -75,7 +77,8 @@ from backend.errors import RETRY_SOON, ContextLengthExceeded, ModelNotReady, Que
 from backend.listeners import Listeners
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.admission_ticket import MAX_REQUEUES, Ticket, TicketState, as_need
+from backend.port.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
+from backend.port.fair_queue import Band, FairQueue, Flow
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -94,6 +97,10 @@ Clock = Callable[[], float]
 
 #: The line of requests that name no model, or of a port that fronts one load.
 DEFAULT_MODEL = ""
+#: Seconds a lower band's head waits before it competes one band higher.
+AGING_SECONDS = 30.0
+#: How often a head that does not fit may be passed by other flows' requests that do.
+MAX_PASSES = 4
 
 log = logging.getLogger(__name__)
 
@@ -280,15 +287,17 @@ class Line:
 
     def __init__(self, model: str = DEFAULT_MODEL, *, max_waiting: int = 0,
                  clock: Clock = time.monotonic,
-                 on_change: Callable[[Line], None] | None = None) -> None:
+                 on_change: Callable[[Line], None] | None = None,
+                 aging: float = AGING_SECONDS, max_passes: int = MAX_PASSES) -> None:
         self.model = model
         self.max_waiting = max_waiting
         self._clock = clock
         self._on_change = on_change
         self._engines: list[AdmissionQueue] = []
-        # An ordered set: O(1) append, O(1) pop from the front, O(1) removal of any
-        # ticket (a list would make every cancellation O(n)).
-        self._waiters: OrderedDict[Ticket, None] = OrderedDict()
+        # Who goes next: priority bands, a fair share between flows, FIFO in a flow;
+        # O(log F) per push, admission and removal.
+        self._waiters: FairQueue[Ticket] = FairQueue(clock=clock, aging=aging,
+                                                     max_passes=max_passes)
         self._waiting_bytes = 0
         self._service_time: float | None = None
         # Requests that wait for any engine to serve the model (it is loading) before
@@ -346,47 +355,45 @@ class Line:
 
     def __iter__(self) -> Iterator[Ticket]:
         """The waiters in order of admission."""
-        return iter(list(self._waiters))
+        return iter(self._waiters)
 
     # --- decisions -------------------------------------------------------------------
 
     def request(self, need: TokenNeed | int | None = None, *, size: int = 0,
-                max_waiting_bytes: int = 0) -> Ticket:
-        """A ticket: admitted at once if nobody waits and an engine has room, else
+                max_waiting_bytes: int = 0, flow: Flow = DEFAULT_FLOW,
+                band: Band | None = None) -> Ticket:
+        """A ticket: admitted at once if its turn has come and an engine has room, else
         waiting.
 
         `need` is the request's prompt tokens plus output budget (an int is all
         prompt); None or 0 means unknown: slots alone decide.  `size` is the bytes the
         request holds while it waits (its body); `max_waiting_bytes` (0: no bound)
-        bounds what everyone waiting holds together.  Raises ContextLengthExceeded when
-        the need can never fit one request's share of any engine's cache, and QueueFull
-        when `max_waiting` requests already wait or the bytes would pass their bound.
+        bounds what everyone waiting holds together.  `flow` is whose share it counts
+        against (a key, or a client address); `band` may lower the flow's priority for
+        this request.  Raises ContextLengthExceeded when the need can never fit one
+        request's share of any engine's cache, and QueueFull when `max_waiting` requests
+        already wait or the bytes would pass their bound.
         """
         need = as_need(need)
         self._check_fits_some_engine(need)
-        now = self._clock()
-        engine = None if self._waiters else self._engine_for(need)
-        if engine is not None:
-            ticket = Ticket(self, now, need)
-            engine.take(ticket, now)
-        else:
-            if self.max_waiting and len(self._waiters) >= self.max_waiting:
+        ticket = Ticket(self, self._clock(), need, size, flow=flow, band=band)
+        self._waiters.push(ticket, flow, max(1, ticket.tokens), ticket.seq, band)
+        self._waiting_bytes += size
+        self._promote()
+        if ticket.state is TicketState.WAITING:
+            waiting = len(self._waiters) - 1
+            if self.max_waiting and waiting >= self.max_waiting:
+                self._pop(ticket)
                 raise QueueFull(
-                    f"The server is busy: {len(self._waiters)} requests are already "
-                    "waiting. Try again later.",
-                    retry_after=self.retry_after(),
-                )
-            if max_waiting_bytes and self._waiting_bytes + size > max_waiting_bytes:
+                    f"The server is busy: {waiting} requests are already waiting. "
+                    "Try again later.", retry_after=self.retry_after())
+            if max_waiting_bytes and self._waiting_bytes > max_waiting_bytes:
+                self._pop(ticket)
                 raise QueueFull(
                     f"The server is busy: the requests already waiting hold "
                     f"{_mib(self._waiting_bytes)} of request bodies (the bound is "
                     f"{_mib(max_waiting_bytes)}). Try again later.",
-                    retry_after=self.retry_after(),
-                )
-            ticket = Ticket(self, now, need, size)
-            self._push(ticket)
-            # A slot left free by a requeue is taken by the head now, in order.
-            self._promote()
+                    retry_after=self.retry_after())
         self._changed()
         return ticket
 
@@ -394,7 +401,7 @@ class Line:
         """Would `request(need)` admit at once?  Nobody waits (no one is passed), and
         an engine has a slot free and room for the need.  The gateway admits a long
         prompt on its byte bound when this holds, and counts it while it runs."""
-        return not self._waiters and self._engine_for(as_need(need)) is not None
+        return not len(self._waiters) and self._engine_for(as_need(need)) is not None
 
     def when_served(self) -> asyncio.Future[None]:
         """Done once an engine serves the model (at once if one does); fails with the
@@ -436,22 +443,23 @@ class Line:
     def finish(self, ticket: Ticket, *, hold: bool) -> None:
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
+        self._waiters.finished(ticket)
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
         self._promote(skip=engine if hold else None)
         self._changed()
 
     def leave(self, ticket: Ticket) -> None:
-        was_head = next(iter(self._waiters)) is ticket
         self._pop(ticket)
-        # A head that waited for tokens may have held back smaller ones behind it.
-        if was_head:
-            self._promote()
+        # A head that waited for tokens may have held back others behind it.
+        self._promote()
         self._changed()
 
     def shrink(self, ticket: Ticket, excess: int) -> None:
         if ticket.state is TicketState.ADMITTED:
             self._engine_of(ticket).give_back_tokens(excess)
+        cost = max(1, ticket.tokens + excess)
+        self._waiters.refund(ticket, min(excess, cost - 1))
         self._promote()
         self._changed()
 
@@ -460,19 +468,13 @@ class Line:
         The refusing engine's slot takes no one now; another engine of the model may."""
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
-        waiters = list(self._waiters)
-        at = bisect.bisect(waiters, ticket.seq, key=lambda t: t.seq)
-        waiters.insert(at, ticket)
-        self._waiters = OrderedDict.fromkeys(waiters)
+        self._waiters.requeue(ticket)
         self._waiting_bytes += ticket.size
         self._promote(skip=engine)
         self._changed()
 
     def position(self, ticket: Ticket) -> int | None:
-        for index, waiter in enumerate(self._waiters):
-            if waiter is ticket:
-                return index
-        return None
+        return self._waiters.position(ticket)
 
     # --- the engines' side ----------------------------------------------------------------
 
@@ -501,9 +503,8 @@ class Line:
     def refuse_waiting(self, error: BaseException) -> int:
         """Refuse every waiter with `error`; how many."""
         tickets = list(self._waiters)
-        self._waiters.clear()
-        self._waiting_bytes = 0
         for ticket in tickets:
+            self._pop(ticket)
             ticket.refuse(error)
         awaiting = [served for served in self._awaiting_engine if not served.done()]
         for served in awaiting:
@@ -515,15 +516,14 @@ class Line:
     def take_waiters(self, other: Line) -> None:
         """`other`'s waiters join this line, everyone in order of arrival (a load that
         replaces another under a new name keeps the old one's waiters)."""
-        if other is self or not other._waiters:
+        if other is self or not len(other._waiters):
             return
-        tickets = sorted([*self._waiters, *other._waiters], key=lambda t: t.seq)
-        other._waiters.clear()
-        other._waiting_bytes = 0
-        self._waiters = OrderedDict.fromkeys(tickets)
-        self._waiting_bytes = sum(t.size for t in tickets)
-        for ticket in tickets:
+        for ticket in list(other._waiters):
+            other._pop(ticket)
             ticket.line = self
+            self._waiters.push(ticket, ticket.flow, max(1, ticket.tokens), ticket.seq,
+                               ticket.band)
+            self._waiting_bytes += ticket.size
         other._changed()
         self.engines_changed()
 
@@ -540,18 +540,42 @@ class Line:
         return best
 
     def _promote(self, skip: AdmissionQueue | None = None) -> bool:
-        """Admit from the front of the line while the head fits an engine.  True if any
-        moved.  Only ever the head: see the module docstring for why no one passes it."""
+        """Admit, in the fair queue's order, while an engine has a free slot and the
+        next one fits.  True if any moved."""
         moved = False
-        while self._waiters:
-            ticket = next(iter(self._waiters))
-            engine = self._engine_for(ticket.need, skip)
-            if engine is None:
+        waiters = self._waiters
+        while len(waiters) and self._slot_free(skip):
+            ticket = waiters.next_to_admit(lambda t: self._engine_for(t.need, skip) is not None)
+            if ticket is None:
                 break
-            self._pop(ticket)
+            engine = self._engine_for(ticket.need, skip)
+            assert engine is not None
+            self._waiting_bytes -= ticket.size
             engine.take(ticket, self._clock())
             moved = True
         return moved
+
+    def _slot_free(self, skip: AdmissionQueue | None) -> bool:
+        return any(engine is not skip and (engine.free_slots or not engine.enabled)
+                   for engine in self._engines)
+
+    # --- flows ---------------------------------------------------------------------------
+
+    def refuse_flow(self, key: str, error: BaseException) -> int:
+        """Refuse the waiters of flow `key` (its key was revoked); how many."""
+        refused = [t for t in self._waiters if t.flow.key == key]
+        for ticket in refused:
+            self._pop(ticket)
+            ticket.refuse(error)
+        if refused:
+            self._promote()
+            self._changed()
+        return len(refused)
+
+    def update_flow(self, flow: Flow) -> None:
+        """A key's weight, band or concurrency changed: it applies now."""
+        self._waiters.update_flow(flow)
+        self.admit_waiting()
 
     def _check_fits_some_engine(self, need: TokenNeed | None) -> None:
         limit = self.per_request
@@ -575,12 +599,8 @@ class Line:
         self._awaiting_engine.discard(served)
         self._changed()
 
-    def _push(self, ticket: Ticket) -> None:
-        self._waiters[ticket] = None
-        self._waiting_bytes += ticket.size
-
     def _pop(self, ticket: Ticket) -> None:
-        del self._waiters[ticket]
+        self._waiters.remove(ticket)
         self._waiting_bytes -= ticket.size
 
     def _engine_of(self, ticket: Ticket) -> AdmissionQueue:
@@ -746,6 +766,22 @@ class AdmissionRegistry:
                     refused += line.refuse_waiting(error)
             self.prune()
         return refused
+
+    def refuse_flow(self, key: str, error: BaseException) -> int:
+        """Refuse every waiter of flow `key`, in every line (its key was revoked or has
+        expired); how many."""
+        with self._batch():
+            return sum(line.refuse_flow(key, error) for line in list(self._lines.values()))
+
+    def waiting_flows(self) -> set[str]:
+        """The flows with a request waiting, in any line (O(waiters))."""
+        return {ticket.flow.key for line in self._lines.values() for ticket in line}
+
+    def update_flow(self, flow: Flow) -> None:
+        """A key was edited: its weight, band and concurrency apply in every line now."""
+        with self._batch():
+            for line in list(self._lines.values()):
+                line.update_flow(flow)
 
     def prune(self) -> None:
         """Forget retired queues with nothing running, and lines with neither engines,

@@ -18,12 +18,15 @@ from typing import Protocol
 from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
+from backend.port.fair_queue import Band, Flow
 
-__all__ = ["MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState", "as_need"]
+__all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState", "as_need"]
 
 #: How often one ticket may go back in line after a refused connection before the
 #: request fails: a load that keeps refusing while it counts as ready is not coming back.
 MAX_REQUEUES = 5
+#: The flow of a request no key or address is known for.
+DEFAULT_FLOW = Flow("")
 
 
 class TicketState(enum.Enum):
@@ -72,12 +75,17 @@ class TicketSeam(Protocol):
 class Ticket:
     """One request's place: first in a line, then in a slot of one engine."""
 
-    __slots__ = ("state", "line", "engine", "need", "size", "enqueued_at", "admitted_at",
-                 "requeues", "seq", "_error", "_event")
+    __slots__ = ("state", "line", "engine", "need", "size", "flow", "band", "enqueued_at",
+                 "admitted_at", "requeues", "seq", "_error", "_event")
 
     def __init__(self, line: TicketSeam, now: float,
-                 need: TokenNeed | None = None, size: int = 0) -> None:
+                 need: TokenNeed | None = None, size: int = 0, *,
+                 flow: Flow = DEFAULT_FLOW, band: Band | None = None) -> None:
         self.state = TicketState.WAITING
+        #: Whose share it counts against: a key, or a client address.
+        self.flow = flow
+        #: The band it asked for (only ever lower than its flow's); None: its flow's.
+        self.band = band
         self.line = line
         #: The engine it is admitted on (the last one, once released); None until then.
         self.engine: EngineSeat | None = None

@@ -369,9 +369,12 @@ class FairQueue(Generic[T]):
             return
         head = _head(lane)
         tie = next(self._ties)
-        heapq.heappush(band.order, (lane.vtime, head.seq, tie, lane, lane.version))
+        # Equal tags: the flow holding fewer slots first, then the older head (a newcomer
+        # and a flow whose every request was admitted at once start even: it goes first).
+        heapq.heappush(band.order, (lane.vtime, lane.flow.running, head.seq, tie, lane,
+                                    lane.version))
         if lane.band != Band.INTERACTIVE:
-            heapq.heappush(band.age, (lane.head_since, head.seq, tie, lane, lane.version))
+            heapq.heappush(band.age, (lane.head_since, 0, head.seq, tie, lane, lane.version))
         # Entries of earlier keys are skipped lazily; rebuild before they dominate.
         bound = 2 * band.listed + 32
         if len(band.order) > bound:
@@ -417,7 +420,7 @@ class FairQueue(Generic[T]):
         # never passes the finish tag of the least served lane still waiting, as in GPS.
         least = _first(band.order)
         if least is not None:
-            paid = min(paid, least[0] + _head(least[3]).cost / least[3].flow.flow.weight)
+            paid = min(paid, least[0] + _head(least[4]).cost / least[4].flow.flow.weight)
         band.paid = max(band.paid, band.vtime, paid)
         idle = band.idle
         while idle and idle[0][0] <= band.paid:
@@ -469,9 +472,9 @@ class FairQueue(Generic[T]):
             first = next(lifted, None)
             if first is None:
                 for entry in _in_order(band.order):
-                    if entry[3] not in seen:
-                        seen.add(entry[3])
-                        yield entry[3], None
+                    if entry[4] not in seen:
+                        seen.add(entry[4])
+                        yield entry[4], None
                 continue
             # The lifted heads are one more flow of this band: they go at its tag.
             aged_tag = max(band.aged_vtime, band.vtime)
@@ -480,18 +483,18 @@ class FairQueue(Generic[T]):
                 if entry[0] >= aged_tag:
                     natives = itertools.chain((entry,), natives)
                     break
-                if entry[3] not in seen:
-                    seen.add(entry[3])
-                    yield entry[3], None
+                if entry[4] not in seen:
+                    seen.add(entry[4])
+                    yield entry[4], None
             seen.add(first)
             yield first, level
             for lane in lifted:
                 seen.add(lane)
                 yield lane, level
             for entry in natives:
-                if entry[3] not in seen:
-                    seen.add(entry[3])
-                    yield entry[3], None
+                if entry[4] not in seen:
+                    seen.add(entry[4])
+                    yield entry[4], None
 
     def _lifted(self, level: int, now: float, seen: set[_Lane[T]]) -> Iterator[_Lane[T]]:
         """Lanes of lower bands whose head has aged into `level`, oldest head first."""
@@ -503,8 +506,8 @@ class FairQueue(Generic[T]):
         if not streams:
             return
         for entry in streams[0] if len(streams) == 1 else heapq.merge(*streams):
-            if entry[3] not in seen:
-                yield entry[3]
+            if entry[4] not in seen:
+                yield entry[4]
 
     def _lifted_band(self, lane: _Lane[T], now: float, with_waiters: set[int]) -> int:
         """The band `lane`'s head competes in now, by aging over bands with waiters."""
@@ -517,7 +520,9 @@ class FairQueue(Generic[T]):
 
 # --- records -----------------------------------------------------------------------
 
-_HeapEntry = tuple[float, int, int, "_Lane[T]", int]  # key, head seq, tie, lane, version
+#: key, slots its flow held when listed (order heap; 0 in the age heap), head seq, tie,
+#: lane, version.
+_HeapEntry = tuple[float, int, int, int, "_Lane[T]", int]
 
 
 class _Entry(Generic[T]):
@@ -596,8 +601,8 @@ def _head(lane: _Lane[T]) -> _Entry[T]:
 
 
 def _current(entry: _HeapEntry[T]) -> bool:
-    lane = entry[3]
-    return lane.listed and lane.version == entry[4]
+    lane = entry[4]
+    return lane.listed and lane.version == entry[5]
 
 
 def _first(heap: list[_HeapEntry[T]]) -> _HeapEntry[T] | None:

@@ -30,7 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backend.port import http_errors
-from backend.port.access_guard import AccessGuard
+from backend.key_store import KeyStore
+from backend.port.access_guard import AccessGuard, Caller
+from backend.port.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
 from backend.port.admission import AdmissionQueue, AdmissionRegistry
 from backend.port.catalog import ModelCard
@@ -72,6 +74,13 @@ class GatewayContext(Protocol):
     registry: AdmissionRegistry
     metrics: Metrics
 
+    @property
+    def keys(self) -> KeyStore | None:
+        """Named keys; None when the port has none (the owner's key alone)."""
+
+    @property
+    def flows(self) -> FlowControl: ...
+
     def snapshot(self) -> Snapshot:
         """The default model's engine."""
 
@@ -89,7 +98,7 @@ class Gateway:
     def __init__(self, ctx: GatewayContext) -> None:
         self.ctx = ctx
         self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
-                                 keyless_paths=KEYLESS_ROUTES)
+                                 keyless_paths=KEYLESS_ROUTES, keys=lambda: ctx.keys)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
@@ -137,12 +146,16 @@ class Gateway:
 
     # --- auth ------------------------------------------------------------------------
 
-    def check_key(self, scope: MutableMapping[str, Any]) -> None:
-        self.guard.check_key(scope)
+    def check_key(self, scope: MutableMapping[str, Any]) -> Caller:
+        return self.guard.check_key(scope)
+
+    @property
+    def flows(self) -> FlowControl:
+        return self.ctx.flows
 
     # --- gated routes ----------------------------------------------------------------
 
-    async def handle_gated(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+    async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any, path: str) -> None:
         ctx = self.ctx
         settings = ctx.settings
         metrics = ctx.metrics
@@ -150,8 +163,9 @@ class Gateway:
         # Until the request waits in line or runs, its body (read, parsed, counted) is
         # held against the port's budget of incoming bodies.
         hold = self.incoming.hold()
+        caller: Caller | None = None
         try:
-            self.check_key(scope)
+            caller = self.check_key(scope)
             try:
                 raw = await read_body(receive, headers, settings.effective_max_body_bytes(),
                                       settings.header_timeout, hold)
@@ -162,6 +176,7 @@ class Gateway:
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
             model = ctx.route(path, parsed.data.get("model"))
+            self.flows.check_model(caller, model)
             line = ctx.registry.line(model)
             queue = line.planning_engine
             plan: Plan | None = None
@@ -173,13 +188,16 @@ class Gateway:
             # Else the model is loading: the exchange waits for it, then plans.
         except RequestError as error:
             hold.release()  # before the answer: a client that got its 429 finds room
+            if caller is not None:
+                self.flows.refused(caller, error)
             await http_errors.send_http_error(send, error, metrics)
             return
         finally:
             hold.release()
 
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                     parsed, model, plan, raw_size),
+                                                     parsed, model, plan, raw_size, caller,
+                                                     requested_band(headers)),
                             send, receive,
                             abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
         self._running.add(exchange)
@@ -302,7 +320,7 @@ class GatewayMiddleware:
         self.app = app
         self.gateway = gateway
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await _refuse_websocket(scope, receive, send)
@@ -312,7 +330,7 @@ class GatewayMiddleware:
         started = time.perf_counter()
         status = 0
 
-        async def send_and_note(message: dict) -> None:
+        async def send_and_note(message: dict[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -352,7 +370,7 @@ def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _refuse_websocket(scope: dict, receive: Any, send: Any) -> None:
+async def _refuse_websocket(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Only under a server that speaks WebSocket (ours is started with ws='none')."""
     message = await receive()
     if message["type"] != "websocket.connect":
@@ -373,7 +391,7 @@ class _GatedEndpoint:
         self.gateway = gateway
         self.path = path
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         await self.gateway.handle_gated(scope, receive, send, self.path)
 
 

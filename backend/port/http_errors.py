@@ -107,7 +107,7 @@ def http_error(error: RequestError, metrics: Metrics | None,
     seconds = retry_after_seconds(error)
     if seconds is not None:
         headers.append((b"retry-after", str(seconds).encode()))
-    for name, value in (extra_headers or {}).items():
+    for name, value in {**error.answer_headers(), **(extra_headers or {})}.items():
         headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
     return error.status, headers, body
 

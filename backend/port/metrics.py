@@ -18,12 +18,13 @@ totals of the whole port.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -182,6 +183,11 @@ class Metrics:
         (engines come and go: a series ends with its engine)."""
         self.registry.register(_PoolCollector(loads))
 
+    def bind_usage(self, usage: Callable[[], Mapping[str, Any]]) -> None:
+        """Usage per key (backend.app.usage.KeyUsage by key name, never the secret),
+        read at every scrape."""
+        self.registry.register(_KeyUsageCollector(usage))
+
     # --- read -----------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
@@ -247,3 +253,32 @@ class _PoolCollector(Collector):
         families += [GaugeMetricFamily(name, text, labels=["model", "engine"])
                      for name, text, _ in _ENGINE_SERIES]
         return families
+
+class _KeyUsageCollector:
+    """`gguf_studio_key_*` families, labelled by key name, from the usage ledger."""
+
+    def __init__(self, usage: Callable[[], Mapping[str, Any]]) -> None:
+        self._usage = usage
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        requests = CounterMetricFamily("gguf_studio_key_requests",
+                                       "Requests answered, by key.", labels=["key"])
+        tokens = CounterMetricFamily("gguf_studio_key_tokens",
+                                     "Tokens the engine reported, by key and kind.",
+                                     labels=["key", "kind"])
+        waits = CounterMetricFamily("gguf_studio_key_queue_wait_seconds",
+                                    "Seconds requests of a key waited in line.", labels=["key"])
+        refusals = CounterMetricFamily("gguf_studio_key_refusals",
+                                       "Requests refused, by key and reason.",
+                                       labels=["key", "reason"])
+        for key, used in sorted(self._usage().items()):
+            requests.add_metric([key], used.requests)
+            tokens.add_metric([key, "prompt"], used.prompt_tokens)
+            tokens.add_metric([key, "completion"], used.completion_tokens)
+            waits.add_metric([key], used.wait_seconds)
+            for reason, count in sorted(used.refusals.items()):
+                refusals.add_metric([key, reason], count)
+        yield from (requests, tokens, waits, refusals)

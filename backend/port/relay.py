@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 from backend.port import http_errors
 from backend.port import sse
 from backend.port.admission import AdmissionQueue, Line, Ticket
+from backend.port.access_guard import ANONYMOUS, Caller
+from backend.port.fair_queue import Band
+from backend.port.flow_control import FlowControl
 from backend.port.need_planner import NO_PLAN, Plan
+from backend.port.rate_limits import Reservation
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -83,6 +87,9 @@ class ExchangeHost(Protocol):
     @property
     def closing(self) -> bool: ...
 
+    @property
+    def flows(self) -> FlowControl: ...
+
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int) -> Plan: ...
 
@@ -100,6 +107,10 @@ class GatedRequest:
     plan: Plan | None = NO_PLAN
     #: The body's size as received, for planning later.
     body_bytes: int = 0
+    #: Who sent it: its flow, its key's limits.
+    caller: Caller = ANONYMOUS
+    #: The priority band it asked for (only ever lower than its key's).
+    band: Band | None = None
 
 
 class Exchange:
@@ -139,6 +150,18 @@ class Exchange:
         self._stall: StallGuard | None = None
         #: Counting a prompt admitted on its byte bound, while it runs.
         self._counting: asyncio.Future[None] | None = None
+        self.flows = host.flows
+        self.caller = request.caller
+        #: What it counts against its key's token windows until settled.
+        self._reservation: Reservation | None = None
+        #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
+        self._extra_headers: list[tuple[bytes, bytes]] = []
+        #: The last bytes relayed, where the engine's `usage` is.
+        self._tail = b""
+        #: Set once the engine's whole answer was relayed.
+        self._answered = False
+        #: The error the request ended with, if it did.
+        self._failed: RequestError | None = None
 
     # --- the whole exchange ---------------------------------------------------------
 
@@ -150,7 +173,9 @@ class Exchange:
             try:
                 self._take_ticket(self.request.plan)
             except RequestError as error:
-                await self._send_all(self._failure(error))
+                last = self._failure(error)
+                self._account()
+                await self._send_all(last)
                 return
         self._task = asyncio.current_task()
         watch = self.watch = DisconnectWatch(self.receive)
@@ -190,6 +215,7 @@ class Exchange:
                 ticket.release()
             watch.stop()
             self._task = None  # nothing left to abort
+            self._account()
         try:
             await self._send_all(last)
         finally:
@@ -231,8 +257,19 @@ class Exchange:
         for message in messages:
             await self.send(message)
 
+    def _account(self) -> None:
+        """Tell the caller's flow how it ended: the engine's usage settles its token
+        reservation; a refusal or an error gives it back."""
+        if self._failed is not None:
+            self.flows.refused(self.caller, self._failed, self._reservation)
+        elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
+            self.flows.answered(self.caller, self._reservation, sse.find_usage(self._tail))
+        elif self._reservation is not None:
+            self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
+
     def _failure(self, error: RequestError) -> list[dict[str, Any]]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
+        self._failed = error
         if not self.headers_sent:
             status, headers, body = http_errors.http_error(error, self.metrics)
             self.headers_sent = True
@@ -247,9 +284,17 @@ class Exchange:
     # --- waiting ----------------------------------------------------------------------
 
     def _take_ticket(self, plan: Plan) -> Ticket:
+        caller = self.caller
+        flows = self.flows
+        tokens = plan.need.total if plan.need is not None else (
+            self.request.body_bytes + self.host.settings.default_output_tokens)
+        self._reservation = flows.reserve(caller, tokens)  # RateLimitExceeded: 429
         ticket = self.ticket = self.line.request(
             plan.need, size=len(self.request.parsed.body),
-            max_waiting_bytes=self.host.settings.max_waiting_body_bytes)
+            max_waiting_bytes=self.host.settings.max_waiting_body_bytes,
+            flow=flows.flow_of(caller), band=self.request.band)
+        self._extra_headers = [(name.encode("latin-1"), value.encode("latin-1"))
+                               for name, value in flows.headers(caller).items()]
         if plan.settle_later:
             self._counting = asyncio.ensure_future(plan.settle(ticket))
         return ticket
@@ -322,6 +367,7 @@ class Exchange:
         self.stage = "running"
         if ticket.admitted_at is not None and ticket.requeues == 0:
             self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
+            self.flows.admitted(self.caller, ticket.admitted_at - ticket.enqueued_at)
 
     async def _turn(self, ticket: Ticket, timeout: float | None) -> None:
         """`ticket.wait`; after a refusal the load may still count as ready (its end not
@@ -350,7 +396,8 @@ class Exchange:
         await self._send_keepalive()
 
     async def _send_stream_headers(self) -> None:
-        await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        headers = SSE_HEADERS + self._extra_headers if self._extra_headers else SSE_HEADERS
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         self.headers_sent = True
 
     async def _send_keepalive(self) -> None:
@@ -475,9 +522,12 @@ class Exchange:
         if content_type is None:
             content_type = "application/json"
         self.headers_sent = True
+        self._tail = body
+        self._answered = True
         return [{"type": "http.response.start", "status": upstream.status_code,
                  "headers": [(b"content-type", content_type.encode("latin-1")),
-                             (b"content-length", str(len(body)).encode())]},
+                             (b"content-length", str(len(body)).encode()),
+                             *self._extra_headers]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
 
     async def _relay(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
@@ -496,19 +546,25 @@ class Exchange:
         marker = _NAMED_ERROR if self.kind is sse.StreamKind.MESSAGES else _DATA_ERROR
         chunks = upstream.aiter_raw()
         chunk = stage(await self._keep_alive_until(anext(chunks, b"")))
+        # The last two chunks sent: the engine's `usage` is in its final events.
+        before = last = b""
         if chunk:
             if marker in chunk:
                 chunk = self._before_error(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            last = chunk
         async for chunk in chunks:
             chunk = stage(chunk)
             if chunk:
                 if marker in chunk:
                     chunk = self._before_error(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                before, last = last, chunk
         tail = framer.finish()
         if rewriter is not None:
             tail = rewriter.feed(tail) + rewriter.flush()
+        self._tail = before + last + tail
+        self._answered = True
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
     def _before_error(self, chunk: bytes) -> bytes:

@@ -16,13 +16,16 @@ import errno
 import logging
 import os
 import socket
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from backend.errors import RequestError, SettingsError
 from backend.settings import Settings
+
+if TYPE_CHECKING:
+    from uvicorn._types import HTTPScope
 
 __all__ = ["ABORT_EXTENSION", "GatewayServer", "PlainApp", "Served", "bind_socket"]
 
@@ -90,7 +93,8 @@ class GatewayServer:
         config = uvicorn.Config(
             served.app, lifespan="off", log_config=None, access_log=False, ws="none", http=protocol,
             proxy_headers=False, server_header=False,
-            # uvicorn waits with asyncio.wait_for, so seconds may be fractional.
+            # uvicorn annotates it int but waits with asyncio.wait_for, so seconds may be
+            # fractional (the tests stop in a fraction of one).
             timeout_graceful_shutdown=shutdown_grace)  # type: ignore[arg-type]
         server = _Server(config)
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
@@ -118,6 +122,7 @@ class GatewayServer:
         to `start`), then end what still runs with a clean error."""
         self.served.closing = True
         if grace is not None:
+            # Fractional seconds, as in `start`: uvicorn's int annotation is narrower than it is.
             self._server.config.timeout_graceful_shutdown = grace  # type: ignore[assignment]
         self._server.should_exit = True
         self._server.exit_now.set()
@@ -181,6 +186,8 @@ class _Protocol(H11Protocol):
     _warned_at = float("-inf")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # H11Protocol narrows asyncio's BaseTransport to Transport (with its own ignore);
+        # the loop gives it a Transport.
         super().connection_made(transport)  # type: ignore[arg-type]
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_scope: object = None
@@ -202,11 +209,13 @@ class _Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        scope: dict[str, Any] | None = self.scope  # type: ignore[assignment]
+        scope: HTTPScope | None = self.scope  # None until the first head (uvicorn's own start)
         if scope is not None and scope is not self._head_scope:  # a whole head arrived
             self._head_scope = scope
             self._stop_head_timer()
-            scope.setdefault("extensions", {})[ABORT_EXTENSION] = self.transport.abort
+            # Our extension's value is the abort function, not the dict ASGI's types expect.
+            extensions: dict[str, Any] = scope.setdefault("extensions", {})
+            extensions[ABORT_EXTENSION] = self.transport.abort
 
     def _idle(self) -> bool:
         return self.cycle is None or self.cycle.response_complete

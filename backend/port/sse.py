@@ -241,6 +241,57 @@ def _created_id(data: bytes) -> str | None:
     if not isinstance(event, dict) or event.get("type") != "response.created":
         return None
     response = event.get("response")
-    if isinstance(response, dict) and isinstance(response.get("id"), str) and response["id"]:
-        return response["id"]
+    created = response.get("id") if isinstance(response, dict) else None
+    return created if isinstance(created, str) and created else None
+
+
+def find_usage(data: bytes) -> tuple[int, int] | None:
+    """(prompt, completion) tokens from the last `usage` an answer carries: a JSON body,
+    or the tail of an event stream (chat's final chunk, Responses' `response.completed`,
+    Anthropic's `message_start` and `message_delta`).  None when it says nothing."""
+    prompt = completion = None
+    for block in reversed(data.split(b"\n")):
+        if b'"usage"' not in block and b'"timings"' not in block:
+            continue
+        text = block[5:] if block.startswith(b"data:") else block
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            continue
+        usage = _usage_of(payload)
+        if usage is None:
+            continue
+        if completion is None:
+            completion = _count(usage, "completion_tokens", "output_tokens")
+        if prompt is None:
+            prompt = _count(usage, "prompt_tokens", "input_tokens")
+        if prompt is not None and completion is not None:
+            break
+    if prompt is None and completion is None:
+        return None
+    return prompt or 0, completion or 0
+
+
+def _usage_of(payload: Any) -> dict[str, Any] | None:
+    if not isinstance(payload, dict):
+        return None
+    for holder in (payload, payload.get("response"), payload.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            usage: dict[str, Any] = holder["usage"]
+            return usage
+    # llama-server's streams carry no `usage` unless asked (stream_options), but their
+    # last chunk has its `timings`: the prompt's new and cached tokens, and the reply's.
+    timings = payload.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        prompt = sum(n for n in (timings.get("prompt_n"), timings.get("cache_n"))
+                     if isinstance(n, int) and n > 0)
+        return {"prompt_tokens": prompt, "completion_tokens": timings["predicted_n"]}
+    return None
+
+
+def _count(usage: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = usage.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
     return None

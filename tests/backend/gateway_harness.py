@@ -15,9 +15,11 @@ import httpx
 from backend.port.access_guard import AccessGuard
 from backend.errors import RETRY_SOON, ModelNotReady
 from backend.port.admission import DEFAULT_MODEL, AdmissionRegistry, KvCapacity
+from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
+from backend.port.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
-from backend.port.gateway import create_app
+from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
 from backend.port.metrics import Metrics
 from backend.settings import Settings
@@ -41,6 +43,8 @@ class Context:
         self.metrics.bind_registry(self.registry)
         self._snapshot = snapshot
         self.metrics.set_backend(snapshot)
+        self.keys: KeyStore | None = None
+        self.flows = FlowControl()
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
@@ -83,7 +87,9 @@ class Gateway:
 
     @property
     def guard(self) -> AccessGuard:
-        return self.server.served.guard
+        served = self.server.served
+        assert isinstance(served, PortGateway)
+        return served.guard
 
     def configure(self, **changes: Any) -> None:
         """Change settings live: the gateway reads them on every request."""
@@ -104,7 +110,7 @@ async def open_gateway(base_url: str, slots: int, *, model_id: str = "fake-model
                        context_length: int = 4096, kv: KvCapacity | None = None,
                        **settings: Any) -> AsyncIterator[Gateway]:
     """A gateway on 127.0.0.1:0 in front of the llama-server at `base_url`."""
-    defaults = dict(keepalive_interval=0.05, queue_timeout=30.0)
+    defaults: dict[str, Any] = dict(keepalive_interval=0.05, queue_timeout=30.0)
     defaults.update(settings)
     serving = Serving(base_url, slots, context_length=context_length, kv=kv)
     snapshot = Snapshot(state=State.READY, model_id=model_id, serving=serving)

@@ -14,6 +14,7 @@ import pytest
 
 from backend.errors import KeyExpired, KeyRevoked, KeyStoreError, Unauthorized
 from backend.key_store import OWNER, KeyStore, Priority, hash_secret, parse_expiry
+from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = 1_750_000_000.0  # a fixed "wall clock" for expiry
@@ -58,7 +59,7 @@ def test_every_key_gets_its_own_random_secret(path):
     store = KeyStore(path)
     secrets = {store.add(f"agent-{i}")[1] for i in range(20)}
     assert len(secrets) == 20
-    assert {store.authenticate(s).name for s in secrets} == {f"agent-{i}" for i in range(20)}
+    assert {not_none(store.authenticate(s)).name for s in secrets} == {f"agent-{i}" for i in range(20)}
 
 
 def test_the_owners_key_from_the_settings_has_every_model_and_no_limits(path):
@@ -68,7 +69,7 @@ def test_the_owners_key_from_the_settings_has_every_model_and_no_limits(path):
     assert owner is OWNER and owner.is_owner
     assert owner.allows("any-model") and owner.tokens_per_minute is None \
         and owner.tokens_per_day is None and owner.max_concurrent is None
-    assert store.authenticate(named).name == "bob"
+    assert not_none(store.authenticate(named)).name == "bob"
     store.set_owner_secret("gs-a-new-owner-key")
     assert store.authenticate("gs-the-owners-key") is None
     assert store.authenticate("gs-a-new-owner-key") is OWNER
@@ -162,7 +163,7 @@ def test_looking_again_without_a_change_rereads_nothing(path):
     for _ in range(5):
         clock.now += 1
         assert serving.refresh() is False
-        assert serving.authenticate(secret).name == "dave"
+        assert not_none(serving.authenticate(secret)).name == "dave"
     assert serving.generation == generation
 
 
@@ -173,7 +174,7 @@ def test_an_edit_from_another_process_applies_live(path):
     serving = KeyStore(path, clock=clock)
     cli.edit("erin", tokens_per_minute=5000, priority="batch", weight=2.5)
     clock.now += 1
-    record = serving.get("erin")
+    record = not_none(serving.get("erin"))
     assert (record.tokens_per_minute, record.priority, record.weight) == (5000, Priority.BATCH, 2.5)
 
 
@@ -185,7 +186,7 @@ def test_a_file_broken_while_serving_keeps_the_last_good_keys(path, caplog):
     serving = KeyStore(path, clock=clock)
     path.write_text("{half a file")
     clock.now += 1
-    assert serving.authenticate(secret).name == "frank"
+    assert not_none(serving.authenticate(secret)).name == "frank"
     assert "not readable JSON" in caplog.text
     # Nothing is written over a broken file (that would lose every key in it)...
     with pytest.raises(KeyStoreError, match="not readable JSON"):
@@ -216,12 +217,12 @@ def test_an_expired_key_is_refused_with_401_saying_so(path):
     store = KeyStore(path, wall_clock=wall)
     _, secret = store.add("temp", expires_at=NOW + 3600)
     wall.now = NOW + 3599
-    assert store.authenticate(secret).name == "temp"
+    assert not_none(store.authenticate(secret)).name == "temp"
     wall.now = NOW + 3600
     with pytest.raises(KeyExpired, match="'temp' expired") as refused:
         store.authenticate(secret)
     assert isinstance(refused.value, Unauthorized) and refused.value.status == 401
-    assert store.get("temp").status(wall.now) == "expired"
+    assert not_none(store.get("temp")).status(wall.now) == "expired"
 
 
 def test_a_revoked_key_is_refused_and_stays_revoked(path):
@@ -241,12 +242,12 @@ def test_a_waiting_request_can_ask_again_whether_its_key_still_holds(path):
     wall = Clock(NOW)
     store = KeyStore(path, wall_clock=wall)
     store.add("waiter", expires_at=NOW + 60)
-    assert store.get("waiter").refusal(wall.now) is None
+    assert not_none(store.get("waiter")).refusal(wall.now) is None
     wall.now += 60
-    assert isinstance(store.get("waiter").refusal(wall.now), KeyExpired)
+    assert isinstance(not_none(store.get("waiter")).refusal(wall.now), KeyExpired)
     store.edit("waiter", expires_at=None)
     store.revoke("waiter")
-    assert isinstance(store.get("waiter").refusal(wall.now), KeyRevoked)
+    assert isinstance(not_none(store.get("waiter")).refusal(wall.now), KeyRevoked)
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -316,12 +317,12 @@ def test_editing_a_key_that_does_not_exist_or_the_owners_is_refused(path):
 def test_a_date_means_through_the_end_of_that_local_day():
     now = datetime(2030, 3, 10, 12, 0).timestamp()
     expires = parse_expiry("2030-03-31", now)
-    assert datetime.fromtimestamp(expires) == datetime(2030, 4, 1, 0, 0)
+    assert datetime.fromtimestamp(not_none(expires)) == datetime(2030, 4, 1, 0, 0)
 
 
 def test_a_moment_spans_and_never_are_understood():
     now = datetime(2030, 3, 10, 12, 0).timestamp()
-    assert datetime.fromtimestamp(parse_expiry("2030-03-31T18:30", now)) == datetime(2030, 3, 31, 18, 30)
+    assert datetime.fromtimestamp(not_none(parse_expiry("2030-03-31T18:30", now))) == datetime(2030, 3, 31, 18, 30)
     assert parse_expiry("2030-03-31T18:30:00Z", now) == datetime.fromisoformat(
         "2030-03-31T18:30:00+00:00").timestamp()
     assert parse_expiry("30d", now) == now + 30 * 86400

@@ -200,4 +200,13 @@ def test_the_upstreams_kv_layout_comes_from_the_environment_and_the_command_line
     with pytest.raises(SettingsError, match="upstream_kv has an unusable value 'shared'"):
         Settings.load(path, environ={"GGUF_STUDIO_UPSTREAM_KV": "shared"})
     args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--upstream-kv", "unified"])
-    assert args.upstream_kv == "unified"
+    assert args.upstream_kv == ["unified"]
+
+
+def test_rpc_workers_come_from_the_environment_comma_separated_and_bad_ones_are_named(tmp_path):
+    environ = {"GGUF_STUDIO_RPC": "10.0.0.2:50052,10.0.0.3:6000"}
+    settings = Settings.load(tmp_path / "none.json", environ=environ)
+    assert settings.rpc == ["10.0.0.2:50052", "10.0.0.3:6000"]
+    assert settings.with_overrides({"rpc": "10.0.0.4"}).rpc == ["10.0.0.4:50052"]
+    with pytest.raises(SettingsError, match="RPC worker '10.0.0.2:x'"):
+        Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_RPC": "10.0.0.2:x"})

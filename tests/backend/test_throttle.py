@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from backend.throttle import Throttle
 
@@ -11,7 +12,7 @@ class Clockwork:
     """Holds what the throttle schedules, so a test runs it when it chooses (no timing)."""
 
     def __init__(self) -> None:
-        self.scheduled: list[tuple[float, object]] = []
+        self.scheduled: list[tuple[float, Callable[[], object]]] = []
 
     def __call__(self, delay, fn) -> None:
         self.scheduled.append((delay, fn))

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
@@ -166,6 +167,7 @@ async def occupied(service: StudioService, *, max_tokens: int = 100_000) -> Asyn
                 await service.apply_settings(capped)
                 # Hold on to the line iterator: once garbage, it would close the stream.
                 lines = response.aiter_lines()
+                assert isinstance(lines, AsyncGenerator)  # so it has aclose (httpx's is one)
                 try:
                     async for line in lines:
                         if line.startswith("data: {"):
@@ -257,6 +259,7 @@ class Process:
 
     @property
     def running(self) -> bool:
+        assert self._result is not None  # set by start
         return not self._result.done()
 
     async def _communicate(self, stdin: bytes | None) -> Run:
@@ -281,6 +284,7 @@ class Process:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     async def result(self) -> Run:
+        assert self._result is not None  # set by start
         return await self._result
 
     async def stop(self) -> None:
@@ -364,9 +368,7 @@ def codex_config(service: StudioService, **provider: int | str) -> str:
     lines = [
         f'model = "{MODEL_ID}"',
         'model_provider = "gguf-studio"',
-        'approval_policy = "never"',
-        'sandbox_mode = "read-only"',
-        "check_for_update_on_startup = false",
+        *CODEX_OFFLINE_ROOT,
         "",
         "[model_providers.gguf-studio]",
         'name = "GGUF Studio"',
@@ -375,8 +377,15 @@ def codex_config(service: StudioService, **provider: int | str) -> str:
         'wire_api = "responses"',
     ]
     lines += [f"{name} = {json.dumps(value)}" for name, value in provider.items()]
-    lines += ["", "[features]", "plugins = false", "", "[analytics]", "enabled = false", ""]
+    lines += CODEX_OFFLINE_TABLES
     return "\n".join(lines)
+
+
+# What keeps `codex exec` from asking, updating or reaching out; root keys go before the
+# first table of config.toml, the tables after the rest.
+CODEX_OFFLINE_ROOT = ['approval_policy = "never"', 'sandbox_mode = "read-only"',
+                      "check_for_update_on_startup = false"]
+CODEX_OFFLINE_TABLES = ["", "[features]", "plugins = false", "", "[analytics]", "enabled = false", ""]
 
 
 class Codex:
@@ -389,16 +398,20 @@ class Codex:
 
     async def start(self, service: StudioService, prompt: str, *,
                     timeout: float = CLIENT_TIMEOUT, trace: Path | None = None,
-                    **provider: int | str) -> Process:
+                    files: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                    env: dict[str, str] | None = None, **provider: int | str) -> Process:
+        """`files`: CODEX_HOME's files by name, instead of `codex_config`'s config.toml;
+        `args`: more options of `codex exec`; `env`: more variables."""
         run_dir = self.root / f"codex-{len(self.processes)}"
         home, codex_home, work = run_dir / "home", run_dir / "codex-home", run_dir / "work"
         for d in (home, codex_home, work):
             d.mkdir(parents=True)
-        (codex_home / "config.toml").write_text(codex_config(service, **provider))
-        env = clean_env(home, CODEX_HOME=str(codex_home))
+        for name, text in (files or {"config.toml": codex_config(service, **provider)}).items():
+            (codex_home / name).write_text(text)
+        run_env = clean_env(home, CODEX_HOME=str(codex_home), **(env or {}))
         argv = [str(self.clients.codex_bin), "exec", "--strict-config", "--skip-git-repo-check",
-                "--ephemeral", "--color", "never", "-C", str(work), prompt]
-        process = await Process.start(traced(argv, trace), env=env, cwd=work, timeout=timeout)
+                "--ephemeral", "--color", "never", "-C", str(work), *args, prompt]
+        process = await Process.start(traced(argv, trace), env=run_env, cwd=work, timeout=timeout)
         self.processes.append(process)
         return process
 
@@ -458,11 +471,13 @@ class OpenCode:
 
     async def start(self, service: StudioService, prompt: str, *,
                     timeout: float = CLIENT_TIMEOUT, args: tuple[str, ...] = (),
-                    trace: Path | None = None) -> Process:
+                    trace: Path | None = None, config: dict | None = None,
+                    env: dict[str, str] | None = None) -> Process:
+        """`config`: opencode.json instead of `opencode_config`'s; `env`: more variables."""
         run_dir = self.root / f"opencode-{len(self.processes)}"
         home, work = run_dir / "home", run_dir / "work"
         work.mkdir(parents=True)
-        env = clean_env(home, **OPENCODE_OFFLINE)
+        env = clean_env(home, **OPENCODE_OFFLINE, **(env or {}))
         config_dir = Path(env["XDG_CONFIG_HOME"]) / "opencode"
         config_dir.mkdir(parents=True)
         # OpenCode npm-installs @opencode-ai/plugin into its config dir at start unless
@@ -471,7 +486,7 @@ class OpenCode:
         for name in ("package.json", "package-lock.json"):
             shutil.copyfile(plugin / name, config_dir / name)
         (config_dir / "node_modules").symlink_to(plugin / "node_modules", target_is_directory=True)
-        (config_dir / "opencode.json").write_text(json.dumps(opencode_config(service), indent=2))
+        (config_dir / "opencode.json").write_text(json.dumps(config or opencode_config(service), indent=2))
         argv = [str(self.clients.opencode_bin), "run", *args]
         process = await Process.start(traced(argv, trace), env=env, cwd=work,
                                       stdin=prompt.encode() + b"\n",

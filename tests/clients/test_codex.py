@@ -11,8 +11,11 @@ import asyncio
 
 import pytest
 
-from tests.clients.conftest import (KEEPALIVE, Codex, network_connections, occupied,
-                                    occupied_place, rejections, responses_count, until)
+from backend.app.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, codex_snippet
+from tests.clients.conftest import (API_KEY, CODEX_OFFLINE_ROOT, CODEX_OFFLINE_TABLES, CONTEXT,
+                                    KEEPALIVE, MODEL_ID, OUTPUT_CAP, Codex, base_url,
+                                    network_connections, occupied, occupied_place, rejections,
+                                    responses_count, until)
 
 # A first run installs the clients (scripts/install-clients); each client run is bounded.
 pytestmark = pytest.mark.timeout(600)
@@ -109,3 +112,26 @@ async def test_codex_retries_a_429_and_succeeds_once_a_place_frees(start_studio,
     assert run.text, run.describe()
     assert responses_count(service, RESPONSES, 429) >= 1
     assert responses_count(service, RESPONSES, 200) == 1
+
+
+async def test_codex_switches_to_another_model_of_the_port_with_the_snippets_profile(
+        start_studio, codex: Codex):
+    """The Codex snippet of a port with two models, pasted as it is (plus the suite's
+    offline switches): --strict-config takes config.toml and the profile file, and
+    `codex --profile NAME` asks for that model.  (Which context window Codex then plans
+    with shows nowhere outside it: a run with the profile's window left out looks alike.)"""
+    service = await start_studio(parallel=1)
+    target = ClientTarget(base_url(service), "never-asked-for", API_KEY, context_length=4096,
+                          max_output_tokens=OUTPUT_CAP, others=(ClientModel(MODEL_ID, CONTEXT),))
+    snippet = codex_snippet(target)
+    (profile,) = snippet.files
+    root, tables = snippet.text.split("\n\n", 1)
+    files = {"config.toml": "\n".join([root, *CODEX_OFFLINE_ROOT, "", tables, *CODEX_OFFLINE_TABLES]),
+             profile.where.removeprefix("~/.codex/"): profile.text}
+
+    run = await codex.run(service, "Say hello.", files=files, args=tuple(profile.usage.split()[1:]),
+                          env={KEY_ENV_VAR: API_KEY})
+
+    assert run.returncode == 0 and run.text, run.describe()
+    assert f"model: {MODEL_ID}\n" in run.stderr, run.describe()  # Codex's header: the profile's
+    assert responses_count(service, RESPONSES, 200) == 1, run.describe()  # never re-sent

@@ -8,9 +8,11 @@ import time
 
 import openai
 import pytest
+from openai.types.responses import ResponseCompletedEvent
 
 from tests.clients.conftest import (API_KEY, MODEL_ID, OUTPUT_CAP, base_url, occupied,
                                     occupied_place, rejections, responses_count, until)
+from tests.not_none import not_none
 
 PROMPT = "Say hello."
 
@@ -31,7 +33,7 @@ async def test_chat(sdk_service):
     choice = completion.choices[0]
     assert choice.message.content
     assert choice.finish_reason == "length"  # the output cap, 16 tokens
-    assert completion.usage.completion_tokens == OUTPUT_CAP
+    assert not_none(completion.usage).completion_tokens == OUTPUT_CAP
 
 
 async def test_streamed_chat(sdk_service):
@@ -49,7 +51,7 @@ async def test_responses(sdk_service):
     async with sdk(sdk_service) as client:
         response = await client.responses.create(model=MODEL_ID, input=PROMPT)
     assert response.output_text
-    assert response.usage.output_tokens == OUTPUT_CAP
+    assert not_none(response.usage).output_tokens == OUTPUT_CAP
 
 
 async def test_streamed_responses_one_id_from_the_queue_to_the_end(sdk_service):
@@ -82,7 +84,8 @@ async def test_streamed_responses_one_id_from_the_queue_to_the_end(sdk_service):
     assert "response.output_text.delta" in types and "response.output_item.done" in types
     ids = {e.response.id for e in events if hasattr(e, "response")}
     assert len(ids) == 1, ids
-    assert events[-1].response.output_text
+    last = events[-1]
+    assert isinstance(last, ResponseCompletedEvent) and last.response.output_text
 
 
 async def test_429_is_retried_after_retry_after_and_succeeds(start_studio):
@@ -93,7 +96,7 @@ async def test_429_is_retried_after_retry_after_and_succeeds(start_studio):
         async with occupied(service):
             async with occupied_place(service) as waiting:
                 started = time.monotonic()
-                request = asyncio.create_task(client.chat.completions.with_raw_response.create(
+                request = asyncio.ensure_future(client.chat.completions.with_raw_response.create(
                     model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}]))
                 await until(lambda: rejections(service, "server_is_overloaded") == 1, 30,
                             "the SDK's request to be refused")

@@ -8,11 +8,14 @@ hard timeout and a test fails, rather than hangs, if it would loop.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
-from tests.clients.conftest import (OpenCode, network_connections, occupied, occupied_place,
-                                    rejections, responses_count, until)
+from backend.app.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, opencode_snippet
+from tests.clients.conftest import (API_KEY, CONTEXT, MODEL_ID, OUTPUT_CAP, OpenCode, base_url,
+                                    network_connections, occupied, occupied_place, rejections,
+                                    responses_count, until)
 
 # A first run installs the clients (scripts/install-clients); each client run is bounded.
 pytestmark = pytest.mark.timeout(600)
@@ -84,3 +87,20 @@ async def test_opencode_sees_an_in_stream_queue_timeout_as_an_error_and_retries_
     assert run.text, run.describe()
     # Backing off, not looping: a handful of attempts while the slot was held.
     assert timed_out_while_held <= 4, service.metrics.totals()
+
+
+async def test_opencode_takes_the_snippets_models_limits_and_small_model(start_studio,
+                                                                     opencode: OpenCode):
+    """The OpenCode snippet of a port with two models, pasted as it is (plus the suite's
+    no-update, no-share switches): the title and the turn both reach the port."""
+    service = await start_studio(parallel=1)
+    target = ClientTarget(base_url(service), MODEL_ID, API_KEY, context_length=CONTEXT,
+                          max_output_tokens=OUTPUT_CAP, others=(ClientModel("never-asked-for", 4096),),
+                          small_model=MODEL_ID)
+    config = json.loads(opencode_snippet(target).text) | {"autoupdate": False, "share": "disabled"}
+
+    run = await opencode.run(service, "Say hello.", config=config, env={KEY_ENV_VAR: API_KEY})
+
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert run.text, run.describe()
+    assert responses_count(service, CHAT, 200) == 2  # title (small_model) + turn

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def load_build():
     spec = importlib.util.spec_from_file_location("gguf_studio_build", ROOT / "packaging" / "build.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(1800)
 def _load_build_module():
     # packaging/ is no Python package (the name belongs to PyPI's `packaging`): load by path.
     spec = importlib.util.spec_from_file_location("gguf_studio_build", BUILD_SCRIPT)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

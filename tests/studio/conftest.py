@@ -85,6 +85,7 @@ def open_window(qapp: QApplication, qtbot, studio_home: Path
 
     yield open_
     for window in windows:
+        # Closing asks whether to stop requests in flight; the test answers yes.
         window.ask = lambda *_args: True  # type: ignore[method-assign]
         window.close()
         window.shutdown()
@@ -93,6 +94,7 @@ def open_window(qapp: QApplication, qtbot, studio_home: Path
 
 
 def close_and_stop(window: MainWindow) -> None:
+    # Closing asks whether to stop requests in flight; the test answers yes.
     window.ask = lambda *_args: True  # type: ignore[method-assign]
     window.close()
     window.shutdown()

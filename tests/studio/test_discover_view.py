@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 
 from backend.models.download import DownloadState
 from backend.models.hub import curated_models
-from backend.llama.supervisor import State
+from backend.llama.load import State
 from studio.window import GET_MODELS_TAB
 from tests.conftest import CODER_REPO
 

@@ -94,6 +94,18 @@ def test_owned_flags_are_refused_with_a_message(open_window, qtbot, tiny_model: 
     assert window.bridge.snapshot.state is State.STOPPED
 
 
+def test_rpc_workers_llama_cpp_cannot_reach_are_refused_with_a_message(open_window, qtbot,
+                                                                      tiny_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    window.model_view.rpc.setText("[::1]:50052")
+    qtbot.mouseClick(window.model_view.load_button, Qt.MouseButton.LeftButton)
+    assert window.model_view.settings_error.isVisible()
+    assert "IPv4 only" in window.model_view.settings_error.text()
+    assert window.bridge.snapshot.state is State.STOPPED
+
+
 def test_effective_slots_are_marked_when_the_server_decided_otherwise(open_window) -> None:
     view = open_window().model_view
     def ready(parallel: str) -> Snapshot:
@@ -121,6 +133,8 @@ def test_settings_survive_a_restart(open_window, qtbot, tiny_model: Path) -> Non
     window.model_view.parallel.setValue(3)
     window.model_view.extra_args.setText("--temp 0.5")
     window.model_view.extra_args.editingFinished.emit()
+    window.model_view.rpc.setText("10.0.0.2:50052, Gpu-Box")
+    window.model_view.rpc.editingFinished.emit()
     window.sharing.lan.click()
     qtbot.waitUntil(lambda: window.settings.host == "0.0.0.0", timeout=WAIT)
     key, port = window.settings.api_key, window.settings.port
@@ -137,7 +151,9 @@ def test_settings_survive_a_restart(open_window, qtbot, tiny_model: Path) -> Non
     assert Settings.load().api_key == key
     select(qtbot, again, tiny_model)
     assert again.model_view.load_settings() == LoadSettings(
-        ctx_size=4096, parallel="3", extra_args=("--temp", "0.5"))
+        ctx_size=4096, parallel="3", extra_args=("--temp", "0.5"),
+        rpc=("10.0.0.2:50052", "gpu-box:50052"))
+    assert again.model_view.rpc.text() == "10.0.0.2:50052, gpu-box:50052"
 
 
 def test_lan_needs_a_key_and_regenerating_replaces_it(open_window, qtbot) -> None:
@@ -231,7 +247,11 @@ def test_choosing_a_binary_uses_it(open_window, monkeypatch, tmp_path: Path,
 def test_closing_with_requests_in_flight_asks_first(open_window) -> None:
     window = open_window()
     asked = []
-    window.ask = lambda *args: asked.append(args) or False
+
+    def ask(*args):
+        asked.append(args)
+        return False
+    window.ask = ask
     window.bridge.requests_in_flight = lambda timeout=1.0: 3
     window.close()
     assert asked and "3 requests" in asked[0][1]
@@ -289,7 +309,7 @@ def test_keyboard_reaches_everything_in_order(open_window) -> None:
             assert button.text().strip() or button.accessibleName(), button
     lv, mv = window.library_view, window.model_view
     chain = [lv.search, lv.list, lv.open_button, lv.folder_button, lv.rescan_button,
-             mv.ctx_size, mv.parallel, mv.gpu_layers, mv.threads, mv.extra_args]
+             mv.ctx_size, mv.parallel, mv.threads, mv.gpu_layers, mv.extra_args, mv.rpc]
     for first, second in zip(chain, chain[1:]):
         following = first.nextInFocusChain()
         # Skip what Tab passes over: unfocusable widgets and a spin box's own line edit.
@@ -305,7 +325,11 @@ def test_open_log_folder(open_window, monkeypatch, studio_home: Path) -> None:
     from PySide6.QtGui import QDesktopServices
 
     opened = []
-    monkeypatch.setattr(QDesktopServices, "openUrl", lambda url: opened.append(url) or True)
+
+    def open_url(url):
+        opened.append(url)
+        return True
+    monkeypatch.setattr(QDesktopServices, "openUrl", open_url)
     logs = open_window().logs
     logs.open_folder.click()
     assert [url.toLocalFile() for url in opened] == [str(logs.log_dir)]

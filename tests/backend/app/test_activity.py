@@ -138,7 +138,7 @@ def test_history_is_a_bounded_ring() -> None:
     assert len(history) == 6
     assert history.series("waiting") == [(float(i), float(i)) for i in range(14, 20)]
     assert history.peak("waiting") == 19
-    assert history.latest.time == 19.0
+    assert history.latest is not None and history.latest.time == 19.0
     history.clear()
     assert history.latest is None and history.peak("active") == 0
 
@@ -153,7 +153,7 @@ def test_parse_prometheus_value() -> None:
     assert parse_prometheus_value(text, "llamacpp:missing") is None
 
 
-async def test_sampler_runs_and_reads_engine_tokens() -> None:
+async def test_sampler_runs_and_reads_engine_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler delivers samples on its loop and scrapes the engine's /metrics."""
     hits = []
 
@@ -171,19 +171,17 @@ async def test_sampler_runs_and_reads_engine_tokens() -> None:
         if sample.tokens_generated == 42:
             got.set()
 
-    original = httpx.AsyncClient
-
-    class Client(original):  # type: ignore[misc, valid-type]
+    class Client(httpx.AsyncClient):
         def __init__(self, **kwargs):
             super().__init__(transport=httpx.MockTransport(handler), **kwargs)
 
     sampler = ActivitySampler(service, on_sample, interval=0.01, token_interval=0.01)
-    httpx.AsyncClient = Client
+    monkeypatch.setattr(httpx, "AsyncClient", Client)
     try:
         sampler.start()
         await asyncio.wait_for(got.wait(), 5)
     finally:
-        httpx.AsyncClient = original
+        monkeypatch.undo()
         await sampler.stop()
     assert hits and hits[0] == "/metrics"
     assert len(samples) >= 2

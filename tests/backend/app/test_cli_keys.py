@@ -14,6 +14,7 @@ import pytest
 from backend.app.usage import UsageLedger
 from backend.errors import KeyRevoked
 from backend.key_store import KeyStore, Priority, hash_secret
+from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,13 +50,13 @@ def test_add_prints_the_secret_alone_once_and_stores_only_its_hash(env, config):
     stored = (config / "keys.json").read_text()
     assert secret not in stored and secret[3:] not in stored
     assert hash_secret(secret) in stored
-    record = KeyStore(config / "keys.json").authenticate(secret)
+    record = not_none(KeyStore(config / "keys.json").authenticate(secret))
     assert record.name == "alice"
     assert record.models == ("qwen2.5-coder-7b", "llama-3*")
     assert (record.max_concurrent, record.tokens_per_minute, record.tokens_per_day) == \
         (2, 10_000, 1_000_000)
     assert (record.priority, record.weight) == (Priority.INTERACTIVE, 2.0)
-    assert 29 * 86400 < record.expires_at - time.time() <= 30 * 86400
+    assert 29 * 86400 < not_none(record.expires_at) - time.time() <= 30 * 86400
     if os.name != "nt":
         assert (config / "keys.json").stat().st_mode & 0o777 == 0o600
         assert config.stat().st_mode & 0o777 == 0o700
@@ -110,13 +111,13 @@ def test_edit_changes_only_what_is_given(env, config):
     edited = keys(env, "edit", "bob", "--tokens-per-day", "50000", "--weight", "3")
     assert edited.returncode == 0, edited.stderr
     assert "50,000 tokens per day" in edited.stdout and "1,000 tokens per minute" in edited.stdout
-    record = KeyStore(config / "keys.json").get("bob")
+    record = not_none(KeyStore(config / "keys.json").get("bob"))
     assert (record.tokens_per_minute, record.tokens_per_day, record.weight, record.models) == \
         (1000, 50_000, 3.0, ("qwen",))
     cleared = keys(env, "edit", "bob", "--tokens-per-minute", "none", "--models", "all",
                    "--expires", "2099-01-01")
     assert cleared.returncode == 0, cleared.stderr
-    record = KeyStore(config / "keys.json").get("bob")
+    record = not_none(KeyStore(config / "keys.json").get("bob"))
     assert (record.tokens_per_minute, record.models) == (None, ())
     assert record.expires_at is not None
 
@@ -124,7 +125,7 @@ def test_edit_changes_only_what_is_given(env, config):
 def test_revoke_reaches_a_running_port_and_the_key_stays_listed(env, config):
     secret = keys(env, "add", "leaked").stdout.strip()
     serving = KeyStore(config / "keys.json", check_interval=0)  # a port already running
-    assert serving.authenticate(secret).name == "leaked"
+    assert not_none(serving.authenticate(secret)).name == "leaked"
     revoked = keys(env, "revoke", "leaked")
     assert revoked.returncode == 0 and "401 from now on" in revoked.stdout
     with pytest.raises(KeyRevoked):

@@ -18,6 +18,7 @@ import pytest
 
 from backend.app.desktop_libraries import (install_line, missing_libraries, missing_packages,
                                        platform_problem, uses_xcb, xcb_plugin)
+from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[3]
 REAL_NEED, FAKE_NEED = b"libxcb-icccm.so.4", b"libxcb-icccz.so.4"
@@ -67,7 +68,7 @@ def test_missing_libraries_are_read_from_the_loader(broken_plugin_env):
     plugin = Path(broken_plugin_env["QT_QPA_PLATFORM_PLUGIN_PATH"]) / "libqxcb.so"
     assert xcb_plugin(broken_plugin_env) == plugin
     assert missing_libraries(plugin, broken_plugin_env) == ["libxcb-icccz.so.4"]
-    assert "libxcb-icccz.so.4" in platform_problem(broken_plugin_env)
+    assert "libxcb-icccz.so.4" in not_none(platform_problem(broken_plugin_env))
     assert platform_problem(dict(broken_plugin_env, QT_QPA_PLATFORM="offscreen")) is None
 
 

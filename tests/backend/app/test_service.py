@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from backend.llama.load import LoadSettings, LoadSpec, Snapshot, State
 
 # A long generation holds a slot for seconds on the tiny model (random weights never
 # stop by themselves; ignore_eos makes sure).
-LONG = {"max_tokens": 4000, "ignore_eos": True}
+LONG: dict[str, Any] = {"max_tokens": 4000, "ignore_eos": True}
 
 
 @pytest.fixture
@@ -60,6 +61,7 @@ async def until(predicate, timeout: float = 30.0, interval: float = 0.02) -> Non
 
 
 async def busy_slots(snapshot: Snapshot) -> int:
+    assert snapshot.serving is not None
     async with httpx.AsyncClient(headers=engine_headers(snapshot.serving.api_key)) as c:
         slots = (await c.get(f"{snapshot.serving.base_url}/slots")).raise_for_status().json()
     return sum(1 for s in slots if s.get("is_processing"))
@@ -236,7 +238,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_slot_freed(service
 async def test_reload_lets_running_requests_finish_moves_waiting_ones_and_prunes_the_old_queue(
         service, client, tiny_model):
     old = await service.load(spec(tiny_model, parallel="1"))
-    medium = {"max_tokens": 600, "ignore_eos": True}
+    medium: dict[str, Any] = {"max_tokens": 600, "ignore_eos": True}
 
     async def stream() -> list[str]:
         async with client.stream("POST", "/v1/chat/completions", json=chat(**medium)) as r:
@@ -273,6 +275,7 @@ async def test_reload_grace_expiry_ends_running_requests_cleanly(service, client
                 lines.append(line)
             if reload is None:
                 reload = asyncio.create_task(service.load(spec(tiny_model, parallel="1")))
+        assert reload is not None
         await reload
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "model_reloaded"

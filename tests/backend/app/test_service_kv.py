@@ -54,6 +54,7 @@ def port_client(service: StudioService, *, idle_timeout: float = 60.0) -> httpx.
 
 def engine(snapshot: Snapshot, **options) -> httpx.AsyncClient:
     """A client of the engine's own port, with the key only the app knows."""
+    assert snapshot.serving is not None
     return httpx.AsyncClient(base_url=snapshot.serving.base_url, headers=engine_headers(snapshot.serving.api_key),
                              **options)
 
@@ -290,7 +291,7 @@ async def test_when_the_engine_cannot_count_in_time_the_documented_estimate_deci
 
 async def test_the_cache_is_forgotten_with_the_slots_when_the_engine_stops_and_read_again(
         service, tiny_model):
-    seen = []
+    seen: list[Snapshot] = []
     service.add_listener(seen.append)
     first = await service.load(auto_spec(tiny_model))
     os.kill(first.pid, signal.SIGKILL)

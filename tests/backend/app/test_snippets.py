@@ -6,7 +6,8 @@ import json
 import shlex
 import tomllib
 
-from backend.app.snippets import KEY_ENV_VAR, PROVIDER_ID, ClientTarget, client_snippets, key_requirement
+from backend.app.snippets import (KEY_ENV_VAR, PROVIDER_ID, ClientModel, ClientTarget, client_snippets,
+                                  key_requirement)
 
 URL = "http://192.168.1.20:8899/v1"
 KEY = "gs-secretsecretsecret"
@@ -100,3 +101,52 @@ async def test_the_key_hint_says_what_the_port_enforces_on_this_computer(gw):
     assert "must send this key" in key_requirement(shared_on_network=True, has_key=True)
     assert "No key is needed" in key_requirement(shared_on_network=False, has_key=False)
     assert "anyone" in key_requirement(shared_on_network=True, has_key=False)
+
+
+# --- several models ----------------------------------------------------------------------------
+
+POOL = ClientTarget(URL, "coder", KEY, context_length=32768, size=4_000_000_000,
+                    others=(ClientModel("qwen2.5:0.5b", 8192, 400_000_000),
+                            ClientModel("qwen2.5/0.5b", 4096, 900_000_000)))
+
+
+def test_codex_gets_the_default_model_and_a_profile_file_per_other_model() -> None:
+    codex = by_client(POOL)["Codex CLI"]
+    base = tomllib.loads(codex.text)
+    assert (base["model"], base["model_context_window"]) == ("coder", 32768)
+    # Codex takes plain profile names: letters, digits, - and _; each one once.
+    assert [(f.where, f.usage) for f in codex.files] == [
+        ("~/.codex/qwen2-5-0-5b.config.toml", "codex --profile qwen2-5-0-5b"),
+        ("~/.codex/qwen2-5-0-5b-2.config.toml", "codex --profile qwen2-5-0-5b-2")]
+    small, other = (tomllib.loads(f.text) for f in codex.files)
+    assert small == {"model": "qwen2.5:0.5b", "model_provider": PROVIDER_ID,
+                     "model_context_window": 8192, "model_auto_compact_token_limit": 8192 - 2048}
+    assert other["model"] == "qwen2.5/0.5b" and other["model_context_window"] == 4096
+    assert all(KEY not in f.text for f in codex.files)
+
+
+def test_opencode_lists_every_model_with_its_limits_and_the_smallest_as_small_model() -> None:
+    config = json.loads(by_client(POOL)["OpenCode"].text)
+    models = config["provider"][PROVIDER_ID]["models"]
+    assert list(models) == ["coder", "qwen2.5:0.5b", "qwen2.5/0.5b"]
+    assert models["qwen2.5/0.5b"]["limit"] == {"context": 4096, "output": 2048}
+    assert config["model"] == f"{PROVIDER_ID}/coder"
+    assert config["small_model"] == f"{PROVIDER_ID}/qwen2.5:0.5b"
+
+
+def test_opencodes_small_model_is_the_one_chosen_else_the_default_when_sizes_are_unknown() -> None:
+    chosen = ClientTarget(URL, "coder", others=(ClientModel("a", size=1), ClientModel("b", size=2)),
+                          small_model="b")
+    assert json.loads(by_client(chosen)["OpenCode"].text)["small_model"] == f"{PROVIDER_ID}/b"
+    unknown = ClientTarget(URL, "coder", others=(ClientModel("tiny", size=1),))  # coder's size unknown
+    assert json.loads(by_client(unknown)["OpenCode"].text)["small_model"] == f"{PROVIDER_ID}/coder"
+    single = by_client(ClientTarget(URL, "coder"))
+    assert json.loads(single["OpenCode"].text)["small_model"] == f"{PROVIDER_ID}/coder"
+    assert single["Codex CLI"].files == ()
+
+
+def test_any_model_id_makes_valid_toml_even_outside_the_basic_plane() -> None:
+    codex = by_client(ClientTarget(URL, "modèle-😀\x7f", others=(ClientModel("😀"),)))["Codex CLI"]
+    assert tomllib.loads(codex.text)["model"] == "modèle-😀\x7f"
+    assert codex.files[0].where == "~/.codex/model.config.toml"
+    assert tomllib.loads(codex.files[0].text)["model"] == "😀"

@@ -15,6 +15,8 @@ import pytest
 from backend.llama.engine import (LLAMA_CPP_PYTHON_VERSION, BuildKey, BuildProgress, Engine,
                                   find_build_tools)
 from backend.errors import BuildToolMissing, EngineBuildFailed, EngineNotFound
+from backend.llama.rpc_worker import RpcProtocol, protocol_of_engine
+from tests.not_none import not_none
 
 
 def fake_executable(path: Path) -> Path:
@@ -128,7 +130,7 @@ async def test_interrupted_build_leaves_no_half_engine(engine, source_tree, tmp_
 
 def test_build_progress_is_parsed_from_ninja_output():
     from backend.llama.engine import _NINJA_PROGRESS
-    m = _NINJA_PROGRESS.match("[103/206] Building CXX object src/llama.cpp.o")
+    m = not_none(_NINJA_PROGRESS.match("[103/206] Building CXX object src/llama.cpp.o"))
     assert (int(m.group(1)), int(m.group(2))) == (103, 206)
 
 
@@ -167,11 +169,15 @@ async def test_sources_that_fail_their_hash_check_are_refused_and_not_kept(tmp_p
 def fake_engine_sources(cache_dir: Path, line_repeats: int = 1) -> Path:
     """A stand-in for the vendored llama.cpp tree, where the engine build looks for it: a
     CMake project that prints a line of `line_repeats` x 15 characters while configuring
-    and compiling, records the environment it was given, and builds a `llama-server` in
-    seconds."""
+    and compiling, records the environment it was given, and builds a `llama-server` and a
+    `ggml-rpc-server` (of RPC protocol 9.8.7) in seconds."""
     tree = cache_dir / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
     tree.mkdir(parents=True)
     (tree / "main.c").write_text("int main(void) { return 0; }\n")
+    (tree / "ggml" / "include").mkdir(parents=True)
+    (tree / "ggml" / "include" / "ggml-rpc.h").write_text(
+        "#define RPC_PROTO_MAJOR_VERSION    9\n#define RPC_PROTO_MINOR_VERSION    8\n"
+        "#define RPC_PROTO_PATCH_VERSION    7\n")
     (tree / "CMakeLists.txt").write_text(textwrap.dedent("""\
         cmake_minimum_required(VERSION 3.16)
         project(fake_llama C)
@@ -181,6 +187,7 @@ def fake_engine_sources(cache_dir: Path, line_repeats: int = 1) -> Path:
                         OUTPUT_FILE ${CMAKE_BINARY_DIR}/build-environment.txt)
         set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
         add_executable(llama-server main.c)
+        add_executable(ggml-rpc-server main.c)
         string(REPEAT "compiler-says-" @REPEATS@ LONG_COMPILE)
         add_custom_command(TARGET llama-server POST_BUILD
                            COMMAND ${CMAKE_COMMAND} -E echo "${LONG_COMPILE}")
@@ -199,6 +206,19 @@ async def test_build_output_lines_over_64_kib_are_logged_whole_and_the_build_com
     assert "compiler-says-" * 6000 in log
     assert all(len(e.line) <= 4096 for e in events)  # cut for the window and the terminal
     assert any("configure-says-" in e.line for e in events)
+
+
+async def test_a_build_installs_llama_server_and_its_rpc_server_together(tmp_path):
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    fake_engine_sources(scratch.cache_dir)
+    built = await scratch.build(jobs=1)
+    assert sorted(p.name for p in built.parent.iterdir()) == [
+        "engine.json", "ggml-rpc-server", "llama-server"]
+    record = json.loads((built.parent / "engine.json").read_text())
+    assert record["rpc"] is True and "-DGGML_RPC=ON" in record["cmake_args"]
+    assert record["rpc_protocol"] == [9, 8, 7]
+    assert protocol_of_engine(built) == RpcProtocol(9, 8, 7)
+    assert scratch.rpc_server(backends=["cpu"]) == built.parent / "ggml-rpc-server"
 
 
 async def test_the_build_tools_are_not_given_the_ports_key_or_hub_tokens(tmp_path, monkeypatch):

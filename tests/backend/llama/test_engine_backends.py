@@ -3,32 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
 
 from backend.llama.accelerators import detect
-from backend.llama.engine import BuildKey, Engine, backend_cmake_args, plan_build
-from backend.errors import BuildToolMissing
+from backend.llama.engine import (RPC_SERVER_NAME, BuildKey, Engine, backend_cmake_args,
+                                  plan_build)
+from backend.errors import BuildToolMissing, EngineNotFound
 from tests.backend.llama.test_accelerators import (
     NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
 )
 from tests.backend.llama.test_engine import fake_executable
+from tests.not_none import not_none
 
 
 def plan(backend: str, probes, tmp_path: Path):
     return asyncio.run(plan_build(backend, tmp_path, accelerators=detect(probes)))
 
 
-def test_each_backend_has_its_own_key_and_the_cpu_key_is_unchanged():
+def test_each_backend_has_its_own_key_and_the_cpu_key_before_rpc_is_unchanged():
+    before_rpc = BuildKey(rpc=False)
+    assert before_rpc.name == "llama.cpp-0.3.36-788912df729d"  # built before GPU backends and RPC
     cpu = BuildKey()
-    assert cpu.name == "llama.cpp-0.3.36-788912df729d"  # engines built before GPU backends
+    assert cpu.name.startswith("llama.cpp-0.3.36-") and cpu.name != before_rpc.name
     vulkan = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan",
                       toolkit=("vulkan-headers=1.4.309",))
     assert vulkan.name.startswith("llama.cpp-0.3.36-vulkan-")
     other_headers = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan",
                              toolkit=("vulkan-headers=1.4.321",))
     assert len({cpu.name, vulkan.name, other_headers.name}) == 3
+    assert "-DGGML_RPC=ON" in cpu.cmake_args and "-DGGML_RPC=ON" in vulkan.cmake_args
 
 
 def test_the_cuda_plan_points_cmake_at_the_toolkit_without_putting_paths_in_the_key(tmp_path):
@@ -66,13 +72,43 @@ def test_a_machine_with_a_gpu_loads_with_its_engine_and_falls_back_to_the_cpu_on
     assert wanted == ["vulkan", "cpu"]
 
     before = engine.resolve(None, environ, backends=wanted)
-    assert before.chosen.path == cpu
+    assert not_none(before.chosen).path == cpu
     assert any("engine build --backend vulkan" in line for line in before.describe())
 
     key = BuildKey(extra_cmake_args=("-DGGML_VULKAN=ON",), backend="vulkan", toolkit=("x",))
     vulkan = fake_executable(engine.managed_binary(key))
     after = engine.resolve(None, environ, backends=wanted)
-    assert after.chosen.path == vulkan and after.chosen.source == "managed vulkan"
+    assert not_none(after.chosen).path == vulkan and not_none(after.chosen).source == "managed vulkan"
     assert engine.installed_backends() == {"cpu": cpu, "vulkan": vulkan}
     # A machine without the GPU keeps using the CPU engine even with both installed.
-    assert engine.resolve(None, environ, backends=["cpu"]).chosen.path == cpu
+    assert not_none(engine.resolve(None, environ, backends=["cpu"]).chosen).path == cpu
+
+
+def test_an_engine_from_before_rpc_serves_until_one_with_rpc_is_built(tmp_path):
+    engine = Engine(data_dir=tmp_path / "data")
+    environ = {"PATH": str(tmp_path / "empty")}
+    old = fake_executable(engine.managed_binary(BuildKey(rpc=False)))
+    chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
+    assert chosen.path == old and "before engines had RPC" in chosen.reason
+    assert "gguf-studio engine build" in chosen.reason
+    with pytest.raises(EngineNotFound, match="built before GGUF Studio's engines had RPC"):
+        engine.rpc_server(backends=["cpu"])
+
+    new = fake_executable(engine.managed_binary())
+    rpc_server = fake_executable(new.parent / RPC_SERVER_NAME)
+    chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
+    assert chosen.path == new and chosen.reason == "built by GGUF Studio"
+    assert engine.rpc_server(backends=["cpu"]) == rpc_server
+
+
+def test_a_gpu_engine_with_rpc_wins_over_a_newer_one_from_before(tmp_path):
+    engine = Engine(data_dir=tmp_path / "data")
+    flags = ("-DGGML_VULKAN=ON",)
+    with_rpc = fake_executable(engine.managed_binary(
+        BuildKey(extra_cmake_args=flags, backend="vulkan", toolkit=("a",))))
+    fake_executable(with_rpc.parent / RPC_SERVER_NAME)
+    older_kind = fake_executable(engine.managed_binary(
+        BuildKey(extra_cmake_args=flags, backend="vulkan", toolkit=("b",), rpc=False)))
+    os.utime(with_rpc, (1, 1))  # the one from before RPC is the newer file
+    assert older_kind.stat().st_mtime > with_rpc.stat().st_mtime
+    assert engine.managed_binary_for("vulkan") == with_rpc

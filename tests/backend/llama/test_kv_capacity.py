@@ -13,6 +13,7 @@ from backend.llama.kv_capacity import (KvCapacity, KvLayout, KvPlan, assumed_lay
                                        kv_from_health, kv_from_props, planned_capacity)
 from backend.llama.load import LoadSettings, State
 from backend.llama.supervisor import Supervisor
+from tests.not_none import not_none
 
 
 @pytest.mark.parametrize("context", [None, 0])
@@ -36,7 +37,7 @@ def test_a_stated_unified_cache_is_one_pool_of_one_slots_context():
 
 
 def test_the_assumption_is_named_only_where_it_may_hold_requests_back():
-    assumed = kv_from_props(4096, slots=4)
+    assumed = not_none(kv_from_props(4096, slots=4))
     assert assumed_layout_note(assumed, 4, None) == (
         "KV layout unknown: assuming one shared pool of 4,096 tokens; this limits concurrency — "
         "state split or unified for this upstream.")
@@ -83,7 +84,7 @@ def test_auto_slots_plan_four_requests_sharing_one_pool_capped_by_training():
 
 def test_auto_slots_share_one_pool_even_when_the_extra_arguments_say_otherwise():
     # server.cpp turns -np -1 into 4 slots and kv_unified after reading every argument.
-    assert planned_capacity(4096, "auto", 8192, ("--no-kv-unified",)).kv.unified
+    assert not_none(planned_capacity(4096, "auto", 8192, ("--no-kv-unified",))).kv.unified
 
 
 def test_a_number_of_slots_plans_a_share_each():
@@ -102,19 +103,19 @@ def test_the_models_own_context_gives_each_split_slot_the_whole_trained_context(
 def test_without_fit_the_models_own_context_is_cut_into_shares():
     # GPU layers "none" passes --fit off: llama_context takes the trained context in total.
     assert planned_capacity(0, "4", 8192, fit=False) == KvPlan(4, KvCapacity(8192, 2048, unified=False))
-    assert planned_capacity(0, "4", 8192, ("--fit", "off")).kv.per_request == 2048
+    assert not_none(planned_capacity(0, "4", 8192, ("--fit", "off"))).kv.per_request == 2048
 
 
 def test_a_split_share_is_padded_to_256_and_capped_by_training():
-    assert planned_capacity(4096, "3", 8192).kv == KvCapacity(4608, 1536, unified=False)
-    assert planned_capacity(16384, "1", 8192).kv == KvCapacity(8192, 8192, unified=False)
+    assert not_none(planned_capacity(4096, "3", 8192)).kv == KvCapacity(4608, 1536, unified=False)
+    assert not_none(planned_capacity(16384, "1", 8192)).kv == KvCapacity(8192, 8192, unified=False)
 
 
 def test_the_extra_arguments_win_over_the_window_like_on_the_engines_command_line():
-    assert planned_capacity(0, "2", 8192, ("-c", "4096")).kv == KvCapacity(4096, 2048, unified=False)
-    assert planned_capacity(0, "2", 8192, ("--ctx-size=4096",)).kv.total == 4096
-    assert planned_capacity(4096, "2", 8192, ("-kvu",)).kv == KvCapacity(4096, 4096, unified=True)
-    assert planned_capacity(4096, "2", 8192, ("-kvu", "-no-kvu")).kv.unified is False
+    assert not_none(planned_capacity(0, "2", 8192, ("-c", "4096"))).kv == KvCapacity(4096, 2048, unified=False)
+    assert not_none(planned_capacity(0, "2", 8192, ("--ctx-size=4096",))).kv.total == 4096
+    assert not_none(planned_capacity(4096, "2", 8192, ("-kvu",))).kv == KvCapacity(4096, 4096, unified=True)
+    assert not_none(planned_capacity(4096, "2", 8192, ("-kvu", "-no-kvu"))).kv.unified is False
 
 
 def test_per_slot_cap_and_unknown_training_context():
@@ -129,9 +130,9 @@ def test_a_per_slot_cap_sizes_the_pool_only_when_the_context_is_left_to_fit():
     # --fit on lifts that, and then server.cpp sizes the pool to slots x cap.
     cap = ("--kv-unified-per-slot", "1024")
     assert planned_capacity(0, "auto", 32768, cap) == KvPlan(4, KvCapacity(4096, 1024, unified=True))
-    assert planned_capacity(0, "auto", 32768, cap, fit=False).kv == \
+    assert not_none(planned_capacity(0, "auto", 32768, cap, fit=False)).kv == \
         KvCapacity(32768, 1024, unified=True)
-    assert planned_capacity(0, "auto", 32768, cap + ("-c", "0")).kv == \
+    assert not_none(planned_capacity(0, "auto", 32768, cap + ("-c", "0"))).kv == \
         KvCapacity(32768, 1024, unified=True)
 
 
@@ -147,7 +148,7 @@ def test_the_models_own_context_with_fit_on_is_a_most_the_engine_may_shrink():
                                "of its own. The engine may give less to fit the memory "
                                "(not below 16,384 tokens in total).")
     # A model trained on no more than the floor is never shrunk.
-    assert not planned_capacity(0, "auto", 4096).at_most
+    assert not not_none(planned_capacity(0, "auto", 4096)).at_most
 
 
 def test_a_fit_floor_in_the_extra_arguments_counts():
@@ -156,8 +157,8 @@ def test_a_fit_floor_in_the_extra_arguments_counts():
     assert plan.describe() == ("Up to 2 requests at once; each slot has up to 8,192 tokens "
                                "of its own. The engine may give less to fit the memory "
                                "(not below 2,048 tokens in total).")
-    assert not planned_capacity(0, "2", 8192, ("--fit-ctx", "1024"), fit=False).at_most
-    assert not planned_capacity(4096, "2", 8192, ("--fit-ctx", "1024")).at_most
+    assert not not_none(planned_capacity(0, "2", 8192, ("--fit-ctx", "1024"), fit=False)).at_most
+    assert not not_none(planned_capacity(4096, "2", 8192, ("--fit-ctx", "1024"))).at_most
 
 
 # --- the plan against the real engine -------------------------------------------------------
@@ -165,11 +166,11 @@ def test_a_fit_floor_in_the_extra_arguments_counts():
 # the Supervisor, exactly as the window's Load button does, and compares what the window
 # promised before loading with what the engine then reported (Snapshot.kv).
 
-GRID = [(parallel, ctx, extra)
+GRID: list[tuple[str, int, tuple[str, ...]]] = [(parallel, ctx, extra)
         for parallel in ("auto", "2", "4")
         for ctx in (0, 4096, 16384)
         for extra in ((), ("--kv-unified",))]
-EDGES = [
+EDGES: list[tuple[str, int, tuple[str, ...], str]] = [
     # GPU layers "none" starts it with --fit off: the trained context is cut into shares.
     ("4", 0, (), "none"),
     # -c in the extra arguments wins over the window's context.
@@ -223,8 +224,8 @@ async def test_when_fit_shrinks_the_models_own_context_the_engine_gives_less_tha
     # less than that makes --fit shrink the context, as it would on a machine that is short.
     settings = LoadSettings(ctx_size=0, parallel="4")
     first = await supervisor.load(settings.to_spec(str(tiny_model)))
-    used, total = map(int, re.search(r"projected to use (\d+) MiB of host memory vs\. (\d+) MiB",
-                                     Path(first.log_path).read_text()).groups())
+    used, total = map(int, not_none(re.search(r"projected to use (\d+) MiB of host memory vs\. (\d+) MiB",
+                                              Path(first.log_path).read_text())).groups())
     short = LoadSettings(ctx_size=0, parallel="4", extra_args=("--fit-target", str(total - used + 4)))
     plan = planned_capacity(0, "4", 8192, short.extra_args)
     assert plan is not None and plan.at_most

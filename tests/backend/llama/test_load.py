@@ -38,7 +38,7 @@ def test_extra_args_are_split_like_a_shell() -> None:
 
 
 def test_the_last_load_survives_the_settings_file_in_the_same_shape(tmp_path) -> None:
-    wanted = LoadSettings(ctx_size=4096, parallel="3", n_gpu_layers=7, threads=2,
+    wanted = LoadSettings(ctx_size=4096, parallel="3", n_gpu_layers="7", threads=2,
                           extra_args=("--temp", "0.1"))
     wanted.remembered_in(Settings()).save(tmp_path / "s.json", environ={})
     assert LoadSettings.last_load(Settings.load(tmp_path / "s.json", environ={})) == wanted
@@ -68,3 +68,35 @@ def test_owned_flags_list_every_alias_of_the_pinned_llama_cpp(source_tree):
     assert len(owned_options) >= 9
     for spellings in owned_options:
         assert set(spellings) <= OWNED_FLAGS, spellings
+
+
+def test_rpc_workers_are_kept_with_the_load_and_reach_the_spec_normalised(tmp_path) -> None:
+    wanted = LoadSettings(ctx_size=2048, rpc=("10.0.0.2:50052", "Gpu-Box"))
+    assert wanted.rpc == ("10.0.0.2:50052", "gpu-box:50052")
+    assert LoadSettings.from_dict(wanted.to_dict()) == wanted
+    assert wanted.to_spec("/m.gguf").settings.rpc == ("10.0.0.2:50052", "gpu-box:50052")
+    wanted.remembered_in(Settings()).save(tmp_path / "s.json", environ={})
+    assert LoadSettings.last_load(Settings.load(tmp_path / "s.json", environ={})) == wanted
+    # A models file may give them as one line, as typed on the command line.
+    assert LoadSettings.from_dict({"rpc": "10.0.0.2:50052, 10.0.0.3:50052"}).rpc == (
+        "10.0.0.2:50052", "10.0.0.3:50052")
+
+
+def test_unusable_rpc_workers_are_refused_at_load_not_dropped() -> None:
+    saved = LoadSettings.from_dict({"rpc": ["10.0.0.2:99999"]})
+    assert saved.rpc == ("10.0.0.2:99999",)  # kept as saved, so the load says what is wrong
+    with pytest.raises(SettingsError, match="RPC worker '10.0.0.2:99999'.*port"):
+        saved.to_spec("/m.gguf")
+
+
+def test_rpc_workers_with_gpu_layers_none_are_refused_because_no_layer_would_reach_them():
+    with pytest.raises(SettingsError, match="GPU layers \"none\" keeps every layer"):
+        LoadSettings(n_gpu_layers="none", rpc=("10.0.0.2:50052",)).validate()
+    LoadSettings(n_gpu_layers="all", rpc=("10.0.0.2:50052",)).validate()
+
+
+def test_rpc_workers_cannot_be_passed_around_the_setting() -> None:
+    with pytest.raises(SettingsError, match="--rpc cannot be given as extra arguments"):
+        LoadSettings(extra_args=("--rpc", "10.0.0.2:50052")).validate()
+    with pytest.raises(SettingsError, match="--rpc cannot be given"):
+        LoadSettings(extra_args=("--rpc=10.0.0.2:50052",)).validate()

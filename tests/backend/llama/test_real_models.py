@@ -41,7 +41,7 @@ async def test_the_embeddings_model_answers_with_vectors_of_its_width(
     width = read_model_info(embedding_model).embedding_length
     settings = LoadSettings(parallel="2", extra_args=("--embeddings",))
     async with loaded(llama_server_binary, tmp_path, embedding_model, settings) as engine:
-        assert engine.serving.slots == 2
+        assert engine.serving is not None and engine.serving.slots == 2
         async with httpx.AsyncClient(headers=engine_headers(engine.serving.api_key), timeout=60) as client:
             answer = await client.post(f"{engine.serving.base_url}/v1/embeddings",
                                        json={"input": ["a retriever's query", "a passage"]})
@@ -74,6 +74,7 @@ async def loaded(binary: Path, log_dir: Path, model: Path, settings: LoadSetting
 
 
 async def chat(engine: Snapshot, question: str) -> dict:
+    assert engine.serving is not None
     async with httpx.AsyncClient(headers=engine_headers(engine.serving.api_key), timeout=120) as client:
         answer = await client.post(f"{engine.serving.base_url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": question}],

@@ -31,6 +31,7 @@ from backend.llama.supervisor import pick_free_port
 from backend.settings import Settings
 from tests.fake_upstream import FakeUpstream
 from tests.model_factory import write_tiny_model
+from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[3]
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}  # no max_tokens, as Codex
@@ -134,7 +135,7 @@ async def test_an_attached_engine_that_goes_away_and_comes_back_is_followed(
         assert back.serving.slots == 2  # slots read again
         assert back.serving.kv == KvCapacity(1024, 1024, unified=True)  # and the cache
         assert back.error is None
-        assert service.registry.current.capacity == 2
+        assert not_none(service.registry.current).capacity == 2
     finally:
         stop(again)
 
@@ -247,6 +248,7 @@ async def test_an_attached_engine_that_requires_a_key_is_served_with_it(
         await service.attach_upstream(f"http://127.0.0.1:{port}", api_key="upstream-secret",
                                       kv_layout=KvLayout.SPLIT)
         ready_now = await watch.until(ready)
+        assert ready_now.serving is not None
         assert ready_now.serving.slots == 2  # /props needs the key
         assert ready_now.serving.kv == KvCapacity(2048, 1024, unified=False) and ready_now.serving.kv_note is None
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
@@ -269,10 +271,12 @@ async def test_a_restart_between_two_health_checks_is_caught_by_the_periodic_rea
         try:
             await remote.start()
             first = await watch.until(ready)
+            assert first.serving is not None
             assert first.serving.kv == KvCapacity(2048, 1024, unified=False)
             assert first.model_id == "fake-model" and remote.kind is UpstreamKind.LLAMA_SERVER
             fake.slots, fake.n_ctx = 4, 2048  # "restarted" as -np 4 -c 8192
-            again = await watch.until(lambda s: s.serving.slots == 4, timeout=10)
+            again = await watch.until(lambda s: not_none(s.serving).slots == 4, timeout=10)
+            assert again.serving is not None
             assert again.serving.kv == KvCapacity(8192, 2048, unified=False)
             assert all(ready(s) for s in watch.snapshots[watch.snapshots.index(first):])
         finally:
@@ -292,6 +296,7 @@ async def test_a_llama_server_without_an_alias_is_named_by_its_file_not_its_path
         await remote.start()
         served = await watch.until(ready)
         assert served.model_id == "tiny"
+        assert served.serving is not None
         assert served.serving.kv_note is None  # one slot: split or unified are the same
     finally:
         await remote.close()
@@ -313,11 +318,13 @@ async def test_a_gguf_studio_upstreams_exact_cache_and_models_are_read_from_it(
         await service.attach_upstream(f"http://127.0.0.1:{port}/v1", api_key="studio-key-0123456789")
         served = await watch.until(ready)
         # -np 2 -c 4096 split: 2,048 per slot, 4,096 in all; read exactly, not assumed.
+        assert served.serving is not None
         assert served.serving.kv == KvCapacity(4096, 2048, unified=False) and served.serving.kv_note is None
         assert served.serving.slots == 2 and served.serving.context_length == 2048
         assert served.model_id == "tiny"
         assert served.serving.upstream_models == (UpstreamModel("tiny", 2048, 2048),)
-        assert service.registry.current.kv.total == 4096
+        queue = not_none(service.registry.current)
+        assert queue.kv is not None and queue.kv.total == 4096
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
             answer = await client.post("/v1/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
@@ -347,6 +354,7 @@ async def test_a_gguf_studio_upstream_that_stops_and_starts_again_leaves_and_rej
         studio = start_studio(tmp_path, llama_server_binary, tiny_model, port, parallel=3)
         # Its port opens before its model is loaded: it stays out until that is ready.
         back = await watch.until(ready)
+        assert back.serving is not None
         assert back.serving.slots == 3 and back.serving.kv == KvCapacity(6144, 2048, unified=False)
         between = watch.snapshots[watch.snapshots.index(gone):-1]
         assert all(not ready(s) for s in between)
@@ -414,12 +422,13 @@ async def serve_upstream(tmp_path: Path, upstream: str, *args: str) -> AsyncIter
         sys.executable, "-m", "backend.app.cli", "serve", "--upstream", upstream, "--port", "0", *args,
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     assert proc.stdout is not None
+    stdout = proc.stdout
     try:
         url, ready_line = "", ""
 
         async def read_until_ready() -> None:
             nonlocal url, ready_line
-            async for raw in proc.stdout:  # type: ignore[union-attr]
+            async for raw in stdout:
                 line = raw.decode().rstrip("\n")
                 if line.strip().startswith("http://") and not url:
                     url = line.strip().removesuffix("/v1")

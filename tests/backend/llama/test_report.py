@@ -8,6 +8,7 @@ from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import LoadSpec
 from backend.llama.supervisor import Supervisor
+from tests.not_none import not_none
 
 # Captured from the CPU engine loading the tiny model (--verbosity 4), trimmed.
 CPU_LOAD = """\
@@ -41,6 +42,21 @@ VULKAN_LOAD = """\
 0.00.182.458 I llama_kv_cache:    Vulkan0 KV buffer size =     4.00 MiB
 0.00.188.580 I sched_reserve:    Vulkan0 compute buffer size =     9.01 MiB
 0.00.188.776 I sched_reserve: Vulkan_Host compute buffer size =     8.26 MiB
+"""
+
+# Captured from the CPU engine loading the tiny model with all layers on an RPC worker
+# (`--rpc 127.0.0.1:44135 --n-gpu-layers all`), trimmed.
+RPC_LOAD = """\
+0.00.009.662 I cmn  common_param:   - RPC0    : 127.0.0.1:44135 (24105 MiB, 24105 MiB free)
+0.00.069.299 I common_memory_breakdown_print: |   - RPC0 (127.0.0.1:44135) | 24105 = 24105 + (  10 =     8 +       0 +       2) +         -10 |
+0.00.088.336 I llama_prepare_model_devices: using device RPC0 (127.0.0.1:44135) (unknown id) - 24105 MiB free
+0.00.137.390 I load_tensors: offloaded 3/3 layers to GPU
+0.00.137.395 I load_tensors:   CPU_Mapped model buffer size =     7.81 MiB
+0.00.137.396 I load_tensors: RPC0[127.0.0.1:44135] model buffer size =     8.13 MiB
+0.00.156.237 I llama_context:        CPU  output buffer size =     0.12 MiB
+0.00.168.223 I llama_kv_cache: RPC0[127.0.0.1:44135] KV buffer size =     0.50 MiB
+0.00.169.416 I sched_reserve: RPC0[127.0.0.1:44135] compute buffer size =     2.13 MiB
+0.00.169.442 I sched_reserve:        CPU compute buffer size =     1.26 MiB
 """
 
 
@@ -83,6 +99,17 @@ def test_a_vulkan_load_reports_the_device_its_layers_and_memory_on_each_side():
     assert report.summary() == ("vulkan: 3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits)); "
                                 "memory: Vulkan0 21 MiB, CPU 16 MiB")
     assert report.to_dict()["devices"][0]["total_mib"] == 21.14
+
+
+def test_an_rpc_load_reports_the_workers_device_with_its_address_and_its_buffers():
+    report = read(RPC_LOAD)
+    assert report.backend == "rpc" and report.on_gpu
+    worker, host = report.devices
+    assert (worker.name, worker.description, worker.free_mib) == ("RPC0", "127.0.0.1:44135", 24105)
+    assert (worker.model_mib, worker.kv_mib, worker.compute_mib) == (8.13, 0.5, 2.13)
+    assert host.name == "CPU" and host.model_mib == 7.81
+    assert report.summary() == ("rpc: 3/3 layers on RPC0 (127.0.0.1:44135); "
+                                "memory: RPC0 11 MiB, CPU 9 MiB")
 
 
 def test_buffers_measured_by_fit_before_the_real_load_are_not_counted_twice():
@@ -143,13 +170,13 @@ def test_gpu_failures_are_worded_for_people_and_other_failures_are_not_blamed_on
     oom = ["ggml_vulkan: Device memory allocation of size 4294967296 failed.",
            "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory",
            "llama_init_from_model: failed to initialize the context"]
-    assert "ran out of memory" in gpu_failure_reason(oom)
+    assert "ran out of memory" in not_none(gpu_failure_reason(oom))
     driver = ["ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient "
               "for CUDA runtime version"]
-    assert "driver" in gpu_failure_reason(driver)
+    assert "driver" in not_none(gpu_failure_reason(driver))
     too_big = ["ggml/src/ggml-backend.cpp:941: pre-allocated tensor (cache_k_l0) in a buffer "
                "(Vulkan0) that cannot run the operation (NONE)"]
-    assert "context is too large" in gpu_failure_reason(too_big)
+    assert "context is too large" in not_none(gpu_failure_reason(too_big))
     assert gpu_failure_reason(["error: failed to open GGUF file '/m.gguf'"]) is None
 
 
@@ -164,4 +191,6 @@ async def test_a_real_cpu_load_carries_its_report_in_the_snapshot(tmp_path: Path
     assert report is not None and report.backend == "cpu" and not report.on_gpu
     host = report.devices[-1]
     assert host.name == "CPU" and host.model_mib > 0 and host.kv_mib > 0
-    assert report.context_size >= snapshot.serving.context_length
+    serving = not_none(snapshot.serving)
+    assert report.context_size is not None and serving.context_length is not None
+    assert report.context_size >= serving.context_length

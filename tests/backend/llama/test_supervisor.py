@@ -72,6 +72,7 @@ def pid_alive(pid: int) -> bool:
 
 async def props(snapshot: Snapshot) -> dict:
     """The engine's /props, asked with the key the engine's port requires."""
+    assert snapshot.serving is not None
     async with httpx.AsyncClient(headers=engine_headers(snapshot.serving.api_key)) as client:
         return (await client.get(f"{snapshot.serving.base_url}/props")).raise_for_status().json()
 
@@ -124,6 +125,7 @@ async def test_killed_child_is_restarted_and_slots_are_read_again(supervisor, ti
         again = await rec.until(lambda s: s.state is State.READY)
         assert again.restarts == 1
         assert again.pid != first.pid
+        assert again.serving is not None
         assert again.serving.base_url != first.serving.base_url  # a new port, so a new admission queue
         assert again.serving.slots == 2
         assert "killed by SIGKILL" in (crashed.error or "")
@@ -144,6 +146,7 @@ class SteppedClock:
 
 async def crash_when_ready(rec: Recorder, sup: Supervisor, seen: set[int]) -> None:
     ready = await rec.until(lambda s: s.state is State.READY and s.pid not in seen)
+    assert ready.pid is not None
     seen.add(ready.pid)
     os.kill(ready.pid, signal.SIGKILL)
 
@@ -176,6 +179,7 @@ async def test_an_engine_crashing_after_each_minute_of_work_is_given_up_within_t
     async with crashed_three_times(llama_server_binary, tiny_model, tmp_path / "logs",
                                    uptime=61, max_restarts=2) as (rec, _):
         failed = await rec.until(lambda s: s.state is State.FAILED)
+        assert failed.error is not None
         assert "Gave up: it had to be restarted 2 times within 300 seconds (at most 2)" in failed.error
         assert "killed by SIGKILL" in failed.error
         assert failed.serving is None and failed.pid is None
@@ -197,10 +201,12 @@ async def test_an_engine_that_stops_answering_is_killed_and_replaced(
                      health_interval=0.2, health_timeout=0.5, health_failures=2)
     rec = Recorder(sup)
     first = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+    assert first.pid is not None
     try:
         os.kill(first.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         noticed = await rec.until(lambda s: s.state is not State.READY, timeout=30)
+        assert noticed.error is not None
         # Two checks of at most 0.2 s wait + 0.5 s timeout each, plus scheduling slack.
         assert time.monotonic() - stopped_at < 2 * (0.2 + 0.5) + 3.0
         assert "stopped answering" in noticed.error
@@ -243,6 +249,7 @@ async def test_occupied_port_is_skipped_for_a_fresh_one(llama_server_binary, tin
         sup = Supervisor(llama_server_binary, tmp_path / "logs",
                          port_picker=lambda: next(ports, None) or pick_free_port())
         snapshot = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+        assert snapshot.serving is not None
         try:
             assert snapshot.state is State.READY
             assert not snapshot.serving.base_url.endswith(f":{taken}")
@@ -264,6 +271,7 @@ async def test_unload_during_load_supersedes_it(supervisor, tiny_model):
     rec = Recorder(supervisor)
     load = asyncio.create_task(supervisor.load(LoadSettings(parallel="1").to_spec(str(tiny_model))))
     started = await rec.until(lambda s: s.pid is not None)
+    assert started.pid is not None
     await supervisor.unload()
     with pytest.raises(LoadSuperseded):
         await load
@@ -309,6 +317,7 @@ async def test_sigterm_is_followed_by_sigkill_when_ignored(tmp_path, tiny_model)
     fake.chmod(0o755)
     sup = Supervisor(fake, tmp_path / "logs", stop_timeout=0.5)
     snapshot = await sup.load(LoadSettings().to_spec(str(tiny_model)))
+    assert snapshot.pid is not None
     started = time.monotonic()
     await sup.unload()
     assert not pid_alive(snapshot.pid)
@@ -336,6 +345,7 @@ def test_child_dies_with_the_app_even_when_the_app_is_killed(llama_server_binary
         """)
     app = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                            cwd=Path(__file__).resolve().parents[3])
+    assert app.stdout is not None
     try:
         child_pid = int(app.stdout.readline())
         assert pid_alive(child_pid)
@@ -463,6 +473,7 @@ async def test_engine_logs_are_bounded_in_size_and_number_per_model(llama_server
     try:
         for start in range(3):
             snapshot = await sup.load(spec)
+            assert snapshot.serving is not None and snapshot.log_path is not None
             async with httpx.AsyncClient(base_url=snapshot.serving.base_url, timeout=15,
                                          headers=engine_headers(snapshot.serving.api_key)) as client:
                 for _ in range(8):  # ~800 KB of log per start: rotated at 256 KiB

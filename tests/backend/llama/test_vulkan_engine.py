@@ -72,6 +72,7 @@ async def test_a_default_load_puts_the_layers_on_the_vulkan_device_and_answers_c
     (device,) = report.gpu_devices
     assert device.name == "Vulkan0" and "llvmpipe" in device.description
     assert device.model_mib > 0 and device.kv_mib > 0
+    assert snapshot.serving is not None and snapshot.serving.context_length is not None
     assert report.context_size and report.context_size >= snapshot.serving.context_length
 
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{vulkan_service.gateway_port}",
@@ -95,6 +96,7 @@ async def test_none_keeps_every_layer_off_the_vulkan_device(
         vulkan_service: StudioService, tiny_model: Path):
     snapshot = await vulkan_service.load(LoadSettings(n_gpu_layers="none").to_spec(str(tiny_model)))
     report = snapshot.engine
+    assert report is not None
     print("engine report:", report.summary())
     assert report.backend == "cpu" and not report.on_gpu
     assert report.gpu_devices == ()
@@ -116,6 +118,7 @@ async def test_a_load_the_vulkan_device_cannot_hold_fails_readably_and_retries_o
 
     snapshot = await vulkan_service.retry_on_cpu()
     assert snapshot.state is State.READY and not snapshot.cpu_retry_offered
+    assert snapshot.engine is not None
     print("after retry:", snapshot.engine.summary())
     assert snapshot.engine.backend == "cpu" and not snapshot.engine.on_gpu
     assert snapshot.engine.context_size == 1_572_864

@@ -13,13 +13,14 @@ from backend.models.fit import (
     machine_memory,
 )
 from tests.model_factory import EMBEDDING_LENGTH, HEAD_COUNT, HEAD_COUNT_KV, LAYER_COUNT
+from tests.not_none import not_none
 
 GB = 10**9
 
 
 def test_the_kv_cache_comes_from_the_gguf_header(tiny_model):
     info = read_model_info(tiny_model)
-    shape = KvShape.from_model_info(info)
+    shape = not_none(KvShape.from_model_info(info))
     head_width = EMBEDDING_LENGTH // HEAD_COUNT
     # layers x KV heads x (key + value widths) x 2 bytes (f16): 2 x 4 x 32 x 2
     assert shape.bytes_per_token == LAYER_COUNT * HEAD_COUNT_KV * (head_width + head_width) * 2 == 512

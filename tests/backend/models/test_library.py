@@ -139,7 +139,7 @@ def test_search_matches_every_word(tmp_path: Path) -> None:
 def test_load_settings_per_model_survive_a_restart(tmp_path: Path) -> None:
     store = tmp_path / "library.json"
     library = ModelLibrary(store, locations=[])
-    wanted = LoadSettings(ctx_size=4096, parallel="3", n_gpu_layers=12, threads=4,
+    wanted = LoadSettings(ctx_size=4096, parallel="3", n_gpu_layers="12", threads=4,
                           extra_args=("--temp", "0.2"))
     library.remember_settings(tmp_path / "m.gguf", wanted)
     library.save()

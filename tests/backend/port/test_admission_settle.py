@@ -7,6 +7,7 @@ import asyncio
 
 from backend.port.admission import AdmissionRegistry, KvCapacity, Serving, TicketState, TokenNeed
 from tests.backend.admission_helpers import NEW, OLD, kv_queue_of, started
+from tests.not_none import not_none
 
 
 async def test_settling_gives_the_excess_back_and_admits_waiters_in_order():
@@ -83,7 +84,7 @@ def test_a_retired_load_admits_no_bound_and_its_tickets_still_settle():
 
     # It still runs on the old engine: what it holds there shrinks with the count.
     assert ticket.settle(TokenNeed(1_000, 1_000)) == 4_000
-    assert old.reserved_tokens == 2_000 and registry.current.reserved_tokens == 0
+    assert old.reserved_tokens == 2_000 and not_none(registry.current).reserved_tokens == 0
     ticket.release()
     assert registry.queues == [registry.current]
 

@@ -18,12 +18,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
 from backend.llama.load import Serving, Snapshot, State
 from tests.backend.gateway_harness import (
     CHAT, Gateway, KEY, RESPONSES, assert_clean_error, assert_no_internals, cancel, chat,
     events, holding, open_gateway, stream, until)
 from tests.fake_upstream import MODEL_PATH
+from tests.not_none import not_none
 
 
 # --- N+1 streams: one waits, hears keep-alives, completes ------------------------------
@@ -364,7 +366,9 @@ async def test_openai_sdk_chat_streamed_chat_responses_streamed_responses(gw, fa
         assert text.startswith("tok0 ") and finish == "stop"
 
         response = await client.responses.create(model="fake-model", input="hi")
-        assert response.output[0].content[0].text.startswith("tok0 ")
+        message = response.output[0]
+        assert isinstance(message, ResponseOutputMessage) and isinstance(message.content[0], ResponseOutputText)
+        assert message.content[0].text.startswith("tok0 ")
 
         # Streamed, and made to wait first: the SDK sees the gateway's events, one id.
         async with holding(gw, fake.slots):
@@ -385,9 +389,10 @@ async def _collect_responses(client: openai.AsyncOpenAI) -> tuple[list[str], set
     final = None
     async for event in await client.responses.create(model="fake-model", input="hi", stream=True):
         kinds.append(event.type)
-        if getattr(event, "response", None) is not None:
-            ids.add(event.response.id)
-            final = event.response
+        response = getattr(event, "response", None)
+        if response is not None:
+            ids.add(response.id)
+            final = response
     return kinds, ids, final
 
 
@@ -415,6 +420,6 @@ async def test_openai_sdk_retries_a_429_after_retry_after_and_succeeds(gw, fake)
     async with sdk(gw, max_retries=2) as client:
         reply = await asyncio.wait_for(client.chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "hi"}]), 10)
-    assert reply.choices[0].message.content.startswith("tok0 ")
+    assert not_none(reply.choices[0].message.content).startswith("tok0 ")
     assert gw.rejections("server_is_overloaded") == 2, "our probe and the SDK's first try"
     await asyncio.gather(holder, waiter)

@@ -163,7 +163,7 @@ def test_generated_requests_get_only_documented_answers_and_leave_the_port_healt
 # --- against the real engine ------------------------------------------------------------------
 
 #: Values of every JSON type, the wrong ones included, for the fields the engine reads.
-anything = json_values | st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e300,
+anything: st.SearchStrategy[Any] = json_values | st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e300,
                                           2**64, -1, 0, "", [], {}, None])
 TOOL = {"type": "function", "function": {"name": "read", "description": "Read a file.",
                                          "parameters": {"type": "object", "properties": {

@@ -14,8 +14,9 @@ import logging
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,7 +41,7 @@ CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS = (
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
     "/v1/embeddings")
 
-TOOL = {"type": "function", "function": {
+TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the project and return its text.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                    "required": ["path"]}}}
@@ -124,14 +125,14 @@ def tools_engine_url(llama_server_binary: Path, tiny_model: Path,
 
 
 @pytest.fixture
-async def counter(engine_url: str) -> Iterator[PromptCounter]:
+async def counter(engine_url: str) -> AsyncIterator[PromptCounter]:
     tokenizer = HttpEngineTokenizer(engine_url, api_key=ENGINE_KEY)
     yield PromptCounter(tokenizer)
     await tokenizer.aclose()
 
 
 @pytest.fixture
-async def tools_counter(tools_engine_url: str) -> Iterator[PromptCounter]:
+async def tools_counter(tools_engine_url: str) -> AsyncIterator[PromptCounter]:
     tokenizer = HttpEngineTokenizer(tools_engine_url, api_key=ENGINE_KEY)
     yield PromptCounter(tokenizer)
     await tokenizer.aclose()
@@ -168,7 +169,7 @@ async def counted(counter: PromptCounter, route: str, body: dict,
                                fits_below=fits_below)
 
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat with system prompt and tools": (CHAT, {
         "messages": [{"role": "system", "content": LONG_SYSTEM},
                      {"role": "user", "content": "Open README.md and summarise it."}],
@@ -227,7 +228,7 @@ async def test_short_request_is_bounded_by_its_bytes_without_asking_the_engine(
     assert counter.template_base is not None
 
 
-SHORT_BODIES = [
+SHORT_BODIES: list[tuple[str, dict[str, Any]]] = [
     (CHAT, {"messages": [{"role": "user", "content": "x"}] * 40}),  # many tiny messages
     (CHAT, {"messages": [{"role": "system", "content": "Réponds en français, s'il te plaît."},
                          {"role": "user", "content": "Привет, как дела? 你好 🙂"}]}),

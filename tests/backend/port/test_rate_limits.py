@@ -10,11 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from backend.errors import RateLimitExceeded
 from backend.key_store import KeyRecord
 from backend.port.http_errors import http_error
 from backend.port.rate_limits import DAY, RateLimiter, TokenLimits, go_duration
+from tests.not_none import not_none
 
 T0 = 1_750_000_040.0  # 20 s into a minute
 
@@ -219,7 +221,7 @@ def test_with_both_limits_the_later_window_is_the_one_named():
     clock.now += 60
     limiter.reserve("i", limits, 2000)
     error = refused(limiter, "i", limits, 1000)
-    assert error.reason == "tokens_per_day" and error.retry_after > 80_000
+    assert error.reason == "tokens_per_day" and not_none(error.retry_after) > 80_000
     # Headers describe the window with less room: the day's 0 left, not the minute's 4000.
     assert limiter.headers("i", limits)["x-ratelimit-limit-tokens"] == "8000"
     assert limiter.headers("i", limits)["x-ratelimit-remaining-tokens"] == "0"
@@ -303,7 +305,7 @@ class _RateLimitedServer:
         self.server.server_close()
 
 
-def _ask(client: openai.OpenAI) -> object:
+def _ask(client: openai.OpenAI) -> ChatCompletion:
     return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
 
 
@@ -318,7 +320,7 @@ def test_the_openai_sdk_waits_exactly_the_keys_retry_after_then_gets_through():
     assert len(server.arrivals) == 2
     [wait] = server.waits
     # Without the header the SDK's first back-off would be at most 0.5 s.
-    assert wait > 1
+    assert wait is not None and wait > 1
     assert server.arrivals[1] - server.arrivals[0] >= wait - 0.005
 
 

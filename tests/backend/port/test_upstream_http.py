@@ -368,15 +368,16 @@ async def test_an_answer_cut_mid_body_is_lost_after_what_came(client):
 # --- flow control -------------------------------------------------------------------
 
 
-class _Transport:
+class _Transport(asyncio.Transport):
     """Stands in for a socket: which bytes a read carries is up to the kernel, and this
     test needs a whole answer larger than HIGH_WATER to arrive in one read."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.paused = False
         self.closed = False
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         pass
 
     def pause_reading(self) -> None:
@@ -395,7 +396,7 @@ async def test_a_paused_connection_whose_unread_answer_ended_reads_again_in_the_
     client = UpstreamClient()
     connection = _Connection(client, ("http", "h", 1))
     transport = _Transport()
-    connection.connection_made(transport)  # type: ignore[arg-type]
+    connection.connection_made(transport)
     connection.start(b"POST / HTTP/1.1\r\n\r\n")
     big = b"x" * (HIGH_WATER + 1)
     connection.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big))

@@ -68,7 +68,7 @@ async def serve(slow_counter: FakeUpstream, tmp_path: Path) -> AsyncIterator[tup
         "--port", "0", "--max-incoming-body-bytes", os.environ.get("PG_BUDGET", str(4 * MiB)), "--max-prompt-counts", "100",
         "--max-body-bytes", str(8 * MiB), cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
     try:
         url = ""
         ready = False

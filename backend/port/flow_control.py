@@ -1,0 +1,127 @@
+"""A caller's limits at the port: which models its key may use, its flow in the fair
+queue (band, weight, concurrency), its token windows, and its usage.
+
+`FlowControl` is what the gateway and the relay ask, once per request: `check_model`
+before planning, `flow_of` for the ticket, `reserve` (tokens per minute and per day,
+counted from the reservation) before it waits, `admitted` when it gets a slot, and
+`answered` with the engine's `usage` when it ends, which settles the reservation.  Every
+refusal is told to `refused`, by reason.  It decides and counts; it does no I/O (the
+usage ledger it feeds saves itself, off the hot path).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from backend.errors import ModelNotAllowed, RequestError
+from backend.key_store import KeyRecord, Priority
+from backend.port.access_guard import Caller
+from backend.port.fair_queue import Band, Flow
+from backend.port.rate_limits import RateLimiter, Reservation, TokenLimits
+
+__all__ = ["BAND_HEADER", "FlowControl", "UsageRecorder", "band_of", "requested_band"]
+
+#: A request may lower its own priority with this header (never raise it).
+BAND_HEADER = b"x-priority"
+
+_BANDS = {Priority.INTERACTIVE: Band.INTERACTIVE, Priority.NORMAL: Band.NORMAL,
+          Priority.BATCH: Band.BATCH}
+
+
+class UsageRecorder(Protocol):
+    """Where usage per key goes (backend.app.usage.UsageLedger)."""
+
+    def record_request(self, key: str, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+    def record_wait(self, key: str, seconds: float) -> None: ...
+
+    def record_refusal(self, key: str, reason: str) -> None: ...
+
+
+class FlowControl:
+    """The limits of keys at admission, and their usage; see the module docstring."""
+
+    def __init__(self, limiter: RateLimiter | None = None,
+                 usage: UsageRecorder | None = None) -> None:
+        self.limiter = limiter or RateLimiter()
+        self.usage = usage
+        self._flows: dict[tuple[str, KeyRecord | None], Flow] = {}
+
+    def check_model(self, caller: Caller, model: str) -> None:
+        if caller.key is not None and not caller.key.allows(model):
+            allowed = ", ".join(caller.key.models)
+            raise ModelNotAllowed(f"The key {caller.key.name!r} may not use the model "
+                                  f"{model!r}; it may use: {allowed}.", param="model")
+
+    def flow_of(self, caller: Caller) -> Flow:
+        """The caller's flow: its key's weight, band and concurrency (remade when the
+        key is edited: the record is part of the cache key)."""
+        cache_key = (caller.flow, caller.key)
+        flow = self._flows.get(cache_key)
+        if flow is None:
+            record = caller.key
+            flow = Flow(caller.flow) if record is None or record.is_owner else Flow(
+                caller.flow, weight=record.weight, band=band_of(record),
+                max_concurrent=record.max_concurrent or 0)
+            if len(self._flows) > 4096:  # addresses come and go: keep the cache bounded
+                self._flows.clear()
+            self._flows[cache_key] = flow
+        return flow
+
+    def reserve(self, caller: Caller, tokens: int) -> Reservation | None:
+        """Count `tokens` against the caller's key's windows, or raise RateLimitExceeded
+        (429 saying which limit, with Retry-After and OpenAI's x-ratelimit headers)."""
+        limits = self._limits(caller)
+        if limits is None:
+            return None
+        return self.limiter.reserve(caller.flow, limits, tokens)
+
+    def headers(self, caller: Caller) -> dict[str, str]:
+        """OpenAI's `x-ratelimit-*` headers for an answer to the caller (none without
+        limits)."""
+        limits = self._limits(caller)
+        return {} if limits is None else self.limiter.headers(caller.flow, limits)
+
+    def admitted(self, caller: Caller, waited: float) -> None:
+        if self.usage is not None:
+            self.usage.record_wait(caller.name, waited)
+
+    def answered(self, caller: Caller, reservation: Reservation | None,
+                 usage: tuple[int, int] | None) -> None:
+        """The request ended: `usage` is the engine's (prompt, completion) tokens, None
+        when it did not say (the reservation then stays counted in full)."""
+        if reservation is not None:
+            self.limiter.settle(reservation, reservation.tokens if usage is None else sum(usage))
+        if self.usage is not None:
+            prompt, completion = usage or (0, 0)
+            self.usage.record_request(caller.name, prompt, completion)
+
+    def refused(self, caller: Caller, error: RequestError,
+                reservation: Reservation | None = None) -> None:
+        if reservation is not None:
+            self.limiter.settle(reservation, 0)
+        if self.usage is not None:
+            self.usage.record_refusal(caller.name, getattr(error, "reason", None) or error.code)
+
+    def _limits(self, caller: Caller) -> TokenLimits | None:
+        record = caller.key
+        if record is None:
+            return None
+        limits = TokenLimits.of(record)
+        return None if limits.unlimited else limits
+
+
+def band_of(record: KeyRecord) -> Band:
+    return _BANDS[record.priority]
+
+
+def requested_band(headers: list[tuple[bytes, bytes]]) -> Band | None:
+    """The band a request asks for in its `x-priority` header (interactive, normal or
+    batch); None without one or for a value that names no band."""
+    for name, value in headers:
+        if name == BAND_HEADER:
+            try:
+                return _BANDS[Priority(value.decode("latin-1").strip().lower())]
+            except ValueError:
+                return None
+    return None

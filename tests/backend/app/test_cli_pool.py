@@ -1,0 +1,200 @@
+"""`serve`'s flags and the models file, as the pool configuration they make: several
+models and upstreams, each with its key and layout, and the single forms as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backend.app import cli
+from backend.app.pool_config import PoolConfig
+from backend.errors import SettingsError, StudioError
+from backend.llama.kv_capacity import KvLayout
+from backend.llama.load import LoadSettings
+from tests.backend.app.test_cli import ROOT, cli as run_cli
+from tests.not_none import not_none
+
+
+@pytest.fixture
+def user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user with no saved settings and no GGUF_STUDIO_* variables; works in tmp_path."""
+    for name in list(os.environ):
+        if name.startswith("GGUF_STUDIO_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def serve_config(*argv: str) -> PoolConfig:
+    args = cli._parser().parse_args(["serve", *argv])
+    return cli.pool_config(args, cli.serve_settings(args))
+
+
+def test_every_model_flag_is_a_model_with_the_flags_load_settings(user):
+    config = serve_config("--model", "coder.gguf", "--model", "small.gguf", "--ctx-size", "8192",
+                          "--parallel", "2")
+    assert [(m.name, m.path) for m in config.models] == [
+        ("coder", str(user / "coder.gguf")), ("small", str(user / "small.gguf"))]
+    assert all(m.settings == LoadSettings(ctx_size=8192, parallel="2") for m in config.models)
+    assert config.default is config.models[0]
+
+
+def test_name_equals_path_names_a_model_and_a_file_with_an_equals_sign_stays_a_path(user):
+    (user / "odd=name.gguf").write_bytes(b"")
+    config = serve_config("--model", "coder=models/qwen.gguf", "--model", "odd=name.gguf",
+                          "--embeddings-model", "embed=e.gguf", "--default-model", "coder")
+    coder, odd, embed = config.models
+    assert (coder.name, coder.path) == ("coder", str(user / "models" / "qwen.gguf"))
+    assert config.resolve("qwen") is coder  # the file's name still answers
+    assert (odd.name, odd.path) == ("odd=name", str(user / "odd=name.gguf"))
+    assert embed.embeddings and embed.settings.extra_args == ("--embeddings",)
+
+
+def test_the_models_file_and_the_flags_make_one_pool(user):
+    (user / "pool.toml").write_text('memory_limit_mib = 8000\n[[model]]\npath = "coder.gguf"\n'
+                                    'pinned = true\n[[upstream]]\nurl = "http://box2:8899"\n')
+    config = serve_config("--models-file", "pool.toml", "--model", "small.gguf",
+                          "--upstream", "http://box3:8080", "--memory-limit", "12000",
+                          "--default-model", "small")
+    assert [m.name for m in config.models] == ["coder", "small"]
+    assert config.models[0].pinned
+    assert [u.url for u in config.upstreams] == ["http://box2:8899", "http://box3:8080"]
+    assert (config.memory_limit_mib, not_none(config.default).name) == (12000, "small")
+
+
+def test_the_models_file_may_come_from_the_environment(user, monkeypatch):
+    (user / "pool.toml").write_text('[[model]]\npath = "coder.gguf"\n')
+    monkeypatch.setenv("GGUF_STUDIO_MODELS_FILE", str(user / "pool.toml"))
+    assert [m.name for m in serve_config().models] == ["coder"]
+
+
+def test_a_name_on_the_command_line_clashing_with_the_file_names_both(user):
+    (user / "pool.toml").write_text('[[model]]\npath = "a.gguf"\nname = "coder"\n')
+    with pytest.raises(SettingsError, match=r"The name 'coder' is given to two models: "
+                       r"coder \(a\.gguf\) and coder \(b\.gguf\)\."):
+        serve_config("--models-file", "pool.toml", "--model", "coder=b.gguf")
+
+
+def test_each_upstream_gets_its_own_key_and_layout_in_the_order_given(user):
+    (user / "box1.key").write_text("box1-secret\n")
+    config = serve_config("--upstream", "http://box1:8080", "--upstream", "http://box2:8080",
+                          "--upstream-api-key-file", "box1.key", "--upstream-api-key-file", "",
+                          "--upstream-kv", "split", "--upstream-kv", "unified")
+    assert [(u.url, u.api_key, u.kv_layout) for u in config.upstreams] == [
+        ("http://box1:8080", "box1-secret", KvLayout.SPLIT), ("http://box2:8080", None, KvLayout.UNIFIED)]
+    one_layout = serve_config("--upstream", "http://box1:8080", "--upstream", "http://box2:8080",
+                              "--upstream-kv", "split")
+    assert [u.kv_layout for u in one_layout.upstreams] == [KvLayout.SPLIT, KvLayout.SPLIT]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--upstream", "http://a:1", "--upstream", "http://b:1", "--upstream-api-key", "only-one"),
+     "Give one --upstream-api-key per --upstream, in the same order ('' for one that needs none): "
+     "2 upstream(s), 1 key(s)."),
+    (("--upstream", "http://a:1", "--upstream", "http://b:1", "--upstream-kv", "split",
+      "--upstream-kv", "split", "--upstream-kv", "unified"),
+     "Give one --upstream-kv for every upstream, or one per --upstream in the same order: "
+     "2 upstream(s), 3 layouts."),
+    ((), "Give a model with --model PATH, a models file with --models-file FILE, or a running "
+         "llama-server with --upstream URL."),
+])
+def test_keys_and_layouts_that_do_not_pair_with_the_upstreams_are_refused(user, argv, message):
+    with pytest.raises(StudioError) as caught:
+        serve_config(*argv)
+    assert str(caught.value) == message
+
+
+def test_the_single_forms_work_as_before(user):
+    config = serve_config("--upstream", "http://gpu:8080/v1", "--upstream-api-key", "upstream-key",
+                          "--upstream-kv", "unified")
+    assert config.models == ()
+    assert [(u.url, u.api_key, u.kv_layout) for u in config.upstreams] == [
+        ("http://gpu:8080", "upstream-key", KvLayout.UNIFIED)]
+    single = serve_config("--model", "tiny.gguf", "--threads", "3")
+    assert [(m.name, m.settings.threads) for m in single.models] == [("tiny", 3)]
+
+
+def test_without_flags_the_saved_last_load_is_served_as_before(user, monkeypatch):
+    saved = user / "config" / "gguf-studio" / "settings.json"
+    saved.parent.mkdir(parents=True)
+    saved.write_text(json.dumps({"model": str(user / "last.gguf"), "ctx_size": 4096}))
+    assert [(m.name, m.settings.ctx_size) for m in serve_config().models] == [("last", 4096)]
+    (user / "up.key").write_text("upstream-secret\n")
+    monkeypatch.setenv("GGUF_STUDIO_UPSTREAM", "http://gpu:8080")  # an upstream wins, as before
+    config = serve_config("--upstream-api-key-file", "up.key")
+    assert config.models == () and config.upstreams[0].api_key == "upstream-secret"
+
+
+def test_save_remembers_the_first_model_and_the_models_file_as_absolute_paths(user):
+    args = cli._parser().parse_args(["serve", "--model", "a.gguf", "--model", "b.gguf",
+                                     "--models-file", "pool.toml", "--upstream-kv", "split"])
+    settings = cli.serve_settings(args)
+    assert (settings.model, settings.models_file, settings.upstream_kv) == (
+        str(user / "a.gguf"), str(user / "pool.toml"), "split")
+
+
+def test_serve_names_every_missing_model_file_before_starting_anything(tiny_model, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    out = run_cli("serve", "--model", str(tiny_model), "--model", f"big={tmp_path / 'big.gguf'}",
+                  "--port", "0", env=env)
+    assert out.returncode == 1
+    assert out.stderr == f"gguf-studio: No GGUF file at {tmp_path / 'big.gguf'} (model big).\n"
+
+
+def test_serve_with_a_broken_models_file_says_where_in_one_line(tmp_path):
+    (tmp_path / "pool.toml").write_text('[[model]]\npath = "a.gguf"\nctx_size = "lots"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    out = run_cli("serve", "--models-file", str(tmp_path / "pool.toml"), env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr == ("gguf-studio: pool.toml line 3 (model 1, ctx_size): must be a whole number "
+                          "of tokens, 0 for the model's own, not 'lots'.\n")
+
+
+def test_serve_with_two_models_answers_each_by_name_and_lists_both(tiny_model, smollm2_model,
+                                                                    llama_server_binary, tmp_path):
+    """`serve --model A --model NAME=B` as a user runs it: both load side by side, and a
+    request reaches the model it names (their answers differ)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_STATE_HOME=str(tmp_path / "state"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--model", str(tiny_model),
+         "--model", f"smol={smollm2_model}", "--port", "0", "--parallel", "1", "--ctx-size", "2048",
+         "--threads", "1", "--llama-server", str(llama_server_binary)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url, ready = "", set()
+        for line in not_none(proc.stdout):
+            if line.strip().startswith("http://") and not url:
+                url = line.strip()
+            if line.startswith("[ready] "):
+                ready.add(line.split()[1].rstrip(":"))
+            if ready == {"tiny", "smol"} or line.startswith("[failed]"):
+                break
+        assert ready == {"tiny", "smol"}, line
+        listed = httpx.get(f"{url}/models").json()["data"]
+        assert {"tiny", "smol"} <= {m["id"] for m in listed}
+        answers = {}
+        for model in ("tiny", "smol"):
+            answer = httpx.post(f"{url}/chat/completions", timeout=120, json={
+                "model": model, "temperature": 0, "max_tokens": 48,
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
+            assert answer.status_code == 200, answer.text
+            answers[model] = answer.json()["choices"][0]["message"]["content"]
+        assert "Paris" in answers["smol"] and answers["tiny"] != answers["smol"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        not_none(proc.stdout).close()
+        not_none(proc.stderr).close()

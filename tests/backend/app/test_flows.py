@@ -1,0 +1,183 @@
+"""Named keys and fair share with a real engine: a flood from one key does not hold back
+another's request, token limits answer 429 the SDK obeys, revocation ends waiting
+requests, allowed models, usage per key in /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from backend.app.service import StudioService
+from backend.key_store import KeyStore, Priority
+from backend.llama.load import LoadSettings
+from backend.settings import Settings
+
+OWNER_KEY = "owner-key-0123456789abcdef"
+
+
+@pytest.fixture
+async def service(tmp_path: Path, llama_server_binary: Path, tiny_model: Path):
+    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.1,
+                        load_timeout=60, queue_timeout=120, api_key=OWNER_KEY)
+    svc = StudioService(settings, log_dir=tmp_path / "logs")
+    await svc.start_gateway()
+    await svc.load(LoadSettings(parallel="2", ctx_size=8192).to_spec(str(tiny_model)))
+    yield svc
+    await svc.close()
+
+
+def url(service: StudioService) -> str:
+    return f"http://127.0.0.1:{service.gateway_port}"
+
+
+def chat(**extra: object) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}],
+            "stream": True, "max_tokens": 150, "ignore_eos": True, **extra}
+
+
+async def first_token(client: httpx.AsyncClient, key: str, body: dict,
+                      times: list[float], priority: str | None = None,
+                      durations: list[float] | None = None) -> list[str]:
+    """Stream `body` with `key`; note when the first token came; return the events."""
+    lines: list[str] = []
+    headers = {"Authorization": f"Bearer {key}"}
+    if priority is not None:
+        headers["x-priority"] = priority
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and not lines:
+                times.append(time.monotonic())
+            if line.startswith("data:"):
+                lines.append(line)
+    if durations is not None and times:
+        durations.append(time.monotonic() - times[-1])
+    return lines
+
+
+async def test_one_keys_flood_does_not_hold_back_anothers_request(service):
+    keys = service.keys
+    _, flood_key = keys.add("flood")
+    _, colleague_key = keys.add("colleague")
+    async with httpx.AsyncClient(base_url=url(service), timeout=120) as client:
+        # Each of the flood's requests holds a slot far longer than a request takes to
+        # arrive, so "the next free slot" is well defined.
+        durations: list[float] = []
+        flood = [asyncio.create_task(first_token(client, flood_key, chat(max_tokens=800), [],
+                                                 durations=durations)) for _ in range(16)]
+        while service.registry.total_waiting < 14:
+            await asyncio.sleep(0.02)
+        await first_token(client, colleague_key, chat(max_tokens=20), [])
+        await asyncio.gather(*flood)
+    usage = service.usage.snapshot()
+    # The colleague got the first slot that freed: it waited about one of the flood's
+    # requests (those running when it came), where first come first served would have
+    # made it wait for the 14 queued before it: 7 rounds of 2 slots.
+    one_flood_request = sorted(durations)[len(durations) // 2]
+    assert usage["colleague"].mean_wait < 1.5 * one_flood_request, (usage["colleague"],
+                                                                    one_flood_request)
+    assert usage["flood"].mean_wait > 3 * one_flood_request
+    assert usage["flood"].requests == 16 and usage["colleague"].requests == 1
+    assert usage["colleague"].completion_tokens == 20
+
+
+async def test_a_tokens_per_minute_limit_is_a_429_the_sdk_waits_out(service):
+    keys = KeyStore()
+    _, secret = keys.add("metered", tokens_per_minute=1200)
+    body = chat(stream=False, max_tokens=600)
+    async with httpx.AsyncClient(base_url=url(service), timeout=120,
+                                 headers={"Authorization": f"Bearer {secret}"}) as client:
+        first = await client.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        assert int(first.headers["x-ratelimit-limit-tokens"]) == 1200
+        refused = await client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and "per minute" in error["message"]
+    wait = float(refused.headers["retry-after-ms"]) / 1000
+    assert 0 < wait <= int(refused.headers["retry-after"]) and wait < 60
+    assert refused.headers["x-ratelimit-remaining-tokens"].isdigit()
+
+    sdk = openai.AsyncOpenAI(base_url=url(service) + "/v1", api_key=secret, max_retries=3)
+    started = time.monotonic()
+    answer = await sdk.chat.completions.create(model="tiny", messages=body["messages"],
+                                               max_tokens=600, extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length"
+    assert time.monotonic() - started >= wait * 0.5  # it waited for the window, then passed
+    await sdk.close()
+    assert service.usage.snapshot()["metered"].refusals.get("tokens_per_minute", 0) >= 1
+
+
+async def test_a_revoked_key_is_refused_at_once_also_while_waiting(service):
+    keys = KeyStore()
+    _, secret = keys.add("leaver")
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with httpx.AsyncClient(base_url=url(service), timeout=120, headers=headers) as client:
+        running = [asyncio.create_task(client.post("/v1/chat/completions",
+                                                   json=chat(stream=False, max_tokens=2000)))
+                   for _ in range(4)]
+        while service.registry.total_waiting < 2:
+            await asyncio.sleep(0.02)
+        KeyStore().revoke("leaver")  # as `gguf-studio keys revoke` in another process
+        answers = await asyncio.wait_for(asyncio.gather(*running), 60)
+        statuses = sorted(a.status_code for a in answers)
+        assert statuses == [200, 200, 401, 401]  # the running ones finish, the waiting go
+        assert all(a.json()["error"]["code"] == "invalid_api_key"
+                   for a in answers if a.status_code == 401)
+        again = await client.post("/v1/chat/completions", json=chat(stream=False))
+        assert again.status_code == 401 and "revoked" in again.json()["error"]["message"]
+
+
+async def test_a_key_uses_only_its_models_and_usage_shows_by_name(service):
+    keys = KeyStore()
+    _, secret = keys.add("narrow", models=("other-*",))
+    async with httpx.AsyncClient(base_url=url(service), timeout=60) as client:
+        refused = await client.post("/v1/chat/completions", json=chat(stream=False),
+                                    headers={"Authorization": f"Bearer {secret}"})
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "model_not_allowed"
+        ok = await client.post("/v1/chat/completions", json=chat(stream=False, max_tokens=5),
+                               headers={"Authorization": f"Bearer {OWNER_KEY}"})
+        assert ok.status_code == 200
+        metrics = (await client.get("/metrics",
+                                    headers={"Authorization": f"Bearer {OWNER_KEY}"})).text
+    assert 'gguf_studio_key_refusals_total{key="narrow",reason="model_not_allowed"} 1.0' in metrics
+    assert 'gguf_studio_key_tokens_total{key="owner",kind="completion"} 5.0' in metrics
+    assert secret not in metrics
+
+
+async def test_a_request_may_lower_its_priority_but_not_raise_it(service):
+    keys = KeyStore()
+    _, batch_key = keys.add("nightly", priority=Priority.BATCH)
+    _, normal_key = keys.add("human")
+    async with httpx.AsyncClient(base_url=url(service), timeout=120) as client:
+        times: dict[str, list[float]] = {"raised": [], "plain": [], "lowered": [], "late": []}
+
+        async def waiting(name: str, key: str, priority: str | None) -> asyncio.Task:
+            task = asyncio.create_task(first_token(client, key, chat(max_tokens=5), times[name],
+                                                   priority))
+            expected = service.registry.total_waiting + 1
+            while service.registry.total_waiting < expected:
+                await asyncio.sleep(0.02)
+            return task
+
+        # Two long requests hold the slots; the first ends well before the second, so
+        # the waiters are admitted one at a time.
+        hold = [asyncio.create_task(first_token(client, normal_key, chat(max_tokens=n), []))
+                for n in (1000, 4000)]
+        while service.registry.total_active < 2:
+            await asyncio.sleep(0.02)
+        queued = [await waiting("raised", batch_key, "interactive"),  # may not raise it
+                  await waiting("lowered", normal_key, "batch"),  # may lower it
+                  await waiting("plain", normal_key, None)]
+        await asyncio.gather(*queued)
+        hold[1].cancel()
+        await asyncio.gather(*hold, return_exceptions=True)
+    assert times["plain"][0] < times["raised"][0]  # normal before batch, though later
+    assert times["plain"][0] < times["lowered"][0]  # its own lowered one waits behind it
