@@ -162,7 +162,8 @@ class ModelRow:
             table.setItem(row, column, cell)
         self.pinned = QCheckBox()
         self.pinned.setAccessibleName(f"Pin {name}")
-        self.pinned.setToolTip("A pinned model is never unloaded to make room nor for idleness.")
+        self.pinned.setToolTip("A pinned model is never unloaded, neither to make room nor for "
+                               "idleness (pinning drops its idle TTL).")
         self.pinned.toggled.connect(lambda on: view.pinned_changed.emit(name, on))
         self.idle_ttl = QSpinBox()
         self.idle_ttl.setRange(0, MAX_TTL)
@@ -180,7 +181,7 @@ class ModelRow:
                                     lambda: view.unload_requested.emit(name))
         self.remove = _small_button("Remove", f"Remove {name} from the pool",
                                     lambda: view.remove_requested.emit(name))
-        actions = QWidget()
+        self.actions = actions = QWidget()
         buttons = QHBoxLayout(actions)
         buttons.setContentsMargins(2, 0, 2, 0)
         for button in (self.load, self.unload, self.remove):
@@ -192,9 +193,11 @@ class ModelRow:
 
     def show(self, status: ModelStatus) -> None:
         name = status.name + (" (default)" if status.default else "")
+        # An engine elsewhere keeps its model as its operator says: no pin, TTL or buttons.
+        managed_here = "" if status.local else "—"
         texts = (name, describe_where(status.engines), status.residency.value,
-                 describe_slots(status.engines), describe_kv(status.engines), "", "",
-                 status.decision, "")
+                 describe_slots(status.engines), describe_kv(status.engines), managed_here,
+                 managed_here, status.decision, "")
         for cell, text in zip(self.cells, texts):
             if cell.text() != text:
                 cell.setText(text)
@@ -203,8 +206,11 @@ class ModelRow:
         self.load.setEnabled(actions.load)
         self.unload.setEnabled(actions.unload)
         self.remove.setEnabled(actions.remove)
+        for widget in (self.pinned, self.idle_ttl, self.actions):
+            widget.setVisible(status.local)
         self.pinned.setEnabled(actions.options)
-        self.idle_ttl.setEnabled(actions.options)
+        # A pinned model is never unloaded for idleness: its TTL is "Never" until unpinned.
+        self.idle_ttl.setEnabled(actions.options and not status.pinned)
         self.pinned.blockSignals(True)
         self.pinned.setChecked(status.pinned)
         self.pinned.blockSignals(False)

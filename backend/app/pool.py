@@ -313,11 +313,14 @@ class Pool:
 
     def set_model_options(self, name: str, *, pinned: bool | None = None,
                           idle_ttl: float | None = None) -> None:
-        """Pin or unpin a local model, or change its idle TTL (seconds, 0: never), now."""
+        """Pin or unpin a local model, or change its idle TTL (seconds, 0: never), now.
+        Pinning drops the idle TTL: a pinned model is never unloaded for idleness."""
         local = self._local(name)
         changes: dict[str, object] = {}
         if pinned is not None:
             changes["pinned"] = bool(pinned)
+            if pinned and idle_ttl is None:
+                changes["idle_ttl"] = 0.0
         if idle_ttl is not None:
             if idle_ttl < 0:
                 raise ValueError("An idle TTL is 0 (never) or a number of seconds.")

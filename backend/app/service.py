@@ -28,7 +28,7 @@ from backend.key_store import KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
-from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot
+from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
@@ -279,16 +279,32 @@ class StudioService:
                          "engines": [dataclasses.asdict(e) for e in status.engines]}))
         return cards
 
+    def engines_elsewhere(self) -> list[dict[str, Any]]:
+        """Every engine elsewhere for /health, by its "upstream N" (never its address)."""
+        found = []
+        for upstream in self.pool.upstream_statuses():
+            engine = upstream.engine
+            error = upstream.error.replace(upstream.url, engine.where) if upstream.error else None
+            found.append({"engine": engine.where, "state": engine.state,
+                          "serving": engine.state == State.READY.value and bool(engine.slots),
+                          "error": error, "models": list(upstream.models),
+                          "kv_layout": upstream.kv_layout, "slots": engine.slots, "kv": engine.kv,
+                          "active": engine.active, "reserved_tokens": engine.reserved_tokens,
+                          "note": engine.note})
+        return found
+
     def model_loads(self) -> list[ModelLoad]:
         """Every model's line and engines right now, for the metrics and the activity."""
         loads = []
         for status in self.pool.statuses():
             line = self.registry.find_line(status.name)
             engines = tuple(EngineLoad(
-                engine.where, slots=engine.slots or 0, active=engine.active,
+                engine.where, ready=engine.state == State.READY.value and bool(engine.slots),
+                slots=engine.slots or 0, active=engine.active,
                 kv_capacity=int(str(engine.kv["total"])) if engine.kv is not None else 0,
                 kv_reserved=engine.reserved_tokens) for engine in status.engines)
-            loads.append(ModelLoad(status.name, line.waiting if line is not None else 0, engines))
+            loads.append(ModelLoad(status.name, line.waiting if line is not None else 0,
+                                   status.residency.value, engines))
         return loads
 
     def serving_engines(self) -> list[tuple[str, str, Serving]]:

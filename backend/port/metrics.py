@@ -45,6 +45,7 @@ class EngineLoad:
     """One engine of a model, right now."""
 
     engine: str  #: "this machine" or "upstream N"
+    ready: bool = False  #: it serves now (healthy, slots read)
     slots: int = 0  #: effective parallel slots; 0 while it does not serve
     active: int = 0  #: requests running on it
     kv_capacity: int = 0  #: its KV cache in tokens; 0 while unknown or not serving
@@ -57,6 +58,7 @@ class ModelLoad:
 
     model: str
     waiting: int = 0  #: requests in the model's line (for whichever engine frees first)
+    state: str = ""  #: its residency: loading, ready, unloading, unloaded, evicted, failed
     engines: tuple[EngineLoad, ...] = ()
 
 
@@ -216,6 +218,8 @@ class Metrics:
 
 #: (name, help, what it reads from an EngineLoad) of the series labelled model and engine.
 _ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
+    ("gguf_studio_engine_ready", "1 while this engine serves the model (healthy, slots read), "
+     "else 0.", lambda e: int(e.ready)),
     ("gguf_studio_engine_requests_active", "Requests holding a slot of this engine.",
      lambda e: e.active),
     ("gguf_studio_engine_effective_parallel_slots",
@@ -228,6 +232,9 @@ _ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
 )
 _MODEL_WAITING = ("gguf_studio_model_requests_waiting",
                   "Requests waiting in this model's line, for whichever of its engines frees first.")
+_MODEL_STATE = ("gguf_studio_model_state",
+                "1 for the state this model is in now (loading, ready, unloading, unloaded, "
+                "evicted, failed).")
 
 
 class _PoolCollector(Collector):
@@ -238,21 +245,26 @@ class _PoolCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        waiting, *engine_families = self._families()
+        waiting, state, *engine_families = self._families()
         for load in self._loads():
             waiting.add_metric([load.model], load.waiting)
+            if load.state:
+                state.add_metric([load.model, load.state], 1)
             for engine in load.engines:
                 for family, (_, _, read) in zip(engine_families, _ENGINE_SERIES):
                     family.add_metric([load.model, engine.engine], read(engine))
         yield waiting
+        yield state
         yield from engine_families
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
-        families = [GaugeMetricFamily(*_MODEL_WAITING, labels=["model"])]
+        families = [GaugeMetricFamily(*_MODEL_WAITING, labels=["model"]),
+                    GaugeMetricFamily(*_MODEL_STATE, labels=["model", "state"])]
         families += [GaugeMetricFamily(name, text, labels=["model", "engine"])
                      for name, text, _ in _ENGINE_SERIES]
         return families
+
 
 class _KeyUsageCollector:
     """`gguf_studio_key_*` families, labelled by key name, from the usage ledger."""
