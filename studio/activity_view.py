@@ -14,7 +14,7 @@ from studio.widgets import secondary_label
 __all__ = ["ActivityChart", "ActivityView", "describe_rejections", "engine_row"]
 
 ENGINE_COLUMNS = ("Model", "Engine", "Slots busy", "Waiting for the model", "KV tokens reserved",
-                  "Tokens/s")
+                  "Tokens/s", "Tokens generated")
 
 # The only fixed colours of the app: series must stay apart in light and dark palettes.
 ACTIVE_COLOUR = QColor("#3b82f6")
@@ -141,7 +141,8 @@ def engine_row(engine: EngineActivity) -> tuple[str, ...]:
     return (engine.model, engine.engine,
             f"{engine.active} / {engine.slots}" if engine.slots else "— / —",
             str(engine.waiting), engine.kv_text,
-            f"{engine.tokens_per_s:.0f}" if engine.tokens_generated is not None else "—")
+            f"{engine.tokens_per_s:.0f}" if engine.tokens_generated is not None else "—",
+            f"{engine.tokens_generated:,}" if engine.tokens_generated is not None else "—")
 
 
 def describe_rejections(rejections: dict[str, int]) -> str:
