@@ -159,8 +159,9 @@ class ServiceBridge(QObject):
         """Serve `entry` beside the loaded models (the default one stays) and load it."""
         return self._call(self.service.add_model(entry), on_error=on_error)
 
-    def load_model(self, name: str) -> concurrent.futures.Future[Snapshot]:
-        return self._call(self.service.load_model(name))
+    def load_model(self, name: str, on_error: Callable[[str], None] | None = None
+                   ) -> concurrent.futures.Future[Snapshot]:
+        return self._call(self.service.load_model(name), on_error=on_error)
 
     def unload_model(self, name: str) -> concurrent.futures.Future[None]:
         return self._call(self.service.unload_model(name))

@@ -181,13 +181,13 @@ class ModelRow:
                                     lambda: view.unload_requested.emit(name))
         self.remove = _small_button("Remove", f"Remove {name} from the pool",
                                     lambda: view.remove_requested.emit(name))
-        self.actions = actions = QWidget()
+        actions = QWidget()
         buttons = QHBoxLayout(actions)
         buttons.setContentsMargins(2, 0, 2, 0)
         for button in (self.load, self.unload, self.remove):
             buttons.addWidget(button)
         table.setCellWidget(row, MODEL_COLUMNS.index("Pinned"), _centred(self.pinned))
-        table.setCellWidget(row, MODEL_COLUMNS.index("Idle TTL"), self.idle_ttl)
+        table.setCellWidget(row, MODEL_COLUMNS.index("Idle TTL"), _holding(self.idle_ttl))
         table.setCellWidget(row, len(MODEL_COLUMNS) - 1, actions)
         self._ttl_shown = -1
 
@@ -206,7 +206,8 @@ class ModelRow:
         self.load.setEnabled(actions.load)
         self.unload.setEnabled(actions.unload)
         self.remove.setEnabled(actions.remove)
-        for widget in (self.pinned, self.idle_ttl, self.actions):
+        # Cell widgets are shown by the table itself: what they hold is hidden instead.
+        for widget in (self.pinned, self.idle_ttl, self.load, self.unload, self.remove):
             widget.setVisible(status.local)
         self.pinned.setEnabled(actions.options)
         # A pinned model is never unloaded for idleness: its TTL is "Never" until unpinned.
@@ -285,9 +286,16 @@ def _small_button(text: str, accessible: str, clicked: Callable[[], None]) -> QP
 
 
 def _centred(widget: QWidget) -> QWidget:
+    return _holding(widget, Qt.AlignmentFlag.AlignCenter)
+
+
+def _holding(widget: QWidget, alignment: Qt.AlignmentFlag | None = None) -> QWidget:
+    """`widget` in a plain cell widget, so that it can be hidden (the table shows the
+    cell widgets it holds)."""
     holder = QWidget()
     layout = QHBoxLayout(holder)
     layout.setContentsMargins(0, 0, 0, 0)
-    layout.setAlignment(Qt.AlignmentFlag.AlignCenter)
+    if alignment is not None:
+        layout.setAlignment(alignment)
     layout.addWidget(widget)
     return holder

@@ -174,7 +174,8 @@ class MainWindow(QMainWindow):
 
     def _connect_pool(self) -> None:
         p, b = self.pool, self.bridge
-        p.load_requested.connect(b.load_model)
+        p.load_requested.connect(lambda name: b.load_model(
+            name, on_error=lambda message: self.show_message(f"{name} did not load: {message}")))
         p.unload_requested.connect(b.unload_model)
         p.remove_requested.connect(b.remove_model)
         p.pinned_changed.connect(lambda name, on: b.set_model_options(name, pinned=on))
@@ -304,7 +305,8 @@ class MainWindow(QMainWindow):
         self._save_library()
         entry = pool_config.ModelEntry.for_file(path, settings=wanted,
                                                 chat_template=info.has_chat_template)
-        self.bridge.add_model(entry, on_error=self.show_message)
+        self.bridge.add_model(entry, on_error=lambda message: self.show_message(
+            f"{entry.name} did not load: {message}"))
         self.tabs.setCurrentIndex(POOL_TAB)
         self.refresh_library(select=path)
 
