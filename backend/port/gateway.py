@@ -94,6 +94,10 @@ class GatewayContext(Protocol):
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
 
+    def engines_elsewhere(self) -> list[dict[str, Any]]:
+        """Every engine elsewhere, serving or not, for /health: "upstream N", never its
+        address (which may carry a key) nor its key."""
+
 
 class Gateway:
     """The app's state: the context, one shared upstream client, the handlers."""
@@ -272,6 +276,8 @@ class Gateway:
             "models": [{"id": card.id, "state": card.state, "default": card.default,
                         "context_length": card.context_length, **card.details}
                        for card in self.ctx.model_cards()],
+            # Engines on other machines, also those out of the pool right now, and why.
+            "upstreams": self.ctx.engines_elsewhere(),
         }
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
 

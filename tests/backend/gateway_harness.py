@@ -71,6 +71,9 @@ class Context:
         output = min(cap, context) if cap and context else (cap or context)
         return [ModelCard(self._snapshot.model_id, "ready", context, output or None, True)]
 
+    def engines_elsewhere(self) -> list[dict[str, Any]]:
+        return []
+
 
 @dataclass
 class Gateway:
