@@ -8,6 +8,7 @@ import time
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseCompletedEvent
 
 from tests.clients.conftest import (API_KEY, MODEL_ID, OUTPUT_CAP, add_key, base_url,
@@ -163,7 +164,7 @@ async def test_a_revoked_key_is_a_401_the_sdk_does_not_retry_and_other_keys_go_o
     leaver = await add_key("leaver")
     stayer = await add_key("stayer")
     await gguf_studio_keys("revoke", "leaver")
-    messages = [{"role": "user", "content": PROMPT}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
     async with openai.AsyncOpenAI(base_url=base_url(sdk_service), api_key=leaver, timeout=60,
                                   max_retries=2) as client:
         with pytest.raises(openai.AuthenticationError) as refused:
