@@ -195,7 +195,8 @@ class Pool:
 
         No model (or an empty one): the default model (for /v1/embeddings the first
         embeddings model, if any).  A name: a model's name or alias or file name, exact,
-        else ignoring case.  Unknown: ModelNotFound listing the models.
+        else ignoring case.  Unknown: ModelNotFound listing the models (with no model at all,
+        ModelNotReady, as for no name).
         """
         if not isinstance(requested, str) or not requested.strip():
             if path == EMBEDDINGS_ROUTE:
@@ -208,6 +209,11 @@ class Pool:
                                     retry_after=RETRY_SOON)
             return default
         wanted = requested.strip()
+        if not self.names():
+            # Nothing to choose from (before the first load, or after the last unload):
+            # the port is not ready, which clients retry, rather than a wrong model name.
+            raise ModelNotReady("No model is loaded right now. Try again later.",
+                                retry_after=RETRY_SOON)
         for exact in (True, False):
             for name, names in self._all_names():
                 if any(n == wanted if exact else n.lower() == wanted.lower() for n in names):
