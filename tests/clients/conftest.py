@@ -540,6 +540,18 @@ async def add_key(name: str, *options: str) -> str:
     return (await gguf_studio_keys("add", name, *options)).strip()
 
 
+async def revoke_key(service: StudioService, name: str) -> None:
+    """`gguf-studio keys revoke NAME`, then wait until the running port has seen it (it
+    looks at the keys file twice a second)."""
+    await gguf_studio_keys("revoke", name)
+
+    def seen() -> bool:
+        record = service.keys.get(name)
+        return record is not None and record.revoked_at is not None
+
+    await until(seen, 2.0, f"the port to see {name!r} revoked")
+
+
 async def listed_keys(service: StudioService) -> dict[str, dict]:
     """`gguf-studio keys list --json` by name, once the port has saved its usage."""
     await service.usage.flush()

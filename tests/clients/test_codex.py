@@ -14,10 +14,10 @@ import pytest
 
 from backend.app.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, codex_snippet
 from tests.clients.conftest import (API_KEY, CONTEXT, KEEPALIVE, MODEL_ID, OUTPUT_CAP, Codex,
-                                    add_key, base_url, gguf_studio_keys, key_sample,
-                                    key_target, listed_keys, network_connections, occupied,
-                                    occupied_place, pasted_codex_files, pasted_env, rejections,
-                                    responses_count, scraped_metrics, until)
+                                    add_key, base_url, key_sample, key_target, listed_keys,
+                                    network_connections, occupied, occupied_place,
+                                    pasted_codex_files, pasted_env, rejections, responses_count,
+                                    revoke_key, scraped_metrics, until)
 
 # A first run installs the clients (scripts/install-clients); each client run is bounded.
 pytestmark = pytest.mark.timeout(600)
@@ -220,7 +220,7 @@ async def test_codex_waiting_in_line_when_its_key_is_revoked_fails_clearly_and_o
                 headers={"Authorization": f"Bearer {bob}"},
                 json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]}))
             await until(lambda: service.registry.total_waiting == 2, 30, "bob to wait in line")
-            await gguf_studio_keys("revoke", "alice")
+            await revoke_key(service, "alice")
             run = await process.result()
             assert not colleague.done()  # still waiting behind the long generation
         answer = await colleague

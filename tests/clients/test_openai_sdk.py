@@ -12,8 +12,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseCompletedEvent
 
 from tests.clients.conftest import (API_KEY, MODEL_ID, OUTPUT_CAP, add_key, base_url,
-                                    gguf_studio_keys, key_sample, occupied, occupied_place,
-                                    rejections, responses_count, scraped_metrics, until)
+                                    key_sample, occupied, occupied_place, rejections,
+                                    responses_count, revoke_key, scraped_metrics, until)
 from tests.not_none import not_none
 
 PROMPT = "Say hello."
@@ -163,7 +163,7 @@ async def test_a_model_the_key_may_not_use_is_a_403_and_an_unserved_one_a_404(sd
 async def test_a_revoked_key_is_a_401_the_sdk_does_not_retry_and_other_keys_go_on(sdk_service):
     leaver = await add_key("leaver")
     stayer = await add_key("stayer")
-    await gguf_studio_keys("revoke", "leaver")
+    await revoke_key(sdk_service, "leaver")
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
     async with openai.AsyncOpenAI(base_url=base_url(sdk_service), api_key=leaver, timeout=60,
                                   max_retries=2) as client:

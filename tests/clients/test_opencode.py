@@ -14,9 +14,9 @@ import pytest
 
 from backend.app.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, opencode_snippet
 from tests.clients.conftest import (API_KEY, CONTEXT, MODEL_ID, OUTPUT_CAP, OpenCode, add_key,
-                                    base_url, gguf_studio_keys, key_sample, key_target,
-                                    listed_keys, network_connections, occupied, occupied_place,
-                                    pasted_env, rejections, responses_count, scraped_metrics,
+                                    base_url, key_sample, key_target, listed_keys,
+                                    network_connections, occupied, occupied_place, pasted_env,
+                                    rejections, responses_count, revoke_key, scraped_metrics,
                                     until)
 
 # A first run installs the clients (scripts/install-clients); each client run is bounded.
@@ -174,7 +174,7 @@ async def test_opencode_with_a_revoked_key_fails_clearly_and_other_keys_still_wo
     before = await (await run_with_key(opencode, service, alice)).result()
     assert before.returncode == 0 and before.text, before.describe()
 
-    await gguf_studio_keys("revoke", "alice")
+    await revoke_key(service, "alice")
     revoked = await (await run_with_key(opencode, service, alice)).result()
     served = await (await run_with_key(opencode, service, bob)).result()
 
