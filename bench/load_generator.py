@@ -1,6 +1,7 @@
-"""The relay benchmark's load generator: a lean asyncio HTTP/1.1 client, the same code for
-every target.  One `asyncio.Protocol` per stream over its own connection; it counts
-content chunks and notes the time to the first one.
+"""The benchmarks' load generator: a lean asyncio HTTP/1.1 client, the same code for
+every target.  One `asyncio.Protocol` per stream over its own connection (`StreamClient`),
+or an agent sending request after request on its kept-alive connection (`Agent`); it
+counts content chunks and notes the time to the first one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class StreamClient(asyncio.Protocol):
         self.request = request
         self.done = done
         self.transport: asyncio.Transport | None = None
+        self._new_answer()
+
+    def _new_answer(self) -> None:
         self.head = b""
         self.in_head = True
         self.status = 0
@@ -38,9 +42,11 @@ class StreamClient(asyncio.Protocol):
         self.raw = b""      # undecoded chunked bytes
         self.need = 0       # chunk data bytes still to come
         self.skip = 0       # CRLF bytes after a chunk still to skip
+        self.trailer = False  # past the last chunk, reading the (empty) trailer section
         self.tail = b""     # a partial event
         self.tokens = 0
         self.saw_done = False
+        self.keep_alive = True  # the server did not say `Connection: close`
         self.t_send = self.t_first = self.t_end = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -66,6 +72,8 @@ class StreamClient(asyncio.Protocol):
                     self.chunked = True
                 elif name == b"content-length":
                     self.remaining = int(value)
+                elif name == b"connection" and b"close" in value.lower():
+                    self.keep_alive = False
         if self.chunked:
             self._dechunk(data)
         else:
@@ -96,11 +104,16 @@ class StreamClient(asyncio.Protocol):
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
                     break
-                size = int(buf[pos:eol].split(b";", 1)[0], 16)
-                pos = eol + 2
+                line, pos = buf[pos:eol], eol + 2
+                if self.trailer:  # the answer ends with the trailer section's blank line
+                    if not line:
+                        last = True
+                        break
+                    continue
+                size = int(line.split(b";", 1)[0], 16)
                 if size == 0:
-                    last = True
-                    break
+                    self.trailer = True
+                    continue
                 self.need = size
         self.raw = buf[pos:] if pos < end else b""
         if parts:
@@ -140,6 +153,99 @@ class StreamClient(asyncio.Protocol):
             self.done.set_result(None)
 
 
+class KeptAliveClient(StreamClient):
+    """One connection of an agent (`Agent`): its requests one after the other, each
+    written the moment the answer before it ended, for as long as the server keeps the
+    connection.  `done` is set when the connection ends or has carried `left` requests;
+    a request the server closed the connection on before any byte of its answer came
+    (a kept-alive connection it closed as it was reused) is left for a new connection,
+    as HTTP clients do."""
+
+    def __init__(self, agent: Agent, done: asyncio.Future) -> None:
+        super().__init__(agent.request, done)
+        self.agent = agent
+        self.answering = False
+        self.used = 0  # requests sent on this connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._send()
+
+    def _send(self) -> None:
+        self._new_answer()
+        self.answering = True
+        self.used += 1
+        self.t_send = time.perf_counter()
+        if self.agent.t_asked is None:  # a resent request keeps its first time
+            self.agent.t_asked = self.t_send
+        assert self.transport is not None
+        self.transport.write(self.request)
+
+    def _finish(self) -> None:
+        self.answering = False
+        agent = self.agent
+        ok = self.status == 200 and self.saw_done and self.tokens > 0
+        if agent.expect_tokens is not None and self.tokens != agent.expect_tokens:
+            ok = False
+        if not ok:
+            agent.errors += 1
+        elif agent.answered:  # every request but the agent's first
+            assert agent.t_asked is not None
+            agent.ttfts.append(self.t_first - agent.t_asked)
+            if self.used == 1:
+                agent.reconnected += 1
+        agent.answered += 1
+        agent.t_asked = None
+        agent.chunks += self.tokens
+        agent.left -= 1
+        if agent.left > 0 and self.keep_alive:
+            self._send()
+            return
+        super()._finish()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.answering:
+            self.answering = False
+            if self.in_head and not self.head and self.used > 1:
+                pass  # closed as it was reused: the agent sends it again on a new one
+            else:
+                self.agent.errors += 1
+                self.agent.left -= 1
+                self.agent.t_asked = None
+        super().connection_lost(exc)
+
+
+class Agent:
+    """A client that sends `requests` streamed requests one after the other, each the
+    moment the answer before it ended, on a kept-alive connection (a new one only when
+    the server closes it).  `ttfts`: from a request's first write to its first content
+    chunk, for every request but the first (which also opened the connection);
+    `reconnected` counts those that went out on a new connection all the same."""
+
+    def __init__(self, request: bytes, requests: int, expect_tokens: int | None) -> None:
+        self.request = request
+        self.left = requests
+        self.expect_tokens = expect_tokens
+        self.ttfts: list[float] = []
+        self.answered = 0
+        self.t_asked: float | None = None
+        self.reconnected = 0
+        self.chunks = 0
+        self.errors = 0
+
+    async def run(self, port: int, timeout: float, start_after: float = 0.0) -> None:
+        loop = asyncio.get_running_loop()
+        if start_after > 0:
+            await asyncio.sleep(start_after)
+        while self.left > 0:
+            before = (self.left, self.errors)
+            client = KeptAliveClient(self, loop.create_future())
+            await _stream(client, port, timeout, 0.0)
+            if (self.left, self.errors) == before and not client.used:
+                self.errors += self.left  # could not even connect
+                return
+
+
 @dataclass
 class Run:
     target: str
@@ -148,6 +254,9 @@ class Run:
     ttfts: list[float]
     errors: int
     cpu: dict[str, float]  # seconds: relay, upstream, client
+    #: Closed loop: measured requests that went out on a new connection all the same
+    #: (the server had closed the kept-alive one).
+    reconnected: int = 0
 
     @property
     def rate(self) -> float:
@@ -205,6 +314,35 @@ async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
         else:
             errors += 1
     return Run(target.name, wall, sum(c.tokens for c in clients), ttfts, errors, cpu)
+
+
+async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int, requests: int,
+                          body: bytes, expect_tokens: int | None, timeout: float,
+                          spread: float = 0.0) -> Run:
+    """`clients` agents (`Agent`), agent i starting i*spread/clients seconds in, each
+    sending `requests` requests one after the other on its kept-alive connection.  The
+    run's TTFTs are those of every agent's second request on, which is what this
+    measures; throughput counts every chunk."""
+    request = chat_request(target.port, body)
+    pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
+    if target.pid is not None:
+        pids["relay"] = target.pid
+    before = {k: cpu_times(p) for k, p in pids.items()}
+    client_before = time.process_time()
+    agents = [Agent(request, requests, expect_tokens) for _ in range(clients)]
+    started = time.perf_counter()
+    await asyncio.gather(*(agent.run(target.port, timeout * requests, i * spread / clients)
+                           for i, agent in enumerate(agents)))
+    wall = time.perf_counter() - started
+    cpu = {}
+    for k, p in pids.items():
+        user, system = cpu_times(p)
+        cpu[k] = user + system - sum(before[k])
+        cpu[k + "_sys"] = system - before[k][1]
+    cpu["client"] = time.process_time() - client_before
+    return Run(target.name, wall, sum(a.chunks for a in agents),
+               [t for a in agents for t in a.ttfts], sum(a.errors for a in agents), cpu,
+               reconnected=sum(a.reconnected for a in agents))
 
 
 async def _stream(client: StreamClient, port: int, timeout: float, start_after: float) -> None:

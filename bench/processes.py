@@ -157,11 +157,14 @@ class Target:
     pid: int | None  # the relay's process (None: direct to the upstream)
 
 
-def start_port(procs: Processes, name: str, upstream: str, slots: int, config_dir: Path,
-               patch: str | None = None) -> Target:
-    """`gguf-studio serve --upstream URL` in its own process; ready once it reports `slots`."""
-    serve = ["serve", "--upstream", upstream, "--host", HOST, "--port", "0",
-             "--max-output-tokens", "0"]
+def start_port(procs: Processes, name: str, upstream: str | list[str], slots: int,
+               config_dir: Path, patch: str | None = None, extra: list[str] | None = None) -> Target:
+    """`gguf-studio serve --upstream URL [--upstream URL ...]` in its own process; ready
+    once it reports `slots` in all (`/health`'s `effective_parallel_slots`, or the sum
+    over its `engines` where it lists them)."""
+    upstreams = [upstream] if isinstance(upstream, str) else upstream
+    serve = ["serve", *(arg for url in upstreams for arg in ("--upstream", url)),
+             "--host", HOST, "--port", "0", "--max-output-tokens", "0", *(extra or [])]
     if patch:  # a file that patches the port, then runs backend.app.cli.main(sys.argv[1:])
         cmd = [PYTHON, patch, *serve]
     else:
@@ -171,13 +174,54 @@ def start_port(procs: Processes, name: str, upstream: str, slots: int, config_di
 
     def ready() -> bool:
         status, body = get_json(port, "/health")
-        return status == 200 and body["effective_parallel_slots"] == slots
+        return status == 200 and health_slots(body) == slots
 
-    wait_until(ready, proc, f"{name} did not become ready with {slots} slots", procs, name)
+    try:
+        wait_until(ready, proc, f"{name} did not become ready with {slots} slots", procs, name)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n/health answered: {_health_text(port)}") from None
     # Admission counts prompts only when it knows the engine's KV cache: measured with it on.
     if get_json(port, "/health")[1].get("kv") is None:
         raise RuntimeError(f"{name} knows no KV cache of its upstream: prompt counting is off")
     return Target(name, port, proc.pid)
+
+
+def health_slots(body: Any) -> int | None:
+    """The slots a port's `/health` reports in all: the sum over the ready engines of
+    every model where it lists them (a pool), else its `effective_parallel_slots`."""
+    if not isinstance(body, dict):
+        return None
+    models = body.get("models")
+    if isinstance(models, list):
+        total = sum(engine.get("slots") or 0
+                    for model in models if isinstance(model, dict)
+                    for engine in model.get("engines") or []
+                    if isinstance(engine, dict) and engine.get("state") == "ready")
+        if total:
+            return total
+    slots = body.get("effective_parallel_slots")
+    return slots if isinstance(slots, int) else None
+
+
+def _health_text(port: int) -> str:
+    try:
+        return json.dumps(get_json(port, "/health")[1])[:300]
+    except (OSError, http.client.HTTPException):
+        return "no answer"
+
+
+def start_fake(procs: Processes, name: str, slots: int, ctx: int,
+               enforce_slots: bool = False) -> tuple[Target, subprocess.Popen]:
+    """The synthetic upstream (`python -m tests.fake_upstream`) in its own process; `ctx`
+    is the per-slot context its `/props` reports (an attached port takes it as one pool)."""
+    cmd = [PYTHON, "-m", "tests.fake_upstream", "--host", HOST, "--port", "0",
+           "--slots", str(slots), "--n-ctx", str(ctx)]
+    if enforce_slots:
+        cmd.append("--enforce-slots")
+    proc = procs.start(name, cmd)
+    port = int(procs.wait_for_line(name, proc,
+                                   r"fake llama-server on http://127\.0\.0\.1:(\d+)").group(1))
+    return Target(name, port, None), proc
 
 
 def start_helper(procs: Processes, name: str, script: str, upstream: str, banner: str) -> Target:

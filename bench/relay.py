@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import signal
 import sys
@@ -50,7 +49,7 @@ if str(REPO) not in sys.path:
 from bench.processes import (HOST, PYTHON, Processes, Target, free_port,  # noqa: E402
                              get_json, start_helper, start_port, stop_children, wait_until)
 from bench.report import (TARGET_THROUGHPUT, TARGET_TTFT_P50_MS, TARGET_TTFT_P99_MS,  # noqa: E402
-                          latency_table, saturation_table, steady_table)
+                          latency_table, machine_note, saturation_table, steady_table)
 from bench.scenarios import (Scenario, Steady, llama_body, run_scenario,  # noqa: E402
                              run_steady_rounds, synthetic_body)
 
@@ -221,14 +220,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         variants.append(("port-aiohttp", str(REPO / "bench" / "variants" / "aiohttp_port.py")))
     args.variant = variants
     return args
-
-
-def machine_note() -> str:
-    try:
-        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        load = "?"
-    return f"{os.cpu_count()} CPUs, load average at the end {load}"
 
 
 async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> int:

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from bench.scenarios import Scenario, Steady, median, quantile
+
+if TYPE_CHECKING:
+    from bench.pool import PoolResult, RealResult
 
 TARGET_THROUGHPUT = 0.98
 TARGET_TTFT_P50_MS = 2.0
 TARGET_TTFT_P99_MS = 10.0
+#: The pool's throughput: at least this share of N times one engine's.
+TARGET_POOL_THROUGHPUT = 0.95
+
+
+def machine_note() -> str:
+    try:
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        load = "?"
+    return f"{os.cpu_count()} CPUs, load average at the end {load}"
 
 
 def _range(values: list[float], fmt: str = "{:.3f}") -> str:
@@ -98,3 +114,139 @@ def steady_table(s: Steady) -> list[str]:
                     f"| {median([r.chunks for r in runs]):,.0f} "
                     f"| {median([r.counted / s.newcomers for r in runs]):.2f} |")
     return rows
+
+
+# --- bench/pool.py -------------------------------------------------------------------------
+
+
+def pool_throughput_table(pool: list[PoolResult], slots: int, tokens: int, delay: float | None,
+                          judged: bool = True) -> tuple[list[str], list[str]]:
+    """One row per pool size N: the port's rate against N times one engine's and against
+    going directly to every engine.  `delay` None: a real engine, at its own pace."""
+    pace = f"at one token per {delay * 1e3:g} ms" if delay is not None else "at the engines' pace"
+    rows = [f"Pool throughput: {slots}N streams × {tokens} tokens {pace}, all at once, through "
+            f"the port over N engines of {slots} slots; against {slots} streams on one engine "
+            f"alone and {slots} on each engine directly; medians over rounds of per-round "
+            "ratios, (min–max)",
+            "",
+            "| engines | streams | one engine chunks/s | direct chunks/s | port chunks/s "
+            "| port ÷ (N × one engine) | direct ÷ (N × one engine) | port ÷ direct "
+            "| requests that waited at an engine (port / direct) | port CPU µs/chunk (sys) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for p in pool:
+        runs = p.throughput
+        one, port, direct = runs["one engine"], runs["port"], runs["direct"]
+        vs_one = [a.rate / (p.engines * b.rate) for a, b in zip(port, one) if b.rate]
+        direct_vs_one = [a.rate / (p.engines * b.rate) for a, b in zip(direct, one) if b.rate]
+        vs_direct = [a.rate / b.rate for a, b in zip(port, direct) if b.rate]
+        cpu = median([r.cpu["relay"] / r.chunks * 1e6 for r in port if r.chunks])
+        sys_cpu = median([r.cpu["relay_sys"] / r.chunks * 1e6 for r in port if r.chunks])
+        waited = f"{p.waited['port']} / {p.waited['direct']}" if delay is not None else "—"
+        rows.append(f"| {p.engines} | {slots * p.engines} | {median([r.rate for r in one]):,.0f} "
+                    f"| {median([r.rate for r in direct]):,.0f} "
+                    f"| {median([r.rate for r in port]):,.0f} | {_range(vs_one)} "
+                    f"| {_range(direct_vs_one)} | {_range(vs_direct)} | {waited} "
+                    f"| {cpu:.0f} ({sys_cpu:.0f}) |")
+        if judged:
+            ok = median(vs_one) >= TARGET_POOL_THROUGHPUT
+            verdicts.append(f"- pool of {p.engines}, throughput {median(vs_one):.3f} × N × one "
+                            f"engine's ≥ {TARGET_POOL_THROUGHPUT} {_mark(ok)}")
+    return rows, verdicts
+
+
+def pool_newcomer_table(pool: list[PoolResult], slots: int) -> tuple[list[str], list[str]]:
+    first = next((p.steady for p in pool if p.steady is not None), None)
+    if first is None:
+        return [], []
+    rows = [f"Pool newcomers: {slots}N−1 streams flow at one token per {first.delay * 1e3:g} ms; "
+            f"a newcomer ({first.newcomer_tokens} tokens) arrives every {first.interval * 1e3:g}–"
+            f"{first.interval * 1.5e3:g} ms ({first.newcomers} per round) and takes the one "
+            "free slot; direct = straight to the engine with the free slot; added = port − "
+            "direct within a round, median over rounds (min–max)",
+            "",
+            "| engines | busy streams | direct newcomer TTFT p50 / p99 ms | added TTFT p50 ms "
+            "| added TTFT p99 ms | port CPU µs per paced chunk (sys) |",
+            "|---|---|---|---|---|---|"]
+    verdicts = []
+    for p in pool:
+        s = p.steady
+        if s is None:
+            continue
+        d50 = median([quantile(r.ttfts, 0.5) for r in s.runs["direct"]]) * 1e3
+        d99 = median([quantile(r.ttfts, 0.99) for r in s.runs["direct"]]) * 1e3
+        p50 = [x * 1e3 for x in s.added_ttft("port", 0.5)]
+        p99 = [x * 1e3 for x in s.added_ttft("port", 0.99)]
+        rows.append(f"| {p.engines} | {s.background} | {d50:.1f} / {d99:.1f} "
+                    f"| {_range(p50, '{:+.1f}')} | {_range(p99, '{:+.1f}')} "
+                    f"| {s.cpu_per_chunk('port', 'relay'):.0f} "
+                    f"({s.cpu_per_chunk('port', 'relay_sys'):.0f}) |")
+        checks = [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
+                   median(p50) <= TARGET_TTFT_P50_MS),
+                  (f"added TTFT p99 {median(p99):+.2f} ms ≤ {TARGET_TTFT_P99_MS:g}",
+                   median(p99) <= TARGET_TTFT_P99_MS)]
+        verdicts.append(f"- pool of {p.engines}, newcomer: "
+                        + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks))
+    return rows, verdicts
+
+
+def routing_table(routing: dict[int, float], pool: list[PoolResult], slots: int) -> list[str]:
+    port_cpu = {p.engines: median(p.port_cpu_per_request) for p in pool if p.port_cpu_per_request}
+    rows = ["Routing CPU per request: the admission decision alone (a request finding the one "
+            f"free slot among N engines of {slots} busy slots, and its release; in this "
+            "process, `backend.port.admission`), and the port process's whole CPU per "
+            f"one-token request ({slots}N agents on kept-alive connections; HTTP in and out, "
+            "parsing, admission, the upstream request; utime+stime from /proc)",
+            "",
+            "| engines | admission decision µs/request | port CPU µs per short request |",
+            "|---|---|---|"]
+    for n, seconds in routing.items():
+        whole = f"{port_cpu[n] * 1e6:.0f}" if n in port_cpu else "—"
+        rows.append(f"| {n} | {seconds * 1e6:.1f} | {whole} |")
+    return rows
+
+
+def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list[str]]:
+    direct = s.runs["direct"]
+    d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
+    d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+    rows = [f"{s.title}: {s.streams} agents, each sending {s.requests} requests of "
+            f"{s.tokens} tokens one after the other on its kept-alive connection (the next the "
+            "moment the last answer ended), connecting over "
+            f"{s.spread:g} s; TTFT of the requests on a kept-alive connection (the second on); "
+            f"{len(direct)} rounds; direct TTFT p50 / p99 {d50:.1f} / {d99:.1f} ms; added = "
+            "relay − direct within a round, median over rounds (min–max)",
+            "",
+            "| relay | throughput ÷ direct | added TTFT p50 ms | added TTFT p99 ms "
+            "| relay CPU µs/chunk (sys) | requests measured per round (on a new connection: "
+            "relay / direct) |",
+            "|---|---|---|---|---|---|"]
+    verdicts = []
+    for name in s.runs:
+        if name == "direct":
+            continue
+        p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
+        p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+        rows.append(f"| {name} | {_range(s.throughput_ratios(name))} | {_range(p50, '{:+.1f}')} "
+                    f"| {_range(p99, '{:+.1f}')} | {s.cpu_per_chunk(name, 'relay'):.0f} "
+                    f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
+                    f"| {median([len(r.ttfts) for r in s.runs[name]]):.0f} "
+                    f"({median([r.reconnected for r in s.runs[name]]):.0f} / "
+                    f"{median([r.reconnected for r in direct]):.0f}) |")
+        if judged and name == "port":
+            checks = [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
+                       median(p50) <= TARGET_TTFT_P50_MS),
+                      (f"added TTFT p99 {median(p99):+.2f} ms ≤ {TARGET_TTFT_P99_MS:g}",
+                       median(p99) <= TARGET_TTFT_P99_MS)]
+            verdicts.append(f"- closed loop, {s.streams} agents: "
+                            + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks))
+    return rows, verdicts
+
+
+def real_engine_tables(real: RealResult, slots: int, tokens: int) -> list[str]:
+    rows, _ = pool_throughput_table(real.pool, slots, tokens, None, judged=False)
+    out = [f"{real.title} (not judged: see the docstring of bench/pool.py)", "", *rows]
+    if real.closed is not None:
+        closed, _ = closed_loop_table(real.closed, judged=False)
+        out += ["", *closed]
+    return out

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from bench.load_generator import Run, chat_request, run_load, start_stream
+from bench.load_generator import Run, StreamClient, chat_request, run_load, start_stream
 from bench.processes import Target, cpu_times, get_json
 
 
@@ -43,6 +43,7 @@ class Scenario:
     spread: float = 0.0
     judged: bool = True
     runs: dict[str, list[Run]] = field(default_factory=dict)
+    requests: int = 1  # per client, one after the other on its connection (a closed loop)
 
     def throughput_ratios(self, name: str, base: str = "direct") -> list[float]:
         return [a.rate / b.rate for a, b in zip(self.runs[name], self.runs[base]) if b.rate]
@@ -101,9 +102,24 @@ class Steady:
     prompt_bytes: int = 0  # the newcomers' message (0: "Hello")
     upstream_port: int = 0  # the synthetic upstream's, to read how often it was asked to count
     runs: dict[str, list[SteadyRun]] = field(default_factory=dict)
+    #: Where a target's background streams go, stream i to the (i mod n)-th (default: the
+    #: target itself); e.g. directly to several engines, the one with a free slot last.
+    backgrounds: dict[str, list[Target]] = field(default_factory=dict)
+    #: A body of its own for the background streams and newcomers (default: synthetic).
+    background_body: bytes | None = None
+    newcomer_body: bytes | None = None
+    newcomer_tokens: int = 2
+    #: Whether every stream must bring exactly its tokens as content chunks (a real
+    #: engine's chunk may carry no text: only status, [DONE] and some content count).
+    exact_tokens: bool = True
+
+    #: The background streams' length in tokens (0: long enough at `delay` per token).
+    background_length: int = 0
 
     @property
     def background_tokens(self) -> int:
+        if self.background_length:
+            return self.background_length
         # ramp-up, the newcomers' window and a margin: still flowing after the last one
         return int((0.5 + self.newcomers * self.interval * 1.3 + 1.5) / self.delay)
 
@@ -125,9 +141,13 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
     newcomer (2 tokens) arrives at each of `arrivals` (seconds from then); the relay's
     CPU and the chunks relayed are counted from the first arrival to the last newcomer's
     end."""
-    background = chat_request(target.port, synthetic_body(s.background_tokens, s.delay))
-    newcomer = chat_request(target.port, synthetic_body(2, s.delay, s.prompt_bytes))
-    flows = [start_stream(target.port, background, s.timeout, i * 0.5 / s.background)
+    ways = s.backgrounds.get(target.name, [target])
+    background = [chat_request(t.port, s.background_body
+                               or synthetic_body(s.background_tokens, s.delay)) for t in ways]
+    newcomer = chat_request(target.port, s.newcomer_body
+                            or synthetic_body(s.newcomer_tokens, s.delay, s.prompt_bytes))
+    flows = [start_stream(ways[i % len(ways)].port, background[i % len(ways)], s.timeout,
+                          i * 0.5 / s.background)
              for i in range(s.background)]
     clients = [c for c, _ in flows]
     deadline = time.monotonic() + s.timeout
@@ -155,11 +175,14 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
         cpu[k] = user + system - sum(before[k])
         cpu[k + "_sys"] = system - before[k][1]
     await asyncio.gather(*(t for _, t in flows))
-    errors = sum(1 for c in clients if not (c.status == 200 and c.saw_done
-                                            and c.tokens == s.background_tokens))
+    def ok(c: StreamClient, tokens: int) -> bool:
+        return (c.status == 200 and c.saw_done and c.tokens > 0
+                and (c.tokens == tokens or not s.exact_tokens))
+
+    errors = sum(1 for c in clients if not ok(c, s.background_tokens))
     ttfts = []
     for c, _ in joining:
-        if c.status == 200 and c.saw_done and c.tokens == 2:
+        if ok(c, s.newcomer_tokens):
             ttfts.append(c.t_first - c.t_send)
         else:
             errors += 1

@@ -32,6 +32,12 @@ overridden per request with a `"fake"` object in the JSON body, e.g.
 Every request is recorded in `requests` (path and parsed body); streams whose client
 went away before the end are counted in `disconnects`.
 
+Like llama-server, it can hold a request that finds every slot busy until one frees
+(`enforce_slots`, `--enforce-slots`; off by default, when any number run at once): a
+benchmark that routes over several engines then sees a wrongly routed request wait, as
+it would on a real engine.  `waited` counts the requests that had to wait, `peak_active`
+the most that ran at once (both also in `GET /fake/stats`).
+
 Run on its own: `python -m tests.fake_upstream --port 8081 --slots 4 --delay 0.02`
 (`--n-ctx` sets the per-slot context `/props` reports, which an attached port takes as
 its KV cache).
@@ -97,8 +103,10 @@ class _Plan:
 
 class FakeUpstream:
     def __init__(self, *, slots: int = 2, n_ctx: int = 4096, model: str = "fake-model",
-                 n_tokens: int = 8, delay: float = 0.0, loading: bool = False) -> None:
+                 n_tokens: int = 8, delay: float = 0.0, loading: bool = False,
+                 enforce_slots: bool = False) -> None:
         self.slots = slots
+        self.enforce_slots = enforce_slots
         self.n_ctx = n_ctx
         self.model = model
         self.n_tokens = n_tokens
@@ -117,6 +125,9 @@ class FakeUpstream:
         #: until it is set: a reply whose final event is out but whose stream is not over.
         self.end_gate: asyncio.Event | None = None
         self.active = 0
+        self.peak_active = 0
+        self.waited = 0  # requests that found every slot busy (enforce_slots)
+        self._free_slots: asyncio.Semaphore | None = None
         self.disconnects = 0
         self.completed = 0
         self.app = self._build_app()
@@ -184,7 +195,8 @@ class FakeUpstream:
                              "default_generation_settings": {"n_ctx": self.n_ctx}})
 
     async def _stats(self, request: Request) -> Response:
-        return JSONResponse({"requests": len(self.requests), "counted": len(self.counted)})
+        return JSONResponse({"requests": len(self.requests), "counted": len(self.counted),
+                             "waited": self.waited, "peak_active": self.peak_active})
 
     async def _slots(self, request: Request) -> Response:
         return JSONResponse([{"id": i, "is_processing": i < self.active} for i in range(self.slots)])
@@ -261,7 +273,7 @@ class FakeUpstream:
 
     async def _events(self, plan: _Plan, frames: list[bytes], final: list[bytes]) -> AsyncIterator[bytes]:
         """`frames` one per token with the plan's pace and faults, then `final`."""
-        self.active += 1
+        await self._take_slot()
         finished = died = False
         try:
             if plan.hang:
@@ -281,11 +293,28 @@ class FakeUpstream:
                 yield frame
             finished = True
         finally:
-            self.active -= 1
+            self._free_slot()
             if finished:
                 self.completed += 1
             elif not died:
                 self.disconnects += 1
+
+    async def _take_slot(self) -> None:
+        """A slot for one generation; with `enforce_slots`, wait (in arrival order) for
+        one to free when all are busy."""
+        if self.enforce_slots:
+            if self._free_slots is None:
+                self._free_slots = asyncio.Semaphore(self.slots)
+            if self._free_slots.locked():
+                self.waited += 1
+            await self._free_slots.acquire()
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+
+    def _free_slot(self) -> None:
+        self.active -= 1
+        if self._free_slots is not None:
+            self._free_slots.release()
 
     async def _whole(self, plan: _Plan, make: Any) -> Response:
         """A non-streamed answer after the plan's total delay (or never, if it hangs)."""
@@ -293,12 +322,12 @@ class FakeUpstream:
             frames = [b" "] * plan.n_tokens
             return StreamingResponse(self._events(plan, frames, [json.dumps(make()).encode()]),
                                      media_type="application/json")
-        self.active += 1
+        await self._take_slot()
         try:
             if plan.delay:
                 await asyncio.sleep(plan.delay * plan.n_tokens)
         finally:
-            self.active -= 1
+            self._free_slot()
         self.completed += 1
         return JSONResponse(make())
 
@@ -499,9 +528,12 @@ async def _main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--n-ctx", type=int, default=4096,
                         help="the per-slot context /props reports (4096)")
+    parser.add_argument("--enforce-slots", action="store_true",
+                        help="a request that finds every slot busy waits for one (as "
+                             "llama-server does); by default any number run at once")
     args = parser.parse_args()
     fake = FakeUpstream(slots=args.slots, n_ctx=args.n_ctx, n_tokens=args.n_tokens,
-                        delay=args.delay)
+                        delay=args.delay, enforce_slots=args.enforce_slots)
     await fake.start(args.host, args.port)
     print(f"fake llama-server on {fake.base_url}", flush=True)
     try:

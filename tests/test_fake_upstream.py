@@ -56,3 +56,37 @@ async def test_the_fake_tokenizes_and_applies_a_template_like_an_older_engine():
             await tokenizer.aclose()
     assert prompt.endswith("<|im_start|>assistant\n") and "Hello there" in prompt
     assert tokens == (len(prompt.encode()) + 3) // 4 + 1  # one per 4 bytes, and a BOS
+
+
+async def _first_content(client, url: str, tokens: int, started, fake: FakeUpstream) -> int | None:
+    """Streams one chat; returns how many generations had completed when its first
+    content chunk arrived (`started` is set once it is under way)."""
+    request = dict(body("Hello"), fake={"n_tokens": tokens, "delay": 0.02})
+    async with client.stream("POST", url + CHAT, json=request) as response:
+        seen = None
+        async for line in response.aiter_lines():
+            if '"content":"' in line and seen is None:
+                seen = fake.completed
+                started.set()
+        return seen  # None: no content came
+
+
+async def test_with_enforced_slots_a_request_beyond_them_waits_for_a_free_one():
+    import asyncio
+
+    import httpx
+
+    for enforce in (True, False):
+        async with FakeUpstream(slots=1, enforce_slots=enforce) as fake:
+            async with httpx.AsyncClient(timeout=10) as client:
+                first_running = asyncio.Event()
+                first = asyncio.create_task(
+                    _first_content(client, fake.base_url, 10, first_running, fake))
+                await first_running.wait()
+                second = await _first_content(client, fake.base_url, 3, asyncio.Event(), fake)
+                await first
+        if enforce:
+            # the second started only once the first had finished
+            assert second is not None and second >= 1 and fake.waited == 1 and fake.peak_active == 1
+        else:  # it ran beside the first (10 tokens at 20 ms each)
+            assert second == 0 and fake.waited == 0 and fake.peak_active == 2

@@ -207,8 +207,9 @@ class Pool:
         """Every model the pool serves or can load, local ones first."""
         names = [name for name, m in self._locals.items() if not m.entry.embeddings]
         names += [name for name, m in self._locals.items() if m.entry.embeddings]
-        names += [r.model for r in self._remotes.values()
-                  if r.model is not None and r.model not in names]
+        for remote in self._remotes.values():  # a model several upstreams serve: once
+            if remote.model is not None and remote.model not in names:
+                names.append(remote.model)
         return names
 
     def resolve(self, path: str, requested: object) -> str:

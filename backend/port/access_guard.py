@@ -39,6 +39,7 @@ still has every guess answered, so the key itself is the real defence: at least
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hmac
 import ipaddress
 import time
@@ -318,6 +319,7 @@ def _strip_port(host: str) -> str:
     return host
 
 
+@functools.lru_cache(maxsize=64)  # a few names per port; parsing one is most of a check
 def _is_loopback_name(name: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True

@@ -91,9 +91,11 @@ class NeedPlanner:
         """The plan of one request of `body_bytes` bytes to `route`.  `fits_now(need)`:
         would admission take a request of that need at once, passing no one."""
         bound = await self.bound_need(route, body, body_bytes)
-        if bound is not None and bound.prompt > self.uncounted_room(route, body) \
-                and fits_now(bound):
-            return Plan(bound, lambda: self.counted_need(route, body, body_bytes))
+        if bound is not None:
+            if bound.prompt <= self.uncounted_room(route, body):
+                return Plan(bound)  # what `request_need` gives, without a second bound
+            if fits_now(bound):
+                return Plan(bound, lambda: self.counted_need(route, body, body_bytes))
         return Plan(await self.request_need(route, body, body_bytes))
 
     async def request_need(self, route: str, body: Mapping[str, Any],

@@ -59,8 +59,11 @@ SAMPLING: dict[str, tuple[Kind, ...]] = {
 def check_fields(route: str, data: Mapping[str, Any]) -> None:
     """InvalidRequest naming the first field of `data` whose shape the engine cannot use."""
     if route != EMBEDDINGS:
-        for name, kinds in SAMPLING.items():
-            _check(data.get(name), name, *kinds)
+        # The body's fields, not every known one: a request sends a few of them.
+        for name, value in data.items():
+            kinds = SAMPLING.get(name)
+            if kinds is not None:
+                _check(value, name, *kinds)
     _ROUTES[route](data)
 
 

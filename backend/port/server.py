@@ -22,6 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from backend.errors import RequestError, SettingsError
+from backend.port.tcp_nodelay import send_at_once
 from backend.settings import Settings
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ class _Protocol(H11Protocol):
         # H11Protocol narrows asyncio's BaseTransport to Transport (with its own ignore);
         # the loop gives it a Transport.
         super().connection_made(transport)  # type: ignore[arg-type]
+        send_at_once(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_scope: object = None
         self._idle_since = self.loop.time()

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from typing import TypeAlias, cast
 from urllib.parse import urlsplit
 
+from backend.port.tcp_nodelay import send_at_once
+
 __all__ = [
     "ConnectFailed", "ConnectTimeout", "ConnectionLost", "EndOfMessage", "Event", "Headers",
     "MalformedAnswer", "ResponseHead", "ResponseParser", "UnsupportedURL", "UpstreamClient",
@@ -597,6 +599,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream's, from create_connection
+        send_at_once(transport)
 
     def data_received(self, data: bytes) -> None:
         self.received = True

@@ -235,6 +235,27 @@ async def test_two_upstreams_of_one_model_run_twice_the_slots_and_survive_one_dy
                 stop(engine)
 
 
+async def test_a_model_served_by_two_upstreams_is_listed_once(service, client,
+                                                               llama_server_binary, tiny_model):
+    ports = [pick_free_port(), pick_free_port()]
+    engines = [start_llama_server(llama_server_binary, tiny_model, port, parallel=1)
+               for port in ports]
+    try:
+        for port in ports:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+                await _until_healthy(probe)
+            await service.attach_upstream(f"http://127.0.0.1:{port}")
+        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+        listed = (await client.get("/v1/models")).json()["data"]
+        health = (await client.get("/health")).json()["models"]
+    finally:
+        for engine in engines:
+            stop(engine)
+    assert [m["id"] for m in listed] == ["elsewhere"]
+    assert [m["id"] for m in health] == ["elsewhere"]
+    assert len(health[0]["engines"]) == 2
+
+
 async def test_two_gguf_studio_ports_behind_a_third_share_one_models_line(
         service, client, tmp_path, llama_server_binary, tiny_model):
     ports = [pick_free_port(), pick_free_port()]
