@@ -263,8 +263,9 @@ class Run:
         return self.chunks / self.wall if self.wall > 0 else 0.0
 
 
-def chat_request(port: int, body: bytes) -> bytes:
-    return (f"POST {CHAT} HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+def chat_request(port: int, body: bytes, api_key: str = "") -> bytes:
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    return (f"POST {CHAT} HTTP/1.1\r\nHost: {HOST}:{port}\r\n{auth}"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 

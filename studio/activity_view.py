@@ -1,16 +1,20 @@
-"""Slots, queue, rates and rejections, and a chart of the last minutes."""
+"""Slots, queue, rates and rejections in total and per engine, and a chart of the last minutes."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import QPointF, QRectF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPaintEvent, QPalette, QPen
-from PySide6.QtWidgets import QGridLayout, QGroupBox, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QAbstractItemView, QGridLayout, QGroupBox, QHeaderView, QLabel,
+                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from backend.app.activity import ActivityHistory, ActivitySample
+from backend.app.activity import ActivityHistory, ActivitySample, EngineActivity
 
 from studio.widgets import secondary_label
 
-__all__ = ["ActivityChart", "ActivityView", "describe_rejections"]
+__all__ = ["ActivityChart", "ActivityView", "describe_rejections", "engine_row"]
+
+ENGINE_COLUMNS = ("Model", "Engine", "Slots busy", "Waiting for the model", "KV tokens reserved",
+                  "Tokens/s", "Tokens generated")
 
 # The only fixed colours of the app: series must stay apart in light and dark palettes.
 ACTIVE_COLOUR = QColor("#3b82f6")
@@ -71,8 +75,20 @@ class ActivityView(QWidget):
             grid.addWidget(value, row * 2 + 1, column, 1, span)
         for column in range(5):
             grid.setColumnStretch(column, 1)
-        numbers = QGroupBox("Now")
+        numbers = QGroupBox("Now, in total")
         numbers.setLayout(grid)
+
+        self.engines = QTableWidget(0, len(ENGINE_COLUMNS))
+        self.engines.setHorizontalHeaderLabels(list(ENGINE_COLUMNS))
+        self.engines.setAccessibleName("Activity per engine")
+        self.engines.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.engines.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+        self.engines.verticalHeader().hide()
+        self.engines.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.engines_box = QGroupBox("Now, per engine")
+        engines_layout = QVBoxLayout(self.engines_box)
+        engines_layout.addWidget(self.engines)
+        self.engines_box.hide()
 
         self.chart = ActivityChart(self.history)
         chart_box = QGroupBox("Last five minutes")
@@ -81,6 +97,7 @@ class ActivityView(QWidget):
 
         layout = QVBoxLayout(self)
         layout.addWidget(numbers)
+        layout.addWidget(self.engines_box)
         layout.addWidget(chart_box, 1)
 
     def add_sample(self, sample: ActivitySample) -> None:
@@ -95,7 +112,37 @@ class ActivityView(QWidget):
         v["requests"].setText(f"{sample.requests:,}")
         v["cancellations"].setText(f"{sum(sample.cancellations.values()):,}")
         v["rejections"].setText(describe_rejections(sample.rejections))
+        self._show_engines(sample.engines)
         self.chart.schedule_update()
+
+    def engine_rows(self) -> list[tuple[str, ...]]:
+        """What the per-engine table shows, row by row."""
+        table = self.engines
+        return [tuple(item.text() if (item := table.item(row, column)) is not None else ""
+                      for column in range(table.columnCount()))
+                for row in range(table.rowCount())]
+
+    def _show_engines(self, engines: tuple[EngineActivity, ...]) -> None:
+        table = self.engines
+        if table.rowCount() != len(engines):
+            table.setRowCount(len(engines))
+        for row, engine in enumerate(engines):
+            for column, text in enumerate(engine_row(engine)):
+                item = table.item(row, column)
+                if item is None:
+                    table.setItem(row, column, QTableWidgetItem(text))
+                elif item.text() != text:
+                    item.setText(text)
+        # One engine says nothing the totals do not: the table is for a pool.
+        self.engines_box.setVisible(len(engines) > 1)
+
+
+def engine_row(engine: EngineActivity) -> tuple[str, ...]:
+    return (engine.model, engine.engine,
+            f"{engine.active} / {engine.slots}" if engine.slots else "— / —",
+            str(engine.waiting), engine.kv_text,
+            f"{engine.tokens_per_s:.0f}" if engine.tokens_generated is not None else "—",
+            f"{engine.tokens_generated:,}" if engine.tokens_generated is not None else "—")
 
 
 def describe_rejections(rejections: dict[str, int]) -> str:

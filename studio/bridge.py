@@ -25,14 +25,19 @@ from typing import Any, Callable, Coroutine, Sequence, TypeVar
 from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.app.activity import ActivitySample, ActivitySampler
+from backend.app.pool_config import ModelEntry
+from backend.app.pool_state import PoolState
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
+from backend.key_store import KeyRecord
 from backend.models.download import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
+from backend.app.key_table import KeyTable
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings
+from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSpec, Snapshot
 from backend.throttle import Throttle
 
@@ -57,6 +62,7 @@ class ServiceBridge(QObject):
     urls_changed = Signal(list)  # base URLs clients should use
     error_occurred = Signal(str)  # something the user asked for failed; a readable sentence
     download_progressed = Signal(object)  # DownloadProgress, from the download queue's thread
+    pool_changed = Signal(object)  # PoolState, at most ten a second
 
     # Internal: carries a callback and its argument to the GUI thread.
     _deliver = Signal(object, object)
@@ -77,6 +83,11 @@ class ServiceBridge(QObject):
         self._logs = _Batcher(self.backend_thread, self.log_lines_arrived.emit)
         self._build_events = _Batcher(self.backend_thread, self.build_progressed.emit)
         self._access_handler = _AccessLogHandler(self._logs)
+        # The pool changes with every request (slots and KV in use): its picture is taken
+        # on the loop at most ten times a second, the last change always included.
+        self._pool_watch = Throttle(BATCH_INTERVAL, self._publish_pool,
+                                    _on_loop_of(self.backend_thread))
+        self.pool_state = PoolState()
         self._sampler: ActivitySampler | None = None
         self._port_lock: asyncio.Lock | None = None  # made on the backend loop
         self._building: concurrent.futures.Future[Path] | None = None
@@ -143,6 +154,43 @@ class ServiceBridge(QObject):
     def unload(self) -> concurrent.futures.Future[None]:
         return self._call(self.service.unload())
 
+    # --- the pool -----------------------------------------------------------------------
+
+    def add_model(self, entry: ModelEntry, on_error: Callable[[str], None] | None = None
+                  ) -> concurrent.futures.Future[Snapshot]:
+        """Serve `entry` beside the loaded models (the default one stays) and load it."""
+        return self._call(self.service.add_model(entry), on_error=on_error)
+
+    def load_model(self, name: str, on_error: Callable[[str], None] | None = None
+                   ) -> concurrent.futures.Future[Snapshot]:
+        return self._call(self.service.load_model(name), on_error=on_error)
+
+    def unload_model(self, name: str) -> concurrent.futures.Future[None]:
+        return self._call(self.service.unload_model(name))
+
+    def remove_model(self, name: str) -> concurrent.futures.Future[None]:
+        return self._call(self.service.remove_model(name))
+
+    def set_model_options(self, name: str, *, pinned: bool | None = None,
+                          idle_ttl: float | None = None) -> concurrent.futures.Future[None]:
+        return self._call(self.service.set_model_options(name, pinned=pinned, idle_ttl=idle_ttl))
+
+    def add_upstream(self, url: str, api_key: str, kv_layout: str,
+                     on_done: Callback | None = None,
+                     on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[Snapshot]:
+        """Serve through the engine at `url` (a llama-server or a GGUF Studio port);
+        `kv_layout` is "split", "unified" or "" (not stated)."""
+        async def attach() -> Snapshot:
+            layout = KvLayout.parse(kv_layout)
+            return await self.service.attach_upstream(url.strip(), api_key.strip() or None, layout)
+
+        return self._call(attach(), on_done=on_done, on_error=on_error)
+
+    def remove_upstream(self, url: str) -> concurrent.futures.Future[None]:
+        return self._call(self.service.remove_upstream(url))
+
+    # --- the port -----------------------------------------------------------------------
+
     def open_port(self, on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[list[str]]:
         return self._call(self._one_at_a_time(self.service.start_gateway), on_done=self._set_urls,
                           on_error=on_error)
@@ -207,6 +255,32 @@ class ServiceBridge(QObject):
                       on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[T]:
         """Run blocking file work (scanning, reading a model's header) off the GUI thread."""
         return self._in_pool(self._files, fn, *args, on_done=on_done, on_error=on_error)
+
+    # --- named keys --------------------------------------------------------------------------
+    # On the backend loop, like the port that reads the key store and fills the ledger.
+
+    def add_key(self, name: str, limits: dict[str, Any], on_done: Callback,
+                on_error: Callable[[str], None]
+                ) -> concurrent.futures.Future[tuple[KeyRecord, str]]:
+        """Make a key; `on_done((record, secret))`: the secret exists nowhere else."""
+        return self._call(_now_on_loop(self.service.add_key, name, **limits), on_done=on_done,
+                          on_error=on_error)
+
+    def edit_key(self, name: str, changes: dict[str, Any], on_done: Callback,
+                 on_error: Callable[[str], None]) -> concurrent.futures.Future[KeyRecord]:
+        return self._call(_now_on_loop(self.service.edit_key, name, **changes), on_done=on_done,
+                          on_error=on_error)
+
+    def revoke_key(self, name: str, on_done: Callback | None = None,
+                   on_error: Callable[[str], None] | None = None
+                   ) -> concurrent.futures.Future[KeyRecord]:
+        return self._call(_now_on_loop(self.service.revoke_key, name), on_done=on_done,
+                          on_error=on_error)
+
+    def key_table(self, chart_key: str | None, span: int, on_done: Callback
+                  ) -> concurrent.futures.Future[KeyTable]:
+        """The keys, their usage and the chart of `chart_key` (None: every key)."""
+        return self._call(_now_on_loop(self.service.key_table, chart_key, span), on_done=on_done)
 
     # --- Hugging Face ------------------------------------------------------------------------
 
@@ -337,6 +411,11 @@ class ServiceBridge(QObject):
     def _start_on_loop(self) -> None:
         self.service.add_listener(self._on_snapshot)
         self.service.add_log_listener(lambda line: self._logs.push(("llama-server", line)))
+        pool = self.service.pool
+        pool.add_change_listener(self._pool_watch.poke)
+        pool.add_listener(lambda _model, _snapshot: self._pool_watch.poke())
+        self.service.registry.add_listener(self._pool_watch.poke)
+        self._pool_watch.poke()
         self._sampler = ActivitySampler(self.service, self._on_sample)
         self._sampler.start()
 
@@ -352,11 +431,24 @@ class ServiceBridge(QObject):
         self.snapshot = snapshot
         self.snapshot_changed.emit(snapshot)
 
+    def _publish_pool(self) -> None:
+        if not self.backend_thread.loop.is_closed():
+            self._post(self._set_pool_state, PoolState.of(self.service.pool))
+
+    def _set_pool_state(self, state: PoolState) -> None:
+        self.pool_state = state
+        self.pool_changed.emit(state)
+
     def _on_sample(self, sample: ActivitySample) -> None:
         try:
             self.activity_sampled.emit(sample)
         except RuntimeError:
             pass
+
+
+async def _now_on_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` as a coroutine, for `_call` to run on the backend loop."""
+    return fn(*args, **kwargs)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -376,19 +468,25 @@ def _machine_memory() -> MachineMemory:
     return machine_memory(detect_accelerators().offload_memory())
 
 
+def _on_loop_of(thread: BackendThread) -> Callable[[float, Callable[[], None]], None]:
+    """A `Throttle` schedule that runs on `thread`'s loop, from any thread."""
+    def schedule(delay: float, fn: Callable[[], None]) -> None:
+        thread.call_soon(thread.loop.call_later, delay, fn)
+    return schedule
+
+
 class _Batcher:
     """Collects items from any thread and hands them on in batches from the backend loop,
     at most one batch per interval (the `Throttle` the download queue's progress uses too)."""
 
     def __init__(self, thread: BackendThread, emit: Callable[[list[Any]], None], *,
                  interval: float = BATCH_INTERVAL, limit: int = 5000) -> None:
-        self._thread = thread
         self._emit = emit
         # A flood beyond the limit within one interval keeps its newest lines: the window
         # shows a tail anyway.
         self._items: deque[Any] = deque(maxlen=limit)
         self._lock = threading.Lock()
-        self._throttle = Throttle(interval, self._flush, self._on_the_loop)
+        self._throttle = Throttle(interval, self._flush, _on_loop_of(thread))
 
     def push(self, item: Any) -> None:
         with self._lock:
@@ -397,9 +495,6 @@ class _Batcher:
             self._throttle.poke()
         except RuntimeError:  # the loop is closed
             pass
-
-    def _on_the_loop(self, delay: float, fn: Callable[[], None]) -> None:
-        self._thread.call_soon(self._thread.loop.call_later, delay, fn)
 
     def _flush(self) -> None:
         with self._lock:

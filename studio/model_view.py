@@ -36,6 +36,7 @@ __all__ = ["ModelView", "describe_state"]
 class ModelView(QWidget):
     load_requested = Signal()
     unload_requested = Signal()
+    add_requested = Signal()  # serve it beside the loaded models
     settings_edited = Signal()
     cpu_retry_requested = Signal()
 
@@ -152,6 +153,11 @@ class ModelView(QWidget):
         self.unload_button = QPushButton("&Unload")
         self.unload_button.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_MediaStop))
         self.unload_button.clicked.connect(self.unload_requested)
+        self.add_button = QPushButton("Add &beside")
+        self.add_button.setToolTip("Load this model beside the models already served, with "
+                                   "these settings; Load replaces the default model instead.")
+        self.add_button.setAccessibleDescription(self.add_button.toolTip())
+        self.add_button.clicked.connect(self.add_requested)
         self.progress = QProgressBar()
         self.progress.setRange(0, 0)
         self.progress.setTextVisible(False)
@@ -182,6 +188,7 @@ class ModelView(QWidget):
         controls = QHBoxLayout()
         controls.addWidget(self.load_button)
         controls.addWidget(self.unload_button)
+        controls.addWidget(self.add_button)
         controls.addWidget(self.progress)
         controls.addWidget(self.state, 1)
         controls.addWidget(self.cpu_retry_button)
@@ -340,6 +347,7 @@ class ModelView(QWidget):
     def _update_buttons(self) -> None:
         snapshot = self._snapshot
         self.load_button.setEnabled(self._info is not None)
+        self.add_button.setEnabled(self._info is not None)
         self.unload_button.setEnabled(snapshot.state in (State.STARTING, State.READY))
 
 

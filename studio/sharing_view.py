@@ -1,4 +1,4 @@
-"""Who may use the model, at which addresses, with which key, and how to set up clients."""
+"""Who may use the model, at which addresses, with which keys, and how to set up clients."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 from backend.settings import Settings, parse_names
 from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
+from studio.keys_view import KeysView
 from studio.widgets import CopyButton, monospace_font, secondary_label
 
 __all__ = ["SharingView"]
@@ -45,6 +46,7 @@ class SharingView(QWidget):
         self._key = ""
         self._model: tuple[str | None, int | None] = (None, None)
         self._snippets: list[Snippet] = []
+        self._named_keys = 0
         self.urls: list[str] = []
 
         # --- who
@@ -185,9 +187,16 @@ class SharingView(QWidget):
         snippets_layout.addWidget(self.snippets_hint)
         snippets_layout.addWidget(self.snippet_tabs, 1)
 
-        layout = QHBoxLayout(self)
-        layout.addLayout(left, 1)
-        layout.addWidget(snippets_box, 1)
+        # --- named keys: one per person or agent, with limits and usage
+        self.keys = KeysView(self.client_target)
+        self.keys.named_keys_changed.connect(self._on_named_keys)
+
+        columns = QHBoxLayout()
+        columns.addLayout(left, 1)
+        columns.addWidget(snippets_box, 1)
+        layout = QVBoxLayout(self)
+        layout.addLayout(columns)
+        layout.addWidget(self.keys)
 
     # --- rendering ------------------------------------------------------------------------
 
@@ -207,7 +216,7 @@ class SharingView(QWidget):
         self.generate_key.setText("New &key" if settings.api_key else "Generate &key")
         self.generate_key.setToolTip("Make a new key; clients using the old one stop working."
                                      if settings.api_key else "Make a key for clients to send.")
-        self.key_hint.setText(key_requirement(shared_on_network=lan, has_key=bool(settings.api_key)))
+        self._show_key_hint(settings)
         self.max_queue.setValue(settings.max_queue)
         self.queue_timeout.setValue(settings.queue_timeout)
         self.max_output.setValue(settings.max_output_tokens)
@@ -316,6 +325,14 @@ class SharingView(QWidget):
         self.problem.setText(message)
         self.problem.setVisible(bool(message))
 
+    def client_target(self, api_key: str | None = None) -> ClientTarget:
+        """What a client needs to reach the model now: the first address, the model, its
+        context and the output limits; the owner's key unless another is given."""
+        model_id, context = self._model
+        base_url = self.urls[0] if self.urls else f"http://127.0.0.1:{self.port.value()}/v1"
+        return ClientTarget(base_url, model_id or "MODEL", self._key if api_key is None else api_key,
+                            context, self.max_output.value(), self.default_output.value())
+
     def snippets(self) -> list[Snippet]:
         """The snippets as they are copied: with the real key."""
         return list(self._snippets)
@@ -324,11 +341,8 @@ class SharingView(QWidget):
 
     def _render_snippets(self) -> None:
         urls = self.urls
-        model_id, context = self._model
-        base_url = urls[0] if urls else f"http://127.0.0.1:{self.port.value()}/v1"
-        target = ClientTarget(base_url, model_id or "MODEL", self._key, context,
-                              self.max_output.value(), self.default_output.value())
-        self._snippets = client_snippets(target)
+        model_id, _context = self._model
+        self._snippets = client_snippets(self.client_target())
         shown = self._snippets if self.show_key.isChecked() else [s.masked() for s in self._snippets]
         for (where, shell, shell_row, text), snippet in zip(self._snippet_widgets, shown):
             where.setText(f"Paste into {snippet.where}." if snippet.client != "curl" else
@@ -344,6 +358,15 @@ class SharingView(QWidget):
             hints.append("Snippets use the first address; use whichever your clients can reach.")
         self.snippets_hint.setText(" ".join(hints))
         self.snippets_hint.setVisible(bool(hints))
+
+    def _show_key_hint(self, settings: Settings) -> None:
+        lan = settings.host not in (LOOPBACK, "localhost", "::1")
+        self.key_hint.setText(key_requirement(shared_on_network=lan, has_key=bool(settings.api_key),
+                                              named_keys=self._named_keys))
+
+    def _on_named_keys(self, count: int) -> None:
+        self._named_keys = count
+        self._show_key_hint(self._settings)
 
     def _on_scope(self) -> None:
         self.scope_changed.emit(self.lan.isChecked())

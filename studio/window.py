@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.llama.accelerators import Accelerators
+from backend.app import pool_config
 from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
@@ -38,11 +39,12 @@ from studio.engine_view import EngineView
 from studio.library_view import LibraryView
 from studio.logs_view import LogsView
 from studio.model_view import ModelView, describe_state
+from studio.pool_view import PoolView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
 
 __all__ = ["MainWindow"]
 
-SHARING_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB = range(5)
+SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB = range(6)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -63,6 +65,7 @@ class MainWindow(QMainWindow):
         self.library_view = LibraryView()
         self.model_view = ModelView()
         self.sharing = SharingView()
+        self.pool = PoolView()
         self.activity = ActivityView()
         self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
@@ -71,6 +74,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         # Sharing and Engine scroll rather than force a wide window on small screens.
         self.tabs.addTab(_scrolling(self.sharing), "&Sharing")
+        self.tabs.addTab(self.pool, "Pool")  # Ctrl+2; every letter of it is taken
         self.tabs.addTab(self.activity, "&Activity")
         self.tabs.addTab(self.logs, "Lo&gs")
         self.tabs.addTab(_scrolling(self.engine), "&Engine")
@@ -100,6 +104,7 @@ class MainWindow(QMainWindow):
 
         self._build_menu()
         self._connect()
+        self._connect_keys()
         self._set_tab_order()
 
         self.sharing.set_settings(settings)
@@ -146,6 +151,7 @@ class MainWindow(QMainWindow):
         b.build_progressed.connect(self.engine.show_progress)
         b.build_finished.connect(self._on_build_finished)
         b.error_occurred.connect(self.show_message)
+        b.pool_changed.connect(self.pool.set_state)
 
         self.library_view.selected.connect(self._on_selected)
         self.library_view.files_opened.connect(self.open_files)
@@ -153,6 +159,7 @@ class MainWindow(QMainWindow):
         self.library_view.rescan_requested.connect(self.refresh_library)
         self.model_view.load_requested.connect(self.load_selected)
         self.model_view.unload_requested.connect(self.bridge.unload)
+        self.model_view.add_requested.connect(self.add_selected)
         self.model_view.settings_edited.connect(self._remember_load_settings)
         self.model_view.cpu_retry_requested.connect(
             lambda: self.bridge.retry_on_cpu(on_error=self._on_load_error))
@@ -163,7 +170,21 @@ class MainWindow(QMainWindow):
             self.settings.replace(**limits)))
         self.engine.build_requested.connect(self.build_engine)
         self.engine.binary_chosen.connect(self.choose_binary)
+        self._connect_pool()
         self._connect_discover()
+
+    def _connect_pool(self) -> None:
+        p, b = self.pool, self.bridge
+        p.load_requested.connect(lambda name: b.load_model(
+            name, on_error=lambda message: self.show_message(f"{name} did not load: {message}")))
+        p.unload_requested.connect(b.unload_model)
+        p.remove_requested.connect(b.remove_model)
+        p.pinned_changed.connect(lambda name, on: b.set_model_options(name, pinned=on))
+        p.idle_ttl_changed.connect(lambda name, ttl: b.set_model_options(name, idle_ttl=ttl))
+        p.upstream_added.connect(lambda url, key, layout: b.add_upstream(
+            url, key, layout, on_done=lambda _snapshot: p.upstream_added_ok(),
+            on_error=p.show_upstream_problem))
+        p.upstream_removed.connect(b.remove_upstream)
 
     def _connect_discover(self) -> None:
         d, b = self.discover, self.bridge
@@ -192,7 +213,7 @@ class MainWindow(QMainWindow):
         lv, mv = self.library_view, self.model_view
         chain = [lv.search, lv.list, lv.open_button, lv.folder_button, lv.rescan_button,
                  mv.ctx_size, mv.parallel, mv.threads, mv.gpu_layers, mv.extra_args, mv.rpc,
-                 mv.load_button, mv.unload_button, self.tabs]
+                 mv.load_button, mv.unload_button, mv.add_button, self.tabs]
         for first, second in zip(chain, chain[1:]):
             QWidget.setTabOrder(first, second)
 
@@ -268,6 +289,28 @@ class MainWindow(QMainWindow):
         self.bridge.load(spec, on_error=self._on_load_error)
         self.refresh_library(select=path)
 
+    def add_selected(self) -> None:
+        """Serve the selected model beside the others, with the settings shown."""
+        path, info = self.model_view.path, self.model_view.info
+        if path is None or info is None:
+            return
+        try:
+            wanted = self.model_view.load_settings()
+            wanted.to_spec(path, chat_template=info.has_chat_template)  # refuses owned flags
+        except SettingsError as exc:
+            self.model_view.show_settings_error(str(exc))
+            return
+        self.model_view.show_settings_error("")
+        self.library.remember_settings(path, wanted)
+        self.library.mark_used(path)
+        self._save_library()
+        entry = pool_config.ModelEntry.for_file(path, settings=wanted,
+                                                chat_template=info.has_chat_template)
+        self.bridge.add_model(entry, on_error=lambda message: self.show_message(
+            f"{entry.name} did not load: {message}"))
+        self.tabs.setCurrentIndex(POOL_TAB)
+        self.refresh_library(select=path)
+
     def _on_load_error(self, message: str) -> None:
         if self.bridge.snapshot.state is not State.FAILED:
             # Failed before there was anything to supervise (no engine, for instance).
@@ -324,6 +367,17 @@ class MainWindow(QMainWindow):
         self.sharing.show_problem("")
         self.sharing.set_urls(urls)
         self.status_url.setText(urls[0] if urls else "")
+
+    def _connect_keys(self) -> None:
+        keys, b = self.sharing.keys, self.bridge
+        keys.refresh_requested.connect(lambda chart_key, span: b.key_table(
+            chart_key, span, on_done=keys.show_table))
+        keys.create_requested.connect(lambda name, limits: b.add_key(
+            name, limits, on_done=keys.show_created, on_error=keys.show_dialog_error))
+        keys.edit_requested.connect(lambda name, changes: b.edit_key(
+            name, changes, on_done=keys.show_edited, on_error=keys.show_dialog_error))
+        keys.revoke_requested.connect(lambda name: b.revoke_key(
+            name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
 
     # --- activity -------------------------------------------------------------------------------
 

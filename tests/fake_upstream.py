@@ -121,6 +121,9 @@ class FakeUpstream:
         #: While set to an unset Event, the counting routes record the call and answer
         #: only once it is set (a count's round trip held open for exact timing).
         self.count_gate: asyncio.Event | None = None
+        #: While set to an unset Event, a stream holds its very last frame (`[DONE]`)
+        #: until it is set: a reply whose final event is out but whose stream is not over.
+        self.end_gate: asyncio.Event | None = None
         self.active = 0
         self.peak_active = 0
         self.waited = 0  # requests that found every slot busy (enforce_slots)
@@ -284,7 +287,9 @@ class FakeUpstream:
                 if plan.delay and index:  # the first event comes when the prompt is read
                     await asyncio.sleep(plan.delay)
                 yield frame
-            for frame in final:
+            for index, frame in enumerate(final):
+                if index == len(final) - 1 and self.end_gate is not None:
+                    await self.end_gate.wait()
                 yield frame
             finished = True
         finally:
@@ -341,14 +346,18 @@ class FakeUpstream:
                     "role": "assistant", "content": _text(plan.n_tokens)}}],
                 "usage": _usage(plan.n_tokens)})
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             return _data({"choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
                           "created": created, "id": cid, "model": self.model,
-                          "system_fingerprint": "b0-fake", "object": "chat.completion.chunk"})
+                          "system_fingerprint": "b0-fake", "object": "chat.completion.chunk",
+                          **extra})
 
         frames = [chunk({"role": "assistant", "content": None})] if plan.n_tokens else []
         frames += [chunk({"content": f"tok{i} "}) for i in range(plan.n_tokens)]
-        final = [chunk({}, reason), b"data: [DONE]\n\n"]
+        options = body.get("stream_options")
+        usage = ({"usage": _usage(plan.n_tokens)}
+                 if isinstance(options, dict) and options.get("include_usage") else {})
+        final = [chunk({}, reason, **usage), b"data: [DONE]\n\n"]
         return _sse(self._events(plan, frames, final))
 
     async def _completions(self, request: Request) -> Response:

@@ -7,9 +7,9 @@ hundreds of 1xx heads, broken status lines.  Each request (head and `Content-Len
 body read in full) gets the next answer of `answers`, or `fallback` once they run out;
 the connection stays open afterwards (unless the answer is a `Cut`), so that a client
 which wrongly reuses it is seen in `requests` (the connection number of every request).
-`on_reuse`, when given, answers every request after the first on a connection instead
-(`CLOSE`: a server that closes each kept-alive connection as it is reused, as
-llama-server does after a streamed answer).
+With `answers_per_connection`, a connection that gave that many answers is closed as its
+next request arrives, every connection alike (llama-server closes its connection after
+each streamed answer without a `Connection: close`: a client reusing it sees it end).
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ WELL_FORMED = {
 
 class MalformedUpstream:
     def __init__(self, answers: list[bytes] | None = None, fallback: bytes = GOOD_STREAM,
-                 on_reuse: bytes | None = None) -> None:
+                 answers_per_connection: int = 0) -> None:
         self.answers = list(answers or [])
         self.fallback = fallback
-        self.on_reuse = on_reuse
+        self.answers_per_connection = answers_per_connection
         self.connections = 0
         self.requests: list[int] = []  # the connection number of each request, from 1
         self._server: asyncio.Server | None = None
@@ -142,7 +142,7 @@ class MalformedUpstream:
         self.connections += 1
         number = self.connections
         self._writers.add(writer)
-        served = 0
+        answered = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -153,13 +153,12 @@ class MalformedUpstream:
                         length = int(value)
                 await reader.readexactly(length)
                 self.requests.append(number)
-                if served and self.on_reuse is not None:
-                    answer = self.on_reuse
-                else:
-                    answer = self.answers.pop(0) if self.answers else self.fallback
-                served += 1
+                if self.answers_per_connection and answered >= self.answers_per_connection:
+                    break
+                answer = self.answers.pop(0) if self.answers else self.fallback
                 if answer == CLOSE:
                     break
+                answered += 1
                 writer.write(answer)
                 await writer.drain()
                 if isinstance(answer, Cut):

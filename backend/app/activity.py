@@ -1,9 +1,11 @@
-"""What the shared model is doing, sampled a few times a second, and the last minutes of it.
+"""What the port is doing, in total and per engine, sampled a few times a second, and the
+last minutes of it.
 
-`ActivitySampler` runs on the service's loop: it reads the admission registry and the
-metrics counters there (never from another thread) and asks the engine's own
-`/metrics` for the tokens it generated.  Each `ActivitySample` is a frozen value that
-may cross to any thread; `ActivityHistory` is the ring buffer a chart draws from.
+`ActivitySampler` runs on the service's loop: it reads the admission registry, each
+model's line and engines, and the metrics counters there (never from another thread),
+and asks every serving engine's own `/metrics` for the tokens it generated.  Each
+`ActivitySample` (with an `EngineActivity` per engine) is a frozen value that may cross
+to any thread; `ActivityHistory` is the ring buffer a chart draws from.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 from backend.llama.api import EngineClient
+from backend.llama.load import Serving
+from backend.port.metrics import ModelLoad
 
 __all__ = [
     "ActivityHistory",
+    "EngineActivity",
     "ActivitySample",
     "ActivitySampler",
     "parse_prometheus_value",
@@ -28,6 +33,25 @@ log = logging.getLogger("gguf_studio.activity")
 
 # Rates are averaged over this window so a chart of them does not flicker.
 RATE_WINDOW = 2.0
+
+
+@dataclass(frozen=True)
+class EngineActivity:
+    """One engine of one model in a sample."""
+
+    model: str
+    engine: str  #: "this machine" or "upstream N"
+    slots: int = 0  #: 0 while it does not serve
+    active: int = 0
+    waiting: int = 0  #: the model's line: its waiters go to whichever engine frees first
+    kv_reserved: int = 0
+    kv_capacity: int = 0
+    tokens_generated: int | None = None  #: since start; None when the engine does not say
+    tokens_per_s: float = 0.0
+
+    @property
+    def kv_text(self) -> str:
+        return _kv_text(self.kv_reserved, self.kv_capacity)
 
 
 @dataclass(frozen=True)
@@ -47,14 +71,13 @@ class ActivitySample:
     active_peak: int = 0
     waiting_peak: int = 0
     kv_reserved: int = 0  # KV tokens held by running requests (prompt + output budget)
-    kv_capacity: int = 0  # the current load's KV cache in tokens; 0 when unknown
+    kv_capacity: int = 0  # every serving engine's KV cache in tokens; 0 when unknown
+    engines: tuple[EngineActivity, ...] = ()  # per engine, models in the pool's order
 
     @property
     def kv_text(self) -> str:
         """"6,500 / 16,384" for the window; a dash pair while the cache is unknown."""
-        if not self.kv_capacity:
-            return "— / —"
-        return f"{self.kv_reserved:,} / {self.kv_capacity:,}"
+        return _kv_text(self.kv_reserved, self.kv_capacity)
 
     @property
     def rejections_total(self) -> int:
@@ -103,7 +126,12 @@ class _Service(Protocol):
     registry: Any
     metrics: Any
 
-    def snapshot(self) -> Any: ...
+    def model_loads(self) -> list[ModelLoad]: ...
+
+    def serving_engines(self) -> list[tuple[str, str, Serving]]: ...
+
+
+EngineKey = tuple[str, str]  # (model, where)
 
 
 class ActivitySampler:
@@ -117,41 +145,40 @@ class ActivitySampler:
         self.interval = interval
         self.token_interval = token_interval
         self._clock = clock
-        self._tokens = _EngineTokens()
-        self._recent: deque[tuple[float, int, int | None]] = deque()
+        self._tokens: dict[EngineKey, _EngineTokens] = {}
+        self._requests_rate = _Rate()
+        self._tokens_rate = _Rate()
+        self._engine_rates: dict[EngineKey, _Rate] = {}
         self._peaks = [0, 0]
         self._task: asyncio.Task[None] | None = None
         service.registry.add_listener(self._track_peaks)
+
+    def count_tokens(self, engine: EngineKey, base_url: str, value: int) -> None:
+        """What `engine`'s own counter says now (a new process counts from zero)."""
+        self._tokens.setdefault(engine, _EngineTokens()).update(base_url, value)
 
     def sample(self) -> ActivitySample:
         """One sample, with rates over the last RATE_WINDOW seconds.  Call on the loop."""
         now = self._clock()
         registry = self.service.registry
-        current = registry.current
         totals = self.service.metrics.totals()
-        tokens = self._tokens.total
-        self._recent.append((now, totals["requests"], tokens))
-        while len(self._recent) > 2 and now - self._recent[1][0] >= RATE_WINDOW:
-            self._recent.popleft()
-        then, requests_then, tokens_then = self._recent[0]
-        elapsed = now - then
-        requests_rate = tokens_rate = 0.0
-        if elapsed > 0:
-            requests_rate = max(0, totals["requests"] - requests_then) / elapsed
-            if tokens is not None:
-                # Before the first scrape nothing was counted, and an engine's counter
-                # starts at zero: tokens seen first were all made inside this window.
-                tokens_rate = max(0, tokens - (tokens_then or 0)) / elapsed
-        slots = current.capacity if current is not None and not current.retired else 0
+        seen = [counter.total for counter in self._tokens.values() if counter.total is not None]
+        tokens = sum(seen) if seen else None
+        slots = sum(queue.capacity for queue in registry.queues if not queue.retired)
         active, waiting = registry.total_active, registry.total_waiting
         peaks, self._peaks = self._peaks, [active, waiting]
         return ActivitySample(
             time=now, slots_total=slots, active=active, waiting=waiting,
             requests=totals["requests"],
             rejections=dict(totals["rejections"]), cancellations=dict(totals["cancellations"]),
-            tokens_generated=tokens, requests_per_s=requests_rate, tokens_per_s=tokens_rate,
+            tokens_generated=tokens,
+            requests_per_s=self._requests_rate.update(now, totals["requests"]),
+            # Before the first scrape nothing was counted, and an engine's counter starts
+            # at zero: tokens seen first were all made inside this window.
+            tokens_per_s=self._tokens_rate.update(now, tokens),
             active_peak=max(peaks[0], active), waiting_peak=max(peaks[1], waiting),
-            kv_reserved=registry.total_reserved_tokens, kv_capacity=registry.kv_capacity)
+            kv_reserved=registry.total_reserved_tokens, kv_capacity=registry.kv_capacity,
+            engines=self._engines(now))
 
     def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
@@ -178,6 +205,23 @@ class ActivitySampler:
             scraper.cancel()
             await asyncio.gather(scraper, return_exceptions=True)
 
+    def _engines(self, now: float) -> tuple[EngineActivity, ...]:
+        found = []
+        for load in self.service.model_loads():
+            for engine in load.engines:
+                key = (load.model, engine.engine)
+                counter = self._tokens.get(key)
+                tokens = counter.total if counter is not None else None
+                rate = self._engine_rates.setdefault(key, _Rate()).update(now, tokens)
+                found.append(EngineActivity(
+                    load.model, engine.engine, slots=engine.slots, active=engine.active,
+                    waiting=load.waiting, kv_reserved=engine.kv_reserved,
+                    kv_capacity=engine.kv_capacity, tokens_generated=tokens, tokens_per_s=rate))
+        shown = {(e.model, e.engine) for e in found}
+        for key in [k for k in self._engine_rates if k not in shown]:
+            del self._engine_rates[key]
+        return tuple(found)
+
     def _track_peaks(self) -> None:
         registry = self.service.registry
         peaks = self._peaks
@@ -186,27 +230,48 @@ class ActivitySampler:
 
     async def _scrape_tokens(self) -> None:
         # Its own task: an engine busy with a long batch may answer /metrics late, and
-        # that must not hold up the samples of the queue.
-        engine: EngineClient | None = None
+        # that must not hold up the samples of the queue.  Engines are asked together.
+        clients: dict[EngineKey, EngineClient] = {}
         try:
             while True:
-                serving = self.service.snapshot().serving
-                base_url = serving.base_url if serving is not None else None
-                if serving is not None and (engine is None or engine.base_url != serving.base_url
-                                            or engine.api_key != serving.api_key):
-                    if engine is not None:
-                        await engine.aclose()
-                    engine = EngineClient(serving.base_url, api_key=serving.api_key, timeout=5.0)
-                if base_url and engine is not None:
-                    text = await engine.metrics_text()
+                engines = {(model, where): serving
+                           for model, where, serving in self.service.serving_engines()}
+                for key in [k for k, c in clients.items() if k not in engines
+                            or (c.base_url, c.api_key) != (engines[k].base_url,
+                                                          engines[k].api_key)]:
+                    await clients.pop(key).aclose()
+                for key, serving in engines.items():
+                    if key not in clients:
+                        clients[key] = EngineClient(serving.base_url, api_key=serving.api_key,
+                                                    timeout=5.0)
+                keys = list(engines)
+                texts = await asyncio.gather(*(clients[k].metrics_text() for k in keys))
+                for key, text in zip(keys, texts):
                     value = parse_prometheus_value(text, "llamacpp:tokens_predicted_total") \
                         if text is not None else None
                     if value is not None:
-                        self._tokens.update(base_url, int(value))
+                        self.count_tokens(key, engines[key].base_url, int(value))
                 await asyncio.sleep(self.token_interval)
         finally:
-            if engine is not None:
-                await engine.aclose()
+            for client in clients.values():
+                await client.aclose()
+
+
+class _Rate:
+    """How fast a counter grew over the last RATE_WINDOW seconds."""
+
+    def __init__(self) -> None:
+        self._points: deque[tuple[float, int | None]] = deque()
+
+    def update(self, now: float, value: int | None) -> float:
+        points = self._points
+        points.append((now, value))
+        while len(points) > 2 and now - points[1][0] >= RATE_WINDOW:
+            points.popleft()
+        then, before = points[0]
+        if now <= then or value is None:
+            return 0.0
+        return max(0, value - (before or 0)) / (now - then)
 
 
 class _EngineTokens:
@@ -229,6 +294,12 @@ class _EngineTokens:
             self._url = base_url
         self._value = value
         self._seen = True
+
+
+def _kv_text(reserved: int, capacity: int) -> str:
+    if not capacity:
+        return "— / —"
+    return f"{reserved:,} / {capacity:,}"
 
 
 def parse_prometheus_value(text: str, name: str) -> float | None:

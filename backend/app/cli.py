@@ -502,19 +502,21 @@ _KEY_OPTIONS = {"models": "models", "max_concurrent": "max_concurrent",
 
 
 def _keys_add(args: argparse.Namespace) -> int:
+    from backend.app.key_table import describe_key
     from backend.key_store import KeyStore
 
     record, secret = KeyStore().add(args.name, **_key_changes(args))
     # The secret alone on stdout (so `keys add NAME > file` keeps just it); the rest on
     # stderr.  This is the only place it is ever shown.
     print(secret, flush=True)
-    print(f"Key {record.name!r} made: {_describe_key(record)}.\n"
+    print(f"Key {record.name!r} made: {describe_key(record)}.\n"
           "This is the only time its secret is shown (GGUF Studio keeps only a hash of it): "
           "give it to the person or agent as their API key.", file=sys.stderr)
     return 0
 
 
 def _keys_edit(args: argparse.Namespace) -> int:
+    from backend.app.key_table import describe_key
     from backend.key_store import KeyStore
 
     changes = _key_changes(args)
@@ -523,7 +525,7 @@ def _keys_edit(args: argparse.Namespace) -> int:
                           "--tokens-per-minute, --tokens-per-day, --priority, --weight, "
                           "--expires.")
     record = KeyStore().edit(args.name, **changes)
-    print(f"Key {record.name!r}: {_describe_key(record)}.")
+    print(f"Key {record.name!r}: {describe_key(record)}.")
     return 0
 
 
@@ -570,7 +572,9 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 
 def _key_changes(args: argparse.Namespace) -> dict[str, Any]:
-    """The options given on the command line, as KeyStore values (absent ones left out)."""
+    """The options given on the command line, as KeyStore values (absent ones left out);
+    read as the window's key dialog reads its fields (backend.app.key_table)."""
+    from backend.app.key_table import parse_limit, parse_models
     from backend.errors import KeyStoreError
     from backend.key_store import parse_expiry
 
@@ -580,8 +584,7 @@ def _key_changes(args: argparse.Namespace) -> dict[str, Any]:
         if text is None:
             continue
         if option == "models":
-            names = tuple(n.strip() for n in text.split(",") if n.strip())
-            changes[field] = () if names in {(), ("all",)} else names
+            changes[field] = parse_models(text)
         elif option == "expires":
             changes[field] = parse_expiry(text)
         elif option == "weight":
@@ -592,24 +595,8 @@ def _key_changes(args: argparse.Namespace) -> dict[str, Any]:
         elif option == "priority":
             changes[field] = text
         else:
-            changes[field] = _limit(text, option.replace("_", " "))
+            changes[field] = parse_limit(text, option.replace("_", " "))
     return changes
-
-
-def _limit(text: str, what: str) -> int | None:
-    """A limit as typed: a whole number, 0 or "none" for no limit."""
-    from backend.errors import KeyStoreError
-
-    if text.strip().lower() in {"none", "0"}:
-        return None
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        value = -1
-    if value < 1:
-        raise KeyStoreError(f"The {what} {text!r} is not usable: give a whole number, or 0 "
-                            "(or none) for no limit.")
-    return value
 
 
 def _owner_key_set() -> bool:
@@ -617,22 +604,6 @@ def _owner_key_set() -> bool:
         return bool(Settings.load().api_key)
     except StudioError:
         return False
-
-
-def _describe_key(record: "KeyRecord") -> str:
-    from backend.key_store import describe_time
-
-    parts = ["models " + ", ".join(record.models) if record.models else "all models",
-             f"at most {record.max_concurrent} at once" if record.max_concurrent
-             else "no limit at once",
-             f"{record.tokens_per_minute:,} tokens per minute" if record.tokens_per_minute
-             else "no limit per minute",
-             f"{record.tokens_per_day:,} tokens per day" if record.tokens_per_day
-             else "no limit per day",
-             f"{record.priority} priority, weight {record.weight:g}",
-             f"expires {describe_time(record.expires_at)}" if record.expires_at
-             else "never expires"]
-    return "; ".join(parts)
 
 
 def _key_row(record: "KeyRecord", usage: "KeyUsage | None", now: float) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ and shown by the window and `/health`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -35,20 +36,23 @@ from pathlib import Path
 from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
                             RequestError)
 from backend.listeners import Listeners
-from backend.llama.load import LoadBackend, LoadSpec, Snapshot, State
+from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.remote_engine import RemoteEngine
 from backend.llama.supervisor import Supervisor
 from backend.port.admission import AdmissionRegistry
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.settings import Settings
 
-__all__ = ["EMBEDDINGS_ROUTE", "EngineStatus", "ModelStatus", "Pool", "Residency"]
+__all__ = ["EMBEDDINGS_ROUTE", "EngineStatus", "ModelStatus", "Pool", "Residency",
+           "UpstreamStatus"]
 
 log = logging.getLogger("gguf_studio.pool")
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
 #: How often idle models are looked at for their idle TTL (at most).
 IDLE_CHECK_INTERVAL = 1.0
+#: How long requests ended by an unload get to close their engine connections.
+ABORT_WAIT = 5.0
 
 
 class Residency(enum.Enum):
@@ -93,6 +97,18 @@ class ModelStatus:
     engines: tuple[EngineStatus, ...]
 
 
+@dataclass(frozen=True)
+class UpstreamStatus:
+    """An engine elsewhere as its operator sees it in the window: its address (never its
+    key), what it serves and how busy it is.  `engine.where` is its stable "upstream N"."""
+
+    url: str
+    kv_layout: str | None  #: "split" or "unified" as stated; None: not stated
+    error: str | None  #: why it is out of the pool right now, if it is
+    models: tuple[str, ...]  #: the model it serves first, then others it lists
+    engine: EngineStatus
+
+
 class _Local:
     """A local model's runtime state."""
 
@@ -116,10 +132,15 @@ class _Local:
 
 
 class _Remote:
-    def __init__(self, entry: UpstreamEntry, backend: RemoteEngine) -> None:
+    def __init__(self, entry: UpstreamEntry, backend: RemoteEngine, number: int) -> None:
         self.entry = entry
         self.backend = backend
+        self.number = number  # "upstream N" while it is in the pool, whoever leaves meanwhile
         self.model: str | None = None  # the name it serves, once it answered
+
+    @property
+    def where(self) -> str:
+        return f"upstream {self.number}"
 
     @property
     def engine_id(self) -> str:
@@ -196,7 +217,8 @@ class Pool:
 
         No model (or an empty one): the default model (for /v1/embeddings the first
         embeddings model, if any).  A name: a model's name or alias or file name, exact,
-        else ignoring case.  Unknown: ModelNotFound listing the models.
+        else ignoring case.  Unknown: ModelNotFound listing the models (with no model at all,
+        ModelNotReady, as for no name).
         """
         if not isinstance(requested, str) or not requested.strip():
             if path == EMBEDDINGS_ROUTE:
@@ -209,6 +231,11 @@ class Pool:
                                     retry_after=RETRY_SOON)
             return default
         wanted = requested.strip()
+        if not self.names():
+            # Nothing to choose from (before the first load, or after the last unload):
+            # the port is not ready, which clients retry, rather than a wrong model name.
+            raise ModelNotReady("No model is loaded right now. Try again later.",
+                                retry_after=RETRY_SOON)
         for exact in (True, False):
             for name, names in self._all_names():
                 if any(n == wanted if exact else n.lower() == wanted.lower() for n in names):
@@ -293,6 +320,25 @@ class Pool:
         self._ensure_idle_watch()
         self._changed_listeners()
 
+    def set_model_options(self, name: str, *, pinned: bool | None = None,
+                          idle_ttl: float | None = None) -> None:
+        """Pin or unpin a local model, or change its idle TTL (seconds, 0: never), now.
+        Pinning drops the idle TTL: a pinned model is never unloaded for idleness."""
+        local = self._local(name)
+        changes: dict[str, object] = {}
+        if pinned is not None:
+            changes["pinned"] = bool(pinned)
+            if pinned and idle_ttl is None:
+                changes["idle_ttl"] = 0.0
+        if idle_ttl is not None:
+            if idle_ttl < 0:
+                raise ValueError("An idle TTL is 0 (never) or a number of seconds.")
+            changes["idle_ttl"] = float(idle_ttl)
+            local.last_used = max(local.last_used, self._clock())  # counted from now
+        local.entry = dataclasses.replace(local.entry, **changes)  # type: ignore[arg-type]
+        self._ensure_idle_watch()
+        self._changed_listeners()
+
     async def remove_model(self, name: str) -> None:
         await self.unload_model(name, reason="removed")
         self._locals.pop(name, None)
@@ -364,6 +410,9 @@ class Pool:
                 log.warning("%d request(s) still running on %s; ending them", queue.active, name)
                 self._abort(queue.key, LoadReplaced(
                     "The model was replaced or unloaded while this request ran. Send it again."))
+                # Their connections to the engine close as they end: llama-server stops
+                # on SIGTERM at once then, instead of finishing each generation first.
+                await self._drained(lambda: queue.active == 0, ABORT_WAIT)
         await local.supervisor.unload()
         local.residency = Residency.EVICTED if evicted else Residency.UNLOADED
         local.loading = None
@@ -383,7 +432,9 @@ class Pool:
         backend = RemoteEngine(entry.url, api_key=entry.api_key, kv_layout=entry.kv_layout)
         if backend.base_url in self._remotes:
             await self.remove_upstream(backend.base_url)
-        remote = _Remote(entry, backend)
+        taken = {r.number for r in self._remotes.values()}
+        number = next(n for n in range(1, len(taken) + 2) if n not in taken)
+        remote = _Remote(entry, backend, number)
         self._remotes[backend.base_url] = remote
         backend.add_listener(lambda snapshot: self._on_remote_snapshot(remote, snapshot))
         self._changed_listeners()
@@ -401,6 +452,32 @@ class Pool:
 
     def upstreams(self) -> list[tuple[UpstreamEntry, Snapshot]]:
         return [(r.entry, r.backend.snapshot) for r in self._remotes.values()]
+
+    def upstream_statuses(self) -> list[UpstreamStatus]:
+        """Every engine elsewhere, serving or not, in the order they were added."""
+        found = []
+        for remote in self._remotes.values():
+            snapshot = remote.backend.snapshot
+            serving = snapshot.serving
+            models = [remote.model] if remote.model is not None else []
+            if serving is not None:
+                models += [m.id for m in serving.upstream_models if m.id not in models]
+            layout = remote.entry.kv_layout
+            found.append(UpstreamStatus(
+                remote.backend.base_url, layout.value if layout is not None else None,
+                snapshot.error if serving is None else None, tuple(models),
+                self._engine_status(remote.engine_id, remote.where, snapshot)))
+        return found
+
+    def serving_engines(self) -> list[tuple[str, str, Serving]]:
+        """(model, where, serving) of every engine that serves now, here or elsewhere:
+        what the activity reads each engine's own counters from."""
+        found = [(name, "this machine", m.supervisor.snapshot.serving)
+                 for name, m in self._locals.items()
+                 if m.supervisor is not None and m.supervisor.snapshot.serving is not None]
+        found += [(r.model, r.where, r.backend.snapshot.serving) for r in self._remotes.values()
+                  if r.model is not None and r.backend.snapshot.serving is not None]
+        return [(model, where, serving) for model, where, serving in found if serving is not None]
 
     async def close(self) -> None:
         if self._idle_task is not None:
@@ -579,9 +656,9 @@ class Pool:
         if local is not None:
             found.append(self._engine_status(local.engine_id, "this machine",
                                              self.snapshot(name)))
-        for number, remote in enumerate(self._remotes.values(), 1):
+        for remote in self._remotes.values():
             if remote.model == name:
-                found.append(self._engine_status(remote.engine_id, f"upstream {number}",
+                found.append(self._engine_status(remote.engine_id, remote.where,
                                                  remote.backend.snapshot))
         return found
 

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -20,15 +21,16 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
+from backend.app.key_table import KeyTable, key_table
 from backend.app.pool import Pool
-from backend.app.usage import UsageLedger
+from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.errors import KeyRevoked, RequestError, SettingsError
-from backend.key_store import KeyStore
+from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
-from backend.llama.load import Listener, LoadSpec, LogListener, Snapshot
+from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
@@ -37,7 +39,7 @@ from backend.port.admission import AdmissionRegistry
 from backend.port.flow_control import FlowControl
 from backend.port.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard
-from backend.port.metrics import Metrics
+from backend.port.metrics import EngineLoad, Metrics, ModelLoad
 from backend.settings import Settings
 
 if TYPE_CHECKING:
@@ -73,10 +75,12 @@ class StudioService:
         self.flows = FlowControl(limiter, self.usage)
         self.metrics.bind_usage(self.usage.snapshot)
         self._flow_tasks: list[asyncio.Future[None]] = []
+        self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
                          abort=self._abort, memory_budget=memory_budget,
                          estimate=estimate_model_bytes)
+        self.metrics.bind_pool(self.model_loads)
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "service listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "engine log listener")
         self._gateway: GatewayServer | None = None
@@ -168,6 +172,37 @@ class StudioService:
         healthy.  `kv_layout`: what the operator states about a llama-server's cache."""
         return await self.pool.add_upstream(UpstreamEntry(url, api_key, kv_layout))
 
+    async def remove_upstream(self, url: str) -> None:
+        """Stop serving through the engine at `url`: nothing new goes to it; its model's
+        waiters wait for the model's other engines."""
+        await self.pool.remove_upstream(url)
+
+    async def add_model(self, entry: ModelEntry) -> Snapshot:
+        """Serve `entry` beside the models already here and load it (making room as the
+        pool's residency decides); the default model stays the default."""
+        try:
+            self.pool.add_model(entry)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        return await self.pool.load_model(entry.name, why="added")
+
+    async def load_model(self, name: str) -> Snapshot:
+        return await self.pool.load_model(name, why="loaded on request")
+
+    async def unload_model(self, name: str) -> None:
+        """Unload `name`; it stays in the pool and loads again on its next request."""
+        await self.pool.unload_model(name)
+
+    async def remove_model(self, name: str) -> None:
+        await self.pool.remove_model(name)
+
+    async def set_model_options(self, name: str, *, pinned: bool | None = None,
+                                idle_ttl: float | None = None) -> None:
+        try:
+            self.pool.set_model_options(name, pinned=pinned, idle_ttl=idle_ttl)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
     async def start_pool(self, config: PoolConfig) -> None:
         """Serve `config`'s models and upstreams; models marked `preload` load now, one
         after the other, the others on their first request."""
@@ -226,7 +261,46 @@ class StudioService:
             elif record is not None:
                 self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
 
+    def add_key(self, name: str, **limits: Any) -> tuple[KeyRecord, str]:
+        """Make a named key (`KeyStore.add`); the port takes it at once."""
+        return self.keys.add(name, **limits)
+
+    def edit_key(self, name: str, **changes: Any) -> KeyRecord:
+        """Change a key's limits; its requests waiting in line wait under the new ones."""
+        record = self.keys.edit(name, **changes)
+        self.apply_keys()
+        return record
+
+    def revoke_key(self, name: str) -> KeyRecord:
+        """Revoke a key: the port refuses it from now on (401), its waiting requests too."""
+        record = self.keys.revoke(name)
+        self.apply_keys()
+        return record
+
+    def key_table(self, chart_key: str | None = None, span: int = 60,
+                  now: float | None = None) -> KeyTable:
+        """The keys with their usage, and the chart of `chart_key` (None: every key) over
+        the last `span` minutes.  On the service's loop, where the usage is recorded."""
+        now = time.time() if now is None else now
+        return key_table(self.keys.records(), self.usage.snapshot(),
+                         self._chart_series(chart_key, span, math.floor(now / 60) * 60.0),
+                         owner_key_set=bool(self.settings.api_key), chart_key=chart_key,
+                         span=span, now=now)
+
+    def _chart_series(self, key: str | None, span: int, this_minute: float) -> list[MinuteUsage]:
+        """`key`'s minutes over the chart's span.  The minutes that are over are summed
+        once a minute (a day of fifty keys takes 0.2 s, too long for the port's loop every
+        second); this minute's, which still change, every time."""
+        wanted = (key, span, this_minute)
+        if self._chart_minutes is None or self._chart_minutes[0] != wanted:
+            over = self.usage.series(key, since=this_minute - (span - 1) * 60, until=this_minute)
+            self._chart_minutes = (wanted, over)
+        return self._chart_minutes[1] + self.usage.series(key, since=this_minute)
+
     # --- the gateway's view of the pool --------------------------------------------------
+
+    def resolve(self, path: str, requested: object) -> str:
+        return self.pool.resolve(path, requested)
 
     def route(self, path: str, requested: object) -> str:
         return self.pool.route(path, requested)
@@ -246,6 +320,38 @@ class StudioService:
                          "error": status.error,
                          "engines": [dataclasses.asdict(e) for e in status.engines]}))
         return cards
+
+    def engines_elsewhere(self) -> list[dict[str, Any]]:
+        """Every engine elsewhere for /health, by its "upstream N" (never its address)."""
+        found = []
+        for upstream in self.pool.upstream_statuses():
+            engine = upstream.engine
+            error = upstream.error.replace(upstream.url, engine.where) if upstream.error else None
+            found.append({"engine": engine.where, "state": engine.state,
+                          "serving": engine.state == State.READY.value and bool(engine.slots),
+                          "error": error, "models": list(upstream.models),
+                          "kv_layout": upstream.kv_layout, "slots": engine.slots, "kv": engine.kv,
+                          "active": engine.active, "reserved_tokens": engine.reserved_tokens,
+                          "note": engine.note})
+        return found
+
+    def model_loads(self) -> list[ModelLoad]:
+        """Every model's line and engines right now, for the metrics and the activity."""
+        loads = []
+        for status in self.pool.statuses():
+            line = self.registry.find_line(status.name)
+            engines = tuple(EngineLoad(
+                engine.where, ready=engine.state == State.READY.value and bool(engine.slots),
+                slots=engine.slots or 0, active=engine.active,
+                kv_capacity=int(str(engine.kv["total"])) if engine.kv is not None else 0,
+                kv_reserved=engine.reserved_tokens) for engine in status.engines)
+            loads.append(ModelLoad(status.name, line.waiting if line is not None else 0,
+                                   status.residency.value, engines))
+        return loads
+
+    def serving_engines(self) -> list[tuple[str, str, Serving]]:
+        """(model, where, serving) of every engine that serves now."""
+        return self.pool.serving_engines()
 
     # --- wiring --------------------------------------------------------------------------
 

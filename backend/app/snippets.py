@@ -233,11 +233,14 @@ def curl_snippet(target: ClientTarget) -> Snippet:
     return Snippet("curl", "a terminal", "shell", " \\\n".join(lines) + "\n", "", target.api_key)
 
 
-def key_requirement(*, shared_on_network: bool, has_key: bool) -> str:
-    """What clients must send, as the gateway enforces it: a key, once set, is required
-    from every client, this computer's included."""
+def key_requirement(*, shared_on_network: bool, has_key: bool, named_keys: int = 0) -> str:
+    """What clients must send, as the gateway enforces it: a key, once set (the owner's
+    or any named one), is required from every client, this computer's included."""
+    where = "every client" if shared_on_network else "every client, on this computer too"
+    if named_keys:
+        which = "this key or a named key" if has_key else "a named key"
+        return f"Clients must send {which} (Authorization: Bearer …): {where}."
     if has_key:
-        where = "every client" if shared_on_network else "every client, on this computer too"
         return f"Clients must send this key (Authorization: Bearer …): {where}."
     if shared_on_network:
         return "No key is set: anyone who can reach this port can use the model."

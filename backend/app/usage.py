@@ -192,16 +192,23 @@ class UsageLedger:
         """One key's totals (zeros for a key never used), a copy."""
         return copy.deepcopy(self._totals.get(key, KeyUsage()))
 
-    def series(self, key: str | None = None) -> list[MinuteUsage]:
+    def series(self, key: str | None = None, since: float | None = None,
+               until: float | None = None) -> list[MinuteUsage]:
         """The minutes of the last day in which `key` (every key: None) did anything,
-        oldest first."""
+        oldest first; with `since` and `until`, only those that start in [since, until):
+        a look at the last minutes costs those minutes, not the day."""
         first = self._minute(self._clock()) - self.keep_minutes + 1
+        if since is not None:
+            first = max(first, math.ceil(since / 60))
+        end = math.inf if until is None else math.ceil(until / 60)
         sums: dict[int, list[Any]] = {}
         for name, buckets in self._minutes.items():
             if key is not None and name != key:
                 continue
-            for bucket in buckets:
+            for bucket in reversed(buckets):  # newest first: the rest are older still
                 if bucket[_MINUTE] < first:
+                    break
+                if bucket[_MINUTE] >= end:
                     continue
                 into = sums.setdefault(bucket[_MINUTE], [bucket[_MINUTE], 0, 0, 0, 0.0, 0, 0])
                 for i in range(_REQUESTS, _REFUSALS + 1):

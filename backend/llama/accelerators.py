@@ -152,6 +152,16 @@ def detect(probes: Probes | None = None) -> Accelerators:
 # --- per backend --------------------------------------------------------------------------
 
 
+def cpu_claims_amx(cpuinfo: str | None = None) -> bool:
+    """Does this CPU say it has Intel AMX (the `amx_int8` flag of /proc/cpuinfo)?
+    `cpuinfo`: the file's text, for tests; None reads it (False where there is none)."""
+    text = _read("/proc/cpuinfo") if cpuinfo is None else cpuinfo
+    for line in (text or "").splitlines():
+        if line.startswith("flags"):
+            return "amx_int8" in line.split(":", 1)[-1].split()
+    return False
+
+
 def _cpu(p: Probes) -> BackendStatus:
     return BackendStatus("cpu", (), Toolkit(True, "a C/C++ compiler, CMake and Ninja"), True,
                          "always available; every layer on the CPU")

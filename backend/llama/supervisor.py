@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from backend.llama.accelerators import cpu_claims_amx
 from backend.llama.api import EngineClient, EngineProps
 from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
@@ -338,10 +339,10 @@ class Supervisor(SnapshotPublisher):
         self._log_listeners(line)
 
 def build_command(binary: Path, spec: LoadSpec, port: int, *,
-                  api_key_file: Path | None = None) -> list[str]:
+                  api_key_file: Path | None = None, amx: bool | None = None) -> list[str]:
     """llama-server's command line: every setting explicit, never the binary's defaults.
     `api_key_file` holds the key the engine's port will require (a file, so that the key
-    never shows in the process list)."""
+    never shows in the process list); `amx`: does the CPU claim AMX (None: look)."""
     settings = spec.settings
     parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
     args = [
@@ -366,6 +367,12 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         args += ["--api-key-file", str(api_key_file)]
     if spec.chat_template:
         args.append("--jinja")
+    if (cpu_claims_amx() if amx is None else amx) and "--no-repack" not in settings.extra_args:
+        # Measured on the pinned llama.cpp: where the CPU claims AMX (a cloud VM here),
+        # loading a Q4_1 model (SmolLM2) dies with SIGSEGV in ggml's AMX weight layout;
+        # without the repacked layouts it loads and answers.  Losing them costs some
+        # speed on such CPUs, a crash costs the model.
+        args.append("--no-repack")
     args += list(settings.extra_args)
     return args
 

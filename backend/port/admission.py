@@ -532,8 +532,12 @@ class Line:
     def _engine_for(self, need: TokenNeed | None, skip: AdmissionQueue | None = None
                     ) -> AdmissionQueue | None:
         """The engine with room for `need` and the most free slots (spreading the load)."""
+        engines = self._engines
+        if len(engines) == 1:  # the common case: one engine serves the model
+            only = engines[0]
+            return only if only is not skip and only.has_room(need) else None
         best: AdmissionQueue | None = None
-        for engine in self._engines:
+        for engine in engines:
             if engine is not skip and engine.has_room(need) and (
                     best is None or engine.free_slots > best.free_slots):
                 best = engine
@@ -544,11 +548,17 @@ class Line:
         next one fits.  True if any moved."""
         moved = False
         waiters = self._waiters
+        chosen: list[AdmissionQueue | None] = [None]
+
+        def fits(ticket: Ticket) -> bool:  # notes the engine, so it is looked up once
+            chosen[0] = self._engine_for(ticket.need, skip)
+            return chosen[0] is not None
+
         while len(waiters) and self._slot_free(skip):
-            ticket = waiters.next_to_admit(lambda t: self._engine_for(t.need, skip) is not None)
+            ticket = waiters.next_to_admit(fits)
             if ticket is None:
                 break
-            engine = self._engine_for(ticket.need, skip)
+            engine = chosen[0]
             assert engine is not None
             self._waiting_bytes -= ticket.size
             engine.take(ticket, self._clock())
@@ -556,8 +566,10 @@ class Line:
         return moved
 
     def _slot_free(self, skip: AdmissionQueue | None) -> bool:
-        return any(engine is not skip and (engine.free_slots or not engine.enabled)
-                   for engine in self._engines)
+        for engine in self._engines:
+            if engine is not skip and (engine.free_slots or not engine.enabled):
+                return True
+        return False
 
     # --- flows ---------------------------------------------------------------------------
 

@@ -84,12 +84,19 @@ class GatewayContext(Protocol):
     def snapshot(self) -> Snapshot:
         """The default model's engine."""
 
+    def resolve(self, path: str, requested: object) -> str:
+        """The model a request for `path` naming model `requested` is for (no side
+        effect).  Raises ModelNotFound or ModelNotReady."""
+
     def route(self, path: str, requested: object) -> str:
-        """The model (its admission line) a request for `path` naming model `requested`
-        goes to; may start loading it.  Raises ModelNotFound or ModelNotReady."""
+        """`resolve`, and make sure the model will be served: may start loading it."""
 
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
+
+    def engines_elsewhere(self) -> list[dict[str, Any]]:
+        """Every engine elsewhere, serving or not, for /health: "upstream N", never its
+        address (which may carry a key) nor its key."""
 
 
 class Gateway:
@@ -175,8 +182,11 @@ class Gateway:
             parsed = await check_body(path, raw, settings.max_output_tokens)
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
-            model = ctx.route(path, parsed.data.get("model"))
+            model = ctx.resolve(path, parsed.data.get("model"))
+            # The key's models first: a key may not load (or evict for) a model it may
+            # not use.
             self.flows.check_model(caller, model)
+            ctx.route(path, model)
             line = ctx.registry.line(model)
             queue = line.planning_engine
             plan: Plan | None = None
@@ -266,6 +276,8 @@ class Gateway:
             "models": [{"id": card.id, "state": card.state, "default": card.default,
                         "context_length": card.context_length, **card.details}
                        for card in self.ctx.model_cards()],
+            # Engines on other machines, also those out of the pool right now, and why.
+            "upstreams": self.ctx.engines_elsewhere(),
         }
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
 

@@ -7,28 +7,59 @@ methods below; `/metrics` serves `render()`; the window reads `totals()`.
 `totals()` is kept in plain Python counters next to the Prometheus ones so that another
 thread (the window's) can read it without touching the admission registry or the
 prometheus internals.
+
+A port that serves several models (or one model on several engines) also exposes each
+engine's series labelled `model` and `engine` (`bind_pool`): "this machine" or
+"upstream N", never an address, which could carry a key.  Requests wait for a model,
+not an engine, so waiting is labelled by `model` only.  The unlabelled series stay the
+totals of the whole port.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
-from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from backend.port.admission import AdmissionRegistry
     from backend.llama.load import Snapshot
 
-__all__ = ["Metrics", "QUEUE_WAIT_BUCKETS"]
+__all__ = ["EngineLoad", "Metrics", "ModelLoad", "QUEUE_WAIT_BUCKETS"]
 
 #: From "admitted at once" to "waited the whole default queue timeout".
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                       120.0, 300.0, 600.0, float("inf"))
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine of a model, right now."""
+
+    engine: str  #: "this machine" or "upstream N"
+    ready: bool = False  #: it serves now (healthy, slots read)
+    slots: int = 0  #: effective parallel slots; 0 while it does not serve
+    active: int = 0  #: requests running on it
+    kv_capacity: int = 0  #: its KV cache in tokens; 0 while unknown or not serving
+    kv_reserved: int = 0  #: KV tokens held by its running requests
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model of the port and its engines, right now."""
+
+    model: str
+    waiting: int = 0  #: requests in the model's line (for whichever engine frees first)
+    state: str = ""  #: its residency: loading, ready, unloading, unloaded, evicted, failed
+    engines: tuple[EngineLoad, ...] = ()
 
 
 class Metrics:
@@ -149,6 +180,11 @@ class Metrics:
         self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
         self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
 
+    def bind_pool(self, loads: Callable[[], Iterable[ModelLoad]]) -> None:
+        """Expose every model's and engine's series, read from `loads()` at every scrape
+        (engines come and go: a series ends with its engine)."""
+        self.registry.register(_PoolCollector(loads))
+
     def bind_usage(self, usage: Callable[[], Mapping[str, Any]]) -> None:
         """Usage per key (backend.app.usage.KeyUsage by key name, never the secret),
         read at every scrape."""
@@ -178,6 +214,56 @@ class Metrics:
                 "queue_waits": self._queue_waits,
                 "queue_wait_seconds": self._queue_wait_sum,
             }
+
+
+#: (name, help, what it reads from an EngineLoad) of the series labelled model and engine.
+_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
+    ("gguf_studio_engine_ready", "1 while this engine serves the model (healthy, slots read), "
+     "else 0.", lambda e: int(e.ready)),
+    ("gguf_studio_engine_requests_active", "Requests holding a slot of this engine.",
+     lambda e: e.active),
+    ("gguf_studio_engine_effective_parallel_slots",
+     "Requests this engine runs at once (0 while it does not serve).", lambda e: e.slots),
+    ("gguf_studio_engine_kv_capacity_tokens",
+     "KV cache tokens of this engine (0 while it does not serve or is unknown).",
+     lambda e: e.kv_capacity),
+    ("gguf_studio_engine_kv_reserved_tokens",
+     "KV tokens reserved by the requests running on this engine.", lambda e: e.kv_reserved),
+)
+_MODEL_WAITING = ("gguf_studio_model_requests_waiting",
+                  "Requests waiting in this model's line, for whichever of its engines frees first.")
+_MODEL_STATE = ("gguf_studio_model_state",
+                "1 for the state this model is in now (loading, ready, unloading, unloaded, "
+                "evicted, failed).")
+
+
+class _PoolCollector(Collector):
+    def __init__(self, loads: Callable[[], Iterable[ModelLoad]]) -> None:
+        self._loads = loads
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        waiting, state, *engine_families = self._families()
+        for load in self._loads():
+            waiting.add_metric([load.model], load.waiting)
+            if load.state:
+                state.add_metric([load.model, load.state], 1)
+            for engine in load.engines:
+                for family, (_, _, read) in zip(engine_families, _ENGINE_SERIES):
+                    family.add_metric([load.model, engine.engine], read(engine))
+        yield waiting
+        yield state
+        yield from engine_families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        families = [GaugeMetricFamily(*_MODEL_WAITING, labels=["model"]),
+                    GaugeMetricFamily(*_MODEL_STATE, labels=["model", "state"])]
+        families += [GaugeMetricFamily(name, text, labels=["model", "engine"])
+                     for name, text, _ in _ENGINE_SERIES]
+        return families
 
 
 class _KeyUsageCollector:

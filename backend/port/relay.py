@@ -158,6 +158,9 @@ class Exchange:
         self._extra_headers: list[tuple[bytes, bytes]] = []
         #: The last bytes relayed, where the engine's `usage` is.
         self._tail = b""
+        #: The last two chunks of a stream sent so far, kept as they go: a client may
+        #: hang up as soon as it has the final event (Codex does), before the stream ends.
+        self._last_sent = (b"", b"")
         #: Set once the engine's whole answer was relayed.
         self._answered = False
         #: The error the request ended with, if it did.
@@ -263,7 +266,8 @@ class Exchange:
         if self._failed is not None:
             self.flows.refused(self.caller, self._failed, self._reservation)
         elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
-            self.flows.answered(self.caller, self._reservation, sse.find_usage(self._tail))
+            tail = self._tail or b"".join(self._last_sent)
+            self.flows.answered(self.caller, self._reservation, sse.find_usage(tail))
         elif self._reservation is not None:
             self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
 
@@ -546,24 +550,22 @@ class Exchange:
         marker = _NAMED_ERROR if self.kind is sse.StreamKind.MESSAGES else _DATA_ERROR
         chunks = upstream.aiter_raw()
         chunk = stage(await self._keep_alive_until(anext(chunks, b"")))
-        # The last two chunks sent: the engine's `usage` is in its final events.
-        before = last = b""
         if chunk:
             if marker in chunk:
                 chunk = self._before_error(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            last = chunk
+            self._last_sent = (b"", chunk)
         async for chunk in chunks:
             chunk = stage(chunk)
             if chunk:
                 if marker in chunk:
                     chunk = self._before_error(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                before, last = last, chunk
+                self._last_sent = (self._last_sent[1], chunk)
         tail = framer.finish()
         if rewriter is not None:
             tail = rewriter.feed(tail) + rewriter.flush()
-        self._tail = before + last + tail
+        self._tail = b"".join(self._last_sent) + tail
         self._answered = True
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 

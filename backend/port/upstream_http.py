@@ -14,8 +14,9 @@ Three parts, in h11's style:
 - `UpstreamClient`, the pool: a LIFO list of idle connections per origin; a connection the
   server closed leaves it from `connection_lost`, without any per-request syscall.  A
   request on a reused connection that the server closed as it arrived (llama-server and
-  uvicorn close idle ones after 5 s) is sent once more on a new connection, when nothing
-  at all came back.
+  uvicorn close idle ones after 5 s; llama-server also closes its connection after each
+  streamed answer, without a `Connection: close`) is sent once more on a new connection,
+  when nothing at all came back.
 
 `backend.port.relay` uses what it used of httpx: `build_request`, `send(stream=True)`, and a
 response with `status_code`, `headers.get`, `aiter_raw`, `aread`, `aclose`.  Failures are
@@ -351,9 +352,9 @@ class UpstreamClient:
         head.append(b"Content-Length: %d\r\n\r\n" % len(request.content))
         payload = b"".join(head) + request.content
         for attempt in (0, 1):
-            # The retry never takes another pooled connection: a server that closed one
-            # as it was reused may be closing them all (llama-server closes each a
-            # moment after its streamed answer), and then the request would fail.
+            # The retry goes on a new connection: the server may have closed every kept
+            # one at once (llama-server closes its connection after each streamed answer,
+            # without saying so), and another of them would fail the same way.
             connection = self._acquire(origin) if attempt == 0 else None
             reused = connection is not None
             if connection is None:

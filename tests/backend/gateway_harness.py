@@ -53,6 +53,9 @@ class Context:
         self._snapshot = snapshot
         self.metrics.set_backend(snapshot)
 
+    def resolve(self, path: str, requested: object) -> str:
+        return self.route(path, requested)
+
     def route(self, path: str, requested: object) -> str:
         """One load, as a port without a pool: any model name reaches it while ready."""
         if self._snapshot.state is not State.READY or self.registry.current is None:
@@ -67,6 +70,9 @@ class Context:
         cap = self.settings.max_output_tokens
         output = min(cap, context) if cap and context else (cap or context)
         return [ModelCard(self._snapshot.model_id, "ready", context, output or None, True)]
+
+    def engines_elsewhere(self) -> list[dict[str, Any]]:
+        return []
 
 
 @dataclass

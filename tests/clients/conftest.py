@@ -16,9 +16,11 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -27,8 +29,10 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from backend.app.service import StudioService
+from backend.app.snippets import ClientTarget, Snippet
 from backend.settings import Settings
 from backend.llama.load import LoadSettings, LoadSpec
 from tests.model_factory import write_tiny_model
@@ -388,6 +392,16 @@ CODEX_OFFLINE_ROOT = ['approval_policy = "never"', 'sandbox_mode = "read-only"',
 CODEX_OFFLINE_TABLES = ["", "[features]", "plugins = false", "", "[analytics]", "enabled = false", ""]
 
 
+def pasted_codex_files(snippet: Snippet) -> dict[str, str]:
+    """CODEX_HOME's files as the user pastes the Codex snippet (config.toml and any profile
+    files), plus the suite's offline switches."""
+    root, tables = snippet.text.split("\n\n", 1)
+    files = {"config.toml": "\n".join([root, *CODEX_OFFLINE_ROOT, "", tables, *CODEX_OFFLINE_TABLES])}
+    for extra in snippet.files:
+        files[extra.where.removeprefix("~/.codex/")] = extra.text
+    return files
+
+
 class Codex:
     """`codex exec` in a throwaway CODEX_HOME and HOME."""
 
@@ -502,3 +516,74 @@ class OpenCode:
 @pytest.fixture
 def opencode(clients: Clients, tmp_path: Path, processes: list[Process]) -> OpenCode:
     return OpenCode(clients, tmp_path, processes)
+
+
+# --- named keys, as the user makes and hands them out -----------------------------------------
+
+async def gguf_studio_keys(*args: str) -> str:
+    """`gguf-studio keys ARGS` in a process of its own, as the user runs it; its stdout.
+
+    It shares the test's config dir (XDG_CONFIG_HOME, set per test), and so the keys file
+    a running port re-reads: a key made or revoked here applies there live."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("GGUF_STUDIO_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "backend.app.cli", "keys", *args, cwd=REPO, env=env,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, f"gguf-studio keys {' '.join(args)}: exit {proc.returncode}\n{err.decode()}"
+    return out.decode()
+
+
+async def add_key(name: str, *options: str) -> str:
+    """`gguf-studio keys add NAME OPTIONS`: the secret it prints (its only showing)."""
+    return (await gguf_studio_keys("add", name, *options)).strip()
+
+
+async def revoke_key(service: StudioService, name: str) -> None:
+    """`gguf-studio keys revoke NAME`, then wait until the running port has seen it (it
+    looks at the keys file twice a second)."""
+    await gguf_studio_keys("revoke", name)
+
+    def seen() -> bool:
+        record = service.keys.get(name)
+        return record is not None and record.revoked_at is not None
+
+    await until(seen, 2.0, f"the port to see {name!r} revoked")
+
+
+async def listed_keys(service: StudioService) -> dict[str, dict]:
+    """`gguf-studio keys list --json` by name, once the port has saved its usage."""
+    await service.usage.flush()
+    return {entry["name"]: entry for entry in json.loads(await gguf_studio_keys("list", "--json"))}
+
+
+def key_target(service: StudioService, secret: str) -> ClientTarget:
+    """What the window's snippets are filled with for a named key: this port, its one model,
+    the key's secret."""
+    return ClientTarget(base_url(service), MODEL_ID, secret, context_length=CONTEXT,
+                        max_output_tokens=OUTPUT_CAP)
+
+
+def pasted_env(snippet: Snippet) -> dict[str, str]:
+    """The variables the snippet's shell line (`export NAME=VALUE`) sets, as a shell would.
+    The suite's own key variable is emptied: only the pasted key reaches the client."""
+    words = shlex.split(snippet.shell)
+    assert words[0] == "export", snippet.shell
+    return {KEY_ENV: "", **dict(word.split("=", 1) for word in words[1:])}
+
+
+async def scraped_metrics(service: StudioService) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as a scraper reads it (with the owner's key): value by (sample name,
+    sorted labels)."""
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as client:
+        response = await client.get(f"http://127.0.0.1:{service.gateway_port}/metrics")
+    assert response.status_code == 200, response.text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples}
+
+
+def key_sample(metrics: dict, name: str, key: str, **labels: str) -> float | None:
+    """One `gguf_studio_key_*` sample of `key` (None: the port shows none)."""
+    return metrics.get((name, tuple(sorted({"key": key, **labels}.items()))))

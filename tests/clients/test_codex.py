@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from backend.app.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, codex_snippet
-from tests.clients.conftest import (API_KEY, CODEX_OFFLINE_ROOT, CODEX_OFFLINE_TABLES, CONTEXT,
-                                    KEEPALIVE, MODEL_ID, OUTPUT_CAP, Codex, base_url,
-                                    network_connections, occupied, occupied_place, rejections,
-                                    responses_count, until)
+from tests.clients.conftest import (API_KEY, CONTEXT, KEEPALIVE, MODEL_ID, OUTPUT_CAP, Codex,
+                                    add_key, base_url, key_sample, key_target, listed_keys,
+                                    network_connections, occupied, occupied_place,
+                                    pasted_codex_files, pasted_env, rejections, responses_count,
+                                    revoke_key, scraped_metrics, until)
 
 # A first run installs the clients (scripts/install-clients); each client run is bounded.
 pytestmark = pytest.mark.timeout(600)
@@ -125,13 +127,104 @@ async def test_codex_switches_to_another_model_of_the_port_with_the_snippets_pro
                           max_output_tokens=OUTPUT_CAP, others=(ClientModel(MODEL_ID, CONTEXT),))
     snippet = codex_snippet(target)
     (profile,) = snippet.files
-    root, tables = snippet.text.split("\n\n", 1)
-    files = {"config.toml": "\n".join([root, *CODEX_OFFLINE_ROOT, "", tables, *CODEX_OFFLINE_TABLES]),
-             profile.where.removeprefix("~/.codex/"): profile.text}
 
-    run = await codex.run(service, "Say hello.", files=files, args=tuple(profile.usage.split()[1:]),
+    run = await codex.run(service, "Say hello.", files=pasted_codex_files(snippet),
+                          args=tuple(profile.usage.split()[1:]),
                           env={KEY_ENV_VAR: API_KEY})
 
     assert run.returncode == 0 and run.text, run.describe()
     assert f"model: {MODEL_ID}\n" in run.stderr, run.describe()  # Codex's header: the profile's
     assert responses_count(service, RESPONSES, 200) == 1, run.describe()  # never re-sent
+
+
+# --- named keys ------------------------------------------------------------------------------
+
+async def run_with_key(codex: Codex, service, secret: str, prompt: str = "Say hello.", **kwargs):
+    """Codex as the user sets it up for a named key: the Codex snippet made for that key's
+    secret, its config.toml pasted and its `export` line run."""
+    snippet = codex_snippet(key_target(service, secret))
+    assert secret not in snippet.text  # the file names the variable; the shell line sets it
+    return await codex.start(service, prompt, files=pasted_codex_files(snippet),
+                             env=pasted_env(snippet), **kwargs)
+
+
+async def test_codex_with_a_named_keys_snippet_answers_and_its_usage_shows_by_name(
+        start_studio, codex: Codex):
+    service = await start_studio(parallel=1)
+    secret = await add_key("alice", "--tokens-per-minute", "200000")
+
+    run = await (await run_with_key(codex, service, secret)).result()
+
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert run.text, run.describe()
+    used = service.usage.usage("alice")
+    assert used.requests == 1 and used.refusals == {}, used
+    assert "owner" not in service.usage.snapshot()  # nothing counted against the owner's key
+    metrics = await scraped_metrics(service)
+    assert key_sample(metrics, "gguf_studio_key_requests_total", "alice") == 1
+    assert key_sample(metrics, "gguf_studio_key_tokens_total", "alice",
+                      kind="completion") == used.completion_tokens
+    listed = (await listed_keys(service))["alice"]
+    assert listed["usage"]["requests"] == 1 and listed["usage"]["refusals"] == {}, listed
+    assert listed["usage"]["prompt_tokens"] == used.prompt_tokens, listed
+    assert listed["tokens_per_minute"] == 200000
+    assert used.completion_tokens == OUTPUT_CAP, used
+    assert used.prompt_tokens > 1000, used  # Codex's own long instructions
+
+
+async def test_codex_with_a_key_not_allowed_the_model_fails_clearly_and_other_keys_still_work(
+        start_studio, codex: Codex):
+    service = await start_studio(parallel=1)
+    narrow = await add_key("narrow", "--models", "other-*")
+    alice = await add_key("alice")
+
+    refused = await (await run_with_key(codex, service, narrow)).result()
+    served = await (await run_with_key(codex, service, alice)).result()
+
+    assert refused.returncode != 0 and not refused.timed_out, refused.describe()
+    assert "may not use the model 'tiny'" in refused.stdout + refused.stderr, refused.describe()
+    assert served.returncode == 0 and served.text, served.describe()
+    narrow_used, alice_used = service.usage.usage("narrow"), service.usage.usage("alice")
+    assert narrow_used.requests == 0 and set(narrow_used.refusals) == {"model_not_allowed"}
+    refusals = narrow_used.refusals["model_not_allowed"]
+    # Codex "reconnects" after any failed stream, a 403 too (5 times by default), then stops.
+    assert 1 <= refusals <= 6, narrow_used
+    assert alice_used.requests == 1 and alice_used.refusals == {}
+    metrics = await scraped_metrics(service)
+    assert key_sample(metrics, "gguf_studio_key_refusals_total", "narrow",
+                      reason="model_not_allowed") == refusals
+    assert responses_count(service, RESPONSES, 403) == refusals
+
+
+async def test_codex_waiting_in_line_when_its_key_is_revoked_fails_clearly_and_others_are_served(
+        start_studio, codex: Codex):
+    """Codex waits behind a long generation (its stream already begun, kept alive), a
+    colleague's request with another key waits too; `gguf-studio keys revoke` in another
+    process ends Codex's request with the revocation in the stream, and Codex's retries get
+    401 at once, while the colleague's request keeps its place and is served."""
+    service = await start_studio(parallel=1)
+    alice = await add_key("alice")
+    bob = await add_key("bob")
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with occupied(service):
+            process = await run_with_key(codex, service, alice)
+            await until(lambda: service.registry.total_waiting == 1, 60, "Codex to wait in line")
+            colleague = asyncio.ensure_future(client.post(
+                f"{base_url(service)}/chat/completions",
+                headers={"Authorization": f"Bearer {bob}"},
+                json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]}))
+            await until(lambda: service.registry.total_waiting == 2, 30, "bob to wait in line")
+            await revoke_key(service, "alice")
+            run = await process.result()
+            assert not colleague.done()  # still waiting behind the long generation
+        answer = await colleague
+
+    assert run.returncode != 0 and not run.timed_out, run.describe()
+    assert "'alice' was revoked" in run.stdout + run.stderr, run.describe()
+    assert answer.status_code == 200, answer.text
+    assert service.usage.usage("bob").requests == 1 and service.usage.usage("bob").refusals == {}
+    # The request refused in line counts against alice; Codex's reconnects after it were
+    # refused at the door, before the port knew a usable key (401, counted by route).
+    alice_used = service.usage.usage("alice")
+    assert alice_used.requests == 0 and alice_used.refusals == {"invalid_api_key": 1}, alice_used
+    assert 1 <= responses_count(service, RESPONSES, 401) <= 6

@@ -8,10 +8,12 @@ import time
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseCompletedEvent
 
-from tests.clients.conftest import (API_KEY, MODEL_ID, OUTPUT_CAP, base_url, occupied,
-                                    occupied_place, rejections, responses_count, until)
+from tests.clients.conftest import (API_KEY, MODEL_ID, OUTPUT_CAP, add_key, base_url,
+                                    key_sample, occupied, occupied_place, rejections,
+                                    responses_count, revoke_key, scraped_metrics, until)
 from tests.not_none import not_none
 
 PROMPT = "Say hello."
@@ -111,3 +113,68 @@ async def test_429_is_retried_after_retry_after_and_succeeds(start_studio):
     # The SDK slept for the Retry-After (whole seconds, at least 1) before retrying.
     assert elapsed - refused_after >= 0.9, (refused_after, elapsed)
     assert raw.retries_taken == 1
+
+
+# --- named keys ------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_a_named_key_is_served_with_its_rate_headers_and_usage_by_name(sdk_service):
+    secret = await add_key("notebook", "--tokens-per-minute", "100000")
+    async with openai.AsyncOpenAI(base_url=base_url(sdk_service), api_key=secret,
+                                  timeout=60) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}])
+
+    completion = raw.parse()
+    assert completion.choices[0].message.content
+    assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 100000  # this request's reservation
+    used = sdk_service.usage.usage("notebook")
+    assert used.requests == 1 and used.completion_tokens == OUTPUT_CAP
+    assert used.prompt_tokens == not_none(completion.usage).prompt_tokens
+    metrics = await scraped_metrics(sdk_service)
+    assert key_sample(metrics, "gguf_studio_key_requests_total", "notebook") == 1
+
+
+async def test_a_model_the_key_may_not_use_is_a_403_and_an_unserved_one_a_404(sdk_service):
+    """Both refused before any compute, neither retried by the SDK; the port's unknown
+    model answer comes first (it lists what is served), the key's list second."""
+    secret = await add_key("narrow", "--models", "other-*")
+    async with openai.AsyncOpenAI(base_url=base_url(sdk_service), api_key=secret, timeout=60,
+                                  max_retries=2) as client:
+        with pytest.raises(openai.PermissionDeniedError) as forbidden:
+            await client.chat.completions.create(
+                model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}])
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.chat.completions.create(
+                model="other-model", messages=[{"role": "user", "content": PROMPT}])
+
+    assert forbidden.value.status_code == 403 and forbidden.value.code == "model_not_allowed"
+    assert "may not use the model 'tiny'; it may use: other-*" in forbidden.value.message
+    assert unknown.value.status_code == 404 and unknown.value.code == "model_not_found"
+    assert responses_count(sdk_service, CHAT, 403) == 1  # not retried
+    assert responses_count(sdk_service, CHAT, 404) == 1
+    assert sdk_service.usage.usage("narrow").refusals == {"model_not_allowed": 1,
+                                                          "model_not_found": 1}
+
+
+async def test_a_revoked_key_is_a_401_the_sdk_does_not_retry_and_other_keys_go_on(sdk_service):
+    leaver = await add_key("leaver")
+    stayer = await add_key("stayer")
+    await revoke_key(sdk_service, "leaver")
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
+    async with openai.AsyncOpenAI(base_url=base_url(sdk_service), api_key=leaver, timeout=60,
+                                  max_retries=2) as client:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await client.chat.completions.create(model=MODEL_ID, messages=messages)
+    async with openai.AsyncOpenAI(base_url=base_url(sdk_service), api_key=stayer,
+                                  timeout=60) as client:
+        served = await client.chat.completions.create(model=MODEL_ID, messages=messages)
+
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    assert "The API key 'leaver' was revoked on" in refused.value.message
+    assert responses_count(sdk_service, CHAT, 401) == 1  # not retried
+    assert served.choices[0].message.content
+    assert sdk_service.usage.usage("stayer").requests == 1

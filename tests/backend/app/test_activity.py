@@ -14,7 +14,7 @@ from backend.app.activity import (
     parse_prometheus_value,
 )
 from backend.port.admission import AdmissionRegistry
-from backend.port.metrics import Metrics
+from backend.port.metrics import Metrics, ModelLoad
 from backend.llama.load import Serving, Snapshot, State
 
 
@@ -26,6 +26,16 @@ class FakeService:
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
+
+    def model_loads(self) -> list[ModelLoad]:
+        return []
+
+    def serving_engines(self) -> list[tuple[str, str, Serving]]:
+        serving = self._snapshot.serving
+        return [("m", "this machine", serving)] if serving is not None else []
+
+
+ENGINE = ("m", "this machine")
 
 
 class Clock:
@@ -99,13 +109,13 @@ def test_engine_tokens_count_across_restarts() -> None:
     service = FakeService()
     clock = Clock()
     sampler = ActivitySampler(service, lambda s: None, clock=clock)
-    sampler._tokens.update("http://127.0.0.1:1", 100)
+    sampler.count_tokens(ENGINE, "http://127.0.0.1:1", 100)
     sampler.sample()
-    sampler._tokens.update("http://127.0.0.1:1", 300)
+    sampler.count_tokens(ENGINE, "http://127.0.0.1:1", 300)
     clock.now += 1.0
     sample = sampler.sample()
     assert sample.tokens_generated == 300 and sample.tokens_per_s == pytest.approx(200)
-    sampler._tokens.update("http://127.0.0.1:2", 50)  # a new process starts from zero
+    sampler.count_tokens(ENGINE, "http://127.0.0.1:2", 50)  # a new process starts from zero
     clock.now += 1.0
     assert sampler.sample().tokens_generated == 350
 
@@ -116,7 +126,7 @@ def test_tokens_made_before_the_first_scrape_still_show_as_a_rate() -> None:
     clock = Clock()
     sampler = ActivitySampler(service, lambda s: None, clock=clock)
     sampler.sample()  # the engine has not been scraped yet
-    sampler._tokens.update("http://127.0.0.1:1", 80)
+    sampler.count_tokens(ENGINE, "http://127.0.0.1:1", 80)
     clock.now += 1.0
     assert sampler.sample().tokens_per_s == pytest.approx(80)
 

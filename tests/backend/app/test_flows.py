@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from backend.app.pool import Residency
+from backend.app.pool_config import ModelEntry
 from backend.app.service import StudioService
 from backend.key_store import KeyStore, Priority
 from backend.llama.load import LoadSettings
@@ -150,6 +152,18 @@ async def test_a_key_uses_only_its_models_and_usage_shows_by_name(service):
     assert 'gguf_studio_key_refusals_total{key="narrow",reason="model_not_allowed"} 1.0' in metrics
     assert 'gguf_studio_key_tokens_total{key="owner",kind="completion"} 5.0' in metrics
     assert secret not in metrics
+
+
+async def test_a_key_cannot_load_a_model_it_may_not_use(service, tiny_model, tmp_path):
+    spare = tmp_path / "spare.gguf"
+    spare.symlink_to(tiny_model)
+    service.pool.add_model(ModelEntry.for_file(str(spare), preload=False))
+    _, secret = KeyStore().add("narrow", models=("tiny",))
+    async with httpx.AsyncClient(base_url=url(service), timeout=60) as client:
+        refused = await client.post("/v1/chat/completions", json=chat(model="spare", stream=False),
+                                    headers={"Authorization": f"Bearer {secret}"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
+    assert service.pool.status("spare").residency is Residency.UNLOADED  # nothing loaded for it
 
 
 async def test_a_request_may_lower_its_priority_but_not_raise_it(service):

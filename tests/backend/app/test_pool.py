@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from backend.app.pool import Residency
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
@@ -309,5 +310,61 @@ async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(
         remote, _ = text_of(await client.post("/v1/chat/completions", json=chat("elsewhere")))
         local, _ = text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
         assert remote != local  # two different models answered
+    finally:
+        stop(engine)
+
+
+async def test_metrics_and_health_name_every_engine_by_model_and_where_it_runs(
+        service, client, llama_server_binary, tiny_model, other_tiny_model):
+    port, nobody = pick_free_port(), pick_free_port()
+    engine = start_llama_server(llama_server_binary, other_tiny_model, port, parallel=2)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.start_pool(PoolConfig(
+            models=(ModelEntry.for_file(str(tiny_model), settings=SMALL),),
+            upstreams=(UpstreamEntry(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT),
+                       UpstreamEntry(f"http://127.0.0.1:{nobody}"))))
+        await until(lambda: "elsewhere" in service.pool.names()
+                    and service.pool.upstream_statuses()[1].error is not None)
+        started = asyncio.Event()
+        running = asyncio.create_task(stream_lines(client, chat("elsewhere", True, **LONG),
+                                                   started))
+        await started.wait()
+
+        scraped = (await client.get("/metrics")).text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(scraped) for s in family.samples}
+
+        def value(name: str, **labels: str) -> float:
+            return samples[(name, tuple(sorted(labels.items())))]
+
+        far = {"model": "elsewhere", "engine": "upstream 1"}
+        here = {"model": "tiny", "engine": "this machine"}
+        assert value("gguf_studio_engine_requests_active", **far) == 1
+        assert value("gguf_studio_engine_requests_active", **here) == 0
+        assert value("gguf_studio_engine_ready", **far) == value("gguf_studio_engine_ready",
+                                                                 **here) == 1
+        assert value("gguf_studio_engine_effective_parallel_slots", **far) == 2
+        assert value("gguf_studio_engine_effective_parallel_slots", **here) == 1
+        assert value("gguf_studio_engine_kv_reserved_tokens", **far) > 0
+        assert value("gguf_studio_engine_kv_capacity_tokens", **here) == 2048
+        assert value("gguf_studio_model_state", model="tiny", state="ready") == 1
+        assert value("gguf_studio_model_requests_waiting", model="elsewhere") == 0
+
+        answer = await client.get("/health")
+        health = answer.json()
+        engines = {m["id"]: [(e["where"], e["state"], e["slots"], e["active"]) for e in m["engines"]]
+                   for m in health["models"]}
+        assert engines == {"tiny": [("this machine", "ready", 1, 0)],
+                           "elsewhere": [("upstream 1", "ready", 2, 1)]}
+        upstreams = [(u["engine"], u["serving"], u["models"], u["slots"], u["active"])
+                     for u in health["upstreams"]]
+        assert upstreams == [("upstream 1", True, ["elsewhere"], 2, 1),
+                             ("upstream 2", False, [], None, 0)]
+        assert health["upstreams"][1]["error"] == "The upstream does not answer."
+        assert str(port) not in answer.text and str(nobody) not in answer.text  # no addresses
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
     finally:
         stop(engine)

@@ -8,6 +8,7 @@ import tomllib
 
 from backend.app.snippets import (KEY_ENV_VAR, PROVIDER_ID, ClientModel, ClientTarget, client_snippets,
                                   key_requirement)
+from backend.key_store import KeyStore
 
 URL = "http://192.168.1.20:8899/v1"
 KEY = "gs-secretsecretsecret"
@@ -101,6 +102,20 @@ async def test_the_key_hint_says_what_the_port_enforces_on_this_computer(gw):
     assert "must send this key" in key_requirement(shared_on_network=True, has_key=True)
     assert "No key is needed" in key_requirement(shared_on_network=False, has_key=False)
     assert "anyone" in key_requirement(shared_on_network=True, has_key=False)
+
+
+async def test_with_named_keys_the_hint_asks_for_one_also_without_an_owner_key(gw, tmp_path):
+    """A named key makes the port ask every request for a key, this computer's too: the
+    hint must not say that none is needed."""
+    gw.ctx.keys = KeyStore(tmp_path / "keys.json")
+    _, secret = gw.ctx.keys.add("alice")
+    assert (await gw.client.get("/v1/models")).status_code == 401  # loopback, no key
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert (await gw.client.get("/v1/models", headers=headers)).status_code == 200
+    hint = key_requirement(shared_on_network=False, has_key=False, named_keys=1)
+    assert "must send a named key" in hint and "on this computer too" in hint
+    assert "this key or a named key" in key_requirement(shared_on_network=True, has_key=True,
+                                                         named_keys=2)
 
 
 # --- several models ----------------------------------------------------------------------------

@@ -76,6 +76,20 @@ def test_the_series_has_a_bucket_per_busy_minute_per_key_and_for_all(path):
         (T0, 2, 460, 1), (T0 + 60, 1, 15, 2)]
 
 
+def test_the_series_between_two_moments_has_only_their_minutes(path):
+    clock = Clock()
+    ledger = UsageLedger(path, clock=clock)
+    for _ in range(10):
+        ledger.record_request("alice", 10, 1)
+        ledger.record_request("bob", 20, 2)
+        clock.now += 60
+    starts = [m.start for m in ledger.series(since=T0 + 3 * 60, until=T0 + 5 * 60)]
+    assert starts == [T0 + 3 * 60, T0 + 4 * 60]
+    assert [m.total_tokens for m in ledger.series(since=T0 + 3 * 60, until=T0 + 5 * 60)] == [33, 33]
+    assert [m.start for m in ledger.series("alice", since=T0 + 8 * 60 + 1)] == [T0 + 9 * 60]
+    assert ledger.series(until=T0) == [] and len(ledger.series(until=T0 + 1)) == 1
+
+
 def test_the_series_keeps_one_day_and_no_more(path):
     clock = Clock()
     ledger = UsageLedger(path, clock=clock)

@@ -512,3 +512,23 @@ async def test_the_engine_is_not_given_the_ports_key_or_hub_tokens(supervisor, t
     assert not any(value in raw for value in withheld.values())
     assert "GGUF_STUDIO_ENV_PASSED_ON" not in environ  # none of the app's own settings
     assert environ["PATH"] == os.environ["PATH"]  # the rest is the engine's as before
+
+
+def test_a_cpu_that_claims_amx_loads_without_repacked_weights(tiny_model):
+    """On such a CPU the pinned llama.cpp dies loading a Q4_1 model (SmolLM2) in its AMX
+    layout; test_real_models proves the load where this machine claims AMX."""
+    from backend.llama.supervisor import build_command
+
+    spec = LoadSettings().to_spec(str(tiny_model))
+    assert "--no-repack" in build_command(Path("llama-server"), spec, 1234, amx=True)
+    assert "--no-repack" not in build_command(Path("llama-server"), spec, 1234, amx=False)
+    given = LoadSettings(extra_args=("--no-repack",)).to_spec(str(tiny_model))
+    assert build_command(Path("llama-server"), given, 1234, amx=True).count("--no-repack") == 1
+
+
+def test_amx_is_read_from_the_cpus_flags():
+    from backend.llama.accelerators import cpu_claims_amx
+
+    assert cpu_claims_amx("processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile amx_int8\n")
+    assert not cpu_claims_amx("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert not cpu_claims_amx("")
