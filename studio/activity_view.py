@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QGridLayout, QGroupBox, QHeade
 
 from backend.app.activity import ActivityHistory, ActivitySample, EngineActivity
 
+from studio.chart_frame import ChartFrame
 from studio.widgets import secondary_label
 
 __all__ = ["ActivityChart", "ActivityView", "describe_rejections", "engine_row"]
@@ -179,22 +180,10 @@ class ActivityChart(QWidget):
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         palette = self.palette()
-        text = palette.color(QPalette.ColorRole.Text)
-        grid = palette.color(QPalette.ColorRole.Mid)
-        painter.fillRect(self.rect(), palette.color(QPalette.ColorRole.Base))
-
-        metrics = painter.fontMetrics()
-        margin_left = metrics.horizontalAdvance("00000") + 8
-        margin = 8
-        legend_h = metrics.height() + 6
-        axis_h = metrics.height() + 4
-        area = QRectF(margin_left, margin + legend_h, self.width() - margin_left - margin,
-                      self.height() - 2 * margin - legend_h - axis_h)
-        if area.width() < 20 or area.height() < 40:
+        frame = ChartFrame.begin(self, painter)
+        if frame is None:
             return
-        gap = metrics.height()
-        top = QRectF(area.left(), area.top(), area.width(), (area.height() - gap) * 0.6)
-        bottom = QRectF(area.left(), top.bottom() + gap, area.width(), area.height() - top.height() - gap)
+        grid, area, top, bottom = frame.grid, frame.area, frame.top, frame.bottom
 
         samples = self.history.samples()
         now = samples[-1].time if samples else 0.0
@@ -203,39 +192,14 @@ class ActivityChart(QWidget):
         def x_of(t: float) -> float:
             return area.right() - (now - t) / window * area.width()
 
-        # Legend.
-        x = float(margin_left)
-        for colour, label in ((ACTIVE_COLOUR, "running"), (WAITING_COLOUR, "waiting"),
-                              (grid, "slots"), (TOKENS_COLOUR, "tokens/s")):
-            painter.fillRect(QRectF(x, margin + 3, 12, metrics.height() - 6), colour)
-            painter.setPen(text)
-            painter.drawText(QPointF(x + 16, margin + metrics.ascent()), label)
-            x += 16 + metrics.horizontalAdvance(label) + 16
-
+        frame.legend(((ACTIVE_COLOUR, "running"), (WAITING_COLOUR, "waiting"),
+                      (grid, "slots"), (TOKENS_COLOUR, "tokens/s")))
         requests_max = max(2.0, self.history.peak("slots_total"), self.history.peak("active_peak"),
                            self.history.peak("waiting_peak"))
         tokens_max = max(10.0, self.history.peak("tokens_per_s"))
-        for pane, top_value in ((top, requests_max), (bottom, tokens_max)):
-            painter.setPen(QPen(grid, 1))
-            painter.drawRect(pane)
-            for fraction in (0.5,):
-                y = pane.bottom() - fraction * pane.height()
-                painter.setPen(QPen(grid, 1, Qt.PenStyle.DotLine))
-                painter.drawLine(QPointF(pane.left(), y), QPointF(pane.right(), y))
-            painter.setPen(text)
-            painter.drawText(QRectF(0, pane.top() - 2, margin_left - 6, metrics.height()),
-                             Qt.AlignmentFlag.AlignRight, _short(top_value))
-            painter.drawText(QRectF(0, pane.bottom() - metrics.height() + 2, margin_left - 6,
-                                    metrics.height()), Qt.AlignmentFlag.AlignRight, "0")
-
-        # Time axis.
-        painter.setPen(text)
-        for minutes in range(int(window // 60) + 1):
-            xx = area.right() - minutes * 60 / window * area.width()
-            label = "now" if minutes == 0 else f"−{minutes} min"
-            w = metrics.horizontalAdvance(label)
-            painter.drawText(QPointF(min(max(xx - w / 2, area.left()), area.right() - w),
-                                     area.bottom() + metrics.ascent() + 2), label)
+        frame.scales(_short(requests_max), _short(tokens_max), midline=True)
+        minutes = range(int(window // 60) + 1)
+        frame.time_axis((1 - m * 60 / window, "now" if m == 0 else f"−{m} min") for m in minutes)
 
         if len(samples) < 2:
             painter.setPen(palette.color(QPalette.ColorRole.PlaceholderText))

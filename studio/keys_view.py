@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from PySide6.QtCore import QPointF, QRectF, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QHideEvent, QPainter, QPaintEvent, QPalette, QPen, QShowEvent
+from PySide6.QtCore import QRectF, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QHideEvent, QPainter, QPaintEvent, QPalette, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -51,6 +51,7 @@ from backend.errors import KeyStoreError
 from backend.key_store import KeyRecord, Priority
 
 from studio.activity_view import ACTIVE_COLOUR, TOKENS_COLOUR, WAITING_COLOUR, describe_rejections
+from studio.chart_frame import ChartFrame
 from studio.widgets import CopyButton, monospace_font, secondary_label
 
 __all__ = ["KeyDialog", "KeyUsageChart", "KeysView", "SecretDialog"]
@@ -545,47 +546,17 @@ class KeyUsageChart(QWidget):
     def paintEvent(self, _event: QPaintEvent) -> None:
         painter = QPainter(self)
         palette = self.palette()
-        text = palette.color(QPalette.ColorRole.Text)
-        grid = palette.color(QPalette.ColorRole.Mid)
-        painter.fillRect(self.rect(), palette.color(QPalette.ColorRole.Base))
-        metrics = painter.fontMetrics()
-        margin_left = metrics.horizontalAdvance("00000") + 8
-        margin = 8
-        legend_h = metrics.height() + 6
-        axis_h = metrics.height() + 4
-        area = QRectF(margin_left, margin + legend_h, self.width() - margin_left - margin,
-                      self.height() - 2 * margin - legend_h - axis_h)
-        if area.width() < 20 or area.height() < 40:
+        frame = ChartFrame.begin(self, painter)
+        if frame is None:
             return
-        gap = metrics.height()
-        top = QRectF(area.left(), area.top(), area.width(), (area.height() - gap) * 0.6)
-        bottom = QRectF(area.left(), top.bottom() + gap, area.width(),
-                        area.height() - top.height() - gap)
-
-        x = float(margin_left)
-        for colour, label in ((ACTIVE_COLOUR, "prompt tokens"), (TOKENS_COLOUR, "completion tokens"),
-                              (grid, "requests"), (WAITING_COLOUR, "refused")):
-            painter.fillRect(QRectF(x, margin + 3, 12, metrics.height() - 6), colour)
-            painter.setPen(text)
-            painter.drawText(QPointF(x + 16, margin + metrics.ascent()), label)
-            x += 16 + metrics.horizontalAdvance(label) + 16
-
+        grid, area, top, bottom = frame.grid, frame.area, frame.top, frame.bottom
+        frame.legend(((ACTIVE_COLOUR, "prompt tokens"), (TOKENS_COLOUR, "completion tokens"),
+                      (grid, "requests"), (WAITING_COLOUR, "refused")))
         chart = self.chart
         tokens_max = float(max(10, chart.peak_tokens))
         requests_max = float(max(2, chart.peak_requests))
-        for pane, top_value in ((top, tokens_max), (bottom, requests_max)):
-            painter.setPen(QPen(grid, 1))
-            painter.drawRect(pane)
-            painter.setPen(text)
-            painter.drawText(QRectF(0, pane.top() - 2, margin_left - 6, metrics.height()),
-                             Qt.AlignmentFlag.AlignRight, short_number(top_value))
-            painter.drawText(QRectF(0, pane.bottom() - metrics.height() + 2, margin_left - 6,
-                                    metrics.height()), Qt.AlignmentFlag.AlignRight, "0")
-        for fraction, label in chart.ticks:
-            width = metrics.horizontalAdvance(label)
-            xx = area.left() + fraction * area.width()
-            painter.drawText(QPointF(min(max(xx - width / 2, area.left()), area.right() - width),
-                                     area.bottom() + metrics.ascent() + 2), label)
+        frame.scales(short_number(tokens_max), short_number(requests_max))
+        frame.time_axis(chart.ticks)
 
         if not chart.requests and not chart.refusals:
             painter.setPen(palette.color(QPalette.ColorRole.PlaceholderText))
