@@ -1,3 +1,5 @@
 """The application: the service the window and the command line drive (`service`), the
-command line (`cli`), the end-to-end self-test, client snippets, activity over time and
-the desktop entry."""
+pool of models and engines (`pool`, `pool_config`, `pool_state`), the command line
+(`cli`, with its `keys` commands in `cli_keys`), the keys as people edit and see them
+(`key_table`), usage per key (`usage`), the end-to-end self-test, client snippets,
+activity over time and the desktop entry."""
