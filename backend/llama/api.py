@@ -19,8 +19,8 @@ import httpx
 from backend.errors import LoadError
 from backend.llama.kv_capacity import KvCapacity, kv_from_health
 
-__all__ = ["EngineClient", "EngineProps", "HealthAnswer", "StudioHealth", "UpstreamModel",
-           "engine_headers"]
+__all__ = ["EngineClient", "EngineProps", "HealthAnswer", "StudioEngineHealth", "StudioHealth",
+           "StudioModelHealth", "UpstreamModel", "engine_headers"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class StudioHealth:
     kv: KvCapacity | None
     active: int = 0
     waiting: int = 0
+    #: Every model it serves or can load, with its engines; None from a port older than
+    #: the pool, whose `/health` tells only of its one model (the top-level fields).
+    models: tuple[StudioModelHealth, ...] | None = None
 
     @property
     def ready(self) -> bool:
@@ -74,7 +77,66 @@ class StudioHealth:
                    slots=_positive(body.get("effective_parallel_slots")),
                    kv=kv_from_health(body.get("kv")),
                    active=body["active"] if _count(body.get("active")) else 0,
-                   waiting=body["waiting"] if _count(body.get("waiting")) else 0)
+                   waiting=body["waiting"] if _count(body.get("waiting")) else 0,
+                   models=_studio_models(body.get("models")))
+
+
+@dataclass(frozen=True)
+class StudioEngineHealth:
+    """One engine that serves a model inside another GGUF Studio port."""
+
+    state: str
+    slots: int | None
+    kv: KvCapacity | None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.slots is not None
+
+
+@dataclass(frozen=True)
+class StudioModelHealth:
+    """One model another GGUF Studio port lists in its `/health`: its state as that port
+    says ("ready", "loading", "unloaded", "evicted", "failed", ...), and its engines."""
+
+    id: str
+    state: str
+    default: bool = False
+    context_length: int | None = None
+    aliases: tuple[str, ...] = ()
+    local: bool = True  #: run by that port itself, so it loads there on demand
+    embeddings: bool = False
+    error: str | None = None
+    engines: tuple[StudioEngineHealth, ...] = ()
+
+    @property
+    def loadable(self) -> bool:
+        """Not loaded there, but a request for it makes that port load it."""
+        return self.local and self.state in LOADABLE_STATES
+
+    @property
+    def slots(self) -> int | None:
+        """Its ready engines' slots together, or None while none is ready: that port
+        routes a request to whichever of its engines has room."""
+        slots = sum(engine.slots or 0 for engine in self.engines if engine.ready)
+        return slots if self.state == "ready" and slots > 0 else None
+
+    @property
+    def kv(self) -> KvCapacity | None:
+        """Its ready engines' caches as one: the one engine's exactly; for several, their
+        tokens together, with the largest per-request limit among them (split when every
+        cache is split with the same share per slot, else one pool).  None while any
+        ready engine's cache is unknown (slots alone count then)."""
+        caches = [engine.kv for engine in self.engines if engine.ready]
+        if not caches or any(kv is None for kv in caches):
+            return None
+        known = [kv for kv in caches if kv is not None]
+        if len(known) == 1:
+            return known[0]
+        total = sum(kv.total for kv in known)
+        per_request = max(kv.per_request for kv in known)
+        split = all(not kv.unified and kv.per_request == per_request for kv in known)
+        return KvCapacity(total, per_request, unified=not split)
 
 
 @dataclass(frozen=True)
@@ -188,6 +250,32 @@ class EngineClient:
         except httpx.HTTPError:
             return None
         return response.text if response.status_code == 200 else None
+
+
+#: The states of a model another GGUF Studio port loads when a request asks for it.
+LOADABLE_STATES = frozenset({"unloaded", "evicted", "loading"})
+
+
+def _studio_models(listed: Any) -> tuple[StudioModelHealth, ...] | None:
+    if not isinstance(listed, list):
+        return None
+    found = []
+    for entry in listed:
+        if not (isinstance(entry, dict) and _text(entry.get("id")) and _text(entry.get("state"))):
+            continue
+        aliases = entry.get("aliases")
+        engines = entry.get("engines")
+        found.append(StudioModelHealth(
+            entry["id"], entry["state"], default=entry.get("default") is True,
+            context_length=_positive(entry.get("context_length")),
+            aliases=tuple(a for a in aliases if _text(a)) if isinstance(aliases, list) else (),
+            local=entry.get("local") is not False, embeddings=entry.get("embeddings") is True,
+            error=_text(entry.get("error")),
+            engines=tuple(StudioEngineHealth(str(e.get("state")), _positive(e.get("slots")),
+                                             kv_from_health(e.get("kv")))
+                          for e in engines if isinstance(e, dict))
+            if isinstance(engines, list) else ()))
+    return tuple(found)
 
 
 def _refuse_unauthorized(response: httpx.Response) -> None:

@@ -216,6 +216,27 @@ class Serving:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """One of the models an engine elsewhere serves when it is another GGUF Studio port
+    with several: each is an engine of its own here (its `serving` keyed by the port's
+    address and the model), so admission keeps one line per model and that model's own
+    slots and KV cache."""
+
+    name: str
+    #: As that port says: "ready", "loading", "unloaded", "evicted", "failed", ...
+    state: str
+    #: Its engine here: the model's exact slots and cache while ready there; one slot
+    #: while it is loadable there (a request for it makes that port load it); None when
+    #: nothing can be sent for it now.
+    serving: Serving | None = None
+    aliases: tuple[str, ...] = ()
+    context_length: int | None = None
+    embeddings: bool = False
+    default: bool = False  #: that port's own default model
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What a load looks like right now; listeners get a new one on every change."""
 
@@ -235,6 +256,9 @@ class Snapshot:
     engine: EngineReport | None = None
     # The last load failed on the GPU; the same load with no GPU layers may work.
     cpu_retry_offered: bool = False
+    #: Another GGUF Studio port's models, each with its engine here; () for any other
+    #: engine (one model: `serving`).  Kept as last read while that port is out.
+    models: tuple[ServedModel, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.state is State.READY) != (self.serving is not None):

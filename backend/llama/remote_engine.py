@@ -22,6 +22,7 @@ leaves READY, so nothing new is sent to it; it comes back by itself once healthy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 from pathlib import PurePath
@@ -29,9 +30,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from backend.errors import LoadError, SettingsError
-from backend.llama.api import EngineClient, EngineProps, StudioHealth, UpstreamModel
+from backend.llama.api import (EngineClient, EngineProps, StudioHealth, StudioModelHealth,
+                               UpstreamModel)
 from backend.llama.kv_capacity import KvCapacity, KvLayout, assumed_layout_note, kv_from_props
-from backend.llama.load import LogListener, Serving, Snapshot, SnapshotPublisher, State
+from backend.llama.load import (LogListener, ServedModel, Serving, Snapshot, SnapshotPublisher,
+                                State)
 
 __all__ = ["RemoteEngine", "UpstreamKind", "normalise_base_url"]
 
@@ -39,6 +42,11 @@ log = logging.getLogger("gguf_studio.remote_engine")
 
 #: Seconds between two reads of what an upstream runs (its health is checked every `interval`).
 REREAD_INTERVAL = 30.0
+#: Requests sent at once for a model another GGUF Studio port can load but has not: the
+#: first makes it load; its slots and cache are known once that port says it is ready.
+LOADABLE_SLOTS = 1
+LOADABLE_NOTE = ("not loaded upstream: one request at a time goes to it (its first loads "
+                 "it there) until that port reports its slots and KV cache")
 
 
 class UpstreamKind(enum.Enum):
@@ -135,24 +143,75 @@ class RemoteEngine(SnapshotPublisher):
                     kv=kv, kv_note=note, upstream_models=())
 
     async def _follow_studio(self, engine: EngineClient, health: StudioHealth) -> None:
+        if health.models is not None:
+            await self._follow_studio_models(engine, health, health.models)
+            return
         if not health.ready:
             self._leave(f"The upstream GGUF Studio port has no model ready ({health.state}).")
             return
         assert health.slots is not None and health.kv is not None
-        serving = self._snapshot.serving
-        models = serving.upstream_models if serving is not None else ()
-        if self._read_due() or health.model != self._snapshot.model_id:
-            try:
-                models = await engine.models()
-            except LoadError as exc:
-                self._leave(str(exc))
-                return
-            self._schedule_read()
+        models = await self._listed_models(engine, changed=health.model != self._snapshot.model_id)
+        if models is None:
+            return
         if self._unchanged(health.model, health.slots, health.kv, models):
             return
         self._serve(model_id=health.model or "upstream", slots=health.slots,
                     context_length=health.kv.per_request, kv=health.kv, kv_note=None,
                     upstream_models=models)
+
+    async def _follow_studio_models(self, engine: EngineClient, health: StudioHealth,
+                                    listed: tuple[StudioModelHealth, ...]) -> None:
+        """A port that lists its models: each one it has ready, or can load, is an engine
+        of its own here (see `ServedModel`)."""
+        served = tuple(self._served_model(model) for model in listed)
+        if not any(model.serving is not None for model in served):
+            states = ", ".join(f"{model.name} {model.state}" for model in served) or "none listed"
+            self._leave(f"The upstream GGUF Studio port has no model ready or loadable ({states}).",
+                        models=served)
+            return
+        names = tuple(model.name for model in served)
+        known = tuple(model.name for model in self._snapshot.models)
+        models = await self._listed_models(engine, changed=names != known)
+        if models is None:
+            return
+        if self._unchanged(health.model, served, models):
+            return
+        first = next(m for m in sorted(served, key=lambda m: not m.default) if m.serving is not None)
+        assert first.serving is not None
+        log.info("%s (%s) serves: %s", self.base_url, UpstreamKind.GGUF_STUDIO.value,
+                 "; ".join(_describe(model) for model in served))
+        self._set_state(State.READY, serving=dataclasses.replace(first.serving, upstream_models=models),
+                        model_id=first.name, models=served, restarting=False, error=None)
+
+    def _served_model(self, model: StudioModelHealth) -> ServedModel:
+        slots, kv = model.slots, model.kv
+        serving: Serving | None = None
+        if slots is not None:
+            serving = Serving(self.base_url, slots,
+                              context_length=kv.per_request if kv is not None else model.context_length,
+                              kv=kv, api_key=self.api_key, upstream_model=model.id)
+        elif model.loadable:
+            serving = Serving(self.base_url, LOADABLE_SLOTS, context_length=model.context_length,
+                              api_key=self.api_key, upstream_model=model.id,
+                              kv_note=LOADABLE_NOTE)
+        return ServedModel(model.id, model.state, serving, aliases=model.aliases,
+                           context_length=model.context_length, embeddings=model.embeddings,
+                           default=model.default, error=model.error)
+
+    async def _listed_models(self, engine: EngineClient, *, changed: bool
+                             ) -> tuple[UpstreamModel, ...] | None:
+        """What the upstream lists in `/v1/models`, read again when due or `changed`;
+        None when it could not be read (the upstream then leaves)."""
+        serving = self._snapshot.serving
+        models = serving.upstream_models if serving is not None else ()
+        if self._read_due() or changed:
+            try:
+                models = await engine.models()
+            except LoadError as exc:
+                self._leave(str(exc))
+                return None
+            self._schedule_read()
+        return models
 
     def _serve(self, *, model_id: str, slots: int, context_length: int | None, kv: KvCapacity,
                kv_note: str | None, upstream_models: tuple[UpstreamModel, ...]) -> None:
@@ -163,18 +222,20 @@ class RemoteEngine(SnapshotPublisher):
             log.info("%s changed: %s, %s", self.base_url, model_id, kv.describe(slots))
         serving = Serving(self.base_url, slots, context_length=context_length, kv=kv,
                           api_key=self.api_key, kv_note=kv_note, upstream_models=upstream_models)
-        self._set_state(State.READY, serving=serving, model_id=model_id, restarting=False,
-                        error=None)
+        self._set_state(State.READY, serving=serving, model_id=model_id, models=(),
+                        restarting=False, error=None)
 
-    def _leave(self, error: str) -> None:
-        """Out of the pool until the upstream is healthy again, when it is read anew."""
+    def _leave(self, error: str, *, models: tuple[ServedModel, ...] | None = None) -> None:
+        """Out of the pool until the upstream is healthy again, when it is read anew.
+        `models`: what it lists now (else its models stay as last read)."""
         self._next_read, self._read = 0.0, None
+        changes: dict[str, Any] = {} if models is None else {"models": models}
         if self._snapshot.state is State.READY:
             log.warning("%s leaves: %s", self.base_url, error)
-            self._set_state(State.STARTING, restarting=True, error=error)
-        elif self._snapshot.error != error:
+            self._set_state(State.STARTING, restarting=True, error=error, **changes)
+        elif self._snapshot.error != error or (models is not None and models != self._snapshot.models):
             log.info("%s: %s", self.base_url, error)
-            self._set_state(self._snapshot.state, error=error)
+            self._set_state(self._snapshot.state, error=error, **changes)
 
     def _read_due(self) -> bool:
         return self._snapshot.state is not State.READY or \
@@ -189,6 +250,15 @@ class RemoteEngine(SnapshotPublisher):
         unchanged = self._snapshot.state is State.READY and self._read == read
         self._read = read
         return unchanged
+
+
+def _describe(model: ServedModel) -> str:
+    serving = model.serving
+    if serving is None:
+        return f"{model.name} {model.state}"
+    if serving.kv is None:
+        return f"{model.name} {model.state} ({serving.slots} slot{'s' if serving.slots != 1 else ''})"
+    return f"{model.name} {model.state} ({serving.kv.describe(serving.slots)})"
 
 
 def _served_name(props: EngineProps) -> str:
