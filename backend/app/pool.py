@@ -36,7 +36,7 @@ from pathlib import Path
 from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
                             RequestError)
 from backend.listeners import Listeners
-from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
+from backend.llama.load import LoadBackend, LoadSpec, ServedModel, Serving, Snapshot, State
 from backend.llama.remote_engine import RemoteEngine
 from backend.llama.supervisor import Supervisor
 from backend.port.admission import AdmissionRegistry
@@ -132,11 +132,19 @@ class _Local:
 
 
 class _Remote:
+    """An engine elsewhere: one engine here for a llama-server (or a GGUF Studio port
+    older than the pool), one per model for a GGUF Studio port that lists its models."""
+
     def __init__(self, entry: UpstreamEntry, backend: RemoteEngine, number: int) -> None:
         self.entry = entry
         self.backend = backend
         self.number = number  # "upstream N" while it is in the pool, whoever leaves meanwhile
-        self.model: str | None = None  # the name it serves, once it answered
+        self.model: str | None = None  # the name it serves (one model), once it answered
+        #: What a GGUF Studio port with several models lists, as last read (also while it
+        #: is out, so its models stay known); () for an engine of one model.
+        self.models: tuple[ServedModel, ...] = ()
+        #: Each model's own snapshot as last told to the listeners.
+        self.told: dict[str, Snapshot] = {}
 
     @property
     def where(self) -> str:
@@ -145,6 +153,39 @@ class _Remote:
     @property
     def engine_id(self) -> str:
         return f"remote:{self.backend.base_url}"
+
+    @property
+    def serving(self) -> bool:
+        """It answers healthy now (its models' states are fresh)."""
+        return self.backend.snapshot.state is State.READY
+
+    def names(self) -> list[str]:
+        if self.models:
+            return [model.name for model in self.models]
+        return [self.model] if self.model is not None else []
+
+    def served(self, name: str) -> ServedModel | None:
+        return next((model for model in self.models if model.name == name), None)
+
+    def engine_of(self, name: str) -> str:
+        """The engine slot (in the admission registry) of its model `name`."""
+        return f"{self.engine_id}#{name}" if self.models else self.engine_id
+
+    def model_snapshot(self, name: str) -> Snapshot:
+        """Model `name`'s own view: READY with its own `Serving` while it is ready there;
+        loading, failed or stopped as that port says; the upstream's state while it is out."""
+        snapshot = self.backend.snapshot
+        if not self.models:
+            return snapshot
+        base = dataclasses.replace(snapshot, model_id=name, models=())
+        if snapshot.state is not State.READY:
+            return base
+        served = self.served(name)
+        if served is not None and served.state == State.READY.value and served.serving is not None:
+            return dataclasses.replace(base, serving=served.serving)
+        state = _REMOTE_STATES.get(served.state if served is not None else "", State.STOPPED)
+        return dataclasses.replace(base, state=state, serving=None,
+                                   error=served.error if served is not None else None)
 
 
 class Pool:
@@ -208,8 +249,7 @@ class Pool:
         names = [name for name, m in self._locals.items() if not m.entry.embeddings]
         names += [name for name, m in self._locals.items() if m.entry.embeddings]
         for remote in self._remotes.values():  # a model several upstreams serve: once
-            if remote.model is not None and remote.model not in names:
-                names.append(remote.model)
+            names += [name for name in remote.names() if name not in names]
         return names
 
     def resolve(self, path: str, requested: object) -> str:
@@ -225,6 +265,10 @@ class Pool:
                 for name, m in self._locals.items():
                     if m.entry.embeddings:
                         return name
+                for remote in self._remotes.values():
+                    for served in remote.models:
+                        if served.embeddings:
+                            return served.name
             default = self.default_model
             if default is None:
                 raise ModelNotReady("No model is loaded right now. Try again later.",
@@ -256,7 +300,18 @@ class Pool:
                                     retry_after=RETRY_SOON)
             if not local.resident and local.loading is None:
                 self._start_loading(local, why="loaded on demand")
+        elif not self.registry.busy(name) and not self._serves_now(name):
+            failed = [served for _remote, served in self._served(name) if served.state == "failed"]
+            if failed:
+                raise ModelNotReady(f"The model {name} failed to load where it runs. "
+                                    f"{failed[0].error or ''}".strip(), retry_after=RETRY_SOON)
         return name
+
+    def must_name(self, name: str) -> bool:
+        """Whether a request for `name` must name it to its engines: another GGUF Studio
+        port serving several models routes by the name, and a request naming none would
+        go to that port's own default model."""
+        return any(remote.models and name in remote.names() for remote in self._remotes.values())
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(name) for name in self.names()]
@@ -278,9 +333,24 @@ class Pool:
                                entry.idle_ttl, entry.embeddings, name == self.default_model,
                                context, local.decision, local.error, engines)
         ready = any(e.state == State.READY.value for e in engines)
-        return ModelStatus(name, (), False, Residency.READY if ready else Residency.UNLOADED,
-                           True, 0.0, False, name == self.default_model, context,
-                           "served by an engine elsewhere", None, engines)
+        served = self._served(name)
+        if not served:
+            return ModelStatus(name, (), False, Residency.READY if ready else Residency.UNLOADED,
+                               True, 0.0, False, name == self.default_model, context,
+                               "served by an engine elsewhere", None, engines)
+        remote, model = served[0]
+        residency = Residency.READY if ready else _residency(model.state)
+        if ready:
+            decision = "served by an engine elsewhere"
+        elif model.serving is not None:
+            decision = f"{model.state} at {remote.where}: loaded there by its first request"
+        else:
+            decision = f"{model.state} at {remote.where}"
+        if context is None:
+            context = model.context_length
+        return ModelStatus(name, model.aliases, False, residency, True, 0.0,
+                           any(m.embeddings for _r, m in served), name == self.default_model,
+                           context, decision, None if ready else model.error, engines)
 
     def snapshot(self, name: str | None = None) -> Snapshot:
         """The snapshot of `name`'s engine (the default model's when None)."""
@@ -291,16 +361,16 @@ class Pool:
         if local is not None:
             return local.supervisor.snapshot if local.supervisor is not None else Snapshot(
                 model_id=name, model_path=local.entry.path)
-        for remote in self._remotes.values():
-            if remote.model == name or (remote.model is None and name is None):
-                return remote.backend.snapshot
-        return Snapshot()
+        found = [remote.model_snapshot(name) for remote in self._remotes.values()
+                 if name in remote.names()]
+        return next((s for s in found if s.state is State.READY), found[0] if found else Snapshot())
 
     def backends(self) -> list[tuple[str, LoadBackend]]:
         """(model, backend) of every engine, for logs and the window."""
         found: list[tuple[str, LoadBackend]] = [
             (name, m.supervisor) for name, m in self._locals.items() if m.supervisor is not None]
-        found += [(r.model or r.backend.base_url, r.backend) for r in self._remotes.values()]
+        found += [(r.model or r.backend.snapshot.model_id or r.backend.base_url, r.backend)
+                  for r in self._remotes.values()]
         return found
 
     # --- local models ------------------------------------------------------------------
@@ -447,6 +517,8 @@ class Pool:
             return
         self._remotes.pop(remote.backend.base_url, None)
         self.registry.retire(remote.engine_id)
+        for name in remote.names():
+            self.registry.retire(remote.engine_of(name))
         await remote.backend.close()
         self._changed_listeners()
 
@@ -459,24 +531,26 @@ class Pool:
         for remote in self._remotes.values():
             snapshot = remote.backend.snapshot
             serving = snapshot.serving
-            models = [remote.model] if remote.model is not None else []
+            models = remote.names()
             if serving is not None:
                 models += [m.id for m in serving.upstream_models if m.id not in models]
             layout = remote.entry.kv_layout
+            engine = (self._engines_together(remote) if remote.models else
+                      self._engine_status(remote.engine_id, remote.where, snapshot))
             found.append(UpstreamStatus(
                 remote.backend.base_url, layout.value if layout is not None else None,
-                snapshot.error if serving is None else None, tuple(models),
-                self._engine_status(remote.engine_id, remote.where, snapshot)))
+                snapshot.error if serving is None else None, tuple(models), engine))
         return found
 
     def serving_engines(self) -> list[tuple[str, str, Serving]]:
         """(model, where, serving) of every engine that serves now, here or elsewhere:
         what the activity reads each engine's own counters from."""
-        found = [(name, "this machine", m.supervisor.snapshot.serving)
-                 for name, m in self._locals.items()
-                 if m.supervisor is not None and m.supervisor.snapshot.serving is not None]
-        found += [(r.model, r.where, r.backend.snapshot.serving) for r in self._remotes.values()
-                  if r.model is not None and r.backend.snapshot.serving is not None]
+        found: list[tuple[str, str, Serving | None]] = [
+            (name, "this machine", m.supervisor.snapshot.serving)
+            for name, m in self._locals.items() if m.supervisor is not None]
+        for remote in self._remotes.values():
+            for name in remote.names():
+                found.append((name, remote.where, remote.model_snapshot(name).serving))
         return [(model, where, serving) for model, where, serving in found if serving is not None]
 
     async def close(self) -> None:
@@ -626,6 +700,10 @@ class Pool:
         self._listeners(name, snapshot)
 
     def _on_remote_snapshot(self, remote: _Remote, snapshot: Snapshot) -> None:
+        if snapshot.models or remote.models:
+            self._follow_remote_models(remote, snapshot)
+            if snapshot.models:
+                return
         if snapshot.serving is not None and snapshot.model_id:
             remote.model = snapshot.model_id
             self._sync_default_engine()
@@ -637,6 +715,39 @@ class Pool:
             self._changed_listeners()
         self._listeners(remote.model or remote.backend.base_url, snapshot)
 
+    def _follow_remote_models(self, remote: _Remote, snapshot: Snapshot) -> None:
+        """Each model a GGUF Studio port lists is an engine of its own here: it serves
+        (with that model's slots and cache, or one slot while it is loadable there) and
+        retires (its running requests go on, its waiters keep their place for its other
+        engines) as that port says.  A model that failed there refuses its waiters when
+        nothing else serves it, as a local one does."""
+        gone = [name for name in remote.names() if all(m.name != name for m in snapshot.models)]
+        remote.models = snapshot.models
+        remote.model = None
+        ready = snapshot.state is State.READY
+        for model in snapshot.models:
+            engine = remote.engine_of(model.name)
+            if ready and model.serving is not None:
+                self.registry.activate(model.serving, model=model.name, engine=engine)
+            elif self.registry.current_of(engine) is not None:
+                self.registry.retire(engine)
+            if ready and model.state == "failed":
+                self.registry.refuse_waiting(ModelNotReady(
+                    f"The model {model.name} failed to load where it runs.",
+                    retry_after=RETRY_SOON), model.name)
+        for name in gone:
+            self.registry.retire(f"{remote.engine_id}#{name}")
+            remote.told.pop(name, None)
+        if not snapshot.models and self.registry.current_of(remote.engine_id) is not None:
+            self.registry.retire(remote.engine_id)
+        self._sync_default_engine()
+        self._changed_listeners()
+        for name in remote.names():
+            told = remote.model_snapshot(name)
+            if remote.told.get(name) != told:
+                remote.told[name] = told
+                self._listeners(name, told)
+
     # --- helpers ---------------------------------------------------------------------
 
     def _sync_default_engine(self) -> None:
@@ -647,7 +758,8 @@ class Pool:
         if name in self._locals:
             engine = self._locals[name].engine_id
         else:
-            engine = next((r.engine_id for r in self._remotes.values() if r.model == name), "")
+            engine = next((r.engine_of(name) for r in self._remotes.values()
+                           if name is not None and name in r.names()), "")
         self.registry.default_engine = engine
 
     def _engine_statuses(self, name: str) -> list[EngineStatus]:
@@ -657,10 +769,55 @@ class Pool:
             found.append(self._engine_status(local.engine_id, "this machine",
                                              self.snapshot(name)))
         for remote in self._remotes.values():
-            if remote.model == name:
+            served = remote.served(name)
+            if served is not None:
+                found.append(self._served_status(remote, served))
+            elif not remote.models and remote.model == name:
                 found.append(self._engine_status(remote.engine_id, remote.where,
                                                  remote.backend.snapshot))
         return found
+
+    def _served_status(self, remote: _Remote, served: ServedModel) -> EngineStatus:
+        """A model of a GGUF Studio port: its state as that port says while it answers."""
+        status = self._engine_status(remote.engine_of(served.name), remote.where,
+                                     remote.model_snapshot(served.name))
+        if not remote.serving:
+            return status
+        serving = served.serving
+        return dataclasses.replace(
+            status, state=served.state, slots=serving.slots if serving is not None else None,
+            note=serving.kv_note if serving is not None else None)
+
+    def _engines_together(self, remote: _Remote) -> EngineStatus:
+        """A GGUF Studio port as one row: what its ready models hold together."""
+        snapshot = remote.backend.snapshot
+        engines = [self._served_status(remote, m) for m in remote.models]
+        ready = [e for e in engines if e.state == State.READY.value and e.slots]
+        caches = [e.kv for e in ready if e.kv is not None]
+        kv: dict[str, object] | None = None
+        if caches:
+            kv = {"total": sum(int(str(c["total"])) for c in caches),
+                  "per_request": max(int(str(c["per_request"])) for c in caches),
+                  "unified": any(c["unified"] is True for c in caches)}
+        return EngineStatus(
+            remote.where, remote.where,
+            "restarting" if snapshot.restarting else snapshot.state.value,
+            sum(e.slots or 0 for e in ready) or None, kv,
+            sum(e.active for e in engines), sum(e.waiting for e in engines),
+            sum(e.reserved_tokens for e in engines))
+
+    def _served(self, name: str) -> list[tuple[_Remote, ServedModel]]:
+        """Model `name` in every GGUF Studio port that answers now and lists it."""
+        found = []
+        for remote in self._remotes.values():
+            served = remote.served(name)
+            if served is not None and remote.serving:
+                found.append((remote, served))
+        return found
+
+    def _serves_now(self, name: str) -> bool:
+        line = self.registry.find_line(name)
+        return line is not None and bool(line.engines)
 
     def _engine_status(self, engine_id: str, where: str, snapshot: Snapshot) -> EngineStatus:
         serving = snapshot.serving
@@ -677,11 +834,15 @@ class Pool:
 
     def _all_names(self) -> list[tuple[str, tuple[str, ...]]]:
         found = [(name, m.entry.names) for name, m in self._locals.items()]
-        found += [(r.model, (r.model,)) for r in self._remotes.values() if r.model is not None]
+        for remote in self._remotes.values():
+            if remote.models:
+                found += [(m.name, (m.name, *m.aliases)) for m in remote.models]
+            elif remote.model is not None:
+                found.append((remote.model, (remote.model,)))
         return found
 
     def _known(self, name: str) -> bool:
-        return name in self._locals or any(r.model == name for r in self._remotes.values())
+        return name in self._locals or any(name in r.names() for r in self._remotes.values())
 
     def _check_names(self, entry: ModelEntry) -> None:
         for name, names in self._all_names():
@@ -718,6 +879,17 @@ class Pool:
             pass
         finally:
             self.registry.remove_listener(listener)
+
+
+#: A model's state as another GGUF Studio port says it, as an engine state here.
+_REMOTE_STATES = {"loading": State.STARTING, "failed": State.FAILED}
+
+
+def _residency(state: str) -> Residency:
+    try:
+        return Residency(state)
+    except ValueError:
+        return Residency.UNLOADED
 
 
 def printable(text: str) -> str:

@@ -305,6 +305,9 @@ class StudioService:
     def route(self, path: str, requested: object) -> str:
         return self.pool.route(path, requested)
 
+    def must_name(self, model: str) -> bool:
+        return self.pool.must_name(model)
+
     def model_cards(self) -> list[ModelCard]:
         cap = self.settings.max_output_tokens
         cards = []

@@ -43,7 +43,8 @@ from backend.port.metrics import Metrics
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
 from backend.port.relay import Exchange, GatedRequest
-from backend.port.request_body import BodyBudget, ClientGone, Parsed, check_body, read_body
+from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
+                                       read_body)
 from backend.settings import Settings
 from backend.port.sse import StreamKind
 from backend.llama.load import Snapshot, State
@@ -90,6 +91,11 @@ class GatewayContext(Protocol):
 
     def route(self, path: str, requested: object) -> str:
         """`resolve`, and make sure the model will be served: may start loading it."""
+
+    def must_name(self, model: str) -> bool:
+        """Whether a request for `model` that names no model must be sent naming it (an
+        engine that is another port with several models would take it for its own
+        default model)."""
 
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
@@ -187,6 +193,8 @@ class Gateway:
             # not use.
             self.flows.check_model(caller, model)
             ctx.route(path, model)
+            if not (parsed.model or "").strip() and ctx.must_name(model):
+                name_model(parsed, model)
             line = ctx.registry.line(model)
             queue = line.planning_engine
             plan: Plan | None = None

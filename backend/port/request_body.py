@@ -29,7 +29,7 @@ from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, Req
 from backend.port.request_fields import check_fields
 
 __all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES",
-           "Parsed", "check_body", "parse_body", "read_body"]
+           "Parsed", "check_body", "name_model", "parse_body", "read_body"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
 #: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less
@@ -228,6 +228,12 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
         stream = False
     body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() if changed else raw
     return Parsed(body=body, stream=stream, model=model, data=data)
+
+
+def name_model(parsed: Parsed, model: str) -> None:
+    """`parsed` sent naming `model` (it named none): its body encoded again with it."""
+    parsed.data["model"] = parsed.model = model
+    parsed.body = json.dumps(parsed.data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _cap(data: dict[str, Any], fields: tuple[str, ...], cap: int) -> bool:

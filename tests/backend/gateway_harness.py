@@ -62,6 +62,9 @@ class Context:
             raise ModelNotReady(not_ready_message(self._snapshot), retry_after=RETRY_SOON)
         return DEFAULT_MODEL
 
+    def must_name(self, model: str) -> bool:
+        return False
+
     def model_cards(self) -> list[ModelCard]:
         serving = self._snapshot.serving
         if serving is None or not self._snapshot.model_id:
