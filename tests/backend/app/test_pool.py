@@ -19,11 +19,14 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
 from backend.settings import Settings
-from tests.backend.llama.test_remote_engine import (_until_healthy, end_studio,
-                                                    start_llama_server, start_studio, stop)
+from backend.llama.remote_engine import LOADABLE_NOTE
+from tests.backend.llama.test_remote_engine import (_until_health, _until_healthy, end_studio,
+                                                    serve_upstream, start_llama_server,
+                                                    start_studio, stop)
 from tests.model_factory import write_tiny_model
 
 LONG = {"max_tokens": 4000, "ignore_eos": True}
+STUDIO_KEY = "studio-key-0123456789"  # what `start_studio`'s port requires
 SMALL = LoadSettings(parallel="1", ctx_size=2048)
 
 
@@ -76,6 +79,15 @@ async def stream_lines(client: httpx.AsyncClient, body: dict,
                 if started is not None and line.startswith("data: {"):
                     started.set()
     return lines
+
+
+def engines_of(health: dict, model: str) -> list[dict]:
+    return next(m for m in health["models"] if m["id"] == model)["engines"]
+
+
+def _delta(line: str) -> str:
+    choices = json.loads(line.removeprefix("data: ")).get("choices") or [{}]
+    return (choices[0].get("delta") or {}).get("content") or ""
 
 
 def text_of(answer: httpx.Response) -> tuple[str, str]:
@@ -292,6 +304,107 @@ async def test_two_gguf_studio_ports_behind_a_third_share_one_models_line(
     finally:
         for studio in studios:
             end_studio(studio)
+
+
+async def test_every_model_of_a_gguf_studio_upstream_is_a_model_of_the_port_in_front(
+        tmp_path, llama_server_binary, tiny_model, smollm2_model):
+    """`serve --upstream INNER`, INNER being `serve --model tiny --model smol=...`, both
+    real processes: the outer port lists both models, a request by each name reaches that
+    model (their answers differ), and each model runs exactly its own slots at once."""
+    port = pick_free_port()
+    home = tmp_path / "inner"
+    home.mkdir()
+    inner = start_studio(home, llama_server_binary, tiny_model, port,
+                         extra=("--model", f"smol={smollm2_model}", "--threads", "1"))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as inside:
+            await _until_healthy(inside)
+            await _until_health(inside, lambda h: [m["state"] for m in h.get("models", [])]
+                                == ["ready", "ready"], timeout=120)
+            async with serve_upstream(tmp_path, f"http://127.0.0.1:{port}",
+                                      "--upstream-api-key", STUDIO_KEY) as (url, _ready):
+                async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                    await _until_health(client, lambda h: [(m["id"], m["state"]) for m in h["models"]]
+                                        == [("tiny", "ready"), ("smol", "ready")])
+                    answer = await client.get("/health")
+                    assert f":{port}" not in answer.text  # "upstream 1", never its address
+                    for name in ("tiny", "smol"):
+                        assert [(e["where"], e["state"], e["slots"], e["kv"])
+                                for e in engines_of(answer.json(), name)] == [
+                            ("upstream 1", "ready", 2,
+                             {"total": 4096, "per_request": 2048, "unified": False})]
+                    listed = (await client.get("/v1/models")).json()["data"]
+                    assert [(m["id"], m["state"], m["context_length"]) for m in listed] == [
+                        ("tiny", "ready", 2048), ("smol", "ready", 2048)]
+
+                    answers = {name: text_of(await client.post("/v1/chat/completions",
+                                                               json=chat(name)))[0]
+                               for name in ("tiny", "smol")}
+                    assert "Paris" in answers["smol"] and answers["tiny"] != answers["smol"]
+
+                    # Three streams for each model: two run there (its slots), one waits
+                    # here, and the port behind never has one waiting.
+                    for name, extra in (("tiny", {"max_tokens": 1900}),
+                                        ("smol", {"max_tokens": 120, "ignore_eos": True})):
+                        streams = [asyncio.create_task(stream_lines(client, chat(name, True, **extra)))
+                                   for _ in range(3)]
+                        await _until_health(client, lambda h: [(e["active"], e["waiting"]) for e
+                                                               in engines_of(h, name)] == [(2, 1)])
+                        (there,) = engines_of((await inside.get("/health")).json(), name)
+                        assert there["active"] <= 2 and there["waiting"] == 0
+                        for lines in await asyncio.wait_for(asyncio.gather(*streams), 120):
+                            assert lines[-1] == "data: [DONE]"
+                            assert '"finish_reason":"length"' in lines[-2]
+    finally:
+        end_studio(inner)
+
+
+async def test_a_model_a_gguf_studio_upstream_can_load_is_routed_there_one_at_a_time(
+        service, client, tmp_path, llama_server_binary, tiny_model, smollm2_model):
+    """A model the port behind lists but has not loaded is listed here as it says; a
+    request for it makes it load there (one at a time until it is ready: its slots are
+    not known before), its idle TTL there takes it out of the routing here, and the next
+    request loads it again."""
+    port = pick_free_port()
+    home = tmp_path / "inner"
+    home.mkdir()
+    (home / "pool.toml").write_text(f'[[model]]\nname = "smol"\npath = "{smollm2_model}"\n'
+                                    'preload = false\nidle_ttl = 2\n')
+    inner = start_studio(home, llama_server_binary, tiny_model, port,
+                         extra=("--models-file", str(home / "pool.toml"), "--threads", "1"))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", api_key=STUDIO_KEY)
+        await until(lambda: service.pool.names() == ["tiny", "smol"])
+        smol = service.pool.status("smol")
+        assert smol.residency is Residency.UNLOADED
+        assert [(e.where, e.state, e.slots, e.kv, e.note) for e in smol.engines] == [
+            ("upstream 1", "unloaded", 1, None, LOADABLE_NOTE)]
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert [(m["id"], m["state"]) for m in listed] == [("tiny", "ready"), ("smol", "unloaded")]
+
+        service.pool.set_default("smol")  # a request naming no model is sent naming smol
+        started = [asyncio.Event(), asyncio.Event()]
+        streams = [asyncio.create_task(stream_lines(client, chat(None, True), ev)) for ev in started]
+        line = service.registry.line("smol")
+        await until(lambda: (line.waiting, sum(e.active for e in line.engines)) == (1, 1))
+        done = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        for lines in done:
+            text = "".join(_delta(line) for line in lines if line.startswith("data: {"))
+            assert "Paris" in text  # smol's answer, not the upstream's default (tiny)
+        assert any(line.startswith(":") for line in done[1])  # kept alive while it waited here
+        ready = service.pool.status("smol")
+        assert ready.residency is Residency.READY
+        assert [(e.state, e.slots, e.kv) for e in ready.engines] == [
+            ("ready", 2, {"total": 4096, "per_request": 2048, "unified": False})]
+
+        # Idle there for its TTL: unloaded there, out of the routing here (one slot again).
+        await until(lambda: service.pool.status("smol").residency is Residency.EVICTED, timeout=30)
+        assert [(e.state, e.slots) for e in service.pool.status("smol").engines] == [("evicted", 1)]
+        assert "Paris" in text_of(await client.post("/v1/chat/completions", json=chat("smol")))[0]
+    finally:
+        end_studio(inner)
 
 
 async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(

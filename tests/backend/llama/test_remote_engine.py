@@ -461,9 +461,10 @@ async def _next_line(proc: asyncio.subprocess.Process, timeout: float) -> str | 
         return None
 
 
-def start_studio(tmp_path: Path, binary: Path, model: Path, port: int, parallel: int = 2) -> subprocess.Popen:
+def start_studio(tmp_path: Path, binary: Path, model: Path, port: int, parallel: int = 2,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """`gguf-studio serve --model tiny.gguf` on `port`, split 2,048 tokens per slot, with
-    a key of its own."""
+    a key of its own; `extra`: more of `serve`'s arguments (other models)."""
     key_file = tmp_path / "studio.key"
     key_file.write_text("studio-key-0123456789\n")
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "studio-config"),
@@ -471,7 +472,7 @@ def start_studio(tmp_path: Path, binary: Path, model: Path, port: int, parallel:
     return subprocess.Popen(
         [sys.executable, "-m", "backend.app.cli", "serve", "--model", str(model), "--port", str(port),
          "--parallel", str(parallel), "--ctx-size", str(2048 * parallel), "--llama-server", str(binary),
-         "--api-key-file", str(key_file)],
+         "--api-key-file", str(key_file), *extra],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
