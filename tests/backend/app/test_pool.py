@@ -371,18 +371,19 @@ async def test_a_model_a_gguf_studio_upstream_can_load_is_routed_there_one_at_a_
     (home / "pool.toml").write_text(f'[[model]]\nname = "smol"\npath = "{smollm2_model}"\n'
                                     'preload = false\nidle_ttl = 2\n')
     inner = start_studio(home, llama_server_binary, tiny_model, port,
-                         extra=("--models-file", str(home / "pool.toml"), "--threads", "1"))
+                         extra=("--models-file", str(home / "pool.toml"), "--default-model",
+                                "tiny", "--threads", "1"))
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
             await _until_healthy(probe)
         await service.attach_upstream(f"http://127.0.0.1:{port}", api_key=STUDIO_KEY)
-        await until(lambda: service.pool.names() == ["tiny", "smol"])
+        await until(lambda: set(service.pool.names()) == {"tiny", "smol"})
         smol = service.pool.status("smol")
         assert smol.residency is Residency.UNLOADED
         assert [(e.where, e.state, e.slots, e.kv, e.note) for e in smol.engines] == [
             ("upstream 1", "unloaded", 1, None, LOADABLE_NOTE)]
         listed = (await client.get("/v1/models")).json()["data"]
-        assert [(m["id"], m["state"]) for m in listed] == [("tiny", "ready"), ("smol", "unloaded")]
+        assert {(m["id"], m["state"]) for m in listed} == {("tiny", "ready"), ("smol", "unloaded")}
 
         service.pool.set_default("smol")  # a request naming no model is sent naming smol
         started = [asyncio.Event(), asyncio.Event()]
@@ -396,8 +397,10 @@ async def test_a_model_a_gguf_studio_upstream_can_load_is_routed_there_one_at_a_
         assert any(line.startswith(":") for line in done[1])  # kept alive while it waited here
         ready = service.pool.status("smol")
         assert ready.residency is Residency.READY
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            (there,) = engines_of((await probe.get("/health")).json(), "smol")
         assert [(e.state, e.slots, e.kv) for e in ready.engines] == [
-            ("ready", 2, {"total": 4096, "per_request": 2048, "unified": False})]
+            ("ready", there["slots"], there["kv"])]  # its own, as that port gave them
 
         # Idle there for its TTL: unloaded there, out of the routing here (one slot again).
         await until(lambda: service.pool.status("smol").residency is Residency.EVICTED, timeout=30)
