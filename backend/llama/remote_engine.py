@@ -169,19 +169,26 @@ class RemoteEngine(SnapshotPublisher):
             self._leave(f"The upstream GGUF Studio port has no model ready or loadable ({states}).",
                         models=served)
             return
-        names = tuple(model.name for model in served)
-        known = tuple(model.name for model in self._snapshot.models)
-        models = await self._listed_models(engine, changed=names != known)
+        # What it lists (contexts) is read again when a model comes, goes or changes state.
+        states = tuple((model.name, model.state) for model in served)
+        known = tuple((model.name, model.state) for model in self._snapshot.models)
+        models = await self._listed_models(engine, changed=states != known)
         if models is None:
             return
-        if self._unchanged(health.model, served, models):
+        served = tuple(model if model.serving is None else dataclasses.replace(
+            model, serving=dataclasses.replace(model.serving, upstream_models=models))
+            for model in served)
+        if self._unchanged(health.model, served):
             return
-        first = next(m for m in sorted(served, key=lambda m: not m.default) if m.serving is not None)
+        # The engine's own serving (what one-model views of it show): its default model's,
+        # a ready one first.
+        first = min((m for m in served if m.serving is not None),
+                    key=lambda m: (m.state != State.READY.value, not m.default))
         assert first.serving is not None
         log.info("%s (%s) serves: %s", self.base_url, UpstreamKind.GGUF_STUDIO.value,
                  "; ".join(_describe(model) for model in served))
-        self._set_state(State.READY, serving=dataclasses.replace(first.serving, upstream_models=models),
-                        model_id=first.name, models=served, restarting=False, error=None)
+        self._set_state(State.READY, serving=first.serving, model_id=first.name, models=served,
+                        restarting=False, error=None)
 
     def _served_model(self, model: StudioModelHealth) -> ServedModel:
         slots, kv = model.slots, model.kv
