@@ -38,6 +38,10 @@ benchmark that routes over several engines then sees a wrongly routed request wa
 it would on a real engine.  `waited` counts the requests that had to wait, `peak_active`
 the most that ran at once (both also in `GET /fake/stats`).
 
+With `studio_health` set it answers `/health` (and lists `/v1/models`) as another GGUF
+Studio port with several models would, in states a test sets by hand (a model failing
+or leaving there at an exact moment).
+
 Run on its own: `python -m tests.fake_upstream --port 8081 --slots 4 --delay 0.02`
 (`--n-ctx` sets the per-slot context `/props` reports, which an attached port takes as
 its KV cache).
@@ -130,6 +134,9 @@ class FakeUpstream:
         self._free_slots: asyncio.Semaphore | None = None
         self.disconnects = 0
         self.completed = 0
+        #: When set, it answers as another GGUF Studio port would: `/health` is this body
+        #: (its `models` listed in `/v1/models` too), whatever the model it names.
+        self.studio_health: dict[str, Any] | None = None
         self.app = self._build_app()
         self._server: Any = None
         self.port = 0
@@ -185,6 +192,8 @@ class FakeUpstream:
         return Starlette(routes=routes)
 
     async def _health(self, request: Request) -> Response:
+        if self.studio_health is not None:
+            return JSONResponse(self.studio_health)
         if self.loading:
             return _error(503, "unavailable_error", "Loading model")
         return JSONResponse({"status": "ok"})
@@ -202,6 +211,10 @@ class FakeUpstream:
         return JSONResponse([{"id": i, "is_processing": i < self.active} for i in range(self.slots)])
 
     async def _models(self, request: Request) -> Response:
+        if self.studio_health is not None:
+            return JSONResponse({"object": "list", "data": [
+                {"id": m["id"], "object": "model", "context_length": m.get("context_length")}
+                for m in self.studio_health.get("models", [])]})
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "owned_by": "llamacpp",
              "meta": {"n_ctx_train": self.n_ctx}}]})

@@ -23,6 +23,7 @@ from backend.llama.remote_engine import LOADABLE_NOTE
 from tests.backend.llama.test_remote_engine import (_until_health, _until_healthy, end_studio,
                                                     serve_upstream, start_llama_server,
                                                     start_studio, stop)
+from tests.fake_upstream import FakeUpstream
 from tests.model_factory import write_tiny_model
 
 LONG = {"max_tokens": 4000, "ignore_eos": True}
@@ -79,6 +80,21 @@ async def stream_lines(client: httpx.AsyncClient, body: dict,
                 if started is not None and line.startswith("data: {"):
                     started.set()
     return lines
+
+
+def studio_model(name: str, state: str, slots: int | None = None, **fields: object) -> dict:
+    """One model in a GGUF Studio port's /health, with one local engine of `slots` slots."""
+    engines = [] if slots is None else [{
+        "id": f"local:{name}", "where": "this machine", "state": "ready", "slots": slots,
+        "kv": {"total": 1024 * slots, "per_request": 1024, "unified": False},
+        "active": 0, "waiting": 0, "reserved_tokens": 0, "note": None}]
+    return {"id": name, "state": state, "default": False, "context_length": 1024, "aliases": [],
+            "local": True, "embeddings": False, "error": None, "engines": engines, **fields}
+
+
+def studio_health(*models: dict) -> dict:
+    return {"state": "ready", "model": models[0]["id"], "effective_parallel_slots": 1,
+            "active": 0, "waiting": 0, "kv": None, "models": list(models)}
 
 
 def engines_of(health: dict, model: str) -> list[dict]:
@@ -408,6 +424,49 @@ async def test_a_model_a_gguf_studio_upstream_can_load_is_routed_there_one_at_a_
         assert "Paris" in text_of(await client.post("/v1/chat/completions", json=chat("smol")))[0]
     finally:
         end_studio(inner)
+
+
+async def test_a_model_that_leaves_the_upstream_port_leaves_the_routing_here(service, client):
+    """A fake GGUF Studio port (its models' states set at exact moments): a model that
+    stops being ready there stops taking requests here, what ran on it goes on and its
+    waiter keeps its place until it is back; one that failed there is a 503 here; one
+    gone from its list is gone from here."""
+    async with FakeUpstream(n_tokens=400, delay=0.01) as fake:
+        fake.studio_health = studio_health(studio_model("a", "ready", 2), studio_model("b", "ready", 1))
+        await service.attach_upstream(fake.base_url)
+        await until(lambda: all(service.registry.find_line(n) is not None
+                                and service.registry.find_line(n).engines for n in ("a", "b")))
+        started = asyncio.Event()
+        running = asyncio.create_task(stream_lines(client, chat("b", True, max_tokens=400), started))
+        await started.wait()
+        waiter = asyncio.create_task(stream_lines(client, chat("b", True, max_tokens=5)))
+        line = service.registry.line("b")
+        await until(lambda: line.waiting == 1)
+
+        fake.studio_health = studio_health(studio_model("a", "ready", 2), studio_model("b", "unloading"))
+        await until(lambda: not line.engines)
+        assert service.pool.status("b").residency is Residency.UNLOADING
+        ran = await asyncio.wait_for(running, 30)
+        assert ran[-1] == "data: [DONE]" and '"finish_reason":"stop"' in ran[-2]
+        assert line.waiting == 1 and not waiter.done()
+
+        fake.studio_health = studio_health(studio_model("a", "ready", 2), studio_model("b", "ready", 1))
+        waited = await asyncio.wait_for(waiter, 30)
+        assert waited[-1] == "data: [DONE]" and '"finish_reason":"length"' in waited[-2]
+        assert [body["model"] for body in fake.received("/v1/chat/completions")] == ["b", "b"]
+
+        fake.studio_health = studio_health(studio_model("a", "failed", error="It did not load."),
+                                           studio_model("b", "ready", 1))
+        await until(lambda: service.pool.status("a").residency is Residency.FAILED)
+        answer = await client.post("/v1/chat/completions", json=chat("a"))
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "model_not_ready"
+        assert "It did not load." in answer.json()["error"]["message"]
+
+        fake.studio_health = studio_health(studio_model("b", "ready", 1))
+        await until(lambda: service.pool.names() == ["b"])
+        answer = await client.post("/v1/chat/completions", json=chat("a"))
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
 
 
 async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(
