@@ -5,7 +5,9 @@ A model is either a GGUF file on this machine (a `ModelEntry`, run by its own
 an engine elsewhere serves (an `UpstreamEntry` watched by a `RemoteEngine`).  Every
 engine that serves joins its model's admission line under its own key (base URL), so
 the admission sees each engine's own slots and KV, and a waiter goes to whichever engine
-of its model has room first.
+of its model has room first.  Another GGUF Studio port gives one engine per model it
+serves or can load (key: its address and the model), each following that model's state
+there: ready, loadable (one request at a time, which loads it there), or out.
 
 Residency of local models follows the fit estimate (`backend.models.fit`):
 

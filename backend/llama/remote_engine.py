@@ -14,6 +14,13 @@ another GGUF Studio port; its `/health` says which each time it answers:
 - **GGUF Studio** (`/health` with `state`, `effective_parallel_slots`, `kv`, `model`):
   its exact slots and KV cache, read at every health check, and the models it lists
   in `/v1/models` with their context (the list read again every `reread_interval`).
+  A port that lists its models in `/health` (every port since the pool) serves each as
+  a `ServedModel` of its own: a ready one with its engines' slots and caches there
+  together, a loadable one (not loaded there; a request makes it load) with one slot
+  until that port reports it ready, any other with none.  Each one's `Serving` has the
+  port's address as `base_url` and the model as `upstream_model`, so its admission key
+  is its own.  It is in the pool while any model can take a request.  An older port
+  (only the top-level fields) is served as its one model.
 
 A failed health check (no answer, or not ready) takes the engine out: its snapshot
 leaves READY, so nothing new is sent to it; it comes back by itself once healthy.
