@@ -302,7 +302,7 @@ class Pool:
                                     retry_after=RETRY_SOON)
             if not local.resident and local.loading is None:
                 self._start_loading(local, why="loaded on demand")
-        elif not self.registry.busy(name) and not self._serves_now(name):
+        elif not self._serves_now(name) and not self.registry.busy(name):
             failed = [served for _remote, served in self._served(name) if served.state == "failed"]
             if failed:
                 raise ModelNotReady(f"The model {name} failed to load where it runs. "

@@ -172,8 +172,8 @@ class RemoteEngine(SnapshotPublisher):
         of its own here (see `ServedModel`)."""
         served = tuple(self._served_model(model) for model in listed)
         if not any(model.serving is not None for model in served):
-            states = ", ".join(f"{model.name} {model.state}" for model in served) or "none listed"
-            self._leave(f"The upstream GGUF Studio port has no model ready or loadable ({states}).",
+            said = ", ".join(f"{model.name} {model.state}" for model in served) or "none listed"
+            self._leave(f"The upstream GGUF Studio port has no model ready or loadable ({said}).",
                         models=served)
             return
         # What it lists (contexts) is read again when a model comes, goes or changes state.
