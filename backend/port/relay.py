@@ -26,6 +26,7 @@ from backend.port import sse
 from backend.port.admission import AdmissionQueue, Line, Ticket
 from backend.port.access_guard import ANONYMOUS, Caller
 from backend.port.fair_queue import Band
+from backend.port.metrics import UNROUTED
 from backend.port.flow_control import FlowControl
 from backend.port.need_planner import NO_PLAN, Plan
 from backend.port.rate_limits import Reservation
@@ -36,7 +37,7 @@ from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeou
 from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
-    from backend.port.metrics import Metrics
+    from backend.port.metrics import Metrics, ModelCounts
     from backend.port.request_body import Parsed
     from backend.settings import Settings
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
@@ -120,7 +121,6 @@ class Exchange:
                  send: Any, receive: Any, *,
                  abort_connection: Callable[[], None] | None = None) -> None:
         self.host = host
-        self.metrics = host.metrics
         self.client = host.client
         settings = host.settings
         self.queue_timeout = settings.queue_timeout
@@ -165,6 +165,15 @@ class Exchange:
         self._answered = False
         #: The error the request ended with, if it did.
         self._failed: RequestError | None = None
+
+    @property
+    def metrics(self) -> ModelCounts:
+        """The counts of this request's model and of the engine it was admitted on
+        (none before admission, or back in line after a refused connection)."""
+        ticket = self.ticket
+        engine = ticket.engine if ticket is not None and ticket.admitted_at is not None else None
+        return self.host.metrics.of(self.request.model_id or UNROUTED,
+                                    engine.label if engine is not None else UNROUTED)
 
     # --- the whole exchange ---------------------------------------------------------
 
