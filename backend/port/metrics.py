@@ -270,10 +270,15 @@ class ModelCounts:
         self._requests: dict[tuple[str, int | str], Counter] = {}
         self._rejections: dict[str, Counter] = {}
         self._cancellations: dict[str, Counter] = {}
-        # Made now, so that their series exist (at 0) from the first request on.
-        self._requeues = metrics.requeues.labels(model, engine)
-        self._stalled_clients = metrics.stalled_clients.labels(model, engine)
-        self._queue_wait = metrics.queue_wait.labels(model, engine)
+        self._requeues: Counter | None = None
+        self._stalled_clients: Counter | None = None
+        self._queue_wait: Histogram | None = None
+        if engine:
+            # An engine's series exist (at 0) from its first request on: an alert on the
+            # increase of a rare count sees the first one.
+            self._requeues = metrics.requeues.labels(model, engine)
+            self._stalled_clients = metrics.stalled_clients.labels(model, engine)
+            self._queue_wait = metrics.queue_wait.labels(model, engine)
 
     def count_request(self, route: str, status: int | str) -> None:
         child = self._requests.get((route, status))
@@ -309,12 +314,16 @@ class ModelCounts:
             self._totals.cancelled += 1
 
     def count_requeue(self) -> None:
+        if self._requeues is None:
+            self._requeues = self._metrics.requeues.labels(self.model, self.engine)
         self._requeues.inc()
         metrics = self._metrics
         with metrics._lock:
             metrics._requeues += 1
 
     def count_stalled_client(self) -> None:
+        if self._stalled_clients is None:
+            self._stalled_clients = self._metrics.stalled_clients.labels(self.model, self.engine)
         self._stalled_clients.inc()
         metrics = self._metrics
         with metrics._lock:
@@ -322,6 +331,8 @@ class ModelCounts:
 
     def observe_queue_wait(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
+        if self._queue_wait is None:
+            self._queue_wait = self._metrics.queue_wait.labels(self.model, self.engine)
         self._queue_wait.observe(seconds)
         metrics = self._metrics
         with metrics._lock:

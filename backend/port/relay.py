@@ -335,10 +335,11 @@ class Exchange:
             try:
                 return await self._forward(ticket)
             except _NotReached:
+                refused_by = self.metrics  # the engine's counts, before the ticket leaves it
                 if not ticket.requeue():
                     raise UpstreamUnavailable("The model server could not be reached. "
                                               "Try again shortly.", retry_after=RETRY_SOON) from None
-                self.metrics.count_requeue()
+                refused_by.count_requeue()
                 self.stage = "queued"
 
     async def _served(self, timeout: float | None) -> None:
