@@ -99,7 +99,10 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
 
     unknown = await client.post(CHAT, json=chat("gpt-4o-from-a-client"))
     assert unknown.status_code == 404
-    await until(lambda: metrics.value("gguf_studio_requests_total", {"route": CHAT}) == 4
+    malformed = await client.post(CHAT, content=b'{"model": "tiny", "messages": [',
+                                  headers={"content-type": "application/json"})
+    assert malformed.status_code == 400
+    await until(lambda: metrics.value("gguf_studio_requests_total", {"route": CHAT}) == 5
                 and metrics.value("gguf_studio_cancellations_total") == 1)
 
     text, found = await scrape(client)
@@ -113,6 +116,9 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
               status="404") == 1
     assert at(found, "gguf_studio_rejections_total", model="", engine="",
               reason="model_not_found") == 1
+    # A body that could not be read named no model yet, whatever it began with.
+    assert at(found, "gguf_studio_requests_total", model="", engine="", route=CHAT,
+              status="400") == 1
     # The holder left while running on tiny's engine.
     assert at(found, "gguf_studio_cancellations_total", model="tiny", engine=HERE,
               stage="running") == 1
@@ -128,7 +134,7 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
 
     # Summed over models and engines, the totals are the port's, as before.
     totals = metrics.totals()
-    assert totals["rejections"] == {"model_not_found": 1}
+    assert sum(totals["rejections"].values()) == 2  # the unknown model, the malformed body
     assert totals["queue_waits"] == 3
     assert metrics.value("gguf_studio_requests_total", ok) == 3
 
