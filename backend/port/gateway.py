@@ -38,7 +38,7 @@ from backend.port.admission import AdmissionQueue, AdmissionRegistry
 from backend.port.catalog import ModelCard
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, Unauthorized, UpgradeRequired)
-from backend.port.server import ABORT_EXTENSION
+from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
@@ -210,11 +210,13 @@ class Gateway:
         finally:
             hold.release()
 
+        extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, plan, raw_size, caller,
                                                      requested_band(headers)),
                             send, receive,
-                            abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
+                            abort_connection=extensions.get(ABORT_EXTENSION),
+                            body_writer=extensions.get(BODY_WRITER_EXTENSION))
         self._running.add(exchange)
         try:
             await exchange.run()
