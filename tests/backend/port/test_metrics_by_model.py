@@ -1,7 +1,8 @@
 """Counts by model and engine, through the port of a real pool: two models on this
 machine, each request counted under the model it went to and the engine that ran it; a
 refusal before there was a model counted without the client's string; queue waits
-observed per model; /health's models carry the same counts."""
+observed per model; /health's models carry the same counts.  And a requeue, counted
+under the engine that refused the connection."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
+from backend.llama.supervisor import pick_free_port
+from backend.port.admission import MAX_REQUEUES
 from backend.settings import Settings
+from tests.backend.gateway_harness import open_gateway
 
 CHAT = "/v1/chat/completions"
 SMALL = LoadSettings(parallel="1", ctx_size=2048)
@@ -143,3 +147,22 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
     assert requests == {
         "tiny": {"answered": 2, "refused": 0, "cancelled": 1, "waiting": 0},
         "smol": {"answered": 1, "refused": 0, "cancelled": 0, "waiting": 0}}
+
+
+async def test_a_refused_connection_counts_under_the_engine_that_refused_it():
+    """An engine that refuses every connection (nothing listens on its port): each try
+    sends the request back in line, counted under that engine, then the 502 too."""
+    nobody = pick_free_port()
+    async with open_gateway(f"http://127.0.0.1:{nobody}", 1) as gw:
+        queue = gw.registry.current
+        assert queue is not None
+        gw.registry.activate(queue.serving, label="upstream 1")
+        answer = await gw.client.post(CHAT, json=chat("anything a client says"))
+        assert answer.status_code == 502
+        await until(lambda: gw.requests(CHAT, 502) == 1)
+    far = {"engine": "upstream 1"}
+    assert gw.metrics.value("gguf_studio_requeues_total", far) == MAX_REQUEUES
+    assert gw.metrics.value("gguf_studio_rejections_total", far) == 1
+    assert gw.metrics.value("gguf_studio_requests_total", {**far, "status": "502"}) == 1
+    assert gw.metrics.value("gguf_studio_queue_wait_seconds_count", far) == 1  # its first try
+    assert gw.metrics.totals()["requeues"] == MAX_REQUEUES
