@@ -729,10 +729,10 @@ class AdmissionRegistry:
     def activate(self, serving: Serving, *, model: str = DEFAULT_MODEL,
                  engine: str = "", label: str = "") -> AdmissionQueue:
         """The load in engine slot `engine` serves `model` as `serving` now: make its
-        queue current there (`label`: the engine's public name, for the metrics).  The slot's previous queue retires (its running requests
-        go on); the model's waiters may go to the new one, in their order of arrival.
-        Waiters that can never fit the model's engines now are refused with
-        ContextLengthExceeded.
+        queue current there (`label`: the engine's public name, for the metrics).  The
+        slot's previous queue retires (its running requests go on); the model's waiters
+        may go to the new one, in their order of arrival.  Waiters that can never fit the
+        model's engines now are refused with ContextLengthExceeded.
         """
         line = self.line(model)
         with self._batch():
