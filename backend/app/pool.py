@@ -51,6 +51,8 @@ __all__ = ["EMBEDDINGS_ROUTE", "EngineStatus", "ModelStatus", "Pool", "Residency
 log = logging.getLogger("gguf_studio.pool")
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
+#: Where a local model's engine runs, in the window, /health and the metrics' labels.
+HERE = "this machine"
 #: How often idle models are looked at for their idle TTL (at most).
 IDLE_CHECK_INTERVAL = 1.0
 #: How long requests ended by an unload get to close their engine connections.
@@ -73,7 +75,7 @@ class EngineStatus:
     """One engine serving a model, for the window and /health (no paths, no keys)."""
 
     id: str  #: "local:<model>" or "remote:<url>"
-    where: str  #: "this machine" or "upstream N" (addresses stay out of /health)
+    where: str  #: "this machine" (HERE) or "upstream N" (addresses stay out of /health)
     state: str
     slots: int | None
     kv: dict[str, object] | None
@@ -548,7 +550,7 @@ class Pool:
         """(model, where, serving) of every engine that serves now, here or elsewhere:
         what the activity reads each engine's own counters from."""
         found: list[tuple[str, str, Serving | None]] = [
-            (name, "this machine", m.supervisor.snapshot.serving)
+            (name, HERE, m.supervisor.snapshot.serving)
             for name, m in self._locals.items() if m.supervisor is not None]
         for remote in self._remotes.values():
             for name in remote.names():
@@ -689,7 +691,8 @@ class Pool:
     def _on_local_snapshot(self, local: _Local, snapshot: Snapshot) -> None:
         name = local.entry.name
         if snapshot.serving is not None:
-            self.registry.activate(snapshot.serving, model=name, engine=local.engine_id)
+            self.registry.activate(snapshot.serving, model=name, engine=local.engine_id,
+                                   label=HERE)
             if local.residency is Residency.LOADING:
                 local.residency = Residency.READY
         elif self.registry.current_of(local.engine_id) is not None:
@@ -710,7 +713,7 @@ class Pool:
             remote.model = snapshot.model_id
             self._sync_default_engine()
             self.registry.activate(snapshot.serving, model=snapshot.model_id,
-                                   engine=remote.engine_id)
+                                   engine=remote.engine_id, label=remote.where)
             self._changed_listeners()
         elif self.registry.current_of(remote.engine_id) is not None:
             self.registry.retire(remote.engine_id)
@@ -730,7 +733,8 @@ class Pool:
         for model in snapshot.models:
             engine = remote.engine_of(model.name)
             if ready and model.serving is not None:
-                self.registry.activate(model.serving, model=model.name, engine=engine)
+                self.registry.activate(model.serving, model=model.name, engine=engine,
+                                       label=remote.where)
             elif self.registry.current_of(engine) is not None:
                 self.registry.retire(engine)
             if ready and model.state == "failed":
@@ -768,7 +772,7 @@ class Pool:
         found = []
         local = self._locals.get(name)
         if local is not None:
-            found.append(self._engine_status(local.engine_id, "this machine",
+            found.append(self._engine_status(local.engine_id, HERE,
                                              self.snapshot(name)))
         for remote in self._remotes.values():
             served = remote.served(name)

@@ -109,8 +109,11 @@ class AdmissionQueue:
     """The slots and KV tokens of one engine; its model's `Line` waits in front of it."""
 
     def __init__(self, serving: Serving, *, line: Line | None = None, max_waiting: int = 0,
-                 enabled: bool = True, clock: Clock = time.monotonic) -> None:
+                 enabled: bool = True, clock: Clock = time.monotonic, label: str = "") -> None:
         self.serving = serving
+        #: The engine's public name ("this machine", "upstream N"; never its address), as
+        #: the metrics label what ran on it.
+        self.label = label
         self._active = 0
         self._reserved = 0
         self._enabled = enabled
@@ -724,12 +727,12 @@ class AdmissionRegistry:
     # --- lifecycle -------------------------------------------------------------------
 
     def activate(self, serving: Serving, *, model: str = DEFAULT_MODEL,
-                 engine: str = "") -> AdmissionQueue:
+                 engine: str = "", label: str = "") -> AdmissionQueue:
         """The load in engine slot `engine` serves `model` as `serving` now: make its
-        queue current there.  The slot's previous queue retires (its running requests
-        go on); the model's waiters may go to the new one, in their order of arrival.
-        Waiters that can never fit the model's engines now are refused with
-        ContextLengthExceeded.
+        queue current there (`label`: the engine's public name, for the metrics).  The
+        slot's previous queue retires (its running requests go on); the model's waiters
+        may go to the new one, in their order of arrival.  Waiters that can never fit the
+        model's engines now are refused with ContextLengthExceeded.
         """
         line = self.line(model)
         with self._batch():
@@ -739,9 +742,10 @@ class AdmissionRegistry:
             queue = self._queues.pop(serving.key, None)
             if queue is None:
                 queue = AdmissionQueue(serving, line=line, enabled=self._enabled,
-                                       clock=self._clock)
+                                       clock=self._clock, label=label)
             else:
                 queue.serve(serving, line)
+                queue.label = label
             self._queues[serving.key] = queue  # the newest last
             self._current[engine] = queue
             self._bound(line)

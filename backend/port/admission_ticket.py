@@ -45,6 +45,10 @@ class EngineSeat(Protocol):
     @property
     def retired(self) -> bool: ...
 
+    @property
+    def label(self) -> str:
+        """The engine's public name ("this machine", "upstream N"), for the metrics."""
+
 
 class TicketSeam(Protocol):
     """What a ticket may ask of the line it belongs to; the line does the bookkeeping."""

@@ -9,7 +9,7 @@ of each for the request's life.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 __all__ = ["DisconnectWatch", "StallGuard"]
 
@@ -72,9 +72,13 @@ class StallGuard:
         self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
 
     async def send(self, message: dict[str, Any]) -> None:
+        await self.wait(self._send(message))
+
+    async def wait(self, pending: Awaitable[None]) -> None:
+        """`pending` (a send, or a wait for the client to read), timed like `send`."""
         self._since = self._loop.time()
         try:
-            await self._send(message)
+            await pending
         finally:
             self._since = None
 

@@ -38,8 +38,8 @@ from backend.port.admission import AdmissionQueue, AdmissionRegistry
 from backend.port.catalog import ModelCard
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, Unauthorized, UpgradeRequired)
-from backend.port.server import ABORT_EXTENSION
-from backend.port.metrics import Metrics
+from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
+from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
 from backend.port.relay import Exchange, GatedRequest
@@ -168,7 +168,10 @@ class Gateway:
 
     # --- gated routes ----------------------------------------------------------------
 
-    async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any, path: str) -> None:
+    async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any,
+                           path: str) -> ModelCounts:
+        """Answer one gated request; returns the counts it belongs to (its model, once
+        resolved; the engine it was admitted on, if it was)."""
         ctx = self.ctx
         settings = ctx.settings
         metrics = ctx.metrics
@@ -177,6 +180,7 @@ class Gateway:
         # held against the port's budget of incoming bodies.
         hold = self.incoming.hold()
         caller: Caller | None = None
+        model = UNROUTED  # until resolved: never the client's string
         try:
             caller = self.check_key(scope)
             try:
@@ -184,7 +188,7 @@ class Gateway:
                                       settings.header_timeout, hold)
             except ClientGone:
                 scope[_GONE] = True
-                return
+                return metrics.of(model, UNROUTED)
             parsed = await check_body(path, raw, settings.max_output_tokens)
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
@@ -208,16 +212,19 @@ class Gateway:
             hold.release()  # before the answer: a client that got its 429 finds room
             if caller is not None:
                 self.flows.refused(caller, error)
-            await http_errors.send_http_error(send, error, metrics)
-            return
+            counts = metrics.of(model, UNROUTED)
+            await http_errors.send_http_error(send, error, counts)
+            return counts
         finally:
             hold.release()
 
+        extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, plan, raw_size, caller,
                                                      requested_band(headers)),
                             send, receive,
-                            abort_connection=scope.get("extensions", {}).get(ABORT_EXTENSION))
+                            abort_connection=extensions.get(ABORT_EXTENSION),
+                            body_writer=extensions.get(BODY_WRITER_EXTENSION))
         self._running.add(exchange)
         try:
             await exchange.run()
@@ -225,6 +232,7 @@ class Gateway:
             self._running.discard(exchange)
         if exchange.client_gone:
             scope[_GONE] = True
+        return exchange.metrics
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int) -> Plan:
@@ -280,14 +288,22 @@ class Gateway:
                    dict(kv.to_dict(), reserved=registry.total_reserved_tokens)),
             # Which backend and devices the engine uses (no paths, ports or URLs in it).
             "engine": snapshot.engine.to_dict() if snapshot.engine else None,
-            # Every model, its residency and the reason of its last decision, its engines.
+            # Every model, its residency and the reason of its last decision, its engines,
+            # its requests since start (as /metrics counts them) and waiting now.
             "models": [{"id": card.id, "state": card.state, "default": card.default,
-                        "context_length": card.context_length, **card.details}
+                        "context_length": card.context_length, **card.details,
+                        "requests": self._model_requests(card.id)}
                        for card in self.ctx.model_cards()],
             # Engines on other machines, also those out of the pool right now, and why.
             "upstreams": self.ctx.engines_elsewhere(),
         }
         return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
+
+    def _model_requests(self, model: str) -> dict[str, int]:
+        totals = self.ctx.metrics.model_totals(model)
+        line = self.ctx.registry.find_line(model)
+        return {"answered": totals.answered, "refused": totals.refused,
+                "cancelled": totals.cancelled, "waiting": line.waiting if line is not None else 0}
 
     async def metrics_endpoint(self, request: Request) -> Response:
         self.check_key(request.scope)
@@ -359,6 +375,7 @@ class GatewayMiddleware:
         path = scope["path"]
         method = scope["method"]
         metrics = self.gateway.ctx.metrics
+        counts: Metrics | ModelCounts = metrics  # a gated request's are its model's
         try:
             screening = self.gateway.guard.screen(scope)  # Origin, Host, content type
             reply = screening.wrap(send_and_note)
@@ -368,7 +385,7 @@ class GatewayMiddleware:
                 await http_errors.send_http_error(reply, UpgradeRequired(
                     "WebSocket is not supported here; use HTTP with streaming (SSE)."), metrics)
             elif method == "POST" and path in GATED_ROUTES:
-                await self.gateway.handle_gated(scope, receive, reply, path)
+                counts = await self.gateway.handle_gated(scope, receive, reply, path)
             else:
                 await self.app(scope, receive, reply)
         except Exception as exc:
@@ -379,7 +396,7 @@ class GatewayMiddleware:
             if not status:
                 status = 499 if scope.get(_GONE) else 500
             route = path if path in KNOWN_ROUTES else "other"
-            metrics.count_request(route, status)
+            counts.count_request(route, status)
             log_request(scope, status, (time.perf_counter() - started) * 1000)
 
 

@@ -15,8 +15,10 @@
   tools) become the 400s they are, without the library's text, and its 501s (what the
   load does not do, such as embeddings) 400s too.
 
-Every refusal produced by the port is counted in `gguf_studio_rejections_total{reason}`
-here, exactly once: by the function that renders it.  Errors relayed from llama-server
+Every refusal produced by the port is counted in
+`gguf_studio_rejections_total{reason,model,engine}` here, exactly once: by the function
+that renders it, under the labels of the `ModelCounts` it is given (a bare `Metrics`
+counts it under no model).  Errors relayed from llama-server
 (`UpstreamAnswer`) are its answers, not the port's refusals, and are not counted.
 """
 
@@ -34,7 +36,9 @@ from backend.port import sse
 from backend.errors import RETRY_SOON, RequestError, UpstreamFailed
 
 if TYPE_CHECKING:
-    from backend.port.metrics import Metrics
+    from backend.port.metrics import Metrics, ModelCounts
+
+    Counts = Metrics | ModelCounts
 
 __all__ = [
     "INTERNAL_MESSAGE",
@@ -92,12 +96,12 @@ def retry_after_seconds(error: RequestError) -> int | None:
     return max(1, math.ceil(value))
 
 
-def _count(error: RequestError, metrics: Metrics | None) -> None:
+def _count(error: RequestError, metrics: Counts | None) -> None:
     if metrics is not None and not isinstance(error, UpstreamAnswer):
         metrics.count_rejection(str(error.code))
 
 
-def http_error(error: RequestError, metrics: Metrics | None,
+def http_error(error: RequestError, metrics: Counts | None,
                extra_headers: dict[str, str] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """(status, raw headers, body) of the HTTP answer to `error`; counts the refusal."""
     _count(error, metrics)
@@ -112,7 +116,7 @@ def http_error(error: RequestError, metrics: Metrics | None,
     return error.status, headers, body
 
 
-def error_response(error: RequestError, metrics: Metrics | None,
+def error_response(error: RequestError, metrics: Counts | None,
                    extra_headers: dict[str, str] | None = None) -> Response:
     """The HTTP answer to `error` as a Starlette response; counts the refusal."""
     status, headers, body = http_error(error, metrics, extra_headers)
@@ -121,14 +125,14 @@ def error_response(error: RequestError, metrics: Metrics | None,
     return response
 
 
-async def send_http_error(send: Any, error: RequestError, metrics: Metrics | None,
+async def send_http_error(send: Any, error: RequestError, metrics: Counts | None,
                           extra_headers: dict[str, str] | None = None) -> None:
     status, headers, body = http_error(error, metrics, extra_headers)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def stream_error(error: RequestError, metrics: Metrics | None, *, kind: sse.StreamKind,
+def stream_error(error: RequestError, metrics: Counts | None, *, kind: sse.StreamKind,
                  response_id: str | None = None, model: str | None = None) -> bytes:
     """The final bytes of a stream that ends with `error`; counts the refusal.
 

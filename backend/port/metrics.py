@@ -11,12 +11,21 @@ prometheus internals.
 A port that serves several models (or one model on several engines) also exposes each
 engine's series labelled `model` and `engine` (`bind_pool`): "this machine" or
 "upstream N", never an address, which could carry a key.  Requests wait for a model,
-not an engine, so waiting is labelled by `model` only.  The unlabelled series stay the
+not an engine, so waiting is labelled by `model` only.  The unlabelled gauges stay the
 totals of the whole port.
+
+The counters and the queue-wait histogram carry `model` and `engine` too (`of(model,
+engine)` gives a request's `ModelCounts`): the model the port resolved the request to
+(never the client's string: a request refused before it had a model counts under
+model=""), and the engine it was admitted on ("" before admission).  Summed over the two,
+each is the port's total as before, so `sum by (route, status)` and
+`histogram_quantile(..., sum by (le) (...))` read as they did.  A `ModelCounts` holds
+its Prometheus children, so a count costs a dict lookup, not a `.labels()` call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,11 +42,17 @@ if TYPE_CHECKING:
     from backend.port.admission import AdmissionRegistry
     from backend.llama.load import Snapshot
 
-__all__ = ["EngineLoad", "Metrics", "ModelLoad", "QUEUE_WAIT_BUCKETS"]
+__all__ = ["EngineLoad", "Metrics", "ModelCounts", "ModelLoad", "ModelTotals",
+           "QUEUE_WAIT_BUCKETS", "UNROUTED"]
 
 #: From "admitted at once" to "waited the whole default queue timeout".
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                       120.0, 300.0, 600.0, float("inf"))
+#: The `model` and `engine` of a count that has neither (refused before it had a model,
+#: or not a model's request: /health, /metrics, an unknown path).
+UNROUTED = ""
+#: The labels every count carries after its own.
+COUNT_LABELS = ("model", "engine")
 
 
 @dataclass(frozen=True)
@@ -89,27 +104,33 @@ class Metrics:
             ["backend", "device"])
         self.rejections = counter(
             "gguf_studio_rejections_total",
-            "Requests answered with an error by the port, by error code.", ["reason"])
+            "Requests answered with an error by the port, by error code, model and engine.",
+            ["reason", *COUNT_LABELS])
         self.cancellations = counter(
             "gguf_studio_cancellations_total",
-            "Clients that went away, by stage (queued or running).", ["stage"])
+            "Clients that went away, by stage (queued or running), model and engine.",
+            ["stage", *COUNT_LABELS])
         self.requests = counter(
-            "gguf_studio_requests_total", "Requests answered by the port, by route and status.",
-            ["route", "status"])
+            "gguf_studio_requests_total",
+            "Requests answered by the port, by route, status, model and engine.",
+            ["route", "status", *COUNT_LABELS])
         self.backend_restarts = counter(
             "gguf_studio_backend_restarts_total",
             "Times the engine was restarted after it stopped unexpectedly.")
         self.requeues = counter(
             "gguf_studio_requeues_total",
             "Requests put back in line because the engine refused the connection before "
-            "anything was sent (it was going away); they wait for the next load.")
+            "anything was sent (it was going away); they wait for the next load.",
+            COUNT_LABELS)
         self.stalled_clients = counter(
             "gguf_studio_stalled_clients_total",
-            "Clients dropped because they left their answer unread for the stall timeout.")
+            "Clients dropped because they left their answer unread for the stall timeout.",
+            COUNT_LABELS)
         self.queue_wait = Histogram(
             "gguf_studio_queue_wait_seconds",
-            "Time from arrival to admission of admitted requests.",
-            buckets=QUEUE_WAIT_BUCKETS, registry=self.registry)
+            "Time from arrival to admission of admitted requests, by model and the engine "
+            "that admitted them.", COUNT_LABELS, buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry)
 
         self._lock = threading.Lock()
         self._requests = 0
@@ -120,40 +141,39 @@ class Metrics:
         self._stalled_clients = 0
         self._queue_waits = 0
         self._queue_wait_sum = 0.0
+        self._by_model: dict[str, ModelTotals] = {}
+        self._counts: dict[tuple[str, str], ModelCounts] = {}
+        self._unrouted = self.of(UNROUTED, UNROUTED)
 
-    # --- called by the gateway ------------------------------------------------------
+    def of(self, model: str, engine: str) -> ModelCounts:
+        """The counts of `model` (a name the port resolved, never the client's string) on
+        `engine` ("this machine", "upstream N", or "" before admission); made once."""
+        counts = self._counts.get((model, engine))
+        if counts is None:
+            with self._lock:
+                totals = self._by_model.setdefault(model, ModelTotals())
+            counts = self._counts[(model, engine)] = ModelCounts(self, model, engine, totals)
+        return counts
+
+    # --- called by the gateway, for what belongs to no model -------------------------
 
     def observe_queue_wait(self, seconds: float) -> None:
-        seconds = max(0.0, seconds)
-        self.queue_wait.observe(seconds)
-        with self._lock:
-            self._queue_waits += 1
-            self._queue_wait_sum += seconds
+        self._unrouted.observe_queue_wait(seconds)
 
     def count_rejection(self, reason: str) -> None:
-        self.rejections.labels(reason=reason).inc()
-        with self._lock:
-            self._rejections[reason] = self._rejections.get(reason, 0) + 1
+        self._unrouted.count_rejection(reason)
 
     def count_cancellation(self, stage: str) -> None:
-        self.cancellations.labels(stage=stage).inc()
-        with self._lock:
-            self._cancellations[stage] = self._cancellations.get(stage, 0) + 1
+        self._unrouted.count_cancellation(stage)
 
     def count_requeue(self) -> None:
-        self.requeues.inc()
-        with self._lock:
-            self._requeues += 1
+        self._unrouted.count_requeue()
 
     def count_stalled_client(self) -> None:
-        self.stalled_clients.inc()
-        with self._lock:
-            self._stalled_clients += 1
+        self._unrouted.count_stalled_client()
 
     def count_request(self, route: str, status: int | str) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        with self._lock:
-            self._requests += 1
+        self._unrouted.count_request(route, status)
 
     # --- called by the service ------------------------------------------------------
 
@@ -197,9 +217,13 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """One sample's current value (0.0 if absent); for tests and diagnostics."""
-        found = self.registry.get_sample_value(name, labels or {})
-        return 0.0 if found is None else found
+        """The sum of the samples `name` whose labels include `labels` (0.0 if none): a
+        counter's value over every model and engine unless they are given.  For tests and
+        diagnostics: it walks the registry."""
+        wanted = (labels or {}).items()
+        return sum((sample.value for family in self.registry.collect()
+                    for sample in family.samples
+                    if sample.name == name and wanted <= sample.labels.items()), 0.0)
 
     def totals(self) -> dict[str, Any]:
         """Counts since start, safe to call from any thread."""
@@ -214,6 +238,106 @@ class Metrics:
                 "queue_waits": self._queue_waits,
                 "queue_wait_seconds": self._queue_wait_sum,
             }
+
+    def model_totals(self, model: str) -> ModelTotals:
+        """`model`'s counts since start, over its engines (a copy), safe from any thread."""
+        with self._lock:
+            found = self._by_model.get(model)
+            return dataclasses.replace(found) if found is not None else ModelTotals()
+
+
+@dataclass
+class ModelTotals:
+    """One model's counts since start, over all its engines (for /health)."""
+
+    answered: int = 0  #: requests answered, whatever the status
+    refused: int = 0  #: of them, refused by the port (an error it produced)
+    cancelled: int = 0  #: clients that went away, queued or running
+
+
+class ModelCounts:
+    """The counts of one model on one engine.  Its Prometheus children are looked up
+    once per label set and kept: `.labels()` costs microseconds, a dict lookup does not."""
+
+    __slots__ = ("model", "engine", "_metrics", "_totals", "_requests", "_rejections",
+                 "_cancellations", "_requeues", "_stalled_clients", "_queue_wait")
+
+    def __init__(self, metrics: Metrics, model: str, engine: str, totals: ModelTotals) -> None:
+        self.model = model
+        self.engine = engine
+        self._metrics = metrics
+        self._totals = totals
+        self._requests: dict[tuple[str, int | str], Counter] = {}
+        self._rejections: dict[str, Counter] = {}
+        self._cancellations: dict[str, Counter] = {}
+        self._requeues: Counter | None = None
+        self._stalled_clients: Counter | None = None
+        self._queue_wait: Histogram | None = None
+        if engine:
+            # An engine's series exist (at 0) from its first request on: an alert on the
+            # increase of a rare count sees the first one.
+            self._requeues = metrics.requeues.labels(model, engine)
+            self._stalled_clients = metrics.stalled_clients.labels(model, engine)
+            self._queue_wait = metrics.queue_wait.labels(model, engine)
+
+    def count_request(self, route: str, status: int | str) -> None:
+        child = self._requests.get((route, status))
+        if child is None:
+            child = self._requests[(route, status)] = self._metrics.requests.labels(
+                route, str(status), self.model, self.engine)
+        child.inc()
+        metrics = self._metrics
+        with metrics._lock:
+            metrics._requests += 1
+            self._totals.answered += 1
+
+    def count_rejection(self, reason: str) -> None:
+        child = self._rejections.get(reason)
+        if child is None:
+            child = self._rejections[reason] = self._metrics.rejections.labels(
+                reason, self.model, self.engine)
+        child.inc()
+        metrics = self._metrics
+        with metrics._lock:
+            metrics._rejections[reason] = metrics._rejections.get(reason, 0) + 1
+            self._totals.refused += 1
+
+    def count_cancellation(self, stage: str) -> None:
+        child = self._cancellations.get(stage)
+        if child is None:
+            child = self._cancellations[stage] = self._metrics.cancellations.labels(
+                stage, self.model, self.engine)
+        child.inc()
+        metrics = self._metrics
+        with metrics._lock:
+            metrics._cancellations[stage] = metrics._cancellations.get(stage, 0) + 1
+            self._totals.cancelled += 1
+
+    def count_requeue(self) -> None:
+        if self._requeues is None:
+            self._requeues = self._metrics.requeues.labels(self.model, self.engine)
+        self._requeues.inc()
+        metrics = self._metrics
+        with metrics._lock:
+            metrics._requeues += 1
+
+    def count_stalled_client(self) -> None:
+        if self._stalled_clients is None:
+            self._stalled_clients = self._metrics.stalled_clients.labels(self.model, self.engine)
+        self._stalled_clients.inc()
+        metrics = self._metrics
+        with metrics._lock:
+            metrics._stalled_clients += 1
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        if self._queue_wait is None:
+            self._queue_wait = self._metrics.queue_wait.labels(self.model, self.engine)
+        self._queue_wait.observe(seconds)
+        metrics = self._metrics
+        with metrics._lock:
+            metrics._queue_waits += 1
+            metrics._queue_wait_sum += seconds
 
 
 #: (name, help, what it reads from an EngineLoad) of the series labelled model and engine.

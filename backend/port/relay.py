@@ -26,6 +26,7 @@ from backend.port import sse
 from backend.port.admission import AdmissionQueue, Line, Ticket
 from backend.port.access_guard import ANONYMOUS, Caller
 from backend.port.fair_queue import Band
+from backend.port.metrics import UNROUTED
 from backend.port.flow_control import FlowControl
 from backend.port.need_planner import NO_PLAN, Plan
 from backend.port.rate_limits import Reservation
@@ -36,8 +37,9 @@ from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeou
 from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
-    from backend.port.metrics import Metrics
+    from backend.port.metrics import Metrics, ModelCounts
     from backend.port.request_body import Parsed
+    from backend.port.server import BodyWriter
     from backend.settings import Settings
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
 
@@ -118,9 +120,9 @@ class Exchange:
 
     def __init__(self, host: ExchangeHost, line: Line, request: GatedRequest,
                  send: Any, receive: Any, *,
-                 abort_connection: Callable[[], None] | None = None) -> None:
+                 abort_connection: Callable[[], None] | None = None,
+                 body_writer: BodyWriter | None = None) -> None:
         self.host = host
-        self.metrics = host.metrics
         self.client = host.client
         settings = host.settings
         self.queue_timeout = settings.queue_timeout
@@ -146,6 +148,9 @@ class Exchange:
         #: Drops the client's connection at once (unsent bytes discarded), if the server
         #: offers it; see `backend.port.gateway`.
         self._abort_connection = abort_connection
+        #: Writes a stream's chunks straight to the client's connection, if the server
+        #: offers it (see `backend.port.server.BodyWriter`); else every chunk is `send`.
+        self._body_writer = body_writer
         self._stall_timeout = settings.client_stall_timeout
         self._stall: StallGuard | None = None
         #: Counting a prompt admitted on its byte bound, while it runs.
@@ -165,6 +170,15 @@ class Exchange:
         self._answered = False
         #: The error the request ended with, if it did.
         self._failed: RequestError | None = None
+
+    @property
+    def metrics(self) -> ModelCounts:
+        """The counts of this request's model and of the engine it was admitted on
+        (none before admission, or back in line after a refused connection)."""
+        ticket = self.ticket
+        engine = ticket.engine if ticket is not None and ticket.admitted_at is not None else None
+        return self.host.metrics.of(self.request.model_id or UNROUTED,
+                                    engine.label if engine is not None else UNROUTED)
 
     # --- the whole exchange ---------------------------------------------------------
 
@@ -326,10 +340,11 @@ class Exchange:
             try:
                 return await self._forward(ticket)
             except _NotReached:
+                refused_by = self.metrics  # the engine's counts, before the ticket leaves it
                 if not ticket.requeue():
                     raise UpstreamUnavailable("The model server could not be reached. "
                                               "Try again shortly.", retry_after=RETRY_SOON) from None
-                self.metrics.count_requeue()
+                refused_by.count_requeue()
                 self.stage = "queued"
 
     async def _served(self, timeout: float | None) -> None:
@@ -548,6 +563,9 @@ class Exchange:
         # (about a third of a microsecond for a 235-byte chunk here); only a chunk that
         # holds the marker is parsed.
         marker = _NAMED_ERROR if self.kind is sse.StreamKind.MESSAGES else _DATA_ERROR
+        writer = self._body_writer
+        if writer is not None and not writer.ready():
+            writer = None  # the start was not sent (the client left): `send` knows
         chunks = upstream.aiter_raw()
         chunk = stage(await self._keep_alive_until(anext(chunks, b"")))
         if chunk:
@@ -560,7 +578,10 @@ class Exchange:
             if chunk:
                 if marker in chunk:
                     chunk = self._before_error(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if writer is None:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                elif not writer.write(chunk):
+                    await self._drained(writer)
                 self._last_sent = (self._last_sent[1], chunk)
         tail = framer.finish()
         if rewriter is not None:
@@ -568,6 +589,14 @@ class Exchange:
         self._tail = b"".join(self._last_sent) + tail
         self._answered = True
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
+
+    async def _drained(self, writer: BodyWriter) -> None:
+        """Until the client read enough of what was written (a client that reads
+        nothing for the stall timeout is dropped, as for a `send` that waits)."""
+        if self._stall is not None:
+            await self._stall.wait(writer.drain())
+        else:
+            await writer.drain()
 
     def _before_error(self, chunk: bytes) -> bytes:
         """`chunk` (whole events) if it holds no error event of the engine; else raises

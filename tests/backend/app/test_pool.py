@@ -526,6 +526,10 @@ async def test_metrics_and_health_name_every_engine_by_model_and_where_it_runs(
         assert value("gguf_studio_engine_kv_capacity_tokens", **here) == 2048
         assert value("gguf_studio_model_state", model="tiny", state="ready") == 1
         assert value("gguf_studio_model_requests_waiting", model="elsewhere") == 0
+        # The counts carry the same labels: the running stream waited on upstream 1.
+        assert value("gguf_studio_queue_wait_seconds_count", **far) == 1
+        assert value("gguf_studio_requeues_total", **far) == 0
+        assert "127.0.0.1" not in scraped  # no addresses
 
         answer = await client.get("/health")
         health = answer.json()

@@ -212,6 +212,9 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_slot_freed(service
         await until(lambda: service.registry.total_active == 1)
         await until(lambda: service.metrics.value("gguf_studio_stalled_clients_total") == 1,
                     timeout=20)
+        # Counted under the engine that ran it.
+        assert service.metrics.value("gguf_studio_stalled_clients_total",
+                                     {"engine": "this machine"}) == 1
         await until(lambda: service.registry.total_active == 0, timeout=5)
 
         async def engine_idle() -> None:

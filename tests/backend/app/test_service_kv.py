@@ -224,7 +224,9 @@ async def test_a_prompt_that_can_never_fit_is_refused_at_once_before_the_engine_
             assert error["code"] == "context_length_exceeded"
             assert f"{PER_REQUEST:,} tokens per request" in error["message"]
         metrics = (await client.get("/metrics")).text
-    assert 'gguf_studio_rejections_total{reason="context_length_exceeded"} 2.0' in metrics
+    # Refused before admission: counted under its model, on no engine.
+    assert ('gguf_studio_rejections_total{engine="",model="tiny",'
+            'reason="context_length_exceeded"} 2.0') in metrics
     assert await busy_slots(snapshot) == 0
     assert await engine_prompt_tokens_total(snapshot) == before  # nothing evaluated
 

@@ -178,7 +178,9 @@ async def test_models_and_health(gw, fake):
                              "effective_parallel_slots": 2, "active": 0, "waiting": 0, "kv": None,
                              "engine": None,  # a llama-server we did not start: no load report
                              "models": [{"id": "fake-model", "state": "ready", "default": True,
-                                         "context_length": 4096}],
+                                         "context_length": 4096,
+                                         "requests": {"answered": 0, "refused": 0,
+                                                      "cancelled": 0, "waiting": 0}}],
                              "upstreams": []}
     async with holding(gw, fake.slots):
         waiter = asyncio.create_task(stream(gw.client, CHAT, chat(True)))

@@ -7,7 +7,7 @@ import threading
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.port.admission import AdmissionRegistry
-from backend.port.metrics import Metrics
+from backend.port.metrics import Metrics, ModelTotals
 from backend.llama.load import Serving, Snapshot, State
 
 BASE = "http://127.0.0.1:41001"
@@ -59,12 +59,15 @@ def test_counts_are_exact_and_labelled():
     metrics.count_restart()
 
     found = samples(metrics)
-    assert found[("gguf_studio_rejections_total", (("reason", "server_is_overloaded"),))] == 2
-    assert found[("gguf_studio_rejections_total", (("reason", "queue_timeout"),))] == 1
-    assert found[("gguf_studio_cancellations_total", (("stage", "running"),))] == 2
+    unrouted = (("engine", ""), ("model", ""))  # counted by the bare Metrics: no model
+    assert found[("gguf_studio_rejections_total",
+                  (*unrouted, ("reason", "server_is_overloaded")))] == 2
+    assert found[("gguf_studio_rejections_total", (*unrouted, ("reason", "queue_timeout")))] == 1
+    assert found[("gguf_studio_cancellations_total", (*unrouted, ("stage", "running")))] == 2
     assert found[("gguf_studio_requests_total",
-                  (("route", "/v1/chat/completions"), ("status", "429")))] == 1
-    assert found[("gguf_studio_requests_total", (("route", "other"), ("status", "404")))] == 1
+                  (*unrouted, ("route", "/v1/chat/completions"), ("status", "429")))] == 1
+    assert found[("gguf_studio_requests_total",
+                  (*unrouted, ("route", "other"), ("status", "404")))] == 1
     assert found[("gguf_studio_backend_restarts_total", ())] == 1
     assert metrics.totals() == {
         "requests": 3,
@@ -129,3 +132,67 @@ def test_totals_can_be_read_from_another_thread_while_counting():
     assert all(t["requests"] <= 2000 for t in seen)
     seen[-1]["rejections"]["queue_timeout"] = -1  # a copy: the live counts are untouched
     assert metrics.totals()["rejections"]["queue_timeout"] == 2000
+
+
+def test_counts_by_model_and_engine_sum_to_the_port_totals():
+    metrics = Metrics()
+    tiny_here = metrics.of("tiny", "this machine")
+    tiny_far = metrics.of("tiny", "upstream 1")
+    smol_queued = metrics.of("smol", "")  # refused before admission: its model, no engine
+    tiny_here.count_request("/v1/chat/completions", 200)
+    tiny_here.count_request("/v1/chat/completions", 200)
+    tiny_far.count_request("/v1/chat/completions", 200)
+    tiny_far.count_rejection("upstream_failed")
+    tiny_far.count_request("/v1/chat/completions", 502)
+    smol_queued.count_rejection("server_is_overloaded")
+    smol_queued.count_request("/v1/responses", 429)
+    smol_queued.count_cancellation("queued")
+    tiny_here.count_cancellation("running")
+    tiny_here.count_requeue()
+    tiny_far.count_stalled_client()
+    tiny_here.observe_queue_wait(0.02)
+    tiny_far.observe_queue_wait(3.0)
+    metrics.count_request("/health", 200)  # no model's request
+
+    found = samples(metrics)
+    def at(name: str, model: str, engine: str, **labels: str) -> float:
+        return found[(name, tuple(sorted({"model": model, "engine": engine, **labels}.items())))]
+
+    chat = {"route": "/v1/chat/completions"}
+    assert at("gguf_studio_requests_total", "tiny", "this machine", **chat, status="200") == 2
+    assert at("gguf_studio_requests_total", "tiny", "upstream 1", **chat, status="200") == 1
+    assert at("gguf_studio_requests_total", "tiny", "upstream 1", **chat, status="502") == 1
+    assert at("gguf_studio_requests_total", "smol", "", route="/v1/responses", status="429") == 1
+    assert at("gguf_studio_requests_total", "", "", route="/health", status="200") == 1
+    assert at("gguf_studio_rejections_total", "smol", "", reason="server_is_overloaded") == 1
+    assert at("gguf_studio_rejections_total", "tiny", "upstream 1", reason="upstream_failed") == 1
+    assert at("gguf_studio_cancellations_total", "smol", "", stage="queued") == 1
+    assert at("gguf_studio_requeues_total", "tiny", "this machine") == 1
+    assert at("gguf_studio_requeues_total", "tiny", "upstream 1") == 0  # exists from the start
+    assert at("gguf_studio_stalled_clients_total", "tiny", "upstream 1") == 1
+    assert at("gguf_studio_queue_wait_seconds_count", "tiny", "this machine") == 1
+    assert at("gguf_studio_queue_wait_seconds_bucket", "tiny", "upstream 1", le="5.0") == 1
+    assert at("gguf_studio_queue_wait_seconds_bucket", "tiny", "upstream 1", le="2.5") == 0
+
+    # Summed over model and engine, each series is the port's total, as before.
+    assert metrics.value("gguf_studio_requests_total") == 6
+    assert metrics.value("gguf_studio_requests_total", {"status": "200"}) == 4
+    assert metrics.value("gguf_studio_requests_total", {"model": "tiny"}) == 4
+    assert metrics.value("gguf_studio_queue_wait_seconds_count") == 2
+    assert metrics.value("gguf_studio_queue_wait_seconds_sum") == 3.02
+    totals = metrics.totals()
+    assert (totals["requests"], totals["requeues"], totals["stalled_clients"]) == (6, 1, 1)
+    assert totals["rejections"] == {"upstream_failed": 1, "server_is_overloaded": 1}
+    assert totals["cancellations"] == {"queued": 1, "running": 1}
+    assert metrics.model_totals("tiny") == ModelTotals(answered=4, refused=1, cancelled=1)
+    assert metrics.model_totals("smol") == ModelTotals(answered=1, refused=1, cancelled=1)
+    assert metrics.model_totals("gpt-4o") == ModelTotals()  # never counted, never made
+
+
+def test_a_models_counts_are_made_once_and_keep_their_children():
+    metrics = Metrics()
+    counts = metrics.of("tiny", "this machine")
+    assert metrics.of("tiny", "this machine") is counts
+    counts.count_request("/v1/chat/completions", 200)
+    counts.count_request("/v1/chat/completions", 200)
+    assert len(counts._requests) == 1  # one child per label set, looked up once

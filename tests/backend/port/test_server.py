@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from typing import AsyncIterator
 
+import h11
 import pytest
 
 from backend.errors import SettingsError
@@ -173,3 +175,77 @@ async def test_both_legs_of_an_answer_go_out_at_once_without_nagles_algorithm(fa
         await asyncio.gather(task, return_exceptions=True)
     assert len(client_side) == 1 and len(engine_side) == 1
     assert all(nodelay), nodelay
+
+
+def _request(body: dict[str, object], version: bytes = b"1.1") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST /v1/chat/completions HTTP/%s\r\nHost: 127.0.0.1\r\n" % version
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+
+
+def _content_events(body: bytes) -> int:
+    return sum(1 for e in events(body) if isinstance(e["data"], dict)
+               and e["data"]["choices"][0]["delta"].get("content"))
+
+
+async def _answers(sock: socket.socket, count: int) -> list[bytes]:
+    """`count` answers read off `sock` by h11's strict client (chunk framing checked)."""
+    loop = asyncio.get_running_loop()
+    conn = h11.Connection(h11.CLIENT)
+    bodies: list[bytes] = []
+    for _ in range(count):
+        conn.send(h11.Request(method="POST", target=CHAT, headers=[("host", "x"),
+                                                                   ("content-length", "0")]))
+        conn.send(h11.EndOfMessage())
+        body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await loop.sock_recv(sock, 65536))
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+        bodies.append(body)
+        conn.start_next_cycle()
+    return bodies
+
+
+async def test_streamed_answers_one_after_another_on_a_kept_alive_connection_arrive_whole(gw):
+    """A stream's body goes straight to the connection (`BodyWriter`): each answer is
+    framed so that a strict HTTP/1.1 client reads it whole and the next request on the
+    same connection is answered too."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+    try:
+        for tokens in (40, 7):
+            await loop.sock_sendall(sock, _request(chat(True, fake={"n_tokens": tokens,
+                                                                        "delay": 0.002})))
+            [body] = await asyncio.wait_for(_answers(sock, 1), 10)
+            assert _content_events(body) == tokens
+            assert events(body)[-1]["data"] == "[DONE]"
+    finally:
+        sock.close()
+
+
+async def test_a_stream_to_an_http_1_0_client_is_whole_events_until_the_connection_closes(gw):
+    """HTTP/1.0 knows no chunks: the body is the events themselves, ended by the close."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+    try:
+        request = chat(True, fake={"n_tokens": 30, "delay": 0.002})
+        await loop.sock_sendall(sock, _request(request, b"1.0"))
+        raw = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), 10):
+            raw += chunk
+    finally:
+        sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    assert b"\r" not in body  # no chunk framing inside
+    assert _content_events(body) == 30
+    assert events(body)[-1]["data"] == "[DONE]"
