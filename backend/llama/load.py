@@ -186,7 +186,8 @@ class Serving:
     #: What the engine's own port requires (a random key per start of a managed engine,
     #: so no other local process can use it around the gateway's key and queue).
     api_key: str | None = dataclasses.field(default=None, repr=False)
-    #: The `model` to send upstream when the engine is another port serving several models.
+    #: The model this engine is, when it is one of several another GGUF Studio port
+    #: serves (requests go there naming it); part of the admission `key`.
     upstream_model: str | None = None
     #: Set when the KV cache is an assumption that may hold the engine back (an attached
     #: llama-server whose layout was not stated), for the log, the window and /health.

@@ -9,7 +9,7 @@ import json
 import socket
 import time
 
-from backend.port.request_body import PARSE_OFF_LOOP_BYTES
+from backend.port.request_body import PARSE_OFF_LOOP_BYTES, name_model, parse_body
 from backend.settings import Settings
 from tests.backend.gateway_harness import CHAT, assert_clean_error, chat, open_gateway, until
 
@@ -107,3 +107,14 @@ async def test_a_body_limit_of_zero_means_the_default_not_unlimited(gw, fake):
 
     answer = await asyncio.to_thread(send_head)
     assert answer.startswith(b"HTTP/1.1 413")
+
+
+def test_a_body_naming_no_model_is_sent_naming_the_one_it_was_routed_to():
+    """For an engine that is another port with several models (it would take a request
+    naming none for its own default): the body names the model, the output cap kept."""
+    parsed = parse_body("/v1/chat/completions",
+                        json.dumps({"messages": [{"role": "user", "content": "héllo"}]}).encode(), 64)
+    name_model(parsed, "smol")
+    assert parsed.model == "smol"
+    assert json.loads(parsed.body) == {"messages": [{"role": "user", "content": "héllo"}],
+                                       "max_tokens": 64, "model": "smol"}
