@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backend.app.pool import Residency
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.service import StudioService, estimate_model_bytes
-from backend.llama.kv_capacity import KvLayout
+from backend.llama.kv_capacity import KvCapacity, KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
 from backend.settings import Settings
@@ -467,6 +467,22 @@ async def test_a_model_that_leaves_the_upstream_port_leaves_the_routing_here(ser
         await until(lambda: service.pool.names() == ["b"])
         answer = await client.post("/v1/chat/completions", json=chat("a"))
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_gguf_studio_port_older_than_the_pool_is_served_as_its_one_model(service, client):
+    """Its /health has only the top-level fields (fake upstream: no such port to run)."""
+    async with FakeUpstream() as fake:
+        fake.studio_health = {"state": "ready", "model": "old", "effective_parallel_slots": 2,
+                              "active": 0, "waiting": 0,
+                              "kv": {"total": 4096, "per_request": 2048, "unified": False}}
+        await service.attach_upstream(fake.base_url)
+        await until(lambda: service.pool.names() == ["old"]
+                    and bool(service.registry.line("old").engines))
+        (queue,) = service.registry.line("old").engines
+        assert (queue.key, queue.capacity, queue.kv) == (fake.base_url, 2,
+                                                          KvCapacity(4096, 2048, unified=False))
+        assert text_of(await client.post("/v1/chat/completions", json=chat(None)))[1] == "stop"
+        assert "model" not in fake.received("/v1/chat/completions")[0]  # sent as it came
 
 
 async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(
