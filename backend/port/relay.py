@@ -442,10 +442,8 @@ class Exchange:
         await self.send({"type": "http.response.body", "body": created, "more_body": True})
 
     async def _keep_alive_until(self, pending: Awaitable[T]) -> T:
-        """`pending`'s result, sending a keep-alive every interval until it comes.  Used
-        while waiting in line, and for the engine's first bytes: llama-server sends
-        nothing, not even `response.created`, until it has read the whole prompt, which
-        takes longer than a client's idle timeout for a long conversation on a CPU."""
+        """`pending`'s result, sending a keep-alive every interval until it comes (while
+        waiting in line, or for a model to load)."""
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
         future = asyncio.ensure_future(pending)
         try:
@@ -566,8 +564,14 @@ class Exchange:
         writer = self._body_writer
         if writer is not None and not writer.ready():
             writer = None  # the start was not sent (the client left): `send` knows
+        # Keep-alives until the engine's first bytes: llama-server sends nothing, not
+        # even `response.created`, until it has read the whole prompt, which takes longer
+        # than a client's idle timeout for a long conversation on a CPU.
+        interval = self.keepalive_interval if self.keepalive_interval > 0 else None
+        while not await upstream.arrived(interval):
+            await self._send_keepalive()
         chunks = upstream.aiter_raw()
-        chunk = stage(await self._keep_alive_until(anext(chunks, b"")))
+        chunk = stage(await anext(chunks, b""))
         if chunk:
             if marker in chunk:
                 chunk = self._before_error(chunk)

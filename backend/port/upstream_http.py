@@ -485,6 +485,16 @@ class UpstreamResponse:
         self.headers = head.headers
         self._closed = False
 
+    async def arrived(self, timeout: float | None) -> bool:
+        """Whether more of the body (or its end, or an error) came within `timeout`
+        seconds; at once when it already had.  No task of its own: the caller's wakes
+        when the bytes come (for the first chunk of each answer, on the clock that
+        counts the time to a client's first token)."""
+        connection = self._connection
+        if not (connection.body or connection.ended or connection.error is not None):
+            await connection.wait(timeout)
+        return bool(connection.body or connection.ended or connection.error is not None)
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         connection = self._connection
         while True:
@@ -564,13 +574,18 @@ class _Connection(asyncio.Protocol):
             await self.wait()
         return self.head
 
-    async def wait(self) -> None:
-        """Until something more came: events, an error, the end of the connection."""
-        self._waiter = waiter = asyncio.get_running_loop().create_future()
+    async def wait(self, timeout: float | None = None) -> None:
+        """Until something more came (events, an error, the end of the connection), or
+        `timeout` seconds passed."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, waiter)
         try:
             await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def take(self) -> bytes:
         """The body bytes that came since the last call."""
@@ -650,6 +665,11 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         if not self.lost and self._transport is not None:
             self._transport.resume_reading()
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[str, str], bytes, int]:

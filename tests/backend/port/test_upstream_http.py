@@ -419,3 +419,21 @@ async def test_a_paused_connection_whose_unread_answer_ended_reads_again_in_the_
     response = UpstreamResponse(connection, await connection.answer_head())
     await response.aclose()  # ended but unread: the connection goes back to the pool
     assert client.pooled() == 1 and not transport.paused and not transport.closed
+
+
+async def test_arrived_says_whether_the_body_came_within_the_time_given(client):
+    """What the relay's keep-alives before an engine's first bytes rest on: False while a
+    silent engine reads its prompt, True once the first event came (at once after)."""
+    async with FakeUpstream(slots=2) as fake:
+        body = json.dumps({"stream": True, "messages": [],
+                           "fake": {"n_tokens": 2, "prompt_delay": 0.5}}).encode()
+        response = await client.send(client.build_request(
+            "POST", fake.base_url + "/v1/chat/completions", content=body))
+        try:
+            assert not await response.arrived(0.01)
+            while not await response.arrived(0.05):
+                pass
+            assert await response.arrived(0)
+            assert (await response.aread()).count(b"tok") == 2
+        finally:
+            await response.aclose()
