@@ -4,9 +4,10 @@
 admission queue, waits for it (sending keep-alives when the client streams), forwards
 the request to the load the ticket was admitted on, relays the answer, releases the
 ticket, and decides what a cancellation means (the client left, the load went away, the
-port closes).  Stream bytes are relayed as they come (`aiter_raw`), cut only at event
-boundaries; only a `/v1/responses` stream has its head read, to keep one response id
-throughout.
+port closes).  Stream bytes are relayed as they come, cut only at event boundaries: past
+the first chunk, from the upstream connection's own callback straight to the client's
+(`_pump`, with the server's `BodyWriter`); only a `/v1/responses` stream has its head
+read, to keep one response id throughout.
 
 Failures of the upstream client become the project's errors in one place
 (`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
@@ -570,29 +571,67 @@ class Exchange:
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
         while not await upstream.arrived(interval):
             await self._send_keepalive()
-        chunks = upstream.aiter_raw()
-        chunk = stage(await anext(chunks, b""))
+        chunk = stage(upstream.read() or b"")
         if chunk:
             if marker in chunk:
                 chunk = self._before_error(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._last_sent = (b"", chunk)
-        async for chunk in chunks:
-            chunk = stage(chunk)
-            if chunk:
-                if marker in chunk:
-                    chunk = self._before_error(chunk)
-                if writer is None:
+        if writer is not None:
+            await self._pump(upstream, stage, marker, writer)
+        else:
+            async for chunk in upstream.aiter_raw():
+                chunk = stage(chunk)
+                if chunk:
+                    if marker in chunk:
+                        chunk = self._before_error(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                elif not writer.write(chunk):
-                    await self._drained(writer)
-                self._last_sent = (self._last_sent[1], chunk)
+                    self._last_sent = (self._last_sent[1], chunk)
         tail = framer.finish()
         if rewriter is not None:
             tail = rewriter.feed(tail) + rewriter.flush()
         self._tail = b"".join(self._last_sent) + tail
         self._answered = True
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
+
+    async def _pump(self, upstream: UpstreamResponse, stage: Callable[[bytes], bytes],
+                    marker: bytes, writer: BodyWriter) -> None:
+        """The rest of a stream, relayed from the upstream connection's own callback:
+        each read goes out to the client in the loop turn it came in, with no task
+        switch (on a busy port the CPU per chunk is what delays everyone's next first
+        token).  This task only waits: for the end, an error, or a full client."""
+        loop = asyncio.get_running_loop()
+        while True:
+            turn: asyncio.Future[bool] = loop.create_future()
+
+            def pump() -> None:
+                if turn.done():
+                    return
+                try:
+                    while data := upstream.read():
+                        chunk = stage(data)
+                        if chunk:
+                            if marker in chunk:
+                                chunk = self._before_error(chunk)
+                            self._last_sent = (self._last_sent[1], chunk)
+                            if not writer.write(chunk):
+                                turn.set_result(False)  # the client's buffer is full
+                                return
+                    if data is None:
+                        turn.set_result(True)
+                except Exception as exc:  # the upstream's error, or the engine's error event
+                    turn.set_exception(exc)
+
+            upstream.on_arrival(pump)
+            try:
+                pump()  # what came before
+                if await turn:
+                    return
+            finally:
+                upstream.on_arrival(None)
+                if turn.done() and not turn.cancelled():
+                    turn.exception()  # retrieved, even when this task was cancelled meanwhile
+            await self._drained(writer)
 
     async def _drained(self, writer: BodyWriter) -> None:
         """Until the client read enough of what was written (a client that reads

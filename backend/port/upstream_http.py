@@ -41,7 +41,7 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias, cast
 from urllib.parse import urlsplit
@@ -495,15 +495,33 @@ class UpstreamResponse:
             await connection.wait(timeout)
         return bool(connection.body or connection.ended or connection.error is not None)
 
+    def read(self) -> bytes | None:
+        """The body's bytes that came since the last read, at once: b"" while nothing
+        more came, None once the whole body was read; raises the error that came
+        instead."""
+        connection = self._connection
+        if connection.body:
+            return connection.take()
+        if connection.ended:
+            return None
+        if connection.error is not None:
+            raise connection.error
+        return b""
+
+    def on_arrival(self, callback: Callable[[], None] | None) -> None:
+        """Have `callback` called, from the connection's own callbacks, each time more
+        of the body (or its end, or an error) comes, instead of waking a reader; None
+        goes back to readers.  It reads with `read` and must not raise."""
+        self._connection.on_arrival = callback
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         connection = self._connection
         while True:
-            if connection.body:
-                yield connection.take()
-            elif connection.ended:
+            data = self.read()
+            if data is None:
                 return
-            elif connection.error is not None:
-                raise connection.error
+            if data:
+                yield data
             else:
                 await connection.wait()
 
@@ -537,6 +555,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since: float | None = None
         self._transport: asyncio.Transport | None = None
         self._waiter: asyncio.Future[None] | None = None
+        #: Called instead of waking a waiter when more came (see `UpstreamResponse.on_arrival`).
+        self.on_arrival: Callable[[], None] | None = None
         self._paused = False
         # The answer being read (`_parser` is None while none is expected):
         self._parser: ResponseParser | None = None
@@ -657,6 +677,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
+        if self.on_arrival is not None:
+            self.on_arrival()
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -249,3 +249,26 @@ async def test_a_stream_to_an_http_1_0_client_is_whole_events_until_the_connecti
     assert b"\r" not in body  # no chunk framing inside
     assert _content_events(body) == 30
     assert events(body)[-1]["data"] == "[DONE]"
+
+
+async def test_a_client_that_reads_late_gets_the_whole_stream_in_order(gw, fake):
+    """The client reads nothing until the port's buffer for it is full (its stream waits,
+    the engine's connection stops being read), then reads on: every event arrives, in
+    order, none twice."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+    try:
+        body = chat(True, fake={"n_tokens": 20_000, "delay": 0})
+        await loop.sock_sendall(sock, _request(body))
+        connections = gw.server._server.server_state.connections
+        await until(lambda: any(c.flow.write_paused for c in connections), timeout=20)
+        [answer] = await asyncio.wait_for(_answers(sock, 1), 60)
+    finally:
+        sock.close()
+    numbers = [int(e["data"]["choices"][0]["delta"]["content"].removeprefix("tok").strip())
+               for e in events(answer) if isinstance(e["data"], dict)
+               and e["data"]["choices"][0]["delta"].get("content")]
+    assert numbers == list(range(len(numbers))) and len(numbers) == 20_000
