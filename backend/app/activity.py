@@ -234,8 +234,12 @@ class ActivitySampler:
         clients: dict[EngineKey, EngineClient] = {}
         try:
             while True:
+                # A model of another GGUF Studio port (`upstream_model`) is not a
+                # llama-server: that port's /metrics counts no tokens, and one read per
+                # model of it each second would be the only load it saw from here.
                 engines = {(model, where): serving
-                           for model, where, serving in self.service.serving_engines()}
+                           for model, where, serving in self.service.serving_engines()
+                           if serving.upstream_model is None}
                 for key in [k for k, c in clients.items() if k not in engines
                             or (c.base_url, c.api_key) != (engines[k].base_url,
                                                           engines[k].api_key)]:

@@ -185,3 +185,38 @@ async def test_sampler_runs_and_reads_engine_tokens(monkeypatch: pytest.MonkeyPa
         await sampler.stop()
     assert hits and hits[0] == "/metrics"
     assert len(samples) >= 2
+
+
+async def test_the_models_of_another_gguf_studio_port_are_not_asked_for_engine_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its /metrics has no llama.cpp token counter: the sampler leaves it alone and still
+    reads the llama-server beside it."""
+    hits: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hits.append(request.url.host)
+        return httpx.Response(200, text="llamacpp:tokens_predicted_total 7\n")
+
+    class Service(FakeService):
+        def serving_engines(self) -> list[tuple[str, str, Serving]]:
+            return [("a", "upstream 1", Serving("http://studio.test", 2, upstream_model="a")),
+                    ("b", "upstream 1", Serving("http://studio.test", 2, upstream_model="b")),
+                    ("m", "upstream 2", Serving("http://engine.test", 1))]
+
+    class Client(httpx.AsyncClient):
+        def __init__(self, **kwargs):
+            super().__init__(transport=httpx.MockTransport(handler), **kwargs)
+
+    got = asyncio.Event()
+    sampler = ActivitySampler(Service(), lambda sample: None, interval=0.01,
+                              token_interval=0.01)
+    monkeypatch.setattr(httpx, "AsyncClient", Client)
+    monkeypatch.setattr(sampler, "count_tokens",
+                        lambda key, url, value: got.set() if len(hits) >= 3 else None)
+    try:
+        sampler.start()
+        await asyncio.wait_for(got.wait(), 5)
+    finally:
+        monkeypatch.undo()
+        await sampler.stop()
+    assert set(hits) == {"engine.test"}
