@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Callable
 
 import httpx
 import pytest
@@ -36,6 +37,14 @@ class FakeService:
 
 
 ENGINE = ("m", "this machine")
+
+
+def answered_by(handler: Callable[[httpx.Request], httpx.Response]) -> type[httpx.AsyncClient]:
+    """httpx's client with every request answered by `handler` (no engine to scrape)."""
+    class Client(httpx.AsyncClient):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(transport=httpx.MockTransport(handler), **kwargs)
+    return Client
 
 
 class Clock:
@@ -171,12 +180,8 @@ async def test_sampler_runs_and_reads_engine_tokens(monkeypatch: pytest.MonkeyPa
         if sample.tokens_generated == 42:
             got.set()
 
-    class Client(httpx.AsyncClient):
-        def __init__(self, **kwargs):
-            super().__init__(transport=httpx.MockTransport(handler), **kwargs)
-
     sampler = ActivitySampler(service, on_sample, interval=0.01, token_interval=0.01)
-    monkeypatch.setattr(httpx, "AsyncClient", Client)
+    monkeypatch.setattr(httpx, "AsyncClient", answered_by(handler))
     try:
         sampler.start()
         await asyncio.wait_for(got.wait(), 5)
@@ -203,14 +208,10 @@ async def test_the_models_of_another_gguf_studio_port_are_not_asked_for_engine_t
                     ("b", "upstream 1", Serving("http://studio.test", 2, upstream_model="b")),
                     ("m", "upstream 2", Serving("http://engine.test", 1))]
 
-    class Client(httpx.AsyncClient):
-        def __init__(self, **kwargs):
-            super().__init__(transport=httpx.MockTransport(handler), **kwargs)
-
     got = asyncio.Event()
     sampler = ActivitySampler(Service(), lambda sample: None, interval=0.01,
                               token_interval=0.01)
-    monkeypatch.setattr(httpx, "AsyncClient", Client)
+    monkeypatch.setattr(httpx, "AsyncClient", answered_by(handler))
     monkeypatch.setattr(sampler, "count_tokens",
                         lambda key, url, value: got.set() if len(hits) >= 3 else None)
     try:
