@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from bench.processes import HOST, Target, cpu_times
+from bench.processes import HOST, CpuMeter, Target
 
 CHAT = "/v1/chat/completions"
 
@@ -291,18 +291,12 @@ async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
     pids = {"upstream": upstream_pid}
     if target.pid is not None:
         pids["relay"] = target.pid
-    before = {k: cpu_times(p) for k, p in pids.items()}
-    client_before = time.process_time()
+    meter = CpuMeter(pids, client=True)
     started = time.perf_counter()
     clients = await asyncio.gather(*(one_stream(target.port, request, timeout, i * spread / streams)
                                      for i in range(streams)))
     wall = time.perf_counter() - started
-    cpu = {}
-    for k, p in pids.items():
-        user, system = cpu_times(p)
-        cpu[k] = user + system - sum(before[k])
-        cpu[k + "_sys"] = system - before[k][1]
-    cpu["client"] = time.process_time() - client_before
+    cpu = meter.spent()
     errors = 0
     ttfts = []
     for c in clients:
@@ -327,19 +321,13 @@ async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int
     pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
     if target.pid is not None:
         pids["relay"] = target.pid
-    before = {k: cpu_times(p) for k, p in pids.items()}
-    client_before = time.process_time()
+    meter = CpuMeter(pids, client=True)
     agents = [Agent(request, requests, expect_tokens) for _ in range(clients)]
     started = time.perf_counter()
     await asyncio.gather(*(agent.run(target.port, timeout * requests, i * spread / clients)
                            for i, agent in enumerate(agents)))
     wall = time.perf_counter() - started
-    cpu = {}
-    for k, p in pids.items():
-        user, system = cpu_times(p)
-        cpu[k] = user + system - sum(before[k])
-        cpu[k + "_sys"] = system - before[k][1]
-    cpu["client"] = time.process_time() - client_before
+    cpu = meter.spent()
     return Run(target.name, wall, sum(a.chunks for a in agents),
                [t for a in agents for t in a.ttfts], sum(a.errors for a in agents), cpu,
                reconnected=sum(a.reconnected for a in agents))

@@ -60,7 +60,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.load_generator import Run, chat_request, one_stream, run_closed_loop  # noqa: E402
-from bench.processes import (HOST, Processes, Target, cpu_times, free_port,  # noqa: E402
+from bench.processes import (HOST, CpuMeter, Processes, Target, free_port,  # noqa: E402
                              get_json, start_fake, start_helper, start_port, stop_children,
                              wait_until)
 from bench.report import (closed_loop_table, machine_note, pool_newcomer_table,  # noqa: E402
@@ -179,16 +179,12 @@ async def run_streams(name: str, relay_pid: int | None, upstream_pids: list[int]
     pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
     if relay_pid is not None:
         pids["relay"] = relay_pid
-    before = {k: cpu_times(p) for k, p in pids.items()}
+    meter = CpuMeter(pids)
     started = time.perf_counter()
     clients = await asyncio.gather(*(one_stream(p, chat_request(p, body), timeout, 0.0)
                                      for p in ports))
     wall = time.perf_counter() - started
-    cpu = {}
-    for k, p in pids.items():
-        user, system = cpu_times(p)
-        cpu[k] = user + system - sum(before[k])
-        cpu[k + "_sys"] = system - before[k][1]
+    cpu = meter.spent()
     errors, ttfts = 0, []
     for c in clients:
         if c.status == 200 and c.saw_done and c.tokens > 0 and (

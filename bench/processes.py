@@ -141,6 +141,26 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
+class CpuMeter:
+    """The CPU seconds each named process spends from now until `spent()`: `{name: user +
+    system, name + "_sys": system}`, and `"client"` (this process) when `client` is set."""
+
+    def __init__(self, pids: dict[str, int], *, client: bool = False) -> None:
+        self.pids = pids
+        self._before = {name: cpu_times(pid) for name, pid in pids.items()}
+        self._client = time.process_time() if client else None
+
+    def spent(self) -> dict[str, float]:
+        cpu = {}
+        for name, pid in self.pids.items():
+            user, system = cpu_times(pid)
+            cpu[name] = user + system - sum(self._before[name])
+            cpu[name + "_sys"] = system - self._before[name][1]
+        if self._client is not None:
+            cpu["client"] = time.process_time() - self._client
+        return cpu
+
+
 
 def port_env(config_dir: Path) -> dict[str, str]:
     """The environment of a `gguf-studio serve`: no saved settings, no GGUF_STUDIO_* leaking in."""

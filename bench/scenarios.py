@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from bench.load_generator import Run, StreamClient, chat_request, run_load, start_stream
-from bench.processes import Target, cpu_times, get_json
+from bench.processes import CpuMeter, Target, get_json
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -156,7 +156,7 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
             break
         await asyncio.sleep(0.005)
     pids = {"relay": target.pid} if target.pid is not None else {}
-    before = {k: cpu_times(p) for k, p in pids.items()}
+    meter = CpuMeter(pids)
     tokens_before = sum(c.tokens for c in clients)
     counted_before = upstream_counted(s.upstream_port)
     started = time.perf_counter()
@@ -169,11 +169,7 @@ async def run_steady(s: Steady, target: Target, arrivals: list[float]) -> Steady
     await asyncio.gather(*(t for _, t in joining))
     chunks = sum(c.tokens for c in clients) - tokens_before + sum(c.tokens for c, _ in joining)
     counted = upstream_counted(s.upstream_port) - counted_before
-    cpu = {}
-    for k, p in pids.items():
-        user, system = cpu_times(p)
-        cpu[k] = user + system - sum(before[k])
-        cpu[k + "_sys"] = system - before[k][1]
+    cpu = meter.spent()
     await asyncio.gather(*(t for _, t in flows))
     def ok(c: StreamClient, tokens: int) -> bool:
         return (c.status == 200 and c.saw_done and c.tokens > 0
