@@ -725,7 +725,8 @@ class Pool:
         (with that model's slots and cache, or one slot while it is loadable there) and
         retires (its running requests go on, its waiters keep their place for its other
         engines) as that port says.  A model that failed there refuses its waiters when
-        nothing else serves it, as a local one does."""
+        nothing else serves it, as a local one does; one gone from its list and from the
+        pool refuses them as unknown."""
         gone = [name for name in remote.names() if all(m.name != name for m in snapshot.models)]
         remote.models = snapshot.models
         remote.model = None
@@ -744,6 +745,12 @@ class Pool:
         for name in gone:
             self.registry.retire(f"{remote.engine_id}#{name}")
             remote.told.pop(name, None)
+            if name not in self.names():
+                # Nothing will serve it again: its waiters hear so now, not at their timeout.
+                listed = ", ".join(self.names()) or "none"
+                self.registry.refuse_waiting(ModelNotFound(
+                    f"The model {name!r} is no longer served here. Models: {listed}.",
+                    param="model"), name)
         if not snapshot.models and self.registry.current_of(remote.engine_id) is not None:
             self.registry.retire(remote.engine_id)
         self._sync_default_engine()

@@ -430,7 +430,7 @@ async def test_a_model_that_leaves_the_upstream_port_leaves_the_routing_here(ser
     """A fake GGUF Studio port (its models' states set at exact moments): a model that
     stops being ready there stops taking requests here, what ran on it goes on and its
     waiter keeps its place until it is back; one that failed there is a 503 here; one
-    gone from its list is gone from here."""
+    gone from its list is gone from here, and its waiter is told at once."""
     async with FakeUpstream(n_tokens=400, delay=0.01) as fake:
         fake.studio_health = studio_health(studio_model("a", "ready", 2), studio_model("b", "ready", 1))
         await service.attach_upstream(fake.base_url)
@@ -463,10 +463,16 @@ async def test_a_model_that_leaves_the_upstream_port_leaves_the_routing_here(ser
         assert answer.json()["error"]["code"] == "model_not_ready"
         assert "It did not load." in answer.json()["error"]["message"]
 
+        fake.studio_health = studio_health(studio_model("a", "unloading"), studio_model("b", "ready", 1))
+        await until(lambda: service.pool.status("a").residency is Residency.UNLOADING)
+        waiting_for_a = asyncio.create_task(client.post("/v1/chat/completions", json=chat("a")))
+        await until(lambda: service.registry.line("a").waiting == 1)
         fake.studio_health = studio_health(studio_model("b", "ready", 1))
         await until(lambda: service.pool.names() == ["b"])
-        answer = await client.post("/v1/chat/completions", json=chat("a"))
-        assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+        for answer in (await asyncio.wait_for(waiting_for_a, 10),  # not at its queue timeout
+                       await client.post("/v1/chat/completions", json=chat("a"))):
+            assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+            assert "Models: b." in answer.json()["error"]["message"]
 
 
 async def test_a_gguf_studio_port_older_than_the_pool_is_served_as_its_one_model(service, client):
