@@ -272,6 +272,12 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
             pass
 
     def report(model: str, snapshot: Snapshot) -> None:
+        if snapshot.state is State.STOPPED and model in service.pool.names():
+            # Stopped here is unloaded or evicted in the pool: say so, and what brings it back.
+            status = service.pool.status(model)
+            print(f"[{status.residency.value}] {model}"
+                  + (f": {status.decision}" if status.decision else ""), flush=True)
+            return
         line = f"[{snapshot.state.value}] {snapshot.model_id or model}"
         serving = snapshot.serving
         if serving is not None:

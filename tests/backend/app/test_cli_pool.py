@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,3 +199,42 @@ def test_serve_with_two_models_answers_each_by_name_and_lists_both(tiny_model, s
         proc.kill()
         not_none(proc.stdout).close()
         not_none(proc.stderr).close()
+
+
+def test_serve_over_a_gguf_studio_port_says_which_of_its_models_load_on_demand(
+        tiny_model, llama_server_binary, tmp_path):
+    """A model the port behind lists but has not loaded is printed as unloaded there and
+    loaded by its first request, not as a stopped engine."""
+    from backend.llama.supervisor import pick_free_port
+    from tests.backend.llama.test_remote_engine import end_studio, start_studio
+
+    port = pick_free_port()
+    inner_home = tmp_path / "inner"
+    inner_home.mkdir()
+    later = shutil.copy(tiny_model, inner_home / "later.gguf")
+    (inner_home / "pool.toml").write_text(
+        f'[[model]]\nname = "later"\npath = "{later}"\npreload = false\n')
+    inner = start_studio(inner_home, llama_server_binary, tiny_model, port,
+                         extra=("--models-file", str(inner_home / "pool.toml"),
+                                "--default-model", "tiny"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_STATE_HOME=str(tmp_path / "state"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--upstream", f"http://127.0.0.1:{port}",
+         "--upstream-api-key", "studio-key-0123456789", "--port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        said: dict[str, str] = {}
+        for line in not_none(proc.stdout):
+            if line.startswith("["):
+                said[line.split()[1].rstrip(":")] = line.strip()
+            if said.get("tiny", "").startswith("[ready]") and "later" in said:
+                break
+        assert said["later"] == "[unloaded] later: unloaded at upstream 1: loaded there by its first request"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        not_none(proc.stdout).close()
+        end_studio(inner)
