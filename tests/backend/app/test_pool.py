@@ -411,8 +411,10 @@ async def test_a_model_a_gguf_studio_upstream_can_load_is_routed_there_one_at_a_
             text = "".join(_delta(line) for line in lines if line.startswith("data: {"))
             assert "Paris" in text  # smol's answer, not the upstream's default (tiny)
         assert any(line.startswith(":") for line in done[1])  # kept alive while it waited here
+        # Learnt at this port's next health check of that port (each second): both answers
+        # may end before it.
+        await until(lambda: service.pool.status("smol").residency is Residency.READY)
         ready = service.pool.status("smol")
-        assert ready.residency is Residency.READY
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
             (there,) = engines_of((await probe.get("/health")).json(), "smol")
         assert [(e.state, e.slots, e.kv) for e in ready.engines] == [
