@@ -353,7 +353,8 @@ _names = st.text(st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Zl", "Zp
        ttl=st.integers(0, 10**6), ctx=st.integers(0, 10**6), key=st.text(
            st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=30))
 def test_any_configuration_round_trips_through_its_file(names, ttl, ctx, key):
-    models = tuple(ModelEntry.for_file(f"/m/{i}/{name}.gguf", name, settings=LoadSettings(ctx_size=ctx),
+    # The path is the file's, normalised as read ("/m/0//.gguf" would read as "/m/0/.gguf").
+    models = tuple(ModelEntry.for_file(f"/m/{i}/model.gguf", name, settings=LoadSettings(ctx_size=ctx),
                                        idle_ttl=float(ttl), aliases=(f"{name}-{i}-alias",))
                    for i, name in enumerate(names))
     config = PoolConfig(models, (UpstreamEntry("http://h:1", key, KvLayout.UNIFIED),), names[-1], 512)
