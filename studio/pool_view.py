@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.app.pool import ModelStatus, UpstreamStatus
+from backend.app.pool_status import ModelStatus, UpstreamStatus
 from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_slots,
                                     describe_where, model_actions)
 

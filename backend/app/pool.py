@@ -2,12 +2,11 @@
 
 A model is either a GGUF file on this machine (a `ModelEntry`, run by its own
 `Supervisor`: its own llama-server, key, report, restarts, logs, slots and KV), or what
-an engine elsewhere serves (an `UpstreamEntry` watched by a `RemoteEngine`).  Every
-engine that serves joins its model's admission line under its own key (base URL), so
-the admission sees each engine's own slots and KV, and a waiter goes to whichever engine
-of its model has room first.  Another GGUF Studio port gives one engine per model it
-serves or can load (key: its address and the model), each following that model's state
-there: ready, loadable (one request at a time, which loads it there), or out.
+an engine elsewhere serves (an `UpstreamEntry` watched by a `RemoteEngine`; followed by
+`backend.app.pool_upstreams`).  Every engine that serves joins its model's admission
+line under its own key (base URL), so the admission sees each engine's own slots and
+KV, and a waiter goes to whichever engine of its model has room first.  What the pool
+says of its models and engines is `backend.app.pool_status`.
 
 Residency of local models follows the fit estimate (`backend.models.fit`):
 
@@ -28,89 +27,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
                             RequestError)
 from backend.listeners import Listeners
-from backend.llama.load import LoadBackend, LoadSpec, ServedModel, Serving, Snapshot, State
-from backend.llama.remote_engine import RemoteEngine
+from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.port.admission import AdmissionRegistry
 from backend.app.pool_config import ModelEntry, UpstreamEntry
+from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,
+                                     engine_status)
+from backend.app.pool_upstreams import Upstreams
 from backend.settings import Settings
 
-__all__ = ["EMBEDDINGS_ROUTE", "EngineStatus", "ModelStatus", "Pool", "Residency",
-           "UpstreamStatus"]
+__all__ = ["EMBEDDINGS_ROUTE", "Pool"]
 
 log = logging.getLogger("gguf_studio.pool")
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
-#: Where a local model's engine runs, in the window, /health and the metrics' labels.
-HERE = "this machine"
 #: How often idle models are looked at for their idle TTL (at most).
 IDLE_CHECK_INTERVAL = 1.0
 #: How long requests ended by an unload get to close their engine connections.
 ABORT_WAIT = 5.0
-
-
-class Residency(enum.Enum):
-    """Where a local model is in its life; a remote one is READY or UNLOADED."""
-
-    UNLOADED = "unloaded"  #: known, not in memory: loaded on its first request
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-    EVICTED = "evicted"  #: unloaded to make room or for idleness; loaded again on demand
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class EngineStatus:
-    """One engine serving a model, for the window and /health (no paths, no keys)."""
-
-    id: str  #: "local:<model>" or "remote:<url>"
-    where: str  #: "this machine" (HERE) or "upstream N" (addresses stay out of /health)
-    state: str
-    slots: int | None
-    kv: dict[str, object] | None
-    active: int
-    waiting: int
-    reserved_tokens: int
-    note: str | None = None
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    name: str
-    aliases: tuple[str, ...]
-    local: bool
-    residency: Residency
-    pinned: bool
-    idle_ttl: float
-    embeddings: bool
-    default: bool
-    context_length: int | None  #: what one request may use (prompt + output), when known
-    decision: str  #: the last residency decision and its reason
-    error: str | None
-    engines: tuple[EngineStatus, ...]
-
-
-@dataclass(frozen=True)
-class UpstreamStatus:
-    """An engine elsewhere as its operator sees it in the window: its address (never its
-    key), what it serves and how busy it is.  `engine.where` is its stable "upstream N"."""
-
-    url: str
-    kv_layout: str | None  #: "split" or "unified" as stated; None: not stated
-    error: str | None  #: why it is out of the pool right now, if it is
-    models: tuple[str, ...]  #: the model it serves first, then others it lists
-    engine: EngineStatus
 
 
 class _Local:
@@ -135,63 +77,6 @@ class _Local:
         return self.residency in (Residency.LOADING, Residency.READY, Residency.UNLOADING)
 
 
-class _Remote:
-    """An engine elsewhere: one engine here for a llama-server (or a GGUF Studio port
-    older than the pool), one per model for a GGUF Studio port that lists its models."""
-
-    def __init__(self, entry: UpstreamEntry, backend: RemoteEngine, number: int) -> None:
-        self.entry = entry
-        self.backend = backend
-        self.number = number  # "upstream N" while it is in the pool, whoever leaves meanwhile
-        self.model: str | None = None  # the name it serves (one model), once it answered
-        #: What a GGUF Studio port with several models lists, as last read (also while it
-        #: is out, so its models stay known); () for an engine of one model.
-        self.models: tuple[ServedModel, ...] = ()
-        #: Each model's own snapshot as last told to the listeners.
-        self.told: dict[str, Snapshot] = {}
-
-    @property
-    def where(self) -> str:
-        return f"upstream {self.number}"
-
-    @property
-    def engine_id(self) -> str:
-        return f"remote:{self.backend.base_url}"
-
-    @property
-    def serving(self) -> bool:
-        """It answers healthy now (its models' states are fresh)."""
-        return self.backend.snapshot.state is State.READY
-
-    def names(self) -> list[str]:
-        if self.models:
-            return [model.name for model in self.models]
-        return [self.model] if self.model is not None else []
-
-    def served(self, name: str) -> ServedModel | None:
-        return next((model for model in self.models if model.name == name), None)
-
-    def engine_of(self, name: str) -> str:
-        """The engine slot (in the admission registry) of its model `name`."""
-        return f"{self.engine_id}#{name}" if self.models else self.engine_id
-
-    def model_snapshot(self, name: str) -> Snapshot:
-        """Model `name`'s own view: READY with its own `Serving` while it is ready there;
-        loading, failed or stopped as that port says; the upstream's state while it is out."""
-        snapshot = self.backend.snapshot
-        if not self.models:
-            return snapshot
-        base = dataclasses.replace(snapshot, model_id=name, models=())
-        if snapshot.state is not State.READY:
-            return base
-        served = self.served(name)
-        if served is not None and served.state == State.READY.value and served.serving is not None:
-            return dataclasses.replace(base, serving=served.serving)
-        state = _REMOTE_STATES.get(served.state if served is not None else "", State.STOPPED)
-        return dataclasses.replace(base, state=state, serving=None,
-                                   error=served.error if served is not None else None)
-
-
 class Pool:
     """Local models and remote engines behind one port; see the module docstring."""
 
@@ -211,7 +96,10 @@ class Pool:
         self._estimate = estimate
         self._clock = clock
         self._locals: dict[str, _Local] = {}
-        self._remotes: dict[str, _Remote] = {}
+        self._upstreams = Upstreams(registry, names=self.names,
+                                    default_changed=self._sync_default_engine,
+                                    changed=lambda: self._changed_listeners(),
+                                    told=lambda model, snapshot: self._listeners(model, snapshot))
         self._default: str | None = None
         self.memory_limit_mib = 0
         self._listeners: Listeners[[str, Snapshot]] = Listeners(log, "pool listener")
@@ -252,8 +140,7 @@ class Pool:
         """Every model the pool serves or can load, local ones first."""
         names = [name for name, m in self._locals.items() if not m.entry.embeddings]
         names += [name for name, m in self._locals.items() if m.entry.embeddings]
-        for remote in self._remotes.values():  # a model several upstreams serve: once
-            names += [name for name in remote.names() if name not in names]
+        names += [name for name in self._upstreams.names() if name not in names]
         return names
 
     def resolve(self, path: str, requested: object) -> str:
@@ -269,10 +156,9 @@ class Pool:
                 for name, m in self._locals.items():
                     if m.entry.embeddings:
                         return name
-                for remote in self._remotes.values():
-                    for served in remote.models:
-                        if served.embeddings:
-                            return served.name
+                elsewhere = self._upstreams.embeddings_model()
+                if elsewhere is not None:
+                    return elsewhere
             default = self.default_model
             if default is None:
                 raise ModelNotReady("No model is loaded right now. Try again later.",
@@ -305,7 +191,8 @@ class Pool:
             if not local.resident and local.loading is None:
                 self._start_loading(local, why="loaded on demand")
         elif not self._serves_now(name) and not self.registry.busy(name):
-            failed = [served for _remote, served in self._served(name) if served.state == "failed"]
+            failed = [served for _upstream, served in self._upstreams.serving(name)
+                      if served.state == "failed"]
             if failed:
                 raise ModelNotReady(f"The model {name} failed to load where it runs. "
                                     f"{failed[0].error or ''}".strip(), retry_after=RETRY_SOON)
@@ -315,7 +202,7 @@ class Pool:
         """Whether a request for `name` must name it to its engines: another GGUF Studio
         port serving several models routes by the name, and a request naming none would
         go to that port's own default model."""
-        return any(remote.models and name in remote.names() for remote in self._remotes.values())
+        return self._upstreams.must_name(name)
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(name) for name in self.names()]
@@ -336,25 +223,7 @@ class Pool:
             return ModelStatus(name, entry.aliases, True, local.residency, entry.pinned,
                                entry.idle_ttl, entry.embeddings, name == self.default_model,
                                context, local.decision, local.error, engines)
-        ready = any(e.state == State.READY.value for e in engines)
-        served = self._served(name)
-        if not served:
-            return ModelStatus(name, (), False, Residency.READY if ready else Residency.UNLOADED,
-                               True, 0.0, False, name == self.default_model, context,
-                               "served by an engine elsewhere", None, engines)
-        remote, model = served[0]
-        residency = Residency.READY if ready else _residency(model.state)
-        if ready:
-            decision = "served by an engine elsewhere"
-        elif model.serving is not None:
-            decision = f"{model.state} at {remote.where}: loaded there by its first request"
-        else:
-            decision = f"{model.state} at {remote.where}"
-        if context is None:
-            context = model.context_length
-        return ModelStatus(name, model.aliases, False, residency, True, 0.0,
-                           any(m.embeddings for _r, m in served), name == self.default_model,
-                           context, decision, None if ready else model.error, engines)
+        return self._upstreams.model_status(name, engines, context, name == self.default_model)
 
     def snapshot(self, name: str | None = None) -> Snapshot:
         """The snapshot of `name`'s engine (the default model's when None)."""
@@ -365,17 +234,14 @@ class Pool:
         if local is not None:
             return local.supervisor.snapshot if local.supervisor is not None else Snapshot(
                 model_id=name, model_path=local.entry.path)
-        found = [remote.model_snapshot(name) for remote in self._remotes.values()
-                 if name in remote.names()]
-        return next((s for s in found if s.state is State.READY), found[0] if found else Snapshot())
+        elsewhere = self._upstreams.snapshot(name)
+        return elsewhere if elsewhere is not None else Snapshot()
 
     def backends(self) -> list[tuple[str, LoadBackend]]:
         """(model, backend) of every engine, for logs and the window."""
         found: list[tuple[str, LoadBackend]] = [
             (name, m.supervisor) for name, m in self._locals.items() if m.supervisor is not None]
-        found += [(r.model or r.backend.snapshot.model_id or r.backend.base_url, r.backend)
-                  for r in self._remotes.values()]
-        return found
+        return found + self._upstreams.backends()
 
     # --- local models ------------------------------------------------------------------
 
@@ -503,48 +369,17 @@ class Pool:
 
     async def add_upstream(self, entry: UpstreamEntry) -> Snapshot:
         """Watch an engine elsewhere; it joins when it answers healthy."""
-        backend = RemoteEngine(entry.url, api_key=entry.api_key, kv_layout=entry.kv_layout)
-        if backend.base_url in self._remotes:
-            await self.remove_upstream(backend.base_url)
-        taken = {r.number for r in self._remotes.values()}
-        number = next(n for n in range(1, len(taken) + 2) if n not in taken)
-        remote = _Remote(entry, backend, number)
-        self._remotes[backend.base_url] = remote
-        backend.add_listener(lambda snapshot: self._on_remote_snapshot(remote, snapshot))
-        self._changed_listeners()
-        return await backend.start()
+        return await self._upstreams.add(entry)
 
     async def remove_upstream(self, url: str) -> None:
-        remote = self._remotes.pop(url, None) or next(
-            (r for r in self._remotes.values() if r.entry.url == url), None)
-        if remote is None:
-            return
-        self._remotes.pop(remote.backend.base_url, None)
-        self.registry.retire(remote.engine_id)
-        for name in remote.names():
-            self.registry.retire(remote.engine_of(name))
-        await remote.backend.close()
-        self._changed_listeners()
+        await self._upstreams.remove(url)
 
     def upstreams(self) -> list[tuple[UpstreamEntry, Snapshot]]:
-        return [(r.entry, r.backend.snapshot) for r in self._remotes.values()]
+        return self._upstreams.entries()
 
     def upstream_statuses(self) -> list[UpstreamStatus]:
         """Every engine elsewhere, serving or not, in the order they were added."""
-        found = []
-        for remote in self._remotes.values():
-            snapshot = remote.backend.snapshot
-            serving = snapshot.serving
-            models = remote.names()
-            if serving is not None:
-                models += [m.id for m in serving.upstream_models if m.id not in models]
-            layout = remote.entry.kv_layout
-            engine = (self._engines_together(remote) if remote.models else
-                      self._engine_status(remote.engine_id, remote.where, snapshot))
-            found.append(UpstreamStatus(
-                remote.backend.base_url, layout.value if layout is not None else None,
-                snapshot.error if serving is None else None, tuple(models), engine))
-        return found
+        return self._upstreams.statuses()
 
     def serving_engines(self) -> list[tuple[str, str, Serving]]:
         """(model, where, serving) of every engine that serves now, here or elsewhere:
@@ -552,9 +387,7 @@ class Pool:
         found: list[tuple[str, str, Serving | None]] = [
             (name, HERE, m.supervisor.snapshot.serving)
             for name, m in self._locals.items() if m.supervisor is not None]
-        for remote in self._remotes.values():
-            for name in remote.names():
-                found.append((name, remote.where, remote.model_snapshot(name).serving))
+        found += self._upstreams.serving_engines()
         return [(model, where, serving) for model, where, serving in found if serving is not None]
 
     async def close(self) -> None:
@@ -563,8 +396,7 @@ class Pool:
             await asyncio.gather(self._idle_task, return_exceptions=True)
             self._idle_task = None
         await self.unload_all()
-        for url in list(self._remotes):
-            await self.remove_upstream(url)
+        await self._upstreams.close()
 
     # --- loading and residency ----------------------------------------------------------
 
@@ -704,158 +536,36 @@ class Pool:
                     ModelNotReady("The model stopped working.", retry_after=RETRY_SOON), name)
         self._listeners(name, snapshot)
 
-    def _on_remote_snapshot(self, remote: _Remote, snapshot: Snapshot) -> None:
-        if snapshot.models or remote.models:
-            self._follow_remote_models(remote, snapshot)
-            if snapshot.models:
-                return
-        if snapshot.serving is not None and snapshot.model_id:
-            remote.model = snapshot.model_id
-            self._sync_default_engine()
-            self.registry.activate(snapshot.serving, model=snapshot.model_id,
-                                   engine=remote.engine_id, label=remote.where)
-            self._changed_listeners()
-        elif self.registry.current_of(remote.engine_id) is not None:
-            self.registry.retire(remote.engine_id)
-            self._changed_listeners()
-        self._listeners(remote.model or remote.backend.base_url, snapshot)
-
-    def _follow_remote_models(self, remote: _Remote, snapshot: Snapshot) -> None:
-        """Each model a GGUF Studio port lists is an engine of its own here: it serves
-        (with that model's slots and cache, or one slot while it is loadable there) and
-        retires (its running requests go on, its waiters keep their place for its other
-        engines) as that port says.  A model that failed there refuses its waiters when
-        nothing else serves it, as a local one does; one gone from its list and from the
-        pool refuses them as unknown."""
-        gone = [name for name in remote.names() if all(m.name != name for m in snapshot.models)]
-        remote.models = snapshot.models
-        remote.model = None
-        ready = snapshot.state is State.READY
-        for model in snapshot.models:
-            engine = remote.engine_of(model.name)
-            if ready and model.serving is not None:
-                self.registry.activate(model.serving, model=model.name, engine=engine,
-                                       label=remote.where)
-            elif self.registry.current_of(engine) is not None:
-                self.registry.retire(engine)
-            if ready and model.state == "failed":
-                self.registry.refuse_waiting(ModelNotReady(
-                    f"The model {model.name} failed to load where it runs.",
-                    retry_after=RETRY_SOON), model.name)
-        for name in gone:
-            self.registry.retire(f"{remote.engine_id}#{name}")
-            remote.told.pop(name, None)
-            if name not in self.names():
-                # Nothing will serve it again: its waiters hear so now, not at their timeout.
-                listed = ", ".join(self.names()) or "none"
-                self.registry.refuse_waiting(ModelNotFound(
-                    f"The model {name!r} is no longer served here. Models: {listed}.",
-                    param="model"), name)
-        if not snapshot.models and self.registry.current_of(remote.engine_id) is not None:
-            self.registry.retire(remote.engine_id)
-        self._sync_default_engine()
-        self._changed_listeners()
-        for name in remote.names():
-            told = remote.model_snapshot(name)
-            if remote.told.get(name) != told:
-                remote.told[name] = told
-                self._listeners(name, told)
-
     # --- helpers ---------------------------------------------------------------------
 
     def _sync_default_engine(self) -> None:
         """The registry's `current` is the default model's engine (what a port with
         one model calls "the load")."""
         name = self.default_model
-        engine = ""
-        if name in self._locals:
-            engine = self._locals[name].engine_id
+        if name is None:
+            self.registry.default_engine = ""
+        elif name in self._locals:
+            self.registry.default_engine = self._locals[name].engine_id
         else:
-            engine = next((r.engine_of(name) for r in self._remotes.values()
-                           if name is not None and name in r.names()), "")
-        self.registry.default_engine = engine
+            self.registry.default_engine = self._upstreams.engine_for(name)
 
     def _engine_statuses(self, name: str) -> list[EngineStatus]:
         found = []
         local = self._locals.get(name)
         if local is not None:
-            found.append(self._engine_status(local.engine_id, HERE,
-                                             self.snapshot(name)))
-        for remote in self._remotes.values():
-            served = remote.served(name)
-            if served is not None:
-                found.append(self._served_status(remote, served))
-            elif not remote.models and remote.model == name:
-                found.append(self._engine_status(remote.engine_id, remote.where,
-                                                 remote.backend.snapshot))
-        return found
-
-    def _served_status(self, remote: _Remote, served: ServedModel) -> EngineStatus:
-        """A model of a GGUF Studio port: its state as that port says while it answers."""
-        status = self._engine_status(remote.engine_of(served.name), remote.where,
-                                     remote.model_snapshot(served.name))
-        if not remote.serving:
-            return status
-        serving = served.serving
-        return dataclasses.replace(
-            status, state=served.state, slots=serving.slots if serving is not None else None,
-            note=serving.kv_note if serving is not None else None)
-
-    def _engines_together(self, remote: _Remote) -> EngineStatus:
-        """A GGUF Studio port as one row: what its ready models hold together."""
-        snapshot = remote.backend.snapshot
-        engines = [self._served_status(remote, m) for m in remote.models]
-        ready = [e for e in engines if e.state == State.READY.value and e.slots]
-        caches = [e.kv for e in ready if e.kv is not None]
-        kv: dict[str, object] | None = None
-        if caches:
-            kv = {"total": sum(int(str(c["total"])) for c in caches),
-                  "per_request": max(int(str(c["per_request"])) for c in caches),
-                  "unified": any(c["unified"] is True for c in caches)}
-        return EngineStatus(
-            remote.where, remote.where,
-            "restarting" if snapshot.restarting else snapshot.state.value,
-            sum(e.slots or 0 for e in ready) or None, kv,
-            sum(e.active for e in engines), sum(e.waiting for e in engines),
-            sum(e.reserved_tokens for e in engines))
-
-    def _served(self, name: str) -> list[tuple[_Remote, ServedModel]]:
-        """Model `name` in every GGUF Studio port that answers now and lists it."""
-        found = []
-        for remote in self._remotes.values():
-            served = remote.served(name)
-            if served is not None and remote.serving:
-                found.append((remote, served))
-        return found
+            found.append(engine_status(self.registry, local.engine_id, HERE, self.snapshot(name)))
+        return found + self._upstreams.engine_statuses(name)
 
     def _serves_now(self, name: str) -> bool:
         line = self.registry.find_line(name)
         return line is not None and bool(line.engines)
 
-    def _engine_status(self, engine_id: str, where: str, snapshot: Snapshot) -> EngineStatus:
-        serving = snapshot.serving
-        queue = self.registry.current_of(engine_id)
-        return EngineStatus(
-            engine_id if engine_id.startswith("local:") else where, where,
-            "restarting" if snapshot.restarting else snapshot.state.value,
-            serving.slots if serving is not None else None,
-            serving.kv.to_dict() if serving is not None and serving.kv is not None else None,
-            queue.active if queue is not None else 0,
-            queue.line.waiting if queue is not None else 0,
-            queue.reserved_tokens if queue is not None else 0,
-            serving.kv_note if serving is not None else None)
-
     def _all_names(self) -> list[tuple[str, tuple[str, ...]]]:
         found = [(name, m.entry.names) for name, m in self._locals.items()]
-        for remote in self._remotes.values():
-            if remote.models:
-                found += [(m.name, (m.name, *m.aliases)) for m in remote.models]
-            elif remote.model is not None:
-                found.append((remote.model, (remote.model,)))
-        return found
+        return found + self._upstreams.all_names()
 
     def _known(self, name: str) -> bool:
-        return name in self._locals or any(name in r.names() for r in self._remotes.values())
+        return name in self._locals or name in self._upstreams.names()
 
     def _check_names(self, entry: ModelEntry) -> None:
         for name, names in self._all_names():
@@ -892,17 +602,6 @@ class Pool:
             pass
         finally:
             self.registry.remove_listener(listener)
-
-
-#: A model's state as another GGUF Studio port says it, as an engine state here.
-_REMOTE_STATES = {"loading": State.STARTING, "failed": State.FAILED}
-
-
-def _residency(state: str) -> Residency:
-    try:
-        return Residency(state)
-    except ValueError:
-        return Residency.UNLOADED
 
 
 def printable(text: str) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.app.pool import EngineStatus, ModelStatus, Pool, Residency, UpstreamStatus
+from backend.app.pool import Pool
+from backend.app.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
 from backend.llama.load import State
 
 __all__ = ["PoolState", "describe_health", "describe_kv", "describe_slots", "describe_where",

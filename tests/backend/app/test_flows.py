@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from backend.app.pool import Residency
+from backend.app.pool_status import Residency
 from backend.app.pool_config import ModelEntry
 from backend.app.service import StudioService
 from backend.key_store import KeyStore, Priority

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.app.pool import Residency
+from backend.app.pool_status import Residency
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.service import StudioService, estimate_model_bytes
 from backend.llama.kv_capacity import KvCapacity, KvLayout

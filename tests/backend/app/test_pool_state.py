@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.app.pool import EngineStatus, ModelStatus, Residency, UpstreamStatus
+from backend.app.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
 from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_slots,
                                     describe_where, model_actions)
 

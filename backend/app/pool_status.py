@@ -1,0 +1,96 @@
+"""What the pool says about its models and the engines serving them: the values the
+window, `/health`, the metrics and `serve` read (no paths, no keys), and how one engine's
+snapshot and admission queue make an `EngineStatus`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from backend.llama.load import Snapshot
+from backend.port.admission import AdmissionRegistry
+
+__all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
+           "engine_status", "residency_of"]
+
+#: Where a local model's engine runs, in the window, /health and the metrics' labels.
+HERE = "this machine"
+
+
+class Residency(enum.Enum):
+    """Where a local model is in its life; a remote one is READY or UNLOADED."""
+
+    UNLOADED = "unloaded"  #: known, not in memory: loaded on its first request
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    EVICTED = "evicted"  #: unloaded to make room or for idleness; loaded again on demand
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One engine serving a model, for the window and /health (no paths, no keys)."""
+
+    id: str  #: "local:<model>" or "remote:<url>"
+    where: str  #: "this machine" (HERE) or "upstream N" (addresses stay out of /health)
+    state: str
+    slots: int | None
+    kv: dict[str, object] | None
+    active: int
+    waiting: int
+    reserved_tokens: int
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    aliases: tuple[str, ...]
+    local: bool
+    residency: Residency
+    pinned: bool
+    idle_ttl: float
+    embeddings: bool
+    default: bool
+    context_length: int | None  #: what one request may use (prompt + output), when known
+    decision: str  #: the last residency decision and its reason
+    error: str | None
+    engines: tuple[EngineStatus, ...]
+
+
+@dataclass(frozen=True)
+class UpstreamStatus:
+    """An engine elsewhere as its operator sees it in the window: its address (never its
+    key), what it serves and how busy it is.  `engine.where` is its stable "upstream N"."""
+
+    url: str
+    kv_layout: str | None  #: "split" or "unified" as stated; None: not stated
+    error: str | None  #: why it is out of the pool right now, if it is
+    models: tuple[str, ...]  #: the model it serves first, then others it lists
+    engine: EngineStatus
+
+
+def engine_status(registry: AdmissionRegistry, engine_id: str, where: str,
+                  snapshot: Snapshot) -> EngineStatus:
+    """Engine `engine_id` as its snapshot and its admission queue have it now."""
+    serving = snapshot.serving
+    queue = registry.current_of(engine_id)
+    return EngineStatus(
+        engine_id if engine_id.startswith("local:") else where, where,
+        "restarting" if snapshot.restarting else snapshot.state.value,
+        serving.slots if serving is not None else None,
+        serving.kv.to_dict() if serving is not None and serving.kv is not None else None,
+        queue.active if queue is not None else 0,
+        queue.line.waiting if queue is not None else 0,
+        queue.reserved_tokens if queue is not None else 0,
+        serving.kv_note if serving is not None else None)
+
+
+def residency_of(state: str) -> Residency:
+    """A model's state as another GGUF Studio port says it, as a residency here."""
+    try:
+        return Residency(state)
+    except ValueError:
+        return Residency.UNLOADED
