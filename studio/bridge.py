@@ -433,13 +433,15 @@ class ServiceBridge(QObject):
 
     def _publish_pool(self) -> None:
         if not self.backend_thread.loop.is_closed():
-            self._post(self._set_pool_state, PoolState.of(self.service.pool))
+            self._post(self._set_pool_state, PoolState.of(self.service.pool, self.service.metrics))
 
     def _set_pool_state(self, state: PoolState) -> None:
         self.pool_state = state
         self.pool_changed.emit(state)
 
     def _on_sample(self, sample: ActivitySample) -> None:
+        # Counts change with answers, which need not change the pool: read again each second.
+        self._pool_watch.poke()
         try:
             self.activity_sampled.emit(sample)
         except RuntimeError:

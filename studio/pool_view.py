@@ -28,15 +28,16 @@ from PySide6.QtWidgets import (
 )
 
 from backend.app.pool_status import ModelStatus, UpstreamStatus
-from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_slots,
-                                    describe_where, model_actions)
+from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
+                                    describe_slots, describe_where, model_actions)
+from backend.port.metrics import ModelTotals
 
 from studio.widgets import secondary_label
 
 __all__ = ["ModelRow", "PoolView", "UpstreamRow"]
 
-MODEL_COLUMNS = ("Model", "Runs on", "State", "Slots busy", "KV in use", "Pinned", "Idle TTL",
-                 "Last decision", "")
+MODEL_COLUMNS = ("Model", "Runs on", "State", "Slots busy", "KV in use", "Requests", "Pinned",
+                 "Idle TTL", "Last decision", "")
 UPSTREAM_COLUMNS = ("Engine", "Address", "Health", "Models", "Slots busy", "KV in use", "Note", "")
 KV_LAYOUTS = (("Unknown", ""), ("Split (each slot its own)", "split"),
               ("Unified (one shared pool)", "unified"))
@@ -121,7 +122,7 @@ class PoolView(QWidget):
             self.model_rows = _rebuild(self.models, names,
                                        lambda row, name: ModelRow(self, row, name))
         for row, status in zip(self.model_rows.values(), state.models):
-            row.show(status)
+            row.show(status, state.requests.get(status.name))
         self.models_empty.setVisible(not names)
         urls = [u.url for u in state.upstreams]
         if urls != list(self.upstream_rows):
@@ -191,13 +192,13 @@ class ModelRow:
         table.setCellWidget(row, len(MODEL_COLUMNS) - 1, actions)
         self._ttl_shown = -1
 
-    def show(self, status: ModelStatus) -> None:
+    def show(self, status: ModelStatus, requests: ModelTotals | None = None) -> None:
         name = status.name + (" (default)" if status.default else "")
         # An engine elsewhere keeps its model as its operator says: no pin, TTL or buttons.
         managed_here = "" if status.local else "—"
         texts = (name, describe_where(status.engines), status.residency.value,
-                 describe_slots(status.engines), describe_kv(status.engines), managed_here,
-                 managed_here, status.decision, "")
+                 describe_slots(status.engines), describe_kv(status.engines),
+                 describe_requests(requests), managed_here, managed_here, status.decision, "")
         for cell, text in zip(self.cells, texts):
             if cell.text() != text:
                 cell.setText(text)

@@ -1,31 +1,38 @@
 """The pool as the window shows it: a frozen picture taken on the service's loop, and the
 words for each cell (so the widgets only render them).
 
-`PoolState.of(pool)` reads the pool where it lives; the value may then cross to any
-thread.  Nothing here holds a key: upstreams are shown by their address only.
+`PoolState.of(pool, metrics)` reads the pool (and each model's request counts) where it
+lives; the value may then cross to any thread.  Nothing here holds a key: upstreams are
+shown by their address only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.app.pool import Pool
 from backend.app.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
 from backend.llama.load import State
+from backend.port.metrics import Metrics, ModelTotals
 
-__all__ = ["PoolState", "describe_health", "describe_kv", "describe_slots", "describe_where",
-           "model_actions"]
+__all__ = ["PoolState", "describe_health", "describe_kv", "describe_requests", "describe_slots",
+           "describe_where", "model_actions"]
 
 
 @dataclass(frozen=True)
 class PoolState:
     models: tuple[ModelStatus, ...] = ()
     upstreams: tuple[UpstreamStatus, ...] = ()
+    #: Each model's requests since the port started (as `/health` counts them).
+    requests: dict[str, ModelTotals] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, pool: Pool) -> PoolState:
-        """What `pool` holds now.  Call on the pool's loop."""
-        return cls(tuple(pool.statuses()), tuple(pool.upstream_statuses()))
+    def of(cls, pool: Pool, metrics: Metrics | None = None) -> PoolState:
+        """What `pool` holds now, with each model's counts from `metrics`.  Call on the
+        pool's loop."""
+        models = tuple(pool.statuses())
+        requests = {} if metrics is None else {m.name: metrics.model_totals(m.name) for m in models}
+        return cls(models, tuple(pool.upstream_statuses()), requests)
 
     def model(self, name: str) -> ModelStatus | None:
         return next((m for m in self.models if m.name == name), None)
@@ -77,6 +84,18 @@ def describe_kv(engines: tuple[EngineStatus, ...] | EngineStatus) -> str:
         return "—"
     total = sum(int(str(e.kv["total"])) for e in known if e.kv is not None)
     return f"{sum(e.reserved_tokens for e in known):,} / {total:,}"
+
+
+def describe_requests(totals: ModelTotals | None) -> str:
+    """A model's requests since the port started: "12", "12, 1 refused, 2 cancelled"."""
+    if totals is None:
+        return "—"
+    text = f"{totals.answered:,}"
+    if totals.refused:
+        text += f", {totals.refused:,} refused"
+    if totals.cancelled:
+        text += f", {totals.cancelled:,} cancelled"
+    return text
 
 
 def describe_health(upstream: UpstreamStatus) -> str:

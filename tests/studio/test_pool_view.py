@@ -16,8 +16,10 @@ from PySide6.QtWidgets import QTableWidget
 from pytestqt.exceptions import TimeoutError as WaitTimeout
 
 from backend.app.pool_config import model_name
+from backend.app.pool_state import describe_requests
 from backend.llama.load import State
 from backend.llama.supervisor import pick_free_port
+from backend.port.metrics import ModelTotals
 from studio.pool_view import MODEL_COLUMNS, UPSTREAM_COLUMNS, PoolView
 from studio.window import POOL_TAB, MainWindow
 from tests.backend.llama.test_remote_engine import start_llama_server, stop
@@ -64,6 +66,13 @@ def recent_engines(window: MainWindow) -> list[tuple[float, list[tuple[str, str,
     """The last samples' engines (model, where, requests running): what happened lately."""
     return [(round(sample.time, 1), [(e.model, e.engine, e.active) for e in sample.engines])
             for sample in window.activity.history.samples()[-10:]]
+
+
+def requests_counted(port: int) -> dict[str, str]:
+    """Each model's requests as the port's /health counts them, in the window's words."""
+    models = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["models"]
+    return {m["id"]: describe_requests(ModelTotals(m["requests"]["answered"], m["requests"]["refused"],
+                                                   m["requests"]["cancelled"])) for m in models}
 
 
 def wait_for_model(qtbot, view: PoolView, name: str, timeout: int = 20_000, **cells: str) -> None:
@@ -160,7 +169,7 @@ def test_two_models_loaded_an_engine_elsewhere_added_and_activity_per_engine(
                     or model_is(pool, smol, state="ready"), timeout=WAIT)
     wait_for_model(qtbot, pool, smol, LOAD_WAIT, state="ready")
     assert model_is(pool, "tiny", model="tiny (default)", runs_on="this machine",
-                    slots_busy="0 / 2", kv_in_use="0 / 16,384")
+                    slots_busy="0 / 2", kv_in_use="0 / 16,384", requests="0")
     assert model_is(pool, smol, runs_on="this machine", slots_busy="0 / 1",
                     kv_in_use="0 / 8,192")
     assert "added" in pool.model_rows[smol].cells[MODEL_COLUMNS.index("Last decision")].text()
@@ -217,6 +226,18 @@ def test_two_models_loaded_an_engine_elsewhere_added_and_activity_per_engine(
     until(qtbot, lambda: all(row[6] not in ("—", "0") for row in window.activity.engine_rows()),
           window.activity.engine_rows)
     assert window.activity.history.peak("tokens_per_s") > 0
+    # Each model's requests, the same as /health counts them (read again each second).
+    names = ("tiny", smol, "elsewhere")
+
+    def requests_shown() -> dict[str, str | None]:
+        return {name: (model_row(pool, name) or {}).get("Requests") for name in names}
+
+    def requests_as_counted() -> bool:
+        counted = requests_counted(window.settings.port)
+        return all(requests_shown()[name] == counted.get(name) != "0" for name in names)
+
+    until(qtbot, requests_as_counted,
+          lambda: (requests_shown(), requests_counted(window.settings.port)))
 
     # The engine elsewhere removed: its row and its model leave the pool.
     qtbot.mouseClick(pool.upstream_rows[engine_elsewhere].remove, Qt.MouseButton.LeftButton)

@@ -1,13 +1,14 @@
 """The words the window shows for the pool: where a model runs, its slots and KV in use,
-an engine elsewhere's health, and which of a model's buttons make sense."""
+its requests, an engine elsewhere's health, and which of a model's buttons make sense."""
 
 from __future__ import annotations
 
 import pytest
 
 from backend.app.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
-from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_slots,
-                                    describe_where, model_actions)
+from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
+                                    describe_slots, describe_where, model_actions)
+from backend.port.metrics import ModelTotals
 
 
 def engine(where: str = "this machine", *, state: str = "ready", slots: int | None = 2,
@@ -80,3 +81,10 @@ def test_the_picture_finds_models_and_engines_by_name_and_address() -> None:
     assert state.model("c") is None
     assert state.upstream("http://h:8080") is there
     assert state.upstream("http://other:8080") is None
+
+
+def test_a_models_requests_say_how_many_and_only_the_refusals_and_cancellations_it_had() -> None:
+    assert describe_requests(ModelTotals(answered=1234)) == "1,234"
+    assert describe_requests(ModelTotals(answered=12, refused=1, cancelled=2)) == "12, 1 refused, 2 cancelled"
+    assert describe_requests(ModelTotals(answered=3, cancelled=1)) == "3, 1 cancelled"
+    assert describe_requests(None) == "—"  # a picture taken without the port's counts
