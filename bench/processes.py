@@ -161,7 +161,6 @@ class CpuMeter:
         return cpu
 
 
-
 def port_env(config_dir: Path) -> dict[str, str]:
     """The environment of a `gguf-studio serve`: no saved settings, no GGUF_STUDIO_* leaking in."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}

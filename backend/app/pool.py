@@ -35,6 +35,7 @@ from pathlib import Path
 from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
                             RequestError)
 from backend.listeners import Listeners
+from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.port.admission import AdmissionRegistry
@@ -95,16 +96,15 @@ class Pool:
         self._memory_budget = memory_budget
         self._estimate = estimate
         self._clock = clock
-        self._locals: dict[str, _Local] = {}
-        self._upstreams = Upstreams(registry, names=self.names,
-                                    default_changed=self._sync_default_engine,
-                                    changed=lambda: self._changed_listeners(),
-                                    told=lambda model, snapshot: self._listeners(model, snapshot))
-        self._default: str | None = None
-        self.memory_limit_mib = 0
         self._listeners: Listeners[[str, Snapshot]] = Listeners(log, "pool listener")
         self._log_listeners: Listeners[[str, str]] = Listeners(log, "pool log listener")
         self._changed_listeners: Listeners[[]] = Listeners(log, "pool change listener")
+        self._locals: dict[str, _Local] = {}
+        self._upstreams = Upstreams(registry, names=self.names,
+                                    default_changed=self._sync_default_engine,
+                                    changed=self._changed_listeners, told=self._listeners)
+        self._default: str | None = None
+        self.memory_limit_mib = 0
         self._residency_lock = asyncio.Lock()
         self._idle_task: asyncio.Task[None] | None = None
 
@@ -175,7 +175,7 @@ class Pool:
                 if any(n == wanted if exact else n.lower() == wanted.lower() for n in names):
                     return name
         listed = ", ".join(self.names()) or "none"
-        raise ModelNotFound(f"The model {printable(wanted)!r} is not served here. Models: {listed}.",
+        raise ModelNotFound(f"The model {printable(wanted, 80)!r} is not served here. Models: {listed}.",
                             param="model")
 
     def route(self, path: str, requested: object) -> str:
@@ -602,12 +602,6 @@ class Pool:
             pass
         finally:
             self.registry.remove_listener(listener)
-
-
-def printable(text: str) -> str:
-    """`text` with control characters escaped, cut to a sane length."""
-    cut = text[:80] + ("…" if len(text) > 80 else "")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
 
 
 def _gib(n: int) -> str:

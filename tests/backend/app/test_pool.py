@@ -136,6 +136,9 @@ async def test_two_models_at_once_answer_by_name_and_are_listed(service, client,
     assert unknown.status_code == 404
     error = unknown.json()["error"]
     assert error["code"] == "model_not_found" and "tiny, smol" in error["message"]
+    hostile = await client.post("/v1/chat/completions", json=chat("gpt\x1b[2J" + "x" * 500))
+    message = hostile.json()["error"]["message"]  # the client's string, escaped and cut
+    assert "\\x1b[2J" in message and "\x1b" not in message and len(message) < 200
     health = (await client.get("/health")).json()
     assert [m["id"] for m in health["models"]] == ["tiny", "smol"]
     assert all(m["engines"][0]["where"] == "this machine" for m in health["models"])
