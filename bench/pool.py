@@ -200,7 +200,7 @@ def routing_cpu(engines: int, iterations: int) -> float:
     the one free slot among `engines` engines of 4 busy slots, and its release."""
     from backend.llama.kv_capacity import KvCapacity, TokenNeed
     from backend.llama.load import Serving
-    from backend.port.admission import AdmissionRegistry
+    from backend.port.admission_registry import AdmissionRegistry
 
     registry = AdmissionRegistry()
     for i in range(engines):

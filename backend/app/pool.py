@@ -38,7 +38,7 @@ from backend.listeners import Listeners
 from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
-from backend.port.admission import AdmissionRegistry
+from backend.port.admission_registry import AdmissionRegistry
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,
                                      engine_status)

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass
 
 from backend.llama.load import Snapshot
-from backend.port.admission import AdmissionRegistry
+from backend.port.admission_registry import AdmissionRegistry
 
 __all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
            "engine_status", "residency_of"]

@@ -36,7 +36,7 @@ from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
 from backend.port.access_guard import ADDRESS_FLOW, Caller
-from backend.port.admission import AdmissionRegistry
+from backend.port.admission_registry import AdmissionRegistry
 from backend.port.flow_control import FlowControl
 from backend.port.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard

@@ -1,8 +1,8 @@
 """The OpenAI-compatible port: who may talk to an engine now, and the bytes between them.
 
 Routes, keys and browser checks (`gateway`, `access_guard`), serving the socket
-(`server`), admission by slots and KV tokens (`admission`, `admission_ticket`,
-`prompt_tokens`), the relay of one exchange (`relay`, `client_watch`, `sse`), the
+(`server`), admission by slots and KV tokens (`admission`, `admission_registry`,
+`admission_ticket`, `prompt_tokens`), the relay of one exchange (`relay`, `client_watch`, `sse`), the
 upstream HTTP client (`upstream_http`), TCP_NODELAY on the connections of both sides
 (`tcp_nodelay`), request bodies (`request_body`), error answers (`http_errors`), metrics
 and the access log.

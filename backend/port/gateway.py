@@ -34,7 +34,8 @@ from backend.key_store import KeyStore
 from backend.port.access_guard import AccessGuard, Caller
 from backend.port.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
-from backend.port.admission import AdmissionQueue, AdmissionRegistry
+from backend.port.admission import AdmissionQueue
+from backend.port.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard
 from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
                             RequestError, Unauthorized, UpgradeRequired)

@@ -10,13 +10,13 @@ import pytest
 
 from backend.port.admission import (
     AdmissionQueue,
-    AdmissionRegistry,
     KvCapacity,
     Serving,
     Ticket,
     TicketState,
     TokenNeed,
 )
+from backend.port.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull, QueueTimeout
 from tests.backend.admission_helpers import OLD, FakeClock, kv_queue_of, queue_of, started
 from tests.not_none import not_none

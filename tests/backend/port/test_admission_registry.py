@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from backend.port.admission import AdmissionRegistry, KvCapacity, Serving, TicketState, TokenNeed
+from backend.port.admission import KvCapacity, Serving, TicketState, TokenNeed
+from backend.port.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, LoadReplaced, ModelNotReady, QueueFull
 from tests.backend.admission_helpers import NEW, NEWER, OLD, started
 
