@@ -31,7 +31,7 @@ from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
 from backend.key_store import KeyRecord
-from backend.models.download import DownloadQueue
+from backend.models.download_queue import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
 from backend.app.key_table import KeyTable

@@ -1,2 +1,3 @@
 """Models: the GGUF files on this machine (`library`, `gguf_info`), the Hugging Face hub
-and its cache (`hub`, `download`, `hf_cache`), and whether a model fits this machine (`fit`)."""
+and its cache (`hub`, `download` and the window's `download_queue`, `hf_cache`), and
+whether a model fits this machine (`fit`)."""

@@ -25,7 +25,6 @@ from backend.errors import (
 )
 from backend.models.download import (
     DownloadProgress,
-    DownloadQueue,
     DownloadState,
     DownloadStopped,
     StopReason,
@@ -34,6 +33,7 @@ from backend.models.download import (
     download_model,
     repo_folder,
 )
+from backend.models.download_queue import DownloadQueue
 from backend.models.hub import HubFile, ModelChoice, list_repo, pick_choice
 from backend.models.library import ModelLibrary
 from backend.app.self_test import run_self_test

@@ -23,7 +23,6 @@ import pytest
 from backend.errors import ChecksumMismatch, DownloadFailed, HubAccessDenied, UnsafeHubAnswer, WrongSize
 from backend.models.hf_cache import repo_cache
 from backend.models.download import (
-    DownloadQueue,
     DownloadState,
     DownloadStopped,
     StopReason,
@@ -32,6 +31,7 @@ from backend.models.download import (
     download_model,
     repo_folder,
 )
+from backend.models.download_queue import DownloadQueue
 from backend.models.hub import HubFile, ModelChoice, list_repo, pick_choice, search
 from tests.backend.models.test_download import Recorder, cache_files, library_names
 from tests.conftest import CODER_REPO, GATED_REPO, SPLIT_REPO
