@@ -138,7 +138,8 @@ async def test_output_cap_is_default_and_ceiling(gw, fake):
         (CHAT, chat(), {"max_tokens": 5}),
         (CHAT, chat(max_tokens=100), {"max_tokens": 5}),
         (CHAT, chat(max_completion_tokens=100), {"max_completion_tokens": 5}),
-        (CHAT, chat(max_tokens=100, max_completion_tokens=3), {"max_tokens": 5, "max_completion_tokens": 3}),
+        # the engine obeys max_completion_tokens here: 3, which every field now says
+        (CHAT, chat(max_tokens=100, max_completion_tokens=3), {"max_tokens": 3, "max_completion_tokens": 3}),
         (CHAT, chat(max_tokens=3), {"max_tokens": 3}),
         (CHAT, chat(n_predict=-1), {"n_predict": 5}),
         ("/v1/completions", {"prompt": "x"}, {"max_tokens": 5}),
