@@ -373,7 +373,8 @@ class StudioService:
     def _new_supervisor(self, binary: Path) -> Supervisor:
         return Supervisor(binary, self.log_dir, load_timeout=self.settings.load_timeout,
                           stop_timeout=self.settings.stop_timeout,
-                          max_restarts=self.settings.max_restarts)
+                          max_restarts=self.settings.max_restarts,
+                          output_cap=lambda: self.settings.max_output_tokens)
 
     def _abort(self, key: str, error: RequestError) -> int:
         return self._gateway.abort_load(key, error) if self._gateway is not None else 0
