@@ -13,9 +13,9 @@ decide, tools, system prompts and images included:
   without touching a slot.  An engine without those routes (an older attached one)
   is asked for `/apply-template` then `/tokenize` for chat completions.
 - completions and embeddings: `/tokenize` with `add_special` (BOS, as a real prompt)
-  for strings; token arrays are counted as they are.  An array of several prompts
-  counts as the sum of them (llama-server runs them as separate tasks; summing can
-  only over-reserve).
+  for strings; token arrays are counted as they are.  An array of several embeddings
+  inputs counts as the sum of them (llama-server runs them as separate tasks; summing
+  can only over-reserve); completions take one prompt (`backend.port.request_fields`).
 
 Short requests skip the engine when a byte bound proves they fit (`PromptCounter.count`
 with `fits_below`): every tokenizer llama.cpp has for text models makes a token of at
