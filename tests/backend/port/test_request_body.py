@@ -222,7 +222,9 @@ def used_tokens(route: str, answer: dict[str, Any]) -> tuple[int, int]:
     usage = answer["usage"]
     if route in (CHAT, COMPLETIONS):
         return usage["prompt_tokens"], usage["completion_tokens"]
-    return usage["input_tokens"], usage["output_tokens"]
+    # Anthropic's input_tokens leave out the prompt tokens read from the cache
+    cached = usage.get("cache_read_input_tokens", 0) if route == MESSAGES else 0
+    return usage["input_tokens"] + cached, usage["output_tokens"]
 
 
 async def test_no_route_generates_more_than_the_port_reserved_whatever_limits_it_is_sent(
