@@ -20,11 +20,13 @@ import httpx
 import pytest
 
 from backend.app.service import StudioService
+from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings
 from backend.port.prompt_tokens import MIN_OUTPUT_TOKENS, output_budget
 from backend.port.request_body import PARSE_OFF_LOOP_BYTES, name_model, parse_body
 from backend.settings import Settings
 from tests.backend.gateway_harness import CHAT, assert_clean_error, chat, open_gateway, until
+from tests.not_none import not_none
 
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
@@ -172,10 +174,16 @@ def test_the_limit_the_engine_obeys_is_written_into_every_field_and_reserved(
                          default=64) == budget
 
 
+#: The operator's output cap the port starts with (the engine is started under it).
+CAP = 150
 #: (route, limit fields, cap, tokens the engine generates; None: until its context ends).
 #: The port's default budget is made small (64), so that a request reserved at it while
 #: the engine reads a larger limit shows.
 CONFLICTS: list[tuple[str, dict[str, Any], int, int | None]] = [
+    (CHAT, {"max_tokens": 1, "n_predict": -1}, CAP, CAP),
+    (COMPLETIONS, {"max_tokens": 1, "n_predict": 50_000}, CAP, CAP),
+    (RESPONSES, {"max_output_tokens": 16, "n_predict": -1}, CAP, CAP),
+    (MESSAGES, {"max_tokens": 1000, "n_predict": 1}, CAP, CAP),
     (CHAT, {"max_tokens": 1, "n_predict": 200}, 0, 200),
     (CHAT, {"max_tokens": 1, "max_completion_tokens": 200}, 0, 200),
     (CHAT, {"max_tokens": 1, "n_predict": 50_000}, 0, None),
@@ -184,20 +192,16 @@ CONFLICTS: list[tuple[str, dict[str, Any], int, int | None]] = [
     (RESPONSES, {"max_output_tokens": 16, "n_predict": 200}, 0, 200),
     (RESPONSES, {"max_output_tokens": 16, "max_completion_tokens": 200}, 0, 200),
     (MESSAGES, {}, 0, None),  # the engine gives it 4,096: the context's end here
-    (CHAT, {"max_tokens": 1, "n_predict": -1}, 150, 150),
-    (COMPLETIONS, {"max_tokens": 1, "n_predict": 50_000}, 150, 150),
-    (RESPONSES, {"max_output_tokens": 16, "n_predict": -1}, 150, 150),
-    (MESSAGES, {"max_tokens": 1000, "n_predict": 1}, 150, 150),
 ]
 
 
 @pytest.fixture
 async def engine_port(tmp_path: Path, llama_server_binary: Path,
                       tiny_model: Path) -> AsyncIterator[StudioService]:
-    """The product's port in front of the tiny model (random weights: it never stops by
-    itself) under a supervised llama-server of one slot of 1,024 tokens."""
+    """The product's port (output cap `CAP`) in front of the tiny model (random weights: it
+    never stops by itself) under a supervised llama-server of one slot of 1,024 tokens."""
     settings = Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60,
-                        keepalive_interval=0.2, default_output_tokens=64)
+                        keepalive_interval=0.2, default_output_tokens=64, max_output_tokens=CAP)
     service = StudioService(settings, log_dir=tmp_path / "logs")
     await service.start_gateway()
     try:
@@ -231,6 +235,12 @@ async def test_no_route_generates_more_than_the_port_reserved_whatever_limits_it
         engine_port):
     service = engine_port
     per_request = 1024  # one slot of the load's context
+    # The engine itself holds a request that reaches it without a limit to the cap.
+    serving = not_none(service.snapshot().serving)
+    async with httpx.AsyncClient(base_url=serving.base_url, timeout=120, trust_env=False,
+                                 headers=engine_headers(serving.api_key)) as engine:
+        answer = await engine.post(COMPLETIONS, json={"prompt": "Once", "ignore_eos": True})
+        assert answer.json()["usage"]["completion_tokens"] == CAP
     reserved: list[int] = []
 
     def note() -> None:
