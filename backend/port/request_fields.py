@@ -10,8 +10,8 @@ against the shapes the OpenAI and Anthropic APIs give them, and answers 400
 not know are left to the engine; values of the right type are never judged (an unknown
 role, an empty prompt: the engine says what it makes of them).
 
-The port decides what runs on the engine's slots, so a request is one generation in a
-slot the engine picks: a client may not choose the slot (`id_slot`), ask for several
+The port decides what runs on the engine's slots, so a request is one generation in
+whichever slot is free: a client may not choose the slot (`id_slot`), ask for several
 answers (`n`, `n_cmpl`: llama-server would run each in a slot of its own), or send several
 prompts in one completions request (a list of prompts is one task per prompt).  Each
 would run several generations, or aim at another key's slot, under one admission ticket;
