@@ -35,7 +35,7 @@ from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
                             RequestError, UpstreamFailed, UpstreamUnavailable)
-from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
+from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
     from backend.port.metrics import Metrics, ModelCounts
