@@ -42,7 +42,8 @@ from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelN
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
-from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
+from backend.port.prompt_tokens import PromptCounter
+from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
                                        read_body)

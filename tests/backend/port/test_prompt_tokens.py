@@ -29,12 +29,12 @@ from backend.port.prompt_tokens import (
     IMAGE_TOKENS,
     MIN_OUTPUT_TOKENS,
     TEXT_SLACK,
-    HttpEngineTokenizer,
     PromptCount,
     PromptCounter,
     output_budget,
     token_need,
 )
+from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS = (
