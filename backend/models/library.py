@@ -35,7 +35,6 @@ __all__ = [
     "ModelLibrary",
     "default_locations",
     "find_gguf_files",
-    "hugging_face_cache",
     "library_path",
     "search",
 ]

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 
 from backend.port import http_errors
 from backend.port import sse
-from backend.port.admission import AdmissionQueue, Line, Ticket
+from backend.port.admission import AdmissionQueue, Line
+from backend.port.admission_ticket import Ticket
 from backend.port.access_guard import ANONYMOUS, Caller
 from backend.port.fair_queue import Band
 from backend.port.metrics import UNROUTED

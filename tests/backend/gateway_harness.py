@@ -14,7 +14,8 @@ import httpx
 
 from backend.port.access_guard import AccessGuard
 from backend.errors import RETRY_SOON, ModelNotReady
-from backend.port.admission import DEFAULT_MODEL, KvCapacity
+from backend.llama.kv_capacity import KvCapacity
+from backend.port.admission import DEFAULT_MODEL
 from backend.port.admission_registry import AdmissionRegistry
 from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard

@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.port.admission import AdmissionQueue, KvCapacity, Serving
+from backend.llama.kv_capacity import KvCapacity
+from backend.llama.load import Serving
+from backend.port.admission import AdmissionQueue
 from backend.errors import ContextLengthExceeded
 from backend.port.need_planner import NeedPlanner
 from backend.port.prompt_tokens import (
