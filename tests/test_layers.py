@@ -17,6 +17,11 @@ PACKAGES = ("backend", "studio", "launcher", "bench")
 #: Lower rooms first; a module may import its own room and any room before it.
 ROOMS = ("backend", "backend.llama", "backend.models", "backend.port", "backend.app",
          "studio", "launcher", "bench")
+#: Modules that decide without I/O (the counting rules, the planner, the answer parser):
+#: what they ask of an engine is given to them, so none may reach a module that connects.
+SANS_IO = ("backend.port.prompt_tokens", "backend.port.need_planner",
+           "backend.port.http1_response")
+CONNECTING = ("backend.port.upstream_http", "backend.port.tokenizer_client")
 
 
 def test_rooms_import_only_downwards() -> None:
@@ -30,6 +35,12 @@ def test_no_module_imports_itself_back() -> None:
     graph = _import_graph()
     circles = {tuple(sorted(c)) for c in _strongly_connected(graph) if len(c) > 1}
     assert sorted(circles) == []
+
+
+def test_the_modules_that_decide_without_io_reach_no_client() -> None:
+    graph = _import_graph()
+    reached = {module: sorted(_reachable(graph, module) & set(CONNECTING)) for module in SANS_IO}
+    assert reached == {module: [] for module in SANS_IO}
 
 
 def test_backend_never_imports_qt() -> None:
@@ -77,6 +88,18 @@ def _import_graph(every: bool = False) -> dict[str, set[str]]:
                 targets.add(name)
         graph[module] = targets
     return graph
+
+
+def _reachable(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module `module` imports, directly or through others (KeyError if unknown)."""
+    found: set[str] = set()
+    todo = list(graph[module])
+    while todo:
+        target = todo.pop()
+        if target not in found:
+            found.add(target)
+            todo.extend(graph[target])
+    return found
 
 
 def _is_package(name: str, modules: dict[str, Path]) -> bool:
