@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Callable
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, QTimer
 from PySide6.QtGui import QFont, QFontDatabase, QGuiApplication
-from PySide6.QtWidgets import QLabel, QPushButton, QWidget
+from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QLabel, QPushButton, QWidget
 
-__all__ = ["CopyButton", "heading", "monospace_font", "secondary_label"]
+__all__ = ["CopyButton", "guard_wheel", "heading", "monospace_font", "plain_label",
+           "secondary_label"]
+
+
+def guard_wheel(app: QCoreApplication) -> None:
+    """Every spin box and combo box of the application, on every page and in every row
+    made later, takes the wheel only when it has the focus (given by a click or Tab,
+    never by the wheel): scrolling a page over one scrolls the page instead of changing
+    a live setting the user only scrolled past.  Once per application."""
+    if app.property(_GUARDED) is None:
+        guard = _WheelGuard(app)
+        app.installEventFilter(guard)
+        app.setProperty(_GUARDED, True)
 
 
 def monospace_font() -> QFont:
@@ -22,6 +34,14 @@ def heading(text: str, scale: float = 1.35) -> QLabel:
     font.setBold(True)
     label.setFont(font)
     label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    return label
+
+
+def plain_label(text: str = "") -> QLabel:
+    """A label that shows `text` as it is: for strings a model file or another server
+    gave, which must not be read as rich text (markup, links, images)."""
+    label = QLabel(text)
+    label.setTextFormat(Qt.TextFormat.PlainText)
     return label
 
 
@@ -53,3 +73,25 @@ class CopyButton(QPushButton):
 
     def _restore(self) -> None:
         self.setText(self._label)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+_GUARDED = "gguf_studio_wheel_guard"
+_VALUE_BOXES = (QAbstractSpinBox, QComboBox)
+
+
+class _WheelGuard(QObject):
+    """`guard_wheel`'s filter.  A wheel event it turns away is left unaccepted, so Qt
+    hands it on to the box's parents: the scroll area under it scrolls."""
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        kind = event.type()
+        if kind == QEvent.Type.Wheel:
+            if isinstance(watched, _VALUE_BOXES) and not watched.hasFocus():
+                event.ignore()
+                return True
+        elif kind == QEvent.Type.Polish and isinstance(watched, _VALUE_BOXES):
+            # Not WheelFocus (the default of spin boxes): the wheel must not focus them.
+            watched.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        return False
