@@ -574,3 +574,38 @@ async def test_metrics_and_health_name_every_engine_by_model_and_where_it_runs(
         await asyncio.gather(running, return_exceptions=True)
     finally:
         stop(engine)
+
+
+async def test_an_agent_configured_with_the_default_alias_keeps_working_when_the_owner_swaps_models(
+        service, client, tiny_model, smollm2_model):
+    """The window's snippets name the default model `default`; /v1/models offers it beside
+    the real names.  After the owner loads another model (the window's one load), the same
+    config reaches the new model, while the old file's name is a 404 as any unknown name."""
+    from backend.app.snippets import ClientTarget, codex_snippet
+    from backend.models.model_names import DEFAULT_MODEL_ALIAS
+    import tomllib
+
+    def configured_model() -> str:
+        target = ClientTarget(f"http://127.0.0.1:{service.gateway_port}/v1", service.pool.default_model,
+                              default_alias=DEFAULT_MODEL_ALIAS)
+        return tomllib.loads(codex_snippet(target).text)["model"]
+
+    await service.load(SMALL.to_spec(str(tiny_model), model_id="tiny"))
+    agent = configured_model()
+    assert agent == "default"
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m.get("alias_of")) for m in listed] == [("tiny", None), ("default", "tiny")]
+    first = await client.post("/v1/chat/completions", json=chat(agent))
+    assert first.status_code == 200, first.text
+
+    await service.load(SMALL.to_spec(str(smollm2_model), model_id="smol"))
+    assert configured_model() == agent  # nothing to edit in the agent's config
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m.get("alias_of")) for m in listed] == [("smol", None), ("default", "smol")]
+    second = await client.post("/v1/chat/completions", json=chat(agent))
+    assert second.status_code == 200, second.text
+    assert "Paris" in second.json()["choices"][0]["message"]["content"]  # the trained model answered
+
+    for unknown in ("tiny", "defaults"):
+        gone = await client.post("/v1/chat/completions", json=chat(unknown))
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
