@@ -282,7 +282,7 @@ async def test_a_model_served_by_two_upstreams_is_listed_once(service, client,
     finally:
         for engine in engines:
             stop(engine)
-    assert [m["id"] for m in listed] == ["elsewhere"]
+    assert [m["id"] for m in listed] == ["elsewhere", "default"]  # and its stable alias
     assert [m["id"] for m in health] == ["elsewhere"]
     assert len(health[0]["engines"]) == 2
 
@@ -508,7 +508,7 @@ async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(
             upstreams=(UpstreamEntry(f"http://127.0.0.1:{port}"),)))
         await until(lambda: "elsewhere" in service.pool.names())
         models = (await client.get("/v1/models")).json()["data"]
-        assert [m["id"] for m in models] == ["tiny", "elsewhere"]
+        assert [m["id"] for m in models] == ["tiny", "elsewhere", "default"]
         remote, _ = text_of(await client.post("/v1/chat/completions", json=chat("elsewhere")))
         local, _ = text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
         assert remote != local  # two different models answered
