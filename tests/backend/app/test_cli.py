@@ -163,3 +163,44 @@ def test_serve_refuses_an_upstream_kv_layout_it_does_not_know(user_dirs):
     assert out.returncode == 2
     assert "--upstream-kv: invalid choice: 'shared'" in out.stderr
     assert "split" in out.stderr and "unified" in out.stderr
+
+
+def test_an_upstreams_password_is_never_printed_nor_logged(user_dirs):
+    """`serve --upstream http://user:password@host` (an engine that does not answer yet):
+    the status lines and the verbose log name it as http://***@host."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "-v", "serve", "--port", "0",
+         "--upstream", "http://team:hunter2-secret@127.0.0.1:9/v1"],
+        cwd=ROOT, env=user_dirs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in proc.stdout:
+            said.append(line)
+            if "does not answer" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    printed = "".join(said) + out
+    assert "[starting] http://***@127.0.0.1:9: The upstream does not answer." in printed
+    assert "http://***@127.0.0.1:9" in err  # the verbose log names it too
+    assert "hunter2" not in printed + err
+
+
+def test_the_upstream_key_flag_warns_that_others_see_it_in_the_process_list():
+    from backend.app.cli import _parser
+    serve = next(a for a in _parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    helps = {flag: action.help for action in serve._actions for flag in action.option_strings}
+    for flag in ("--api-key", "--upstream-api-key"):
+        assert f"visible to other local users in the process list, see {flag}-file" in helps[flag]
+
+
+def test_inspect_shows_a_models_own_name_escaped_so_it_cannot_drive_the_terminal(tmp_path, vocab_path):
+    from tests.model_factory import write_tiny_model
+    hostile = write_tiny_model(tmp_path / "hostile.gguf", vocab_path,
+                               name="Nice\x1b]0;pwned\x07\x1b[2J\u202eflugg.exe")
+    out = cli("inspect", str(hostile))
+    assert out.returncode == 0
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout and "\u202e" not in out.stdout
+    assert "Name: Nice\\x1b]0;pwned\\x07\\x1b[2J\\u202eflugg.exe" in out.stdout
