@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+import html
 from typing import Callable
 
 from PySide6.QtCore import QCoreApplication, QEvent, QObject, Qt, QTimer
 from PySide6.QtGui import QFont, QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QLabel, QPushButton, QWidget
 
-__all__ = ["CopyButton", "guard_wheel", "heading", "monospace_font", "plain_label",
-           "secondary_label"]
+__all__ = ["CopyButton", "guard_widgets", "heading", "monospace_font", "plain_label",
+           "plain_tooltip", "secondary_label"]
 
 
-def guard_wheel(app: QCoreApplication) -> None:
-    """Every spin box and combo box of the application, on every page and in every row
-    made later, takes the wheel only when it has the focus (given by a click or Tab,
-    never by the wheel): scrolling a page over one scrolls the page instead of changing
-    a live setting the user only scrolled past.  Once per application."""
+def guard_widgets(app: QCoreApplication) -> None:
+    """Two rules for every widget of the application, on every page and in every row
+    made later (once per application):
+
+    - a spin box or combo box takes the wheel only when it has the focus (given by a
+      click or Tab, never by the wheel): scrolling a page over one scrolls the page
+      instead of changing a live setting the user only scrolled past;
+    - a label shows its text as plain text unless it was made rich on purpose
+      (`setTextFormat(Qt.RichText)`): model names, GGUF metadata, a hub's or another
+      server's strings are never read as markup, links or images.
+    """
     if app.property(_GUARDED) is None:
-        guard = _WheelGuard(app)
+        guard = _WidgetGuard(app)
         app.installEventFilter(guard)
         app.setProperty(_GUARDED, True)
+
+
+def plain_tooltip(text: str) -> str:
+    """`text` as a tooltip that shows it as it is (Qt reads tooltips as rich text
+    whenever they look like markup)."""
+    return f"<p style='white-space:pre-wrap'>{html.escape(text)}</p>"
 
 
 def monospace_font() -> QFont:
@@ -77,12 +90,12 @@ class CopyButton(QPushButton):
 
 # --- helpers ----------------------------------------------------------------------------
 
-_GUARDED = "gguf_studio_wheel_guard"
+_GUARDED = "gguf_studio_widget_guard"
 _VALUE_BOXES = (QAbstractSpinBox, QComboBox)
 
 
-class _WheelGuard(QObject):
-    """`guard_wheel`'s filter.  A wheel event it turns away is left unaccepted, so Qt
+class _WidgetGuard(QObject):
+    """`guard_widgets`'s filter.  A wheel event it turns away is left unaccepted, so Qt
     hands it on to the box's parents: the scroll area under it scrolls."""
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
@@ -91,7 +104,10 @@ class _WheelGuard(QObject):
             if isinstance(watched, _VALUE_BOXES) and not watched.hasFocus():
                 event.ignore()
                 return True
-        elif kind == QEvent.Type.Polish and isinstance(watched, _VALUE_BOXES):
-            # Not WheelFocus (the default of spin boxes): the wheel must not focus them.
-            watched.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        elif kind == QEvent.Type.Polish:
+            if isinstance(watched, _VALUE_BOXES):
+                # Not WheelFocus (the default of spin boxes): the wheel must not focus them.
+                watched.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+            elif isinstance(watched, QLabel) and watched.textFormat() == Qt.TextFormat.AutoText:
+                watched.setTextFormat(Qt.TextFormat.PlainText)
         return False

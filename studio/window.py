@@ -42,7 +42,7 @@ from studio.logs_view import LogsView
 from studio.model_view import ModelView, describe_state
 from studio.pool_view import PoolView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
-from studio.widgets import guard_wheel
+from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
@@ -55,7 +55,7 @@ class MainWindow(QMainWindow):
     def __init__(self, bridge: ServiceBridge, library: ModelLibrary, settings: Settings, *,
                  settings_path: Path | None = None, state_path: Path | None = None) -> None:
         super().__init__()
-        guard_wheel(QApplication.instance())  # before any page makes its boxes
+        guard_widgets(QApplication.instance())  # before any page makes its widgets
         self.bridge = bridge
         self.library = library
         self.settings = settings
