@@ -78,6 +78,8 @@ FILE_VERSION = 1
 #: Seconds between two looks at the file for changes made by another process.
 CHECK_INTERVAL = 0.5
 MAX_NAME_LENGTH = 64
+#: The largest limit a key may have: every count stays exact as a float (2**53).
+MAX_LIMIT = 2**53
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
 
 
@@ -390,6 +392,9 @@ def _read(path: Path) -> dict[str, KeyRecord]:
         saved = json.loads(text)
     except ValueError as exc:
         raise KeyStoreError(f"The keys file {path.name} is not readable JSON: {exc}") from None
+    except RecursionError:  # a hand-edited file nested thousands deep
+        raise KeyStoreError(f"The keys file {path.name} is not readable JSON: it is nested "
+                            "too deep.") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("keys"), list):
         raise KeyStoreError(f"The keys file {path.name} does not hold keys.")
     if saved.get("version") != FILE_VERSION:
@@ -444,8 +449,9 @@ def _from_json(entry: Any, path: Path) -> KeyRecord:
             expires_at=_epoch(entry.get("expires")), revoked_at=_epoch(entry.get("revoked")),
             created_at=_epoch(entry.get("created")) or 0.0)
         _check_limits(record)
-    except (KeyError, TypeError, ValueError, SettingsError):
-        raise KeyStoreError(f"The key {name!r} in {path.name} has an unusable "
+    except (KeyError, TypeError, ValueError, OverflowError, SettingsError):
+        # OverflowError: a number too large for a float (a weight of 10**400).
+        raise KeyStoreError(f"The key {name[:80]!r} in {path.name} has an unusable "
                             "setting.") from None
     return record
 
@@ -514,9 +520,10 @@ def _check_limits(record: KeyRecord) -> None:
                         ("tokens per minute", record.tokens_per_minute),
                         ("tokens per day", record.tokens_per_day)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise KeyStoreError(f"The key's {what} must be a whole number of at least 1 "
-                                f"(or no limit), not {value!r}.")
+                                  or not 1 <= value <= MAX_LIMIT):
+            shown = value if not isinstance(value, int) or abs(value) <= MAX_LIMIT else "a larger one"
+            raise KeyStoreError(f"The key's {what} must be a whole number from 1 to {MAX_LIMIT:,} "
+                                f"(or no limit), not {shown!r}.")
     if isinstance(record.weight, bool) or not isinstance(record.weight, (int, float)) \
             or not math.isfinite(record.weight) or record.weight <= 0:
         raise KeyStoreError(f"The key's weight must be a number above 0, not {record.weight!r}.")

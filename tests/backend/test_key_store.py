@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import subprocess
@@ -341,3 +342,41 @@ def test_unusable_expiry_dates_are_explained(text, message):
     now = (datetime(2030, 3, 10) - timedelta(hours=1)).timestamp()
     with pytest.raises(KeyStoreError, match=message):
         parse_expiry(text, now)
+
+
+def hostile_files() -> list[tuple[str, str]]:
+    """Hand edits that once escaped the store's checks as RecursionError or OverflowError."""
+    entry = {"name": "mallory", "secret_sha256": "0" * 64}
+    return [
+        pytest.param('{"version": 1, "keys": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                     "nested too deep", id="deep-nesting"),
+        pytest.param(json.dumps({"version": 1, "keys": [dict(entry, weight=10**400)]}),
+                     "'mallory'.*unusable", id="weight-10**400"),
+        pytest.param(json.dumps({"version": 1, "keys": [dict(entry, tokens_per_minute=10**400)]}),
+                     "'mallory'.*unusable", id="tokens-10**400"),
+    ]
+
+
+@pytest.mark.parametrize("text, says", hostile_files())
+def test_a_hostile_hand_edit_is_refused_readably_at_start(path, text, says):
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(KeyStoreError, match=says):
+        KeyStore(path)
+
+
+@pytest.mark.parametrize("text, says", hostile_files())
+def test_a_hostile_hand_edit_while_serving_keeps_the_keys_working_and_says_why(path, caplog, text, says):
+    clock = Clock()
+    _, secret = KeyStore(path).add("frank")
+    serving = KeyStore(path, clock=clock)
+    path.write_text(text)
+    clock.now += 1
+    assert not_none(serving.authenticate(secret)).name == "frank"  # no 500: the last good keys
+    assert serving.has_named_keys() and [r.name for r in serving.records()] == ["frank"]
+    assert re.search(says, caplog.text) and "Keeping the keys read before" in caplog.text
+
+
+def test_a_limit_too_large_to_count_is_refused_when_made(path):
+    with pytest.raises(KeyStoreError, match="from 1 to 9,007,199,254,740,992"):
+        KeyStore(path).add("big", tokens_per_day=10**400)
