@@ -167,8 +167,15 @@ class KeyStore:
     def __init__(self, path: Path | None = None, *, owner_secret: str = "",
                  check_interval: float = CHECK_INTERVAL,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 keys_required: bool = False,
+                 on_keys_required: Callable[[], None] | None = None) -> None:
+        """`keys_required`: named keys were used before (`requires_keys`);
+        `on_keys_required()` is called when the first named key is seen, to keep that."""
         self.path = path or keys_path()
+        self.keys_required = keys_required
+        self._on_keys_required = on_keys_required
+        self._warned_empty = False
         self.check_interval = check_interval
         self._clock = clock
         self._wall_clock = wall_clock
@@ -216,6 +223,20 @@ class KeyStore:
             return OWNER
         self._check_file()
         return self._records.get(name)
+
+    def requires_keys(self) -> bool:
+        """Whether every request must send a key because of named keys: some exist now,
+        or some existed on this port (`keys_required`, kept in the settings), so that a
+        deleted or emptied keys file refuses everyone rather than letting everyone in."""
+        if self.has_named_keys():
+            return True
+        if self.keys_required and not self._warned_empty:
+            self._warned_empty = True
+            log.warning("The keys file %s holds no keys, but named keys were used on this port: "
+                        "every request needs a key (the owner's or a named one). Make a key with "
+                        "`gguf-studio keys add`, or set keys_required to false in the settings "
+                        "to serve without keys again.", self.path.name)
+        return self.keys_required
 
     def has_named_keys(self) -> bool:
         """Whether any named key exists (revoked ones too): then every request needs one,
@@ -314,6 +335,14 @@ class KeyStore:
             self.refresh()
 
     def _install(self, records: dict[str, KeyRecord]) -> bool:
+        if records and not self.keys_required:
+            self.keys_required = True
+            if self._on_keys_required is not None:
+                try:
+                    self._on_keys_required()
+                except (OSError, SettingsError) as exc:
+                    log.error("Could not note in the settings that named keys are used: %s", exc)
+        self._warned_empty = self._warned_empty and not records
         if records == self._records:
             return False
         self._records = records

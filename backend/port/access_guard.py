@@ -194,7 +194,7 @@ class AccessGuard:
         client = str((scope.get("client") or ("unknown", 0))[0])
         owner = self._settings().api_key
         store = self._keys()
-        named = store is not None and store.has_named_keys()
+        named = store is not None and store.requires_keys()
         if not owner and not named:
             return Caller(ADDRESS_FLOW + client)
         record = self._failures.get(client)

@@ -380,3 +380,25 @@ def test_a_hostile_hand_edit_while_serving_keeps_the_keys_working_and_says_why(p
 def test_a_limit_too_large_to_count_is_refused_when_made(path):
     with pytest.raises(KeyStoreError, match="from 1 to 9,007,199,254,740,992"):
         KeyStore(path).add("big", tokens_per_day=10**400)
+
+
+# --- keys required, for good ---------------------------------------------------------------
+
+
+def test_once_named_keys_were_seen_a_deleted_or_emptied_file_still_requires_keys(path):
+    clock = Clock()
+    noted: list[bool] = []
+    serving = KeyStore(path, clock=clock, on_keys_required=lambda: noted.append(True))
+    assert not serving.requires_keys() and noted == []  # no keys yet: the port is open
+    KeyStore(path).add("alice")
+    clock.now += 1
+    assert serving.requires_keys() and noted == [True]  # remembered in the settings (the service)
+    path.write_text(json.dumps({"version": 1, "keys": []}))
+    clock.now += 1
+    assert serving.records() == [] and serving.requires_keys()
+    path.unlink()
+    clock.now += 1
+    assert serving.requires_keys()
+    # The next start knows it from the settings.
+    assert KeyStore(path, keys_required=True).requires_keys()
+    assert not KeyStore(path).requires_keys() and noted == [True]
