@@ -22,6 +22,7 @@ the pool serves:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -132,18 +133,23 @@ def file_names(path: str | os.PathLike[str]) -> tuple[str, ...]:
     (first without a split's part number, then with it), the file name itself, and
     `owner/repo:QUANT` for a file in the Hugging Face cache
     (`models--owner--repo/snapshots/<commit>/...`)."""
-    pure = PurePath(os.fspath(path))
+    return _file_names(os.fspath(path))
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=1024)  # asked on every request's routing, for every model
+def _file_names(path: str) -> tuple[str, ...]:
+    pure = PurePath(path)
     stem = pure.name[:-5] if pure.name.lower().endswith(".gguf") else pure.name
     names = [_SPLIT_PART.sub("", stem) or stem, stem, pure.name]
     repo, quant = _hf_repo(pure), quantization_of(pure.name)
     if repo and quant:
         names.append(f"{repo}:{quant}")
     return tuple(dict.fromkeys(names))
-
-
-# --- helpers ----------------------------------------------------------------------------
-
-_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$", re.IGNORECASE)
 
 
 def _hf_repo(path: PurePath) -> str | None:
