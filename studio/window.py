@@ -55,7 +55,9 @@ class MainWindow(QMainWindow):
     def __init__(self, bridge: ServiceBridge, library: ModelLibrary, settings: Settings, *,
                  settings_path: Path | None = None, state_path: Path | None = None) -> None:
         super().__init__()
-        guard_widgets(QApplication.instance())  # before any page makes its widgets
+        app = QApplication.instance()
+        if app is not None:
+            guard_widgets(app)  # before any page makes its widgets
         self.bridge = bridge
         self.library = library
         self.settings = settings

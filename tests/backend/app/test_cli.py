@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.model_factory import write_not_gguf
+from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -174,7 +175,7 @@ def test_an_upstreams_password_is_never_printed_nor_logged(user_dirs):
         cwd=ROOT, env=user_dirs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         said = []
-        for line in proc.stdout:
+        for line in not_none(proc.stdout):
             said.append(line)
             if "does not answer" in line:
                 break
@@ -189,8 +190,10 @@ def test_an_upstreams_password_is_never_printed_nor_logged(user_dirs):
 
 
 def test_the_upstream_key_flag_warns_that_others_see_it_in_the_process_list():
+    import argparse
     from backend.app.cli import _parser
-    serve = next(a for a in _parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
     helps = {flag: action.help for action in serve._actions for flag in action.option_strings}
     for flag in ("--api-key", "--upstream-api-key"):
         assert f"visible to other local users in the process list, see {flag}-file" in helps[flag]
@@ -213,10 +216,10 @@ def serve_until_open(env: dict, *argv: str) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "backend.app.cli", "serve", "--port", "0",
          "--upstream", "http://127.0.0.1:9", *argv],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = next((line.strip() for line in proc.stdout if line.strip().startswith("http://")), "")
+    url = next((line.strip() for line in not_none(proc.stdout) if line.strip().startswith("http://")), "")
     if not url:
         proc.kill()
-        raise AssertionError(proc.stderr.read())
+        raise AssertionError(not_none(proc.stderr).read())
     return proc, url.replace("0.0.0.0", "127.0.0.1")
 
 
