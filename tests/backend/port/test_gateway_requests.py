@@ -168,9 +168,10 @@ async def test_output_cap_is_default_and_ceiling(gw, fake):
 async def test_models_and_health(gw, fake):
     models = (await gw.client.get("/v1/models")).json()
     assert models["object"] == "list"
-    assert models["data"] == [{"id": "fake-model", "object": "model", "owned_by": "gguf-studio",
-                               "context_length": 4096, "max_output_tokens": 4096,
-                               "state": "ready", "created": models["data"][0]["created"]}]
+    card = {"id": "fake-model", "object": "model", "owned_by": "gguf-studio",
+            "context_length": 4096, "max_output_tokens": 4096,
+            "state": "ready", "created": models["data"][0]["created"]}
+    assert models["data"] == [card, dict(card, id="default", alias_of="fake-model")]
     gw.configure(max_output_tokens=1000)
     assert (await gw.client.get("/v1/models")).json()["data"][0]["max_output_tokens"] == 1000
     health = await gw.client.get("/health")
