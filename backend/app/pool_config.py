@@ -67,8 +67,7 @@ from backend.models.model_names import (MAX_NAME_LENGTH, ModelNames, NamedModel,
 from backend.rpc_workers import parse_rpc_workers
 from backend.app.toml_text import toml_key, toml_value
 
-__all__ = ["EMBEDDINGS_FLAG", "ModelEntry", "PoolConfig", "UpstreamEntry", "file_names",
-           "model_name", "parse_duration"]
+__all__ = ["EMBEDDINGS_FLAG", "ModelEntry", "PoolConfig", "UpstreamEntry", "parse_duration"]
 
 log = logging.getLogger("gguf_studio.pool_config")
 

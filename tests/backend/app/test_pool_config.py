@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry, file_names, parse_duration
+from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry, parse_duration
 from backend.app.toml_text import toml_string
 from backend.errors import SettingsError
 from backend.llama.api import engine_headers
@@ -22,6 +22,7 @@ from backend.llama.load import LoadSettings
 from backend.llama.supervisor import Supervisor
 from backend.models.download import download_model
 from backend.models.hub import list_repo, parse_pull_target, pick_choice
+from backend.models.model_names import file_names
 from tests.conftest import CODER_REPO, SPLIT_REPO
 from tests.model_factory import EMBEDDING_LENGTH
 
