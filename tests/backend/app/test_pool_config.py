@@ -201,7 +201,7 @@ def test_a_name_given_explicitly_wins_over_another_models_file_name():
     ("aliases = [1]", "models.toml line 3 (model 1, aliases): must be a list of texts, not [1]."),
     ('extra_args = ["--port", "1"]', "models.toml line 3 (model 1, extra_args): --port cannot be given as "
                                      "extra arguments: GGUF Studio sets the model, host, port, parallel "
-                                     "slots, API key and RPC workers itself."),
+                                     "slots, API key, RPC workers and output cap itself."),
     ("ctx = 4096", "models.toml line 3 (model 1, ctx): is not a setting here (known: name, path, aliases, "
                    "ctx_size, parallel, n_gpu_layers, threads, extra_args, rpc, pinned, idle_ttl, embeddings, "
                    "chat_template, preload)."),
