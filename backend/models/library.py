@@ -77,7 +77,8 @@ class ModelLibrary:
     """What the user opened and added, remembered across restarts.
 
     Mutations happen on one thread (the window's); `scan` may run on another, and works
-    on a copy of the lists taken under a lock.
+    on a copy of the lists taken under a lock; so may `save`, given a `document()` copied
+    on the window's thread.
     """
 
     def __init__(self, path: Path | None = None,
