@@ -1,13 +1,23 @@
-"""Fixtures shared by the whole suite: the real engine and real models.
+"""Fixtures shared by the whole suite: the real engine and real models, and a session
+that never touches the user's own dirs.
 
 `scripts/setup test` builds the managed llama-server and fetches SmolLM2 before the tests
 run; the tests use that binary (or GGUF_STUDIO_LLAMA_SERVER), the vocab-only GGUF files of
 the same sources, and SmolLM2 from the same cache.
+
+Before any fixture runs (at this module's import), HOME, the XDG dirs, the data dir and
+the model caches point into a folder of the session's own (tests/user_dirs.py), so a
+service a module or session fixture starts writes its usage, keys and logs there; the
+engine and the models in the user's data dir are found first and handed over
+(GGUF_STUDIO_LLAMA_SERVER, the `engine` fixture).  The session fails if anything appeared
+or changed in the user's dirs meanwhile.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +25,18 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from backend.llama.engine import Engine  # noqa: E402
+from backend.llama.engine import ENV_LLAMA_SERVER, Engine  # noqa: E402
+from tests.user_dirs import UserDirs, isolate  # noqa: E402
+
+# The user's engine and models, found where the user keeps them, before the switch.
+USER_ENGINE = Engine()
+_cpu_engine = USER_ENGINE.resolve(backends=["cpu"]).chosen
+USER_DIRS = UserDirs.of_this_user()
+_USER_DIRS_BEFORE = USER_DIRS.listing()
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="gguf-studio-tests-"))
+isolate(SESSION_HOME)
+if _cpu_engine is not None and _cpu_engine.path is not None:
+    os.environ[ENV_LLAMA_SERVER] = str(_cpu_engine.path)
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
 from tests.model_factory import (write_tiny_embedding_model, write_tiny_model,  # noqa: E402
                                  write_tiny_split_model)
@@ -36,9 +57,35 @@ def private_config(tmp_path_factory: pytest.TempPathFactory,
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
 
 
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    changes = USER_DIRS.listing().changes_since(_USER_DIRS_BEFORE)
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
+    if changes:
+        _USER_DIRS_CHANGED.extend(changes)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _USER_DIRS_CHANGED:
+        terminalreporter.section("the user's own dirs changed", sep="=", red=True, bold=True)
+        shown = _USER_DIRS_CHANGED[:40]
+        for line in shown:
+            terminalreporter.write_line(line)
+        if len(_USER_DIRS_CHANGED) > len(shown):
+            terminalreporter.write_line(f"... and {len(_USER_DIRS_CHANGED) - len(shown)} more")
+        terminalreporter.write_line("A test wrote where the user keeps their files: it must use "
+                                    "tmp_path (the session's HOME and XDG dirs are private).")
+
+
+#: What appeared or changed in the user's dirs during the session (for the summary).
+_USER_DIRS_CHANGED: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
-    return Engine()
+    """The user's engines and their cache (read-only here: builds go to tmp engines)."""
+    return Engine(data_dir=USER_ENGINE.data_dir, cache_dir=USER_ENGINE.cache_dir)
 
 
 @pytest.fixture(scope="session")
