@@ -19,12 +19,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Generator, Iterator
 
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+from backend.event_loop import loop_factory  # noqa: E402
 from backend.llama.engine import ENV_LLAMA_SERVER, Engine  # noqa: E402
 from tests.user_dirs import UserDirs, isolate  # noqa: E402
 
@@ -47,6 +48,43 @@ GATED_REPO = "test-org/Gated-Coder-GGUF"
 BROKEN_REPO = "test-org/Broken-Coder-GGUF"
 HUGE_REPO = "test-org/Huge-Coder-GGUF"
 SPLIT_REPO = "test-org/Split-Coder-GGUF"
+
+
+#: Parts of the suite that skip, saying why, where their tools are missing; naming them in
+#: GGUF_STUDIO_TESTS_REQUIRE (comma-separated) turns those skips into failures, for the
+#: machines where they are expected to run (.ci/run requires the clients).
+REQUIRE_ENV = "GGUF_STUDIO_TESTS_REQUIRE"
+REQUIRABLE = {"clients": "tests/clients/", "vulkan": "tests/backend/llama/test_vulkan_engine.py"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    unknown = sorted(_required() - REQUIRABLE.keys())
+    if unknown:
+        raise pytest.UsageError(f"{REQUIRE_ENV} names {', '.join(unknown)}; it may name "
+                                f"{', '.join(REQUIRABLE)}.")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                               ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    part = next((name for name in _required() if item.nodeid.startswith(REQUIRABLE[name])), None)
+    if report.skipped and part is not None and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} skipped ({reason}), but {REQUIRE_ENV} says the "
+                           f"{part} tests must run on this machine.")
+    return report
+
+
+def _required() -> set[str]:
+    return {part.strip() for part in os.environ.get(REQUIRE_ENV, "").split(",") if part.strip()}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """The async tests run on the loop the product runs on: uvloop where it is installed
+    (GGUF_STUDIO_EVENT_LOOP=asyncio rules it out, as for the product)."""
+    return {"product-loop": loop_factory()}
 
 
 @pytest.fixture(autouse=True)
