@@ -30,6 +30,7 @@ from backend.llama.engine import ENV_LLAMA_SERVER, Engine  # noqa: E402
 from tests.user_dirs import UserDirs, isolate  # noqa: E402
 
 # The user's engine and models, found where the user keeps them, before the switch.
+USER_ENVIRON = dict(os.environ)  #: for a pytest run inside the suite (tests/test_conftest.py)
 USER_ENGINE = Engine()
 _cpu_engine = USER_ENGINE.resolve(backends=["cpu"]).chosen
 USER_DIRS = UserDirs.of_this_user()
