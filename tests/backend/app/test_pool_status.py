@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from backend.addresses import lan_addresses
+from backend.errors import LoadError
 from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.pool_status import scrubbed
 from backend.app.service import StudioService
@@ -117,7 +118,7 @@ async def test_keyless_health_off_this_machine_says_the_state_only_and_errors_ar
         ModelEntry.for_file(str(tiny_model), name="spread",
                             settings=LoadSettings(parallel="1", ctx_size=2048, rpc=(worker,)),
                             preload=False))))
-    with pytest.raises(Exception):
+    with pytest.raises(LoadError):
         await service.load_model("spread")
     await until(lambda: service.pool.status("spread").error is not None)
     assert worker in str(service.pool.status("spread").error)  # what the window shows its owner
