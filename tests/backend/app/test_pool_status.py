@@ -113,9 +113,12 @@ async def test_keyless_health_off_this_machine_says_the_state_only_and_errors_ar
         keyed_lan_service: StudioService, tiny_model: Path, tmp_path: Path) -> None:
     service = keyed_lan_service
     worker = f"127.0.0.1:{pick_free_port()}"  # an RPC worker nobody runs: its load fails
+    spread = tmp_path / "private-models" / "spread.gguf"
+    spread.parent.mkdir()
+    spread.symlink_to(tiny_model)
     await service.start_pool(PoolConfig(models=(
         ModelEntry.for_file(str(tiny_model), settings=SMALL, preload=True),
-        ModelEntry.for_file(str(tiny_model), name="spread",
+        ModelEntry.for_file(str(spread), name="spread",
                             settings=LoadSettings(parallel="1", ctx_size=2048, rpc=(worker,)),
                             preload=False))))
     with pytest.raises(LoadError):
@@ -139,9 +142,9 @@ async def test_keyless_health_off_this_machine_says_the_state_only_and_errors_ar
         assert answer.status_code == 200 and health["state"] == "ready"
         assert [m["id"] for m in health["models"]] == ["tiny", "spread"]
         assert [(e["engine"], e["model"]) for e in health["engines_out"]] == [("this machine", "spread")]
-        spread = next(m for m in health["models"] if m["id"] == "spread")
-        assert spread["state"] == "failed" and spread["error"]
-        for private in (worker, str(tiny_model), str(tmp_path), str(tiny_model.parent)):
+        failed = next(m for m in health["models"] if m["id"] == "spread")
+        assert failed["state"] == "failed" and failed["error"]
+        for private in (worker, str(spread), str(tmp_path), str(tiny_model.parent), "private-models"):
             assert private not in answer.text, private
 
 
