@@ -290,8 +290,10 @@ class Gateway:
             return JSONResponse({"state": summary["state"]}, status_code=status)
         registry = self.ctx.registry
         snapshot = self.ctx.snapshot()
+        # Out: an engine elsewhere that does not serve and says why (not one that is
+        # still starting, nor a GGUF Studio port whose models load on demand there).
         out = [{"engine": e["engine"], "model": (e["models"] or [None])[0], "state": e["state"],
-                "error": e["error"]} for e in elsewhere if not e["serving"]]
+                "error": e["error"]} for e in elsewhere if not e["serving"] and e["error"]]
         out += [{"engine": engine["where"], "model": card.id, "state": engine["state"],
                  "error": card.details.get("error")}
                 for card in cards for engine in card.details.get("engines", ())
