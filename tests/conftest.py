@@ -36,7 +36,7 @@ _cpu_engine = USER_ENGINE.resolve(backends=["cpu"]).chosen
 USER_DIRS = UserDirs.of_this_user()
 _USER_DIRS_BEFORE = USER_DIRS.listing()
 SESSION_HOME = Path(tempfile.mkdtemp(prefix="gguf-studio-tests-"))
-isolate(SESSION_HOME)
+isolate(SESSION_HOME, engines=USER_ENGINE.engines_dir)
 if _cpu_engine is not None and _cpu_engine.path is not None:
     os.environ[ENV_LLAMA_SERVER] = str(_cpu_engine.path)
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402

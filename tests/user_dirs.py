@@ -83,10 +83,14 @@ class UserDirs:
         return Listing(entries)
 
 
-def isolate(root: Path) -> dict[str, str]:
+def isolate(root: Path, engines: Path | None = None) -> dict[str, str]:
     """Point HOME, the XDG dirs, the product's data dir and the model caches into `root`
-    (made here), in os.environ; returns the variables set.  pip keeps the user's own
-    configuration (its package index), which would otherwise vanish with HOME."""
+    (made here), in os.environ; returns the variables set.  The private data dir's
+    `engines` is the user's `engines` (a link), so that every process of the session
+    finds the engines built there (llama-server, ggml-rpc-server, a GPU build) as the
+    product does; they are only read (the session's end check would tell otherwise).
+    pip keeps the user's own configuration (its package index), which would otherwise
+    vanish with HOME."""
     pip_config = Path(platformdirs.user_config_dir("pip")) / "pip.conf"
     changes = {name: str(root / name.lower()) for name in XDG_VARIABLES}
     changes.update(HOME=str(root / "home"), HF_HOME=str(root / "hf-home"),
@@ -97,6 +101,8 @@ def isolate(root: Path) -> dict[str, str]:
     for name, value in changes.items():
         if name != "PIP_CONFIG_FILE":
             Path(value).mkdir(parents=True, exist_ok=True)
+    if engines is not None and engines.is_dir():
+        (Path(changes["GGUF_STUDIO_DATA_DIR"]) / "engines").symlink_to(engines, target_is_directory=True)
     os.environ.update(changes)
     return changes
 
