@@ -71,6 +71,18 @@ def test_the_check_names_what_appeared_changed_and_went(tmp_path: Path) -> None:
     assert not any("other-program" in line for line in changes)
 
 
+def test_the_clients_the_suite_installs_for_itself_are_not_counted(tmp_path: Path) -> None:
+    own = tmp_path / "cache" / "gguf-studio"
+    own.mkdir(parents=True)
+    dirs = UserDirs(whole=(own,), top=(), own_tools=(own / "clients",))
+    before = dirs.listing()
+    (own / "clients" / "node_modules").mkdir(parents=True)
+    (own / "clients" / "clients.env").write_text("CODEX_BIN=...")
+    assert dirs.listing().changes_since(before) == []
+    (own / "usage.json").write_text("{}")
+    assert dirs.listing().changes_since(before) == [f"appeared: {own / 'usage.json'}"]
+
+
 def test_an_empty_listing_has_no_changes() -> None:
     assert Listing({}).changes_since(Listing({})) == []
 

@@ -20,10 +20,12 @@ import platformdirs
 from backend.models.hf_cache import hugging_face_cache
 from backend.settings import APP_NAME
 
-__all__ = ["Listing", "UserDirs", "isolate"]
+__all__ = ["Listing", "UserDirs", "clients_dir", "isolate"]
 
 #: The variables that say where a user's files go; `isolate` sets each into its folder.
 XDG_VARIABLES = ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME")
+#: Where scripts/install-clients installs the real clients.
+CLIENTS_DIR = "GGUF_STUDIO_CLIENTS_DIR"
 #: Caches of other tools the product reads or writes models into.
 CACHE_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "LLAMA_CACHE")
 
@@ -50,6 +52,9 @@ class UserDirs:
 
     whole: tuple[Path, ...]  #: everything below counts
     top: tuple[Path, ...]  #: only their entries count (other programs write deeper)
+    #: What the suite installs for itself and keeps between runs, as the engine's build
+    #: (the real clients, installed on first use by scripts/install-clients): not counted.
+    own_tools: tuple[Path, ...] = ()
 
     @classmethod
     def of_this_user(cls) -> UserDirs:
@@ -65,7 +70,7 @@ class UserDirs:
         shared = [Path.home(), Path(platformdirs.user_config_dir()), data,
                   Path(platformdirs.user_cache_dir()), Path(platformdirs.user_state_dir()),
                   data / "applications", data / "icons" / "hicolor" / "scalable" / "apps"]
-        return cls(tuple(dict.fromkeys(own)), tuple(dict.fromkeys(shared)))
+        return cls(tuple(dict.fromkeys(own)), tuple(dict.fromkeys(shared)), (clients_dir(),))
 
     def listing(self) -> Listing:
         entries: dict[str, tuple[int, int]] = {}
@@ -78,8 +83,12 @@ class UserDirs:
         for folder in self.whole:
             _note(entries, folder)
             for root, dirs, files in os.walk(folder):
+                dirs[:] = [name for name in dirs if Path(root) / name not in self.own_tools]
                 for name in dirs + files:
                     _note(entries, Path(root) / name)
+        for tools in self.own_tools:  # it and the folders above it may appear or change
+            for folder in (tools, *tools.parents):
+                entries.pop(str(folder), None)
         return Listing(entries)
 
 
@@ -89,22 +98,34 @@ def isolate(root: Path, engines: Path | None = None) -> dict[str, str]:
     `engines` is the user's `engines` (a link), so that every process of the session
     finds the engines built there (llama-server, ggml-rpc-server, a GPU build) as the
     product does; they are only read (the session's end check would tell otherwise).
-    pip keeps the user's own configuration (its package index), which would otherwise
-    vanish with HOME."""
+    pip and npm keep the user's own configuration (package index, registry), which would
+    otherwise vanish with HOME, and the real clients stay where scripts/install-clients
+    put them (GGUF_STUDIO_CLIENTS_DIR).  Call it before anything reads these variables."""
     pip_config = Path(platformdirs.user_config_dir("pip")) / "pip.conf"
+    npm_config = Path.home() / ".npmrc"
     changes = {name: str(root / name.lower()) for name in XDG_VARIABLES}
     changes.update(HOME=str(root / "home"), HF_HOME=str(root / "hf-home"),
                    HF_HUB_CACHE=str(root / "hf-home" / "hub"), LLAMA_CACHE=str(root / "llama-cache"),
                    GGUF_STUDIO_DATA_DIR=str(root / "data" / APP_NAME))
+    for folder in list(changes.values()):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    # The user's own tool settings (package index, npm registry) and the clients the
+    # suite installed before stay theirs.
     if pip_config.is_file() and not os.environ.get("PIP_CONFIG_FILE"):
         changes["PIP_CONFIG_FILE"] = str(pip_config)
-    for name, value in changes.items():
-        if name != "PIP_CONFIG_FILE":
-            Path(value).mkdir(parents=True, exist_ok=True)
+    if npm_config.is_file() and not os.environ.get("NPM_CONFIG_USERCONFIG"):
+        changes["NPM_CONFIG_USERCONFIG"] = str(npm_config)
+    changes[CLIENTS_DIR] = str(clients_dir())
     if engines is not None and engines.is_dir():
         (Path(changes["GGUF_STUDIO_DATA_DIR"]) / "engines").symlink_to(engines, target_is_directory=True)
     os.environ.update(changes)
     return changes
+
+
+def clients_dir() -> Path:
+    """Where scripts/install-clients keeps the real clients (as that script decides)."""
+    chosen = os.environ.get(CLIENTS_DIR)
+    return Path(chosen) if chosen else Path(platformdirs.user_cache_dir(APP_NAME)) / "clients"
 
 
 def _note(entries: dict[str, tuple[int, int]], path: Path) -> None:
