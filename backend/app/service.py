@@ -26,6 +26,7 @@ from backend.app.key_table import KeyTable, key_table
 from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool_status import scrubbed
 from backend.errors import KeyRevoked, RequestError, SettingsError
 from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
@@ -328,8 +329,8 @@ class StudioService:
                 max_output_tokens=output or None, default=status.default,
                 details={"aliases": list(status.aliases), "local": status.local,
                          "pinned": status.pinned, "idle_ttl": status.idle_ttl,
-                         "embeddings": status.embeddings, "decision": status.decision,
-                         "error": status.error,
+                         "embeddings": status.embeddings, "decision": scrubbed(status.decision),
+                         "error": scrubbed(status.error),
                          "engines": [dataclasses.asdict(e) for e in status.engines]}))
         return cards
 
@@ -338,7 +339,8 @@ class StudioService:
         found = []
         for upstream in self.pool.upstream_statuses():
             engine = upstream.engine
-            error = upstream.error.replace(upstream.url, engine.where) if upstream.error else None
+            error = scrubbed(upstream.error.replace(upstream.url, engine.where)
+                             if upstream.error else None)
             found.append({"engine": engine.where, "state": engine.state,
                           "serving": engine.state == State.READY.value and bool(engine.slots),
                           "error": error, "models": list(upstream.models),

@@ -195,3 +195,52 @@ async def test_a_request_may_lower_its_priority_but_not_raise_it(service):
         await asyncio.gather(*hold, return_exceptions=True)
     assert times["plain"][0] < times["raised"][0]  # normal before batch, though later
     assert times["plain"][0] < times["lowered"][0]  # its own lowered one waits behind it
+
+
+# --- what a user of a narrow or metered key would notice ---------------------------------
+
+
+async def test_a_key_is_refused_a_model_under_every_name_the_model_answers_to(
+        service, tiny_model, tmp_path):
+    """Models are reached by name, alias or file name, ignoring case: a key allowed only
+    `spare` is refused `tiny` however it is spelled, and reaches `spare` however it is."""
+    spare = tmp_path / "Spare-Q8_0.gguf"
+    spare.symlink_to(tiny_model)
+    service.pool.add_model(ModelEntry.for_file(str(spare), name="spare", aliases=("backup",),
+                                               preload=False))
+    _, secret = KeyStore().add("narrow", models=("spare",))
+    tiny_names = ModelEntry.for_file(str(tiny_model)).names
+    assert "tiny.gguf" in tiny_names
+    spellings = {spelling for name in tiny_names for spelling in (name, name.upper(), name.title())}
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with httpx.AsyncClient(base_url=url(service), timeout=60, headers=headers) as client:
+        for spelling in sorted(spellings):
+            refused = await client.post("/v1/chat/completions",
+                                        json=chat(model=spelling, stream=False, max_tokens=2))
+            assert refused.status_code == 403, (spelling, refused.text)
+            assert refused.json()["error"]["code"] == "model_not_allowed"
+        for spelling in ("SPARE", "Backup", "spare-q8_0.gguf"):
+            allowed = await client.post("/v1/chat/completions",
+                                        json=chat(model=spelling, stream=False, max_tokens=2))
+            assert allowed.status_code == 200, (spelling, allowed.text)
+    assert service.usage.snapshot()["narrow"].refusals == {"model_not_allowed": len(spellings)}
+
+
+async def test_short_answers_give_their_unused_reservation_back_to_the_keys_minute(
+        service, smollm2_model):
+    """A reservation is the prompt plus max_tokens; SmolLM2 answers in a word.  With
+    1,000 tokens a minute, three requests that each reserve about 460 and use about 40
+    all pass: what each did not use went back to the minute."""
+    await service.add_model(ModelEntry.for_file(str(smollm2_model), name="smol",
+                                                settings=LoadSettings(parallel="1", ctx_size=2048)))
+    _, secret = KeyStore().add("metered", tokens_per_minute=1000)
+    body = {"model": "smol", "temperature": 0, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "What is the capital of France? One word."}]}
+    async with httpx.AsyncClient(base_url=url(service), timeout=60,
+                                 headers={"Authorization": f"Bearer {secret}"}) as client:
+        for attempt in range(3):
+            answer = await client.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200, (attempt, answer.text)
+            usage = answer.json()["usage"]
+            assert usage["completion_tokens"] < 20 and usage["total_tokens"] < 100
+    assert "tokens_per_minute" not in service.usage.snapshot()["metered"].refusals
