@@ -323,7 +323,7 @@ class Gateway:
     def _may_read_health(self, scope: MutableMapping[str, Any]) -> bool:
         """All of /health: on a port without keys, from this machine, or with a key."""
         keys = self.ctx.keys
-        if not self.settings.api_key and not (keys is not None and keys.has_named_keys()):
+        if not self.settings.api_key and not (keys is not None and keys.requires_keys()):
             return True
         if _from_loopback(scope):
             return True
