@@ -5,6 +5,11 @@ bytes.  Only the head of a `/v1/responses` stream is read (to learn the upstream
 response id), and after that the id is swapped with one `bytes.replace` per chunk.
 `EventFramer` makes sure that only whole events are sent, so that an error event can
 always be appended cleanly and a stream cut mid-event never hands a client half of one.
+
+`without_cache_figures` takes out of an answer what the engine's prompt cache held for
+it (`timings`, the cached-token counts): every key shares that cache, so those figures
+would tell one key how much of another key's prompt a guess matches.  It parses only an
+event or body that names the cache (one byte search), in practice the final one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "BrokenStream",
+    "CACHE_MARKER",
     "DONE",
     "StreamKind",
     "EventFramer",
@@ -24,9 +30,11 @@ __all__ = [
     "ResponsesRewriter",
     "data_event",
     "event_ends",
+    "find_usage",
     "named_event",
     "new_response_id",
     "response_stub",
+    "without_cache_figures",
 ]
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
@@ -39,6 +47,10 @@ class StreamKind(enum.Enum):
     MESSAGES = "messages"  # Anthropic messages: named events
     RESPONSES = "responses"  # OpenAI Responses: named events around one response id
 DONE = b"data: [DONE]\n\n"
+#: Every field by which llama-server tells what its prompt cache held names it: `timings`
+#: (its `cache_n`), `cached_tokens`, `cache_read_input_tokens`, `tokens_cached`,
+#: `prompt_progress` (its `cache`).  An event without these bytes is relayed unread.
+CACHE_MARKER = b"cache"
 
 #: Give up looking for the upstream's response.created after this many bytes.
 _HEAD_LIMIT = 64 * 1024
@@ -245,6 +257,31 @@ def _created_id(data: bytes) -> str | None:
     return created if isinstance(created, str) and created else None
 
 
+def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
+    """`data` (whole events of a stream, or a JSON body) without what the engine's prompt
+    cache held for the request: `timings` and `prompt_progress` left out (they also time
+    the prompt: a cached prefix is read faster), cached-token counts made 0.  Events and
+    bodies that do not name the cache come back as they were (the same object)."""
+    if CACHE_MARKER not in data:
+        return data
+    if not stream:
+        return _scrubbed_json(data) or data
+    parts: list[bytes] = []
+    start = 0
+    changed = False
+    for line_end in _line_ends(data):
+        line = data[start:line_end]
+        if line.startswith(b"data:") and CACHE_MARKER in line:
+            body = line[5:].rstrip(b"\r\n")
+            scrubbed = _scrubbed_json(body)
+            if scrubbed is not None:
+                line = b"data: " + scrubbed + line[5 + len(body):]
+                changed = True
+        parts.append(line)
+        start = line_end
+    return b"".join(parts) if changed else data
+
+
 def find_usage(data: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens from the last `usage` an answer carries: a JSON body,
     or the tail of an event stream (chat's final chunk, Responses' `response.completed`,
@@ -295,3 +332,53 @@ def _count(usage: dict[str, Any], *names: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     return None
+
+
+# --- the prompt cache's figures ------------------------------------------------------------
+
+_CACHE_OBJECTS = frozenset({"timings", "prompt_progress"})
+_CACHE_COUNTS = frozenset({"cached_tokens", "cache_read_input_tokens", "tokens_cached"})
+
+
+def _line_ends(data: bytes) -> list[int]:
+    """Where each line of `data` ends (exclusive, after its newline; the last line may
+    have none)."""
+    ends = []
+    at = data.find(b"\n")
+    while at >= 0:
+        ends.append(at + 1)
+        at = data.find(b"\n", at + 1)
+    if not ends or ends[-1] < len(data):
+        ends.append(len(data))
+    return ends
+
+
+def _scrubbed_json(text: bytes) -> bytes | None:
+    """`text` (JSON) encoded again without the cache's figures; None when it is not JSON
+    or holds none of them."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return None
+    return _dumps(payload) if _scrub(payload) else None
+
+
+def _scrub(value: Any) -> bool:
+    """Take the cache's figures out of `value` in place; whether there were any."""
+    changed = False
+    if isinstance(value, dict):
+        for name in list(value):
+            if name in _CACHE_OBJECTS:
+                del value[name]
+                changed = True
+            elif name in _CACHE_COUNTS:
+                if value[name] != 0:
+                    value[name] = 0
+                    changed = True
+            elif isinstance(value[name], (dict, list)):
+                changed = _scrub(value[name]) or changed
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)):
+                changed = _scrub(item) or changed
+    return changed
