@@ -258,9 +258,10 @@ class StudioService:
             self.apply_keys()
 
     def apply_keys(self) -> None:
-        """Apply the key store as it is now to every request that waits."""
+        """Apply the key store as it is now to every request that waits or runs (a
+        revoked, expired or deleted key's running ones end with an error event)."""
         now = time.time()
-        for flow in self.registry.waiting_flows():
+        for flow in self.registry.waiting_flows() | self.flows.running_flows():
             if flow.startswith(ADDRESS_FLOW):
                 continue
             record = self.keys.get(flow)
@@ -268,6 +269,7 @@ class StudioService:
                        else record.refusal(now))
             if refusal is not None:
                 self.registry.refuse_flow(flow, refusal)
+                self.flows.end_flow(flow, refusal)
             elif record is not None:
                 self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
 
@@ -282,7 +284,8 @@ class StudioService:
         return record
 
     def revoke_key(self, name: str) -> KeyRecord:
-        """Revoke a key: the port refuses it from now on (401), its waiting requests too."""
+        """Revoke a key: the port refuses it from now on (401), its waiting requests too,
+        and its running ones end."""
         record = self.keys.revoke(name)
         self.apply_keys()
         return record
@@ -317,6 +320,9 @@ class StudioService:
 
     def must_name(self, model: str) -> bool:
         return self.pool.must_name(model)
+
+    def isolated(self, model: str) -> bool:
+        return self.pool.isolated(model)
 
     def model_cards(self) -> list[ModelCard]:
         cap = self.settings.max_output_tokens
