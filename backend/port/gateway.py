@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
@@ -99,6 +100,10 @@ class GatewayContext(Protocol):
         """Whether a request for `model` that names no model must be sent naming it (an
         engine that is another port with several models would take it for its own
         default model)."""
+
+    def isolated(self, model: str) -> bool:
+        """Whether `model` shares no prompt cache between requests (its requests are sent
+        with `cache_prompt: false`)."""
 
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
@@ -202,6 +207,12 @@ class Gateway:
             ctx.route(path, model)
             if not (parsed.model or "").strip() and ctx.must_name(model):
                 name_model(parsed, model)
+            if (GATED_ROUTES[path] is not None and ctx.isolated(model)
+                    and parsed.data.get("cache_prompt") is not False):
+                # Else a client's `cache_prompt: true` reuses another request's prompt.
+                parsed.data["cache_prompt"] = False
+                parsed.body = json.dumps(parsed.data, ensure_ascii=False,
+                                         separators=(",", ":")).encode()
             line = ctx.registry.line(model)
             queue = line.planning_engine
             plan: Plan | None = None

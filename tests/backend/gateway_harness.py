@@ -64,6 +64,9 @@ class Context:
             raise ModelNotReady(not_ready_message(self._snapshot), retry_after=RETRY_SOON)
         return DEFAULT_MODEL
 
+    def isolated(self, model: str) -> bool:
+        return False
+
     def must_name(self, model: str) -> bool:
         return False
 

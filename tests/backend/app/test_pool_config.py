@@ -204,7 +204,7 @@ def test_a_name_given_explicitly_wins_over_another_models_file_name():
                                      "slots, API key, RPC workers and output cap itself."),
     ("ctx = 4096", "models.toml line 3 (model 1, ctx): is not a setting here (known: name, path, aliases, "
                    "ctx_size, parallel, n_gpu_layers, threads, extra_args, rpc, pinned, idle_ttl, embeddings, "
-                   "chat_template, preload)."),
+                   "chat_template, preload, isolated)."),
     ('rpc = ["[::1]:50052"]', "models.toml line 3 (model 1, rpc): RPC worker '[::1]:50052': llama.cpp "
                               "reaches RPC workers over IPv4 only; give an IPv4 address or a host "
                               "name, as host:port."),
@@ -299,6 +299,18 @@ def test_an_embeddings_entry_and_the_flag_in_its_extra_args_are_the_same_thing()
     stated = ModelEntry.for_file("/m/e.gguf", embeddings=True, settings=LoadSettings(parallel="2"))
     assert stated.settings.extra_args == ("--embeddings",)
     assert stated.to_spec().settings.extra_args == ("--embeddings",)
+
+
+def test_an_isolated_model_is_read_written_back_and_loaded_without_a_shared_prompt_cache():
+    config = PoolConfig.from_toml('[[model]]\npath = "/m/a.gguf"\nisolated = true\n'
+                                  'extra_args = ["--cache-ram", "4096"]\n')
+    entry = config.models[0]
+    assert entry.isolated
+    assert PoolConfig.from_toml(config.to_toml()).models[0] == entry
+    # Its own flags come last: they win over the same flags given as extra arguments.
+    assert entry.to_spec().settings.extra_args == ("--cache-ram", "4096", "--no-cache-prompt",
+                                                   "--cache-ram", "0")
+    assert not ModelEntry.for_file("/m/b.gguf").isolated
 
 
 async def test_an_embeddings_entry_loads_into_an_engine_that_answers_embeddings(
