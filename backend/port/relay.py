@@ -211,11 +211,11 @@ class Exchange:
                 await self._send_all(last)
                 return
         self._task = asyncio.current_task()
-        self.flows.started(self.caller, self)
         watch = self.watch = DisconnectWatch(self.receive)
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
             self.send = self._stall.send
+        self.flows.started(self.caller, self)
         try:
             try:
                 last = await self._admitted_and_forwarded()

@@ -299,6 +299,25 @@ async def test_a_stream_the_client_cuts_is_booked_what_was_relayed_and_the_books
         await again.close()
 
 
+async def test_a_non_streamed_answer_the_client_left_is_booked_its_reservation(service):
+    _, secret = service.keys.add("impatient")
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with httpx.AsyncClient(base_url=url(service), timeout=120, headers=headers) as client:
+        asking = asyncio.create_task(client.post("/v1/chat/completions",
+                                                 json=chat(stream=False, max_tokens=3000)))
+        while service.registry.total_active == 0:
+            await asyncio.sleep(0.02)
+        asking.cancel()  # the client gives up while the engine answers
+        await asyncio.gather(asking, return_exceptions=True)
+        deadline = time.monotonic() + 30
+        while service.usage.usage("impatient").requests == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    booked = service.usage.usage("impatient")
+    # Nothing of it was relayed to count: it costs what it reserved, as in its limits.
+    assert booked.requests == 1 and booked.prompt_tokens > 0
+    assert booked.completion_tokens == 3000
+
+
 async def read_stream(lines: AsyncIterator[str]) -> list[str]:
     return [line async for line in lines if line.startswith(("data:", "event:"))]
 
