@@ -285,7 +285,9 @@ def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
 def find_usage(data: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens from the last `usage` an answer carries: a JSON body,
     or the tail of an event stream (chat's final chunk, Responses' `response.completed`,
-    Anthropic's `message_start` and `message_delta`).  None when it says nothing."""
+    Anthropic's `message_start` and `message_delta`).  None when it says nothing.  The
+    prompt is all of it, also the tokens the engine's cache held (which Anthropic's
+    `input_tokens` leave out)."""
     prompt = completion = None
     for block in reversed(data.split(b"\n")):
         if b'"usage"' not in block and b'"timings"' not in block:
@@ -295,13 +297,11 @@ def find_usage(data: bytes) -> tuple[int, int] | None:
             payload = json.loads(text)
         except ValueError:
             continue
-        usage = _usage_of(payload)
-        if usage is None:
-            continue
+        told_prompt, told_completion = _usage_of(payload)
         if completion is None:
-            completion = _count(usage, "completion_tokens", "output_tokens")
+            completion = told_completion
         if prompt is None:
-            prompt = _count(usage, "prompt_tokens", "input_tokens")
+            prompt = told_prompt
         if prompt is not None and completion is not None:
             break
     if prompt is None and completion is None:
@@ -309,21 +309,36 @@ def find_usage(data: bytes) -> tuple[int, int] | None:
     return prompt or 0, completion or 0
 
 
-def _usage_of(payload: Any) -> dict[str, Any] | None:
+def _usage_of(payload: Any) -> tuple[int | None, int | None]:
+    """(prompt, completion) as one event or body says them; None for what it does not."""
     if not isinstance(payload, dict):
-        return None
+        return None, None
+    prompt = completion = None
     for holder in (payload, payload.get("response"), payload.get("message")):
         if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
             usage: dict[str, Any] = holder["usage"]
-            return usage
-    # llama-server's streams carry no `usage` unless asked (stream_options), but their
-    # last chunk has its `timings`: the prompt's new and cached tokens, and the reply's.
+            completion = _count(usage, "completion_tokens", "output_tokens")
+            prompt = _count(usage, "prompt_tokens")
+            if prompt is None:
+                prompt = _count(usage, "input_tokens")
+                if prompt is not None:  # Anthropic's leave out what the cache held
+                    prompt += sum(_count(usage, name) or 0 for name in _ANTHROPIC_CACHED)
+            break
+    # llama-server's streams carry no `usage` unless asked (stream_options), and
+    # Anthropic's last one no prompt, but their last chunk has its `timings`: the
+    # prompt's new and cached tokens, and the reply's.
     timings = payload.get("timings")
     if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
-        prompt = sum(n for n in (timings.get("prompt_n"), timings.get("cache_n"))
-                     if isinstance(n, int) and n > 0)
-        return {"prompt_tokens": prompt, "completion_tokens": timings["predicted_n"]}
-    return None
+        if prompt is None:
+            prompt = sum(n for n in (timings.get("prompt_n"), timings.get("cache_n"))
+                         if isinstance(n, int) and n > 0)
+        if completion is None:
+            completion = _count(timings, "predicted_n")
+    return prompt, completion
+
+
+#: What Anthropic's usage counts of the prompt beside its `input_tokens`.
+_ANTHROPIC_CACHED = ("cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 def _count(usage: dict[str, Any], *names: str) -> int | None:

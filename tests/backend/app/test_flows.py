@@ -458,3 +458,21 @@ async def test_an_isolated_model_reuses_no_prompt_even_when_a_request_asks(servi
             cached[model] = answer.json()["timings"]["cache_n"]
     assert cached["tiny"] > 0  # the same prompt twice: the second was read from the cache
     assert cached["apart"] == 0  # not on the isolated model, whatever the request asked
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_messages_answer_is_booked_its_whole_prompt_also_what_the_cache_held(service,
+                                                                                     stream):
+    """Anthropic's `input_tokens` leave out the prompt tokens read from the cache (and a
+    stream says them only in its first event): the books count the whole prompt."""
+    _, secret = service.keys.add("claude")
+    body = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": SECRET}]}
+    owner = {"Authorization": f"Bearer {OWNER_KEY}"}
+    async with httpx.AsyncClient(base_url=url(service), timeout=60) as client:
+        told = (await client.post("/v1/messages", json=body, headers=owner)).json()["usage"]
+        prompt = told["input_tokens"] + told["cache_read_input_tokens"]
+        answer = await client.post("/v1/messages", json={**body, "stream": stream},
+                                   headers={"Authorization": f"Bearer {secret}"})
+        assert answer.status_code == 200, answer.text
+    booked = service.usage.usage("claude")
+    assert (booked.prompt_tokens, booked.completion_tokens) == (prompt, 3)
