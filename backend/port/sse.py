@@ -387,9 +387,15 @@ def _scrub(value: Any) -> bool:
                 del value[name]
                 changed = True
             elif name in _CACHE_COUNTS:
-                if value[name] != 0:
+                cached = value[name]
+                if cached != 0:
                     value[name] = 0
                     changed = True
+                    # Anthropic's input_tokens are the prompt's tokens the cache did not
+                    # hold: with none held, that is all of them.
+                    told = value.get("input_tokens")
+                    if name == "cache_read_input_tokens" and _is_count(told) and _is_count(cached):
+                        value["input_tokens"] = told + cached
             elif isinstance(value[name], (dict, list)):
                 changed = _scrub(value[name]) or changed
     elif isinstance(value, list):
@@ -397,3 +403,7 @@ def _scrub(value: Any) -> bool:
             if isinstance(item, (dict, list)):
                 changed = _scrub(item) or changed
     return changed
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -436,6 +436,16 @@ async def test_one_key_cannot_read_anothers_prompt_through_the_cache_figures(ser
             assert figures[0] == figures[1], route
             assert figures[0]["timings"] is None and figures[0]["cached"] in (0, None), route
             assert figures[0]["cache_read"] in (0, None), route
+        # Anthropic's input_tokens leave out what the cache held: told in full instead.
+        body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": RIGHT}]}
+        told = {}
+        for name, key in (("owner", OWNER_KEY), ("mallory", mallory)):
+            answer = await client.post("/v1/messages", json=body,
+                                       headers={"Authorization": f"Bearer {key}"})
+            told[name] = answer.json()["usage"]
+        assert told["owner"]["cache_read_input_tokens"] > 0
+        assert told["mallory"]["input_tokens"] == (told["owner"]["input_tokens"]
+                                                   + told["owner"]["cache_read_input_tokens"])
     # The books still have the prompts (counted from the usage the engine sent).
     assert service.usage.usage("mallory").prompt_tokens > 0
 
