@@ -172,6 +172,8 @@ class Exchange:
         self._hide_cache = key is not None and not key.is_owner
         #: Events relayed from the engine: about one generated token each.
         self._events = 0
+        #: An Anthropic stream's `message_start`, the one event that names its prompt.
+        self._start = b""
         #: What it counts against its key's token windows until settled.
         self._reservation: Reservation | None = None
         #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
@@ -305,15 +307,18 @@ class Exchange:
     def _account(self) -> None:
         """Tell the caller's flow how it ended: the engine's usage settles its token
         reservation; an answer without it (cut short) is charged what it got
-        (`_cut_usage`); a refusal or an error before anything was relayed gives the
-        reservation back."""
+        (`_cut_usage`), as is the part the usage does not say; a refusal or an error
+        before anything was relayed gives the reservation back."""
         if self._failed is not None and not self._events:
             self.flows.refused(self.caller, self._failed, self._reservation)
         elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
             tail = self._tail or b"".join(self._last_sent)
-            usage = sse.find_usage(tail)
+            # An Anthropic stream names its prompt in its first event only.
+            told_prompt, told_completion = sse.find_usage(self._start + tail) or (None, None)
+            prompt, completion = self._cut_usage()
             self.flows.answered(self.caller, self._reservation,
-                                usage if usage is not None else self._cut_usage())
+                                (prompt if told_prompt is None else told_prompt,
+                                 completion if told_completion is None else told_completion))
         elif self._reservation is not None:
             self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
 
@@ -609,6 +614,8 @@ class Exchange:
         framer = self.framer
         rewriter = self.rewriter
         stage = framer.feed if rewriter is None else _then(framer.feed, rewriter.feed)
+        if self.kind is sse.StreamKind.MESSAGES:
+            stage = _then(stage, self._note_start)
         # llama-server ends a failing stream with an error event: `event: error` on the
         # messages wire, `data: {"error"...` elsewhere.  One substring test per chunk
         # (about a third of a microsecond for a 235-byte chunk here); only a chunk that
@@ -709,6 +716,12 @@ class Exchange:
             await self._stall.wait(writer.drain())
         else:
             await writer.drain()
+
+    def _note_start(self, chunk: bytes) -> bytes:
+        """`chunk`, kept if it holds the stream's `message_start` (see `_start`)."""
+        if not self._start and b'"message_start"' in chunk:
+            self._start = chunk
+        return chunk
 
     def _before_error(self, chunk: bytes) -> bytes:
         """`chunk` (whole events) if it holds no error event of the engine; else raises

@@ -282,12 +282,13 @@ def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
     return b"".join(parts) if changed else data
 
 
-def find_usage(data: bytes) -> tuple[int, int] | None:
+def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
     """(prompt, completion) tokens from the last `usage` an answer carries: a JSON body,
     or the tail of an event stream (chat's final chunk, Responses' `response.completed`,
-    Anthropic's `message_start` and `message_delta`).  None when it says nothing.  The
-    prompt is all of it, also the tokens the engine's cache held (which Anthropic's
-    `input_tokens` leave out)."""
+    Anthropic's `message_start` and `message_delta`).  None when it says nothing, and
+    None for the prompt when only the completion is said (an Anthropic stream names its
+    prompt in its first event only).  The prompt is all of it, also the tokens the
+    engine's cache held (which Anthropic's `input_tokens` leave out)."""
     prompt = completion = None
     for block in reversed(data.split(b"\n")):
         if b'"usage"' not in block and b'"timings"' not in block:
@@ -306,7 +307,7 @@ def find_usage(data: bytes) -> tuple[int, int] | None:
             break
     if prompt is None and completion is None:
         return None
-    return prompt or 0, completion or 0
+    return prompt, completion
 
 
 def _usage_of(payload: Any) -> tuple[int | None, int | None]:
@@ -317,7 +318,9 @@ def _usage_of(payload: Any) -> tuple[int | None, int | None]:
     for holder in (payload, payload.get("response"), payload.get("message")):
         if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
             usage: dict[str, Any] = holder["usage"]
-            completion = _count(usage, "completion_tokens", "output_tokens")
+            # Anthropic's message_start says its output_tokens before there are any.
+            if payload.get("type") != "message_start":
+                completion = _count(usage, "completion_tokens", "output_tokens")
             prompt = _count(usage, "prompt_tokens")
             if prompt is None:
                 prompt = _count(usage, "input_tokens")

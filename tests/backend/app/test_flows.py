@@ -476,7 +476,9 @@ async def test_a_messages_answer_is_booked_its_whole_prompt_also_what_the_cache_
     """Anthropic's `input_tokens` leave out the prompt tokens read from the cache (and a
     stream says them only in its first event): the books count the whole prompt."""
     _, secret = service.keys.add("claude")
-    body = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": SECRET}]}
+    # Long enough that the stream's first event is far behind its last ones.
+    body = {"model": "tiny", "max_tokens": 60, "ignore_eos": True,
+            "messages": [{"role": "user", "content": SECRET}]}
     owner = {"Authorization": f"Bearer {OWNER_KEY}"}
     async with httpx.AsyncClient(base_url=url(service), timeout=60) as client:
         told = (await client.post("/v1/messages", json=body, headers=owner)).json()["usage"]
@@ -485,4 +487,4 @@ async def test_a_messages_answer_is_booked_its_whole_prompt_also_what_the_cache_
                                    headers={"Authorization": f"Bearer {secret}"})
         assert answer.status_code == 200, answer.text
     booked = service.usage.usage("claude")
-    assert (booked.prompt_tokens, booked.completion_tokens) == (prompt, 3)
+    assert (booked.prompt_tokens, booked.completion_tokens) == (prompt, 60)
