@@ -20,6 +20,7 @@ from backend.app.service import StudioService
 from backend.key_store import KeyStore, Priority
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings
+from backend.models.model_names import file_names
 from backend.port.access_guard import Caller
 from backend.port.rate_limits import TokenLimits
 from backend.settings import Settings
@@ -214,7 +215,7 @@ async def test_a_key_is_refused_a_model_under_every_name_the_model_answers_to(
     service.pool.add_model(ModelEntry.for_file(str(spare), name="spare", aliases=("backup",),
                                                preload=False))
     _, secret = KeyStore().add("narrow", models=("spare",))
-    tiny_names = ModelEntry.for_file(str(tiny_model)).names
+    tiny_names = file_names(tiny_model)
     assert "tiny.gguf" in tiny_names
     spellings = {spelling for name in tiny_names for spelling in (name, name.upper(), name.title())}
     headers = {"Authorization": f"Bearer {secret}"}
