@@ -67,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from dataclasses import dataclass
 import time
 from collections.abc import Callable, Iterator
 from types import EllipsisType
@@ -76,6 +77,7 @@ from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.port.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
 from backend.port.fair_queue import Band, FairQueue, Flow
+from backend.port.placement import NO_HINT, Hint, MostFreeSlots, Placeable, Placement, Seat
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -105,6 +107,12 @@ class AdmissionQueue:
         self.label = label
         self._active = 0
         self._reserved = 0
+        # Seats: slot ids 0..capacity-1 as bits, free ones set (O(1) take and give back;
+        # the lowest free id is the lowest set bit); held ones, to rebuild the free set
+        # when the capacity changes.
+        self._free_ids = (1 << serving.slots) - 1
+        self._held_ids = 0
+        self._seats = _seats(self, serving.slots)
         self._enabled = enabled
         self._retired = False
         self.line = line if line is not None else Line(max_waiting=max_waiting, clock=clock)
@@ -137,6 +145,19 @@ class AdmissionQueue:
     @property
     def free_slots(self) -> int:
         return max(0, self.capacity - self._active)
+
+    def lowest_free_slot(self) -> int | None:
+        """The lowest free slot id; None when every id is held (or admission is off and
+        more run than there are slots)."""
+        free = self._free_ids
+        return (free & -free).bit_length() - 1 if free else None
+
+    def lowest_free_seat(self) -> Seat[AdmissionQueue]:
+        free = self._free_ids
+        return self._seats[(free & -free).bit_length() - 1] if free else self._seats[-1]
+
+    def slot_free(self, slot: int) -> bool:
+        return slot >= 0 and bool(self._free_ids >> slot & 1)
 
     @property
     def waiting(self) -> int:
@@ -214,6 +235,9 @@ class AdmissionQueue:
         _check_capacity(n)
         new_kv = self.kv if kv is ... else kv
         self.serving = _replace_serving(self.serving, slots=n, kv=new_kv)
+        # Growth adds ids; a shrink stops reissuing the ids >= n (held ones finish).
+        self._free_ids = ((1 << n) - 1) & ~self._held_ids
+        self._seats = _seats(self, n)
         self.line.engines_changed()
 
     def retry_after(self, position: int | None = None) -> float:
@@ -243,14 +267,30 @@ class AdmissionQueue:
 
     # --- the line's bookkeeping ---------------------------------------------------------
 
-    def take(self, ticket: Ticket, now: float) -> None:
+    def take(self, ticket: Ticket, now: float, seat: Seat[AdmissionQueue] | None = None) -> None:
+        """Admit `ticket` on `seat` (its slot must be free; None: the lowest free one)."""
+        if seat is None:
+            seat = self.lowest_free_seat()
+        slot = seat.slot
+        if slot is not None:
+            bit = 1 << slot
+            assert self._free_ids & bit, f"slot {slot} of {self.key} is not free"
+            self._free_ids ^= bit
+            self._held_ids |= bit
         self._active += 1
         self._reserved += ticket.tokens
-        ticket.admit(self, now)
+        ticket.admit(seat, now)
 
     def give_back(self, ticket: Ticket) -> None:
         self._active -= 1
         self._reserved -= ticket.tokens
+        seat = ticket.seat
+        slot = None if seat is None else seat.slot
+        if slot is not None:
+            bit = 1 << slot
+            self._held_ids &= ~bit
+            if slot < self.serving.slots:
+                self._free_ids |= bit
 
     def give_back_tokens(self, tokens: int) -> None:
         self._reserved -= tokens
@@ -262,6 +302,8 @@ class AdmissionQueue:
     def serve(self, serving: Serving, line: Line) -> None:
         """Serve again (the same engine re-read, or back after retiring) on `line`."""
         self.serving = serving
+        self._free_ids = ((1 << serving.slots) - 1) & ~self._held_ids
+        self._seats = _seats(self, serving.slots)
         self._retired = False
         if self.line is not line:
             self.line.detach(self)
@@ -280,8 +322,11 @@ class Line:
     def __init__(self, model: str = DEFAULT_MODEL, *, max_waiting: int = 0,
                  clock: Clock = time.monotonic,
                  on_change: Callable[[Line], None] | None = None,
-                 aging: float = AGING_SECONDS, max_passes: int = MAX_PASSES) -> None:
+                 aging: float = AGING_SECONDS, max_passes: int = MAX_PASSES,
+                 placement: Placement | None = None) -> None:
         self.model = model
+        #: Where a ticket whose turn has come is admitted (`backend.port.placement`).
+        self.placement: Placement = placement if placement is not None else MostFreeSlots()
         self.max_waiting = max_waiting
         self._clock = clock
         self._on_change = on_change
@@ -353,7 +398,7 @@ class Line:
 
     def request(self, need: TokenNeed | int | None = None, *, size: int = 0,
                 max_waiting_bytes: int = 0, flow: Flow = DEFAULT_FLOW,
-                band: Band | None = None) -> Ticket:
+                band: Band | None = None, hint: Hint = NO_HINT) -> Ticket:
         """A ticket: admitted at once if its turn has come and an engine has room, else
         waiting.
 
@@ -362,13 +407,13 @@ class Line:
         request holds while it waits (its body); `max_waiting_bytes` (0: no bound)
         bounds what everyone waiting holds together.  `flow` is whose share it counts
         against (a key, or a client address); `band` may lower the flow's priority for
-        this request.  Raises ContextLengthExceeded when the need can never fit one
+        this request.  `hint` is what placement may read beside the need.  Raises ContextLengthExceeded when the need can never fit one
         request's share of any engine's cache, and QueueFull when `max_waiting` requests
         already wait or the bytes would pass their bound.
         """
         need = as_need(need)
         self._check_fits_some_engine(need)
-        ticket = Ticket(self, self._clock(), need, size, flow=flow, band=band)
+        ticket = Ticket(self, self._clock(), need, size, flow=flow, band=band, hint=hint)
         self._waiters.push(ticket, flow, max(1, ticket.tokens), ticket.seq, band)
         self._waiting_bytes += size
         self._promote()
@@ -389,11 +434,12 @@ class Line:
         self._changed()
         return ticket
 
-    def fits_now(self, need: TokenNeed | int | None) -> bool:
+    def fits_now(self, need: TokenNeed | int | None, hint: Hint = NO_HINT) -> bool:
         """Would `request(need)` admit at once?  Nobody waits (no one is passed), and
-        an engine has a slot free and room for the need.  The gateway admits a long
-        prompt on its byte bound when this holds, and counts it while it runs."""
-        return not len(self._waiters) and self._engine_for(as_need(need)) is not None
+        the placement finds a seat for the need.  The gateway admits a long prompt on
+        its byte bound when this holds, and counts it while it runs."""
+        return (not len(self._waiters)
+                and self._seat_for(_Probe(as_need(need), hint)) is not None)
 
     def when_served(self) -> asyncio.Future[None]:
         """Done once an engine serves the model (at once if one does); fails with the
@@ -521,39 +567,35 @@ class Line:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _engine_for(self, need: TokenNeed | None, skip: AdmissionQueue | None = None
-                    ) -> AdmissionQueue | None:
-        """The engine with room for `need` and the most free slots (spreading the load)."""
+    def _seat_for(self, ticket: Placeable, skip: AdmissionQueue | None = None
+                  ) -> Seat[AdmissionQueue] | None:
+        """The placement's seat for `ticket` on the engines that may take it."""
         engines = self._engines
-        if len(engines) == 1:  # the common case: one engine serves the model
-            only = engines[0]
-            return only if only is not skip and only.has_room(need) else None
-        best: AdmissionQueue | None = None
-        for engine in engines:
-            if engine is not skip and engine.has_room(need) and (
-                    best is None or engine.free_slots > best.free_slots):
-                best = engine
-        return best
+        if skip is not None and skip in engines:  # rare: after a requeue or a hold
+            engines = [engine for engine in engines if engine is not skip]
+        if not engines:
+            return None
+        return self.placement.place(ticket, engines)
 
     def _promote(self, skip: AdmissionQueue | None = None) -> bool:
         """Admit, in the fair queue's order, while an engine has a free slot and the
-        next one fits.  True if any moved."""
+        placement seats the next one.  True if any moved."""
         moved = False
         waiters = self._waiters
-        chosen: list[AdmissionQueue | None] = [None]
+        chosen: list[Seat[AdmissionQueue] | None] = [None]
 
-        def fits(ticket: Ticket) -> bool:  # notes the engine, so it is looked up once
-            chosen[0] = self._engine_for(ticket.need, skip)
+        def fits(ticket: Ticket) -> bool:  # notes the seat, so it is looked up once
+            chosen[0] = self._seat_for(ticket, skip)
             return chosen[0] is not None
 
         while len(waiters) and self._slot_free(skip):
             ticket = waiters.next_to_admit(fits)
             if ticket is None:
                 break
-            engine = chosen[0]
-            assert engine is not None
+            seat = chosen[0]
+            assert seat is not None
             self._waiting_bytes -= ticket.size
-            engine.take(ticket, self._clock())
+            seat.engine.take(ticket, self._clock(), seat)
             moved = True
         return moved
 
@@ -622,6 +664,19 @@ class Line:
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self)
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """A request that has no ticket yet, as placement reads it (`fits_now`)."""
+
+    need: TokenNeed | None
+    hint: Hint
+
+
+def _seats(engine: AdmissionQueue, n: int) -> list[Seat[AdmissionQueue]]:
+    """Each slot id's unpinned seat, and last the seat beyond the slots (admission off)."""
+    return [Seat(engine, slot) for slot in range(n)] + [Seat(engine, None)]
 
 
 def _check_capacity(n: int) -> int:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-from typing import Protocol
+from typing import Any, Protocol
 
 from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
 from backend.port.fair_queue import Band, Flow
+from backend.port.placement import NO_HINT, Hint, Seat
 
 __all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState", "as_need"]
 
@@ -79,12 +80,13 @@ class TicketSeam(Protocol):
 class Ticket:
     """One request's place: first in a line, then in a slot of one engine."""
 
-    __slots__ = ("state", "line", "engine", "need", "size", "flow", "band", "enqueued_at",
-                 "admitted_at", "requeues", "seq", "_error", "_event")
+    __slots__ = ("state", "line", "engine", "seat", "need", "hint", "size", "flow", "band",
+                 "enqueued_at", "admitted_at", "requeues", "seq", "_error", "_event")
 
     def __init__(self, line: TicketSeam, now: float,
                  need: TokenNeed | None = None, size: int = 0, *,
-                 flow: Flow = DEFAULT_FLOW, band: Band | None = None) -> None:
+                 flow: Flow = DEFAULT_FLOW, band: Band | None = None,
+                 hint: Hint = NO_HINT) -> None:
         self.state = TicketState.WAITING
         #: Whose share it counts against: a key, or a client address.
         self.flow = flow
@@ -93,8 +95,12 @@ class Ticket:
         self.line = line
         #: The engine it is admitted on (the last one, once released); None until then.
         self.engine: EngineSeat | None = None
+        #: The engine and slot id it is admitted on (the last ones, once released).
+        self.seat: Seat[Any] | None = None
         #: None: unknown, admitted by slots alone and reserving no tokens.
         self.need = need
+        #: What placement may read beside the need (its session, its prompt's prefix).
+        self.hint = hint
         #: Bytes the request holds while it waits (its body).
         self.size = size
         self.enqueued_at = now
@@ -245,9 +251,10 @@ class Ticket:
 
     # --- called by the line ----------------------------------------------------------
 
-    def admit(self, engine: EngineSeat, now: float) -> None:
+    def admit(self, seat: Seat[Any], now: float) -> None:
         self.state = TicketState.ADMITTED
-        self.engine = engine
+        self.seat = seat
+        self.engine = seat.engine
         self.admitted_at = now
         self._wake()
 

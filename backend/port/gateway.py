@@ -43,7 +43,9 @@ from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelN
                             RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
+from backend.llama.kv_capacity import TokenNeed
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
+from backend.port.placement import NO_HINT, Hint, request_hint
 from backend.port.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest
@@ -216,8 +218,9 @@ class Gateway:
             line = ctx.registry.line(model)
             queue = line.planning_engine
             plan: Plan | None = None
+            hint = request_hint(caller.flow, headers, parsed.data)
             if queue is not None:
-                plan = await self.plan(queue, path, parsed, raw_size)
+                plan = await self.plan(queue, path, parsed, raw_size, hint)
                 # Planned: the parsed objects (several times the body's bytes) are not
                 # kept by a waiting request, only the body (max_waiting_body_bytes).
                 parsed.data = {}
@@ -235,7 +238,7 @@ class Gateway:
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, plan, raw_size, caller,
-                                                     requested_band(headers)),
+                                                     requested_band(headers), hint),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -249,13 +252,19 @@ class Gateway:
         return exchange.metrics
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int) -> Plan:
-        """What the request will hold of the engine's KV cache (`NeedPlanner`); no need
-        when the cache is unknown or admission is off: slots alone decide, or nothing."""
+                   body_bytes: int, hint: Hint = NO_HINT) -> Plan:
+        """What the request will hold of the engine's KV cache (`NeedPlanner`), and its
+        `hint`; no need when the cache is unknown or admission is off: slots alone
+        decide, or nothing."""
         planner = self.planner_for(queue)
         if planner is None:
-            return NO_PLAN
-        return await planner.plan(path, parsed.data, body_bytes, fits_now=queue.line.fits_now)
+            return NO_PLAN if hint is NO_HINT else Plan(hint=hint)
+        line = queue.line
+        fits_now: Callable[[TokenNeed], bool] = line.fits_now
+        if hint is not NO_HINT:
+            def fits_now(need: TokenNeed) -> bool:
+                return line.fits_now(need, hint)
+        return await planner.plan(path, parsed.data, body_bytes, fits_now=fits_now, hint=hint)
 
     def planner_for(self, queue: AdmissionQueue) -> NeedPlanner | None:
         """One planner per serving engine, counting with that engine (it knows its

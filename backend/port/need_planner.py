@@ -24,6 +24,7 @@ from typing import Any
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.port.admission_ticket import Ticket
+from backend.port.placement import NO_HINT, Hint
 from backend.port.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, PromptCount, PromptCounter,
                                         output_budget, token_need)
 
@@ -43,12 +44,15 @@ class OutputPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A request's need, and whether it must be counted after admission."""
+    """A request's need, whether it must be counted after admission, and what placement
+    may read beside the need."""
 
     #: KV tokens it may hold (prompt + output budget); None: unknown, slots alone decide.
     need: TokenNeed | None = None
     #: Set when `need` is the prompt's byte bound, admitted before counting.
     count_later: Callable[[], Awaitable[TokenNeed]] | None = None
+    #: Its session and prompt prefix (`backend.port.placement.Hint`), for placement.
+    hint: Hint = NO_HINT
 
     @property
     def settle_later(self) -> bool:
@@ -87,16 +91,18 @@ class NeedPlanner:
         self.policy = policy
 
     async def plan(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
-                   fits_now: Callable[[TokenNeed], bool] = lambda need: False) -> Plan:
-        """The plan of one request of `body_bytes` bytes to `route`.  `fits_now(need)`:
-        would admission take a request of that need at once, passing no one."""
+                   fits_now: Callable[[TokenNeed], bool] = lambda need: False,
+                   hint: Hint = NO_HINT) -> Plan:
+        """The plan of one request of `body_bytes` bytes to `route`, carrying `hint`.
+        `fits_now(need)`: would admission take a request of that need (and hint) at once,
+        passing no one."""
         bound = await self.bound_need(route, body, body_bytes)
         if bound is not None:
             if bound.prompt <= self.uncounted_room(route, body):
-                return Plan(bound)  # what `request_need` gives, without a second bound
+                return Plan(bound, hint=hint)  # what `request_need` gives, without a second bound
             if fits_now(bound):
-                return Plan(bound, lambda: self.counted_need(route, body, body_bytes))
-        return Plan(await self.request_need(route, body, body_bytes))
+                return Plan(bound, lambda: self.counted_need(route, body, body_bytes), hint)
+        return Plan(await self.request_need(route, body, body_bytes), hint=hint)
 
     async def request_need(self, route: str, body: Mapping[str, Any],
                            body_bytes: int) -> TokenNeed:

@@ -38,6 +38,7 @@ from backend.port.fair_queue import Band
 from backend.port.metrics import UNROUTED
 from backend.port.flow_control import FlowControl
 from backend.port.need_planner import NO_PLAN, Plan
+from backend.port.placement import NO_HINT, Hint
 from backend.port.rate_limits import Reservation
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
@@ -102,7 +103,7 @@ class ExchangeHost(Protocol):
     def flows(self) -> FlowControl: ...
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int) -> Plan: ...
+                   body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,8 @@ class GatedRequest:
     caller: Caller = ANONYMOUS
     #: The priority band it asked for (only ever lower than its key's).
     band: Band | None = None
+    #: Its session and prompt prefix, for placement (planned with it once it can be).
+    hint: Hint = NO_HINT
 
 
 class Exchange:
@@ -362,7 +365,7 @@ class Exchange:
         ticket = self.ticket = self.line.request(
             plan.need, size=len(self.request.parsed.body),
             max_waiting_bytes=self.host.settings.max_waiting_body_bytes,
-            flow=flows.flow_of(caller), band=self.request.band)
+            flow=flows.flow_of(caller), band=self.request.band, hint=plan.hint)
         self._extra_headers = [(name.encode("latin-1"), value.encode("latin-1"))
                                for name, value in flows.headers(caller).items()]
         if plan.settle_later:
@@ -383,7 +386,7 @@ class Exchange:
             queue = self.line.planning_engine
             parsed = self.request.parsed
             plan = NO_PLAN if queue is None else await self.host.plan(
-                queue, self.request.path, parsed, self.request.body_bytes)
+                queue, self.request.path, parsed, self.request.body_bytes, self.request.hint)
             parsed.data = {}
             ticket = self._take_ticket(plan)
         while True:
@@ -541,7 +544,7 @@ class Exchange:
     async def _forward(self, ticket: Ticket) -> list[dict[str, Any]]:
         """Forward to the ticket's load; returns the last messages still to send."""
         request = self.client.build_request("POST", ticket.serving.base_url + self.request.path,
-                                            content=self.request.parsed.body,
+                                            content=_seated(self.request.parsed.body, ticket),
                                             headers={**UPSTREAM_HEADERS,
                                                      **engine_headers(ticket.api_key)})
         with self._upstream_failures(ticket, connecting=True):
@@ -755,3 +758,14 @@ def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
         chunk = first(chunk)
         return second(chunk) if chunk else chunk
     return stage
+
+
+def _seated(body: bytes, ticket: Ticket) -> bytes:
+    """The body as sent to the engine: with the seat's slot as `id_slot` when its
+    placement pinned it (a client's own `id_slot` is refused before this)."""
+    seat = ticket.seat
+    if seat is None or not seat.pinned or seat.slot is None:
+        return body
+    rest = body.lstrip()[1:]  # a checked body is one JSON object
+    comma = b"" if rest.lstrip().startswith(b"}") else b","
+    return b'{"id_slot":%d%s%s' % (seat.slot, comma, rest)
