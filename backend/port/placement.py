@@ -182,7 +182,8 @@ def _prompt_texts(data: Mapping[str, Any]) -> Iterable[str]:
         for message in messages:
             if isinstance(message, Mapping):
                 role = message.get("role")
-                yield f"\x1e{role}\x1f" if isinstance(role, str) else "\x1e"
+                if isinstance(role, str):
+                    yield f"\x1e{role}\x1f"
                 yield from _texts(message.get("content"))
             else:
                 yield from _texts(message)
