@@ -1,0 +1,119 @@
+"""Placement through a real service in front of real llama-servers: swapping the line's
+policy changes which engine and which slot run a request, and a pinned seat's slot id
+reaches the engine as `id_slot`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from backend.app.service import StudioService
+from backend.llama.kv_capacity import KvLayout
+from backend.llama.supervisor import pick_free_port
+from backend.port.placement import Placeable, Seat, SeatEngine
+from backend.settings import Settings
+from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
+
+E = TypeVar("E", bound=SeatEngine)
+MODEL = "elsewhere"  # the alias `start_llama_server` gives
+
+
+class LastEngine:
+    def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
+        last = engines[-1]
+        return last.lowest_free_seat() if last.has_room(ticket.need) else None
+
+
+class SessionOnSlotZero:
+    """A session named "agent-1" (in its caller's flow) runs on slot 0, pinned."""
+
+    def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
+        engine = engines[0]
+        if (ticket.hint.session or "").endswith("\nagent-1"):
+            return Seat(engine, 0, pinned=True) if engine.slot_free(0) else None
+        return engine.lowest_free_seat() if engine.has_room(ticket.need) else None
+
+
+@pytest.fixture
+async def service(tmp_path: Path, llama_server_binary: Path) -> AsyncIterator[StudioService]:
+    settings = Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60,
+                        queue_timeout=60)
+    svc = StudioService(settings, log_dir=tmp_path / "logs")
+    await svc.start_gateway()
+    yield svc
+    await svc.close()
+
+
+async def engines_serving(service: StudioService, binary: Path, model: Path,
+                          n: int) -> tuple[list[Any], list[int]]:
+    ports = [pick_free_port() for _ in range(n)]
+    processes = [start_llama_server(binary, model, port, parallel=2, ctx=2048) for port in ports]
+    for port in ports:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        # One at a time: the line's engines keep the order they joined.
+        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until_engines(service, len(processes[:ports.index(port) + 1]))
+    return processes, ports
+
+
+async def until_engines(service: StudioService, n: int, timeout: float = 60) -> None:
+    import asyncio
+    async with asyncio.timeout(timeout):
+        while len(service.registry.line(MODEL).engines) < n:
+            await asyncio.sleep(0.02)
+
+
+async def slots_that_ran(port: int) -> list[int]:
+    """The slot ids of the engine at `port` that have run a task."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as engine:
+        slots = (await engine.get("/slots")).json()
+    return [slot["id"] for slot in slots if slot.get("id_task", -1) >= 0]
+
+
+async def ask(service: StudioService, **extra: Any) -> None:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=60) as client:
+        answer = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 4, **extra.pop("body", {})}, **extra)
+    assert answer.status_code == 200, answer.text
+
+
+async def test_the_policy_always_the_last_engine_sends_requests_to_the_second_llama_server(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path) -> None:
+    processes, ports = await engines_serving(service, llama_server_binary, tiny_model, 2)
+    try:
+        await ask(service)  # the default: the first engine (both have every slot free)
+        first = await slots_that_ran(ports[0])
+        assert len(first) == 1 and await slots_that_ran(ports[1]) == []
+
+        service.registry.line(MODEL).placement = LastEngine()
+        for _ in range(3):
+            await ask(service)
+        assert await slots_that_ran(ports[0]) == first  # nothing more ran there
+        assert await slots_that_ran(ports[1]) != []
+    finally:
+        for process in processes:
+            stop(process)
+
+
+async def test_a_pinned_seat_reaches_the_engine_as_id_slot(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path) -> None:
+    processes, (port,) = await engines_serving(service, llama_server_binary, tiny_model, 1)
+    try:
+        service.registry.line(MODEL).placement = SessionOnSlotZero()
+        # The session header (then the body's key) names the session; the port's choice
+        # of slot 0 reaches llama-server, whose own choice among idle slots is slot 1.
+        await ask(service, headers={"x-session-id": "agent-1"})
+        assert await slots_that_ran(port) == [0]
+        await ask(service, body={"prompt_cache_key": "agent-1",
+                                 "messages": [{"role": "user", "content": "Other words"}]})
+        assert await slots_that_ran(port) == [0]
+    finally:
+        for process in processes:
+            stop(process)
