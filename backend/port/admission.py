@@ -567,25 +567,26 @@ class Line:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _seat_for(self, ticket: Placeable, skip: AdmissionQueue | None = None
-                  ) -> Seat[AdmissionQueue] | None:
-        """The placement's seat for `ticket` on the engines that may take it."""
+    def _seat_for(self, ticket: Placeable) -> Seat[AdmissionQueue] | None:
+        """The placement's seat for `ticket` on the engines of the model."""
         engines = self._engines
-        if skip is not None and skip in engines:  # rare: after a requeue or a hold
-            engines = [engine for engine in engines if engine is not skip]
-        if not engines:
-            return None
-        return self.placement.place(ticket, engines)
+        return self.placement.place(ticket, engines) if engines else None
 
     def _promote(self, skip: AdmissionQueue | None = None) -> bool:
         """Admit, in the fair queue's order, while an engine has a free slot and the
         placement seats the next one.  True if any moved."""
         moved = False
         waiters = self._waiters
+        engines = self._engines
+        if skip is not None and skip in engines:  # rare: after a requeue or a hold
+            engines = [engine for engine in engines if engine is not skip]
+        if not engines:
+            return False
+        place = self.placement.place
         chosen: list[Seat[AdmissionQueue] | None] = [None]
 
         def fits(ticket: Ticket) -> bool:  # notes the seat, so it is looked up once
-            chosen[0] = self._seat_for(ticket, skip)
+            chosen[0] = place(ticket, engines)
             return chosen[0] is not None
 
         while len(waiters) and self._slot_free(skip):
