@@ -21,7 +21,13 @@ An engine's cache (`KvCapacity`) is either
   on one sequence).
 
 The head of a line starts on an engine of its model with a free slot and room for its
-need.  A need above every engine's `per_request` can never fit: `request()` refuses it
+need.  Which engine, and which slot, is the line's `Placement`'s answer
+(`backend.port.placement`; by default `MostFreeSlots`: the engine with the most free
+slots, its lowest free slot id).  Each engine keeps seats, its slot ids 0..slots-1: an
+admission hands the ticket a `Seat(engine, slot)`, a release gives the id back (O(1):
+the free ids are bits); growth adds ids, a shrink stops reissuing the ids above it while
+the requests holding them finish.  A slot id reaches the engine (`id_slot`) only when
+the policy pins the seat.  A need above every engine's `per_request` can never fit: `request()` refuses it
 at once with `ContextLengthExceeded`, and a waiter whose need no longer fits after a
 reload is refused the same way.  A ticket without a known need (`need=None` or 0)
 reserves no tokens and is admitted by slots alone.

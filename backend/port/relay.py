@@ -385,7 +385,7 @@ class Exchange:
             await self._served(None if deadline is None else deadline - loop.time())
             queue = self.line.planning_engine
             parsed = self.request.parsed
-            plan = NO_PLAN if queue is None else await self.host.plan(
+            plan = Plan(hint=self.request.hint) if queue is None else await self.host.plan(
                 queue, self.request.path, parsed, self.request.body_bytes, self.request.hint)
             parsed.data = {}
             ticket = self._take_ticket(plan)

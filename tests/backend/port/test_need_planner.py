@@ -20,6 +20,7 @@ from backend.errors import CountingFull
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.port.need_planner import NeedPlanner, OutputPolicy
+from backend.port.placement import Hint
 from backend.port.prompt_tokens import (CHAT, COMPLETIONS, EMBEDDINGS, TEXT_SLACK, CountFailed,
                                         PromptCounter)
 from tests.backend.admission_helpers import OLD, kv_queue_of
@@ -266,3 +267,19 @@ async def test_a_busy_engine_refuses_a_count_before_admission_but_not_a_settle()
 
     tokenizer.gate.set()
     assert await holding == TokenNeed(TEMPLATE + 1_000, DEFAULT)
+
+
+# --- the hint --------------------------------------------------------------------------------------
+
+async def test_every_plan_carries_the_requests_hint_to_its_ticket() -> None:
+    planner, _ = planner_of(KvCapacity.shared(16_384))
+    hint = Hint(session="flow\nagent", prefix=(1, 2))
+    line = kv_queue_of(4, KvCapacity.shared(16_384)).line
+    short, long = chat(20), chat(5_000)
+    plans = [await planner.plan(CHAT, short, size(short), hint=hint),  # on its bound
+             await planner.plan(CHAT, long, size(long), hint=hint,     # admitted, counted later
+                                fits_now=lambda need: True),
+             await planner.plan(CHAT, long, size(long), hint=hint)]    # counted first
+    assert [plan.settle_later for plan in plans] == [False, True, False]
+    assert all(plan.hint is hint for plan in plans)
+    assert line.request(plans[0].need, hint=plans[0].hint).hint is hint
