@@ -96,6 +96,9 @@ class ExchangeHost(Protocol):
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int) -> Plan: ...
 
+    def recheck(self, caller: Caller) -> None:
+        """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
+
 
 @dataclass(frozen=True, slots=True)
 class GatedRequest:
@@ -114,6 +117,8 @@ class GatedRequest:
     caller: Caller = ANONYMOUS
     #: The priority band it asked for (only ever lower than its key's).
     band: Band | None = None
+    #: Its wait for its model to load (`Line.when_served`), when it was loading.
+    served: asyncio.Future[None] | None = None
 
 
 class Exchange:
@@ -329,6 +334,7 @@ class Exchange:
         ticket = self.ticket
         if ticket is None:
             await self._served(None if deadline is None else deadline - loop.time())
+            self.host.recheck(self.caller)  # its key may have gone while the model loaded
             queue = self.line.planning_engine
             parsed = self.request.parsed
             plan = NO_PLAN if queue is None else await self.host.plan(
@@ -351,7 +357,7 @@ class Exchange:
     async def _served(self, timeout: float | None) -> None:
         """Returns once an engine serves the request's model (it was loading); a
         streaming client sees life meanwhile.  Its queue timeout counts."""
-        served = self.line.when_served()
+        served = self.request.served or self.line.when_served()
         try:
             if self.request.parsed.stream:
                 if not self.headers_sent:
