@@ -16,8 +16,14 @@ Residency of local models follows the fit estimate (`backend.models.fit`):
   the budget (the machine's usable RAM and VRAM, or `memory_limit_mib`); if it does
   not, the least recently used unpinned model that nobody uses is unloaded first —
   drained, never killed with a request on it; if every other model is busy, the load
-  waits for one to become idle;
-- a model idle for its `idle_ttl` is unloaded.
+  waits for one to become idle, taking no room meanwhile (loads that fit go ahead);
+- a load for a lower priority band (the highest band among the requests it is for)
+  does not evict a model a higher band used within `BAND_PROTECTION` seconds: it waits;
+- a model idle for its `idle_ttl` is unloaded;
+- a failed model (its load failed, or its engine crashed past its restarts) refuses
+  requests for `FAILED_COOL_DOWN` seconds, then loads again on demand; each crash is
+  counted against the named keys whose requests were in flight, and a key in flight at
+  more than one crash is named in the model's decision.
 
 Each decision, with its reason, is kept on the model (`ModelStatus.decision`), logged,
 and shown by the window and `/health`.
