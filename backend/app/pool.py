@@ -613,12 +613,15 @@ class Pool:
                                    label=HERE)
             if local.residency is Residency.LOADING:
                 local.residency = Residency.READY
-        elif self.registry.current_of(local.engine_id) is not None:
-            self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
-            if local.residency is not Residency.UNLOADING and (
-                    snapshot.restarting or snapshot.state is State.FAILED):
-                self._crashed(local)
-            if snapshot.state is State.FAILED:
+        else:
+            if self.registry.current_of(local.engine_id) is not None:
+                self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
+                if local.residency is not Residency.UNLOADING and (
+                        snapshot.restarting or snapshot.state is State.FAILED):
+                    self._crashed(local)
+            # Also after a crash retired it: the restarts it then gave up on fail it.
+            if snapshot.state is State.FAILED and local.residency in (Residency.READY,
+                                                                      Residency.LOADING):
                 local.residency = Residency.FAILED
                 local.room = False
                 local.failed_at = self._clock()
