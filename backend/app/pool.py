@@ -47,6 +47,7 @@ from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.port.access_guard import ADDRESS_FLOW
+from backend.port.admission import Line
 from backend.port.admission_registry import AdmissionRegistry
 from backend.port.fair_queue import Band
 from backend.app.pool_config import ModelEntry, UpstreamEntry
@@ -615,10 +616,11 @@ class Pool:
                 local.residency = Residency.READY
         else:
             if self.registry.current_of(local.engine_id) is not None:
+                line = self.registry.find_line(name)  # before retiring may forget it
                 self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
                 if local.residency is not Residency.UNLOADING and (
                         snapshot.restarting or snapshot.state is State.FAILED):
-                    self._crashed(local)
+                    self._crashed(local, line)
             # Also after a crash retired it: the restarts it then gave up on fail it.
             if snapshot.state is State.FAILED and local.residency in (Residency.READY,
                                                                       Residency.LOADING):
@@ -633,10 +635,10 @@ class Pool:
                     ModelNotReady("The model stopped working.", retry_after=RETRY_SOON), name)
         self._listeners(name, snapshot)
 
-    def _crashed(self, local: _Local) -> None:
-        """Its engine died under requests: count the crash against the named keys whose
-        requests were in flight, and say so when one was there more than once."""
-        line = self.registry.find_line(local.entry.name)
+    def _crashed(self, local: _Local, line: Line | None) -> None:
+        """Its engine died under requests (`line`: its model's, as it was): count the
+        crash against the named keys whose requests were in flight, and say so when one
+        was there more than once."""
         flows = line.flows_in_flight(CRASH_WINDOW) if line is not None else set()
         local.crashes += 1
         local.crashed_with.update(flow for flow in flows

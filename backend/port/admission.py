@@ -301,8 +301,8 @@ class Line:
         # Requests that wait for any engine to serve the model (it is loading) before
         # they can be planned and take a ticket: their flow and the bytes they hold.
         self._awaiting_engine: dict[asyncio.Future[None], tuple[str, int]] = {}
-        # (when, flow) of the last requests an engine dropped while they ran.
-        self._dropped: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
+        # (when, flow) of the last requests that ended.
+        self._ended: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
 
     # --- state -----------------------------------------------------------------------
 
@@ -455,8 +455,8 @@ class Line:
     # --- the ticket's seam (backend.port.admission_ticket.TicketSeam) ---------------------
 
     def finish(self, ticket: Ticket, *, hold: bool) -> None:
-        if hold:  # the engine dropped it: a crash, which the pool attributes
-            self._dropped.append((self._clock(), ticket.flow.key))
+        # Noted for a crash noticed a moment after its requests ended (the pool's).
+        self._ended.append((self._clock(), ticket.flow.key))
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
         self._waiters.finished(ticket)
@@ -609,11 +609,12 @@ class Line:
         return len(refused) + len(loading)
 
     def flows_in_flight(self, within: float) -> set[str]:
-        """The flows with a request running now, or dropped by its engine within the
-        last `within` seconds: those a crash of an engine of this model hit."""
+        """The flows with a request running now, or ended within the last `within`
+        seconds: those a crash of an engine of this model hit (their requests end as
+        their connections break, often before the crash is noticed)."""
         since = self._clock() - within
         return self._waiters.running_flows() | {
-            flow for when, flow in self._dropped if when >= since}
+            flow for when, flow in self._ended if when >= since}
 
     def awaiting_flows(self) -> set[str]:
         """The flows of the requests that wait for the model to load."""

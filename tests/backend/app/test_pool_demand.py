@@ -182,7 +182,8 @@ async def test_a_key_revoked_while_its_request_waits_for_a_load_is_refused(
                         ModelEntry.for_file(str(other_tiny_model), settings=SMALL,
                                             preload=False))
     _record, secret = service.add_key("bob")
-    running = await busy_stream(client, "tiny")
+    _other, owner = service.add_key("carol")
+    running = await busy_stream(client, "tiny", **auth(owner))
     waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat("other"),
                                               headers=auth(secret)))
     await until(lambda: service.registry.line("other").waiting == 1)
@@ -215,11 +216,12 @@ async def test_a_model_failed_by_crashes_loads_again_after_its_cool_down_naming_
     failed = pool.status("tiny")
     assert "key 'crasher' were in flight at 2 of its crashes" in failed.decision
 
-    refused = await client.post("/v1/chat/completions", json=chat("tiny"))
+    refused = await client.post("/v1/chat/completions", json=chat("tiny"), headers=auth(secret))
     assert refused.status_code == 503, refused.text
     assert "loads again on demand in" in refused.json()["error"]["message"]
     await asyncio.sleep(float(refused.headers["retry-after"]))  # as a client is told to
-    text_of(await client.post("/v1/chat/completions", json=chat("tiny")))  # loaded on demand
+    text_of(await client.post("/v1/chat/completions", json=chat("tiny"),
+                              headers=auth(secret)))  # loaded on demand
     assert pool.status("tiny").residency is Residency.READY
 
 
