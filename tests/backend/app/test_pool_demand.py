@@ -147,7 +147,7 @@ async def test_a_load_waiting_for_room_lets_a_load_that_fits_go_ahead(
     waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat("smol")))
     await until(lambda: "waiting for room" in service.pool.status("smol").decision)
 
-    fits = await asyncio.wait_for(client.post("/v1/chat/completions", json=chat("other")), 60)
+    fits = await asyncio.wait_for(client.post("/v1/chat/completions", json=chat("other")), 180)
 
     text_of(fits)
     assert not running.done() and not waiting.done()  # tiny still busy, smol still waits
