@@ -78,6 +78,8 @@ FILE_VERSION = 1
 #: Seconds between two looks at the file for changes made by another process.
 CHECK_INTERVAL = 0.5
 MAX_NAME_LENGTH = 64
+#: The largest limit a key may have: every count stays exact as a float (2**53).
+MAX_LIMIT = 2**53
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]*")
 
 
@@ -165,8 +167,15 @@ class KeyStore:
     def __init__(self, path: Path | None = None, *, owner_secret: str = "",
                  check_interval: float = CHECK_INTERVAL,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 keys_required: bool = False,
+                 on_keys_required: Callable[[], None] | None = None) -> None:
+        """`keys_required`: named keys were used before (`requires_keys`);
+        `on_keys_required()` is called when the first named key is seen, to keep that."""
         self.path = path or keys_path()
+        self.keys_required = keys_required
+        self._on_keys_required = on_keys_required
+        self._warned_empty = False
         self.check_interval = check_interval
         self._clock = clock
         self._wall_clock = wall_clock
@@ -214,6 +223,20 @@ class KeyStore:
             return OWNER
         self._check_file()
         return self._records.get(name)
+
+    def requires_keys(self) -> bool:
+        """Whether every request must send a key because of named keys: some exist now,
+        or some existed on this port (`keys_required`, kept in the settings), so that a
+        deleted or emptied keys file refuses everyone rather than letting everyone in."""
+        if self.has_named_keys():
+            return True
+        if self.keys_required and not self._warned_empty:
+            self._warned_empty = True
+            log.warning("The keys file %s holds no keys, but named keys were used on this port: "
+                        "every request needs a key (the owner's or a named one). Make a key with "
+                        "`gguf-studio keys add`, or set keys_required to false in the settings "
+                        "to serve without keys again.", self.path.name)
+        return self.keys_required
 
     def has_named_keys(self) -> bool:
         """Whether any named key exists (revoked ones too): then every request needs one,
@@ -312,6 +335,14 @@ class KeyStore:
             self.refresh()
 
     def _install(self, records: dict[str, KeyRecord]) -> bool:
+        if records and not self.keys_required:
+            self.keys_required = True
+            if self._on_keys_required is not None:
+                try:
+                    self._on_keys_required()
+                except (OSError, SettingsError) as exc:
+                    log.error("Could not note in the settings that named keys are used: %s", exc)
+        self._warned_empty = self._warned_empty and not records
         if records == self._records:
             return False
         self._records = records
@@ -390,6 +421,9 @@ def _read(path: Path) -> dict[str, KeyRecord]:
         saved = json.loads(text)
     except ValueError as exc:
         raise KeyStoreError(f"The keys file {path.name} is not readable JSON: {exc}") from None
+    except RecursionError:  # a hand-edited file nested thousands deep
+        raise KeyStoreError(f"The keys file {path.name} is not readable JSON: it is nested "
+                            "too deep.") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("keys"), list):
         raise KeyStoreError(f"The keys file {path.name} does not hold keys.")
     if saved.get("version") != FILE_VERSION:
@@ -444,8 +478,9 @@ def _from_json(entry: Any, path: Path) -> KeyRecord:
             expires_at=_epoch(entry.get("expires")), revoked_at=_epoch(entry.get("revoked")),
             created_at=_epoch(entry.get("created")) or 0.0)
         _check_limits(record)
-    except (KeyError, TypeError, ValueError, SettingsError):
-        raise KeyStoreError(f"The key {name!r} in {path.name} has an unusable "
+    except (KeyError, TypeError, ValueError, OverflowError, SettingsError):
+        # OverflowError: a number too large for a float (a weight of 10**400).
+        raise KeyStoreError(f"The key {name[:80]!r} in {path.name} has an unusable "
                             "setting.") from None
     return record
 
@@ -514,9 +549,10 @@ def _check_limits(record: KeyRecord) -> None:
                         ("tokens per minute", record.tokens_per_minute),
                         ("tokens per day", record.tokens_per_day)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise KeyStoreError(f"The key's {what} must be a whole number of at least 1 "
-                                f"(or no limit), not {value!r}.")
+                                  or not 1 <= value <= MAX_LIMIT):
+            shown = value if not isinstance(value, int) or abs(value) <= MAX_LIMIT else "a larger one"
+            raise KeyStoreError(f"The key's {what} must be a whole number from 1 to {MAX_LIMIT:,} "
+                                f"(or no limit), not {shown!r}.")
     if isinstance(record.weight, bool) or not isinstance(record.weight, (int, float)) \
             or not math.isfinite(record.weight) or record.weight <= 0:
         raise KeyStoreError(f"The key's weight must be a number above 0, not {record.weight!r}.")

@@ -20,6 +20,7 @@ __all__ = ["DEFAULT_PORT", "parse_rpc_workers", "parse_rpc_worker"]
 #: llama.cpp's rpc-server listens on this port unless told otherwise.
 DEFAULT_PORT = 50052
 
+_PORT = re.compile(r"[0-9]{1,5}")  # ASCII only: str.isdigit() takes "²", which int() refuses
 _HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                         r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
@@ -60,7 +61,7 @@ def parse_rpc_worker(text: str) -> str:
                             "IPv4 address.")
     if not port_text:
         port = DEFAULT_PORT
-    elif port_text.isdigit() and 1 <= int(port_text) <= 65535:
+    elif _PORT.fullmatch(port_text) and 1 <= int(port_text) <= 65535:
         port = int(port_text)
     else:
         raise SettingsError(f"RPC worker {shown!r}: the port must be a number from 1 to "

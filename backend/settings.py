@@ -39,6 +39,10 @@ class Settings:
     port: int = 8899
     api_key: str = ""
     allow_no_key: bool = False
+    # Named keys were used here (backend.key_store): every client must send a key from
+    # then on, also after keys.json was deleted or emptied, which must not open the port
+    # to everyone.  Once true in the saved file it stays so (`save`, `remember_keys_required`).
+    keys_required: bool = False
     # Web pages (origins) and host names the port accepts beyond this machine's own; see
     # backend/port/access_guard.py.  The environment may give them comma- or space-separated.
     allow_origins: list[str] = field(default_factory=list)
@@ -144,6 +148,7 @@ class Settings:
         for name in env_overrides(os.environ if environ is None else environ):
             if values[name] == getattr(from_env, name):
                 values[name] = previous.get(name, getattr(Settings(), name))
+        values["keys_required"] = values["keys_required"] or previous.get("keys_required") is True
         write_private(path, json.dumps(values, indent=2).encode())
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Settings":
@@ -157,6 +162,16 @@ class Settings:
                 raise SettingsError(f"Unknown setting {name!r}.")
             converted[name] = _convert(name, types[name], raw)
         return dataclasses.replace(self, **converted)
+
+
+def remember_keys_required(path: Path | None = None) -> None:
+    """Mark in the saved settings that named keys were used (`Settings.keys_required`),
+    changing nothing else in the file."""
+    path = path or settings_path()
+    saved = _read_saved(path) if path.is_file() else {}
+    if saved.get("keys_required") is not True:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        write_private(path, json.dumps(dict(raw, keys_required=True), indent=2).encode())
 
 
 def settings_path() -> Path:

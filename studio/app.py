@@ -24,6 +24,7 @@ from backend.app.desktop_libraries import platform_problem
 from backend.errors import SettingsError
 from backend.models.library import ModelLibrary
 from backend.settings import APP_NAME, Settings, settings_path
+from backend.url_credentials import hide_url_credentials_in_logs
 
 from studio.bridge import ServiceBridge
 from studio.window import MainWindow
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None, *,
     # The access log is for the Logs tab; the terminal gets warnings only.
     for handler in logging.getLogger().handlers:
         handler.setLevel(logging.WARNING)
+    hide_url_credentials_in_logs()  # an upstream's http://user:password@host
     app = _application(argv)
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)

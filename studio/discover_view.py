@@ -31,7 +31,7 @@ from backend.models.gguf_info import format_file_size
 from backend.models.download import DownloadProgress, DownloadState
 from backend.models.fit import DEFAULT_FIT_CONTEXT, FITS_GPU, FITS_RAM, FitEstimate
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary
-from studio.widgets import heading, secondary_label
+from studio.widgets import heading, plain_tooltip, secondary_label
 
 __all__ = ["DiscoverView", "DownloadRow"]
 
@@ -270,7 +270,7 @@ class DownloadRow(QWidget):
     def show_progress(self, p: DownloadProgress) -> None:
         self.state = p.state
         self.name.setText(p.name)
-        self.name.setToolTip(p.repo_id)
+        self.name.setToolTip(plain_tooltip(p.repo_id))
         self.bar.setValue(int(p.fraction * 1000))
         self.detail.setText("Ready in the library." if p.state is DownloadState.DONE else p.describe())
         self.pause_button.setText("Resume" if self._resumes() else "Pause")

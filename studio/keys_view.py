@@ -449,6 +449,7 @@ class SecretDialog(QDialog):
         notice = QLabel(f"<b>Copy the secret now.</b> This is the only time it is shown: "
                         f"GGUF Studio keeps only a hash of it. Give it to the person or agent "
                         f"as their API key.")
+        notice.setTextFormat(Qt.TextFormat.RichText)
         notice.setWordWrap(True)
         self.secret = QLineEdit(secret)
         self.secret.setReadOnly(True)

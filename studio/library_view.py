@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
 
 from backend.models.gguf_info import format_file_size
 from backend.models.library import ModelEntry, search
-from studio.widgets import secondary_label
+from studio.widgets import plain_tooltip, secondary_label
 
 __all__ = ["LibraryView"]
 
@@ -123,7 +123,7 @@ class LibraryView(QWidget):
         for entry in shown:
             item = QListWidgetItem(entry.name)
             item.setData(ENTRY_ROLE, entry)
-            item.setToolTip(entry.path)
+            item.setToolTip(plain_tooltip(entry.path))
             self.list.addItem(item)
         self.list.blockSignals(False)
         if not (keep and self.select_path(keep)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import shlex
 
 from PySide6.QtCore import Qt, Signal
@@ -174,6 +175,7 @@ class ModelView(QWidget):
             QStyle.StandardPixmap.SP_MessageBoxInformation).pixmap(16, 16))
         self.slots_icon.hide()
         self.slots = QLabel()
+        self.slots.setTextFormat(Qt.TextFormat.RichText)  # only numbers and our own words in it
         self.slots.setAccessibleName("Effective parallel slots")
         self.slots.setWordWrap(True)
         self.placement = QLabel()
@@ -323,7 +325,7 @@ class ModelView(QWidget):
             if serving.context_length:
                 text += f" · context {serving.context_length:,} tokens per slot"
             if serving.kv is not None:
-                text += "<br>" + serving.describe_kv()
+                text += "<br>" + html.escape(serving.describe_kv())
             self.slots.setText(text)
             self.slots_icon.setVisible(differs)
             self.slots.setProperty("differs", differs)

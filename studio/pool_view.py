@@ -31,8 +31,9 @@ from backend.app.pool_status import ModelStatus, UpstreamStatus
 from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
                                     describe_slots, describe_where, model_actions)
 from backend.port.metrics import ModelTotals
+from backend.url_credentials import hide_url_credentials
 
-from studio.widgets import secondary_label
+from studio.widgets import plain_tooltip, secondary_label
 
 __all__ = ["ModelRow", "PoolView", "UpstreamRow"]
 
@@ -202,7 +203,7 @@ class ModelRow:
         for cell, text in zip(self.cells, texts):
             if cell.text() != text:
                 cell.setText(text)
-                cell.setToolTip(text)
+                cell.setToolTip(plain_tooltip(text))
         actions = model_actions(status)
         self.load.setEnabled(actions.load)
         self.unload.setEnabled(actions.unload)
@@ -245,13 +246,13 @@ class UpstreamRow:
 
     def show(self, upstream: UpstreamStatus) -> None:
         engine = upstream.engine
-        texts = (engine.where, upstream.url, describe_health(upstream),
+        texts = (engine.where, hide_url_credentials(upstream.url), describe_health(upstream),
                  ", ".join(upstream.models) or "—", describe_slots(engine), describe_kv(engine),
                  engine.note or "", "")
         for cell, text in zip(self.cells, texts):
             if cell.text() != text:
                 cell.setText(text)
-                cell.setToolTip(text)
+                cell.setToolTip(plain_tooltip(text))
 
 
 def _rebuild(table: QTableWidget, keys: list[str], make: Callable[[int, str], Row]

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.settings import Settings, parse_names
+from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from studio.keys_view import KeysView
@@ -330,8 +331,10 @@ class SharingView(QWidget):
         context and the output limits; the owner's key unless another is given."""
         model_id, context = self._model
         base_url = self.urls[0] if self.urls else f"http://127.0.0.1:{self.port.value()}/v1"
+        # The default model by its stable alias: the snippets survive loading another model.
         return ClientTarget(base_url, model_id or "MODEL", self._key if api_key is None else api_key,
-                            context, self.max_output.value(), self.default_output.value())
+                            context, self.max_output.value(), self.default_output.value(),
+                            default_alias=DEFAULT_MODEL_ALIAS if model_id else "")
 
     def snippets(self) -> list[Snippet]:
         """The snippets as they are copied: with the real key."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from PySide6.QtCore import QByteArray, QSettings, Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
+    QApplication,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -41,6 +42,7 @@ from studio.logs_view import LogsView
 from studio.model_view import ModelView, describe_state
 from studio.pool_view import PoolView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
+from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
@@ -53,6 +55,9 @@ class MainWindow(QMainWindow):
     def __init__(self, bridge: ServiceBridge, library: ModelLibrary, settings: Settings, *,
                  settings_path: Path | None = None, state_path: Path | None = None) -> None:
         super().__init__()
+        app = QApplication.instance()
+        if app is not None:
+            guard_widgets(app)  # before any page makes its widgets
         self.bridge = bridge
         self.library = library
         self.settings = settings

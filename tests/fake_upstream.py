@@ -22,9 +22,11 @@ overridden per request with a `"fake"` object in the JSON body, e.g.
 `{"fake": {"delay": 0.05, "n_tokens": 100, "die_after": 3}}`:
 
 - `prompt_delay`: silence before the first event (llama-server reading a long prompt);
-- `n_tokens`, `delay`: the length and pace of a reply (capped by the request's
-  `max_tokens` / `max_completion_tokens` / `max_output_tokens` / `n_predict`; the final
-  chunk's finish_reason says "length" when the cap cut it, else "stop");
+- `n_tokens`, `delay`: the length and pace of a reply (capped by the request's output
+  limit, read as llama-server reads it: the first of `n_predict`, `max_completion_tokens`,
+  `max_tokens` given, a Responses `max_output_tokens` standing for `max_tokens`, an
+  Anthropic message's `max_tokens` alone (4,096 when absent), -1 for none; the final
+  chunk's finish_reason says "length" when the limit cut it, else "stop");
 - `die_after`: cut the connection after that many content chunks;
 - `hang`: send headers, then nothing, until the client goes away;
 - `status` (+ `error_type`, `message`): answer with that error status instead.
@@ -228,7 +230,7 @@ class FakeUpstream:
             return _error(400, "invalid_request_error", "bad json")
         self.requests.append(Received(request.url.path, body))
         over = body.get("fake") or {}
-        limit = _limit(body)
+        limit = _limit(request.url.path, body)
         n = int(over.get("n_tokens", self.n_tokens))
         plan = _Plan(
             n_tokens=n if limit is None else min(n, limit),
@@ -471,11 +473,20 @@ class FakeUpstream:
 # --- helpers ---------------------------------------------------------------------------
 
 
-def _limit(body: dict[str, Any]) -> int | None:
-    values = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens",
-                                    "n_predict")]
-    limits = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return min(limits) if limits else None
+def _limit(path: str, body: dict[str, Any]) -> int | None:
+    """The output limit llama-server obeys: not the smallest field, the first it reads
+    (tools/server/server-schema.cpp, server-chat.cpp)."""
+    if path == "/v1/messages":  # the Anthropic conversion keeps max_tokens alone
+        names: tuple[str, ...] = ("max_tokens",)
+    elif path == "/v1/responses" and "max_output_tokens" in body:  # becomes max_tokens
+        names = ("n_predict", "max_completion_tokens", "max_output_tokens")
+    else:
+        names = ("n_predict", "max_completion_tokens", "max_tokens")
+    for name in names:
+        value = body.get(name)
+        if value is not None:
+            return None if value == -1 else int(value)
+    return 4096 if path == "/v1/messages" else None
 
 
 def _text_tokens(text: str) -> int:

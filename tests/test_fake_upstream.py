@@ -90,3 +90,31 @@ async def test_with_enforced_slots_a_request_beyond_them_waits_for_a_free_one():
             assert second is not None and second >= 1 and fake.waited == 1 and fake.peak_active == 1
         else:  # it ran beside the first (10 tokens at 20 ms each)
             assert second == 0 and fake.waited == 0 and fake.peak_active == 2
+
+
+#: (route, body, tokens llama-server generates for it): it obeys the first limit it reads,
+#: not the smallest one given.
+LIMITS: list[tuple[str, dict[str, object], int]] = [
+    ("/v1/chat/completions", {"max_tokens": 1, "n_predict": 5}, 5),
+    ("/v1/chat/completions", {"max_tokens": 1, "max_completion_tokens": 5}, 5),
+    ("/v1/chat/completions", {"max_completion_tokens": 5, "n_predict": 2}, 2),
+    ("/v1/chat/completions", {"max_tokens": 1, "n_predict": -1}, 8),  # -1: no limit
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "n_predict": 5}, 5),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 1, "n_predict": 5}, 5),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 1, "max_tokens": 5}, 1),
+    ("/v1/responses", {"input": "x", "max_tokens": 5}, 5),
+    ("/v1/messages", {"max_tokens": 5, "n_predict": 1}, 5),  # n_predict never reaches it
+]
+
+
+async def test_the_fake_obeys_the_limit_llama_server_reads_first():
+    import httpx
+
+    async with FakeUpstream(n_tokens=8) as fake:
+        async with httpx.AsyncClient(base_url=fake.base_url, timeout=10) as client:
+            for route, limits, expected in LIMITS:
+                request = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi",
+                           "input": "hi", **limits}
+                usage = (await client.post(route, json=request)).json()["usage"]
+                generated = usage.get("completion_tokens", usage.get("output_tokens"))
+                assert generated == expected, (route, limits)

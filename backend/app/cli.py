@@ -31,6 +31,7 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import THREADS_HELP, LoadSettings
 from backend.models.hf_cache import printable
 from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, env_var
+from backend.url_credentials import hide_url_credentials, hide_url_credentials_in_logs
 from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if not getattr(args, "verbose", False) else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    hide_url_credentials_in_logs()  # an upstream's http://user:password@host
     if args.command is None:  # the window is the launcher's (`launcher.main`)
         parser.print_help()
         return 2
@@ -143,7 +145,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
     else:
-        print("\n".join(info.summary_lines()))
+        # general.name and the other strings are the file's: shown escaped.
+        print(_printable_lines("\n".join(info.summary_lines())))
     return 0
 
 
@@ -278,8 +281,8 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
         if snapshot.state is State.STOPPED and model in service.pool.names():
             # Stopped here is unloaded or evicted in the pool: say so, and what brings it back.
             status = service.pool.status(model)
-            print(f"[{status.residency.value}] {model}"
-                  + (f": {status.decision}" if status.decision else ""), flush=True)
+            print(_printable_lines(f"[{status.residency.value}] {model}"
+                                   + (f": {status.decision}" if status.decision else "")), flush=True)
             return
         line = f"[{snapshot.state.value}] {snapshot.model_id or model}"
         serving = snapshot.serving
@@ -295,7 +298,8 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
                 line += f"\n  {serving.kv_note} (--upstream-kv split|unified)"
         if snapshot.error:
             line += f": {snapshot.error}"
-        print(line, flush=True)
+        # Model names and errors come from files and other servers: shown escaped.
+        print(_printable_lines(hide_url_credentials(line)), flush=True)
 
     service.pool.add_listener(report)  # every model's engine, not only the default's
     try:
@@ -454,7 +458,8 @@ def _parser() -> argparse.ArgumentParser:
     upstream_keys = serve.add_mutually_exclusive_group()
     upstream_keys.add_argument("--upstream-api-key", metavar="KEY", action="append",
                                help="the key the --upstream llama-server requires (its --api-key); "
-                               "one per --upstream in the same order, '' for none")
+                               "one per --upstream in the same order, '' for none; visible to "
+                               "other local users in the process list, see --upstream-api-key-file")
     upstream_keys.add_argument("--upstream-api-key-file", metavar="PATH", action="append",
                                help="read the --upstream's key from this file (kept out of the "
                                "process list); one per --upstream in the same order, '' for none")

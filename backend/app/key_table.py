@@ -363,17 +363,21 @@ def short_number(value: float) -> str:
 def key_target(target: ClientTarget, record: KeyRecord, secret: str) -> ClientTarget:
     """`target` (the port's models, its address) for the holder of `record`: its secret,
     and only the models it may use, the default one first when allowed."""
-    allowed = [m for m in target.models if record.allows(m.model_id)]
+    # A key limited to some models gets their own names: the default's alias could name
+    # one it may not use after the next swap.
+    allowed = [(dataclasses.replace(m, model_id=m.served, alias_of="") if record.models else m)
+               for m in target.models if record.allows(m.served)]
     if not allowed:
         # None of the models served now: name the first the key lists (a pattern such
         # as "qwen*" names no model, so the default stays as a placeholder then).
         plain = next((m for m in record.models if not any(c in m for c in "*?[")), None)
         allowed = [ClientModel(plain)] if plain else [target.default]
     first, *others = allowed
-    small = target.small_model if any(m.model_id == target.small_model for m in allowed) else ""
-    return dataclasses.replace(target, model_id=first.model_id,
+    small = target.small_model if any(m.served == target.small_model for m in allowed) else ""
+    return dataclasses.replace(target, model_id=first.served,
                                context_length=first.context_length, size=first.size,
-                               others=tuple(others), small_model=small, api_key=secret)
+                               others=tuple(others), small_model=small, api_key=secret,
+                               default_alias=first.model_id if first.alias_of else "")
 
 
 # --- checks ----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from backend.port.access_guard import ADDRESS_FLOW
 from backend.port.admission import Line
 from backend.port.admission_registry import AdmissionRegistry
 from backend.port.fair_queue import Band
+from backend.models.model_names import ModelNames, NamedModel
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,
                                      engine_status)
@@ -173,7 +174,9 @@ class Pool:
         return names[0] if names else None
 
     def set_default(self, name: str | None) -> None:
-        self._default = name
+        """Make `name` (any name of a model; an engine elsewhere's may not be known yet)
+        the default model."""
+        self._default = (self.model_names().resolve(name) or name) if name else name
         self._sync_default_engine()
         self._changed_listeners()
 
@@ -188,11 +191,14 @@ class Pool:
         """The model a request for `path` naming `requested` goes to.
 
         No model (or an empty one): the default model (for /v1/embeddings the first
-        embeddings model, if any).  A name: a model's name or alias or file name, exact,
-        else ignoring case.  Unknown: ModelNotFound listing the models (with no model at all,
-        ModelNotReady, as for no name).
+        embeddings model, if any), as for `default` (`DEFAULT_MODEL_ALIAS`) unless a model
+        is given that name.  A name: a model's name or alias or file name, exact, else
+        ignoring case (`ModelNames`).  Unknown: ModelNotFound listing the models (with no
+        model at all, ModelNotReady, as for no name).
         """
-        if not isinstance(requested, str) or not requested.strip():
+        names = self.model_names()
+        if not isinstance(requested, str) or not requested.strip() \
+                or names.is_default_alias(requested.strip()):
             if path == EMBEDDINGS_ROUTE:
                 for name, m in self._locals.items():
                     if m.entry.embeddings:
@@ -211,10 +217,9 @@ class Pool:
             # the port is not ready, which clients retry, rather than a wrong model name.
             raise ModelNotReady("No model is loaded right now. Try again later.",
                                 retry_after=RETRY_SOON)
-        for exact in (True, False):
-            for name, names in self._all_names():
-                if any(n == wanted if exact else n.lower() == wanted.lower() for n in names):
-                    return name
+        found = names.resolve(wanted)
+        if found is not None:
+            return found
         listed = ", ".join(self.names()) or "none"
         raise ModelNotFound(f"The model {printable(wanted, 80)!r} is not served here. Models: {listed}.",
                             param="model")
@@ -248,6 +253,16 @@ class Pool:
                 raise ModelNotReady(f"The model {name} failed to load where it runs. "
                                     f"{failed[0].error or ''}".strip(), retry_after=RETRY_SOON)
         return name
+
+    def model_names(self, adding: ModelEntry | None = None) -> ModelNames:
+        """The names requests may use now (with `adding` in place of the local model of
+        its name).  Raises SettingsError naming both models when two local ones are given
+        one name; an engine elsewhere's models take the names left to them."""
+        entries = [m.entry for name, m in self._locals.items()
+                   if adding is None or name != adding.name]
+        entries += [adding] if adding is not None else []
+        guests = [NamedModel(name, names[1:]) for name, names in self._upstreams.all_names()]
+        return ModelNames((e.named for e in entries), guests=guests)
 
     def must_name(self, name: str) -> bool:
         """Whether a request for `name` must name it to its engines: another GGUF Studio
@@ -297,8 +312,9 @@ class Pool:
     # --- local models ------------------------------------------------------------------
 
     def add_model(self, entry: ModelEntry, *, default: bool = False) -> None:
-        """Know `entry` (replacing an entry of the same name, which keeps its state)."""
-        self._check_names(entry)
+        """Know `entry` (replacing an entry of the same name, which keeps its state).
+        SettingsError when one of its names is another model's."""
+        self.model_names(adding=entry)
         local = self._locals.get(entry.name)
         if local is None:
             self._locals[entry.name] = _Local(entry)
@@ -360,6 +376,7 @@ class Pool:
         previous = self.default_model
         entry = ModelEntry(name=spec.name, path=spec.model_path, settings=spec.settings,
                            chat_template=spec.chat_template, pinned=True)
+        self._names_beside(entry, replacing=previous)
         existing = self._locals.get(spec.name)
         if existing is not None and existing.resident:
             await self.unload_model(spec.name, reason="reloaded", refuse=False)
@@ -682,20 +699,14 @@ class Pool:
         line = self.registry.find_line(name)
         return line is not None and bool(line.engines)
 
-    def _all_names(self) -> list[tuple[str, tuple[str, ...]]]:
-        found = [(name, m.entry.names) for name, m in self._locals.items()]
-        return found + self._upstreams.all_names()
-
     def _known(self, name: str) -> bool:
         return name in self._locals or name in self._upstreams.names()
 
-    def _check_names(self, entry: ModelEntry) -> None:
-        for name, names in self._all_names():
-            if name == entry.name:
-                continue
-            clash = set(names) & set(entry.names)
-            if clash:
-                raise ValueError(f"{entry.name} and {name} are both called {sorted(clash)[0]!r}.")
+    def _names_beside(self, entry: ModelEntry, replacing: str | None) -> None:
+        """Check `entry`'s names against the local models that stay beside it."""
+        stay = [m.entry.named for name, m in self._locals.items()
+                if name not in (entry.name, replacing)]
+        ModelNames([*stay, entry.named])
 
     def _local(self, name: str) -> _Local:
         local = self._locals.get(name)

@@ -33,12 +33,11 @@ Codex's own config.toml, which the same people edit, is TOML too.
     api_key_file = "box2.key"      # its key, kept out of this file
     kv_layout = "split"            # what a plain llama-server cannot report
 
-Names: a model answers to its name, its aliases, and the names its file gives it: the
-file name with and without .gguf (and without a split file's -00001-of-00003) and, for a
-file in the Hugging Face cache, `owner/repo:QUANT` as `gguf-studio pull` takes it.  Names are
-compared regardless of case.  A name or alias given to two models is an error naming
-both; a file-given name two models share is dropped from both (they are asked for by
-their own names).
+Names: a model answers to its name, its aliases, and the names its file gives it, by the
+one rule of `backend.models.model_names` (which the pool follows too): compared
+regardless of case; a name or alias given to two models is an error naming both lines;
+a file-given name two models share is dropped from both (they are asked for by their own
+names).
 
 An upstream's key is best kept in a file of its own (`api_key_file`).  A models file
 that holds a key itself (`api_key`) is made private (0600) when it is read, as the
@@ -63,8 +62,8 @@ from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings, LoadSpec
 from backend.llama.remote_engine import normalise_base_url
-from backend.models.hf_cache import printable, repo_id_of_folder
-from backend.models.hub import quantization_of
+from backend.models.model_names import (MAX_NAME_LENGTH, ModelNames, NamedModel, check_name,
+                                        file_names, model_name)
 from backend.rpc_workers import parse_rpc_workers
 from backend.app.toml_text import toml_key, toml_value
 
@@ -75,7 +74,6 @@ log = logging.getLogger("gguf_studio.pool_config")
 
 #: The llama-server flag an embeddings model is started with (llama.cpp also reads `--embedding`).
 EMBEDDINGS_FLAG = "--embeddings"
-MAX_NAME_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -94,9 +92,9 @@ class ModelEntry:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aliases", tuple(self.aliases))
-        _check_name(self.name, "A model's name")
+        check_name(self.name, "A model's name")
         for alias in self.aliases:
-            _check_name(alias, f"An alias of {self.name}")
+            check_name(alias, f"An alias of {self.name}")
         if not isinstance(self.path, str) or not self.path.strip():
             raise SettingsError(f"The model {self.name} needs the path of its GGUF file.")
         if isinstance(self.idle_ttl, bool) or not isinstance(self.idle_ttl, (int, float)) \
@@ -127,10 +125,9 @@ class ModelEntry:
         return file_names(self.path)
 
     @property
-    def names(self) -> tuple[str, ...]:
-        """Every name that may reach it: its own, its aliases, its file's (which a
-        `PoolConfig` drops where two models share one: `PoolConfig.names`)."""
-        return tuple(dict.fromkeys((self.name, *self.aliases, *self.file_names())))
+    def named(self) -> NamedModel:
+        """It as `ModelNames` sees it."""
+        return NamedModel(self.name, self.aliases, self.path)
 
     def to_spec(self, *, has_chat_template: bool = True) -> LoadSpec:
         """The load; `has_chat_template`: whether the file carries a template to render."""
@@ -182,10 +179,10 @@ class PoolConfig:
                 or self.memory_limit_mib < 0:
             raise SettingsError("The memory limit must be a whole number of MiB, 0 for the "
                                 f"machine's, not {self.memory_limit_mib!r}.")
-        object.__setattr__(self, "_names", _NameTable(self.models, _describe_entry))
+        object.__setattr__(self, "_names", ModelNames(m.named for m in self.models))
         _check_distinct(self.upstreams, lambda i: self.upstreams[i].url)
         if self.default_model is not None:
-            _check_name(self.default_model, "The default model")
+            check_name(self.default_model, "The default model")
             # A GGUF Studio upstream's models are known only once it answers.
             if self.resolve(self.default_model) is None and not self.upstreams:
                 raise SettingsError(f"The default model {self.default_model!r} is none of the "
@@ -199,12 +196,13 @@ class PoolConfig:
         here (it may still be an upstream's)."""
         if not name:
             return self.default
-        return self._table.resolve(name)
+        found = self._table.resolve(name)
+        return next((m for m in self.models if m.name == found), None)
 
     def names(self, entry: ModelEntry) -> tuple[str, ...]:
         """Every name `entry` answers to: its name first, then its aliases, then the
         names its file gives it that no other model claims."""
-        return self._table.names_of(entry)
+        return self._table.names_of(entry.name)
 
     @property
     def default(self) -> ModelEntry | None:
@@ -212,13 +210,13 @@ class PoolConfig:
         chat model, else the first model.  None without local models, or when
         `default_model` is none of them (an upstream's)."""
         if self.default_model:
-            return self._table.resolve(self.default_model)
+            return self.resolve(self.default_model)
         chat = [m for m in self.models if not m.embeddings]
         return next(iter(chat or self.models), None)
 
     @property
-    def _table(self) -> "_NameTable":
-        table: _NameTable = self.__dict__["_names"]
+    def _table(self) -> ModelNames:
+        table: ModelNames = self.__dict__["_names"]
         return table
 
     # --- combining --------------------------------------------------------------------
@@ -312,26 +310,6 @@ class PoolConfig:
         os.replace(tmp, path)
 
 
-def model_name(path: str | os.PathLike[str]) -> str:
-    """The name a file gives a model: its file name without .gguf, and for a split
-    model without the part's -00001-of-00003."""
-    return file_names(path)[0]
-
-
-def file_names(path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """Every name the file at `path` gives its model: the file name without .gguf
-    (first without a split's part number, then with it), the file name itself, and
-    `owner/repo:QUANT` for a file in the Hugging Face cache
-    (`models--owner--repo/snapshots/<commit>/...`)."""
-    pure = PurePath(os.fspath(path))
-    stem = pure.name[:-5] if pure.name.lower().endswith(".gguf") else pure.name
-    names = [_SPLIT_PART.sub("", stem) or stem, stem, pure.name]
-    repo, quant = _hf_repo(pure), quantization_of(pure.name)
-    if repo and quant:
-        names.append(f"{repo}:{quant}")
-    return tuple(dict.fromkeys(names))
-
-
 def parse_duration(value: Any) -> float:
     """Seconds from a number of seconds or from "90s", "30m", "2h", "1d"; "never" is 0.
     ValueError for anything else."""
@@ -354,25 +332,12 @@ def parse_duration(value: Any) -> float:
 
 # --- helpers ----------------------------------------------------------------------------
 
-_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$", re.IGNORECASE)
 _EMBEDDINGS_SPELLINGS = frozenset({"--embedding", "--embeddings"})
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MODEL_KEYS = ("name", "path", "aliases", "ctx_size", "parallel", "n_gpu_layers", "threads",
                "extra_args", "rpc", "pinned", "idle_ttl", "embeddings", "chat_template", "preload")
 _UPSTREAM_KEYS = ("url", "api_key", "api_key_file", "kv_layout")
 _TOP_KEYS = ("default_model", "memory_limit_mib", "model", "upstream")
-
-
-def _check_name(name: Any, what: str) -> None:
-    if not isinstance(name, str) or not name.strip():
-        raise SettingsError(f"{what} must be some text, not {name!r}.")
-    if name != name.strip() or any(not c.isprintable() for c in name) or len(name) > MAX_NAME_LENGTH:
-        raise SettingsError(f"{what} “{printable(name, 80)}” must be printable, without spaces "
-                            f"around it, at most {MAX_NAME_LENGTH} characters.")
-
-
-def _describe_entry(index: int, entry: ModelEntry, name: str) -> str:
-    return f"{entry.name} ({PurePath(entry.path).name})"
 
 
 def _check_distinct(upstreams: tuple[UpstreamEntry, ...], describe: Callable[[int], str]) -> None:
@@ -386,15 +351,6 @@ def _check_distinct(upstreams: tuple[UpstreamEntry, ...], describe: Callable[[in
 def _listing(models: Iterable[ModelEntry]) -> str:
     names = [m.name for m in models]
     return ", ".join(names) if names else "there are none"
-
-
-def _hf_repo(path: PurePath) -> str | None:
-    parts = path.parts
-    for i in range(len(parts) - 3):
-        repo = repo_id_of_folder(parts[i])
-        if repo and parts[i + 1] == "snapshots":
-            return repo
-    return None
 
 
 def _same_file(path: str) -> str:
@@ -460,46 +416,6 @@ def _make_private(path: Path) -> None:
                 "it is now private (0600).", path.name)
 
 
-class _NameTable:
-    """Names (case-folded) to models: given names and aliases must be unique; a
-    file-given name two models share answers for neither."""
-
-    def __init__(self, models: tuple[ModelEntry, ...],
-                 describe: Callable[[int, ModelEntry, str], str]) -> None:
-        self._models = models
-        owner: dict[str, int] = {}
-        for i, entry in enumerate(models):
-            for name in (entry.name, *entry.aliases):
-                key = name.casefold()
-                if owner.get(key, i) != i:
-                    first = owner[key]
-                    raise _NameCollision(f"The name {name!r} is given to two models: "
-                                         f"{describe(first, models[first], name)} and "
-                                         f"{describe(i, entry, name)}.")
-                owner[key] = i
-        claims: dict[str, set[int]] = {}
-        for i, entry in enumerate(models):
-            for name in entry.file_names():
-                if name.casefold() not in owner:
-                    claims.setdefault(name.casefold(), set()).add(i)
-        self._owner = owner | {key: next(iter(who)) for key, who in claims.items() if len(who) == 1}
-
-    def resolve(self, name: str) -> ModelEntry | None:
-        index = self._owner.get(name.casefold())
-        return None if index is None else self._models[index]
-
-    def names_of(self, entry: ModelEntry) -> tuple[str, ...]:
-        index = next((i for i, m in enumerate(self._models) if m is entry), None)
-        if index is None:
-            index = self._models.index(entry)
-        found = (entry.name, *entry.aliases, *entry.file_names())
-        return tuple(dict.fromkeys(n for n in found if self._owner.get(n.casefold()) == index))
-
-
-class _NameCollision(SettingsError):
-    """Two models given one name."""
-
-
 class _Reader:
     """One models file's values, each checked, every complaint naming its line and field."""
 
@@ -521,8 +437,9 @@ class _Reader:
             raise self.error(None, 0, "memory_limit_mib",
                              f"must be a whole number of MiB, 0 for the machine's, not {limit!r}")
         try:
-            _NameTable(models, self._describe_model)
-        except _NameCollision as exc:
+            ModelNames((m.named for m in models), describe=lambda i, name: self._describe_model(
+                i, models[i], name))
+        except SettingsError as exc:
             raise SettingsError(f"{self.source}: {exc}") from None
         _check_distinct(upstreams, lambda i: f"{upstreams[i].url} ({self.where('upstream', i, 'url')})")
         try:

@@ -42,7 +42,7 @@ from backend.port.flow_control import FlowControl
 from backend.port.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, Metrics, ModelLoad
-from backend.settings import Settings
+from backend.settings import Settings, remember_keys_required
 
 if TYPE_CHECKING:
     from backend.port.server import GatewayServer
@@ -69,7 +69,8 @@ class StudioService:
             enabled=settings.admission_enabled,
         )
         self.metrics.bind_registry(self.registry)
-        self.keys = KeyStore(owner_secret=settings.api_key)
+        self.keys = KeyStore(owner_secret=settings.api_key, keys_required=settings.keys_required,
+                             on_keys_required=remember_keys_required)
         self.usage = UsageLedger.load()
         limiter = RateLimiter()
         for record in self.keys.records():
@@ -117,7 +118,7 @@ class StudioService:
 
     async def start_gateway(self) -> list[str]:
         """Open the OpenAI-compatible port; returns the base URLs clients should use."""
-        check_bind_allowed(self.settings)
+        check_bind_allowed(self.settings, named_keys=self.keys.requires_keys())
         from backend.port.gateway import create_app  # starlette only when serving
         from backend.port.server import GatewayServer
 
@@ -142,7 +143,7 @@ class StudioService:
     async def apply_settings(self, settings: Settings) -> list[str]:
         """Take new settings (the port reads them per request); reopens the port when its
         address or number changed."""
-        check_bind_allowed(settings)
+        check_bind_allowed(settings, named_keys=self.keys.requires_keys())
         old, self.settings = self.settings, settings
         self.keys.set_owner_secret(settings.api_key)
         self.registry.enabled = settings.admission_enabled
@@ -374,7 +375,8 @@ class StudioService:
     def _new_supervisor(self, binary: Path) -> Supervisor:
         return Supervisor(binary, self.log_dir, load_timeout=self.settings.load_timeout,
                           stop_timeout=self.settings.stop_timeout,
-                          max_restarts=self.settings.max_restarts)
+                          max_restarts=self.settings.max_restarts,
+                          output_cap=lambda: self.settings.max_output_tokens)
 
     def _abort(self, key: str, error: RequestError) -> int:
         return self._gateway.abort_load(key, error) if self._gateway is not None else 0
@@ -424,8 +426,10 @@ class BackendThread:
             self.loop.close()
 
 
-def check_bind_allowed(settings: Settings) -> None:
-    if is_loopback(settings.host) or settings.api_key:
+def check_bind_allowed(settings: Settings, *, named_keys: bool = False) -> None:
+    """Refuse to listen beyond loopback where no key guards the port: neither the
+    owner's nor named keys (`named_keys`: the key store requires them)."""
+    if is_loopback(settings.host) or settings.api_key or named_keys:
         return
     if settings.allow_no_key:
         log.warning("SERVING %s WITHOUT AN API KEY: anyone who can reach this port can use the model",
@@ -433,8 +437,8 @@ def check_bind_allowed(settings: Settings) -> None:
         return
     raise SettingsError(
         f"Refusing to listen on {settings.host} without an API key: anyone on the network could "
-        "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), or pass --allow-no-key "
-        "if you really mean it.")
+        "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), make a named key with "
+        "`gguf-studio keys add NAME`, or pass --allow-no-key if you really mean it.")
 
 
 def memory_budget() -> int:

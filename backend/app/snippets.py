@@ -10,6 +10,10 @@ OpenCode lists every model under its provider, with its limits, and takes a
 and switches with `codex --profile NAME`, which layers `$CODEX_HOME/NAME.config.toml`
 over config.toml (its older `[profiles.NAME]` tables cannot hold a model's context
 window), so every other model gets a profile file of its own (`Snippet.files`).
+
+The default model is best named by its stable alias (`ClientTarget.default_alias`, the
+window's choice: `default`): the port keeps that name on whichever model is the default,
+so loading another model in the window does not break every teammate's agent config.
 """
 
 from __future__ import annotations
@@ -48,9 +52,15 @@ class ClientModel:
     """One more model of the port a client may use (chat models only: an embeddings
     model answers no chat)."""
 
-    model_id: str
+    model_id: str  # the name clients send
     context_length: int | None = None  # tokens one request may use (the per-slot context)
     size: int = 0  # bytes of its file, 0 when unknown: the smallest is OpenCode's small_model
+    alias_of: str = ""  # the model `model_id` names now, when it is the default model's alias
+
+    @property
+    def served(self) -> str:
+        """The model it is now (what a key's model list is checked against)."""
+        return self.alias_of or self.model_id
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,7 @@ class ClientTarget:
     """What a client needs to know to use the shared models: the default one first."""
 
     base_url: str  # ends in /v1
-    model_id: str
+    model_id: str  # the default model
     api_key: str = ""
     context_length: int | None = None  # tokens one request may use (the per-slot context)
     max_output_tokens: int = 0  # the operator's cap, 0 for none
@@ -68,6 +78,9 @@ class ClientTarget:
     #: OpenCode's model for titles and summaries; "" for the smallest file when every
     #: size is known, else the default model.
     small_model: str = ""
+    #: The name the snippets give the default model: a stable alias that follows the
+    #: default (`backend.models.model_names.DEFAULT_MODEL_ALIAS`), or "" for `model_id`.
+    default_alias: str = ""
 
     @property
     def output_limit(self) -> int:
@@ -85,6 +98,8 @@ class ClientTarget:
 
     @property
     def default(self) -> ClientModel:
+        if self.default_alias:
+            return ClientModel(self.default_alias, self.context_length, self.size, self.model_id)
         return ClientModel(self.model_id, self.context_length, self.size)
 
     @property
@@ -92,13 +107,13 @@ class ClientTarget:
         """Every model, the default first, each id once."""
         found: dict[str, ClientModel] = {}
         for model in (self.default, *self.others):
-            found.setdefault(model.model_id, model)
+            found.setdefault(model.served, model)
         return tuple(found.values())
 
     @property
     def small(self) -> ClientModel:
         models = self.models
-        chosen = next((m for m in models if m.model_id == self.small_model), None)
+        chosen = next((m for m in models if self.small_model in (m.model_id, m.served)), None)
         if chosen is not None:
             return chosen
         if len(models) > 1 and all(m.size > 0 for m in models):
@@ -213,7 +228,7 @@ def opencode_snippet(target: ClientTarget) -> Snippet:
                 "models": models,
             }
         },
-        "model": f"{PROVIDER_ID}/{target.model_id}",
+        "model": f"{PROVIDER_ID}/{target.default.model_id}",
         # Titles and summaries.  Unset, OpenCode looks among the provider's models for
         # a family it knows (haiku, flash, nano), finds none of ours, and uses `model`.
         "small_model": f"{PROVIDER_ID}/{target.small.model_id}",
@@ -223,7 +238,7 @@ def opencode_snippet(target: ClientTarget) -> Snippet:
 
 
 def curl_snippet(target: ClientTarget) -> Snippet:
-    body = {"model": target.model_id,
+    body = {"model": target.default.model_id,
             "messages": [{"role": "user", "content": "Say hello in five words."}]}
     lines = [f"curl {shlex.quote(target.base_url.rstrip('/') + '/chat/completions')}",
              "  -H 'Content-Type: application/json'"]

@@ -238,8 +238,11 @@ class EngineClient:
             response = await self._client.get("/v1/models")
             _refuse_unauthorized(response)
             listed = response.raise_for_status().json()["data"]
+            # An entry with `alias_of` is another name of a model listed already (GGUF
+            # Studio's `default`), not a model.
             return tuple(_listed_model(entry) for entry in listed if isinstance(entry, dict)
-                         and isinstance(entry.get("id"), str) and entry["id"])
+                         and isinstance(entry.get("id"), str) and entry["id"]
+                         and "alias_of" not in entry)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise LoadError(f"The upstream did not list its models ({exc}).") from None
 

@@ -35,6 +35,8 @@ OWNED_FLAGS = frozenset({
     # The RPC workers setting: checked for reachability before the engine starts, and
     # its failures worded for people (backend.llama.rpc_worker).
     "--rpc",
+    # The output cap: the port reserves and writes it (backend.port.request_body).
+    "-n", "--predict", "--n-predict",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.
@@ -77,7 +79,8 @@ class LoadSettings:
         if owned:
             raise SettingsError(
                 f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
-                "the model, host, port, parallel slots, API key and RPC workers itself.")
+                "the model, host, port, parallel slots, API key, RPC workers and output cap "
+                "itself.")
         parse_rpc_workers(self.rpc)
         if self.rpc and self.n_gpu_layers == NONE:
             raise SettingsError(

@@ -63,8 +63,11 @@ class Supervisor(SnapshotPublisher):
                  health_timeout: float = 5.0, health_failures: int = 3,
                  log_max_bytes: int = 8 << 20, log_keep_starts: int = 5,
                  port_picker: Callable[[], int] | None = None,
+                 output_cap: Callable[[], int] = lambda: 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.binary = Path(binary)
+        #: The operator's output cap (0: none), read at each start of the engine.
+        self.output_cap = output_cap
         self.log_dir = Path(log_dir)
         self.load_timeout = load_timeout
         self.stop_timeout = stop_timeout
@@ -292,7 +295,8 @@ class Supervisor(SnapshotPublisher):
             EngineLogFile.for_start, self.log_dir, spec.name, port,
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = _EngineKey.create()
-        args = build_command(self.binary, spec, port, api_key_file=key.path)
+        args = build_command(self.binary, spec, port, api_key_file=key.path,
+                             n_predict=self.output_cap())
         self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
             child = await _Child.start(args, port, log_file, self._on_log_line, key)
@@ -339,10 +343,13 @@ class Supervisor(SnapshotPublisher):
         self._log_listeners(line)
 
 def build_command(binary: Path, spec: LoadSpec, port: int, *,
-                  api_key_file: Path | None = None, amx: bool | None = None) -> list[str]:
+                  api_key_file: Path | None = None, amx: bool | None = None,
+                  n_predict: int = 0) -> list[str]:
     """llama-server's command line: every setting explicit, never the binary's defaults.
     `api_key_file` holds the key the engine's port will require (a file, so that the key
-    never shows in the process list); `amx`: does the CPU claim AMX (None: look)."""
+    never shows in the process list); `amx`: does the CPU claim AMX (None: look);
+    `n_predict`: the operator's output cap (0: none), the engine's own default limit for
+    a request that reaches it without one (the port writes it into every request too)."""
     settings = spec.settings
     parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
     args = [
@@ -363,6 +370,8 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         "--verbosity", "4",
     ]
     args += ["--threads", str(settings.threads or default_threads())]
+    if n_predict > 0:
+        args += ["--n-predict", str(n_predict)]
     if api_key_file is not None:
         args += ["--api-key-file", str(api_key_file)]
     if spec.chat_template:

@@ -46,6 +46,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, MutableMapping
+from urllib.parse import urlsplit
 
 from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, Unauthorized,
                             UnsupportedContentType)
@@ -158,13 +159,13 @@ class AccessGuard:
 
     def origin_allowed(self, origin: str, settings: Settings) -> bool:
         origin = origin.lower().rstrip("/")
+        parts = _origin_parts(origin)
+        if parts is None and origin != "null":  # "null": a sandboxed or file:// page
+            return False  # not scheme://host[:port]: no browser sends that
         for pattern in _entries(settings.allow_origins):
             if fnmatch.fnmatchcase(origin, pattern.lower().rstrip("/")):
                 return True
-        scheme, sep, rest = origin.partition("://")
-        if not sep or scheme not in {"http", "https"}:
-            return False
-        return _is_loopback_name(_strip_port(rest))
+        return parts is not None and parts[0] in {"http", "https"} and _is_loopback_name(parts[1])
 
     def host_allowed(self, host: str, settings: Settings) -> bool:
         name = _strip_port(host.strip().lower()).rstrip(".")
@@ -193,7 +194,7 @@ class AccessGuard:
         client = str((scope.get("client") or ("unknown", 0))[0])
         owner = self._settings().api_key
         store = self._keys()
-        named = store is not None and store.has_named_keys()
+        named = store is not None and store.requires_keys()
         if not owner and not named:
             return Caller(ADDRESS_FLOW + client)
         record = self._failures.get(client)
@@ -309,6 +310,21 @@ def _is_json(content_type: bytes | None) -> bool:
 def _entries(values: list[str]) -> list[str]:
     """Settings entries, which the environment may give comma-separated."""
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _origin_parts(origin: str) -> tuple[str, str] | None:
+    """(scheme, host name) of an origin as a browser sends it (scheme://host[:port]),
+    parsed by a URL parser; None for anything else, such as
+    `http://localhost:80@evil.com`, whose host is evil.com, or a path after the host."""
+    try:
+        url = urlsplit(origin)
+        url.port  # noqa: B018 - raises ValueError for a port that is no port
+    except ValueError:
+        return None
+    if not url.scheme or not url.hostname or "@" in url.netloc or url.path or url.query \
+            or url.fragment or not origin.startswith(f"{url.scheme}://"):
+        return None
+    return url.scheme, url.hostname
 
 
 def _strip_port(host: str) -> str:

@@ -38,7 +38,7 @@ from backend.port.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
 from backend.port.admission import AdmissionQueue
 from backend.port.admission_registry import AdmissionRegistry
-from backend.port.catalog import ModelCard
+from backend.port.catalog import ModelCard, model_list
 from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
@@ -306,7 +306,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self.check_key(request.scope)
-        data = [card.to_model(self.started_at) for card in self.ctx.model_cards()]
+        data = model_list(self.ctx.model_cards(), self.started_at)
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

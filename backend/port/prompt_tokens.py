@@ -13,9 +13,9 @@ decide, tools, system prompts and images included:
   without touching a slot.  An engine without those routes (an older attached one)
   is asked for `/apply-template` then `/tokenize` for chat completions.
 - completions and embeddings: `/tokenize` with `add_special` (BOS, as a real prompt)
-  for strings; token arrays are counted as they are.  An array of several prompts
-  counts as the sum of them (llama-server runs them as separate tasks; summing can
-  only over-reserve).
+  for strings; token arrays are counted as they are.  An array of several embeddings
+  inputs counts as the sum of them (llama-server runs them as separate tasks; summing
+  can only over-reserve); completions take one prompt (`backend.port.request_fields`).
 
 Short requests skip the engine when a byte bound proves they fit (`PromptCounter.count`
 with `fits_below`): every tokenizer llama.cpp has for text models makes a token of at
@@ -51,8 +51,9 @@ known; else the body's bytes (without image payloads), the tool definitions' byt
 more (templates may pretty-print them), `IMAGE_TOKENS` per image, and the template's
 fixed part (measured, else `TEMPLATE_ALLOWANCE`).
 
-The output budget (`output_budget`) is the request's own limit or the default budget,
-capped by the operator's cap and by the room the prompt leaves in one request's share.
+The output budget (`output_budget`) is the request's one output limit (the one the
+gateway writes into the body, `backend.port.request_body.output_limit`) or the default
+budget, capped by the room the prompt leaves in one request's share.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from typing import Any, Protocol
 from backend.errors import CountingFull
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.api import engine_headers
+from backend.port.request_body import output_limit
 from backend.port.upstream_http import UpstreamClient, UpstreamError
 
 __all__ = [
@@ -99,8 +101,9 @@ log = logging.getLogger(__name__)
 #: if it only reserves, the reply uses tokens nobody reserved, which is harmless while
 #: the pool has slack and fails only when every running request overruns together.
 #: 2,048 holds most agent turns (tool calls, a patch of ~150 lines, a summary); long
-#: reasoning may need more.  The gateway only reserves it (the operator's cap alone is
-#: written into requests): see bench/README.md for why and the figures.
+#: reasoning may need more.  The gateway only reserves it (only a request's own limit,
+#: or the operator's cap, is written into requests): see bench/README.md for why and
+#: the figures.
 #: Settings.default_output_tokens overrides it.
 DEFAULT_OUTPUT_TOKENS = 2048
 #: The least output a request is admitted with: a prompt that leaves less room in its
@@ -135,7 +138,6 @@ COUNT_ROUTES = {
     RESPONSES: "/v1/responses/input_tokens",
     MESSAGES: "/v1/messages/count_tokens",
 }
-_OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
 _PROBE = {"messages": [{"role": "user", "content": "x"}]}
 _PROBE_TOOLS = [{"type": "function", "function": {
@@ -413,22 +415,18 @@ def output_budget(route: str, body: Mapping[str, Any], *, prompt_tokens: int, li
                   cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> int:
     """Output tokens to reserve for a request whose prompt is `prompt_tokens`.
 
-    The request's own limit (`max_tokens`, `max_completion_tokens`, `max_output_tokens`,
-    `n_predict`), else `default`; then at most the operator's `cap` (0: none), and at
-    most the room left in one request's share `limit` (llama-server stops a slot at its
-    context end with finish reason "length", so a larger limit could never be used);
-    never below MIN_OUTPUT_TOKENS, so a prompt too long for any reply does not fit.
-    Embeddings generate nothing: 0.
+    The request's one output limit (`backend.port.request_body.output_limit`: its own,
+    read in the order the engine reads its fields, at most the operator's `cap` (0:
+    none), which the gateway also writes into every limit field the engine reads), else
+    `default`; then at most the room left in one request's share `limit` (llama-server
+    stops a slot at its context end with finish reason "length", so a larger limit could
+    never be used); never below MIN_OUTPUT_TOKENS, so a prompt too long for any reply
+    does not fit.  Embeddings generate nothing: 0.
     """
     if route == EMBEDDINGS:
         return 0
-    requested = next((body[name] for name in _OUTPUT_LIMITS if _positive(body.get(name))),
-                     None)
-    if requested is None and _positive(body.get("n_predict")):
-        requested = body["n_predict"]
-    budget = requested if requested is not None else default
-    if cap > 0:
-        budget = min(budget, cap)
+    written = output_limit(route, body, cap)
+    budget = written if written is not None else default
     return max(MIN_OUTPUT_TOKENS, min(budget, limit - prompt_tokens))
 
 
@@ -602,7 +600,3 @@ def _split_prompts(prompt: Any) -> tuple[list[str], int]:
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive(value: Any) -> bool:
-    return _whole(value) and value > 0

@@ -1,11 +1,18 @@
-"""Reading and checking the JSON body of a gated request, and the output-token cap.
+"""Reading and checking the JSON body of a gated request, and its one output limit.
 
 The body must be standard JSON as llama-server reads it: UTF-8, no `NaN` or `Infinity`,
 no number beyond a double's range, no half of a surrogate pair (Python's reader takes all
 of these, llama-server's answers them with a 500).  The gateway checks what it depends on
 (a JSON object, `model`, `stream`, the token limits), and `backend.port.request_fields` the
-shapes of the fields the engine reads; everything else is forwarded untouched.  The body
-is re-encoded only when the cap changed it.
+shapes of the fields the engine reads; everything else is forwarded untouched.
+
+A request may give its output limit in several fields, and llama-server obeys the first
+it reads (`ENGINE_LIMITS`), not the smallest: `{"max_tokens": 1, "n_predict": 40}`
+generates 40.  The port works out that one limit as the engine would (`requested_output`),
+holds it to the operator's cap (`output_limit`), and writes it into every limit field the
+route's engine reads, so that what admission reserves (`backend.port.prompt_tokens.
+output_budget`) and what the engine generates are the same number.  The body is
+re-encoded only when that changed it.
 
 A body of `PARSE_OFF_LOOP_BYTES` or more is parsed in a worker thread (`check_body`).
 The C JSON decoder never lets go of the GIL by itself, so a thread alone would not help:
@@ -23,13 +30,14 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
 from backend.port.request_fields import check_fields
 
-__all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES",
-           "Parsed", "check_body", "name_model", "parse_body", "read_body"]
+__all__ = ["ENGINE_LIMITS", "MESSAGES_MAX_TOKENS", "BodyBudget", "BodyHold", "ClientGone",
+           "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "name_model",
+           "output_limit", "parse_body", "read_body", "requested_output"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
 #: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less
@@ -45,15 +53,33 @@ MIN_BODY_RATE = 1024
 #: leave it as fast as they are read and checked.
 BUSY_RETRY_AFTER = 1.0
 
-#: Route -> the token-limit fields its clients use (the first is set when none is given).
-LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
-    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-    "/v1/completions": ("max_tokens",),
-    "/v1/responses": ("max_output_tokens",),
-    "/v1/messages": ("max_tokens",),
-    "/v1/embeddings": (),
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+EMBEDDINGS = "/v1/embeddings"
+
+#: Route -> the output-limit fields its engine reads, in the order the pinned llama-server
+#: reads them: the first one given (not null) is obeyed, the others ignored
+#: (tools/server/server-schema.cpp: `n_predict`, aliased by `max_completion_tokens`, then
+#: `max_tokens`).  A Responses request becomes a chat one whose `max_tokens` is its
+#: `max_output_tokens` whenever that is present, null included (server-chat.cpp); an
+#: Anthropic one keeps its `max_tokens` alone.  Embeddings generate nothing.
+ENGINE_LIMITS: dict[str, tuple[str, ...]] = {
+    CHAT: ("n_predict", "max_completion_tokens", "max_tokens"),
+    COMPLETIONS: ("n_predict", "max_completion_tokens", "max_tokens"),
+    RESPONSES: ("n_predict", "max_completion_tokens", "max_output_tokens", "max_tokens"),
+    MESSAGES: ("max_tokens",),
+    EMBEDDINGS: (),
 }
+#: Route -> the field its clients give a limit in: written when a request gives none.
+_CLIENT_LIMIT = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens",
+                 MESSAGES: "max_tokens"}
+#: What llama-server's Anthropic conversion gives a message that sets no `max_tokens`.
+MESSAGES_MAX_TOKENS = 4096
 _ALL_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+#: The largest limit llama-server takes (a 32-bit int; beyond it, an error of its parser).
+_MAX_LIMIT = 2**31 - 1
 #: A `\\uD800`-`\\uDFFF` escape (only where one is found is the parsed body searched for a
 #: half of a surrogate pair, which Python's reader accepts and llama-server's refuses).
 _LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -68,7 +94,7 @@ class Parsed:
     body: bytes
     stream: bool
     model: str | None
-    #: The parsed body (output cap applied), for counting its prompt tokens.
+    #: The parsed body (its one output limit written), for counting its prompt tokens.
     data: dict[str, Any] = field(default_factory=dict)
 
 
@@ -185,7 +211,8 @@ async def check_body(route: str, raw: bytes, max_output_tokens: int) -> Parsed:
 
 def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
                yielding: bool = False) -> Parsed:
-    """Check `raw` for `route` and apply the output cap; InvalidRequest when unusable.
+    """Check `raw` for `route` and write its one output limit (`output_limit`, with the
+    operator's cap `max_output_tokens`, 0: none); InvalidRequest when unusable.
 
     `yielding`: build objects in Python, so that another thread (the event loop) runs
     while this one parses."""
@@ -215,16 +242,18 @@ def parse_body(route: str, raw: bytes, max_output_tokens: int, *,
         raise InvalidRequest("'stream' must be true or false.", param="stream")
     for name in _ALL_LIMITS:
         value = data.get(name)
-        if value is not None and not _positive_int(value):
-            raise InvalidRequest(f"'{name}' must be a positive whole number.", param=name)
+        if value is not None and not (_positive_int(value) and value <= _MAX_LIMIT):
+            raise InvalidRequest(f"'{name}' must be a positive whole number (at most "
+                                 f"{_MAX_LIMIT}).", param=name)
     n_predict = data.get("n_predict")
-    if n_predict is not None and (not _int(n_predict) or n_predict < -1):
-        raise InvalidRequest("'n_predict' must be a whole number, -1 or more.", param="n_predict")
+    if n_predict is not None and (not _int(n_predict) or not -1 <= n_predict <= _MAX_LIMIT):
+        raise InvalidRequest(f"'n_predict' must be a whole number from -1 to {_MAX_LIMIT}.",
+                             param="n_predict")
 
     check_fields(route, data)
 
-    changed = _cap(data, LIMIT_FIELDS.get(route, ()), max_output_tokens) if max_output_tokens > 0 else False
-    if route == "/v1/embeddings":
+    changed = _write_limit(route, data, output_limit(route, data, max_output_tokens))
+    if route == EMBEDDINGS:
         stream = False
     body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() if changed else raw
     return Parsed(body=body, stream=stream, model=model, data=data)
@@ -236,32 +265,54 @@ def name_model(parsed: Parsed, model: str) -> None:
     parsed.body = json.dumps(parsed.data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _cap(data: dict[str, Any], fields: tuple[str, ...], cap: int) -> bool:
-    """Apply `cap` as the default and the ceiling of the route's limit fields."""
-    if not fields:
-        return False
+def requested_output(route: str, body: Mapping[str, Any]) -> int | None:
+    """The output limit `body` sets for `route`, read as its engine reads it: the first
+    of `ENGINE_LIMITS` given; None for none, or for `n_predict: -1` (the engine's own
+    default then, which is the operator's cap: `--n-predict`).  An Anthropic message
+    without `max_tokens` gets the engine's `MESSAGES_MAX_TOKENS`."""
+    for name in ENGINE_LIMITS.get(route, ()):
+        if name == "max_tokens" and route == RESPONSES and "max_output_tokens" in body:
+            break  # replaced by `max_output_tokens`, even a null one
+        value = body.get(name)
+        if value is not None:
+            return None if value == -1 else int(value)
+    return MESSAGES_MAX_TOKENS if route == MESSAGES else None
+
+
+def output_limit(route: str, body: Mapping[str, Any], cap: int) -> int | None:
+    """The one output limit of a request: its own (`requested_output`), at most the
+    operator's `cap` (0: none), the cap when it sets none; None when neither sets one
+    (the engine then stops at its context's end, and admission reserves the default
+    budget).  Embeddings generate nothing: None."""
+    if route not in _CLIENT_LIMIT:
+        return None
+    requested = requested_output(route, body)
+    if cap <= 0:
+        return requested
+    return cap if requested is None else min(requested, cap)
+
+
+def _write_limit(route: str, data: dict[str, Any], limit: int | None) -> bool:
+    """Make every limit field of `route`'s engine that `data` holds say `limit` (the
+    client's field when it holds none); whether `data` changed.  A limit of 0 (only
+    `n_predict` says that) leaves `n_predict` alone: the client fields it overrides go,
+    as they cannot say 0."""
+    if limit is None:
+        return False  # nothing set, or only an n_predict of -1 the engine reads alone
     changed = False
-    used = False
-    for name in fields:
-        value = data.get(name)
-        if value is None:
+    given = False
+    for name in ENGINE_LIMITS[route]:
+        if name not in data:
             continue
-        used = True
-        if value > cap:
-            data[name] = cap
+        given = True
+        if limit == 0 and name != "n_predict":
+            del data[name]
             changed = True
-    # llama-server's own spelling overrides the OpenAI ones: cap it as well.
-    n_predict = data.get("n_predict")
-    if n_predict is not None:
-        used = True
-        if n_predict == -1 or n_predict > cap:
-            data["n_predict"] = cap
+        elif data[name] != limit:
+            data[name] = limit
             changed = True
-    if not used:
-        data[fields[0]] = cap
-        for name in fields[1:]:
-            if name in data:  # present as null: a default, like the others
-                data[name] = cap
+    if not given:
+        data[_CLIENT_LIMIT[route]] = limit
         changed = True
     return changed
 

@@ -10,6 +10,14 @@ against the shapes the OpenAI and Anthropic APIs give them, and answers 400
 not know are left to the engine; values of the right type are never judged (an unknown
 role, an empty prompt: the engine says what it makes of them).
 
+The port decides what runs on the engine's slots, so a request is one generation in
+whichever slot is free: a client may not choose the slot (`id_slot`), ask for several
+answers (`n`, `n_cmpl`: llama-server would run each in a slot of its own), or send several
+prompts in one completions request (a list of prompts is one task per prompt).  Each
+would run several generations, or aim at another key's slot, under one admission ticket;
+each is a 400 naming the field.  An embeddings request may list up to `MAX_EMBEDDING_INPUTS`
+inputs (OpenAI's own bound).
+
 `check_fields(route, data)` runs on the parsed body (`backend.port.request_body.parse_body`).
 """
 
@@ -19,13 +27,17 @@ from typing import Any, Callable, Mapping
 
 from backend.errors import InvalidRequest
 
-__all__ = ["check_fields"]
+__all__ = ["MAX_EMBEDDING_INPUTS", "check_fields"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 EMBEDDINGS = "/v1/embeddings"
+
+#: The most inputs one embeddings request may list (OpenAI's limit): each is a task of
+#: the engine's, all under the request's one admission ticket.
+MAX_EMBEDDING_INPUTS = 2048
 
 # Kinds of JSON values, as a check and the words an error uses for it.
 Kind = tuple[Callable[[Any], bool], str]
@@ -64,6 +76,7 @@ def check_fields(route: str, data: Mapping[str, Any]) -> None:
             kinds = SAMPLING.get(name)
             if kinds is not None:
                 _check(value, name, *kinds)
+        _one_generation(data)
     _ROUTES[route](data)
 
 
@@ -82,6 +95,11 @@ def _completions(data: Mapping[str, Any]) -> None:
     if "prompt" not in data or data["prompt"] is None:
         raise InvalidRequest("'prompt' is required.", param="prompt")
     _prompts(data["prompt"], "prompt")
+    count = _prompt_count(data["prompt"])
+    if count > 1:
+        raise InvalidRequest(
+            f"'prompt' lists {count} prompts; this server answers one prompt per request "
+            "(send one request for each).", param="prompt")
 
 
 def _embeddings(data: Mapping[str, Any]) -> None:
@@ -89,6 +107,11 @@ def _embeddings(data: Mapping[str, Any]) -> None:
     if data.get(name) is None:
         raise InvalidRequest("'input' is required.", param="input")
     _prompts(data[name], name)
+    count = _prompt_count(data[name])
+    if count > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequest(
+            f"'{name}' lists {count} inputs; at most {MAX_EMBEDDING_INPUTS} are taken in one "
+            "request.", param=name)
 
 
 def _responses(data: Mapping[str, Any]) -> None:
@@ -151,6 +174,28 @@ _ROUTES: dict[str, Callable[[Mapping[str, Any]], None]] = {
 
 
 # --- parts -------------------------------------------------------------------------------
+
+
+def _one_generation(data: Mapping[str, Any]) -> None:
+    """Refuse the fields that pick the engine's slot or run several generations."""
+    slot = data.get("id_slot")
+    if slot is not None and slot != -1:
+        raise InvalidRequest("'id_slot' is not accepted: the server chooses the slot of "
+                             "each request.", param="id_slot")
+    for name in ("n", "n_cmpl"):
+        count = data.get(name)
+        if count is not None and count != 1:
+            raise InvalidRequest(f"'{name}' must be 1: this server generates one answer per "
+                                 "request (send one request for each answer).", param=name)
+
+
+def _prompt_count(prompt: Any) -> int:
+    """How many tasks llama-server makes of a prompt: a list holding no token id is a
+    list of prompts, anything else one prompt (tokenize_input_prompts)."""
+    if isinstance(prompt, list) and not any(_token_id(v) for v in prompt):
+        return len(prompt)
+    return 1
+
 
 
 def _messages(messages: Any, where: str,

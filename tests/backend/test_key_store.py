@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import subprocess
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -341,3 +343,63 @@ def test_unusable_expiry_dates_are_explained(text, message):
     now = (datetime(2030, 3, 10) - timedelta(hours=1)).timestamp()
     with pytest.raises(KeyStoreError, match=message):
         parse_expiry(text, now)
+
+
+def hostile_files() -> list[Any]:
+    """Hand edits that once escaped the store's checks as RecursionError or OverflowError."""
+    entry = {"name": "mallory", "secret_sha256": "0" * 64}
+    return [
+        pytest.param('{"version": 1, "keys": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                     "nested too deep", id="deep-nesting"),
+        pytest.param(json.dumps({"version": 1, "keys": [dict(entry, weight=10**400)]}),
+                     "'mallory'.*unusable", id="weight-10**400"),
+        pytest.param(json.dumps({"version": 1, "keys": [dict(entry, tokens_per_minute=10**400)]}),
+                     "'mallory'.*unusable", id="tokens-10**400"),
+    ]
+
+
+@pytest.mark.parametrize("text, says", hostile_files())
+def test_a_hostile_hand_edit_is_refused_readably_at_start(path, text, says):
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(KeyStoreError, match=says):
+        KeyStore(path)
+
+
+@pytest.mark.parametrize("text, says", hostile_files())
+def test_a_hostile_hand_edit_while_serving_keeps_the_keys_working_and_says_why(path, caplog, text, says):
+    clock = Clock()
+    _, secret = KeyStore(path).add("frank")
+    serving = KeyStore(path, clock=clock)
+    path.write_text(text)
+    clock.now += 1
+    assert not_none(serving.authenticate(secret)).name == "frank"  # no 500: the last good keys
+    assert serving.has_named_keys() and [r.name for r in serving.records()] == ["frank"]
+    assert re.search(says, caplog.text) and "Keeping the keys read before" in caplog.text
+
+
+def test_a_limit_too_large_to_count_is_refused_when_made(path):
+    with pytest.raises(KeyStoreError, match="from 1 to 9,007,199,254,740,992"):
+        KeyStore(path).add("big", tokens_per_day=10**400)
+
+
+# --- keys required, for good ---------------------------------------------------------------
+
+
+def test_once_named_keys_were_seen_a_deleted_or_emptied_file_still_requires_keys(path):
+    clock = Clock()
+    noted: list[bool] = []
+    serving = KeyStore(path, clock=clock, on_keys_required=lambda: noted.append(True))
+    assert not serving.requires_keys() and noted == []  # no keys yet: the port is open
+    KeyStore(path).add("alice")
+    clock.now += 1
+    assert serving.requires_keys() and noted == [True]  # remembered in the settings (the service)
+    path.write_text(json.dumps({"version": 1, "keys": []}))
+    clock.now += 1
+    assert serving.records() == [] and serving.requires_keys()
+    path.unlink()
+    clock.now += 1
+    assert serving.requires_keys()
+    # The next start knows it from the settings.
+    assert KeyStore(path, keys_required=True).requires_keys()
+    assert not KeyStore(path).requires_keys() and noted == [True]

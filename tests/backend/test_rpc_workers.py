@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend.errors import SettingsError
-from backend.rpc_workers import DEFAULT_PORT, parse_rpc_workers
+from backend.rpc_workers import DEFAULT_PORT, parse_rpc_worker, parse_rpc_workers
 
 
 def test_workers_are_read_from_commas_spaces_or_a_list_and_a_missing_port_is_the_default():
@@ -29,3 +29,9 @@ def test_workers_are_read_from_commas_spaces_or_a_list_and_a_missing_port_is_the
 def test_a_worker_llama_cpp_cannot_reach_is_refused_with_the_reason(typed, says):
     with pytest.raises(SettingsError, match=says):
         parse_rpc_workers(typed)
+
+
+@pytest.mark.parametrize("typed", ["h:²", "h:¹²³", "h:١٢٣", "h:５００５２", "h:+80", "h: 80"])
+def test_a_port_of_other_than_ascii_digits_is_refused_readably_not_a_traceback(typed):
+    with pytest.raises(SettingsError, match="the port must be a number from 1 to 65535"):
+        parse_rpc_worker(typed)

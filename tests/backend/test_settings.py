@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from backend.errors import SettingsError
-from backend.settings import Settings
+from backend.settings import Settings, remember_keys_required
 
 
 def test_environment_overrides_the_saved_file_and_flags_override_both(tmp_path):
@@ -210,3 +210,15 @@ def test_rpc_workers_come_from_the_environment_comma_separated_and_bad_ones_are_
     assert settings.with_overrides({"rpc": "10.0.0.4"}).rpc == ["10.0.0.4:50052"]
     with pytest.raises(SettingsError, match="RPC worker '10.0.0.2:x'"):
         Settings.load(tmp_path / "none.json", environ={"GGUF_STUDIO_RPC": "10.0.0.2:x"})
+
+
+def test_keys_required_once_marked_survives_a_window_saving_its_older_settings(tmp_path):
+    path = tmp_path / "settings.json"
+    window = Settings(port=9000)  # loaded before named keys were made
+    window.save(path, environ={})
+    remember_keys_required(path)  # the port saw the first named key
+    saved = json.loads(path.read_text())
+    assert saved["keys_required"] is True and saved["port"] == 9000  # only the marker changed
+    window.replace(queue_timeout=30.0).save(path, environ={})  # a limit changed in the window
+    again = Settings.load(path, environ={})
+    assert again.keys_required and again.queue_timeout == 30.0

@@ -73,9 +73,9 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
     provider = tomllib.loads(codex.text)["model_providers"][PROVIDER_ID]
     assert provider["base_url"] == base_url and provider["wire_api"] == "responses"
     assert provider["env_key"] == KEY_ENV_VAR and key in codex.shell
-    assert tomllib.loads(codex.text)["model"] == "tiny"
+    assert tomllib.loads(codex.text)["model"] == "default"  # the loaded model, whichever it is
     per_slot = window.bridge.snapshot.serving.context_length
-    opencode_model = json.loads(opencode.text)["provider"][PROVIDER_ID]["models"]["tiny"]
+    opencode_model = json.loads(opencode.text)["provider"][PROVIDER_ID]["models"]["default"]
     assert opencode_model["limit"]["context"] == per_slot
     assert base_url in curl.text and key in curl.text
 

@@ -7,6 +7,7 @@ import socket
 import time
 
 import httpx
+from PySide6.QtCore import Qt
 
 from backend.settings import Settings
 
@@ -98,3 +99,59 @@ def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_wi
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 * MiB)}]}
     too_large = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=big, timeout=10)
     assert too_large.status_code == 413
+
+
+def wheel_over(box, steps: int = 1) -> None:
+    """One notch of the mouse wheel (up) over `box`, as Qt delivers it to the box."""
+    from PySide6.QtCore import QPoint, QPointF, Qt
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+    centre = QPointF(box.rect().center())
+    event = QWheelEvent(centre, QPointF(box.mapToGlobal(centre)), QPoint(0, 0), QPoint(0, 120 * steps),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier,
+                        Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(box, event)
+
+
+def test_scrolling_past_max_wait_leaves_it_and_the_running_port_alone(open_window, qtbot):
+    """The wheel over a spin box the user did not click scrolls the page; it changed the
+    running port's "Max wait" (600 s into 576 s) before."""
+    window = open_window()
+    window.show()
+    qtbot.waitExposed(window)
+    sharing = window.sharing
+    window.tabs.setCurrentIndex(next(i for i in range(window.tabs.count())
+                                     if window.tabs.tabText(i) == "&Sharing"))
+    box = sharing.queue_timeout
+    running = window.bridge.service.settings.queue_timeout
+    assert box.value() == running
+
+    wheel_over(box, steps=3)
+    box.editingFinished.emit()  # as leaving the page would
+    assert box.value() == running and not box.hasFocus()
+    assert window.bridge.service.settings.queue_timeout == running
+
+    window.activateWindow()
+    box.setFocus()
+    qtbot.waitUntil(box.hasFocus, timeout=WAIT)
+    wheel_over(box, steps=3)
+    assert box.value() == running + 3  # clicked into, it takes the wheel
+    box.editingFinished.emit()
+    qtbot.waitUntil(lambda: window.bridge.service.settings.queue_timeout == running + 3, timeout=WAIT)
+
+
+def test_every_spin_and_combo_box_of_the_window_waits_for_focus_before_the_wheel(open_window):
+    from PySide6.QtWidgets import QAbstractSpinBox, QComboBox
+    window = open_window()
+    window.show()
+    boxes = window.findChildren(QAbstractSpinBox) + window.findChildren(QComboBox)
+    assert len(boxes) > 10
+    for box in boxes:
+        assert box.focusPolicy() == Qt.FocusPolicy.StrongFocus  # a click or Tab, not the wheel
+        before = box.value() if isinstance(box, QAbstractSpinBox) and hasattr(box, "value") \
+            else box.currentIndex()
+        wheel_over(box)
+        after = box.value() if isinstance(box, QAbstractSpinBox) and hasattr(box, "value") \
+            else box.currentIndex()
+        name = box.accessibleName() or box.toolTip()[:40] or type(box).__name__
+        assert (name, after) == (name, before)

@@ -370,3 +370,22 @@ def test_activity_shows_kv_tokens_reserved_next_to_the_slots(open_window) -> Non
     assert window.activity.values["kv"].text() == "13,000 / 16,384"
     window.activity.add_sample(ActivitySample(time=2.0))
     assert window.activity.values["kv"].text() == "— / —"
+
+
+def test_a_models_own_name_is_shown_as_text_never_as_markup(open_window, qtbot, tmp_path: Path,
+                                                             vocab_path: Path) -> None:
+    """GGUF general.name is the file's to say: markup in it (an image fetched from
+    anywhere, a link) is shown as the characters it is, on every label."""
+    from PySide6.QtWidgets import QLabel
+    from tests.model_factory import write_tiny_model
+    name = "<img src='http://evil.example/pixel.png'><b>Evil</b> <a href='http://evil.example'>x</a>"
+    hostile = write_tiny_model(tmp_path / "hostile.gguf", vocab_path, name=name)
+    window = open_window()
+    window.open_files([str(hostile)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    showing = [label for label in window.findChildren(QLabel) if name in label.text()]
+    assert showing and window.model_view.title in showing
+    assert [label.textFormat() for label in showing] == [Qt.TextFormat.PlainText] * len(showing)
+    rich = [label.text()[:40] for label in window.findChildren(QLabel)
+            if label.textFormat() != Qt.TextFormat.PlainText]
+    assert all(name not in text for text in rich)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.model_factory import write_not_gguf
+from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -163,3 +164,96 @@ def test_serve_refuses_an_upstream_kv_layout_it_does_not_know(user_dirs):
     assert out.returncode == 2
     assert "--upstream-kv: invalid choice: 'shared'" in out.stderr
     assert "split" in out.stderr and "unified" in out.stderr
+
+
+def test_an_upstreams_password_is_never_printed_nor_logged(user_dirs):
+    """`serve --upstream http://user:password@host` (an engine that does not answer yet):
+    the status lines and the verbose log name it as http://***@host."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "-v", "serve", "--port", "0",
+         "--upstream", "http://team:hunter2-secret@127.0.0.1:9/v1"],
+        cwd=ROOT, env=user_dirs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        said = []
+        for line in not_none(proc.stdout):
+            said.append(line)
+            if "does not answer" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    printed = "".join(said) + out
+    assert "[starting] http://***@127.0.0.1:9: The upstream does not answer." in printed
+    assert "http://***@127.0.0.1:9" in err  # the verbose log names it too
+    assert "hunter2" not in printed + err
+
+
+def test_the_upstream_key_flag_warns_that_others_see_it_in_the_process_list():
+    import argparse
+    from backend.app.cli import _parser
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    helps = {flag: action.help for action in serve._actions for flag in action.option_strings}
+    for flag in ("--api-key", "--upstream-api-key"):
+        assert f"visible to other local users in the process list, see {flag}-file" in helps[flag]
+
+
+def test_inspect_shows_a_models_own_name_escaped_so_it_cannot_drive_the_terminal(tmp_path, vocab_path):
+    from tests.model_factory import write_tiny_model
+    hostile = write_tiny_model(tmp_path / "hostile.gguf", vocab_path,
+                               name="Nice\x1b]0;pwned\x07\x1b[2J\u202eflugg.exe")
+    out = cli("inspect", str(hostile))
+    assert out.returncode == 0
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout and "\u202e" not in out.stdout
+    assert "Name: Nice\\x1b]0;pwned\\x07\\x1b[2J\\u202eflugg.exe" in out.stdout
+
+
+def serve_until_open(env: dict, *argv: str) -> tuple[subprocess.Popen, str]:
+    """`serve` with an upstream that does not answer (no model needed): the process and
+    the base URL it prints once its port is open."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--port", "0",
+         "--upstream", "http://127.0.0.1:9", *argv],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = next((line.strip() for line in not_none(proc.stdout) if line.strip().startswith("http://")), "")
+    if not url:
+        proc.kill()
+        raise AssertionError(not_none(proc.stderr).read())
+    return proc, url.replace("0.0.0.0", "127.0.0.1")
+
+
+def stop_serving(proc: subprocess.Popen) -> str:
+    """Stop `serve` as Ctrl+C does; returns what it wrote to stderr."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        return err
+    finally:
+        proc.kill()
+
+
+def test_named_keys_guard_a_lan_port_alone_and_stay_required_when_the_keys_file_goes(user_dirs):
+    """With no owner key: a named key is enough to serve on the network (no --allow-no-key,
+    no warning that nothing guards it), and once named keys were used, deleting keys.json
+    does not open the port to everyone."""
+    secret = cli("keys", "add", "alice", env=user_dirs).stdout.strip()
+    proc, url = serve_until_open(user_dirs, "--host", "0.0.0.0")
+    try:
+        assert httpx.get(f"{url}/models").status_code == 401
+        assert httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+    finally:
+        err = stop_serving(proc)
+    assert "WITHOUT AN API KEY" not in err
+
+    keys_file = Path(user_dirs["XDG_CONFIG_HOME"]) / "gguf-studio" / "keys.json"
+    keys_file.unlink()
+    proc, url = serve_until_open(user_dirs)
+    try:
+        assert httpx.get(f"{url}/models").status_code == 401  # still guarded
+    finally:
+        err = stop_serving(proc)
+    assert "holds no keys, but named keys were used" in err
+    settings = json.loads((keys_file.parent / "settings.json").read_text())
+    assert settings == {"keys_required": True}  # the marker alone: nothing else was saved

@@ -238,3 +238,49 @@ def test_serve_over_a_gguf_studio_port_says_which_of_its_models_load_on_demand(
         proc.kill()
         not_none(proc.stdout).close()
         end_studio(inner)
+
+
+def test_serve_takes_two_models_whose_files_share_a_name_and_answers_each_by_its_own(
+        tiny_model, tmp_path):
+    """The models file accepts `a/model.gguf` and `b/model.gguf` named a and b; the pool
+    serves both (it used to refuse them with a ValueError traceback), and the file name
+    they share answers for neither."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        shutil.copy(tiny_model, tmp_path / folder / "model.gguf")
+    (tmp_path / "pool.toml").write_text(
+        '[[model]]\nname = "a"\npath = "a/model.gguf"\npreload = false\n\n'
+        '[[model]]\nname = "b"\npath = "b/model.gguf"\npreload = false\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_STATE_HOME=str(tmp_path / "state"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--models-file", str(tmp_path / "pool.toml"),
+         "--port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = next((line.strip() for line in not_none(proc.stdout)
+                    if line.strip().startswith("http://")), "")
+        assert url, not_none(proc.stderr).read()
+        assert [m["id"] for m in httpx.get(f"{url}/models").json()["data"]] == ["a", "b", "default"]
+        shared = httpx.post(f"{url}/chat/completions", json={
+            "model": "model.gguf", "messages": [{"role": "user", "content": "hi"}]})
+        assert shared.status_code == 404 and shared.json()["error"]["code"] == "model_not_found"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        not_none(proc.stdout).close()
+        not_none(proc.stderr).close()
+
+
+def test_serve_with_a_name_given_to_two_models_names_both_lines_and_exits(tiny_model, tmp_path):
+    (tmp_path / "pool.toml").write_text(
+        f'[[model]]\nname = "a"\naliases = ["coder"]\npath = "{tiny_model}"\n\n'
+        f'[[model]]\nname = "Coder"\npath = "{tiny_model}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    out = run_cli("serve", "--models-file", str(tmp_path / "pool.toml"), "--port", "0", env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr == ("gguf-studio: pool.toml: The name 'Coder' is given to two models: "
+                          "a (model 1, line 3) and Coder (model 2, line 7).\n")

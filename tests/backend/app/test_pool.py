@@ -131,7 +131,7 @@ async def test_two_models_at_once_answer_by_name_and_are_listed(service, client,
     assert default_text == tiny_text  # no model: the default, the first one
     models = (await client.get("/v1/models")).json()["data"]
     assert [(m["id"], m["state"], m["context_length"]) for m in models] == [
-        ("tiny", "ready", 2048), ("smol", "ready", 2048)]
+        ("tiny", "ready", 2048), ("smol", "ready", 2048), ("default", "ready", 2048)]
     unknown = await client.post("/v1/chat/completions", json=chat("gpt-4o"))
     assert unknown.status_code == 404
     error = unknown.json()["error"]
@@ -282,7 +282,7 @@ async def test_a_model_served_by_two_upstreams_is_listed_once(service, client,
     finally:
         for engine in engines:
             stop(engine)
-    assert [m["id"] for m in listed] == ["elsewhere"]
+    assert [m["id"] for m in listed] == ["elsewhere", "default"]  # and its stable alias
     assert [m["id"] for m in health] == ["elsewhere"]
     assert len(health[0]["engines"]) == 2
 
@@ -354,7 +354,7 @@ async def test_every_model_of_a_gguf_studio_upstream_is_a_model_of_the_port_in_f
                              {"total": 4096, "per_request": 2048, "unified": False})]
                     listed = (await client.get("/v1/models")).json()["data"]
                     assert [(m["id"], m["state"], m["context_length"]) for m in listed] == [
-                        ("tiny", "ready", 2048), ("smol", "ready", 2048)]
+                        ("tiny", "ready", 2048), ("smol", "ready", 2048), ("default", "ready", 2048)]
 
                     answers = {name: text_of(await client.post("/v1/chat/completions",
                                                                json=chat(name)))[0]
@@ -402,7 +402,8 @@ async def test_a_model_a_gguf_studio_upstream_can_load_is_routed_there_one_at_a_
         assert [(e.where, e.state, e.slots, e.kv, e.note) for e in smol.engines] == [
             ("upstream 1", "unloaded", 1, None, LOADABLE_NOTE)]
         listed = (await client.get("/v1/models")).json()["data"]
-        assert {(m["id"], m["state"]) for m in listed} == {("tiny", "ready"), ("smol", "unloaded")}
+        assert {(m["id"], m["state"]) for m in listed if "alias_of" not in m} == {
+            ("tiny", "ready"), ("smol", "unloaded")}
 
         service.pool.set_default("smol")  # a request naming no model is sent naming smol
         started = [asyncio.Event(), asyncio.Event()]
@@ -508,7 +509,7 @@ async def test_a_pool_of_local_and_remote_engines_lists_the_remote_model(
             upstreams=(UpstreamEntry(f"http://127.0.0.1:{port}"),)))
         await until(lambda: "elsewhere" in service.pool.names())
         models = (await client.get("/v1/models")).json()["data"]
-        assert [m["id"] for m in models] == ["tiny", "elsewhere"]
+        assert [m["id"] for m in models] == ["tiny", "elsewhere", "default"]
         remote, _ = text_of(await client.post("/v1/chat/completions", json=chat("elsewhere")))
         local, _ = text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
         assert remote != local  # two different models answered
@@ -574,3 +575,38 @@ async def test_metrics_and_health_name_every_engine_by_model_and_where_it_runs(
         await asyncio.gather(running, return_exceptions=True)
     finally:
         stop(engine)
+
+
+async def test_an_agent_configured_with_the_default_alias_keeps_working_when_the_owner_swaps_models(
+        service, client, tiny_model, smollm2_model):
+    """The window's snippets name the default model `default`; /v1/models offers it beside
+    the real names.  After the owner loads another model (the window's one load), the same
+    config reaches the new model, while the old file's name is a 404 as any unknown name."""
+    from backend.app.snippets import ClientTarget, codex_snippet
+    from backend.models.model_names import DEFAULT_MODEL_ALIAS
+    import tomllib
+
+    def configured_model() -> str:
+        target = ClientTarget(f"http://127.0.0.1:{service.gateway_port}/v1", service.pool.default_model,
+                              default_alias=DEFAULT_MODEL_ALIAS)
+        return tomllib.loads(codex_snippet(target).text)["model"]
+
+    await service.load(SMALL.to_spec(str(tiny_model), model_id="tiny"))
+    agent = configured_model()
+    assert agent == "default"
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m.get("alias_of")) for m in listed] == [("tiny", None), ("default", "tiny")]
+    first = await client.post("/v1/chat/completions", json=chat(agent))
+    assert first.status_code == 200, first.text
+
+    await service.load(SMALL.to_spec(str(smollm2_model), model_id="smol"))
+    assert configured_model() == agent  # nothing to edit in the agent's config
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m.get("alias_of")) for m in listed] == [("smol", None), ("default", "smol")]
+    second = await client.post("/v1/chat/completions", json=chat(agent))
+    assert second.status_code == 200, second.text
+    assert "Paris" in second.json()["choices"][0]["message"]["content"]  # the trained model answered
+
+    for unknown in ("tiny", "defaults"):
+        gone = await client.post("/v1/chat/completions", json=chat(unknown))
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"

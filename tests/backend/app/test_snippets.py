@@ -165,3 +165,31 @@ def test_any_model_id_makes_valid_toml_even_outside_the_basic_plane() -> None:
     assert tomllib.loads(codex.text)["model"] == "modèle-😀\x7f"
     assert codex.files[0].where == "~/.codex/model.config.toml"
     assert tomllib.loads(codex.files[0].text)["model"] == "😀"
+
+
+# --- the default model's stable name ----------------------------------------------------
+
+ALIASED = ClientTarget(URL, "qwen-7b", KEY, context_length=16384, default_alias="default",
+                       others=(ClientModel("small", 4096),))
+
+
+def test_with_a_default_alias_every_snippet_names_the_default_model_by_it():
+    snippets = by_client(ALIASED)
+    codex = tomllib.loads(snippets["Codex CLI"].text)
+    assert codex["model"] == "default" and codex["model_context_window"] == 16384
+    opencode = json.loads(snippets["OpenCode"].text)
+    assert opencode["model"] == f"{PROVIDER_ID}/default"
+    assert set(opencode["provider"][PROVIDER_ID]["models"]) == {"default", "small"}
+    assert '"model": "default"' in snippets["curl"].text
+    assert "qwen-7b" not in "".join(s.text for s in snippets.values())
+
+
+def test_a_key_limited_to_some_models_is_given_their_own_names_not_the_alias():
+    from backend.app.key_table import key_target
+    from backend.key_store import KeyRecord
+    every = key_target(ALIASED, KeyRecord("bob"), "gs-bob")
+    assert [m.model_id for m in every.models] == ["default", "small"]
+    assert tomllib.loads(client_snippets(every)[0].text)["model"] == "default"
+    limited = key_target(ALIASED, KeyRecord("alice", models=("qwen-7b",)), "gs-alice")
+    assert [m.model_id for m in limited.models] == ["qwen-7b"]
+    assert tomllib.loads(client_snippets(limited)[0].text)["model"] == "qwen-7b"

@@ -46,7 +46,8 @@ def test_the_last_load_survives_the_settings_file_in_the_same_shape(tmp_path) ->
 
 OWNED_SPELLINGS = ["--port", "--port=80", "--api_key", "--api-key=x", "--api_key_file", "-m",
                    "-m=x.gguf", "-np", "-a", "--alias=x", "--hf_repo", "-hfr",
-                   "--model_url", "--host=0.0.0.0"]
+                   "--model_url", "--host=0.0.0.0", "-n", "--predict", "--n-predict=5",
+                   "--n_predict"]
 
 
 @pytest.mark.parametrize("flag", OWNED_SPELLINGS)

@@ -22,6 +22,7 @@ from backend.errors import EngineExitedDuringLoad, LoadSuperseded, LoadTimedOut,
 from backend.llama.load import LoadSettings, LoadSpec, Snapshot, State
 from backend.llama.supervisor import Supervisor, pick_free_port
 from tests.model_factory import write_not_gguf, write_truncated_copy
+from tests.not_none import not_none
 
 
 @pytest.fixture
@@ -432,6 +433,25 @@ async def test_engine_keeps_answering_after_log_lines_longer_than_64_kib(supervi
     await supervisor.unload()
     logged = Path(snapshot.log_path).read_text()
     assert logged.count(marker + words.rstrip()) >= 40  # the file keeps every long line whole
+
+
+async def test_an_engine_started_under_an_output_cap_obeys_it_for_requests_without_a_limit(
+        llama_server_binary, tiny_model, tmp_path):
+    cap = 7
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, stop_timeout=5,
+                     output_cap=lambda: cap)
+    try:
+        snapshot = await sup.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+        serving = not_none(snapshot.serving)
+        async with httpx.AsyncClient(base_url=serving.base_url, timeout=60,
+                                     headers=engine_headers(serving.api_key)) as client:
+            # -1 is "the engine's default": the cap, as for a request that sets none
+            for limit in ({}, {"n_predict": -1}):
+                answer = await client.post("/v1/completions", json={
+                    "prompt": "hi", "ignore_eos": True, **limit})
+                assert answer.json()["usage"]["completion_tokens"] == cap, limit
+    finally:
+        await sup.unload()
 
 
 async def test_the_engines_own_port_refuses_requests_without_the_apps_key(supervisor, tiny_model):

@@ -154,7 +154,7 @@ async def test_the_openai_sdk_and_curl_work_as_before(gw):
             model="fake-model", messages=[{"role": "user", "content": "hi"}])
         assert completion.choices[0].message.content
         models = await sdk.models.list()
-        assert [m.id for m in models.data] == ["fake-model"]
+        assert [m.id for m in models.data] == ["fake-model", "default"]
     finally:
         await sdk.close()
 
@@ -252,3 +252,20 @@ async def test_old_failures_are_forgotten(gw):
     for _ in range(FREE_FAILURES - 1):  # a fresh count: still no lockout
         assert (await gw.client.get("/v1/models", headers=wrong)).status_code == 401
     assert (await gw.client.get("/v1/models", headers={"x-api-key": KEY})).status_code == 200
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:80@evil.com", "http://127.0.0.1@evil.com",
+                                    "http://localhost:5173/@evil.com", "http://localhost:x",
+                                    "http://[::1]@evil.com:8080"])
+async def test_an_origin_is_read_by_a_url_parser_so_userinfo_cannot_pass_for_loopback(gw, origin):
+    response = await gw.client.post(CHAT, json=chat(), headers={"origin": origin})
+    assert_clean_error(response, 403, "origin_not_allowed", gw)
+    assert "access-control-allow-origin" not in response.headers
+
+
+async def test_an_allowed_pattern_is_not_fooled_by_userinfo_either(gw):
+    gw.configure(allow_origins=["https://*.tools.example"])
+    sneaky = await gw.client.post(CHAT, json=chat(), headers={"origin": "https://evil.com@a.tools.example"})
+    assert_clean_error(sneaky, 403, "origin_not_allowed", gw)
+    fine = await gw.client.post(CHAT, json=chat(), headers={"origin": "https://a.tools.example"})
+    assert fine.status_code == 200

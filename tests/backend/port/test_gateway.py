@@ -380,7 +380,7 @@ async def test_openai_sdk_chat_streamed_chat_responses_streamed_responses(gw, fa
         assert len(ids) == 1 and final.output[0].content[0].text.startswith("tok0 ")
 
         models = await client.models.list()
-        assert [m.id for m in models.data] == ["fake-model"]
+        assert [m.id for m in models.data] == ["fake-model", "default"]
 
 
 async def _collect_responses(client: openai.AsyncOpenAI) -> tuple[list[str], set[str], Any]:

@@ -138,7 +138,8 @@ async def test_output_cap_is_default_and_ceiling(gw, fake):
         (CHAT, chat(), {"max_tokens": 5}),
         (CHAT, chat(max_tokens=100), {"max_tokens": 5}),
         (CHAT, chat(max_completion_tokens=100), {"max_completion_tokens": 5}),
-        (CHAT, chat(max_tokens=100, max_completion_tokens=3), {"max_tokens": 5, "max_completion_tokens": 3}),
+        # the engine obeys max_completion_tokens here: 3, which every field now says
+        (CHAT, chat(max_tokens=100, max_completion_tokens=3), {"max_tokens": 3, "max_completion_tokens": 3}),
         (CHAT, chat(max_tokens=3), {"max_tokens": 3}),
         (CHAT, chat(n_predict=-1), {"n_predict": 5}),
         ("/v1/completions", {"prompt": "x"}, {"max_tokens": 5}),
@@ -167,9 +168,10 @@ async def test_output_cap_is_default_and_ceiling(gw, fake):
 async def test_models_and_health(gw, fake):
     models = (await gw.client.get("/v1/models")).json()
     assert models["object"] == "list"
-    assert models["data"] == [{"id": "fake-model", "object": "model", "owned_by": "gguf-studio",
-                               "context_length": 4096, "max_output_tokens": 4096,
-                               "state": "ready", "created": models["data"][0]["created"]}]
+    card = {"id": "fake-model", "object": "model", "owned_by": "gguf-studio",
+            "context_length": 4096, "max_output_tokens": 4096,
+            "state": "ready", "created": models["data"][0]["created"]}
+    assert models["data"] == [card, dict(card, id="default", alias_of="fake-model")]
     gw.configure(max_output_tokens=1000)
     assert (await gw.client.get("/v1/models")).json()["data"][0]["max_output_tokens"] == 1000
     health = await gw.client.get("/health")

@@ -416,6 +416,23 @@ def test_output_budget_is_the_requests_own_limit_or_the_default(route, body, exp
     assert output_budget(route, body, prompt_tokens=100, limit=32_768) == expected
 
 
+@pytest.mark.parametrize("route, body, expected", [
+    # llama-server obeys the first limit it reads, not the smallest
+    (CHAT, {"max_tokens": 1, "n_predict": 400}, 400),
+    (CHAT, {"max_tokens": 1, "max_completion_tokens": 400}, 400),
+    (COMPLETIONS, {"max_tokens": 900, "n_predict": 40}, 40),
+    (RESPONSES, {"max_output_tokens": 16, "n_predict": 400}, 400),
+    (RESPONSES, {"max_output_tokens": 16, "max_completion_tokens": 400}, 400),
+    (RESPONSES, {"max_tokens": 400}, 400),  # its chat form reads it
+    (RESPONSES, {"max_tokens": 400, "max_output_tokens": None}, DEFAULT_OUTPUT_TOKENS),
+    (MESSAGES, {"max_tokens": 300, "n_predict": 40}, 300),  # n_predict never reaches it
+    (MESSAGES, {}, 4096),  # what the engine's Anthropic conversion gives
+    (CHAT, {"max_tokens": 300, "n_predict": -1}, DEFAULT_OUTPUT_TOKENS),  # no limit
+])
+def test_output_budget_is_the_limit_the_engine_obeys(route, body, expected):
+    assert output_budget(route, body, prompt_tokens=100, limit=32_768) == expected
+
+
 def test_output_budget_is_capped_by_the_operator_and_by_the_room_left():
     assert output_budget(CHAT, {"max_tokens": 9_000}, prompt_tokens=10, limit=32_768,
                          cap=2_000) == 2_000
@@ -424,6 +441,10 @@ def test_output_budget_is_capped_by_the_operator_and_by_the_room_left():
     assert output_budget(CHAT, {"max_tokens": 9_000}, prompt_tokens=30_000,
                          limit=32_768) == 2_768
     assert output_budget(CHAT, {}, prompt_tokens=32_760, limit=32_768) == MIN_OUTPUT_TOKENS
+    # with a cap, "-1" (the engine's default, which is the cap) and 50,000 are the cap
+    for n_predict in (-1, 50_000):
+        assert output_budget(CHAT, {"max_tokens": 1, "n_predict": n_predict}, prompt_tokens=10,
+                             limit=32_768, cap=1_000) == 1_000
 
 
 def test_a_prompt_that_leaves_no_room_for_a_reply_is_refused_by_admission():

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from backend.port.request_fields import MAX_EMBEDDING_INPUTS
 from tests.backend.gateway_harness import CHAT, RESPONSES, assert_clean_error
 
 COMPLETIONS = "/v1/completions"
@@ -110,6 +111,34 @@ async def test_a_field_of_the_wrong_shape_is_a_400_naming_it(gw, fake, route, bo
     assert fake.requests == []
 
 
+#: (route, body, the field the error names): what would pick the engine's slot, or run
+#: several generations (one slot each) under the request's one admission ticket.
+ONE_GENERATION = [
+    (CHAT, {"messages": [user()], "id_slot": 0}, "id_slot"),
+    (COMPLETIONS, {"prompt": "x", "id_slot": 1}, "id_slot"),
+    (RESPONSES, {"input": "x", "id_slot": 0}, "id_slot"),
+    (MESSAGES, {"max_tokens": 5, "messages": [user()], "id_slot": 0}, "id_slot"),
+    (CHAT, {"messages": [user()], "n": 2}, "n"),
+    (COMPLETIONS, {"prompt": "x", "n": 4}, "n"),
+    (RESPONSES, {"input": "x", "n_cmpl": 2}, "n_cmpl"),
+    (COMPLETIONS, {"prompt": ["a", "b", "c", "d"]}, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3, 4]]}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", [1, 2], {"prompt_string": "b"}]}, "prompt"),
+    (EMBEDDINGS, {"input": ["x"] * (MAX_EMBEDDING_INPUTS + 1)}, "input"),
+]
+
+
+@pytest.mark.parametrize("route,body,param", ONE_GENERATION,
+                         ids=[f"{route} {param} {i}" for i, (route, _, param) in enumerate(ONE_GENERATION)])
+async def test_a_request_is_one_generation_in_a_slot_the_server_chooses(gw, fake, route, body,
+                                                                       param):
+    response = await gw.client.post(route, json=body)
+    error = assert_clean_error(response, 400, "invalid_request", gw)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert f"'{param}'" in error["message"]
+    assert fake.requests == []
+
+
 NON_STANDARD_JSON = {
     "NaN": b'{"messages": [], "temperature": NaN}',
     "Infinity": b'{"messages": [], "temperature": Infinity}',
@@ -157,8 +186,10 @@ GOOD = [
         "type": "function", "function": {"name": "read"}}, "n_predict": 5, "top_k": 40}),
     (COMPLETIONS, {"prompt": "Once", "stop": "\n", "max_tokens": 3}),
     (COMPLETIONS, {"prompt": [1, 2, "three", 4]}),
-    (COMPLETIONS, {"prompt": ["a", [1, 2], {"prompt_string": "b"}]}),
+    (COMPLETIONS, {"prompt": [{"prompt_string": "b"}]}),
+    (COMPLETIONS, {"prompt": [[1, 2]], "n": 1, "id_slot": -1}),
     (EMBEDDINGS, {"input": ["a", "b"], "model": "m"}),
+    (EMBEDDINGS, {"input": ["x"] * MAX_EMBEDDING_INPUTS}),
     (EMBEDDINGS, {"input": [1, 2, 3]}),
     (RESPONSES, {"model": "m", "instructions": "Be brief.", "input": [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
