@@ -100,10 +100,10 @@ async def test_a_key_whose_budget_is_spent_neither_loads_nor_evicts(
 
     refused = await client.post("/v1/chat/completions", json=chat("other"), headers=auth(secret))
 
-    assert refused.status_code == 429, refused.text
-    assert "Daily token budget reached for key 'bob'" in refused.json()["error"]["message"]
     assert service.pool.status("other").residency is Residency.UNLOADED  # nothing loaded
     assert service.pool.status("tiny").residency is Residency.READY  # nothing evicted
+    assert refused.status_code == 429, refused.text
+    assert "Daily token budget reached for key 'bob'" in refused.json()["error"]["message"]
 
 
 # --- evictions respect priority bands --------------------------------------------------
@@ -111,7 +111,7 @@ async def test_a_key_whose_budget_is_spent_neither_loads_nor_evicts(
 
 async def test_a_batch_load_does_not_evict_a_model_an_interactive_key_just_used(
         service, client, tiny_model, other_tiny_model, monkeypatch):
-    monkeypatch.setattr(pool_module, "BAND_PROTECTION", 4.0)
+    monkeypatch.setattr(pool_module, "BAND_PROTECTION", 4.0, raising=False)
     await one_at_a_time(service, ModelEntry.for_file(str(tiny_model), settings=SMALL),
                         ModelEntry.for_file(str(other_tiny_model), settings=SMALL,
                                             preload=False))
@@ -202,7 +202,7 @@ async def test_a_key_revoked_while_its_request_waits_for_a_load_is_refused(
 
 async def test_a_model_failed_by_crashes_loads_again_after_its_cool_down_naming_the_key(
         service, client, tiny_model, monkeypatch):
-    monkeypatch.setattr(pool_module, "FAILED_COOL_DOWN", 3.0)
+    monkeypatch.setattr(pool_module, "FAILED_COOL_DOWN", 3.0, raising=False)
     await service.start_pool(PoolConfig(models=(
         ModelEntry.for_file(str(tiny_model), settings=SMALL),)))
     _record, secret = service.add_key("crasher")
