@@ -51,7 +51,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +59,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.load_generator import Run, chat_request, one_stream, run_closed_loop  # noqa: E402
+from bench.pool_results import PoolResult, RealResult  # noqa: E402
 from bench.processes import (HOST, CpuMeter, Processes, Target, free_port,  # noqa: E402
                              get_json, start_fake, start_helper, start_port, stop_children,
                              wait_until)
@@ -77,19 +77,6 @@ LOG = Callable[[str], None]
 
 
 # --- the pool ------------------------------------------------------------------------------
-
-
-@dataclass
-class PoolResult:
-    """The figures of one pool size."""
-
-    engines: int
-    throughput: dict[str, list[Run]] = field(default_factory=dict)
-    #: Requests that found every slot of their engine busy and waited there, per target.
-    waited: dict[str, int] = field(default_factory=dict)
-    steady: Steady | None = None
-    #: The port process's CPU per short request, seconds (one per round).
-    port_cpu_per_request: list[float] = field(default_factory=list)
 
 
 async def pool_part(args: argparse.Namespace, procs: Processes, work: Path,
@@ -272,13 +259,6 @@ def _q(values: list[float], q: float) -> float:
 
 
 # --- the real engine -----------------------------------------------------------------------
-
-
-@dataclass
-class RealResult:
-    title: str
-    pool: list[PoolResult]
-    closed: Scenario | None
 
 
 async def real_part(args: argparse.Namespace, procs: Processes, work: Path,

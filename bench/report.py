@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
+from bench.pool_results import PoolResult, RealResult
 from bench.scenarios import Scenario, Steady, median, quantile
-
-if TYPE_CHECKING:
-    from bench.pool import PoolResult, RealResult
 
 TARGET_THROUGHPUT = 0.98
 TARGET_TTFT_P50_MS = 2.0

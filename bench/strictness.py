@@ -1,5 +1,6 @@
 """Strictness of the two upstream clients, side by side: the port's own
-(`backend/port/upstream_http.py`) and aiohttp's (`bench/variants/upstream_aiohttp.py`).
+(`backend/port/upstream_http.py`, its parser `backend/port/http1_response.py`) and aiohttp's
+(`bench/variants/upstream_aiohttp.py`).
 
     python bench/strictness.py
 
@@ -22,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from backend.port.upstream_http import UpstreamClient, UpstreamError  # noqa: E402
+from backend.port.upstream_errors import UpstreamError  # noqa: E402
+from backend.port.upstream_http import UpstreamClient  # noqa: E402
 from bench.variants.upstream_aiohttp import AiohttpUpstreamClient  # noqa: E402
 from tests.malformed_upstream import (CLOSE, GOOD_STREAM, INTERIM, MALFORMED, WELL_FORMED,  # noqa: E402
                                       MalformedUpstream)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import deque
@@ -27,6 +28,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 from backend.app.activity import ActivitySample, ActivitySampler
 from backend.app.pool_config import ModelEntry
 from backend.app.pool_state import PoolState
+from backend.app.saver import Saver, Write
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
@@ -34,9 +36,10 @@ from backend.key_store import KeyRecord
 from backend.models.download_queue import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
+from backend.models.library import ModelLibrary
 from backend.app.key_table import KeyTable
 from backend.app.service import BackendThread, StudioService
-from backend.settings import Settings
+from backend.settings import Settings, settings_path
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSpec, Snapshot
 from backend.throttle import Throttle
@@ -90,6 +93,7 @@ class ServiceBridge(QObject):
         self.pool_state = PoolState()
         self._sampler: ActivitySampler | None = None
         self._port_lock: asyncio.Lock | None = None  # made on the backend loop
+        self._saver = Saver()  # used on the backend loop only
         self._building: concurrent.futures.Future[Path] | None = None
         self._closed = False
         self.snapshot = Snapshot()
@@ -197,9 +201,42 @@ class ServiceBridge(QObject):
 
     def apply_settings(self, settings: Settings,
                        on_error: Callable[[str], None] | None = None) -> concurrent.futures.Future[list[str]]:
-        """Give the service new settings; the port reopens if its address changed."""
-        return self._call(self._one_at_a_time(self.service.apply_settings, settings),
-                          on_done=self._set_urls, on_error=on_error)
+        """Give the service new settings; the port reopens if its address changed.  Saves
+        asked for before are written first: the port never runs settings that the next
+        start would not find."""
+        async def apply() -> list[str]:
+            await self._saver.flush()
+            return await self.service.apply_settings(settings)
+
+        return self._call(self._one_at_a_time(apply), on_done=self._set_urls, on_error=on_error)
+
+    # --- saving -------------------------------------------------------------------------
+    # The files are written on the backend loop's worker threads, never the GUI thread's;
+    # a burst of saves writes the last state, and `shutdown` writes what is still pending.
+
+    def save_settings(self, settings: Settings, path: Path | None = None,
+                      on_error: Callable[[str], None] | None = None) -> None:
+        """Write `settings` to `path` (by default the user's settings file)."""
+        path = path or settings_path()
+        self._save(path, functools.partial(settings.replace().save, path), on_error)
+
+    def save_library(self, library: ModelLibrary,
+                     on_error: Callable[[str], None] | None = None) -> None:
+        """Write the library as it is now (its state is copied here, on the caller's thread)."""
+        self._save(library.path, functools.partial(library.save, library.document()), on_error)
+
+    def _save(self, path: Path, write: Write, on_error: Callable[[str], None] | None) -> None:
+        tell = on_error or self.error_occurred.emit
+        if self._closed:
+            # The backend loop has stopped (a callback queued before the app quit saves):
+            # written here rather than lost.
+            try:
+                write()
+            except Exception as exc:
+                tell(describe_error(exc))
+            return
+        self.backend_thread.call_soon(
+            self._saver.save, path, write, lambda exc: self._post(tell, describe_error(exc)))
 
     def build_engine(self, extra_cmake_args: Sequence[str] = (),
                      backend: str = "cpu") -> concurrent.futures.Future[Path]:
@@ -420,6 +457,7 @@ class ServiceBridge(QObject):
         self._sampler.start()
 
     async def _close_on_loop(self) -> None:
+        await self._saver.close()
         if self._sampler is not None:
             await self._sampler.stop()
         await self._one_at_a_time(self.service.close)

@@ -230,7 +230,8 @@ class KeysView(QGroupBox):
             return
         if self.confirm(f"Revoke the key {row.name!r}?",
                         f"Requests with the key {row.name!r} get 401 from now on, also those "
-                        "waiting in line. A revoked key stays revoked: make a new key to let "
+                        "waiting in line, and its running ones end. A revoked key stays "
+                        "revoked: make a new key to let "
                         "its holder back in."):
             self.revoke_requested.emit(row.name)
 

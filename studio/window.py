@@ -352,12 +352,11 @@ class MainWindow(QMainWindow):
             self.apply_settings(self.settings.replace(port=port))
 
     def apply_settings(self, settings: Settings) -> None:
-        """Remember `settings` and hand them to the service."""
+        """Remember `settings` (the bridge writes them off this thread) and hand them to
+        the service."""
         self.settings = settings
-        try:
-            settings.save(self._settings_path)
-        except OSError as exc:
-            self.show_message(f"The settings could not be saved: {exc.strerror or exc}.")
+        self.bridge.save_settings(settings, self._settings_path, on_error=lambda message:
+                                  self.show_message(f"The settings could not be saved: {message}"))
         self.sharing.set_settings(settings)
         self.bridge.apply_settings(settings, on_error=self._on_port_error)
 
@@ -448,10 +447,8 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(message, 15_000)
 
     def _save_library(self) -> None:
-        try:
-            self.library.save()
-        except OSError as exc:
-            self.show_message(f"The model library could not be saved: {exc.strerror or exc}.")
+        self.bridge.save_library(self.library, on_error=lambda message: self.show_message(
+            f"The model library could not be saved: {message}"))
 
     def _restore_state(self) -> None:
         if self._state is None:

@@ -1,21 +1,44 @@
-"""Fixtures shared by the whole suite: the real engine and real models.
+"""Fixtures shared by the whole suite: the real engine and real models, and a session
+that never touches the user's own dirs.
 
 `scripts/setup test` builds the managed llama-server and fetches SmolLM2 before the tests
 run; the tests use that binary (or GGUF_STUDIO_LLAMA_SERVER), the vocab-only GGUF files of
 the same sources, and SmolLM2 from the same cache.
+
+Before any fixture runs (at this module's import), HOME, the XDG dirs, the data dir and
+the model caches point into a folder of the session's own (tests/user_dirs.py), so a
+service a module or session fixture starts writes its usage, keys and logs there; the
+engine and the models in the user's data dir are found first and handed over
+(GGUF_STUDIO_LLAMA_SERVER, the `engine` fixture).  The session fails if anything appeared
+or changed in the user's dirs meanwhile.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Generator, Iterator
 
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from backend.llama.engine import Engine  # noqa: E402
+from backend.event_loop import loop_factory  # noqa: E402
+from backend.llama.engine import ENV_LLAMA_SERVER, Engine  # noqa: E402
+from tests.user_dirs import UserDirs, isolate  # noqa: E402
+
+# The user's engine and models, found where the user keeps them, before the switch.
+USER_ENVIRON = dict(os.environ)  #: for a pytest run inside the suite (tests/test_conftest.py)
+USER_ENGINE = Engine()
+_cpu_engine = USER_ENGINE.resolve(backends=["cpu"]).chosen
+USER_DIRS = UserDirs.of_this_user()
+_USER_DIRS_BEFORE = USER_DIRS.listing()
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="gguf-studio-tests-"))
+isolate(SESSION_HOME, engines=USER_ENGINE.engines_dir)
+if _cpu_engine is not None and _cpu_engine.path is not None:
+    os.environ[ENV_LLAMA_SERVER] = str(_cpu_engine.path)
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
 from tests.model_factory import (write_tiny_embedding_model, write_tiny_model,  # noqa: E402
                                  write_tiny_split_model)
@@ -28,6 +51,43 @@ HUGE_REPO = "test-org/Huge-Coder-GGUF"
 SPLIT_REPO = "test-org/Split-Coder-GGUF"
 
 
+#: Parts of the suite that skip, saying why, where their tools are missing; naming them in
+#: GGUF_STUDIO_TESTS_REQUIRE (comma-separated) turns those skips into failures, for the
+#: machines where they are expected to run (.ci/run requires the clients).
+REQUIRE_ENV = "GGUF_STUDIO_TESTS_REQUIRE"
+REQUIRABLE = {"clients": "tests/clients/", "vulkan": "tests/backend/llama/test_vulkan_engine.py"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    unknown = sorted(_required() - REQUIRABLE.keys())
+    if unknown:
+        raise pytest.UsageError(f"{REQUIRE_ENV} names {', '.join(unknown)}; it may name "
+                                f"{', '.join(REQUIRABLE)}.")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                               ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    part = next((name for name in _required() if item.nodeid.startswith(REQUIRABLE[name])), None)
+    if report.skipped and part is not None and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} skipped ({reason}), but {REQUIRE_ENV} says the "
+                           f"{part} tests must run on this machine.")
+    return report
+
+
+def _required() -> set[str]:
+    return {part.strip() for part in os.environ.get(REQUIRE_ENV, "").split(",") if part.strip()}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """The async tests run on the loop the product runs on: uvloop where it is installed
+    (GGUF_STUDIO_EVENT_LOOP=asyncio rules it out, as for the product)."""
+    return {"product-loop": loop_factory()}
+
+
 @pytest.fixture(autouse=True)
 def private_config(tmp_path_factory: pytest.TempPathFactory,
                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,9 +96,35 @@ def private_config(tmp_path_factory: pytest.TempPathFactory,
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
 
 
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    changes = USER_DIRS.listing().changes_since(_USER_DIRS_BEFORE)
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
+    if changes:
+        _USER_DIRS_CHANGED.extend(changes)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _USER_DIRS_CHANGED:
+        terminalreporter.section("the user's own dirs changed", sep="=", red=True, bold=True)
+        shown = _USER_DIRS_CHANGED[:40]
+        for line in shown:
+            terminalreporter.write_line(line)
+        if len(_USER_DIRS_CHANGED) > len(shown):
+            terminalreporter.write_line(f"... and {len(_USER_DIRS_CHANGED) - len(shown)} more")
+        terminalreporter.write_line("A test wrote where the user keeps their files: it must use "
+                                    "tmp_path (the session's HOME and XDG dirs are private).")
+
+
+#: What appeared or changed in the user's dirs during the session (for the summary).
+_USER_DIRS_CHANGED: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def engine() -> Engine:
-    return Engine()
+    """The user's engines and their cache (read-only here: builds go to tmp engines)."""
+    return Engine(data_dir=USER_ENGINE.data_dir, cache_dir=USER_ENGINE.cache_dir)
 
 
 @pytest.fixture(scope="session")

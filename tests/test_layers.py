@@ -1,5 +1,8 @@
 """The house's shape: rooms import only downwards, and no module imports itself back.
 
+The benchmarks (`bench/`) are the top room: they drive the product and the tests' helpers,
+and nothing imports them.
+
 Every import counts, also those inside functions and under TYPE_CHECKING: a late import
 hides a loop from the interpreter, not from the next engineer.
 """
@@ -10,10 +13,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("backend", "studio", "launcher")
+PACKAGES = ("backend", "studio", "launcher", "bench")
 #: Lower rooms first; a module may import its own room and any room before it.
 ROOMS = ("backend", "backend.llama", "backend.models", "backend.port", "backend.app",
-         "studio", "launcher")
+         "studio", "launcher", "bench")
+#: Modules that decide without I/O (the counting rules, the planner, the answer parser):
+#: what they ask of an engine is given to them, so none may reach a module that connects.
+SANS_IO = ("backend.port.prompt_tokens", "backend.port.need_planner",
+           "backend.port.http1_response")
+CONNECTING = ("backend.port.upstream_http", "backend.port.tokenizer_client")
 
 
 def test_rooms_import_only_downwards() -> None:
@@ -27,6 +35,12 @@ def test_no_module_imports_itself_back() -> None:
     graph = _import_graph()
     circles = {tuple(sorted(c)) for c in _strongly_connected(graph) if len(c) > 1}
     assert sorted(circles) == []
+
+
+def test_the_modules_that_decide_without_io_reach_no_client() -> None:
+    graph = _import_graph()
+    reached = {module: sorted(_reachable(graph, module) & set(CONNECTING)) for module in SANS_IO}
+    assert reached == {module: [] for module in SANS_IO}
 
 
 def test_backend_never_imports_qt() -> None:
@@ -74,6 +88,18 @@ def _import_graph(every: bool = False) -> dict[str, set[str]]:
                 targets.add(name)
         graph[module] = targets
     return graph
+
+
+def _reachable(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module `module` imports, directly or through others (KeyError if unknown)."""
+    found: set[str] = set()
+    todo = list(graph[module])
+    while todo:
+        target = todo.pop()
+        if target not in found:
+            found.add(target)
+            todo.extend(graph[target])
+    return found
 
 
 def _is_package(name: str, modules: dict[str, Path]) -> bool:

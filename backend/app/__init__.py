@@ -3,5 +3,5 @@ pool of models and engines (`pool`; its engines elsewhere `pool_upstreams`; what
 of them `pool_status`; its settings `pool_config`; the window's picture `pool_state`),
 the command line (`cli`, with its `keys` commands in `cli_keys` and its Hugging Face ones
 in `cli_hub`), the keys as people edit and see them (`key_table`), usage per key
-(`usage`), the end-to-end self-test, client snippets, activity over time and the desktop
-entry."""
+(`usage`), the end-to-end self-test, client snippets, activity over time, the desktop
+entry, and the writer of the window's files off its thread (`saver`)."""

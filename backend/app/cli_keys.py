@@ -101,7 +101,8 @@ def _keys_revoke(args: argparse.Namespace) -> int:
         print(f"Key {record.name!r} was already revoked on {describe_time(record.revoked_at)}.")
     else:
         print(f"Key {record.name!r} revoked: its requests get 401 from now on, also those "
-              "waiting (a running port sees this within a second).")
+              "waiting, and its running ones end (a running port sees this within a "
+              "second).")
     return 0
 
 

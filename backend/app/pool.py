@@ -264,6 +264,11 @@ class Pool:
         guests = [NamedModel(name, names[1:]) for name, names in self._upstreams.all_names()]
         return ModelNames((e.named for e in entries), guests=guests)
 
+    def isolated(self, name: str) -> bool:
+        """Whether `name` is a local model that shares no prompt cache between requests."""
+        local = self._locals.get(name)
+        return local is not None and local.entry.isolated
+
     def must_name(self, name: str) -> bool:
         """Whether a request for `name` must name it to its engines: another GGUF Studio
         port serving several models routes by the name, and a request naming none would

@@ -27,6 +27,7 @@ Codex's own config.toml, which the same people edit, is TOML too.
     embeddings = true              # started with --embeddings; /v1/embeddings goes to it
     idle_ttl = "30m"               # unloaded after 30 minutes without a request
     preload = false                # loaded on its first request
+    # isolated = true              # no prompt cache shared between requests (keys that are strangers)
 
     [[upstream]]
     url = "http://10.0.0.2:8899"
@@ -67,13 +68,18 @@ from backend.models.model_names import (MAX_NAME_LENGTH, ModelNames, NamedModel,
 from backend.rpc_workers import parse_rpc_workers
 from backend.app.toml_text import toml_key, toml_value
 
-__all__ = ["EMBEDDINGS_FLAG", "ModelEntry", "PoolConfig", "UpstreamEntry", "file_names",
-           "model_name", "parse_duration"]
+__all__ = ["EMBEDDINGS_FLAG", "ISOLATED_FLAGS", "ModelEntry", "PoolConfig", "UpstreamEntry",
+           "parse_duration"]
 
 log = logging.getLogger("gguf_studio.pool_config")
 
 #: The llama-server flag an embeddings model is started with (llama.cpp also reads `--embedding`).
 EMBEDDINGS_FLAG = "--embeddings"
+#: An isolated model's engine reuses no request's prompt for another: prompt caching off
+#: by default (the port also sends every request with `cache_prompt: false`, which a
+#: client could otherwise turn back on) and no prompt cache in RAM.  Given last, so they
+#: win over the same flags in extra_args.
+ISOLATED_FLAGS = ("--no-cache-prompt", "--cache-ram", "0")
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,8 @@ class ModelEntry:
     embeddings: bool = False  #: started with --embeddings; /v1/embeddings goes to it
     chat_template: bool = True  #: render the model's own chat template (where it has one)
     preload: bool = True  #: loaded at start; else on its first request
+    #: no prompt cache shared between requests (keys that are strangers): see ISOLATED_FLAGS
+    isolated: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aliases", tuple(self.aliases))
@@ -131,8 +139,10 @@ class ModelEntry:
 
     def to_spec(self, *, has_chat_template: bool = True) -> LoadSpec:
         """The load; `has_chat_template`: whether the file carries a template to render."""
-        return self.settings.to_spec(self.path, chat_template=self.chat_template and has_chat_template,
-                                     model_id=self.name)
+        settings = self.settings if not self.isolated else dataclasses.replace(
+            self.settings, extra_args=(*self.settings.extra_args, *ISOLATED_FLAGS))
+        return settings.to_spec(self.path, chat_template=self.chat_template and has_chat_template,
+                                model_id=self.name)
 
 
 @dataclass(frozen=True)
@@ -335,7 +345,8 @@ def parse_duration(value: Any) -> float:
 _EMBEDDINGS_SPELLINGS = frozenset({"--embedding", "--embeddings"})
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MODEL_KEYS = ("name", "path", "aliases", "ctx_size", "parallel", "n_gpu_layers", "threads",
-               "extra_args", "rpc", "pinned", "idle_ttl", "embeddings", "chat_template", "preload")
+               "extra_args", "rpc", "pinned", "idle_ttl", "embeddings", "chat_template", "preload",
+               "isolated")
 _UPSTREAM_KEYS = ("url", "api_key", "api_key_file", "kv_layout")
 _TOP_KEYS = ("default_model", "memory_limit_mib", "model", "upstream")
 
@@ -390,7 +401,7 @@ def _model_fields(entry: ModelEntry, folder: Path | None) -> list[tuple[str, Any
         fields.append(("extra_args", extra))
     if settings.rpc:
         fields.append(("rpc", list(settings.rpc)))
-    for key in ("pinned", "embeddings", "chat_template", "preload"):
+    for key in ("pinned", "embeddings", "chat_template", "preload", "isolated"):
         if getattr(entry, key) != getattr(ModelEntry, key):
             fields.append((key, getattr(entry, key)))
     if entry.idle_ttl:
@@ -476,6 +487,7 @@ class _Reader:
             "embeddings": self._flag("model", i, table, "embeddings", False),
             "chat_template": self._flag("model", i, table, "chat_template", True),
             "preload": self._flag("model", i, table, "preload", True),
+            "isolated": self._flag("model", i, table, "isolated", False),
         }
         if "idle_ttl" in table:
             try:

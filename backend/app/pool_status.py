@@ -6,13 +6,14 @@ snapshot and admission queue make an `EngineStatus`.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from backend.llama.load import Snapshot
 from backend.port.admission_registry import AdmissionRegistry
 
 __all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
-           "engine_status", "residency_of"]
+           "engine_status", "residency_of", "scrubbed"]
 
 #: Where a local model's engine runs, in the window, /health and the metrics' labels.
 HERE = "this machine"
@@ -94,3 +95,28 @@ def residency_of(state: str) -> Residency:
         return Residency(state)
     except ValueError:
         return Residency.UNLOADED
+
+
+def scrubbed(text: str | None) -> str | None:
+    """`text` (an engine's or a load's error) without the addresses and paths in it, for
+    /health: a raw load error names RPC workers' addresses, upstream URLs (which may carry
+    a key) and model files."""
+    if not text:
+        return text
+    for pattern, stands_for in _PRIVATE:
+        text = pattern.sub(stands_for, text)
+    return text
+
+
+#: What `scrubbed` takes out, in this order (a URL holds a path and an address).
+_PRIVATE = (
+    (re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+"), "<address>"),
+    (re.compile(r"\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\](?::\d+)?"), "<address>"),
+    (re.compile(r"(?<![\w.:])(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?(?![\w.])"), "<address>"),
+    (re.compile(r"(?<![\w:])(?:[0-9a-fA-F]{1,4}(?::[0-9a-fA-F]{1,4})*)?::"
+                r"(?:[0-9a-fA-F]{1,4}(?::[0-9a-fA-F]{1,4})*)?(?![\w:])"), "<address>"),
+    (re.compile(r"(?<![\w:])[0-9a-fA-F]{1,4}(?::[0-9a-fA-F]{1,4}){7}(?![\w:])"), "<address>"),
+    (re.compile(r"(?<![\w.-])[a-zA-Z][\w-]*(?:\.[\w-]+)*:\d{2,5}(?!\d)"), "<address>"),
+    (re.compile(r"(?<![\w.])[a-zA-Z]:[\\/][^\s'\"<>]*"), "<path>"),
+    (re.compile(r"(?:~|(?<![\w.<>])\.{0,2})/[^\s'\"<>]+"), "<path>"),
+)

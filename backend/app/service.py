@@ -26,6 +26,7 @@ from backend.app.key_table import KeyTable, key_table
 from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool_status import scrubbed
 from backend.errors import KeyRevoked, RequestError, SettingsError
 from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
@@ -258,9 +259,10 @@ class StudioService:
             self.apply_keys()
 
     def apply_keys(self) -> None:
-        """Apply the key store as it is now to every request that waits."""
+        """Apply the key store as it is now to every request that waits or runs (a
+        revoked, expired or deleted key's running ones end with an error event)."""
         now = time.time()
-        for flow in self.registry.waiting_flows():
+        for flow in self.registry.waiting_flows() | self.flows.running_flows():
             if flow.startswith(ADDRESS_FLOW):
                 continue
             record = self.keys.get(flow)
@@ -268,6 +270,7 @@ class StudioService:
                        else record.refusal(now))
             if refusal is not None:
                 self.registry.refuse_flow(flow, refusal)
+                self.flows.end_flow(flow, refusal)
             elif record is not None:
                 self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
 
@@ -282,7 +285,8 @@ class StudioService:
         return record
 
     def revoke_key(self, name: str) -> KeyRecord:
-        """Revoke a key: the port refuses it from now on (401), its waiting requests too."""
+        """Revoke a key: the port refuses it from now on (401), its waiting requests too,
+        and its running ones end."""
         record = self.keys.revoke(name)
         self.apply_keys()
         return record
@@ -318,6 +322,9 @@ class StudioService:
     def must_name(self, model: str) -> bool:
         return self.pool.must_name(model)
 
+    def isolated(self, model: str) -> bool:
+        return self.pool.isolated(model)
+
     def model_cards(self) -> list[ModelCard]:
         cap = self.settings.max_output_tokens
         cards = []
@@ -329,8 +336,8 @@ class StudioService:
                 max_output_tokens=output or None, default=status.default,
                 details={"aliases": list(status.aliases), "local": status.local,
                          "pinned": status.pinned, "idle_ttl": status.idle_ttl,
-                         "embeddings": status.embeddings, "decision": status.decision,
-                         "error": status.error,
+                         "embeddings": status.embeddings, "decision": scrubbed(status.decision),
+                         "error": scrubbed(status.error),
                          "engines": [dataclasses.asdict(e) for e in status.engines]}))
         return cards
 
@@ -339,7 +346,8 @@ class StudioService:
         found = []
         for upstream in self.pool.upstream_statuses():
             engine = upstream.engine
-            error = upstream.error.replace(upstream.url, engine.where) if upstream.error else None
+            error = scrubbed(upstream.error.replace(upstream.url, engine.where)
+                             if upstream.error else None)
             found.append({"engine": engine.where, "state": engine.state,
                           "serving": engine.state == State.READY.value and bool(engine.slots),
                           "error": error, "models": list(upstream.models),

@@ -24,6 +24,7 @@ import asyncio
 import errno
 import ipaddress
 import json
+import os
 import re
 import socket
 import struct
@@ -187,6 +188,15 @@ def worker_command(binary: Path, host: str, port: int, threads: int) -> list[str
     return [str(binary), "--host", host, "--port", str(port), "--threads", str(threads)]
 
 
+def _sigpipe_ignored(argv: list[str]) -> list[str]:
+    """`argv` run with SIGPIPE ignored, as `restore_signals=False` means: under uvloop,
+    libuv resets every signal in the child to its default (SIGPIPE's ends the worker when
+    a client leaves before its answer), so a shell ignores it and becomes the worker."""
+    if os.name != "posix":
+        return argv
+    return ["/bin/sh", "-c", 'trap "" PIPE; exec "$0" "$@"', *argv]
+
+
 class RpcWorker:
     """One running `ggml-rpc-server`, with its output passed to `on_line`."""
 
@@ -209,7 +219,8 @@ class RpcWorker:
         from its own output)."""
         _check_port_free(host, port)
         proc = await asyncio.create_subprocess_exec(
-            *worker_command(binary, host, port, threads), stdin=asyncio.subprocess.DEVNULL,
+            *_sigpipe_ignored(worker_command(binary, host, port, threads)),
+            stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             # Its own session: Ctrl-C reaches us, and we stop it (and say so) ourselves.
             start_new_session=True, env=engine_environment(), preexec_fn=die_with_parent(),

@@ -25,7 +25,7 @@ import platformdirs
 from backend.errors import SettingsError
 from backend.llama.load import LoadSettings
 from backend.models.hf_cache import hugging_face_cache, repo_id_of_folder
-from backend.private_files import PRIVATE_DIR_MODE
+from backend.private_files import write_private
 from backend.settings import APP_NAME
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "ModelLibrary",
     "default_locations",
     "find_gguf_files",
-    "hugging_face_cache",
     "library_path",
     "search",
 ]
@@ -77,7 +76,8 @@ class ModelLibrary:
     """What the user opened and added, remembered across restarts.
 
     Mutations happen on one thread (the window's); `scan` may run on another, and works
-    on a copy of the lists taken under a lock.
+    on a copy of the lists taken under a lock; so may `save`, given a `document()` copied
+    on the window's thread.
     """
 
     def __init__(self, path: Path | None = None,
@@ -114,14 +114,16 @@ class ModelLibrary:
                                   if isinstance(v, dict)}
         return library
 
-    def save(self) -> None:
+    def document(self) -> dict[str, Any]:
+        """What `save` writes, copied: a value another thread may write later."""
         with self._lock:
-            data = {"version": 1, "opened": list(self.opened), "folders": list(self.folders),
+            return {"version": 1, "opened": list(self.opened), "folders": list(self.folders),
                     "recent": dict(self.recent), "load_settings": dict(self._load_settings)}
-        self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, self.path)
+
+    def save(self, document: dict[str, Any] | None = None) -> None:
+        """Write `document` (by default the library as it is now), atomically."""
+        data = self.document() if document is None else document
+        write_private(self.path, json.dumps(data, indent=2).encode())
 
     # --- what the user says ------------------------------------------------------------
 

@@ -83,12 +83,7 @@ __all__ = [
     "MAX_REQUEUES",
     "AdmissionQueue",
     "Clock",
-    "KvCapacity",
     "Line",
-    "Serving",
-    "Ticket",
-    "TicketState",
-    "TokenNeed",
 ]
 
 Clock = Callable[[], float]

@@ -7,6 +7,10 @@ counted from the reservation) before it waits, `admitted` when it gets a slot, a
 `answered` with the engine's `usage` when it ends, which settles the reservation.  Every
 refusal is told to `refused`, by reason.  It decides and counts; it does no I/O (the
 usage ledger it feeds saves itself, off the hot path).
+
+It also knows which requests of each named key are under way (`started`, `finished`), so
+that a key revoked or deleted while they run ends them (`end_flow`) instead of letting
+them take the engine for as long as they like.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from backend.port.access_guard import Caller
 from backend.port.fair_queue import Band, Flow
 from backend.port.rate_limits import RateLimiter, Reservation, TokenLimits
 
-__all__ = ["BAND_HEADER", "FlowControl", "UsageRecorder", "band_of", "requested_band"]
+__all__ = ["BAND_HEADER", "FlowControl", "Endable", "UsageRecorder", "band_of",
+           "requested_band"]
 
 #: A request may lower its own priority with this header (never raise it).
 BAND_HEADER = b"x-priority"
@@ -38,6 +43,14 @@ class UsageRecorder(Protocol):
     def record_refusal(self, key: str, reason: str) -> None: ...
 
 
+class Endable(Protocol):
+    """A request under way that can be ended (backend.port.relay.Exchange)."""
+
+    def end(self, error: RequestError) -> bool:
+        """End it with `error` (an HTTP answer, or an in-stream error event); True if it
+        will end."""
+
+
 class FlowControl:
     """The limits of keys at admission, and their usage; see the module docstring."""
 
@@ -46,6 +59,9 @@ class FlowControl:
         self.limiter = limiter or RateLimiter()
         self.usage = usage
         self._flows: dict[tuple[str, KeyRecord | None], Flow] = {}
+        #: The requests under way of each named key (the owner's and keyless callers have
+        #: nothing to be revoked).
+        self._running: dict[str, set[Endable]] = {}
 
     def check_model(self, caller: Caller, model: str) -> None:
         if caller.key is not None and not caller.key.allows(model):
@@ -95,6 +111,27 @@ class FlowControl:
         if self.usage is not None:
             prompt, completion = usage or (0, 0)
             self.usage.record_request(caller.name, prompt, completion)
+
+    def started(self, caller: Caller, request: Endable) -> None:
+        """`request` of `caller` is under way (waiting or answering) until `finished`."""
+        if caller.key is not None and not caller.key.is_owner:
+            self._running.setdefault(caller.flow, set()).add(request)
+
+    def finished(self, caller: Caller, request: Endable) -> None:
+        running = self._running.get(caller.flow)
+        if running is not None:
+            running.discard(request)
+            if not running:
+                del self._running[caller.flow]
+
+    def running_flows(self) -> set[str]:
+        """The named keys' flows with a request under way."""
+        return set(self._running)
+
+    def end_flow(self, flow: str, error: RequestError) -> int:
+        """End every request under way of `flow` with `error` (its key was revoked, has
+        expired or was deleted); how many will end."""
+        return sum(request.end(error) for request in list(self._running.get(flow, ())))
 
     def refused(self, caller: Caller, error: RequestError,
                 reservation: Reservation | None = None) -> None:

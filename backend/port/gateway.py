@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import json
 import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
@@ -44,7 +46,8 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
-from backend.port.prompt_tokens import HttpEngineTokenizer, PromptCounter
+from backend.port.prompt_tokens import PromptCounter
+from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
                                        read_body)
@@ -100,6 +103,10 @@ class GatewayContext(Protocol):
         """Whether a request for `model` that names no model must be sent naming it (an
         engine that is another port with several models would take it for its own
         default model)."""
+
+    def isolated(self, model: str) -> bool:
+        """Whether `model` shares no prompt cache between requests (its requests are sent
+        with `cache_prompt: false`)."""
 
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
@@ -214,6 +221,12 @@ class Gateway:
             if ctx.must_name(model) and parsed.model != model:
                 # The name this port resolved and allowed, never the client's spelling.
                 name_model(parsed, model)
+            if (GATED_ROUTES[path] is not None and ctx.isolated(model)
+                    and parsed.data.get("cache_prompt") is not False):
+                # Else a client's `cache_prompt: true` reuses another request's prompt.
+                parsed.data["cache_prompt"] = False
+                parsed.body = json.dumps(parsed.data, ensure_ascii=False,
+                                         separators=(",", ":")).encode()
             queue = line.planning_engine
             plan: Plan | None = None
             if queue is not None:
@@ -310,18 +323,36 @@ class Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        snapshot = self.ctx.snapshot()
+        """200 while the default model has an engine that serves, else 503.  The top-level
+        fields are that model's: its serving engines' slots and cache together, so one
+        engine out of several leaves it ready (and named in `engines_out`).  A client off
+        this machine without the key, on a port that has one, is told the state only."""
+        cards = self.ctx.model_cards()
+        elsewhere = self.ctx.engines_elsewhere()
+        default = next((card for card in cards if card.default), None)
+        summary = _default_model_health(default, self.ctx.snapshot(),
+                                         self.ctx.registry.total_reserved_tokens)
+        status = 200 if summary["state"] == State.READY.value else 503
+        if not self._may_read_health(request.scope):
+            return JSONResponse({"state": summary["state"]}, status_code=status)
         registry = self.ctx.registry
-        serving = snapshot.serving
-        kv = serving.kv if serving is not None else None
+        snapshot = self.ctx.snapshot()
+        # Out: an engine elsewhere that does not serve and says why (not one that is
+        # still starting, nor a GGUF Studio port whose models load on demand there).
+        out = [{"engine": e["engine"], "model": (e["models"] or [None])[0], "state": e["state"],
+                "error": e["error"]} for e in elsewhere if not e["serving"] and e["error"]]
+        out += [{"engine": engine["where"], "model": card.id, "state": engine["state"],
+                 "error": card.details.get("error")}
+                for card in cards for engine in card.details.get("engines", ())
+                if engine["id"].startswith("local:") and card.state == "failed"]
         body = {
-            "state": snapshot.state.value,
-            "model": snapshot.model_id,
-            "effective_parallel_slots": serving.slots if serving is not None else None,
+            **summary,
+            # Requests of the whole port, running and waiting.
             "active": registry.total_active,
             "waiting": registry.total_waiting,
-            "kv": (None if kv is None else
-                   dict(kv.to_dict(), reserved=registry.total_reserved_tokens)),
+            # Engines that should serve and do not: the pool runs on the others meanwhile.
+            "degraded": bool(out),
+            "engines_out": out,
             # Which backend and devices the engine uses (no paths, ports or URLs in it).
             "engine": snapshot.engine.to_dict() if snapshot.engine else None,
             # Every model, its residency and the reason of its last decision, its engines,
@@ -329,11 +360,24 @@ class Gateway:
             "models": [{"id": card.id, "state": card.state, "default": card.default,
                         "context_length": card.context_length, **card.details,
                         "requests": self._model_requests(card.id)}
-                       for card in self.ctx.model_cards()],
+                       for card in cards],
             # Engines on other machines, also those out of the pool right now, and why.
-            "upstreams": self.ctx.engines_elsewhere(),
+            "upstreams": elsewhere,
         }
-        return JSONResponse(body, status_code=200 if snapshot.state is State.READY else 503)
+        return JSONResponse(body, status_code=status)
+
+    def _may_read_health(self, scope: MutableMapping[str, Any]) -> bool:
+        """All of /health: on a port without keys, from this machine, or with a key."""
+        keys = self.ctx.keys
+        if not self.settings.api_key and not (keys is not None and keys.requires_keys()):
+            return True
+        if _from_loopback(scope):
+            return True
+        try:
+            self.check_key(scope)
+        except RequestError:
+            return False
+        return True
 
     def _model_requests(self, model: str) -> dict[str, int]:
         totals = self.ctx.metrics.model_totals(model)
@@ -490,3 +534,40 @@ def _starlette_app(gateway: Gateway) -> Starlette:
     )
     app.router.redirect_slashes = False
     return app
+
+
+def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
+                          reserved: int) -> dict[str, Any]:
+    """/health's top-level fields: the default model, as its engines that serve now make
+    it together (a port of one engine without a pool: that engine's snapshot)."""
+    engines = card.details.get("engines") if card is not None else None
+    if card is None or engines is None:
+        serving = snapshot.serving
+        kv = serving.kv.to_dict() if serving is not None and serving.kv is not None else None
+        return {"state": snapshot.state.value, "model": snapshot.model_id,
+                "effective_parallel_slots": serving.slots if serving is not None else None,
+                "kv": None if kv is None else dict(kv, reserved=reserved)}
+    serving_now = [e for e in engines if e["state"] == State.READY.value and e["slots"]]
+    caches = [e["kv"] for e in serving_now if e["kv"] is not None]
+    if serving_now:
+        state = State.READY.value
+    elif snapshot.model_id == card.id and snapshot.state is not State.READY:
+        state = snapshot.state.value
+    else:
+        state = next((e["state"] for e in engines), State.STOPPED.value)
+    return {"state": state, "model": card.id,
+            "effective_parallel_slots": sum(e["slots"] for e in serving_now) or None,
+            "kv": {"total": sum(int(c["total"]) for c in caches),
+                   "per_request": max(int(c["per_request"]) for c in caches),
+                   "unified": all(c["unified"] is True for c in caches),
+                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None}
+
+
+def _from_loopback(scope: MutableMapping[str, Any]) -> bool:
+    host = str((scope.get("client") or ("", 0))[0])
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)

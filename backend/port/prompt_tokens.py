@@ -17,6 +17,10 @@ decide, tools, system prompts and images included:
   inputs counts as the sum of them (llama-server runs them as separate tasks; summing
   can only over-reserve); completions take one prompt (`backend.port.request_fields`).
 
+The engine is asked through the `EngineTokenizer` a counter is given (over llama-server's
+HTTP routes: `backend.port.tokenizer_client.HttpEngineTokenizer`): the rules here do no
+I/O of their own.
+
 Short requests skip the engine when a byte bound proves they fit (`PromptCounter.count`
 with `fits_below`): every tokenizer llama.cpp has for text models makes a token of at
 least one byte of the text it was given (byte-level BPE; SentencePiece with byte
@@ -68,9 +72,7 @@ from typing import Any, Protocol
 
 from backend.errors import CountingFull
 from backend.llama.kv_capacity import TokenNeed
-from backend.llama.api import engine_headers
 from backend.port.request_body import output_limit
-from backend.port.upstream_http import UpstreamClient, UpstreamError
 
 __all__ = [
     "DEFAULT_OUTPUT_TOKENS",
@@ -80,7 +82,6 @@ __all__ = [
     "TEXT_SLACK",
     "CountFailed",
     "EngineTokenizer",
-    "HttpEngineTokenizer",
     "PromptCount",
     "PromptCounter",
     "ToolCosts",
@@ -435,68 +436,6 @@ def token_need(route: str, body: Mapping[str, Any], prompt: PromptCount, *, limi
     """The admission need: counted prompt plus its output budget."""
     return TokenNeed(prompt.tokens, output_budget(route, body, prompt_tokens=prompt.tokens,
                                                   limit=limit, cap=cap, default=default))
-
-
-class HttpEngineTokenizer:
-    """EngineTokenizer over llama-server's HTTP routes at `base_url`."""
-
-    def __init__(self, base_url: str, *, api_key: str | None = None,
-                 headers: Mapping[str, str] | None = None,
-                 client: UpstreamClient | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._headers = {"Content-Type": "application/json", **engine_headers(api_key),
-                         **(headers or {})}
-        self._client = client or UpstreamClient(connect_timeout=5.0, max_idle=8)
-        self._owns_client = client is None
-
-    async def count_input_tokens(self, route: str, body: Mapping[str, Any]) -> int:
-        answer = await self._post(COUNT_ROUTES[route], body)
-        tokens = answer.get("input_tokens")
-        if not isinstance(tokens, int) or isinstance(tokens, bool):
-            raise CountFailed("the engine's count had no input_tokens")
-        return tokens
-
-    async def apply_template(self, body: Mapping[str, Any]) -> str:
-        prompt = (await self._post("/apply-template", body)).get("prompt")
-        if not isinstance(prompt, str):
-            raise CountFailed("the engine's template answer had no prompt")
-        return prompt
-
-    async def tokenize(self, text: str) -> int:
-        answer = await self._post("/tokenize", {"content": text, "add_special": True,
-                                                "parse_special": True})
-        tokens = answer.get("tokens")
-        if not isinstance(tokens, list):
-            raise CountFailed("the engine's tokenize answer had no tokens")
-        return len(tokens)
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
-
-    async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        request = self._client.build_request("POST", self.base_url + path,
-                                             content=_compact(body).encode(),
-                                             headers=self._headers)
-        try:
-            response = await self._client.send(request)
-            try:
-                raw = await response.aread()
-            finally:
-                await response.aclose()
-        except (UpstreamError, OSError) as error:
-            raise CountFailed(f"{path}: {type(error).__name__}") from None
-        if response.status_code in (404, 405, 501):
-            raise CountFailed(f"{path}: HTTP {response.status_code}", missing=True)
-        if response.status_code != 200:
-            raise CountFailed(f"{path}: HTTP {response.status_code}")
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            raise CountFailed(f"{path}: not JSON") from None
-        if not isinstance(answer, dict):
-            raise CountFailed(f"{path}: not a JSON object")
-        return answer
 
 
 # --- helpers -----------------------------------------------------------------------------

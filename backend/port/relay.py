@@ -9,6 +9,13 @@ the first chunk, from the upstream connection's own callback straight to the cli
 (`_pump`, with the server's `BodyWriter`); only a `/v1/responses` stream has its head
 read, to keep one response id throughout.
 
+What it costs: a request ends booked in its key's limiter and usage (`_account`): with the
+engine's usage when the answer carried it, else (the client left mid-stream, the key was
+revoked, the engine broke off) with the prompt admission counted plus one token per event
+relayed, counted with one `bytes.count` per chunk; a non-streamed answer that was never
+read costs its reservation.  A named key's answers carry nothing of the engine's shared
+prompt cache (`sse.without_cache_figures`, on the one event or body that names it).
+
 Failures of the upstream client become the project's errors in one place
 (`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
 an HTTP answer while no header was sent, a final in-stream error event afterwards.
@@ -24,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 
 from backend.port import http_errors
 from backend.port import sse
-from backend.port.admission import AdmissionQueue, Line, Ticket
+from backend.port.admission import AdmissionQueue, Line
+from backend.port.admission_ticket import Ticket
 from backend.port.access_guard import ANONYMOUS, Caller
 from backend.port.fair_queue import Band
 from backend.port.metrics import UNROUTED
@@ -35,7 +43,7 @@ from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
                             RequestError, UpstreamFailed, UpstreamUnavailable)
-from backend.port.upstream_http import ConnectFailed, MalformedAnswer, UpstreamError
+from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
     from backend.port.metrics import Metrics, ModelCounts
@@ -163,6 +171,14 @@ class Exchange:
         self._counting: asyncio.Future[None] | None = None
         self.flows = host.flows
         self.caller = request.caller
+        key = request.caller.key
+        #: A named key's answers tell nothing of the prompt cache all keys share: what it
+        #: held for a prompt would tell how much of another key's prompt a guess matches.
+        self._hide_cache = key is not None and not key.is_owner
+        #: Events relayed from the engine: about one generated token each.
+        self._events = 0
+        #: An Anthropic stream's `message_start`, the one event that names its prompt.
+        self._start = b""
         #: What it counts against its key's token windows until settled.
         self._reservation: Reservation | None = None
         #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
@@ -171,6 +187,7 @@ class Exchange:
         self._tail = b""
         #: The last two chunks of a stream sent so far, kept as they go: a client may
         #: hang up as soon as it has the final event (Codex does), before the stream ends.
+        #: As the engine sent them (with the cache's figures, which count the prompt).
         self._last_sent = (b"", b"")
         #: Set once the engine's whole answer was relayed.
         self._answered = False
@@ -205,6 +222,7 @@ class Exchange:
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
             self.send = self._stall.send
+        self.flows.started(self.caller, self)
         try:
             try:
                 last = await self._admitted_and_forwarded()
@@ -238,6 +256,7 @@ class Exchange:
                 ticket.release()
             watch.stop()
             self._task = None  # nothing left to abort
+            self.flows.finished(self.caller, self)
             self._account()
         try:
             await self._send_all(last)
@@ -267,6 +286,16 @@ class Exchange:
         self._task.cancel()
         return True
 
+    def end(self, error: RequestError) -> bool:
+        """End this request with `error` wherever it is (its key was revoked): waiting,
+        or answering (an in-stream error event after what was sent; its upstream request
+        closed, so the engine's slot frees at once).  True when it will."""
+        if self._task is None or self._abort is not None:
+            return False
+        self._abort = error
+        self._task.cancel()
+        return True
+
     def _cancelled_by_us(self) -> bool:
         """The cancellation came from the client leaving, an abort, or the port closing
         (not from someone else, whose cancellation is re-raised)."""
@@ -282,14 +311,36 @@ class Exchange:
 
     def _account(self) -> None:
         """Tell the caller's flow how it ended: the engine's usage settles its token
-        reservation; a refusal or an error gives it back."""
-        if self._failed is not None:
+        reservation; an answer without it (cut short) is charged what it got
+        (`_cut_usage`), as is the part the usage does not say; a refusal or an error
+        before anything was relayed gives the reservation back."""
+        if self._failed is not None and not self._events:
             self.flows.refused(self.caller, self._failed, self._reservation)
         elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
             tail = self._tail or b"".join(self._last_sent)
-            self.flows.answered(self.caller, self._reservation, sse.find_usage(tail))
+            # An Anthropic stream names its prompt in its first event only.
+            told_prompt, told_completion = sse.find_usage(self._start + tail) or (None, None)
+            prompt, completion = self._cut_usage()
+            self.flows.answered(self.caller, self._reservation,
+                                (prompt if told_prompt is None else told_prompt,
+                                 completion if told_completion is None else told_completion))
         elif self._reservation is not None:
             self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
+
+    def _cut_usage(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of an answer that ended before the engine's usage
+        reached the client: the prompt as admission counted it (its byte bound when it
+        was not counted), and for a stream one token per event relayed (llama-server
+        sends one event per token, plus a few around them: this is at least what the
+        client got); a non-streamed answer, of which nothing can be counted, costs its
+        whole output budget, as reserved."""
+        ticket = self.ticket
+        need = ticket.need if ticket is not None else None
+        if need is not None:
+            prompt, output = need.prompt, need.output
+        else:
+            prompt, output = self.request.body_bytes, self.host.settings.default_output_tokens
+        return prompt, (self._events if self.request.parsed.stream else output)
 
     def _failure(self, error: RequestError) -> list[dict[str, Any]]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
@@ -512,7 +563,11 @@ class Exchange:
                         return await self._relay(upstream)
                     except _ErrorAfter as failed:
                         if failed.head:
-                            await self.send({"type": "http.response.body", "body": failed.head,
+                            head = failed.head
+                            self._events += head.count(b"data:")
+                            if self._hide_cache:
+                                head = sse.without_cache_figures(head, stream=True)
+                            await self.send({"type": "http.response.body", "body": head,
                                              "more_body": True})
                         raise failed.error from None
                 return await self._answer(upstream)
@@ -548,6 +603,8 @@ class Exchange:
         self.headers_sent = True
         self._tail = body
         self._answered = True
+        if self._hide_cache:
+            body = sse.without_cache_figures(body, stream=False)
         return [{"type": "http.response.start", "status": upstream.status_code,
                  "headers": [(b"content-type", content_type.encode("latin-1")),
                              (b"content-length", str(len(body)).encode()),
@@ -563,11 +620,14 @@ class Exchange:
         framer = self.framer
         rewriter = self.rewriter
         stage = framer.feed if rewriter is None else _then(framer.feed, rewriter.feed)
+        if self.kind is sse.StreamKind.MESSAGES:
+            stage = _then(stage, self._note_start)
         # llama-server ends a failing stream with an error event: `event: error` on the
         # messages wire, `data: {"error"...` elsewhere.  One substring test per chunk
         # (about a third of a microsecond for a 235-byte chunk here); only a chunk that
         # holds the marker is parsed.
         marker = _NAMED_ERROR if self.kind is sse.StreamKind.MESSAGES else _DATA_ERROR
+        hide = self._hide_cache
         writer = self._body_writer
         if writer is not None and not writer.ready():
             writer = None  # the start was not sent (the client left): `send` knows
@@ -577,12 +637,18 @@ class Exchange:
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
         while not await upstream.arrived(interval):
             await self._send_keepalive()
+        # Each chunk relayed counts its events (`_events`, what a cut stream is charged):
+        # one `bytes.count`, 0.3 us for a 229-byte chunk here (less than the marker's
+        # substring test); a named key's chunks one more substring test for the cache.
         chunk = stage(upstream.read() or b"")
         if chunk:
             if marker in chunk:
                 chunk = self._before_error(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._last_sent = (b"", chunk)
+            self._events += chunk.count(b"data:")
+            if hide and sse.CACHE_MARKER in chunk:
+                chunk = sse.without_cache_figures(chunk, stream=True)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         if writer is not None:
             await self._pump(upstream, stage, marker, writer)
         else:
@@ -591,13 +657,18 @@ class Exchange:
                 if chunk:
                     if marker in chunk:
                         chunk = self._before_error(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     self._last_sent = (self._last_sent[1], chunk)
+                    self._events += chunk.count(b"data:")
+                    if hide and sse.CACHE_MARKER in chunk:
+                        chunk = sse.without_cache_figures(chunk, stream=True)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         tail = framer.finish()
         if rewriter is not None:
             tail = rewriter.feed(tail) + rewriter.flush()
         self._tail = b"".join(self._last_sent) + tail
         self._answered = True
+        if hide:
+            tail = sse.without_cache_figures(tail, stream=True)
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
     async def _pump(self, upstream: UpstreamResponse, stage: Callable[[bytes], bytes],
@@ -607,6 +678,8 @@ class Exchange:
         switch (on a busy port the CPU per chunk is what delays everyone's next first
         token).  This task only waits: for the end, an error, or a full client."""
         loop = asyncio.get_running_loop()
+        hide = self._hide_cache
+        cache = sse.CACHE_MARKER
         while True:
             turn: asyncio.Future[bool] = loop.create_future()
 
@@ -620,6 +693,9 @@ class Exchange:
                             if marker in chunk:
                                 chunk = self._before_error(chunk)
                             self._last_sent = (self._last_sent[1], chunk)
+                            self._events += chunk.count(b"data:")
+                            if hide and cache in chunk:
+                                chunk = sse.without_cache_figures(chunk, stream=True)
                             if not writer.write(chunk):
                                 turn.set_result(False)  # the client's buffer is full
                                 return
@@ -646,6 +722,12 @@ class Exchange:
             await self._stall.wait(writer.drain())
         else:
             await writer.drain()
+
+    def _note_start(self, chunk: bytes) -> bytes:
+        """`chunk`, kept if it holds the stream's `message_start` (see `_start`)."""
+        if not self._start and b'"message_start"' in chunk:
+            self._start = chunk
+        return chunk
 
     def _before_error(self, chunk: bytes) -> bytes:
         """`chunk` (whole events) if it holds no error event of the engine; else raises

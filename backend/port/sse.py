@@ -5,6 +5,11 @@ bytes.  Only the head of a `/v1/responses` stream is read (to learn the upstream
 response id), and after that the id is swapped with one `bytes.replace` per chunk.
 `EventFramer` makes sure that only whole events are sent, so that an error event can
 always be appended cleanly and a stream cut mid-event never hands a client half of one.
+
+`without_cache_figures` takes out of an answer what the engine's prompt cache held for
+it (`timings`, the cached-token counts): every key shares that cache, so those figures
+would tell one key how much of another key's prompt a guess matches.  It parses only an
+event or body that names the cache (one byte search), in practice the final one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "BrokenStream",
+    "CACHE_MARKER",
     "DONE",
     "StreamKind",
     "EventFramer",
@@ -24,9 +30,11 @@ __all__ = [
     "ResponsesRewriter",
     "data_event",
     "event_ends",
+    "find_usage",
     "named_event",
     "new_response_id",
     "response_stub",
+    "without_cache_figures",
 ]
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
@@ -39,6 +47,10 @@ class StreamKind(enum.Enum):
     MESSAGES = "messages"  # Anthropic messages: named events
     RESPONSES = "responses"  # OpenAI Responses: named events around one response id
 DONE = b"data: [DONE]\n\n"
+#: Every field by which llama-server tells what its prompt cache held names it: `timings`
+#: (its `cache_n`), `cached_tokens`, `cache_read_input_tokens`, `tokens_cached`,
+#: `prompt_progress` (its `cache`).  An event without these bytes is relayed unread.
+CACHE_MARKER = b"cache"
 
 #: Give up looking for the upstream's response.created after this many bytes.
 _HEAD_LIMIT = 64 * 1024
@@ -245,10 +257,38 @@ def _created_id(data: bytes) -> str | None:
     return created if isinstance(created, str) and created else None
 
 
-def find_usage(data: bytes) -> tuple[int, int] | None:
+def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
+    """`data` (whole events of a stream, or a JSON body) without what the engine's prompt
+    cache held for the request: `timings` and `prompt_progress` left out (they also time
+    the prompt: a cached prefix is read faster), cached-token counts made 0.  Events and
+    bodies that do not name the cache come back as they were (the same object)."""
+    if CACHE_MARKER not in data:
+        return data
+    if not stream:
+        return _scrubbed_json(data) or data
+    parts: list[bytes] = []
+    start = 0
+    changed = False
+    for line_end in _line_ends(data):
+        line = data[start:line_end]
+        if line.startswith(b"data:") and CACHE_MARKER in line:
+            body = line[5:].rstrip(b"\r\n")
+            scrubbed = _scrubbed_json(body)
+            if scrubbed is not None:
+                line = b"data: " + scrubbed + line[5 + len(body):]
+                changed = True
+        parts.append(line)
+        start = line_end
+    return b"".join(parts) if changed else data
+
+
+def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
     """(prompt, completion) tokens from the last `usage` an answer carries: a JSON body,
     or the tail of an event stream (chat's final chunk, Responses' `response.completed`,
-    Anthropic's `message_start` and `message_delta`).  None when it says nothing."""
+    Anthropic's `message_start` and `message_delta`).  None when it says nothing, and
+    None for the prompt when only the completion is said (an Anthropic stream names its
+    prompt in its first event only).  The prompt is all of it, also the tokens the
+    engine's cache held (which Anthropic's `input_tokens` leave out)."""
     prompt = completion = None
     for block in reversed(data.split(b"\n")):
         if b'"usage"' not in block and b'"timings"' not in block:
@@ -258,35 +298,50 @@ def find_usage(data: bytes) -> tuple[int, int] | None:
             payload = json.loads(text)
         except ValueError:
             continue
-        usage = _usage_of(payload)
-        if usage is None:
-            continue
+        told_prompt, told_completion = _usage_of(payload)
         if completion is None:
-            completion = _count(usage, "completion_tokens", "output_tokens")
+            completion = told_completion
         if prompt is None:
-            prompt = _count(usage, "prompt_tokens", "input_tokens")
+            prompt = told_prompt
         if prompt is not None and completion is not None:
             break
     if prompt is None and completion is None:
         return None
-    return prompt or 0, completion or 0
+    return prompt, completion
 
 
-def _usage_of(payload: Any) -> dict[str, Any] | None:
+def _usage_of(payload: Any) -> tuple[int | None, int | None]:
+    """(prompt, completion) as one event or body says them; None for what it does not."""
     if not isinstance(payload, dict):
-        return None
+        return None, None
+    prompt = completion = None
     for holder in (payload, payload.get("response"), payload.get("message")):
         if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
             usage: dict[str, Any] = holder["usage"]
-            return usage
-    # llama-server's streams carry no `usage` unless asked (stream_options), but their
-    # last chunk has its `timings`: the prompt's new and cached tokens, and the reply's.
+            # Anthropic's message_start says its output_tokens before there are any.
+            if payload.get("type") != "message_start":
+                completion = _count(usage, "completion_tokens", "output_tokens")
+            prompt = _count(usage, "prompt_tokens")
+            if prompt is None:
+                prompt = _count(usage, "input_tokens")
+                if prompt is not None:  # Anthropic's leave out what the cache held
+                    prompt += sum(_count(usage, name) or 0 for name in _ANTHROPIC_CACHED)
+            break
+    # llama-server's streams carry no `usage` unless asked (stream_options), and
+    # Anthropic's last one no prompt, but their last chunk has its `timings`: the
+    # prompt's new and cached tokens, and the reply's.
     timings = payload.get("timings")
     if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
-        prompt = sum(n for n in (timings.get("prompt_n"), timings.get("cache_n"))
-                     if isinstance(n, int) and n > 0)
-        return {"prompt_tokens": prompt, "completion_tokens": timings["predicted_n"]}
-    return None
+        if prompt is None:
+            prompt = sum(n for n in (timings.get("prompt_n"), timings.get("cache_n"))
+                         if isinstance(n, int) and n > 0)
+        if completion is None:
+            completion = _count(timings, "predicted_n")
+    return prompt, completion
+
+
+#: What Anthropic's usage counts of the prompt beside its `input_tokens`.
+_ANTHROPIC_CACHED = ("cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 def _count(usage: dict[str, Any], *names: str) -> int | None:
@@ -295,3 +350,63 @@ def _count(usage: dict[str, Any], *names: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     return None
+
+
+# --- the prompt cache's figures ------------------------------------------------------------
+
+_CACHE_OBJECTS = frozenset({"timings", "prompt_progress"})
+_CACHE_COUNTS = frozenset({"cached_tokens", "cache_read_input_tokens", "tokens_cached"})
+
+
+def _line_ends(data: bytes) -> list[int]:
+    """Where each line of `data` ends (exclusive, after its newline; the last line may
+    have none)."""
+    ends = []
+    at = data.find(b"\n")
+    while at >= 0:
+        ends.append(at + 1)
+        at = data.find(b"\n", at + 1)
+    if not ends or ends[-1] < len(data):
+        ends.append(len(data))
+    return ends
+
+
+def _scrubbed_json(text: bytes) -> bytes | None:
+    """`text` (JSON) encoded again without the cache's figures; None when it is not JSON
+    or holds none of them."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return None
+    return _dumps(payload) if _scrub(payload) else None
+
+
+def _scrub(value: Any) -> bool:
+    """Take the cache's figures out of `value` in place; whether there were any."""
+    changed = False
+    if isinstance(value, dict):
+        for name in list(value):
+            if name in _CACHE_OBJECTS:
+                del value[name]
+                changed = True
+            elif name in _CACHE_COUNTS:
+                cached = value[name]
+                if cached != 0:
+                    value[name] = 0
+                    changed = True
+                    # Anthropic's input_tokens are the prompt's tokens the cache did not
+                    # hold: with none held, that is all of them.
+                    told = value.get("input_tokens")
+                    if name == "cache_read_input_tokens" and _is_count(told) and _is_count(cached):
+                        value["input_tokens"] = told + cached
+            elif isinstance(value[name], (dict, list)):
+                changed = _scrub(value[name]) or changed
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)):
+                changed = _scrub(item) or changed
+    return changed
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -15,8 +15,8 @@ from typing import AsyncIterator
 
 import aiohttp
 
-from backend.port.upstream_http import (ConnectFailed, ConnectionLost, ConnectTimeout,
-                                   MalformedAnswer, UnsupportedURL)
+from backend.port.upstream_errors import (ConnectFailed, ConnectionLost, ConnectTimeout,
+                                          MalformedAnswer, UnsupportedURL)
 
 __all__ = ["AiohttpUpstreamClient", "AiohttpUpstreamResponse"]
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.port.admission import AdmissionQueue, KvCapacity, Serving, Ticket
+from backend.llama.kv_capacity import KvCapacity
+from backend.llama.load import Serving
+from backend.port.admission import AdmissionQueue
+from backend.port.admission_ticket import Ticket
 
 OLD = "http://127.0.0.1:41001"
 NEW = "http://127.0.0.1:41002"

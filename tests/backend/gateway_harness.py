@@ -14,7 +14,8 @@ import httpx
 
 from backend.port.access_guard import AccessGuard
 from backend.errors import RETRY_SOON, ModelNotReady
-from backend.port.admission import DEFAULT_MODEL, KvCapacity
+from backend.llama.kv_capacity import KvCapacity
+from backend.port.admission import DEFAULT_MODEL
 from backend.port.admission_registry import AdmissionRegistry
 from backend.port.fair_queue import Band
 from backend.key_store import KeyStore
@@ -63,6 +64,9 @@ class Context:
         if self._snapshot.state is not State.READY or self.registry.current is None:
             raise ModelNotReady(not_ready_message(self._snapshot), retry_after=RETRY_SOON)
         return DEFAULT_MODEL
+
+    def isolated(self, model: str) -> bool:
+        return False
 
     def must_name(self, model: str) -> bool:
         return False

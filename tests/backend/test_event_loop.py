@@ -84,3 +84,8 @@ def test_the_window_backend_thread_loads_a_real_engine_and_streams_on_uvloop(
         if not thread.loop.is_closed():
             thread.submit(service.close()).result(60)
         thread.stop()
+
+
+async def test_the_async_tests_run_on_the_loop_the_product_runs_on():
+    """tests/conftest.py gives pytest-asyncio the product's loop factory."""
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)

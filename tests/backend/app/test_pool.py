@@ -19,7 +19,7 @@ from backend.llama.kv_capacity import KvCapacity, KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
 from backend.settings import Settings
-from backend.llama.remote_engine import LOADABLE_NOTE
+from backend.llama.remote_engine import LOADABLE_NOTE, RemoteEngine
 from tests.backend.llama.test_remote_engine import (_until_health, _until_healthy, end_studio,
                                                     serve_upstream, start_llama_server,
                                                     start_studio, stop)
@@ -610,3 +610,100 @@ async def test_an_agent_configured_with_the_default_alias_keeps_working_when_the
     for unknown in ("tiny", "defaults"):
         gone = await client.post("/v1/chat/completions", json=chat(unknown))
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_long_request_goes_to_the_engine_of_the_model_whose_context_fits_it(
+        service, client, llama_server_binary, tiny_model):
+    """Two engines of one model, 1,024 and 4,096 tokens a slot: a prompt of about 2,900
+    tokens runs on the large one every time, though the small one comes first and is free."""
+    small_port, large_port = pick_free_port(), pick_free_port()
+    engines = [start_llama_server(llama_server_binary, tiny_model, small_port, parallel=1, ctx=1024),
+               start_llama_server(llama_server_binary, tiny_model, large_port, parallel=1, ctx=4096)]
+    try:
+        for port in (small_port, large_port):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+                await _until_healthy(probe)
+            await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+        prompt = "a " * 2900
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{large_port}") as probe:
+            tokens = len((await probe.post("/tokenize", json={"content": prompt})).json()["tokens"])
+        assert 2800 <= tokens <= 3000
+        for _ in range(3):
+            answer = await client.post("/v1/completions", json={
+                "model": "elsewhere", "prompt": prompt, "max_tokens": 8, "ignore_eos": True})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["prompt_tokens"] >= 2800
+    finally:
+        for engine in engines:
+            stop(engine)
+
+
+async def test_a_plain_upstreams_waiters_wait_for_it_to_come_back_and_are_served(
+        service, client, llama_server_binary, tiny_model):
+    """The only engine of a model dies with requests waiting for it: they keep their place
+    (within their queue timeout) and are answered once it is back."""
+    port = pick_free_port()
+    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=1)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}")
+        await until(lambda: len(service.registry.line("elsewhere").engines) == 1)
+        started = asyncio.Event()
+        running = asyncio.create_task(stream_lines(client, chat("elsewhere", True, **LONG), started))
+        await started.wait()
+        waiters = [asyncio.create_task(client.post(
+            "/v1/chat/completions", json=chat("elsewhere", max_tokens=8, ignore_eos=True)))
+            for _ in range(2)]
+        await until(lambda: service.registry.total_waiting == 2)
+
+        stop(engine)
+        lines = await asyncio.wait_for(running, 60)  # the running one ends, saying why
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] in (
+            "upstream_failed", "model_reloaded")
+        await until(lambda: service.pool.upstream_statuses()[0].error is not None)
+        assert service.registry.total_waiting == 2 and not any(w.done() for w in waiters)
+
+        engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=1)
+        answers = await asyncio.wait_for(asyncio.gather(*waiters), 90)
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert all(a.json()["choices"][0]["finish_reason"] == "length" for a in answers)
+    finally:
+        if engine.poll() is None:
+            stop(engine)
+
+
+async def test_a_request_a_crashed_engine_refused_goes_back_in_line_and_is_served_on_its_return(
+        service, client, llama_server_binary, tiny_model):
+    """The crash requeue, made certain: the port does not yet know the engine is gone (its
+    health is read once, then not again), so the request is admitted onto it, its
+    connection is refused, and it goes back to its place (a requeue, counted) instead of
+    failing; it is served once the engine is back."""
+    port = pick_free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=1)
+    try:
+        async with httpx.AsyncClient(base_url=url) as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(url)
+        (watch,) = [backend for _name, backend in service.pool.backends()
+                    if isinstance(backend, RemoteEngine)]
+        watch.interval = 3600.0  # set before its first check: that check is its last
+        await until(lambda: len(service.registry.line("elsewhere").engines) == 1)
+
+        stop(engine)  # nothing tells the port: the next request is what finds out
+        answer = asyncio.create_task(client.post(
+            "/v1/chat/completions", json=chat("elsewhere", max_tokens=8, ignore_eos=True)))
+        await until(lambda: service.metrics.totals()["requeues"] >= 1)
+        assert not answer.done()  # refused by the dead engine, yet waiting: not an error
+
+        engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=1)
+        await service.attach_upstream(url)  # watched again as usual: it rejoins when healthy
+        served = await asyncio.wait_for(answer, 90)
+        assert served.status_code == 200, served.text
+        assert served.json()["choices"][0]["finish_reason"] == "length"
+        assert service.metrics.totals()["requeues"] <= 5  # MAX_REQUEUES: then it would fail
+    finally:
+        if engine.poll() is None:
+            stop(engine)

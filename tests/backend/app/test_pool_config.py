@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry, file_names, parse_duration
+from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry, parse_duration
 from backend.app.toml_text import toml_string
 from backend.errors import SettingsError
 from backend.llama.api import engine_headers
@@ -22,6 +22,7 @@ from backend.llama.load import LoadSettings
 from backend.llama.supervisor import Supervisor
 from backend.models.download import download_model
 from backend.models.hub import list_repo, parse_pull_target, pick_choice
+from backend.models.model_names import file_names
 from tests.conftest import CODER_REPO, SPLIT_REPO
 from tests.model_factory import EMBEDDING_LENGTH
 
@@ -200,10 +201,10 @@ def test_a_name_given_explicitly_wins_over_another_models_file_name():
     ("aliases = [1]", "models.toml line 3 (model 1, aliases): must be a list of texts, not [1]."),
     ('extra_args = ["--port", "1"]', "models.toml line 3 (model 1, extra_args): --port cannot be given as "
                                      "extra arguments: GGUF Studio sets the model, host, port, parallel "
-                                     "slots, API key and RPC workers itself."),
+                                     "slots, API key, RPC workers and output cap itself."),
     ("ctx = 4096", "models.toml line 3 (model 1, ctx): is not a setting here (known: name, path, aliases, "
                    "ctx_size, parallel, n_gpu_layers, threads, extra_args, rpc, pinned, idle_ttl, embeddings, "
-                   "chat_template, preload)."),
+                   "chat_template, preload, isolated)."),
     ('rpc = ["[::1]:50052"]', "models.toml line 3 (model 1, rpc): RPC worker '[::1]:50052': llama.cpp "
                               "reaches RPC workers over IPv4 only; give an IPv4 address or a host "
                               "name, as host:port."),
@@ -298,6 +299,18 @@ def test_an_embeddings_entry_and_the_flag_in_its_extra_args_are_the_same_thing()
     stated = ModelEntry.for_file("/m/e.gguf", embeddings=True, settings=LoadSettings(parallel="2"))
     assert stated.settings.extra_args == ("--embeddings",)
     assert stated.to_spec().settings.extra_args == ("--embeddings",)
+
+
+def test_an_isolated_model_is_read_written_back_and_loaded_without_a_shared_prompt_cache():
+    config = PoolConfig.from_toml('[[model]]\npath = "/m/a.gguf"\nisolated = true\n'
+                                  'extra_args = ["--cache-ram", "4096"]\n')
+    entry = config.models[0]
+    assert entry.isolated
+    assert PoolConfig.from_toml(config.to_toml()).models[0] == entry
+    # Its own flags come last: they win over the same flags given as extra arguments.
+    assert entry.to_spec().settings.extra_args == ("--cache-ram", "4096", "--no-cache-prompt",
+                                                   "--cache-ram", "0")
+    assert not ModelEntry.for_file("/m/b.gguf").isolated
 
 
 async def test_an_embeddings_entry_loads_into_an_engine_that_answers_embeddings(

@@ -135,26 +135,39 @@ async def test_streams_that_fit_alone_but_not_together_all_complete_one_waiting_
             "messages": [{"role": "user", "content": prompt}]}
     watch = Watch(service, snapshot)
 
-    # The client gives up after 1 s of silence; the third stream waits longer than that
-    # for tokens (two requests of ~2,000 generated tokens each must finish first).
-    async with port_client(service, idle_timeout=1.0) as client:
-        async def stream() -> list[str]:
+    # The third stream waits for room (two requests of ~2,000 generated tokens each must
+    # finish first) far longer than an impatient client's silence; the port keeps it
+    # alive meanwhile.  Each line's arrival is timed here: a client timeout of 1 s also
+    # cut the running streams on a loaded 2-core machine, silent through their long prompts.
+    async with port_client(service) as client:
+        async def stream() -> list[tuple[float, str]]:
             async with client.stream("POST", "/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
-                return await read_events(r)
+                return [(time.monotonic(), line) async for line in r.aiter_lines() if line]
 
-        results = await asyncio.gather(*(stream() for _ in range(3)))
+        timed = await asyncio.gather(*(stream() for _ in range(3)))
     await watch.stop()
 
-    for lines in results:
+    for lines in ([line for _at, line in one] for one in timed):
         assert lines[-1] == "data: [DONE]"
         assert not any('"error"' in line for line in lines)
         assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
-    assert watch.most_waiting == 1  # one waited, kept alive (it outlived the idle timeout)
+    assert watch.most_waiting == 1  # one waited, kept alive
     assert watch.most_active == 2 and watch.most_busy == 2  # a slot stayed free: tokens held it
     assert 2 * 6000 < watch.most_reserved <= POOL
     waited = service.metrics.value("gguf_studio_queue_wait_seconds_sum")
-    assert waited > 1.0  # longer than the client's idle timeout
+    assert waited > 1.0
+    # The one that waited heard a keep-alive every keepalive_interval (0.2 s) until its
+    # first token: never a silence of more than a fraction of its wait.
+    before_tokens = [[at for at, line in one[:_first_data(one)]] for one in timed]
+    kept = max(before_tokens, key=len)
+    gaps = [later - earlier for earlier, later in zip(kept, kept[1:])]
+    assert kept[-1] - kept[0] > 1.0 and len(kept) >= 5
+    assert max(gaps) < (kept[-1] - kept[0]) / 2, gaps
+
+
+def _first_data(timed: list[tuple[float, str]]) -> int:
+    return next(i for i, (_at, line) in enumerate(timed) if line.startswith("data:"))
 
 
 async def test_a_responses_stream_waiting_for_tokens_gets_in_progress_events_and_completes(

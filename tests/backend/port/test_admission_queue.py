@@ -8,14 +8,10 @@ import random
 
 import pytest
 
-from backend.port.admission import (
-    AdmissionQueue,
-    KvCapacity,
-    Serving,
-    Ticket,
-    TicketState,
-    TokenNeed,
-)
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.load import Serving
+from backend.port.admission import AdmissionQueue
+from backend.port.admission_ticket import Ticket, TicketState
 from backend.port.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull, QueueTimeout
 from tests.backend.admission_helpers import OLD, FakeClock, kv_queue_of, queue_of, started

@@ -7,7 +7,9 @@ import logging
 
 import pytest
 
-from backend.port.admission import KvCapacity, Serving, TicketState, TokenNeed
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.load import Serving
+from backend.port.admission_ticket import TicketState
 from backend.port.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, LoadReplaced, ModelNotReady, QueueFull
 from tests.backend.admission_helpers import NEW, NEWER, OLD, started

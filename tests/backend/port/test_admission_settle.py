@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.port.admission import KvCapacity, Serving, TicketState, TokenNeed
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.load import Serving
+from backend.port.admission_ticket import TicketState
 from backend.port.admission_registry import AdmissionRegistry
 from tests.backend.admission_helpers import NEW, OLD, kv_queue_of, started
 from tests.not_none import not_none

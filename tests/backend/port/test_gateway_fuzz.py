@@ -17,6 +17,7 @@ nothing is left running or waiting.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
@@ -27,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from backend.llama.api import engine_headers
 from backend.port.gateway import GATED_ROUTES, OPEN_ROUTES
 from backend.app.service import BackendThread
 from tests.backend.gateway_harness import open_gateway
@@ -183,8 +185,14 @@ VALID: dict[str, list[dict[str, Any]]] = {
                       {"role": "tool", "tool_call_id": "c1", "content": "text"}],
          "tools": [TOOL], "tool_choice": "auto"},
     ],
-    "/v1/completions": [{"prompt": "Once upon"}, {"prompt": [1, 450, "time"], "stream": True}],
-    "/v1/embeddings": [{"input": "hello"}, {"input": ["a", "b"]}],
+    # Sampling fields the engine reads and the port does not: mistakes in them reach it.
+    "/v1/completions": [{"prompt": "Once upon"}, {"prompt": [1, 450, "time"], "stream": True},
+                        {"prompt": "Once upon", "temperature": 0.7, "top_k": 40, "top_p": 0.9,
+                         "min_p": 0.05, "stop": ["\n"], "n_probs": 2, "seed": 1,
+                         "repeat_penalty": 1.1}],
+    "/v1/embeddings": [{"input": "hello"}, {"input": ["a", "b"]},
+                       {"input": "hello", "encoding_format": "float", "embd_normalize": 2,
+                        "user": "fuzz", "dimensions": 64}],
     "/v1/responses": [
         {"input": "hi"},
         {"instructions": "Be brief.", "input": [
@@ -271,10 +279,17 @@ def real_port(llama_server_binary, tiny_model, tmp_path_factory) -> Iterator[tup
         thread.stop()
 
 
+#: Of the generated cases of each route (about 240), at least this many must reach the
+#: engine (be admitted and forwarded), or the fuzz only exercises the port's own checks.
+#: Most mistakes land on a field the port checks itself; 20 to 65 per route reach it.
+REACHED_AT_LEAST = 12
+
+
 def test_requests_aimed_at_the_real_engine_never_get_a_5xx(real_port):
     url, service = real_port
     pid = service.snapshot().pid
     seen: dict[tuple[str, int], int] = {}
+    reached: dict[str, int] = dict.fromkeys(VALID, 0)
     started = time.perf_counter()
     with httpx.Client(base_url=url, timeout=60.0, trust_env=False) as client:
 
@@ -283,6 +298,7 @@ def test_requests_aimed_at_the_real_engine_never_get_a_5xx(real_port):
         @given(request=engine_requests())
         def one(request: tuple[str, dict[str, Any]]) -> None:
             route, body = request
+            admitted_before = _admitted(service)
             response = client.post(route, content=encoded(body),
                                    headers={"content-type": "application/json"})
             status = response.status_code
@@ -294,18 +310,101 @@ def test_requests_aimed_at_the_real_engine_never_get_a_5xx(real_port):
                 assert "json.exception" not in error["message"], (route, body, error)
                 assert "Traceback" not in response.text and "127.0.0.1:" not in error["message"]
             seen[route, status] = seen.get((route, status), 0) + 1
+            reached[route] += _admitted(service) > admitted_before  # one request at a time
 
         one()
 
         runs = sum(seen.values())
         print(f"\n{runs} generated requests to the real engine in "
               f"{time.perf_counter() - started:.1f} s; answers by route and status: "
-              f"{sorted(seen.items())}")
+              f"{sorted(seen.items())}; reached the engine: {reached}")
         assert runs >= 1000
         assert any(status == 200 for _, status in seen)
+        few = {route: n for route, n in reached.items() if n < REACHED_AT_LEAST}
+        assert not few, f"too few cases reached the engine: {few} (of {reached})"
         snapshot = service.snapshot()
         assert snapshot.pid == pid, "the engine restarted during the fuzz"
         assert client.get("/health").status_code == 200
         answer = client.post("/v1/chat/completions",
                              json={"messages": [{"role": "user", "content": "hi"}]})
         assert answer.status_code == 200, answer.text
+
+
+#: Requests sent at once per example, some of whose clients go away mid-way.
+TOGETHER = 12
+
+
+def test_requests_sent_together_with_clients_going_away_leave_the_real_engine_clean(real_port):
+    """Generated requests, many at once on 2 slots, each client going away (or not) at a
+    drawn moment: before admission, while waiting, while the engine generates.  Every
+    answer is still a documented one, nothing stays running or waiting at the port or on
+    the engine, and the engine never restarted."""
+    url, service = real_port
+    pid = service.snapshot().pid
+    statuses: list[int] = []
+    gone = [0]
+
+    async def send_together(requests: list[tuple[str, dict[str, Any]]],
+                            cuts: list[float | None]) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60.0, trust_env=False) as client:
+            async def send(route: str, body: dict[str, Any], cut: float | None) -> None:
+                call = asyncio.ensure_future(client.post(
+                    route, content=encoded(body), headers={"content-type": "application/json"}))
+                if cut is not None:
+                    # The client's own moment to leave (not a wait for something).
+                    done, _ = await asyncio.wait({call}, timeout=cut)
+                    if not done:
+                        call.cancel()
+                        gone[0] += 1
+                        await asyncio.gather(call, return_exceptions=True)
+                        return
+                response = await call
+                statuses.append(response.status_code)
+                assert response.status_code in DOCUMENTED, (response.status_code, route, body,
+                                                            response.text[:300])
+
+            await asyncio.gather(*(send(route, body, cut)
+                                   for (route, body), cut in zip(requests, cuts)))
+        await _until(lambda: not (service.registry.total_active or service.registry.total_waiting))
+
+    @settings(max_examples=8, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(requests=st.lists(engine_requests(), min_size=TOGETHER, max_size=TOGETHER),
+           cuts=st.lists(st.none() | st.floats(0.0, 1.5), min_size=TOGETHER, max_size=TOGETHER))
+    def together(requests: list[tuple[str, dict[str, Any]]], cuts: list[float | None]) -> None:
+        asyncio.run(send_together(requests, cuts))
+
+    capped = service.settings
+    # Answers long enough that a client leaves while its request waits or runs.
+    service.settings = capped.replace(max_output_tokens=256)
+    try:
+        together()
+    finally:
+        service.settings = capped
+    assert gone[0] >= 4 and len(statuses) >= TOGETHER, (gone, statuses)
+    assert 200 in statuses
+    assert service.metrics.value("gguf_studio_cancellations_total") >= 1
+    assert service.snapshot().pid == pid, "the engine restarted"
+    serving = service.snapshot().serving
+    assert serving is not None
+    with httpx.Client(headers=engine_headers(serving.api_key), timeout=60.0) as engine:
+        deadline = time.monotonic() + 30
+        while any(slot.get("is_processing") for slot in engine.get(f"{serving.base_url}/slots").json()):
+            assert time.monotonic() < deadline, "the engine still generates for clients gone"
+            time.sleep(0.05)  # polling a condition with a deadline
+    with httpx.Client(base_url=url, timeout=60.0, trust_env=False) as client:
+        answer = client.post("/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200, answer.text
+
+
+def _admitted(service: Any) -> float:
+    """Requests admitted to an engine so far (each one observes its wait once)."""
+    return service.metrics.value("gguf_studio_queue_wait_seconds_count")
+
+
+async def _until(condition: Any, timeout: float = 30.0) -> None:
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout)

@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.port.admission import AdmissionQueue, KvCapacity, Serving
+from backend.llama.kv_capacity import KvCapacity
+from backend.llama.load import Serving
+from backend.port.admission import AdmissionQueue
 from backend.errors import ContextLengthExceeded
 from backend.port.need_planner import NeedPlanner
 from backend.port.prompt_tokens import (
@@ -29,12 +31,12 @@ from backend.port.prompt_tokens import (
     IMAGE_TOKENS,
     MIN_OUTPUT_TOKENS,
     TEXT_SLACK,
-    HttpEngineTokenizer,
     PromptCount,
     PromptCounter,
     output_budget,
     token_need,
 )
+from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port
 
 CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS = (

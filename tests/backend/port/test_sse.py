@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from backend.port.http_errors import scrub
-from backend.port.sse import BrokenStream, EventFramer, ResponsesRewriter, event_ends
+import json
+
+from backend.port.sse import (BrokenStream, EventFramer, ResponsesRewriter, event_ends,
+                              find_usage, without_cache_figures)
 
 
 
@@ -89,3 +92,51 @@ def test_scrub_removes_internals_but_keeps_the_sentence():
     assert cleaned.startswith("cannot open")
     assert scrub("request (9000 tokens) exceeds the available context size (4096 tokens)") == \
         "request (9000 tokens) exceeds the available context size (4096 tokens)"
+
+
+# --- the prompt cache's figures ----------------------------------------------------------
+
+# The shapes llama-server (the pinned build) gives its final events and bodies.
+TIMINGS = {"cache_n": 11, "prompt_n": 3, "prompt_ms": 4.2, "predicted_n": 1, "predicted_ms": 1.5}
+CHAT_FINAL = ("data: " + json.dumps({
+    "choices": [{"finish_reason": "length", "index": 0, "delta": {}}], "object": "chat.completion.chunk",
+    "usage": {"completion_tokens": 1, "prompt_tokens": 14, "total_tokens": 15,
+              "prompt_tokens_details": {"cached_tokens": 11}},
+    "timings": TIMINGS}) + "\n\ndata: [DONE]\n\n").encode()
+RESPONSES_FINAL = ("event: response.completed\ndata: " + json.dumps({
+    "type": "response.completed", "response": {"id": "resp_1", "usage": {
+        "input_tokens": 14, "output_tokens": 1, "total_tokens": 15,
+        "input_tokens_details": {"cached_tokens": 11}}}, "timings": TIMINGS}) + "\n\n").encode()
+MESSAGES_FINAL = ("event: message_delta\ndata: " + json.dumps({
+    "type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+    "usage": {"output_tokens": 1, "input_tokens": 3, "cache_read_input_tokens": 11},
+    "timings": TIMINGS}) + "\n\n").encode()
+PROGRESS = ("data: " + json.dumps({"choices": [{"delta": {"role": "assistant"}}],
+                                   "prompt_progress": {"total": 14, "cache": 11, "processed": 14,
+                                                       "time_ms": 3.0}}) + "\n\n").encode()
+
+
+@pytest.mark.parametrize("events", [CHAT_FINAL, RESPONSES_FINAL, MESSAGES_FINAL, PROGRESS,
+                                    CHAT_FINAL.replace(b"\n", b"\r\n")])
+def test_a_streams_cache_figures_are_left_out_and_the_rest_kept(events):
+    out = without_cache_figures(events, stream=True)
+    assert b"timings" not in out and b"prompt_progress" not in out and b"11" not in out
+    assert out.count(b"\n") == events.count(b"\n")  # the same events, framed the same way
+    assert [out[:end].count(b"data:") for end in event_ends(out)] == \
+        [events[:end].count(b"data:") for end in event_ends(events)]
+    usage = find_usage(out)
+    assert usage is None or usage == find_usage(events)  # the same prompt and answer
+    if b"cache_read_input_tokens" in events:  # Anthropic's input_tokens: all of the prompt
+        assert b'"input_tokens":14' in out
+
+
+def test_a_body_without_the_cache_comes_back_unchanged_and_a_non_streamed_one_is_scrubbed():
+    content = b'data: {"choices":[{"delta":{"content":"cache me"}}]}\n\n'
+    assert without_cache_figures(content, stream=True) is content  # named, but no figure
+    plain = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+    assert without_cache_figures(plain, stream=True) is plain
+    body = json.dumps({"usage": {"prompt_tokens": 14, "prompt_tokens_details": {"cached_tokens": 11}},
+                       "timings": TIMINGS, "tokens_cached": 11}).encode()
+    scrubbed = json.loads(without_cache_figures(body, stream=False))
+    assert scrubbed == {"usage": {"prompt_tokens": 14, "prompt_tokens_details": {"cached_tokens": 0}},
+                        "tokens_cached": 0}
