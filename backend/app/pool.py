@@ -16,8 +16,14 @@ Residency of local models follows the fit estimate (`backend.models.fit`):
   the budget (the machine's usable RAM and VRAM, or `memory_limit_mib`); if it does
   not, the least recently used unpinned model that nobody uses is unloaded first —
   drained, never killed with a request on it; if every other model is busy, the load
-  waits for one to become idle;
-- a model idle for its `idle_ttl` is unloaded.
+  waits for one to become idle, taking no room meanwhile (loads that fit go ahead);
+- a load for a lower priority band (the highest band among the requests it is for)
+  does not evict a model a higher band used within `BAND_PROTECTION` seconds: it waits;
+- a model idle for its `idle_ttl` is unloaded;
+- a failed model (its load failed, or its engine crashed past its restarts) refuses
+  requests for `FAILED_COOL_DOWN` seconds, then loads again on demand; each crash is
+  counted against the named keys whose requests were in flight, and a key in flight at
+  more than one crash is named in the model's decision.
 
 Each decision, with its reason, is kept on the model (`ModelStatus.decision`), logged,
 and shown by the window and `/health`.
@@ -26,8 +32,10 @@ and shown by the window and `/health`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,7 +46,10 @@ from backend.listeners import Listeners
 from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
+from backend.port.access_guard import ADDRESS_FLOW
+from backend.port.admission import Line
 from backend.port.admission_registry import AdmissionRegistry
+from backend.port.fair_queue import Band
 from backend.models.model_names import ModelNames, NamedModel
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,
@@ -55,6 +66,19 @@ EMBEDDINGS_ROUTE = "/v1/embeddings"
 IDLE_CHECK_INTERVAL = 1.0
 #: How long requests ended by an unload get to close their engine connections.
 ABORT_WAIT = 5.0
+#: How long a model used by a higher priority band is kept from being evicted for a
+#: lower band's load: a few turns of a person at a chat or an agent between requests.
+BAND_PROTECTION = 120.0
+#: How long a failed model (its load failed, or its engine crashed past its restarts)
+#: refuses requests before one loads it again: a crash loop costs at most one round of
+#: restarts per cool-down instead of a load per request, and a passing cause (memory
+#: taken by another program, a driver reset) no longer leaves it failed until the owner
+#: loads it by hand.
+FAILED_COOL_DOWN = 60.0
+#: How often a load waiting for room looks again, whatever woke it or not.
+ROOM_RECHECK = 1.0
+#: A request dropped by an engine this long before its crash was noticed was hit by it.
+CRASH_WINDOW = 2.0
 
 
 class _Local:
@@ -69,6 +93,17 @@ class _Local:
         self.last_used = 0.0
         self.loading: asyncio.Task[Snapshot] | None = None
         self.estimate: int | None = None  # bytes, once worked out
+        #: Its load has been given room in the budget (a load still waiting for room
+        #: takes none, so loads that fit go ahead of it).
+        self.room = False
+        #: The highest band (the smallest) of the requests its current load is for.
+        self.load_band = Band.INTERACTIVE
+        #: When each band last sent it a request.
+        self.used_by: dict[Band, float] = {}
+        self.failed_at: float | None = None
+        #: Crashes of its engine, and how many of them each named key was in flight at.
+        self.crashes = 0
+        self.crashed_with: collections.Counter[str] = collections.Counter()
 
     @property
     def engine_id(self) -> str:
@@ -77,6 +112,12 @@ class _Local:
     @property
     def resident(self) -> bool:
         return self.residency in (Residency.LOADING, Residency.READY, Residency.UNLOADING)
+
+    @property
+    def holds_room(self) -> bool:
+        """It counts in the memory budget: loaded, or loading with room given."""
+        return self.residency in (Residency.READY, Residency.UNLOADING) or (
+            self.residency is Residency.LOADING and self.room)
 
 
 class Pool:
@@ -183,18 +224,28 @@ class Pool:
         raise ModelNotFound(f"The model {printable(wanted, 80)!r} is not served here. Models: {listed}.",
                             param="model")
 
-    def route(self, path: str, requested: object) -> str:
+    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
         """`resolve`, then make sure the model will be served: a local model that is not
-        loaded starts loading; one whose load failed answers ModelNotReady."""
+        loaded starts loading (for `band`, which decides what its load may evict); one
+        that failed answers ModelNotReady until its cool-down is over, then loads again."""
         name = self.resolve(path, requested)
         local = self._locals.get(name)
         if local is not None:
-            local.last_used = self._clock()
+            now = self._clock()
+            local.last_used = local.used_by[band] = now
             if local.residency is Residency.FAILED and not self.registry.busy(name):
-                raise ModelNotReady(f"The model {name} failed to load. {local.error or ''}".strip(),
-                                    retry_after=RETRY_SOON)
-            if not local.resident and local.loading is None:
-                self._start_loading(local, why="loaded on demand")
+                wait = (local.failed_at or now) + FAILED_COOL_DOWN - now
+                if wait > 0:
+                    raise ModelNotReady(
+                        f"The model {name} failed. {local.error or ''}".strip()
+                        + f" It loads again on demand in {math.ceil(wait)} s.",
+                        retry_after=float(max(1, math.ceil(wait))))
+            if local.loading is not None:
+                local.load_band = min(local.load_band, band)
+            elif not local.resident:
+                why = ("loaded on demand after the cool-down of its failure"
+                       if local.residency is Residency.FAILED else "loaded on demand")
+                self._start_loading(local, why=why, band=band)
         elif not self._serves_now(name) and not self.registry.busy(name):
             failed = [served for _upstream, served in self._upstreams.serving(name)
                       if served.state == "failed"]
@@ -377,6 +428,7 @@ class Pool:
                 await self._drained(lambda: queue.active == 0, ABORT_WAIT)
         await local.supervisor.unload()
         local.residency = Residency.EVICTED if evicted else Residency.UNLOADED
+        local.room = False
         local.loading = None
         if refuse:
             self.registry.refuse_waiting(
@@ -422,8 +474,10 @@ class Pool:
 
     # --- loading and residency ----------------------------------------------------------
 
-    def _start_loading(self, local: _Local, *, why: str) -> None:
+    def _start_loading(self, local: _Local, *, why: str, band: Band = Band.INTERACTIVE) -> None:
         local.residency = Residency.LOADING
+        local.room = False
+        local.load_band = band
         local.error = None
         local.loading = asyncio.ensure_future(self._load(local, why))
         local.loading.add_done_callback(self._loaded)
@@ -451,6 +505,7 @@ class Pool:
                                           model_id=name)
             snapshot = await supervisor.load(spec)
             local.residency = Residency.READY
+            local.failed_at = None
             local.last_used = self._clock()
             self._changed_listeners()
             return snapshot
@@ -458,8 +513,11 @@ class Pool:
             raise
         except BaseException as error:
             local.residency = Residency.FAILED
+            local.room = False
+            local.failed_at = self._clock()
             local.error = str(error)
-            self._decide(local, f"failed to load: {error}")
+            self._decide(local, f"failed to load: {error} (loads again on demand after "
+                                f"{FAILED_COOL_DOWN:g} s)")
             self.registry.refuse_waiting(
                 ModelNotReady(f"The model {name} failed to load.", retry_after=RETRY_SOON), name)
             raise
@@ -469,39 +527,68 @@ class Pool:
 
     async def _make_room(self, local: _Local, why: str) -> None:
         """Unload least recently used idle models until `local` fits the budget; wait
-        while the only candidates are busy; fail when pinned models leave no room."""
+        while the only candidates are busy, or kept for a higher band (see
+        `_kept_for`); fail when pinned models leave no room.  A load that waits holds
+        no lock and takes no room meanwhile: loads that fit go ahead."""
         name = local.entry.name
-        async with self._residency_lock:
-            need = await self._estimate_of(local)
-            while True:
+        while True:
+            async with self._residency_lock:
+                need = await self._estimate_of(local)
                 budget = self._budget()
-                resident = [m for m in self._locals.values() if m is not local and m.resident]
-                used = sum([await self._estimate_of(m) for m in resident])
+                placed = [m for m in self._locals.values() if m is not local and m.holds_room]
+                used = sum([await self._estimate_of(m) for m in placed])
                 if budget <= 0 or used + need <= budget:
+                    local.room = True
                     self._decide(local, f"{why}: needs about {_gib(need)}, fits beside "
-                                        f"{_names(resident)} ({_gib(used + need)} of {_gib(budget)})")
+                                        f"{_names(placed)} ({_gib(used + need)} of {_gib(budget)})")
                     return
-                idle = sorted((m for m in resident if not m.entry.pinned
-                               and m.residency is Residency.READY
-                               and not self.registry.busy(m.entry.name)),
-                              key=lambda m: m.last_used)
-                if idle:
-                    victim = idle[0]
+                now = self._clock()
+                idle = [m for m in placed if not m.entry.pinned
+                        and m.residency is Residency.READY and not self.registry.busy(m.entry.name)]
+                kept = {id(m): self._kept_for(m, local.load_band, now) for m in idle}
+                free = sorted((m for m in idle if kept[id(m)] is None), key=lambda m: m.last_used)
+                if free:
+                    victim = free[0]
                     reason = (f"evicted to make room for {name} (least recently used; "
                               f"{_gib(used + need)} would pass the {_gib(budget)} budget)")
                     log.info("%s %s", victim.entry.name, reason)
                     await self.unload_model(victim.entry.name, reason=reason, refuse=False,
                                             evicted=True)
                     continue
-                busy = [m for m in resident if not m.entry.pinned]
-                if not busy:
+                others = [m for m in placed if not m.entry.pinned]
+                if not others:
                     raise LoadError(
                         f"{name} needs about {_gib(need)} but only {_gib(max(0, budget - used))} "
                         f"of the {_gib(budget)} budget is left beside the pinned models "
-                        f"({_names(resident)}). Unload one or raise the memory limit.")
-                self._decide(local, f"waiting for room: {_names(busy)} still serve requests")
-                await self._drained(lambda: any(
-                    not self.registry.busy(m.entry.name) for m in busy), timeout=None)
+                        f"({_names(placed)}). Unload one or raise the memory limit.")
+                waits = [k for k in kept.values() if k is not None]
+                busy = [m for m in others if self.registry.busy(m.entry.name)]
+                reasons = []
+                if busy:
+                    reasons.append(f"{_names(busy)} still serve requests")
+                for model, band, _until in waits:
+                    reasons.append(f"{model} is kept for its {band.name.lower()} requests "
+                                   f"(this load is for {local.load_band.name.lower()} ones)")
+                decision = "waiting for room: " + "; ".join(reasons or ["others load or unload"])
+                if local.decision != decision:
+                    self._decide(local, decision)
+                wake = min([ROOM_RECHECK, *(until - now for _m, _b, until in waits)])
+                watched = busy
+            # Woken when a busy one goes idle; looked at again every ROOM_RECHECK anyway
+            # (a protection that lapses, a model that unloads or finishes loading).
+            await self._drained(lambda: any(not self.registry.busy(m.entry.name)
+                                            for m in watched), timeout=max(0.0, wake))
+
+    def _kept_for(self, model: _Local, band: Band, now: float) -> tuple[str, Band, float] | None:
+        """Whether a load for `band` may not evict `model`: a higher band used it within
+        BAND_PROTECTION seconds.  (model, that band, when it may be evicted) or None."""
+        for higher in sorted(model.used_by):
+            if higher >= band:
+                break
+            until = model.used_by[higher] + BAND_PROTECTION
+            if until > now:
+                return model.entry.name, higher, until
+        return None
 
     async def _estimate_of(self, local: _Local) -> int:
         if local.estimate is None:
@@ -549,14 +636,49 @@ class Pool:
                                    label=HERE)
             if local.residency is Residency.LOADING:
                 local.residency = Residency.READY
-        elif self.registry.current_of(local.engine_id) is not None:
-            self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
-            if snapshot.state is State.FAILED:
+        else:
+            if self.registry.current_of(local.engine_id) is not None:
+                line = self.registry.find_line(name)  # before retiring may forget it
+                self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
+                if local.residency is not Residency.UNLOADING and (
+                        snapshot.restarting or snapshot.state is State.FAILED):
+                    self._crashed(local, line)
+            # Also after a crash retired it: the restarts it then gave up on fail it.
+            if snapshot.state is State.FAILED and local.residency in (Residency.READY,
+                                                                      Residency.LOADING):
                 local.residency = Residency.FAILED
+                local.room = False
+                local.failed_at = self._clock()
                 local.error = snapshot.error
+                self._decide(local, f"failed: {snapshot.error or 'its engine stopped'} (loads "
+                                    f"again on demand after {FAILED_COOL_DOWN:g} s)"
+                                    + self._suspects(local))
                 self.registry.refuse_waiting(
                     ModelNotReady("The model stopped working.", retry_after=RETRY_SOON), name)
         self._listeners(name, snapshot)
+
+    def _crashed(self, local: _Local, line: Line | None) -> None:
+        """Its engine died under requests (`line`: its model's, as it was): count the
+        crash against the named keys whose requests were in flight, and say so when one
+        was there more than once."""
+        flows = line.flows_in_flight(CRASH_WINDOW) if line is not None else set()
+        local.crashes += 1
+        local.crashed_with.update(flow for flow in flows
+                                  if flow and not flow.startswith(ADDRESS_FLOW))
+        log.warning("%s: its engine crashed (%d since it was added) with requests of %s "
+                    "in flight", local.entry.name, local.crashes,
+                    ", ".join(sorted(repr(f) for f in flows)) or "nobody")
+        suspects = self._suspects(local)
+        if suspects:
+            self._decide(local, f"its engine crashed ({local.crashes} times)" + suspects)
+
+    def _suspects(self, local: _Local) -> str:
+        """The named keys in flight at more than one of its crashes, most first."""
+        repeated = [(n, key) for key, n in local.crashed_with.most_common(3) if n > 1]
+        if not repeated:
+            return ""
+        return "; requests of " + ", ".join(f"key {key!r} were in flight at {n}"
+                                             for n, key in repeated) + " of its crashes"
 
     # --- helpers ---------------------------------------------------------------------
 

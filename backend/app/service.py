@@ -38,6 +38,7 @@ from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
 from backend.port.access_guard import ADDRESS_FLOW, Caller
 from backend.port.admission_registry import AdmissionRegistry
+from backend.port.fair_queue import Band
 from backend.port.flow_control import FlowControl
 from backend.port.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard
@@ -315,8 +316,8 @@ class StudioService:
     def resolve(self, path: str, requested: object) -> str:
         return self.pool.resolve(path, requested)
 
-    def route(self, path: str, requested: object) -> str:
-        return self.pool.route(path, requested)
+    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
+        return self.pool.route(path, requested, band=band)
 
     def must_name(self, model: str) -> bool:
         return self.pool.must_name(model)

@@ -71,6 +71,7 @@ a lock.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -344,8 +345,10 @@ class Line:
         self._waiting_bytes = 0
         self._service_time: float | None = None
         # Requests that wait for any engine to serve the model (it is loading) before
-        # they can be planned and take a ticket.
-        self._awaiting_engine: set[asyncio.Future[None]] = set()
+        # they can be planned and take a ticket: their flow and the bytes they hold.
+        self._awaiting_engine: dict[asyncio.Future[None], tuple[str, int]] = {}
+        # (when, flow) of the last requests that ended.
+        self._ended: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
 
     # --- state -----------------------------------------------------------------------
 
@@ -447,21 +450,35 @@ class Line:
         return (not len(self._waiters)
                 and self._seat_for(_Probe(as_need(need), hint)) is not None)
 
-    def when_served(self) -> asyncio.Future[None]:
+    def when_served(self, *, size: int = 0, max_waiting_bytes: int = 0,
+                    flow: str = DEFAULT_FLOW.key) -> asyncio.Future[None]:
         """Done once an engine serves the model (at once if one does); fails with the
-        refusal if the model's waiters are refused first (its load failed).  Cancel it
-        to stop waiting."""
+        refusal if the model's waiters are refused first (its load failed, or its flow's
+        key was revoked: see `refuse_flow`).  Cancel it to stop waiting.  Meanwhile its
+        `size` bytes count with the waiters' (QueueFull past `max_waiting_bytes`, as for
+        a ticket)."""
         served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self._engines and self.max_waiting and self.waiting >= self.max_waiting:
-            raise QueueFull(f"The server is busy: {self.waiting} requests already wait for "
-                            "the model to load. Try again later.", retry_after=RETRY_SOON)
         if self._engines:
             served.set_result(None)
-        else:
-            self._awaiting_engine.add(served)
-            served.add_done_callback(self._stop_awaiting)
-            self._changed()
+            return served
+        self.check_wait(size, max_waiting_bytes)
+        self._awaiting_engine[served] = (flow, size)
+        self._waiting_bytes += size
+        served.add_done_callback(self._stop_awaiting)
+        self._changed()
         return served
+
+    def check_wait(self, size: int = 0, max_waiting_bytes: int = 0) -> None:
+        """QueueFull when one more request holding `size` bytes may not wait for the
+        model to load (`when_served`): asked before anything starts a load for it."""
+        if self.max_waiting and self.waiting >= self.max_waiting:
+            raise QueueFull(f"The server is busy: {self.waiting} requests already wait for "
+                            "the model to load. Try again later.", retry_after=RETRY_SOON)
+        if max_waiting_bytes and self._waiting_bytes + size > max_waiting_bytes:
+            raise QueueFull(
+                f"The server is busy: the requests already waiting hold "
+                f"{_mib(self._waiting_bytes)} of request bodies (the bound is "
+                f"{_mib(max_waiting_bytes)}). Try again later.", retry_after=RETRY_SOON)
 
     def admit_waiting(self) -> None:
         """Admit from the head of the line while there is room."""
@@ -485,6 +502,8 @@ class Line:
     # --- the ticket's seam (backend.port.admission_ticket.TicketSeam) ---------------------
 
     def finish(self, ticket: Ticket, *, hold: bool) -> None:
+        # Noted for a crash noticed a moment after its requests ended (the pool's).
+        self._ended.append((self._clock(), ticket.flow.key))
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
         self._waiters.finished(ticket)
@@ -553,6 +572,7 @@ class Line:
         awaiting = [served for served in self._awaiting_engine if not served.done()]
         for served in awaiting:
             served.set_exception(error)
+            self._stop_awaiting(served)
         if tickets or awaiting:
             self._changed()
         return len(tickets) + len(awaiting)
@@ -615,15 +635,34 @@ class Line:
     # --- flows ---------------------------------------------------------------------------
 
     def refuse_flow(self, key: str, error: BaseException) -> int:
-        """Refuse the waiters of flow `key` (its key was revoked); how many."""
+        """Refuse the waiters of flow `key` (its key was revoked), also those waiting
+        for the model to load; how many."""
         refused = [t for t in self._waiters if t.flow.key == key]
         for ticket in refused:
             self._pop(ticket)
             ticket.refuse(error)
+        loading = [served for served, (flow, _size) in self._awaiting_engine.items()
+                   if flow == key and not served.done()]
+        for served in loading:
+            served.set_exception(error)
+            self._stop_awaiting(served)
         if refused:
             self._promote()
+        if refused or loading:
             self._changed()
-        return len(refused)
+        return len(refused) + len(loading)
+
+    def flows_in_flight(self, within: float) -> set[str]:
+        """The flows with a request running now, or ended within the last `within`
+        seconds: those a crash of an engine of this model hit (their requests end as
+        their connections break, often before the crash is noticed)."""
+        since = self._clock() - within
+        return self._waiters.running_flows() | {
+            flow for when, flow in self._ended if when >= since}
+
+    def awaiting_flows(self) -> set[str]:
+        """The flows of the requests that wait for the model to load."""
+        return {flow for flow, _size in self._awaiting_engine.values()}
 
     def update_flow(self, flow: Flow) -> None:
         """A key's weight, band or concurrency changed: it applies now."""
@@ -649,8 +688,10 @@ class Line:
                 ticket.refuse(_too_long(ticket.need, limit))
 
     def _stop_awaiting(self, served: asyncio.Future[None]) -> None:
-        self._awaiting_engine.discard(served)
-        self._changed()
+        held = self._awaiting_engine.pop(served, None)
+        if held is not None:
+            self._waiting_bytes -= held[1]
+            self._changed()
 
     def _pop(self, ticket: Ticket) -> None:
         self._waiters.remove(ticket)

@@ -181,8 +181,10 @@ class AdmissionRegistry:
             return sum(line.refuse_flow(key, error) for line in list(self._lines.values()))
 
     def waiting_flows(self) -> set[str]:
-        """The flows with a request waiting, in any line (O(waiters))."""
-        return {ticket.flow.key for line in self._lines.values() for ticket in line}
+        """The flows with a request waiting, in any line or for a model to load
+        (O(waiters))."""
+        return {ticket.flow.key for line in self._lines.values() for ticket in line}.union(
+            *(line.awaiting_flows() for line in self._lines.values()))
 
     def update_flow(self, flow: Flow) -> None:
         """A key was edited: its weight, band and concurrency apply in every line now."""

@@ -147,6 +147,10 @@ class FairQueue(Generic[T]):
         state = self._flows.get(flow_key)
         return 0 if state is None else state.running
 
+    def running_flows(self) -> set[str]:
+        """The flows with an item running (O(running))."""
+        return {entry.flow.flow.key for entry in self._running.values()}
+
     def reserved_of(self, flow_key: str) -> int:
         """Tokens the flow's running items reserve (their costs, less refunds)."""
         state = self._flows.get(flow_key)

@@ -17,6 +17,7 @@ Errors become answers in `backend.port.http_errors`, the streaming relay lives i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -34,13 +35,14 @@ from starlette.routing import Route
 from backend.port import http_errors
 from backend.key_store import KeyStore
 from backend.port.access_guard import AccessGuard, Caller
+from backend.port.fair_queue import Band
 from backend.port.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
 from backend.port.admission import AdmissionQueue
 from backend.port.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
-from backend.errors import (RETRY_SOON, InvalidRequest, MethodNotAllowed, ModelNotReady, NotFound,
-                            RequestError, Unauthorized, UpgradeRequired)
+from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
+                            ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
@@ -95,8 +97,9 @@ class GatewayContext(Protocol):
         """The model a request for `path` naming model `requested` is for (no side
         effect).  Raises ModelNotFound or ModelNotReady."""
 
-    def route(self, path: str, requested: object) -> str:
-        """`resolve`, and make sure the model will be served: may start loading it."""
+    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
+        """`resolve`, and make sure the model will be served: may start loading it (for a
+        request of priority `band`, which decides what it may evict)."""
 
     def must_name(self, model: str) -> bool:
         """Whether a request for `model` that names no model must be sent naming it (an
@@ -191,6 +194,7 @@ class Gateway:
         hold = self.incoming.hold()
         caller: Caller | None = None
         model = UNROUTED  # until resolved: never the client's string
+        served: asyncio.Future[None] | None = None  # its wait for a model load
         try:
             caller = self.check_key(scope)
             try:
@@ -203,11 +207,21 @@ class Gateway:
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
             model = ctx.resolve(path, parsed.data.get("model"))
-            # The key's models first: a key may not load (or evict for) a model it may
-            # not use.
+            # The key's limits first: a request refused for them loads and evicts nothing.
             self.flows.check_model(caller, model)
-            ctx.route(path, model)
-            if not (parsed.model or "").strip() and ctx.must_name(model):
+            flow = self.flows.flow_of(caller)
+            band = requested_band(headers)
+            band = flow.band if band is None else max(band, flow.band)
+            line = ctx.registry.line(model)
+            if not line.engines:  # it loads: its wait is checked before it starts one
+                self._check_budget(caller)
+                line.check_wait(len(parsed.body), settings.max_waiting_body_bytes)
+            ctx.route(path, model, band=band)
+            if not line.engines:
+                served = line.when_served(size=len(parsed.body), flow=flow.key,
+                                          max_waiting_bytes=settings.max_waiting_body_bytes)
+            if ctx.must_name(model) and parsed.model != model:
+                # The name this port resolved and allowed, never the client's spelling.
                 name_model(parsed, model)
             if (GATED_ROUTES[path] is not None and ctx.isolated(model)
                     and parsed.data.get("cache_prompt") is not False):
@@ -215,7 +229,6 @@ class Gateway:
                 parsed.data["cache_prompt"] = False
                 parsed.body = json.dumps(parsed.data, ensure_ascii=False,
                                          separators=(",", ":")).encode()
-            line = ctx.registry.line(model)
             queue = line.planning_engine
             plan: Plan | None = None
             hint = request_hint(caller.flow, headers, parsed.data)
@@ -227,6 +240,8 @@ class Gateway:
             # Else the model is loading: the exchange waits for it, then plans.
         except RequestError as error:
             hold.release()  # before the answer: a client that got its 429 finds room
+            if served is not None:
+                served.cancel()
             if caller is not None:
                 self.flows.refused(caller, error)
             counts = metrics.of(model, UNROUTED)
@@ -238,7 +253,7 @@ class Gateway:
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, plan, raw_size, caller,
-                                                     requested_band(headers), hint),
+                                                     requested_band(headers), served, hint),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -265,6 +280,26 @@ class Gateway:
             def fits_now(need: TokenNeed) -> bool:
                 return line.fits_now(need, hint)
         return await planner.plan(path, parsed.data, body_bytes, fits_now=fits_now, hint=hint)
+
+    def recheck(self, caller: Caller) -> None:
+        """Raise the refusal of the caller's named key as the store has it now (revoked,
+        expired, deleted): a request that waited for a model load is checked again."""
+        keys = self.ctx.keys
+        record = caller.key
+        if keys is None or record is None or record.is_owner:
+            return
+        now = keys.get(record.name)
+        refusal = (KeyRevoked(f"The API key {record.name!r} no longer exists.") if now is None
+                   else now.refusal(time.time()))
+        if refusal is not None:
+            raise refusal
+
+    def _check_budget(self, caller: Caller) -> None:
+        """RateLimitExceeded when the caller's token windows are spent: before a load,
+        whose prompt cannot be counted yet, only a spent window is certain."""
+        reservation = self.flows.reserve(caller, 1)
+        if reservation is not None:
+            self.flows.limiter.settle(reservation, 0)
 
     def planner_for(self, queue: AdmissionQueue) -> NeedPlanner | None:
         """One planner per serving engine, counting with that engine (it knows its

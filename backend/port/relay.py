@@ -105,6 +105,9 @@ class ExchangeHost(Protocol):
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
 
+    def recheck(self, caller: Caller) -> None:
+        """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
+
 
 @dataclass(frozen=True, slots=True)
 class GatedRequest:
@@ -123,6 +126,8 @@ class GatedRequest:
     caller: Caller = ANONYMOUS
     #: The priority band it asked for (only ever lower than its key's).
     band: Band | None = None
+    #: Its wait for its model to load (`Line.when_served`), when it was loading.
+    served: asyncio.Future[None] | None = None
     #: Its session and prompt prefix, for placement (planned with it once it can be).
     hint: Hint = NO_HINT
 
@@ -383,6 +388,7 @@ class Exchange:
         ticket = self.ticket
         if ticket is None:
             await self._served(None if deadline is None else deadline - loop.time())
+            self.host.recheck(self.caller)  # its key may have gone while the model loaded
             queue = self.line.planning_engine
             parsed = self.request.parsed
             plan = Plan(hint=self.request.hint) if queue is None else await self.host.plan(
@@ -405,7 +411,7 @@ class Exchange:
     async def _served(self, timeout: float | None) -> None:
         """Returns once an engine serves the request's model (it was loading); a
         streaming client sees life meanwhile.  Its queue timeout counts."""
-        served = self.line.when_served()
+        served = self.request.served or self.line.when_served()
         try:
             if self.request.parsed.stream:
                 if not self.headers_sent:

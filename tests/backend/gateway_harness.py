@@ -17,6 +17,7 @@ from backend.errors import RETRY_SOON, ModelNotReady
 from backend.llama.kv_capacity import KvCapacity
 from backend.port.admission import DEFAULT_MODEL
 from backend.port.admission_registry import AdmissionRegistry
+from backend.port.fair_queue import Band
 from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.port.flow_control import FlowControl
@@ -58,7 +59,7 @@ class Context:
     def resolve(self, path: str, requested: object) -> str:
         return self.route(path, requested)
 
-    def route(self, path: str, requested: object) -> str:
+    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
         """One load, as a port without a pool: any model name reaches it while ready."""
         if self._snapshot.state is not State.READY or self.registry.current is None:
             raise ModelNotReady(not_ready_message(self._snapshot), retry_after=RETRY_SOON)
