@@ -23,20 +23,16 @@ from backend.llama.load import LoadSettings
 from backend.models.model_names import file_names
 from backend.port.access_guard import Caller
 from backend.port.rate_limits import TokenLimits
-from backend.settings import Settings
+from tests.backend.service_harness import ServiceFactory
 
 OWNER_KEY = "owner-key-0123456789abcdef"
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path, tiny_model: Path):
-    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.1,
-                        load_timeout=60, queue_timeout=120, api_key=OWNER_KEY)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    await svc.load(LoadSettings(parallel="2", ctx_size=8192).to_spec(str(tiny_model)))
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory, tiny_model: Path) -> StudioService:
+    service = await running_service(keepalive_interval=0.1, queue_timeout=120, api_key=OWNER_KEY)
+    await service.load(LoadSettings(parallel="2", ctx_size=8192).to_spec(str(tiny_model)))
+    return service
 
 
 def url(service: StudioService) -> str:

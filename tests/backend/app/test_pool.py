@@ -18,13 +18,13 @@ from backend.app.service import StudioService, estimate_model_bytes
 from backend.llama.kv_capacity import KvCapacity, KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
-from backend.settings import Settings
 from backend.llama.remote_engine import LOADABLE_NOTE, RemoteEngine
 from tests.backend.llama.test_remote_engine import (_until_health, _until_healthy, end_studio,
                                                     serve_upstream, start_llama_server,
                                                     start_studio, stop)
 from tests.fake_upstream import FakeUpstream
 from tests.model_factory import write_tiny_model
+from tests.backend.service_harness import ServiceFactory
 
 LONG = {"max_tokens": 4000, "ignore_eos": True}
 STUDIO_KEY = "studio-key-0123456789"  # what `start_studio`'s port requires
@@ -32,20 +32,13 @@ SMALL = LoadSettings(parallel="1", ctx_size=2048)
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path):
-    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.1,
-                        reload_grace=30, load_timeout=60, queue_timeout=120)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(keepalive_interval=0.1, reload_grace=30, queue_timeout=120)
 
 
 @pytest.fixture
-async def client(service: StudioService):
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
-                                 timeout=120) as c:
-        yield c
+def client(port_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return port_client
 
 
 @pytest.fixture(scope="module")

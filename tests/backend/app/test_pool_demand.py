@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,26 +23,20 @@ from backend.settings import Settings
 from tests.backend.app.test_pool import (LONG, SMALL, chat, other_tiny_model, studio_health,
                                          studio_model, stream_lines, text_of, until)
 from tests.fake_upstream import FakeUpstream
+from tests.backend.service_harness import ServiceFactory
 
 __all__ = ["other_tiny_model"]  # the fixture, shared with test_pool
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path):
-    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.1,
-                        reload_grace=30, load_timeout=60, queue_timeout=120,
-                        max_waiting_body_bytes=1 << 20, max_restarts=1)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(keepalive_interval=0.1, reload_grace=30, queue_timeout=120,
+                                 max_waiting_body_bytes=1 << 20, max_restarts=1)
 
 
 @pytest.fixture
-async def client(service: StudioService):
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
-                                 timeout=120) as c:
-        yield c
+def client(port_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return port_client
 
 
 def auth(secret: str) -> dict[str, str]:

@@ -21,18 +21,15 @@ from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
 from backend.settings import Settings
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
+from tests.backend.service_harness import ServiceFactory
 
 KEY = "sk-health-key-0123456789"
 SMALL = LoadSettings(parallel="1", ctx_size=2048)
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path):
-    svc = StudioService(Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60,
-                                 queue_timeout=60), log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(queue_timeout=60)
 
 
 async def until(predicate, timeout: float = 60.0) -> None:

@@ -19,6 +19,7 @@ from backend.app.service import StudioService, check_bind_allowed
 from backend.settings import Settings
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings, LoadSpec, Snapshot, State
+from tests.backend.service_harness import ServiceFactory
 
 # A long generation holds a slot for seconds on the tiny model (random weights never
 # stop by themselves; ignore_eos makes sure).
@@ -26,20 +27,13 @@ LONG: dict[str, Any] = {"max_tokens": 4000, "ignore_eos": True}
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path):
-    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.2,
-                        reload_grace=30, load_timeout=60)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(keepalive_interval=0.2, reload_grace=30)
 
 
 @pytest.fixture
-async def client(service: StudioService):
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
-                                 timeout=60) as c:
-        yield c
+def client(port_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return port_client
 
 
 def spec(model: Path, parallel: str = "2", ctx: int = 16384) -> LoadSpec:

@@ -23,7 +23,7 @@ from backend.llama.kv_capacity import KvCapacity
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings, LoadSpec, Snapshot, State
 from backend.app.service import StudioService
-from backend.settings import Settings
+from tests.backend.service_harness import ServiceFactory
 
 POOL = 16384
 PER_REQUEST = 8192
@@ -33,13 +33,8 @@ WORDS = ("function return value error import class module test file path string 
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path):
-    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.2,
-                        load_timeout=60)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(keepalive_interval=0.2)
 
 
 def auto_spec(model: Path) -> LoadSpec:

@@ -7,8 +7,6 @@ under the engine that refused the connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,8 +17,8 @@ from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
 from backend.port.admission import MAX_REQUEUES
-from backend.settings import Settings
 from tests.backend.gateway_harness import open_gateway
+from tests.backend.service_harness import ServiceFactory
 
 CHAT = "/v1/chat/completions"
 SMALL = LoadSettings(parallel="1", ctx_size=2048)
@@ -30,20 +28,13 @@ HERE = "this machine"
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path) -> AsyncIterator[StudioService]:
-    settings = Settings(port=0, llama_server=str(llama_server_binary), keepalive_interval=0.1,
-                        load_timeout=60, queue_timeout=120)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(keepalive_interval=0.1, queue_timeout=120)
 
 
 @pytest.fixture
-async def client(service: StudioService) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
-                                 timeout=120) as c:
-        yield c
+def client(port_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return port_client
 
 
 def chat(model: str, **extra: object) -> dict[str, object]:

@@ -4,7 +4,7 @@ reaches the engine as `id_slot`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,8 +15,8 @@ from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.supervisor import pick_free_port
 from backend.port.placement import Placeable, Seat, SeatEngine
-from backend.settings import Settings
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
+from tests.backend.service_harness import ServiceFactory
 
 E = TypeVar("E", bound=SeatEngine)
 MODEL = "elsewhere"  # the alias `start_llama_server` gives
@@ -39,13 +39,8 @@ class SessionOnSlotZero:
 
 
 @pytest.fixture
-async def service(tmp_path: Path, llama_server_binary: Path) -> AsyncIterator[StudioService]:
-    settings = Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60,
-                        queue_timeout=60)
-    svc = StudioService(settings, log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(queue_timeout=60)
 
 
 async def engines_serving(service: StudioService, binary: Path, model: Path,
