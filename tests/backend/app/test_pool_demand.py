@@ -55,7 +55,13 @@ async def busy_stream(client: httpx.AsyncClient, model: str, **headers: str) -> 
     started = asyncio.Event()
     task = asyncio.create_task(stream_lines_with(client, chat(model, True, **LONG), started,
                                                  headers))
-    await started.wait()
+    begun = asyncio.create_task(started.wait())
+    await asyncio.wait({task, begun}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    if not started.is_set():
+        begun.cancel()
+        await cancel(task)
+        raise AssertionError(f"the stream on {model} never began: {task!r}")
+    begun.cancel()
     return task
 
 
