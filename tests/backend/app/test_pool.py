@@ -62,6 +62,16 @@ async def until(predicate, timeout: float = 60.0) -> None:
     await asyncio.wait_for(poll(), timeout)
 
 
+async def attach_llama_servers(service: StudioService, ports: list[int], **options) -> None:
+    """Attach the plain llama-servers on `ports` (once each answers) as upstreams of the
+    port's "elsewhere" model, and wait until its line has them all."""
+    for port in ports:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", **options)
+    await until(lambda: len(service.registry.line("elsewhere").engines) == len(ports))
+
+
 async def stream_lines(client: httpx.AsyncClient, body: dict,
                        started: asyncio.Event | None = None) -> list[str]:
     lines = []
@@ -223,12 +233,7 @@ async def test_two_upstreams_of_one_model_run_twice_the_slots_and_survive_one_dy
     engines = [start_llama_server(llama_server_binary, tiny_model, port, parallel=2, ctx=4096)
                for port in ports]
     try:
-        for port in ports:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
-                await _until_healthy(probe)
-        for port in ports:
-            await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
-        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+        await attach_llama_servers(service, ports, kv_layout=KvLayout.SPLIT)
 
         first_tokens = [asyncio.Event() for _ in range(4)]
         running = [asyncio.create_task(stream_lines(client, chat("elsewhere", True, **LONG), ev))
@@ -265,11 +270,7 @@ async def test_a_model_served_by_two_upstreams_is_listed_once(service, client,
     engines = [start_llama_server(llama_server_binary, tiny_model, port, parallel=1)
                for port in ports]
     try:
-        for port in ports:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
-                await _until_healthy(probe)
-            await service.attach_upstream(f"http://127.0.0.1:{port}")
-        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+        await attach_llama_servers(service, ports)
         listed = (await client.get("/v1/models")).json()["data"]
         health = (await client.get("/health")).json()["models"]
     finally:
@@ -613,11 +614,7 @@ async def test_a_long_request_goes_to_the_engine_of_the_model_whose_context_fits
     engines = [start_llama_server(llama_server_binary, tiny_model, small_port, parallel=1, ctx=1024),
                start_llama_server(llama_server_binary, tiny_model, large_port, parallel=1, ctx=4096)]
     try:
-        for port in (small_port, large_port):
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
-                await _until_healthy(probe)
-            await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
-        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+        await attach_llama_servers(service, [small_port, large_port], kv_layout=KvLayout.SPLIT)
         prompt = "a " * 2900
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{large_port}") as probe:
             tokens = len((await probe.post("/tokenize", json={"content": prompt})).json()["tokens"])

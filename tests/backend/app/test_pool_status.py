@@ -5,7 +5,6 @@ without the paths and addresses a raw load error names."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,8 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
 from backend.settings import Settings
-from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
+from tests.backend.app.test_pool import attach_llama_servers, until
+from tests.backend.llama.test_remote_engine import start_llama_server, stop
 from tests.backend.service_harness import ServiceFactory
 
 KEY = "sk-health-key-0123456789"
@@ -32,13 +32,6 @@ async def service(running_service: ServiceFactory) -> StudioService:
     return await running_service(queue_timeout=60)
 
 
-async def until(predicate, timeout: float = 60.0) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(poll(), timeout)
-
-
 CHAT = {"model": "elsewhere", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -48,12 +41,7 @@ async def test_one_engine_of_two_killed_leaves_health_ready_with_the_survivor_an
     engines = [start_llama_server(llama_server_binary, tiny_model, port, parallel=slots, ctx=2048 * slots)
                for port, slots in zip(ports, (2, 3))]
     try:
-        for port in ports:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
-                await _until_healthy(probe)
-        for port in ports:
-            await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
-        await until(lambda: len(service.registry.line("elsewhere").engines) == 2)
+        await attach_llama_servers(service, ports, kv_layout=KvLayout.SPLIT)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
                                      timeout=60) as client:
             both = await client.get("/health")

@@ -17,17 +17,9 @@ from backend.port.fair_queue import Band, Flow
 from backend.port.flow_control import FlowControl, band_of, requested_band
 from backend.port.rate_limits import RateLimiter
 from backend.app.usage import UsageLedger
+from tests.backend.port.test_rate_limits import T0, Clock
 from tests.not_none import not_none
 
-T0 = 1_750_000_040.0  # 20 s into a minute
-
-
-class Clock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Running:
