@@ -8,7 +8,9 @@ loaded (`make_private`).  Modes mean little on Windows; there both functions onl
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from backend.errors import SettingsError
@@ -41,14 +43,20 @@ def make_private(path: Path) -> None:
 
 def write_private(path: Path, data: bytes) -> None:
     """Replace `path` with `data` atomically (a reader sees the old file or the new one,
-    never half of one), the file 0600 in a 0700 directory made if missing."""
+    never half of one), the file 0600 in a 0700 directory made if missing.
+
+    Each write has a temporary file of its own: two writers at once (the port's autosave
+    beside a flush, or `gguf-studio keys` beside the running app) must not rename one
+    another's half-written file away."""
     path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     make_private(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "wb") as file:
-        if os.name != "nt":
-            # O_CREAT's mode does not apply to a .tmp left behind by an interrupted write.
-            os.fchmod(fd, PRIVATE_FILE_MODE)
-        file.write(data)
-    os.replace(tmp, path)
+    # mkstemp creates the file 0600 whatever the umask.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -118,7 +118,8 @@ class UsageLedger:
         self._encoded: dict[str, deque[str]] = {}
         self._changes = 0      # goes up with every record
         self._saved = 0        # the value of _changes the file holds
-        self._saving: asyncio.Task[None] | None = None
+        # Flushes take turns, so that the newest copy is the one written last.
+        self._flushing = asyncio.Lock()
 
     @classmethod
     def load(cls, path: Path | None = None, *, clock: Callable[[], float] = time.time,
@@ -238,12 +239,13 @@ class UsageLedger:
 
     async def flush(self) -> None:
         """`save`, with the writing in a worker thread (the copy is taken here, on the
-        event loop, where the recording happens)."""
-        if not self.unsaved:
-            return
-        changes, data = self._changes, self._dump()
-        await asyncio.to_thread(write_private, self.path, data)
-        self._saved = max(self._saved, changes)
+        event loop, where the recording happens).  Flushes at once take turns."""
+        async with self._flushing:
+            if not self.unsaved:
+                return
+            changes, data = self._changes, self._dump()
+            await asyncio.to_thread(write_private, self.path, data)
+            self._saved = changes
 
     async def autosave(self, interval: float = AUTOSAVE_INTERVAL) -> None:
         """Write the file every `interval` seconds while something changed, until

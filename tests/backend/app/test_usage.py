@@ -207,3 +207,18 @@ async def test_autosave_writes_while_serving_and_once_more_at_close(path):
     saving.cancel()
     await asyncio.gather(saving, return_exceptions=True)
     assert _saved_requests(path, "bob") == 1  # written at close, not an hour later
+
+
+async def test_flushes_at_once_all_succeed_and_the_file_keeps_the_newest_figures(path):
+    # A test's flush beside the autosave's made CI fail once: both wrote usage.json.tmp and
+    # the second rename found it gone.
+    ledger = UsageLedger(path)
+    flushes = []
+    for n in range(1, 9):
+        ledger.record_request("alice", 1, 1)
+        flushes.append(asyncio.ensure_future(ledger.flush()))
+    await asyncio.gather(*flushes)
+
+    assert _saved_requests(path, "alice") == 8
+    assert not ledger.unsaved
+    assert sorted(p.name for p in path.parent.iterdir()) == ["usage.json"]
