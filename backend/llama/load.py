@@ -197,6 +197,8 @@ class Serving:
     kv_note: str | None = None
     #: The models an attached GGUF Studio port lists, each with its context.
     upstream_models: tuple[UpstreamModel, ...] = ()
+    #: How the engine was set up to keep prompt prefixes, and why (the Model tab's).
+    prefix_note: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
