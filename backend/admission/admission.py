@@ -186,6 +186,15 @@ class AdmissionQueue:
     def slot_free(self, slot: int) -> bool:
         return slot >= 0 and bool(self._free_ids >> slot & 1)
 
+    def slot_used(self, slot: int) -> bool:
+        """Has slot id `slot` held a request since the engine started?"""
+        return slot in self._released
+
+    @property
+    def pin_any_slot(self) -> bool:
+        """See `Serving.pin_any_slot`."""
+        return self.serving.pin_any_slot
+
     @property
     def waiting(self) -> int:
         """Everyone in this engine's line, whether for a slot or for KV tokens."""

@@ -10,10 +10,10 @@ engines' free slots and room and the ticket's need and `Hint`, and changes nothi
 `SessionTable` (`backend.admission.sessions`) learnt from the answers (`served`).  What it
 relies on in the pinned llama.cpp (tools/server/server-context.cpp, `get_available_slot`):
 
-- a request with `id_slot` takes that slot as it is: with `--slot-prompt-similarity 0`
-  no RAM prompt cache is consulted, and with a similarity set, pinning an *empty* slot
-  skips the cache too (its keep fraction is 0/0); pinning the slot that holds the
-  prefix reuses it in place;
+- a request with `id_slot` takes that slot: with `--slot-prompt-similarity 0` no RAM
+  prompt cache is consulted; with a similarity set, a slot whose prompt is not similar
+  enough is saved to the cache and the best match loaded (its keep fraction is 0),
+  except an *empty* slot (0/0: the cache is skipped); a similar one is used in place;
 - a request without one takes the idle slot with the most similar prompt (similarity
   on), else the least recently used idle slot (ties: the highest id); choosing by LRU
   first saves that slot's prompt to the RAM cache and loads the best match for the new
@@ -24,10 +24,16 @@ relies on in the pinned llama.cpp (tools/server/server-context.cpp, `get_availab
   their `timings` say the prompt's computed (`prompt_n`) and cached (`cache_n`) tokens.
 
 So, on an engine with a split cache, a session whose last turn left its prefix in slot S
-(and nothing took S since) is pinned to S when S is free; any other request goes
-unpinned, on the seat the engine itself will choose (the least recently released free
-slot: `least_recent_free_seat`), so the table learns where it went.  Nothing is pinned
-on a unified cache or one not known.  Between engines, a session's turn goes to the
+(and nothing took S since) is pinned to S when S is free; any other request goes on the
+seat the engine itself would choose (the least recently released free slot:
+`least_recent_free_seat`), so the table learns where it went.  On an engine GGUF Studio
+started with a slot similarity of 1 (`Serving.pin_any_slot`), pinning a slot that has
+held a prompt always goes through the RAM cache (the keep fraction is 0 < 0.5: the slot
+is saved, the best match loaded, the slot's own content when it is the prefix), so that
+seat is pinned too and the books stay exact when requests ending together release their
+slots in another order there than here; a slot never used is never pinned (an empty
+slot skips the cache), llama-server's LRU takes it first, as the books do.  Nothing is
+pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
 engine holding its prefix (or else one holding another session of its flow that showed
 the same first blocks); while that engine has no room and another has, it waits at most
 `home_wait` seconds (10 by default) from its arrival, then goes wherever today's rule
@@ -105,6 +111,14 @@ class SeatEngine(Protocol):
 
     def slot_free(self, slot: int) -> bool:
         """Is slot id `slot` one of the engine's and free now?"""
+
+    def slot_used(self, slot: int) -> bool:
+        """Has slot id `slot` held a request since the engine started?"""
+
+    @property
+    def pin_any_slot(self) -> bool:
+        """A request pinned to a slot that has held a prompt still finds its own prefix
+        (in that slot or the engine's RAM prompt cache): the engine was started so."""
 
 
 E = TypeVar("E", bound=SeatEngine)
@@ -259,7 +273,13 @@ def _split(engine: SeatEngine) -> bool:
 
 
 def _unpinned(engine: E) -> Seat[E]:
-    return engine.least_recent_free_seat()
+    """The seat llama-server would choose by itself; pinned there when the engine was
+    started to keep prefixes and that slot has held a prompt (the port's books then hold
+    for sure: requests ending at once may release their slots in another order there)."""
+    seat = engine.least_recent_free_seat()
+    if engine.pin_any_slot and seat.slot is not None and engine.slot_used(seat.slot):
+        return Seat(engine, seat.slot, pinned=True)
+    return seat
 
 
 def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,

@@ -20,6 +20,7 @@ class Engine:
     room: int = 10_000
     kv: KvCapacity | None = None
     released: list[int] = field(default_factory=list)
+    pin_any_slot: bool = False
     seats: dict[int | None, Seat[Engine]] = field(default_factory=dict)
 
     @property
@@ -47,6 +48,9 @@ class Engine:
 
     def slot_free(self, slot: int) -> bool:
         return slot in self.free
+
+    def slot_used(self, slot: int) -> bool:
+        return slot in self.released
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,17 @@ def test_a_slot_another_session_took_is_not_pinned_the_engine_finds_the_prefix_i
     # Unpinned, on the slot llama-server's LRU takes (it loads a's prefix from its RAM
     # cache): charged as cached all the same, the prefix is on this engine.
     assert seat == Seat(engine, 0, pinned=False, cached=900)
+
+
+def test_an_engine_started_to_keep_prefixes_has_every_used_slot_pinned_never_an_empty_one():
+    engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0])
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 1)
+    engine.free = [0, 2]  # slot 1 runs: the one released longest ago, pinned
+    assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 2, pinned=True)
+    served(policy, "f\nb", Seat(engine, 0, pinned=True), 600)
+    seat = policy.place(Wanting(hint=Hint("f\nb", flow="f")), [engine])
+    assert seat == Seat(engine, 0, pinned=True, cached=600)  # its own slot, not the LRU one
 
 
 def test_nothing_is_pinned_on_a_unified_cache_or_an_unknown_one():
