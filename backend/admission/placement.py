@@ -189,7 +189,7 @@ class KeepPrefixes:
 
     def __init__(self, sessions: SessionTable | None = None, *, home_wait: float = HOME_WAIT,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.sessions = sessions if sessions is not None else SessionTable()
+        self.sessions = sessions if sessions is not None else SessionTable(clock=clock)
         self.home_wait = home_wait
         self._clock = clock
 
