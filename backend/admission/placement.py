@@ -71,10 +71,11 @@ PREFIX_BLOCK_CHARS = 1024
 #: Blocks of the prompt's beginning the digest covers (the first few KB).
 PREFIX_BLOCKS = 4
 #: Headers that name a client's session, in order of preference (lower case): OpenCode's
-#: affinity and session ids, Codex CLI's `session_id` (its thread; older ones also sent
-#: `conversation_id`), Claude Code's.
+#: affinity and session ids; Codex CLI's thread (0.171 sends `session-id` and `thread-id`,
+#: the same id as its body's `prompt_cache_key`; older ones `session_id`,
+#: `conversation_id`); Claude Code's.
 SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"session-id",
-                   b"conversation_id", b"x-claude-code-session-id")
+                   b"thread-id", b"conversation_id", b"x-claude-code-session-id")
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
 HOME_WAIT = 10.0

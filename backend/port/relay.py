@@ -329,14 +329,15 @@ class Exchange:
                                 (prompt if told_prompt is None else told_prompt,
                                  completion if told_completion is None else told_completion))
             if self._answered:
-                self._learn(tail)
+                self._learn(tail, told_prompt)
         elif self._reservation is not None:
             self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
 
-    def _learn(self, tail: bytes) -> None:
+    def _learn(self, tail: bytes, told_prompt: int | None) -> None:
         """Tell placement where the answer left its session's prefix, with the prompt's
         tokens and those the engine's cache held, from the final event the books read
-        (once per request, never per chunk)."""
+        (once per request, never per chunk); an answer without `timings` tells only its
+        prompt."""
         ticket = self.ticket
         placement = self.line.placement
         if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
@@ -346,7 +347,9 @@ class Exchange:
             return
         figures = _prompt_figures(tail)
         if figures is None:
-            return
+            if told_prompt is None:
+                return
+            figures = (told_prompt, 0)
         placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
                          ticket.engine.label, *figures)
 

@@ -100,6 +100,9 @@ def test_a_session_header_names_the_session_when_the_body_does_not():
     assert request_hint("f", headers, chat("hi", prompt_cache_key="k")).session == "f\nk"
     codex = [(b"session_id", b"thread-9"), (b"conversation_id", b"thread-8")]
     assert request_hint("f", codex, chat("hi")).session == "f\nthread-9"
+    # Codex CLI 0.171, as it was seen sending (with the same id as prompt_cache_key).
+    assert request_hint("f", [(b"thread-id", b"t1"), (b"x-codex-window-id", b"t1:0")],
+                        chat("hi")).session == "f\nt1"
 
 
 def test_the_prefix_digest_names_the_blocks_two_prompts_share():
