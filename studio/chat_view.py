@@ -282,7 +282,8 @@ class _Transcript(QTextBrowser):
         text = turn.text
         if turn.role == "assistant" and turn.state is AnswerState.WAITING:
             text = "…"
-        cursor.insertMarkdown(_closed_fences(text), MARKDOWN)
+        # Each turn is read on its own: a code fence a stopped answer left open ends with it.
+        cursor.insertMarkdown(text, MARKDOWN)
         note = _note(turn)
         if note:
             quiet = QTextCharFormat()
@@ -319,13 +320,6 @@ def _note(turn: Turn) -> str:
     if turn.state is AnswerState.FAILED:
         return turn.error
     return figures if turn.state is AnswerState.DONE else ""
-
-
-def _closed_fences(text: str) -> str:
-    """`text` with a code fence it opened and never closed (an answer still streaming or
-    stopped midway) closed, so the rest of the conversation is not read as code."""
-    fences = sum(1 for line in text.splitlines() if line.lstrip().startswith("```"))
-    return text + "\n```" if fences % 2 else text
 
 
 def _log_failure(future: concurrent.futures.Future[Any]) -> None:

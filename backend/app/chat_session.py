@@ -239,7 +239,7 @@ class ChatSession:
                     if not self._take(index, reading, data):
                         return
         except httpx.HTTPError as exc:
-            self._fail(index, f"The port did not answer: {exc or type(exc).__name__}.")
+            self._fail(index, f"The port did not answer: {str(exc) or type(exc).__name__}.")
             return
         finally:
             self._set(index, figures=reading.figures(self._clock()))

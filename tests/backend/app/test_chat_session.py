@@ -25,7 +25,7 @@ STORY = "Write a very long story about a dragon who learns to cook. Use many cha
 @pytest.fixture
 async def service(running_service: ServiceFactory, smollm2_model: Path) -> StudioService:
     service = await running_service(api_key=OWNER_KEY, queue_timeout=120)
-    await service.load(LoadSettings(parallel="1", ctx_size=4096).to_spec(str(smollm2_model)))
+    await service.load(LoadSettings(parallel="1", ctx_size=4096, extra_args=("--no-repack",)).to_spec(str(smollm2_model)))
     return service
 
 
