@@ -229,6 +229,15 @@ class ChatLink(QObject):
         view.regenerate_requested.connect(lambda options: self._run(self.session.regenerate(options)))
         view.clear_requested.connect(lambda: self._run(self.session.clear()))
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop an answer on its way (before the port closes, so it need not wait for it)."""
+        if self._bridge.closed:
+            return
+        try:
+            self._bridge.backend_thread.submit(self.session.stop()).result(timeout)
+        except Exception:
+            log.exception("the chat did not stop")
+
     def _run(self, coro: Coroutine[Any, Any, Any]) -> None:
         if self._bridge.closed:
             coro.close()

@@ -438,6 +438,7 @@ class MainWindow(QMainWindow):
 
     def shutdown(self) -> None:
         """Stop the engine and the port; the window may stay on screen meanwhile."""
+        self.chat_link.close()
         self.bridge.shutdown()
 
     # --- helpers ------------------------------------------------------------------------------
