@@ -15,8 +15,8 @@ import time
 from typing import Any, Callable, Coroutine
 
 from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import (QColor, QFont, QKeySequence, QPalette, QShortcut, QTextBlockFormat,
-                           QTextCharFormat, QTextCursor, QTextDocument, QTextFormat)
+from PySide6.QtGui import (QColor, QFont, QKeySequence, QPalette, QShortcut, QTextBlock,
+                           QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument, QTextFormat)
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -259,17 +259,35 @@ class _Transcript(QTextBrowser):
         super().__init__()
         self.setOpenLinks(False)  # a model's links are text to read, not places to go
         self.setUndoRedoEnabled(False)
+        self._shown: tuple[Turn, ...] = ()
+        self._starts: list[int] = []  # where each shown turn begins in the document
 
     def show_turns(self, turns: tuple[Turn, ...]) -> None:
+        """Show `turns`, redoing only those from the first that changed: while an answer
+        streams, that is the answer alone, however long the conversation before it."""
+        same = 0
+        while same < min(len(turns), len(self._shown)) and turns[same] is self._shown[same]:
+            same += 1
+        if same == len(turns) == len(self._shown):
+            return
         bar = self.verticalScrollBar()
         following = bar.value() >= bar.maximum() - 4
         position = bar.value()
         document = self.document()
-        document.clear()
         cursor = QTextCursor(document)
-        for number, turn in enumerate(turns):
-            self._add_turn(cursor, turn, first=number == 0)
-        self._tint_code(document)
+        if same == 0:
+            document.clear()
+        else:
+            cursor.setPosition(self._starts[same])
+            cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+            cursor.removeSelectedText()
+        del self._starts[same:]
+        for number in range(same, len(turns)):
+            self._starts.append(cursor.position())
+            self._add_turn(cursor, turns[number], first=number == 0)
+        self._shown = turns
+        if same < len(turns):
+            self._tint_code(document, document.findBlock(self._starts[same]))
         bar.setValue(bar.maximum() if following else position)
 
     def loadResource(self, kind: int, name: QUrl | str) -> Any:
@@ -301,11 +319,11 @@ class _Transcript(QTextBrowser):
             cursor.insertBlock(QTextBlockFormat(), quiet)
             cursor.insertText(note, quiet)
 
-    def _tint_code(self, document: QTextDocument) -> None:
+    def _tint_code(self, document: QTextDocument, block: QTextBlock) -> None:
+        """Code blocks from `block` on: a tinted ground and a fixed font."""
         ground = self.palette().color(QPalette.ColorRole.AlternateBase)
         if ground == self.palette().color(QPalette.ColorRole.Base):
             ground = QColor(127, 127, 127, 40)
-        block = document.begin()
         cursor = QTextCursor(document)
         while block.isValid():
             if block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence):

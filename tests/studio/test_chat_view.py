@@ -134,3 +134,34 @@ def test_code_blocks_read_as_code_and_an_unfinished_one_keeps_to_its_answer(qtbo
     assert after.block().blockFormat().background().style() == Qt.BrushStyle.NoBrush
     assert not QFontInfo(after.charFormat().font()).fixedPitch()
     assert "Stopped" in text
+
+
+def test_a_streaming_answer_redraws_itself_alone_and_the_conversation_stays_right(qtbot) -> None:
+    view = ChatView()
+    qtbot.addWidget(view)
+    earlier = tuple(turn for i in range(30) for turn in (
+        Turn("user", f"Question {i}?"),
+        Turn("assistant", f"Answer {i} with `code`.\n\n```\nx = {i}\n```", model="smol")))
+    question = Turn("user", "Last question?")
+    view.show_state(ChatState(earlier + (question, Turn("assistant", "", AnswerState.WAITING)), True))
+    document = view.transcript.document()
+    document.firstBlock().setUserState(7)  # gone if the document is built again
+
+    for text in ("The", "The answer", "The answer is **42**."):
+        view.show_state(ChatState(earlier + (question, Turn("assistant", text, AnswerState.STREAMING,
+                                                              model="smol")), True))
+    done = Turn("assistant", "The answer is **42**.", model="smol",
+                figures=AnswerFigures(0.5, 20.0, 6, 200, 190))
+    view.show_state(ChatState(earlier + (question, done)))
+
+    assert document.firstBlock().userState() == 7
+    text = view.transcript.toPlainText()
+    assert text.count("Last question?") == 1 and text.count("The answer") == 1
+    assert text.endswith("The answer is 42.\nfirst token 0.50 s · 20.0 tok/s · 6 tokens · "
+                         "190 of 200 prompt tokens cached")
+    assert QFontInfo(document.find("x = 29").charFormat().font()).fixedPitch()
+    # Regenerate drops the answer, Clear everything: what is shown follows.
+    view.show_state(ChatState(earlier + (question,), True))
+    assert view.transcript.toPlainText().endswith("Last question?")
+    view.show_state(ChatState())
+    assert not view.transcript.toPlainText().strip()
