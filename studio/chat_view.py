@@ -277,10 +277,12 @@ class _Transcript(QTextBrowser):
         cursor = QTextCursor(document)
         if same == 0:
             document.clear()
-        else:
+        elif same < len(self._starts):
             cursor.setPosition(self._starts[same])
             cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
             cursor.removeSelectedText()
+        else:  # turns added after those shown
+            cursor.movePosition(QTextCursor.MoveOperation.End)
         del self._starts[same:]
         for number in range(same, len(turns)):
             self._starts.append(cursor.position())

@@ -143,9 +143,10 @@ def test_a_streaming_answer_redraws_itself_alone_and_the_conversation_stays_righ
         Turn("user", f"Question {i}?"),
         Turn("assistant", f"Answer {i} with `code`.\n\n```\nx = {i}\n```", model="smol")))
     question = Turn("user", "Last question?")
-    view.show_state(ChatState(earlier + (question, Turn("assistant", "", AnswerState.WAITING)), True))
+    view.show_state(ChatState(earlier))
     document = view.transcript.document()
     document.firstBlock().setUserState(7)  # gone if the document is built again
+    view.show_state(ChatState(earlier + (question, Turn("assistant", "", AnswerState.WAITING)), True))
 
     for text in ("The", "The answer", "The answer is **42**."):
         view.show_state(ChatState(earlier + (question, Turn("assistant", text, AnswerState.STREAMING,
