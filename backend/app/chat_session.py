@@ -4,10 +4,10 @@ held and streamed here, sent through the port like any client's.
 The session talks to the app's own port over HTTP (`/v1/chat/completions`, streamed),
 with the owner's key, so what the owner sees is what an agent gets: the same admission,
 the same limits, the same answers.  Each conversation names itself to the port with a
-`prompt_cache_key` of its own (`studio-chat-…`): the port shows it as the request's
-session and keeps the conversation's prefix where its last turn left it, so the next
-turn's cached tokens are visible in its figures.  A person is typing, so it asks for the
-interactive band (`x-priority`).
+`prompt_cache_key` of its own (`studio-chat-…`): the request's session, by which the port
+places each turn where the last one left the conversation's prefix (so the next turn's
+cached tokens show in its figures) and by which its records name the conversation.  It asks for no band of its own: the
+owner's key is served in its band, as the owner's agents are.
 
 Stop cancels the request (the port closes the engine's request and frees its slot) and
 keeps what arrived; regenerate drops the last answer and sends the conversation again;
@@ -25,12 +25,11 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import httpx
 
-if TYPE_CHECKING:
-    from backend.app.service import StudioService
+from backend.app.service import StudioService
 
 __all__ = [
     "CHAT_PATH",
@@ -50,8 +49,6 @@ CHAT_PATH = "/v1/chat/completions"
 #: Each conversation's `prompt_cache_key` starts so: its session in the port's records.
 SESSION_PREFIX = "studio-chat-"
 USER_AGENT = "gguf-studio-chat"
-#: The band the port serves a person at the window in.
-PRIORITY = "interactive"
 #: A model may be loading on demand or the line long: the port sends keep-alives meanwhile.
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 
@@ -219,7 +216,7 @@ class ChatSession:
         if port is None:
             self._fail(index, "The port is not open.")
             return
-        headers = {"x-priority": PRIORITY, "user-agent": USER_AGENT}
+        headers = {"user-agent": USER_AGENT}
         if port.api_key:
             headers["authorization"] = f"Bearer {port.api_key}"
         reading = _Reading(self._clock())
