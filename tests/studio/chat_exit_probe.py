@@ -26,7 +26,7 @@ class Driver(QObject):
     def __init__(self, window: MainWindow, model: str) -> None:
         super().__init__()
         self.window = window
-        self.sent = False
+        self.loading = self.sent = False
         window.tabs.setCurrentIndex(CHAT_TAB)
         window.open_files([model])
         self._poll = QTimer(self)
@@ -35,7 +35,8 @@ class Driver(QObject):
 
     def _step(self) -> None:
         window, chat = self.window, self.window.chat
-        if window.model_view.info is not None and window.bridge.snapshot.state is State.STOPPED:
+        if window.model_view.info is not None and not self.loading:
+            self.loading = True  # once: a second load would supersede the first
             window.load_selected()
         elif chat.model.count() and window.bridge.snapshot.state is State.READY and not self.sent:
             self.sent = True
