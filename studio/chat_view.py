@@ -177,6 +177,7 @@ class ChatView(QWidget):
         if not text or not self.send_button.isEnabled():
             return
         self.input.clear()
+        self.send_button.setEnabled(False)  # until the state says the answer ended
         self.send_requested.emit(text, self.options())
 
     # --- helpers -----------------------------------------------------------------------------
