@@ -423,7 +423,13 @@ async def test_one_key_cannot_read_anothers_prompt_through_the_cache_figures(ser
         assert said.status_code == 200
         assert cache_figures(said.json()) == {"timings": None, "cached": 0, "cache_read": None}
         # The engine's cache is an oracle: the owner (who may see it) is told one more
-        # cached token for the right character.
+        # cached token for the right character.  (No request is steered to another key's
+        # slot: alice's prompt is found once her idle slot is saved to the engine's RAM
+        # prompt cache, which the start of any next request does.)
+        assert (await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {OWNER_KEY}"},
+                                  json={"model": "tiny", "max_tokens": 1,
+                                        "messages": [{"role": "user", "content": "Hello"}]})
+                ).status_code == 200
         right = await probe(client, OWNER_KEY, "chat", RIGHT)
         wrong = await probe(client, OWNER_KEY, "chat", WRONG)
         assert right["cached"] > wrong["cached"] and right["timings"]["cache_n"] > 0
