@@ -41,12 +41,13 @@ from studio.library_view import LibraryView
 from studio.logs_view import LogsView
 from studio.model_view import ModelView, describe_state
 from studio.pool_view import PoolView
+from studio.requests_view import RequestsView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
 from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
-SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB = range(6)
+SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB, REQUESTS_TAB = range(7)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -72,6 +73,7 @@ class MainWindow(QMainWindow):
         self.sharing = SharingView()
         self.pool = PoolView()
         self.activity = ActivityView()
+        self.requests = RequestsView()
         self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
         self.discover = DiscoverView(bridge.curated_models())
@@ -84,6 +86,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.logs, "Lo&gs")
         self.tabs.addTab(_scrolling(self.engine), "&Engine")
         self.tabs.addTab(self.discover, "Get &models")
+        self.tabs.addTab(self.requests, "&Requests")
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 0, 0, 0)
@@ -157,6 +160,8 @@ class MainWindow(QMainWindow):
         b.build_finished.connect(self._on_build_finished)
         b.error_occurred.connect(self.show_message)
         b.pool_changed.connect(self.pool.set_state)
+        self.requests.refresh_wanted.connect(
+            lambda after: b.recent_requests(after, on_done=self.requests.add_records))
 
         self.library_view.selected.connect(self._on_selected)
         self.library_view.files_opened.connect(self.open_files)

@@ -9,6 +9,7 @@
     gguf-studio pull REPO[:QUANT|FILE]
     gguf-studio hf-token [--forget]  save a Hugging Face token for gated repositories
     gguf-studio keys add|list|edit|revoke   named API keys with limits (one per person or agent)
+    gguf-studio requests [--follow] [--json] [--port P | --url URL]   the port's recent requests
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, en
 from backend.url_credentials import hide_url_credentials, hide_url_credentials_in_logs
 from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
+from backend.app.cli_requests import add_requests_parser
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 
 
@@ -415,6 +417,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_hub_parsers(sub)
     add_key_parsers(sub)
+    add_requests_parser(sub)
 
     st = sub.add_parser("self-test", help="load MODEL, answer one request through the port, exit")
     st.add_argument("model", metavar="MODEL")

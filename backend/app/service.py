@@ -41,6 +41,7 @@ from backend.port.admission_registry import AdmissionRegistry
 from backend.port.fair_queue import Band
 from backend.port.flow_control import FlowControl
 from backend.port.rate_limits import RateLimiter
+from backend.port.request_log import RequestLog
 from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, Metrics, ModelLoad
 from backend.settings import Settings, remember_keys_required
@@ -78,6 +79,8 @@ class StudioService:
             limiter.preload(record.name, self.usage.day_tokens(record.name))
         self.flows = FlowControl(limiter, self.usage)
         self.metrics.bind_usage(self.usage.snapshot)
+        #: The request inspector's ring (kept across restarts of the port).
+        self.requests = RequestLog()
         self._flow_tasks: list[asyncio.Future[None]] = []
         self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         self.pool = Pool(self.registry, settings=lambda: self.settings,
