@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
-from backend.admission.admission_ticket import Ticket
+from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.caller import ANONYMOUS, Caller
 from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
@@ -41,7 +41,7 @@ from backend.admission.flow_control import FlowControl
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.placement import NO_HINT, Hint
 from backend.admission.rate_limits import Reservation
-from backend.port.request_log import NO_FIGURES, RequestLog, WaitReason, engine_figures
+from backend.port.request_log import NO_FIGURES, RequestLog, engine_figures
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -355,7 +355,7 @@ class Exchange:
         engine's figures, read once from the answer's last bytes; nothing of its content."""
         ticket = self.ticket
         request = self.request
-        admitted = ticket is not None and ticket.seat is not None
+        seat = ticket.seat if ticket is not None else None
         figures = engine_figures(self._start, self._tail or b"".join(self._last_sent)) \
             if self._events or self._answered else NO_FIGURES
         wait, reason, behind = self._waited()
@@ -368,8 +368,8 @@ class Exchange:
             route=request.path, key=self.caller.name,
             session=None if session is None else session.split("\n", 1)[-1],
             model=request.model_id,
-            engine=ticket.engine.label if admitted and ticket.engine is not None else None,
-            slot=ticket.seat.slot if admitted and ticket.seat is not None else None,
+            engine=seat.engine.label if seat is not None else None,
+            slot=seat.slot if seat is not None else None,
             band=self._band_name(), stream=request.parsed.stream,
             wait=wait, wait_reason=reason, waited_behind=behind,
             prompt_tokens=figures.prompt_tokens, cached_tokens=figures.cached_tokens,

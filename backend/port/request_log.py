@@ -2,9 +2,9 @@
 
 One `RequestRecord` per gated request that ended (answered, refused, failed, or left by
 its client): who sent it (its key's name, its session), where it ran (model, engine,
-slot, band), how long it waited and why (`WaitReason`), and how the engine spent its
-time (prompt tokens, how many of them its cache held, prefill, time to first token,
-tokens per second, the longest silence between two chunks).  Nothing of a request's
+slot, band), how long it waited and why (admission's `WaitReason`), and how the engine
+spent its time (prompt tokens, how many of them its cache held, prefill, time to first
+token, tokens per second, the longest silence between two chunks).  Nothing of a request's
 content is ever kept: only names, numbers and codes.
 
 `RequestLog` keeps the last `capacity` records, each with an id that only grows, so a
@@ -26,29 +26,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-__all__ = ["DEFAULT_CAPACITY", "EngineFigures", "RequestLog", "RequestRecord", "WaitReason",
+__all__ = ["DEFAULT_CAPACITY", "EngineFigures", "NO_FIGURES", "RequestLog", "RequestRecord",
            "engine_figures"]
 
 #: Records kept by default: a few minutes of a busy team's traffic, about 1 MB.
 DEFAULT_CAPACITY = 2000
-
-
-class WaitReason:
-    """Why a request waited before it ran, in admission's terms (plain strings, so that
-    a reason another part adds needs nothing here)."""
-
-    #: Every slot of every engine of its model was taken.
-    SLOTS_FULL = "slots_full"
-    #: A slot was free but the engine's KV cache had no room for its need.
-    KV_FULL = "kv_full"
-    #: Its key already ran as many requests as it may at once (`max_concurrent`).
-    KEY_CONCURRENCY = "key_concurrency"
-    #: Another key's later request went first: its fair share (or its band) came first.
-    FAIR_SHARE = "fair_share"
-    #: Its model was loading.
-    MODEL_LOADING = "model_loading"
-    #: The engine's budget of prompt tokens being read at once was spent.
-    PREFILL_BUDGET = "prefill_budget"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ import pytest
 
 from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
-from backend.port.request_log import RequestLog, RequestRecord, WaitReason, engine_figures
+from backend.admission.admission_ticket import WaitReason
+from backend.port.request_log import RequestLog, RequestRecord, engine_figures
 from tests.backend.service_harness import ServiceFactory
 
 OWNER_KEY = "owner-key-0123456789abcdef"
