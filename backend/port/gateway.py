@@ -74,8 +74,10 @@ GATED_ROUTES: dict[str, StreamKind | None] = {
     "/v1/messages": StreamKind.MESSAGES,
     "/v1/embeddings": None,
 }
-OPEN_ROUTES = ("/v1/models", "/health", "/metrics", "/requests")
-KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
+OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
+#: The request inspector's records (`backend.port.request_log`).
+REQUESTS_ROUTE = "/requests"
+KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES) | {REQUESTS_ROUTE}
 #: Answered without the key when one is set (for probes); see `backend.port.access_guard`.
 KEYLESS_ROUTES = ("/health",)
 #: Set in the scope when the client went away before an answer could be sent.
@@ -567,7 +569,7 @@ def _starlette_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
-        Route("/requests", gateway.requests_endpoint, methods=["GET"]),
+        Route(REQUESTS_ROUTE, gateway.requests_endpoint, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
