@@ -160,16 +160,20 @@ class RequestsView(QWidget):
                 or (status == "Waited" and record.wait_reason is not None))
 
     def _refilter(self) -> None:
-        for index in range(self.table.topLevelItemCount()):
-            item = self.table.topLevelItem(index)
+        for item in self._items():
             record = self.record_of(item)
             item.setHidden(record is None or not self._passes(record))
         self._update_count()
 
+    def _items(self) -> list[QTreeWidgetItem]:
+        table = self.table
+        return [item for i in range(table.topLevelItemCount())
+                if (item := table.topLevelItem(i)) is not None]
+
     def _update_count(self) -> None:
-        shown = sum(not self.table.topLevelItem(i).isHidden()
-                    for i in range(self.table.topLevelItemCount()))
-        self.count.setText(f"{shown} of {self.table.topLevelItemCount()} requests")
+        items = self._items()
+        shown = sum(not item.isHidden() for item in items)
+        self.count.setText(f"{shown} of {len(items)} requests")
 
     def _show_details(self, item: QTreeWidgetItem | None) -> None:
         record = None if item is None else self.record_of(item)
