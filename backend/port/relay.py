@@ -16,6 +16,11 @@ relayed, counted with one `bytes.count` per chunk; a non-streamed answer that wa
 read costs its reservation.  A named key's answers carry nothing of the engine's shared
 prompt cache (`sse.without_cache_figures`, on the one event or body that names it).
 
+What it did: each request leaves one record in the request inspector's ring when it ends
+(`_record`, `backend.port.request_log`): its wait and why (its ticket's `wait_reason`),
+the engine's figures read once from the answer's last bytes, its time to first token and
+the longest silence between chunks (one clock read and a max per arrival), never content.
+
 Failures of the upstream client become the project's errors in one place
 (`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
 an HTTP answer while no header was sent, a final in-stream error event afterwards.
