@@ -86,6 +86,7 @@ class RequestsView(QWidget):
         self.details.setAccessibleName("Request details")
         self.details.setPlaceholderText("Select a request to see its details.")
         self.details.setTabChangesFocus(True)
+        self.details.setMinimumHeight(self.details.fontMetrics().lineSpacing() * 13)
 
         bar = QHBoxLayout()
         for label, box in (("&Key", self.key_filter), ("Mo&del", self.model_filter),
@@ -180,13 +181,14 @@ class RequestsView(QWidget):
         if record is None:
             self.details.clear()
             return
-        lines = []
-        for name, label in _DETAILS:
-            value = getattr(record, name)
-            if value is None:
-                continue
-            lines.append(f"{label + ':':<24}{_detail(name, value)}")
-        self.details.setPlainText("\n".join(lines))
+        entries = [f"{label + ':':<22}{_detail(name, getattr(record, name))}"
+                   for name, label in _DETAILS if getattr(record, name) is not None]
+        # Two columns: who and where on the left, what it cost on the right.
+        half = (len(entries) + 1) // 2
+        left, right = entries[:half], entries[half:]
+        width = max(len(entry) for entry in left) + 4
+        self.details.setPlainText("\n".join(
+            f"{a:<{width}}{b}".rstrip() for a, b in zip(left, right + [""] * (half - len(right)))))
 
 
 def _filter_box(name: str) -> QComboBox:
@@ -244,4 +246,6 @@ def _number(value: int | None) -> str:
 def _seconds(value: float | None) -> str:
     if value is None:
         return ""
+    if value < 0.01:
+        return f"{value * 1000:.1f} ms"
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
