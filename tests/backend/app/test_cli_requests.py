@@ -78,3 +78,26 @@ async def test_requests_with_a_wrong_key_or_no_port_says_so(service, env, tmp_pa
     assert refused.returncode == 1 and "refused the key" in refused.stderr
     nowhere = await requests_cli(env, "--url", "http://127.0.0.1:9")
     assert nowhere.returncode == 1 and "No GGUF Studio port answers" in nowhere.stderr
+
+
+async def test_requests_follow_prints_each_request_as_it_ends(service, env):
+    port = service.gateway_port
+    env = dict(env, GGUF_STUDIO_API_KEY=OWNER_KEY)
+    follower = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "backend.app.cli", "requests", "--follow", "--json",
+        "--port", str(port), cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            for tokens in (2, 4):
+                answer = await client.post(
+                    "/v1/chat/completions", headers={"Authorization": f"Bearer {OWNER_KEY}"},
+                    json={"model": "tiny", "max_tokens": tokens, "ignore_eos": True,
+                          "messages": [{"role": "user", "content": "Hi"}]})
+                assert answer.status_code == 200, answer.text
+                assert follower.stdout is not None
+                line = await asyncio.wait_for(follower.stdout.readline(), 30)
+                assert json.loads(line)["output_tokens"] == tokens
+    finally:
+        follower.terminate()
+        await follower.wait()
