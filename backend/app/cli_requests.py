@@ -46,7 +46,7 @@ def add_requests_parser(sub: Any) -> None:
 def requests_url(args: argparse.Namespace, host: str, port: int) -> str:
     """The `/requests` address: `--url`, else this machine's saved (or `--port`) port."""
     if args.url:
-        return args.url.rstrip("/") + "/requests"
+        return str(args.url).rstrip("/") + "/requests"
     if host in _WILDCARDS:
         host = "127.0.0.1"
     if ":" in host and not host.startswith("["):
