@@ -202,6 +202,7 @@ class Gateway:
         settings = ctx.settings
         metrics = ctx.metrics
         headers = scope["headers"]
+        traceparent = _traceparent(headers) if self.requests.exporter is not None else None
         # Until the request waits in line or runs, its body (read, parsed, counted) is
         # held against the port's budget of incoming bodies.
         hold = self.incoming.hold()
@@ -257,7 +258,8 @@ class Gateway:
                 served.cancel()
             if caller is not None:
                 self.flows.refused(caller, error)
-                self.requests.add(time=time.time() - (time.monotonic() - arrived), route=path,
+                self.requests.add(traceparent=traceparent,
+                                  time=time.time() - (time.monotonic() - arrived), route=path,
                                   key=caller.name, model=None if model == UNROUTED else model,
                                   status=error.status, error=error.code)
             counts = metrics.of(model, UNROUTED)
@@ -270,7 +272,7 @@ class Gateway:
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, plan, raw_size, caller,
                                                      requested_band(headers), served, hint,
-                                                     arrived),
+                                                     arrived, traceparent),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -607,6 +609,14 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
                    "per_request": max(int(c["per_request"]) for c in caches),
                    "unified": all(c["unified"] is True for c in caches),
                    "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None}
+
+
+def _traceparent(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's W3C `traceparent` header (checked by the propagator that reads it)."""
+    for name, value in headers:
+        if name == b"traceparent":
+            return value.decode("latin-1")[:128]
+    return None
 
 
 def _whole_param(request: Request, name: str, default: int) -> int:

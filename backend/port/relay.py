@@ -143,6 +143,8 @@ class GatedRequest:
     hint: Hint = NO_HINT
     #: When it arrived (`time.monotonic`), for its waits and its time to first token.
     arrived: float = 0.0
+    #: The client's W3C `traceparent`, read only while spans are exported.
+    traceparent: str | None = None
 
 
 class Exchange:
@@ -369,6 +371,7 @@ class Exchange:
         error = self._failed
         output = figures.output_tokens
         self.host.requests.add(
+            traceparent=request.traceparent,
             time=time.time() - (time.monotonic() - self._arrived),
             route=request.path, key=self.caller.name,
             session=None if session is None else session.split("\n", 1)[-1],

@@ -8,7 +8,9 @@ token, tokens per second, the longest silence between two chunks).  Nothing of a
 content is ever kept: only names, numbers and codes.
 
 `RequestLog` keeps the last `capacity` records, each with an id that only grows, so a
-reader that polls asks for the records after the last id it saw (`after`).  A named
+reader that polls asks for the records after the last id it saw (`after`).  Its
+`exporter`, when set, hears each new record with the client's W3C `traceparent`
+(`backend.port.tracing`: OpenTelemetry, off by default).  A named
 key's reader sees its own records only, and of them nothing the shared prompt cache
 told (`RequestRecord.for_named_key`): as in its answers, the cache's figures would tell
 one key how much of another key's prompt a guess matches.
@@ -22,12 +24,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 __all__ = ["DEFAULT_CAPACITY", "EngineFigures", "NO_FIGURES", "RequestLog", "RequestRecord",
            "engine_figures"]
+
+log = logging.getLogger("gguf_studio.gateway")
 
 #: Records kept by default: a few minutes of a busy team's traffic, about 1 MB.
 DEFAULT_CAPACITY = 2000
@@ -110,8 +115,12 @@ class RequestRecord:
         return cls(**{name: value for name, value in data.items() if name in names})
 
 
+#: Hears each new record, with the `traceparent` its client sent (if any).
+Exporter = Callable[[RequestRecord, "str | None"], None]
+
+
 class RequestLog:
-    """The last `capacity` records, oldest first; `listeners` hear each new one."""
+    """The last `capacity` records, oldest first."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY, *,
                  clock: Callable[[], float] = time.time) -> None:
@@ -120,18 +129,25 @@ class RequestLog:
         self._records: collections.deque[RequestRecord] = collections.deque(maxlen=capacity)
         self._last_id = 0
         self._clock = clock
+        #: Set to export each record as it comes (None: nothing is exported).
+        self.exporter: Exporter | None = None
 
     @property
     def last_id(self) -> int:
         return self._last_id
 
-    def add(self, **fields: Any) -> RequestRecord:
+    def add(self, *, traceparent: str | None = None, **fields: Any) -> RequestRecord:
         """Keep a record of these fields (see `RequestRecord`); its id is the next one,
-        its time now unless given."""
+        its time now unless given.  The exporter, if any, gets it with `traceparent`."""
         self._last_id += 1
         fields.setdefault("time", self._clock())
         record = RequestRecord(id=self._last_id, **fields)
         self._records.append(record)
+        if self.exporter is not None:
+            try:
+                self.exporter(record, traceparent)
+            except Exception:  # an export that fails never fails the request
+                log.exception("exporting a request's span failed")
         return record
 
     def records(self, *, after: int = 0, key: str | None = None,
