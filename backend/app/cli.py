@@ -162,7 +162,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "models_file", "rpc")
+                   "load_timeout", "models_file", "rpc", "otel_endpoint")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -483,6 +483,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
+    serve.add_argument("--otel-endpoint", metavar="URL",
+                       help="export each request as an OpenTelemetry span to this OTLP/HTTP "
+                       "endpoint, e.g. http://collector:4318/v1/traces (needs the otel extra; "
+                       f"{env('otel_endpoint')})")
     serve.add_argument("--default-output-tokens", type=int,
                        help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body, 0 = default (32 MiB)")
