@@ -114,13 +114,15 @@ async def test_a_request_that_waited_behind_another_keys_request_names_that_keys
     registry = service.registry
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
                                  timeout=120) as client:
-        long_one = asyncio.create_task(read_stream(client, flood_key, chat(4000)))
+        # Long enough (seconds) to hold the one slot while the others line up.
+        long_one = asyncio.create_task(read_stream(client, flood_key, chat(8000)))
         await until(lambda: registry.total_active == 1, "the flood's first request runs")
         flood_second = asyncio.create_task(read_stream(
             client, flood_key, chat(8), {"x-session-id": "flood-agent-1"}))
         await until(lambda: registry.total_waiting == 1, "the flood's second request waits")
         colleague = asyncio.create_task(read_stream(client, colleague_key, chat(8)))
         await until(lambda: registry.total_waiting == 2, "the colleague's request waits")
+        assert not long_one.done(), "the flood's first request ended before the others waited"
         long_one.cancel()  # the flood's first request leaves: its slot frees
         assert await colleague == 200 and await flood_second == 200
         with pytest.raises(asyncio.CancelledError):
@@ -133,6 +135,7 @@ async def test_a_request_that_waited_behind_another_keys_request_names_that_keys
     first, waited = [r for r in everything if r["key"] == "flood"]
     [theirs] = [r for r in everything if r["key"] == "colleague"]
     assert first["status"] == 499 and first["wait_reason"] is None
+    assert first["longest_gap"] is not None and first["time_to_first_token"] > 0
     assert theirs["status"] == 200 and theirs["wait_reason"] == WaitReason.SLOTS_FULL
     assert waited["status"] == 200 and waited["error"] is None
     assert waited["wait_reason"] == WaitReason.FAIR_SHARE, waited
@@ -145,7 +148,6 @@ async def test_a_request_that_waited_behind_another_keys_request_names_that_keys
     assert waited["cached_tokens"] is not None
     assert waited["computed_tokens"] == waited["prompt_tokens"] - waited["cached_tokens"]
     assert waited["time_to_first_token"] > 0 and waited["tokens_per_second"] > 0
-    assert waited["longest_gap"] is not None
     # No content: the words asked about are in no record, nor anything else of the body.
     text = json.dumps(everything)
     assert not any(word in text for word in SECRET_WORDS.split()), text
