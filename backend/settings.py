@@ -38,6 +38,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8899
     api_key: str = ""
+    #: An OTLP/HTTP traces endpoint (http://collector:4318/v1/traces): each request's
+    #: inspector record is exported there as a span (the `otel` extra); empty: nothing.
+    otel_endpoint: str = ""
     allow_no_key: bool = False
     # Named keys were used here (backend.key_store): every client must send a key from
     # then on, also after keys.json was deleted or emptied, which must not open the port

@@ -37,6 +37,7 @@ from backend.models.download_queue import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
 from backend.models.library import ModelLibrary
+from backend.port.request_log import RequestRecord
 from backend.app.key_table import KeyTable
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings, settings_path
@@ -318,6 +319,12 @@ class ServiceBridge(QObject):
                   ) -> concurrent.futures.Future[KeyTable]:
         """The keys, their usage and the chart of `chart_key` (None: every key)."""
         return self._call(_now_on_loop(self.service.key_table, chart_key, span), on_done=on_done)
+
+    def recent_requests(self, after: int, on_done: Callback
+                        ) -> concurrent.futures.Future[list[RequestRecord]]:
+        """The request inspector's records after id `after`, oldest first."""
+        return self._call(_now_on_loop(lambda: self.service.requests.records(after=after)),
+                          on_done=on_done)
 
     # --- Hugging Face ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@
     gguf-studio pull REPO[:QUANT|FILE]
     gguf-studio hf-token [--forget]  save a Hugging Face token for gated repositories
     gguf-studio keys add|list|edit|revoke   named API keys with limits (one per person or agent)
+    gguf-studio requests [--follow] [--json] [--port P | --url URL]   the port's recent requests
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, en
 from backend.url_credentials import hide_url_credentials, hide_url_credentials_in_logs
 from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
+from backend.app.cli_requests import add_requests_parser
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 
 
@@ -160,7 +162,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "models_file", "rpc")
+                   "load_timeout", "models_file", "rpc", "otel_endpoint")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -415,6 +417,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_hub_parsers(sub)
     add_key_parsers(sub)
+    add_requests_parser(sub)
 
     st = sub.add_parser("self-test", help="load MODEL, answer one request through the port, exit")
     st.add_argument("model", metavar="MODEL")
@@ -480,6 +483,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
+    serve.add_argument("--otel-endpoint", metavar="URL",
+                       help="export each request as an OpenTelemetry span to this OTLP/HTTP "
+                       "endpoint, e.g. http://collector:4318/v1/traces (needs the otel extra; "
+                       f"{env('otel_endpoint')})")
     serve.add_argument("--default-output-tokens", type=int,
                        help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body, 0 = default (32 MiB)")

@@ -41,11 +41,13 @@ from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.route import Route
 from backend.admission.flow_control import FlowControl
 from backend.admission.rate_limits import RateLimiter
+from backend.port.request_log import RequestLog
 from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, Metrics, ModelLoad
 from backend.settings import Settings, remember_keys_required
 
 if TYPE_CHECKING:
+    from backend.port.tracing import SpanExport
     from backend.port.server import GatewayServer
 
 T = TypeVar("T")
@@ -78,6 +80,12 @@ class StudioService:
             limiter.preload(record.name, self.usage.day_tokens(record.name))
         self.flows = FlowControl(limiter, self.usage)
         self.metrics.bind_usage(self.usage.snapshot)
+        #: The request inspector's ring (kept across restarts of the port).
+        self.requests = RequestLog()
+        self._spans: SpanExport | None = None
+        if settings.otel_endpoint:  # OpenTelemetry only when asked for (the `otel` extra)
+            from backend.port.tracing import span_export_to
+            self._spans = self.requests.exporter = span_export_to(settings.otel_endpoint)
         self._flow_tasks: list[asyncio.Future[None]] = []
         self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         self.pool = Pool(self.registry, settings=lambda: self.settings,
@@ -241,6 +249,8 @@ class StudioService:
         await asyncio.gather(*self._flow_tasks, return_exceptions=True)
         self._flow_tasks.clear()
         self.usage.save()
+        if self._spans is not None:
+            await asyncio.to_thread(self._spans.close)  # the last batch, off the loop
 
     # --- keys ----------------------------------------------------------------------------
 
