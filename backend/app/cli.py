@@ -333,9 +333,7 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
 
 async def _say_announced(service: Any) -> None:
     """One line once the port is announced on the LAN (or why it is not)."""
-    task = service._advertising
-    if task is not None:
-        await asyncio.gather(task, return_exceptions=True)
+    await service.announced()
     if service.advertiser.running:
         print(f"Announced on the LAN as {service.advertiser.name!r}: teammates run "
               f"gguf-studio connect", flush=True)

@@ -169,8 +169,9 @@ def _json(answer: httpx.Response, what: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ConnectFailed(f"{what}: the answer is not GGUF Studio's (HTTP {answer.status_code}).")
     if answer.status_code >= 400:
-        error = body.get("error") if isinstance(body.get("error"), dict) else {}
-        raise ConnectFailed(f"{what}: {error.get('message') or answer.status_code}")
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+        raise ConnectFailed(f"{what}: {message or answer.status_code}")
     return body
 
 

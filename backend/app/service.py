@@ -221,6 +221,12 @@ class StudioService:
                 "others": [{"model_id": m.model_id, "context_length": m.context_length}
                            for m in target.others]}
 
+    async def announced(self) -> None:
+        """Return once the port's announcement on the LAN is made (or given up)."""
+        task = self._advertising
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
     def _enrolments_changed(self) -> None:
         self._enrolment_listeners()
 

@@ -44,7 +44,8 @@ async def test_an_approved_request_gets_its_key_once_and_the_key_works(service):
     assert answer.status_code == 200 and answer.json()["name"] == "bob", answer.text
     assert again.status_code == 404 and again.json()["error"]["code"] == "enrolment_not_found"
     assert models.status_code == 200, models.text
-    assert KeyStore().get("bob").tokens_per_minute == 1000
+    minted = KeyStore().get("bob")
+    assert minted is not None and minted.tokens_per_minute == 1000
 
 
 async def test_a_refused_request_mints_nothing_and_is_told_so(service):
