@@ -8,5 +8,6 @@ engine's tokenizer they are given), the relay of one exchange (`relay`, `client_
 `sse`), the upstream HTTP client (`upstream_http`: the connection pool;
 `http1_response`: the sans-I/O parser of its answers; `upstream_errors`: the failures of
 both), TCP_NODELAY on the connections of both sides (`tcp_nodelay`), request bodies
-(`request_body`), error answers (`http_errors`), metrics and the access log.
+(`request_body`), error answers (`http_errors`), metrics and the access log, and the
+enrolment endpoint a teammate without a key asks for one at (`enrolment_endpoint`).
 """
