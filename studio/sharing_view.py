@@ -7,6 +7,7 @@ from typing import TypeVar
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
+    QCheckBox,
     QDoubleSpinBox,
     QFormLayout,
     QGroupBox,
@@ -41,6 +42,8 @@ class SharingView(QWidget):
     port_changed = Signal(int)
     generate_key_requested = Signal()
     limits_changed = Signal(dict)  # setting name -> value
+    enrolment_approved = Signal(str)  # the name a teammate asked for
+    enrolment_refused = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -95,13 +98,37 @@ class SharingView(QWidget):
         key_row.addWidget(self.copy_key)
         key_row.addWidget(self.generate_key)
 
+        # --- announced on the LAN (mDNS), for `gguf-studio connect`
+        self.advertise = QCheckBox("Announce on the &network as")
+        self.advertise.setToolTip(
+            "Teammates find the port with `gguf-studio connect` (mDNS). Only while it is "
+            "shared on the local network with a key; nothing secret is announced.")
+        self.advertise_name = QLineEdit()
+        self.advertise_name.setAccessibleName("Announced name")
+        self.advertise_name.setPlaceholderText("this computer's name")
+        self.advertise.toggled.connect(self._on_advertise)
+        self.advertise_name.editingFinished.connect(self._on_advertise)
+        advertise_row = QHBoxLayout()
+        advertise_row.addWidget(self.advertise)
+        advertise_row.addWidget(self.advertise_name, 1)
+
         access = QGroupBox("Access")
         form = QFormLayout(access)
         form.addRow("Share with:", scope_row)
         form.addRow("Po&rt:", self.port)
         form.addRow("API key:", key_row)
         form.addRow("", self.key_hint)
+        form.addRow("", advertise_row)
         form.addRow(self.problem)
+
+        # --- teammates asking for a key (`gguf-studio connect`)
+        self.enrolments_box = QGroupBox("Teammates asking for a key")
+        self._enrolments_layout = QVBoxLayout(self.enrolments_box)
+        self._enrolments_layout.addWidget(secondary_label(
+            "Check the code with the person before you approve. The key gets no limits; "
+            "set them with Edit in the keys below."))
+        self.enrolment_rows: list[QWidget] = []
+        self.enrolments_box.hide()
 
         # --- addresses
         self.urls_box = QGroupBox("Base URLs")
@@ -143,6 +170,7 @@ class SharingView(QWidget):
 
         left = QVBoxLayout()
         left.addWidget(access)
+        left.addWidget(self.enrolments_box)
         left.addWidget(self.urls_box)
         left.addWidget(limits)
         left.addWidget(advanced)
@@ -218,6 +246,14 @@ class SharingView(QWidget):
         self.generate_key.setToolTip("Make a new key; clients using the old one stop working."
                                      if settings.api_key else "Make a key for clients to send.")
         self._show_key_hint(settings)
+        for widget, value in ((self.advertise, settings.advertise),
+                              (self.advertise_name, settings.advertise_name)):
+            widget.blockSignals(True)
+            if isinstance(widget, QCheckBox):
+                widget.setChecked(bool(value))
+            else:
+                widget.setText(str(value))
+            widget.blockSignals(False)
         self.max_queue.setValue(settings.max_queue)
         self.queue_timeout.setValue(settings.queue_timeout)
         self.max_output.setValue(settings.max_output_tokens)
@@ -322,6 +358,31 @@ class SharingView(QWidget):
         self._model = (model_id, context_length)
         self._render_snippets()
 
+    def set_enrolments(self, waiting: list[tuple[str, str, str]]) -> None:
+        """The requests waiting: (name, address, code) each, with Approve and Refuse."""
+        for row in self.enrolment_rows:
+            row.deleteLater()
+        self.enrolment_rows = []
+        for name, address, code in waiting:
+            row = QWidget(self.enrolments_box)
+            line = QHBoxLayout(row)
+            line.setContentsMargins(0, 0, 0, 0)
+            label = QLabel(f"<b>{_escape(name)}</b> from {_escape(address)} — code "
+                           f"<b>{_escape(code)}</b>")
+            label.setAccessibleName(f"Request of {name}")
+            line.addWidget(label, 1)
+            approve = QPushButton("Approve")
+            approve.setAccessibleName(f"Approve {name}")
+            approve.clicked.connect(lambda _=False, n=name: self.enrolment_approved.emit(n))
+            refuse = QPushButton("Refuse")
+            refuse.setAccessibleName(f"Refuse {name}")
+            refuse.clicked.connect(lambda _=False, n=name: self.enrolment_refused.emit(n))
+            line.addWidget(approve)
+            line.addWidget(refuse)
+            self._enrolments_layout.addWidget(row)
+            self.enrolment_rows.append(row)
+        self.enrolments_box.setVisible(bool(waiting))
+
     def show_problem(self, message: str) -> None:
         self.problem.setText(message)
         self.problem.setVisible(bool(message))
@@ -371,6 +432,10 @@ class SharingView(QWidget):
         self._named_keys = count
         self._show_key_hint(self._settings)
 
+    def _on_advertise(self) -> None:
+        self.limits_changed.emit({"advertise": self.advertise.isChecked(),
+                                  "advertise_name": self.advertise_name.text().strip()})
+
     def _on_scope(self) -> None:
         self.scope_changed.emit(self.lan.isChecked())
 
@@ -404,6 +469,12 @@ class SharingView(QWidget):
 
 
 SpinBox = TypeVar("SpinBox", QSpinBox, QDoubleSpinBox)
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
 
 
 def _limit_box(box: SpinBox, top: int, zero_text: str, tip: str, *, suffix: str = "") -> SpinBox:

@@ -155,3 +155,53 @@ def test_every_spin_and_combo_box_of_the_window_waits_for_focus_before_the_wheel
             else box.currentIndex()
         name = box.accessibleName() or box.toolTip()[:40] or type(box).__name__
         assert (name, after) == (name, before)
+
+
+ENROL_KEY = "owner-key-for-the-window-enrolment-0123"
+
+
+def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
+        open_window, qtbot):
+    """`gguf-studio connect` asks the window's port for a key: the Sharing tab shows the
+    name, address and code; Approve mints the key, which the waiting requester receives."""
+    import concurrent.futures
+
+    from PySide6.QtWidgets import QLabel, QPushButton
+
+    from backend.key_store import KeyStore
+
+    Settings.load().replace(api_key=ENROL_KEY).save()
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    root = f"http://127.0.0.1:{window.bridge.gateway_port}"
+    asked = httpx.post(f"{root}/v1/enrolments", json={"name": "bob"}, timeout=10).json()
+
+    qtbot.waitUntil(lambda: len(sharing.enrolment_rows) == 1, timeout=WAIT)
+    (row,) = sharing.enrolment_rows
+    (label,) = row.findChildren(QLabel)
+    assert "bob" in label.text() and "127.0.0.1" in label.text() and asked["code"] in label.text()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        poll = pool.submit(httpx.get, root + asked["poll"], params={"wait": 20}, timeout=30)
+        approve = next(b for b in row.findChildren(QPushButton) if b.text() == "Approve")
+        qtbot.mouseClick(approve, Qt.MouseButton.LeftButton)
+        answer = poll.result(30)
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["api_key"].startswith("gs-")
+    assert KeyStore().get("bob") is not None
+    qtbot.waitUntil(lambda: not sharing.enrolment_rows, timeout=WAIT)
+    assert not sharing.enrolments_box.isVisible()
+
+
+def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, qtbot):
+    window = open_window()
+    sharing = window.sharing
+    assert not sharing.advertise.isChecked()
+
+    sharing.advertise_name.setText("Office box")
+    sharing.advertise.setChecked(True)
+
+    qtbot.waitUntil(lambda: window.bridge.service.settings.advertise, timeout=WAIT)
+    assert window.bridge.service.settings.advertise_name == "Office box"
+    assert Settings.load().advertise and Settings.load().advertise_name == "Office box"
