@@ -45,8 +45,10 @@ class FoundPort:
 
     @property
     def urls(self) -> list[str]:
-        """Its root URLs, one per address (IPv4 first)."""
-        ordered = sorted(self.addresses, key=lambda a: (":" in a, a))
+        """Its root URLs, one per address: IPv4 first, loopback last (it names this
+        machine, which is the port's only when nothing else answers)."""
+        ordered = sorted(self.addresses,
+                         key=lambda a: (ipaddress.ip_address(a).is_loopback, ":" in a, a))
         return [f"http://{f'[{a}]' if ':' in a else a}:{self.port}" for a in ordered]
 
 

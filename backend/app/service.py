@@ -253,7 +253,9 @@ class StudioService:
                     "requires no key; make one first."))
             log.warning("%s", self.advertise_problem)
             return
-        addresses = [a for a in client_hosts(settings.host)]
+        # Never this machine's loopback to other machines: it would name *their* own.
+        everywhere = client_hosts(settings.host)
+        addresses = [a for a in everywhere if not is_loopback(a)] or everywhere
         try:
             await self.advertiser.start(service_name(settings.advertise_name), self._gateway.port,
                                         addresses, version=app_version(), enrol_path=ENROL_PATH,
