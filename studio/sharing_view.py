@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import TypeVar
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPixmap
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
+    QDialog,
     QDoubleSpinBox,
     QFormLayout,
     QGroupBox,
@@ -52,6 +54,7 @@ class SharingView(QWidget):
         self._snippets: list[Snippet] = []
         self._named_keys = 0
         self.urls: list[str] = []
+        self.qr_dialog: QDialog | None = None
 
         # --- who
         self.local_only = QRadioButton("T&his computer only")
@@ -349,6 +352,11 @@ class SharingView(QWidget):
             field.setAccessibleName("Base URL")
             line.addWidget(field, 1)
             line.addWidget(CopyButton(lambda u=url: u, accessible_name=f"Copy {url}"))
+            qr = QPushButton("QR")
+            qr.setAccessibleName(f"Show {url} as a QR code")
+            qr.setToolTip("The address as a QR code, for a device that can scan it.")
+            qr.clicked.connect(lambda _=False, u=url: self.show_qr(u))
+            line.addWidget(qr)
             self._urls_layout.addWidget(holder)
             self.url_rows.append(field)
         self.urls = list(urls)
@@ -357,6 +365,22 @@ class SharingView(QWidget):
     def set_model(self, model_id: str | None, context_length: int | None) -> None:
         self._model = (model_id, context_length)
         self._render_snippets()
+
+    def show_qr(self, url: str) -> QDialog:
+        dialog = QDialog(self)
+        dialog.setWindowTitle("Base URL as a QR code")
+        layout = QVBoxLayout(dialog)
+        image = QLabel()
+        image.setPixmap(qr_pixmap(url))
+        image.setAccessibleName(f"QR code of {url}")
+        layout.addWidget(image, 0, Qt.AlignmentFlag.AlignCenter)
+        caption = QLabel(url)
+        caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(caption, 0, Qt.AlignmentFlag.AlignCenter)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+        self.qr_dialog = dialog
+        return dialog
 
     def set_enrolments(self, waiting: list[tuple[str, str, str]]) -> None:
         """The requests waiting: (name, address, code) each, with Approve and Refuse."""
@@ -367,8 +391,8 @@ class SharingView(QWidget):
             row = QWidget(self.enrolments_box)
             line = QHBoxLayout(row)
             line.setContentsMargins(0, 0, 0, 0)
-            label = QLabel(f"<b>{_escape(name)}</b> from {_escape(address)} — code "
-                           f"<b>{_escape(code)}</b>")
+            label = QLabel(f"{name} from {address} — code {code}")
+            label.setTextFormat(Qt.TextFormat.PlainText)  # the name is the requester's
             label.setAccessibleName(f"Request of {name}")
             line.addWidget(label, 1)
             approve = QPushButton("Approve")
@@ -471,10 +495,17 @@ class SharingView(QWidget):
 SpinBox = TypeVar("SpinBox", QSpinBox, QDoubleSpinBox)
 
 
-def _escape(text: str) -> str:
-    import html
+def qr_pixmap(text: str) -> QPixmap:
+    """`text` as a QR code (segno), for a phone or tablet to scan."""
+    import io
 
-    return html.escape(text)
+    import segno
+
+    png = io.BytesIO()
+    segno.make(text, micro=False).save(png, kind="png", scale=6, border=4)
+    pixmap = QPixmap()
+    pixmap.loadFromData(png.getvalue(), "PNG")
+    return pixmap
 
 
 def _limit_box(box: SpinBox, top: int, zero_text: str, tip: str, *, suffix: str = "") -> SpinBox:

@@ -205,3 +205,25 @@ def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, 
     qtbot.waitUntil(lambda: window.bridge.service.settings.advertise, timeout=WAIT)
     assert window.bridge.service.settings.advertise_name == "Office box"
     assert Settings.load().advertise and Settings.load().advertise_name == "Office box"
+
+
+def test_a_base_url_shows_as_a_qr_code(open_window, qtbot):
+    from PySide6.QtWidgets import QPushButton
+
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    holder = sharing.url_rows[0].parentWidget()
+    assert holder is not None
+    button = next(b for b in holder.findChildren(QPushButton) if b.text() == "QR")
+
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+
+    dialog = sharing.qr_dialog
+    assert dialog is not None and dialog.isVisible()
+    from PySide6.QtWidgets import QLabel
+    image = next(label for label in dialog.findChildren(QLabel) if label.pixmap() is not None
+                 and not label.pixmap().isNull())
+    assert image.accessibleName() == f"QR code of {sharing.urls[0]}"
+    assert image.pixmap().width() >= 21 * 6  # a version-1 code at least, 6 px a module
+    dialog.close()
