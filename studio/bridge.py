@@ -315,13 +315,14 @@ class ServiceBridge(QObject):
         return self._call(_now_on_loop(self.service.revoke_key, name), on_done=on_done,
                           on_error=on_error)
 
-    def approve_enrolment(self, name: str, on_done: Callback | None = None,
+    def approve_enrolment(self, name: str, limits: dict[str, Any],
+                          on_done: Callback | None = None,
                           on_error: Callable[[str], None] | None = None
                           ) -> concurrent.futures.Future[KeyRecord]:
-        """Mint the key a teammate asked for (no limits: edit them in the keys table);
-        the port hands it to them once."""
-        return self._call(_now_on_loop(self.service.approve_enrolment, name), on_done=on_done,
-                          on_error=on_error)
+        """Mint the key a teammate asked for, with `limits` (as `add_key`); the port
+        hands it to them once."""
+        return self._call(_now_on_loop(self.service.approve_enrolment, name, **limits),
+                          on_done=on_done, on_error=on_error)
 
     def refuse_enrolment(self, name: str, on_error: Callable[[str], None] | None = None
                          ) -> concurrent.futures.Future[None]:

@@ -29,7 +29,10 @@ from backend.settings import Settings, parse_names
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
-from studio.keys_view import KeysView
+from backend.app.key_table import KeyForm
+from backend.errors import KeyStoreError
+
+from studio.keys_view import KeyDialog, KeysView
 from studio.widgets import CopyButton, monospace_font, secondary_label
 
 __all__ = ["SharingView"]
@@ -44,7 +47,7 @@ class SharingView(QWidget):
     port_changed = Signal(int)
     generate_key_requested = Signal()
     limits_changed = Signal(dict)  # setting name -> value
-    enrolment_approved = Signal(str)  # the name a teammate asked for
+    enrolment_approved = Signal(str, dict)  # the name a teammate asked for, the key's limits
     enrolment_refused = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -55,6 +58,7 @@ class SharingView(QWidget):
         self._named_keys = 0
         self.urls: list[str] = []
         self.qr_dialog: QDialog | None = None
+        self.approval: KeyDialog | None = None
 
         # --- who
         self.local_only = QRadioButton("T&his computer only")
@@ -128,8 +132,8 @@ class SharingView(QWidget):
         self.enrolments_box = QGroupBox("Teammates asking for a key")
         self._enrolments_layout = QVBoxLayout(self.enrolments_box)
         self._enrolments_layout.addWidget(secondary_label(
-            "Check the code with the person before you approve. The key gets no limits; "
-            "set them with Edit in the keys below."))
+            "Check the code with the person before you approve; Approve asks for the key's "
+            "limits."))
         self.enrolment_rows: list[QWidget] = []
         self.enrolments_box.hide()
 
@@ -382,6 +386,29 @@ class SharingView(QWidget):
         self.qr_dialog = dialog
         return dialog
 
+    def approve_dialog(self, name: str) -> KeyDialog:
+        """The key dialog for the request `name`: its limits, then Approve."""
+        dialog = KeyDialog(None, "", self)
+        dialog.setWindowTitle(f"Approve {name}'s request")
+        dialog.name.setText(name)
+        dialog.name.setReadOnly(True)
+        dialog.ok_button.setText("Approve")
+
+        def submitted(form: KeyForm) -> None:
+            try:
+                limits = form.limits()
+            except KeyStoreError as exc:
+                dialog.show_error(str(exc))
+                return
+            self.enrolment_approved.emit(name, limits)
+            dialog.accept()
+
+        dialog.submitted.connect(submitted)
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        self.approval = dialog
+        return dialog
+
     def set_enrolments(self, waiting: list[tuple[str, str, str]]) -> None:
         """The requests waiting: (name, address, code) each, with Approve and Refuse."""
         for row in self.enrolment_rows:
@@ -397,7 +424,7 @@ class SharingView(QWidget):
             line.addWidget(label, 1)
             approve = QPushButton("Approve")
             approve.setAccessibleName(f"Approve {name}")
-            approve.clicked.connect(lambda _=False, n=name: self.enrolment_approved.emit(n))
+            approve.clicked.connect(lambda _=False, n=name: self.approve_dialog(n))
             refuse = QPushButton("Refuse")
             refuse.setAccessibleName(f"Refuse {name}")
             refuse.clicked.connect(lambda _=False, n=name: self.enrolment_refused.emit(n))

@@ -383,8 +383,8 @@ class MainWindow(QMainWindow):
         keys.revoke_requested.connect(lambda name: b.revoke_key(
             name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
         b.enrolments_changed.connect(self.sharing.set_enrolments)
-        self.sharing.enrolment_approved.connect(lambda name: b.approve_enrolment(
-            name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
+        self.sharing.enrolment_approved.connect(lambda name, limits: b.approve_enrolment(
+            name, limits, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
         self.sharing.enrolment_refused.connect(lambda name: b.refuse_enrolment(
             name, on_error=self.show_message))
 

@@ -185,11 +185,16 @@ def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
         poll = pool.submit(httpx.get, root + asked["poll"], params={"wait": 20}, timeout=30)
         approve = next(b for b in row.findChildren(QPushButton) if b.text() == "Approve")
         qtbot.mouseClick(approve, Qt.MouseButton.LeftButton)
+        dialog = sharing.approval  # the key's limits, as for a new key
+        assert dialog is not None and dialog.name.text() == "bob" and dialog.name.isReadOnly()
+        dialog.tokens_per_minute.setValue(20_000)
+        qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
         answer = poll.result(30)
 
     assert answer.status_code == 200, answer.text
     assert answer.json()["api_key"].startswith("gs-")
-    assert KeyStore().get("bob") is not None
+    minted = KeyStore().get("bob")
+    assert minted is not None and minted.tokens_per_minute == 20_000
     qtbot.waitUntil(lambda: not sharing.enrolment_rows, timeout=WAIT)
     assert not sharing.enrolments_box.isVisible()
 
