@@ -67,6 +67,7 @@ class ServiceBridge(QObject):
     download_progressed = Signal(object)  # DownloadProgress, from the download queue's thread
     pool_changed = Signal(object)  # PoolState, at most ten a second
     enrolments_changed = Signal(list)  # [(name, address, code)]: teammates asking for a key
+    announcement_changed = Signal(str)  # the port on the LAN: announced as..., or why not
 
     # Internal: carries a callback and its argument to the GUI thread.
     _deliver = Signal(object, object)
@@ -468,8 +469,15 @@ class ServiceBridge(QObject):
         self.service.registry.add_listener(self._pool_watch.poke)
         self._pool_watch.poke()
         self.service.add_enrolment_listener(self._on_enrolments)
+        self.service.add_announce_listener(self._on_announcement)
         self._sampler = ActivitySampler(self.service, self._on_sample)
         self._sampler.start()
+
+    def _on_announcement(self, text: str) -> None:
+        try:
+            self.announcement_changed.emit(text)
+        except RuntimeError:  # the bridge is gone: the app is exiting
+            pass
 
     def _on_enrolments(self) -> None:
         waiting = [(e.name, e.address, e.code) for e in self.service.enrolments.pending()]

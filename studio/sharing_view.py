@@ -118,6 +118,9 @@ class SharingView(QWidget):
         advertise_row = QHBoxLayout()
         advertise_row.addWidget(self.advertise)
         advertise_row.addWidget(self.advertise_name, 1)
+        self.announcement = secondary_label()
+        self.announcement.setAccessibleName("Announcement")
+        self.announcement.hide()
 
         access = QGroupBox("Access")
         form = QFormLayout(access)
@@ -126,6 +129,7 @@ class SharingView(QWidget):
         form.addRow("API key:", key_row)
         form.addRow("", self.key_hint)
         form.addRow("", advertise_row)
+        form.addRow("", self.announcement)
         form.addRow(self.problem)
 
         # --- teammates asking for a key (`gguf-studio connect`)
@@ -408,6 +412,11 @@ class SharingView(QWidget):
         dialog.open()
         self.approval = dialog
         return dialog
+
+    def show_announcement(self, text: str) -> None:
+        """Under which name the port is announced on the LAN, or why it is not."""
+        self.announcement.setText(text)
+        self.announcement.setVisible(bool(text))
 
     def set_enrolments(self, waiting: list[tuple[str, str, str]]) -> None:
         """The requests waiting: (name, address, code) each, with Approve and Refuse."""

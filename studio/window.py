@@ -383,6 +383,7 @@ class MainWindow(QMainWindow):
         keys.revoke_requested.connect(lambda name: b.revoke_key(
             name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
         b.enrolments_changed.connect(self.sharing.set_enrolments)
+        b.announcement_changed.connect(self.sharing.show_announcement)
         self.sharing.enrolment_approved.connect(lambda name, limits: b.approve_enrolment(
             name, limits, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
         self.sharing.enrolment_refused.connect(lambda name: b.refuse_enrolment(

@@ -85,6 +85,7 @@ class StudioService:
         self.enrolments = Enrolments(self.keys, ttl=lambda: self.settings.enrolment_ttl,
                                      on_change=self._enrolments_changed)
         self._enrolment_listeners: Listeners[[]] = Listeners(log, "enrolment listener")
+        self._announce_listeners: Listeners[[str]] = Listeners(log, "announce listener")
         self.advertiser = Advertiser()
         #: Why the port is not announced although asked to be ("" when it is, or not asked).
         self.advertise_problem = ""
@@ -227,6 +228,16 @@ class StudioService:
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
+    def add_announce_listener(self, listener: Callable[[str], None]) -> None:
+        """Called on the service's loop with what the port's announcement is now: "" (not
+        asked for), the name it is announced under, or why it is not."""
+        self._announce_listeners.add(listener)
+
+    def announcement(self) -> str:
+        if self.advertiser.running:
+            return f"Announced as {self.advertiser.name!r}: teammates run gguf-studio connect."
+        return self.advertise_problem
+
     def _enrolments_changed(self) -> None:
         self._enrolment_listeners()
 
@@ -238,6 +249,12 @@ class StudioService:
         self._advertising = asyncio.ensure_future(self._announce())
 
     async def _announce(self) -> None:
+        try:
+            await self._announce_now()
+        finally:
+            self._announce_listeners(self.announcement())
+
+    async def _announce_now(self) -> None:
         from backend.port.enrolment_endpoint import ENROL_PATH
 
         await self.advertiser.stop()

@@ -209,6 +209,9 @@ def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, 
 
     qtbot.waitUntil(lambda: window.bridge.service.settings.advertise, timeout=WAIT)
     assert window.bridge.service.settings.advertise_name == "Office box"
+    # Shared on this computer only: not announced, and the tab says why.
+    qtbot.waitUntil(lambda: "listens on this computer only" in sharing.announcement.text(),
+                    timeout=WAIT)
     assert Settings.load().advertise and Settings.load().advertise_name == "Office box"
 
 
