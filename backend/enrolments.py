@@ -307,6 +307,9 @@ class EnrolmentFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # The file as this object last wrote or read it: `take_decisions` reads it only
+        # when another process changed it since (the port looks twice a second).
+        self._seen: tuple[int, ...] | None = None
 
     def requests(self, now: float | None = None) -> list[SharedRequest]:
         """The pending requests the port last wrote (expired ones left out)."""
@@ -342,7 +345,8 @@ class EnrolmentFile:
                              float(found["requested_at"]), float(found["expires_at"]))
 
     def take_decisions(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        seen = _signature(self.path)
+        if seen is None or seen == self._seen:
             return []
         with _locked(self.path):
             saved = _read(self.path)
@@ -350,6 +354,7 @@ class EnrolmentFile:
             if decisions:
                 saved["decisions"] = []
                 _write(self.path, saved)
+            self._seen = _signature(self.path)
         return decisions
 
     def mirror(self, requests: list[SharedRequest], outcomes: list[dict[str, Any]]) -> None:
@@ -358,6 +363,7 @@ class EnrolmentFile:
             saved["requests"] = [r.__dict__ for r in requests]
             saved["outcomes"] = (saved["outcomes"] + outcomes)[-MAX_OUTCOMES:]
             _write(self.path, saved)
+            self._seen = _signature(self.path)
 
 
 def enrolments_path() -> Path:
@@ -410,6 +416,14 @@ def _limits(raw: Any) -> dict[str, Any]:
     if "models" in limits:
         limits["models"] = tuple(limits["models"])
     return limits
+
+
+def _signature(path: Path) -> tuple[int, ...] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _empty() -> dict[str, Any]:
