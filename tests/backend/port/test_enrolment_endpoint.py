@@ -113,3 +113,17 @@ async def test_a_port_without_a_key_takes_no_enrolment(running_service):
         answer = await ask(http, "bob")
 
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "enrolment_closed"
+
+
+async def test_the_access_log_leaves_out_a_polls_id(service, caplog):
+    import logging
+
+    from backend.port.access_log import ACCESS_LOGGER
+
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    async with client(service) as http:
+        asked = (await ask(http, "bob")).json()
+        await http.get(asked["poll"])
+
+    assert "GET /v1/enrolments/… 200" in caplog.text
+    assert asked["id"] not in caplog.text
