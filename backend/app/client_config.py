@@ -144,5 +144,9 @@ def _write_opencode(path: Path, target: ClientTarget, profile: str, port_name: s
 def _backup(path: Path, stamp: str, backups: list[Path]) -> None:
     if path.exists():
         copy = path.with_name(f"{path.name}.bak-{stamp}")
+        n = 1
+        while copy.exists():  # two connects within a second: keep the older backup too
+            n += 1
+            copy = path.with_name(f"{path.name}.bak-{stamp}-{n}")
         shutil.copy2(path, copy)
         backups.append(copy)
