@@ -19,11 +19,13 @@ import stat
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from backend.app.service import StudioService
 from tests.clients.conftest import (CODEX_OFFLINE_ROOT, CODEX_OFFLINE_TABLES, CONTEXT, MODEL_ID,
-                                    OUTPUT_CAP, REPO, Clients, Process, clean_env)
+                                    OUTPUT_CAP, REPO, Clients, OpenCode, Process, clean_env)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,7 +76,7 @@ async def start_connect(env: dict[str, str], target: str) -> asyncio.subprocess.
 
 
 async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute(
-        clients: Clients, long_context_model, llama_server_binary, tmp_path):
+        clients: Clients, opencode: OpenCode, long_context_model, llama_server_binary, tmp_path):
     owner = home(tmp_path / "owner")
     owner["GGUF_STUDIO_API_KEY"] = OWNER_KEY
     mate = home(tmp_path / "mate")
@@ -84,9 +86,11 @@ async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute
     # and an OpenCode provider of their own.
     config_toml = "\n".join([*CODEX_OFFLINE_ROOT, *CODEX_OFFLINE_TABLES]) + "\n"
     (codex_home / "config.toml").write_text(config_toml)
-    opencode = Path(mate["XDG_CONFIG_HOME"]) / "opencode" / "opencode.json"
-    opencode.parent.mkdir(parents=True)
-    opencode.write_text(json.dumps({"provider": {"mine": {"name": "Mine"}}, "model": "mine/x"}))
+    opencode_json = Path(mate["XDG_CONFIG_HOME"]) / "opencode" / "opencode.json"
+    opencode_json.parent.mkdir(parents=True)
+    mine = {"npm": "@ai-sdk/openai-compatible", "name": "Mine",
+            "options": {"baseURL": "http://127.0.0.1:9/v1"}, "models": {"x": {"name": "x"}}}
+    opencode_json.write_text(json.dumps({"provider": {"mine": mine}, "model": "mine/x"}))
 
     serve = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "backend.app.cli", "serve", "--model", f"{MODEL_ID}={long_context_model}",
@@ -152,12 +156,21 @@ async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute
         secret = key_file.read_text().strip()
         assert secret.startswith("gs-")
         profile = (codex_home / "gguf-studio.config.toml").read_text()
-        written = json.loads(opencode.read_text())
-        assert secret not in profile and secret not in opencode.read_text()
+        written = json.loads(opencode_json.read_text())
+        assert secret not in profile and secret not in opencode_json.read_text()
         assert (codex_home / "config.toml").read_text() == config_toml
         assert set(written["provider"]) == {"mine", "gguf-studio"} and written["model"] == "mine/x"
-        assert list(opencode.parent.glob("opencode.json.bak-*"))
+        assert list(opencode_json.parent.glob("opencode.json.bak-*"))
         assert secret not in "".join(said)  # never printed either
+
+        # OpenCode with the file as connect left it (plus the suite's offline switches),
+        # asked for the port's default model by the provider connect added.
+        config = {**written, "autoupdate": False, "share": "disabled"}
+        (first_model, *_) = written["provider"]["gguf-studio"]["models"]
+        oc = await opencode.run(cast(StudioService, None), "Say hello.", config=config,
+                                args=("-m", f"gguf-studio/{first_model}"))
+        assert oc.returncode == 0 and not oc.timed_out, oc.describe()
+        assert oc.text, oc.describe()
     finally:
         if serve.returncode is None:
             os.killpg(serve.pid, 2)
