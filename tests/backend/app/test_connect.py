@@ -1,5 +1,6 @@
 """`gguf-studio connect` where it does not end in a key: multicast finds nothing (it says
-so and asks for the address), and the owner refuses (nothing is minted or written)."""
+so and asks for the address), and the owner refuses (nothing is minted or written; the
+address was shown as a QR code first, with --qr)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ async def test_when_multicast_finds_nothing_connect_says_so_and_asks_for_the_add
 async def test_a_refused_teammate_gets_no_key_and_nothing_is_written(running_service, tmp_path):
     service = await running_service(api_key=OWNER_KEY)
     proc = await connect(teammate(tmp_path), f"http://127.0.0.1:{service.gateway_port}",
-                         "--name", "bob")
+                         "--name", "bob", "--qr")
     await until(lambda: bool(service.enrolments.pending()), 30)
     service.refuse_enrolment("bob")
     out, err = await asyncio.wait_for(proc.communicate(), 60)
 
     assert proc.returncode == 1, out.decode() + err.decode()
     assert "Using the address given" in out.decode()
+    assert "█" in out.decode()  # --qr: the address as a QR code, before the request
     assert "refused" in err.decode(), err.decode()
     assert KeyStore().records() == []
     assert not (tmp_path / ".config" / "gguf-studio").exists()
