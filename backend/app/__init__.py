@@ -5,5 +5,6 @@ the command line (`cli`, with its `keys` commands in `cli_keys` and its Hugging 
 in `cli_hub`), the keys as people edit and see them (`key_table`), usage per key
 (`usage`), the end-to-end self-test, client snippets, activity over time, the desktop
 entry, LAN discovery (`discovery`: mDNS announce and browse), `gguf-studio connect`
-(`connect`) and the client configuration it writes (`client_config`), and the writer of
-the window's files off its thread (`saver`)."""
+(`connect`) and the client configuration it writes (`client_config`), the writer of the
+window's files off its thread (`saver`), and the chat playground's conversation, sent
+through the port like any client's (`chat_session`)."""
