@@ -521,8 +521,9 @@ def _starlette_app(gateway: Gateway) -> Starlette:
         routing.Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
     ]
     if gateway.enrolment is not None:
-        routes += [Route(ENROL_PATH, gateway.enrolment.create, methods=["POST"]),
-                   Route(ENROL_PATH + "/{token}", gateway.enrolment.poll, methods=["GET"])]
+        routes += [routing.Route(ENROL_PATH, gateway.enrolment.create, methods=["POST"]),
+                   routing.Route(ENROL_PATH + "/{token}", gateway.enrolment.poll,
+                                 methods=["GET"])]
     app = Starlette(
         routes=routes,
         middleware=[Middleware(GatewayMiddleware, gateway=gateway)],
