@@ -188,10 +188,16 @@ class Enrolments:
     async def wait(self, token: str, timeout: float) -> Enrolment:
         """The request once decided, or as it is after `timeout` seconds (or at its expiry)."""
         enrolment = self.find(token)
-        if enrolment.state == PENDING:
-            limit = min(timeout, enrolment.expires_in(self._clock()))
+        deadline = self._clock() + timeout
+        while enrolment.state == PENDING:
+            # Again while time is left: the loop's timer may fire a little before the
+            # wall clock says the request expired.
+            limit = min(deadline, enrolment.expires_at) - self._clock()
+            if limit <= 0:
+                break
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(enrolment.changed.wait(), max(0.0, limit))
+                await asyncio.wait_for(enrolment.changed.wait(), limit)
+            enrolment = self.find(token)
         return self.find(token)
 
     def collect(self, enrolment: Enrolment) -> str:
