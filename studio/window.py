@@ -393,6 +393,12 @@ class MainWindow(QMainWindow):
             name, changes, on_done=keys.show_edited, on_error=keys.show_dialog_error))
         keys.revoke_requested.connect(lambda name: b.revoke_key(
             name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
+        b.enrolments_changed.connect(self.sharing.set_enrolments)
+        b.announcement_changed.connect(self.sharing.show_announcement)
+        self.sharing.enrolment_approved.connect(lambda name, limits: b.approve_enrolment(
+            name, limits, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
+        self.sharing.enrolment_refused.connect(lambda name: b.refuse_enrolment(
+            name, on_error=self.show_message))
 
     # --- activity -------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from backend.port.access_log import log_request
 from backend.admission.admission import AdmissionQueue
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
+from backend.port.enrolment_endpoint import ENROL_PATH, EnrolmentEndpoint
 from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
@@ -117,10 +118,11 @@ class GatewayContext(Protocol):
 class Gateway:
     """The app's state: the context, one shared upstream client, the handlers."""
 
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, enrolment: EnrolmentEndpoint | None = None) -> None:
         self.ctx = ctx
+        self.enrolment = enrolment
         self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
-                                 keyless_paths=KEYLESS_ROUTES, keys=lambda: ctx.keys)
+                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
@@ -541,9 +543,10 @@ class _GatedEndpoint:
         await self.gateway.handle_gated(scope, receive, send, self.path)
 
 
-def create_app(ctx: GatewayContext) -> Gateway:
-    """The port for `ctx`: the gateway, whose `app` the server serves."""
-    return Gateway(ctx)
+def create_app(ctx: GatewayContext, enrolment: EnrolmentEndpoint | None = None) -> Gateway:
+    """The port for `ctx`: the gateway, whose `app` the server serves; `enrolment`
+    answers teammates asking for a key (backend.port.enrolment_endpoint)."""
+    return Gateway(ctx, enrolment)
 
 
 def _starlette_app(gateway: Gateway) -> Starlette:
@@ -555,6 +558,10 @@ def _starlette_app(gateway: Gateway) -> Starlette:
         routing.Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
         routing.Route(REQUESTS_ROUTE, gateway.requests_endpoint, methods=["GET"]),
     ]
+    if gateway.enrolment is not None:
+        routes += [routing.Route(ENROL_PATH, gateway.enrolment.create, methods=["POST"]),
+                   routing.Route(ENROL_PATH + "/{token}", gateway.enrolment.poll,
+                                 methods=["GET"])]
     app = Starlette(
         routes=routes,
         middleware=[Middleware(GatewayMiddleware, gateway=gateway)],
