@@ -83,7 +83,8 @@ from types import EllipsisType
 from backend.errors import RETRY_SOON, ContextLengthExceeded, ModelNotReady, QueueFull
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.admission.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
+from backend.admission.admission_ticket import (DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState,
+                                                WaitReason, as_need)
 from backend.admission.fair_queue import Band, FairQueue, Flow
 from backend.admission.placement import NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat
 
@@ -103,6 +104,8 @@ DEFAULT_MODEL = ""
 AGING_SECONDS = 30.0
 #: How often a head that does not fit may be passed by other flows' requests that do.
 MAX_PASSES = 4
+#: Admissions a line remembers (arrival order, flow), to tell a waiter who passed it.
+RECENT_ADMISSIONS = 64
 
 class AdmissionQueue:
     """The slots and KV tokens of one engine; its model's `Line` waits in front of it."""
@@ -379,6 +382,9 @@ class Line:
         self._awaiting_engine: dict[asyncio.Future[None], tuple[str, int]] = {}
         # (when, flow) of the last requests that ended.
         self._ended: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
+        # (arrival order, flow) of the last tickets admitted: who passed a waiter.
+        self._admitted: collections.deque[tuple[int, str]] = collections.deque(
+            maxlen=RECENT_ADMISSIONS)
 
     # --- state -----------------------------------------------------------------------
 
@@ -457,6 +463,7 @@ class Line:
         self._waiting_bytes += size
         self._promote()
         if ticket.state is TicketState.WAITING:
+            ticket.wait_reason = self._why_waiting(ticket)
             waiting = len(self._waiters) - 1
             if self.max_waiting and waiting >= self.max_waiting:
                 self._pop(ticket)
@@ -662,8 +669,34 @@ class Line:
             seat.engine.take(ticket, self._clock(), seat)
             if seat.cached:  # the fair share charges what the engine's cache lacks
                 waiters.discount(ticket, seat.cached)
+            if ticket.wait_reason == WaitReason.SLOTS_FULL:
+                self._note_passer(ticket)
+            self._admitted.append((ticket.seq, ticket.flow.key))
             moved = True
         return moved
+
+    def _why_waiting(self, ticket: Ticket) -> str:
+        """Why `ticket` did not go in at once (O(engines), only for one that waits): its
+        flow's concurrency, no engine yet, every slot taken, or no room in the cache."""
+        flow = ticket.flow
+        if flow.max_concurrent and self._waiters.running_of(flow.key) >= flow.max_concurrent:
+            return WaitReason.KEY_CONCURRENCY
+        if not self._engines:
+            return WaitReason.MODEL_LOADING
+        if not self._slot_free(None):
+            return WaitReason.SLOTS_FULL
+        return WaitReason.KV_FULL
+
+    def _note_passer(self, ticket: Ticket) -> None:
+        """A ticket that waited for a slot is admitted: if another flow's later arrival
+        went in before it, that flow's share (or band) came first (the latest such one
+        is named).  O(RECENT_ADMISSIONS), only for a ticket that waited."""
+        seq, own = ticket.seq, ticket.flow.key
+        for other_seq, other in reversed(self._admitted):
+            if other_seq > seq and other != own:
+                ticket.wait_reason = WaitReason.FAIR_SHARE
+                ticket.waited_behind = other
+                return
 
     def _slot_free(self, skip: AdmissionQueue | None) -> bool:
         for engine in self._engines:

@@ -16,6 +16,11 @@ relayed, counted with one `bytes.count` per chunk; a non-streamed answer that wa
 read costs its reservation.  A named key's answers carry nothing of the engine's shared
 prompt cache (`sse.without_cache_figures`, on the one event or body that names it).
 
+What it did: each request leaves one record in the request inspector's ring when it ends
+(`_record`, `backend.port.request_log`): its wait and why (its ticket's `wait_reason`),
+the engine's figures read once from the answer's last bytes, its time to first token and
+the longest silence between chunks (one clock read and a max per arrival), never content.
+
 Failures of the upstream client become the project's errors in one place
 (`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
 an HTTP answer while no header was sent, a final in-stream error event afterwards.
@@ -27,19 +32,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
-from backend.admission.admission_ticket import Ticket
+from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.caller import Caller
 from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.placement import NO_HINT, Hint, KeepPrefixes
+from backend.port.request_log import NO_FIGURES, RequestLog, engine_figures
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -102,6 +109,10 @@ class ExchangeHost(Protocol):
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
 
+    @property
+    def requests(self) -> RequestLog:
+        """The request inspector's ring, where each exchange leaves its record."""
+
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
 
@@ -127,6 +138,10 @@ class GatedRequest:
     served: asyncio.Future[None] | None = None
     #: Its session and prompt prefix, for placement (planned with it once it can be).
     hint: Hint = NO_HINT
+    #: When it arrived (`time.monotonic`), for its waits and its time to first token.
+    arrived: float = 0.0
+    #: The client's W3C `traceparent`, read only while spans are exported.
+    traceparent: str | None = None
 
 
 class Exchange:
@@ -193,6 +208,16 @@ class Exchange:
         self._answered = False
         #: The error the request ended with, if it did.
         self._failed: RequestError | None = None
+        #: The status its client got (an error after the stream began leaves 200).
+        self._status = 200
+        #: For the inspector (`_record`), all `time.monotonic`: when it arrived, its
+        #: wait for its model to load, the engine's first bytes, the last chunk's
+        #: arrival and the longest silence between two chunks.
+        self._arrived = request.arrived or time.monotonic()
+        self._loading = 0.0
+        self._first_at: float | None = None
+        self._last_at = 0.0
+        self._longest_gap = 0.0
 
     @property
     def metrics(self) -> ModelCounts:
@@ -215,6 +240,7 @@ class Exchange:
             except RequestError as error:
                 last = self._failure(error)
                 self._account()
+                self._record()
                 await self._send_all(last)
                 return
         self._task = asyncio.current_task()
@@ -259,6 +285,7 @@ class Exchange:
             self._task = None  # nothing left to abort
             self.passage.close()
             self._account()
+            self._record()
         try:
             await self._send_all(last)
         finally:
@@ -349,6 +376,62 @@ class Exchange:
         placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
                          ticket.engine.label, *figures)
 
+    def _record(self) -> None:
+        """Leave this request's record in the inspector's ring: names, times and the
+        engine's figures, read once from the answer's last bytes; nothing of its content."""
+        ticket = self.ticket
+        request = self.request
+        seat = ticket.seat if ticket is not None else None
+        figures = engine_figures(self._start, self._tail or b"".join(self._last_sent)) \
+            if self._events or self._answered else NO_FIGURES
+        wait, reason, behind = self._waited()
+        first = self._first_at
+        session = request.hint.session
+        error = self._failed
+        output = figures.output_tokens
+        self.host.requests.add(
+            traceparent=request.traceparent,
+            time=time.time() - (time.monotonic() - self._arrived),
+            route=request.path, key=self.caller.name,
+            session=None if session is None else session.split("\n", 1)[-1],
+            model=request.model_id,
+            engine=seat.engine.label if seat is not None else None,
+            slot=seat.slot if seat is not None else None,
+            band=self._band_name(), stream=request.parsed.stream,
+            wait=wait, wait_reason=reason, waited_behind=behind,
+            prompt_tokens=figures.prompt_tokens, cached_tokens=figures.cached_tokens,
+            computed_tokens=(None if figures.prompt_tokens is None or figures.cached_tokens is None
+                             else figures.prompt_tokens - figures.cached_tokens),
+            output_tokens=output if output is not None or not self._events else self._events,
+            prefill_ms=figures.prefill_ms,
+            time_to_first_token=None if first is None else first - self._arrived,
+            tokens_per_second=figures.tokens_per_second,
+            longest_gap=self._longest_gap if first is not None and self._last_at > first else None,
+            status=499 if self.client_gone else self._status,
+            error=None if error is None else error.code)
+
+    def _waited(self) -> tuple[float, str | None, str | None]:
+        """(seconds, reason, the key it waited behind) from arrival until it ran: its
+        ticket's wait as admission tells it, or its model's load when that was longer."""
+        ticket = self.ticket
+        queued = 0.0
+        reason = behind = None
+        if ticket is not None:
+            ran_at = ticket.admitted_at if ticket.admitted_at is not None else time.monotonic()
+            queued = max(0.0, ran_at - ticket.enqueued_at)
+            reason, behind = ticket.wait_reason, ticket.waited_behind
+        if self._loading > queued:
+            reason, behind = WaitReason.MODEL_LOADING, None
+        return self._loading + queued, reason, behind
+
+    def _band_name(self) -> str | None:
+        ticket = self.ticket
+        band = self.request.band
+        if ticket is not None:
+            flow_band = ticket.flow.band
+            band = flow_band if ticket.band is None else max(ticket.band, flow_band)
+        return None if band is None else band.name.lower()
+
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage
         reached the client: the prompt as admission counted it (its byte bound when it
@@ -369,6 +452,7 @@ class Exchange:
         self._failed = error
         if not self.headers_sent:
             status, headers, body = http_errors.http_error(error, self.metrics)
+            self._status = status
             self.headers_sent = True
             return [{"type": "http.response.start", "status": status, "headers": headers},
                     {"type": "http.response.body", "body": body, "more_body": False}]
@@ -438,6 +522,7 @@ class Exchange:
         """Returns once an engine serves the request's model (it was loading); a
         streaming client sees life meanwhile.  Its queue timeout counts."""
         served = self._awaiting = self.request.served or self.line.when_served()
+        started = time.monotonic()
         try:
             if self.request.parsed.stream:
                 if not self.headers_sent:
@@ -448,6 +533,8 @@ class Exchange:
         except TimeoutError:
             raise QueueTimeout("The model is still loading. Try again shortly.",
                                retry_after=RETRY_SOON) from None
+        finally:
+            self._loading = time.monotonic() - started
 
     async def _admitted(self, ticket: Ticket, timeout: float | None) -> None:
         """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""
@@ -664,6 +751,7 @@ class Exchange:
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
         while not await upstream.arrived(interval):
             await self._send_keepalive()
+        self._first_at = self._last_at = time.monotonic()
         # Each chunk relayed counts its events (`_events`, what a cut stream is charged):
         # one `bytes.count`, 0.3 us for a 229-byte chunk here (less than the marker's
         # substring test); a named key's chunks one more substring test for the cache.
@@ -679,7 +767,12 @@ class Exchange:
         if writer is not None:
             await self._pump(upstream, stage, marker, writer)
         else:
+            clock = time.monotonic
             async for chunk in upstream.aiter_raw():
+                now = clock()
+                if now - self._last_at > self._longest_gap:
+                    self._longest_gap = now - self._last_at
+                self._last_at = now
                 chunk = stage(chunk)
                 if chunk:
                     if marker in chunk:
@@ -707,12 +800,18 @@ class Exchange:
         loop = asyncio.get_running_loop()
         hide = self._hide_cache
         cache = sse.CACHE_MARKER
+        clock = time.monotonic
         while True:
             turn: asyncio.Future[bool] = loop.create_future()
 
             def pump() -> None:
                 if turn.done():
                     return
+                # The inspector's longest silence: one clock read and a max per arrival.
+                now = clock()
+                if now - self._last_at > self._longest_gap:
+                    self._longest_gap = now - self._last_at
+                self._last_at = now
                 try:
                     while data := upstream.read():
                         chunk = stage(data)

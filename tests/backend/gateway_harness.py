@@ -23,6 +23,7 @@ from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
+from backend.port.request_log import RequestLog
 from backend.port.metrics import Metrics
 from backend.port.route import Route
 from backend.settings import Settings
@@ -48,6 +49,7 @@ class Context:
         self.metrics.set_backend(snapshot)
         self.keys: KeyStore | None = None
         self.flows = FlowControl()
+        self.requests = RequestLog()
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
