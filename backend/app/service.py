@@ -22,6 +22,7 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
+from backend.api_keys import generate_api_key
 from backend.app.discovery import Advertiser, app_version, service_name
 from backend.app.key_table import KeyTable, key_table, key_target
 from backend.app.snippets import ClientModel, ClientTarget
@@ -95,6 +96,8 @@ class StudioService:
         self.metrics.bind_usage(self.usage.snapshot)
         #: The request inspector's ring (kept across restarts of the port).
         self.requests = RequestLog()
+        #: The Chat tab's key: made for this run, never saved (backend.app.chat_session).
+        self.chat_secret = generate_api_key()
         self._spans: SpanExport | None = None
         if settings.otel_endpoint:  # OpenTelemetry only when asked for (the `otel` extra)
             from backend.port.tracing import span_export_to

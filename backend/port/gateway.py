@@ -92,6 +92,8 @@ class GatewayContext(Protocol):
     metrics: Metrics
     #: The request inspector's ring: every gated request that ended leaves a record.
     requests: RequestLog
+    #: The secret of the window's Chat tab (its own flow; "" for none).
+    chat_secret: str
 
     @property
     def keys(self) -> KeyStore | None:
@@ -122,7 +124,8 @@ class Gateway:
         self.ctx = ctx
         self.enrolment = enrolment
         self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
-                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys)
+                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys,
+                                 chat_secret=lambda: ctx.chat_secret)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None

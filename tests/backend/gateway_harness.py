@@ -50,6 +50,7 @@ class Context:
         self.keys: KeyStore | None = None
         self.flows = FlowControl()
         self.requests = RequestLog()
+        self.chat_secret = ""
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
