@@ -37,6 +37,8 @@ OWNED_FLAGS = frozenset({
     "--rpc",
     # The output cap: the port reserves and writes it (backend.port.request_body).
     "-n", "--predict", "--n-predict",
+    # Parked slots live in a private directory GGUF Studio owns (backend.llama.slot_parking).
+    "--slot-save-path",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.

@@ -64,8 +64,11 @@ class Supervisor(SnapshotPublisher):
                  log_max_bytes: int = 8 << 20, log_keep_starts: int = 5,
                  port_picker: Callable[[], int] | None = None,
                  output_cap: Callable[[], int] = lambda: 0,
+                 slot_save_dir: Callable[[], Path | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.binary = Path(binary)
+        #: Where the engine saves and restores slots (parked prefixes), made at each start.
+        self.slot_save_dir = slot_save_dir
         #: The operator's output cap (0: none), read at each start of the engine.
         self.output_cap = output_cap
         self.log_dir = Path(log_dir)
@@ -296,7 +299,8 @@ class Supervisor(SnapshotPublisher):
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = _EngineKey.create()
         args = build_command(self.binary, spec, port, api_key_file=key.path,
-                             n_predict=self.output_cap())
+                             n_predict=self.output_cap(),
+                             slot_save_dir=await asyncio.to_thread(self.slot_save_dir))
         self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
             child = await _Child.start(args, port, log_file, self._on_log_line, key)
@@ -344,12 +348,13 @@ class Supervisor(SnapshotPublisher):
 
 def build_command(binary: Path, spec: LoadSpec, port: int, *,
                   api_key_file: Path | None = None, amx: bool | None = None,
-                  n_predict: int = 0) -> list[str]:
+                  n_predict: int = 0, slot_save_dir: Path | None = None) -> list[str]:
     """llama-server's command line: every setting explicit, never the binary's defaults.
     `api_key_file` holds the key the engine's port will require (a file, so that the key
     never shows in the process list); `amx`: does the CPU claim AMX (None: look);
     `n_predict`: the operator's output cap (0: none), the engine's own default limit for
-    a request that reaches it without one (the port writes it into every request too)."""
+    a request that reaches it without one (the port writes it into every request too);
+    `slot_save_dir`: the directory of parked slots (backend.llama.slot_parking)."""
     settings = spec.settings
     parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
     args = [
@@ -374,6 +379,8 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         args += ["--n-predict", str(n_predict)]
     if api_key_file is not None:
         args += ["--api-key-file", str(api_key_file)]
+    if slot_save_dir is not None:
+        args += ["--slot-save-path", str(slot_save_dir)]
     if spec.chat_template:
         args.append("--jinja")
     if (cpu_claims_amx() if amx is None else amx) and "--no-repack" not in settings.extra_args:
