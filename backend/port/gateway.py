@@ -51,7 +51,7 @@ from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, P
 from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
-from backend.port.relay import Exchange, GatedRequest
+from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
                                        read_body)
 from backend.settings import Settings
@@ -179,6 +179,12 @@ class Gateway:
     @property
     def flows(self) -> FlowControl:
         return self.ctx.flows
+
+    @property
+    def parking(self) -> SlotParking | None:
+        """The app's steward of parked prefixes, when the context has one."""
+        parking: SlotParking | None = getattr(self.ctx, "parking", None)
+        return parking
 
     # --- gated routes ----------------------------------------------------------------
 

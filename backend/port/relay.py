@@ -108,6 +108,19 @@ class ExchangeHost(Protocol):
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
 
+    @property
+    def parking(self) -> SlotParking | None:
+        """Who restores a session's parked prefix into its seat (None: nobody)."""
+
+
+class SlotParking(Protocol):
+    """Parked prefixes (`backend.app.parking`): between the seat and the request, and
+    once the answer's last bytes are in."""
+
+    async def before_send(self, ticket: Ticket, model: str | None) -> object | None: ...
+
+    def after_answer(self, pending: object | None, tail: bytes) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class GatedRequest:
@@ -398,8 +411,14 @@ class Exchange:
         while True:
             timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
             await self._admitted(ticket, timeout)
+            parking = self.host.parking
+            pending = None if parking is None else await parking.before_send(
+                ticket, self.request.model_id)
             try:
-                return await self._forward(ticket)
+                last = await self._forward(ticket)
+                if parking is not None:
+                    parking.after_answer(pending, self._tail or b"".join(self._last_sent))
+                return last
             except _NotReached:
                 refused_by = self.metrics  # the engine's counts, before the ticket leaves it
                 if not ticket.requeue():

@@ -1,0 +1,223 @@
+"""The steward of parked prefixes: what live sessions hold is saved before an engine goes
+away on purpose, and put back before their next turn.
+
+Planned losses all pass through `Pool.unload_model` (an idle TTL, an eviction for
+another model, an unload, a swap of the default model, the app closing): there, once the
+engine's requests drained and before it stops, `park` saves the slots of the sessions
+resident on it (`Residents`), each as its key's own file (`backend.llama.slot_parking`).
+A save that hangs does not hold the unload: all saves of one engine share
+`PARK_TIME_LIMIT` seconds, then the engine stops whatever is left unsaved.
+
+A session's next turn, once admission gave it a seat (a slot of an engine), is looked up
+by the relay (`before_send`): when its prefix is parked for its key on this model, it is
+restored into the seat's slot and the seat is pinned (`id_slot`), so the engine reuses it.
+The reply's cached tokens say whether it took (`after_answer`); one that did not is
+dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
+runs between the seat and the request.
+
+Which slot holds which session comes from the session table when the port has one
+(`Residents`); without it the steward keeps its own book of the slots it pinned
+(`SlotBook`): a session's turn is pinned to its seat's slot, so the slot it lives in is
+known when its engine goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from backend.admission.admission_ticket import Ticket
+from backend.app.pool_config import ModelEntry
+from backend.llama.load import Serving
+from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
+                                        SlotClient, model_identity)
+
+__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents", "SlotBook"]
+
+log = logging.getLogger("gguf_studio.parking")
+
+#: Seconds all saves before one engine's planned loss may take together.  A save writes
+#: the slot's KV (SmolLM2: 22 KiB a token; a 7B model: 128 KiB, 4 GB for a 30k-token
+#: agent prompt, seconds on an SSD); past this the engine stops with what is left unsaved.
+PARK_TIME_LIMIT = 15.0
+
+
+class Resident(Protocol):
+    """A session whose prefix is in a slot of an engine (`backend.admission.sessions`)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def flow(self) -> str: ...
+
+    @property
+    def slot(self) -> int | None: ...
+
+
+class Residents(Protocol):
+    def resident(self, engine: str) -> list[Any]:
+        """The sessions on `engine` (admission key), least recently served first."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Booked:
+    key: str
+    flow: str
+    slot: int | None
+
+
+class SlotBook:
+    """Which session each pinned slot of each engine holds, as the steward pinned them."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, dict[int, _Booked]] = {}
+
+    def record(self, engine: str, slot: int, key: str, flow: str) -> None:
+        held = self._slots.setdefault(engine, {})
+        for other, booked in list(held.items()):
+            if booked.key == key and other != slot:
+                del held[other]
+        held[slot] = _Booked(key, flow, slot)
+
+    def holds(self, engine: str, slot: int, key: str) -> bool:
+        booked = self._slots.get(engine, {}).get(slot)
+        return booked is not None and booked.key == key
+
+    def resident(self, engine: str) -> list[Any]:
+        return list(self._slots.get(engine, {}).values())
+
+    def forget_engine(self, engine: str) -> None:
+        self._slots.pop(engine, None)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A restore whose reply has yet to say whether it took."""
+
+    key: ParkKey
+    restored: Restored
+
+
+class ParkingSteward:
+    """Parks the slots of live sessions before planned losses and restores them."""
+
+    def __init__(self, lot: ParkingLot, *, entry_of: Callable[[str], ModelEntry | None],
+                 residents: Residents | None = None,
+                 time_limit: float = PARK_TIME_LIMIT) -> None:
+        self.lot = lot
+        self._entry_of = entry_of
+        self.book = SlotBook()
+        self._residents: Residents = residents if residents is not None else self.book
+        self.time_limit = time_limit
+        #: Figures for the log and the window: saves, restores that took, that did not.
+        self.counts = {"parked": 0, "restored": 0, "not_taken": 0, "park_failed": 0}
+
+    # --- before a planned loss ----------------------------------------------------------
+
+    async def park(self, model: str, serving: Serving) -> int:
+        """Save the slots of the sessions resident on `model`'s engine `serving` (drained:
+        nothing runs on it), within `time_limit` seconds; how many were saved."""
+        identity = self._identity(model)
+        residents = [r for r in self._residents.resident(serving.key) if r.slot is not None]
+        self.book.forget_engine(serving.key)
+        if identity is None or not residents:
+            return 0
+        saved = 0
+        started = time.monotonic()
+        async with SlotClient(serving.base_url, api_key=serving.api_key,
+                              timeout=self.time_limit) as engine:
+            try:
+                async with asyncio.timeout(self.time_limit):
+                    for resident in reversed(residents):  # the most recent first
+                        try:
+                            await self.lot.save(engine, resident.slot,
+                                                ParkKey(identity, resident.flow, resident.key))
+                            saved += 1
+                        except SlotActionFailed as exc:
+                            self.counts["park_failed"] += 1
+                            log.warning("%s: a session's slot was not parked (%s)", model, exc)
+            except TimeoutError:
+                self.counts["park_failed"] += len(residents) - saved
+                log.warning("%s: parking gave up after %g s with %d of %d sessions saved",
+                            model, self.time_limit, saved, len(residents))
+        self.counts["parked"] += saved
+        log.info("%s: parked %d session prefixes in %.2f s", model, saved,
+                 time.monotonic() - started)
+        return saved
+
+    # --- a session's next turn -----------------------------------------------------------
+
+    async def before_send(self, ticket: Ticket, model: str | None) -> object | None:
+        """Between the seat and the request: restore the session's parked prefix into the
+        seat's slot and pin the seat to it; without one, pin the session to its seat so
+        the slot it lives in is known.  What `after_answer` needs (None: nothing)."""
+        session = ticket.hint.session
+        seat = ticket.seat
+        if session is None or seat is None or seat.slot is None or model is None:
+            return None
+        identity = self._identity(model)
+        if identity is None:
+            return None
+        key = ParkKey(identity, ticket.flow.key, session)
+        restored = None
+        if self.lot.find(key) is not None:
+            serving = ticket.serving
+            async with SlotClient(serving.base_url, api_key=serving.api_key) as engine:
+                restored = await self.lot.restore(engine, seat.slot, key)
+            if restored is None:
+                self.counts["not_taken"] += 1
+        if not seat.pinned:
+            ticket.seat = dataclasses.replace(seat, pinned=True)
+        self.book.record(ticket.serving.key, seat.slot, session, ticket.flow.key)
+        return _Pending(key, restored) if restored is not None else None
+
+    def after_answer(self, pending: object | None, tail: bytes) -> None:
+        """The reply to a restored turn: keep the parked file when the restore took (its
+        cached tokens reached the restored prefix), drop it when it did not."""
+        if not isinstance(pending, _Pending):
+            return
+        cache_n = _cache_n(tail)
+        if pending.restored.took(cache_n):
+            self.counts["restored"] += 1
+            return
+        self.counts["not_taken"] += 1
+        log.warning("a restored prefix of %d tokens did not take (the reply reused %s); it "
+                    "is dropped", pending.restored.tokens, cache_n)
+        self.lot.forget(pending.key)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _identity(self, model: str) -> str | None:
+        """A local model as its parked files know it: its file, and the settings that
+        shape its cache.  None for an engine elsewhere (its slots are not ours to park)."""
+        entry = self._entry_of(model)
+        if entry is None:
+            return None
+        settings = entry.settings
+        return model_identity(Path(entry.path), str(settings.ctx_size), *settings.extra_args)
+
+
+def _cache_n(tail: bytes) -> int | None:
+    """The engine's `timings.cache_n` in the last event or body that carries it."""
+    for block in reversed(tail.split(b"\n")):
+        if b'"cache_n"' not in block:
+            continue
+        text = block[5:] if block.startswith(b"data:") else block
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            continue
+        timings = payload.get("timings") if isinstance(payload, dict) else None
+        value = timings.get("cache_n") if isinstance(timings, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
