@@ -115,7 +115,13 @@ class ParkingSteward:
         self.lot = lot
         self._entry_of = entry_of
         self.book = SlotBook()
+        #: Without a session table, each session's turn is pinned to its seat so that the
+        #: book knows its slot; with one, placement decides the pins (only a restore pins).
+        self._pin_sessions = residents is None
         self._residents: Residents = residents if residents is not None else self.book
+        # (model, engine key) -> its identity: worked out once per engine process (it
+        # reads the model file's size and time), not per request.
+        self._identities: dict[tuple[str, str], str | None] = {}
         self.time_limit = time_limit
         #: Figures for the log and the window: saves, restores that took, that did not.
         self.counts = {"parked": 0, "restored": 0, "not_taken": 0, "park_failed": 0}
@@ -125,10 +131,11 @@ class ParkingSteward:
     async def park(self, model: str, serving: Serving) -> int:
         """Save the slots of the sessions resident on `model`'s engine `serving` (drained:
         nothing runs on it), within `time_limit` seconds; how many were saved."""
-        identity = self._identity(model)
+        identity = self._identity(model, serving.key)
         residents = [r for r in self._residents.resident(serving.key) if r.slot is not None]
         self.book.forget_engine(serving.key)
-        if identity is None or not residents:
+        self._identities.pop((model, serving.key), None)
+        if identity is None or not residents or self.lot.budget_bytes <= 0:
             return 0
         saved = 0
         started = time.monotonic()
@@ -163,7 +170,7 @@ class ParkingSteward:
         seat = ticket.seat
         if session is None or seat is None or seat.slot is None or model is None:
             return None
-        identity = self._identity(model)
+        identity = self._identity(model, ticket.serving.key)
         if identity is None:
             return None
         key = ParkKey(identity, ticket.flow.key, session)
@@ -174,9 +181,10 @@ class ParkingSteward:
                 restored = await self.lot.restore(engine, seat.slot, key)
             if restored is None:
                 self.counts["not_taken"] += 1
-        if not seat.pinned:
+        if not seat.pinned and (restored is not None or self._pin_sessions):
             ticket.seat = dataclasses.replace(seat, pinned=True)
-        self.book.record(ticket.serving.key, seat.slot, session, ticket.flow.key)
+        if self._pin_sessions:
+            self.book.record(ticket.serving.key, seat.slot, session, ticket.flow.key)
         return _Pending(key, restored) if restored is not None else None
 
     def after_answer(self, pending: object | None, tail: bytes) -> None:
@@ -195,14 +203,16 @@ class ParkingSteward:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _identity(self, model: str) -> str | None:
+    def _identity(self, model: str, engine: str) -> str | None:
         """A local model as its parked files know it: its file, and the settings that
         shape its cache.  None for an engine elsewhere (its slots are not ours to park)."""
-        entry = self._entry_of(model)
-        if entry is None:
-            return None
-        settings = entry.settings
-        return model_identity(Path(entry.path), str(settings.ctx_size), *settings.extra_args)
+        known = (model, engine)
+        if known not in self._identities:
+            entry = self._entry_of(model)
+            settings = entry.settings if entry is not None else None
+            self._identities[known] = None if entry is None or settings is None else \
+                model_identity(Path(entry.path), str(settings.ctx_size), *settings.extra_args)
+        return self._identities[known]
 
 
 def _cache_n(tail: bytes) -> int | None:

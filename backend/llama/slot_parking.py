@@ -205,6 +205,10 @@ class ParkingLot:
         return sorted(self._index.values(), key=lambda p: p.used)
 
     @property
+    def budget_bytes(self) -> int:
+        return self._budget()
+
+    @property
     def used_bytes(self) -> int:
         return sum(p.size for p in self._index.values())
 

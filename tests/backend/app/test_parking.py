@@ -5,7 +5,10 @@ its prompt; a parked file that cannot be restored costs a plain prefill, nothing
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import stat
+import time
 from pathlib import Path
 
 import httpx
@@ -83,6 +86,26 @@ async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
     assert service.pool.status("tiny").residency is Residency.READY
     assert service.pool.snapshot("tiny").restarts == 0  # the engine never read the file
     assert third.computed <= 0.15 * third.prompt  # and the session is warm again
+
+
+async def test_an_engine_that_does_not_answer_its_save_stops_within_the_bound(
+        running_service: ServiceFactory, tiny_model):
+    service = await running_service(stop_timeout=1.0)
+    service.parking.time_limit = 1.0
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS),)))
+    async with port(service) as client:
+        await turn(client, "hung-1", 1)
+    pid = service.pool.snapshot("tiny").pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # hung: it takes the save request and never answers
+    started = time.monotonic()
+    await service.unload_model("tiny")
+    took = time.monotonic() - started
+    # The save's bound, then SIGTERM's wait, then SIGKILL: not the save's own timeout.
+    assert took < 1.0 + 1.0 + 3.0, took
+    assert service.parking.counts["park_failed"] == 1
+    assert service.pool.status("tiny").residency is Residency.UNLOADED
 
 
 # --- helpers -----------------------------------------------------------------------------
