@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,36 +67,54 @@ class Residents(Protocol):
     def resident(self, engine: str) -> list[Any]:
         """The sessions on `engine` (admission key), least recently served first."""
 
+    def where(self, key: str | None) -> Any:
+        """Session `key` (its `engine`: the admission key of the engine holding its
+        prefix, or None), or None when unknown."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Booked:
     key: str
     flow: str
+    engine: str
     slot: int | None
 
 
 class SlotBook:
-    """Which session each pinned slot of each engine holds, as the steward pinned them."""
+    """Which session each pinned slot of each engine holds, as the steward pinned them; a
+    session whose slot went to another stays on that engine (its RAM cache may keep it).
+    At most `max_sessions`, the least recently served forgotten first."""
 
-    def __init__(self) -> None:
-        self._slots: dict[str, dict[int, _Booked]] = {}
+    def __init__(self, max_sessions: int = 4096) -> None:
+        self.max_sessions = max_sessions
+        self._slots: dict[tuple[str, int], str] = {}
+        self._sessions: OrderedDict[str, _Booked] = OrderedDict()
 
     def record(self, engine: str, slot: int, key: str, flow: str) -> None:
-        held = self._slots.setdefault(engine, {})
-        for other, booked in list(held.items()):
-            if booked.key == key and other != slot:
-                del held[other]
-        held[slot] = _Booked(key, flow, slot)
+        old = self._sessions.pop(key, None)
+        if old is not None and old.slot is not None:
+            self._slots.pop((old.engine, old.slot), None)
+        displaced = self._sessions.get(self._slots.get((engine, slot), ""))
+        if displaced is not None:
+            self._sessions[displaced.key] = dataclasses.replace(displaced, slot=None)
+        self._slots[(engine, slot)] = key
+        self._sessions[key] = _Booked(key, flow, engine, slot)
+        while len(self._sessions) > self.max_sessions:
+            _, dropped = self._sessions.popitem(last=False)
+            if dropped.slot is not None:
+                self._slots.pop((dropped.engine, dropped.slot), None)
 
-    def holds(self, engine: str, slot: int, key: str) -> bool:
-        booked = self._slots.get(engine, {}).get(slot)
-        return booked is not None and booked.key == key
+    def where(self, key: str | None) -> Any:
+        return None if key is None else self._sessions.get(key)
 
     def resident(self, engine: str) -> list[Any]:
-        return list(self._slots.get(engine, {}).values())
+        return [b for b in self._sessions.values() if b.engine == engine]
 
     def forget_engine(self, engine: str) -> None:
-        self._slots.pop(engine, None)
+        for booked in [b for b in self._sessions.values() if b.engine == engine]:
+            del self._sessions[booked.key]
+            if booked.slot is not None:
+                self._slots.pop((engine, booked.slot), None)
 
 
 @dataclass(frozen=True)
@@ -131,7 +150,7 @@ class ParkingSteward:
     async def park(self, model: str, serving: Serving) -> int:
         """Save the slots of the sessions resident on `model`'s engine `serving` (drained:
         nothing runs on it), within `time_limit` seconds; how many were saved."""
-        identity = self._identity(model, serving.key)
+        identity = self.identity(model, serving.key)
         residents = [r for r in self._residents.resident(serving.key) if r.slot is not None]
         self.book.forget_engine(serving.key)
         self._identities.pop((model, serving.key), None)
@@ -170,12 +189,16 @@ class ParkingSteward:
         seat = ticket.seat
         if session is None or seat is None or seat.slot is None or model is None:
             return None
-        identity = self._identity(model, ticket.serving.key)
+        identity = self.identity(model, ticket.serving.key)
         if identity is None:
             return None
         key = ParkKey(identity, ticket.flow.key, session)
         restored = None
-        if self.lot.find(key) is not None:
+        # Parked, and not on this engine since: a turn after a restore finds its prefix
+        # in its slot (or the engine's RAM cache), newer than the file.
+        where = self._residents.where(session)
+        here = where is not None and where.engine == ticket.serving.key
+        if not here and self.lot.find(key) is not None:
             serving = ticket.serving
             async with SlotClient(serving.base_url, api_key=serving.api_key) as engine:
                 restored = await self.lot.restore(engine, seat.slot, key)
@@ -201,9 +224,7 @@ class ParkingSteward:
                     "is dropped", pending.restored.tokens, cache_n)
         self.lot.forget(pending.key)
 
-    # --- helpers -------------------------------------------------------------------------
-
-    def _identity(self, model: str, engine: str) -> str | None:
+    def identity(self, model: str, engine: str) -> str | None:
         """A local model as its parked files know it: its file, and the settings that
         shape its cache.  None for an engine elsewhere (its slots are not ours to park)."""
         known = (model, engine)
@@ -213,6 +234,9 @@ class ParkingSteward:
             self._identities[known] = None if entry is None or settings is None else \
                 model_identity(Path(entry.path), str(settings.ctx_size), *settings.extra_args)
         return self._identities[known]
+
+
+# --- helpers -------------------------------------------------------------------------------
 
 
 def _cache_n(tail: bytes) -> int | None:
