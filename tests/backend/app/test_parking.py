@@ -117,6 +117,26 @@ async def test_a_restore_the_turn_does_not_share_is_dropped_and_the_turn_served(
     assert parked_files(service.parking) == []  # not restored again on the next turn
 
 
+async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceFactory,
+                                                                 tiny_model):
+    service = await studio()
+    _, alice = service.keys.add("alice")
+    _, bob = service.keys.add("bob")
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "shared-name", 1, key=alice)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        parked = parked_files(service.parking)
+        # bob names the same session and sends the same conversation.
+        await turn(client, "shared-name", 2, key=bob)
+        bobs_counts = dict(service.parking.counts)
+        await turn(client, "shared-name", 2, key=alice)
+    assert len(parked) == 1 and parked_files(service.parking) == parked
+    assert bobs_counts == {"parked": 1, "restored": 0, "not_taken": 0, "park_failed": 0}
+    assert service.parking.counts["restored"] == 1  # alice's own turn got it
+
+
 async def test_an_engine_that_does_not_answer_its_save_stops_within_the_bound(
         studio: ServiceFactory, tiny_model):
     service = await studio(stop_timeout=1.0)
@@ -197,8 +217,10 @@ def port(service: StudioService) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}", timeout=120)
 
 
-async def turn(client: httpx.AsyncClient, session: str, n: int, head: str = HEAD) -> Figures:
-    """Turn `n` of an agent's session: its head, the turns before, one new line."""
+async def turn(client: httpx.AsyncClient, session: str, n: int, head: str = HEAD,
+               key: str | None = None) -> Figures:
+    """Turn `n` of an agent's session: its head, the turns before, one new line.  With a
+    named `key` the answer tells nothing of the cache: its figures are then zeros."""
     messages = [{"role": "system", "content": head}]
     for earlier in range(1, n):
         messages += [{"role": "user", "content": f"Step {earlier}: edit the next file."},
@@ -206,9 +228,9 @@ async def turn(client: httpx.AsyncClient, session: str, n: int, head: str = HEAD
     messages.append({"role": "user", "content": f"Step {n}: edit the next file."})
     answer = await client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0,
-        "prompt_cache_key": session})
+        "prompt_cache_key": session}, headers={"authorization": f"Bearer {key}"} if key else {})
     assert answer.status_code == 200, answer.text
-    return Figures(answer.json()["timings"])
+    return Figures(answer.json().get("timings", {"prompt_n": 0, "cache_n": 0}))
 
 
 def parked_files(steward: ParkingSteward) -> list[Path]:
