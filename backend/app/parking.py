@@ -29,10 +29,10 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
 from backend.app.pool_config import ModelEntry
@@ -51,25 +51,32 @@ PARK_TIME_LIMIT = 15.0
 
 
 class Resident(Protocol):
-    """A session whose prefix is in a slot of an engine (`backend.admission.sessions`)."""
+    """A session as the session table knows it (`backend.admission.sessions.Session`)."""
 
     @property
-    def key(self) -> str: ...
+    def key(self) -> str:
+        """Its key, scoped to its flow ("flow\\nname")."""
 
     @property
     def flow(self) -> str: ...
 
     @property
-    def slot(self) -> int | None: ...
+    def engine(self) -> str | None:
+        """The admission key of the engine whose cache holds its prefix; None: nowhere."""
+
+    @property
+    def slot(self) -> int | None:
+        """The slot holding its prefix, when known (pinned)."""
 
 
 class Residents(Protocol):
-    def resident(self, engine: str) -> list[Any]:
-        """The sessions on `engine` (admission key), least recently served first."""
+    """Where sessions live (`backend.admission.sessions.SessionTable`)."""
 
-    def where(self, key: str | None) -> Any:
-        """Session `key` (its `engine`: the admission key of the engine holding its
-        prefix, or None), or None when unknown."""
+    def resident(self, engine: str) -> Sequence[Resident]:
+        """The sessions on `engine`, least recently served first."""
+
+    def where(self, key: str | None) -> Resident | None:
+        """Session `key`, or None when unknown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +111,10 @@ class SlotBook:
             if dropped.slot is not None:
                 self._slots.pop((dropped.engine, dropped.slot), None)
 
-    def where(self, key: str | None) -> Any:
+    def where(self, key: str | None) -> Resident | None:
         return None if key is None else self._sessions.get(key)
 
-    def resident(self, engine: str) -> list[Any]:
+    def resident(self, engine: str) -> Sequence[Resident]:
         return [b for b in self._sessions.values() if b.engine == engine]
 
     def forget_engine(self, engine: str) -> None:
@@ -151,27 +158,28 @@ class ParkingSteward:
         """Save the slots of the sessions resident on `model`'s engine `serving` (drained:
         nothing runs on it), within `time_limit` seconds; how many were saved."""
         identity = self.identity(model, serving.key)
-        residents = [r for r in self._residents.resident(serving.key) if r.slot is not None]
+        residents = [(r.slot, ParkKey(identity or "", r.flow, r.key))
+                     for r in self._residents.resident(serving.key) if r.slot is not None]
         self.book.forget_engine(serving.key)
         self._identities.pop((model, serving.key), None)
         if identity is None or not residents or self.lot.budget_bytes <= 0:
             return 0
-        saved = 0
+        saved = tried = 0
         started = time.monotonic()
         async with SlotClient(serving.base_url, api_key=serving.api_key,
                               timeout=self.time_limit) as engine:
             try:
                 async with asyncio.timeout(self.time_limit):
-                    for resident in reversed(residents):  # the most recent first
+                    for slot, key in reversed(residents):  # the most recent first
+                        tried += 1
                         try:
-                            await self.lot.save(engine, resident.slot,
-                                                ParkKey(identity, resident.flow, resident.key))
+                            await self.lot.save(engine, slot, key)
                             saved += 1
                         except SlotActionFailed as exc:
                             self.counts["park_failed"] += 1
                             log.warning("%s: a session's slot was not parked (%s)", model, exc)
             except TimeoutError:
-                self.counts["park_failed"] += len(residents) - saved
+                self.counts["park_failed"] += len(residents) - tried + 1
                 log.warning("%s: parking gave up after %g s with %d of %d sessions saved",
                             model, self.time_limit, saved, len(residents))
         self.counts["parked"] += saved
