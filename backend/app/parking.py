@@ -15,10 +15,10 @@ The reply's cached tokens say whether it took (`after_answer`); one that did not
 dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
 runs between the seat and the request.
 
-Which slot holds which session comes from the session table when the port has one
-(`Residents`); without it the steward keeps its own book of the slots it pinned
-(`SlotBook`): a session's turn is pinned to its seat's slot, so the slot it lives in is
-known when its engine goes away.
+Which slot holds which session is the session table's (`backend.admission.sessions`,
+read through `Residents`): placement pins the turns that keep prefixes, and the relay
+records where each turn's prefix went.  Sessions whose prefix is only in an engine's RAM
+prompt cache (slot unknown) are not parked: llama-server saves slots, not that cache.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import dataclasses
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
 
-__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents", "SlotBook"]
+__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents"]
 
 log = logging.getLogger("gguf_studio.parking")
 
@@ -79,51 +78,6 @@ class Residents(Protocol):
         """Session `key`, or None when unknown."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Booked:
-    key: str
-    flow: str
-    engine: str
-    slot: int | None
-
-
-class SlotBook:
-    """Which session each pinned slot of each engine holds, as the steward pinned them; a
-    session whose slot went to another stays on that engine (its RAM cache may keep it).
-    At most `max_sessions`, the least recently served forgotten first."""
-
-    def __init__(self, max_sessions: int = 4096) -> None:
-        self.max_sessions = max_sessions
-        self._slots: dict[tuple[str, int], str] = {}
-        self._sessions: OrderedDict[str, _Booked] = OrderedDict()
-
-    def record(self, engine: str, slot: int, key: str, flow: str) -> None:
-        old = self._sessions.pop(key, None)
-        if old is not None and old.slot is not None:
-            self._slots.pop((old.engine, old.slot), None)
-        displaced = self._sessions.get(self._slots.get((engine, slot), ""))
-        if displaced is not None:
-            self._sessions[displaced.key] = dataclasses.replace(displaced, slot=None)
-        self._slots[(engine, slot)] = key
-        self._sessions[key] = _Booked(key, flow, engine, slot)
-        while len(self._sessions) > self.max_sessions:
-            _, dropped = self._sessions.popitem(last=False)
-            if dropped.slot is not None:
-                self._slots.pop((dropped.engine, dropped.slot), None)
-
-    def where(self, key: str | None) -> Resident | None:
-        return None if key is None else self._sessions.get(key)
-
-    def resident(self, engine: str) -> Sequence[Resident]:
-        return [b for b in self._sessions.values() if b.engine == engine]
-
-    def forget_engine(self, engine: str) -> None:
-        for booked in [b for b in self._sessions.values() if b.engine == engine]:
-            del self._sessions[booked.key]
-            if booked.slot is not None:
-                self._slots.pop((engine, booked.slot), None)
-
-
 @dataclass(frozen=True)
 class _Pending:
     """A restore whose reply has yet to say whether it took."""
@@ -136,15 +90,10 @@ class ParkingSteward:
     """Parks the slots of live sessions before planned losses and restores them."""
 
     def __init__(self, lot: ParkingLot, *, entry_of: Callable[[str], ModelEntry | None],
-                 residents: Residents | None = None,
-                 time_limit: float = PARK_TIME_LIMIT) -> None:
+                 residents: Residents, time_limit: float = PARK_TIME_LIMIT) -> None:
         self.lot = lot
         self._entry_of = entry_of
-        self.book = SlotBook()
-        #: Without a session table, each session's turn is pinned to its seat so that the
-        #: book knows its slot; with one, placement decides the pins (only a restore pins).
-        self._pin_sessions = residents is None
-        self._residents: Residents = residents if residents is not None else self.book
+        self._residents = residents
         # (model, engine key) -> its identity: worked out once per engine process (it
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
@@ -160,7 +109,6 @@ class ParkingSteward:
         identity = self.identity(model, serving.key)
         residents = [(r.slot, ParkKey(identity or "", r.flow, r.key))
                      for r in self._residents.resident(serving.key) if r.slot is not None]
-        self.book.forget_engine(serving.key)
         self._identities.pop((model, serving.key), None)
         if identity is None or not residents or self.lot.budget_bytes <= 0:
             return 0
@@ -191,8 +139,7 @@ class ParkingSteward:
 
     async def before_send(self, ticket: Ticket, model: str | None) -> object | None:
         """Between the seat and the request: restore the session's parked prefix into the
-        seat's slot and pin the seat to it; without one, pin the session to its seat so
-        the slot it lives in is known.  What `after_answer` needs (None: nothing)."""
+        seat's slot and pin the seat to it.  What `after_answer` needs (None: nothing)."""
         session = ticket.hint.session
         seat = ticket.seat
         if session is None or seat is None or seat.slot is None or model is None:
@@ -212,10 +159,8 @@ class ParkingSteward:
                 restored = await self.lot.restore(engine, seat.slot, key)
             if restored is None:
                 self.counts["not_taken"] += 1
-        if not seat.pinned and (restored is not None or self._pin_sessions):
+        if restored is not None and not seat.pinned:
             ticket.seat = dataclasses.replace(seat, pinned=True)
-        if self._pin_sessions:
-            self.book.record(ticket.serving.key, seat.slot, session, ticket.flow.key)
         return _Pending(key, restored) if restored is not None else None
 
     def after_answer(self, pending: object | None, tail: bytes) -> None:

@@ -88,7 +88,7 @@ class StudioService:
         self.parking = ParkingSteward(
             ParkingLot(self.engine.data_dir / PARKED_SLOTS_DIR,
                        budget=lambda: self.settings.parked_slots_mib << 20),
-            entry_of=lambda name: self.pool.local_entry(name))
+            entry_of=lambda name: self.pool.local_entry(name), residents=self.registry.sessions)
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
                          abort=self._abort, memory_budget=memory_budget,
