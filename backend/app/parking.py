@@ -179,13 +179,14 @@ class ParkingSteward:
 
     def identity(self, model: str, engine: str) -> str | None:
         """A local model as its parked files know it: its file, and the settings that
-        shape its cache.  None for an engine elsewhere (its slots are not ours to park)."""
+        shape its cache.  None for an engine elsewhere (its slots are not ours to park)
+        and for an isolated model (no request of it reuses any other's prompt)."""
         known = (model, engine)
         if known not in self._identities:
             entry = self._entry_of(model)
-            settings = entry.settings if entry is not None else None
-            self._identities[known] = None if entry is None or settings is None else \
-                model_identity(Path(entry.path), str(settings.ctx_size), *settings.extra_args)
+            self._identities[known] = None if entry is None or entry.isolated else \
+                model_identity(Path(entry.path), str(entry.settings.ctx_size),
+                               *entry.settings.extra_args)
         return self._identities[known]
 
 

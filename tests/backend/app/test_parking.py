@@ -137,6 +137,18 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
     assert service.parking.counts["restored"] == 1  # alice's own turn got it
 
 
+async def test_an_isolated_model_parks_nothing(studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(ModelEntry.for_file(
+        str(tiny_model), settings=SETTINGS, idle_ttl=1.0, isolated=True),)))
+    async with port(service) as client:
+        await turn(client, "isolated-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await turn(client, "isolated-1", 2)
+    assert parked_files(service.parking) == []
+    assert service.parking.counts["parked"] == 0
+
+
 async def test_an_engine_that_does_not_answer_its_save_stops_within_the_bound(
         studio: ServiceFactory, tiny_model):
     service = await studio(stop_timeout=1.0)
