@@ -35,6 +35,7 @@ from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
 from backend.app.pool_config import ModelEntry
+from backend.errors import StudioError
 from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
@@ -139,7 +140,55 @@ class ParkingSteward:
 
     async def before_send(self, ticket: Ticket, model: str | None) -> object | None:
         """Between the seat and the request: restore the session's parked prefix into the
-        seat's slot and pin the seat to it.  What `after_answer` needs (None: nothing)."""
+        seat's slot and pin the seat to it.  What `after_answer` needs (None: nothing).
+        Parking never fails a request: whatever goes wrong, the turn is a plain prefill."""
+        try:
+            return await self._restore(ticket, model)
+        except (OSError, StudioError) as exc:
+            log.warning("a parked prefix was not restored (%s); the turn computes its prompt",
+                        exc)
+            return None
+
+    def after_answer(self, pending: object | None, tail: bytes) -> None:
+        """The reply to a restored turn: keep the parked file when the restore took (its
+        cached tokens reached the restored prefix), drop it when it did not."""
+        if not isinstance(pending, _Pending):
+            return
+        cache_n = _cache_n(tail)
+        if pending.restored.took(cache_n):
+            self.counts["restored"] += 1
+            return
+        self.counts["not_taken"] += 1
+        log.warning("a restored prefix of %d tokens did not take (the reply reused %s); it "
+                    "is dropped", pending.restored.tokens, cache_n)
+        try:
+            self.lot.forget(pending.key)
+        except (OSError, StudioError) as exc:
+            log.warning("a parked prefix could not be dropped (%s)", exc)
+
+    def slot_dir(self) -> Path | None:
+        """The directory engines save slots to, made private; None (the engine starts
+        without one, nothing is parked) when it cannot be made."""
+        try:
+            return self.lot.open()
+        except (OSError, StudioError) as exc:
+            log.warning("parked prefixes are off: %s (%s)", self.lot.directory, exc)
+            return None
+
+    def identity(self, model: str, engine: str) -> str | None:
+        """A local model as its parked files know it: its file, and the settings that
+        shape its cache.  None for an engine elsewhere (its slots are not ours to park)
+        and for an isolated model (no request of it reuses any other's prompt)."""
+        known = (model, engine)
+        if known not in self._identities:
+            entry = self._entry_of(model)
+            self._identities[known] = None if entry is None or entry.isolated else \
+                model_identity(Path(entry.path), str(entry.settings.ctx_size),
+                               *entry.settings.extra_args)
+        return self._identities[known]
+
+
+    async def _restore(self, ticket: Ticket, model: str | None) -> object | None:
         session = ticket.hint.session
         seat = ticket.seat
         if session is None or seat is None or seat.slot is None or model is None:
@@ -162,32 +211,6 @@ class ParkingSteward:
         if restored is not None and not seat.pinned:
             ticket.seat = dataclasses.replace(seat, pinned=True)
         return _Pending(key, restored) if restored is not None else None
-
-    def after_answer(self, pending: object | None, tail: bytes) -> None:
-        """The reply to a restored turn: keep the parked file when the restore took (its
-        cached tokens reached the restored prefix), drop it when it did not."""
-        if not isinstance(pending, _Pending):
-            return
-        cache_n = _cache_n(tail)
-        if pending.restored.took(cache_n):
-            self.counts["restored"] += 1
-            return
-        self.counts["not_taken"] += 1
-        log.warning("a restored prefix of %d tokens did not take (the reply reused %s); it "
-                    "is dropped", pending.restored.tokens, cache_n)
-        self.lot.forget(pending.key)
-
-    def identity(self, model: str, engine: str) -> str | None:
-        """A local model as its parked files know it: its file, and the settings that
-        shape its cache.  None for an engine elsewhere (its slots are not ours to park)
-        and for an isolated model (no request of it reuses any other's prompt)."""
-        known = (model, engine)
-        if known not in self._identities:
-            entry = self._entry_of(model)
-            self._identities[known] = None if entry is None or entry.isolated else \
-                model_identity(Path(entry.path), str(entry.settings.ctx_size),
-                               *entry.settings.extra_args)
-        return self._identities[known]
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -394,7 +394,7 @@ class StudioService:
                           stop_timeout=self.settings.stop_timeout,
                           max_restarts=self.settings.max_restarts,
                           output_cap=lambda: self.settings.max_output_tokens,
-                          slot_save_dir=self.parking.lot.open)
+                          slot_save_dir=self.parking.slot_dir)
 
     def _abort(self, key: str, error: RequestError) -> int:
         return self._gateway.abort_load(key, error) if self._gateway is not None else 0

@@ -85,6 +85,10 @@ class GatewayContext(Protocol):
     metrics: Metrics
 
     @property
+    def parking(self) -> SlotParking | None:
+        """Restores sessions' parked prefixes before their turns (None: nothing is parked)."""
+
+    @property
     def keys(self) -> KeyStore | None:
         """Named keys; None when the port has none (the owner's key alone)."""
 
@@ -182,9 +186,7 @@ class Gateway:
 
     @property
     def parking(self) -> SlotParking | None:
-        """The app's steward of parked prefixes, when the context has one."""
-        parking: SlotParking | None = getattr(self.ctx, "parking", None)
-        return parking
+        return self.ctx.parking
 
     # --- gated routes ----------------------------------------------------------------
 

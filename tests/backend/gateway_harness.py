@@ -22,6 +22,7 @@ from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
+from backend.port.relay import SlotParking
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
 from backend.port.metrics import Metrics
@@ -48,6 +49,7 @@ class Context:
         self.metrics.set_backend(snapshot)
         self.keys: KeyStore | None = None
         self.flows = FlowControl()
+        self.parking: SlotParking | None = None
 
     def snapshot(self) -> Snapshot:
         return self._snapshot

@@ -149,6 +149,21 @@ async def test_an_isolated_model_parks_nothing(studio: ServiceFactory, tiny_mode
     assert service.parking.counts["parked"] == 0
 
 
+async def test_a_parking_directory_that_cannot_be_made_leaves_serving_alone(
+        studio: ServiceFactory, tiny_model, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / PARKED_SLOTS_DIR).write_text("a file where the directory would go")
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "no-dir-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        second = await turn(client, "no-dir-1", 2)
+    assert second.computed == second.prompt  # served as without parking
+    assert service.parking.counts["parked"] == 0
+
+
 async def test_an_engine_that_does_not_answer_its_save_stops_within_the_bound(
         studio: ServiceFactory, tiny_model):
     service = await studio(stop_timeout=1.0)
