@@ -124,7 +124,7 @@ class ParkingSteward:
                         try:
                             await self.lot.save(engine, slot, key)
                             saved += 1
-                        except SlotActionFailed as exc:
+                        except (SlotActionFailed, OSError, StudioError) as exc:
                             self.counts["park_failed"] += 1
                             log.warning("%s: a session's slot was not parked (%s)", model, exc)
             except TimeoutError:
