@@ -424,10 +424,12 @@ class Pool:
         self._decide(local, reason)
         queue = self.registry.current_of(local.engine_id)
         self.registry.retire(local.engine_id)
+        ended = False  # requests were ended by the unload
         if queue is not None:
             grace = self._settings().reload_grace
             if queue.active and grace > 0:
                 await self._drained(lambda: queue.active == 0, grace)
+            ended = queue.active > 0
             if queue.active:
                 log.warning("%d request(s) still running on %s; ending them", queue.active, name)
                 self._abort(queue.key, LoadReplaced(
@@ -436,7 +438,9 @@ class Pool:
                 # on SIGTERM at once then, instead of finishing each generation first.
                 await self._drained(lambda: queue.active == 0, ABORT_WAIT)
         serving = local.supervisor.snapshot.serving
-        if self._before_loss is not None and serving is not None:
+        # Parked only when drained: a slot still generating would hold its save back.
+        if self._before_loss is not None and serving is not None and (
+                queue is None or queue.active == 0) and not ended:
             try:
                 await self._before_loss(name, serving)
             except Exception:  # a failed save must never keep an engine from stopping
