@@ -93,6 +93,10 @@ class Settings:
     # debugger or gone without closing holds no slot longer than two minutes.
     client_stall_timeout: float = 120.0
     reload_grace: float = 30.0
+    # MiB of disk the parked session prefixes may take (backend.llama.slot_parking): saved
+    # before an idle TTL, eviction, unload or exit, restored on the session's next turn;
+    # past it the least recently used go.  0: nothing is parked.
+    parked_slots_mib: int = 4096
     admission_enabled: bool = True
     # The engine.
     llama_server: str = ""

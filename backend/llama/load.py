@@ -37,6 +37,8 @@ OWNED_FLAGS = frozenset({
     "--rpc",
     # The output cap: the port reserves and writes it (backend.port.request_body).
     "-n", "--predict", "--n-predict",
+    # Parked slots live in a private directory GGUF Studio owns (backend.llama.slot_parking).
+    "--slot-save-path",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.
@@ -197,6 +199,11 @@ class Serving:
     kv_note: str | None = None
     #: The models an attached GGUF Studio port lists, each with its context.
     upstream_models: tuple[UpstreamModel, ...] = ()
+    #: How the engine was set up to keep prompt prefixes, and why (the Model tab's).
+    prefix_note: str | None = None
+    #: A request pinned to any slot that has held a prompt still finds its prefix in the
+    #: engine's RAM prompt cache (it runs with `PREFIX_CACHE_ARGS`, see the supervisor).
+    pin_any_slot: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:

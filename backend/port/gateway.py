@@ -54,7 +54,7 @@ from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, P
 from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
-from backend.port.relay import Exchange, GatedRequest
+from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
 from backend.port.request_log import RequestLog
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
@@ -94,6 +94,10 @@ class GatewayContext(Protocol):
     requests: RequestLog
     #: The secret of the window's Chat tab (its own flow; "" for none).
     chat_secret: str
+
+    @property
+    def parking(self) -> SlotParking | None:
+        """Restores sessions' parked prefixes before their turns (None: nothing is parked)."""
 
     @property
     def keys(self) -> KeyStore | None:
@@ -183,6 +187,10 @@ class Gateway:
     @property
     def requests(self) -> RequestLog:
         return self.ctx.requests
+
+    @property
+    def parking(self) -> SlotParking | None:
+        return self.ctx.parking
 
     # --- gated routes ----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
-from backend.admission.placement import NO_HINT, Hint
+from backend.admission.placement import NO_HINT, Hint, KeepPrefixes
 from backend.port.request_log import NO_FIGURES, RequestLog, engine_figures
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
@@ -114,6 +115,19 @@ class ExchangeHost(Protocol):
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
+
+    @property
+    def parking(self) -> SlotParking | None:
+        """Who restores a session's parked prefix into its seat (None: nobody)."""
+
+
+class SlotParking(Protocol):
+    """Parked prefixes (`backend.app.parking`): between the seat and the request, and
+    once the answer's last bytes are in."""
+
+    async def before_send(self, ticket: Ticket, model: str | None) -> object | None: ...
+
+    def after_answer(self, pending: object | None, tail: bytes) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +364,8 @@ class Exchange:
             prompt, completion = self._cut_usage()
             self.passage.answered((prompt if told_prompt is None else told_prompt,
                                    completion if told_completion is None else told_completion))
+            if self._answered:
+                self._learn(tail)
         else:
             self.passage.left()  # before its turn
 
@@ -408,6 +424,23 @@ class Exchange:
             flow_band = ticket.flow.band
             band = flow_band if ticket.band is None else max(ticket.band, flow_band)
         return None if band is None else band.name.lower()
+
+    def _learn(self, tail: bytes) -> None:
+        """Tell placement where the answer left its session's prefix, with the prompt's
+        tokens and those the engine's cache held, from the final event the books read
+        (once per request, never per chunk)."""
+        ticket = self.ticket
+        placement = self.line.placement
+        if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
+            return
+        hint = ticket.hint
+        if hint.session is None:
+            return
+        figures = _prompt_figures(tail)
+        if figures is None:
+            return
+        placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
+                         ticket.engine.label, *figures)
 
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage
@@ -478,8 +511,14 @@ class Exchange:
         while True:
             timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
             await self._admitted(ticket, timeout)
+            parking = self.host.parking
+            pending = None if parking is None else await parking.before_send(
+                ticket, self.request.model_id)
             try:
-                return await self._forward(ticket)
+                last = await self._forward(ticket)
+                if parking is not None:
+                    parking.after_answer(pending, self._tail or b"".join(self._last_sent))
+                return last
             except _NotReached:
                 refused_by = self.metrics  # the engine's counts, before the ticket leaves it
                 if not ticket.requeue():
@@ -864,6 +903,25 @@ def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
         chunk = first(chunk)
         return second(chunk) if chunk else chunk
     return stage
+
+
+def _prompt_figures(data: bytes) -> tuple[int, int] | None:
+    """(prompt, cached) tokens from the last `timings` an answer carries (llama-server's
+    final chunk or body: `prompt_n` computed, `cache_n` found in its cache); None when
+    it carries none."""
+    for block in reversed(data.split(b"\n")):
+        if b'"timings"' not in block:
+            continue
+        text = block[5:] if block.startswith(b"data:") else block
+        try:
+            timings = json.loads(text).get("timings")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(timings, dict):
+            computed, cached = timings.get("prompt_n"), timings.get("cache_n")
+            if isinstance(computed, int) and isinstance(cached, int):
+                return max(0, computed) + max(0, cached), max(0, cached)
+    return None
 
 
 def _seated(body: bytes, ticket: Ticket) -> bytes:
