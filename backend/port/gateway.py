@@ -47,6 +47,7 @@ from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
 from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
+from backend.admission.cache_misses import prompt_blocks
 from backend.port.placement import NO_HINT, Hint, request_hint
 from backend.port.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
@@ -232,6 +233,7 @@ class Gateway:
             queue = line.planning_engine
             plan: Plan | None = None
             hint = request_hint(caller.flow, headers, parsed.data)
+            blocks = prompt_blocks(parsed.data)
             if queue is not None:
                 plan = await self.plan(queue, path, parsed, raw_size, hint)
                 # Planned: the parsed objects (several times the body's bytes) are not
@@ -253,7 +255,8 @@ class Gateway:
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, plan, raw_size, caller,
-                                                     requested_band(headers), served, hint),
+                                                     requested_band(headers), served, hint,
+                                                     blocks),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))

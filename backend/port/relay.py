@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
+from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
 from backend.port import sse
 from backend.port.admission import AdmissionQueue, Line
@@ -130,6 +131,8 @@ class GatedRequest:
     served: asyncio.Future[None] | None = None
     #: Its session and prompt prefix, for placement (planned with it once it can be).
     hint: Hint = NO_HINT
+    #: Its prompt's blocks, to say why its answer's prompt missed the cache (if it did).
+    blocks: PromptBlocks = NO_BLOCKS
 
 
 class Exchange:
@@ -327,8 +330,25 @@ class Exchange:
             self.flows.answered(self.caller, self._reservation,
                                 (prompt if told_prompt is None else told_prompt,
                                  completion if told_completion is None else told_completion))
+            if self._answered:
+                self._judge_cache(self._start + tail)
         elif self._reservation is not None:
             self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
+
+    def _judge_cache(self, answer: bytes) -> None:
+        """Count the answer's cached and computed prompt tokens, and say why a miss
+        missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
+        figures = sse.find_prompt_cache(answer)
+        ticket = self.ticket
+        if figures is None or ticket is None or ticket.engine is None:
+            return
+        engines = self.line.engines
+        seat = ticket.seat
+        self.host.metrics.note_prompt(
+            self.request.model_id or UNROUTED, self.request.hint.session, self.caller.flow,
+            self.request.blocks, *figures, engine=ticket.serving.key, label=ticket.engine.label,
+            slot=seat.slot if seat is not None and seat.pinned else None,
+            engine_alive=lambda key: any(e.key == key for e in engines))
 
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage
