@@ -289,13 +289,23 @@ def prompt_blocks(data: Mapping[str, Any]) -> PromptBlocks:
         if not text:
             continue
         start = offset
-        for at in range(0, len(text), BLOCK_CHARS):
-            piece = text[at:at + BLOCK_CHARS]
-            link = hash((link, kind, piece))
-            offset += len(piece)
+        if len(text) <= BLOCK_CHARS:  # most parts: one block, its text not copied
+            pieces: tuple[int, ...] = (hash(text),)
+            offset += len(text)
+            link = hash((link, kind, pieces[0]))
             chained.append(link)
             ends.append(offset)
-        parts.append(Part(kind, start, offset, hash((kind, text))))
+        else:
+            hashes = []
+            for at in range(0, len(text), BLOCK_CHARS):
+                piece = text[at:at + BLOCK_CHARS]
+                hashes.append(hash(piece))  # each character is hashed once
+                link = hash((link, kind, hashes[-1]))
+                offset += len(piece)
+                chained.append(link)
+                ends.append(offset)
+            pieces = tuple(hashes)
+        parts.append(Part(kind, start, offset, hash((kind, pieces))))
     if not chained:
         return NO_BLOCKS
     return PromptBlocks(tuple(chained), tuple(ends), tuple(parts))
@@ -355,14 +365,13 @@ def _parts(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     for message in messages:
         if isinstance(message, str):
             yield "prompt", message
-        elif isinstance(message, Mapping):
+        elif isinstance(message, dict):
             yield from _message_parts(message)
 
 
 def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     role = message.get("role")
-    kind = {"system": "system", "developer": "system", "user": "user",
-            "assistant": "assistant", "tool": "tool"}.get(role if isinstance(role, str) else "")
+    kind = _KINDS.get(role) if isinstance(role, str) else None
     item = message.get("type")
     if kind is None:  # a Responses input item, or an unknown role
         if item == "reasoning":
@@ -384,7 +393,7 @@ def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
         for part in content:
             if isinstance(part, str):
                 yield kind, part
-            elif isinstance(part, Mapping):
+            elif isinstance(part, dict):
                 ptype = part.get("type")
                 if ptype in ("thinking", "redacted_thinking", "reasoning"):
                     yield "reasoning", str(part.get("thinking") or part.get("data")
@@ -396,6 +405,10 @@ def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     calls = message.get("tool_calls")
     if calls:
         yield kind, _dumps(calls)
+
+
+_KINDS = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
 
 
 def _split_think(kind: str, text: str) -> Iterable[tuple[str, str]]:
@@ -415,7 +428,7 @@ def _texts(content: Any) -> Iterator[str]:
         for part in content:
             if isinstance(part, str):
                 yield part
-            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 yield part["text"]
 
 
