@@ -1,0 +1,213 @@
+"""Where each session's prompt prefix lives: the session table.
+
+A *session* is one conversation of one caller: its key is scoped to the caller's flow
+("flow\\nname", see `backend.admission.placement.request_hint`), so that no key can name,
+steer into or read about another key's session.  After each answer the port records the
+turn (`record`): which engine served it (its admission key, a new one for each process:
+a restarted engine holds nothing) and its public label, the slot id it was pinned to
+(None: the engine chose one itself, or kept it in its RAM prompt cache), the prompt's
+tokens and how many of them the engine's cache held, and the chained digests of the
+prompt's first blocks.  Placement asks where a session lives (`where`), which session
+last showed a prefix (`match_prefix`) and who holds a slot (`holder`); views read a
+`snapshot`.
+
+A slot holds one prompt at a time: a turn pinned to slot S of an engine takes S from
+whichever session held it before (that one stays *on the engine*, slot None: llama-server
+saved it to its RAM prompt cache when it gave the slot away, if the cache had room).
+An engine that goes away (`forget_engine`) leaves its sessions homeless.
+
+Bounded: at most `max_sessions` sessions, the least recently served dropped first.
+Pure: no I/O, no clock of its own beyond the one given, no locks (the backend's one
+asyncio loop owns it).  Every operation is O(1) except `resident` and `forget_engine`
+(O(sessions)) and `snapshot` (O(n log n)).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+__all__ = ["DEFAULT_MAX_SESSIONS", "Session", "SessionTable"]
+
+#: Sessions kept: enough for every agent of a shared box, small (a few hundred bytes each).
+DEFAULT_MAX_SESSIONS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """One session as its last turn left it."""
+
+    #: Its key, scoped to its flow ("flow\\nname").
+    key: str
+    #: Whose session it is (a key's id, or a client address without named keys).
+    flow: str
+    #: The admission key of the engine whose cache holds its prefix; None: nowhere known.
+    engine: str | None
+    #: That engine's public name ("this machine", "upstream N"); "" when none.
+    label: str
+    #: The slot id holding its prefix, when the engine was told it (pinned); None: a
+    #: slot the engine chose, or its RAM prompt cache.
+    slot: int | None
+    #: Chained digests of its prompt's first blocks (see `request_hint`).
+    prefix: tuple[int, ...]
+    #: Its last turn's prompt tokens, and how many of them the engine's cache held.
+    prompt_tokens: int
+    cached_tokens: int
+    #: Turns served.
+    turns: int
+    #: When its last turn was recorded (the table's clock).
+    last_turn: float
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens its last turn computed (not found in the cache)."""
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+    @property
+    def resident(self) -> bool:
+        """Its prefix is on some engine (in a slot, or that engine's RAM cache)."""
+        return self.engine is not None
+
+
+class SessionTable:
+    """Sessions by key, least recently served first; which slot each holds."""
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or max_sessions < 1:
+            raise ValueError(f"max_sessions is a whole number, at least 1, not {max_sessions!r}")
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        # (engine, slot) -> the session key holding it.
+        self._slots: dict[tuple[str, int], str] = {}
+        # A prefix block's digest -> the session that last showed it.
+        self._prefixes: dict[int, str] = {}
+
+    # --- questions -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sessions
+
+    def __iter__(self) -> Iterator[Session]:
+        """Least recently served first."""
+        return iter(list(self._sessions.values()))
+
+    def where(self, key: str | None) -> Session | None:
+        """Session `key` as its last turn left it; None when unknown (or `key` is None)."""
+        return None if key is None else self._sessions.get(key)
+
+    def holder(self, engine: str, slot: int) -> Session | None:
+        """The session whose prefix slot `slot` of `engine` holds, if one is known."""
+        key = self._slots.get((engine, slot))
+        return None if key is None else self._sessions.get(key)
+
+    def match_prefix(self, flow: str, prefix: tuple[int, ...]) -> tuple[Session, int] | None:
+        """The session of `flow` that last showed the longest start of `prefix`, and how
+        many blocks of it match; None when no block does.  Only `flow`'s own sessions."""
+        for blocks in range(len(prefix), 0, -1):
+            key = self._prefixes.get(prefix[blocks - 1])
+            if key is None:
+                continue
+            session = self._sessions.get(key)
+            if (session is not None and session.flow == flow
+                    and session.prefix[:blocks] == prefix[:blocks]):
+                return session, blocks
+        return None
+
+    def resident(self, engine: str) -> list[Session]:
+        """The sessions whose prefix lives on `engine`, least recently served first."""
+        return [s for s in self._sessions.values() if s.engine == engine]
+
+    def snapshot(self) -> tuple[Session, ...]:
+        """Every session, most recently served first (for views and metrics)."""
+        return tuple(sorted(self._sessions.values(), key=_by_last_turn, reverse=True))
+
+    # --- changes ---------------------------------------------------------------------
+
+    def record(self, key: str, *, flow: str, engine: str | None, label: str = "",
+               slot: int | None = None, prompt_tokens: int = 0, cached_tokens: int = 0,
+               prefix: tuple[int, ...] = ()) -> Session:
+        """A turn of session `key` was served on `engine` (pinned to `slot`, or not):
+        its prefix lives there now.  The slot is taken from any other session."""
+        old = self._sessions.pop(key, None)
+        if old is not None:
+            self._unslot(old)
+        if engine is not None and slot is not None:
+            previous = self._slots.get((engine, slot))
+            if previous is not None and previous != key:
+                displaced = self._sessions.get(previous)
+                if displaced is not None:  # still on the engine: its RAM cache keeps it
+                    self._sessions[previous] = replace(displaced, slot=None)
+            self._slots[(engine, slot)] = key
+        session = Session(key=key, flow=flow, engine=engine, label=label,
+                          slot=slot if engine is not None else None, prefix=prefix,
+                          prompt_tokens=max(0, prompt_tokens),
+                          cached_tokens=max(0, min(cached_tokens, prompt_tokens)),
+                          turns=1 if old is None else old.turns + 1,
+                          last_turn=self._clock())
+        self._sessions[key] = session
+        for digest in prefix:
+            self._prefixes[digest] = key
+        while len(self._sessions) > self.max_sessions:
+            _, dropped = self._sessions.popitem(last=False)
+            self._unslot(dropped)
+            self._unprefix(dropped)
+        return session
+
+    def forget(self, key: str) -> Session | None:
+        """Drop session `key` (its key was revoked); what it was."""
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._unslot(session)
+            self._unprefix(session)
+        return session
+
+    def forget_flow(self, flow: str) -> int:
+        """Drop every session of `flow`; how many."""
+        keys = [s.key for s in self._sessions.values() if s.flow == flow]
+        for key in keys:
+            self.forget(key)
+        return len(keys)
+
+    def forget_engine(self, engine: str) -> list[Session]:
+        """`engine` went away with its cache: its sessions live nowhere now; which."""
+        moved: list[Session] = []
+        for key, session in list(self._sessions.items()):
+            if session.engine == engine:
+                self._unslot(session)
+                self._sessions[key] = replace(session, engine=None, label="", slot=None)
+                moved.append(session)
+        return moved
+
+    def vacate(self, engine: str, slot: int) -> Session | None:
+        """Slot `slot` of `engine` no longer holds what it held (the engine chose it for
+        another prompt, or it was cleared); the session that held it, now slot None."""
+        key = self._slots.pop((engine, slot), None)
+        session = None if key is None else self._sessions.get(key)
+        if session is None:
+            return None
+        self._sessions[session.key] = replace(session, slot=None)
+        return session
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _unslot(self, session: Session) -> None:
+        if session.engine is not None and session.slot is not None:
+            place = (session.engine, session.slot)
+            if self._slots.get(place) == session.key:
+                del self._slots[place]
+
+    def _unprefix(self, session: Session) -> None:
+        for digest in session.prefix:
+            if self._prefixes.get(digest) == session.key:
+                del self._prefixes[digest]
+
+
+def _by_last_turn(session: Session) -> float:
+    return session.last_turn
