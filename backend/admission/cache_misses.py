@@ -34,11 +34,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backend.admission.sessions import Session
 
 __all__ = ["BLOCK_CHARS", "CAUSES", "CacheBook", "NEAR_START_CHARS", "NO_BLOCKS", "REASONS",
-           "Part", "PromptBlocks", "SessionCache", "TurnRecord", "Verdict", "judge",
-           "prompt_blocks"]
+           "Part", "PromptBlocks", "SessionCache", "SessionRow", "TurnRecord", "Verdict",
+           "judge", "prompt_blocks", "session_rows"]
 
 #: Characters per block (about 256 tokens of English or code).
 BLOCK_CHARS = 1024
@@ -276,6 +279,50 @@ class CacheBook:
                 return session
         self._unnamed += 1
         return f"{flow}\n#{self._unnamed}"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    """One live session as a view shows it."""
+
+    owner: str  #: its key's name, or "address …" without named keys
+    name: str  #: the client's name for it, or "unnamed N" (followed by its prompt)
+    model: str
+    turns: int
+    hit_percent: float  #: of its prompt tokens, the share found cached
+    where: str  #: where its prefix lives: "this machine, slot 1", "upstream 2", "nowhere"
+    last_miss: str  #: its last miss and why ("" when it never missed past its first turn)
+    idle_seconds: float  #: since its last turn
+
+
+def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
+                 now: float) -> tuple[SessionRow, ...]:
+    """Rows for the sessions in `book` (most recent first): where each prefix lives from
+    the session table (`backend.admission.sessions`) when it knows the session, else
+    where its last turn ran; `now` on the book's clock."""
+    places = {s.key: s for s in table}
+    rows = []
+    for summary in book:
+        owner, _, name = summary.session.partition("\n")
+        if name.startswith("#"):
+            name = f"unnamed {name[1:]}"
+        place = places.get(summary.session)
+        if place is not None:
+            where = _place(place.label if place.engine is not None else "", place.slot)
+        else:
+            where = _place(summary.engine, summary.slot)
+        miss = summary.last_miss
+        rows.append(SessionRow(owner, name, summary.model, summary.turns,
+                               round(summary.hit_percent, 1), where,
+                               miss.describe() if miss is not None and miss.reason != "first_turn"
+                               else "", max(0.0, now - summary.at)))
+    return tuple(rows)
+
+
+def _place(label: str, slot: int | None) -> str:
+    if not label:
+        return "nowhere"
+    return label if slot is None else f"{label}, slot {slot}"
 
 
 def prompt_blocks(data: Mapping[str, Any]) -> PromptBlocks:
