@@ -12,6 +12,9 @@ sessions carry the session names real clients send: Codex `prompt_cache_key` and
 `session_id` header, OpenCode `x-session-affinity` / `X-Session-Id`, Claude Code
 `X-Claude-Code-Session-Id` (a third of the sessions each).
 
+A turn the port refuses for now (429, 503) is sent again after its Retry-After, as the
+agents do (at most 8 times; its TTFT counts from the first try).
+
 Every scenario runs against every target, each on freshly started engines (so every
 cache starts empty):
 
@@ -44,7 +47,10 @@ cache; the port relays them to a caller without a key, as to the owner):
 - TTFT ÷ lone: the median time to the first event of turns ≥ 2, over that of one session
   alone on the same target (measured first, on its own engines);
 - after break: the prompt share the first turn after the unload or restart computed
-  (mean over sessions; the target is ≤ 15 %).
+  (mean over sessions; the target is ≤ 15 %);
+- the port's misses by reason: what the port itself counted in
+  `gguf_studio_prompt_cache_misses_total` (first turns included; after a `serve`
+  restart, only the new process's).
 
 The machine is shared and noisy: read the TTFT column as ratios within one run.  Not a
 test: nothing here runs in CI.  Every process started here is ended on the way out.
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import random
 import shutil
@@ -91,6 +98,8 @@ WORDS = ("function return value error import class module test file path string 
          "read open close line number check update delete create field record table query "
          "state cache slot model prompt reply session agent tool call output input").split()
 LOG = Callable[[str], None]
+#: Times a refused turn is sent again (as agents do: Codex retries 429s and 5xx).
+RETRIES = 8
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,7 @@ class Turn:
     predicted_n: int = 0
     ttft: float = 0.0
     error: str = ""
+    retries: int = 0  #: refusals (429, 503) before it was served
 
     @property
     def prompt(self) -> int:
@@ -202,15 +212,35 @@ async def run_turns(session: Session, url: Callable[[int], str], turns: range,
 
 async def one_turn(client: httpx.AsyncClient, url: str, session: Session, index: int,
                    max_tokens: int) -> tuple[Turn, str]:
+    """One turn; refused with 429 or 503 it is sent again after the Retry-After, as the
+    agents do (at most `RETRIES` times), its TTFT counted from the first try."""
+    started = time.perf_counter()
+    for attempt in range(RETRIES + 1):
+        turn, reply, retry_after = await _try_turn(client, url, session, index, max_tokens,
+                                                   started)
+        turn.retries = attempt
+        if retry_after is None or attempt == RETRIES:
+            return turn, reply
+        await asyncio.sleep(retry_after)
+    raise AssertionError("unreachable")
+
+
+async def _try_turn(client: httpx.AsyncClient, url: str, session: Session, index: int,
+                    max_tokens: int, started: float) -> tuple[Turn, str, float | None]:
     turn = Turn(session.index, index)
     parts: list[str] = []
-    started = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/chat/completions",
                                  json=session.body(max_tokens), headers=session.headers()) as answer:
             if answer.status_code != 200:
                 turn.error = f"HTTP {answer.status_code}: {(await answer.aread())[:160]!r}"
-                return turn, ""
+                retry = None
+                if answer.status_code in (429, 503):
+                    try:
+                        retry = min(10.0, float(answer.headers.get("retry-after") or 1))
+                    except ValueError:
+                        retry = 1.0
+                return turn, "", retry
             done = False
             async for line in answer.aiter_lines():
                 if not line.startswith("data: "):
@@ -237,7 +267,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, session: Session, index:
                 turn.error = "no timings in the answer"
     except httpx.HTTPError as exc:
         turn.error = f"{type(exc).__name__}: {exc}"
-    return turn, "".join(parts)
+    return turn, "".join(parts), None
 
 
 # --- the figures ---------------------------------------------------------------------------
@@ -254,8 +284,11 @@ class Figures:
     later_turns: int = 0
     ttft: float | None = None  #: median of turns >= 2, seconds
     after_break: float | None = None  #: computed share of the first turn after the break
+    #: Through the port: its misses by reason (/metrics), as it explains them.
+    misses: str = ""
     errors: int = 0
     first_error: str = ""
+    retries: int = 0  #: refusals that were retried
 
 
 def figures(scenario: str, target: str, sessions: list[Session],
@@ -266,6 +299,7 @@ def figures(scenario: str, target: str, sessions: list[Session],
     for s in sessions:
         previous: Turn | None = None
         for turn in s.turns:
+            f.retries += turn.retries
             if not turn.ok:
                 f.errors += 1
                 f.first_error = f.first_error or turn.error
@@ -354,6 +388,27 @@ class Engines:
         log(f"    port unloaded the idle model after {time.monotonic() - started:.1f} s")
         return "unloaded"
 
+    def misses(self) -> str:
+        """The port's prompt-cache misses by reason, from its /metrics ("" directly, or
+        from a port that does not count them)."""
+        if self.port is None:
+            return ""
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        except (OSError, http.client.HTTPException):
+            return ""
+        finally:
+            conn.close()
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("gguf_studio_prompt_cache_misses_total{"):
+                labels, _, value = line.rpartition(" ")
+                reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+                counts[reason] = counts.get(reason, 0) + float(value)
+        return ", ".join(f"{reason} {n:g}" for reason, n in sorted(counts.items()) if n)
+
     def _llama_cmd(self, port: int, flags: list[str]) -> list[str]:
         cmd = [str(self.args.llama_server), "--model", str(self.model), "--alias", MODEL,
                "--host", HOST, "--port", str(port), "-np", str(self.slots),
@@ -431,11 +486,13 @@ async def run_scenario(scenario: Scenario, target: str, model: Path, procs: Proc
             note = await engines.break_(scenario.break_, log)
             await _all(sessions, engines, range(split, args.turns), args)
         result = figures(scenario.name, target, sessions, split if scenario.break_ else None)
+        result.misses = engines.misses()
     finally:
         engines.stop()
     log(f"  {target:<8} computed ÷ floor {_ratio(result.computed, result.floor)}, "
         f"{result.from_scratch} from scratch, ttft {_ms(result.ttft)}"
         + (f", after the break ({note}) {_pct(result.after_break)}" if note else "")
+        + (f", {result.retries} refusals retried" if result.retries else "")
         + (f", {result.errors} failed: {result.first_error}" if result.errors else "")
         + f" ({time.monotonic() - started:.0f} s)")
     return result
@@ -468,14 +525,14 @@ def table(model: str, results: list[Figures], lone: dict[str, float | None]) -> 
     rows = [f"model: {model}; lone session's TTFT of turns ≥ 2: "
             + ", ".join(f"{t} {_ms(v)}" for t, v in lone.items()), "",
             "| scenario | target | computed ÷ floor | ideal ÷ floor | from scratch | "
-            "TTFT ÷ lone | after break computed | failed |",
-            "|---|---|---|---|---|---|---|---|"]
+            "TTFT ÷ lone | after break computed | retried / failed | the port's misses by reason |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for f in results:
         alone = lone.get(f.target)
         ttft = f"{f.ttft / alone:.2f}" if f.ttft and alone else "n/a"
         rows.append(f"| {f.scenario} | {f.target} | {_ratio(f.computed, f.floor)} | "
                     f"{_ratio(f.ideal, f.floor)} | {f.from_scratch}/{f.later_turns} | {ttft} | "
-                    f"{_pct(f.after_break)} | {f.errors} |")
+                    f"{_pct(f.after_break)} | {f.retries} / {f.errors} | {f.misses or '—'} |")
     return rows
 
 
