@@ -22,8 +22,8 @@ An engine's cache (`KvCapacity`) is either
 
 The head of a line starts on an engine of its model with a free slot and room for its
 need.  Which engine, and which slot, is the line's `Placement`'s answer
-(`backend.admission.placement`; by default `MostFreeSlots`: the engine with the most free
-slots, its lowest free slot id).  Each engine keeps seats, its slot ids 0..slots-1: an
+(`backend.admission.placement`; by default `KeepPrefixes`: a session's turn where its
+prompt prefix is, else the engine with the most free slots).  Each engine keeps seats, its slot ids 0..slots-1: an
 admission hands the ticket a `Seat(engine, slot)`, a release gives the id back (O(1):
 the free ids are bits); growth adds ids, a shrink stops reissuing the ids above it while
 the requests holding them finish.  A slot id reaches the engine (`id_slot`) only when
@@ -73,6 +73,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 import time
@@ -84,7 +85,7 @@ from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
 from backend.admission.fair_queue import Band, FairQueue, Flow
-from backend.admission.placement import NO_HINT, Hint, MostFreeSlots, Placeable, Placement, Seat
+from backend.admission.placement import NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -120,6 +121,9 @@ class AdmissionQueue:
         self._free_ids = (1 << serving.slots) - 1
         self._held_ids = 0
         self._seats = _seats(self, serving.slots)
+        # When each slot id was last given back (-1: never), as llama-server stamps its
+        # slots: an unpinned request takes the one released longest ago.
+        self._released: dict[int, int] = {}
         self._enabled = enabled
         self._retired = False
         self.line = line if line is not None else Line(max_waiting=max_waiting, clock=clock)
@@ -163,8 +167,33 @@ class AdmissionQueue:
         free = self._free_ids
         return self._seats[(free & -free).bit_length() - 1] if free else self._seats[-1]
 
+    def least_recent_free_seat(self) -> Seat[AdmissionQueue]:
+        """The seat of the free slot given back longest ago (never used ones first, the
+        highest id among equals, as llama-server picks an idle slot by LRU)."""
+        free = self._free_ids
+        if not free:
+            return self._seats[-1]
+        released = self._released
+        best, stamp = -1, 0
+        while free:
+            slot = (free & -free).bit_length() - 1
+            free &= free - 1
+            when = released.get(slot, -1)
+            if best < 0 or when <= stamp:
+                best, stamp = slot, when
+        return self._seats[best]
+
     def slot_free(self, slot: int) -> bool:
         return slot >= 0 and bool(self._free_ids >> slot & 1)
+
+    def slot_used(self, slot: int) -> bool:
+        """Has slot id `slot` held a request since the engine started?"""
+        return slot in self._released
+
+    @property
+    def pin_any_slot(self) -> bool:
+        """See `Serving.pin_any_slot`."""
+        return self.serving.pin_any_slot
 
     @property
     def waiting(self) -> int:
@@ -298,6 +327,7 @@ class AdmissionQueue:
             self._held_ids &= ~bit
             if slot < self.serving.slots:
                 self._free_ids |= bit
+            self._released[slot] = next(_releases)
 
     def give_back_tokens(self, tokens: int) -> None:
         self._reserved -= tokens
@@ -333,7 +363,7 @@ class Line:
                  placement: Placement | None = None) -> None:
         self.model = model
         #: Where a ticket whose turn has come is admitted (`backend.admission.placement`).
-        self.placement: Placement = placement if placement is not None else MostFreeSlots()
+        self.placement: Placement = placement if placement is not None else KeepPrefixes()
         self.max_waiting = max_waiting
         self._clock = clock
         self._on_change = on_change
@@ -623,6 +653,8 @@ class Line:
             assert seat is not None
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
+            if seat.cached:  # the fair share charges what the engine's cache lacks
+                waiters.discount(ticket, seat.cached)
             moved = True
         return moved
 
@@ -720,6 +752,9 @@ class _Probe:
 
     need: TokenNeed | None
     hint: Hint
+
+
+_releases = itertools.count()
 
 
 def _seats(engine: AdmissionQueue, n: int) -> list[Seat[AdmissionQueue]]:

@@ -20,6 +20,8 @@ from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
 from backend.admission.admission import DEFAULT_MODEL, AdmissionQueue, Clock, Line
 from backend.admission.fair_queue import Flow
+from backend.admission.placement import KeepPrefixes
+from backend.admission.sessions import SessionTable
 
 __all__ = ["AdmissionRegistry"]
 
@@ -35,6 +37,8 @@ class AdmissionRegistry:
         self._max_waiting_for = max_waiting_for
         self._enabled = enabled
         self._clock = clock
+        #: Where each session's prompt prefix lives, for every line's placement.
+        self.sessions = SessionTable(clock=clock)
         # Insertion order is age; a queue made current is moved to the end.
         self._queues: dict[str, AdmissionQueue] = {}
         self._lines: dict[str, Line] = {}
@@ -112,7 +116,8 @@ class AdmissionRegistry:
         line = self._lines.get(model)
         if line is None:
             line = self._lines[model] = Line(model, max_waiting=self._max_waiting_for(1),
-                                             clock=self._clock, on_change=self._line_changed)
+                                             clock=self._clock, on_change=self._line_changed,
+                                             placement=KeepPrefixes(self.sessions, clock=self._clock))
         return line
 
     # --- lifecycle -------------------------------------------------------------------

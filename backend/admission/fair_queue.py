@@ -19,7 +19,9 @@ from when an item became its lane's head, not from its arrival, and it only lift
 band that has waiters: inside a band the fair order alone decides.
 
 Fair share inside a band: start-time fair queuing (SFQ, Goyal et al. 1996) on reserved
-tokens.  Each lane has a virtual start tag, its service so far in tokens divided by its
+tokens, less those the engine's prompt cache holds (`discount`: a warm agent is not
+billed for the prefix it reuses, nor gains from it beyond its share: each request is
+still charged at least 1 token, and its output budget and uncached prompt in full).  Each lane has a virtual start tag, its service so far in tokens divided by its
 flow's weight; the band's virtual time is the largest start tag admitted yet.  The lane
 with the smallest tag goes next (ties: the older head), and is charged cost/weight when
 admitted.  A lane that becomes backlogged (or eligible again after its flow was at its
@@ -287,19 +289,27 @@ class FairQueue(Generic[T]):
                              f"({entry.cost}), not {tokens!r}")
         if tokens == 0:
             return
+        charged = entry.cost - entry.discount
         entry.cost -= tokens
         if item in self._waiting:
             return
+        entry.discount = min(entry.discount, entry.cost - 1)
         state = entry.flow
         state.reserved -= tokens
-        lane = state.lanes.get(entry.band)
-        if lane is None:  # forgotten since: it owed nothing, and still owes nothing
+        self._uncharge(entry, charged - (entry.cost - entry.discount))
+
+    def discount(self, item: T, tokens: int) -> None:
+        """A running item's flow is charged `tokens` fewer: the engine's cache holds
+        that much of its prompt (its reservation is unchanged).  Each item is still
+        charged at least 1.  KeyError if the item is not running."""
+        entry = self._running[item]
+        if not _whole(tokens) or tokens < 0:
+            raise ValueError(f"a discount is a whole number of tokens, not {tokens!r}")
+        tokens = min(tokens, entry.cost - 1 - entry.discount)
+        if tokens <= 0:
             return
-        lane.vtime -= tokens / entry.weight
-        if lane.listed:
-            self._rekey(lane)
-        elif not lane.items and lane.vtime <= self._bands[lane.band].paid:
-            self._drop_lane(lane)
+        entry.discount += tokens
+        self._uncharge(entry, tokens)
 
     def requeue(self, item: T) -> None:
         """A running item goes back to its arrival place in its lane, uncharged (the
@@ -313,7 +323,8 @@ class FairQueue(Generic[T]):
             lane = state.lanes[entry.band] = _Lane(state, entry.band,
                                                   self._bands[entry.band].vtime)
         else:
-            lane.vtime -= entry.cost / entry.weight
+            lane.vtime -= (entry.cost - entry.discount) / entry.weight
+        entry.discount = 0
         self._waiting[item] = entry
         state.waiting += 1
         self._insert(lane, entry, entry.enqueued_at)
@@ -322,6 +333,17 @@ class FairQueue(Generic[T]):
         self._refresh(state)
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _uncharge(self, entry: _Entry[T], tokens: int) -> None:
+        """Take `tokens` of a running entry's charge back from its lane's tag."""
+        lane = entry.flow.lanes.get(entry.band)
+        if lane is None or tokens <= 0:  # forgotten since: it owed nothing, still owes nothing
+            return
+        lane.vtime -= tokens / entry.weight
+        if lane.listed:
+            self._rekey(lane)
+        elif not lane.items and lane.vtime <= self._bands[lane.band].paid:
+            self._drop_lane(lane)
 
     def _flow_state(self, flow: Flow) -> _FlowState[T]:
         state = self._flows.get(flow.key)
@@ -532,7 +554,8 @@ _HeapEntry = tuple[float, int, int, int, "_Lane[T]", int]
 class _Entry(Generic[T]):
     """One item, waiting or running."""
 
-    __slots__ = ("item", "flow", "band", "cost", "seq", "enqueued_at", "weight", "passes")
+    __slots__ = ("item", "flow", "band", "cost", "seq", "enqueued_at", "weight", "passes",
+                 "discount")
 
     def __init__(self, item: T, flow: _FlowState[T], band: Band, cost: int, seq: int,
                  enqueued_at: float) -> None:
@@ -547,6 +570,8 @@ class _Entry(Generic[T]):
         self.weight = flow.flow.weight
         #: Admissions that passed it while it was a head that did not fit.
         self.passes = 0
+        #: Tokens of its cost not charged to its flow (the engine's cache held them).
+        self.discount = 0
 
 
 class _Lane(Generic[T]):

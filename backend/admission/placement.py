@@ -6,39 +6,93 @@ now (the one a requeue excludes is left out) and answers a `Seat` (an engine and
 its free slot ids), or None to keep the ticket waiting.  A policy is pure: it reads the
 engines' free slots and room and the ticket's need and `Hint`, and changes nothing.
 
-`MostFreeSlots` is the default and today's rule: the need fits; the engine with the most
-free slots (spreading the load); its lowest free slot id.  The slot id travels to the
-engine (`id_slot`) only when a policy sets `Seat.pinned`: pinning an empty slot skips
-llama-server's RAM prompt cache, so nothing pins by default.
+`KeepPrefixes` is the default: it keeps each session's prompt prefix warm, with what the
+`SessionTable` (`backend.admission.sessions`) learnt from the answers (`served`).  What it
+relies on in the pinned llama.cpp (tools/server/server-context.cpp, `get_available_slot`):
+
+- a request with `id_slot` takes that slot: with `--slot-prompt-similarity 0` no RAM
+  prompt cache is consulted; with a similarity set, a slot whose prompt is not similar
+  enough is saved to the cache and the best match loaded (its keep fraction is 0),
+  except an *empty* slot (0/0: the cache is skipped); a similar one is used in place;
+- a request without one takes the idle slot with the most similar prompt (similarity
+  on), else the least recently used idle slot (ties: the highest id); choosing by LRU
+  first saves that slot's prompt to the RAM cache and loads the best match for the new
+  prompt from it, so an unpinned request finds its prefix in the RAM cache;
+- with a unified cache (`--kv-unified`, or auto slots) every idle slot is saved to the
+  RAM cache and cleared whenever a request starts: nothing stays in a slot to pin.
+- OpenAI-style answers do not say which slot served (only `/completion`'s `id_slot`);
+  their `timings` say the prompt's computed (`prompt_n`) and cached (`cache_n`) tokens.
+
+So, on an engine with a split cache, a session whose last turn left its prefix in slot S
+(and nothing took S since) is pinned to S when S is free; any other request goes on the
+seat the engine itself would choose (the least recently released free slot:
+`least_recent_free_seat`), so the table learns where it went.  On an engine GGUF Studio
+started with a slot similarity of 1 (`Serving.pin_any_slot`), pinning a slot that has
+held a prompt always goes through the RAM cache (the keep fraction is 0 < 0.5: the slot
+is saved, the best match loaded, the slot's own content when it is the prefix), so that
+seat is pinned too and the books stay exact when requests ending together release their
+slots in another order there than here; a slot never used is never pinned (an empty
+slot skips the cache), llama-server's LRU takes it first, as the books do.  Nothing is
+pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
+engine holding its prefix (or else one holding another session of its flow that showed
+the same first blocks); while that engine has no room and another has, it waits at most
+`home_wait` seconds (10 by default) from its arrival, then goes wherever today's rule
+puts it.  The fairness bound is the line's: a head that waits for its engine is passed
+by other flows' requests at most `MAX_PASSES` times, then nothing passes it.  A seat
+says how many prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
+fair share charges the rest (a warm agent is not billed for the prefix it reuses).
+
+`MostFreeSlots` is the rule before sessions: the need fits; the engine with the most
+free slots (spreading the load); its lowest free slot id; nothing pinned.
 
 A `Hint` is what the request says about itself beside its need, kept without its parsed
-body: its session (a client's `prompt_cache_key`, or a session header, scoped to its
-flow so that no caller can name another's session) and a digest of its prompt's first
-blocks (see `request_hint`).
+body: its flow, its session (a client's `prompt_cache_key`, or a session header, else a
+digest of the conversation's start: its instructions and first user message), scoped to
+its flow so that no caller can name another's session, and a digest of its prompt's
+first blocks, seeded with the flow, so that no caller's prompt can match another's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, Self, TypeVar
 
-from backend.llama.kv_capacity import TokenNeed
+from backend.admission.sessions import Session, SessionTable
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
-__all__ = ["NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS", "Hint",
-           "MostFreeSlots", "Placeable", "Placement", "Seat", "SeatEngine", "request_hint"]
+__all__ = ["HOME_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
+           "Hint", "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement", "Seat",
+           "SeatEngine", "request_hint"]
 
 #: Characters of prompt text per block of the prefix digest.
 PREFIX_BLOCK_CHARS = 1024
 #: Blocks of the prompt's beginning the digest covers (the first few KB).
 PREFIX_BLOCKS = 4
-#: Headers that name a client's session, in order of preference (lower case).
+#: Headers that name a client's session, in order of preference (lower case): OpenCode's
+#: affinity and session ids; Codex CLI's thread (0.171 sends `session-id` and `thread-id`,
+#: the same id as its body's `prompt_cache_key`; older ones `session_id`,
+#: `conversation_id`); Claude Code's.
 SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"session-id",
-                   b"x-claude-code-session-id")
+                   b"thread-id", b"conversation_id", b"x-claude-code-session-id")
+#: Seconds a session's turn may wait for the engine holding its prefix while another
+#: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
+HOME_WAIT = 10.0
+#: Characters of a conversation's start read for its session digest, at most.
+_SESSION_DIGEST_CHARS = 64 * 1024
 
 
 class SeatEngine(Protocol):
     """One engine as placement reads it."""
+
+    @property
+    def key(self) -> str:
+        """Its admission key: a new one for each process (a restart holds no prefix)."""
+
+    @property
+    def kv(self) -> KvCapacity | None:
+        """Its cache; None while unknown."""
 
     @property
     def free_slots(self) -> int: ...
@@ -52,8 +106,20 @@ class SeatEngine(Protocol):
     def lowest_free_seat(self) -> Seat[Self]:
         """The (unpinned) seat of `lowest_free_slot`, kept ready: no allocation."""
 
+    def least_recent_free_seat(self) -> Seat[Self]:
+        """The (unpinned) seat of the free slot released longest ago (never used ones
+        first, the highest id among equals): the one llama-server takes by itself."""
+
     def slot_free(self, slot: int) -> bool:
         """Is slot id `slot` one of the engine's and free now?"""
+
+    def slot_used(self, slot: int) -> bool:
+        """Has slot id `slot` held a request since the engine started?"""
+
+    @property
+    def pin_any_slot(self) -> bool:
+        """A request pinned to a slot that has held a prompt still finds its own prefix
+        (in that slot or the engine's RAM prompt cache): the engine was started so."""
 
 
 E = TypeVar("E", bound=SeatEngine)
@@ -67,17 +133,23 @@ class Seat(Generic[E]):
     slot: int | None
     #: The slot id goes to the engine as the request's `id_slot`.
     pinned: bool = False
+    #: Prompt tokens the placement expects the engine's cache to hold for the request
+    #: (not charged to its flow's fair share).
+    cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Hint:
     """What a request says about itself beside its need."""
 
-    #: Its session, scoped to its flow ("flow\\nkey"); None: it names none.
+    #: Its session, scoped to its flow ("flow\\nkey"); None: it names none and its prompt
+    #: has no text to name it by.
     session: str | None = None
-    #: Chained hashes of the prompt text's first blocks (each names the whole prefix up
-    #: to its block's end); only meaningful within this process.
+    #: Chained hashes of the prompt text's first blocks, seeded with the flow (each names
+    #: the whole prefix up to its block's end); only meaningful within this process.
     prefix: tuple[int, ...] = ()
+    #: Whose request it is (its flow's key).
+    flow: str = ""
 
 
 NO_HINT = Hint()
@@ -105,18 +177,67 @@ class MostFreeSlots:
     """The need fits; the engine with the most free slots; its lowest free slot id."""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
-        need = ticket.need
-        if len(engines) == 1:  # the common case: one engine serves the model
-            only = engines[0]
-            return only.lowest_free_seat() if only.has_room(need) else None
-        best: E | None = None
-        for engine in engines:
-            if engine.has_room(need) and (best is None or engine.free_slots > best.free_slots):
-                best = engine
+        best = _most_free(ticket.need, engines)
         return None if best is None else best.lowest_free_seat()
 
     def __repr__(self) -> str:
         return "MostFreeSlots()"
+
+
+class KeepPrefixes:
+    """Each session's turn where its prefix is (see the module's doc); learns from
+    `served` where each answer left it."""
+
+    def __init__(self, sessions: SessionTable | None = None, *, home_wait: float = HOME_WAIT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sessions = sessions if sessions is not None else SessionTable(clock=clock)
+        self.home_wait = home_wait
+        self._clock = clock
+
+    def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
+        need = ticket.need
+        hint = ticket.hint
+        session = self.sessions.where(hint.session)
+        home = None if session is None else session.engine
+        if home is None and hint.prefix:
+            match = self.sessions.match_prefix(hint.flow, hint.prefix)
+            if match is not None:
+                home = match[0].engine
+        if home is not None:
+            for engine in engines:
+                if engine.key != home:
+                    continue
+                if engine.has_room(need):
+                    return _seat_on(engine, session if session is not None
+                                    and session.engine == home else None, need,
+                                    self.sessions)
+                if len(engines) > 1 and self._may_wait(ticket):
+                    return None  # its engine frees a slot soon: bounded by home_wait
+                break
+        best = _most_free(need, engines)
+        if best is None:
+            return None
+        return _unpinned(best) if _split(best) else best.lowest_free_seat()
+
+    def served(self, session: str | None, flow: str, prefix: tuple[int, ...],
+               seat: Seat[Any] | None, label: str, prompt_tokens: int,
+               cached_tokens: int) -> Session | None:
+        """A turn of `session` was answered on `seat`: its prefix lives there now (the
+        slot only on a split cache, where the engine keeps it)."""
+        if session is None or seat is None:
+            return None
+        engine = seat.engine
+        slot = seat.slot if _split(engine) else None
+        return self.sessions.record(session, flow=flow, engine=engine.key, label=label,
+                                    slot=slot, prompt_tokens=prompt_tokens,
+                                    cached_tokens=cached_tokens, prefix=prefix)
+
+    def _may_wait(self, ticket: Placeable) -> bool:
+        since = getattr(ticket, "enqueued_at", None)
+        return isinstance(since, float) and self._clock() - since < self.home_wait
+
+    def __repr__(self) -> str:
+        return f"KeepPrefixes({len(self.sessions)} sessions, home_wait={self.home_wait:g})"
 
 
 def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
@@ -125,13 +246,59 @@ def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
     session = data.get("prompt_cache_key")
     if not isinstance(session, str) or not session:
         session = _session_header(headers)
-    prefix = _prefix_digest(data)
+    prefix = _prefix_digest(flow, data)
+    if session is None and prefix:
+        session = _conversation_digest(data)
     if session is None and not prefix:
         return NO_HINT
-    return Hint(None if session is None else f"{flow}\n{session}", prefix)
+    return Hint(None if session is None else f"{flow}\n{session}", prefix, flow)
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
+    if len(engines) == 1:  # the common case: one engine serves the model
+        only = engines[0]
+        return only if only.has_room(need) else None
+    best: E | None = None
+    for engine in engines:
+        if engine.has_room(need) and (best is None or engine.free_slots > best.free_slots):
+            best = engine
+    return best
+
+
+def _split(engine: SeatEngine) -> bool:
+    """Does the engine keep each slot's prompt in the slot (a split cache)?"""
+    kv = engine.kv
+    return kv is not None and not kv.unified
+
+
+def _unpinned(engine: E) -> Seat[E]:
+    """The seat llama-server would choose by itself; pinned there when the engine was
+    started to keep prefixes and that slot has held a prompt (the port's books then hold
+    for sure: requests ending at once may release their slots in another order there)."""
+    seat = engine.least_recent_free_seat()
+    if engine.pin_any_slot and seat.slot is not None and engine.slot_used(seat.slot):
+        return Seat(engine, seat.slot, pinned=True)
+    return seat
+
+
+def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
+             sessions: SessionTable) -> Seat[E]:
+    """`engine` holds the session's prefix (or one of its flow's): its slot, pinned,
+    when that slot still holds it and is free, else where the engine would put it."""
+    if not _split(engine):
+        seat = engine.lowest_free_seat()
+    elif (session is not None and session.slot is not None and engine.slot_free(session.slot)
+            and sessions.holder(engine.key, session.slot) is session):
+        seat = Seat(engine, session.slot, pinned=True)
+    else:
+        seat = _unpinned(engine)
+    if session is None or not session.prompt_tokens:
+        return seat
+    prompt = session.prompt_tokens if need is None else min(need.prompt, session.prompt_tokens)
+    return Seat(engine, seat.slot, seat.pinned, prompt)
+
 
 def _session_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     found: dict[bytes, bytes] = {}
@@ -145,9 +312,28 @@ def _session_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-def _prefix_digest(data: Mapping[str, Any]) -> tuple[int, ...]:
+def _conversation_digest(data: Mapping[str, Any]) -> str | None:
+    """A session name for a client that gives none: a digest of its conversation's
+    start, the prompt's text up to the end of its first user message (what stays the
+    same turn after turn; a shared head of instructions alone would merge sessions)."""
+    digest = 0
+    size = 0
+    seen_user = False
+    for text in _prompt_texts(data):
+        if seen_user and text.startswith("\x1e"):
+            break  # the next message's role mark: the first user message ended
+        if text == "\x1euser\x1f":
+            seen_user = True
+        digest = hash((digest, text))
+        size += len(text)
+        if size >= _SESSION_DIGEST_CHARS:
+            break
+    return f"#{digest & 0xFFFF_FFFF_FFFF_FFFF:016x}" if size else None
+
+
+def _prefix_digest(flow: str, data: Mapping[str, Any]) -> tuple[int, ...]:
     """Chained hashes of `PREFIX_BLOCK_CHARS`-character blocks of the prompt text's
-    first `PREFIX_BLOCKS` blocks (a short last block counts too)."""
+    first `PREFIX_BLOCKS` blocks (a short last block counts too), seeded with the flow."""
     limit = PREFIX_BLOCK_CHARS * PREFIX_BLOCKS
     parts: list[str] = []
     size = 0
@@ -160,7 +346,7 @@ def _prefix_digest(data: Mapping[str, Any]) -> tuple[int, ...]:
         return ()
     text = "".join(parts)[:limit]
     digest: list[int] = []
-    chained = 0
+    chained = hash(flow)
     for start in range(0, len(text), PREFIX_BLOCK_CHARS):
         chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
         digest.append(chained)

@@ -197,6 +197,11 @@ class Serving:
     kv_note: str | None = None
     #: The models an attached GGUF Studio port lists, each with its context.
     upstream_models: tuple[UpstreamModel, ...] = ()
+    #: How the engine was set up to keep prompt prefixes, and why (the Model tab's).
+    prefix_note: str | None = None
+    #: A request pinned to any slot that has held a prompt still finds its prefix in the
+    #: engine's RAM prompt cache (it runs with `PREFIX_CACHE_ARGS`, see the supervisor).
+    pin_any_slot: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:

@@ -47,7 +47,26 @@ from backend.llama.kv_capacity import context_args, kv_from_props
 from backend.llama.load import (OWNED_FLAGS, LoadSpec, LogListener, Serving, Snapshot,
                                 SnapshotPublisher, State)
 
-__all__ = ["OWNED_FLAGS", "Supervisor", "build_command", "default_threads", "pick_free_port"]
+__all__ = ["OWNED_FLAGS", "PREFIX_CACHE_ARGS", "PREFIX_CACHE_NOTE", "Supervisor", "build_command",
+           "default_threads", "pick_free_port"]
+
+#: How the engine picks a slot, with the port pinning every request to a slot that has
+#: held a prompt (see backend.admission.placement): no slot is ever "similar enough"
+#: (a similarity of 1), so a pinned request always saves the slot's prompt to the RAM
+#: prompt cache and loads the best match for its own (its slot's, when that is its own
+#: prefix; tools/server/server-context.cpp `get_available_slot`), and an unpinned one
+#: takes the least recently used slot and does the same.  llama-server's default (0.1)
+#: picks the idle slot whose prompt is most similar, with no cache load: agents sharing
+#: a long head take each other's slots and recompute their histories; 0 would make a
+#: pinned request skip the cache.
+PREFIX_CACHE_ARGS = ("--slot-prompt-similarity", "1")
+#: Why, for the Model tab.
+PREFIX_CACHE_NOTE = ("Prompt prefixes: the port sends each session back to the slot "
+                     "holding its prefix; other requests take the least recently used "
+                     "slot and reload their prefix from the engine's RAM prompt cache "
+                     "(measured through the port, 3 agents on 2 slots computed 0.97x "
+                     "their new tokens, against 1.88x with llama-server's own slot "
+                     "choice).")
 
 
 log = logging.getLogger("gguf_studio.supervisor")
@@ -191,7 +210,8 @@ class Supervisor(SnapshotPublisher):
                                   context_length=props.context_length,
                                   kv=self._load_output.kv_capacity(props.effective_parallel_slots)
                                   or kv_from_props(props.context_length),
-                                  api_key=child.key.value)
+                                  api_key=child.key.value,
+                                  **_prefix_keeping(spec.settings.extra_args))
                 self._set_state(State.READY, serving=serving, restarting=False,
                                 error=None, pid=child.pid, engine=self._load_output.report())
                 if not ready.done():
@@ -368,6 +388,7 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         # context --fit chose) at trace level only; the engine report reads those lines.
         # It also adds about 30 lines per request to the engine log.
         "--verbosity", "4",
+        *PREFIX_CACHE_ARGS,
     ]
     args += ["--threads", str(settings.threads or default_threads())]
     if n_predict > 0:
@@ -384,6 +405,14 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         args.append("--no-repack")
     args += list(settings.extra_args)
     return args
+
+
+def _prefix_keeping(extra_args: tuple[str, ...]) -> dict[str, Any]:
+    """What a Serving says of an engine started with `PREFIX_CACHE_ARGS`, unless the
+    operator's own arguments set the similarity otherwise."""
+    if "-sps" in extra_args or "--slot-prompt-similarity" in extra_args:
+        return {}
+    return {"prefix_note": PREFIX_CACHE_NOTE, "pin_any_slot": True}
 
 
 def default_threads(cores: int | None = None) -> int:

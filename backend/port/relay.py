@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
@@ -39,7 +40,7 @@ from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import FlowControl
 from backend.admission.need_planner import NO_PLAN, Plan
-from backend.admission.placement import NO_HINT, Hint
+from backend.admission.placement import NO_HINT, Hint, KeepPrefixes
 from backend.admission.rate_limits import Reservation
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
@@ -331,9 +332,30 @@ class Exchange:
                                 (prompt if told_prompt is None else told_prompt,
                                  completion if told_completion is None else told_completion))
             if self._answered:
+                self._learn(tail, told_prompt)
                 self._judge_cache(self._start + tail)
         elif self._reservation is not None:
             self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
+
+    def _learn(self, tail: bytes, told_prompt: int | None) -> None:
+        """Tell placement where the answer left its session's prefix, with the prompt's
+        tokens and those the engine's cache held, from the final event the books read
+        (once per request, never per chunk); an answer without `timings` tells only its
+        prompt."""
+        ticket = self.ticket
+        placement = self.line.placement
+        if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
+            return
+        hint = ticket.hint
+        if hint.session is None:
+            return
+        figures = _prompt_figures(tail)
+        if figures is None:
+            if told_prompt is None:
+                return
+            figures = (told_prompt, 0)
+        placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
+                         ticket.engine.label, *figures)
 
     def _judge_cache(self, answer: bytes) -> None:
         """Count the answer's cached and computed prompt tokens, and say why a miss
@@ -784,6 +806,25 @@ def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
         chunk = first(chunk)
         return second(chunk) if chunk else chunk
     return stage
+
+
+def _prompt_figures(data: bytes) -> tuple[int, int] | None:
+    """(prompt, cached) tokens from the last `timings` an answer carries (llama-server's
+    final chunk or body: `prompt_n` computed, `cache_n` found in its cache); None when
+    it carries none."""
+    for block in reversed(data.split(b"\n")):
+        if b'"timings"' not in block:
+            continue
+        text = block[5:] if block.startswith(b"data:") else block
+        try:
+            timings = json.loads(text).get("timings")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(timings, dict):
+            computed, cached = timings.get("prompt_n"), timings.get("cache_n")
+            if isinstance(computed, int) and isinstance(cached, int):
+                return max(0, computed) + max(0, cached), max(0, cached)
+    return None
 
 
 def _seated(body: bytes, ticket: Ticket) -> bytes:

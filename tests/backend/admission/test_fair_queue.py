@@ -454,6 +454,47 @@ def test_a_refund_lowers_what_the_flow_holds_and_what_it_was_charged():
     assert [queue.next_to_admit(lambda _: True) for _ in range(3)] == ["b0", "a1", "b1"]
 
 
+def test_a_warm_agent_is_charged_only_the_tokens_the_engines_cache_lacked():
+    queue: FairQueue[str] = FairQueue(clock=Clock())
+    warm, cold = Flow("warm"), Flow("cold")
+    for i in range(40):
+        queue.push(f"w{i}", warm, 1000, i)
+        queue.push(f"c{i}", cold, 1000, 100 + i)
+    order: list[str] = []
+    for _ in range(22):
+        item = not_none(queue.next_to_admit(lambda _: True))
+        if item.startswith("w"):
+            queue.discount(item, 900)  # its cache held 900 of its 1,000 tokens
+        order.append(item)
+        queue.finished(item)
+
+    # Charged 100 a turn against the cold one's 1,000: ten turns to one, as the tokens
+    # each made the engine compute; the cold one still gets its turn.
+    assert sum(1 for item in order if item.startswith("c")) == 2
+    # The reservation is never discounted: the KV tokens are held all the same.
+    queue.push("w-last", warm, 1000, 1000)
+    while (next_item := not_none(queue.next_to_admit(lambda _: True))) != "w-last":
+        queue.finished(next_item)
+    queue.discount("w-last", 5000)  # at most the cost less one
+    assert queue.reserved_of("warm") == 1000
+
+
+def test_a_discounted_item_sent_back_in_line_is_uncharged_exactly():
+    queue: FairQueue[str] = FairQueue(clock=Clock())
+    a, b = Flow("a"), Flow("b")
+    for i in range(3):
+        queue.push(f"a{i}", a, 100, i)
+        queue.push(f"b{i}", b, 100, 10 + i)
+    assert queue.next_to_admit(lambda _: True) == "a0"
+    queue.discount("a0", 60)
+    queue.refund("a0", 30)  # counted after: 70 reserved, still 40 charged at most
+
+    queue.requeue("a0")
+
+    assert queue.running_of("a") == 0 and queue.reserved_of("a") == 0
+    assert [queue.next_to_admit(lambda _: True) for _ in range(3)] == ["a0", "b0", "a1"]
+
+
 def test_a_requeued_item_goes_back_to_its_arrival_place_and_its_charge_is_undone():
     queue: FairQueue[str] = FairQueue(clock=Clock())
     a, b = Flow("a"), Flow("b")

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend.llama.kv_capacity import TokenNeed
-from backend.admission.placement import (NO_HINT, PREFIX_BLOCK_CHARS, Hint, MostFreeSlots, Seat,
-                                    request_hint)
+from backend.admission.placement import (HOME_WAIT, NO_HINT, PREFIX_BLOCK_CHARS, Hint,
+                                         KeepPrefixes, MostFreeSlots, Seat, request_hint)
+from backend.admission.sessions import SessionTable
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
 
 @dataclass(eq=False)
 class Engine:
-    """An engine as placement reads it: its free slot ids and the most one request may hold."""
+    """An engine as placement reads it: its free slot ids, the most one request may hold,
+    its cache's layout, and the order its slots were last released in (oldest first)."""
 
     name: str
     free: list[int]
     room: int = 10_000
+    kv: KvCapacity | None = None
+    released: list[int] = field(default_factory=list)
+    pin_any_slot: bool = False
     seats: dict[int | None, Seat[Engine]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.name
 
     @property
     def free_slots(self) -> int:
@@ -32,14 +41,23 @@ class Engine:
         slot = self.lowest_free_slot()
         return self.seats.setdefault(slot, Seat(self, slot))
 
+    def least_recent_free_seat(self) -> Seat[Engine]:
+        never = [slot for slot in self.free if slot not in self.released]
+        slot = max(never) if never else min(self.free, key=self.released.index)
+        return self.seats.setdefault(slot, Seat(self, slot))
+
     def slot_free(self, slot: int) -> bool:
         return slot in self.free
+
+    def slot_used(self, slot: int) -> bool:
+        return slot in self.released
 
 
 @dataclass(frozen=True)
 class Wanting:
     need: TokenNeed | None = None
     hint: Hint = NO_HINT
+    enqueued_at: float = 0.0
 
 
 def test_the_default_takes_the_engine_with_the_most_free_slots_and_its_lowest_free_id():
@@ -80,7 +98,11 @@ def test_a_session_header_names_the_session_when_the_body_does_not():
     assert request_hint("f", headers, chat("hi")).session == "f\ns1"  # the preferred header
     assert request_hint("f", headers[:2], chat("hi")).session == "f\nc1"
     assert request_hint("f", headers, chat("hi", prompt_cache_key="k")).session == "f\nk"
-    assert request_hint("f", [], chat("hi")).session is None
+    codex = [(b"session_id", b"thread-9"), (b"conversation_id", b"thread-8")]
+    assert request_hint("f", codex, chat("hi")).session == "f\nthread-9"
+    # Codex CLI 0.171, as it was seen sending (with the same id as prompt_cache_key).
+    assert request_hint("f", [(b"thread-id", b"t1"), (b"x-codex-window-id", b"t1:0")],
+                        chat("hi")).session == "f\nt1"
 
 
 def test_the_prefix_digest_names_the_blocks_two_prompts_share():
@@ -100,3 +122,123 @@ def test_the_prefix_digest_names_the_blocks_two_prompts_share():
 def test_a_request_without_session_or_prompt_text_has_no_hint():
     assert request_hint("f", [], {"input": [{"type": "image"}]}) is NO_HINT
     assert request_hint("f", [], {}) is NO_HINT
+
+
+def test_without_a_name_a_session_is_its_conversations_start_scoped_to_its_flow():
+    head = {"role": "system", "content": "You are a coding agent. " * 300}  # one shared head
+    first = [head, {"role": "user", "content": "fix the parser"}]
+    other = [head, {"role": "user", "content": "write the docs"}]
+    later = [*first, {"role": "assistant", "content": "done"}, {"role": "user", "content": "now test"}]
+    session = request_hint("f", [], {"messages": first}).session
+    assert session is not None and session.startswith("f\n")
+    assert request_hint("f", [], {"messages": later}).session == session  # turn after turn
+    assert request_hint("f", [], {"messages": other}).session != session  # the same head
+    assert request_hint("g", [], {"messages": first}).session != session  # another flow
+
+
+def test_the_prefix_digest_is_scoped_to_the_flow():
+    body = chat("the same prompt, sent by two keys")
+    assert request_hint("key alice", [], body).prefix != request_hint("key bob", [], body).prefix
+    assert request_hint("key alice", [], body).flow == "key alice"
+
+
+# --- keeping prefixes --------------------------------------------------------------------
+
+SPLIT = KvCapacity.split(8_192, 2)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def served(policy: KeepPrefixes, session: str, seat: Seat[Engine] | None, prompt: int,
+           cached: int = 0, prefix: tuple[int, ...] = ()) -> None:
+    policy.served(session, session.split("\n")[0], prefix, seat, "this machine", prompt, cached)
+
+
+def test_a_sessions_turn_is_pinned_to_the_slot_its_last_turn_left_its_prefix_in():
+    engine = Engine("e", [0, 1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    first = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
+    assert first == Seat(engine, 1) and not first.pinned  # as llama-server picks: LRU, highest id
+    served(policy, "f\na", first, 900)
+    engine.released.append(1)
+    again = policy.place(Wanting(TokenNeed(1_000, 100), Hint("f\na", flow="f")), [engine])
+    assert again == Seat(engine, 1, pinned=True, cached=900)
+
+
+def test_a_slot_another_session_took_is_not_pinned_the_engine_finds_the_prefix_itself():
+    engine = Engine("e", [0, 1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    served(policy, "f\na", Seat(engine, 1), 900)
+    served(policy, "f\nb", Seat(engine, 1), 800)  # b's turn went to slot 1 after a's
+    engine.released[:] = [0, 1]
+    seat = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
+    # Unpinned, on the slot llama-server's LRU takes (it loads a's prefix from its RAM
+    # cache): charged as cached all the same, the prefix is on this engine.
+    assert seat == Seat(engine, 0, pinned=False, cached=900)
+
+
+def test_an_engine_started_to_keep_prefixes_has_every_used_slot_pinned_never_an_empty_one():
+    engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0])
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 1)
+    engine.free = [0, 2]  # slot 1 runs: the one released longest ago, pinned
+    assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 2, pinned=True)
+    served(policy, "f\nb", Seat(engine, 0, pinned=True), 600)
+    seat = policy.place(Wanting(hint=Hint("f\nb", flow="f")), [engine])
+    assert seat == Seat(engine, 0, pinned=True, cached=600)  # its own slot, not the LRU one
+
+
+def test_nothing_is_pinned_on_a_unified_cache_or_an_unknown_one():
+    for kv in (KvCapacity.shared(8_192), None):
+        engine = Engine("e", [0, 1], kv=kv)
+        policy = KeepPrefixes(SessionTable(), clock=Clock())
+        served(policy, "f\na", Seat(engine, 1), 900)
+        seat = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
+        assert seat is not None and not seat.pinned and seat.slot == 0
+
+
+def test_a_session_goes_back_to_the_engine_holding_its_prefix():
+    a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [0, 1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    served(policy, "f\ns", Seat(b, 0), 500)
+    a.free = [0, 1]
+    b.free = [1]  # b has fewer free slots: today's rule would take a
+    assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a, b]) == Seat(b, 1, cached=500)
+    assert policy.place(Wanting(hint=Hint("f\nnew", flow="f")), [a, b]) == Seat(a, 1)
+
+
+def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_another_flows():
+    a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    mine = request_hint("key alice", [], chat("a long shared head " * 100, "first"))
+    served(policy, "key alice\nold", Seat(b, 0), 700, prefix=mine.prefix)
+    same_head = request_hint("key alice", [], chat("a long shared head " * 100, "second"))
+    assert policy.place(Wanting(hint=same_head), [a, b]) == Seat(b, 1)  # not pinned: not its slot
+    theirs = request_hint("key bob", [], chat("a long shared head " * 100, "second"))
+    assert policy.place(Wanting(hint=theirs), [a, b]) == Seat(a, 1)  # today's rule
+
+
+def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
+    clock = Clock()
+    a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=clock)
+    served(policy, "f\ns", Seat(b, 0), 500)
+    ticket = Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now)
+    assert policy.place(ticket, [a, b]) is None  # b frees a slot soon
+    clock.now += HOME_WAIT
+    assert policy.place(ticket, [a, b]) == Seat(a, 1)  # waited long enough: anywhere
+    assert policy.place(Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now), [b]) is None
+
+
+def test_a_turn_on_an_engine_that_went_away_is_placed_as_any_other():
+    a = Engine("a", [0, 1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    served(policy, "f\ns", Seat(Engine("gone", [0], kv=SPLIT), 0), 500)
+    assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a]) == Seat(a, 1)
+    assert policy.place(Wanting(TokenNeed(20_000, 0), Hint("f\ns", flow="f")), [a]) is None

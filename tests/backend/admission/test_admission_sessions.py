@@ -1,0 +1,111 @@
+"""A line whose placement keeps prefixes (the default), without I/O: a session's turns
+go back to where its prefix is, a turn waits for its engine within the fairness bound,
+and a warm agent's share is charged the tokens the engine's cache lacked."""
+
+from __future__ import annotations
+
+from backend.admission.admission import MAX_PASSES, AdmissionQueue, Line
+from backend.admission.admission_ticket import Ticket
+from backend.admission.fair_queue import Flow
+from backend.admission.placement import HOME_WAIT, Hint, KeepPrefixes, Seat
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from backend.llama.load import Serving
+from tests.backend.admission_helpers import NEW, NEWER, OLD, FakeClock
+from tests.not_none import not_none
+
+
+def line_of(clock: FakeClock) -> tuple[Line, KeepPrefixes]:
+    policy = KeepPrefixes(clock=clock)
+    return Line("m", clock=clock, placement=policy), policy
+
+
+def engine(line: Line, url: str, slots: int, *, pin_any_slot: bool = True) -> AdmissionQueue:
+    kv = KvCapacity.split(4096 * slots, slots)
+    return AdmissionQueue(Serving(url, slots, kv=kv, pin_any_slot=pin_any_slot), line=line)
+
+
+def turn(line: Line, session: str, flow: str = "alice", need: int = 1000) -> Ticket:
+    return line.request(TokenNeed(need, 0), flow=Flow(flow),
+                        hint=Hint(f"{flow}\n{session}", flow=flow))
+
+
+def answered(policy: KeepPrefixes, ticket: Ticket, prompt: int, cached: int = 0) -> None:
+    """The relay's part: the answer tells where the turn's prefix went."""
+    hint = ticket.hint
+    policy.served(hint.session, hint.flow, hint.prefix, ticket.seat, "this machine",
+                  prompt, cached)
+    ticket.release()
+
+
+def test_the_default_placement_keeps_prefixes():
+    assert isinstance(Line("m").placement, KeepPrefixes)
+
+
+def test_each_agent_comes_back_to_its_own_slot_on_an_engine_with_more_agents_than_slots():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    only = engine(line, OLD, 2)
+    first = {name: turn(line, name) for name in ("a", "b")}
+    # As llama-server picks idle slots by LRU: never used ones first, the highest id first.
+    assert [not_none(t.seat).slot for t in first.values()] == [1, 0]
+    for name, ticket in first.items():
+        answered(policy, ticket, 900)
+    again = turn(line, "a")
+    assert not_none(again.seat) == Seat(only, 1, pinned=True, cached=900)
+    third = turn(line, "c")  # the slot released longest ago is b's: pinned, b to the RAM cache
+    assert not_none(third.seat) == Seat(only, 0, pinned=True)
+    answered(policy, again, 1000, 900)
+    answered(policy, third, 900)
+    back = turn(line, "b")  # its slot was taken: the least recently used one, a's
+    assert not_none(back.seat).slot == 1 and not_none(back.seat).pinned
+    assert not_none(turn(line, "c").seat) == Seat(only, 0, pinned=True, cached=900)
+
+
+def test_a_turn_waits_for_its_engine_passed_at_most_max_passes_times_then_home_wait_ends_it():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    near, home = engine(line, OLD, 1), engine(line, NEW, 1)
+    first = turn(line, "s")
+    assert not_none(first.seat).engine is near  # both free: the first joined
+    answered(policy, first, 900)
+    near_holder = turn(line, "x", flow="carol")  # keeps `near` busy for a while
+    assert not_none(near_holder.seat).engine is near
+    busy = turn(line, "y", flow="dave")
+    assert not_none(busy.seat).engine is home
+
+    waiting = turn(line, "s")  # its engine (`near`) is full, `home` is too
+    admitted = []
+    for i in range(MAX_PASSES + 1):
+        busy.release()  # `home` frees a slot: others go there, passing the session
+        busy = turn(line, f"o{i}", flow=f"other{i}")
+        admitted.append(busy.admitted)
+    assert admitted == [True] * MAX_PASSES + [False]
+    assert not waiting.admitted  # a barrier now: nothing passes it
+    last = busy
+
+    clock.now += HOME_WAIT  # waited long enough for its engine: anywhere
+    line.admit_waiting()
+    assert waiting.admitted and not_none(waiting.seat).engine is home
+    near_holder.release()  # its own engine frees: the one that could not pass goes there
+    assert last.admitted and not_none(last.seat).engine is near
+
+
+def test_a_warm_agent_is_charged_the_tokens_the_cache_lacked_a_cold_one_all():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    engine(line, NEWER, 1)
+    warm_first = turn(line, "w", flow="warm")
+    answered(policy, warm_first, 900)
+    holder = turn(line, "h", flow="holder")  # the slot is taken: everyone waits
+    waiting = [turn(line, "w", flow="warm") for _ in range(12)]
+    waiting += [turn(line, f"c{i}", flow="cold") for i in range(12)]
+    holder.release()
+    order = []
+    for _ in range(11):
+        admitted = next(t for t in waiting if t.admitted)
+        order.append(admitted.flow.key)
+        waiting.remove(admitted)
+        answered(policy, admitted, 900 if admitted.flow.key == "warm" else 1000)
+    # The warm agent's 1,000-token turns cost its share 100 (its cache held 900), the cold
+    # one's 1,000: about ten warm turns to one cold, and the cold one is served all the same.
+    assert order.count("cold") in (1, 2) and order.count("warm") >= 9

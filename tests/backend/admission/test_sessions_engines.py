@@ -1,0 +1,133 @@
+"""Sessions through a real service in front of a real llama-server: agents that resend
+their whole conversation each turn have their prefix found again, so each turn after the
+first computes about its new tokens only, however many agents share the engine's slots."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from backend.app.service import StudioService
+from backend.llama.kv_capacity import KvLayout
+from backend.llama.supervisor import PREFIX_CACHE_ARGS, pick_free_port
+from tests.backend.admission.test_placement_engines import MODEL, until_engines
+from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
+from tests.backend.service_harness import ServiceFactory
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+         "pi rho sigma tau upsilon phi chi psi omega").split()
+#: Prompt tokens a turn may compute beyond its new ones (a few around the message marks).
+SLACK = 8
+
+
+@pytest.fixture
+async def service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(queue_timeout=120)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def turns(client: httpx.AsyncClient, session: str, head: str, count: int,
+                rng: random.Random, headers: dict[str, str] | None = None
+                ) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """An agent's turns: its whole conversation each time (a shared head, its history,
+    a few new words), named by Codex's `session_id` header; each turn's messages and
+    answer."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": head}]
+    answers = []
+    for turn in range(count):
+        messages.append({"role": "user", "content": f"{session} turn {turn}: {words(rng, 60)}"})
+        answer = await client.post("/v1/chat/completions",
+                                   headers={"session_id": session, **(headers or {})},
+                                   json={"model": MODEL, "messages": messages, "max_tokens": 4,
+                                         "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        answers.append((list(messages), answer.json()))
+        # The agent's history holds what it kept of the reply (here a fixed line: the
+        # tiny model's random tokens would not read back as the same tokens).
+        messages.append({"role": "assistant", "content": f"noted {turn}"})
+    return answers
+
+
+async def converse(client: httpx.AsyncClient, session: str, head: str, count: int,
+                   rng: random.Random) -> list[tuple[int, int]]:
+    """(prompt tokens, computed ones) of each turn's answer, as its `timings` say."""
+    return [(answer["timings"]["prompt_n"] + answer["timings"]["cache_n"],
+             answer["timings"]["prompt_n"])
+            for _messages, answer in await turns(client, session, head, count, rng)]
+
+
+def recomputed(figures: list[tuple[int, int]]) -> list[int]:
+    """Per turn after the first: tokens computed beyond the turn's new ones."""
+    return [computed - (prompt - figures[turn - 1][0])
+            for turn, (prompt, computed) in enumerate(figures) if turn]
+
+
+@pytest.mark.parametrize("sessions, slots", [(3, 2), (2, 4)])
+async def test_each_turn_computes_about_its_new_tokens_only(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path,
+        sessions: int, slots: int) -> None:
+    port = pick_free_port()
+    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=slots,
+                                ctx=4096 * slots, extra=PREFIX_CACHE_ARGS)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until_engines(service, 1)
+        rng = random.Random(7)
+        head = "You are a coding agent. " + words(rng, 400)  # every agent's fixed head
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=120) as client:
+            runs = await asyncio.gather(*(
+                converse(client, f"agent-{i}", head, 3, random.Random(i))
+                for i in range(sessions)))
+    finally:
+        stop(engine)
+    extra = [tokens for figures in runs for tokens in recomputed(figures)]
+    assert max(extra) <= SLACK, f"turns after the first recomputed {extra} tokens: {runs}"
+
+
+async def test_two_keys_sessions_of_the_same_names_keep_their_own_caches_and_hear_of_none(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path) -> None:
+    """Two keys, each with agents of the same session names and the same head, at once on
+    two slots: every answer is the one the engine gives that prompt computed afresh
+    (no other conversation's cache in it), neither key is told what the cache held, and
+    the port keeps each key's sessions apart."""
+    port = pick_free_port()
+    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=2, ctx=8192,
+                                extra=PREFIX_CACHE_ARGS)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until_engines(service, 1)
+        keys = [service.add_key(name)[1] for name in ("alice", "bob")]
+        head = "You are a coding agent. " + words(random.Random(5), 300)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=120) as client:
+            runs = await asyncio.gather(*(
+                turns(client, f"agent-{i}", head, 2, random.Random(10 * k + i),
+                      {"Authorization": f"Bearer {key}"})
+                for k, key in enumerate(keys) for i in range(4)))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as direct:
+            for messages, answer in (turn for run in runs for turn in run):
+                fresh = await direct.post("/v1/chat/completions", json={
+                    "messages": messages, "max_tokens": 4, "temperature": 0,
+                    "cache_prompt": False})
+                assert (answer["choices"][0]["message"]["content"]
+                        == fresh.json()["choices"][0]["message"]["content"])
+                assert "timings" not in answer
+                assert not (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    finally:
+        stop(engine)
+    sessions = service.registry.sessions.snapshot()
+    assert len(sessions) == 8 and len({s.flow for s in sessions}) == 2
+    assert all(s.key.startswith(s.flow + "\n") and s.turns == 2 for s in sessions)
