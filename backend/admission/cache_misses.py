@@ -189,7 +189,8 @@ class SessionCache:
     """One session's prompt cache so far: what its turns found cached and computed, and
     its last miss."""
 
-    #: Its key, scoped to its flow ("flow\\nname"; an unnamed conversation "flow\\n#N").
+    #: Its key, scoped to its flow ("flow\\nname"; a conversation the client does not name
+    #: is named by placement's hint after its start: "flow\\n#digest").
     session: str
     model: str
     turns: int
@@ -204,11 +205,6 @@ class SessionCache:
     at: float
 
     @property
-    def named(self) -> bool:
-        """The client named the session (else it is followed by its prompt)."""
-        return "\n#" not in self.session
-
-    @property
     def hit_percent(self) -> float:
         """Of all its prompt tokens, the share found cached (0-100)."""
         total = self.cached + self.computed
@@ -217,28 +213,24 @@ class SessionCache:
 
 class CacheBook:
     """Each session's last turn and its figures, bounded (least recently served dropped
-    first).  A conversation that names no session is followed by its prompt: its next
-    turn is the one whose prompt starts with all of its last one (of the same flow).
-    Changed on the port's loop; `snapshot` may be read from any thread."""
+    first).  Changed on the port's loop; `snapshot` may be read from any thread."""
 
     def __init__(self, max_sessions: int = 4096, *, clock: Callable[[], float]) -> None:
         self.max_sessions = max_sessions
         self._clock = clock
         self._lock = threading.Lock()
         self._turns: OrderedDict[str, tuple[TurnRecord, SessionCache]] = OrderedDict()
-        # (flow, chained hash of a last prompt's last block) -> its unnamed session.
-        self._ends: dict[tuple[str, int], str] = {}
-        self._unnamed = 0
 
     def judge(self, session: str | None, flow: str, model: str, blocks: PromptBlocks,
               cached: int, computed: int, *, engine: str | None, label: str = "",
               slot: int | None = None, engine_alive: Callable[[str], bool],
-              restored: bool = False) -> tuple[Verdict, SessionCache]:
+              restored: bool = False) -> tuple[Verdict, SessionCache | None]:
         """The verdict on one answered turn (see `judge`), recorded as the session's last.
-        `session`: the client's own name for it (scoped to `flow`), else None;
-        `engine_alive(key)`: does the engine of that admission key still serve."""
+        `session`: its session (scoped to `flow`); None: a prompt with nothing to name it
+        by, only counted; `engine_alive(key)`: does the engine of that admission key
+        still serve."""
         if session is None:
-            session = self._follow(flow, blocks)
+            return Verdict(max(0, cached), max(0, computed)), None
         found = self._turns.get(session)
         previous, summary = found if found is not None else (None, None)
         alive = previous is not None and previous.engine is not None and engine_alive(previous.engine)
@@ -254,15 +246,8 @@ class CacheBook:
         with self._lock:
             self._turns.pop(session, None)
             self._turns[session] = (record, summary)
-            if not summary.named and blocks.chained:
-                if previous is not None and previous.blocks.chained:
-                    self._ends.pop((flow, previous.blocks.chained[-1]), None)
-                self._ends[(flow, blocks.chained[-1])] = session
             while len(self._turns) > self.max_sessions:
-                _, (dropped, old) = self._turns.popitem(last=False)
-                if not old.named and dropped.blocks.chained:
-                    owner = old.session.rsplit("\n#", 1)[0]
-                    self._ends.pop((owner, dropped.blocks.chained[-1]), None)
+                self._turns.popitem(last=False)
         return verdict, summary
 
     def snapshot(self) -> tuple[SessionCache, ...]:
@@ -271,22 +256,12 @@ class CacheBook:
             summaries = [summary for _, summary in self._turns.values()]
         return tuple(reversed(summaries))
 
-    def _follow(self, flow: str, blocks: PromptBlocks) -> str:
-        """The unnamed session whose last prompt this one continues, else a new one."""
-        for link in reversed(blocks.chained):
-            session = self._ends.get((flow, link))
-            if session is not None:
-                return session
-        self._unnamed += 1
-        return f"{flow}\n#{self._unnamed}"
-
-
 @dataclass(frozen=True, slots=True)
 class SessionRow:
     """One live session as a view shows it."""
 
     owner: str  #: its key's name, or "address …" without named keys
-    name: str  #: the client's name for it, or "unnamed N" (followed by its prompt)
+    name: str  #: the client's name for it, or "unnamed …" (named after its start)
     model: str
     turns: int
     hit_percent: float  #: of its prompt tokens, the share found cached

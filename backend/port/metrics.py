@@ -194,7 +194,7 @@ class Metrics:
     def note_prompt(self, model: str, session: str | None, flow: str, blocks: PromptBlocks,
                     cached: int, computed: int, *, engine: str | None, label: str = "",
                     slot: int | None = None, engine_alive: Callable[[str], bool],
-                    restored: bool = False) -> tuple[Verdict, SessionCache]:
+                    restored: bool = False) -> tuple[Verdict, SessionCache | None]:
         """An answered turn's prompt: `cached` tokens found in the engine's cache,
         `computed` computed.  Judged against its session's last turn (`CacheBook.judge`),
         counted by kind and, for a miss, by reason; once per request."""

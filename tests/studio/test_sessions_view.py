@@ -33,8 +33,8 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
     here("alice\nthread-1", "alice", chat("read main.py", "ok", "run tests"), 599, 201)
     table.record("alice\nthread-1", flow="alice", engine="http://127.0.0.1:9000",
                  label="this machine", slot=1)
-    # An unnamed conversation of another key, followed by its prompt.
-    here(None, "bob", chat("hello"), 0, 500)
+    # A conversation another key does not name: placement's hint names it after its start.
+    here("bob\n#5e1c0ffee5e1c0ff", "bob", chat("hello"), 0, 500)
     clock[0] = 130.0
 
     view = SessionsView()
@@ -43,7 +43,7 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
 
     shown = [dict(zip(COLUMNS, row)) for row in view.rows()]
     assert shown == [
-        {"Key": "bob", "Session": "unnamed 1", "Model": "coder", "Turns": "1",
+        {"Key": "bob", "Session": "unnamed 5e1c0ffee5e1c0ff", "Model": "coder", "Turns": "1",
          "Prompt cached": "0 %", "Prefix lives on": "this machine", "Last miss": "—",
          "Idle": "30 s"},
         {"Key": "alice", "Session": "thread-1", "Model": "coder", "Turns": "2",

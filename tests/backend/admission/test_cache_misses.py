@@ -154,3 +154,23 @@ def test_anthropic_and_responses_bodies_have_blocks_too():
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"type": "function_call", "name": "run", "arguments": "{}", "call_id": "c1"}]}
     assert [p.kind for p in prompt_blocks(responses).parts] == ["system", "user", "tool"]
+
+
+def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first():
+    from backend.admission.cache_misses import CacheBook
+
+    book = CacheBook(max_sessions=2, clock=lambda: 0.0)
+
+    def served(session: str | None, body: dict[str, Any], cached: int, computed: int) -> Verdict:
+        return book.judge(session, "k", "m", prompt_blocks(body), cached, computed,
+                          engine="e1", engine_alive=lambda key: True)[0]
+
+    assert served("k\na", FIRST, 0, 900).reason == "first_turn"
+    assert not served("k\na", SECOND, 899, 421).missed  # judged against a's first turn
+    served("k\nb", FIRST, 0, 900)
+    served("k\nc", FIRST, 0, 900)  # a is dropped: the least recently served of three
+    assert [s.session for s in book.snapshot()] == ["k\nc", "k\nb"]
+    assert served("k\na", SECOND, 0, 1320).reason == "first_turn"  # forgotten
+    # A prompt with nothing to name its session by is counted, never judged or kept.
+    assert served(None, FIRST, 0, 900) == Verdict(0, 900)
+    assert len(book.snapshot()) == 2
