@@ -37,6 +37,7 @@ from backend.llama.load import Snapshot, State
 
 from studio.activity_view import ActivityView
 from studio.bridge import ServiceBridge
+from studio.chat_view import ChatLink, ChatView
 from studio.discover_view import DiscoverView
 from studio.engine_view import EngineView
 from studio.library_view import LibraryView
@@ -49,7 +50,8 @@ from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
-SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB, SESSIONS_TAB = range(7)
+SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB, CHAT_TAB, SESSIONS_TAB = \
+    range(8)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -78,6 +80,8 @@ class MainWindow(QMainWindow):
         self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
         self.discover = DiscoverView(bridge.curated_models())
+        self.chat = ChatView()
+        self.chat_link = ChatLink(bridge, self.chat)
         self.sessions = SessionsView()
 
         self.tabs = QTabWidget()
@@ -88,7 +92,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.logs, "Lo&gs")
         self.tabs.addTab(_scrolling(self.engine), "&Engine")
         self.tabs.addTab(self.discover, "Get &models")
-        self.tabs.addTab(self.sessions, "Sessions")  # Ctrl+7
+        self.tabs.addTab(self.chat, "C&hat")
+        self.tabs.addTab(self.sessions, "Sessions")  # Ctrl+8
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 0, 0, 0)
@@ -164,6 +169,7 @@ class MainWindow(QMainWindow):
         b.build_finished.connect(self._on_build_finished)
         b.error_occurred.connect(self.show_message)
         b.pool_changed.connect(self.pool.set_state)
+        b.pool_changed.connect(lambda state: self.chat.set_models([m.name for m in state.models]))
 
         self.library_view.selected.connect(self._on_selected)
         self.library_view.files_opened.connect(self.open_files)
@@ -447,6 +453,7 @@ class MainWindow(QMainWindow):
 
     def shutdown(self) -> None:
         """Stop the engine and the port; the window may stay on screen meanwhile."""
+        self.chat_link.close()
         self.bridge.shutdown()
 
     # --- helpers ------------------------------------------------------------------------------

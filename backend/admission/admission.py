@@ -484,9 +484,11 @@ class Line:
                     flow: str = DEFAULT_FLOW.key) -> asyncio.Future[None]:
         """Done once an engine serves the model (at once if one does); fails with the
         refusal if the model's waiters are refused first (its load failed, or its flow's
-        key was revoked: see `refuse_flow`).  Cancel it to stop waiting.  Meanwhile its
-        `size` bytes count with the waiters' (QueueFull past `max_waiting_bytes`, as for
-        a ticket)."""
+        key was revoked: see `refuse_flow`).  Meanwhile its `size` bytes count with the
+        waiters' (QueueFull past `max_waiting_bytes`, as for a ticket).  Once served it
+        still keeps the model busy until its holder calls `stop_awaiting` (it took its
+        ticket, or gave up): its request is planned in between, and a model evicted then
+        would leave it no engine to wait for."""
         served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._engines:
             served.set_result(None)
@@ -494,9 +496,14 @@ class Line:
         self.check_wait(size, max_waiting_bytes)
         self._awaiting_engine[served] = (flow, size)
         self._waiting_bytes += size
-        served.add_done_callback(self._stop_awaiting)
+        served.add_done_callback(self._unless_served)
         self._changed()
         return served
+
+    def stop_awaiting(self, served: asyncio.Future[None]) -> None:
+        """The request of `served` (`when_served`) took its ticket or gave up."""
+        served.cancel()
+        self._stop_awaiting(served)
 
     def check_wait(self, size: int = 0, max_waiting_bytes: int = 0) -> None:
         """QueueFull when one more request holding `size` bytes may not wait for the
@@ -718,6 +725,10 @@ class Line:
             if ticket.need is not None and ticket.need.total > limit:
                 self._pop(ticket)
                 ticket.refuse(_too_long(ticket.need, limit))
+
+    def _unless_served(self, served: asyncio.Future[None]) -> None:
+        if served.cancelled() or served.exception() is not None:
+            self._stop_awaiting(served)
 
     def _stop_awaiting(self, served: asyncio.Future[None]) -> None:
         held = self._awaiting_engine.pop(served, None)

@@ -38,7 +38,7 @@ from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.fair_queue import Band
+from backend.port.route import Route
 from backend.admission.flow_control import FlowControl
 from backend.admission.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard
@@ -313,17 +313,8 @@ class StudioService:
 
     # --- the gateway's view of the pool --------------------------------------------------
 
-    def resolve(self, path: str, requested: object) -> str:
-        return self.pool.resolve(path, requested)
-
-    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
-        return self.pool.route(path, requested, band=band)
-
-    def must_name(self, model: str) -> bool:
-        return self.pool.must_name(model)
-
-    def isolated(self, model: str) -> bool:
-        return self.pool.isolated(model)
+    def route(self, path: str, requested: object) -> Route:
+        return self.pool.route(path, requested)
 
     def model_cards(self) -> list[ModelCard]:
         cap = self.settings.max_output_tokens

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette import routing
 
 from backend.port import http_errors
 from backend.key_store import KeyStore
@@ -53,6 +53,7 @@ from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest
+from backend.port.route import Route
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
                                        read_body)
 from backend.settings import Settings
@@ -95,22 +96,9 @@ class GatewayContext(Protocol):
     def snapshot(self) -> Snapshot:
         """The default model's engine."""
 
-    def resolve(self, path: str, requested: object) -> str:
-        """The model a request for `path` naming model `requested` is for (no side
-        effect).  Raises ModelNotFound or ModelNotReady."""
-
-    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
-        """`resolve`, and make sure the model will be served: may start loading it (for a
-        request of priority `band`, which decides what it may evict)."""
-
-    def must_name(self, model: str) -> bool:
-        """Whether a request for `model` that names no model must be sent naming it (an
-        engine that is another port with several models would take it for its own
-        default model)."""
-
-    def isolated(self, model: str) -> bool:
-        """Whether `model` shares no prompt cache between requests (its requests are sent
-        with `cache_prompt: false`)."""
+    def route(self, path: str, requested: object) -> Route:
+        """Where a request for `path` naming model `requested` goes, with no side effect.
+        Raises ModelNotFound or ModelNotReady."""
 
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
@@ -208,24 +196,25 @@ class Gateway:
             parsed = await check_body(path, raw, settings.max_output_tokens)
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
-            model = ctx.resolve(path, parsed.data.get("model"))
+            route = ctx.route(path, parsed.data.get("model"))
+            model = route.model
             # The key's limits first: a request refused for them loads and evicts nothing.
-            self.flows.check_model(caller, model)
-            flow = self.flows.flow_of(caller)
+            passage = self.flows.enter(caller, model)
+            flow = passage.flow
             band = requested_band(headers)
             band = flow.band if band is None else max(band, flow.band)
             line = ctx.registry.line(model)
             if not line.engines:  # it loads: its wait is checked before it starts one
-                self._check_budget(caller)
+                self.flows.check_spent(caller)
                 line.check_wait(len(parsed.body), settings.max_waiting_body_bytes)
-            ctx.route(path, model, band=band)
+            route.serve(band)
             if not line.engines:
                 served = line.when_served(size=len(parsed.body), flow=flow.key,
                                           max_waiting_bytes=settings.max_waiting_body_bytes)
-            if ctx.must_name(model) and parsed.model != model:
+            if route.named and parsed.model != model:
                 # The name this port resolved and allowed, never the client's spelling.
                 name_model(parsed, model)
-            if (GATED_ROUTES[path] is not None and ctx.isolated(model)
+            if (GATED_ROUTES[path] is not None and route.isolated
                     and parsed.data.get("cache_prompt") is not False):
                 # Else a client's `cache_prompt: true` reuses another request's prompt.
                 parsed.data["cache_prompt"] = False
@@ -255,7 +244,7 @@ class Gateway:
 
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                     parsed, model, plan, raw_size, caller,
+                                                     parsed, model, passage, plan, raw_size,
                                                      requested_band(headers), served, hint,
                                                      blocks),
                             send, receive,
@@ -297,13 +286,6 @@ class Gateway:
                    else now.refusal(time.time()))
         if refusal is not None:
             raise refusal
-
-    def _check_budget(self, caller: Caller) -> None:
-        """RateLimitExceeded when the caller's token windows are spent: before a load,
-        whose prompt cannot be counted yet, only a spent window is certain."""
-        reservation = self.flows.reserve(caller, 1)
-        if reservation is not None:
-            self.flows.limiter.settle(reservation, 0)
 
     def planner_for(self, queue: AdmissionQueue) -> NeedPlanner | None:
         """One planner per serving engine, counting with that engine (it knows its
@@ -531,12 +513,12 @@ def create_app(ctx: GatewayContext) -> Gateway:
 
 
 def _starlette_app(gateway: Gateway) -> Starlette:
-    routes = [Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
+    routes = [routing.Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
               for path in GATED_ROUTES]
     routes += [
-        Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/health", gateway.health, methods=["GET"]),
-        Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+        routing.Route("/v1/models", gateway.models, methods=["GET"]),
+        routing.Route("/health", gateway.health, methods=["GET"]),
+        routing.Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -35,13 +35,12 @@ from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
 from backend.admission.admission_ticket import Ticket
-from backend.admission.caller import ANONYMOUS, Caller
+from backend.admission.caller import Caller
 from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
-from backend.admission.flow_control import FlowControl
+from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.placement import NO_HINT, Hint, KeepPrefixes
-from backend.admission.rate_limits import Reservation
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -101,9 +100,6 @@ class ExchangeHost(Protocol):
     @property
     def closing(self) -> bool: ...
 
-    @property
-    def flows(self) -> FlowControl: ...
-
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
 
@@ -119,13 +115,13 @@ class GatedRequest:
     kind: sse.StreamKind
     parsed: Parsed
     model_id: str | None
+    #: Its way through its caller's limits (who sent it, its flow, its key's windows).
+    passage: Pass
     #: What it will hold of the engine's cache, and whether it is counted while it runs;
     #: None while no engine serves its model yet (it is loading): planned once one does.
     plan: Plan | None = NO_PLAN
     #: The body's size as received, for planning later.
     body_bytes: int = 0
-    #: Who sent it: its flow, its key's limits.
-    caller: Caller = ANONYMOUS
     #: The priority band it asked for (only ever lower than its key's).
     band: Band | None = None
     #: Its wait for its model to load (`Line.when_served`), when it was loading.
@@ -174,11 +170,13 @@ class Exchange:
         self._body_writer = body_writer
         self._stall_timeout = settings.client_stall_timeout
         self._stall: StallGuard | None = None
+        #: Its wait for its model's load, held from the load until its ticket is taken.
+        self._awaiting: asyncio.Future[None] | None = None
         #: Counting a prompt admitted on its byte bound, while it runs.
         self._counting: asyncio.Future[None] | None = None
-        self.flows = host.flows
-        self.caller = request.caller
-        key = request.caller.key
+        self.passage = request.passage
+        self.caller = request.passage.caller
+        key = self.caller.key
         #: A named key's answers tell nothing of the prompt cache all keys share: what it
         #: held for a prompt would tell how much of another key's prompt a guess matches.
         self._hide_cache = key is not None and not key.is_owner
@@ -186,8 +184,6 @@ class Exchange:
         self._events = 0
         #: An Anthropic stream's `message_start`, the one event that names its prompt.
         self._start = b""
-        #: What it counts against its key's token windows until settled.
-        self._reservation: Reservation | None = None
         #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
         self._extra_headers: list[tuple[bytes, bytes]] = []
         #: The last bytes relayed, where the engine's `usage` is.
@@ -229,7 +225,7 @@ class Exchange:
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
             self.send = self._stall.send
-        self.flows.started(self.caller, self)
+        self.passage.start(self)
         try:
             try:
                 last = await self._admitted_and_forwarded()
@@ -248,6 +244,7 @@ class Exchange:
                 last = self._failure(self._abort or ModelNotReady(
                     "The server is shutting down.", retry_after=RETRY_SOON))
         finally:
+            self._stop_awaiting()
             if self._counting is not None:
                 self._counting.cancel()  # its answer is of no use once the ticket goes
             ticket = self.ticket
@@ -263,7 +260,7 @@ class Exchange:
                 ticket.release()
             watch.stop()
             self._task = None  # nothing left to abort
-            self.flows.finished(self.caller, self)
+            self.passage.close()
             self._account()
         try:
             await self._send_all(last)
@@ -322,20 +319,19 @@ class Exchange:
         (`_cut_usage`), as is the part the usage does not say; a refusal or an error
         before anything was relayed gives the reservation back."""
         if self._failed is not None and not self._events:
-            self.flows.refused(self.caller, self._failed, self._reservation)
+            self.passage.refused(self._failed)
         elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
             tail = self._tail or b"".join(self._last_sent)
             # An Anthropic stream names its prompt in its first event only.
             told_prompt, told_completion = sse.find_usage(self._start + tail) or (None, None)
             prompt, completion = self._cut_usage()
-            self.flows.answered(self.caller, self._reservation,
-                                (prompt if told_prompt is None else told_prompt,
-                                 completion if told_completion is None else told_completion))
+            self.passage.answered((prompt if told_prompt is None else told_prompt,
+                                   completion if told_completion is None else told_completion))
             if self._answered:
                 self._learn(tail, told_prompt)
                 self._judge_cache(self._start + tail)
-        elif self._reservation is not None:
-            self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
+        else:
+            self.passage.left()  # before its turn
 
     def _learn(self, tail: bytes, told_prompt: int | None) -> None:
         """Tell placement where the answer left its session's prefix, with the prompt's
@@ -404,17 +400,17 @@ class Exchange:
     # --- waiting ----------------------------------------------------------------------
 
     def _take_ticket(self, plan: Plan) -> Ticket:
-        caller = self.caller
-        flows = self.flows
+        self._stop_awaiting()  # its place in line follows at once: the model stays busy
+        passage = self.passage
         tokens = plan.need.total if plan.need is not None else (
             self.request.body_bytes + self.host.settings.default_output_tokens)
-        self._reservation = flows.reserve(caller, tokens)  # RateLimitExceeded: 429
+        passage.reserve(tokens)  # RateLimitExceeded: 429
         ticket = self.ticket = self.line.request(
             plan.need, size=len(self.request.parsed.body),
             max_waiting_bytes=self.host.settings.max_waiting_body_bytes,
-            flow=flows.flow_of(caller), band=self.request.band, hint=plan.hint)
+            flow=passage.flow, band=self.request.band, hint=plan.hint)
         self._extra_headers = [(name.encode("latin-1"), value.encode("latin-1"))
-                               for name, value in flows.headers(caller).items()]
+                               for name, value in passage.headers().items()]
         if plan.settle_later:
             self._counting = asyncio.ensure_future(plan.settle(ticket))
         return ticket
@@ -450,10 +446,17 @@ class Exchange:
                 refused_by.count_requeue()
                 self.stage = "queued"
 
+    def _stop_awaiting(self) -> None:
+        """The wait for the model's load (`_served`) is over: it took its ticket or
+        gave up."""
+        if self._awaiting is not None:
+            self.line.stop_awaiting(self._awaiting)
+            self._awaiting = None
+
     async def _served(self, timeout: float | None) -> None:
         """Returns once an engine serves the request's model (it was loading); a
         streaming client sees life meanwhile.  Its queue timeout counts."""
-        served = self.request.served or self.line.when_served()
+        served = self._awaiting = self.request.served or self.line.when_served()
         try:
             if self.request.parsed.stream:
                 if not self.headers_sent:
@@ -464,8 +467,6 @@ class Exchange:
         except TimeoutError:
             raise QueueTimeout("The model is still loading. Try again shortly.",
                                retry_after=RETRY_SOON) from None
-        finally:
-            served.cancel()
 
     async def _admitted(self, ticket: Ticket, timeout: float | None) -> None:
         """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""
@@ -489,7 +490,7 @@ class Exchange:
         self.stage = "running"
         if ticket.admitted_at is not None and ticket.requeues == 0:
             self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
-            self.flows.admitted(self.caller, ticket.admitted_at - ticket.enqueued_at)
+            self.passage.admitted(ticket.admitted_at - ticket.enqueued_at)
 
     async def _turn(self, ticket: Ticket, timeout: float | None) -> None:
         """`ticket.wait`; after a refusal the load may still count as ready (its end not

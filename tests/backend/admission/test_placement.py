@@ -222,6 +222,8 @@ def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_ano
     assert policy.place(Wanting(hint=same_head), [a, b]) == Seat(b, 1)  # not pinned: not its slot
     theirs = request_hint("key bob", [], chat("a long shared head " * 100, "second"))
     assert policy.place(Wanting(hint=theirs), [a, b]) == Seat(a, 1)  # today's rule
+    b.free = []  # a shared head is no reason to wait: a new session goes where there is room
+    assert policy.place(Wanting(hint=same_head, enqueued_at=1e9), [a, b]) == Seat(a, 1)
 
 
 def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
