@@ -196,6 +196,8 @@ class Exchange:
         self._answered = False
         #: The error the request ended with, if it did.
         self._failed: RequestError | None = None
+        #: The answer's last bytes, once it was relayed whole: its cache is judged from them.
+        self._answer_tail: bytes | None = None
 
     @property
     def metrics(self) -> ModelCounts:
@@ -267,6 +269,8 @@ class Exchange:
         finally:
             if self._stall is not None:
                 self._stall.stop()
+            if self._answer_tail is not None:  # after the end went out: it delays no one
+                self._judge_cache(self._answer_tail)
 
     def _stalled(self) -> None:
         """The client left its answer unread for the stall timeout: drop it (the task
@@ -329,7 +333,7 @@ class Exchange:
                                    completion if told_completion is None else told_completion))
             if self._answered:
                 self._learn(tail, told_prompt)
-                self._judge_cache(self._start + tail)
+                self._answer_tail = self._start + tail
         else:
             self.passage.left()  # before its turn
 
