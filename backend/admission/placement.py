@@ -34,10 +34,10 @@ seat is pinned too and the books stay exact when requests ending together releas
 slots in another order there than here; a slot never used is never pinned (an empty
 slot skips the cache), llama-server's LRU takes it first, as the books do.  Nothing is
 pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
-engine holding its prefix (or else one holding another session of its flow that showed
-the same first blocks); while that engine has no room and another has, it waits at most
-`home_wait` seconds (10 by default) from its arrival, then goes wherever today's rule
-puts it.  The fairness bound is the line's: a head that waits for its engine is passed
+engine holding its prefix (or else, when that has room, to one holding another session
+of its flow that showed the same first blocks); while its own engine has no room and
+another has, it waits at most `home_wait` seconds (10 by default) from its arrival, then
+goes wherever today's rule puts it.  The fairness bound is the line's: a head that waits for its engine is passed
 by other flows' requests at most `MAX_PASSES` times, then nothing passes it.  A seat
 says how many prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
 fair share charges the rest (a warm agent is not billed for the prefix it reuses).
@@ -71,10 +71,11 @@ PREFIX_BLOCK_CHARS = 1024
 #: Blocks of the prompt's beginning the digest covers (the first few KB).
 PREFIX_BLOCKS = 4
 #: Headers that name a client's session, in order of preference (lower case): OpenCode's
-#: affinity and session ids, Codex CLI's `session_id` (its thread; older ones also sent
-#: `conversation_id`), Claude Code's.
+#: affinity and session ids; Codex CLI's thread (0.171 sends `session-id` and `thread-id`,
+#: the same id as its body's `prompt_cache_key`; older ones `session_id`,
+#: `conversation_id`); Claude Code's.
 SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"session-id",
-                   b"conversation_id", b"x-claude-code-session-id")
+                   b"thread-id", b"conversation_id", b"x-claude-code-session-id")
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
 HOME_WAIT = 10.0
@@ -210,7 +211,7 @@ class KeepPrefixes:
                     return _seat_on(engine, session if session is not None
                                     and session.engine == home else None, need,
                                     self.sessions)
-                if len(engines) > 1 and self._may_wait(ticket):
+                if session is not None and len(engines) > 1 and self._may_wait(ticket):
                     return None  # its engine frees a slot soon: bounded by home_wait
                 break
         best = _most_free(need, engines)

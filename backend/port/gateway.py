@@ -50,6 +50,7 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
+from backend.admission.cache_misses import prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prompt_tokens import PromptCounter
@@ -248,6 +249,7 @@ class Gateway:
             queue = line.planning_engine
             plan: Plan | None = None
             hint = request_hint(caller.flow, headers, parsed.data)
+            blocks = prompt_blocks(parsed.data)
             if queue is not None:
                 plan = await self.plan(queue, path, parsed, raw_size, hint)
                 # Planned: the parsed objects (several times the body's bytes) are not
@@ -274,7 +276,7 @@ class Gateway:
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, passage, plan, raw_size,
                                                      requested_band(headers), served, hint,
-                                                     arrived, traceparent),
+                                                     arrived, traceparent, blocks),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from backend.admission.cache_misses import CacheBook, PromptBlocks, SessionCache, Verdict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -132,6 +134,20 @@ class Metrics:
             "that admitted them.", COUNT_LABELS, buckets=QUEUE_WAIT_BUCKETS,
             registry=self.registry)
 
+        self.prompt_tokens = counter(
+            "gguf_studio_prompt_tokens",
+            "Prompt tokens of answered requests, by kind (cached: the engine took them from "
+            "its prompt cache; computed: it computed them) and model.", ["kind", "model"])
+        self.prompt_cache_misses = counter(
+            "gguf_studio_prompt_cache_misses",
+            "Answered requests whose engine computed what the session's previous turn had "
+            "left in a cache, by reason (first_turn, prefix_changed, unloaded, "
+            "engine_changed, restored, slot_taken) and model.", ["reason", "model"])
+        #: Each session's last turn and its prompt cache figures (see `note_prompt`).
+        self.cache_book = CacheBook(clock=time.monotonic)
+        self._prompt_children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
+        self._miss_children: dict[tuple[str, str], Counter] = {}
+
         self._lock = threading.Lock()
         self._requests = 0
         self._rejections: dict[str, int] = {}
@@ -174,6 +190,31 @@ class Metrics:
 
     def count_request(self, route: str, status: int | str) -> None:
         self._unrouted.count_request(route, status)
+
+    def note_prompt(self, model: str, session: str | None, flow: str, blocks: PromptBlocks,
+                    cached: int, computed: int, *, engine: str | None, label: str = "",
+                    slot: int | None = None, engine_alive: Callable[[str], bool],
+                    restored: bool = False) -> tuple[Verdict, SessionCache | None]:
+        """An answered turn's prompt: `cached` tokens found in the engine's cache,
+        `computed` computed.  Judged against its session's last turn (`CacheBook.judge`),
+        counted by kind and, for a miss, by reason; once per request."""
+        verdict, summary = self.cache_book.judge(
+            session, flow, model, blocks, cached, computed, engine=engine, label=label,
+            slot=slot, engine_alive=engine_alive, restored=restored)
+        tokens = self._prompt_children.get((model, ""))
+        if tokens is None:
+            tokens = self._prompt_children[(model, "")] = (
+                self.prompt_tokens.labels("cached", model),
+                self.prompt_tokens.labels("computed", model))
+        tokens[0].inc(verdict.cached)
+        tokens[1].inc(verdict.computed)
+        if verdict.reason is not None:
+            miss = self._miss_children.get((model, verdict.reason))
+            if miss is None:
+                miss = self._miss_children[(model, verdict.reason)] = \
+                    self.prompt_cache_misses.labels(verdict.reason, model)
+            miss.inc()
+        return verdict, summary
 
     # --- called by the service ------------------------------------------------------
 

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
+from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
@@ -155,6 +156,8 @@ class GatedRequest:
     arrived: float = 0.0
     #: The client's W3C `traceparent`, read only while spans are exported.
     traceparent: str | None = None
+    #: Its prompt's blocks, to say why its answer's prompt missed the cache (if it did).
+    blocks: PromptBlocks = NO_BLOCKS
 
 
 class Exchange:
@@ -231,6 +234,8 @@ class Exchange:
         self._first_at: float | None = None
         self._last_at = 0.0
         self._longest_gap = 0.0
+        #: The answer's last bytes, once it was relayed whole: its cache is judged from them.
+        self._answer_tail: bytes | None = None
 
     @property
     def metrics(self) -> ModelCounts:
@@ -304,6 +309,8 @@ class Exchange:
         finally:
             if self._stall is not None:
                 self._stall.stop()
+            if self._answer_tail is not None:  # after the end went out: it delays no one
+                self._judge_cache(self._answer_tail)
 
     def _stalled(self) -> None:
         """The client left its answer unread for the stall timeout: drop it (the task
@@ -365,7 +372,8 @@ class Exchange:
             self.passage.answered((prompt if told_prompt is None else told_prompt,
                                    completion if told_completion is None else told_completion))
             if self._answered:
-                self._learn(tail)
+                self._learn(tail, told_prompt)
+                self._answer_tail = self._start + tail
         else:
             self.passage.left()  # before its turn
 
@@ -425,10 +433,11 @@ class Exchange:
             band = flow_band if ticket.band is None else max(ticket.band, flow_band)
         return None if band is None else band.name.lower()
 
-    def _learn(self, tail: bytes) -> None:
+    def _learn(self, tail: bytes, told_prompt: int | None) -> None:
         """Tell placement where the answer left its session's prefix, with the prompt's
         tokens and those the engine's cache held, from the final event the books read
-        (once per request, never per chunk)."""
+        (once per request, never per chunk); an answer without `timings` tells only its
+        prompt."""
         ticket = self.ticket
         placement = self.line.placement
         if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
@@ -438,9 +447,26 @@ class Exchange:
             return
         figures = _prompt_figures(tail)
         if figures is None:
-            return
+            if told_prompt is None:
+                return
+            figures = (told_prompt, 0)
         placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
                          ticket.engine.label, *figures)
+
+    def _judge_cache(self, answer: bytes) -> None:
+        """Count the answer's cached and computed prompt tokens, and say why a miss
+        missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
+        figures = sse.find_prompt_cache(answer)
+        ticket = self.ticket
+        if figures is None or ticket is None or ticket.engine is None:
+            return
+        engines = self.line.engines
+        seat = ticket.seat
+        self.host.metrics.note_prompt(
+            self.request.model_id or UNROUTED, self.request.hint.session, self.caller.flow,
+            self.request.blocks, *figures, engine=ticket.serving.key, label=ticket.engine.label,
+            slot=seat.slot if seat is not None and seat.pinned else None,
+            engine_alive=lambda key: any(e.key == key for e in engines))
 
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage

@@ -100,6 +100,9 @@ def test_a_session_header_names_the_session_when_the_body_does_not():
     assert request_hint("f", headers, chat("hi", prompt_cache_key="k")).session == "f\nk"
     codex = [(b"session_id", b"thread-9"), (b"conversation_id", b"thread-8")]
     assert request_hint("f", codex, chat("hi")).session == "f\nthread-9"
+    # Codex CLI 0.171, as it was seen sending (with the same id as prompt_cache_key).
+    assert request_hint("f", [(b"thread-id", b"t1"), (b"x-codex-window-id", b"t1:0")],
+                        chat("hi")).session == "f\nt1"
 
 
 def test_the_prefix_digest_names_the_blocks_two_prompts_share():
@@ -219,6 +222,8 @@ def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_ano
     assert policy.place(Wanting(hint=same_head), [a, b]) == Seat(b, 1)  # not pinned: not its slot
     theirs = request_hint("key bob", [], chat("a long shared head " * 100, "second"))
     assert policy.place(Wanting(hint=theirs), [a, b]) == Seat(a, 1)  # today's rule
+    b.free = []  # a shared head is no reason to wait: a new session goes where there is room
+    assert policy.place(Wanting(hint=same_head, enqueued_at=1e9), [a, b]) == Seat(a, 1)
 
 
 def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():

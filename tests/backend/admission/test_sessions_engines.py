@@ -14,6 +14,7 @@ import pytest
 
 from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
+from backend.llama.load import LoadSettings
 from backend.llama.supervisor import PREFIX_CACHE_ARGS, pick_free_port
 from tests.backend.admission.test_placement_engines import MODEL, until_engines
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
@@ -35,7 +36,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 async def turns(client: httpx.AsyncClient, session: str, head: str, count: int,
-                rng: random.Random, headers: dict[str, str] | None = None
+                rng: random.Random, headers: dict[str, str] | None = None, model: str = MODEL
                 ) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
     """An agent's turns: its whole conversation each time (a shared head, its history,
     a few new words), named by Codex's `session_id` header; each turn's messages and
@@ -46,7 +47,7 @@ async def turns(client: httpx.AsyncClient, session: str, head: str, count: int,
         messages.append({"role": "user", "content": f"{session} turn {turn}: {words(rng, 60)}"})
         answer = await client.post("/v1/chat/completions",
                                    headers={"session_id": session, **(headers or {})},
-                                   json={"model": MODEL, "messages": messages, "max_tokens": 4,
+                                   json={"model": model, "messages": messages, "max_tokens": 4,
                                          "temperature": 0})
         assert answer.status_code == 200, answer.text
         answers.append((list(messages), answer.json()))
@@ -57,11 +58,12 @@ async def turns(client: httpx.AsyncClient, session: str, head: str, count: int,
 
 
 async def converse(client: httpx.AsyncClient, session: str, head: str, count: int,
-                   rng: random.Random) -> list[tuple[int, int]]:
+                   rng: random.Random, model: str = MODEL) -> list[tuple[int, int]]:
     """(prompt tokens, computed ones) of each turn's answer, as its `timings` say."""
     return [(answer["timings"]["prompt_n"] + answer["timings"]["cache_n"],
              answer["timings"]["prompt_n"])
-            for _messages, answer in await turns(client, session, head, count, rng)]
+            for _messages, answer in await turns(client, session, head, count, rng,
+                                                 model=model)]
 
 
 def recomputed(figures: list[tuple[int, int]]) -> list[int]:
@@ -91,6 +93,26 @@ async def test_each_turn_computes_about_its_new_tokens_only(
                 for i in range(sessions)))
     finally:
         stop(engine)
+    extra = [tokens for figures in runs for tokens in recomputed(figures)]
+    assert max(extra) <= SLACK, f"turns after the first recomputed {extra} tokens: {runs}"
+
+
+async def test_an_engine_the_app_starts_keeps_every_agents_prefix_and_says_how(
+        service: StudioService, tiny_model: Path) -> None:
+    """Four agents on two slots of an engine GGUF Studio started (slots pinned by the
+    port, the RAM cache behind every pin): each turn after the first computes its new
+    tokens only, and the engine's state says how prefixes are kept, for the Model tab."""
+    snapshot = await service.load(LoadSettings(parallel="2", ctx_size=8192).to_spec(str(tiny_model)))
+    serving = snapshot.serving
+    assert serving is not None and serving.pin_any_slot
+    assert serving.prefix_note and "RAM prompt cache" in serving.prefix_note
+    rng = random.Random(3)
+    head = "You are a coding agent. " + words(rng, 400)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=120) as client:
+        runs = await asyncio.gather(*(
+            converse(client, f"agent-{i}", head, 3, random.Random(i), model="tiny")
+            for i in range(4)))
     extra = [tokens for figures in runs for tokens in recomputed(figures)]
     assert max(extra) <= SLACK, f"turns after the first recomputed {extra} tokens: {runs}"
 
