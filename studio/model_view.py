@@ -326,6 +326,8 @@ class ModelView(QWidget):
                 text += f" · context {serving.context_length:,} tokens per slot"
             if serving.kv is not None:
                 text += "<br>" + html.escape(serving.describe_kv())
+            if serving.speed is not None:
+                text += "<br>" + html.escape(serving.speed.describe())
             self.slots.setText(text)
             self.slots_icon.setVisible(differs)
             self.slots.setProperty("differs", differs)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from backend.llama.api import UpstreamModel
+from backend.llama.engine_speed import EngineSpeed
 from backend.llama.report import EngineReport
 from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvCapacity, planned_capacity
@@ -197,6 +198,9 @@ class Serving:
     kv_note: str | None = None
     #: The models an attached GGUF Studio port lists, each with its context.
     upstream_models: tuple[UpstreamModel, ...] = ()
+    #: How fast it computes prompts and steps, and the batch it runs with, as measured
+    #: after its load (backend.llama.engine_speed); None when not measured.
+    speed: EngineSpeed | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:

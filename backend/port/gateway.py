@@ -555,7 +555,8 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
         kv = serving.kv.to_dict() if serving is not None and serving.kv is not None else None
         return {"state": snapshot.state.value, "model": snapshot.model_id,
                 "effective_parallel_slots": serving.slots if serving is not None else None,
-                "kv": None if kv is None else dict(kv, reserved=reserved)}
+                "kv": None if kv is None else dict(kv, reserved=reserved),
+                "speed": serving.speed.to_dict() if serving is not None and serving.speed else None}
     serving_now = [e for e in engines if e["state"] == State.READY.value and e["slots"]]
     caches = [e["kv"] for e in serving_now if e["kv"] is not None]
     if serving_now:

@@ -65,6 +65,8 @@ class EngineLoad:
     active: int = 0  #: requests running on it
     kv_capacity: int = 0  #: its KV cache in tokens; 0 while unknown or not serving
     kv_reserved: int = 0  #: KV tokens held by its running requests
+    prefill_tokens_per_second: float = 0.0  #: measured after its load; 0: not measured
+    step_seconds: float = 0.0  #: one decode step, measured after its load; 0: not measured
 
 
 @dataclass(frozen=True)
@@ -341,7 +343,7 @@ class ModelCounts:
 
 
 #: (name, help, what it reads from an EngineLoad) of the series labelled model and engine.
-_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
+_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], float]], ...] = (
     ("gguf_studio_engine_ready", "1 while this engine serves the model (healthy, slots read), "
      "else 0.", lambda e: int(e.ready)),
     ("gguf_studio_engine_requests_active", "Requests holding a slot of this engine.",
@@ -353,6 +355,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
      lambda e: e.kv_capacity),
     ("gguf_studio_engine_kv_reserved_tokens",
      "KV tokens reserved by the requests running on this engine.", lambda e: e.kv_reserved),
+    ("gguf_studio_engine_prefill_tokens_per_second",
+     "Prompt tokens per second this engine computed when measured after its load (0: not "
+     "measured).", lambda e: e.prefill_tokens_per_second),
+    ("gguf_studio_engine_step_seconds",
+     "One decode step of this engine, measured after its load (0: not measured).",
+     lambda e: e.step_seconds),
 )
 _MODEL_WAITING = ("gguf_studio_model_requests_waiting",
                   "Requests waiting in this model's line, for whichever of its engines frees first.")
