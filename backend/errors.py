@@ -186,7 +186,7 @@ class ModelNotAllowed(RequestError):
 
 class RateLimitExceeded(RequestError):
     """A named key is over its tokens per minute (`reason` "tokens_per_minute") or its
-    tokens per day ("tokens_per_day"); see backend.port.rate_limits.  `headers` are the
+    tokens per day ("tokens_per_day"); see backend.admission.rate_limits.  `headers` are the
     answer's extra headers (`retry-after-ms`, OpenAI's `x-ratelimit-*`); `retry_after`
     is None when the request can never fit the limit (it is larger than the limit)."""
 

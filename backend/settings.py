@@ -52,7 +52,7 @@ class Settings:
     queue_timeout: float = 600.0
     keepalive_interval: float = 5.0
     max_output_tokens: int = 0
-    # Output tokens reserved for a request that sends no limit (backend.port.prompt_tokens).
+    # Output tokens reserved for a request that sends no limit (backend.admission.prompt_tokens).
     default_output_tokens: int = 2048
     # Largest request body; 0 means this default (a port never takes unlimited bodies).
     max_body_bytes: int = 32 * 1024 * 1024

@@ -446,7 +446,7 @@ def line_round(module: Any, costs: list[int], flows: list[int] | None, requests:
     """CPU µs per request through `module`'s Line (`flows` None: a Line without flows)."""
     from backend.llama.kv_capacity import KvCapacity, TokenNeed
     from backend.llama.load import Serving
-    from backend.port.fair_queue import Flow
+    from backend.admission.fair_queue import Flow
 
     taken: deque[Any] = deque()
 
@@ -490,7 +490,7 @@ def line_before_fair_queue() -> types.ModuleType | None:
         except (OSError, subprocess.CalledProcessError):
             log(f"git cannot show {path} at {FIFO_COMMIT}: that row is left out")
             return None
-        source = source.replace("from backend.port.admission_ticket import",
+        source = source.replace("from backend.admission.admission_ticket import",
                                 "from _fifo_admission_ticket import")
         module = types.ModuleType(name)
         module.__file__ = f"{FIFO_COMMIT}:{path}"

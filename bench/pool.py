@@ -187,7 +187,7 @@ def routing_cpu(engines: int, iterations: int) -> float:
     the one free slot among `engines` engines of 4 busy slots, and its release."""
     from backend.llama.kv_capacity import KvCapacity, TokenNeed
     from backend.llama.load import Serving
-    from backend.port.admission_registry import AdmissionRegistry
+    from backend.admission.admission_registry import AdmissionRegistry
 
     registry = AdmissionRegistry()
     for i in range(engines):

@@ -37,7 +37,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.llama.engine import Engine  # noqa: E402
-from backend.port.prompt_tokens import PromptCounter  # noqa: E402
+from backend.admission.prompt_tokens import PromptCounter  # noqa: E402
 from backend.port.tokenizer_client import HttpEngineTokenizer  # noqa: E402
 from backend.llama.supervisor import pick_free_port  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402

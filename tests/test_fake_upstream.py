@@ -8,8 +8,8 @@ import json
 
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.port.need_planner import NeedPlanner
-from backend.port.prompt_tokens import TEXT_SLACK, PromptCounter
+from backend.admission.need_planner import NeedPlanner
+from backend.admission.prompt_tokens import TEXT_SLACK, PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from tests.fake_upstream import FakeUpstream
 from tests.not_none import not_none

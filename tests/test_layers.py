@@ -15,11 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("backend", "studio", "launcher", "bench")
 #: Lower rooms first; a module may import its own room and any room before it.
-ROOMS = ("backend", "backend.llama", "backend.models", "backend.port", "backend.app",
-         "studio", "launcher", "bench")
+ROOMS = ("backend", "backend.llama", "backend.models", "backend.admission", "backend.port",
+         "backend.app", "studio", "launcher", "bench")
 #: Modules that decide without I/O (the counting rules, the planner, the answer parser):
 #: what they ask of an engine is given to them, so none may reach a module that connects.
-SANS_IO = ("backend.port.prompt_tokens", "backend.port.need_planner",
+SANS_IO = ("backend.admission.prompt_tokens", "backend.admission.need_planner",
            "backend.port.http1_response")
 CONNECTING = ("backend.port.upstream_http", "backend.port.tokenizer_client")
 
@@ -41,6 +41,18 @@ def test_the_modules_that_decide_without_io_reach_no_client() -> None:
     graph = _import_graph()
     reached = {module: sorted(_reachable(graph, module) & set(CONNECTING)) for module in SANS_IO}
     assert reached == {module: [] for module in SANS_IO}
+
+
+def test_the_admission_room_opens_no_connection() -> None:
+    """Admission decides; the port and the app do its I/O (the tokenizer client is
+    injected into the need planner)."""
+    networking = ("socket", "ssl", "http", "httpx", "h11", "starlette", "uvicorn",
+                  "urllib", "aiohttp")
+    found = [f"{module} imports {target}"
+             for module, targets in _import_graph(every=True).items()
+             if module.startswith("backend.admission") for target in targets
+             if target.split(".")[0] in networking]
+    assert found == []
 
 
 def test_backend_never_imports_qt() -> None:

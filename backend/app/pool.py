@@ -46,10 +46,10 @@ from backend.listeners import Listeners
 from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
-from backend.port.access_guard import ADDRESS_FLOW
-from backend.port.admission import Line
-from backend.port.admission_registry import AdmissionRegistry
-from backend.port.fair_queue import Band
+from backend.admission.caller import ADDRESS_FLOW
+from backend.admission.admission import Line
+from backend.admission.admission_registry import AdmissionRegistry
+from backend.admission.fair_queue import Band
 from backend.models.model_names import ModelNames, NamedModel
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,

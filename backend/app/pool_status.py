@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from backend.llama.load import Snapshot
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission_registry import AdmissionRegistry
 
 __all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
            "engine_status", "residency_of", "scrubbed"]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from backend.errors import RETRY_SOON, ModelNotFound, ModelNotReady
 from backend.llama.load import LoadBackend, ServedModel, Serving, Snapshot, State
 from backend.llama.remote_engine import RemoteEngine
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission_registry import AdmissionRegistry
 from backend.app.pool_config import UpstreamEntry
 from backend.app.pool_status import (EngineStatus, ModelStatus, Residency, UpstreamStatus,
                                      engine_status, residency_of)

@@ -36,11 +36,11 @@ from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapsho
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
-from backend.port.access_guard import ADDRESS_FLOW, Caller
-from backend.port.admission_registry import AdmissionRegistry
-from backend.port.fair_queue import Band
-from backend.port.flow_control import FlowControl
-from backend.port.rate_limits import RateLimiter
+from backend.admission.caller import ADDRESS_FLOW, Caller
+from backend.admission.admission_registry import AdmissionRegistry
+from backend.admission.fair_queue import Band
+from backend.admission.flow_control import FlowControl
+from backend.admission.rate_limits import RateLimiter
 from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, Metrics, ModelLoad
 from backend.settings import Settings, remember_keys_required

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from backend.api_keys import mask_api_key
 from backend.app.toml_text import toml_string
-from backend.port.prompt_tokens import DEFAULT_OUTPUT_TOKENS
+from backend.admission.prompt_tokens import DEFAULT_OUTPUT_TOKENS
 
 __all__ = [
     "KEY_ENV_VAR",

@@ -1,12 +1,11 @@
-"""The OpenAI-compatible port: who may talk to an engine now, and the bytes between them.
+"""The OpenAI-compatible port: who may talk to an engine, and the bytes between them.
 
 Routes, keys and browser checks (`gateway`, `access_guard`), serving the socket
-(`server`), admission by slots and KV tokens (`admission`, `admission_registry`,
-`admission_ticket`; where a ticket sits: `placement`), what a request needs
-(`need_planner`; the counting rules `prompt_tokens`, and `tokenizer_client`, the
-engine's tokenizer they are given), the relay of one exchange (`relay`, `client_watch`,
-`sse`), the upstream HTTP client (`upstream_http`: the connection pool;
-`http1_response`: the sans-I/O parser of its answers; `upstream_errors`: the failures of
-both), TCP_NODELAY on the connections of both sides (`tcp_nodelay`), request bodies
-(`request_body`), error answers (`http_errors`), metrics and the access log.
+(`server`), the engine's tokenizer over HTTP (`tokenizer_client`, given to admission's
+need planner), the relay of one exchange (`relay`, `client_watch`, `sse`), the upstream
+HTTP client (`upstream_http`: the connection pool; `http1_response`: the sans-I/O parser
+of its answers; `upstream_errors`: the failures of both), TCP_NODELAY on the connections
+of both sides (`tcp_nodelay`), request bodies (`request_body`, `request_fields`), error
+answers (`http_errors`), metrics and the access log.  What is decided about a request
+(admission, fair share, limits, placement) lives in `backend.admission`.
 """

@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, Unauthorized,
                             UnsupportedContentType)
 from backend.addresses import lan_addresses
+from backend.admission.caller import ADDRESS_FLOW, ANONYMOUS, Caller
 from backend.key_store import OWNER, KeyRecord, KeyStore
 from backend.settings import Settings
 
@@ -236,26 +237,6 @@ class AccessGuard:
             self._addresses = self._own_addresses()
             self._addresses_at = now
         return self._addresses
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: the flow it counts against (a key's name, or the client's
-    address when no named keys exist), and its key's limits (None: no key at all)."""
-
-    flow: str
-    key: KeyRecord | None = None
-
-    @property
-    def name(self) -> str:
-        """For usage and metrics: the key's name, or "anonymous" (never an address)."""
-        return self.key.name if self.key is not None else "anonymous"
-
-
-#: Without named keys each client address is one flow, called this + the address.
-ADDRESS_FLOW = "address "
-#: The caller of a request no key or address is known for.
-ANONYMOUS = Caller("")
 
 
 @dataclass

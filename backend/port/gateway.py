@@ -34,21 +34,22 @@ from starlette.routing import Route
 
 from backend.port import http_errors
 from backend.key_store import KeyStore
-from backend.port.access_guard import AccessGuard, Caller
-from backend.port.fair_queue import Band
-from backend.port.flow_control import FlowControl, requested_band
+from backend.admission.caller import Caller
+from backend.port.access_guard import AccessGuard
+from backend.admission.fair_queue import Band
+from backend.admission.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
-from backend.port.admission import AdmissionQueue
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission import AdmissionQueue
+from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
 from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
-from backend.port.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
-from backend.port.placement import NO_HINT, Hint, request_hint
-from backend.port.prompt_tokens import PromptCounter
+from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
+from backend.admission.placement import NO_HINT, Hint, request_hint
+from backend.admission.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,

@@ -39,7 +39,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from backend.port.admission_registry import AdmissionRegistry
+    from backend.admission.admission_registry import AdmissionRegistry
     from backend.llama.load import Snapshot
 
 __all__ = ["EngineLoad", "Metrics", "ModelCounts", "ModelLoad", "ModelTotals",

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 
 from backend.port import http_errors
 from backend.port import sse
-from backend.port.admission import AdmissionQueue, Line
-from backend.port.admission_ticket import Ticket
-from backend.port.access_guard import ANONYMOUS, Caller
-from backend.port.fair_queue import Band
+from backend.admission.admission import AdmissionQueue, Line
+from backend.admission.admission_ticket import Ticket
+from backend.admission.caller import ANONYMOUS, Caller
+from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
-from backend.port.flow_control import FlowControl
-from backend.port.need_planner import NO_PLAN, Plan
-from backend.port.placement import NO_HINT, Hint
-from backend.port.rate_limits import Reservation
+from backend.admission.flow_control import FlowControl
+from backend.admission.need_planner import NO_PLAN, Plan
+from backend.admission.placement import NO_HINT, Hint
+from backend.admission.rate_limits import Reservation
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,

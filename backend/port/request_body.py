@@ -7,10 +7,10 @@ of these, llama-server's answers them with a 500).  The gateway checks what it d
 shapes of the fields the engine reads; everything else is forwarded untouched.
 
 A request may give its output limit in several fields, and llama-server obeys the first
-it reads (`ENGINE_LIMITS`), not the smallest: `{"max_tokens": 1, "n_predict": 40}`
+it reads (`backend.admission.output_limits`), not the smallest: `{"max_tokens": 1, "n_predict": 40}`
 generates 40.  The port works out that one limit as the engine would (`requested_output`),
 holds it to the operator's cap (`output_limit`), and writes it into every limit field the
-route's engine reads, so that what admission reserves (`backend.port.prompt_tokens.
+route's engine reads, so that what admission reserves (`backend.admission.prompt_tokens.
 output_budget`) and what the engine generates are the same number.  The body is
 re-encoded only when that changed it.
 
@@ -32,12 +32,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from backend.admission.output_limits import CLIENT_LIMIT, EMBEDDINGS, ENGINE_LIMITS, output_limit
 from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
 from backend.port.request_fields import check_fields
 
-__all__ = ["ENGINE_LIMITS", "MESSAGES_MAX_TOKENS", "BodyBudget", "BodyHold", "ClientGone",
-           "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES", "Parsed", "check_body", "name_model",
-           "output_limit", "parse_body", "read_body", "requested_output"]
+__all__ = ["BodyBudget", "BodyHold", "ClientGone", "MIN_BODY_RATE", "PARSE_OFF_LOOP_BYTES",
+           "Parsed", "check_body", "name_model", "parse_body", "read_body"]
 
 #: Bodies at least this large are parsed off the event loop.  Below it a parse takes
 #: about 10 ms at most (the slowest JSON, tiny objects, parses at ~25 MB/s here), less
@@ -53,30 +53,6 @@ MIN_BODY_RATE = 1024
 #: leave it as fast as they are read and checked.
 BUSY_RETRY_AFTER = 1.0
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-EMBEDDINGS = "/v1/embeddings"
-
-#: Route -> the output-limit fields its engine reads, in the order the pinned llama-server
-#: reads them: the first one given (not null) is obeyed, the others ignored
-#: (tools/server/server-schema.cpp: `n_predict`, aliased by `max_completion_tokens`, then
-#: `max_tokens`).  A Responses request becomes a chat one whose `max_tokens` is its
-#: `max_output_tokens` whenever that is present, null included (server-chat.cpp); an
-#: Anthropic one keeps its `max_tokens` alone.  Embeddings generate nothing.
-ENGINE_LIMITS: dict[str, tuple[str, ...]] = {
-    CHAT: ("n_predict", "max_completion_tokens", "max_tokens"),
-    COMPLETIONS: ("n_predict", "max_completion_tokens", "max_tokens"),
-    RESPONSES: ("n_predict", "max_completion_tokens", "max_output_tokens", "max_tokens"),
-    MESSAGES: ("max_tokens",),
-    EMBEDDINGS: (),
-}
-#: Route -> the field its clients give a limit in: written when a request gives none.
-_CLIENT_LIMIT = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens",
-                 MESSAGES: "max_tokens"}
-#: What llama-server's Anthropic conversion gives a message that sets no `max_tokens`.
-MESSAGES_MAX_TOKENS = 4096
 _ALL_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 #: The largest limit llama-server takes (a 32-bit int; beyond it, an error of its parser).
 _MAX_LIMIT = 2**31 - 1
@@ -265,33 +241,6 @@ def name_model(parsed: Parsed, model: str) -> None:
     parsed.body = json.dumps(parsed.data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def requested_output(route: str, body: Mapping[str, Any]) -> int | None:
-    """The output limit `body` sets for `route`, read as its engine reads it: the first
-    of `ENGINE_LIMITS` given; None for none, or for `n_predict: -1` (the engine's own
-    default then, which is the operator's cap: `--n-predict`).  An Anthropic message
-    without `max_tokens` gets the engine's `MESSAGES_MAX_TOKENS`."""
-    for name in ENGINE_LIMITS.get(route, ()):
-        if name == "max_tokens" and route == RESPONSES and "max_output_tokens" in body:
-            break  # replaced by `max_output_tokens`, even a null one
-        value = body.get(name)
-        if value is not None:
-            return None if value == -1 else int(value)
-    return MESSAGES_MAX_TOKENS if route == MESSAGES else None
-
-
-def output_limit(route: str, body: Mapping[str, Any], cap: int) -> int | None:
-    """The one output limit of a request: its own (`requested_output`), at most the
-    operator's `cap` (0: none), the cap when it sets none; None when neither sets one
-    (the engine then stops at its context's end, and admission reserves the default
-    budget).  Embeddings generate nothing: None."""
-    if route not in _CLIENT_LIMIT:
-        return None
-    requested = requested_output(route, body)
-    if cap <= 0:
-        return requested
-    return cap if requested is None else min(requested, cap)
-
-
 def _write_limit(route: str, data: dict[str, Any], limit: int | None) -> bool:
     """Make every limit field of `route`'s engine that `data` holds say `limit` (the
     client's field when it holds none); whether `data` changed.  A limit of 0 (only
@@ -312,7 +261,7 @@ def _write_limit(route: str, data: dict[str, Any], limit: int | None) -> bool:
             data[name] = limit
             changed = True
     if not given:
-        data[_CLIENT_LIMIT[route]] = limit
+        data[CLIENT_LIMIT[route]] = limit
         changed = True
     return changed
 

@@ -1,5 +1,5 @@
 """The engine's tokenizer over llama-server's HTTP routes: the `EngineTokenizer` that
-`backend.port.prompt_tokens.PromptCounter` asks (the gateway makes one per engine load and
+`backend.admission.prompt_tokens.PromptCounter` asks (the gateway makes one per engine load and
 hands it to the counter; the counting rules do no I/O of their own).
 
 Its routes: llama-server's counting routes for chat completions, Responses and Anthropic
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from backend.llama.api import engine_headers
-from backend.port.prompt_tokens import COUNT_ROUTES, CountFailed
+from backend.admission.prompt_tokens import COUNT_ROUTES, CountFailed
 from backend.port.upstream_errors import UpstreamError
 from backend.port.upstream_http import UpstreamClient
 

@@ -6,8 +6,8 @@ import asyncio
 
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.port.admission import AdmissionQueue
-from backend.port.admission_ticket import Ticket
+from backend.admission.admission import AdmissionQueue
+from backend.admission.admission_ticket import Ticket
 
 OLD = "http://127.0.0.1:41001"
 NEW = "http://127.0.0.1:41002"

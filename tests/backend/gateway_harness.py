@@ -15,12 +15,12 @@ import httpx
 from backend.port.access_guard import AccessGuard
 from backend.errors import RETRY_SOON, ModelNotReady
 from backend.llama.kv_capacity import KvCapacity
-from backend.port.admission import DEFAULT_MODEL
-from backend.port.admission_registry import AdmissionRegistry
-from backend.port.fair_queue import Band
+from backend.admission.admission import DEFAULT_MODEL
+from backend.admission.admission_registry import AdmissionRegistry
+from backend.admission.fair_queue import Band
 from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
-from backend.port.flow_control import FlowControl
+from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer

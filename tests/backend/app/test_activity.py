@@ -14,7 +14,7 @@ from backend.app.activity import (
     ActivitySampler,
     parse_prometheus_value,
 )
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.metrics import Metrics, ModelLoad
 from backend.llama.load import Serving, Snapshot, State
 

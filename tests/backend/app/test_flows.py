@@ -21,8 +21,8 @@ from backend.key_store import KeyStore, Priority
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings
 from backend.models.model_names import file_names
-from backend.port.access_guard import Caller
-from backend.port.rate_limits import TokenLimits
+from backend.admission.caller import Caller
+from backend.admission.rate_limits import TokenLimits
 from tests.backend.service_harness import ServiceFactory
 
 OWNER_KEY = "owner-key-0123456789abcdef"

@@ -13,7 +13,7 @@ import pytest
 
 from backend.app.usage import KeyUsage, UsageLedger
 from backend.errors import RateLimitExceeded
-from backend.port.rate_limits import RateLimiter, TokenLimits
+from backend.admission.rate_limits import RateLimiter, TokenLimits
 
 T0 = 1_750_000_020.0  # the start of a minute
 

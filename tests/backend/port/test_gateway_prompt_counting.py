@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from backend.llama.kv_capacity import KvCapacity
-from backend.port.prompt_tokens import DEFAULT_OUTPUT_TOKENS
+from backend.admission.prompt_tokens import DEFAULT_OUTPUT_TOKENS
 from tests.backend.gateway_harness import CHAT, Gateway, cancel, chat, open_gateway, stream, until
 from tests.fake_upstream import FakeUpstream
 

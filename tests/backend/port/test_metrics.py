@@ -6,7 +6,7 @@ import threading
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.metrics import Metrics, ModelTotals
 from backend.llama.load import Serving, Snapshot, State
 

@@ -22,7 +22,7 @@ import pytest
 from backend.app.service import StudioService
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings
-from backend.port.prompt_tokens import MIN_OUTPUT_TOKENS, output_budget
+from backend.admission.prompt_tokens import MIN_OUTPUT_TOKENS, output_budget
 from backend.port.request_body import PARSE_OFF_LOOP_BYTES, name_model, parse_body
 from backend.settings import Settings
 from tests.backend.gateway_harness import CHAT, assert_clean_error, chat, open_gateway, until

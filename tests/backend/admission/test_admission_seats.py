@@ -9,10 +9,10 @@ from typing import TypeVar
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.admission import AdmissionQueue, Line
-from backend.port.admission_ticket import Ticket
-from backend.port.fair_queue import Flow
-from backend.port.placement import Hint, Placeable, Seat, SeatEngine
+from backend.admission.admission import AdmissionQueue, Line
+from backend.admission.admission_ticket import Ticket
+from backend.admission.fair_queue import Flow
+from backend.admission.placement import Hint, Placeable, Seat, SeatEngine
 from tests.backend.admission_helpers import NEW, OLD, queue_of
 from tests.not_none import not_none
 

@@ -1,6 +1,6 @@
 """The admission's lines by model and its engines by key, and which engine is the current
 one of each engine slot (a supervised or attached load whose successive processes replace
-each other).  How a line admits is `backend.port.admission`; like it, this only decides.
+each other).  How a line admits is `backend.admission.admission`; like it, this only decides.
 
     registry.activate(serving, model="tiny", engine="local:tiny")   # an engine joins
     ticket = registry.line("tiny").request(need)
@@ -18,8 +18,8 @@ from types import EllipsisType
 from backend.listeners import Listeners
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.port.admission import DEFAULT_MODEL, AdmissionQueue, Clock, Line
-from backend.port.fair_queue import Flow
+from backend.admission.admission import DEFAULT_MODEL, AdmissionQueue, Clock, Line
+from backend.admission.fair_queue import Flow
 
 __all__ = ["AdmissionRegistry"]
 

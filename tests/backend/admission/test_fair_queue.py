@@ -13,7 +13,7 @@ from typing import Generic, Sequence, TypeVar
 
 import pytest
 
-from backend.port.fair_queue import Band, FairQueue, Flow
+from backend.admission.fair_queue import Band, FairQueue, Flow
 from tests.not_none import not_none
 
 Item = TypeVar("Item")

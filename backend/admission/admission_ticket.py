@@ -4,7 +4,7 @@
 whole life: it waits on it, releases it when the answer is finished or abandoned, sends
 it back in line when the engine refused the connection (`requeue`), and shrinks its
 reservation once the prompt is counted (`settle`).  The line decides who is admitted
-(`backend.port.admission`); the ticket carries out its own transitions and tells its line
+(`backend.admission.admission`); the ticket carries out its own transitions and tells its line
 through the small `TicketSeam` below, the only thing it knows of admission.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, Protocol
 from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
-from backend.port.fair_queue import Band, Flow
-from backend.port.placement import NO_HINT, Hint, Seat
+from backend.admission.fair_queue import Band, Flow
+from backend.admission.placement import NO_HINT, Hint, Seat
 
 __all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState", "as_need"]
 

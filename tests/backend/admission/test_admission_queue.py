@@ -10,9 +10,9 @@ import pytest
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.admission import AdmissionQueue
-from backend.port.admission_ticket import Ticket, TicketState
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission import AdmissionQueue
+from backend.admission.admission_ticket import Ticket, TicketState
+from backend.admission.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull, QueueTimeout
 from tests.backend.admission_helpers import OLD, FakeClock, kv_queue_of, queue_of, started
 from tests.not_none import not_none

@@ -42,7 +42,7 @@ tool's bytes in the body are not counted twice).  So:
 A request whose bound fits is reserved at its bound (an over-reservation, small because
 the request is short).  A longer one whose bound fits the free cache right now, with
 nobody waiting, is admitted on it and counted while it runs; only when the bound does
-not fit now is the count awaited before admission (`backend.port.need_planner` plans
+not fit now is the count awaited before admission (`backend.admission.need_planner` plans
 which).  Images have no bound: their bytes say nothing.
 
 Counting is work done before any queue bound holds, so `PromptCounter.max_counts` caps
@@ -56,7 +56,7 @@ more (templates may pretty-print them), `IMAGE_TOKENS` per image, and the templa
 fixed part (measured, else `TEMPLATE_ALLOWANCE`).
 
 The output budget (`output_budget`) is the request's one output limit (the one the
-gateway writes into the body, `backend.port.request_body.output_limit`) or the default
+gateway writes into the body, `backend.admission.output_limits.output_limit`) or the default
 budget, capped by the room the prompt leaves in one request's share.
 """
 
@@ -72,7 +72,7 @@ from typing import Any, Protocol
 
 from backend.errors import CountingFull
 from backend.llama.kv_capacity import TokenNeed
-from backend.port.request_body import output_limit
+from backend.admission.output_limits import output_limit
 
 __all__ = [
     "DEFAULT_OUTPUT_TOKENS",
@@ -416,7 +416,7 @@ def output_budget(route: str, body: Mapping[str, Any], *, prompt_tokens: int, li
                   cap: int = 0, default: int = DEFAULT_OUTPUT_TOKENS) -> int:
     """Output tokens to reserve for a request whose prompt is `prompt_tokens`.
 
-    The request's one output limit (`backend.port.request_body.output_limit`: its own,
+    The request's one output limit (`backend.admission.output_limits.output_limit`: its own,
     read in the order the engine reads its fields, at most the operator's `cap` (0:
     none), which the gateway also writes into every limit field the engine reads), else
     `default`; then at most the room left in one request's share `limit` (llama-server

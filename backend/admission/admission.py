@@ -8,10 +8,10 @@ Two nouns that make one decision:
   goes to whichever of them has room first.
 
 The lines by model and the engines by key are kept by `AdmissionRegistry`
-(`backend.port.admission_registry`).
+(`backend.admission.admission_registry`).
 
 Capacity is two numbers: free slots and free KV tokens.  A request's *need* is its
-prompt tokens plus its output budget (`TokenNeed`, see `backend.port.need_planner`).
+prompt tokens plus its output budget (`TokenNeed`, see `backend.admission.need_planner`).
 An engine's cache (`KvCapacity`) is either
 
 - **split**: each slot owns `total / slots` tokens, so a request must fit one slot
@@ -22,7 +22,7 @@ An engine's cache (`KvCapacity`) is either
 
 The head of a line starts on an engine of its model with a free slot and room for its
 need.  Which engine, and which slot, is the line's `Placement`'s answer
-(`backend.port.placement`; by default `MostFreeSlots`: the engine with the most free
+(`backend.admission.placement`; by default `MostFreeSlots`: the engine with the most free
 slots, its lowest free slot id).  Each engine keeps seats, its slot ids 0..slots-1: an
 admission hands the ticket a `Seat(engine, slot)`, a release gives the id back (O(1):
 the free ids are bits); growth adds ids, a shrink stops reissuing the ids above it while
@@ -32,7 +32,7 @@ at once with `ContextLengthExceeded`, and a waiter whose need no longer fits aft
 reload is refused the same way.  A ticket without a known need (`need=None` or 0)
 reserves no tokens and is admitted by slots alone.
 
-Fairness (`backend.port.fair_queue`): each request belongs to a *flow* (its key, or its
+Fairness (`backend.admission.fair_queue`): each request belongs to a *flow* (its key, or its
 client's address without named keys).  Priority bands go in order (interactive, normal,
 batch, with aging so that a lower band's wait is bounded); inside a band the flow that
 has received the least service so far, in reserved tokens scaled by its weight, goes
@@ -82,9 +82,9 @@ from types import EllipsisType
 from backend.errors import RETRY_SOON, ContextLengthExceeded, ModelNotReady, QueueFull
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
-from backend.port.fair_queue import Band, FairQueue, Flow
-from backend.port.placement import NO_HINT, Hint, MostFreeSlots, Placeable, Placement, Seat
+from backend.admission.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
+from backend.admission.fair_queue import Band, FairQueue, Flow
+from backend.admission.placement import NO_HINT, Hint, MostFreeSlots, Placeable, Placement, Seat
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -332,7 +332,7 @@ class Line:
                  aging: float = AGING_SECONDS, max_passes: int = MAX_PASSES,
                  placement: Placement | None = None) -> None:
         self.model = model
-        #: Where a ticket whose turn has come is admitted (`backend.port.placement`).
+        #: Where a ticket whose turn has come is admitted (`backend.admission.placement`).
         self.placement: Placement = placement if placement is not None else MostFreeSlots()
         self.max_waiting = max_waiting
         self._clock = clock
@@ -499,7 +499,7 @@ class Line:
         return (f"<Line {self.model!r} {len(self._engines)} engines, "
                 f"{len(self._waiters)} waiting>")
 
-    # --- the ticket's seam (backend.port.admission_ticket.TicketSeam) ---------------------
+    # --- the ticket's seam (backend.admission.admission_ticket.TicketSeam) ---------------------
 
     def finish(self, ticket: Ticket, *, hold: bool) -> None:
         # Noted for a crash noticed a moment after its requests ended (the pool's).

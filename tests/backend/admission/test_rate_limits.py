@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion
 from backend.errors import RateLimitExceeded
 from backend.key_store import KeyRecord
 from backend.port.http_errors import http_error
-from backend.port.rate_limits import DAY, RateLimiter, TokenLimits, go_duration
+from backend.admission.rate_limits import DAY, RateLimiter, TokenLimits, go_duration
 from tests.not_none import not_none
 
 T0 = 1_750_000_040.0  # 20 s into a minute

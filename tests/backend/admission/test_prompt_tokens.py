@@ -23,10 +23,10 @@ import pytest
 
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.port.admission import AdmissionQueue
+from backend.admission.admission import AdmissionQueue
 from backend.errors import ContextLengthExceeded
-from backend.port.need_planner import NeedPlanner
-from backend.port.prompt_tokens import (
+from backend.admission.need_planner import NeedPlanner
+from backend.admission.prompt_tokens import (
     DEFAULT_OUTPUT_TOKENS,
     IMAGE_TOKENS,
     MIN_OUTPUT_TOKENS,
@@ -343,7 +343,7 @@ async def test_unreachable_engine_falls_back_to_a_conservative_estimate_logged_o
         engine_url, dead_url, caplog):
     tokenizer = HttpEngineTokenizer(dead_url)
     counter = PromptCounter(tokenizer)
-    caplog.set_level(logging.WARNING, "backend.port.prompt_tokens")
+    caplog.set_level(logging.WARNING, "backend.admission.prompt_tokens")
     estimates = {}
     for case in ("chat with system prompt and tools", "responses with instructions, "
                  "items and tools", "messages with system, blocks and tools",

@@ -19,9 +19,9 @@ import pytest
 from backend.errors import CountingFull
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.need_planner import NeedPlanner, OutputPolicy
-from backend.port.placement import Hint
-from backend.port.prompt_tokens import (CHAT, COMPLETIONS, EMBEDDINGS, TEXT_SLACK, CountFailed,
+from backend.admission.need_planner import NeedPlanner, OutputPolicy
+from backend.admission.placement import Hint
+from backend.admission.prompt_tokens import (CHAT, COMPLETIONS, EMBEDDINGS, TEXT_SLACK, CountFailed,
                                         PromptCounter)
 from tests.backend.admission_helpers import OLD, kv_queue_of
 

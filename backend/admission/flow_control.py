@@ -19,9 +19,9 @@ from typing import Protocol
 
 from backend.errors import ModelNotAllowed, RequestError
 from backend.key_store import KeyRecord, Priority
-from backend.port.access_guard import Caller
-from backend.port.fair_queue import Band, Flow
-from backend.port.rate_limits import RateLimiter, Reservation, TokenLimits
+from backend.admission.caller import Caller
+from backend.admission.fair_queue import Band, Flow
+from backend.admission.rate_limits import RateLimiter, Reservation, TokenLimits
 
 __all__ = ["BAND_HEADER", "FlowControl", "Endable", "UsageRecorder", "band_of",
            "requested_band"]

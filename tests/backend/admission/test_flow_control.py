@@ -12,12 +12,12 @@ import pytest
 
 from backend.errors import ModelNotAllowed, RateLimitExceeded, RequestError
 from backend.key_store import OWNER, KeyStore, Priority
-from backend.port.access_guard import ADDRESS_FLOW, Caller
-from backend.port.fair_queue import Band, Flow
-from backend.port.flow_control import FlowControl, band_of, requested_band
-from backend.port.rate_limits import RateLimiter
+from backend.admission.caller import ADDRESS_FLOW, Caller
+from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow_control import FlowControl, band_of, requested_band
+from backend.admission.rate_limits import RateLimiter
 from backend.app.usage import UsageLedger
-from tests.backend.port.test_rate_limits import T0, Clock
+from tests.backend.admission.test_rate_limits import T0, Clock
 from tests.not_none import not_none
 
 

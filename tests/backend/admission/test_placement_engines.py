@@ -14,7 +14,7 @@ import pytest
 from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.supervisor import pick_free_port
-from backend.port.placement import Placeable, Seat, SeatEngine
+from backend.admission.placement import Placeable, Seat, SeatEngine
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
 from tests.backend.service_harness import ServiceFactory
 

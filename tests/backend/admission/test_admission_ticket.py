@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from backend.port.admission_ticket import TicketState
+from backend.admission.admission_ticket import TicketState
 from backend.errors import QueueFull, QueueTimeout
 from tests.backend.admission_helpers import queue_of, started
 from tests.not_none import not_none

@@ -7,8 +7,8 @@ import asyncio
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.admission_ticket import TicketState
-from backend.port.admission_registry import AdmissionRegistry
+from backend.admission.admission_ticket import TicketState
+from backend.admission.admission_registry import AdmissionRegistry
 from tests.backend.admission_helpers import NEW, OLD, kv_queue_of, started
 from tests.not_none import not_none
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backend.llama.kv_capacity import TokenNeed
-from backend.port.placement import (NO_HINT, PREFIX_BLOCK_CHARS, Hint, MostFreeSlots, Seat,
+from backend.admission.placement import (NO_HINT, PREFIX_BLOCK_CHARS, Hint, MostFreeSlots, Seat,
                                     request_hint)
 
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.port.admission_ticket import Ticket
-from backend.port.placement import NO_HINT, Hint
-from backend.port.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, PromptCount, PromptCounter,
+from backend.admission.admission_ticket import Ticket
+from backend.admission.placement import NO_HINT, Hint
+from backend.admission.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, PromptCount, PromptCounter,
                                         output_budget, token_need)
 
 __all__ = ["NO_PLAN", "NeedPlanner", "OutputPolicy", "Plan"]
@@ -51,7 +51,7 @@ class Plan:
     need: TokenNeed | None = None
     #: Set when `need` is the prompt's byte bound, admitted before counting.
     count_later: Callable[[], Awaitable[TokenNeed]] | None = None
-    #: Its session and prompt prefix (`backend.port.placement.Hint`), for placement.
+    #: Its session and prompt prefix (`backend.admission.placement.Hint`), for placement.
     hint: Hint = NO_HINT
 
     @property
