@@ -49,6 +49,7 @@ from backend.llama.engine import Engine  # noqa: E402
 from backend.llama.load import LoadSettings  # noqa: E402
 from backend.llama.supervisor import build_command  # noqa: E402
 from bench.agents import engine_child, free_port  # noqa: E402
+from bench.processes import _die_with_parent as die_with_parent  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402
 from tests.wheel_models import SMOLLM2, ensure_wheel_model  # noqa: E402
 
@@ -144,7 +145,7 @@ async def one_target(mode: str, model: Path, binary: Path, home: Path,
         if args.stall_budget_ms is not None:
             command += ["--stall-budget", str(args.stall_budget_ms)]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
             await _wait_healthy(client, f"http://127.0.0.1:{port}", proc)

@@ -85,6 +85,7 @@ from backend.llama.load import Serving
 from backend.admission.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
 from backend.admission.fair_queue import Band, FairQueue, Flow
 from backend.admission.placement import NO_HINT, Hint, MostFreeSlots, Placeable, Placement, Seat
+from backend.admission.prefill_budget import PREFILL_BUDGET, PrefillBudget, PrefillPlacement
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -333,7 +334,12 @@ class Line:
                  placement: Placement | None = None) -> None:
         self.model = model
         #: Where a ticket whose turn has come is admitted (`backend.admission.placement`).
-        self.placement: Placement = placement if placement is not None else MostFreeSlots()
+        # The prefill budget stands in front of the policy: a long cold prompt waits
+        # while another is computed beside running streams (backend.admission.prefill_budget).
+        self.prefill_budget = PrefillBudget(aging=aging)
+        self._prefill = PrefillPlacement(placement if placement is not None else MostFreeSlots(),
+                                         self.prefill_budget, clock)
+        self.placement: Placement = self._prefill
         self.max_waiting = max_waiting
         self._clock = clock
         self._on_change = on_change
@@ -506,6 +512,7 @@ class Line:
         self._ended.append((self._clock(), ticket.flow.key))
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
+        self.prefill_budget.ended(ticket)
         self._waiters.finished(ticket)
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
@@ -531,6 +538,7 @@ class Line:
         The refusing engine's slot takes no one now; another engine of the model may."""
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
+        self.prefill_budget.ended(ticket)
         self._waiters.requeue(ticket)
         self._waiting_bytes += ticket.size
         self._promote(skip=engine)
@@ -538,6 +546,19 @@ class Line:
 
     def position(self, ticket: Ticket) -> int | None:
         return self._waiters.position(ticket)
+
+    def prefilled(self, ticket: Ticket) -> None:
+        if self.prefill_budget.prefilled(ticket):
+            self._promote()
+            self._changed()
+
+    def wait_reason(self, ticket: Ticket) -> str | None:
+        return PREFILL_BUDGET if ticket in self._prefill.held else None
+
+    @property
+    def held_by_prefill_budget(self) -> int:
+        """Waiters the prefill budget holds now (their turn came; a long prompt runs)."""
+        return len(self._prefill.held)
 
     # --- the engines' side ----------------------------------------------------------------
 
@@ -623,6 +644,7 @@ class Line:
             assert seat is not None
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
+            self.prefill_budget.started(ticket, seat.engine)
             moved = True
         return moved
 
@@ -695,6 +717,7 @@ class Line:
 
     def _pop(self, ticket: Ticket) -> None:
         self._waiters.remove(ticket)
+        self._prefill.forget(ticket)
         self._waiting_bytes -= ticket.size
 
     def _engine_of(self, ticket: Ticket) -> AdmissionQueue:

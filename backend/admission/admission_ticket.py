@@ -73,6 +73,12 @@ class TicketSeam(Protocol):
     def retry_after(self, position: int | None = None) -> float:
         """Whole seconds until the ticket at `position` is likely admitted."""
 
+    def prefilled(self, ticket: Ticket) -> None:
+        """The engine sent its first bytes for `ticket`: its prompt is computed."""
+
+    def wait_reason(self, ticket: Ticket) -> str | None:
+        """Why a waiting `ticket` waits when its turn has come ("prefill_budget"), else None."""
+
     def position(self, ticket: Ticket) -> int | None:
         """0-based place of a waiting ticket, else None."""
 
@@ -142,6 +148,18 @@ class Ticket:
     def error(self) -> BaseException | None:
         """Why the ticket was refused, if it was."""
         return self._error
+
+    @property
+    def wait_reason(self) -> str | None:
+        """Why it still waits when its turn has come ("prefill_budget": a long prompt is
+        computed beside running streams), else None (its turn, a slot or tokens)."""
+        return self.line.wait_reason(self) if self.state is TicketState.WAITING else None
+
+    def prefilled(self) -> None:
+        """The engine sent its first bytes: the prompt is computed (the prefill budget
+        lets the next long one start).  Once per request, not per chunk."""
+        if self.state is TicketState.ADMITTED:
+            self.line.prefilled(self)
 
     @property
     def position(self) -> int | None:

@@ -86,6 +86,10 @@ class Metrics:
         counter = partial(Counter, registry=self.registry)
         self.requests_waiting = gauge(
             "gguf_studio_requests_waiting", "Requests waiting in line for a slot.")
+        self.requests_waiting_by_reason = gauge(
+            "gguf_studio_requests_waiting_by_reason",
+            "Requests whose turn has come that still wait, by reason (prefill_budget: a "
+            "long prompt is being computed beside running streams).", ["reason"])
         self.requests_active = gauge(
             "gguf_studio_requests_active", "Requests holding a slot of the model.")
         self.effective_parallel_slots = gauge(
@@ -201,6 +205,8 @@ class Metrics:
         self.requests_active.set_function(lambda: registry.total_active)
         self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
         self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
+        self.requests_waiting_by_reason.labels("prefill_budget").set_function(
+            lambda: registry.total_held_by_prefill_budget)
 
     def bind_pool(self, loads: Callable[[], Iterable[ModelLoad]]) -> None:
         """Expose every model's and engine's series, read from `loads()` at every scrape

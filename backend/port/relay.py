@@ -486,8 +486,11 @@ class Exchange:
         if self.rewriter is not None and self.rewriter.our_id is None:
             await self._send_response_created()
         else:
-            await self.send({"type": "http.response.body", "body": self._keepalive,
-                             "more_body": True})
+            body = self._keepalive
+            reason = self.ticket.wait_reason if self.ticket is not None else None
+            if reason is not None and body is sse.KEEPALIVE_COMMENT:
+                body = sse.keepalive_waiting(reason)
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _send_response_created(self) -> None:
         """Our `response.created`; from now on the upstream's own is dropped and its id
@@ -640,6 +643,8 @@ class Exchange:
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
         while not await upstream.arrived(interval):
             await self._send_keepalive()
+        if self.ticket is not None:
+            self.ticket.prefilled()  # the prompt is computed: the next long one may start
         # Each chunk relayed counts its events (`_events`, what a cut stream is charged):
         # one `bytes.count`, 0.3 us for a 229-byte chunk here (less than the marker's
         # substring test); a named key's chunks one more substring test for the cache.
