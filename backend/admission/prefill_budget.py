@@ -33,7 +33,6 @@ bytes (`prefilled`: the prompt is computed) and when it ends (`ended`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from backend.admission.fair_queue import Band, Flow
@@ -80,14 +79,16 @@ class PrefillPlaceable(Placeable, Protocol):
 E = TypeVar("E", bound=SeatEngine)
 
 
-@dataclass
 class _EngineLoad:
     """The tickets running on one engine, as the budget counts them."""
 
-    #: Interactive and normal tickets past their prompt (or with a short one): decoding.
-    decoding: int = 0
-    #: Long cold prompts being computed, each with whether it decodes as a stream after.
-    prefilling: dict[object, bool] = field(default_factory=dict)
+    __slots__ = ("decoding", "prefilling")
+
+    def __init__(self) -> None:
+        #: Interactive and normal tickets past their prompt (or with a short one).
+        self.decoding = 0
+        #: Long cold prompts being computed, each with whether it decodes as a stream after.
+        self.prefilling: dict[object, bool] = {}
 
 
 class PrefillBudget:
@@ -140,11 +141,18 @@ class PrefillBudget:
 
     def started(self, ticket: PrefillPlaceable, engine: object) -> None:
         """`ticket` was admitted on `engine`."""
-        load = self._engines.setdefault(engine, _EngineLoad())
-        stream = band_of(ticket) is not Band.BATCH
-        if self.is_long(ticket, engine):
+        own, band = ticket.band, ticket.flow.band
+        stream = (own if own is not None and own > band else band) is not Band.BATCH
+        need = ticket.need
+        long = need is not None and need.prompt >= self.long_tokens and self.is_long(ticket, engine)
+        if not (stream or long):
+            return  # short batch work: nothing to count
+        load = self._engines.get(engine)
+        if load is None:
+            load = self._engines[engine] = _EngineLoad()
+        if long:
             load.prefilling[ticket] = stream
-        elif stream:
+        else:
             load.decoding += 1
         self._running[ticket] = (engine, stream)
 
@@ -170,7 +178,7 @@ class PrefillBudget:
         elif stream:
             load.decoding -= 1
         if load.decoding == 0 and not load.prefilling:
-            del self._engines[engine]
+            del self._engines[engine]  # engines come and go with loads: keep none idle
 
 
 class PrefillPlacement:
@@ -188,7 +196,10 @@ class PrefillPlacement:
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         budget = self.budget
-        if not any(budget.is_long(ticket, e) for e in engines):
+        need = ticket.need
+        # The common case first, without asking the cache: a short prompt.
+        if need is None or need.prompt < budget.long_tokens or not any(
+                budget.is_long(ticket, e) for e in engines):
             self.held.discard(ticket)
             return self.inner.place(ticket, engines)
         band, waited = _band_and_wait(ticket, self._clock())
@@ -216,8 +227,8 @@ def band_of(ticket: object) -> Band:
     flow = getattr(ticket, "flow", None)
     band = getattr(flow, "band", Band.NORMAL)
     own = getattr(ticket, "band", None)
-    if isinstance(own, Band):
-        band = max(band, own)
+    if own is not None and own > band:
+        band = own
     return band if isinstance(band, Band) else Band.NORMAL
 
 

@@ -43,8 +43,8 @@ DEFAULT_STALL_BUDGET = 0.25
 #: The smallest batch chosen: below it a CPU's matrix kernels lose most of their speed.
 MIN_BATCH = 32
 #: Prompt tokens of the calibration's chunks, and the depth of the deep one.
-CALIBRATION_TOKENS = 256
-CALIBRATION_DEPTH = 1024
+CALIBRATION_TOKENS = 128
+CALIBRATION_DEPTH = 512
 #: Tokens decoded to time a step.
 CALIBRATION_STEPS = 8
 
