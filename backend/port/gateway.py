@@ -571,7 +571,9 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
             "kv": {"total": sum(int(c["total"]) for c in caches),
                    "per_request": max(int(c["per_request"]) for c in caches),
                    "unified": all(c["unified"] is True for c in caches),
-                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None}
+                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None,
+            # The first serving engine's measured speed (each engine's is in `models`).
+            "speed": next((e["speed"] for e in serving_now if e.get("speed")), None)}
 
 
 def _from_loopback(scope: MutableMapping[str, Any]) -> bool:

@@ -117,7 +117,7 @@ async def test_health_and_metrics_show_the_measured_speed(service, tiny_model):
         health = (await client.get("/health")).json()
         metrics = (await client.get("/metrics")).text
     engine = health["models"][0]["engines"][0]
-    assert engine["speed"] == speed.to_dict()
+    assert engine["speed"] == speed.to_dict() == health["speed"]
     assert engine["speed"]["prefill_tokens_per_second"] > 0
     assert "gguf_studio_engine_prefill_tokens_per_second{" in metrics
     assert "gguf_studio_engine_step_seconds{" in metrics
