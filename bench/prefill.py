@@ -120,9 +120,12 @@ async def main() -> int:
                 for mode in order:
                     result = await one_target(mode, model, binary, home, args)
                     results.append((model_name, result))
-                    print(f"{model_name} round {round_ + 1} {mode}: ttft {result.ttft:.2f} s "
-                          f"(alone {result.ttft_alone:.2f} s), worst gap "
-                          f"{max(g[2] for g in result.gaps):.2f} s", file=sys.stderr, flush=True)
+                    print(f"{model_name} round {round_ + 1} {mode} ({result.batch}): ttft "
+                          f"{result.ttft:.2f} s (alone {result.ttft_alone:.2f} s), gap p50 "
+                          f"{statistics.median(g[0] for g in result.gaps) * 1000:.0f} ms, p99 "
+                          f"{max(g[1] for g in result.gaps) * 1000:.0f} ms, largest "
+                          f"{max(g[2] for g in result.gaps) * 1000:.0f} ms, "
+                          f"{result.prompt_tokens} prompt tokens", file=sys.stderr, flush=True)
     report(results)
     return 0
 
