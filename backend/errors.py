@@ -303,3 +303,42 @@ class LoadReplaced(RequestError):
     """The model was unloaded or replaced while this request still ran on it."""
 
     status, type, code = 503, "server_error", "model_reloaded"
+
+
+# --- enrolment (a teammate asks for a key; backend.enrolments) --------------------------
+
+
+class EnrolmentClosed(RequestError):
+    """This port takes no enrolment requests (it requires no key, or the owner closed it)."""
+
+    status, type, code = 404, "invalid_request_error", "enrolment_closed"
+
+
+class EnrolmentNotFound(RequestError):
+    """No enrolment request by that id: it expired, was delivered, or never was."""
+
+    status, type, code = 404, "invalid_request_error", "enrolment_not_found"
+
+
+class EnrolmentRefused(RequestError):
+    status, type, code = 403, "invalid_request_error", "enrolment_refused"
+
+
+class EnrolmentNameTaken(RequestError):
+    status, type, code = 409, "invalid_request_error", "name_taken"
+
+
+class EnrolmentsFull(RequestError):
+    """As many enrolment requests wait for the owner as the port keeps."""
+
+    status, type, code = 429, "server_error", "enrolments_full"
+
+
+class TooManyEnrolments(RequestError):
+    """Enrolment requests come faster than the port takes them (from one address, or all)."""
+
+    status, type, code = 429, "invalid_request_error", "too_many_enrolments"
+
+
+class ConnectFailed(StudioError):
+    """`gguf-studio connect` could not find, reach or enrol with a port."""

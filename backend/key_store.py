@@ -65,6 +65,7 @@ __all__ = [
     "KeyRecord",
     "KeyStore",
     "Priority",
+    "check_name",
     "describe_time",
     "hash_secret",
     "keys_path",
@@ -277,7 +278,7 @@ class KeyStore:
             tokens_per_day: int | None = None, priority: Priority = Priority.NORMAL,
             weight: float = 1.0, expires_at: float | None = None) -> tuple[KeyRecord, str]:
         """Make a key; returns it and its secret, which exists nowhere else afterwards."""
-        _check_name(name)
+        check_name(name)
         secret = generate_api_key()
         now = self._wall_clock()
         record = KeyRecord(name=name, secret_hash=hash_secret(secret), models=tuple(models),
@@ -534,7 +535,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 # --- checks ----------------------------------------------------------------------------
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """Raise KeyStoreError for a name no key may have (the owner's, or odd characters)."""
     if name.casefold() == OWNER_NAME:
         raise KeyStoreError(f"{OWNER_NAME!r} is the name of the owner's key (the one in the "
                             "settings); choose another name.")

@@ -38,6 +38,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8899
     api_key: str = ""
+    #: An OTLP/HTTP traces endpoint (http://collector:4318/v1/traces): each request's
+    #: inspector record is exported there as a span (the `otel` extra); empty: nothing.
+    otel_endpoint: str = ""
     allow_no_key: bool = False
     # Named keys were used here (backend.key_store): every client must send a key from
     # then on, also after keys.json was deleted or emptied, which must not open the port
@@ -47,6 +50,15 @@ class Settings:
     # backend/port/access_guard.py.  The environment may give them comma- or space-separated.
     allow_origins: list[str] = field(default_factory=list)
     allow_hosts: list[str] = field(default_factory=list)
+    # LAN discovery and enrolment (backend/app/discovery.py, backend/enrolments.py): the
+    # port announces itself over mDNS only when asked (and only while it shares on the
+    # LAN with keys required), under the owner's name ("": this machine's); teammates
+    # may ask it for a key unless the owner turns enrolment off; unanswered requests
+    # expire after enrolment_ttl seconds.
+    advertise: bool = False
+    advertise_name: str = ""
+    allow_enrolment: bool = True
+    enrolment_ttl: float = 600.0
     # Admission.  max_queue 0 means "16 x slots, at least 64"; see effective_max_queue.
     max_queue: int = 0
     queue_timeout: float = 600.0

@@ -37,6 +37,7 @@ from backend.models.download_queue import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
 from backend.models.library import ModelLibrary
+from backend.port.request_log import RequestRecord
 from backend.app.key_table import KeyTable
 from backend.app.service import BackendThread, StudioService
 from backend.settings import Settings, settings_path
@@ -66,6 +67,8 @@ class ServiceBridge(QObject):
     error_occurred = Signal(str)  # something the user asked for failed; a readable sentence
     download_progressed = Signal(object)  # DownloadProgress, from the download queue's thread
     pool_changed = Signal(object)  # PoolState, at most ten a second
+    enrolments_changed = Signal(list)  # [(name, address, code)]: teammates asking for a key
+    announcement_changed = Signal(str)  # the port on the LAN: announced as..., or why not
 
     # Internal: carries a callback and its argument to the GUI thread.
     _deliver = Signal(object, object)
@@ -314,10 +317,29 @@ class ServiceBridge(QObject):
         return self._call(_now_on_loop(self.service.revoke_key, name), on_done=on_done,
                           on_error=on_error)
 
+    def approve_enrolment(self, name: str, limits: dict[str, Any],
+                          on_done: Callback | None = None,
+                          on_error: Callable[[str], None] | None = None
+                          ) -> concurrent.futures.Future[KeyRecord]:
+        """Mint the key a teammate asked for, with `limits` (as `add_key`); the port
+        hands it to them once."""
+        return self._call(_now_on_loop(self.service.approve_enrolment, name, **limits),
+                          on_done=on_done, on_error=on_error)
+
+    def refuse_enrolment(self, name: str, on_error: Callable[[str], None] | None = None
+                         ) -> concurrent.futures.Future[None]:
+        return self._call(_now_on_loop(self.service.refuse_enrolment, name), on_error=on_error)
+
     def key_table(self, chart_key: str | None, span: int, on_done: Callback
                   ) -> concurrent.futures.Future[KeyTable]:
         """The keys, their usage and the chart of `chart_key` (None: every key)."""
         return self._call(_now_on_loop(self.service.key_table, chart_key, span), on_done=on_done)
+
+    def recent_requests(self, after: int, on_done: Callback
+                        ) -> concurrent.futures.Future[list[RequestRecord]]:
+        """The request inspector's records after id `after`, oldest first."""
+        return self._call(_now_on_loop(lambda: self.service.requests.records(after=after)),
+                          on_done=on_done)
 
     # --- Hugging Face ------------------------------------------------------------------------
 
@@ -453,8 +475,23 @@ class ServiceBridge(QObject):
         pool.add_listener(lambda _model, _snapshot: self._pool_watch.poke())
         self.service.registry.add_listener(self._pool_watch.poke)
         self._pool_watch.poke()
+        self.service.add_enrolment_listener(self._on_enrolments)
+        self.service.add_announce_listener(self._on_announcement)
         self._sampler = ActivitySampler(self.service, self._on_sample)
         self._sampler.start()
+
+    def _on_announcement(self, text: str) -> None:
+        try:
+            self.announcement_changed.emit(text)
+        except RuntimeError:  # the bridge is gone: the app is exiting
+            pass
+
+    def _on_enrolments(self) -> None:
+        waiting = [(e.name, e.address, e.code) for e in self.service.enrolments.pending()]
+        try:
+            self.enrolments_changed.emit(waiting)
+        except RuntimeError:  # the bridge is gone: the app is exiting
+            pass
 
     async def _close_on_loop(self) -> None:
         await self._saver.close()

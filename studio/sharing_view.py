@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import TypeVar
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPixmap
 from PySide6.QtWidgets import (
     QButtonGroup,
+    QCheckBox,
+    QDialog,
     QDoubleSpinBox,
     QFormLayout,
     QGroupBox,
@@ -26,7 +29,10 @@ from backend.settings import Settings, parse_names
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
-from studio.keys_view import KeysView
+from backend.app.key_table import KeyForm
+from backend.errors import KeyStoreError
+
+from studio.keys_view import KeyDialog, KeysView
 from studio.widgets import CopyButton, monospace_font, secondary_label
 
 __all__ = ["SharingView"]
@@ -41,6 +47,8 @@ class SharingView(QWidget):
     port_changed = Signal(int)
     generate_key_requested = Signal()
     limits_changed = Signal(dict)  # setting name -> value
+    enrolment_approved = Signal(str, dict)  # the name a teammate asked for, the key's limits
+    enrolment_refused = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -49,6 +57,8 @@ class SharingView(QWidget):
         self._snippets: list[Snippet] = []
         self._named_keys = 0
         self.urls: list[str] = []
+        self.qr_dialog: QDialog | None = None
+        self.approval: KeyDialog | None = None
 
         # --- who
         self.local_only = QRadioButton("T&his computer only")
@@ -95,13 +105,41 @@ class SharingView(QWidget):
         key_row.addWidget(self.copy_key)
         key_row.addWidget(self.generate_key)
 
+        # --- announced on the LAN (mDNS), for `gguf-studio connect`
+        self.advertise = QCheckBox("Announce on the &network as")
+        self.advertise.setToolTip(
+            "Teammates find the port with `gguf-studio connect` (mDNS). Only while it is "
+            "shared on the local network with a key; nothing secret is announced.")
+        self.advertise_name = QLineEdit()
+        self.advertise_name.setAccessibleName("Announced name")
+        self.advertise_name.setPlaceholderText("this computer's name")
+        self.advertise.toggled.connect(self._on_advertise)
+        self.advertise_name.editingFinished.connect(self._on_advertise)
+        advertise_row = QHBoxLayout()
+        advertise_row.addWidget(self.advertise)
+        advertise_row.addWidget(self.advertise_name, 1)
+        self.announcement = secondary_label()
+        self.announcement.setAccessibleName("Announcement")
+        self.announcement.hide()
+
         access = QGroupBox("Access")
         form = QFormLayout(access)
         form.addRow("Share with:", scope_row)
         form.addRow("Po&rt:", self.port)
         form.addRow("API key:", key_row)
         form.addRow("", self.key_hint)
+        form.addRow("", advertise_row)
+        form.addRow("", self.announcement)
         form.addRow(self.problem)
+
+        # --- teammates asking for a key (`gguf-studio connect`)
+        self.enrolments_box = QGroupBox("Teammates asking for a key")
+        self._enrolments_layout = QVBoxLayout(self.enrolments_box)
+        self._enrolments_layout.addWidget(secondary_label(
+            "Check the code with the person before you approve; Approve asks for the key's "
+            "limits."))
+        self.enrolment_rows: list[QWidget] = []
+        self.enrolments_box.hide()
 
         # --- addresses
         self.urls_box = QGroupBox("Base URLs")
@@ -143,6 +181,7 @@ class SharingView(QWidget):
 
         left = QVBoxLayout()
         left.addWidget(access)
+        left.addWidget(self.enrolments_box)
         left.addWidget(self.urls_box)
         left.addWidget(limits)
         left.addWidget(advanced)
@@ -218,6 +257,14 @@ class SharingView(QWidget):
         self.generate_key.setToolTip("Make a new key; clients using the old one stop working."
                                      if settings.api_key else "Make a key for clients to send.")
         self._show_key_hint(settings)
+        for widget, value in ((self.advertise, settings.advertise),
+                              (self.advertise_name, settings.advertise_name)):
+            widget.blockSignals(True)
+            if isinstance(widget, QCheckBox):
+                widget.setChecked(bool(value))
+            else:
+                widget.setText(str(value))
+            widget.blockSignals(False)
         self.max_queue.setValue(settings.max_queue)
         self.queue_timeout.setValue(settings.queue_timeout)
         self.max_output.setValue(settings.max_output_tokens)
@@ -313,6 +360,11 @@ class SharingView(QWidget):
             field.setAccessibleName("Base URL")
             line.addWidget(field, 1)
             line.addWidget(CopyButton(lambda u=url: u, accessible_name=f"Copy {url}"))
+            qr = QPushButton("QR")
+            qr.setAccessibleName(f"Show {url} as a QR code")
+            qr.setToolTip("The address as a QR code, for a device that can scan it.")
+            qr.clicked.connect(lambda _=False, u=url: self.show_qr(u))
+            line.addWidget(qr)
             self._urls_layout.addWidget(holder)
             self.url_rows.append(field)
         self.urls = list(urls)
@@ -321,6 +373,75 @@ class SharingView(QWidget):
     def set_model(self, model_id: str | None, context_length: int | None) -> None:
         self._model = (model_id, context_length)
         self._render_snippets()
+
+    def show_qr(self, url: str) -> QDialog:
+        dialog = QDialog(self)
+        dialog.setWindowTitle("Base URL as a QR code")
+        layout = QVBoxLayout(dialog)
+        image = QLabel()
+        image.setPixmap(qr_pixmap(url))
+        image.setAccessibleName(f"QR code of {url}")
+        layout.addWidget(image, 0, Qt.AlignmentFlag.AlignCenter)
+        caption = QLabel(url)
+        caption.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(caption, 0, Qt.AlignmentFlag.AlignCenter)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+        self.qr_dialog = dialog
+        return dialog
+
+    def approve_dialog(self, name: str) -> KeyDialog:
+        """The key dialog for the request `name`: its limits, then Approve."""
+        dialog = KeyDialog(None, "", self)
+        dialog.setWindowTitle(f"Approve {name}'s request")
+        dialog.name.setText(name)
+        dialog.name.setReadOnly(True)
+        dialog.ok_button.setText("Approve")
+
+        def submitted(form: KeyForm) -> None:
+            try:
+                limits = form.limits()
+            except KeyStoreError as exc:
+                dialog.show_error(str(exc))
+                return
+            self.enrolment_approved.emit(name, limits)
+            dialog.accept()
+
+        dialog.submitted.connect(submitted)
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        self.approval = dialog
+        return dialog
+
+    def show_announcement(self, text: str) -> None:
+        """Under which name the port is announced on the LAN, or why it is not."""
+        self.announcement.setText(text)
+        self.announcement.setVisible(bool(text))
+
+    def set_enrolments(self, waiting: list[tuple[str, str, str]]) -> None:
+        """The requests waiting: (name, address, code) each, with Approve and Refuse."""
+        for row in self.enrolment_rows:
+            row.deleteLater()
+        self.enrolment_rows = []
+        for name, address, code in waiting:
+            row = QWidget(self.enrolments_box)
+            line = QHBoxLayout(row)
+            line.setContentsMargins(0, 0, 0, 0)
+            label = QLabel(f"{name} from {address} — code {code}")
+            label.setTextFormat(Qt.TextFormat.PlainText)  # the name is the requester's
+            label.setAccessibleName(f"Request of {name}")
+            line.addWidget(label, 1)
+            approve = QPushButton("Approve")
+            approve.setAccessibleName(f"Approve {name}")
+            approve.clicked.connect(lambda _=False, n=name: self.approve_dialog(n))
+            refuse = QPushButton("Refuse")
+            refuse.setAccessibleName(f"Refuse {name}")
+            refuse.clicked.connect(lambda _=False, n=name: self.enrolment_refused.emit(n))
+            line.addWidget(approve)
+            line.addWidget(refuse)
+            self._enrolments_layout.addWidget(row)
+            self.enrolment_rows.append(row)
+        self.enrolments_box.setVisible(bool(waiting))
 
     def show_problem(self, message: str) -> None:
         self.problem.setText(message)
@@ -371,6 +492,10 @@ class SharingView(QWidget):
         self._named_keys = count
         self._show_key_hint(self._settings)
 
+    def _on_advertise(self) -> None:
+        self.limits_changed.emit({"advertise": self.advertise.isChecked(),
+                                  "advertise_name": self.advertise_name.text().strip()})
+
     def _on_scope(self) -> None:
         self.scope_changed.emit(self.lan.isChecked())
 
@@ -404,6 +529,19 @@ class SharingView(QWidget):
 
 
 SpinBox = TypeVar("SpinBox", QSpinBox, QDoubleSpinBox)
+
+
+def qr_pixmap(text: str) -> QPixmap:
+    """`text` as a QR code (segno), for a phone or tablet to scan."""
+    import io
+
+    import segno
+
+    png = io.BytesIO()
+    segno.make(text, micro=False).save(png, kind="png", scale=6, border=4)
+    pixmap = QPixmap()
+    pixmap.loadFromData(png.getvalue(), "PNG")
+    return pixmap
 
 
 def _limit_box(box: SpinBox, top: int, zero_text: str, tip: str, *, suffix: str = "") -> SpinBox:

@@ -35,18 +35,21 @@ from backend.llama.load import Snapshot, State
 
 from studio.activity_view import ActivityView
 from studio.bridge import ServiceBridge
+from studio.chat_view import ChatLink, ChatView
 from studio.discover_view import DiscoverView
 from studio.engine_view import EngineView
 from studio.library_view import LibraryView
 from studio.logs_view import LogsView
 from studio.model_view import ModelView, describe_state
 from studio.pool_view import PoolView
+from studio.requests_view import RequestsView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
 from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
-SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB = range(6)
+(SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB, CHAT_TAB,
+ REQUESTS_TAB) = range(8)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -72,9 +75,12 @@ class MainWindow(QMainWindow):
         self.sharing = SharingView()
         self.pool = PoolView()
         self.activity = ActivityView()
+        self.requests = RequestsView()
         self.logs = LogsView(bridge.log_dir)
         self.engine = EngineView()
         self.discover = DiscoverView(bridge.curated_models())
+        self.chat = ChatView()
+        self.chat_link = ChatLink(bridge, self.chat)
 
         self.tabs = QTabWidget()
         # Sharing and Engine scroll rather than force a wide window on small screens.
@@ -84,6 +90,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.logs, "Lo&gs")
         self.tabs.addTab(_scrolling(self.engine), "&Engine")
         self.tabs.addTab(self.discover, "Get &models")
+        self.tabs.addTab(self.chat, "C&hat")
+        self.tabs.addTab(self.requests, "&Requests")
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 0, 0, 0)
@@ -157,6 +165,9 @@ class MainWindow(QMainWindow):
         b.build_finished.connect(self._on_build_finished)
         b.error_occurred.connect(self.show_message)
         b.pool_changed.connect(self.pool.set_state)
+        b.pool_changed.connect(lambda state: self.chat.set_models([m.name for m in state.models]))
+        self.requests.refresh_wanted.connect(
+            lambda after: b.recent_requests(after, on_done=self.requests.add_records))
 
         self.library_view.selected.connect(self._on_selected)
         self.library_view.files_opened.connect(self.open_files)
@@ -382,6 +393,12 @@ class MainWindow(QMainWindow):
             name, changes, on_done=keys.show_edited, on_error=keys.show_dialog_error))
         keys.revoke_requested.connect(lambda name: b.revoke_key(
             name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
+        b.enrolments_changed.connect(self.sharing.set_enrolments)
+        b.announcement_changed.connect(self.sharing.show_announcement)
+        self.sharing.enrolment_approved.connect(lambda name, limits: b.approve_enrolment(
+            name, limits, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
+        self.sharing.enrolment_refused.connect(lambda name: b.refuse_enrolment(
+            name, on_error=self.show_message))
 
     # --- activity -------------------------------------------------------------------------------
 
@@ -433,6 +450,7 @@ class MainWindow(QMainWindow):
 
     def shutdown(self) -> None:
         """Stop the engine and the port; the window may stay on screen meanwhile."""
+        self.chat_link.close()
         self.bridge.shutdown()
 
     # --- helpers ------------------------------------------------------------------------------

@@ -82,10 +82,11 @@ from types import EllipsisType
 from backend.errors import RETRY_SOON, ContextLengthExceeded, ModelNotReady, QueueFull
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.admission.admission_ticket import DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState, as_need
+from backend.admission.admission_ticket import (DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState,
+                                                WaitReason, as_need)
 from backend.admission.fair_queue import Band, FairQueue, Flow
 from backend.admission.placement import NO_HINT, Hint, MostFreeSlots, Placeable, Placement, Seat
-from backend.admission.prefill_budget import PREFILL_BUDGET, PrefillBudget, PrefillPlacement
+from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -103,6 +104,8 @@ DEFAULT_MODEL = ""
 AGING_SECONDS = 30.0
 #: How often a head that does not fit may be passed by other flows' requests that do.
 MAX_PASSES = 4
+#: Admissions a line remembers (arrival order, flow), to tell a waiter who passed it.
+RECENT_ADMISSIONS = 64
 
 class AdmissionQueue:
     """The slots and KV tokens of one engine; its model's `Line` waits in front of it."""
@@ -355,6 +358,9 @@ class Line:
         self._awaiting_engine: dict[asyncio.Future[None], tuple[str, int]] = {}
         # (when, flow) of the last requests that ended.
         self._ended: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
+        # (arrival order, flow) of the last tickets admitted: who passed a waiter.
+        self._admitted: collections.deque[tuple[int, str]] = collections.deque(
+            maxlen=RECENT_ADMISSIONS)
 
     # --- state -----------------------------------------------------------------------
 
@@ -433,6 +439,7 @@ class Line:
         self._waiting_bytes += size
         self._promote()
         if ticket.state is TicketState.WAITING:
+            ticket.wait_reason = self._why_waiting(ticket)
             waiting = len(self._waiters) - 1
             if self.max_waiting and waiting >= self.max_waiting:
                 self._pop(ticket)
@@ -460,9 +467,11 @@ class Line:
                     flow: str = DEFAULT_FLOW.key) -> asyncio.Future[None]:
         """Done once an engine serves the model (at once if one does); fails with the
         refusal if the model's waiters are refused first (its load failed, or its flow's
-        key was revoked: see `refuse_flow`).  Cancel it to stop waiting.  Meanwhile its
-        `size` bytes count with the waiters' (QueueFull past `max_waiting_bytes`, as for
-        a ticket)."""
+        key was revoked: see `refuse_flow`).  Meanwhile its `size` bytes count with the
+        waiters' (QueueFull past `max_waiting_bytes`, as for a ticket).  Once served it
+        still keeps the model busy until its holder calls `stop_awaiting` (it took its
+        ticket, or gave up): its request is planned in between, and a model evicted then
+        would leave it no engine to wait for."""
         served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._engines:
             served.set_result(None)
@@ -470,9 +479,14 @@ class Line:
         self.check_wait(size, max_waiting_bytes)
         self._awaiting_engine[served] = (flow, size)
         self._waiting_bytes += size
-        served.add_done_callback(self._stop_awaiting)
+        served.add_done_callback(self._unless_served)
         self._changed()
         return served
+
+    def stop_awaiting(self, served: asyncio.Future[None]) -> None:
+        """The request of `served` (`when_served`) took its ticket or gave up."""
+        served.cancel()
+        self._stop_awaiting(served)
 
     def check_wait(self, size: int = 0, max_waiting_bytes: int = 0) -> None:
         """QueueFull when one more request holding `size` bytes may not wait for the
@@ -552,9 +566,6 @@ class Line:
             self._promote()
             self._changed()
 
-    def wait_reason(self, ticket: Ticket) -> str | None:
-        return PREFILL_BUDGET if ticket in self._prefill.held else None
-
     @property
     def held_by_prefill_budget(self) -> int:
         """Waiters the prefill budget holds now (their turn came; a long prompt runs)."""
@@ -632,8 +643,12 @@ class Line:
         place = self.placement.place
         chosen: list[Seat[AdmissionQueue] | None] = [None]
 
+        held = self._prefill.held
+
         def fits(ticket: Ticket) -> bool:  # notes the seat, so it is looked up once
             chosen[0] = place(ticket, engines)
+            if chosen[0] is None and ticket in held:
+                ticket.wait_reason = WaitReason.PREFILL_BUDGET
             return chosen[0] is not None
 
         while len(waiters) and self._slot_free(skip):
@@ -645,8 +660,37 @@ class Line:
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
             self.prefill_budget.started(ticket, seat.engine)
+            if ticket.wait_reason == WaitReason.SLOTS_FULL:
+                self._note_passer(ticket)
+            self._admitted.append((ticket.seq, ticket.flow.key))
             moved = True
         return moved
+
+    def _why_waiting(self, ticket: Ticket) -> str:
+        """Why `ticket` did not go in at once (O(engines), only for one that waits): the
+        prefill budget, its flow's concurrency, no engine yet, every slot taken, or no
+        room in the cache."""
+        if ticket in self._prefill.held:
+            return WaitReason.PREFILL_BUDGET
+        flow = ticket.flow
+        if flow.max_concurrent and self._waiters.running_of(flow.key) >= flow.max_concurrent:
+            return WaitReason.KEY_CONCURRENCY
+        if not self._engines:
+            return WaitReason.MODEL_LOADING
+        if not self._slot_free(None):
+            return WaitReason.SLOTS_FULL
+        return WaitReason.KV_FULL
+
+    def _note_passer(self, ticket: Ticket) -> None:
+        """A ticket that waited for a slot is admitted: if another flow's later arrival
+        went in before it, that flow's share (or band) came first (the latest such one
+        is named).  O(RECENT_ADMISSIONS), only for a ticket that waited."""
+        seq, own = ticket.seq, ticket.flow.key
+        for other_seq, other in reversed(self._admitted):
+            if other_seq > seq and other != own:
+                ticket.wait_reason = WaitReason.FAIR_SHARE
+                ticket.waited_behind = other
+                return
 
     def _slot_free(self, skip: AdmissionQueue | None) -> bool:
         for engine in self._engines:
@@ -708,6 +752,10 @@ class Line:
             if ticket.need is not None and ticket.need.total > limit:
                 self._pop(ticket)
                 ticket.refuse(_too_long(ticket.need, limit))
+
+    def _unless_served(self, served: asyncio.Future[None]) -> None:
+        if served.cancelled() or served.exception() is not None:
+            self._stop_awaiting(served)
 
     def _stop_awaiting(self, served: asyncio.Future[None]) -> None:
         held = self._awaiting_engine.pop(served, None)

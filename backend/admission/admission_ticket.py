@@ -21,7 +21,8 @@ from backend.llama.load import Serving
 from backend.admission.fair_queue import Band, Flow
 from backend.admission.placement import NO_HINT, Hint, Seat
 
-__all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState", "as_need"]
+__all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState",
+           "WaitReason", "as_need"]
 
 #: How often one ticket may go back in line after a refused connection before the
 #: request fails: a load that keeps refusing while it counts as ready is not coming back.
@@ -35,6 +36,24 @@ class TicketState(enum.Enum):
     ADMITTED = "admitted"
     RELEASED = "released"
     REFUSED = "refused"
+
+
+class WaitReason:
+    """Why a ticket waited before it was admitted, as the line saw it (plain strings: the
+    request inspector shows them, `backend.port.request_log`)."""
+
+    #: Every slot of every engine of its model was taken.
+    SLOTS_FULL = "slots_full"
+    #: A slot was free but no engine's KV cache had room for its need.
+    KV_FULL = "kv_full"
+    #: Its key already ran as many requests as it may at once (`Flow.max_concurrent`).
+    KEY_CONCURRENCY = "key_concurrency"
+    #: Another flow's later request went first (its fair share, or its band).
+    FAIR_SHARE = "fair_share"
+    #: No engine served its model yet (it was loading, or reloading).
+    MODEL_LOADING = "model_loading"
+    #: The engine's budget of prompt tokens read at once was spent.
+    PREFILL_BUDGET = "prefill_budget"
 
 
 class EngineSeat(Protocol):
@@ -76,9 +95,6 @@ class TicketSeam(Protocol):
     def prefilled(self, ticket: Ticket) -> None:
         """The engine sent its first bytes for `ticket`: its prompt is computed."""
 
-    def wait_reason(self, ticket: Ticket) -> str | None:
-        """Why a waiting `ticket` waits when its turn has come ("prefill_budget"), else None."""
-
     def position(self, ticket: Ticket) -> int | None:
         """0-based place of a waiting ticket, else None."""
 
@@ -87,7 +103,8 @@ class Ticket:
     """One request's place: first in a line, then in a slot of one engine."""
 
     __slots__ = ("state", "line", "engine", "seat", "need", "hint", "size", "flow", "band",
-                 "enqueued_at", "admitted_at", "requeues", "seq", "_error", "_event")
+                 "enqueued_at", "admitted_at", "requeues", "seq", "wait_reason", "waited_behind",
+                 "_error", "_event")
 
     def __init__(self, line: TicketSeam, now: float,
                  need: TokenNeed | None = None, size: int = 0, *,
@@ -115,6 +132,10 @@ class Ticket:
         self.requeues = 0
         #: Global arrival order: a ticket sent back in line returns to its place.
         self.seq = next(_arrivals)
+        #: Why it waited (a `WaitReason`), set by its line; None: admitted at once.
+        self.wait_reason: str | None = None
+        #: With `WaitReason.FAIR_SHARE`: the flow whose later request went first.
+        self.waited_behind: str | None = None
         self._error: BaseException | None = None
         # Created only when someone awaits: a long line must not cost an Event each.
         self._event: asyncio.Event | None = None
@@ -148,12 +169,6 @@ class Ticket:
     def error(self) -> BaseException | None:
         """Why the ticket was refused, if it was."""
         return self._error
-
-    @property
-    def wait_reason(self) -> str | None:
-        """Why it still waits when its turn has come ("prefill_budget": a long prompt is
-        computed beside running streams), else None (its turn, a slot or tokens)."""
-        return self.line.wait_reason(self) if self.state is TicketState.WAITING else None
 
     def prefilled(self) -> None:
         """The engine sent its first bytes: the prompt is computed (the prefill budget

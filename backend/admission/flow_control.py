@@ -1,16 +1,18 @@
 """A caller's limits at the port: which models its key may use, its flow in the fair
 queue (band, weight, concurrency), its token windows, and its usage.
 
-`FlowControl` is what the gateway and the relay ask, once per request: `check_model`
-before planning, `flow_of` for the ticket, `reserve` (tokens per minute and per day,
-counted from the reservation) before it waits, `admitted` when it gets a slot, and
-`answered` with the engine's `usage` when it ends, which settles the reservation.  Every
-refusal is told to `refused`, by reason.  It decides and counts; it does no I/O (the
-usage ledger it feeds saves itself, off the hot path).
+The gateway asks `FlowControl` once per request for a `Pass` (`enter`: the key may use
+the model; its flow), and the relay holds that pass as it holds the request's ticket:
+`start` when it runs, `reserve` its tokens (per minute and per day, counted from the
+reservation) before it waits, `admitted` when it gets a slot, then one ending —
+`answered` with the engine's usage (which settles the reservation), `refused` by reason,
+or `left` before its turn — and `close`.  A refusal before a pass exists is told to
+`FlowControl.refused`.  It decides and counts; it does no I/O (the usage ledger it feeds
+saves itself, off the hot path).
 
-It also knows which requests of each named key are under way (`started`, `finished`), so
-that a key revoked or deleted while they run ends them (`end_flow`) instead of letting
-them take the engine for as long as they like.
+It also knows which requests of each named key are under way (from `start` to
+`close`), so that a key revoked or deleted while they run ends them (`end_flow`)
+instead of letting them take the engine for as long as they like.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from backend.admission.caller import Caller
 from backend.admission.fair_queue import Band, Flow
 from backend.admission.rate_limits import RateLimiter, Reservation, TokenLimits
 
-__all__ = ["BAND_HEADER", "FlowControl", "Endable", "UsageRecorder", "band_of",
+__all__ = ["BAND_HEADER", "Endable", "FlowControl", "Pass", "UsageRecorder", "band_of",
            "requested_band"]
 
 #: A request may lower its own priority with this header (never raise it).
@@ -62,6 +64,19 @@ class FlowControl:
         #: The requests under way of each named key (the owner's and keyless callers have
         #: nothing to be revoked).
         self._running: dict[str, set[Endable]] = {}
+
+    def enter(self, caller: Caller, model: str) -> "Pass":
+        """The pass of a request of `caller` for `model`: ModelNotAllowed when its key
+        may not use it."""
+        self.check_model(caller, model)
+        return Pass(self, caller, self.flow_of(caller))
+
+    def check_spent(self, caller: Caller) -> None:
+        """RateLimitExceeded when the caller's token windows are spent (before a load,
+        whose prompt cannot be counted yet, only a spent window is certain)."""
+        reservation = self.reserve(caller, 1)
+        if reservation is not None:
+            self.limiter.settle(reservation, 0)
 
     def check_model(self, caller: Caller, model: str) -> None:
         if caller.key is not None and not caller.key.allows(model):
@@ -146,6 +161,64 @@ class FlowControl:
             return None
         limits = TokenLimits.of(record)
         return None if limits.unlimited else limits
+
+
+class Pass:
+    """One request's way through its caller's limits; see the module docstring.  Its
+    ending is told once: a second `answered`, `refused` or `left` changes nothing."""
+
+    __slots__ = ("caller", "flow", "reservation", "_control", "_request", "_ended")
+
+    def __init__(self, control: FlowControl, caller: Caller, flow: Flow) -> None:
+        self.caller = caller
+        #: Its flow in the fair queue.
+        self.flow = flow
+        #: Its tokens counted against the key's windows (None: no limits, or not yet).
+        self.reservation: Reservation | None = None
+        self._control = control
+        self._request: Endable | None = None
+        self._ended = False
+
+    def start(self, request: Endable) -> None:
+        """`request` runs (waiting or answering) until `close`; a revoked key ends it."""
+        self._request = request
+        self._control.started(self.caller, request)
+
+    def close(self) -> None:
+        if self._request is not None:
+            self._control.finished(self.caller, self._request)
+            self._request = None
+
+    def reserve(self, tokens: int) -> None:
+        """Count `tokens` against the key's windows, or raise RateLimitExceeded."""
+        self.reservation = self._control.reserve(self.caller, tokens)
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's `x-ratelimit-*` headers for its answer (none without limits)."""
+        return self._control.headers(self.caller)
+
+    def admitted(self, waited: float) -> None:
+        self._control.admitted(self.caller, waited)
+
+    def answered(self, usage: tuple[int, int] | None) -> None:
+        """It ended with `usage` (prompt, completion), None when nothing says it (the
+        reservation then stays counted in full)."""
+        if not self._ended:
+            self._ended = True
+            self._control.answered(self.caller, self.reservation, usage)
+
+    def refused(self, error: RequestError) -> None:
+        """It was refused before anything was relayed: its reservation is given back."""
+        if not self._ended:
+            self._ended = True
+            self._control.refused(self.caller, error, self.reservation)
+
+    def left(self) -> None:
+        """Its client left before its turn: its reservation is given back, unbooked."""
+        if not self._ended:
+            self._ended = True
+            if self.reservation is not None:
+                self._control.limiter.settle(self.reservation, 0)
 
 
 def band_of(record: KeyRecord) -> Band:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
+from backend.admission.admission_ticket import WaitReason
 from backend.admission.fair_queue import Band, Flow
 from backend.admission.placement import Hint, Placeable, Placement, Seat, SeatEngine
 
@@ -45,7 +46,7 @@ __all__ = ["LONG_PREFILL_TOKENS", "PREFILL_BUDGET", "CacheKnowledge", "NothingCa
 #: CPU's budgeted batch, where its chunks stall the streams beside it for seconds.
 LONG_PREFILL_TOKENS = 1024
 #: The wait reason of a ticket this budget holds (keep-alives, /metrics, the inspector).
-PREFILL_BUDGET = "prefill_budget"
+PREFILL_BUDGET = WaitReason.PREFILL_BUDGET
 
 
 class CacheKnowledge(Protocol):

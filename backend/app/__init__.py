@@ -4,4 +4,7 @@ of them `pool_status`; its settings `pool_config`; the window's picture `pool_st
 the command line (`cli`, with its `keys` commands in `cli_keys` and its Hugging Face ones
 in `cli_hub`), the keys as people edit and see them (`key_table`), usage per key
 (`usage`), the end-to-end self-test, client snippets, activity over time, the desktop
-entry, and the writer of the window's files off its thread (`saver`)."""
+entry, LAN discovery (`discovery`: mDNS announce and browse), `gguf-studio connect`
+(`connect`) and the client configuration it writes (`client_config`), the writer of the
+window's files off its thread (`saver`), and the chat playground's conversation, sent
+through the port like any client's (`chat_session`)."""

@@ -9,6 +9,9 @@
     gguf-studio pull REPO[:QUANT|FILE]
     gguf-studio hf-token [--forget]  save a Hugging Face token for gated repositories
     gguf-studio keys add|list|edit|revoke   named API keys with limits (one per person or agent)
+    gguf-studio requests [--follow] [--json] [--port P | --url URL]   the port's recent requests
+    gguf-studio keys requests|approve|refuse   teammates asking for a key (`connect`)
+    gguf-studio connect [NAME|URL]   get a key from a port on the LAN, set up Codex and OpenCode
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, en
 from backend.url_credentials import hide_url_credentials, hide_url_credentials_in_logs
 from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
+from backend.app.cli_requests import add_requests_parser
+from backend.app.connect import add_connect_parser
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 
 
@@ -160,7 +165,8 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "models_file", "rpc", "stall_budget_ms")
+                   "load_timeout", "models_file", "rpc", "otel_endpoint", "allow_enrolment",
+                   "stall_budget_ms")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -197,6 +203,10 @@ def serve_settings(args: argparse.Namespace) -> Settings:
         overrides["upstream"] = args.upstream[0]
     if args.upstream_kv and len(args.upstream_kv) == 1:
         overrides["upstream_kv"] = args.upstream_kv[0]
+    if args.advertise is not None:
+        overrides["advertise"] = True
+        if args.advertise:
+            overrides["advertise_name"] = args.advertise
     settings = Settings.load().with_overrides(overrides)
     if args.extra_arg:
         settings = settings.replace(extra_args=list(args.extra_arg))
@@ -307,6 +317,8 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
         print("OpenAI-compatible base URL" + ("s" if len(urls) > 1 else "") + ":", flush=True)
         for url in urls:
             print(f"  {url}", flush=True)
+        if settings.advertise:
+            asyncio.ensure_future(_say_announced(service))
         start = asyncio.create_task(service.start_pool(config))
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -320,6 +332,16 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
         return 0
     finally:
         await service.close()
+
+
+async def _say_announced(service: Any) -> None:
+    """One line once the port is announced on the LAN (or why it is not)."""
+    await service.announced()
+    if service.advertiser.running:
+        print(f"Announced on the LAN as {service.advertiser.name!r}: teammates run "
+              f"gguf-studio connect", flush=True)
+    elif service.advertise_problem:
+        print(service.advertise_problem, flush=True)
 
 
 # --- RPC worker -------------------------------------------------------------------------------
@@ -415,6 +437,8 @@ def _parser() -> argparse.ArgumentParser:
 
     add_hub_parsers(sub)
     add_key_parsers(sub)
+    add_requests_parser(sub)
+    add_connect_parser(sub)
 
     st = sub.add_parser("self-test", help="load MODEL, answer one request through the port, exit")
     st.add_argument("model", metavar="MODEL")
@@ -472,6 +496,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-host", dest="allow_hosts", action="append", metavar="NAME",
                        help="accept this host name without a key, besides the machine's own "
                        f"names and addresses (repeatable; {env('allow_hosts')})")
+    serve.add_argument("--advertise", nargs="?", const="", metavar="NAME",
+                       help="announce the port on the LAN over mDNS under NAME (default: this "
+                       "machine's name), so teammates find it with `gguf-studio connect`; only "
+                       f"while it listens beyond loopback with keys required ({env('advertise')})")
+    serve.add_argument("--no-enrolment", dest="allow_enrolment", action="store_false",
+                       default=None, help="take no enrolment requests (`gguf-studio connect`) "
+                       f"from teammates ({env('allow_enrolment')}=0)")
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
     serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
     serve.add_argument("--n-gpu-layers", help="layers on the GPU: auto (what fits; default), all, none or N")
@@ -480,6 +511,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
+    serve.add_argument("--otel-endpoint", metavar="URL",
+                       help="export each request as an OpenTelemetry span to this OTLP/HTTP "
+                       "endpoint, e.g. http://collector:4318/v1/traces (needs the otel extra; "
+                       f"{env('otel_endpoint')})")
     serve.add_argument("--default-output-tokens", type=int,
                        help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body, 0 = default (32 MiB)")

@@ -1,4 +1,6 @@
-"""`gguf-studio keys add|edit|revoke|list`: named API keys from the command line.
+"""`gguf-studio keys add|edit|revoke|list|requests|approve|refuse`: named API keys from
+the command line.  `requests`, `approve` and `refuse` answer teammates who asked a running
+port for a key (`gguf-studio connect`; backend.enrolments): the port mints the key.
 
 The keys' form, wording and table are shared with the window (`backend.app.key_table`);
 the store applies changes to a running port live (`backend.key_store`).
@@ -16,6 +18,7 @@ from backend.settings import Settings
 
 if TYPE_CHECKING:
     from backend.app.usage import KeyUsage
+    from backend.enrolments import SharedRequest
     from backend.key_store import KeyRecord
 
 __all__ = ["add_key_parsers"]
@@ -27,7 +30,10 @@ def add_key_parsers(sub: Any) -> None:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     add = keys_sub.add_parser("add", help="make a key and print its secret (shown this once)")
     edit = keys_sub.add_parser("edit", help="change a key's limits (the others stay)")
-    for command in (add, edit):
+    approve = keys_sub.add_parser("approve", help="approve a teammate's request (gguf-studio "
+                                  "connect): the running port makes the key, with these limits, "
+                                  "and sends it to them")
+    for command in (add, edit, approve):
         command.add_argument("name", metavar="NAME")
         command.add_argument("--models", metavar="A,B",
                              help="models the key may use, comma-separated; shell patterns "
@@ -47,6 +53,16 @@ def add_key_parsers(sub: Any) -> None:
                              "12h, 2w, or never")
     add.set_defaults(run=_keys_add)
     edit.set_defaults(run=_keys_edit)
+    approve.add_argument("--wait", type=float, default=10.0, metavar="S",
+                         help="seconds to wait for the running port to make the key (10)")
+    approve.set_defaults(run=_keys_approve)
+    refuse = keys_sub.add_parser("refuse", help="refuse a teammate's request")
+    refuse.add_argument("name", metavar="NAME")
+    refuse.set_defaults(run=_keys_refuse)
+    requests = keys_sub.add_parser("requests", help="teammates' requests for a key, waiting "
+                                   "for you (name, address, code)")
+    requests.add_argument("--json", action="store_true", help="machine-readable output")
+    requests.set_defaults(run=_keys_requests)
     revoke = keys_sub.add_parser("revoke", help="refuse a key from now on (for good)")
     revoke.add_argument("name", metavar="NAME")
     revoke.set_defaults(run=_keys_revoke)
@@ -104,6 +120,69 @@ def _keys_revoke(args: argparse.Namespace) -> int:
               "waiting, and its running ones end (a running port sees this within a "
               "second).")
     return 0
+
+
+def _keys_requests(args: argparse.Namespace) -> int:
+    import time
+
+    from backend.enrolments import EnrolmentFile, enrolments_path
+    from backend.key_store import describe_time
+
+    requests = EnrolmentFile(enrolments_path()).requests()
+    if args.json:
+        print(json.dumps([r.__dict__ for r in requests], indent=2))
+        return 0
+    if not requests:
+        print("No requests are waiting (teammates ask with: gguf-studio connect).",
+              file=sys.stderr)
+        return 0
+    now = time.time()
+    rows = [("NAME", "ADDRESS", "CODE", "ASKED", "EXPIRES IN")]
+    rows += [(r.name, r.address, r.code, describe_time(r.requested_at),
+              f"{max(0, int(r.expires_at - now)) // 60} min") for r in requests]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print("Check the code with the person, then: gguf-studio keys approve NAME [limits] "
+          "or keys refuse NAME.", file=sys.stderr)
+    return 0
+
+
+def _keys_approve(args: argparse.Namespace) -> int:
+    changes = _key_changes(args)
+    if "models" in changes:
+        changes["models"] = list(changes["models"])
+    request = _decide(args.name, "approve", changes, args.wait)
+    print(f"Key {request.name!r} made and sent to {request.address} (code {request.code}).")
+    return 0
+
+
+def _keys_refuse(args: argparse.Namespace) -> int:
+    request = _decide(args.name, "refuse", {}, 10.0)
+    print(f"Request {request.name!r} from {request.address} refused; no key was made.")
+    return 0
+
+
+def _decide(name: str, action: str, limits: dict[str, Any], wait: float) -> "SharedRequest":
+    """Write the decision for the running port, and wait until it took it."""
+    import time
+
+    from backend.enrolments import EnrolmentFile, enrolments_path
+
+    shared = EnrolmentFile(enrolments_path())
+    request = shared.decide(name, action, limits)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        outcome = next((o for o in shared.outcomes()
+                        if str(o.get("name", "")).casefold() == request.name.casefold()), None)
+        if outcome is not None:
+            if outcome.get("result") == "failed":
+                raise StudioError(f"The port could not {action} {request.name!r}: "
+                                  f"{outcome.get('error')}")
+            return request
+        time.sleep(0.1)
+    raise StudioError(f"The decision on {request.name!r} is written, but no running port took "
+                      f"it within {wait:g}s (is the port that received the request running?).")
 
 
 def _keys_list(args: argparse.Namespace) -> int:

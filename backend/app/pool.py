@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -55,6 +56,7 @@ from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,
                                      engine_status)
 from backend.app.pool_upstreams import Upstreams
+from backend.port.route import Route
 from backend.settings import Settings
 
 __all__ = ["EMBEDDINGS_ROUTE", "Pool"]
@@ -224,11 +226,21 @@ class Pool:
         raise ModelNotFound(f"The model {printable(wanted, 80)!r} is not served here. Models: {listed}.",
                             param="model")
 
-    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
-        """`resolve`, then make sure the model will be served: a local model that is not
-        loaded starts loading (for `band`, which decides what its load may evict); one
-        that failed answers ModelNotReady until its cool-down is over, then loads again."""
+    def route(self, path: str, requested: object) -> Route:
+        """The route of a request for `path` naming `requested` (`resolve`), with no side
+        effect; its `serve` makes sure the model will be served (`_serve`)."""
         name = self.resolve(path, requested)
+        local = self._locals.get(name)
+        if local is not None:
+            return Route(name, isolated=local.entry.isolated,
+                         serve=functools.partial(self._serve, name))
+        return Route(name, named=self._upstreams.must_name(name),
+                     serve=functools.partial(self._serve, name))
+
+    def _serve(self, name: str, band: Band) -> None:
+        """Make sure model `name` will be served: a local model that is not loaded
+        starts loading (for `band`, which decides what its load may evict); one that
+        failed answers ModelNotReady until its cool-down is over, then loads again."""
         local = self._locals.get(name)
         if local is not None:
             now = self._clock()
@@ -252,7 +264,6 @@ class Pool:
             if failed:
                 raise ModelNotReady(f"The model {name} failed to load where it runs. "
                                     f"{failed[0].error or ''}".strip(), retry_after=RETRY_SOON)
-        return name
 
     def model_names(self, adding: ModelEntry | None = None) -> ModelNames:
         """The names requests may use now (with `adding` in place of the local model of
@@ -263,17 +274,6 @@ class Pool:
         entries += [adding] if adding is not None else []
         guests = [NamedModel(name, names[1:]) for name, names in self._upstreams.all_names()]
         return ModelNames((e.named for e in entries), guests=guests)
-
-    def isolated(self, name: str) -> bool:
-        """Whether `name` is a local model that shares no prompt cache between requests."""
-        local = self._locals.get(name)
-        return local is not None and local.entry.isolated
-
-    def must_name(self, name: str) -> bool:
-        """Whether a request for `name` must name it to its engines: another GGUF Studio
-        port serving several models routes by the name, and a request naming none would
-        go to that port's own default model."""
-        return self._upstreams.must_name(name)
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(name) for name in self.names()]

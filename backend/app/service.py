@@ -22,11 +22,14 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
-from backend.app.key_table import KeyTable, key_table
+from backend.app.discovery import Advertiser, app_version, service_name
+from backend.app.key_table import KeyTable, key_table, key_target
+from backend.app.snippets import ClientModel, ClientTarget
 from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool_status import scrubbed
+from backend.enrolments import Enrolments
 from backend.errors import KeyRevoked, RequestError, SettingsError
 from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
@@ -36,16 +39,19 @@ from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapsho
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
 from backend.models.gguf_info import read_model_info
+from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.fair_queue import Band
+from backend.port.route import Route
 from backend.admission.flow_control import FlowControl
 from backend.admission.rate_limits import RateLimiter
+from backend.port.request_log import RequestLog
 from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, Metrics, ModelLoad
 from backend.settings import Settings, remember_keys_required
 
 if TYPE_CHECKING:
+    from backend.port.tracing import SpanExport
     from backend.port.server import GatewayServer
 
 T = TypeVar("T")
@@ -77,7 +83,22 @@ class StudioService:
         for record in self.keys.records():
             limiter.preload(record.name, self.usage.day_tokens(record.name))
         self.flows = FlowControl(limiter, self.usage)
+        #: Teammates asking for a key (backend.enrolments); `on_enrolments` hears changes.
+        self.enrolments = Enrolments(self.keys, ttl=lambda: self.settings.enrolment_ttl,
+                                     on_change=self._enrolments_changed)
+        self._enrolment_listeners: Listeners[[]] = Listeners(log, "enrolment listener")
+        self._announce_listeners: Listeners[[str]] = Listeners(log, "announce listener")
+        self.advertiser = Advertiser()
+        #: Why the port is not announced although asked to be ("" when it is, or not asked).
+        self.advertise_problem = ""
+        self._advertising: asyncio.Task[None] | None = None
         self.metrics.bind_usage(self.usage.snapshot)
+        #: The request inspector's ring (kept across restarts of the port).
+        self.requests = RequestLog()
+        self._spans: SpanExport | None = None
+        if settings.otel_endpoint:  # OpenTelemetry only when asked for (the `otel` extra)
+            from backend.port.tracing import span_export_to
+            self._spans = self.requests.exporter = span_export_to(settings.otel_endpoint)
         self._flow_tasks: list[asyncio.Future[None]] = []
         self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         self.pool = Pool(self.registry, settings=lambda: self.settings,
@@ -120,13 +141,16 @@ class StudioService:
     async def start_gateway(self) -> list[str]:
         """Open the OpenAI-compatible port; returns the base URLs clients should use."""
         check_bind_allowed(self.settings, named_keys=self.keys.requires_keys())
+        from backend.port.enrolment_endpoint import EnrolmentEndpoint
         from backend.port.gateway import create_app  # starlette only when serving
         from backend.port.server import GatewayServer
 
         async with self._gateway_lock:
             if self._gateway is None:
-                self._gateway = await GatewayServer.start(create_app(self), self.settings.host,
-                                                          self.settings.port)
+                enrolment = EnrolmentEndpoint(self.open_enrolments, self.client_setup)
+                self._gateway = await GatewayServer.start(create_app(self, enrolment),
+                                                          self.settings.host, self.settings.port)
+                self._advertise()
                 self._start_flow_tasks()
                 # What is alive now lives about as long as the process (modules, the app,
                 # Qt's wrappers): out of the collector's sight, the collections that run
@@ -151,14 +175,126 @@ class StudioService:
         self.registry.refresh_bounds()
         if self._gateway is not None and (old.host, old.port) != (settings.host, settings.port):
             await self.stop_gateway()
+        elif self._gateway is not None and _announced(old) != _announced(settings):
+            self._advertise()
         return await self.start_gateway() if self._gateway is None else \
             client_urls(settings.host, self._gateway.port)
 
     async def stop_gateway(self) -> None:
         async with self._gateway_lock:
             gateway, self._gateway = self._gateway, None
+            await self._stop_advertising()
             if gateway is not None:
                 await gateway.stop()
+
+    # --- the LAN: announcing the port, teammates enrolling ---------------------------------
+
+    def open_enrolments(self) -> Enrolments | None:
+        """The enrolment requests, while the port takes them: it requires keys (a port
+        without one needs no enrolment) and the owner left enrolment on."""
+        settings = self.settings
+        if not settings.allow_enrolment or not (settings.api_key or self.keys.requires_keys()):
+            return None
+        return self.enrolments
+
+    def add_enrolment_listener(self, listener: Callable[[], None]) -> None:
+        """Called on the service's loop whenever a request comes, is decided or goes."""
+        self._enrolment_listeners.add(listener)
+
+    def approve_enrolment(self, name: str, **limits: Any) -> KeyRecord:
+        """Mint the key of the waiting request `name` (limits as `add_key`); its requester
+        receives it once, on its next poll."""
+        return self.enrolments.approve(name, **limits)
+
+    def refuse_enrolment(self, name: str) -> None:
+        self.enrolments.refuse(name)
+
+    def client_setup(self, record: KeyRecord) -> dict[str, Any]:
+        """What a client holding `record` needs to know of the port's models (the window's
+        snippets are made of the same), without the address and the secret."""
+        settings = self.settings
+        chat = [status for status in self.pool.statuses() if not status.embeddings]
+        default = next((status for status in chat if status.default), chat[0] if chat else None)
+        others = tuple(ClientModel(status.name, status.context_length) for status in chat
+                       if status is not default)
+        target = ClientTarget("", default.name if default else "", "",
+                              default.context_length if default else None,
+                              settings.max_output_tokens, settings.default_output_tokens,
+                              others=others,
+                              default_alias=DEFAULT_MODEL_ALIAS if default else "")
+        target = key_target(target, record, "")
+        return {"model_id": target.model_id, "context_length": target.context_length,
+                "default_alias": target.default_alias, "small_model": target.small_model,
+                "max_output_tokens": target.max_output_tokens,
+                "default_output_tokens": target.default_output_tokens,
+                "others": [{"model_id": m.model_id, "context_length": m.context_length}
+                           for m in target.others]}
+
+    async def announced(self) -> None:
+        """Return once the port's announcement on the LAN is made (or given up)."""
+        task = self._advertising
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+    def add_announce_listener(self, listener: Callable[[str], None]) -> None:
+        """Called on the service's loop with what the port's announcement is now: "" (not
+        asked for), the name it is announced under, or why it is not."""
+        self._announce_listeners.add(listener)
+
+    def announcement(self) -> str:
+        if self.advertiser.running:
+            return f"Announced as {self.advertiser.name!r}: teammates run gguf-studio connect."
+        return self.advertise_problem
+
+    def _enrolments_changed(self) -> None:
+        self._enrolment_listeners()
+
+    def _advertise(self) -> None:
+        """(Re)announce the port as the settings say, in the background: zeroconf's
+        announcements take a second or two, which no caller should wait for."""
+        if self._advertising is not None and not self._advertising.done():
+            self._advertising.cancel()
+        self._advertising = asyncio.ensure_future(self._announce())
+
+    async def _announce(self) -> None:
+        try:
+            await self._announce_now()
+        finally:
+            self._announce_listeners(self.announcement())
+
+    async def _announce_now(self) -> None:
+        from backend.port.enrolment_endpoint import ENROL_PATH
+
+        await self.advertiser.stop()
+        settings = self.settings
+        self.advertise_problem = ""
+        if not settings.advertise or self._gateway is None:
+            return
+        keys_required = bool(settings.api_key or self.keys.requires_keys())
+        if is_loopback(settings.host) or not keys_required:
+            self.advertise_problem = (
+                "Not announced on the network: the port " + (
+                    "listens on this computer only." if is_loopback(settings.host) else
+                    "requires no key; make one first."))
+            log.warning("%s", self.advertise_problem)
+            return
+        # Never this machine's loopback to other machines: it would name *their* own.
+        everywhere = client_hosts(settings.host)
+        addresses = [a for a in everywhere if not is_loopback(a)] or everywhere
+        try:
+            await self.advertiser.start(service_name(settings.advertise_name), self._gateway.port,
+                                        addresses, version=app_version(), enrol_path=ENROL_PATH,
+                                        keys_required=keys_required)
+        except (OSError, ValueError, RuntimeError) as exc:
+            self.advertise_problem = f"Could not announce the port on the network: {exc}"
+            log.error("%s", self.advertise_problem)
+
+    async def _stop_advertising(self) -> None:
+        task, self._advertising = self._advertising, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.advertiser.stop()
 
     # --- loads ----------------------------------------------------------------------------
 
@@ -235,12 +371,15 @@ class StudioService:
 
     async def close(self) -> None:
         await self.stop_gateway()
+        self.enrolments.close()
         await self.pool.close()
         for task in self._flow_tasks:
             task.cancel()
         await asyncio.gather(*self._flow_tasks, return_exceptions=True)
         self._flow_tasks.clear()
         self.usage.save()
+        if self._spans is not None:
+            await asyncio.to_thread(self._spans.close)  # the last batch, off the loop
 
     # --- keys ----------------------------------------------------------------------------
 
@@ -257,6 +396,7 @@ class StudioService:
             await asyncio.sleep(KEY_CHECK_INTERVAL)
             self.keys.refresh()
             self.apply_keys()
+            self.enrolments.sync()
 
     def apply_keys(self) -> None:
         """Apply the key store as it is now to every request that waits or runs (a
@@ -313,17 +453,8 @@ class StudioService:
 
     # --- the gateway's view of the pool --------------------------------------------------
 
-    def resolve(self, path: str, requested: object) -> str:
-        return self.pool.resolve(path, requested)
-
-    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
-        return self.pool.route(path, requested, band=band)
-
-    def must_name(self, model: str) -> bool:
-        return self.pool.must_name(model)
-
-    def isolated(self, model: str) -> bool:
-        return self.pool.isolated(model)
+    def route(self, path: str, requested: object) -> Route:
+        return self.pool.route(path, requested)
 
     def model_cards(self) -> list[ModelCard]:
         cap = self.settings.max_output_tokens
@@ -436,6 +567,16 @@ class BackendThread:
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
+
+
+def _announced(settings: Settings) -> tuple[bool, str]:
+    return settings.advertise, settings.advertise_name
+
+
+def client_hosts(host: str) -> list[str]:
+    """The addresses a client reaches a port bound to `host` at (all of this machine's
+    for 0.0.0.0), as the base URLs name them."""
+    return [url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") for url in client_urls(host, 1)]
 
 
 def check_bind_allowed(settings: Settings, *, named_keys: bool = False) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "Snippet",
     "SnippetFile",
     "client_snippets",
+    "codex_model_lines",
     "codex_snippet",
     "curl_snippet",
     "key_requirement",
@@ -158,7 +159,7 @@ def client_snippets(target: ClientTarget) -> list[Snippet]:
 
 def codex_snippet(target: ClientTarget) -> Snippet:
     # Root keys must come before the first table in TOML.
-    lines = _codex_model_lines(target, target.default)
+    lines = codex_model_lines(target, target.default)
     lines += [
         "",
         f"[model_providers.{PROVIDER_ID}]",
@@ -171,14 +172,15 @@ def codex_snippet(target: ClientTarget) -> Snippet:
         lines.append(f"env_key = {_toml_string(KEY_ENV_VAR)}")
     lines.append('wire_api = "responses"')
     files = tuple(SnippetFile(f"~/.codex/{profile}.config.toml",
-                              "\n".join(_codex_model_lines(target, model)) + "\n",
+                              "\n".join(codex_model_lines(target, model)) + "\n",
                               f"codex --profile {profile}")
                   for profile, model in _codex_profiles(target.models[1:]))
     return Snippet("Codex CLI", "~/.codex/config.toml", "toml", "\n".join(lines) + "\n",
                    _export_line(target.api_key), target.api_key, files)
 
 
-def _codex_model_lines(target: ClientTarget, model: ClientModel) -> list[str]:
+def codex_model_lines(target: ClientTarget, model: ClientModel) -> list[str]:
+    """config.toml's root lines that make Codex use `model` of the port."""
     lines = [f"model = {_toml_string(model.model_id)}",
              f"model_provider = {_toml_string(PROVIDER_ID)}"]
     if model.context_length:

@@ -6,6 +6,7 @@ need planner), the relay of one exchange (`relay`, `client_watch`, `sse`), the u
 HTTP client (`upstream_http`: the connection pool; `http1_response`: the sans-I/O parser
 of its answers; `upstream_errors`: the failures of both), TCP_NODELAY on the connections
 of both sides (`tcp_nodelay`), request bodies (`request_body`, `request_fields`), error
-answers (`http_errors`), metrics and the access log.  What is decided about a request
+answers (`http_errors`), metrics and the access log, and the enrolment endpoint a
+teammate without a key asks for one at (`enrolment_endpoint`).  What is decided about a request
 (admission, fair share, limits, placement) lives in `backend.admission`.
 """

@@ -3,7 +3,8 @@
 The path is the one the client sent, still percent-encoded, with any byte outside
 printable ASCII escaped as well: a decoded path would let a client write its own lines
 into the log (`/x%0aPOST /v1/chat/completions 200` is two lines once decoded), and the
-window shows this log to the person running the server.
+window shows this log to the person running the server.  An enrolment poll's id (which
+fetches a teammate's new key, once) is left out: `/v1/enrolments/…`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ def loggable_path(scope: Mapping[str, Any]) -> str:
     raw = scope.get("raw_path")
     if not isinstance(raw, bytes):  # a server that does not give it: re-encode
         raw = quote(scope["path"], safe="/:@!$&'()*+,;=-._~").encode("ascii")
+    if raw.startswith(_ENROLMENT_POLLS) and len(raw) > len(_ENROLMENT_POLLS):
+        return _ENROLMENT_POLLS.decode() + "…"
     return _printable(raw)
+
+
+_ENROLMENT_POLLS = b"/v1/enrolments/"
 
 
 def _printable(raw: bytes) -> str:

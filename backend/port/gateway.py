@@ -2,8 +2,10 @@
 
 Gated (a slot of the model is needed, through the admission queue):
 `POST /v1/chat/completions`, `/v1/responses`, `/v1/completions`, `/v1/messages`,
-`/v1/embeddings`.  Ungated: `GET /v1/models`, `/health`, `/metrics`.  Nothing else, and
-none of llama-server's own endpoints, is reachable: every other path is a 404.
+`/v1/embeddings`.  Ungated: `GET /v1/models`, `/health`, `/metrics`, `/requests` (the
+request inspector's ring, `backend.port.request_log`: all of it for the owner's key, a
+named key's own records for that key).  Nothing else, and none of llama-server's own
+endpoints, is reachable: every other path is a 404.
 
 Auth, when `settings.api_key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
 compared in constant time, on every route except `/health` (left open for probes).  The
@@ -30,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette import routing
 
 from backend.port import http_errors
 from backend.key_store import KeyStore
@@ -42,6 +44,7 @@ from backend.port.access_log import log_request
 from backend.admission.admission import AdmissionQueue
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
+from backend.port.enrolment_endpoint import ENROL_PATH, EnrolmentEndpoint
 from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
@@ -52,6 +55,8 @@ from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest
+from backend.port.route import Route
+from backend.port.request_log import RequestLog
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
                                        read_body)
 from backend.settings import Settings
@@ -72,7 +77,9 @@ GATED_ROUTES: dict[str, StreamKind | None] = {
     "/v1/embeddings": None,
 }
 OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
-KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES)
+#: The request inspector's records (`backend.port.request_log`).
+REQUESTS_ROUTE = "/requests"
+KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES) | {REQUESTS_ROUTE}
 #: Answered without the key when one is set (for probes); see `backend.port.access_guard`.
 KEYLESS_ROUTES = ("/health",)
 #: Set in the scope when the client went away before an answer could be sent.
@@ -83,6 +90,8 @@ class GatewayContext(Protocol):
     settings: Settings  # read per request: it may change while the port runs
     registry: AdmissionRegistry
     metrics: Metrics
+    #: The request inspector's ring: every gated request that ended leaves a record.
+    requests: RequestLog
 
     @property
     def keys(self) -> KeyStore | None:
@@ -94,22 +103,9 @@ class GatewayContext(Protocol):
     def snapshot(self) -> Snapshot:
         """The default model's engine."""
 
-    def resolve(self, path: str, requested: object) -> str:
-        """The model a request for `path` naming model `requested` is for (no side
-        effect).  Raises ModelNotFound or ModelNotReady."""
-
-    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
-        """`resolve`, and make sure the model will be served: may start loading it (for a
-        request of priority `band`, which decides what it may evict)."""
-
-    def must_name(self, model: str) -> bool:
-        """Whether a request for `model` that names no model must be sent naming it (an
-        engine that is another port with several models would take it for its own
-        default model)."""
-
-    def isolated(self, model: str) -> bool:
-        """Whether `model` shares no prompt cache between requests (its requests are sent
-        with `cache_prompt: false`)."""
+    def route(self, path: str, requested: object) -> Route:
+        """Where a request for `path` naming model `requested` goes, with no side effect.
+        Raises ModelNotFound or ModelNotReady."""
 
     def model_cards(self) -> list[ModelCard]:
         """Every model served or loadable, for /v1/models and /health."""
@@ -122,10 +118,11 @@ class GatewayContext(Protocol):
 class Gateway:
     """The app's state: the context, one shared upstream client, the handlers."""
 
-    def __init__(self, ctx: GatewayContext) -> None:
+    def __init__(self, ctx: GatewayContext, enrolment: EnrolmentEndpoint | None = None) -> None:
         self.ctx = ctx
+        self.enrolment = enrolment
         self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
-                                 keyless_paths=KEYLESS_ROUTES, keys=lambda: ctx.keys)
+                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
@@ -180,16 +177,22 @@ class Gateway:
     def flows(self) -> FlowControl:
         return self.ctx.flows
 
+    @property
+    def requests(self) -> RequestLog:
+        return self.ctx.requests
+
     # --- gated routes ----------------------------------------------------------------
 
     async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any,
                            path: str) -> ModelCounts:
         """Answer one gated request; returns the counts it belongs to (its model, once
         resolved; the engine it was admitted on, if it was)."""
+        arrived = time.monotonic()
         ctx = self.ctx
         settings = ctx.settings
         metrics = ctx.metrics
         headers = scope["headers"]
+        traceparent = _traceparent(headers) if self.requests.exporter is not None else None
         # Until the request waits in line or runs, its body (read, parsed, counted) is
         # held against the port's budget of incoming bodies.
         hold = self.incoming.hold()
@@ -207,24 +210,25 @@ class Gateway:
             parsed = await check_body(path, raw, settings.max_output_tokens)
             raw_size = len(raw)
             del raw  # a capped body was re-encoded: hold one copy while waiting, not two
-            model = ctx.resolve(path, parsed.data.get("model"))
+            route = ctx.route(path, parsed.data.get("model"))
+            model = route.model
             # The key's limits first: a request refused for them loads and evicts nothing.
-            self.flows.check_model(caller, model)
-            flow = self.flows.flow_of(caller)
+            passage = self.flows.enter(caller, model)
+            flow = passage.flow
             band = requested_band(headers)
             band = flow.band if band is None else max(band, flow.band)
             line = ctx.registry.line(model)
             if not line.engines:  # it loads: its wait is checked before it starts one
-                self._check_budget(caller)
+                self.flows.check_spent(caller)
                 line.check_wait(len(parsed.body), settings.max_waiting_body_bytes)
-            ctx.route(path, model, band=band)
+            route.serve(band)
             if not line.engines:
                 served = line.when_served(size=len(parsed.body), flow=flow.key,
                                           max_waiting_bytes=settings.max_waiting_body_bytes)
-            if ctx.must_name(model) and parsed.model != model:
+            if route.named and parsed.model != model:
                 # The name this port resolved and allowed, never the client's spelling.
                 name_model(parsed, model)
-            if (GATED_ROUTES[path] is not None and ctx.isolated(model)
+            if (GATED_ROUTES[path] is not None and route.isolated
                     and parsed.data.get("cache_prompt") is not False):
                 # Else a client's `cache_prompt: true` reuses another request's prompt.
                 parsed.data["cache_prompt"] = False
@@ -245,6 +249,10 @@ class Gateway:
                 served.cancel()
             if caller is not None:
                 self.flows.refused(caller, error)
+                self.requests.add(traceparent=traceparent,
+                                  time=time.time() - (time.monotonic() - arrived), route=path,
+                                  key=caller.name, model=None if model == UNROUTED else model,
+                                  status=error.status, error=error.code)
             counts = metrics.of(model, UNROUTED)
             await http_errors.send_http_error(send, error, counts)
             return counts
@@ -253,8 +261,9 @@ class Gateway:
 
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                     parsed, model, plan, raw_size, caller,
-                                                     requested_band(headers), served, hint),
+                                                     parsed, model, passage, plan, raw_size,
+                                                     requested_band(headers), served, hint,
+                                                     arrived, traceparent),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -294,13 +303,6 @@ class Gateway:
                    else now.refusal(time.time()))
         if refusal is not None:
             raise refusal
-
-    def _check_budget(self, caller: Caller) -> None:
-        """RateLimitExceeded when the caller's token windows are spent: before a load,
-        whose prompt cannot be counted yet, only a spent window is certain."""
-        reservation = self.flows.reserve(caller, 1)
-        if reservation is not None:
-            self.flows.limiter.settle(reservation, 0)
 
     def planner_for(self, queue: AdmissionQueue) -> NeedPlanner | None:
         """One planner per serving engine, counting with that engine (it knows its
@@ -395,6 +397,25 @@ class Gateway:
         return {"answered": totals.answered, "refused": totals.refused,
                 "cancelled": totals.cancelled, "waiting": line.waiting if line is not None else 0}
 
+    async def requests_endpoint(self, request: Request) -> Response:
+        """The inspector's records after `?after=ID` (the newest `?limit=N`): every one
+        for the owner's key (or this machine's clients on a port without keys), a named
+        key's own for that key (without the shared cache's figures), none for anyone
+        else."""
+        caller = self.check_key(request.scope)
+        after = _whole_param(request, "after", 0)
+        limit = _whole_param(request, "limit", 0)
+        ring = self.requests
+        key = caller.key
+        if key is not None and not key.is_owner:
+            records = ring.records(after=after, key=key.name, limit=limit)
+        elif key is not None or _from_loopback(request.scope):
+            records = ring.records(after=after, limit=limit)
+        else:
+            records = []
+        return JSONResponse({"object": "list", "last_id": ring.last_id,
+                             "data": [record.to_dict() for record in records]})
+
     async def metrics_endpoint(self, request: Request) -> Response:
         self.check_key(request.scope)
         body, content_type = self.ctx.metrics.render()
@@ -409,7 +430,7 @@ class Gateway:
         if exc.status_code == 404:
             error = NotFound("Unknown path. This server answers /v1/chat/completions, "
                              "/v1/responses, /v1/completions, /v1/messages, /v1/embeddings, "
-                             "/v1/models, /health and /metrics.")
+                             "/v1/models, /health, /metrics and /requests.")
         elif exc.status_code == 405:
             allowed = headers.get("Allow", "")
             error = MethodNotAllowed(f"Method {request.method} is not allowed here."
@@ -522,19 +543,25 @@ class _GatedEndpoint:
         await self.gateway.handle_gated(scope, receive, send, self.path)
 
 
-def create_app(ctx: GatewayContext) -> Gateway:
-    """The port for `ctx`: the gateway, whose `app` the server serves."""
-    return Gateway(ctx)
+def create_app(ctx: GatewayContext, enrolment: EnrolmentEndpoint | None = None) -> Gateway:
+    """The port for `ctx`: the gateway, whose `app` the server serves; `enrolment`
+    answers teammates asking for a key (backend.port.enrolment_endpoint)."""
+    return Gateway(ctx, enrolment)
 
 
 def _starlette_app(gateway: Gateway) -> Starlette:
-    routes = [Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
+    routes = [routing.Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
               for path in GATED_ROUTES]
     routes += [
-        Route("/v1/models", gateway.models, methods=["GET"]),
-        Route("/health", gateway.health, methods=["GET"]),
-        Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+        routing.Route("/v1/models", gateway.models, methods=["GET"]),
+        routing.Route("/health", gateway.health, methods=["GET"]),
+        routing.Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
+        routing.Route(REQUESTS_ROUTE, gateway.requests_endpoint, methods=["GET"]),
     ]
+    if gateway.enrolment is not None:
+        routes += [routing.Route(ENROL_PATH, gateway.enrolment.create, methods=["POST"]),
+                   routing.Route(ENROL_PATH + "/{token}", gateway.enrolment.poll,
+                                 methods=["GET"])]
     app = Starlette(
         routes=routes,
         middleware=[Middleware(GatewayMiddleware, gateway=gateway)],
@@ -574,6 +601,24 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
                    "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None,
             # The first serving engine's measured speed (each engine's is in `models`).
             "speed": next((e["speed"] for e in serving_now if e.get("speed")), None)}
+
+
+def _traceparent(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's W3C `traceparent` header (checked by the propagator that reads it)."""
+    for name, value in headers:
+        if name == b"traceparent":
+            return value.decode("latin-1")[:128]
+    return None
+
+
+def _whole_param(request: Request, name: str, default: int) -> int:
+    """A whole-number query parameter (InvalidRequest when it is not one)."""
+    text = request.query_params.get(name)
+    if text is None or text == "":
+        return default
+    if not text.isdigit() or len(text) > 18:
+        raise InvalidRequest(f"{name} is a whole number, at least 0.", param=name)
+    return int(text)
 
 
 def _from_loopback(scope: MutableMapping[str, Any]) -> bool:

@@ -16,6 +16,11 @@ relayed, counted with one `bytes.count` per chunk; a non-streamed answer that wa
 read costs its reservation.  A named key's answers carry nothing of the engine's shared
 prompt cache (`sse.without_cache_figures`, on the one event or body that names it).
 
+What it did: each request leaves one record in the request inspector's ring when it ends
+(`_record`, `backend.port.request_log`): its wait and why (its ticket's `wait_reason`),
+the engine's figures read once from the answer's last bytes, its time to first token and
+the longest silence between chunks (one clock read and a max per arrival), never content.
+
 Failures of the upstream client become the project's errors in one place
 (`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
 an HTTP answer while no header was sent, a final in-stream error event afterwards.
@@ -26,20 +31,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
-from backend.admission.admission_ticket import Ticket
-from backend.admission.caller import ANONYMOUS, Caller
+from backend.admission.admission_ticket import Ticket, WaitReason
+from backend.admission.caller import Caller
 from backend.admission.fair_queue import Band
 from backend.port.metrics import UNROUTED
-from backend.admission.flow_control import FlowControl
+from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.placement import NO_HINT, Hint
-from backend.admission.rate_limits import Reservation
+from backend.port.request_log import NO_FIGURES, RequestLog, engine_figures
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -99,11 +105,12 @@ class ExchangeHost(Protocol):
     @property
     def closing(self) -> bool: ...
 
-    @property
-    def flows(self) -> FlowControl: ...
-
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
+
+    @property
+    def requests(self) -> RequestLog:
+        """The request inspector's ring, where each exchange leaves its record."""
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
@@ -117,19 +124,23 @@ class GatedRequest:
     kind: sse.StreamKind
     parsed: Parsed
     model_id: str | None
+    #: Its way through its caller's limits (who sent it, its flow, its key's windows).
+    passage: Pass
     #: What it will hold of the engine's cache, and whether it is counted while it runs;
     #: None while no engine serves its model yet (it is loading): planned once one does.
     plan: Plan | None = NO_PLAN
     #: The body's size as received, for planning later.
     body_bytes: int = 0
-    #: Who sent it: its flow, its key's limits.
-    caller: Caller = ANONYMOUS
     #: The priority band it asked for (only ever lower than its key's).
     band: Band | None = None
     #: Its wait for its model to load (`Line.when_served`), when it was loading.
     served: asyncio.Future[None] | None = None
     #: Its session and prompt prefix, for placement (planned with it once it can be).
     hint: Hint = NO_HINT
+    #: When it arrived (`time.monotonic`), for its waits and its time to first token.
+    arrived: float = 0.0
+    #: The client's W3C `traceparent`, read only while spans are exported.
+    traceparent: str | None = None
 
 
 class Exchange:
@@ -170,11 +181,13 @@ class Exchange:
         self._body_writer = body_writer
         self._stall_timeout = settings.client_stall_timeout
         self._stall: StallGuard | None = None
+        #: Its wait for its model's load, held from the load until its ticket is taken.
+        self._awaiting: asyncio.Future[None] | None = None
         #: Counting a prompt admitted on its byte bound, while it runs.
         self._counting: asyncio.Future[None] | None = None
-        self.flows = host.flows
-        self.caller = request.caller
-        key = request.caller.key
+        self.passage = request.passage
+        self.caller = request.passage.caller
+        key = self.caller.key
         #: A named key's answers tell nothing of the prompt cache all keys share: what it
         #: held for a prompt would tell how much of another key's prompt a guess matches.
         self._hide_cache = key is not None and not key.is_owner
@@ -182,8 +195,6 @@ class Exchange:
         self._events = 0
         #: An Anthropic stream's `message_start`, the one event that names its prompt.
         self._start = b""
-        #: What it counts against its key's token windows until settled.
-        self._reservation: Reservation | None = None
         #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
         self._extra_headers: list[tuple[bytes, bytes]] = []
         #: The last bytes relayed, where the engine's `usage` is.
@@ -196,6 +207,16 @@ class Exchange:
         self._answered = False
         #: The error the request ended with, if it did.
         self._failed: RequestError | None = None
+        #: The status its client got (an error after the stream began leaves 200).
+        self._status = 200
+        #: For the inspector (`_record`), all `time.monotonic`: when it arrived, its
+        #: wait for its model to load, the engine's first bytes, the last chunk's
+        #: arrival and the longest silence between two chunks.
+        self._arrived = request.arrived or time.monotonic()
+        self._loading = 0.0
+        self._first_at: float | None = None
+        self._last_at = 0.0
+        self._longest_gap = 0.0
 
     @property
     def metrics(self) -> ModelCounts:
@@ -218,6 +239,7 @@ class Exchange:
             except RequestError as error:
                 last = self._failure(error)
                 self._account()
+                self._record()
                 await self._send_all(last)
                 return
         self._task = asyncio.current_task()
@@ -225,7 +247,7 @@ class Exchange:
         if self._stall_timeout > 0:
             self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
             self.send = self._stall.send
-        self.flows.started(self.caller, self)
+        self.passage.start(self)
         try:
             try:
                 last = await self._admitted_and_forwarded()
@@ -244,6 +266,7 @@ class Exchange:
                 last = self._failure(self._abort or ModelNotReady(
                     "The server is shutting down.", retry_after=RETRY_SOON))
         finally:
+            self._stop_awaiting()
             if self._counting is not None:
                 self._counting.cancel()  # its answer is of no use once the ticket goes
             ticket = self.ticket
@@ -259,8 +282,9 @@ class Exchange:
                 ticket.release()
             watch.stop()
             self._task = None  # nothing left to abort
-            self.flows.finished(self.caller, self)
+            self.passage.close()
             self._account()
+            self._record()
         try:
             await self._send_all(last)
         finally:
@@ -318,17 +342,72 @@ class Exchange:
         (`_cut_usage`), as is the part the usage does not say; a refusal or an error
         before anything was relayed gives the reservation back."""
         if self._failed is not None and not self._events:
-            self.flows.refused(self.caller, self._failed, self._reservation)
+            self.passage.refused(self._failed)
         elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
             tail = self._tail or b"".join(self._last_sent)
             # An Anthropic stream names its prompt in its first event only.
             told_prompt, told_completion = sse.find_usage(self._start + tail) or (None, None)
             prompt, completion = self._cut_usage()
-            self.flows.answered(self.caller, self._reservation,
-                                (prompt if told_prompt is None else told_prompt,
-                                 completion if told_completion is None else told_completion))
-        elif self._reservation is not None:
-            self.flows.limiter.settle(self._reservation, 0)  # it left before its turn
+            self.passage.answered((prompt if told_prompt is None else told_prompt,
+                                   completion if told_completion is None else told_completion))
+        else:
+            self.passage.left()  # before its turn
+
+    def _record(self) -> None:
+        """Leave this request's record in the inspector's ring: names, times and the
+        engine's figures, read once from the answer's last bytes; nothing of its content."""
+        ticket = self.ticket
+        request = self.request
+        seat = ticket.seat if ticket is not None else None
+        figures = engine_figures(self._start, self._tail or b"".join(self._last_sent)) \
+            if self._events or self._answered else NO_FIGURES
+        wait, reason, behind = self._waited()
+        first = self._first_at
+        session = request.hint.session
+        error = self._failed
+        output = figures.output_tokens
+        self.host.requests.add(
+            traceparent=request.traceparent,
+            time=time.time() - (time.monotonic() - self._arrived),
+            route=request.path, key=self.caller.name,
+            session=None if session is None else session.split("\n", 1)[-1],
+            model=request.model_id,
+            engine=seat.engine.label if seat is not None else None,
+            slot=seat.slot if seat is not None else None,
+            band=self._band_name(), stream=request.parsed.stream,
+            wait=wait, wait_reason=reason, waited_behind=behind,
+            prompt_tokens=figures.prompt_tokens, cached_tokens=figures.cached_tokens,
+            computed_tokens=(None if figures.prompt_tokens is None or figures.cached_tokens is None
+                             else figures.prompt_tokens - figures.cached_tokens),
+            output_tokens=output if output is not None or not self._events else self._events,
+            prefill_ms=figures.prefill_ms,
+            time_to_first_token=None if first is None else first - self._arrived,
+            tokens_per_second=figures.tokens_per_second,
+            longest_gap=self._longest_gap if first is not None and self._last_at > first else None,
+            status=499 if self.client_gone else self._status,
+            error=None if error is None else error.code)
+
+    def _waited(self) -> tuple[float, str | None, str | None]:
+        """(seconds, reason, the key it waited behind) from arrival until it ran: its
+        ticket's wait as admission tells it, or its model's load when that was longer."""
+        ticket = self.ticket
+        queued = 0.0
+        reason = behind = None
+        if ticket is not None:
+            ran_at = ticket.admitted_at if ticket.admitted_at is not None else time.monotonic()
+            queued = max(0.0, ran_at - ticket.enqueued_at)
+            reason, behind = ticket.wait_reason, ticket.waited_behind
+        if self._loading > queued:
+            reason, behind = WaitReason.MODEL_LOADING, None
+        return self._loading + queued, reason, behind
+
+    def _band_name(self) -> str | None:
+        ticket = self.ticket
+        band = self.request.band
+        if ticket is not None:
+            flow_band = ticket.flow.band
+            band = flow_band if ticket.band is None else max(ticket.band, flow_band)
+        return None if band is None else band.name.lower()
 
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage
@@ -350,6 +429,7 @@ class Exchange:
         self._failed = error
         if not self.headers_sent:
             status, headers, body = http_errors.http_error(error, self.metrics)
+            self._status = status
             self.headers_sent = True
             return [{"type": "http.response.start", "status": status, "headers": headers},
                     {"type": "http.response.body", "body": body, "more_body": False}]
@@ -362,17 +442,17 @@ class Exchange:
     # --- waiting ----------------------------------------------------------------------
 
     def _take_ticket(self, plan: Plan) -> Ticket:
-        caller = self.caller
-        flows = self.flows
+        self._stop_awaiting()  # its place in line follows at once: the model stays busy
+        passage = self.passage
         tokens = plan.need.total if plan.need is not None else (
             self.request.body_bytes + self.host.settings.default_output_tokens)
-        self._reservation = flows.reserve(caller, tokens)  # RateLimitExceeded: 429
+        passage.reserve(tokens)  # RateLimitExceeded: 429
         ticket = self.ticket = self.line.request(
             plan.need, size=len(self.request.parsed.body),
             max_waiting_bytes=self.host.settings.max_waiting_body_bytes,
-            flow=flows.flow_of(caller), band=self.request.band, hint=plan.hint)
+            flow=passage.flow, band=self.request.band, hint=plan.hint)
         self._extra_headers = [(name.encode("latin-1"), value.encode("latin-1"))
-                               for name, value in flows.headers(caller).items()]
+                               for name, value in passage.headers().items()]
         if plan.settle_later:
             self._counting = asyncio.ensure_future(plan.settle(ticket))
         return ticket
@@ -408,10 +488,18 @@ class Exchange:
                 refused_by.count_requeue()
                 self.stage = "queued"
 
+    def _stop_awaiting(self) -> None:
+        """The wait for the model's load (`_served`) is over: it took its ticket or
+        gave up."""
+        if self._awaiting is not None:
+            self.line.stop_awaiting(self._awaiting)
+            self._awaiting = None
+
     async def _served(self, timeout: float | None) -> None:
         """Returns once an engine serves the request's model (it was loading); a
         streaming client sees life meanwhile.  Its queue timeout counts."""
-        served = self.request.served or self.line.when_served()
+        served = self._awaiting = self.request.served or self.line.when_served()
+        started = time.monotonic()
         try:
             if self.request.parsed.stream:
                 if not self.headers_sent:
@@ -423,7 +511,7 @@ class Exchange:
             raise QueueTimeout("The model is still loading. Try again shortly.",
                                retry_after=RETRY_SOON) from None
         finally:
-            served.cancel()
+            self._loading = time.monotonic() - started
 
     async def _admitted(self, ticket: Ticket, timeout: float | None) -> None:
         """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""
@@ -447,7 +535,7 @@ class Exchange:
         self.stage = "running"
         if ticket.admitted_at is not None and ticket.requeues == 0:
             self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
-            self.flows.admitted(self.caller, ticket.admitted_at - ticket.enqueued_at)
+            self.passage.admitted(ticket.admitted_at - ticket.enqueued_at)
 
     async def _turn(self, ticket: Ticket, timeout: float | None) -> None:
         """`ticket.wait`; after a refusal the load may still count as ready (its end not
@@ -487,9 +575,10 @@ class Exchange:
             await self._send_response_created()
         else:
             body = self._keepalive
-            reason = self.ticket.wait_reason if self.ticket is not None else None
-            if reason is not None and body is sse.KEEPALIVE_COMMENT:
-                body = sse.keepalive_waiting(reason)
+            ticket = self.ticket
+            if (ticket is not None and ticket.wait_reason == WaitReason.PREFILL_BUDGET
+                    and not ticket.admitted and body is sse.KEEPALIVE_COMMENT):
+                body = sse.keepalive_waiting(WaitReason.PREFILL_BUDGET)
             await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _send_response_created(self) -> None:
@@ -643,6 +732,7 @@ class Exchange:
         interval = self.keepalive_interval if self.keepalive_interval > 0 else None
         while not await upstream.arrived(interval):
             await self._send_keepalive()
+        self._first_at = self._last_at = time.monotonic()
         if self.ticket is not None:
             self.ticket.prefilled()  # the prompt is computed: the next long one may start
         # Each chunk relayed counts its events (`_events`, what a cut stream is charged):
@@ -660,7 +750,12 @@ class Exchange:
         if writer is not None:
             await self._pump(upstream, stage, marker, writer)
         else:
+            clock = time.monotonic
             async for chunk in upstream.aiter_raw():
+                now = clock()
+                if now - self._last_at > self._longest_gap:
+                    self._longest_gap = now - self._last_at
+                self._last_at = now
                 chunk = stage(chunk)
                 if chunk:
                     if marker in chunk:
@@ -688,12 +783,18 @@ class Exchange:
         loop = asyncio.get_running_loop()
         hide = self._hide_cache
         cache = sse.CACHE_MARKER
+        clock = time.monotonic
         while True:
             turn: asyncio.Future[bool] = loop.create_future()
 
             def pump() -> None:
                 if turn.done():
                     return
+                # The inspector's longest silence: one clock read and a max per arrival.
+                now = clock()
+                if now - self._last_at > self._longest_gap:
+                    self._longest_gap = now - self._last_at
+                self._last_at = now
                 try:
                     while data := upstream.read():
                         chunk = stage(data)

@@ -17,14 +17,15 @@ from backend.errors import RETRY_SOON, ModelNotReady
 from backend.llama.kv_capacity import KvCapacity
 from backend.admission.admission import DEFAULT_MODEL
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.fair_queue import Band
 from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
+from backend.port.request_log import RequestLog
 from backend.port.metrics import Metrics
+from backend.port.route import Route
 from backend.settings import Settings
 from backend.llama.load import Serving, Snapshot, State
 
@@ -48,6 +49,7 @@ class Context:
         self.metrics.set_backend(snapshot)
         self.keys: KeyStore | None = None
         self.flows = FlowControl()
+        self.requests = RequestLog()
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
@@ -56,20 +58,11 @@ class Context:
         self._snapshot = snapshot
         self.metrics.set_backend(snapshot)
 
-    def resolve(self, path: str, requested: object) -> str:
-        return self.route(path, requested)
-
-    def route(self, path: str, requested: object, *, band: Band = Band.NORMAL) -> str:
+    def route(self, path: str, requested: object) -> Route:
         """One load, as a port without a pool: any model name reaches it while ready."""
         if self._snapshot.state is not State.READY or self.registry.current is None:
             raise ModelNotReady(not_ready_message(self._snapshot), retry_after=RETRY_SOON)
-        return DEFAULT_MODEL
-
-    def isolated(self, model: str) -> bool:
-        return False
-
-    def must_name(self, model: str) -> bool:
-        return False
+        return Route(DEFAULT_MODEL)
 
     def model_cards(self) -> list[ModelCard]:
         serving = self._snapshot.serving

@@ -155,3 +155,83 @@ def test_every_spin_and_combo_box_of_the_window_waits_for_focus_before_the_wheel
             else box.currentIndex()
         name = box.accessibleName() or box.toolTip()[:40] or type(box).__name__
         assert (name, after) == (name, before)
+
+
+ENROL_KEY = "owner-key-for-the-window-enrolment-0123"
+
+
+def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
+        open_window, qtbot):
+    """`gguf-studio connect` asks the window's port for a key: the Sharing tab shows the
+    name, address and code; Approve mints the key, which the waiting requester receives."""
+    import concurrent.futures
+
+    from PySide6.QtWidgets import QLabel, QPushButton
+
+    from backend.key_store import KeyStore
+
+    Settings.load().replace(api_key=ENROL_KEY).save()
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    root = f"http://127.0.0.1:{window.bridge.gateway_port}"
+    asked = httpx.post(f"{root}/v1/enrolments", json={"name": "bob"}, timeout=10).json()
+
+    qtbot.waitUntil(lambda: len(sharing.enrolment_rows) == 1, timeout=WAIT)
+    (row,) = sharing.enrolment_rows
+    (label,) = row.findChildren(QLabel)
+    assert "bob" in label.text() and "127.0.0.1" in label.text() and asked["code"] in label.text()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        poll = pool.submit(httpx.get, root + asked["poll"], params={"wait": 20}, timeout=30)
+        approve = next(b for b in row.findChildren(QPushButton) if b.text() == "Approve")
+        qtbot.mouseClick(approve, Qt.MouseButton.LeftButton)
+        dialog = sharing.approval  # the key's limits, as for a new key
+        assert dialog is not None and dialog.name.text() == "bob" and dialog.name.isReadOnly()
+        dialog.tokens_per_minute.setValue(20_000)
+        qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
+        answer = poll.result(30)
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["api_key"].startswith("gs-")
+    minted = KeyStore().get("bob")
+    assert minted is not None and minted.tokens_per_minute == 20_000
+    qtbot.waitUntil(lambda: not sharing.enrolment_rows, timeout=WAIT)
+    assert not sharing.enrolments_box.isVisible()
+
+
+def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, qtbot):
+    window = open_window()
+    sharing = window.sharing
+    assert not sharing.advertise.isChecked()
+
+    sharing.advertise_name.setText("Office box")
+    sharing.advertise.setChecked(True)
+
+    qtbot.waitUntil(lambda: window.bridge.service.settings.advertise, timeout=WAIT)
+    assert window.bridge.service.settings.advertise_name == "Office box"
+    # Shared on this computer only: not announced, and the tab says why.
+    qtbot.waitUntil(lambda: "listens on this computer only" in sharing.announcement.text(),
+                    timeout=WAIT)
+    assert Settings.load().advertise and Settings.load().advertise_name == "Office box"
+
+
+def test_a_base_url_shows_as_a_qr_code(open_window, qtbot):
+    from PySide6.QtWidgets import QPushButton
+
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    holder = sharing.url_rows[0].parentWidget()
+    assert holder is not None
+    button = next(b for b in holder.findChildren(QPushButton) if b.text() == "QR")
+
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+
+    dialog = sharing.qr_dialog
+    assert dialog is not None and dialog.isVisible()
+    from PySide6.QtWidgets import QLabel
+    image = next(label for label in dialog.findChildren(QLabel) if label.pixmap() is not None
+                 and not label.pixmap().isNull())
+    assert image.accessibleName() == f"QR code of {sharing.urls[0]}"
+    assert image.pixmap().width() >= 21 * 6  # a version-1 code at least, 6 px a module
+    dialog.close()

@@ -11,7 +11,8 @@ import pytest
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.admission import AdmissionQueue
-from backend.admission.admission_ticket import Ticket, TicketState
+from backend.admission.admission_ticket import Ticket, TicketState, WaitReason
+from backend.admission.fair_queue import Flow
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull, QueueTimeout
 from tests.backend.admission_helpers import OLD, FakeClock, kv_queue_of, queue_of, started
@@ -445,3 +446,32 @@ def test_random_traffic_keeps_the_token_books_straight_and_the_order_fifo():
                     or head.wait_reason == "prefill_budget")
     steps = [arrival[t] for t in admitted_order]
     assert steps == sorted(steps)  # admitted in arrival order, never passed
+
+
+def test_a_waiter_is_told_why_it_waited_and_whose_share_went_first():
+    queue = queue_of(capacity=1)
+    line = queue.line
+    flood, colleague = Flow("flood"), Flow("colleague")
+    running = line.request(flow=flood)
+    second = line.request(flow=flood)
+    theirs = line.request(flow=colleague)
+    assert running.wait_reason is None
+    assert second.wait_reason == theirs.wait_reason == WaitReason.SLOTS_FULL
+    running.release()  # the colleague's fair share goes first, though it came later
+    assert theirs.admitted and not second.admitted
+    theirs.release()
+    assert second.admitted
+    assert (second.wait_reason, second.waited_behind) == (WaitReason.FAIR_SHARE, "colleague")
+    assert (theirs.wait_reason, theirs.waited_behind) == (WaitReason.SLOTS_FULL, None)
+
+
+def test_a_waiter_held_by_its_keys_concurrency_or_the_cache_says_so():
+    queue = kv_queue_of(3, KvCapacity(total=1000, per_request=1000, unified=True))
+    line = queue.line
+    limited = Flow("limited", max_concurrent=1)
+    line.request(flow=limited)
+    assert line.request(flow=limited).wait_reason == WaitReason.KEY_CONCURRENCY
+    big = Flow("big")
+    line.request(TokenNeed(900, 0), flow=big)
+    # A slot is free, the cache is not.
+    assert line.request(TokenNeed(900, 0), flow=big).wait_reason == WaitReason.KV_FULL

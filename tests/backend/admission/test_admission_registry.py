@@ -453,3 +453,28 @@ async def test_a_slot_released_on_hold_admits_no_one_until_asked_again():
     queue.admit_waiting()  # later, and the load was not retired meanwhile
     await waiting
     assert waiter.admitted
+
+
+async def test_a_request_served_by_a_load_keeps_its_model_busy_until_it_takes_its_ticket():
+    # Between its model's load and its ticket the request is planned (the engine counts
+    # its prompt); the pool evicted a model that looked idle then, and the request, left
+    # with no engine, never got an answer (seen under load in test_pool_demand).
+    registry = AdmissionRegistry()
+    line = registry.line("m")
+    served = line.when_served(size=100)
+    gone = line.when_served(size=100)
+    assert registry.busy("m") and line.waiting == 2
+    gone.cancel()  # its client left while the model loaded
+    await asyncio.sleep(0)  # done callbacks run on the loop's next turn
+    assert line.waiting == 1
+
+    queue = registry.activate(Serving(OLD, 1), model="m")
+    await served
+    await asyncio.sleep(0)
+    assert registry.busy("m"), "served, not yet in line: the model must not look idle"
+
+    line.stop_awaiting(served)
+    ticket = line.request(TokenNeed(10, 10))
+    assert ticket.admitted and registry.busy("m")
+    ticket.release()
+    assert not registry.busy("m") and line.waiting == 0 and queue.idle

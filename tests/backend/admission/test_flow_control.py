@@ -290,3 +290,72 @@ def test_the_owners_and_addresses_requests_are_not_tracked(flows: FlowControl) -
         flows.finished(caller, Running())  # finishing what was never started is harmless
     assert flows.running_flows() == set()
     assert flows.end_flow(OWNER.name, RequestError("x")) == 0
+
+
+# --- the pass the relay holds ------------------------------------------------------------------
+
+
+def test_a_pass_is_refused_for_a_model_its_key_may_not_use(store: KeyStore,
+                                                          flows: FlowControl) -> None:
+    store.add("agent", models=("qwen*",))
+    with pytest.raises(ModelNotAllowed):
+        flows.enter(caller_of(store, "agent"), "llama")
+    assert flows.enter(caller_of(store, "agent"), "qwen-7b").flow.key == "agent"
+
+
+def test_a_pass_books_its_answer_once_however_its_ending_is_told(
+        store: KeyStore, flows: FlowControl, ledger: UsageLedger) -> None:
+    store.add("agent", tokens_per_minute=1000)
+    passage = flows.enter(caller_of(store, "agent"), "m")
+    passage.reserve(600)
+    assert int(passage.headers()["x-ratelimit-remaining-tokens"]) == 400
+    passage.admitted(0.25)
+    passage.answered((100, 50))
+    passage.answered((100, 50))          # told twice (a cut stream racing its end)
+    passage.refused(RequestError("x"))   # or refused afterwards: nothing changes
+    passage.left()
+    assert remaining(flows, passage.caller) == 850
+    usage = ledger.usage("agent")
+    assert (usage.requests, usage.total_tokens, usage.waits, usage.refusals) == (1, 150, 1, {})
+
+
+def test_a_pass_that_left_before_its_turn_gives_its_reservation_back_unbooked(
+        store: KeyStore, flows: FlowControl, ledger: UsageLedger) -> None:
+    store.add("agent", tokens_per_minute=1000)
+    passage = flows.enter(caller_of(store, "agent"), "m")
+    passage.reserve(900)
+    passage.left()
+    assert remaining(flows, passage.caller) == 1000
+    assert ledger.usage("agent").requests == 0 and ledger.usage("agent").refusals == {}
+
+
+def test_a_refused_pass_gives_its_reservation_back_and_counts_the_reason(
+        store: KeyStore, flows: FlowControl, ledger: UsageLedger) -> None:
+    store.add("agent", tokens_per_minute=1000)
+    passage = flows.enter(caller_of(store, "agent"), "m")
+    passage.reserve(900)
+    passage.refused(RequestError("the queue is full"))
+    assert remaining(flows, passage.caller) == 1000
+    assert sum(ledger.usage("agent").refusals.values()) == 1
+
+
+def test_a_running_pass_is_ended_with_its_revoked_key_until_it_closes(
+        store: KeyStore, flows: FlowControl) -> None:
+    store.add("agent")
+    passage, request = flows.enter(caller_of(store, "agent"), "m"), Running()
+    passage.start(request)
+    assert flows.end_flow("agent", RequestError("revoked")) == 1
+    passage.close()
+    passage.close()  # closing twice is harmless
+    assert flows.running_flows() == set()
+
+
+def test_spent_windows_refuse_before_a_load_and_keep_nothing(store: KeyStore,
+                                                            flows: FlowControl) -> None:
+    store.add("agent", tokens_per_minute=100)
+    caller = caller_of(store, "agent")
+    flows.check_spent(caller)
+    assert remaining(flows, caller) == 100
+    flows.reserve(caller, 100)
+    with pytest.raises(RateLimitExceeded):
+        flows.check_spent(caller)

@@ -40,7 +40,7 @@ def test_a_second_long_prompt_waits_while_the_first_is_computed_beside_a_stream(
 
     first.prefilled()  # the engine sent its first bytes: the prompt is computed
 
-    assert second.admitted and second.wait_reason is None
+    assert second.admitted and second.wait_reason == PREFILL_BUDGET  # why it waited
 
 
 def test_a_short_request_passes_a_long_one_the_budget_holds():

@@ -18,7 +18,6 @@ from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
-from backend.settings import Settings
 from tests.backend.app.test_pool import attach_llama_servers, until
 from tests.backend.llama.test_remote_engine import start_llama_server, stop
 from tests.backend.service_harness import ServiceFactory
@@ -78,13 +77,8 @@ async def test_one_engine_of_two_killed_leaves_health_ready_with_the_survivor_an
 
 
 @pytest.fixture
-async def keyed_lan_service(tmp_path: Path, llama_server_binary: Path):
-    svc = StudioService(Settings(port=0, host="0.0.0.0", api_key=KEY,
-                                 llama_server=str(llama_server_binary), load_timeout=60),
-                        log_dir=tmp_path / "logs")
-    await svc.start_gateway()
-    yield svc
-    await svc.close()
+async def keyed_lan_service(running_service: ServiceFactory) -> StudioService:
+    return await running_service(host="0.0.0.0", api_key=KEY)
 
 
 def non_loopback_address() -> str:

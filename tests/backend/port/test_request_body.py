@@ -12,7 +12,6 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from backend.admission.prompt_tokens import MIN_OUTPUT_TOKENS, output_budget
 from backend.port.request_body import PARSE_OFF_LOOP_BYTES, name_model, parse_body
 from backend.settings import Settings
 from tests.backend.gateway_harness import CHAT, assert_clean_error, chat, open_gateway, until
+from tests.backend.service_harness import ServiceFactory
 from tests.not_none import not_none
 
 COMPLETIONS = "/v1/completions"
@@ -196,19 +196,13 @@ CONFLICTS: list[tuple[str, dict[str, Any], int, int | None]] = [
 
 
 @pytest.fixture
-async def engine_port(tmp_path: Path, llama_server_binary: Path,
-                      tiny_model: Path) -> AsyncIterator[StudioService]:
+async def engine_port(running_service: ServiceFactory, tiny_model: Path) -> StudioService:
     """The product's port (output cap `CAP`) in front of the tiny model (random weights: it
     never stops by itself) under a supervised llama-server of one slot of 1,024 tokens."""
-    settings = Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60,
-                        keepalive_interval=0.2, default_output_tokens=64, max_output_tokens=CAP)
-    service = StudioService(settings, log_dir=tmp_path / "logs")
-    await service.start_gateway()
-    try:
-        await service.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
-        yield service
-    finally:
-        await service.close()
+    service = await running_service(keepalive_interval=0.2, default_output_tokens=64,
+                                    max_output_tokens=CAP)
+    await service.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
+    return service
 
 
 def request_for(route: str, limits: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,357 @@
+"""The Chat tab: talk to a model of the pool the way an agent does, through the port.
+
+`ChatView` renders a conversation (`backend.app.chat_session.ChatState`) and emits what
+the person asks for; `ChatLink` runs the conversation (`ChatSession`) on the bridge's
+backend loop, where all of the window's network I/O happens, and brings its state back to
+the GUI thread at most twenty times a second, so a fast stream costs the window a few
+repaints a second and the window never waits on the network.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable, Coroutine
+
+from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (QColor, QFont, QKeySequence, QPalette, QShortcut, QTextBlock,
+                           QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument, QTextFormat)
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGridLayout,
+    QHBoxLayout,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from backend.app.chat_session import AnswerState, ChatOptions, ChatSession, ChatState, Turn
+from backend.throttle import Throttle
+from studio.bridge import ServiceBridge
+from studio.widgets import monospace_font, secondary_label
+
+__all__ = ["STATE_INTERVAL", "ChatLink", "ChatView"]
+
+#: The conversation reaches the window at most this often while an answer streams.
+STATE_INTERVAL = 0.05
+#: How often the "answering…" clock under the conversation moves.
+CLOCK_INTERVAL_MS = 100
+#: Markdown as GitHub writes it, without raw HTML: a model's text is never markup for Qt.
+MARKDOWN = QTextDocument.MarkdownFeature(
+    QTextDocument.MarkdownFeature.MarkdownDialectGitHub.value
+    | QTextDocument.MarkdownFeature.MarkdownNoHTML.value)
+
+log = logging.getLogger("gguf_studio.studio")
+
+
+class ChatView(QWidget):
+    send_requested = Signal(str, object)  # the person's text, ChatOptions
+    stop_requested = Signal()
+    regenerate_requested = Signal(object)  # ChatOptions
+    clear_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = ChatState()
+        self._answer_started: float | None = None
+
+        self.model = QComboBox()
+        self.model.setAccessibleName("Model to chat with")
+        self.model.setMinimumContentsLength(24)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setValue(0.7)
+        self.temperature.setAccessibleName("Temperature")
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 1_000_000)
+        self.max_tokens.setValue(1024)
+        self.max_tokens.setAccessibleName("Most tokens of an answer")
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("System prompt (optional)")
+        self.system_prompt.setAccessibleName("System prompt")
+        self.system_prompt.setTabChangesFocus(True)
+        self.system_prompt.setFixedHeight(self.system_prompt.fontMetrics().lineSpacing() * 3 + 12)
+
+        self.transcript = _Transcript()
+        self.transcript.setAccessibleName("Conversation")
+        self.status = secondary_label("")
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        self.input = QPlainTextEdit()
+        self.input.setPlaceholderText("Message — Ctrl+Enter sends")
+        self.input.setAccessibleName("Message")
+        self.input.setTabChangesFocus(True)
+        self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 4 + 12)
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self.input, self.send,
+                      context=Qt.ShortcutContext.WidgetShortcut)
+        self.send_button = QPushButton("Se&nd")
+        self.send_button.clicked.connect(self.send)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setToolTip("Stop the answer, keeping what arrived (Esc)")
+        self.stop_button.clicked.connect(self.stop_requested.emit)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self._stop,
+                  context=Qt.ShortcutContext.WidgetWithChildrenShortcut)
+        self.regenerate_button = QPushButton("Regenerate")
+        self.regenerate_button.setToolTip("Drop the last answer and ask again")
+        self.regenerate_button.clicked.connect(
+            lambda: self.regenerate_requested.emit(self.options()))
+        self.clear_button = QPushButton("Clear")
+        self.clear_button.setToolTip("Forget this conversation")
+        self.clear_button.clicked.connect(self.clear_requested.emit)
+
+        # The elapsed time of the answer on its way, so a slow first token is seen waiting.
+        self.clock = QTimer(self)
+        self.clock.setInterval(CLOCK_INTERVAL_MS)
+        self.clock.timeout.connect(self._show_status)
+
+        settings = QHBoxLayout()
+        form = QFormLayout()
+        form.addRow("Model", self.model)
+        settings.addLayout(form, 2)
+        numbers = QFormLayout()
+        numbers.addRow("Temperature", self.temperature)
+        numbers.addRow("Max to&kens", self.max_tokens)
+        settings.addLayout(numbers, 1)
+        buttons = QGridLayout()
+        buttons.addWidget(self.send_button, 0, 0)
+        buttons.addWidget(self.stop_button, 0, 1)
+        buttons.addWidget(self.regenerate_button, 1, 0)
+        buttons.addWidget(self.clear_button, 1, 1)
+        entry = QHBoxLayout()
+        entry.addWidget(self.input, 1)
+        entry.addLayout(buttons)
+        layout = QVBoxLayout(self)
+        layout.addLayout(settings)
+        layout.addWidget(self.system_prompt)
+        layout.addWidget(self.transcript, 1)
+        layout.addWidget(self.status)
+        layout.addLayout(entry)
+        self.show_state(self.state)
+
+    # --- what the window tells ----------------------------------------------------------
+
+    def set_models(self, names: list[str]) -> None:
+        """The models the port serves now; the one chosen stays chosen while served."""
+        current = self.model.currentText()
+        if names == [self.model.itemText(i) for i in range(self.model.count())]:
+            return
+        self.model.blockSignals(True)
+        self.model.clear()
+        self.model.addItems(names)
+        if current in names:
+            self.model.setCurrentText(current)
+        self.model.blockSignals(False)
+        self._enable()
+
+    def show_state(self, state: ChatState) -> None:
+        was_streaming = self.state.streaming
+        self.state = state
+        if state.streaming and not was_streaming:
+            self._answer_started = time.monotonic()
+            self.clock.start()
+        elif not state.streaming:
+            self.clock.stop()
+            self._answer_started = None
+        self.transcript.show_turns(state.turns)
+        self._show_status()
+        self._enable()
+
+    # --- what the person does ------------------------------------------------------------
+
+    def options(self) -> ChatOptions:
+        return ChatOptions(model=self.model.currentText(),
+                           system_prompt=self.system_prompt.toPlainText(),
+                           temperature=round(self.temperature.value(), 2),
+                           max_tokens=self.max_tokens.value())
+
+    def send(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or not self.send_button.isEnabled():
+            return
+        self.input.clear()
+        self.send_button.setEnabled(False)  # until the state says the answer ended
+        self.send_requested.emit(text, self.options())
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        if self.stop_button.isEnabled():
+            self.stop_requested.emit()
+
+    def _show_status(self) -> None:
+        turns = self.state.turns
+        last = turns[-1] if turns and turns[-1].role == "assistant" else None
+        if not self.model.count():
+            self.status.setText("No model is served yet: load one (Pool tab) to chat with it.")
+        elif self.state.streaming and self._answer_started is not None:
+            waited = time.monotonic() - self._answer_started
+            doing = "Waiting for the first token" if last is None or not last.text else "Answering"
+            self.status.setText(f"{doing}… {waited:.1f} s")
+        elif last is not None and last.state is AnswerState.FAILED:
+            self.status.setText(last.error)
+        else:
+            self.status.setText("Through the port with the owner's key, as an agent's request goes.")
+
+    def _enable(self) -> None:
+        streaming = self.state.streaming
+        has_model = self.model.count() > 0
+        self.send_button.setEnabled(has_model and not streaming)
+        self.stop_button.setEnabled(streaming)
+        self.regenerate_button.setEnabled(has_model and self.state.can_regenerate)
+        self.clear_button.setEnabled(bool(self.state.turns))
+
+
+class ChatLink(QObject):
+    """Runs `view`'s conversation on `bridge`'s backend loop and shows its state."""
+
+    state_changed = Signal(object)  # ChatState, emitted from the backend loop
+
+    def __init__(self, bridge: ServiceBridge, view: ChatView) -> None:
+        super().__init__(view)
+        self._bridge = bridge
+        loop = bridge.backend_thread.loop
+
+        def later(delay: float, fn: Callable[[], None]) -> None:
+            loop.call_later(delay, fn)  # pokes come from the session, on that loop
+
+        self._throttle = Throttle(STATE_INTERVAL, self._publish, later)
+        self.session = ChatSession.of_service(bridge.service, on_change=self._throttle.poke)
+        self.state_changed.connect(view.show_state)
+        view.send_requested.connect(lambda text, options: self._run(self.session.send(text, options)))
+        view.stop_requested.connect(lambda: self._run(self.session.stop()))
+        view.regenerate_requested.connect(lambda options: self._run(self.session.regenerate(options)))
+        view.clear_requested.connect(lambda: self._run(self.session.clear()))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop an answer on its way (before the port closes, so it need not wait for it)."""
+        if self._bridge.closed:
+            return
+        try:
+            self._bridge.backend_thread.submit(self.session.stop()).result(timeout)
+        except Exception:
+            log.exception("the chat did not stop")
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._bridge.closed:
+            coro.close()
+            return
+        self._bridge.backend_thread.submit(coro).add_done_callback(_log_failure)
+
+    def _publish(self) -> None:  # on the backend loop
+        try:
+            self.state_changed.emit(self.session.state)
+        except RuntimeError:  # the window is gone: the app is exiting
+            pass
+
+
+class _Transcript(QTextBrowser):
+    """The conversation as a document: who speaks, what they said as Markdown (code blocks
+    in a fixed font on a tinted ground), and each answer's figures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setOpenLinks(False)  # a model's links are text to read, not places to go
+        self.setUndoRedoEnabled(False)
+        self._shown: tuple[Turn, ...] = ()
+        self._starts: list[int] = []  # where each shown turn begins in the document
+
+    def show_turns(self, turns: tuple[Turn, ...]) -> None:
+        """Show `turns`, redoing only those from the first that changed: while an answer
+        streams, that is the answer alone, however long the conversation before it."""
+        same = 0
+        while same < min(len(turns), len(self._shown)) and turns[same] is self._shown[same]:
+            same += 1
+        if same == len(turns) == len(self._shown):
+            return
+        bar = self.verticalScrollBar()
+        following = bar.value() >= bar.maximum() - 4
+        position = bar.value()
+        document = self.document()
+        cursor = QTextCursor(document)
+        if same == 0:
+            document.clear()
+        elif same < len(self._starts):
+            cursor.setPosition(self._starts[same])
+            cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+            cursor.removeSelectedText()
+        else:  # turns added after those shown
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+        del self._starts[same:]
+        for number in range(same, len(turns)):
+            self._starts.append(cursor.position())
+            self._add_turn(cursor, turns[number], first=number == 0)
+        self._shown = turns
+        if same < len(turns):
+            self._tint_code(document, document.findBlock(self._starts[same]))
+        bar.setValue(bar.maximum() if following else position)
+
+    def loadResource(self, kind: int, name: QUrl | str) -> Any:
+        return None  # nothing a model wrote is fetched, not even a local file
+
+    def _add_turn(self, cursor: QTextCursor, turn: Turn, *, first: bool) -> None:
+        heading = QTextCharFormat()
+        heading.setFontWeight(QFont.Weight.Bold)
+        spaced = QTextBlockFormat()
+        spaced.setTopMargin(0 if first else 14)
+        if not first:
+            cursor.insertBlock(spaced, heading)
+        else:
+            cursor.setBlockFormat(spaced)
+            cursor.setCharFormat(heading)
+        who = "You" if turn.role == "user" else turn.model or "Model"
+        cursor.insertText(who, heading)
+        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        text = turn.text
+        if turn.role == "assistant" and turn.state is AnswerState.WAITING:
+            text = "…"
+        # Each turn is read on its own: a code fence a stopped answer left open ends with it.
+        cursor.insertMarkdown(text, MARKDOWN)
+        note = _note(turn)
+        if note:
+            quiet = QTextCharFormat()
+            quiet.setForeground(self.palette().color(QPalette.ColorRole.PlaceholderText))
+            quiet.setFontItalic(True)
+            cursor.insertBlock(QTextBlockFormat(), quiet)
+            cursor.insertText(note, quiet)
+
+    def _tint_code(self, document: QTextDocument, block: QTextBlock) -> None:
+        """Code blocks from `block` on: a tinted ground and a fixed font."""
+        ground = self.palette().color(QPalette.ColorRole.AlternateBase)
+        if ground == self.palette().color(QPalette.ColorRole.Base):
+            ground = QColor(127, 127, 127, 40)
+        cursor = QTextCursor(document)
+        while block.isValid():
+            if block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence):
+                cursor.setPosition(block.position())
+                tinted = block.blockFormat()
+                tinted.setBackground(ground)
+                cursor.setBlockFormat(tinted)
+                cursor.select(QTextCursor.SelectionType.BlockUnderCursor)
+                mono = QTextCharFormat()
+                mono.setFont(monospace_font())
+                cursor.mergeCharFormat(mono)
+            block = block.next()
+
+
+def _note(turn: Turn) -> str:
+    if turn.role != "assistant":
+        return ""
+    figures = turn.figures.describe() if turn.figures is not None else ""
+    if turn.state is AnswerState.STOPPED:
+        return "Stopped" + (f" · {figures}" if figures else "")
+    if turn.state is AnswerState.FAILED:
+        return turn.error
+    return figures if turn.state is AnswerState.DONE else ""
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("the chat failed", exc_info=future.exception())

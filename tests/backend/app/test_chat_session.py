@@ -1,0 +1,134 @@
+"""The chat playground's conversation against the real SmolLM2 through a running port:
+an answer streams with real figures, stop ends it and keeps what arrived (and frees the
+engine's slot), regenerate replaces the last answer, clear empties; the port's own
+errors reach the person as its sentence."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from backend.app.chat_session import (SESSION_PREFIX, AnswerState, ChatOptions, ChatSession,
+                                      ChatState)
+from backend.app.service import StudioService
+from backend.llama.load import LoadSettings
+from tests.backend.app.test_pool import until
+from tests.backend.service_harness import ServiceFactory
+
+OWNER_KEY = "owner-key-0123456789abcdef"
+QUESTION = "What is the capital of France? Answer in one sentence."
+STORY = "Write a very long story about a dragon who learns to cook. Use many chapters."
+
+
+@pytest.fixture
+async def service(running_service: ServiceFactory, smollm2_model: Path) -> StudioService:
+    service = await running_service(api_key=OWNER_KEY, queue_timeout=120)
+    await service.load(LoadSettings(parallel="1", ctx_size=4096, extra_args=("--no-repack",)).to_spec(str(smollm2_model)))
+    return service
+
+
+@pytest.fixture
+def seen() -> list[ChatState]:
+    return []
+
+
+@pytest.fixture
+def chat(service: StudioService, seen: list[ChatState]) -> ChatSession:
+    session: ChatSession = ChatSession.of_service(service, on_change=lambda: seen.append(session.state))
+    return session
+
+
+@pytest.fixture
+def options(service: StudioService) -> ChatOptions:
+    models = [status.name for status in service.pool.statuses()]
+    assert len(models) == 1
+    return ChatOptions(model=models[0], system_prompt="You are a helpful assistant.",
+                       temperature=0.0, max_tokens=64)
+
+
+async def test_an_answer_streams_through_the_port_with_real_figures(service, chat, seen, options):
+    answer = await asyncio.wait_for(chat.send(QUESTION, options), 120)
+
+    assert answer.state is AnswerState.DONE, answer.error
+    assert "Paris" in answer.text
+    assert [turn.role for turn in chat.state.turns] == ["user", "assistant"]
+    assert chat.state.turns[0].text == QUESTION and not chat.state.streaming
+    # It came piece by piece, not in one block at the end.
+    partial = {state.turns[-1].text for state in seen
+               if state.turns and state.turns[-1].state is AnswerState.STREAMING}
+    assert len(partial) >= 3
+    figures = answer.figures
+    assert figures is not None
+    assert figures.first_token_seconds is not None and figures.first_token_seconds > 0
+    assert figures.tokens_per_second is not None and figures.tokens_per_second > 0
+    assert figures.output_tokens > 1 and figures.prompt_tokens and figures.prompt_tokens > 10
+    # The owner's key sees the engine's cache figures; the next turn of the same
+    # conversation finds its prefix kept.
+    assert figures.cached_tokens is not None
+    follow_up = await asyncio.wait_for(chat.send("And of Italy?", options), 120)
+    assert follow_up.state is AnswerState.DONE, follow_up.error
+    assert follow_up.figures is not None and follow_up.figures.cached_tokens is not None
+    assert follow_up.figures.cached_tokens >= figures.prompt_tokens
+    assert chat.request_body(options)["prompt_cache_key"].startswith(SESSION_PREFIX)
+
+
+async def test_stop_ends_the_answer_keeps_what_arrived_and_frees_the_slot(service, chat, options):
+    long = ChatOptions(options.model, temperature=0.8, max_tokens=3000)
+    sending = asyncio.create_task(chat.send(STORY, long))
+    await until(lambda: len(chat.state.turns) == 2 and len(chat.state.turns[1].text) > 20)
+    arrived = chat.state.turns[1].text
+
+    await chat.stop()
+    answer = await asyncio.wait_for(sending, 10)
+
+    assert answer.state is AnswerState.STOPPED
+    assert answer.text.startswith(arrived) and answer.figures is not None
+    assert 0 < answer.figures.output_tokens < 3000
+    assert not chat.state.streaming
+    await until(lambda: service.registry.total_active == 0, timeout=10)  # the engine let go
+    # The stopped answer is part of the conversation, and the next turn works.
+    assert chat.request_body(options)["messages"][-1] == {"role": "assistant", "content": answer.text}
+    after = await asyncio.wait_for(chat.send(QUESTION, options), 120)
+    assert after.state is AnswerState.DONE and after.text
+
+
+async def test_regenerate_replaces_the_last_answer(service, chat, options):
+    first = await asyncio.wait_for(chat.send(QUESTION, options), 120)
+    assert first.state is AnswerState.DONE and first.figures is not None
+
+    again = await asyncio.wait_for(chat.regenerate(options), 120)
+
+    assert again is not None and again.state is AnswerState.DONE and again.text
+    assert [turn.role for turn in chat.state.turns] == ["user", "assistant"]
+    assert chat.state.turns[1] is again and again is not first
+    # The same question was asked again, without the dropped answer: the same prompt,
+    # this time all but its last token found in the engine's cache.
+    assert again.figures is not None and again.figures.prompt_tokens == first.figures.prompt_tokens
+    assert again.figures.cached_tokens is not None and again.figures.cached_tokens > 0
+
+
+async def test_clear_empties_the_conversation_and_stops_an_answer(service, chat, options):
+    await asyncio.wait_for(chat.send(QUESTION, options), 120)
+    session = chat.state.session
+    sending = asyncio.create_task(chat.send(STORY, ChatOptions(options.model, max_tokens=3000)))
+    await until(lambda: len(chat.state.turns) == 4 and chat.state.turns[3].text)
+
+    await chat.clear()
+
+    assert chat.state.turns == () and not chat.state.streaming
+    assert chat.state.session != session  # the next turn is a new conversation
+    await asyncio.wait_for(sending, 10)
+    assert chat.state.turns == ()
+    await until(lambda: service.registry.total_active == 0, timeout=10)
+    assert await chat.regenerate(options) is None  # nothing to ask again
+
+
+async def test_the_ports_refusal_is_told_as_its_sentence(service, chat, options):
+    answer = await asyncio.wait_for(chat.send(QUESTION, ChatOptions("no-such-model")), 30)
+
+    assert answer.state is AnswerState.FAILED
+    assert "404" in answer.error and "no-such-model" in answer.error
+    # A failed answer is not sent back to the model with the next turn.
+    assert chat.request_body(options)["messages"][-1] == {"role": "user", "content": QUESTION}

@@ -1,0 +1,168 @@
+"""The Chat tab with the real SmolLM2 behind the window's own port: an answer streams
+(the window stays responsive meanwhile), stops on request keeping what arrived, shows
+real figures, regenerates and clears; Markdown code blocks read as code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QFontInfo
+
+from backend.app.chat_session import AnswerFigures, AnswerState, ChatState, Turn
+from backend.llama.load import State
+from studio.chat_view import ChatView
+from studio.window import CHAT_TAB, MainWindow
+from tests.studio.test_pool_view import LOAD_WAIT, SMOL_ARGS, WAIT, select, until
+
+STORY = "Write a very long story about a dragon who learns to cook. Use many chapters."
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def last_answer(window: MainWindow) -> Turn | None:
+    turns = window.chat.state.turns
+    return turns[-1] if turns and turns[-1].role == "assistant" else None
+
+
+def answered(window: MainWindow, state: AnswerState) -> bool:
+    answer = last_answer(window)
+    return answer is not None and answer.state is state and not window.chat.state.streaming
+
+
+def send(qtbot, window: MainWindow, text: str) -> None:
+    window.chat.input.setPlainText(text)
+    qtbot.mouseClick(window.chat.send_button, Qt.MouseButton.LeftButton)
+
+
+def test_the_chat_tab_streams_stops_regenerates_and_clears_with_smollm2(
+        open_window, qtbot, with_engine: Path, smollm2_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(smollm2_model)])
+    select(qtbot, window, smollm2_model)
+    window.model_view.ctx_size.setValue(4096)
+    window.model_view.extra_args.setText(SMOL_ARGS)
+    window.load_selected()
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
+    # Shared on the LAN, the port wants a key: the chat sends the owner's, as a client would.
+    qtbot.waitUntil(lambda: bool(window.bridge.urls), timeout=WAIT)
+    with qtbot.waitSignal(window.bridge.urls_changed, timeout=WAIT):  # reopened
+        window.sharing.lan.click()
+    assert window.bridge.service.settings.api_key
+    chat = window.chat
+    window.tabs.setCurrentIndex(CHAT_TAB)
+    qtbot.waitUntil(lambda: chat.model.count() == 1 and chat.send_button.isEnabled(), timeout=WAIT)
+    chat.max_tokens.setValue(3000)
+
+    # A long answer streams into the conversation ...
+    send(qtbot, window, STORY)
+    until(qtbot, lambda: chat.state.streaming and len(chat.transcript.toPlainText()) > len(STORY) + 60,
+          lambda: (chat.state, chat.status.text()), timeout=60_000)
+    assert chat.stop_button.isEnabled() and not chat.send_button.isEnabled()
+    # ... while the window goes on: a timer of its own fires, the tab's clock moves.
+    shown = chat.status.text()
+    assert re.match(r"Answering… \d+\.\d s", shown), shown
+    probe = QTimer()
+    probe.setSingleShot(True)
+    with qtbot.waitSignal(probe.timeout, timeout=2000):
+        probe.start(20)
+    qtbot.waitUntil(lambda: chat.status.text() != shown, timeout=2000)
+    assert chat.state.streaming  # all of that happened during the stream
+
+    # Stop: the answer ends where it was, what arrived stays on screen.
+    qtbot.mouseClick(chat.stop_button, Qt.MouseButton.LeftButton)
+    until(qtbot, lambda: answered(window, AnswerState.STOPPED), lambda: chat.state, timeout=WAIT)
+    stopped = last_answer(window)
+    assert stopped is not None and len(stopped.text) > 20
+    assert stopped.figures is not None and 0 < stopped.figures.output_tokens < 3000
+    assert "Stopped" in chat.transcript.toPlainText()
+    assert stopped.text.split()[-1] in chat.transcript.toPlainText()
+    assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
+    qtbot.waitUntil(lambda: window.bridge.requests_in_flight() == 0, timeout=WAIT)
+
+    # A short answer to the end, with its real figures under it.
+    chat.max_tokens.setValue(64)
+    send(qtbot, window, QUESTION)
+    until(qtbot, lambda: answered(window, AnswerState.DONE), lambda: chat.state, timeout=60_000)
+    answer = last_answer(window)
+    assert answer is not None and answer.figures is not None
+    shown_figures = re.search(r"first token (\d+\.\d+) s · (\d+\.\d) tok/s · (\d+) tokens · "
+                              r"(\d+) of (\d+) prompt tokens cached", chat.transcript.toPlainText())
+    assert shown_figures is not None, chat.transcript.toPlainText()
+    ttft, speed, tokens, cached, prompt = shown_figures.groups()
+    assert float(ttft) > 0 and float(speed) > 0 and int(tokens) > 1
+    # The conversation's earlier turns were kept in the engine's cache.
+    assert 0 < int(cached) <= int(prompt)
+    assert f"{answer.figures.tokens_per_second:.1f}" == speed
+
+    # Regenerate replaces that answer; Clear empties the tab.
+    qtbot.mouseClick(chat.regenerate_button, Qt.MouseButton.LeftButton)
+    until(qtbot, lambda: last_answer(window) is not answer and answered(window, AnswerState.DONE),
+          lambda: chat.state, timeout=60_000)
+    assert [turn.role for turn in chat.state.turns] == ["user", "assistant"] * 2
+    qtbot.mouseClick(chat.clear_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: chat.state.turns == () and not chat.transcript.toPlainText().strip(),
+                    timeout=WAIT)
+
+
+def test_code_blocks_read_as_code_and_an_unfinished_one_keeps_to_its_answer(qtbot) -> None:
+    view = ChatView()
+    qtbot.addWidget(view)
+    code = "def add(a, b):\n    return a + b"
+    view.show_state(ChatState((
+        Turn("user", "Show me *code*"),
+        Turn("assistant", f"Here:\n\n```python\n{code}\n```\n\nDone.", model="smol",
+             figures=AnswerFigures(0.25, 41.5, 12, 30, 0)),
+        Turn("user", "More"),
+        Turn("assistant", "```python\nprint(1)", AnswerState.STOPPED, model="smol"),
+        Turn("user", "After"),
+    )))
+
+    text = view.transcript.toPlainText()
+    assert "Show me code" in text and "```" not in text  # Markdown, not its marks
+    assert "first token 0.25 s · 41.5 tok/s · 12 tokens · 0 of 30 prompt tokens cached" in text
+    document = view.transcript.document()
+    found = document.find("return a + b")
+    assert not found.isNull()
+    assert QFontInfo(found.charFormat().font()).fixedPitch()
+    assert found.block().blockFormat().background().style() != Qt.BrushStyle.NoBrush
+    done = document.find("Done.")
+    assert not QFontInfo(done.charFormat().font()).fixedPitch()
+    # The stopped answer's open fence ends with it: the next turn is no code.
+    after = document.find("After")
+    assert not after.isNull()
+    assert after.block().blockFormat().background().style() == Qt.BrushStyle.NoBrush
+    assert not QFontInfo(after.charFormat().font()).fixedPitch()
+    assert "Stopped" in text
+
+
+def test_a_streaming_answer_redraws_itself_alone_and_the_conversation_stays_right(qtbot) -> None:
+    view = ChatView()
+    qtbot.addWidget(view)
+    earlier = tuple(turn for i in range(30) for turn in (
+        Turn("user", f"Question {i}?"),
+        Turn("assistant", f"Answer {i} with `code`.\n\n```\nx = {i}\n```", model="smol")))
+    question = Turn("user", "Last question?")
+    view.show_state(ChatState(earlier))
+    document = view.transcript.document()
+    document.firstBlock().setUserState(7)  # gone if the document is built again
+    view.show_state(ChatState(earlier + (question, Turn("assistant", "", AnswerState.WAITING)), True))
+
+    for text in ("The", "The answer", "The answer is **42**."):
+        view.show_state(ChatState(earlier + (question, Turn("assistant", text, AnswerState.STREAMING,
+                                                              model="smol")), True))
+    done = Turn("assistant", "The answer is **42**.", model="smol",
+                figures=AnswerFigures(0.5, 20.0, 6, 200, 190))
+    view.show_state(ChatState(earlier + (question, done)))
+
+    assert document.firstBlock().userState() == 7
+    text = view.transcript.toPlainText()
+    assert text.count("Last question?") == 1 and text.count("The answer") == 1
+    assert text.endswith("The answer is 42.\nfirst token 0.50 s · 20.0 tok/s · 6 tokens · "
+                         "190 of 200 prompt tokens cached")
+    assert QFontInfo(document.find("x = 29").charFormat().font()).fixedPitch()
+    # Regenerate drops the answer, Clear everything: what is shown follows.
+    view.show_state(ChatState(earlier + (question,), True))
+    assert view.transcript.toPlainText().endswith("Last question?")
+    view.show_state(ChatState())
+    assert not view.transcript.toPlainText().strip()
