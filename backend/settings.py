@@ -101,6 +101,11 @@ class Settings:
     # The engine.
     llama_server: str = ""
     load_timeout: float = 300.0
+    # The longest a running stream may wait for one engine step while a prompt is
+    # computed beside it, in milliseconds (0: the engine's own batch sizes): a local
+    # engine of more than one slot gets the batch that stays within it
+    # (backend.llama.engine_speed).
+    stall_budget_ms: float = 250.0
     max_restarts: int = 5
     stop_timeout: float = 10.0
     # Last load, so that `serve` and the window can offer it again.

@@ -508,7 +508,10 @@ class StudioService:
                 engine.where, ready=engine.state == State.READY.value and bool(engine.slots),
                 slots=engine.slots or 0, active=engine.active,
                 kv_capacity=int(str(engine.kv["total"])) if engine.kv is not None else 0,
-                kv_reserved=engine.reserved_tokens) for engine in status.engines)
+                kv_reserved=engine.reserved_tokens,
+                prefill_tokens_per_second=_speed_figure(engine.speed, "prefill_tokens_per_second"),
+                step_seconds=_speed_figure(engine.speed, "step_ms") / 1000)
+                for engine in status.engines)
             loads.append(ModelLoad(status.name, line.waiting if line is not None else 0,
                                    status.residency.value, engines))
         return loads
@@ -528,7 +531,8 @@ class StudioService:
                           stop_timeout=self.settings.stop_timeout,
                           max_restarts=self.settings.max_restarts,
                           output_cap=lambda: self.settings.max_output_tokens,
-                          slot_save_dir=self.parking.slot_dir)
+                          slot_save_dir=self.parking.slot_dir,
+                          stall_budget=lambda: max(0.0, self.settings.stall_budget_ms) / 1000)
 
     def _abort(self, key: str, error: RequestError) -> int:
         return self._gateway.abort_load(key, error) if self._gateway is not None else 0
@@ -614,3 +618,9 @@ def estimate_model_bytes(entry: ModelEntry) -> int:
     info = read_model_info(entry.path)
     return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size,
                         info=info).total_bytes
+
+
+def _speed_figure(speed: dict[str, object] | None, name: str) -> float:
+    """One figure of an engine's measured speed (`EngineSpeed.to_dict`); 0 when unmeasured."""
+    value = (speed or {}).get(name)
+    return float(value) if isinstance(value, (int, float)) else 0.0

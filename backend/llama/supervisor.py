@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 from backend.llama.accelerators import cpu_claims_amx
 from backend.llama.api import EngineClient, EngineProps
+from backend.llama.engine_speed import (DEFAULT_BATCH, DEFAULT_STALL_BUDGET, DEFAULT_UBATCH,
+                                        EngineSpeed, choose_batch, measure_speed)
 from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
 from backend.llama.report import EngineReportReader, gpu_failure_reason
@@ -84,10 +86,17 @@ class Supervisor(SnapshotPublisher):
                  port_picker: Callable[[], int] | None = None,
                  output_cap: Callable[[], int] = lambda: 0,
                  slot_save_dir: Callable[[], Path | None] = lambda: None,
+                 stall_budget: Callable[[], float] = lambda: DEFAULT_STALL_BUDGET,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.binary = Path(binary)
         #: Where the engine saves and restores slots (parked prefixes), made at each start.
         self.slot_save_dir = slot_save_dir
+        #: The longest a running stream may wait for one step (seconds; 0: no budget),
+        #: read at each load (backend.llama.engine_speed).
+        self.stall_budget = stall_budget
+        # Each load's measured speed and batch choice, by load and budget: the batch is
+        # fixed at the engine's start, so a load measured once starts with its batch.
+        self._speeds: dict[tuple[LoadSpec, float], EngineSpeed] = {}
         #: The operator's output cap (0: none), read at each start of the engine.
         self.output_cap = output_cap
         self.log_dir = Path(log_dir)
@@ -192,7 +201,9 @@ class Supervisor(SnapshotPublisher):
                         return
                     continue
                 port = self._pick_port()
-                child = await self._spawn(spec, port)
+                budget = self.stall_budget()
+                known = self._speeds.get((spec, budget))
+                child = await self._spawn(spec, port, _batch_args(known))
                 try:
                     props = await self._wait_ready(child)
                 except EngineExitedDuringLoad as exc:
@@ -209,11 +220,20 @@ class Supervisor(SnapshotPublisher):
                         return
                     continue
                 bind_retries = 0
+                if known is None:
+                    known = await self._measure(spec, child, props, budget)
+                    if known is not None and _batch_args(known):
+                        # The batch is fixed at start: this load's first start measures,
+                        # a second one runs with the chosen batch (once per load).
+                        log.info("restarting llama-server with batch %d: %s",
+                                 known.choice.batch, known.choice.reason)
+                        await child.stop(self.stop_timeout)
+                        continue
                 serving = Serving(child.base_url, props.effective_parallel_slots,
                                   context_length=props.context_length,
                                   kv=self._load_output.kv_capacity(props.effective_parallel_slots)
                                   or kv_from_props(props.context_length),
-                                  api_key=child.key.value,
+                                  api_key=child.key.value, speed=known,
                                   **_prefix_keeping(spec.settings.extra_args))
                 self._set_state(State.READY, serving=serving, restarting=False,
                                 error=None, pid=child.pid, engine=self._load_output.report())
@@ -245,6 +265,27 @@ class Supervisor(SnapshotPublisher):
         if spec.settings.rpc:
             await check_rpc_workers(spec.settings.rpc,
                                     await asyncio.to_thread(protocol_of_engine, self.binary))
+
+    async def _measure(self, spec: LoadSpec, child: "_Child", props: EngineProps,
+                       budget: float) -> EngineSpeed | None:
+        """The engine's speed and the batch its stall budget asks for, kept for the next
+        start of this load; None for an engine that computes no completions (embeddings)."""
+        extra = spec.settings.extra_args
+        if any(arg.split("=", 1)[0] in _NO_COMPLETIONS for arg in extra):
+            return None
+        context = props.context_length or 0
+        async with EngineClient(child.base_url, api_key=child.key.value) as engine:
+            measured = await measure_speed(engine, context=context)
+        model, rate = measured if measured is not None else (None, 0.0)
+        choice = choose_batch(model, budget=budget, slots=props.effective_parallel_slots,
+                              context=context, extra_args=extra)
+        if model is None:
+            return None
+        speed = EngineSpeed(rate, model.step, model, choice,
+                            model.chunk_seconds(choice.batch, max(0, context - choice.batch)))
+        log.info("%s", speed.describe())
+        self._speeds[(spec, budget)] = speed
+        return speed
 
     async def _stop_child(self, child: "_Child | None") -> None:
         if child is None:
@@ -313,14 +354,14 @@ class Supervisor(SnapshotPublisher):
         if not ready.done():
             ready.set_exception(exc)
 
-    async def _spawn(self, spec: LoadSpec, port: int) -> "_Child":
+    async def _spawn(self, spec: LoadSpec, port: int, batch: list[str]) -> "_Child":
         log_file = await asyncio.to_thread(
             EngineLogFile.for_start, self.log_dir, spec.name, port,
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = _EngineKey.create()
         args = build_command(self.binary, spec, port, api_key_file=key.path,
                              n_predict=self.output_cap(),
-                             slot_save_dir=await asyncio.to_thread(self.slot_save_dir))
+                             slot_save_dir=await asyncio.to_thread(self.slot_save_dir)) + batch
         self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
             child = await _Child.start(args, port, log_file, self._on_log_line, key)
@@ -553,6 +594,21 @@ def _child_environment() -> dict[str, str]:
     another key than the one we set, or RPC workers the load did not ask for."""
     return {k: v for k, v in engine_environment().items()
             if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_RPC")}
+
+
+#: Flags of an engine that computes no completions, so has no prompt speed to measure.
+_NO_COMPLETIONS = frozenset({"--embedding", "--embeddings", "--reranking", "--rerank"})
+
+
+def _batch_args(speed: EngineSpeed | None) -> list[str]:
+    """The batch flags a start of a measured load gets ([]: the engine's own, or the
+    user's in the extra arguments)."""
+    if speed is None or speed.choice.user_given:
+        return []
+    choice = speed.choice
+    if (choice.batch, choice.ubatch) == (DEFAULT_BATCH, DEFAULT_UBATCH):
+        return []
+    return choice.args()
 
 
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:

@@ -596,7 +596,8 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
         kv = serving.kv.to_dict() if serving is not None and serving.kv is not None else None
         return {"state": snapshot.state.value, "model": snapshot.model_id,
                 "effective_parallel_slots": serving.slots if serving is not None else None,
-                "kv": None if kv is None else dict(kv, reserved=reserved)}
+                "kv": None if kv is None else dict(kv, reserved=reserved),
+                "speed": serving.speed.to_dict() if serving is not None and serving.speed else None}
     serving_now = [e for e in engines if e["state"] == State.READY.value and e["slots"]]
     caches = [e["kv"] for e in serving_now if e["kv"] is not None]
     if serving_now:
@@ -610,7 +611,9 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
             "kv": {"total": sum(int(c["total"]) for c in caches),
                    "per_request": max(int(c["per_request"]) for c in caches),
                    "unified": all(c["unified"] is True for c in caches),
-                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None}
+                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None,
+            # The first serving engine's measured speed (each engine's is in `models`).
+            "speed": next((e["speed"] for e in serving_now if e.get("speed")), None)}
 
 
 def _traceparent(headers: list[tuple[bytes, bytes]]) -> str | None:

@@ -67,6 +67,8 @@ class EngineLoad:
     active: int = 0  #: requests running on it
     kv_capacity: int = 0  #: its KV cache in tokens; 0 while unknown or not serving
     kv_reserved: int = 0  #: KV tokens held by its running requests
+    prefill_tokens_per_second: float = 0.0  #: measured after its load; 0: not measured
+    step_seconds: float = 0.0  #: one decode step, measured after its load; 0: not measured
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,10 @@ class Metrics:
         counter = partial(Counter, registry=self.registry)
         self.requests_waiting = gauge(
             "gguf_studio_requests_waiting", "Requests waiting in line for a slot.")
+        self.requests_waiting_by_reason = gauge(
+            "gguf_studio_requests_waiting_by_reason",
+            "Requests whose turn has come that still wait, by reason (prefill_budget: a "
+            "long prompt is being computed beside running streams).", ["reason"])
         self.requests_active = gauge(
             "gguf_studio_requests_active", "Requests holding a slot of the model.")
         self.effective_parallel_slots = gauge(
@@ -240,6 +246,8 @@ class Metrics:
         self.requests_active.set_function(lambda: registry.total_active)
         self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
         self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
+        self.requests_waiting_by_reason.labels("prefill_budget").set_function(
+            lambda: registry.total_held_by_prefill_budget)
 
     def bind_pool(self, loads: Callable[[], Iterable[ModelLoad]]) -> None:
         """Expose every model's and engine's series, read from `loads()` at every scrape
@@ -382,7 +390,7 @@ class ModelCounts:
 
 
 #: (name, help, what it reads from an EngineLoad) of the series labelled model and engine.
-_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
+_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], float]], ...] = (
     ("gguf_studio_engine_ready", "1 while this engine serves the model (healthy, slots read), "
      "else 0.", lambda e: int(e.ready)),
     ("gguf_studio_engine_requests_active", "Requests holding a slot of this engine.",
@@ -394,6 +402,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
      lambda e: e.kv_capacity),
     ("gguf_studio_engine_kv_reserved_tokens",
      "KV tokens reserved by the requests running on this engine.", lambda e: e.kv_reserved),
+    ("gguf_studio_engine_prefill_tokens_per_second",
+     "Prompt tokens per second this engine computed when measured after its load (0: not "
+     "measured).", lambda e: e.prefill_tokens_per_second),
+    ("gguf_studio_engine_step_seconds",
+     "One decode step of this engine, measured after its load (0: not measured).",
+     lambda e: e.step_seconds),
 )
 _MODEL_WAITING = ("gguf_studio_model_requests_waiting",
                   "Requests waiting in this model's line, for whichever of its engines frees first.")

@@ -639,8 +639,12 @@ class Exchange:
         if self.rewriter is not None and self.rewriter.our_id is None:
             await self._send_response_created()
         else:
-            await self.send({"type": "http.response.body", "body": self._keepalive,
-                             "more_body": True})
+            body = self._keepalive
+            ticket = self.ticket
+            if (ticket is not None and ticket.wait_reason == WaitReason.PREFILL_BUDGET
+                    and not ticket.admitted and body is sse.KEEPALIVE_COMMENT):
+                body = sse.keepalive_waiting(WaitReason.PREFILL_BUDGET)
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _send_response_created(self) -> None:
         """Our `response.created`; from now on the upstream's own is dropped and its id
@@ -794,6 +798,8 @@ class Exchange:
         while not await upstream.arrived(interval):
             await self._send_keepalive()
         self._first_at = self._last_at = time.monotonic()
+        if self.ticket is not None:
+            self.ticket.prefilled()  # the prompt is computed: the next long one may start
         # Each chunk relayed counts its events (`_events`, what a cut stream is charged):
         # one `bytes.count`, 0.3 us for a 229-byte chunk here (less than the marker's
         # substring test); a named key's chunks one more substring test for the cache.

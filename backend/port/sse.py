@@ -27,6 +27,7 @@ __all__ = [
     "StreamKind",
     "EventFramer",
     "KEEPALIVE_COMMENT",
+    "keepalive_waiting",
     "ResponsesRewriter",
     "data_event",
     "event_ends",
@@ -39,6 +40,11 @@ __all__ = [
 ]
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+def keepalive_waiting(reason: str) -> bytes:
+    """A keep-alive comment that says why the request still waits ("prefill_budget")."""
+    return b": keep-alive; waiting: " + reason.encode("ascii", "replace") + b"\n\n"
 
 
 class StreamKind(enum.Enum):
