@@ -60,7 +60,9 @@ from backend.settings import APP_NAME
 __all__ = [
     "CHECK_INTERVAL",
     "EDITABLE",
+    "CHAT_NAME",
     "OWNER",
+    "OWNER_CHAT",
     "OWNER_NAME",
     "KeyRecord",
     "KeyStore",
@@ -112,7 +114,8 @@ class KeyRecord:
 
     @property
     def is_owner(self) -> bool:
-        return self.name == OWNER_NAME
+        """The owner's key, or the window's Chat tab (the owner's own client)."""
+        return self.name in (OWNER_NAME, CHAT_NAME)
 
     def allows(self, model: str) -> bool:
         """Whether this key may use `model`: any when none are listed; else a listed
@@ -147,6 +150,10 @@ class KeyRecord:
 
 #: Today's single key (settings.api_key): every model, no limits.
 OWNER = KeyRecord(name=OWNER_NAME)
+#: The window's Chat tab: the owner's, with a flow and usage of its own (a name no named
+#: key can take: it has a space).  Its secret lives in the running app only.
+CHAT_NAME = "chat tab"
+OWNER_CHAT = KeyRecord(name=CHAT_NAME)
 
 #: What `KeyStore.edit` may change.
 EDITABLE = frozenset({"models", "max_concurrent", "tokens_per_minute", "tokens_per_day",

@@ -93,10 +93,19 @@ class Settings:
     # debugger or gone without closing holds no slot longer than two minutes.
     client_stall_timeout: float = 120.0
     reload_grace: float = 30.0
+    # MiB of disk the parked session prefixes may take (backend.llama.slot_parking): saved
+    # before an idle TTL, eviction, unload or exit, restored on the session's next turn;
+    # past it the least recently used go.  0: nothing is parked.
+    parked_slots_mib: int = 4096
     admission_enabled: bool = True
     # The engine.
     llama_server: str = ""
     load_timeout: float = 300.0
+    # The longest a running stream may wait for one engine step while a prompt is
+    # computed beside it, in milliseconds (0: the engine's own batch sizes): a local
+    # engine of more than one slot gets the batch that stays within it
+    # (backend.llama.engine_speed).
+    stall_budget_ms: float = 250.0
     max_restarts: int = 5
     stop_timeout: float = 10.0
     # Last load, so that `serve` and the window can offer it again.

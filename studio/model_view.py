@@ -328,6 +328,8 @@ class ModelView(QWidget):
                 text += "<br>" + html.escape(serving.describe_kv())
             if serving.prefix_note:
                 text += "<br>" + html.escape(serving.prefix_note)
+            if serving.speed is not None:
+                text += "<br>" + html.escape(serving.speed.describe())
             self.slots.setText(text)
             self.slots_icon.setVisible(differs)
             self.slots.setProperty("differs", differs)

@@ -6,6 +6,7 @@ are the backend's."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt
@@ -24,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from backend.llama.accelerators import Accelerators
 from backend.app import pool_config
+from backend.admission.cache_misses import session_rows
 from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
@@ -43,13 +45,14 @@ from studio.logs_view import LogsView
 from studio.model_view import ModelView, describe_state
 from studio.pool_view import PoolView
 from studio.requests_view import RequestsView
+from studio.sessions_view import SessionsView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
 from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
 (SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB, CHAT_TAB,
- REQUESTS_TAB) = range(8)
+ SESSIONS_TAB, REQUESTS_TAB) = range(9)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -81,6 +84,7 @@ class MainWindow(QMainWindow):
         self.discover = DiscoverView(bridge.curated_models())
         self.chat = ChatView()
         self.chat_link = ChatLink(bridge, self.chat)
+        self.sessions = SessionsView()
 
         self.tabs = QTabWidget()
         # Sharing and Engine scroll rather than force a wide window on small screens.
@@ -91,6 +95,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(_scrolling(self.engine), "&Engine")
         self.tabs.addTab(self.discover, "Get &models")
         self.tabs.addTab(self.chat, "C&hat")
+        self.tabs.addTab(self.sessions, "Sessions")  # Ctrl+8
         self.tabs.addTab(self.requests, "&Requests")
         right = QWidget()
         right_layout = QVBoxLayout(right)
@@ -160,6 +165,8 @@ class MainWindow(QMainWindow):
         b.snapshot_changed.connect(self._on_snapshot)
         b.log_lines_arrived.connect(self.logs.add_lines)
         b.activity_sampled.connect(self._on_sample)
+        self.tabs.currentChanged.connect(
+            lambda index: self.refresh_sessions() if index == SESSIONS_TAB else None)
         b.urls_changed.connect(self._on_urls)
         b.build_progressed.connect(self.engine.show_progress)
         b.build_finished.connect(self._on_build_finished)
@@ -405,6 +412,13 @@ class MainWindow(QMainWindow):
     def _on_sample(self, sample: ActivitySample) -> None:
         self._in_flight = sample.in_flight
         self.activity.add_sample(sample)
+        if self.tabs.currentWidget() is self.sessions:
+            self.refresh_sessions()
+
+    def refresh_sessions(self) -> None:
+        """The Sessions tab from the port's cache book (its snapshot is thread-safe)."""
+        self.sessions.show_sessions(session_rows(
+            self.bridge.service.metrics.cache_book.snapshot(), now=time.monotonic()))
 
     @property
     def requests_in_flight(self) -> int:

@@ -87,6 +87,7 @@ from backend.admission.admission_ticket import (DEFAULT_FLOW, MAX_REQUEUES, Tick
                                                 WaitReason, as_need)
 from backend.admission.fair_queue import Band, FairQueue, Flow
 from backend.admission.placement import NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat
+from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -365,8 +366,11 @@ class Line:
                  aging: float = AGING_SECONDS, max_passes: int = MAX_PASSES,
                  placement: Placement | None = None) -> None:
         self.model = model
-        #: Where a ticket whose turn has come is admitted (`backend.admission.placement`).
-        self.placement: Placement = placement if placement is not None else KeepPrefixes()
+        # The prefill budget stands in front of the policy: a long cold prompt waits
+        # while another is computed beside running streams (backend.admission.prefill_budget).
+        self.prefill_budget = PrefillBudget(aging=aging)
+        self._prefill = PrefillPlacement(placement if placement is not None else KeepPrefixes(),
+                                         self.prefill_budget, clock)
         self.max_waiting = max_waiting
         self._clock = clock
         self._on_change = on_change
@@ -387,6 +391,16 @@ class Line:
             maxlen=RECENT_ADMISSIONS)
 
     # --- state -----------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        """Where a ticket whose turn has come is admitted (`backend.admission.placement`),
+        behind the prefill budget; another policy may be set."""
+        return self._prefill.inner
+
+    @placement.setter
+    def placement(self, policy: Placement) -> None:
+        self._prefill.inner = policy
 
     @property
     def engines(self) -> list[AdmissionQueue]:
@@ -550,6 +564,7 @@ class Line:
         self._ended.append((self._clock(), ticket.flow.key))
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
+        self.prefill_budget.ended(ticket)
         self._waiters.finished(ticket)
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
@@ -575,6 +590,7 @@ class Line:
         The refusing engine's slot takes no one now; another engine of the model may."""
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
+        self.prefill_budget.ended(ticket)
         self._waiters.requeue(ticket)
         self._waiting_bytes += ticket.size
         self._promote(skip=engine)
@@ -582,6 +598,16 @@ class Line:
 
     def position(self, ticket: Ticket) -> int | None:
         return self._waiters.position(ticket)
+
+    def prefilled(self, ticket: Ticket) -> None:
+        if self.prefill_budget.prefilled(ticket):
+            self._promote()
+            self._changed()
+
+    @property
+    def held_by_prefill_budget(self) -> int:
+        """Waiters the prefill budget holds now (their turn came; a long prompt runs)."""
+        return len(self._prefill.held)
 
     # --- the engines' side ----------------------------------------------------------------
 
@@ -640,7 +666,7 @@ class Line:
     def _seat_for(self, ticket: Placeable) -> Seat[AdmissionQueue] | None:
         """The placement's seat for `ticket` on the engines of the model."""
         engines = self._engines
-        return self.placement.place(ticket, engines) if engines else None
+        return self._prefill.place(ticket, engines) if engines else None
 
     def _promote(self, skip: AdmissionQueue | None = None) -> bool:
         """Admit, in the fair queue's order, while an engine has a free slot and the
@@ -652,11 +678,15 @@ class Line:
             engines = [engine for engine in engines if engine is not skip]
         if not engines:
             return False
-        place = self.placement.place
+        place = self._prefill.place
         chosen: list[Seat[AdmissionQueue] | None] = [None]
+
+        held = self._prefill.held
 
         def fits(ticket: Ticket) -> bool:  # notes the seat, so it is looked up once
             chosen[0] = place(ticket, engines)
+            if chosen[0] is None and ticket in held:
+                ticket.wait_reason = WaitReason.PREFILL_BUDGET
             return chosen[0] is not None
 
         while len(waiters) and self._slot_free(skip):
@@ -667,17 +697,21 @@ class Line:
             assert seat is not None
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
-            if seat.cached:  # the fair share charges what the engine's cache lacks
-                waiters.discount(ticket, seat.cached)
+            self.prefill_budget.started(ticket, seat.engine)
             if ticket.wait_reason == WaitReason.SLOTS_FULL:
                 self._note_passer(ticket)
             self._admitted.append((ticket.seq, ticket.flow.key))
+            if seat.cached:  # the fair share charges what the engine's cache lacks
+                waiters.discount(ticket, seat.cached)
             moved = True
         return moved
 
     def _why_waiting(self, ticket: Ticket) -> str:
-        """Why `ticket` did not go in at once (O(engines), only for one that waits): its
-        flow's concurrency, no engine yet, every slot taken, or no room in the cache."""
+        """Why `ticket` did not go in at once (O(engines), only for one that waits): the
+        prefill budget, its flow's concurrency, no engine yet, every slot taken, or no
+        room in the cache."""
+        if ticket in self._prefill.held:
+            return WaitReason.PREFILL_BUDGET
         flow = ticket.flow
         if flow.max_concurrent and self._waiters.running_of(flow.key) >= flow.max_concurrent:
             return WaitReason.KEY_CONCURRENCY
@@ -771,6 +805,7 @@ class Line:
 
     def _pop(self, ticket: Ticket) -> None:
         self._waiters.remove(ticket)
+        self._prefill.forget(ticket)
         self._waiting_bytes -= ticket.size
 
     def _engine_of(self, ticket: Ticket) -> AdmissionQueue:

@@ -78,6 +78,11 @@ class AdmissionRegistry:
         return sum(line.waiting for line in self._lines.values())
 
     @property
+    def total_held_by_prefill_budget(self) -> int:
+        """Waiters the prefill budget holds, over every line."""
+        return sum(line.held_by_prefill_budget for line in self._lines.values())
+
+    @property
     def total_reserved_tokens(self) -> int:
         """KV tokens held by running requests, on every live engine."""
         return sum(queue.reserved_tokens for queue in self._queues.values())

@@ -92,6 +92,9 @@ class TicketSeam(Protocol):
     def retry_after(self, position: int | None = None) -> float:
         """Whole seconds until the ticket at `position` is likely admitted."""
 
+    def prefilled(self, ticket: Ticket) -> None:
+        """The engine sent its first bytes for `ticket`: its prompt is computed."""
+
     def position(self, ticket: Ticket) -> int | None:
         """0-based place of a waiting ticket, else None."""
 
@@ -166,6 +169,12 @@ class Ticket:
     def error(self) -> BaseException | None:
         """Why the ticket was refused, if it was."""
         return self._error
+
+    def prefilled(self) -> None:
+        """The engine sent its first bytes: the prompt is computed (the prefill budget
+        lets the next long one start).  Once per request, not per chunk."""
+        if self.state is TicketState.ADMITTED:
+            self.line.prefilled(self)
 
     @property
     def position(self) -> int | None:

@@ -2,12 +2,13 @@
 held and streamed here, sent through the port like any client's.
 
 The session talks to the app's own port over HTTP (`/v1/chat/completions`, streamed),
-with the owner's key, so what the owner sees is what an agent gets: the same admission,
-the same limits, the same answers.  Each conversation names itself to the port with a
-`prompt_cache_key` of its own (`studio-chat-…`): the request's session, by which the port
-places each turn where the last one left the conversation's prefix (so the next turn's
-cached tokens show in its figures) and by which its records name the conversation.  It asks for no band of its own: the
-owner's key is served in its band, as the owner's agents are.
+with the Chat tab's own key (`StudioService.chat_secret`, made for the run and never
+saved: the owner's rights, a flow of its own, booked in usage and named in the inspector
+as "chat tab"), so what the owner sees is what an agent gets: the same admission, the
+same answers.  Each conversation names itself to the port with a `prompt_cache_key` of
+its own (`studio-chat-…`): the request's session, by which the port places each turn
+where the last one left the conversation's prefix (so the next turn's cached tokens show
+in its figures) and by which its records name the conversation.
 
 Stop cancels the request (the port closes the engine's request and frees its slot) and
 keeps what arrived; regenerate drops the last answer and sends the conversation again;
@@ -284,7 +285,8 @@ class ChatSession:
 
 
 def port_of(service: StudioService) -> PortAddress | None:
-    """`service`'s port as a client on this machine reaches it, with the owner's key."""
+    """`service`'s port as a client on this machine reaches it, with the Chat tab's key
+    (the owner's, with a flow and usage of its own)."""
     port = service.gateway_port
     if port is None:
         return None
@@ -295,7 +297,7 @@ def port_of(service: StudioService) -> PortAddress | None:
         host = "::1"
     if ":" in host:
         host = f"[{host}]"
-    return PortAddress(f"http://{host}:{port}", service.settings.api_key)
+    return PortAddress(f"http://{host}:{port}", service.chat_secret)
 
 
 # --- helpers --------------------------------------------------------------------------

@@ -165,7 +165,8 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "models_file", "rpc", "otel_endpoint", "allow_enrolment")
+                   "load_timeout", "models_file", "rpc", "otel_endpoint", "allow_enrolment",
+                   "stall_budget_ms")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -536,6 +537,9 @@ def _parser() -> argparse.ArgumentParser:
                        "part of its body; the whole body gets this plus 1 s per KiB (30)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
+    serve.add_argument("--stall-budget", dest="stall_budget_ms", type=float, metavar="MS",
+                       help="longest a stream may wait for one step beside a prompt; sets "
+                            "the engine's batch size, 0 = the engine's own (250)")
     serve.add_argument("--llama-server", help="llama-server binary to use")
     serve.add_argument("--rpc", metavar="HOST:PORT,...",
                        help="spread the model over these machines, each running `gguf-studio "

@@ -21,7 +21,8 @@ from typing import Any
 from backend.app.snippets import ClientModel, ClientTarget
 from backend.app.usage import KeyUsage, MinuteUsage
 from backend.errors import KeyStoreError
-from backend.key_store import OWNER, KeyRecord, Priority, describe_time, parse_expiry
+from backend.key_store import (CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority, describe_time,
+                               parse_expiry)
 
 __all__ = [
     "CHART_BINS",
@@ -287,7 +288,8 @@ def key_table(records: Sequence[KeyRecord], usage: Mapping[str, KeyUsage],
     """The panel's picture: the owner's key first (when one is set), then the named keys
     oldest first; `series` is the ledger's minutes of `chart_key` (None: every key)."""
     now = time.time() if now is None else now
-    shown = ([OWNER] if owner_key_set else []) + list(records)
+    shown = (([OWNER] if owner_key_set else []) + ([OWNER_CHAT] if CHAT_NAME in usage else [])
+             + list(records))
     rows = tuple(key_row(record, usage.get(record.name), now) for record in shown)
     return KeyTable(rows, usage_chart(series, chart_key, span, now), len(records),
                     owner_key_set)
@@ -298,7 +300,9 @@ def key_row(record: KeyRecord, usage: KeyUsage | None, now: float) -> KeyRow:
     wait = used.mean_wait
     if record.is_owner:
         limits = ("all", "-", "-", "-", "-", "-", "never")
-        summary = "The owner's key (Access above): every model, no limits."
+        summary = ("The window's Chat tab: the owner's rights, its usage booked apart."
+                   if record.name == CHAT_NAME else
+                   "The owner's key (Access above): every model, no limits.")
     else:
         limits = (", ".join(record.models) or "all", describe_limit(record.max_concurrent),
                   describe_limit(record.tokens_per_minute),

@@ -131,8 +131,12 @@ class Pool:
                  abort: Callable[[str, RequestError], int],
                  memory_budget: Callable[[], int],
                  estimate: Callable[[ModelEntry], int],
+                 before_loss: Callable[[str, Serving], Awaitable[object]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
+        #: Called with a drained engine just before a planned stop (its sessions' slots
+        #: are parked: backend.app.parking); it bounds its own time.
+        self._before_loss = before_loss
         self._settings = settings
         self._engine_binary = engine_binary
         self._new_supervisor = new_supervisor
@@ -275,6 +279,11 @@ class Pool:
         guests = [NamedModel(name, names[1:]) for name, names in self._upstreams.all_names()]
         return ModelNames((e.named for e in entries), guests=guests)
 
+    def local_entry(self, name: str) -> ModelEntry | None:
+        """The entry of local model `name`; None for an engine elsewhere's or unknown."""
+        local = self._locals.get(name)
+        return local.entry if local is not None else None
+
     def statuses(self) -> list[ModelStatus]:
         return [self.status(name) for name in self.names()]
 
@@ -415,10 +424,12 @@ class Pool:
         self._decide(local, reason)
         queue = self.registry.current_of(local.engine_id)
         self.registry.retire(local.engine_id)
+        ended = False  # requests were ended by the unload
         if queue is not None:
             grace = self._settings().reload_grace
             if queue.active and grace > 0:
                 await self._drained(lambda: queue.active == 0, grace)
+            ended = queue.active > 0
             if queue.active:
                 log.warning("%d request(s) still running on %s; ending them", queue.active, name)
                 self._abort(queue.key, LoadReplaced(
@@ -426,6 +437,14 @@ class Pool:
                 # Their connections to the engine close as they end: llama-server stops
                 # on SIGTERM at once then, instead of finishing each generation first.
                 await self._drained(lambda: queue.active == 0, ABORT_WAIT)
+        serving = local.supervisor.snapshot.serving
+        # Parked only when drained: a slot still generating would hold its save back.
+        if self._before_loss is not None and serving is not None and (
+                queue is None or queue.active == 0) and not ended:
+            try:
+                await self._before_loss(name, serving)
+            except Exception:  # a failed save must never keep an engine from stopping
+                log.exception("%s: parking its sessions failed", name)
         await local.supervisor.unload()
         local.residency = Residency.EVICTED if evicted else Residency.UNLOADED
         local.room = False

@@ -43,6 +43,8 @@ class EngineStatus:
     waiting: int
     reserved_tokens: int
     note: str | None = None
+    #: Its measured prompt speed, step time and batch (EngineSpeed.to_dict); None: not measured.
+    speed: dict[str, object] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ def engine_status(registry: AdmissionRegistry, engine_id: str, where: str,
         queue.active if queue is not None else 0,
         queue.line.waiting if queue is not None else 0,
         queue.reserved_tokens if queue is not None else 0,
-        serving.kv_note if serving is not None else None)
+        serving.kv_note if serving is not None else None,
+        serving.speed.to_dict() if serving is not None and serving.speed is not None else None)
 
 
 def residency_of(state: str) -> Residency:

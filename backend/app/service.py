@@ -22,9 +22,11 @@ import platformdirs
 
 from backend import event_loop
 from backend.addresses import client_urls, is_loopback
+from backend.api_keys import generate_api_key
 from backend.app.discovery import Advertiser, app_version, service_name
 from backend.app.key_table import KeyTable, key_table, key_target
 from backend.app.snippets import ClientModel, ClientTarget
+from backend.app.parking import ParkingSteward
 from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
@@ -35,6 +37,7 @@ from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
+from backend.llama.slot_parking import ParkingLot
 from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
@@ -58,6 +61,8 @@ T = TypeVar("T")
 
 log = logging.getLogger("gguf_studio.service")
 
+#: Where parked session prefixes live, in the user data dir (backend.llama.slot_parking).
+PARKED_SLOTS_DIR = "parked-slots"
 #: How often waiting requests are checked against their keys (revoked, expired, edited).
 KEY_CHECK_INTERVAL = 0.5
 
@@ -95,16 +100,23 @@ class StudioService:
         self.metrics.bind_usage(self.usage.snapshot)
         #: The request inspector's ring (kept across restarts of the port).
         self.requests = RequestLog()
+        #: The Chat tab's key: made for this run, never saved (backend.app.chat_session).
+        self.chat_secret = generate_api_key()
         self._spans: SpanExport | None = None
         if settings.otel_endpoint:  # OpenTelemetry only when asked for (the `otel` extra)
             from backend.port.tracing import span_export_to
             self._spans = self.requests.exporter = span_export_to(settings.otel_endpoint)
         self._flow_tasks: list[asyncio.Future[None]] = []
         self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
+        #: Session prefixes saved before planned losses and restored on the next turn.
+        self.parking = ParkingSteward(
+            ParkingLot(self.engine.data_dir / PARKED_SLOTS_DIR,
+                       budget=lambda: self.settings.parked_slots_mib << 20),
+            entry_of=lambda name: self.pool.local_entry(name), residents=self.registry.sessions)
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
                          abort=self._abort, memory_budget=memory_budget,
-                         estimate=estimate_model_bytes)
+                         estimate=estimate_model_bytes, before_loss=self.parking.park)
         self.metrics.bind_pool(self.model_loads)
         self._listeners: Listeners[[Snapshot]] = Listeners(log, "service listener")
         self._log_listeners: Listeners[[str]] = Listeners(log, "engine log listener")
@@ -496,7 +508,10 @@ class StudioService:
                 engine.where, ready=engine.state == State.READY.value and bool(engine.slots),
                 slots=engine.slots or 0, active=engine.active,
                 kv_capacity=int(str(engine.kv["total"])) if engine.kv is not None else 0,
-                kv_reserved=engine.reserved_tokens) for engine in status.engines)
+                kv_reserved=engine.reserved_tokens,
+                prefill_tokens_per_second=_speed_figure(engine.speed, "prefill_tokens_per_second"),
+                step_seconds=_speed_figure(engine.speed, "step_ms") / 1000)
+                for engine in status.engines)
             loads.append(ModelLoad(status.name, line.waiting if line is not None else 0,
                                    status.residency.value, engines))
         return loads
@@ -515,7 +530,9 @@ class StudioService:
         return Supervisor(binary, self.log_dir, load_timeout=self.settings.load_timeout,
                           stop_timeout=self.settings.stop_timeout,
                           max_restarts=self.settings.max_restarts,
-                          output_cap=lambda: self.settings.max_output_tokens)
+                          output_cap=lambda: self.settings.max_output_tokens,
+                          slot_save_dir=self.parking.slot_dir,
+                          stall_budget=lambda: max(0.0, self.settings.stall_budget_ms) / 1000)
 
     def _abort(self, key: str, error: RequestError) -> int:
         return self._gateway.abort_load(key, error) if self._gateway is not None else 0
@@ -601,3 +618,9 @@ def estimate_model_bytes(entry: ModelEntry) -> int:
     info = read_model_info(entry.path)
     return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size,
                         info=info).total_bytes
+
+
+def _speed_figure(speed: dict[str, object] | None, name: str) -> float:
+    """One figure of an engine's measured speed (`EngineSpeed.to_dict`); 0 when unmeasured."""
+    value = (speed or {}).get(name)
+    return float(value) if isinstance(value, (int, float)) else 0.0

@@ -246,6 +246,20 @@ class EngineClient:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise LoadError(f"The upstream did not list its models ({exc}).") from None
 
+    async def tokenize(self, text: str) -> list[int]:
+        """The engine's tokens of `text` (llama-server's /tokenize)."""
+        answer = await self.post_json("/tokenize", {"content": text})
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        return [t for t in tokens if isinstance(t, int)] if isinstance(tokens, list) else []
+
+    async def post_json(self, path: str, body: dict[str, Any], *,
+                        timeout: float | None = None) -> Any:
+        """POST `body` to `path` and the JSON answer; httpx errors for a failed one."""
+        response = await self._client.post(
+            path, json=body, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+        _refuse_unauthorized(response)
+        return response.raise_for_status().json()
+
     async def metrics_text(self) -> str | None:
         """The Prometheus text of /metrics, or None when the engine does not answer it."""
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from backend.llama.api import UpstreamModel
+from backend.llama.engine_speed import EngineSpeed
 from backend.llama.report import EngineReport
 from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvCapacity, planned_capacity
@@ -37,6 +38,8 @@ OWNED_FLAGS = frozenset({
     "--rpc",
     # The output cap: the port reserves and writes it (backend.port.request_body).
     "-n", "--predict", "--n-predict",
+    # Parked slots live in a private directory GGUF Studio owns (backend.llama.slot_parking).
+    "--slot-save-path",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.
@@ -202,6 +205,9 @@ class Serving:
     #: A request pinned to any slot that has held a prompt still finds its prefix in the
     #: engine's RAM prompt cache (it runs with `PREFIX_CACHE_ARGS`, see the supervisor).
     pin_any_slot: bool = False
+    #: How fast it computes prompts and steps, and the batch it runs with, as measured
+    #: after its load (backend.llama.engine_speed); None when not measured.
+    speed: EngineSpeed | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:

@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 from backend.llama.accelerators import cpu_claims_amx
 from backend.llama.api import EngineClient, EngineProps
+from backend.llama.engine_speed import (DEFAULT_BATCH, DEFAULT_STALL_BUDGET, DEFAULT_UBATCH,
+                                        EngineSpeed, choose_batch, measure_speed)
 from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import EngineLogFile, for_display, read_lines
 from backend.llama.report import EngineReportReader, gpu_failure_reason
@@ -83,8 +85,18 @@ class Supervisor(SnapshotPublisher):
                  log_max_bytes: int = 8 << 20, log_keep_starts: int = 5,
                  port_picker: Callable[[], int] | None = None,
                  output_cap: Callable[[], int] = lambda: 0,
+                 slot_save_dir: Callable[[], Path | None] = lambda: None,
+                 stall_budget: Callable[[], float] = lambda: DEFAULT_STALL_BUDGET,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.binary = Path(binary)
+        #: Where the engine saves and restores slots (parked prefixes), made at each start.
+        self.slot_save_dir = slot_save_dir
+        #: The longest a running stream may wait for one step (seconds; 0: no budget),
+        #: read at each load (backend.llama.engine_speed).
+        self.stall_budget = stall_budget
+        # Each load's measured speed and batch choice, by load and budget: the batch is
+        # fixed at the engine's start, so a load measured once starts with its batch.
+        self._speeds: dict[tuple[LoadSpec, float], EngineSpeed] = {}
         #: The operator's output cap (0: none), read at each start of the engine.
         self.output_cap = output_cap
         self.log_dir = Path(log_dir)
@@ -189,7 +201,9 @@ class Supervisor(SnapshotPublisher):
                         return
                     continue
                 port = self._pick_port()
-                child = await self._spawn(spec, port)
+                budget = self.stall_budget()
+                known = self._speeds.get((spec, budget))
+                child = await self._spawn(spec, port, _batch_args(known))
                 try:
                     props = await self._wait_ready(child)
                 except EngineExitedDuringLoad as exc:
@@ -206,11 +220,20 @@ class Supervisor(SnapshotPublisher):
                         return
                     continue
                 bind_retries = 0
+                if known is None:
+                    known = await self._measure(spec, child, props, budget)
+                    if known is not None and _batch_args(known):
+                        # The batch is fixed at start: this load's first start measures,
+                        # a second one runs with the chosen batch (once per load).
+                        log.info("restarting llama-server with batch %d: %s",
+                                 known.choice.batch, known.choice.reason)
+                        await child.stop(self.stop_timeout)
+                        continue
                 serving = Serving(child.base_url, props.effective_parallel_slots,
                                   context_length=props.context_length,
                                   kv=self._load_output.kv_capacity(props.effective_parallel_slots)
                                   or kv_from_props(props.context_length),
-                                  api_key=child.key.value,
+                                  api_key=child.key.value, speed=known,
                                   **_prefix_keeping(spec.settings.extra_args))
                 self._set_state(State.READY, serving=serving, restarting=False,
                                 error=None, pid=child.pid, engine=self._load_output.report())
@@ -242,6 +265,27 @@ class Supervisor(SnapshotPublisher):
         if spec.settings.rpc:
             await check_rpc_workers(spec.settings.rpc,
                                     await asyncio.to_thread(protocol_of_engine, self.binary))
+
+    async def _measure(self, spec: LoadSpec, child: "_Child", props: EngineProps,
+                       budget: float) -> EngineSpeed | None:
+        """The engine's speed and the batch its stall budget asks for, kept for the next
+        start of this load; None for an engine that computes no completions (embeddings)."""
+        extra = spec.settings.extra_args
+        if any(arg.split("=", 1)[0] in _NO_COMPLETIONS for arg in extra):
+            return None
+        context = props.context_length or 0
+        async with EngineClient(child.base_url, api_key=child.key.value) as engine:
+            measured = await measure_speed(engine, context=context)
+        model, rate = measured if measured is not None else (None, 0.0)
+        choice = choose_batch(model, budget=budget, slots=props.effective_parallel_slots,
+                              context=context, extra_args=extra)
+        if model is None:
+            return None
+        speed = EngineSpeed(rate, model.step, model, choice,
+                            model.chunk_seconds(choice.batch, max(0, context - choice.batch)))
+        log.info("%s", speed.describe())
+        self._speeds[(spec, budget)] = speed
+        return speed
 
     async def _stop_child(self, child: "_Child | None") -> None:
         if child is None:
@@ -310,13 +354,14 @@ class Supervisor(SnapshotPublisher):
         if not ready.done():
             ready.set_exception(exc)
 
-    async def _spawn(self, spec: LoadSpec, port: int) -> "_Child":
+    async def _spawn(self, spec: LoadSpec, port: int, batch: list[str]) -> "_Child":
         log_file = await asyncio.to_thread(
             EngineLogFile.for_start, self.log_dir, spec.name, port,
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = _EngineKey.create()
         args = build_command(self.binary, spec, port, api_key_file=key.path,
-                             n_predict=self.output_cap())
+                             n_predict=self.output_cap(),
+                             slot_save_dir=await asyncio.to_thread(self.slot_save_dir)) + batch
         self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
             child = await _Child.start(args, port, log_file, self._on_log_line, key)
@@ -364,12 +409,13 @@ class Supervisor(SnapshotPublisher):
 
 def build_command(binary: Path, spec: LoadSpec, port: int, *,
                   api_key_file: Path | None = None, amx: bool | None = None,
-                  n_predict: int = 0) -> list[str]:
+                  n_predict: int = 0, slot_save_dir: Path | None = None) -> list[str]:
     """llama-server's command line: every setting explicit, never the binary's defaults.
     `api_key_file` holds the key the engine's port will require (a file, so that the key
     never shows in the process list); `amx`: does the CPU claim AMX (None: look);
     `n_predict`: the operator's output cap (0: none), the engine's own default limit for
-    a request that reaches it without one (the port writes it into every request too)."""
+    a request that reaches it without one (the port writes it into every request too);
+    `slot_save_dir`: the directory of parked slots (backend.llama.slot_parking)."""
     settings = spec.settings
     parallel = "-1" if settings.parallel == "auto" else str(int(settings.parallel))
     args = [
@@ -395,6 +441,8 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         args += ["--n-predict", str(n_predict)]
     if api_key_file is not None:
         args += ["--api-key-file", str(api_key_file)]
+    if slot_save_dir is not None:
+        args += ["--slot-save-path", str(slot_save_dir)]
     if spec.chat_template:
         args.append("--jinja")
     if (cpu_claims_amx() if amx is None else amx) and "--no-repack" not in settings.extra_args:
@@ -546,6 +594,21 @@ def _child_environment() -> dict[str, str]:
     another key than the one we set, or RPC workers the load did not ask for."""
     return {k: v for k, v in engine_environment().items()
             if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_RPC")}
+
+
+#: Flags of an engine that computes no completions, so has no prompt speed to measure.
+_NO_COMPLETIONS = frozenset({"--embedding", "--embeddings", "--reranking", "--rerank"})
+
+
+def _batch_args(speed: EngineSpeed | None) -> list[str]:
+    """The batch flags a start of a measured load gets ([]: the engine's own, or the
+    user's in the extra arguments)."""
+    if speed is None or speed.choice.user_given:
+        return []
+    choice = speed.choice
+    if (choice.batch, choice.ubatch) == (DEFAULT_BATCH, DEFAULT_UBATCH):
+        return []
+    return choice.args()
 
 
 def _supersede(ready: "asyncio.Future[Snapshot]") -> None:

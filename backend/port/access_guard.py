@@ -52,7 +52,7 @@ from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, 
                             UnsupportedContentType)
 from backend.addresses import lan_addresses
 from backend.admission.caller import ADDRESS_FLOW, ANONYMOUS, Caller
-from backend.key_store import OWNER, KeyRecord, KeyStore
+from backend.key_store import CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, KeyStore
 from backend.settings import Settings
 
 __all__ = ["FREE_FAILURES", "MAX_LOCKOUT", "AccessGuard", "Screening"]
@@ -109,9 +109,11 @@ class AccessGuard:
                  keyless_paths: Iterable[str] = (),
                  clock: Callable[[], float] = time.monotonic,
                  own_addresses: Callable[[], set[str]] | None = None,
-                 keys: Callable[[], KeyStore | None] = lambda: None) -> None:
+                 keys: Callable[[], KeyStore | None] = lambda: None,
+                 chat_secret: Callable[[], str] = lambda: "") -> None:
         self._settings = settings
         self._keys = keys
+        self._chat_secret = chat_secret
         self._json_paths = frozenset(json_paths)
         self._keyless_paths = frozenset(keyless_paths)
         self.clock = clock
@@ -196,6 +198,9 @@ class AccessGuard:
         owner = self._settings().api_key
         store = self._keys()
         named = store is not None and store.requires_keys()
+        chat = self._chat_secret()
+        if chat and _matches(_presented_keys(scope["headers"]), chat.encode()):
+            return Caller(CHAT_NAME, OWNER_CHAT)  # the window's Chat tab, keys or none
         if not owner and not named:
             return Caller(ADDRESS_FLOW + client)
         record = self._failures.get(client)

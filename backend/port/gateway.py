@@ -50,11 +50,12 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
+from backend.admission.cache_misses import prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prompt_tokens import PromptCounter
 from backend.port.tokenizer_client import HttpEngineTokenizer
-from backend.port.relay import Exchange, GatedRequest
+from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
 from backend.port.request_log import RequestLog
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
@@ -92,6 +93,12 @@ class GatewayContext(Protocol):
     metrics: Metrics
     #: The request inspector's ring: every gated request that ended leaves a record.
     requests: RequestLog
+    #: The secret of the window's Chat tab (its own flow; "" for none).
+    chat_secret: str
+
+    @property
+    def parking(self) -> SlotParking | None:
+        """Restores sessions' parked prefixes before their turns (None: nothing is parked)."""
 
     @property
     def keys(self) -> KeyStore | None:
@@ -122,7 +129,8 @@ class Gateway:
         self.ctx = ctx
         self.enrolment = enrolment
         self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
-                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys)
+                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys,
+                                 chat_secret=lambda: ctx.chat_secret)
         self.closing = False
         self.started_at = int(time.time())
         self._client: UpstreamClient | None = None
@@ -181,6 +189,10 @@ class Gateway:
     def requests(self) -> RequestLog:
         return self.ctx.requests
 
+    @property
+    def parking(self) -> SlotParking | None:
+        return self.ctx.parking
+
     # --- gated routes ----------------------------------------------------------------
 
     async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any,
@@ -237,6 +249,7 @@ class Gateway:
             queue = line.planning_engine
             plan: Plan | None = None
             hint = request_hint(caller.flow, headers, parsed.data)
+            blocks = prompt_blocks(parsed.data)
             if queue is not None:
                 plan = await self.plan(queue, path, parsed, raw_size, hint)
                 # Planned: the parsed objects (several times the body's bytes) are not
@@ -263,7 +276,7 @@ class Gateway:
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, passage, plan, raw_size,
                                                      requested_band(headers), served, hint,
-                                                     arrived, traceparent),
+                                                     arrived, traceparent, blocks),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -583,7 +596,8 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
         kv = serving.kv.to_dict() if serving is not None and serving.kv is not None else None
         return {"state": snapshot.state.value, "model": snapshot.model_id,
                 "effective_parallel_slots": serving.slots if serving is not None else None,
-                "kv": None if kv is None else dict(kv, reserved=reserved)}
+                "kv": None if kv is None else dict(kv, reserved=reserved),
+                "speed": serving.speed.to_dict() if serving is not None and serving.speed else None}
     serving_now = [e for e in engines if e["state"] == State.READY.value and e["slots"]]
     caches = [e["kv"] for e in serving_now if e["kv"] is not None]
     if serving_now:
@@ -597,7 +611,9 @@ def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
             "kv": {"total": sum(int(c["total"]) for c in caches),
                    "per_request": max(int(c["per_request"]) for c in caches),
                    "unified": all(c["unified"] is True for c in caches),
-                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None}
+                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None,
+            # The first serving engine's measured speed (each engine's is in `models`).
+            "speed": next((e["speed"] for e in serving_now if e.get("speed")), None)}
 
 
 def _traceparent(headers: list[tuple[bytes, bytes]]) -> str | None:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from backend.admission.cache_misses import CacheBook, PromptBlocks, SessionCache, Verdict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -65,6 +67,8 @@ class EngineLoad:
     active: int = 0  #: requests running on it
     kv_capacity: int = 0  #: its KV cache in tokens; 0 while unknown or not serving
     kv_reserved: int = 0  #: KV tokens held by its running requests
+    prefill_tokens_per_second: float = 0.0  #: measured after its load; 0: not measured
+    step_seconds: float = 0.0  #: one decode step, measured after its load; 0: not measured
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,10 @@ class Metrics:
         counter = partial(Counter, registry=self.registry)
         self.requests_waiting = gauge(
             "gguf_studio_requests_waiting", "Requests waiting in line for a slot.")
+        self.requests_waiting_by_reason = gauge(
+            "gguf_studio_requests_waiting_by_reason",
+            "Requests whose turn has come that still wait, by reason (prefill_budget: a "
+            "long prompt is being computed beside running streams).", ["reason"])
         self.requests_active = gauge(
             "gguf_studio_requests_active", "Requests holding a slot of the model.")
         self.effective_parallel_slots = gauge(
@@ -132,6 +140,20 @@ class Metrics:
             "that admitted them.", COUNT_LABELS, buckets=QUEUE_WAIT_BUCKETS,
             registry=self.registry)
 
+        self.prompt_tokens = counter(
+            "gguf_studio_prompt_tokens",
+            "Prompt tokens of answered requests, by kind (cached: the engine took them from "
+            "its prompt cache; computed: it computed them) and model.", ["kind", "model"])
+        self.prompt_cache_misses = counter(
+            "gguf_studio_prompt_cache_misses",
+            "Answered requests whose engine computed what the session's previous turn had "
+            "left in a cache, by reason (first_turn, prefix_changed, unloaded, "
+            "engine_changed, restored, slot_taken) and model.", ["reason", "model"])
+        #: Each session's last turn and its prompt cache figures (see `note_prompt`).
+        self.cache_book = CacheBook(clock=time.monotonic)
+        self._prompt_children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
+        self._miss_children: dict[tuple[str, str], Counter] = {}
+
         self._lock = threading.Lock()
         self._requests = 0
         self._rejections: dict[str, int] = {}
@@ -175,6 +197,31 @@ class Metrics:
     def count_request(self, route: str, status: int | str) -> None:
         self._unrouted.count_request(route, status)
 
+    def note_prompt(self, model: str, session: str | None, flow: str, blocks: PromptBlocks,
+                    cached: int, computed: int, *, engine: str | None, label: str = "",
+                    slot: int | None = None, engine_alive: Callable[[str], bool],
+                    restored: bool = False) -> tuple[Verdict, SessionCache | None]:
+        """An answered turn's prompt: `cached` tokens found in the engine's cache,
+        `computed` computed.  Judged against its session's last turn (`CacheBook.judge`),
+        counted by kind and, for a miss, by reason; once per request."""
+        verdict, summary = self.cache_book.judge(
+            session, flow, model, blocks, cached, computed, engine=engine, label=label,
+            slot=slot, engine_alive=engine_alive, restored=restored)
+        tokens = self._prompt_children.get((model, ""))
+        if tokens is None:
+            tokens = self._prompt_children[(model, "")] = (
+                self.prompt_tokens.labels("cached", model),
+                self.prompt_tokens.labels("computed", model))
+        tokens[0].inc(verdict.cached)
+        tokens[1].inc(verdict.computed)
+        if verdict.reason is not None:
+            miss = self._miss_children.get((model, verdict.reason))
+            if miss is None:
+                miss = self._miss_children[(model, verdict.reason)] = \
+                    self.prompt_cache_misses.labels(verdict.reason, model)
+            miss.inc()
+        return verdict, summary
+
     # --- called by the service ------------------------------------------------------
 
     def set_backend(self, snapshot: Snapshot) -> None:
@@ -199,6 +246,8 @@ class Metrics:
         self.requests_active.set_function(lambda: registry.total_active)
         self.kv_capacity_tokens.set_function(lambda: registry.kv_capacity)
         self.kv_reserved_tokens.set_function(lambda: registry.total_reserved_tokens)
+        self.requests_waiting_by_reason.labels("prefill_budget").set_function(
+            lambda: registry.total_held_by_prefill_budget)
 
     def bind_pool(self, loads: Callable[[], Iterable[ModelLoad]]) -> None:
         """Expose every model's and engine's series, read from `loads()` at every scrape
@@ -341,7 +390,7 @@ class ModelCounts:
 
 
 #: (name, help, what it reads from an EngineLoad) of the series labelled model and engine.
-_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
+_ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], float]], ...] = (
     ("gguf_studio_engine_ready", "1 while this engine serves the model (healthy, slots read), "
      "else 0.", lambda e: int(e.ready)),
     ("gguf_studio_engine_requests_active", "Requests holding a slot of this engine.",
@@ -353,6 +402,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, Callable[[EngineLoad], int]], ...] = (
      lambda e: e.kv_capacity),
     ("gguf_studio_engine_kv_reserved_tokens",
      "KV tokens reserved by the requests running on this engine.", lambda e: e.kv_reserved),
+    ("gguf_studio_engine_prefill_tokens_per_second",
+     "Prompt tokens per second this engine computed when measured after its load (0: not "
+     "measured).", lambda e: e.prefill_tokens_per_second),
+    ("gguf_studio_engine_step_seconds",
+     "One decode step of this engine, measured after its load (0: not measured).",
+     lambda e: e.step_seconds),
 )
 _MODEL_WAITING = ("gguf_studio_model_requests_waiting",
                   "Requests waiting in this model's line, for whichever of its engines frees first.")

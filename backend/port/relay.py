@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
+from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
@@ -116,6 +117,19 @@ class ExchangeHost(Protocol):
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
 
+    @property
+    def parking(self) -> SlotParking | None:
+        """Who restores a session's parked prefix into its seat (None: nobody)."""
+
+
+class SlotParking(Protocol):
+    """Parked prefixes (`backend.app.parking`): between the seat and the request, and
+    once the answer's last bytes are in."""
+
+    async def before_send(self, ticket: Ticket, model: str | None) -> object | None: ...
+
+    def after_answer(self, pending: object | None, tail: bytes) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class GatedRequest:
@@ -142,6 +156,8 @@ class GatedRequest:
     arrived: float = 0.0
     #: The client's W3C `traceparent`, read only while spans are exported.
     traceparent: str | None = None
+    #: Its prompt's blocks, to say why its answer's prompt missed the cache (if it did).
+    blocks: PromptBlocks = NO_BLOCKS
 
 
 class Exchange:
@@ -218,6 +234,8 @@ class Exchange:
         self._first_at: float | None = None
         self._last_at = 0.0
         self._longest_gap = 0.0
+        #: The answer's last bytes, once it was relayed whole: its cache is judged from them.
+        self._answer_tail: bytes | None = None
 
     @property
     def metrics(self) -> ModelCounts:
@@ -291,6 +309,8 @@ class Exchange:
         finally:
             if self._stall is not None:
                 self._stall.stop()
+            if self._answer_tail is not None:  # after the end went out: it delays no one
+                self._judge_cache(self._answer_tail)
 
     def _stalled(self) -> None:
         """The client left its answer unread for the stall timeout: drop it (the task
@@ -353,28 +373,9 @@ class Exchange:
                                    completion if told_completion is None else told_completion))
             if self._answered:
                 self._learn(tail, told_prompt)
+                self._answer_tail = self._start + tail
         else:
             self.passage.left()  # before its turn
-
-    def _learn(self, tail: bytes, told_prompt: int | None) -> None:
-        """Tell placement where the answer left its session's prefix, with the prompt's
-        tokens and those the engine's cache held, from the final event the books read
-        (once per request, never per chunk); an answer without `timings` tells only its
-        prompt."""
-        ticket = self.ticket
-        placement = self.line.placement
-        if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
-            return
-        hint = ticket.hint
-        if hint.session is None:
-            return
-        figures = _prompt_figures(tail)
-        if figures is None:
-            if told_prompt is None:
-                return
-            figures = (told_prompt, 0)
-        placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
-                         ticket.engine.label, *figures)
 
     def _record(self) -> None:
         """Leave this request's record in the inspector's ring: names, times and the
@@ -431,6 +432,41 @@ class Exchange:
             flow_band = ticket.flow.band
             band = flow_band if ticket.band is None else max(ticket.band, flow_band)
         return None if band is None else band.name.lower()
+
+    def _learn(self, tail: bytes, told_prompt: int | None) -> None:
+        """Tell placement where the answer left its session's prefix, with the prompt's
+        tokens and those the engine's cache held, from the final event the books read
+        (once per request, never per chunk); an answer without `timings` tells only its
+        prompt."""
+        ticket = self.ticket
+        placement = self.line.placement
+        if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
+            return
+        hint = ticket.hint
+        if hint.session is None:
+            return
+        figures = _prompt_figures(tail)
+        if figures is None:
+            if told_prompt is None:
+                return
+            figures = (told_prompt, 0)
+        placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
+                         ticket.engine.label, *figures)
+
+    def _judge_cache(self, answer: bytes) -> None:
+        """Count the answer's cached and computed prompt tokens, and say why a miss
+        missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
+        figures = sse.find_prompt_cache(answer)
+        ticket = self.ticket
+        if figures is None or ticket is None or ticket.engine is None:
+            return
+        engines = self.line.engines
+        seat = ticket.seat
+        self.host.metrics.note_prompt(
+            self.request.model_id or UNROUTED, self.request.hint.session, self.caller.flow,
+            self.request.blocks, *figures, engine=ticket.serving.key, label=ticket.engine.label,
+            slot=seat.slot if seat is not None and seat.pinned else None,
+            engine_alive=lambda key: any(e.key == key for e in engines))
 
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage
@@ -501,8 +537,14 @@ class Exchange:
         while True:
             timeout = None if deadline is None else max(deadline - loop.time(), 0.001)
             await self._admitted(ticket, timeout)
+            parking = self.host.parking
+            pending = None if parking is None else await parking.before_send(
+                ticket, self.request.model_id)
             try:
-                return await self._forward(ticket)
+                last = await self._forward(ticket)
+                if parking is not None:
+                    parking.after_answer(pending, self._tail or b"".join(self._last_sent))
+                return last
             except _NotReached:
                 refused_by = self.metrics  # the engine's counts, before the ticket leaves it
                 if not ticket.requeue():
@@ -597,8 +639,12 @@ class Exchange:
         if self.rewriter is not None and self.rewriter.our_id is None:
             await self._send_response_created()
         else:
-            await self.send({"type": "http.response.body", "body": self._keepalive,
-                             "more_body": True})
+            body = self._keepalive
+            ticket = self.ticket
+            if (ticket is not None and ticket.wait_reason == WaitReason.PREFILL_BUDGET
+                    and not ticket.admitted and body is sse.KEEPALIVE_COMMENT):
+                body = sse.keepalive_waiting(WaitReason.PREFILL_BUDGET)
+            await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _send_response_created(self) -> None:
         """Our `response.created`; from now on the upstream's own is dropped and its id
@@ -752,6 +798,8 @@ class Exchange:
         while not await upstream.arrived(interval):
             await self._send_keepalive()
         self._first_at = self._last_at = time.monotonic()
+        if self.ticket is not None:
+            self.ticket.prefilled()  # the prompt is computed: the next long one may start
         # Each chunk relayed counts its events (`_events`, what a cut stream is charged):
         # one `bytes.count`, 0.3 us for a 229-byte chunk here (less than the marker's
         # substring test); a named key's chunks one more substring test for the cache.

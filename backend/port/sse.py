@@ -27,9 +27,11 @@ __all__ = [
     "StreamKind",
     "EventFramer",
     "KEEPALIVE_COMMENT",
+    "keepalive_waiting",
     "ResponsesRewriter",
     "data_event",
     "event_ends",
+    "find_prompt_cache",
     "find_usage",
     "named_event",
     "new_response_id",
@@ -38,6 +40,11 @@ __all__ = [
 ]
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+def keepalive_waiting(reason: str) -> bytes:
+    """A keep-alive comment that says why the request still waits ("prefill_budget")."""
+    return b": keep-alive; waiting: " + reason.encode("ascii", "replace") + b"\n\n"
 
 
 class StreamKind(enum.Enum):
@@ -308,6 +315,52 @@ def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
     if prompt is None and completion is None:
         return None
     return prompt, completion
+
+
+def find_prompt_cache(data: bytes) -> tuple[int, int] | None:
+    """(cached, computed) prompt tokens from the last answer's figures in `data` (a JSON
+    body or a stream's tail): llama-server's `timings` (`cache_n`, `prompt_n`), else a
+    usage that says its cached tokens (OpenAI's `prompt_tokens_details`, Anthropic's
+    `cache_read_input_tokens`).  None when it says neither."""
+    for block in reversed(data.split(b"\n")):
+        if CACHE_MARKER not in block:
+            continue
+        text = block[5:] if block.startswith(b"data:") else block
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            continue
+        found = _prompt_cache_of(payload)
+        if found is not None:
+            return found
+    return None
+
+
+def _prompt_cache_of(payload: Any) -> tuple[int, int] | None:
+    if not isinstance(payload, dict):
+        return None
+    timings = payload.get("timings")
+    if isinstance(timings, dict):
+        cached, computed = _count(timings, "cache_n"), _count(timings, "prompt_n")
+        if cached is not None and computed is not None:
+            return cached, computed
+    for holder in (payload, payload.get("response"), payload.get("message")):
+        usage = holder.get("usage") if isinstance(holder, dict) else None
+        if not isinstance(usage, dict):
+            continue
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        prompt = _count(usage, "prompt_tokens")
+        if prompt is None and isinstance(details, dict):
+            prompt = _count(usage, "input_tokens")
+        if isinstance(details, dict) and prompt is not None:
+            cached = _count(details, "cached_tokens")
+            if cached is not None:
+                return cached, max(0, prompt - cached)
+        read = _count(usage, "cache_read_input_tokens")
+        told = _count(usage, "input_tokens")
+        if read is not None and told is not None:
+            return read, told
+    return None
 
 
 def _usage_of(payload: Any) -> tuple[int | None, int | None]:

@@ -21,6 +21,7 @@ from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
+from backend.port.relay import SlotParking
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
 from backend.port.request_log import RequestLog
@@ -50,6 +51,8 @@ class Context:
         self.keys: KeyStore | None = None
         self.flows = FlowControl()
         self.requests = RequestLog()
+        self.chat_secret = ""
+        self.parking: SlotParking | None = None
 
     def snapshot(self) -> Snapshot:
         return self._snapshot

@@ -12,6 +12,7 @@ from backend.app.activity import ActivitySample
 from backend.llama.engine import BuildProgress
 from backend.llama.kv_capacity import KvCapacity
 from backend.settings import Settings
+from backend.llama.engine_speed import BatchChoice, EngineSpeed, SpeedModel
 from backend.llama.load import LoadSettings, Serving, Snapshot, State
 from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
 from tests.studio.conftest import close_and_stop
@@ -389,3 +390,14 @@ def test_a_models_own_name_is_shown_as_text_never_as_markup(open_window, qtbot, 
     rich = [label.text()[:40] for label in window.findChildren(QLabel)
             if label.textFormat() != Qt.TextFormat.PlainText]
     assert all(name not in text for text in rich)
+
+
+def test_the_model_tab_shows_the_engines_measured_speed_and_its_batch(open_window) -> None:
+    view = open_window().model_view
+    choice = BatchChoice(256, 256, "the largest whose step stays within the 250 ms stall budget")
+    speed = EngineSpeed(1234.0, 0.031, SpeedModel(0.0008, 1e-7, 0.031), choice, 0.24)
+    view.set_state(Snapshot(state=State.READY, model_id="m",
+                            serving=Serving("http://e", 4, 8192, speed=speed),
+                            requested=LoadSettings(parallel="4")))
+    assert ("Prompts at 1,234 tokens/s, a step 31 ms; batch 256 (micro-batch 256): the "
+            "largest whose step stays within the 250 ms stall budget") in view.slots.text()

@@ -439,9 +439,11 @@ def test_random_traffic_keeps_the_token_books_straight_and_the_order_fifo():
         assert queue.reserved_tokens <= kv.total and queue.active == len(running) <= 4
         waiting = [t for t in live if t.state is TicketState.WAITING]
         assert queue.waiting == len(waiting)
-        if waiting:  # the head waits only because it does not fit now
+        if waiting:  # the head waits only because it does not fit now, or because a
+            # long prompt is computed beside running streams (the prefill budget)
             head = min(waiting, key=arrival.__getitem__)
-            assert queue.active == 4 or queue.reserved_tokens + head.tokens > kv.total
+            assert (queue.active == 4 or queue.reserved_tokens + head.tokens > kv.total
+                    or head.wait_reason == "prefill_budget")
     steps = [arrival[t] for t in admitted_order]
     assert steps == sorted(steps)  # admitted in arrival order, never passed
 

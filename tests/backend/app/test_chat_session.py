@@ -13,6 +13,7 @@ import pytest
 from backend.app.chat_session import (SESSION_PREFIX, AnswerState, ChatOptions, ChatSession,
                                       ChatState)
 from backend.app.service import StudioService
+from backend.key_store import CHAT_NAME
 from backend.llama.load import LoadSettings
 from tests.backend.app.test_pool import until
 from tests.backend.service_harness import ServiceFactory
@@ -72,6 +73,10 @@ async def test_an_answer_streams_through_the_port_with_real_figures(service, cha
     assert follow_up.figures is not None and follow_up.figures.cached_tokens is not None
     assert follow_up.figures.cached_tokens >= figures.prompt_tokens
     assert chat.request_body(options)["prompt_cache_key"].startswith(SESSION_PREFIX)
+    # Its own flow: booked apart from the owner's agents, and named so in the inspector.
+    assert service.usage.usage(CHAT_NAME).requests == 2
+    assert service.usage.usage("owner").requests == 0
+    assert [r.key for r in service.requests.records()][-2:] == [CHAT_NAME, CHAT_NAME]
 
 
 async def test_stop_ends_the_answer_keeps_what_arrived_and_frees_the_slot(service, chat, options):

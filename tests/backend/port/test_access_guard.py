@@ -269,3 +269,29 @@ async def test_an_allowed_pattern_is_not_fooled_by_userinfo_either(gw):
     assert_clean_error(sneaky, 403, "origin_not_allowed", gw)
     fine = await gw.client.post(CHAT, json=chat(), headers={"origin": "https://a.tools.example"})
     assert fine.status_code == 200
+
+
+# --- the Chat tab's own key ------------------------------------------------------------------
+
+
+def _scope(secret: str) -> dict:
+    return {"client": ("127.0.0.1", 5000),
+            "headers": [(b"authorization", f"Bearer {secret}".encode())]}
+
+
+@pytest.mark.parametrize("owner_key", ["", "owner-secret-0123456789"])
+def test_the_chat_tabs_key_is_its_own_flow_with_the_owners_rights(owner_key: str):
+    from backend.key_store import CHAT_NAME
+    from backend.port.access_guard import AccessGuard
+    from backend.settings import Settings
+    settings = Settings(api_key=owner_key)
+    guard = AccessGuard(lambda: settings, chat_secret=lambda: "chat-secret")
+
+    caller = guard.check_key(_scope("chat-secret"))
+
+    assert (caller.flow, caller.name) == (CHAT_NAME, CHAT_NAME)
+    assert caller.key is not None and caller.key.is_owner  # every model, its cache figures
+    if owner_key:
+        assert guard.check_key(_scope(owner_key)).name == "owner"
+        with pytest.raises(Exception, match="Incorrect API key"):
+            guard.check_key(_scope("chat-secre"))

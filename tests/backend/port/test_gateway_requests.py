@@ -178,6 +178,7 @@ async def test_models_and_health(gw, fake):
     assert health.status_code == 200
     assert health.json() == {"state": "ready", "model": "fake-model",
                              "effective_parallel_slots": 2, "active": 0, "waiting": 0, "kv": None,
+                             "speed": None,  # not measured: an engine we did not start
                              "degraded": False, "engines_out": [],
                              "engine": None,  # a llama-server we did not start: no load report
                              "models": [{"id": "fake-model", "state": "ready", "default": True,

@@ -9,7 +9,7 @@ from backend.port.http_errors import scrub
 import json
 
 from backend.port.sse import (BrokenStream, EventFramer, ResponsesRewriter, event_ends,
-                              find_usage, without_cache_figures)
+                              find_prompt_cache, find_usage, without_cache_figures)
 
 
 
@@ -140,3 +140,19 @@ def test_a_body_without_the_cache_comes_back_unchanged_and_a_non_streamed_one_is
     scrubbed = json.loads(without_cache_figures(body, stream=False))
     assert scrubbed == {"usage": {"prompt_tokens": 14, "prompt_tokens_details": {"cached_tokens": 0}},
                         "tokens_cached": 0}
+
+
+def test_an_answers_cached_and_computed_prompt_tokens_are_read_from_its_last_figures():
+    chat_tail = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+                 b'data: {"choices":[],"timings":{"cache_n":900,"prompt_n":120,'
+                 b'"predicted_n":4}}\n\ndata: [DONE]\n\n')
+    assert find_prompt_cache(chat_tail) == (900, 120)
+    openai = b'{"usage":{"prompt_tokens":1000,"prompt_tokens_details":{"cached_tokens":768}}}'
+    assert find_prompt_cache(openai) == (768, 232)
+    responses = (b'event: response.completed\ndata: {"type":"response.completed","response":'
+                 b'{"usage":{"input_tokens":50,"input_tokens_details":{"cached_tokens":40}}}}\n\n')
+    assert find_prompt_cache(responses) == (40, 10)
+    anthropic = (b'event: message_delta\ndata: {"type":"message_delta","usage":'
+                 b'{"input_tokens":30,"cache_read_input_tokens":700,"output_tokens":5}}\n\n')
+    assert find_prompt_cache(anthropic) == (700, 30)
+    assert find_prompt_cache(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') is None

@@ -1,0 +1,458 @@
+"""Why a turn's prompt was recomputed: the verdict on each answer's prompt cache.
+
+After each answer the port knows how many of the prompt's tokens the engine took from
+its cache and how many it computed (the engine's `timings`).  `judge` says whether that
+was a *miss* (the engine computed what the session's previous turn had left in a
+cache) and why, comparing the session's previous turn with this one:
+
+- `first_turn`: the session had no turn before (its computed tokens are no one's fault);
+- `prefix_changed`: the client sent a different beginning than last time, at token N;
+  with the likely cause where it is one of the known breakers: the reasoning of an
+  earlier answer dropped from the history, a changing line near the start (a date, a
+  time), the tools rendered differently;
+- `unloaded`: the engine that held the prefix went away (unloaded, evicted, restarted);
+- `engine_changed`: the turn ran on another engine than the one holding the prefix;
+- `restored`: the prefix was restored from a parked copy, and the engine still
+  recomputed it (the restore did not take);
+- `slot_taken`: same engine, same load, yet the prefix was gone: its slot was given to
+  another session (and the engine's RAM cache did not keep it).
+
+A prompt is seen as `PromptBlocks`: its text in order (system, tools, each message's
+reasoning, content and tool calls), cut into blocks of at most `BLOCK_CHARS` characters
+that never span two parts, each with the chained hash of everything up to its end; and
+each part with its own hash.  `prompt_blocks` makes them from a parsed request body,
+once per request (where its placement hint is made, never per chunk).
+
+Pure: no I/O; hashes are Python's, meaningful within one process only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backend.admission.sessions import Session
+
+__all__ = ["BLOCK_CHARS", "CAUSES", "CacheBook", "NEAR_START_CHARS", "NO_BLOCKS", "REASONS",
+           "Part", "PromptBlocks", "SessionCache", "SessionRow", "TurnRecord", "Verdict",
+           "judge", "prompt_blocks", "session_rows"]
+
+#: Characters per block (about 256 tokens of English or code).
+BLOCK_CHARS = 1024
+#: A change this close to the start, in a part otherwise kept, is "a changing line".
+NEAR_START_CHARS = 4096
+#: What a changing line may add to or take from its part's length (a date, a clock).
+CHANGING_LINE_CHARS = 80
+
+#: Miss reasons: their metric label and what they say.
+REASONS: Mapping[str, str] = {
+    "first_turn": "first turn",
+    "prefix_changed": "prefix changed",
+    "unloaded": "unloaded",
+    "engine_changed": "engine changed",
+    "restored": "restored",
+    "slot_taken": "slot given to another session",
+}
+#: The known breakers of a prefix: the cause's key and what it says.
+CAUSES: Mapping[str, str] = {
+    "reasoning_dropped": "reasoning dropped",
+    "changing_line": "a changing line near the start",
+    "tools_rerendered": "tools re-rendered",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One part of a prompt: `kind` is system, tools, user, assistant, reasoning, tool
+    or prompt; `start`/`end` in characters of the whole prompt text."""
+
+    kind: str
+    start: int
+    end: int
+    digest: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """A prompt as the classifier compares it (see the module docstring)."""
+
+    #: Chained hash of the text up to each block's end.
+    chained: tuple[int, ...] = ()
+    #: Where each block ends, in characters.
+    ends: tuple[int, ...] = ()
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def chars(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def common_chars(self, other: PromptBlocks) -> int:
+        """Characters at the start both prompts share, to the precision of a block."""
+        same = 0
+        for mine, theirs in zip(self.chained, other.chained):
+            if mine != theirs:
+                break
+            same += 1
+        return self.ends[same - 1] if same else 0
+
+    def part_at(self, char: int) -> Part | None:
+        """The part holding character `char`."""
+        i = bisect.bisect_right([p.start for p in self.parts], char) - 1
+        return self.parts[i] if 0 <= i < len(self.parts) and char < self.parts[i].end else None
+
+
+NO_BLOCKS = PromptBlocks()
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    """What a session's last turn left: its prompt, and where it ran."""
+
+    blocks: PromptBlocks
+    prompt_tokens: int
+    #: The engine's admission key (a new one for each process) and its slot (None: the
+    #: engine chose one itself).
+    engine: str | None
+    slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One answer's prompt: cached and computed tokens, and a miss's reason."""
+
+    cached: int
+    computed: int
+    #: A key of REASONS; None: no miss (the cache held what it could).
+    reason: str | None = None
+    #: Where the prompt stopped matching the previous turn's, in tokens
+    #: (`prefix_changed` only).
+    at_token: int | None = None
+    #: A key of CAUSES, when the change looks like one of them.
+    cause: str | None = None
+
+    @property
+    def missed(self) -> bool:
+        return self.reason is not None
+
+    def describe(self) -> str:
+        """In a few words, for people: "prefix changed at token 412 (tools re-rendered)"."""
+        if self.reason is None:
+            return "cache hit"
+        text = REASONS[self.reason]
+        if self.at_token is not None:
+            text += f" at token {self.at_token}"
+        if self.cause is not None:
+            text += f" ({CAUSES[self.cause]})"
+        return text
+
+
+def judge(previous: TurnRecord | None, blocks: PromptBlocks, cached: int, computed: int, *,
+          engine: str | None, slot: int | None = None, engine_alive: bool = True,
+          restored: bool = False) -> Verdict:
+    """The verdict on a turn that ran on `engine` (admission key; slot `slot` when it
+    was pinned), whose prompt is `blocks`, of which the engine took `cached` tokens from
+    its cache and computed `computed`.  `previous`: the session's last turn (None: this
+    is its first); `engine_alive`: the engine that served `previous` still serves (the
+    same process); `restored`: the prefix was restored from a parked copy first."""
+    cached, computed = max(0, cached), max(0, computed)
+    if previous is None:
+        return Verdict(cached, computed, "first_turn" if computed else None)
+    if cached + _slack(previous.prompt_tokens) >= previous.prompt_tokens:
+        return Verdict(cached, computed)  # the whole previous prompt was kept
+    old = previous.blocks
+    common = blocks.common_chars(old)
+    if old.chars and common < old.chars:
+        # The client sent another beginning: whatever the cache held ends there.  The
+        # engine's own count says where when it ran where the previous turn did (it
+        # reused exactly the common start); else an estimate from the characters.
+        same_place = engine_alive and engine == previous.engine and (
+            previous.slot is None or slot is None or slot == previous.slot)
+        at = cached if same_place else previous.prompt_tokens * common // old.chars
+        return Verdict(cached, computed, "prefix_changed", at, _cause(old, blocks, common))
+    if restored:
+        return Verdict(cached, computed, "restored")
+    if not engine_alive or previous.engine is None:
+        return Verdict(cached, computed, "unloaded")
+    if engine != previous.engine:
+        return Verdict(cached, computed, "engine_changed")
+    return Verdict(cached, computed, "slot_taken")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCache:
+    """One session's prompt cache so far: what its turns found cached and computed, and
+    its last miss."""
+
+    #: Its key, scoped to its flow ("flow\\nname"; a conversation the client does not name
+    #: is named by placement's hint after its start: "flow\\n#digest").
+    session: str
+    model: str
+    turns: int
+    cached: int  #: prompt tokens its turns took from a cache
+    computed: int  #: prompt tokens its turns computed
+    #: Where its last turn ran: the engine's public name and its slot, if pinned.
+    engine: str
+    slot: int | None
+    last: Verdict
+    last_miss: Verdict | None
+    #: When its last turn ended (the book's clock).
+    at: float
+
+    @property
+    def hit_percent(self) -> float:
+        """Of all its prompt tokens, the share found cached (0-100)."""
+        total = self.cached + self.computed
+        return 100.0 * self.cached / total if total else 0.0
+
+
+class CacheBook:
+    """Each session's last turn and its figures, bounded (least recently served dropped
+    first).  Changed on the port's loop; `snapshot` may be read from any thread."""
+
+    def __init__(self, max_sessions: int = 4096, *, clock: Callable[[], float]) -> None:
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._turns: OrderedDict[str, tuple[TurnRecord, SessionCache]] = OrderedDict()
+
+    def judge(self, session: str | None, flow: str, model: str, blocks: PromptBlocks,
+              cached: int, computed: int, *, engine: str | None, label: str = "",
+              slot: int | None = None, engine_alive: Callable[[str], bool],
+              restored: bool = False) -> tuple[Verdict, SessionCache | None]:
+        """The verdict on one answered turn (see `judge`), recorded as the session's last.
+        `session`: its session (scoped to `flow`); None: a prompt with nothing to name it
+        by, only counted; `engine_alive(key)`: does the engine of that admission key
+        still serve."""
+        if session is None:
+            return Verdict(max(0, cached), max(0, computed)), None
+        found = self._turns.get(session)
+        previous, summary = found if found is not None else (None, None)
+        alive = previous is not None and previous.engine is not None and engine_alive(previous.engine)
+        verdict = judge(previous, blocks, cached, computed, engine=engine, slot=slot,
+                        engine_alive=alive or previous is None, restored=restored)
+        summary = SessionCache(
+            session, model, (summary.turns if summary else 0) + 1,
+            (summary.cached if summary else 0) + verdict.cached,
+            (summary.computed if summary else 0) + verdict.computed, label, slot, verdict,
+            verdict if verdict.missed else (summary.last_miss if summary else None),
+            self._clock())
+        record = TurnRecord(blocks, verdict.cached + verdict.computed, engine, slot)
+        with self._lock:
+            self._turns.pop(session, None)
+            self._turns[session] = (record, summary)
+            while len(self._turns) > self.max_sessions:
+                self._turns.popitem(last=False)
+        return verdict, summary
+
+    def snapshot(self) -> tuple[SessionCache, ...]:
+        """Every session, most recently served first; safe from any thread."""
+        with self._lock:
+            summaries = [summary for _, summary in self._turns.values()]
+        return tuple(reversed(summaries))
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    """One live session as a view shows it."""
+
+    owner: str  #: its key's name, or "address …" without named keys
+    name: str  #: the client's name for it, or "unnamed …" (named after its start)
+    model: str
+    turns: int
+    hit_percent: float  #: of its prompt tokens, the share found cached
+    where: str  #: where its prefix lives: "this machine, slot 1", "upstream 2", "nowhere"
+    last_miss: str  #: its last miss and why ("" when it never missed past its first turn)
+    idle_seconds: float  #: since its last turn
+
+
+def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
+                 now: float) -> tuple[SessionRow, ...]:
+    """Rows for the sessions in `book` (most recent first): where each prefix lives from
+    the session table (`backend.admission.sessions`) when it knows the session, else
+    where its last turn ran; `now` on the book's clock."""
+    places = {s.key: s for s in table}
+    rows = []
+    for summary in book:
+        owner, _, name = summary.session.partition("\n")
+        if name.startswith("#"):
+            name = f"unnamed {name[1:]}"
+        place = places.get(summary.session)
+        if place is not None:
+            where = _place(place.label if place.engine is not None else "", place.slot)
+        else:
+            where = _place(summary.engine, summary.slot)
+        miss = summary.last_miss
+        rows.append(SessionRow(owner, name, summary.model, summary.turns,
+                               round(summary.hit_percent, 1), where,
+                               miss.describe() if miss is not None and miss.reason != "first_turn"
+                               else "", max(0.0, now - summary.at)))
+    return tuple(rows)
+
+
+def _place(label: str, slot: int | None) -> str:
+    if not label:
+        return "nowhere"
+    return label if slot is None else f"{label}, slot {slot}"
+
+
+def prompt_blocks(data: Mapping[str, Any]) -> PromptBlocks:
+    """The blocks of a parsed chat, messages, responses or completions request body."""
+    chained: list[int] = []
+    ends: list[int] = []
+    parts: list[Part] = []
+    link = 0
+    offset = 0
+    for kind, text in _parts(data):
+        if not text:
+            continue
+        start = offset
+        if len(text) <= BLOCK_CHARS:  # most parts: one block, its text not copied
+            pieces: tuple[int, ...] = (hash(text),)
+            offset += len(text)
+            link = hash((link, kind, pieces[0]))
+            chained.append(link)
+            ends.append(offset)
+        else:
+            hashes = []
+            for at in range(0, len(text), BLOCK_CHARS):
+                piece = text[at:at + BLOCK_CHARS]
+                hashes.append(hash(piece))  # each character is hashed once
+                link = hash((link, kind, hashes[-1]))
+                offset += len(piece)
+                chained.append(link)
+                ends.append(offset)
+            pieces = tuple(hashes)
+        parts.append(Part(kind, start, offset, hash((kind, pieces))))
+    if not chained:
+        return NO_BLOCKS
+    return PromptBlocks(tuple(chained), tuple(ends), tuple(parts))
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _slack(expected: int) -> int:
+    """Tokens a kept prefix may still lose: the last token is always computed again, and
+    a reply tokenized anew may differ from its generation near its end."""
+    return max(8, expected // 32)
+
+
+def _cause(old: PromptBlocks, new: PromptBlocks, common: int) -> str | None:
+    was = old.part_at(common)
+    now = new.part_at(common)
+    kinds = {p.kind for p in (was, now) if p is not None}
+    if "tools" in kinds:
+        return "tools_rerendered"
+    if was is not None and was.kind == "reasoning" and not _has_part(new, was):
+        return "reasoning_dropped"
+    if (common < NEAR_START_CHARS and was is not None and now is not None
+            and was.kind == now.kind and was.start == now.start
+            and abs((was.end - was.start) - (now.end - now.start)) <= CHANGING_LINE_CHARS
+            and _rest_kept(old, new, was, now)):
+        return "changing_line"
+    return None
+
+
+def _has_part(blocks: PromptBlocks, part: Part) -> bool:
+    return any(p.digest == part.digest for p in blocks.parts)
+
+
+def _rest_kept(old: PromptBlocks, new: PromptBlocks, was: Part, now: Part) -> bool:
+    """Every part after the changed one is as it was (the change stayed in its line)."""
+    after_old = [p.digest for p in old.parts if p.start >= was.end]
+    after_new = [p.digest for p in new.parts if p.start >= now.end]
+    return after_new[:len(after_old)] == after_old
+
+
+def _parts(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """(kind, text) of a request body's prompt, in the order a template renders it."""
+    system = data.get("system", data.get("instructions"))
+    if system is not None:
+        for text in _texts(system):
+            yield "system", text
+    tools = data.get("tools")
+    if tools:
+        yield "tools", _dumps(tools)
+    messages = data.get("messages", data.get("input", data.get("prompt")))
+    if isinstance(messages, str):
+        yield "prompt", messages
+        return
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        if isinstance(message, str):
+            yield "prompt", message
+        elif isinstance(message, dict):
+            yield from _message_parts(message)
+
+
+def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    role = message.get("role")
+    kind = _KINDS.get(role) if isinstance(role, str) else None
+    item = message.get("type")
+    if kind is None:  # a Responses input item, or an unknown role
+        if item == "reasoning":
+            yield "reasoning", _dumps(message.get("summary") or message.get("content") or "")
+        elif item in ("function_call", "function_call_output", "custom_tool_call",
+                      "custom_tool_call_output"):
+            yield "tool", _dumps(message)
+        else:
+            yield "user", _dumps(message)
+        return
+    for name in ("reasoning_content", "reasoning", "thinking"):
+        value = message.get(name)
+        if isinstance(value, str) and value:
+            yield "reasoning", value
+    content = message.get("content")
+    if isinstance(content, str):
+        yield from _split_think(kind, content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, str):
+                yield kind, part
+            elif isinstance(part, dict):
+                ptype = part.get("type")
+                if ptype in ("thinking", "redacted_thinking", "reasoning"):
+                    yield "reasoning", str(part.get("thinking") or part.get("data")
+                                           or part.get("text") or "")
+                elif ptype in ("tool_use", "tool_result"):
+                    yield "tool", _dumps(part)
+                elif isinstance(part.get("text"), str):
+                    yield from _split_think(kind, part["text"])
+    calls = message.get("tool_calls")
+    if calls:
+        yield kind, _dumps(calls)
+
+
+_KINDS = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+
+
+def _split_think(kind: str, text: str) -> Iterable[tuple[str, str]]:
+    """An answer that starts with its `<think>` block: the block is its reasoning."""
+    if kind == "assistant" and text.startswith("<think>"):
+        end = text.find("</think>")
+        if end >= 0:
+            end += len("</think>")
+            return (("reasoning", text[:end]), (kind, text[end:]))
+    return ((kind, text),)
+
+
+def _texts(content: Any) -> Iterator[str]:
+    if isinstance(content, str):
+        yield content
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, str):
+                yield part
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                yield part["text"]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

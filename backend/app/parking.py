@@ -1,0 +1,234 @@
+"""The steward of parked prefixes: what live sessions hold is saved before an engine goes
+away on purpose, and put back before their next turn.
+
+Planned losses all pass through `Pool.unload_model` (an idle TTL, an eviction for
+another model, an unload, a swap of the default model, the app closing): there, once the
+engine's requests drained and before it stops, `park` saves the slots of the sessions
+resident on it (`Residents`), each as its key's own file (`backend.llama.slot_parking`).
+A save that hangs does not hold the unload: all saves of one engine share
+`PARK_TIME_LIMIT` seconds, then the engine stops whatever is left unsaved.
+
+A session's next turn, once admission gave it a seat (a slot of an engine), is looked up
+by the relay (`before_send`): when its prefix is parked for its key on this model, it is
+restored into the seat's slot and the seat is pinned (`id_slot`), so the engine reuses it.
+The reply's cached tokens say whether it took (`after_answer`); one that did not is
+dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
+runs between the seat and the request.
+
+Which slot holds which session is the session table's (`backend.admission.sessions`,
+read through `Residents`): placement pins the turns that keep prefixes, and the relay
+records where each turn's prefix went.  Sessions whose prefix is only in an engine's RAM
+prompt cache (slot unknown) are not parked: llama-server saves slots, not that cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from backend.admission.admission_ticket import Ticket
+from backend.app.pool_config import ModelEntry
+from backend.errors import StudioError
+from backend.llama.load import Serving
+from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
+                                        SlotClient, model_identity)
+
+__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents"]
+
+log = logging.getLogger("gguf_studio.parking")
+
+#: Seconds all saves before one engine's planned loss may take together.  A save writes
+#: the slot's KV (SmolLM2: 22 KiB a token; a 7B model: 128 KiB, 4 GB for a 30k-token
+#: agent prompt, seconds on an SSD); past this the engine stops with what is left unsaved.
+PARK_TIME_LIMIT = 15.0
+
+
+class Resident(Protocol):
+    """A session as the session table knows it (`backend.admission.sessions.Session`)."""
+
+    @property
+    def key(self) -> str:
+        """Its key, scoped to its flow ("flow\\nname")."""
+
+    @property
+    def flow(self) -> str: ...
+
+    @property
+    def engine(self) -> str | None:
+        """The admission key of the engine whose cache holds its prefix; None: nowhere."""
+
+    @property
+    def slot(self) -> int | None:
+        """The slot holding its prefix, when known (pinned)."""
+
+
+class Residents(Protocol):
+    """Where sessions live (`backend.admission.sessions.SessionTable`)."""
+
+    def resident(self, engine: str) -> Sequence[Resident]:
+        """The sessions on `engine`, least recently served first."""
+
+    def where(self, key: str | None) -> Resident | None:
+        """Session `key`, or None when unknown."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A restore whose reply has yet to say whether it took."""
+
+    key: ParkKey
+    restored: Restored
+
+
+class ParkingSteward:
+    """Parks the slots of live sessions before planned losses and restores them."""
+
+    def __init__(self, lot: ParkingLot, *, entry_of: Callable[[str], ModelEntry | None],
+                 residents: Residents, time_limit: float = PARK_TIME_LIMIT) -> None:
+        self.lot = lot
+        self._entry_of = entry_of
+        self._residents = residents
+        # (model, engine key) -> its identity: worked out once per engine process (it
+        # reads the model file's size and time), not per request.
+        self._identities: dict[tuple[str, str], str | None] = {}
+        self.time_limit = time_limit
+        #: Figures for the log and the window: saves, restores that took, that did not.
+        self.counts = {"parked": 0, "restored": 0, "not_taken": 0, "park_failed": 0}
+
+    # --- before a planned loss ----------------------------------------------------------
+
+    async def park(self, model: str, serving: Serving) -> int:
+        """Save the slots of the sessions resident on `model`'s engine `serving` (drained:
+        nothing runs on it), within `time_limit` seconds; how many were saved."""
+        identity = self.identity(model, serving.key)
+        residents = [(r.slot, ParkKey(identity or "", r.flow, r.key))
+                     for r in self._residents.resident(serving.key) if r.slot is not None]
+        self._identities.pop((model, serving.key), None)
+        if identity is None or not residents or self.lot.budget_bytes <= 0:
+            return 0
+        saved = tried = 0
+        started = time.monotonic()
+        async with SlotClient(serving.base_url, api_key=serving.api_key,
+                              timeout=self.time_limit) as engine:
+            try:
+                async with asyncio.timeout(self.time_limit):
+                    for slot, key in reversed(residents):  # the most recent first
+                        tried += 1
+                        try:
+                            await self.lot.save(engine, slot, key)
+                            saved += 1
+                        except (SlotActionFailed, OSError, StudioError) as exc:
+                            self.counts["park_failed"] += 1
+                            log.warning("%s: a session's slot was not parked (%s)", model, exc)
+            except TimeoutError:
+                self.counts["park_failed"] += len(residents) - tried + 1
+                log.warning("%s: parking gave up after %g s with %d of %d sessions saved",
+                            model, self.time_limit, saved, len(residents))
+        self.counts["parked"] += saved
+        log.info("%s: parked %d session prefixes in %.2f s", model, saved,
+                 time.monotonic() - started)
+        return saved
+
+    # --- a session's next turn -----------------------------------------------------------
+
+    async def before_send(self, ticket: Ticket, model: str | None) -> object | None:
+        """Between the seat and the request: restore the session's parked prefix into the
+        seat's slot and pin the seat to it.  What `after_answer` needs (None: nothing).
+        Parking never fails a request: whatever goes wrong, the turn is a plain prefill."""
+        try:
+            return await self._restore(ticket, model)
+        except (OSError, StudioError) as exc:
+            log.warning("a parked prefix was not restored (%s); the turn computes its prompt",
+                        exc)
+            return None
+
+    def after_answer(self, pending: object | None, tail: bytes) -> None:
+        """The reply to a restored turn: keep the parked file when the restore took (its
+        cached tokens reached the restored prefix), drop it when it did not."""
+        if not isinstance(pending, _Pending):
+            return
+        cache_n = _cache_n(tail)
+        if pending.restored.took(cache_n):
+            self.counts["restored"] += 1
+            return
+        self.counts["not_taken"] += 1
+        log.warning("a restored prefix of %d tokens did not take (the reply reused %s); it "
+                    "is dropped", pending.restored.tokens, cache_n)
+        try:
+            self.lot.forget(pending.key)
+        except (OSError, StudioError) as exc:
+            log.warning("a parked prefix could not be dropped (%s)", exc)
+
+    def slot_dir(self) -> Path | None:
+        """The directory engines save slots to, made private; None (the engine starts
+        without one, nothing is parked) when it cannot be made."""
+        try:
+            return self.lot.open()
+        except (OSError, StudioError) as exc:
+            log.warning("parked prefixes are off: %s (%s)", self.lot.directory, exc)
+            return None
+
+    def identity(self, model: str, engine: str) -> str | None:
+        """A local model as its parked files know it: its file, and the settings that
+        shape its cache.  None for an engine elsewhere (its slots are not ours to park)
+        and for an isolated model (no request of it reuses any other's prompt)."""
+        known = (model, engine)
+        if known not in self._identities:
+            entry = self._entry_of(model)
+            self._identities[known] = None if entry is None or entry.isolated else \
+                model_identity(Path(entry.path), str(entry.settings.ctx_size),
+                               *entry.settings.extra_args)
+        return self._identities[known]
+
+
+    async def _restore(self, ticket: Ticket, model: str | None) -> object | None:
+        session = ticket.hint.session
+        seat = ticket.seat
+        if session is None or seat is None or seat.slot is None or model is None:
+            return None
+        identity = self.identity(model, ticket.serving.key)
+        if identity is None:
+            return None
+        key = ParkKey(identity, ticket.flow.key, session)
+        restored = None
+        # Parked, and not on this engine since: a turn after a restore finds its prefix
+        # in its slot (or the engine's RAM cache), newer than the file.
+        where = self._residents.where(session)
+        here = where is not None and where.engine == ticket.serving.key
+        if not here and self.lot.find(key) is not None:
+            serving = ticket.serving
+            async with SlotClient(serving.base_url, api_key=serving.api_key) as engine:
+                restored = await self.lot.restore(engine, seat.slot, key)
+            if restored is None:
+                self.counts["not_taken"] += 1
+        if restored is not None and not seat.pinned:
+            ticket.seat = dataclasses.replace(seat, pinned=True)
+        return _Pending(key, restored) if restored is not None else None
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _cache_n(tail: bytes) -> int | None:
+    """The engine's `timings.cache_n` in the last event or body that carries it."""
+    for block in reversed(tail.split(b"\n")):
+        if b'"cache_n"' not in block:
+            continue
+        text = block[5:] if block.startswith(b"data:") else block
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            continue
+        timings = payload.get("timings") if isinstance(payload, dict) else None
+        value = timings.get("cache_n") if isinstance(timings, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+

@@ -1,0 +1,357 @@
+"""Parked slots: a session's prefix kept on disk while its engine is gone.
+
+llama-server saves one slot's KV cache and tokens to a file in the directory it was
+started with (`--slot-save-path`) and loads such a file back into a slot
+(`POST /slots/{id}?action=save|restore`, body `{"filename": ...}`).  `ParkingLot` owns
+that directory: 0700, each file 0600, bounded by a disk budget with the least recently
+used file evicted first, and a small private index beside the files (`index.json`) that
+survives a restart of the app and says, for each file, which model, key (flow) and
+session it holds.
+
+A file's name is a digest of the three: it carries neither a secret nor a session's own
+name, and a request of one key can never name another key's file.  A restore looks the
+file up by the requesting key's own `ParkKey` and checks the index's key digest again
+before the engine is asked to read it.
+
+A restore may fail (a file of another model or cache layout, a prompt longer than the
+slot): the engine then answers an error and clears the slot, and the request is served
+with a plain prefill.  A file cut short or changed on disk never reaches the engine: the
+pinned llama.cpp aborts on a truncated one (`GGML_ASSERT(nread <= state_size)`), so each
+file's size and SHA-256 are kept in the index and checked before a restore.  A restore may also answer success and not take
+(llama.cpp has had restores that were no-ops): `Restored.took(cache_n)` tells from the
+next reply's cached tokens, and the file is dropped when it did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from backend.llama.api import engine_headers
+from backend.private_files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private, write_private
+
+__all__ = ["DEFAULT_BUDGET_BYTES", "INDEX_NAME", "SAVE_TIMEOUT", "ParkKey", "Parked",
+           "ParkingLot", "Restored", "SlotClient", "SlotActionFailed", "model_identity"]
+
+log = logging.getLogger("gguf_studio.slot_parking")
+
+#: Disk the parked slots may take together.  A slot of SmolLM2-135M holds about 22 KiB
+#: per token (f16 KV), one of a 7B model about 128 KiB: 4 GiB keeps a few dozen
+#: agent-sized prefixes (30k tokens) of a small model or a handful of a 7B one, and is
+#: a small share of a disk that holds GGUF files.
+DEFAULT_BUDGET_BYTES = 4 << 30
+#: Seconds one save or restore may take before it is given up (the engine defers a
+#: slot action while the slot works, so a busy slot would otherwise hold it for ever).
+SAVE_TIMEOUT = 10.0
+INDEX_NAME = "index.json"
+#: A restore took when the reply's cached tokens reach this share of what it restored
+#: (a reply shares all of the restored prefix but what the client rewrote, typically
+#: the last assistant turn re-rendered: a few tokens out of thousands).
+TOOK_SHARE = 0.5
+
+_SUFFIX = ".slot"
+_PARTIAL = "partial-"
+
+
+@dataclass(frozen=True)
+class ParkKey:
+    """Whose prefix a parked file holds: a model (`model_identity`), a key's flow, and
+    one of its sessions.  Never stored as given: only as digests."""
+
+    model: str
+    flow: str
+    session: str
+
+    @property
+    def file_name(self) -> str:
+        return _digest(self.model, self.flow, self.session)[:40] + _SUFFIX
+
+    @property
+    def flow_digest(self) -> str:
+        return _digest("flow", self.flow)
+
+    @property
+    def model_digest(self) -> str:
+        return _digest("model", self.model)
+
+
+@dataclass(frozen=True)
+class Parked:
+    """One parked file as the index knows it."""
+
+    file: str
+    model: str  #: digest of the model identity
+    flow: str  #: digest of the key's flow
+    tokens: int
+    size: int
+    sha256: str  #: the file as saved: anything else is never given to the engine
+    used: float  #: wall-clock seconds of its last save or restore (LRU across restarts)
+
+    def belongs_to(self, key: ParkKey) -> bool:
+        return (self.file == key.file_name and self.flow == key.flow_digest
+                and self.model == key.model_digest)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restore the engine accepted: `tokens` are back in `slot`."""
+
+    slot: int
+    tokens: int
+
+    def took(self, cache_n: int | None) -> bool:
+        """Whether the reply that followed it reused the restored prefix."""
+        return cache_n is not None and cache_n >= TOOK_SHARE * self.tokens
+
+
+class SlotActionFailed(Exception):
+    """The engine refused or did not finish a slot save or restore (its words kept for
+    the log, never shown to a client)."""
+
+
+class SlotClient:
+    """llama-server's slot actions at `base_url` (its own port and key)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None,
+                 timeout: float = SAVE_TIMEOUT) -> None:
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout, trust_env=False,
+                                         headers=engine_headers(api_key))
+
+    async def __aenter__(self) -> "SlotClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def save(self, slot: int, filename: str) -> tuple[int, int]:
+        """(tokens, bytes) written to `filename` in the engine's slot directory."""
+        body = await self._action(slot, "save", filename)
+        return _count(body.get("n_saved")), _count(body.get("n_written"))
+
+    async def restore(self, slot: int, filename: str) -> int:
+        """Tokens read back into `slot`."""
+        return _count((await self._action(slot, "restore", filename)).get("n_restored"))
+
+    async def erase(self, slot: int) -> None:
+        await self._action(slot, "erase", None)
+
+    async def _action(self, slot: int, action: str, filename: str | None) -> dict[str, Any]:
+        try:
+            response = await self._client.post(f"/slots/{slot}", params={"action": action},
+                                               json={"filename": filename} if filename else {})
+        except httpx.HTTPError as exc:
+            raise SlotActionFailed(f"slot {action} got no answer ({type(exc).__name__})") from None
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code != 200 or not isinstance(body, dict):
+            said = body.get("error", {}).get("message") if isinstance(body, dict) else None
+            raise SlotActionFailed(f"slot {action} answered {response.status_code}: "
+                                   f"{said or 'no reason given'}")
+        return body
+
+
+class ParkingLot:
+    """The directory of parked slots, its index and its disk budget."""
+
+    def __init__(self, directory: Path, *, budget: Callable[[], int] = lambda: DEFAULT_BUDGET_BYTES,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.directory = Path(directory)
+        self._budget = budget
+        self._clock = clock
+        self._index: dict[str, Parked] = {}
+        self._opened = False
+
+    def open(self) -> Path:
+        """Make the directory (0700) and read the index, forgetting entries whose file
+        is gone and removing files no entry names (a save cut short); the directory."""
+        if not self._opened:
+            self.directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+            make_private(self.directory / INDEX_NAME)
+            self._index = _read_index(self.directory / INDEX_NAME)
+            on_disk = {p.name for p in self.directory.iterdir() if p.name != INDEX_NAME}
+            for name in on_disk - set(self._index):
+                with contextlib.suppress(OSError):
+                    (self.directory / name).unlink()
+            gone = set(self._index) - on_disk
+            for name in gone:
+                del self._index[name]
+            self._opened = True
+            if gone:
+                self._write_index()
+        return self.directory
+
+    def find(self, key: ParkKey) -> Parked | None:
+        """The file parked for `key`, only if the index says it is that key's."""
+        self.open()
+        parked = self._index.get(key.file_name)
+        return parked if parked is not None and parked.belongs_to(key) else None
+
+    def parked(self) -> list[Parked]:
+        self.open()
+        return sorted(self._index.values(), key=lambda p: p.used)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(p.size for p in self._index.values())
+
+    async def save(self, engine: SlotClient, slot: int, key: ParkKey) -> Parked:
+        """Save `slot` as `key`'s prefix (replacing what was parked for it), then evict
+        the least recently used files past the budget.  SlotActionFailed when the engine
+        did not save it; nothing of it is left then."""
+        self.open()
+        # Written under a name of its own and renamed once private: a reader never meets
+        # half a file or one readable by others under a parked name.
+        partial = f"{_PARTIAL}{secrets.token_hex(8)}{_SUFFIX}"
+        path = self.directory / partial
+        try:
+            tokens, _written = await engine.save(slot, partial)
+            if tokens <= 0:
+                raise SlotActionFailed(f"slot {slot} holds no prompt to park")
+            size, sha256 = await asyncio.to_thread(_seal, path, self.directory / key.file_name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        parked = Parked(key.file_name, key.model_digest, key.flow_digest, tokens, size,
+                        sha256, self._clock())
+        self._index[parked.file] = parked
+        self._evict()
+        self._write_index()
+        return parked
+
+    async def restore(self, engine: SlotClient, slot: int, key: ParkKey) -> Restored | None:
+        """Load `key`'s parked prefix into `slot`.  None when nothing is parked for it, or
+        the engine could not restore it (the file is dropped then, the slot is empty and
+        the request is to be served with a plain prefill)."""
+        parked = self.find(key)
+        if parked is None:
+            return None
+        if not await asyncio.to_thread(_intact, self.directory / parked.file, parked):
+            log.warning("a parked prefix of %d tokens changed on disk since it was saved; "
+                        "it is dropped and the turn computes its prompt", parked.tokens)
+            self.forget(key)
+            return None
+        try:
+            tokens = await engine.restore(slot, parked.file)
+        except SlotActionFailed as exc:
+            log.warning("a parked prefix of %d tokens did not restore (%s); it is dropped "
+                        "and the turn computes its prompt", parked.tokens, exc)
+            self.forget(key)
+            return None
+        if tokens <= 0:
+            self.forget(key)
+            return None
+        self._index[parked.file] = dataclasses.replace(parked, used=self._clock())
+        self._write_index()
+        return Restored(slot, tokens)
+
+    def forget(self, key: ParkKey) -> None:
+        """Drop what is parked for `key` (a restore that did not take, a session ended)."""
+        self.open()
+        if self._index.pop(key.file_name, None) is not None:
+            with contextlib.suppress(OSError):
+                (self.directory / key.file_name).unlink()
+            self._write_index()
+
+    def _evict(self) -> None:
+        budget = self._budget()
+        by_age = sorted(self._index.values(), key=lambda p: p.used)
+        used = sum(p.size for p in by_age)
+        for parked in by_age:
+            if used <= budget:
+                break
+            log.info("parked prefix of %d tokens evicted (%d bytes past the %d byte budget)",
+                     parked.tokens, used - budget, budget)
+            del self._index[parked.file]
+            with contextlib.suppress(OSError):
+                (self.directory / parked.file).unlink()
+            used -= parked.size
+
+    def _write_index(self) -> None:
+        entries = [dataclasses.asdict(p) for p in self._index.values()]
+        write_private(self.directory / INDEX_NAME,
+                      json.dumps({"version": 1, "parked": entries}).encode())
+
+
+def model_identity(model_path: str | os.PathLike[str], *extra: str) -> str:
+    """A model as parked files know it: its file (path, size, modification time) and
+    what else changes its cache (`extra`); a file edited or replaced is another model."""
+    path = Path(model_path)
+    try:
+        info = path.stat()
+        stamp = f"{info.st_size}:{info.st_mtime_ns}"
+    except OSError:
+        stamp = "missing"
+    return _digest(str(path.resolve()), stamp, *extra)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _seal(partial: Path, final: Path) -> tuple[int, str]:
+    """The engine writes with the process umask; the file becomes 0600 before it takes
+    its parked name.  Its size and SHA-256."""
+    os.chmod(partial, PRIVATE_FILE_MODE)
+    size, sha256 = _measure(partial)
+    os.replace(partial, final)
+    return size, sha256
+
+
+def _intact(path: Path, parked: Parked) -> bool:
+    try:
+        return path.stat().st_size == parked.size and _measure(path) == (parked.size, parked.sha256)
+    except OSError:
+        return False
+
+
+def _measure(path: Path) -> tuple[int, str]:
+    with path.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256")
+    return path.stat().st_size, digest.hexdigest()
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _read_index(path: Path) -> dict[str, Parked]:
+    try:
+        data = json.loads(path.read_bytes())
+        entries = data["parked"] if isinstance(data, dict) else []
+    except (OSError, ValueError, KeyError):
+        return {}
+    found: dict[str, Parked] = {}
+    fields = {f.name for f in dataclasses.fields(Parked)}
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and set(entry) == fields:
+            try:
+                parked = Parked(str(entry["file"]), str(entry["model"]), str(entry["flow"]),
+                                int(entry["tokens"]), int(entry["size"]),
+                                str(entry["sha256"]), float(entry["used"]))
+            except (TypeError, ValueError):
+                continue
+            if parked.file.endswith(_SUFFIX) and "/" not in parked.file:
+                found[parked.file] = parked
+    return found

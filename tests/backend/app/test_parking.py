@@ -1,0 +1,272 @@
+"""Parked prefixes through the port, on the real engine: an agent's next turn after its
+model was unloaded for idleness, or after the app restarted, computes almost nothing of
+its prompt; a parked file that cannot be restored costs a plain prefill, nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+
+from backend.admission.sessions import SessionTable
+from backend.app.parking import ParkingSteward
+from backend.llama.api import engine_headers
+from backend.llama.engine import Engine
+from backend.llama.supervisor import Supervisor
+from backend.app.pool_config import ModelEntry, PoolConfig
+from backend.app.pool_status import Residency
+from backend.app.service import PARKED_SLOTS_DIR, StudioService
+from backend.llama.load import LoadSettings
+from backend.llama.slot_parking import INDEX_NAME, ParkingLot, ParkKey
+from backend.settings import Settings
+from tests.backend.service_harness import ServiceFactory
+
+SETTINGS = LoadSettings(parallel="2", ctx_size=4096)
+#: An agent's fixed head: about 1,500 tokens of instructions.
+HEAD = " ".join(f"Rule {n}: read the file before editing it, and keep edit {n} small."
+                for n in range(80))
+
+
+async def test_the_first_turn_after_an_idle_unload_computes_little_of_its_prompt(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        first = await turn(client, "idle-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        second = await turn(client, "idle-1", 2)
+        third = await turn(client, "idle-1", 3)
+    print(f"idle-TTL unload: turn 2 computed {second.computed} of {second.prompt} prompt tokens")
+    assert first.computed == first.prompt  # the first turn: nothing to reuse
+    assert second.computed <= 0.15 * second.prompt
+    # Restored once: the next turn finds its prefix in its slot, not the older file.
+    assert service.parking.counts["restored"] == 1
+    assert third.computed <= second.computed
+
+
+async def test_the_first_turn_after_the_app_restarts_computes_little_of_its_prompt(
+        tmp_path, llama_server_binary, tiny_model):
+    config = PoolConfig(models=(ModelEntry.for_file(str(tiny_model), settings=SETTINGS),))
+    settings = Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60)
+    engine = Engine(data_dir=tmp_path / "data")
+    before = StudioService(settings, engine=engine, log_dir=tmp_path / "logs")
+    try:
+        await before.start_gateway()
+        await before.start_pool(config)
+        async with port(before) as client:
+            await turn(client, "restart-1", 1)
+    finally:
+        await before.close()  # `serve` stopping: its sessions are parked
+    after = StudioService(settings, engine=engine, log_dir=tmp_path / "logs")
+    try:
+        await after.start_gateway()
+        await after.start_pool(config)
+        async with port(after) as client:
+            second = await turn(client, "restart-1", 2)
+    finally:
+        await after.close()
+    print(f"serve restart: turn 2 computed {second.computed} of {second.prompt} prompt tokens")
+    assert second.computed <= 0.15 * second.prompt
+    slots = after.engine.data_dir / PARKED_SLOTS_DIR
+    assert stat.S_IMODE(slots.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in slots.iterdir())
+
+
+async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "broken-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        for parked in parked_files(service.parking):
+            parked.write_bytes(parked.read_bytes()[: parked.stat().st_size // 3])
+        second = await turn(client, "broken-1", 2)
+        third = await turn(client, "broken-1", 3)
+    assert second.computed == second.prompt  # served, with its whole prompt computed
+    assert service.pool.status("tiny").residency is Residency.READY
+    assert service.pool.snapshot("tiny").restarts == 0  # the engine never read the file
+    assert third.computed <= 0.15 * third.prompt  # and the session is warm again
+
+
+async def test_a_restore_the_turn_does_not_share_is_dropped_and_the_turn_served(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "rewritten-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        assert len(parked_files(service.parking)) == 1
+        # The client rewrote its head (a timestamp at the start of the system prompt):
+        # the engine takes the restore, and the reply reuses next to nothing of it.
+        second = await turn(client, "rewritten-1", 2, head="Today is Tuesday. " + HEAD)
+    assert second.computed >= 0.9 * second.prompt
+    assert service.parking.counts == {"parked": 1, "restored": 0, "not_taken": 1,
+                                      "park_failed": 0}
+    assert parked_files(service.parking) == []  # not restored again on the next turn
+
+
+async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceFactory,
+                                                                 tiny_model):
+    service = await studio()
+    _, alice = service.keys.add("alice")
+    _, bob = service.keys.add("bob")
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "shared-name", 1, key=alice)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        parked = parked_files(service.parking)
+        # bob names the same session and sends the same conversation.
+        await turn(client, "shared-name", 2, key=bob)
+        bobs_counts = dict(service.parking.counts)
+        await turn(client, "shared-name", 2, key=alice)
+    assert len(parked) == 1 and parked_files(service.parking) == parked
+    assert bobs_counts == {"parked": 1, "restored": 0, "not_taken": 0, "park_failed": 0}
+    assert service.parking.counts["restored"] == 1  # alice's own turn got it
+
+
+async def test_an_isolated_model_parks_nothing(studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(ModelEntry.for_file(
+        str(tiny_model), settings=SETTINGS, idle_ttl=1.0, isolated=True),)))
+    async with port(service) as client:
+        await turn(client, "isolated-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await turn(client, "isolated-1", 2)
+    assert parked_files(service.parking) == []
+    assert service.parking.counts["parked"] == 0
+
+
+async def test_a_parking_directory_that_cannot_be_made_leaves_serving_alone(
+        studio: ServiceFactory, tiny_model, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / PARKED_SLOTS_DIR).write_text("a file where the directory would go")
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "no-dir-1", 1)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        second = await turn(client, "no-dir-1", 2)
+    assert second.computed == second.prompt  # served as without parking
+    assert service.parking.counts["parked"] == 0
+
+
+async def test_an_engine_that_does_not_answer_its_save_stops_within_the_bound(
+        studio: ServiceFactory, tiny_model):
+    service = await studio(stop_timeout=1.0)
+    service.parking.time_limit = 1.0
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS),)))
+    async with port(service) as client:
+        await turn(client, "hung-1", 1)
+    pid = service.pool.snapshot("tiny").pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # hung: it takes the save request and never answers
+    started = time.monotonic()
+    await service.unload_model("tiny")
+    took = time.monotonic() - started
+    # The save's bound, then SIGTERM's wait, then SIGKILL: not the save's own timeout.
+    assert took < 1.0 + 1.0 + 3.0, took
+    assert service.parking.counts["park_failed"] == 1
+    assert service.pool.status("tiny").residency is Residency.UNLOADED
+
+
+async def test_with_the_session_table_the_sessions_in_slots_are_the_ones_parked(
+        tmp_path, llama_server_binary, tiny_model):
+    entry = ModelEntry.for_file(str(tiny_model), settings=SETTINGS)
+    table = SessionTable()
+    steward = ParkingSteward(ParkingLot(tmp_path / "slots"), entry_of=lambda name: entry,
+                             residents=table)
+    supervisor = Supervisor(llama_server_binary, tmp_path, load_timeout=120, stop_timeout=5,
+                            slot_save_dir=steward.lot.open)
+    try:
+        engine = await supervisor.load(SETTINGS.to_spec(str(tiny_model)))
+        assert engine.serving is not None
+        async with httpx.AsyncClient(headers=engine_headers(engine.serving.api_key),
+                                     timeout=120) as client:
+            for slot in (0, 1):
+                answer = await client.post(f"{engine.serving.base_url}/completion", json={
+                    "prompt": HEAD, "n_predict": 1, "id_slot": slot})
+                assert answer.status_code == 200, answer.text
+        key = engine.serving.key
+        table.record("alice\na", flow="alice", engine=key, slot=0)
+        table.record("bob\nb", flow="bob", engine=key, slot=None)  # in no known slot
+        table.record("carol\nc", flow="carol", engine="elsewhere", slot=1)
+        assert await steward.park("tiny", engine.serving) == 1
+    finally:
+        await supervisor.unload()
+    identity = steward.identity("tiny", "after a restart")
+    assert identity is not None
+    assert steward.lot.find(ParkKey(identity, "alice", "alice\na")) is not None
+    assert steward.lot.find(ParkKey(identity, "bob", "bob\nb")) is None
+    assert steward.lot.find(ParkKey(identity, "carol", "carol\nc")) is None
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def studio(tmp_path: Path, llama_server_binary: Path) -> AsyncIterator[ServiceFactory]:
+    """`await studio(**settings)`: a service with its port open and a data dir (so a
+    parking directory) of the test's own; closed when the test ends."""
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(**settings: Any) -> StudioService:
+            chosen: dict[str, Any] = {"port": 0, "llama_server": str(llama_server_binary),
+                                      "load_timeout": 60, **settings}
+            service = StudioService(Settings(**chosen), engine=Engine(data_dir=tmp_path / "data"),
+                                    log_dir=tmp_path / "logs")
+            stack.push_async_callback(service.close)
+            await service.start_gateway()
+            return service
+        yield start
+
+
+class Figures:
+    def __init__(self, timings: dict[str, int]) -> None:
+        self.computed = timings["prompt_n"]
+        self.prompt = timings["prompt_n"] + timings["cache_n"]
+
+
+def port(service: StudioService) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}", timeout=120)
+
+
+async def turn(client: httpx.AsyncClient, session: str, n: int, head: str = HEAD,
+               key: str | None = None) -> Figures:
+    """Turn `n` of an agent's session: its head, the turns before, one new line.  With a
+    named `key` the answer tells nothing of the cache: its figures are then zeros."""
+    messages = [{"role": "system", "content": head}]
+    for earlier in range(1, n):
+        messages += [{"role": "user", "content": f"Step {earlier}: edit the next file."},
+                     {"role": "assistant", "content": f"Done with step {earlier}."}]
+    messages.append({"role": "user", "content": f"Step {n}: edit the next file."})
+    answer = await client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0,
+        "prompt_cache_key": session}, headers={"authorization": f"Bearer {key}"} if key else {})
+    assert answer.status_code == 200, answer.text
+    return Figures(answer.json().get("timings", {"prompt_n": 0, "cache_n": 0}))
+
+
+def parked_files(steward: ParkingSteward) -> list[Path]:
+    return [p for p in steward.lot.directory.iterdir() if p.name != INDEX_NAME]
+
+
+async def until(predicate, timeout: float = 60.0) -> None:
+    """Poll the running system (residency has no event here)."""
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout)

@@ -1,0 +1,113 @@
+"""The Sessions tab renders the backend's rows: a session's key, name, model, the share
+of its prompt tokens the cache held, where its prefix lives, and its last miss and why."""
+
+from __future__ import annotations
+
+from backend.admission.cache_misses import CacheBook, prompt_blocks, session_rows
+from backend.admission.sessions import SessionTable
+from studio.sessions_view import COLUMNS, SessionsView
+
+HEAD = "You are a coding agent. " * 80
+
+
+def chat(*texts: str, system: str = HEAD) -> dict[str, object]:
+    return {"messages": [{"role": "system", "content": system},
+                         *({"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                           for i, t in enumerate(texts))]}
+
+
+def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_last_miss(qtbot):
+    clock = [100.0]
+    book = CacheBook(clock=lambda: clock[0])
+    table = SessionTable(clock=lambda: clock[0])
+
+    def here(session: str | None, flow: str, body: dict[str, object], cached: int,
+             computed: int) -> None:
+        book.judge(session, flow, "coder", prompt_blocks(body), cached, computed,
+                   engine="http://127.0.0.1:9000", label="this machine",
+                   engine_alive=lambda key: key == "http://127.0.0.1:9000")
+
+    # Codex's thread: three turns, the second found all of the first; the third's clock
+    # line changed.
+    here("alice\nthread-1", "alice", chat("read main.py"), 0, 600)
+    here("alice\nthread-1", "alice", chat("read main.py", "ok", "run tests"), 599, 201)
+    table.record("alice\nthread-1", flow="alice", engine="http://127.0.0.1:9000",
+                 label="this machine", slot=1)
+    # A conversation another key does not name: placement's hint names it after its start.
+    here("bob\n#5e1c0ffee5e1c0ff", "bob", chat("hello"), 0, 500)
+    clock[0] = 130.0
+
+    view = SessionsView()
+    qtbot.addWidget(view)
+    view.show_sessions(session_rows(book.snapshot(), table, now=clock[0]))
+
+    shown = [dict(zip(COLUMNS, row)) for row in view.rows()]
+    assert shown == [
+        {"Key": "bob", "Session": "unnamed 5e1c0ffee5e1c0ff", "Model": "coder", "Turns": "1",
+         "Prompt cached": "0 %", "Prefix lives on": "this machine", "Last miss": "—",
+         "Idle": "30 s"},
+        {"Key": "alice", "Session": "thread-1", "Model": "coder", "Turns": "2",
+         "Prompt cached": "43 %", "Prefix lives on": "this machine, slot 1", "Last miss": "—",
+         "Idle": "30 s"},
+    ]
+    assert view.summary.text() == "2 live sessions."
+
+    # The next turn of the thread, after its engine restarted: a miss, and why.
+    book.judge("alice\nthread-1", "alice", "coder",
+               prompt_blocks(chat("read main.py", "ok", "run tests", "done", "commit")),
+               0, 900, engine="http://127.0.0.1:9001", label="this machine",
+               engine_alive=lambda key: key == "http://127.0.0.1:9001")
+    table.forget_engine("http://127.0.0.1:9000")
+    view.show_sessions(session_rows(book.snapshot(), table, now=clock[0]))
+    thread = dict(zip(COLUMNS, view.rows()[0]))
+    assert (thread["Session"], thread["Prompt cached"], thread["Prefix lives on"],
+            thread["Last miss"]) == ("thread-1", "26 %", "nowhere", "unloaded")
+
+
+def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hit_share(
+        open_window, qtbot, with_engine, tiny_model):
+    import concurrent.futures
+
+    import httpx
+    from PySide6.QtCore import Qt
+
+    from backend.llama.load import State
+    from studio.window import SESSIONS_TAB
+
+    window = open_window()
+    view = window.model_view
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: view.info is not None, timeout=15_000)
+    view.parallel.setValue(1)
+    view.ctx_size.setValue(2048)
+    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=60_000)
+
+    def two_turns() -> list[int]:
+        """Codex's way: its thread id as `prompt_cache_key`, the whole history each turn."""
+        url = f"http://127.0.0.1:{window.settings.port}/v1/chat/completions"
+        messages = [{"role": "system", "content": HEAD}, {"role": "user", "content": "hi"}]
+        cached = []
+        with httpx.Client(timeout=60) as client:
+            for text in ("read main.py", "run the tests"):
+                answer = client.post(url, json={"model": "tiny", "messages": messages,
+                                                "max_tokens": 4, "prompt_cache_key": "thread-7"})
+                assert answer.status_code == 200, answer.text
+                cached.append(answer.json()["timings"]["cache_n"])
+                messages += [{"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": text}]
+        return cached
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # never on the Qt loop
+        future = pool.submit(two_turns)
+        qtbot.waitUntil(future.done, timeout=120_000)
+        cached = future.result()
+    assert cached[1] > 0
+
+    window.tabs.setCurrentIndex(SESSIONS_TAB)
+    qtbot.waitUntil(lambda: len(window.sessions.rows()) == 1, timeout=15_000)
+    row = dict(zip(COLUMNS, window.sessions.rows()[0]))
+    assert (row["Session"], row["Model"], row["Turns"]) == ("thread-7", "tiny", "2")
+    # This machine's engine; its slot too where placement pinned the turn to one.
+    assert row["Prefix lives on"] in ("this machine", "this machine, slot 0")
+    assert 0 < int(row["Prompt cached"].removesuffix(" %")) < 100
