@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
-from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
+from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks, Verdict
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.admission import AdmissionQueue, Line
@@ -303,14 +303,15 @@ class Exchange:
             self._task = None  # nothing left to abort
             self.passage.close()
             self._account()
-            self._record()
+            # Judged before the record, which names a miss's reason: a comparison of
+            # block hashes made at the gateway (tens of microseconds for an agent's turn).
+            verdict = None if self._answer_tail is None else self._judge_cache(self._answer_tail)
+            self._record(verdict)
         try:
             await self._send_all(last)
         finally:
             if self._stall is not None:
                 self._stall.stop()
-            if self._answer_tail is not None:  # after the end went out: it delays no one
-                self._judge_cache(self._answer_tail)
 
     def _stalled(self) -> None:
         """The client left its answer unread for the stall timeout: drop it (the task
@@ -377,7 +378,7 @@ class Exchange:
         else:
             self.passage.left()  # before its turn
 
-    def _record(self) -> None:
+    def _record(self, verdict: Verdict | None = None) -> None:
         """Leave this request's record in the inspector's ring: names, times and the
         engine's figures, read once from the answer's last bytes; nothing of its content."""
         ticket = self.ticket
@@ -403,6 +404,7 @@ class Exchange:
             prompt_tokens=figures.prompt_tokens, cached_tokens=figures.cached_tokens,
             computed_tokens=(None if figures.prompt_tokens is None or figures.cached_tokens is None
                              else figures.prompt_tokens - figures.cached_tokens),
+            cache_miss=None if verdict is None or not verdict.missed else verdict.describe(),
             output_tokens=output if output is not None or not self._events else self._events,
             prefill_ms=figures.prefill_ms,
             time_to_first_token=None if first is None else first - self._arrived,
@@ -453,20 +455,21 @@ class Exchange:
         placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
                          ticket.engine.label, *figures)
 
-    def _judge_cache(self, answer: bytes) -> None:
+    def _judge_cache(self, answer: bytes) -> Verdict | None:
         """Count the answer's cached and computed prompt tokens, and say why a miss
         missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
         figures = sse.find_prompt_cache(answer)
         ticket = self.ticket
         if figures is None or ticket is None or ticket.engine is None:
-            return
+            return None
         engines = self.line.engines
         seat = ticket.seat
-        self.host.metrics.note_prompt(
+        verdict, _summary = self.host.metrics.note_prompt(
             self.request.model_id or UNROUTED, self.request.hint.session, self.caller.flow,
             self.request.blocks, *figures, engine=ticket.serving.key, label=ticket.engine.label,
             slot=seat.slot if seat is not None and seat.pinned else None,
             engine_alive=lambda key: any(e.key == key for e in engines))
+        return verdict
 
     def _cut_usage(self) -> tuple[int, int]:
         """(prompt, completion) tokens of an answer that ended before the engine's usage

@@ -99,3 +99,8 @@ async def test_each_answer_counts_its_cached_and_computed_prompt_tokens_and_a_ch
     common = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
     assert abs(miss.at_token - common) <= 1, (miss.at_token, common)
     assert miss.describe().startswith(f"prefix changed at token {miss.at_token}")
+    # The request inspector says it too: the third turn's record names the miss, the
+    # second's (a hit) names none.
+    records = service.requests.records()[-3:]
+    assert [r.cache_miss for r in records[1:]] == [None, miss.describe()]
+    assert records[2].computed_tokens is not None and records[2].computed_tokens > 0
