@@ -54,6 +54,8 @@ first blocks, seeded with the flow, so that no caller's prompt can match another
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -316,7 +318,9 @@ def _conversation_digest(data: Mapping[str, Any]) -> str | None:
     """A session name for a client that gives none: a digest of its conversation's
     start, the prompt's text up to the end of its first user message (what stays the
     same turn after turn; a shared head of instructions alone would merge sessions)."""
-    digest = 0
+    # blake2b, not hash(): the name must be the same in the next process (a session's
+    # parked prefix is found by it after a restart).
+    digest = hashlib.blake2b(digest_size=8)
     size = 0
     seen_user = False
     for text in _prompt_texts(data):
@@ -324,11 +328,12 @@ def _conversation_digest(data: Mapping[str, Any]) -> str | None:
             break  # the next message's role mark: the first user message ended
         if text == "\x1euser\x1f":
             seen_user = True
-        digest = hash((digest, text))
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")
         size += len(text)
         if size >= _SESSION_DIGEST_CHARS:
             break
-    return f"#{digest & 0xFFFF_FFFF_FFFF_FFFF:016x}" if size else None
+    return f"#{digest.hexdigest()}" if size else None
 
 
 def _prefix_digest(flow: str, data: Mapping[str, Any]) -> tuple[int, ...]:

@@ -375,6 +375,10 @@ class Exchange:
             if self._answered:
                 self._learn(tail, told_prompt)
                 self._answer_tail = self._start + tail
+            elif self._events:
+                # Stopped mid-answer: its slot holds the prompt all the same, and the
+                # conversation's next turn (a stop, then a new question) belongs there.
+                self._learn(b"", prompt)
         else:
             self.passage.left()  # before its turn
 
