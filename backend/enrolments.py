@@ -170,6 +170,9 @@ class Enrolments:
         enrolment = Enrolment(name=name, address=address, code=_new_code(), requested_at=now,
                               expires_at=now + self._ttl(), token=secrets.token_urlsafe(24))
         self._by_token[enrolment.token] = enrolment
+        # In the file before the teammate is told its code: the owner, told that code,
+        # lists the requests at once (`keys requests`), not at the next sync.
+        self._mirror([])
         self._changed()
         return enrolment
 
@@ -258,12 +261,7 @@ class Enrolments:
                     outcomes.append({"name": record.name, "result": APPROVED})
             except (StudioError, TypeError, ValueError) as exc:
                 outcomes.append({"name": name, "result": "failed", "error": str(exc)})
-        shared = [SharedRequest(e.name, e.address, e.code, e.requested_at, e.expires_at)
-                  for e in self.pending()]
-        if outcomes or shared != self._mirrored:
-            with contextlib.suppress(OSError, StudioError):
-                self.file.mirror(shared, outcomes)
-                self._mirrored = shared
+        self._mirror(outcomes)
 
     def close(self) -> None:
         """The port stops: nothing it held can be collected any more."""
@@ -272,6 +270,15 @@ class Enrolments:
             self.file.mirror([], [])
 
     # --- helpers -----------------------------------------------------------------------
+
+    def _mirror(self, outcomes: list[dict[str, Any]]) -> None:
+        """The pending requests into the file, for `keys requests` (when they changed)."""
+        shared = [SharedRequest(e.name, e.address, e.code, e.requested_at, e.expires_at)
+                  for e in self.pending()]
+        if outcomes or shared != self._mirrored:
+            with contextlib.suppress(OSError, StudioError):
+                self.file.mirror(shared, outcomes)
+                self._mirrored = shared
 
     def _pending_named(self, name: str) -> Enrolment:
         self._expire(self._clock())

@@ -124,3 +124,11 @@ def test_the_file_shows_no_secret_and_takes_decisions_of_another_process(
     assert json.loads(keys("requests", "--json").stdout) == []
     unknown = keys("refuse", "nobody")
     assert unknown.returncode == 1 and "No enrolment request named 'nobody'" in unknown.stderr
+
+
+def test_a_request_is_in_the_shared_file_before_its_code_is_told(enrolments, tmp_path):
+    # The teammate reads its code to the owner, who lists the requests at once from
+    # another process (`keys requests`): the file holds it without waiting for a sync.
+    enrolment = enrolments.request("carol", "10.0.0.9")
+    listed = EnrolmentFile(enrolments.file.path).requests()
+    assert [(r.name, r.code) for r in listed] == [("carol", enrolment.code)]
