@@ -31,9 +31,10 @@ started with a slot similarity of 1 (`Serving.pin_any_slot`), pinning a slot tha
 held a prompt always goes through the RAM cache (the keep fraction is 0 < 0.5: the slot
 is saved, the best match loaded, the slot's own content when it is the prefix), so that
 seat is pinned too and the books stay exact when requests ending together release their
-slots in another order there than here; a slot never used is never pinned (an empty
-slot skips the cache), llama-server's LRU takes it first, as the books do.  Nothing is
-pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
+slots in another order there than here.  A slot never used is pinned on any split cache
+(an empty slot skips the RAM cache, a cost paid once per slot): requests arriving at once
+may reach a fresh engine in another order than they were admitted, and the table would
+then name the wrong slots.  Nothing is pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
 engine holding its prefix (or else, when that has room, to one holding another session
 of its flow that showed the same first blocks); while its own engine has no room and
 another has, it waits at most `home_wait` seconds (10 by default) from its arrival, then
@@ -275,12 +276,19 @@ def _split(engine: SeatEngine) -> bool:
     return kv is not None and not kv.unified
 
 
-def _unpinned(engine: E) -> Seat[E]:
+def _unpinned(engine: E, *, pin_fresh: bool = True) -> Seat[E]:
     """The seat llama-server would choose by itself; pinned there when the engine was
     started to keep prefixes and that slot has held a prompt (the port's books then hold
     for sure: requests ending at once may release their slots in another order there)."""
     seat = engine.least_recent_free_seat()
-    if engine.pin_any_slot and seat.slot is not None and engine.slot_used(seat.slot):
+    if seat.slot is not None and (engine.pin_any_slot
+                                  or (pin_fresh and not engine.slot_used(seat.slot))):
+        # A slot never used is pinned too: requests that reach the engine in another
+        # order than they were admitted here (two agents' first turns on a fresh engine)
+        # would otherwise take each other's empty slots there, and each next turn, sent
+        # to the slot the table names, would find the other's prompt (seen in
+        # test_sessions_engines, 1 run in 3).  An empty slot skips the RAM cache when
+        # pinned: a new session there computes its whole first prompt, once per slot.
         return Seat(engine, seat.slot, pinned=True)
     return seat
 
@@ -295,7 +303,9 @@ def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
             and sessions.holder(engine.key, session.slot) is session):
         seat = Seat(engine, session.slot, pinned=True)
     else:
-        seat = _unpinned(engine)
+        # Not a fresh slot for a session whose prefix is here: unpinned, the engine may
+        # still find it in its RAM cache.
+        seat = _unpinned(engine, pin_fresh=session is None)
     if session is None or not session.prompt_tokens:
         return seat
     prompt = session.prompt_tokens if need is None else min(need.prompt, session.prompt_tokens)

@@ -164,7 +164,9 @@ def test_a_sessions_turn_is_pinned_to_the_slot_its_last_turn_left_its_prefix_in(
     engine = Engine("e", [0, 1], kv=SPLIT)
     policy = KeepPrefixes(SessionTable(), clock=Clock())
     first = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
-    assert first == Seat(engine, 1) and not first.pinned  # as llama-server picks: LRU, highest id
+    # As llama-server picks (LRU, highest id), pinned: a slot never used is pinned, so two
+    # first turns at once cannot swap slots there.
+    assert first == Seat(engine, 1, pinned=True)
     served(policy, "f\na", first, 900)
     engine.released.append(1)
     again = policy.place(Wanting(TokenNeed(1_000, 100), Hint("f\na", flow="f")), [engine])
@@ -183,10 +185,11 @@ def test_a_slot_another_session_took_is_not_pinned_the_engine_finds_the_prefix_i
     assert seat == Seat(engine, 0, pinned=False, cached=900)
 
 
-def test_an_engine_started_to_keep_prefixes_has_every_used_slot_pinned_never_an_empty_one():
+def test_on_a_split_cache_every_seat_is_pinned_an_empty_one_too():
     engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0])
     policy = KeepPrefixes(SessionTable(), clock=Clock())
-    assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 1)
+    # Slot 1 was never used: pinned all the same, so the table names the slot it ran on.
+    assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 1, pinned=True)
     engine.free = [0, 2]  # slot 1 runs: the one released longest ago, pinned
     assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 2, pinned=True)
     served(policy, "f\nb", Seat(engine, 0, pinned=True), 600)
@@ -210,7 +213,7 @@ def test_a_session_goes_back_to_the_engine_holding_its_prefix():
     a.free = [0, 1]
     b.free = [1]  # b has fewer free slots: today's rule would take a
     assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a, b]) == Seat(b, 1, cached=500)
-    assert policy.place(Wanting(hint=Hint("f\nnew", flow="f")), [a, b]) == Seat(a, 1)
+    assert policy.place(Wanting(hint=Hint("f\nnew", flow="f")), [a, b]) == Seat(a, 1, pinned=True)
 
 
 def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_another_flows():
@@ -219,11 +222,11 @@ def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_ano
     mine = request_hint("key alice", [], chat("a long shared head " * 100, "first"))
     served(policy, "key alice\nold", Seat(b, 0), 700, prefix=mine.prefix)
     same_head = request_hint("key alice", [], chat("a long shared head " * 100, "second"))
-    assert policy.place(Wanting(hint=same_head), [a, b]) == Seat(b, 1)  # not pinned: not its slot
+    assert policy.place(Wanting(hint=same_head), [a, b]) == Seat(b, 1, pinned=True)  # a fresh slot
     theirs = request_hint("key bob", [], chat("a long shared head " * 100, "second"))
-    assert policy.place(Wanting(hint=theirs), [a, b]) == Seat(a, 1)  # today's rule
+    assert policy.place(Wanting(hint=theirs), [a, b]) == Seat(a, 1, pinned=True)  # today's rule
     b.free = []  # a shared head is no reason to wait: a new session goes where there is room
-    assert policy.place(Wanting(hint=same_head, enqueued_at=1e9), [a, b]) == Seat(a, 1)
+    assert policy.place(Wanting(hint=same_head, enqueued_at=1e9), [a, b]) == Seat(a, 1, pinned=True)
 
 
 def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
@@ -234,7 +237,7 @@ def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
     ticket = Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now)
     assert policy.place(ticket, [a, b]) is None  # b frees a slot soon
     clock.now += HOME_WAIT
-    assert policy.place(ticket, [a, b]) == Seat(a, 1)  # waited long enough: anywhere
+    assert policy.place(ticket, [a, b]) == Seat(a, 1, pinned=True)  # waited long enough: anywhere
     assert policy.place(Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now), [b]) is None
 
 
@@ -242,5 +245,5 @@ def test_a_turn_on_an_engine_that_went_away_is_placed_as_any_other():
     a = Engine("a", [0, 1], kv=SPLIT)
     policy = KeepPrefixes(SessionTable(), clock=Clock())
     served(policy, "f\ns", Seat(Engine("gone", [0], kv=SPLIT), 0), 500)
-    assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a]) == Seat(a, 1)
+    assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a]) == Seat(a, 1, pinned=True)
     assert policy.place(Wanting(TokenNeed(20_000, 0), Hint("f\ns", flow="f")), [a]) is None
