@@ -205,6 +205,9 @@ class Serving:
     #: A request pinned to any slot that has held a prompt still finds its prefix in the
     #: engine's RAM prompt cache (it runs with `PREFIX_CACHE_ARGS`, see the supervisor).
     pin_any_slot: bool = False
+    #: It takes a request's `id_slot` (a llama-server); another GGUF Studio port refuses
+    #: it (its slots are its own to place), so a pinned seat there is sent unpinned.
+    takes_slot_ids: bool = True
     #: How fast it computes prompts and steps, and the batch it runs with, as measured
     #: after its load (backend.llama.engine_speed); None when not measured.
     speed: EngineSpeed | None = None

@@ -203,11 +203,12 @@ class RemoteEngine(SnapshotPublisher):
         if slots is not None:
             serving = Serving(self.base_url, slots,
                               context_length=kv.per_request if kv is not None else model.context_length,
-                              kv=kv, api_key=self.api_key, upstream_model=model.id)
+                              kv=kv, api_key=self.api_key, upstream_model=model.id,
+                              takes_slot_ids=False)
         elif model.loadable:
             serving = Serving(self.base_url, LOADABLE_SLOTS, context_length=model.context_length,
                               api_key=self.api_key, upstream_model=model.id,
-                              kv_note=LOADABLE_NOTE)
+                              kv_note=LOADABLE_NOTE, takes_slot_ids=False)
         return ServedModel(model.id, model.state, serving, aliases=model.aliases,
                            context_length=model.context_length, embeddings=model.embeddings,
                            default=model.default, error=model.error)
@@ -235,7 +236,8 @@ class RemoteEngine(SnapshotPublisher):
         else:
             log.info("%s changed: %s, %s", self.base_url, model_id, kv.describe(slots))
         serving = Serving(self.base_url, slots, context_length=context_length, kv=kv,
-                          api_key=self.api_key, kv_note=kv_note, upstream_models=upstream_models)
+                          api_key=self.api_key, kv_note=kv_note, upstream_models=upstream_models,
+                          takes_slot_ids=self.kind is not UpstreamKind.GGUF_STUDIO)
         self._set_state(State.READY, serving=serving, model_id=model_id, models=(),
                         restarting=False, error=None)
 

@@ -967,7 +967,7 @@ def _seated(body: bytes, ticket: Ticket) -> bytes:
     """The body as sent to the engine: with the seat's slot as `id_slot` when its
     placement pinned it (a client's own `id_slot` is refused before this)."""
     seat = ticket.seat
-    if seat is None or not seat.pinned or seat.slot is None:
+    if seat is None or not seat.pinned or seat.slot is None or not ticket.serving.takes_slot_ids:
         return body
     rest = body.lstrip()[1:]  # a checked body is one JSON object
     comma = b"" if rest.lstrip().startswith(b"}") else b","

@@ -300,7 +300,8 @@ async def test_two_gguf_studio_ports_behind_a_third_share_one_models_line(
         first_tokens = [asyncio.Event() for _ in range(4)]
         running = [asyncio.create_task(stream_lines(client, chat("tiny", True, **LONG), ev))
                    for ev in first_tokens]
-        await asyncio.gather(*(ev.wait() for ev in first_tokens))
+        # Bounded: a stream the inner ports refuse (they take no id_slot) never begins.
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in first_tokens)), 60)
         assert (service.registry.total_active, service.registry.total_waiting) == (4, 0)
         waiter = asyncio.create_task(stream_lines(
             client, chat("tiny", True, max_tokens=40, ignore_eos=True)))
