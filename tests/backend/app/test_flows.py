@@ -86,7 +86,9 @@ async def test_one_keys_flood_does_not_hold_back_anothers_request(service):
     one_flood_request = sorted(durations)[len(durations) // 2]
     assert usage["colleague"].mean_wait < 1.5 * one_flood_request, (usage["colleague"],
                                                                     one_flood_request)
-    assert usage["flood"].mean_wait > 3 * one_flood_request
+    # Fair or not, the flood's 16 on 2 slots wait 3.5 of its requests on average; the
+    # bound leaves room for rounds that run faster than the median one.
+    assert usage["flood"].mean_wait > 2.5 * one_flood_request
     assert usage["flood"].requests == 16 and usage["colleague"].requests == 1
     assert usage["colleague"].completion_tokens == 20
 
