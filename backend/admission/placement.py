@@ -222,6 +222,20 @@ class KeepPrefixes:
             return None
         return _unpinned(best) if _split(best) else best.lowest_free_seat()
 
+    def cached_tokens(self, hint: Hint, engine: object) -> int:
+        """Prompt tokens of the request with `hint` that `engine`'s cache holds, as far as
+        the table knows: its session's last prompt when that lives on `engine` (in a slot
+        or its RAM prompt cache) and the request begins as that prompt did; else 0.  The
+        prefill budget's `CacheKnowledge`: a warm turn counts only its new tokens."""
+        session = self.sessions.where(hint.session)
+        if session is None or session.engine is None \
+                or session.engine != getattr(engine, "key", None):
+            return 0
+        shared = min(len(hint.prefix), len(session.prefix))
+        if hint.prefix[:shared] != session.prefix[:shared]:
+            return 0  # another beginning: the engine holds none of it
+        return session.prompt_tokens
+
     def served(self, session: str | None, flow: str, prefix: tuple[int, ...],
                seat: Seat[Any] | None, label: str, prompt_tokens: int,
                cached_tokens: int) -> Session | None:

@@ -22,8 +22,13 @@ decision for one ticket and one engine (`PrefillBudget.admits`):
 
 In a pool, `PrefillPlacement` places a long cold prompt on the engine, among those the
 budget lets it start on, with the fewest running streams; anything else goes to the
-line's own policy unchanged.  What the engine holds of a prompt is the session steward's
-knowledge (`CacheKnowledge`); until it fills that in, nothing counts as cached.
+line's own policy unchanged; a prompt that is long only where it is cold (its session's
+prefix lives on one of the engines, which the budget lets it start on) goes to the
+line's policy among every engine the budget admits it on, so that a warm turn is not sent
+away from its prefix for having fewer streams elsewhere.  What an engine holds of a prompt
+is the session steward's knowledge (`CacheKnowledge`): the line's policy when it knows
+(`KeepPrefixes`: a session's turn whose prefix is resident counts only what it adds to
+its last prompt), else nothing counts as cached.
 
 Pure: no I/O, no clock of its own (`now` is passed in), O(1) per decision for one engine.
 The line tells the budget when a ticket starts (`started`), when the engine sent its first
@@ -33,7 +38,7 @@ bytes (`prefilled`: the prompt is computed) and when it ends (`ended`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from backend.admission.admission_ticket import WaitReason
 from backend.admission.fair_queue import Band, Flow
@@ -49,6 +54,7 @@ LONG_PREFILL_TOKENS = 1024
 PREFILL_BUDGET = WaitReason.PREFILL_BUDGET
 
 
+@runtime_checkable
 class CacheKnowledge(Protocol):
     """What an engine's cache already holds of a prompt (the session steward's answer)."""
 
@@ -100,6 +106,8 @@ class PrefillBudget:
         self.long_tokens = long_tokens
         self.aging = aging
         self.cache: CacheKnowledge = cache if cache is not None else NothingCached()
+        #: The cache's knowledge was given (it then stays whatever the placement is).
+        self.cache_given = cache is not None
         self._engines: dict[object, _EngineLoad] = {}
         self._running: dict[object, tuple[object, bool]] = {}  # ticket: engine, a stream?
 
@@ -189,28 +197,46 @@ class PrefillPlacement:
 
     def __init__(self, inner: Placement, budget: PrefillBudget,
                  clock: Callable[[], float]) -> None:
-        self.inner = inner
         self.budget = budget
+        self.inner = inner
         self._clock = clock
         #: Tickets the budget held at their last decision (their wait reason).
         self.held: set[object] = set()
+
+    @property
+    def inner(self) -> Placement:
+        """The line's own policy; when it knows what the engines' caches hold (it is a
+        `CacheKnowledge`, as `KeepPrefixes` is), the budget asks it, unless the budget
+        was given its own knowledge."""
+        return self._inner
+
+    @inner.setter
+    def inner(self, policy: Placement) -> None:
+        self._inner = policy
+        if not self.budget.cache_given:
+            self.budget.cache = policy if isinstance(policy, CacheKnowledge) else NothingCached()
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         budget = self.budget
         need = ticket.need
         # The common case first, without asking the cache: a short prompt.
-        if need is None or need.prompt < budget.long_tokens or not any(
-                budget.is_long(ticket, e) for e in engines):
+        if need is None or need.prompt < budget.long_tokens:
+            self.held.discard(ticket)
+            return self.inner.place(ticket, engines)
+        long = [budget.is_long(ticket, e) for e in engines]
+        if not any(long):
             self.held.discard(ticket)
             return self.inner.place(ticket, engines)
         band, waited = _band_and_wait(ticket, self._clock())
-        allowed = [e for e in engines if budget.admits(ticket, e, band=band, waited=waited)]
+        allowed = [e for e, is_long in zip(engines, long)
+                   if not is_long or budget.admits(ticket, e, band=band, waited=waited)]
         if not allowed:
             if any(e.has_room(ticket.need) for e in engines):
                 self.held.add(ticket)
             return None
         self.held.discard(ticket)
-        if len(allowed) > 1:
+        if len(allowed) > 1 and all(long):
+            # Cold everywhere: the engine where the fewest streams would feel it.
             fewest = min(budget.streams(e) for e in allowed)
             allowed = [e for e in allowed if budget.streams(e) == fewest]
         return self.inner.place(ticket, allowed)

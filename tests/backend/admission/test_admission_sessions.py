@@ -109,3 +109,37 @@ def test_a_warm_agent_is_charged_the_tokens_the_cache_lacked_a_cold_one_all():
     # The warm agent's 1,000-token turns cost its share 100 (its cache held 900), the cold
     # one's 1,000: about ten warm turns to one cold, and the cold one is served all the same.
     assert order.count("cold") in (1, 2) and order.count("warm") >= 9
+
+
+LONG_TURN = 3_000  # prompt tokens: long for the prefill budget unless mostly cached
+
+
+def test_a_warm_long_turn_goes_back_to_its_engine_though_the_other_runs_fewer_streams():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    home, other = engine(line, OLD, 2), engine(line, NEW, 2)
+    first = turn(line, "a", need=LONG_TURN - 400)
+    assert not_none(first.seat).engine is home  # both free: the first joined
+    answered(policy, first, LONG_TURN - 400)
+    stream = turn(line, "b", flow="bob", need=100)  # a stream on its engine, none on the other
+    assert not_none(stream.seat).engine is home
+
+    again = turn(line, "a", need=LONG_TURN)  # long, but 2,600 of it are in home's cache
+    assert again.admitted and not_none(again.seat).engine is home
+    assert not_none(again.seat).cached == LONG_TURN - 400
+
+
+def test_the_prefill_budget_counts_only_the_new_tokens_of_a_warm_sessions_turn():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    engine(line, OLD, 4)
+    first = turn(line, "a", need=LONG_TURN - 400)
+    answered(policy, first, LONG_TURN - 400)
+    stream = turn(line, "s", flow="bob", need=100)
+    cold = turn(line, "c", flow="carol", need=LONG_TURN)  # computed beside the stream
+    assert stream.admitted and cold.admitted
+
+    warm = turn(line, "a", need=LONG_TURN)  # 400 new tokens: no long prefill
+    other_cold = turn(line, "d", flow="dave", need=LONG_TURN)
+    assert warm.admitted
+    assert not other_cold.admitted  # a second cold one waits for the first's prefill

@@ -247,3 +247,19 @@ def test_a_turn_on_an_engine_that_went_away_is_placed_as_any_other():
     served(policy, "f\ns", Seat(Engine("gone", [0], kv=SPLIT), 0), 500)
     assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a]) == Seat(a, 1, pinned=True)
     assert policy.place(Wanting(TokenNeed(20_000, 0), Hint("f\ns", flow="f")), [a]) is None
+
+
+def test_the_table_tells_the_prefill_budget_what_an_engine_holds_of_a_sessions_turn():
+    home, other = Engine("home", [0, 1], kv=SPLIT), Engine("other", [0, 1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    served(policy, "f\na", Seat(home, 1, pinned=True), 2_900, prefix=(1, 2))
+    policy.sessions.vacate("home", 1)  # its slot given away: the engine's RAM cache keeps it
+
+    # Its next turn on the engine holding its prefix: only what it adds is uncached.
+    assert policy.cached_tokens(Hint("f\na", (1, 2), "f"), home) == 2_900
+    assert policy.cached_tokens(Hint("f\na", (1, 2), "f"), other) == 0
+    assert policy.cached_tokens(Hint("f\na", (1, 9), "f"), home) == 0  # another beginning
+    assert policy.cached_tokens(Hint("f\nb", (1, 2), "f"), home) == 0  # another session
+    assert policy.cached_tokens(Hint(None, (1, 2), "f"), home) == 0
+    policy.sessions.forget_engine("home")  # unloaded: it holds nothing now
+    assert policy.cached_tokens(Hint("f\na", (1, 2), "f"), home) == 0
