@@ -420,10 +420,14 @@ class Line:
     @property
     def planning_engine(self) -> AdmissionQueue | None:
         """The engine whose cache plans a request's need: the one that can take the
-        largest (a need refused there fits none of them); None while none serves."""
+        largest (a need refused there fits none of them), among equals a llama-server
+        (it counts prompts; another GGUF Studio port has no counting routes, and the
+        byte estimate refused long prompts that fit); None while none serves."""
         best: AdmissionQueue | None = None
         for engine in self._engines:
-            if best is None or _limit(engine) > _limit(best):
+            if best is None or _limit(engine) > _limit(best) or (
+                    _limit(engine) == _limit(best) and engine.serving.takes_slot_ids
+                    and not best.serving.takes_slot_ids):
                 best = engine
         return best
 

@@ -180,3 +180,17 @@ def test_a_need_that_does_not_fit_is_never_placed_by_the_default():
     ticket = line.request(TokenNeed(3_000, 500))
     assert not_none(ticket.seat) == Seat(big, 0)
     assert small.active == 0
+
+
+def test_a_pools_needs_are_counted_by_a_llama_server_not_by_another_gguf_studio_port():
+    line = Line("m")
+    kv = KvCapacity.split(2 * 4_096, 2)
+    port = AdmissionQueue(Serving(OLD, 2, kv=kv, takes_slot_ids=False), line=line)
+    assert line.planning_engine is port  # the only one
+    engine = AdmissionQueue(Serving(NEW, 2, kv=kv), line=line)
+    # Joined later with the same room: it counts prompts (a port has no counting routes,
+    # and its byte estimate refused a long prompt that fits as too long for the context).
+    assert line.planning_engine is engine
+    bigger = AdmissionQueue(Serving("http://127.0.0.1:41003", 2, kv=KvCapacity.split(2 * 8_192, 2),
+                                    takes_slot_ids=False), line=line)
+    assert line.planning_engine is bigger  # the largest need still decides first
