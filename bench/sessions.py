@@ -23,8 +23,13 @@ cache starts empty):
 - **best**: the same with the engine flags that keep prefixes best
   (`--best-flags`, default `--slot-prompt-similarity 0`);
 - **port**: GGUF Studio's `gguf-studio serve` with a models file, as users start it
-  (it starts and supervises llama-server itself); for the pool, two plain llama-servers
-  attached to one `serve --upstream A --upstream B`.
+  (it starts and supervises llama-server itself, with the flags it chooses).  For the
+  pool (`--pool managed`, the default) every engine is started so too: the port's own
+  model, and each other engine by one more `serve` with the same models file (as on
+  another machine), attached with `--upstream` (the same model name: one line, two
+  engines; a GGUF Studio port places its own slots).  `--pool attached` attaches plain
+  llama-servers started with llama.cpp's defaults instead (`--upstream URL
+  --upstream-kv split`: they keep their own flags).
 
 Direct to a pool, each session is pinned to one engine by the client (session i to
 engine i mod 2), the best a client can do without a router.  `--threads` (1) is given to
@@ -341,18 +346,22 @@ class Engines:
         self.port: int | None = None
         self.serve: subprocess.Popen[bytes] | None = None
         self._serve_cmd: list[str] = []
+        #: The other ports of a managed pool, each starting and serving one engine.
+        self.inner: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
-        managed = self.target == "port" and self.count == 1
+        managed = self.target == "port" and (self.count == 1 or self.args.pool == "managed")
         if not managed:
             flags = self.args.best_flags.split() if self.target == "best" else []
             for i in range(self.count):
                 self._start_llama(i, flags)
         if self.target == "port":
-            if managed:
+            if not managed:
+                self._start_attached()
+            elif self.count == 1:
                 self._start_managed()
             else:
-                self._start_attached()
+                self._start_managed_pool()
 
     def url(self, session: int) -> str:
         if self.port is not None:
@@ -362,6 +371,8 @@ class Engines:
     def stop(self) -> None:
         if self.serve is not None:
             self.procs.stop(self.serve)
+        for proc in self.inner:
+            self.procs.stop(proc)
         for _, proc, _ in self.servers:
             self.procs.stop(proc)
         self.procs.children.clear()
@@ -429,17 +440,43 @@ class Engines:
         return proc
 
     def _start_managed(self) -> None:
+        self._serve_cmd = ["--models-file", str(self._models_file())]
+        self._launch_serve()
+
+    def _start_managed_pool(self) -> None:
+        """Every engine started by a GGUF Studio port with the flags it chooses: this
+        port's own model, and one more `serve` per other engine (as on other machines),
+        attached to it with `--upstream` (the same model name: one line, its engines)."""
+        models = self._models_file()
+        upstreams: list[str] = []
+        for i in range(1, self.count):
+            name = f"serve-engine{i}"
+            cmd = [PYTHON, "-m", "backend.app.cli", "serve", "--models-file", str(models),
+                   "--host", HOST, "--port", "0", "--llama-server", str(self.args.llama_server)]
+            proc = self.procs.start(name, cmd, env=self._serve_env(f"engine{i}"))
+            self.inner.append(proc)
+            port = int(self.procs.wait_for_line(
+                name, proc, r"http://127\.0\.0\.1:(\d+)/v1", 180).group(1))
+            wait_until(lambda: health_slots(get_json(port, "/health")[1]) == self.slots, proc,
+                       f"{name} did not become ready", self.procs, name, 180)
+            upstreams += ["--upstream", f"http://{HOST}:{port}"]
+        self._serve_cmd = ["--models-file", str(models), *upstreams]
+        self._launch_serve()
+
+    def _models_file(self) -> Path:
         models = self.work / f"models-{self.target}.toml"
         ttl = f'idle_ttl = "{self.idle_ttl:g}s"\n' if self.idle_ttl else ""
         models.write_text(f'[[model]]\nname = "{MODEL}"\npath = "{self.model}"\n'
                           f"parallel = {self.slots}\nctx_size = {self.slots * SLOT_CTX}\n"
                           f"threads = {self.args.threads}\n{ttl}")
-        self._serve_cmd = ["--models-file", str(models)]
-        self._launch_serve()
+        return models
 
     def _start_attached(self) -> None:
+        # Their layout stated, as the port's warning asks of an operator: `-np N -c N×C`
+        # is a split cache (unstated, the port assumes one pool of one slot's context).
         self._serve_cmd = [arg for port, _, _ in self.servers
-                           for arg in ("--upstream", f"http://{HOST}:{port}")]
+                           for arg in ("--upstream", f"http://{HOST}:{port}",
+                                       "--upstream-kv", "split")]
         self._launch_serve()
 
     def _launch_serve(self) -> None:
@@ -447,18 +484,24 @@ class Engines:
                "--port", str(self.port or 0), "--llama-server", str(self.args.llama_server)]
         if self.args.port_flags:
             cmd += self.args.port_flags.split()
-        config = self.work / "config"
-        config.mkdir(exist_ok=True)
-        env = port_env(config)
-        for name in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
-            (self.work / name).mkdir(exist_ok=True)
-            env[name] = str(self.work / name)
-        proc = self.serve = self.procs.start("serve", cmd, env=env)
+        proc = self.serve = self.procs.start("serve", cmd, env=self._serve_env(""))
         port = self.port = int(self.procs.wait_for_line(
             "serve", proc, r"http://127\.0\.0\.1:(\d+)/v1", 180).group(1))
         slots = self.slots * self.count
         wait_until(lambda: health_slots(get_json(port, "/health")[1]) == slots, proc,
                    f"serve did not become ready with {slots} slots", self.procs, "serve", 180)
+
+    def _serve_env(self, name: str) -> dict[str, str]:
+        """A port's environment: its own config, state, cache and data dirs under the
+        run's (each port of a pool its own: parked slots are per data dir)."""
+        home = self.work / name if name else self.work
+        config = home / "config"
+        config.mkdir(parents=True, exist_ok=True)
+        env = port_env(config)
+        for dirname in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
+            (home / dirname).mkdir(exist_ok=True)
+            env[dirname] = str(home / dirname)
+        return env
 
     def _unloaded(self) -> bool:
         assert self.port is not None
@@ -567,6 +610,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--best-flags", default="--slot-prompt-similarity 0",
                    help="the engine flags of the 'best' target (--slot-prompt-similarity 0)")
     p.add_argument("--port-flags", default="", help="more flags for `gguf-studio serve`")
+    p.add_argument("--pool", choices=("managed", "attached"), default="managed",
+                   help="the port's pool of engines: each started by a GGUF Studio port "
+                   "(this one's own model, the others' attached with --upstream) or plain "
+                   "llama-servers attached with --upstream (managed)")
     p.add_argument("--idle-ttl", type=float, default=2.0,
                    help="the port's idle TTL in the idle-unload scenario, seconds (2)")
     p.add_argument("--stagger", type=float, default=0.2,
