@@ -8,8 +8,8 @@ a restarted engine holds nothing) and its public label, the slot id it was pinne
 (None: the engine chose one itself, or kept it in its RAM prompt cache), the prompt's
 tokens and how many of them the engine's cache held, and the chained digests of the
 prompt's first blocks.  Placement asks where a session lives (`where`), which session
-last showed a prefix (`match_prefix`) and who holds a slot (`holder`); views read a
-`snapshot`.
+last showed a prefix (`match_prefix`), who holds a slot (`holder`) and how many sessions
+live on an engine (`homed`); views read a `snapshot`.
 
 A slot holds one prompt at a time: a turn pinned to slot S of an engine takes S from
 whichever session held it before (that one stays *on the engine*, slot None: llama-server
@@ -25,7 +25,7 @@ asyncio loop owns it).  Every operation is O(1) except `resident` and `forget_en
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -85,6 +85,8 @@ class SessionTable:
         self._slots: dict[tuple[str, int], str] = {}
         # A prefix block's digest -> the session that last showed it.
         self._prefixes: dict[int, str] = {}
+        # Engine -> how many sessions' prefixes live there.
+        self._homed: Counter[str] = Counter()
 
     # --- questions -----------------------------------------------------------------
 
@@ -120,6 +122,10 @@ class SessionTable:
                 return session, blocks
         return None
 
+    def homed(self, engine: str) -> int:
+        """How many sessions' prefixes live on `engine` (O(1))."""
+        return self._homed[engine]
+
     def resident(self, engine: str) -> list[Session]:
         """The sessions whose prefix lives on `engine`, least recently served first."""
         return [s for s in self._sessions.values() if s.engine == engine]
@@ -138,6 +144,9 @@ class SessionTable:
         old = self._sessions.pop(key, None)
         if old is not None:
             self._unslot(old)
+            self._unhome(old)
+        if engine is not None:
+            self._homed[engine] += 1
         if engine is not None and slot is not None:
             previous = self._slots.get((engine, slot))
             if previous is not None and previous != key:
@@ -157,6 +166,7 @@ class SessionTable:
         while len(self._sessions) > self.max_sessions:
             _, dropped = self._sessions.popitem(last=False)
             self._unslot(dropped)
+            self._unhome(dropped)
             self._unprefix(dropped)
         return session
 
@@ -165,6 +175,7 @@ class SessionTable:
         session = self._sessions.pop(key, None)
         if session is not None:
             self._unslot(session)
+            self._unhome(session)
             self._unprefix(session)
         return session
 
@@ -183,6 +194,7 @@ class SessionTable:
                 self._unslot(session)
                 self._sessions[key] = replace(session, engine=None, label="", slot=None)
                 moved.append(session)
+        self._homed.pop(engine, None)
         return moved
 
     def vacate(self, engine: str, slot: int) -> Session | None:
@@ -202,6 +214,13 @@ class SessionTable:
             place = (session.engine, session.slot)
             if self._slots.get(place) == session.key:
                 del self._slots[place]
+
+    def _unhome(self, session: Session) -> None:
+        engine = session.engine
+        if engine is not None:
+            self._homed[engine] -= 1
+            if self._homed[engine] <= 0:
+                del self._homed[engine]
 
     def _unprefix(self, session: Session) -> None:
         for digest in session.prefix:

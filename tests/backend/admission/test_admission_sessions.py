@@ -68,6 +68,7 @@ def test_a_turn_waits_for_its_engine_passed_at_most_max_passes_times_then_home_w
     first = turn(line, "s")
     assert not_none(first.seat).engine is near  # both free: the first joined
     answered(policy, first, 900)
+    answered(policy, turn(line, "z", flow="erin"), 900)  # a new session: where none lives
     near_holder = turn(line, "x", flow="carol")  # keeps `near` busy for a while
     assert not_none(near_holder.seat).engine is near
     busy = turn(line, "y", flow="dave")
@@ -121,7 +122,8 @@ def test_a_warm_long_turn_goes_back_to_its_engine_though_the_other_runs_fewer_st
     first = turn(line, "a", need=LONG_TURN - 400)
     assert not_none(first.seat).engine is home  # both free: the first joined
     answered(policy, first, LONG_TURN - 400)
-    stream = turn(line, "b", flow="bob", need=100)  # a stream on its engine, none on the other
+    answered(policy, turn(line, "b", flow="bob"), 900)  # a new session: where none lives
+    stream = turn(line, "c", flow="carol", need=100)  # a stream on its engine, none on the other
     assert not_none(stream.seat).engine is home
 
     again = turn(line, "a", need=LONG_TURN)  # long, but 2,600 of it are in home's cache

@@ -220,6 +220,7 @@ def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_ano
     a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [1], kv=SPLIT)
     policy = KeepPrefixes(SessionTable(), clock=Clock())
     mine = request_hint("key alice", [], chat("a long shared head " * 100, "first"))
+    served(policy, "key carol\nher", Seat(a, 0), 700)  # one session lives on each engine
     served(policy, "key alice\nold", Seat(b, 0), 700, prefix=mine.prefix)
     same_head = request_hint("key alice", [], chat("a long shared head " * 100, "second"))
     assert policy.place(Wanting(hint=same_head), [a, b]) == Seat(b, 1, pinned=True)  # a fresh slot
@@ -263,3 +264,24 @@ def test_the_table_tells_the_prefill_budget_what_an_engine_holds_of_a_sessions_t
     assert policy.cached_tokens(Hint(None, (1, 2), "f"), home) == 0
     policy.sessions.forget_engine("home")  # unloaded: it holds nothing now
     assert policy.cached_tokens(Hint("f\na", (1, 2), "f"), home) == 0
+
+
+def test_a_new_session_goes_where_the_fewest_sessions_live_before_its_flows_shared_head():
+    a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [0, 1], kv=SPLIT)
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    head = "You are a coding agent. Tools: ... " * 100  # every agent's first blocks
+    for name in ("s0", "s1"):
+        hint = request_hint("f", [(b"x-session-id", name.encode())], chat(head, name))
+        served(policy, hint.session or "", Seat(b, 0), 1_300, prefix=hint.prefix)
+    served(policy, "f\ns2", Seat(a, 1), 1_300)
+    # Its flow's head lives on b, but two sessions do and one on a: a, where it is not
+    # queued behind the others' turns for the rest of its conversation.
+    third = request_hint("f", [(b"x-session-id", b"s3")], chat(head, "s3"))
+    assert third.prefix and policy.place(Wanting(hint=third), [a, b]) == Seat(a, 1, pinned=True)
+    served(policy, "f\ns3", Seat(a, 1), 1_300, prefix=third.prefix)
+    fourth = request_hint("f", [(b"x-session-id", b"s4")], chat(head, "s4"))
+    seat = policy.place(Wanting(hint=fourth), [a, b])
+    assert seat is not None and seat.engine is a  # 2 and 2: where the head was seen last
+    a.free = []  # no room where the fewest live: where there is room, without waiting
+    assert policy.place(Wanting(hint=fourth), [a, b]) == Seat(b, 1, pinned=True)
+    assert policy.sessions.homed("a") == policy.sessions.homed("b") == 2

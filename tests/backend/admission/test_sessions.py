@@ -77,3 +77,19 @@ def test_a_prefix_matches_only_the_flows_own_sessions() -> None:
     assert table.match_prefix("a", (7,)) is None
     assert table.forget_flow("a") == 1
     assert table.match_prefix("a", (1, 2, 3)) is None
+
+
+def test_the_table_counts_the_sessions_living_on_each_engine() -> None:
+    table = SessionTable(max_sessions=3, clock=Clock())
+    for key, engine in (("a\n1", "e1"), ("a\n2", "e1"), ("a\n3", "e2")):
+        table.record(key, flow="a", engine=engine, slot=0, prompt_tokens=10)
+    assert (table.homed("e1"), table.homed("e2")) == (2, 1)
+    table.record("a\n1", flow="a", engine="e2", prompt_tokens=20)  # its next turn moved
+    assert (table.homed("e1"), table.homed("e2")) == (1, 2)
+    table.record("a\n4", flow="a", engine="e1", prompt_tokens=10)  # a\n2 dropped: the oldest
+    assert "a\n2" not in table and (table.homed("e1"), table.homed("e2")) == (1, 2)
+    table.forget("a\n4")
+    table.forget_engine("e2")  # gone with its cache: its sessions live nowhere
+    assert (table.homed("e1"), table.homed("e2")) == (0, 0)
+    table.record("a\n3", flow="a", engine="e1", prompt_tokens=10)
+    assert table.homed("e1") == 1 and len(table) == 2
