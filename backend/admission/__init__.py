@@ -1,7 +1,7 @@
 """Admission: who is served next, where, and with how much of an engine.
 
 No sockets: the port and the app do the I/O and ask this room to decide.  The queue of
-one engine and the line of one model (`admission`), the registry of lines keyed by the
+one engine (`engine_queue`) and the line of one model (`line`), the registry of lines keyed by the
 engines' base URLs (`admission_registry`), a waiting request's ticket (`admission_ticket`),
 where a ticket sits (`placement`: an engine and a seat), fair share between keys
 (`fair_queue`), keys' token limits (`rate_limits`) and the flow of a caller (`caller`,

@@ -48,7 +48,8 @@ from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.admission.caller import ADDRESS_FLOW
-from backend.admission.admission import Line
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import Line
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.admission.fair_queue import Band
 from backend.models.model_names import ModelNames, NamedModel
@@ -676,7 +677,7 @@ class Pool:
                     ModelNotReady("The model stopped working.", retry_after=RETRY_SOON), name)
         self._listeners(name, snapshot)
 
-    def _crashed(self, local: _Local, line: Line | None) -> None:
+    def _crashed(self, local: _Local, line: Line[AdmissionQueue] | None) -> None:
         """Its engine died under requests (`line`: its model's, as it was): count the
         crash against the named keys whose requests were in flight, and say so when one
         was there more than once."""

@@ -10,7 +10,7 @@ import pytest
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.admission.admission import AdmissionQueue
+from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.admission_ticket import Ticket, TicketState, WaitReason
 from backend.admission.fair_queue import Flow
 from backend.admission.admission_registry import AdmissionRegistry
