@@ -448,7 +448,7 @@ def line_round(module: Any, costs: list[int], flows: list[int] | None, requests:
     """CPU µs per request through `module`'s Line (`flows` None: a Line without flows)."""
     from backend.llama.kv_capacity import KvCapacity, TokenNeed
     from backend.llama.load import Serving
-    from backend.admission.fair_queue import Flow
+    from backend.admission.flow import Flow
 
     taken: deque[Any] = deque()
 

@@ -20,7 +20,7 @@ from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import DEFAULT_MODEL, Clock, Line
-from backend.admission.fair_queue import Flow
+from backend.admission.flow import Flow
 from backend.admission.placement import KeepPrefixes
 from backend.admission.sessions import SessionTable
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
-from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow import Band, Flow
 from backend.admission.placement import NO_HINT, Hint, Seat
 
 __all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState",

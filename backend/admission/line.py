@@ -53,7 +53,8 @@ from backend.errors import RETRY_SOON, ContextLengthExceeded, QueueFull
 from backend.llama.kv_capacity import TokenNeed
 from backend.admission.admission_ticket import (DEFAULT_FLOW, Ticket, TicketState, WaitReason,
                                                 as_need)
-from backend.admission.fair_queue import Band, FairQueue, Flow
+from backend.admission.flow import Band, Flow
+from backend.admission.fair_queue import FairQueue
 from backend.admission.placement import (NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat,
                                          SeatEngine)
 from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement

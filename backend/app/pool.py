@@ -51,7 +51,7 @@ from backend.admission.caller import ADDRESS_FLOW
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.models.model_names import ModelNames, NamedModel
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,

@@ -38,7 +38,7 @@ from backend.port import http_errors
 from backend.key_store import KeyStore
 from backend.admission.caller import Caller
 from backend.port.access_guard import AccessGuard
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.admission.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
 from backend.admission.engine_queue import AdmissionQueue

@@ -43,7 +43,7 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.caller import Caller
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
