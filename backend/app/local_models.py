@@ -39,6 +39,8 @@ from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, 
 from backend.listeners import Listeners
 from backend.llama.load import Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
+from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
+from backend.models.gguf_info import read_model_info
 from backend.admission.caller import ADDRESS_FLOW
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
@@ -48,7 +50,7 @@ from backend.app.pool_config import ModelEntry
 from backend.app.pool_status import HERE, Residency
 from backend.settings import Settings
 
-__all__ = ["LocalModel", "LocalModels"]
+__all__ = ["LocalModel", "LocalModels", "estimate_model_bytes", "memory_budget"]
 
 log = logging.getLogger("gguf_studio.pool")
 
@@ -508,6 +510,18 @@ class LocalModel:
         return self.residency in (Residency.READY, Residency.UNLOADING) or (
             self.residency is Residency.LOADING and self.room)
 
+
+def memory_budget() -> int:
+    """What local models may take together: the usable part of this machine's RAM.
+    (GPU memory is not added: a model that runs on a GPU also maps its file in RAM.)"""
+    return int(machine_memory().ram_bytes * RAM_USABLE)
+
+
+def estimate_model_bytes(entry: ModelEntry) -> int:
+    """The fit estimate of `entry` at its context (weights, KV cache, working space)."""
+    info = read_model_info(entry.path)
+    return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size,
+                        info=info).total_bytes
 
 
 def _gib(n: int) -> str:

@@ -17,7 +17,8 @@ import pytest
 import backend.app.local_models as local_models_module
 from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.pool_status import Residency
-from backend.app.service import StudioService, estimate_model_bytes
+from backend.app.local_models import estimate_model_bytes
+from backend.app.service import StudioService
 from backend.key_store import Priority
 from backend.settings import Settings
 from tests.backend.app.test_pool import (LONG, SMALL, chat, other_tiny_model, studio_health,
