@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks, Verdict
 from backend.port import http_errors
 from backend.port import sse
-from backend.admission.admission import AdmissionQueue, Line
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import Line
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.caller import Caller
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
@@ -162,7 +163,7 @@ class GatedRequest:
 class Exchange:
     """A gated request and its ticket; `run()` answers every RequestError itself."""
 
-    def __init__(self, host: ExchangeHost, line: Line, request: GatedRequest,
+    def __init__(self, host: ExchangeHost, line: Line[AdmissionQueue], request: GatedRequest,
                  send: Any, receive: Any, *,
                  abort_connection: Callable[[], None] | None = None,
                  body_writer: BodyWriter | None = None) -> None:
