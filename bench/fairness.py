@@ -421,8 +421,10 @@ def print_cpu(args: argparse.Namespace) -> bool:
 
 def cpu_rows(requests: int, rounds: int) -> list[tuple[str, float]]:
     """(line, median µs of CPU per request); one flow first."""
-    from backend.port import admission
+    from backend.admission.engine_queue import AdmissionQueue
+    from backend.admission.line import Line
 
+    admission = types.SimpleNamespace(AdmissionQueue=AdmissionQueue, Line=Line)
     rng = random.Random(18)
     flows = [rng.randrange(CPU_FLOWS) for _ in range(requests + CPU_WAITING + CPU_RUNNING)]
     costs = [rng.randint(200, 6000) for _ in flows]
@@ -446,13 +448,13 @@ def line_round(module: Any, costs: list[int], flows: list[int] | None, requests:
     """CPU µs per request through `module`'s Line (`flows` None: a Line without flows)."""
     from backend.llama.kv_capacity import KvCapacity, TokenNeed
     from backend.llama.load import Serving
-    from backend.admission.fair_queue import Flow
+    from backend.admission.flow import Flow
 
     taken: deque[Any] = deque()
 
     class Engine(module.AdmissionQueue):  # type: ignore[misc]
-        def take(self, ticket: Any, now: float) -> None:
-            super().take(ticket, now)
+        def take(self, ticket: Any, now: float, seat: Any = None) -> None:
+            super().take(ticket, now, seat)
             taken.append(ticket)
 
     line = module.Line()

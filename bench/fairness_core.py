@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.admission.fair_queue import Band, FairQueue, Flow  # noqa: E402
+from backend.admission.flow import Band, Flow  # noqa: E402
+from backend.admission.fair_queue import FairQueue  # noqa: E402
 
 FLOWS = 100
 BACKLOG = 5

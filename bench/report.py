@@ -191,7 +191,7 @@ def routing_table(routing: dict[int, float], pool: list[PoolResult], slots: int)
     port_cpu = {p.engines: median(p.port_cpu_per_request) for p in pool if p.port_cpu_per_request}
     rows = ["Routing CPU per request: the admission decision alone (a request finding the one "
             f"free slot among N engines of {slots} busy slots, and its release; in this "
-            "process, `backend.admission.admission`), and the port process's whole CPU per "
+            "process, `backend.admission.line`), and the port process's whole CPU per "
             f"one-token request ({slots}N agents on kept-alive connections; HTTP in and out, "
             "parsing, admission, the upstream request; utime+stime from /proc)",
             "",

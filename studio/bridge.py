@@ -39,7 +39,8 @@ from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSumma
 from backend.models.library import ModelLibrary
 from backend.port.request_log import RequestRecord
 from backend.app.key_table import KeyTable
-from backend.app.service import BackendThread, StudioService
+from backend.app.backend_thread import BackendThread
+from backend.app.service import StudioService
 from backend.settings import Settings, settings_path
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSpec, Snapshot

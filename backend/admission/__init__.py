@@ -1,10 +1,11 @@
 """Admission: who is served next, where, and with how much of an engine.
 
 No sockets: the port and the app do the I/O and ask this room to decide.  The queue of
-one engine and the line of one model (`admission`), the registry of lines keyed by the
-engines' base URLs (`admission_registry`), a waiting request's ticket (`admission_ticket`),
-where a ticket sits (`placement`: an engine and a seat), fair share between keys
-(`fair_queue`), keys' token limits (`rate_limits`) and the flow of a caller (`caller`,
-`flow_control`), what a request needs (`need_planner`; the counting rules `prompt_tokens`
-and the output limit `output_limits`; the engine's tokenizer is given to them).
+one engine (`engine_queue`) and the line of one model (`line`), the registry of lines
+keyed by the engines' base URLs (`admission_registry`), a waiting request's ticket
+(`admission_ticket`), where a ticket sits (`placement`: an engine and a seat), fair share
+between keys (`fair_queue` and its books, `lanes`; who a share is owed to, `flow`), keys'
+token limits (`rate_limits`) and the flow of a caller (`caller`, `flow_control`), what a
+request needs (`need_planner`; the counting rules `prompt_tokens` and the output limit
+`output_limits`; the engine's tokenizer is given to them).
 """

@@ -1,6 +1,6 @@
 """The admission's lines by model and its engines by key, and which engine is the current
 one of each engine slot (a supervised or attached load whose successive processes replace
-each other).  How a line admits is `backend.admission.admission`; like it, this only decides.
+each other).  How a line admits is `backend.admission.line`; like it, this only decides.
 
     registry.activate(serving, model="tiny", engine="local:tiny")   # an engine joins
     ticket = registry.line("tiny").request(need)
@@ -18,8 +18,9 @@ from types import EllipsisType
 from backend.listeners import Listeners
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.admission.admission import DEFAULT_MODEL, AdmissionQueue, Clock, Line
-from backend.admission.fair_queue import Flow
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import DEFAULT_MODEL, Clock, Line
+from backend.admission.flow import Flow
 from backend.admission.placement import KeepPrefixes
 from backend.admission.sessions import SessionTable
 
@@ -41,7 +42,7 @@ class AdmissionRegistry:
         self.sessions = SessionTable(clock=clock)
         # Insertion order is age; a queue made current is moved to the end.
         self._queues: dict[str, AdmissionQueue] = {}
-        self._lines: dict[str, Line] = {}
+        self._lines: dict[str, Line[AdmissionQueue]] = {}
         # Engine slot (a load whose processes replace each other) -> its current queue.
         self._current: dict[str, AdmissionQueue] = {}
         #: The engine slot `current` names: the default model's, in a pool.
@@ -66,7 +67,7 @@ class AdmissionRegistry:
         return list(self._queues.values())
 
     @property
-    def lines(self) -> list[Line]:
+    def lines(self) -> list[Line[AdmissionQueue]]:
         return list(self._lines.values())
 
     @property
@@ -106,7 +107,7 @@ class AdmissionRegistry:
     def queue_for(self, key: str) -> AdmissionQueue | None:
         return self._queues.get(key)
 
-    def find_line(self, model: str) -> Line | None:
+    def find_line(self, model: str) -> Line[AdmissionQueue] | None:
         """The line of `model` if it exists (no line is made)."""
         return self._lines.get(model)
 
@@ -116,7 +117,7 @@ class AdmissionRegistry:
         return line is not None and (line.busy or any(
             queue.line is line and queue.active for queue in self._queues.values()))
 
-    def line(self, model: str = DEFAULT_MODEL) -> Line:
+    def line(self, model: str = DEFAULT_MODEL) -> Line[AdmissionQueue]:
         """The line of `model`, made on first use."""
         line = self._lines.get(model)
         if line is None:
@@ -243,11 +244,11 @@ class AdmissionRegistry:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _bound(self, line: Line) -> None:
+    def _bound(self, line: Line[AdmissionQueue]) -> None:
         if line.engines:
             line.max_waiting = self._max_waiting_for(line.capacity)
 
-    def _line_changed(self, line: Line) -> None:
+    def _line_changed(self, line: Line[AdmissionQueue]) -> None:
         """Every change of counts: cheap, it runs for every request."""
         if not self._batching:
             self._prune_retired()

@@ -4,8 +4,15 @@
 whole life: it waits on it, releases it when the answer is finished or abandoned, sends
 it back in line when the engine refused the connection (`requeue`), and shrinks its
 reservation once the prompt is counted (`settle`).  The line decides who is admitted
-(`backend.admission.admission`); the ticket carries out its own transitions and tells its line
+(`backend.admission.line`); the ticket carries out its own transitions and tells its line
 through the small `TicketSeam` below, the only thing it knows of admission.
+
+    ticket = registry.line(model).request(need)   # may raise QueueFull
+    try:
+        await ticket.wait(queue_timeout)           # may raise QueueTimeout or a refusal
+        ...forward to ticket.serving.base_url...
+    finally:
+        ticket.release()                           # idempotent
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any, Protocol
 from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
-from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow import Band, Flow
 from backend.admission.placement import NO_HINT, Hint, Seat
 
 __all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState",

@@ -2,8 +2,9 @@
 flows inside a band, first come first served inside a flow.
 
 A *flow* is whoever a share is owed to: a named key, or a client address when there are
-no named keys.  Each request is an item with a *cost*, the KV tokens it reserves (at
-least 1, so that a request of unknown size still counts).  The admission asks
+no named keys (`Flow`, `backend.admission.flow`; the lanes and bands the queue keeps are
+its books, `backend.admission.lanes`).  Each request is an item with a *cost*, the KV
+tokens it reserves (at least 1, so that a request of unknown size still counts).  The admission asks
 `next_to_admit(fits)` whenever room may have freed; `fits` says whether some engine has
 a slot and the tokens for an item right now.
 
@@ -57,50 +58,23 @@ Pure: no I/O, no asyncio, no locks.  `fits` must not change the queue.  Costs:
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["AGED_WEIGHT", "Band", "FairQueue", "Flow"]
+from backend.admission.flow import Band, Flow
+from backend.admission.lanes import (BandState, Entry, FlowState, Lane, aged, by_seq,
+                                     first_current, head_of, in_order, is_current)
+
+__all__ = ["AGED_WEIGHT", "FairQueue"]
 
 T = TypeVar("T", bound=Hashable)
 
 #: The weight lifted heads compete with, together, in the band they were lifted into.
 AGED_WEIGHT = 1.0
-
-
-class Band(enum.IntEnum):
-    """Priority bands; a smaller value goes first."""
-
-    INTERACTIVE = 0
-    NORMAL = 1
-    BATCH = 2
-
-
-@dataclass(frozen=True, slots=True)
-class Flow:
-    """Whoever a share is owed to: a key, or a client address without named keys."""
-
-    key: str
-    weight: float = 1.0
-    band: Band = Band.NORMAL
-    #: 0: no limit.  At the limit, the flow's requests wait in its own lanes.
-    max_concurrent: int = 0
-
-    def __post_init__(self) -> None:
-        if (not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool)
-                or not math.isfinite(self.weight) or self.weight <= 0):
-            raise ValueError(f"a flow's weight is a positive number, not {self.weight!r}")
-        if not _whole(self.max_concurrent) or self.max_concurrent < 0:
-            raise ValueError("a flow's max_concurrent is a whole number, at least 0 "
-                             f"(0: no limit), not {self.max_concurrent!r}")
-        object.__setattr__(self, "band", Band(self.band))
 
 
 class FairQueue(Generic[T]):
@@ -121,10 +95,10 @@ class FairQueue(Generic[T]):
         self._aging = float(aging)
         self._max_passes = max_passes
         self._max_scan = max_scan
-        self._flows: dict[str, _FlowState[T]] = {}
-        self._waiting: dict[T, _Entry[T]] = {}
-        self._running: dict[T, _Entry[T]] = {}
-        self._bands = tuple(_BandState[T]() for _ in Band)
+        self._flows: dict[str, FlowState[T]] = {}
+        self._waiting: dict[T, Entry[T]] = {}
+        self._running: dict[T, Entry[T]] = {}
+        self._bands = tuple(BandState[T]() for _ in Band)
         self._ties = itertools.count()
 
     # --- state -----------------------------------------------------------------------
@@ -138,7 +112,7 @@ class FairQueue(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         """The waiting items in arrival order (by seq): for carry-over and diagnostics."""
-        return iter([e.item for e in sorted(self._waiting.values(), key=_by_seq)])
+        return iter([e.item for e in sorted(self._waiting.values(), key=by_seq)])
 
     def waiting_of(self, flow_key: str) -> int:
         state = self._flows.get(flow_key)
@@ -173,7 +147,7 @@ class FairQueue(Generic[T]):
         now = self._clock()
         with_waiters = {band for band, state in enumerate(self._bands) if state.backlogged}
         ties = itertools.count()
-        heap: list[tuple[int, int, float, int, int, int, list[_Entry[T]], float]] = []
+        heap: list[tuple[int, int, float, int, int, int, list[Entry[T]], float]] = []
         for flow in self._flows.values():
             for lane in flow.lanes.values():
                 if not lane.items:
@@ -215,10 +189,10 @@ class FairQueue(Generic[T]):
         lane_band = flow.band if band is None else max(flow.band, Band(band))
         lane = state.lanes.get(lane_band)
         if lane is None:
-            lane = state.lanes[lane_band] = _Lane(state, lane_band,
+            lane = state.lanes[lane_band] = Lane(state, lane_band,
                                                  self._bands[lane_band].vtime)
         now = self._clock()
-        entry = _Entry(item, state, lane_band, cost, seq, now)
+        entry = Entry(item, state, lane_band, cost, seq, now)
         self._waiting[item] = entry
         state.waiting += 1
         self._insert(lane, entry, now)
@@ -236,7 +210,7 @@ class FairQueue(Generic[T]):
         entry = self._waiting.pop(item)
         state = entry.flow
         lane = state.lanes[entry.band]
-        was_head = _head(lane) is entry
+        was_head = head_of(lane) is entry
         del lane.items[item]
         state.waiting -= 1
         if was_head:
@@ -255,9 +229,9 @@ class FairQueue(Generic[T]):
         if not self._waiting:
             return None
         now = self._clock()
-        missed: list[_Entry[T]] = []
+        missed: list[Entry[T]] = []
         for lane, lifted_into in self._candidates(now):
-            entry = _head(lane)
+            entry = head_of(lane)
             if fits(entry.item):
                 for passed in missed:
                     passed.passes += 1
@@ -320,7 +294,7 @@ class FairQueue(Generic[T]):
         state.reserved -= entry.cost
         lane = state.lanes.get(entry.band)
         if lane is None:
-            lane = state.lanes[entry.band] = _Lane(state, entry.band,
+            lane = state.lanes[entry.band] = Lane(state, entry.band,
                                                   self._bands[entry.band].vtime)
         else:
             lane.vtime -= (entry.cost - entry.discount) / entry.weight
@@ -334,7 +308,7 @@ class FairQueue(Generic[T]):
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _uncharge(self, entry: _Entry[T], tokens: int) -> None:
+    def _uncharge(self, entry: Entry[T], tokens: int) -> None:
         """Take `tokens` of a running entry's charge back from its lane's tag."""
         lane = entry.flow.lanes.get(entry.band)
         if lane is None or tokens <= 0:  # forgotten since: it owed nothing, still owes nothing
@@ -345,10 +319,10 @@ class FairQueue(Generic[T]):
         elif not lane.items and lane.vtime <= self._bands[lane.band].paid:
             self._drop_lane(lane)
 
-    def _flow_state(self, flow: Flow) -> _FlowState[T]:
+    def _flow_state(self, flow: Flow) -> FlowState[T]:
         state = self._flows.get(flow.key)
         if state is None:
-            state = self._flows[flow.key] = _FlowState(flow)
+            state = self._flows[flow.key] = FlowState(flow)
         elif state.flow != flow:
             old, state.flow = state.flow, flow
             for lane in state.lanes.values():
@@ -357,26 +331,26 @@ class FairQueue(Generic[T]):
             self._refresh(state)
         return state
 
-    def _insert(self, lane: _Lane[T], entry: _Entry[T], head_since: float) -> None:
+    def _insert(self, lane: Lane[T], entry: Entry[T], head_since: float) -> None:
         items = lane.items
         was_empty = not items
         if was_empty or entry.seq > items[next(reversed(items))].seq:
             items[entry.item] = entry
         else:
-            ordered = sorted([*items.values(), entry], key=_by_seq)
+            ordered = sorted([*items.values(), entry], key=by_seq)
             items.clear()
             items.update((e.item, e) for e in ordered)
         if was_empty:
             self._bands[lane.band].backlogged += 1
-        if _head(lane) is entry:
+        if head_of(lane) is entry:
             lane.head_since = head_since
             self._rekey(lane)
 
-    def _eligible(self, state: _FlowState[T]) -> bool:
+    def _eligible(self, state: FlowState[T]) -> bool:
         limit = state.flow.max_concurrent
         return limit == 0 or state.running < limit
 
-    def _rekey(self, lane: _Lane[T]) -> None:
+    def _rekey(self, lane: Lane[T]) -> None:
         """List `lane` under its current tag and head, or unlist it (O(log F))."""
         band = self._bands[lane.band]
         lane.version += 1
@@ -393,7 +367,7 @@ class FairQueue(Generic[T]):
             band.weight = band.weight - lane.flow.flow.weight if band.listed else 0.0
         if not listed:
             return
-        head = _head(lane)
+        head = head_of(lane)
         tie = next(self._ties)
         # Equal tags: the flow holding fewer slots first, then the older head (a newcomer
         # and a flow whose every request was admitted at once start even: it goes first).
@@ -404,24 +378,24 @@ class FairQueue(Generic[T]):
         # Entries of earlier keys are skipped lazily; rebuild before they dominate.
         bound = 2 * band.listed + 32
         if len(band.order) > bound:
-            band.order = [e for e in band.order if _current(e)]
+            band.order = [e for e in band.order if is_current(e)]
             heapq.heapify(band.order)
         if len(band.age) > bound:
-            band.age = [e for e in band.age if _current(e)]
+            band.age = [e for e in band.age if is_current(e)]
             heapq.heapify(band.age)
 
-    def _refresh(self, state: _FlowState[T]) -> None:
+    def _refresh(self, state: FlowState[T]) -> None:
         """List or unlist the flow's lanes after its running count or limit changed."""
         eligible = self._eligible(state)
         for lane in list(state.lanes.values()):
             if lane.listed != (eligible and bool(lane.items)):
                 self._rekey(lane)
 
-    def _admit(self, entry: _Entry[T], now: float, lifted_into: int | None) -> T:
+    def _admit(self, entry: Entry[T], now: float, lifted_into: int | None) -> T:
         state = entry.flow
         lane = state.lanes[entry.band]
         band = self._bands[entry.band]
-        assert _head(lane) is entry, "only a lane's head is admitted"
+        assert head_of(lane) is entry, "only a lane's head is admitted"
         item, _ = lane.items.popitem(last=False)
         del self._waiting[item]
         state.waiting -= 1
@@ -444,9 +418,9 @@ class FairQueue(Generic[T]):
         self._refresh(state)
         # A processor-sharing clock: how far every backlogged lane's debt is paid.  It
         # never passes the finish tag of the least served lane still waiting, as in GPS.
-        least = _first(band.order)
+        least = first_current(band.order)
         if least is not None:
-            paid = min(paid, least[0] + _head(least[4]).cost / least[4].flow.flow.weight)
+            paid = min(paid, least[0] + head_of(least[4]).cost / least[4].flow.flow.weight)
         band.paid = max(band.paid, band.vtime, paid)
         idle = band.idle
         while idle and idle[0][0] <= band.paid:
@@ -457,7 +431,7 @@ class FairQueue(Generic[T]):
             self._emptied(lane)
         return item
 
-    def _emptied(self, lane: _Lane[T]) -> None:
+    def _emptied(self, lane: Lane[T]) -> None:
         """`lane` has nothing waiting any more (it is unlisted already)."""
         band = self._bands[lane.band]
         band.backlogged -= 1
@@ -475,36 +449,36 @@ class FairQueue(Generic[T]):
         else:
             heapq.heappush(band.idle, (lane.vtime, next(self._ties), lane, lane.version))
 
-    def _drop_lane(self, lane: _Lane[T]) -> None:
+    def _drop_lane(self, lane: Lane[T]) -> None:
         lane.version += 1
         state = lane.flow
         del state.lanes[lane.band]
         self._forget_if_done(state)
 
-    def _forget_if_done(self, state: _FlowState[T]) -> None:
+    def _forget_if_done(self, state: FlowState[T]) -> None:
         if not state.lanes and not state.running and not state.waiting:
             if self._flows.get(state.flow.key) is state:
                 del self._flows[state.flow.key]
 
-    def _candidates(self, now: float) -> Iterator[tuple[_Lane[T], int | None]]:
+    def _candidates(self, now: float) -> Iterator[tuple[Lane[T], int | None]]:
         """Listed lanes in the order their heads should go, lazily, each with the band
         it was lifted into (None: it competes in its own band)."""
         bands = self._bands
-        seen: set[_Lane[T]] = set()
+        seen: set[Lane[T]] = set()
         for level, band in enumerate(bands):
             if not band.listed:
                 continue
             lifted = self._lifted(level, now, seen)
             first = next(lifted, None)
             if first is None:
-                for entry in _in_order(band.order):
+                for entry in in_order(band.order):
                     if entry[4] not in seen:
                         seen.add(entry[4])
                         yield entry[4], None
                 continue
             # The lifted heads are one more flow of this band: they go at its tag.
             aged_tag = max(band.aged_vtime, band.vtime)
-            natives = _in_order(band.order)
+            natives = in_order(band.order)
             for entry in natives:
                 if entry[0] >= aged_tag:
                     natives = itertools.chain((entry,), natives)
@@ -522,12 +496,12 @@ class FairQueue(Generic[T]):
                     seen.add(entry[4])
                     yield entry[4], None
 
-    def _lifted(self, level: int, now: float, seen: set[_Lane[T]]) -> Iterator[_Lane[T]]:
+    def _lifted(self, level: int, now: float, seen: set[Lane[T]]) -> Iterator[Lane[T]]:
         """Lanes of lower bands whose head has aged into `level`, oldest head first."""
         if self._aging == math.inf:
             return
         bands = self._bands
-        streams = [_aged(bands[lower].age, now - (lower - level) * self._aging)
+        streams = [aged(bands[lower].age, now - (lower - level) * self._aging)
                    for lower in range(level + 1, len(bands)) if bands[lower].listed]
         if not streams:
             return
@@ -535,138 +509,13 @@ class FairQueue(Generic[T]):
             if entry[4] not in seen:
                 yield entry[4]
 
-    def _lifted_band(self, lane: _Lane[T], now: float, with_waiters: set[int]) -> int:
+    def _lifted_band(self, lane: Lane[T], now: float, with_waiters: set[int]) -> int:
         """The band `lane`'s head competes in now, by aging over bands with waiters."""
         waited = now - lane.head_since
         for level in range(lane.band):
             if level in with_waiters and waited >= (lane.band - level) * self._aging:
                 return level
         return lane.band
-
-
-# --- records -----------------------------------------------------------------------
-
-#: key, slots its flow held when listed (order heap; 0 in the age heap), head seq, tie,
-#: lane, version.
-_HeapEntry = tuple[float, int, int, int, "_Lane[T]", int]
-
-
-class _Entry(Generic[T]):
-    """One item, waiting or running."""
-
-    __slots__ = ("item", "flow", "band", "cost", "seq", "enqueued_at", "weight", "passes",
-                 "discount")
-
-    def __init__(self, item: T, flow: _FlowState[T], band: Band, cost: int, seq: int,
-                 enqueued_at: float) -> None:
-        self.item = item
-        self.flow = flow
-        self.band = band
-        self.cost = cost
-        self.seq = seq
-        self.enqueued_at = enqueued_at
-        #: The flow's weight when it was admitted: a refund or requeue undoes its
-        #: charge at the same rate.
-        self.weight = flow.flow.weight
-        #: Admissions that passed it while it was a head that did not fit.
-        self.passes = 0
-        #: Tokens of its cost not charged to its flow (the engine's cache held them).
-        self.discount = 0
-
-
-class _Lane(Generic[T]):
-    """A flow's waiting items of one band, in seq order, and its service tag."""
-
-    __slots__ = ("flow", "band", "items", "vtime", "head_since", "version", "listed")
-
-    def __init__(self, flow: _FlowState[T], band: Band, vtime: float) -> None:
-        self.flow = flow
-        self.band = band
-        self.items: OrderedDict[T, _Entry[T]] = OrderedDict()
-        #: Virtual start tag: service in tokens / weight, caught up on backlogging.
-        self.vtime = vtime
-        self.head_since = 0.0
-        #: Bumped on every change of key: heap entries of an older version are stale.
-        self.version = 0
-        #: In its band's heaps: has waiters and its flow is under max_concurrent.
-        self.listed = False
-
-
-class _FlowState(Generic[T]):
-    __slots__ = ("flow", "lanes", "running", "reserved", "waiting")
-
-    def __init__(self, flow: Flow) -> None:
-        self.flow = flow
-        self.lanes: dict[Band, _Lane[T]] = {}
-        self.running = 0
-        self.reserved = 0
-        self.waiting = 0
-
-
-class _BandState(Generic[T]):
-    __slots__ = ("vtime", "paid", "aged_vtime", "order", "age", "idle", "listed", "weight",
-                 "backlogged")
-
-    def __init__(self) -> None:
-        #: SFQ's virtual time: the largest start tag admitted.
-        self.vtime = 0.0
-        #: Processor-sharing virtual time (>= vtime): idle lanes tagged below it owe
-        #: nothing and are dropped.
-        self.paid = 0.0
-        #: The tag of the heads lifted into this band, competing as one flow.
-        self.aged_vtime = 0.0
-        self.order: list[_HeapEntry[T]] = []  # listed lanes by (tag, head seq)
-        self.age: list[_HeapEntry[T]] = []  # listed lanes by (head since, head seq)
-        self.idle: list[tuple[float, int, _Lane[T], int]] = []  # by tag, still owing
-        self.listed = 0
-        self.weight = 0.0  # of the listed lanes' flows
-        self.backlogged = 0  # lanes with waiters, listed or at their flow's limit
-
-
-# --- functions -----------------------------------------------------------------------
-
-def _head(lane: _Lane[T]) -> _Entry[T]:
-    return lane.items[next(iter(lane.items))]
-
-
-def _current(entry: _HeapEntry[T]) -> bool:
-    lane = entry[4]
-    return lane.listed and lane.version == entry[5]
-
-
-def _first(heap: list[_HeapEntry[T]]) -> _HeapEntry[T] | None:
-    """The current entry with the smallest key (stale ones on top are dropped)."""
-    while heap and not _current(heap[0]):
-        heapq.heappop(heap)
-    return heap[0] if heap else None
-
-
-def _in_order(heap: list[_HeapEntry[T]]) -> Iterator[_HeapEntry[T]]:
-    """The current entries of `heap` in key order, leaving the heap as it is (only
-    stale entries on top are dropped).  O(log n) per entry."""
-    if _first(heap) is None:
-        return
-    frontier: list[tuple[_HeapEntry[T], int]] = [(heap[0], 0)]
-    size = len(heap)
-    while frontier:
-        entry, index = heapq.heappop(frontier)
-        if _current(entry):
-            yield entry
-        for child in (2 * index + 1, 2 * index + 2):
-            if child < size:
-                heapq.heappush(frontier, (heap[child], child))
-
-
-def _aged(heap: list[_HeapEntry[T]], since: float) -> Iterator[_HeapEntry[T]]:
-    """Current entries of an age heap whose head has waited since `since` or earlier."""
-    for entry in _in_order(heap):
-        if entry[0] > since:
-            return
-        yield entry
-
-
-def _by_seq(entry: _Entry[T]) -> int:
-    return entry.seq
 
 
 def _check_cost(cost: int) -> int:

@@ -22,7 +22,7 @@ from typing import Protocol
 from backend.errors import ModelNotAllowed, RequestError
 from backend.key_store import KeyRecord, Priority
 from backend.admission.caller import Caller
-from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow import Band, Flow
 from backend.admission.rate_limits import RateLimiter, Reservation, TokenLimits
 
 __all__ = ["BAND_HEADER", "Endable", "FlowControl", "Pass", "UsageRecorder", "band_of",

@@ -1,6 +1,6 @@
 """Which engine, and which of its slots, a ticket is admitted on.
 
-`Line` (`backend.admission.admission`) decides *who* goes next; a `Placement` decides *where*:
+`Line` (`backend.admission.line`) decides *who* goes next; a `Placement` decides *where*:
 `place(ticket, engines)` gets the engines that serve the ticket's model and may take it
 now (the one a requeue excludes is left out) and answers a `Seat` (an engine and one of
 its free slot ids), or None to keep the ticket waiting.  A policy is pure: it reads the

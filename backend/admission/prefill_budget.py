@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, runtime_checkable
 
 from backend.admission.admission_ticket import WaitReason
-from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow import Band, Flow
 from backend.admission.placement import Hint, Placeable, Placement, Seat, SeatEngine
 
 __all__ = ["LONG_PREFILL_TOKENS", "PREFILL_BUDGET", "CacheKnowledge", "NothingCached",

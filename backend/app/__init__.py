@@ -1,11 +1,12 @@
-"""The application: the service the window and the command line drive (`service`), the
-pool of models and engines (`pool`; its engines elsewhere `pool_upstreams`; what it says
-of them `pool_status`; its settings `pool_config`; the window's picture `pool_state`;
-the sessions' prefixes saved before an engine goes and restored after, `parking`),
-the command line (`cli`, with its `keys` commands in `cli_keys` and its Hugging Face ones
-in `cli_hub`), the keys as people edit and see them (`key_table`), usage per key
-(`usage`), the end-to-end self-test, client snippets, activity over time, the desktop
-entry, LAN discovery (`discovery`: mDNS announce and browse), `gguf-studio connect`
+"""The application: the service the window and the command line drive (`service`; the
+thread it runs on under a GUI, `backend_thread`), the pool of models and engines (`pool`;
+its models here `local_models`; its engines elsewhere `pool_upstreams`; what it says of
+them `pool_status`; its settings `pool_config`, and their file `models_file`; the window's
+picture `pool_state`; the sessions' prefixes saved before an engine goes and restored
+after, `parking`), the command line (`cli`, with its `keys` commands in `cli_keys` and its
+Hugging Face ones in `cli_hub`), the keys as people edit and see them (`key_table`), usage
+per key (`usage`), the end-to-end self-test, client snippets, activity over time, the
+desktop entry, LAN discovery (`discovery`: mDNS announce and browse), `gguf-studio connect`
 (`connect`) and the client configuration it writes (`client_config`), the writer of the
 window's files off its thread (`saver`), and the chat playground's conversation, sent
 through the port like any client's (`chat_session`)."""

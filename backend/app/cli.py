@@ -39,6 +39,7 @@ from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
 from backend.app.cli_requests import add_requests_parser
 from backend.app.connect import add_connect_parser
+from backend.app.models_file import read_models_file
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 
 
@@ -224,7 +225,7 @@ def pool_config(args: argparse.Namespace, settings: Settings) -> PoolConfig:
                                    embeddings=True)
                for name, path in map(_named_path, args.embeddings_model or ())]
     urls = list(args.upstream or ())
-    from_file = PoolConfig.from_file(settings.models_file) if settings.models_file else PoolConfig()
+    from_file = read_models_file(settings.models_file) if settings.models_file else PoolConfig()
     if not models and not urls and not from_file.models and not from_file.upstreams:
         if settings.upstream:
             urls = [settings.upstream]

@@ -8,53 +8,30 @@ line under its own key (base URL), so the admission sees each engine's own slots
 KV, and a waiter goes to whichever engine of its model has room first.  What the pool
 says of its models and engines is `backend.app.pool_status`.
 
-Residency of local models follows the fit estimate (`backend.models.fit`):
-
-- a request for a known model that is not loaded loads it (it waits meanwhile, with
-  keep-alives; its queue timeout counts);
-- before a load, the model's estimated memory must fit beside the loaded ones within
-  the budget (the machine's usable RAM and VRAM, or `memory_limit_mib`); if it does
-  not, the least recently used unpinned model that nobody uses is unloaded first —
-  drained, never killed with a request on it; if every other model is busy, the load
-  waits for one to become idle, taking no room meanwhile (loads that fit go ahead);
-- a load for a lower priority band (the highest band among the requests it is for)
-  does not evict a model a higher band used within `BAND_PROTECTION` seconds: it waits;
-- a model idle for its `idle_ttl` is unloaded;
-- a failed model (its load failed, or its engine crashed past its restarts) refuses
-  requests for `FAILED_COOL_DOWN` seconds, then loads again on demand; each crash is
-  counted against the named keys whose requests were in flight, and a key in flight at
-  more than one crash is named in the model's decision.
-
-Each decision, with its reason, is kept on the model (`ModelStatus.decision`), logged,
-and shown by the window and `/health`.
+Local models are `LocalModels`' (`backend.app.local_models`: loading, eviction by the
+fit estimate, idleness, crashes); the pool resolves and routes a request's model to
+them or to an engine elsewhere, and says which is the default.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
-                            RequestError)
+from backend.errors import RETRY_SOON, ModelNotFound, ModelNotReady, RequestError
 from backend.listeners import Listeners
 from backend.models.hf_cache import printable
-from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot, State
+from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot
 from backend.llama.supervisor import Supervisor
-from backend.admission.caller import ADDRESS_FLOW
-from backend.admission.admission import Line
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.models.model_names import ModelNames, NamedModel
+from backend.app.local_models import LocalModel, LocalModels
 from backend.app.pool_config import ModelEntry, UpstreamEntry
-from backend.app.pool_status import (HERE, EngineStatus, ModelStatus, Residency, UpstreamStatus,
-                                     engine_status)
+from backend.app.pool_status import HERE, EngineStatus, ModelStatus, UpstreamStatus, engine_status
 from backend.app.pool_upstreams import Upstreams
 from backend.port.route import Route
 from backend.settings import Settings
@@ -64,63 +41,6 @@ __all__ = ["EMBEDDINGS_ROUTE", "Pool"]
 log = logging.getLogger("gguf_studio.pool")
 
 EMBEDDINGS_ROUTE = "/v1/embeddings"
-#: How often idle models are looked at for their idle TTL (at most).
-IDLE_CHECK_INTERVAL = 1.0
-#: How long requests ended by an unload get to close their engine connections.
-ABORT_WAIT = 5.0
-#: How long a model used by a higher priority band is kept from being evicted for a
-#: lower band's load: a few turns of a person at a chat or an agent between requests.
-BAND_PROTECTION = 120.0
-#: How long a failed model (its load failed, or its engine crashed past its restarts)
-#: refuses requests before one loads it again: a crash loop costs at most one round of
-#: restarts per cool-down instead of a load per request, and a passing cause (memory
-#: taken by another program, a driver reset) no longer leaves it failed until the owner
-#: loads it by hand.
-FAILED_COOL_DOWN = 60.0
-#: How often a load waiting for room looks again, whatever woke it or not.
-ROOM_RECHECK = 1.0
-#: A request dropped by an engine this long before its crash was noticed was hit by it.
-CRASH_WINDOW = 2.0
-
-
-class _Local:
-    """A local model's runtime state."""
-
-    def __init__(self, entry: ModelEntry) -> None:
-        self.entry = entry
-        self.supervisor: Supervisor | None = None
-        self.residency = Residency.UNLOADED
-        self.decision = "not loaded yet" if not entry.preload else "loading at start"
-        self.error: str | None = None
-        self.last_used = 0.0
-        self.loading: asyncio.Task[Snapshot] | None = None
-        self.estimate: int | None = None  # bytes, once worked out
-        #: Its load has been given room in the budget (a load still waiting for room
-        #: takes none, so loads that fit go ahead of it).
-        self.room = False
-        #: The highest band (the smallest) of the requests its current load is for.
-        self.load_band = Band.INTERACTIVE
-        #: When each band last sent it a request.
-        self.used_by: dict[Band, float] = {}
-        self.failed_at: float | None = None
-        #: Crashes of its engine, and how many of them each named key was in flight at.
-        self.crashes = 0
-        self.crashed_with: collections.Counter[str] = collections.Counter()
-
-    @property
-    def engine_id(self) -> str:
-        return f"local:{self.entry.name}"
-
-    @property
-    def resident(self) -> bool:
-        return self.residency in (Residency.LOADING, Residency.READY, Residency.UNLOADING)
-
-    @property
-    def holds_room(self) -> bool:
-        """It counts in the memory budget: loaded, or loading with room given."""
-        return self.residency in (Residency.READY, Residency.UNLOADING) or (
-            self.residency is Residency.LOADING and self.room)
-
 
 class Pool:
     """Local models and remote engines behind one port; see the module docstring."""
@@ -134,27 +54,28 @@ class Pool:
                  before_loss: Callable[[str, Serving], Awaitable[object]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
-        #: Called with a drained engine just before a planned stop (its sessions' slots
-        #: are parked: backend.app.parking); it bounds its own time.
-        self._before_loss = before_loss
-        self._settings = settings
-        self._engine_binary = engine_binary
-        self._new_supervisor = new_supervisor
-        self._abort = abort
-        self._memory_budget = memory_budget
-        self._estimate = estimate
-        self._clock = clock
         self._listeners: Listeners[[str, Snapshot]] = Listeners(log, "pool listener")
         self._log_listeners: Listeners[[str, str]] = Listeners(log, "pool log listener")
         self._changed_listeners: Listeners[[]] = Listeners(log, "pool change listener")
-        self._locals: dict[str, _Local] = {}
+        self._here = LocalModels(registry, settings=settings, engine_binary=engine_binary,
+                                 new_supervisor=new_supervisor, abort=abort,
+                                 memory_budget=memory_budget, estimate=estimate,
+                                 before_loss=before_loss, clock=clock, told=self._listeners,
+                                 logs=self._log_listeners, changed=self._changed_listeners)
+        self._locals = self._here.models
         self._upstreams = Upstreams(registry, names=self.names,
                                     default_changed=self._sync_default_engine,
                                     changed=self._changed_listeners, told=self._listeners)
         self._default: str | None = None
-        self.memory_limit_mib = 0
-        self._residency_lock = asyncio.Lock()
-        self._idle_task: asyncio.Task[None] | None = None
+
+    @property
+    def memory_limit_mib(self) -> int:
+        """The memory budget in MiB for the local models; 0: the machine's."""
+        return self._here.memory_limit_mib
+
+    @memory_limit_mib.setter
+    def memory_limit_mib(self, value: int) -> None:
+        self._here.memory_limit_mib = value
 
     # --- listeners ---------------------------------------------------------------------
 
@@ -247,21 +168,7 @@ class Pool:
         failed answers ModelNotReady until its cool-down is over, then loads again."""
         local = self._locals.get(name)
         if local is not None:
-            now = self._clock()
-            local.last_used = local.used_by[band] = now
-            if local.residency is Residency.FAILED and not self.registry.busy(name):
-                wait = (local.failed_at or now) + FAILED_COOL_DOWN - now
-                if wait > 0:
-                    raise ModelNotReady(
-                        f"The model {name} failed. {local.error or ''}".strip()
-                        + f" It loads again on demand in {math.ceil(wait)} s.",
-                        retry_after=float(max(1, math.ceil(wait))))
-            if local.loading is not None:
-                local.load_band = min(local.load_band, band)
-            elif not local.resident:
-                why = ("loaded on demand after the cool-down of its failure"
-                       if local.residency is Residency.FAILED else "loaded on demand")
-                self._start_loading(local, why=why, band=band)
+            self._here.serve(local, band)
         elif not self._serves_now(name) and not self.registry.busy(name):
             failed = [served for _upstream, served in self._upstreams.serving(name)
                       if served.state == "failed"]
@@ -329,59 +236,29 @@ class Pool:
         """Know `entry` (replacing an entry of the same name, which keeps its state).
         SettingsError when one of its names is another model's."""
         self.model_names(adding=entry)
-        local = self._locals.get(entry.name)
-        if local is None:
-            self._locals[entry.name] = _Local(entry)
-        else:
-            local.entry = entry
-            local.estimate = None
+        self._here.add(entry)
         if default:
             self._default = entry.name
         self._sync_default_engine()
-        self._ensure_idle_watch()
         self._changed_listeners()
 
     def set_model_options(self, name: str, *, pinned: bool | None = None,
                           idle_ttl: float | None = None) -> None:
         """Pin or unpin a local model, or change its idle TTL (seconds, 0: never), now.
         Pinning drops the idle TTL: a pinned model is never unloaded for idleness."""
-        local = self._local(name)
-        changes: dict[str, object] = {}
-        if pinned is not None:
-            changes["pinned"] = bool(pinned)
-            if pinned and idle_ttl is None:
-                changes["idle_ttl"] = 0.0
-        if idle_ttl is not None:
-            if idle_ttl < 0:
-                raise ValueError("An idle TTL is 0 (never) or a number of seconds.")
-            changes["idle_ttl"] = float(idle_ttl)
-            local.last_used = max(local.last_used, self._clock())  # counted from now
-        local.entry = dataclasses.replace(local.entry, **changes)  # type: ignore[arg-type]
-        self._ensure_idle_watch()
-        self._changed_listeners()
+        self._here.set_model_options(name, pinned=pinned, idle_ttl=idle_ttl)
 
     async def remove_model(self, name: str) -> None:
-        await self.unload_model(name, reason="removed")
-        self._locals.pop(name, None)
-        self._changed_listeners()
+        await self._here.remove_model(name)
 
     async def start(self) -> None:
         """Load every model marked to load at start (one after the other)."""
-        for local in list(self._locals.values()):
-            if local.entry.preload and not local.resident:
-                try:
-                    await self.load_model(local.entry.name, why="loaded at start")
-                except LoadError as error:
-                    log.error("%s did not load: %s", local.entry.name, error)
+        await self._here.start()
 
     async def load_model(self, name: str, *, why: str = "loaded on request") -> Snapshot:
         """Load `name` (making room first if needed) and return its ready snapshot.
         Raises LoadError when it does not load."""
-        local = self._local(name)
-        if local.loading is None:
-            self._start_loading(local, why=why)
-        assert local.loading is not None
-        return await asyncio.shield(local.loading)
+        return await self._here.load_model(name, why=why)
 
     async def replace_default(self, spec: LoadSpec) -> Snapshot:
         """The window's and `serve`'s one load: `spec` becomes the default model; the
@@ -394,7 +271,7 @@ class Pool:
         existing = self._locals.get(spec.name)
         if existing is not None and existing.resident:
             await self.unload_model(spec.name, reason="reloaded", refuse=False)
-        self._locals.setdefault(spec.name, _Local(entry)).entry = entry
+        self._locals.setdefault(spec.name, LocalModel(entry)).entry = entry
         self._default = spec.name
         self._sync_default_engine()
         if previous is not None and previous != spec.name and previous in self._locals:
@@ -412,51 +289,11 @@ class Pool:
 
     async def unload_model(self, name: str, *, reason: str = "unloaded on request",
                            refuse: bool = True, evicted: bool = False) -> None:
-        """Stop serving `name`: nothing new goes to it, requests running on it get the
-        reload grace to finish (then end with a clean error), then its engine stops.
-        `refuse`: its waiters are told it is gone (else they wait for its next load)."""
-        local = self._locals.get(name)
-        if local is None or local.supervisor is None:
-            return
-        if local.loading is not None and not local.loading.done():
-            local.loading.cancel()
-        local.residency = Residency.UNLOADING
-        self._decide(local, reason)
-        queue = self.registry.current_of(local.engine_id)
-        self.registry.retire(local.engine_id)
-        ended = False  # requests were ended by the unload
-        if queue is not None:
-            grace = self._settings().reload_grace
-            if queue.active and grace > 0:
-                await self._drained(lambda: queue.active == 0, grace)
-            ended = queue.active > 0
-            if queue.active:
-                log.warning("%d request(s) still running on %s; ending them", queue.active, name)
-                self._abort(queue.key, LoadReplaced(
-                    "The model was replaced or unloaded while this request ran. Send it again."))
-                # Their connections to the engine close as they end: llama-server stops
-                # on SIGTERM at once then, instead of finishing each generation first.
-                await self._drained(lambda: queue.active == 0, ABORT_WAIT)
-        serving = local.supervisor.snapshot.serving
-        # Parked only when drained: a slot still generating would hold its save back.
-        if self._before_loss is not None and serving is not None and (
-                queue is None or queue.active == 0) and not ended:
-            try:
-                await self._before_loss(name, serving)
-            except Exception:  # a failed save must never keep an engine from stopping
-                log.exception("%s: parking its sessions failed", name)
-        await local.supervisor.unload()
-        local.residency = Residency.EVICTED if evicted else Residency.UNLOADED
-        local.room = False
-        local.loading = None
-        if refuse:
-            self.registry.refuse_waiting(
-                ModelNotReady(f"The model {name} was unloaded.", retry_after=RETRY_SOON), name)
-        self._changed_listeners()
+        """Stop serving `name` (see `LocalModels.unload_model`)."""
+        await self._here.unload_model(name, reason=reason, refuse=refuse, evicted=evicted)
 
     async def unload_all(self) -> None:
-        for name in list(self._locals):
-            await self.unload_model(name)
+        await self._here.unload_all()
 
     # --- remote engines ----------------------------------------------------------------
 
@@ -484,220 +321,8 @@ class Pool:
         return [(model, where, serving) for model, where, serving in found if serving is not None]
 
     async def close(self) -> None:
-        if self._idle_task is not None:
-            self._idle_task.cancel()
-            await asyncio.gather(self._idle_task, return_exceptions=True)
-            self._idle_task = None
-        await self.unload_all()
+        await self._here.close()
         await self._upstreams.close()
-
-    # --- loading and residency ----------------------------------------------------------
-
-    def _start_loading(self, local: _Local, *, why: str, band: Band = Band.INTERACTIVE) -> None:
-        local.residency = Residency.LOADING
-        local.room = False
-        local.load_band = band
-        local.error = None
-        local.loading = asyncio.ensure_future(self._load(local, why))
-        local.loading.add_done_callback(self._loaded)
-        self._changed_listeners()
-
-    def _loaded(self, task: asyncio.Task[Snapshot]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved here; awaiting callers re-raise it themselves
-
-    async def _load(self, local: _Local, why: str) -> Snapshot:
-        name = local.entry.name
-        try:
-            await self._make_room(local, why)
-            binary = await self._engine_binary()
-            supervisor = local.supervisor
-            if supervisor is not None and supervisor.binary != binary:
-                await supervisor.close()  # another engine was built or chosen meanwhile
-                supervisor = local.supervisor = None
-            if supervisor is None:
-                supervisor = local.supervisor = self._new_supervisor(binary)
-                supervisor.add_listener(lambda snapshot: self._on_local_snapshot(local, snapshot))
-                supervisor.add_log_listener(lambda line: self._log_listeners(name, line))
-            entry = local.entry
-            spec = entry.settings.to_spec(entry.path, chat_template=entry.chat_template,
-                                          model_id=name)
-            snapshot = await supervisor.load(spec)
-            local.residency = Residency.READY
-            local.failed_at = None
-            local.last_used = self._clock()
-            self._changed_listeners()
-            return snapshot
-        except asyncio.CancelledError:
-            raise
-        except BaseException as error:
-            local.residency = Residency.FAILED
-            local.room = False
-            local.failed_at = self._clock()
-            local.error = str(error)
-            self._decide(local, f"failed to load: {error} (loads again on demand after "
-                                f"{FAILED_COOL_DOWN:g} s)")
-            self.registry.refuse_waiting(
-                ModelNotReady(f"The model {name} failed to load.", retry_after=RETRY_SOON), name)
-            raise
-        finally:
-            if local.loading is asyncio.current_task():
-                local.loading = None
-
-    async def _make_room(self, local: _Local, why: str) -> None:
-        """Unload least recently used idle models until `local` fits the budget; wait
-        while the only candidates are busy, or kept for a higher band (see
-        `_kept_for`); fail when pinned models leave no room.  A load that waits holds
-        no lock and takes no room meanwhile: loads that fit go ahead."""
-        name = local.entry.name
-        while True:
-            async with self._residency_lock:
-                need = await self._estimate_of(local)
-                budget = self._budget()
-                placed = [m for m in self._locals.values() if m is not local and m.holds_room]
-                used = sum([await self._estimate_of(m) for m in placed])
-                if budget <= 0 or used + need <= budget:
-                    local.room = True
-                    self._decide(local, f"{why}: needs about {_gib(need)}, fits beside "
-                                        f"{_names(placed)} ({_gib(used + need)} of {_gib(budget)})")
-                    return
-                now = self._clock()
-                idle = [m for m in placed if not m.entry.pinned
-                        and m.residency is Residency.READY and not self.registry.busy(m.entry.name)]
-                kept = {id(m): self._kept_for(m, local.load_band, now) for m in idle}
-                free = sorted((m for m in idle if kept[id(m)] is None), key=lambda m: m.last_used)
-                if free:
-                    victim = free[0]
-                    reason = (f"evicted to make room for {name} (least recently used; "
-                              f"{_gib(used + need)} would pass the {_gib(budget)} budget)")
-                    log.info("%s %s", victim.entry.name, reason)
-                    await self.unload_model(victim.entry.name, reason=reason, refuse=False,
-                                            evicted=True)
-                    continue
-                others = [m for m in placed if not m.entry.pinned]
-                if not others:
-                    raise LoadError(
-                        f"{name} needs about {_gib(need)} but only {_gib(max(0, budget - used))} "
-                        f"of the {_gib(budget)} budget is left beside the pinned models "
-                        f"({_names(placed)}). Unload one or raise the memory limit.")
-                waits = [k for k in kept.values() if k is not None]
-                busy = [m for m in others if self.registry.busy(m.entry.name)]
-                reasons = []
-                if busy:
-                    reasons.append(f"{_names(busy)} still serve requests")
-                for model, band, _until in waits:
-                    reasons.append(f"{model} is kept for its {band.name.lower()} requests "
-                                   f"(this load is for {local.load_band.name.lower()} ones)")
-                decision = "waiting for room: " + "; ".join(reasons or ["others load or unload"])
-                if local.decision != decision:
-                    self._decide(local, decision)
-                wake = min([ROOM_RECHECK, *(until - now for _m, _b, until in waits)])
-                watched = busy
-            # Woken when a busy one goes idle; looked at again every ROOM_RECHECK anyway
-            # (a protection that lapses, a model that unloads or finishes loading).
-            await self._drained(lambda: any(not self.registry.busy(m.entry.name)
-                                            for m in watched), timeout=max(0.0, wake))
-
-    def _kept_for(self, model: _Local, band: Band, now: float) -> tuple[str, Band, float] | None:
-        """Whether a load for `band` may not evict `model`: a higher band used it within
-        BAND_PROTECTION seconds.  (model, that band, when it may be evicted) or None."""
-        for higher in sorted(model.used_by):
-            if higher >= band:
-                break
-            until = model.used_by[higher] + BAND_PROTECTION
-            if until > now:
-                return model.entry.name, higher, until
-        return None
-
-    async def _estimate_of(self, local: _Local) -> int:
-        if local.estimate is None:
-            local.estimate = await asyncio.to_thread(self._estimate, local.entry)
-        return local.estimate
-
-    def _budget(self) -> int:
-        if self.memory_limit_mib > 0:
-            return self.memory_limit_mib * 1024 * 1024
-        return self._memory_budget()
-
-    # --- idleness ---------------------------------------------------------------------------
-
-    def _ensure_idle_watch(self) -> None:
-        if self._idle_task is None and any(m.entry.idle_ttl > 0 for m in self._locals.values()):
-            try:
-                self._idle_task = asyncio.get_running_loop().create_task(
-                    self._watch_idle(), name="idle models")
-            except RuntimeError:  # no loop yet: started with the first load
-                pass
-
-    async def _watch_idle(self) -> None:
-        while True:
-            ttls = [m.entry.idle_ttl for m in self._locals.values() if m.entry.idle_ttl > 0]
-            await asyncio.sleep(min([IDLE_CHECK_INTERVAL, *(t / 4 for t in ttls)]))
-            now = self._clock()
-            for local in list(self._locals.values()):
-                name = local.entry.name
-                ttl = local.entry.idle_ttl
-                if ttl <= 0 or local.entry.pinned or local.residency is not Residency.READY:
-                    continue
-                if self.registry.busy(name):
-                    local.last_used = now
-                elif now - local.last_used >= ttl:
-                    reason = f"idle for {ttl:g} s: unloaded"
-                    log.info("%s %s", name, reason)
-                    await self.unload_model(name, reason=reason, refuse=False, evicted=True)
-
-    # --- engines' snapshots ----------------------------------------------------------------
-
-    def _on_local_snapshot(self, local: _Local, snapshot: Snapshot) -> None:
-        name = local.entry.name
-        if snapshot.serving is not None:
-            self.registry.activate(snapshot.serving, model=name, engine=local.engine_id,
-                                   label=HERE)
-            if local.residency is Residency.LOADING:
-                local.residency = Residency.READY
-        else:
-            if self.registry.current_of(local.engine_id) is not None:
-                line = self.registry.find_line(name)  # before retiring may forget it
-                self.registry.retire(local.engine_id)  # a crash or a stop: nothing new goes to it
-                if local.residency is not Residency.UNLOADING and (
-                        snapshot.restarting or snapshot.state is State.FAILED):
-                    self._crashed(local, line)
-            # Also after a crash retired it: the restarts it then gave up on fail it.
-            if snapshot.state is State.FAILED and local.residency in (Residency.READY,
-                                                                      Residency.LOADING):
-                local.residency = Residency.FAILED
-                local.room = False
-                local.failed_at = self._clock()
-                local.error = snapshot.error
-                self._decide(local, f"failed: {snapshot.error or 'its engine stopped'} (loads "
-                                    f"again on demand after {FAILED_COOL_DOWN:g} s)"
-                                    + self._suspects(local))
-                self.registry.refuse_waiting(
-                    ModelNotReady("The model stopped working.", retry_after=RETRY_SOON), name)
-        self._listeners(name, snapshot)
-
-    def _crashed(self, local: _Local, line: Line | None) -> None:
-        """Its engine died under requests (`line`: its model's, as it was): count the
-        crash against the named keys whose requests were in flight, and say so when one
-        was there more than once."""
-        flows = line.flows_in_flight(CRASH_WINDOW) if line is not None else set()
-        local.crashes += 1
-        local.crashed_with.update(flow for flow in flows
-                                  if flow and not flow.startswith(ADDRESS_FLOW))
-        log.warning("%s: its engine crashed (%d since it was added) with requests of %s "
-                    "in flight", local.entry.name, local.crashes,
-                    ", ".join(sorted(repr(f) for f in flows)) or "nobody")
-        suspects = self._suspects(local)
-        if suspects:
-            self._decide(local, f"its engine crashed ({local.crashes} times)" + suspects)
-
-    def _suspects(self, local: _Local) -> str:
-        """The named keys in flight at more than one of its crashes, most first."""
-        repeated = [(n, key) for key, n in local.crashed_with.most_common(3) if n > 1]
-        if not repeated:
-            return ""
-        return "; requests of " + ", ".join(f"key {key!r} were in flight at {n}"
-                                             for n, key in repeated) + " of its crashes"
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -732,38 +357,3 @@ class Pool:
                 if name not in (entry.name, replacing)]
         ModelNames([*stay, entry.named])
 
-    def _local(self, name: str) -> _Local:
-        local = self._locals.get(name)
-        if local is None:
-            raise ModelNotFound(f"The model {name!r} is not in the pool.")
-        return local
-
-    def _decide(self, local: _Local, decision: str) -> None:
-        local.decision = decision
-        log.info("%s: %s", local.entry.name, decision)
-        self._changed_listeners()
-
-    async def _drained(self, done: Callable[[], bool], timeout: float | None) -> None:
-        """Wait until `done()` holds (checked on every admission change)."""
-        if done():
-            return
-        changed = asyncio.Event()
-        listener = changed.set
-        self.registry.add_listener(listener)
-        try:
-            async with asyncio.timeout(timeout):
-                while not done():
-                    changed.clear()
-                    await changed.wait()
-        except TimeoutError:
-            pass
-        finally:
-            self.registry.remove_listener(listener)
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
-def _names(models: list[_Local]) -> str:
-    return ", ".join(m.entry.name for m in models) or "nothing"

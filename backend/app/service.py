@@ -1,31 +1,30 @@
 """The one object the window and the command line talk to.
 
 It wires the pool (local models, each run by its own supervisor, and engines elsewhere),
-the admission registry, the metrics and the gateway together on one asyncio loop.  `BackendThread` gives that loop a thread
-of its own when a GUI owns the main thread.
+the admission registry, the metrics and the gateway together on one asyncio loop.
+`BackendThread` (`backend.app.backend_thread`) gives that loop a thread of its own when a
+GUI owns the main thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import gc
 import logging
 import math
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, TypeVar
+from typing import TYPE_CHECKING, Any, Callable
 
 import platformdirs
 
-from backend import event_loop
 from backend.addresses import client_urls, is_loopback
 from backend.api_keys import generate_api_key
 from backend.app.discovery import Advertiser, app_version, service_name
 from backend.app.key_table import KeyTable, key_table, key_target
 from backend.app.snippets import ClientModel, ClientTarget
+from backend.app.local_models import estimate_model_bytes, memory_budget
 from backend.app.parking import ParkingSteward
 from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
@@ -40,8 +39,6 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.slot_parking import ParkingLot
 from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
-from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
-from backend.models.gguf_info import read_model_info
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.admission_registry import AdmissionRegistry
@@ -56,8 +53,6 @@ from backend.settings import Settings, remember_keys_required
 if TYPE_CHECKING:
     from backend.port.tracing import SpanExport
     from backend.port.server import GatewayServer
-
-T = TypeVar("T")
 
 log = logging.getLogger("gguf_studio.service")
 
@@ -548,40 +543,6 @@ class StudioService:
             self._listeners(snapshot)
 
 
-class BackendThread:
-    """An asyncio loop in a thread of its own, for a caller (the window) on another loop."""
-
-    def __init__(self, name: str = "gguf-studio-backend") -> None:
-        self.loop = event_loop.new_event_loop()  # uvloop's where installed
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-
 def _announced(settings: Settings) -> tuple[bool, str]:
     return settings.advertise, settings.advertise_name
 
@@ -605,19 +566,6 @@ def check_bind_allowed(settings: Settings, *, named_keys: bool = False) -> None:
         f"Refusing to listen on {settings.host} without an API key: anyone on the network could "
         "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), make a named key with "
         "`gguf-studio keys add NAME`, or pass --allow-no-key if you really mean it.")
-
-
-def memory_budget() -> int:
-    """What local models may take together: the usable part of this machine's RAM.
-    (GPU memory is not added: a model that runs on a GPU also maps its file in RAM.)"""
-    return int(machine_memory().ram_bytes * RAM_USABLE)
-
-
-def estimate_model_bytes(entry: ModelEntry) -> int:
-    """The fit estimate of `entry` at its context (weights, KV cache, working space)."""
-    info = read_model_info(entry.path)
-    return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size,
-                        info=info).total_bytes
 
 
 def _speed_figure(speed: dict[str, object] | None, name: str) -> float:

@@ -1,7 +1,8 @@
 """Capacity in KV tokens: the engine's cache, and what one request needs of it.
 
-Plain values, read by `backend.admission.admission` to decide and by the metrics and the window
-to show; `backend.admission.prompt_tokens` makes the needs.
+Plain values, read by `backend.admission.engine_queue` and `backend.admission.line` to
+decide and by the metrics and the window to show; `backend.admission.prompt_tokens` makes
+the needs.
 
 Where the capacity comes from after a healthy load:
 

@@ -38,10 +38,10 @@ from backend.port import http_errors
 from backend.key_store import KeyStore
 from backend.admission.caller import Caller
 from backend.port.access_guard import AccessGuard
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.admission.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
-from backend.admission.admission import AdmissionQueue
+from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
 from backend.port.enrolment_endpoint import ENROL_PATH, EnrolmentEndpoint

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -39,15 +38,16 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, 
 from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks, Verdict
 from backend.port import http_errors
 from backend.port import sse
-from backend.admission.admission import AdmissionQueue, Line
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import Line
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.caller import Caller
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.placement import NO_HINT, Hint, KeepPrefixes
-from backend.port.request_log import NO_FIGURES, RequestLog, engine_figures
+from backend.port.request_log import NO_FIGURES, RequestLog, figures_in
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -163,7 +163,7 @@ class GatedRequest:
 class Exchange:
     """A gated request and its ticket; `run()` answers every RequestError itself."""
 
-    def __init__(self, host: ExchangeHost, line: Line, request: GatedRequest,
+    def __init__(self, host: ExchangeHost, line: Line[AdmissionQueue], request: GatedRequest,
                  send: Any, receive: Any, *,
                  abort_connection: Callable[[], None] | None = None,
                  body_writer: BodyWriter | None = None) -> None:
@@ -234,8 +234,9 @@ class Exchange:
         self._first_at: float | None = None
         self._last_at = 0.0
         self._longest_gap = 0.0
-        #: The answer's last bytes, once it was relayed whole: its cache is judged from them.
-        self._answer_tail: bytes | None = None
+        #: The figures the answer's last bytes carry (`sse.final_payloads`), parsed once
+        #: when the request ends (`_final_payloads`) for its books, its session and its record.
+        self._payloads: list[dict[str, Any]] | None = None
 
     @property
     def metrics(self) -> ModelCounts:
@@ -305,7 +306,7 @@ class Exchange:
             self._account()
             # Judged before the record, which names a miss's reason: a comparison of
             # block hashes made at the gateway (tens of microseconds for an agent's turn).
-            verdict = None if self._answer_tail is None else self._judge_cache(self._answer_tail)
+            verdict = self._judge_cache() if self._answered else None
             self._record(verdict)
         try:
             await self._send_all(last)
@@ -366,19 +367,17 @@ class Exchange:
         if self._failed is not None and not self._events:
             self.passage.refused(self._failed)
         elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
-            tail = self._tail or b"".join(self._last_sent)
-            # An Anthropic stream names its prompt in its first event only.
-            told_prompt, told_completion = sse.find_usage(self._start + tail) or (None, None)
+            payloads = self._final_payloads()
+            told_prompt, told_completion = sse.usage_in(payloads) or (None, None)
             prompt, completion = self._cut_usage()
             self.passage.answered((prompt if told_prompt is None else told_prompt,
                                    completion if told_completion is None else told_completion))
             if self._answered:
-                self._learn(tail, told_prompt)
-                self._answer_tail = self._start + tail
+                self._learn(_prompt_figures(payloads), told_prompt)
             elif self._events:
                 # Stopped mid-answer: its slot holds the prompt all the same, and the
                 # conversation's next turn (a stop, then a new question) belongs there.
-                self._learn(b"", prompt)
+                self._learn(None, prompt)
         else:
             self.passage.left()  # before its turn
 
@@ -388,7 +387,7 @@ class Exchange:
         ticket = self.ticket
         request = self.request
         seat = ticket.seat if ticket is not None else None
-        figures = engine_figures(self._start, self._tail or b"".join(self._last_sent)) \
+        figures = figures_in(self._final_payloads()) \
             if self._events or self._answered else NO_FIGURES
         wait, reason, behind = self._waited()
         first = self._first_at
@@ -439,11 +438,18 @@ class Exchange:
             band = flow_band if ticket.band is None else max(ticket.band, flow_band)
         return None if band is None else band.name.lower()
 
-    def _learn(self, tail: bytes, told_prompt: int | None) -> None:
+    def _final_payloads(self) -> list[dict[str, Any]]:
+        """The answer's figures, parsed from its last bytes the first time they are asked
+        for (an Anthropic stream names its prompt in its first event only)."""
+        if self._payloads is None:
+            tail = self._tail or b"".join(self._last_sent)
+            self._payloads = sse.final_payloads(self._start + tail)
+        return self._payloads
+
+    def _learn(self, figures: tuple[int, int] | None, told_prompt: int | None) -> None:
         """Tell placement where the answer left its session's prefix, with the prompt's
-        tokens and those the engine's cache held, from the final event the books read
-        (once per request, never per chunk); an answer without `timings` tells only its
-        prompt."""
+        tokens and those the engine's cache held (`figures`, from its final `timings`);
+        an answer without them tells only its prompt."""
         ticket = self.ticket
         placement = self.line.placement
         if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
@@ -451,7 +457,6 @@ class Exchange:
         hint = ticket.hint
         if hint.session is None:
             return
-        figures = _prompt_figures(tail)
         if figures is None:
             if told_prompt is None:
                 return
@@ -459,10 +464,10 @@ class Exchange:
         placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
                          ticket.engine.label, *figures)
 
-    def _judge_cache(self, answer: bytes) -> Verdict | None:
+    def _judge_cache(self) -> Verdict | None:
         """Count the answer's cached and computed prompt tokens, and say why a miss
         missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
-        figures = sse.find_prompt_cache(answer)
+        figures = sse.prompt_cache_in(self._final_payloads())
         ticket = self.ticket
         if figures is None or ticket is None or ticket.engine is None:
             return None
@@ -944,18 +949,12 @@ def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
     return stage
 
 
-def _prompt_figures(data: bytes) -> tuple[int, int] | None:
+def _prompt_figures(payloads: list[dict[str, Any]]) -> tuple[int, int] | None:
     """(prompt, cached) tokens from the last `timings` an answer carries (llama-server's
     final chunk or body: `prompt_n` computed, `cache_n` found in its cache); None when
     it carries none."""
-    for block in reversed(data.split(b"\n")):
-        if b'"timings"' not in block:
-            continue
-        text = block[5:] if block.startswith(b"data:") else block
-        try:
-            timings = json.loads(text).get("timings")
-        except (ValueError, AttributeError):
-            continue
+    for payload in payloads:
+        timings = payload.get("timings")
         if isinstance(timings, dict):
             computed, cached = timings.get("prompt_n"), timings.get("cache_n")
             if isinstance(computed, int) and isinstance(cached, int):

@@ -15,22 +15,23 @@ key's reader sees its own records only, and of them nothing the shared prompt ca
 told (`RequestRecord.for_named_key`): as in its answers, the cache's figures would tell
 one key how much of another key's prompt a guess matches.
 
-The engine's figures are read once per request from the answer's last bytes
-(`engine_figures`), never per chunk.
+The engine's figures are read once per request from the answer's last bytes, parsed once
+(`figures_in` of `sse.final_payloads`), never per chunk.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from backend.port.sse import final_payloads
+
 __all__ = ["DEFAULT_CAPACITY", "EngineFigures", "NO_FIGURES", "RequestLog", "RequestRecord",
-           "engine_figures"]
+           "engine_figures", "figures_in"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -163,27 +164,22 @@ class RequestLog:
 
 def engine_figures(*parts: bytes) -> EngineFigures:
     """The engine's figures from an answer's last bytes (a JSON body, or the tail of an
-    event stream; for an Anthropic stream its first event too): the last `timings` and
-    `usage` it carries.  Parsed once, when the request ends."""
+    event stream; for an Anthropic stream its first event first)."""
+    return figures_in(final_payloads(b"".join(parts)))
+
+
+def figures_in(payloads: list[dict[str, Any]]) -> EngineFigures:
+    """The engine's figures from an answer's `final_payloads`: the last `timings` and
+    `usage` it carries."""
     timings: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
-    for part in reversed(parts):
-        for line in reversed(part.split(b"\n")):
-            if b'"timings"' not in line and b'"usage"' not in line:
-                continue
-            text = line[5:] if line.startswith(b"data:") else line
-            try:
-                payload = json.loads(text)
-            except ValueError:
-                continue
-            if not isinstance(payload, dict):
-                continue
-            if timings is None and isinstance(payload.get("timings"), dict):
-                timings = payload["timings"]
-            if usage is None:
-                usage = _usage_of(payload)
-            if timings is not None and usage is not None:
-                break
+    for payload in payloads:
+        if timings is None and isinstance(payload.get("timings"), dict):
+            timings = payload["timings"]
+        if usage is None:
+            usage = _usage_of(payload)
+        if timings is not None and usage is not None:
+            break
     return _figures(timings or {}, usage or {})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.admission.fair_queue import Band
+from backend.admission.flow import Band
 
 __all__ = ["Route"]
 

@@ -31,11 +31,14 @@ __all__ = [
     "ResponsesRewriter",
     "data_event",
     "event_ends",
+    "final_payloads",
     "find_prompt_cache",
     "find_usage",
     "named_event",
     "new_response_id",
     "response_stub",
+    "prompt_cache_in",
+    "usage_in",
     "without_cache_figures",
 ]
 
@@ -289,14 +292,12 @@ def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
     return b"".join(parts) if changed else data
 
 
-def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
-    """(prompt, completion) tokens from the last `usage` an answer carries: a JSON body,
-    or the tail of an event stream (chat's final chunk, Responses' `response.completed`,
-    Anthropic's `message_start` and `message_delta`).  None when it says nothing, and
-    None for the prompt when only the completion is said (an Anthropic stream names its
-    prompt in its first event only).  The prompt is all of it, also the tokens the
-    engine's cache held (which Anthropic's `input_tokens` leave out)."""
-    prompt = completion = None
+def final_payloads(data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects in `data` (a JSON body, or the tail of an event stream) that carry
+    an answer's figures (`usage` or `timings`), the last first.  An exchange parses its
+    answer's last bytes once, when it ends; `usage_in`, `prompt_cache_in` and the
+    inspector's `figures_in` read what this found."""
+    found = []
     for block in reversed(data.split(b"\n")):
         if b'"usage"' not in block and b'"timings"' not in block:
             continue
@@ -305,6 +306,20 @@ def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
             payload = json.loads(text)
         except ValueError:
             continue
+        if isinstance(payload, dict):
+            found.append(payload)
+    return found
+
+
+def usage_in(payloads: list[dict[str, Any]]) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) tokens from the last `usage` an answer carries (its
+    `final_payloads`: chat's final chunk, Responses' `response.completed`, Anthropic's
+    `message_start` and `message_delta`, or a body).  None when it says nothing, and None
+    for the prompt when only the completion is said (an Anthropic stream names its prompt
+    in its first event only).  The prompt is all of it, also the tokens the engine's cache
+    held (which Anthropic's `input_tokens` leave out)."""
+    prompt = completion = None
+    for payload in payloads:
         told_prompt, told_completion = _usage_of(payload)
         if completion is None:
             completion = told_completion
@@ -317,23 +332,26 @@ def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
     return prompt, completion
 
 
-def find_prompt_cache(data: bytes) -> tuple[int, int] | None:
-    """(cached, computed) prompt tokens from the last answer's figures in `data` (a JSON
-    body or a stream's tail): llama-server's `timings` (`cache_n`, `prompt_n`), else a
-    usage that says its cached tokens (OpenAI's `prompt_tokens_details`, Anthropic's
+def prompt_cache_in(payloads: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(cached, computed) prompt tokens from the last answer's figures (its
+    `final_payloads`): llama-server's `timings` (`cache_n`, `prompt_n`), else a usage that
+    says its cached tokens (OpenAI's `prompt_tokens_details`, Anthropic's
     `cache_read_input_tokens`).  None when it says neither."""
-    for block in reversed(data.split(b"\n")):
-        if CACHE_MARKER not in block:
-            continue
-        text = block[5:] if block.startswith(b"data:") else block
-        try:
-            payload = json.loads(text)
-        except ValueError:
-            continue
+    for payload in payloads:
         found = _prompt_cache_of(payload)
         if found is not None:
             return found
     return None
+
+
+def find_usage(data: bytes) -> tuple[int | None, int | None] | None:
+    """`usage_in` of the answer's last bytes `data`."""
+    return usage_in(final_payloads(data))
+
+
+def find_prompt_cache(data: bytes) -> tuple[int, int] | None:
+    """`prompt_cache_in` of the answer's last bytes `data`."""
+    return prompt_cache_in(final_payloads(data))
 
 
 def _prompt_cache_of(payload: Any) -> tuple[int, int] | None:

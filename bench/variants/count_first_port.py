@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backend.admission.admission import Line  # noqa: E402
+from backend.admission.line import Line  # noqa: E402
 
 Line.fits_now = lambda self, need: False  # type: ignore[method-assign]
 

@@ -6,7 +6,7 @@ import asyncio
 
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.admission.admission import AdmissionQueue
+from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.admission_ticket import Ticket
 
 OLD = "http://127.0.0.1:41001"

@@ -15,7 +15,7 @@ import httpx
 from backend.port.access_guard import AccessGuard
 from backend.errors import RETRY_SOON, ModelNotReady
 from backend.llama.kv_capacity import KvCapacity
-from backend.admission.admission import DEFAULT_MODEL
+from backend.admission.line import DEFAULT_MODEL
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.key_store import KeyStore
 from backend.port.catalog import ModelCard

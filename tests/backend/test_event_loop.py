@@ -14,7 +14,8 @@ import pytest
 
 from backend import event_loop
 from backend.llama.load import LoadSettings, State
-from backend.app.service import BackendThread, StudioService
+from backend.app.backend_thread import BackendThread
+from backend.app.service import StudioService
 from backend.settings import Settings
 
 uvloop = pytest.importorskip("uvloop")

@@ -296,7 +296,7 @@ def test_a_failing_listener_does_not_break_admission(caplog):
 
     registry.add_listener(broken)
     registry.add_listener(lambda: heard.append(True))
-    with caplog.at_level(logging.ERROR, logger="backend.admission.admission"):
+    with caplog.at_level(logging.ERROR, logger="backend.admission.admission_registry"):
         queue = registry.activate(Serving(OLD, 1))
         ticket = queue.request()
         ticket.release()
@@ -428,7 +428,7 @@ def test_a_ticket_requeued_on_a_retired_load_after_the_next_became_current_joins
 
 
 def test_a_load_that_keeps_refusing_is_given_up_after_max_requeues():
-    from backend.admission.admission import MAX_REQUEUES
+    from backend.admission.admission_ticket import MAX_REQUEUES
     registry = AdmissionRegistry()
     queue = registry.activate(Serving(OLD, 1))
     ticket = queue.request()

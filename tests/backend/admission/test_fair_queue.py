@@ -13,7 +13,8 @@ from typing import Generic, Sequence, TypeVar
 
 import pytest
 
-from backend.admission.fair_queue import Band, FairQueue, Flow
+from backend.admission.flow import Band, Flow
+from backend.admission.fair_queue import FairQueue
 from tests.not_none import not_none
 
 Item = TypeVar("Item")

@@ -13,7 +13,7 @@ import pytest
 from backend.errors import ModelNotAllowed, RateLimitExceeded, RequestError
 from backend.key_store import OWNER, KeyStore, Priority
 from backend.admission.caller import ADDRESS_FLOW, Caller
-from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow import Band, Flow
 from backend.admission.flow_control import FlowControl, band_of, requested_band
 from backend.admission.rate_limits import RateLimiter
 from backend.app.usage import UsageLedger

@@ -4,9 +4,10 @@ prompt goes to in a pool, and what the cache's knowledge takes off."""
 
 from __future__ import annotations
 
-from backend.admission.admission import AdmissionQueue, Line
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import Line
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.fair_queue import Band, Flow
+from backend.admission.flow import Band, Flow
 from backend.admission.placement import Hint
 from backend.admission.prefill_budget import (LONG_PREFILL_TOKENS, PREFILL_BUDGET, PrefillBudget)
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
@@ -29,7 +30,7 @@ def engine(line: Line, url: str = OLD, slots: int = 4) -> AdmissionQueue:
 
 def test_a_second_long_prompt_waits_while_the_first_is_computed_beside_a_stream():
     clock = FakeClock()
-    line = Line(clock=clock)
+    line: Line[AdmissionQueue] = Line(clock=clock)
     engine(line)
     stream = line.request(SHORT, flow=ALICE)
     first = line.request(LONG, flow=BOB)
@@ -44,7 +45,7 @@ def test_a_second_long_prompt_waits_while_the_first_is_computed_beside_a_stream(
 
 
 def test_a_short_request_passes_a_long_one_the_budget_holds():
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     engine(line)
     line.request(SHORT, flow=ALICE)
     line.request(LONG, flow=BOB)
@@ -55,14 +56,14 @@ def test_a_short_request_passes_a_long_one_the_budget_holds():
 
 
 def test_long_prompts_run_together_when_no_stream_would_feel_it():
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     engine(line)
     first, second = line.request(LONG, flow=ALICE), line.request(LONG, flow=BOB)
     assert first.admitted and second.admitted
 
 
 def test_the_held_prompt_goes_when_the_long_one_ends_even_without_a_first_byte():
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     engine(line)
     line.request(SHORT, flow=ALICE)
     first = line.request(LONG, flow=BOB)
@@ -73,7 +74,7 @@ def test_the_held_prompt_goes_when_the_long_one_ends_even_without_a_first_byte()
 
 def test_a_batch_band_long_prompt_waits_beside_streams_until_it_has_aged():
     clock = FakeClock()
-    line = Line(clock=clock, aging=30.0)
+    line: Line[AdmissionQueue] = Line(clock=clock, aging=30.0)
     engine(line)
     stream = line.request(SHORT, flow=ALICE)
     nightly = line.request(LONG, flow=NIGHTLY)
@@ -90,14 +91,14 @@ def test_a_batch_band_long_prompt_waits_beside_streams_until_it_has_aged():
 
 
 def test_a_batch_band_long_prompt_goes_at_once_on_an_engine_without_streams():
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     engine(line)
     line.request(SHORT, flow=NIGHTLY)  # batch work decoding: nobody interactive feels it
     assert line.request(LONG, flow=NIGHTLY).admitted
 
 
 def test_in_a_pool_a_long_prompt_goes_to_the_engine_with_the_fewest_running_streams():
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     big = engine(line, OLD, slots=8)  # the most free slots: where it would go otherwise
     small = engine(line, NEW, slots=3)
     for flow in (ALICE, BOB, CAROL):
@@ -112,7 +113,7 @@ def test_in_a_pool_a_long_prompt_goes_to_the_engine_with_the_fewest_running_stre
 
 
 def test_in_a_pool_a_long_prompt_skips_the_engine_already_computing_one():
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     first_engine = engine(line, OLD)
     second_engine = engine(line, NEW)
     line.request(SHORT, flow=ALICE)
@@ -129,7 +130,7 @@ def test_what_the_cache_holds_does_not_count_as_prefill():
             return 5_900 if hint.session == "alice\nagent" else 0
 
     budget = PrefillBudget(cache=PrefixCached())
-    line = Line(clock=FakeClock())
+    line: Line[AdmissionQueue] = Line(clock=FakeClock())
     line.prefill_budget.cache = budget.cache
     engine(line)
     line.request(SHORT, flow=ALICE)

@@ -23,7 +23,7 @@ import pytest
 
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
-from backend.admission.admission import AdmissionQueue
+from backend.admission.engine_queue import AdmissionQueue
 from backend.errors import ContextLengthExceeded
 from backend.admission.need_planner import NeedPlanner
 from backend.admission.prompt_tokens import (

@@ -81,10 +81,11 @@ async def test_one_keys_flood_does_not_hold_back_anothers_request(service):
         await asyncio.gather(*flood)
     usage = service.usage.snapshot()
     # The colleague got the first slot that freed: it waited about one of the flood's
-    # requests (those running when it came), where first come first served would have
-    # made it wait for the 14 queued before it: 7 rounds of 2 slots.
+    # requests (those running when it came, with their prompts), where first come first
+    # served would have made it wait for the 14 queued before it: 7 rounds of 2 slots.
+    # (The bound leaves room for a loaded machine: 1.51 was measured beside 4 busy jobs.)
     one_flood_request = sorted(durations)[len(durations) // 2]
-    assert usage["colleague"].mean_wait < 1.5 * one_flood_request, (usage["colleague"],
+    assert usage["colleague"].mean_wait < 2.5 * one_flood_request, (usage["colleague"],
                                                                     one_flood_request)
     # Fair or not, the flood's 16 on 2 slots wait 3.5 of its requests on average; the
     # bound leaves room for rounds that run faster than the median one.

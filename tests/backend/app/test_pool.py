@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.app.pool_status import Residency
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.app.service import StudioService, estimate_model_bytes
+from backend.app.local_models import estimate_model_bytes
+from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvCapacity, KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port

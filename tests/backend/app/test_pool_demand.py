@@ -14,10 +14,11 @@ import time
 import httpx
 import pytest
 
-import backend.app.pool as pool_module
+import backend.app.local_models as local_models_module
 from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.pool_status import Residency
-from backend.app.service import StudioService, estimate_model_bytes
+from backend.app.local_models import estimate_model_bytes
+from backend.app.service import StudioService
 from backend.key_store import Priority
 from backend.settings import Settings
 from tests.backend.app.test_pool import (LONG, SMALL, chat, other_tiny_model, studio_health,
@@ -110,7 +111,7 @@ async def test_a_key_whose_budget_is_spent_neither_loads_nor_evicts(
 
 async def test_a_batch_load_does_not_evict_a_model_an_interactive_key_just_used(
         service, client, tiny_model, other_tiny_model, monkeypatch):
-    monkeypatch.setattr(pool_module, "BAND_PROTECTION", 4.0, raising=False)
+    monkeypatch.setattr(local_models_module, "BAND_PROTECTION", 4.0, raising=False)
     await one_at_a_time(service, ModelEntry.for_file(str(tiny_model), settings=SMALL),
                         ModelEntry.for_file(str(other_tiny_model), settings=SMALL,
                                             preload=False))
@@ -201,7 +202,7 @@ async def test_a_key_revoked_while_its_request_waits_for_a_load_is_refused(
 
 async def test_a_model_failed_by_crashes_loads_again_after_its_cool_down_naming_the_key(
         service, client, tiny_model, monkeypatch):
-    monkeypatch.setattr(pool_module, "FAILED_COOL_DOWN", 3.0, raising=False)
+    monkeypatch.setattr(local_models_module, "FAILED_COOL_DOWN", 3.0, raising=False)
     await service.start_pool(PoolConfig(models=(
         ModelEntry.for_file(str(tiny_model), settings=SMALL),)))
     _record, secret = service.add_key("crasher")

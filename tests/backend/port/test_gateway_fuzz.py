@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from backend.llama.api import engine_headers
 from backend.port.gateway import GATED_ROUTES, OPEN_ROUTES
-from backend.app.service import BackendThread
+from backend.app.backend_thread import BackendThread
 from tests.backend.gateway_harness import open_gateway
 from tests.fake_upstream import FakeUpstream
 

@@ -16,7 +16,7 @@ from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
-from backend.admission.admission import MAX_REQUEUES
+from backend.admission.admission_ticket import MAX_REQUEUES
 from tests.backend.gateway_harness import open_gateway
 from tests.backend.service_harness import ServiceFactory
 

@@ -1,48 +1,29 @@
-"""Who may talk to an engine now, and who waits.
+"""Who waits for a model's engines, and who goes next.
 
-Two nouns that make one decision:
-
-- `AdmissionQueue`: the slots and KV tokens of one engine (one `Serving`, keyed by its
-  `key`: a new process of a load has a new port, hence a new queue);
-- `Line`: the waiters of one model, in front of every engine that serves it; a waiter
-  goes to whichever of them has room first.
+`Line`: the waiters of one model, in front of every engine that serves it
+(`AdmissionQueue`, `backend.admission.engine_queue`: one engine's slots and KV tokens);
+a waiter goes to whichever of them has room first.
 
 The lines by model and the engines by key are kept by `AdmissionRegistry`
 (`backend.admission.admission_registry`).
 
-Capacity is two numbers: free slots and free KV tokens.  A request's *need* is its
-prompt tokens plus its output budget (`TokenNeed`, see `backend.admission.need_planner`).
-An engine's cache (`KvCapacity`) is either
-
-- **split**: each slot owns `total / slots` tokens, so a request must fit one slot
-  (`need <= per_request`) and then always fits, whatever the others hold; or
-- **unified**: one pool for every slot, so the needs of the running requests plus the
-  newcomer's must fit `total` (and each need must fit `per_request`, the engine's cap
-  on one sequence).
-
 The head of a line starts on an engine of its model with a free slot and room for its
-need.  Which engine, and which slot, is the line's `Placement`'s answer
-(`backend.admission.placement`; by default `KeepPrefixes`: a session's turn where its
-prompt prefix is, else the engine with the most free slots).  Each engine keeps seats, its slot ids 0..slots-1: an
-admission hands the ticket a `Seat(engine, slot)`, a release gives the id back (O(1):
-the free ids are bits); growth adds ids, a shrink stops reissuing the ids above it while
-the requests holding them finish.  A slot id reaches the engine (`id_slot`) only when
-the policy pins the seat.  A need above every engine's `per_request` can never fit: `request()` refuses it
-at once with `ContextLengthExceeded`, and a waiter whose need no longer fits after a
-reload is refused the same way.  A ticket without a known need (`need=None` or 0)
-reserves no tokens and is admitted by slots alone.
+need (its prompt tokens plus its output budget, `TokenNeed`).  Which engine, and which
+slot, is the line's `Placement`'s answer (`backend.admission.placement`; by default
+`KeepPrefixes`: a session's turn where its prompt prefix is, else the engine with the
+most free slots).  A need above every engine's `per_request` can never fit: `request()`
+refuses it at once with `ContextLengthExceeded`, and a waiter whose need no longer fits
+after a reload is refused the same way.  A ticket without a known need (`need=None` or
+0) reserves no tokens and is admitted by slots alone.
 
-Fairness (`backend.admission.fair_queue`): each request belongs to a *flow* (its key, or its
-client's address without named keys).  Priority bands go in order (interactive, normal,
-batch, with aging so that a lower band's wait is bounded); inside a band the flow that
-has received the least service so far, in reserved tokens scaled by its weight, goes
-next; inside a flow, first come first served.  With one flow this is a plain FIFO line,
-and **no request ever passes the head of its own flow**: a big head waits only for
-running requests to finish (each has a bounded output budget), so its wait is bounded.
-Another flow's request that fits may pass a head that does not fit at most `MAX_PASSES`
-times; then nothing passes it until it fits, so no head starves.  The price of that
-rule is head-of-line blocking while a big head waits; concurrency is unchanged whenever
-the needs fit (the common case).
+Who goes next is the fair queue's order (`backend.admission.fair_queue`: priority bands
+with aging, a fair share of reserved tokens between flows, first come first served inside
+a flow).  With one flow this is a plain FIFO line, and **no request ever passes the head
+of its own flow**: a big head waits only for running requests to finish (each has a
+bounded output budget).  Another flow's request that fits may pass a head that does not
+fit at most `MAX_PASSES` times; then nothing passes it until it fits, so no head starves.
+The price is head-of-line blocking while a big head waits; concurrency is unchanged
+whenever the needs fit (the common case).
 
 Optimistic admission: a long prompt need not wait for its count when its byte bound
 (an upper bound of the count) fits right now and nobody waits (`fits_now`): it is
@@ -54,48 +35,31 @@ Waiters belong to their model's line, not to an engine: when an engine goes away
 crash, a reload), its waiters simply wait for the next engine of their model, in their
 order of arrival; only the requests it had started end with an error.
 
-This module only decides.  It opens no sockets, sends nothing and never sleeps; the
-gateway asks a line for a ticket, awaits the ticket, forwards the request to the
-engine the ticket was admitted on and releases the ticket when the answer is finished
-or abandoned.  Everything runs on the backend's one asyncio loop, so nothing here takes
-a lock.
-
-    ticket = registry.line(model).request(need)   # may raise QueueFull
-    try:
-        await ticket.wait(queue_timeout)           # may raise QueueTimeout or a refusal
-        ...forward to ticket.serving.base_url...
-    finally:
-        ticket.release()                           # idempotent
+This module only decides: no sockets, no sleeps, no locks (the backend's one asyncio
+loop).  The gateway asks a line for a ticket and holds it (`backend.admission.admission_ticket`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
-import itertools
 import math
-from dataclasses import dataclass
 import time
 from collections.abc import Callable, Iterator
-from types import EllipsisType
+from dataclasses import dataclass
+from typing import Generic, Protocol, Self, TypeVar
 
-from backend.errors import RETRY_SOON, ContextLengthExceeded, ModelNotReady, QueueFull
-from backend.llama.kv_capacity import KvCapacity, TokenNeed
-from backend.llama.load import Serving
-from backend.admission.admission_ticket import (DEFAULT_FLOW, MAX_REQUEUES, Ticket, TicketState,
-                                                WaitReason, as_need)
-from backend.admission.fair_queue import Band, FairQueue, Flow
-from backend.admission.placement import NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat
+from backend.errors import RETRY_SOON, ContextLengthExceeded, QueueFull
+from backend.llama.kv_capacity import TokenNeed
+from backend.admission.admission_ticket import (DEFAULT_FLOW, Ticket, TicketState, WaitReason,
+                                                as_need)
+from backend.admission.flow import Band, Flow
+from backend.admission.fair_queue import FairQueue
+from backend.admission.placement import (NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat,
+                                         SeatEngine)
 from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "MAX_REQUEUES",
-    "AdmissionQueue",
-    "Clock",
-    "Line",
-]
+__all__ = ["AGING_SECONDS", "DEFAULT_MODEL", "MAX_PASSES", "Clock", "Line", "LineEngine"]
 
 Clock = Callable[[], float]
 
@@ -108,251 +72,38 @@ MAX_PASSES = 4
 #: Admissions a line remembers (arrival order, flow), to tell a waiter who passed it.
 RECENT_ADMISSIONS = 64
 
-class AdmissionQueue:
-    """The slots and KV tokens of one engine; its model's `Line` waits in front of it."""
 
-    def __init__(self, serving: Serving, *, line: Line | None = None, max_waiting: int = 0,
-                 enabled: bool = True, clock: Clock = time.monotonic, label: str = "") -> None:
-        self.serving = serving
-        #: The engine's public name ("this machine", "upstream N"; never its address), as
-        #: the metrics label what ran on it.
-        self.label = label
-        self._active = 0
-        self._reserved = 0
-        # Seats: slot ids 0..capacity-1 as bits, free ones set (O(1) take and give back;
-        # the lowest free id is the lowest set bit); held ones, to rebuild the free set
-        # when the capacity changes.
-        self._free_ids = (1 << serving.slots) - 1
-        self._held_ids = 0
-        self._seats = _seats(self, serving.slots)
-        # When each slot id was last given back (-1: never), as llama-server stamps its
-        # slots: an unpinned request takes the one released longest ago.
-        self._released: dict[int, int] = {}
-        self._enabled = enabled
-        self._retired = False
-        self.line = line if line is not None else Line(max_waiting=max_waiting, clock=clock)
-        self.line.attach(self)
-
-    # --- state -----------------------------------------------------------------------
+class LineEngine(SeatEngine, Protocol):
+    """One engine as its line reads and books it (`AdmissionQueue`)."""
 
     @property
-    def key(self) -> str:
-        return self.serving.key
+    def capacity(self) -> int: ...
 
     @property
-    def api_key(self) -> str | None:
-        """What the engine requires in its Authorization header, if anything."""
-        return self.serving.api_key
-
-    @property
-    def capacity(self) -> int:
-        return self.serving.slots
-
-    @property
-    def kv(self) -> KvCapacity | None:
-        """None: the cache is unknown and only slots are counted."""
-        return self.serving.kv
-
-    @property
-    def active(self) -> int:
-        return self._active
-
-    @property
-    def free_slots(self) -> int:
-        return max(0, self.capacity - self._active)
-
-    def lowest_free_slot(self) -> int | None:
-        """The lowest free slot id; None when every id is held (or admission is off and
-        more run than there are slots)."""
-        free = self._free_ids
-        return (free & -free).bit_length() - 1 if free else None
-
-    def lowest_free_seat(self) -> Seat[AdmissionQueue]:
-        free = self._free_ids
-        return self._seats[(free & -free).bit_length() - 1] if free else self._seats[-1]
-
-    def least_recent_free_seat(self) -> Seat[AdmissionQueue]:
-        """The seat of the free slot given back longest ago (never used ones first, the
-        highest id among equals, as llama-server picks an idle slot by LRU)."""
-        free = self._free_ids
-        if not free:
-            return self._seats[-1]
-        released = self._released
-        best, stamp = -1, 0
-        while free:
-            slot = (free & -free).bit_length() - 1
-            free &= free - 1
-            when = released.get(slot, -1)
-            if best < 0 or when <= stamp:
-                best, stamp = slot, when
-        return self._seats[best]
-
-    def slot_free(self, slot: int) -> bool:
-        return slot >= 0 and bool(self._free_ids >> slot & 1)
-
-    def slot_used(self, slot: int) -> bool:
-        """Has slot id `slot` held a request since the engine started?"""
-        return slot in self._released
-
-    @property
-    def pin_any_slot(self) -> bool:
-        """See `Serving.pin_any_slot`."""
-        return self.serving.pin_any_slot
-
-    @property
-    def waiting(self) -> int:
-        """Everyone in this engine's line, whether for a slot or for KV tokens."""
-        return 0 if self._retired else self.line.waiting
-
-    @property
-    def reserved_tokens(self) -> int:
-        """KV tokens held by the running requests on this engine."""
-        return self._reserved
-
-    @property
-    def kv_capacity(self) -> int:
-        """The engine's total KV tokens, 0 while unknown."""
-        return 0 if self.kv is None else self.kv.total
-
-    @property
-    def idle(self) -> bool:
-        """Nothing runs on it and nobody waits for it."""
-        return self._active == 0 and self.waiting == 0
-
-    @property
-    def retired(self) -> bool:
-        """No longer serving: admits no one new; what runs on it goes on."""
-        return self._retired
+    def active(self) -> int: ...
 
     @property
     def enabled(self) -> bool:
-        return self._enabled
-
-    @enabled.setter
-    def enabled(self, value: bool) -> None:
-        self._enabled = bool(value)
-        self.line.admit_waiting()
+        """Admission on: off, everyone goes in at once (and is still counted)."""
 
     @property
-    def max_waiting(self) -> int:
-        return self.line.max_waiting
+    def counts_prompts(self) -> bool:
+        """It answers llama-server's prompt-counting routes (the need planner asks it)."""
 
-    @max_waiting.setter
-    def max_waiting(self, value: int) -> None:
-        self.line.max_waiting = value
-
-    @property
-    def service_time(self) -> float:
-        """Recent mean admitted→released duration in seconds, on its line."""
-        return self.line.service_time
-
-    # --- decisions -------------------------------------------------------------------
-
-    def request(self, need: TokenNeed | int | None = None, *, size: int = 0,
-                max_waiting_bytes: int = 0) -> Ticket:
-        """A ticket in this engine's line (see `Line.request`); ModelNotReady once the
-        engine is retired."""
-        if self._retired:
-            raise ModelNotReady("The model is being reloaded. Try again shortly.",
-                                retry_after=self.line.retry_after())
-        return self.line.request(need, size=size, max_waiting_bytes=max_waiting_bytes)
-
-    def fits_now(self, need: TokenNeed | int | None) -> bool:
-        """Would `request(need)` admit at once?  See `Line.fits_now`."""
-        return not self._retired and self.line.fits_now(need)
-
-    def admit_waiting(self) -> None:
-        """Admit from the head of the line while there is room (after a requeue or a
-        slot released on hold)."""
-        self.line.admit_waiting()
-
-    def set_capacity(self, n: int, kv: KvCapacity | None | EllipsisType = ...) -> None:
-        """Growth admits waiters in order; a shrink lets running requests finish.
-
-        `kv` replaces the cache's size (omitted: unchanged).  Waiters whose need no
-        longer fits any engine of the line are refused with ContextLengthExceeded.
-        """
-        _check_capacity(n)
-        new_kv = self.kv if kv is ... else kv
-        self.serving = _replace_serving(self.serving, slots=n, kv=new_kv)
-        # Growth adds ids; a shrink stops reissuing the ids >= n (held ones finish).
-        self._free_ids = ((1 << n) - 1) & ~self._held_ids
-        self._seats = _seats(self, n)
-        self.line.engines_changed()
-
-    def retry_after(self, position: int | None = None) -> float:
-        return self.line.retry_after(position)
-
-    def has_room(self, need: TokenNeed | None) -> bool:
-        """A free slot, and the need fits one request's share and the free tokens."""
-        kv = self.kv
-        if need is not None and kv is not None and need.total > kv.per_request:
-            return False  # never here: another engine of the model may take it
-        if not self._enabled:
-            return True
-        if self._active >= self.capacity:
-            return False
-        # A split cache gives every slot its own share, checked above; only a unified
-        # pool can run out with a slot free.
-        if need is None or kv is None or not kv.unified:
-            return True
-        return self._reserved + need.total <= kv.total
-
-    def __repr__(self) -> str:
-        flag = " retired" if self._retired else ""
-        tokens = (f", {self._reserved}/{self.kv.total} tokens"
-                  if self.kv is not None else "")
-        return (f"<AdmissionQueue {self.key} {self._active}/{self.capacity} active"
-                f"{tokens}, {self.waiting} waiting{flag}>")
-
-    # --- the line's bookkeeping ---------------------------------------------------------
-
-    def take(self, ticket: Ticket, now: float, seat: Seat[AdmissionQueue] | None = None) -> None:
-        """Admit `ticket` on `seat` (its slot must be free; None: the lowest free one)."""
-        if seat is None:
-            seat = self.lowest_free_seat()
-        slot = seat.slot
-        if slot is not None:
-            bit = 1 << slot
-            assert self._free_ids & bit, f"slot {slot} of {self.key} is not free"
-            self._free_ids ^= bit
-            self._held_ids |= bit
-        self._active += 1
-        self._reserved += ticket.tokens
-        ticket.admit(seat, now)
+    def take(self, ticket: Ticket, now: float, seat: Seat[Self] | None = None) -> None:
+        """Admit `ticket` on `seat` (a free slot of this engine)."""
 
     def give_back(self, ticket: Ticket) -> None:
-        self._active -= 1
-        self._reserved -= ticket.tokens
-        seat = ticket.seat
-        slot = None if seat is None else seat.slot
-        if slot is not None:
-            bit = 1 << slot
-            self._held_ids &= ~bit
-            if slot < self.serving.slots:
-                self._free_ids |= bit
-            self._released[slot] = next(_releases)
+        """`ticket` ended or went back in line: its slot and tokens are free."""
 
     def give_back_tokens(self, tokens: int) -> None:
-        self._reserved -= tokens
-
-    def retire(self) -> None:
-        self._retired = True
-        self.line.detach(self)
-
-    def serve(self, serving: Serving, line: Line) -> None:
-        """Serve again (the same engine re-read, or back after retiring) on `line`."""
-        self.serving = serving
-        self._free_ids = ((1 << serving.slots) - 1) & ~self._held_ids
-        self._seats = _seats(self, serving.slots)
-        self._retired = False
-        if self.line is not line:
-            self.line.detach(self)
-            self.line = line
-        line.attach(self)
+        """A running ticket settled below what it reserved."""
 
 
-class Line:
+E = TypeVar("E", bound=LineEngine)
+
+
+class Line(Generic[E]):
     """The waiters of one model, first come first served, in front of its engines."""
 
     #: Weight of the newest admitted→released duration in the service-time estimate.
@@ -362,7 +113,7 @@ class Line:
 
     def __init__(self, model: str = DEFAULT_MODEL, *, max_waiting: int = 0,
                  clock: Clock = time.monotonic,
-                 on_change: Callable[[Line], None] | None = None,
+                 on_change: Callable[[Line[E]], None] | None = None,
                  aging: float = AGING_SECONDS, max_passes: int = MAX_PASSES,
                  placement: Placement | None = None) -> None:
         self.model = model
@@ -374,7 +125,7 @@ class Line:
         self.max_waiting = max_waiting
         self._clock = clock
         self._on_change = on_change
-        self._engines: list[AdmissionQueue] = []
+        self._engines: list[E] = []
         # Who goes next: priority bands, a fair share between flows, FIFO in a flow;
         # O(log F) per push, admission and removal.
         self._waiters: FairQueue[Ticket] = FairQueue(clock=clock, aging=aging,
@@ -403,7 +154,7 @@ class Line:
         self._prefill.inner = policy
 
     @property
-    def engines(self) -> list[AdmissionQueue]:
+    def engines(self) -> list[E]:
         """The engines serving this model now, in the order they joined."""
         return list(self._engines)
 
@@ -418,16 +169,16 @@ class Line:
         return bool(self.waiting or any(engine.active for engine in self._engines))
 
     @property
-    def planning_engine(self) -> AdmissionQueue | None:
+    def planning_engine(self) -> E | None:
         """The engine whose cache plans a request's need: the one that can take the
-        largest (a need refused there fits none of them), among equals a llama-server
-        (it counts prompts; another GGUF Studio port has no counting routes, and the
-        byte estimate refused long prompts that fit); None while none serves."""
-        best: AdmissionQueue | None = None
+        largest (a need refused there fits none of them), among equals one that counts
+        prompts (another GGUF Studio port has no counting routes, and the byte estimate
+        refused long prompts that fit); None while none serves."""
+        best: E | None = None
         for engine in self._engines:
             if best is None or _limit(engine) > _limit(best) or (
-                    _limit(engine) == _limit(best) and engine.serving.takes_slot_ids
-                    and not best.serving.takes_slot_ids):
+                    _limit(engine) == _limit(best) and engine.counts_prompts
+                    and not best.counts_prompts):
                 best = engine
         return best
 
@@ -470,9 +221,10 @@ class Line:
         request holds while it waits (its body); `max_waiting_bytes` (0: no bound)
         bounds what everyone waiting holds together.  `flow` is whose share it counts
         against (a key, or a client address); `band` may lower the flow's priority for
-        this request.  `hint` is what placement may read beside the need.  Raises ContextLengthExceeded when the need can never fit one
-        request's share of any engine's cache, and QueueFull when `max_waiting` requests
-        already wait or the bytes would pass their bound.
+        this request.  `hint` is what placement may read beside the need.  Raises
+        ContextLengthExceeded when the need can never fit one request's share of any
+        engine's cache, and QueueFull when `max_waiting` requests already wait or the
+        bytes would pass their bound.
         """
         need = as_need(need)
         self._check_fits_some_engine(need)
@@ -490,11 +242,7 @@ class Line:
                     "Try again later.", retry_after=self.retry_after())
             if max_waiting_bytes and self._waiting_bytes > max_waiting_bytes:
                 self._pop(ticket)
-                raise QueueFull(
-                    f"The server is busy: the requests already waiting hold "
-                    f"{_mib(self._waiting_bytes)} of request bodies (the bound is "
-                    f"{_mib(max_waiting_bytes)}). Try again later.",
-                    retry_after=self.retry_after())
+                raise _bodies_full(self._waiting_bytes, max_waiting_bytes, self.retry_after())
         self._changed()
         return ticket
 
@@ -537,10 +285,7 @@ class Line:
             raise QueueFull(f"The server is busy: {self.waiting} requests already wait for "
                             "the model to load. Try again later.", retry_after=RETRY_SOON)
         if max_waiting_bytes and self._waiting_bytes + size > max_waiting_bytes:
-            raise QueueFull(
-                f"The server is busy: the requests already waiting hold "
-                f"{_mib(self._waiting_bytes)} of request bodies (the bound is "
-                f"{_mib(max_waiting_bytes)}). Try again later.", retry_after=RETRY_SOON)
+            raise _bodies_full(self._waiting_bytes, max_waiting_bytes, RETRY_SOON)
 
     def admit_waiting(self) -> None:
         """Admit from the head of the line while there is room."""
@@ -615,7 +360,7 @@ class Line:
 
     # --- the engines' side ----------------------------------------------------------------
 
-    def attach(self, engine: AdmissionQueue) -> None:
+    def attach(self, engine: E) -> None:
         """`engine` serves this model now (its waiters may go to it)."""
         if engine not in self._engines:
             self._engines.append(engine)
@@ -624,7 +369,7 @@ class Line:
                 served.set_result(None)
         self.engines_changed()
 
-    def detach(self, engine: AdmissionQueue) -> None:
+    def detach(self, engine: E) -> None:
         """`engine` no longer takes anyone; what runs on it goes on."""
         if engine in self._engines:
             self._engines.remove(engine)
@@ -651,7 +396,7 @@ class Line:
             self._changed()
         return len(tickets) + len(awaiting)
 
-    def take_waiters(self, other: Line) -> None:
+    def take_waiters(self, other: Line[E]) -> None:
         """`other`'s waiters join this line, everyone in order of arrival (a load that
         replaces another under a new name keeps the old one's waiters)."""
         if other is self or not len(other._waiters):
@@ -667,12 +412,12 @@ class Line:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _seat_for(self, ticket: Placeable) -> Seat[AdmissionQueue] | None:
+    def _seat_for(self, ticket: Placeable) -> Seat[E] | None:
         """The placement's seat for `ticket` on the engines of the model."""
         engines = self._engines
         return self._prefill.place(ticket, engines) if engines else None
 
-    def _promote(self, skip: AdmissionQueue | None = None) -> bool:
+    def _promote(self, skip: E | None = None) -> bool:
         """Admit, in the fair queue's order, while an engine has a free slot and the
         placement seats the next one.  True if any moved."""
         moved = False
@@ -683,7 +428,7 @@ class Line:
         if not engines:
             return False
         place = self._prefill.place
-        chosen: list[Seat[AdmissionQueue] | None] = [None]
+        chosen: list[Seat[E] | None] = [None]
 
         held = self._prefill.held
 
@@ -736,7 +481,7 @@ class Line:
                 ticket.waited_behind = other
                 return
 
-    def _slot_free(self, skip: AdmissionQueue | None) -> bool:
+    def _slot_free(self, skip: E | None) -> bool:
         for engine in self._engines:
             if engine is not skip and (engine.free_slots or not engine.enabled):
                 return True
@@ -812,9 +557,10 @@ class Line:
         self._prefill.forget(ticket)
         self._waiting_bytes -= ticket.size
 
-    def _engine_of(self, ticket: Ticket) -> AdmissionQueue:
-        engine = ticket.engine
-        assert isinstance(engine, AdmissionQueue), "a ticket of this line was admitted elsewhere"
+    def _engine_of(self, ticket: Ticket) -> E:
+        seat = ticket.seat
+        assert seat is not None, "a ticket of this line was never admitted"
+        engine: E = seat.engine
         return engine
 
     def _observe(self, duration: float) -> None:
@@ -829,6 +575,7 @@ class Line:
             self._on_change(self)
 
 
+
 @dataclass(frozen=True, slots=True)
 class _Probe:
     """A request that has no ticket yet, as placement reads it (`fits_now`)."""
@@ -837,27 +584,16 @@ class _Probe:
     hint: Hint
 
 
-_releases = itertools.count()
 
-
-def _seats(engine: AdmissionQueue, n: int) -> list[Seat[AdmissionQueue]]:
-    """Each slot id's unpinned seat, and last the seat beyond the slots (admission off)."""
-    return [Seat(engine, slot) for slot in range(n)] + [Seat(engine, None)]
-
-
-def _check_capacity(n: int) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"capacity must be a whole number of slots, at least 1, not {n!r}")
-    return n
-
-
-def _replace_serving(serving: Serving, *, slots: int, kv: KvCapacity | None) -> Serving:
-    return dataclasses.replace(serving, slots=slots, kv=kv)
-
-
-def _limit(engine: AdmissionQueue) -> int:
+def _limit(engine: LineEngine) -> int:
     kv = engine.kv
     return kv.per_request if kv is not None else 0
+
+
+def _bodies_full(held: int, bound: int, retry_after: float) -> QueueFull:
+    return QueueFull(f"The server is busy: the requests already waiting hold {_mib(held)} of "
+                     f"request bodies (the bound is {_mib(bound)}). Try again later.",
+                     retry_after=retry_after)
 
 
 def _mib(n: int) -> str:
@@ -867,3 +603,4 @@ def _mib(n: int) -> str:
 def _too_long(need: TokenNeed, limit: int) -> ContextLengthExceeded:
     return ContextLengthExceeded(prompt_tokens=need.prompt, output_tokens=need.output,
                                  limit=limit)
+

@@ -1,6 +1,4 @@
-"""Seats: an engine's slot ids 0..slots-1, handed out with each admission and given back
-with each release; capacity growth adds ids, a shrink stops reissuing the ids above it.
-And the line's placement: swapping the policy changes where tickets go, nothing else."""
+"""The line's placement: swapping the policy changes where tickets go, nothing else."""
 
 from __future__ import annotations
 
@@ -9,99 +7,15 @@ from typing import TypeVar
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.admission.admission import AdmissionQueue, Line
-from backend.admission.admission_ticket import Ticket
-from backend.admission.fair_queue import Flow
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import Line
+from backend.admission.flow import Flow
 from backend.admission.placement import Hint, Placeable, Seat, SeatEngine
-from tests.backend.admission_helpers import NEW, OLD, queue_of
+from tests.backend.admission_helpers import NEW, OLD
 from tests.not_none import not_none
 
 E = TypeVar("E", bound=SeatEngine)
 
-
-def slot_of(ticket: Ticket) -> int | None:
-    return not_none(ticket.seat).slot
-
-
-def test_each_admission_holds_the_lowest_free_slot_id_and_a_release_returns_it():
-    queue = queue_of(capacity=3)
-    tickets = [queue.request() for _ in range(3)]
-    assert [slot_of(t) for t in tickets] == [0, 1, 2]
-    assert all(not_none(t.seat).engine is queue and not not_none(t.seat).pinned for t in tickets)
-
-    tickets[1].release()
-    again = queue.request()
-    assert slot_of(again) == 1
-    tickets[0].release()
-    tickets[2].release()
-    assert [slot_of(queue.request()) for _ in range(2)] == [0, 2]
-
-
-def test_a_waiter_takes_the_slot_id_the_release_before_it_gave_back():
-    queue = queue_of(capacity=2)
-    first, second = queue.request(), queue.request()
-    waiter = queue.request()
-    assert waiter.seat is None
-    second.release()
-    assert waiter.admitted and slot_of(waiter) == 1
-    assert slot_of(first) == 0
-
-
-def test_a_shrink_stops_reissuing_the_ids_above_it_while_their_requests_finish():
-    queue = queue_of(capacity=4)
-    running = [queue.request() for _ in range(4)]
-    queue.set_capacity(2)
-    waiter = queue.request()
-
-    running[3].release()
-    running[0].release()
-    assert not waiter.admitted  # 2 still run on 2 slots
-    running[2].release()
-    assert waiter.admitted and slot_of(waiter) == 0
-    newcomer = queue.request()
-    assert not newcomer.admitted  # slots 0 and 1 are held
-    running[1].release()
-    assert newcomer.admitted and slot_of(newcomer) == 1
-    waiter.release()
-    newcomer.release()
-    assert [slot_of(queue.request()) for _ in range(2)] == [0, 1]
-    assert queue.lowest_free_slot() is None
-
-
-def test_growth_adds_ids_and_admits_waiters_on_them():
-    queue = queue_of(capacity=1)
-    held = queue.request()
-    waiters = [queue.request() for _ in range(2)]
-    queue.set_capacity(3)
-    assert [slot_of(t) for t in waiters] == [1, 2]
-    held.release()
-    assert slot_of(queue.request()) == 0
-
-
-def test_with_admission_off_requests_beyond_the_slots_hold_no_slot_id():
-    queue = queue_of(capacity=1, enabled=False)
-    first, beyond = queue.request(), queue.request()
-    assert (slot_of(first), slot_of(beyond)) == (0, None)
-    beyond.release()
-    first.release()
-    assert slot_of(queue.request()) == 0
-
-
-def test_a_requeued_ticket_gives_its_slot_id_back():
-    line = Line("m")
-    old = AdmissionQueue(Serving(OLD, 1), line=line)
-    new = AdmissionQueue(Serving(NEW, 2), line=line)
-    ticket = line.request()
-    assert not_none(ticket.seat).engine is new and slot_of(ticket) == 0
-    new_other = line.request()  # new: 1 free beside old's 1: the first joined wins the tie
-    assert not_none(new_other.seat).engine is old
-    assert ticket.requeue()  # the refusing engine's slot takes no one now; old is full
-    assert not ticket.admitted and new.lowest_free_slot() == 0
-    line.admit_waiting()
-    assert ticket.admitted and not_none(ticket.seat) == Seat(new, 0)
-
-
-# --- swapping the placement ----------------------------------------------------------------
 
 class LastEngine:
     """A test policy: always the last engine that has room."""
@@ -140,14 +54,14 @@ def two_engines(line: Line) -> tuple[AdmissionQueue, AdmissionQueue]:
 
 
 def test_by_default_requests_spread_over_the_engines_with_the_most_free_slots():
-    line = Line("m")
+    line: Line[AdmissionQueue] = Line("m")
     first, second = two_engines(line)
     engines = [not_none(line.request().seat).engine for _ in range(4)]
     assert engines == [first, second, first, second]
 
 
 def test_the_policy_always_the_last_engine_sends_every_request_there_first():
-    line = Line("m", placement=LastEngine())
+    line: Line[AdmissionQueue] = Line("m", placement=LastEngine())
     first, second = two_engines(line)
     engines = [not_none(line.request().seat).engine for _ in range(4)]
     assert engines == [second, second, first, first]
@@ -155,7 +69,7 @@ def test_the_policy_always_the_last_engine_sends_every_request_there_first():
 
 
 def test_the_policy_seat_the_hint_names_pins_a_session_to_its_slot_and_waits_for_it():
-    line = Line("m", placement=SeatTheHintNames({"flow\nagent": (1, 1)}))
+    line: Line[AdmissionQueue] = Line("m", placement=SeatTheHintNames({"flow\nagent": (1, 1)}))
     first, second = two_engines(line)
     agent = Hint(session="flow\nagent")
 
@@ -174,7 +88,7 @@ def test_the_policy_seat_the_hint_names_pins_a_session_to_its_slot_and_waits_for
 
 
 def test_a_need_that_does_not_fit_is_never_placed_by_the_default():
-    line = Line("m")
+    line: Line[AdmissionQueue] = Line("m")
     small = AdmissionQueue(Serving(OLD, 4, kv=KvCapacity.shared(1_000)), line=line)
     big = AdmissionQueue(Serving(NEW, 1, kv=KvCapacity.shared(8_000)), line=line)
     ticket = line.request(TokenNeed(3_000, 500))
@@ -183,7 +97,7 @@ def test_a_need_that_does_not_fit_is_never_placed_by_the_default():
 
 
 def test_a_pools_needs_are_counted_by_a_llama_server_not_by_another_gguf_studio_port():
-    line = Line("m")
+    line: Line[AdmissionQueue] = Line("m")
     kv = KvCapacity.split(2 * 4_096, 2)
     port = AdmissionQueue(Serving(OLD, 2, kv=kv, takes_slot_ids=False), line=line)
     assert line.planning_engine is port  # the only one

@@ -10,9 +10,9 @@ import pytest
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from backend.admission.admission import AdmissionQueue
+from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.admission_ticket import Ticket, TicketState, WaitReason
-from backend.admission.fair_queue import Flow
+from backend.admission.flow import Flow
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.errors import ContextLengthExceeded, ModelNotReady, QueueFull, QueueTimeout
 from tests.backend.admission_helpers import OLD, FakeClock, kv_queue_of, queue_of, started

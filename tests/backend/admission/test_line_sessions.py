@@ -4,9 +4,10 @@ and a warm agent's share is charged the tokens the engine's cache lacked."""
 
 from __future__ import annotations
 
-from backend.admission.admission import MAX_PASSES, AdmissionQueue, Line
+from backend.admission.engine_queue import AdmissionQueue
+from backend.admission.line import MAX_PASSES, Line
 from backend.admission.admission_ticket import Ticket
-from backend.admission.fair_queue import Flow
+from backend.admission.flow import Flow
 from backend.admission.placement import HOME_WAIT, Hint, KeepPrefixes, Seat
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
