@@ -53,6 +53,9 @@ class WaitReason:
     SLOTS_FULL = "slots_full"
     #: A slot was free but no engine's KV cache had room for its need.
     KV_FULL = "kv_full"
+    #: A slot was free, on another engine than the one holding its session's prefix:
+    #: it waited for that one (placement's `HOME_WAIT` at most).
+    SESSION_ENGINE = "session_engine"
     #: Its key already ran as many requests as it may at once (`Flow.max_concurrent`).
     KEY_CONCURRENCY = "key_concurrency"
     #: Another flow's later request went first (its fair share, or its band).

@@ -457,8 +457,8 @@ class Line(Generic[E]):
 
     def _why_waiting(self, ticket: Ticket) -> str:
         """Why `ticket` did not go in at once (O(engines), only for one that waits): the
-        prefill budget, its flow's concurrency, no engine yet, every slot taken, or no
-        room in the cache."""
+        prefill budget, its flow's concurrency, no engine yet, every slot taken, its
+        session's engine full while another has room, or no room in the cache."""
         if ticket in self._prefill.held:
             return WaitReason.PREFILL_BUDGET
         flow = ticket.flow
@@ -468,6 +468,9 @@ class Line(Generic[E]):
             return WaitReason.MODEL_LOADING
         if not self._slot_free(None):
             return WaitReason.SLOTS_FULL
+        policy = self._prefill.inner
+        if isinstance(policy, KeepPrefixes) and policy.waits_for_home(ticket, self._engines):
+            return WaitReason.SESSION_ENGINE
         return WaitReason.KV_FULL
 
     def _note_passer(self, ticket: Ticket) -> None:

@@ -273,6 +273,17 @@ class KeepPrefixes:
             return _seat_on(best, None, need, self.sessions)
         return _unpinned(best) if _split(best) else best.lowest_free_seat()
 
+    def waits_for_home(self, ticket: Placeable, engines: Sequence[E]) -> bool:
+        """Does `place` keep `ticket` waiting for the engine holding its session's prefix
+        while another of `engines` has room (the line's reason for its wait)?"""
+        session = self.sessions.where(ticket.hint.session)
+        if session is None or session.engine is None or len(engines) < 2:
+            return False
+        need = ticket.need
+        home = next((e for e in engines if e.key == session.engine), None)
+        return (home is not None and not home.has_room(need) and self._may_wait(ticket)
+                and any(e is not home and e.has_room(need) for e in engines))
+
     def _may_wait(self, ticket: Placeable) -> bool:
         since = getattr(ticket, "enqueued_at", None)
         return isinstance(since, float) and self._clock() - since < self.home_wait

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import MAX_PASSES, Line
-from backend.admission.admission_ticket import Ticket
+from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.flow import Flow
 from backend.admission.placement import HOME_WAIT, Hint, KeepPrefixes, Seat
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
@@ -146,3 +146,19 @@ def test_the_prefill_budget_counts_only_the_new_tokens_of_a_warm_sessions_turn()
     other_cold = turn(line, "d", flow="dave", need=LONG_TURN)
     assert warm.admitted
     assert not other_cold.admitted  # a second cold one waits for the first's prefill
+
+
+def test_a_turn_waiting_for_its_sessions_engine_says_so():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    home, other = engine(line, OLD, 1), engine(line, NEW, 1)
+    answered(policy, turn(line, "s"), 900)  # its prefix lives on `home`
+    answered(policy, turn(line, "z", flow="erin"), 900)  # a new session: where none lives
+    holder = turn(line, "x", flow="carol", need=100)
+    assert not_none(holder.seat).engine is home  # as many sessions on each: the first joined
+
+    waiting = turn(line, "s")  # `other` is free, but its prefix is on `home`
+    assert not waiting.admitted and waiting.wait_reason == WaitReason.SESSION_ENGINE
+    assert turn(line, "y", flow="dave", need=100).engine is other  # others are not held back
+    holder.release()
+    assert waiting.admitted and not_none(waiting.seat).engine is home
