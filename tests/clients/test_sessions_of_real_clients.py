@@ -139,6 +139,9 @@ async def test_opencode_turns_show_as_one_session_with_its_hit_share(window: Mai
     assert (row["Session"], row["Model"], row["Turns"]) == (session, MODEL_ID, str(len(turns_seen)))
     assert row["Prompt cached"] == hit_share(turns_seen) != "0 %"
     assert row["Prefix lives on"] in ("this machine", "this machine, slot 0"), row
+    # The title request began another conversation: no miss (it showed "prefix changed at
+    # token 12 (tools re-rendered)", the agent's first turn judged against the title).
+    assert row["Last miss"] == "—", row
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -179,7 +182,7 @@ def await_session_row(window: MainWindow, qtbot, *, key: str,
 
     try:
         qtbot.waitUntil(shown, timeout=15_000)
-    except AssertionError:
+    except qtbot.TimeoutError:
         raise AssertionError(f"the Sessions tab shows {window.sessions.rows()}, the inspector "
                              f"{inspected(window, key, None)}") from None
     return found[-1]
