@@ -93,7 +93,7 @@ async def test_codex_turns_show_as_one_session_with_its_hit_share(window: MainWi
 
     row, turns_seen = await_session_row(window, qtbot, key="codex", session=thread)
 
-    assert len(turns_seen) >= RUNS  # one model call per run at least
+    assert len(turns_seen) >= RUNS, inspected(window, "codex", None)  # one call per run at least
     assert all(turn["cached_tokens"] > 0 for turn in turns_seen[1:]), turns_seen
     assert (row["Session"], row["Model"], row["Turns"]) == (thread, MODEL_ID, str(len(turns_seen)))
     assert row["Prompt cached"] == hit_share(turns_seen) != "0 %"
