@@ -5,7 +5,13 @@ its cache and how many it computed (the engine's `timings`).  `judge` says wheth
 was a *miss* (the engine computed what the session's previous turn had left in a
 cache) and why, comparing the session's previous turn with this one:
 
-- `first_turn`: the session had no turn before (its computed tokens are no one's fault);
+- `first_turn`: the session had no turn before (its computed tokens are no one's fault),
+  or the turn begins another conversation under the session's name: its prompt shares
+  no block with the session's last one, whose head (system prompt, or first message) is
+  not in it either, and no line near the start changed (OpenCode sends its title request
+  with its session's headers).  The book follows a session's
+  last few conversations apart (`CONVERSATIONS`), each turn judged against the one
+  whose prompt it continues;
 - `prefix_changed`: the client sent a different beginning than last time, at token N;
   with the likely cause where it is one of the known breakers: the reasoning of an
   earlier answer dropped from the history, a changing line near the start (a date, a
@@ -39,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from backend.admission.sessions import Session
 
-__all__ = ["BLOCK_CHARS", "CAUSES", "CacheBook", "NEAR_START_CHARS", "NO_BLOCKS", "REASONS",
-           "Part", "PromptBlocks", "SessionCache", "SessionRow", "TurnRecord", "Verdict",
-           "judge", "prompt_blocks", "session_rows"]
+__all__ = ["BLOCK_CHARS", "CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS",
+           "NO_BLOCKS", "REASONS", "Part", "PromptBlocks", "SessionCache", "SessionRow",
+           "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows"]
 
 #: Characters per block (about 256 tokens of English or code).
 BLOCK_CHARS = 1024
@@ -49,6 +55,8 @@ BLOCK_CHARS = 1024
 NEAR_START_CHARS = 4096
 #: What a changing line may add to or take from its part's length (a date, a clock).
 CHANGING_LINE_CHARS = 80
+#: Conversations followed apart within one session (an agent's turns, its title request).
+CONVERSATIONS = 4
 
 #: Miss reasons: their metric label and what they say.
 REASONS: Mapping[str, str] = {
@@ -168,13 +176,16 @@ def judge(previous: TurnRecord | None, blocks: PromptBlocks, cached: int, comput
     old = previous.blocks
     common = blocks.common_chars(old)
     if old.chars and common < old.chars:
+        cause = _cause(old, blocks, common)
+        if _another_conversation(old, blocks, common, cause):
+            return Verdict(cached, computed, "first_turn" if computed else None)
         # The client sent another beginning: whatever the cache held ends there.  The
         # engine's own count says where when it ran where the previous turn did (it
         # reused exactly the common start); else an estimate from the characters.
         same_place = engine_alive and engine == previous.engine and (
             previous.slot is None or slot is None or slot == previous.slot)
         at = cached if same_place else previous.prompt_tokens * common // old.chars
-        return Verdict(cached, computed, "prefix_changed", at, _cause(old, blocks, common))
+        return Verdict(cached, computed, "prefix_changed", at, cause)
     if restored:
         return Verdict(cached, computed, "restored")
     if not engine_alive or previous.engine is None:
@@ -219,7 +230,8 @@ class CacheBook:
         self.max_sessions = max_sessions
         self._clock = clock
         self._lock = threading.Lock()
-        self._turns: OrderedDict[str, tuple[TurnRecord, SessionCache]] = OrderedDict()
+        # Each session's last turn of each of its last few conversations, newest first.
+        self._turns: OrderedDict[str, tuple[tuple[TurnRecord, ...], SessionCache]] = OrderedDict()
 
     def judge(self, session: str | None, flow: str, model: str, blocks: PromptBlocks,
               cached: int, computed: int, *, engine: str | None, label: str = "",
@@ -232,20 +244,25 @@ class CacheBook:
         if session is None:
             return Verdict(max(0, cached), max(0, computed)), None
         found = self._turns.get(session)
-        previous, summary = found if found is not None else (None, None)
+        records, summary = found if found is not None else ((), None)
+        previous = _continued(records, blocks)
         alive = previous is not None and previous.engine is not None and engine_alive(previous.engine)
         verdict = judge(previous, blocks, cached, computed, engine=engine, slot=slot,
                         engine_alive=alive or previous is None, restored=restored)
+        # Another conversation's first turn leaves the session's last miss as it was.
+        another = previous is not None and verdict.reason == "first_turn"
         summary = SessionCache(
             session, model, (summary.turns if summary else 0) + 1,
             (summary.cached if summary else 0) + verdict.cached,
             (summary.computed if summary else 0) + verdict.computed, label, slot, verdict,
-            verdict if verdict.missed else (summary.last_miss if summary else None),
+            verdict if verdict.missed and not another
+            else (summary.last_miss if summary else None),
             self._clock())
         record = TurnRecord(blocks, verdict.cached + verdict.computed, engine, slot)
+        kept = (record, *(r for r in records if another or r is not previous))[:CONVERSATIONS]
         with self._lock:
             self._turns.pop(session, None)
-            self._turns[session] = (record, summary)
+            self._turns[session] = (kept, summary)
             while len(self._turns) > self.max_sessions:
                 self._turns.popitem(last=False)
         return verdict, summary
@@ -336,6 +353,18 @@ def prompt_blocks(data: Mapping[str, Any]) -> PromptBlocks:
 # --- helpers ---------------------------------------------------------------------------
 
 
+def _continued(records: tuple[TurnRecord, ...], blocks: PromptBlocks) -> TurnRecord | None:
+    """Of a session's conversations (newest first), the last turn `blocks` continues: the
+    one sharing the longest start with it (the newest among equals); the newest when none
+    shares any."""
+    best, longest = None, 0
+    for record in records:
+        common = blocks.common_chars(record.blocks)
+        if common > longest:
+            best, longest = record, common
+    return best if best is not None else (records[0] if records else None)
+
+
 def _slack(expected: int) -> int:
     """Tokens a kept prefix may still lose: the last token is always computed again, and
     a reply tokenized anew may differ from its generation near its end."""
@@ -356,6 +385,16 @@ def _cause(old: PromptBlocks, new: PromptBlocks, common: int) -> str | None:
             and _rest_kept(old, new, was, now)):
         return "changing_line"
     return None
+
+
+def _another_conversation(old: PromptBlocks, new: PromptBlocks, common: int,
+                          cause: str | None) -> bool:
+    """`new` shares no block with `old`, and not even `old`'s head (its system prompt, or
+    its first message) comes again in it: the client began another conversation."""
+    if common or cause == "changing_line":
+        return False
+    head = next((p for p in old.parts if p.kind != "tools"), None)
+    return head is not None and not _has_part(new, head)
 
 
 def _has_part(blocks: PromptBlocks, part: Part) -> bool:

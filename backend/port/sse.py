@@ -64,6 +64,8 @@ CACHE_MARKER = b"cache"
 
 #: Give up looking for the upstream's response.created after this many bytes.
 _HEAD_LIMIT = 64 * 1024
+#: How a Responses stream's last event begins.
+_COMPLETED = b"event: response.completed"
 
 
 def _dumps(obj: Any) -> bytes:
@@ -109,9 +111,15 @@ class ResponsesRewriter:
     one) or passed on unchanged otherwise.  Afterwards every occurrence of the upstream id
     is replaced by ours with one `bytes.replace` per chunk; events are otherwise relayed
     untouched and unparsed.  `feed` expects whole events (see `EventFramer`).
+
+    The last event, `response.completed`, is held until the stream ends (`flush`): a
+    client such as Codex CLI hangs up as soon as it has it, and the port must have read
+    the upstream's end (and recorded the answer and its prompt cache) before that, or it
+    takes the answer for one its client left (in 1 of 12 Codex turns, the Sessions tab
+    missed the turn).  One substring search per chunk.
     """
 
-    __slots__ = ("our_id", "upstream_id", "_head", "_learning", "_old", "_new")
+    __slots__ = ("our_id", "upstream_id", "_head", "_learning", "_old", "_new", "_held")
 
     def __init__(self, our_id: str | None) -> None:
         self.our_id = our_id
@@ -120,6 +128,7 @@ class ResponsesRewriter:
         self._learning = True
         self._old: bytes | None = None
         self._new = b""
+        self._held = b""
 
     @property
     def client_id(self) -> str | None:
@@ -128,15 +137,24 @@ class ResponsesRewriter:
 
     def feed(self, chunk: bytes) -> bytes:
         if self._learning:
-            return self._learn(chunk)
-        old = self._old
-        if old is None or old not in chunk:
+            chunk = self._learn(chunk)
+        else:
+            old = self._old
+            if old is not None and old in chunk:
+                chunk = chunk.replace(old, self._new)
+        if self._held:  # events stay in order: what follows the last one waits with it
+            self._held += chunk
+            return b""
+        at = _event_at(chunk, _COMPLETED)
+        if at < 0:
             return chunk
-        return chunk.replace(old, self._new)
+        self._held = chunk[at:]
+        return chunk[:at]
 
     def flush(self) -> bytes:
         """Whatever is held back at the end of the stream."""
-        out, self._head = self._head, b""
+        out = self._held + self._head
+        self._head = self._held = b""
         self._learning = False
         return out
 
@@ -231,6 +249,18 @@ def event_ends(data: bytes) -> list[int]:
         ends.append(end)
         end = _block_end(data, end)
     return ends
+
+
+def _event_at(chunk: bytes, line: bytes) -> int:
+    """Where the event with the line `line` begins in `chunk` (whole events); -1 if none.
+    Only a line counts: text inside an event's data never starts one (JSON escapes its
+    newlines)."""
+    at = chunk.find(line)
+    while at > 0 and chunk[at - 1] != 0x0A:  # not at a line's start
+        at = chunk.find(line, at + 1)
+    if at <= 0:
+        return at
+    return max((end for end in event_ends(chunk) if end <= at), default=0)
 
 
 def _block_end(buf: bytes, start: int = 0) -> int:

@@ -227,6 +227,7 @@ class Run:
     seconds: float = 0.0
     timed_out: bool = False
     log_dir: Path | None = None  # where the client writes its own log, shown on failure
+    run_dir: Path | None = None  # its home, config and work dirs (a later run may continue there)
 
     @property
     def text(self) -> str:
@@ -413,19 +414,26 @@ class Codex:
     async def start(self, service: StudioService, prompt: str, *,
                     timeout: float = CLIENT_TIMEOUT, trace: Path | None = None,
                     files: dict[str, str] | None = None, args: tuple[str, ...] = (),
-                    env: dict[str, str] | None = None, **provider: int | str) -> Process:
+                    env: dict[str, str] | None = None, ephemeral: bool = True,
+                    continuing: Run | None = None, **provider: int | str) -> Process:
         """`files`: CODEX_HOME's files by name, instead of `codex_config`'s config.toml;
-        `args`: more options of `codex exec`; `env`: more variables."""
-        run_dir = self.root / f"codex-{len(self.processes)}"
+        `args`: more options of `codex exec`; `env`: more variables.  `ephemeral=False`
+        keeps the session on disk, so that a later run `continuing` this one (in its dirs)
+        may resume it (`args=("resume", SESSION_ID)`)."""
+        run_dir = continuing.run_dir if continuing is not None else None
+        if run_dir is None:
+            run_dir = self.root / f"codex-{len(self.processes)}"
         home, codex_home, work = run_dir / "home", run_dir / "codex-home", run_dir / "work"
         for d in (home, codex_home, work):
-            d.mkdir(parents=True)
+            d.mkdir(parents=True, exist_ok=continuing is not None)
         for name, text in (files or {"config.toml": codex_config(service, **provider)}).items():
             (codex_home / name).write_text(text)
         run_env = clean_env(home, CODEX_HOME=str(codex_home), **(env or {}))
         argv = [str(self.clients.codex_bin), "exec", "--strict-config", "--skip-git-repo-check",
-                "--ephemeral", "--color", "never", "-C", str(work), *args, prompt]
+                *(("--ephemeral",) if ephemeral else ()), "--color", "never", "-C", str(work),
+                *args, prompt]
         process = await Process.start(traced(argv, trace), env=run_env, cwd=work, timeout=timeout)
+        process.run.run_dir = run_dir
         self.processes.append(process)
         return process
 
@@ -486,26 +494,34 @@ class OpenCode:
     async def start(self, service: StudioService, prompt: str, *,
                     timeout: float = CLIENT_TIMEOUT, args: tuple[str, ...] = (),
                     trace: Path | None = None, config: dict | None = None,
-                    env: dict[str, str] | None = None) -> Process:
-        """`config`: opencode.json instead of `opencode_config`'s; `env`: more variables."""
-        run_dir = self.root / f"opencode-{len(self.processes)}"
+                    env: dict[str, str] | None = None, continuing: Run | None = None) -> Process:
+        """`config`: opencode.json instead of `opencode_config`'s; `env`: more variables;
+        `continuing`: an earlier run whose dirs (and so sessions) this one runs in, to
+        continue its session (`args=("--session", ID)` or `("--continue",)`)."""
+        run_dir = continuing.run_dir if continuing is not None else None
+        fresh = run_dir is None
+        if run_dir is None:
+            run_dir = self.root / f"opencode-{len(self.processes)}"
         home, work = run_dir / "home", run_dir / "work"
-        work.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=not fresh)
         env = clean_env(home, **OPENCODE_OFFLINE, **(env or {}))
         config_dir = Path(env["XDG_CONFIG_HOME"]) / "opencode"
-        config_dir.mkdir(parents=True)
-        # OpenCode npm-installs @opencode-ai/plugin into its config dir at start unless
-        # node_modules is there and package.json and package-lock.json both name it.
-        plugin = self.clients.opencode_plugin_dir
-        for name in ("package.json", "package-lock.json"):
-            shutil.copyfile(plugin / name, config_dir / name)
-        (config_dir / "node_modules").symlink_to(plugin / "node_modules", target_is_directory=True)
+        if fresh:
+            config_dir.mkdir(parents=True)
+            # OpenCode npm-installs @opencode-ai/plugin into its config dir at start unless
+            # node_modules is there and package.json and package-lock.json both name it.
+            plugin = self.clients.opencode_plugin_dir
+            for name in ("package.json", "package-lock.json"):
+                shutil.copyfile(plugin / name, config_dir / name)
+            (config_dir / "node_modules").symlink_to(plugin / "node_modules",
+                                                     target_is_directory=True)
         (config_dir / "opencode.json").write_text(json.dumps(config or opencode_config(service), indent=2))
         argv = [str(self.clients.opencode_bin), "run", *args]
         process = await Process.start(traced(argv, trace), env=env, cwd=work,
                                       stdin=prompt.encode() + b"\n",
                                       timeout=timeout)
         process.run.log_dir = Path(env["XDG_DATA_HOME"]) / "opencode" / "log"
+        process.run.run_dir = run_dir
         self.processes.append(process)
         return process
 

@@ -174,3 +174,50 @@ def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first()
     # A prompt with nothing to name its session by is counted, never judged or kept.
     assert served(None, FIRST, 0, 900) == Verdict(0, 900)
     assert len(book.snapshot()) == 2
+
+
+# OpenCode's requests of one session, as 1.18 sends them (both with the session's
+# x-session-affinity): its title request, then its agent's turns (tools, its own system).
+TITLE = chat({"role": "user", "content": "Generate a title for this conversation:\n"},
+             {"role": "user", "content": "Say hello.\n"},
+             system="You are a title generator. You output ONLY a thread title.")
+AGENT = chat({"role": "user", "content": "Say hello.\n"}, tools=TOOLS)
+AGENT_NEXT = chat({"role": "user", "content": "Say hello.\n"},
+                  {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": "Now in French.\n"}, tools=TOOLS)
+
+
+def test_another_conversation_under_the_sessions_name_is_its_first_turn_not_a_miss():
+    """OpenCode's agent turn after its title request shares nothing with it: not "prefix
+    changed (tools re-rendered)", which the Sessions tab showed for every OpenCode session."""
+    verdict = judge(turn(TITLE, 660), prompt_blocks(AGENT), cached=12, computed=2340,
+                    engine="e1")
+    assert verdict == Verdict(12, 2340, "first_turn")
+    # The same conversation with its tools sent anew before its system prompt: a miss.
+    with_tools = chat(user("list the files"), tools=TOOLS)
+    verdict = judge(turn(FIRST, 900), prompt_blocks(with_tools), cached=12, computed=1100,
+                    engine="e1")
+    assert (verdict.reason, verdict.cause) == ("prefix_changed", "tools_rerendered")
+
+
+def test_the_book_judges_each_turn_against_the_conversation_it_continues():
+    from backend.admission.cache_misses import CacheBook
+
+    book = CacheBook(clock=lambda: 0.0)
+
+    def served(body: dict[str, Any], cached: int, computed: int) -> Verdict:
+        return book.judge("k\nses_1", "k", "m", prompt_blocks(body), cached, computed,
+                          engine="e1", engine_alive=lambda key: True)[0]
+
+    # The agent's first call ran first; the title ended after it.
+    assert served(AGENT, 0, 2340).reason == "first_turn"
+    assert served(TITLE, 12, 648).reason == "first_turn"
+    # The agent's next turn continues its own conversation, not the title's.
+    assert not served(AGENT_NEXT, 2339, 60).missed
+    # A real miss in it is still one, and stays the session's last miss when the title
+    # conversation comes again.
+    assert served(AGENT_NEXT, 0, 2400).reason == "slot_taken"
+    served(TITLE, 12, 648)
+    (summary,) = book.snapshot()
+    assert summary.turns == 5 and summary.last_miss is not None
+    assert summary.last_miss.reason == "slot_taken"

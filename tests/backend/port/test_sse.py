@@ -56,6 +56,23 @@ def test_a_stream_that_does_not_start_with_response_created_is_passed_on():
     assert rewriter.client_id == "resp_ours"
 
 
+def test_response_completed_reaches_the_client_only_with_the_streams_end():
+    """Codex CLI hangs up once it has response.completed: the port sends it only after
+    the upstream's end, having recorded the answer (else it took it for a client that
+    left, and the Sessions tab missed the turn)."""
+    delta = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+             b'"delta":"see\\nevent: response.completed\\n","item_id":"resp_up1"}\n\n')
+    framer, rewriter = EventFramer(), ResponsesRewriter("resp_ours")
+    sent = [rewriter.feed(framer.feed(chunk)) for chunk in (UPSTREAM_HEAD, delta, UPSTREAM_BODY)]
+    assert sent[1] == delta.replace(b"resp_up1", b"resp_ours")  # text naming it is not it
+    assert sent[2].endswith(b"\n\n") and b"response.in_progress" in sent[2]
+    assert b"response.completed" not in sent[2]
+    assert rewriter.feed(framer.feed(b": trailing comment\n\n")) == b""  # kept in order
+    end = rewriter.feed(framer.finish()) + rewriter.flush()
+    assert end.startswith(b"event: response.completed\n") and b'"id":"resp_ours"' in end
+    assert end.endswith(b": trailing comment\n\n")
+
+
 def test_the_framer_holds_partial_events_and_understands_crlf():
     framer = EventFramer()
     assert framer.feed(b"data: 1\n\ndata: 2") == b"data: 1\n\n"
