@@ -13,7 +13,8 @@ SDK's batch processor, its protobuf encoding and an HTTP POST from the exporter'
 of main), spans on, to the same sink, as NAME (`on-other`).
 
 Each round runs the same load through every port at the same time (so whatever else
-this shared machine does weighs on each alike): `--streams` clients per port, each
+this shared machine does weighs on each alike; which port's clients start first rotates
+round by round): `--streams` clients per port, each
 sending `--requests` streamed chat requests of `--tokens` tokens one after the other on a
 kept-alive connection.  A round ends when the sink has every span of it, so the
 exporter's work is inside the round.  Each port's CPU is its whole process's
@@ -203,8 +204,10 @@ async def run_rounds(ports: list[Port], body: bytes, args: argparse.Namespace, s
         expected = sink_spans(sink) + tracing * per_round
         before = [port.process_time() for port in ports]
         started = time.monotonic()
+        # Rotated round by round: the clients of the port first in line connect first.
+        order = ports[index % len(ports):] + ports[:index % len(ports)]
         done = await asyncio.gather(*(load(port, body, args.streams, args.requests, expect)
-                                      for port in ports))
+                                      for port in order))
         errors += sum(done)
         deadline = time.monotonic() + 60
         while sink_spans(sink) < expected and time.monotonic() < deadline:
@@ -230,12 +233,16 @@ async def measure(args: argparse.Namespace, procs: Processes, work: Path, tokens
         from backend.llama.engine import Engine
         from tests.model_factory import write_tiny_model
 
-        engine = Engine()
+        engine = Engine()  # the built one, found in the real data dir before HOME moves
+        chosen = engine.resolve(backends=["cpu"]).chosen
+        if chosen is None or chosen.path is None:
+            raise RuntimeError("no llama-server binary: run scripts/setup first")
         vocab = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
         model = work / "tiny.gguf"
         if not model.exists():
             write_tiny_model(model, vocab)
-        serve = ["--model", f"tiny={model}", "--parallel", str(REAL_SLOTS)]
+        serve = ["--model", f"tiny={model}", "--parallel", str(REAL_SLOTS),
+                 "--llama-server", str(chosen.path)]
         slots = REAL_SLOTS
         body = llama_body(tokens)
     else:
