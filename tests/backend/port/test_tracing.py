@@ -1,6 +1,7 @@
 """OpenTelemetry export of the inspector's records: a span per request with the GenAI
-attributes, in the client's trace, sent to a real OTLP/HTTP receiver; nothing of
-OpenTelemetry imported when it is off."""
+attributes, in the client's trace, an error status on a failed one, sent to a real OTLP/HTTP
+receiver in the message the SDK's own encoder makes; nothing of OpenTelemetry imported when
+it is off."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as WireSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
-from backend.port.tracing import SpanExport
+from backend.port.request_log import RequestRecord
+from backend.port.tracing import SpanExport, otlp_request
 from tests.backend.service_harness import ServiceFactory
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,8 +66,67 @@ async def test_a_request_is_a_span_with_the_genai_attributes_in_the_clients_trac
     assert attributes["http.response.status_code"] == 200
     assert first.end_time is not None and first.start_time is not None
     assert first.end_time > first.start_time
+    assert first.status.status_code is StatusCode.UNSET
     # No traceparent: a trace of its own.
     assert second.parent is None and second.context.trace_id != first.context.trace_id
+
+
+async def test_a_failed_request_is_a_span_with_an_error_status(
+        running_service: ServiceFactory, tiny_model: Path):
+    service = await running_service()
+    await service.load(LoadSettings(parallel="1", ctx_size=4096).to_spec(str(tiny_model)))
+    memory = InMemorySpanExporter()
+    service.requests.exporter = SpanExport(memory, batch=False)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=60) as client:
+        response = await client.post("/v1/chat/completions",
+                                     json={**chat(5), "max_tokens": 0},
+                                     headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert response.status_code == 400
+    [span] = memory.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR
+    attributes = dict(span.attributes or {})
+    assert attributes["error.type"] == "invalid_request"
+    assert attributes["http.response.status_code"] == 400
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == PARENT_ID
+
+
+def test_a_client_span_that_is_not_sampled_has_no_child_here():
+    memory = InMemorySpanExporter()
+    export = SpanExport(memory, batch=False)
+    for traceparent in (f"00-{TRACE_ID}-{PARENT_ID}-00",  # not sampled: no span
+                        f"00-{TRACE_ID}-{PARENT_ID}-01-extra",  # malformed: a trace of its own
+                        f"00-{'0' * 32}-{PARENT_ID}-01"):  # invalid: a trace of its own
+        export(record(), traceparent)
+    spans = memory.get_finished_spans()
+    assert len(spans) == 2 and all(span.parent is None for span in spans)
+    assert all(f"{span.context.trace_id:032x}" != TRACE_ID for span in spans)
+
+
+def test_spans_are_encoded_as_the_sdks_own_otlp_encoder_encodes_them():
+    memory = InMemorySpanExporter()
+    export = SpanExport(memory, batch=False)
+    export(record(), f"00-{TRACE_ID}-{PARENT_ID}-01")
+    export(record(status=429, error="rate_limit_exceeded", model=None, session=None,
+                  route="/v1/embeddings", wait=0.0, prompt_tokens=2**40), None)
+    export(record(key="ünïcode ✓", prompt_tokens=0, tokens_per_second=0.0), None)
+    spans = memory.get_finished_spans()
+    assert len(spans) == 3
+    ours = ExportTraceServiceRequest.FromString(otlp_request(spans))
+    assert ours == encode_spans(spans)
+    assert ExportTraceServiceRequest.FromString(otlp_request(spans[:1])) == encode_spans(
+        spans[:1])
+
+
+def record(**fields: object) -> RequestRecord:
+    """A finished request as the relay records it."""
+    base: dict = dict(id=1, time=1_700_000_000.25, route="/v1/chat/completions", key="owner",
+                      session="agent-7", model="tiny", engine="this machine", slot=2,
+                      band="normal", stream=True, wait=0.125, wait_reason="slots_full",
+                      prompt_tokens=30, cached_tokens=10, computed_tokens=20,
+                      output_tokens=200, prefill_ms=3.5, time_to_first_token=0.05,
+                      tokens_per_second=120.5, longest_gap=0.02)
+    return RequestRecord(**{**base, **fields})
 
 
 class OtlpReceiver:
@@ -103,15 +166,23 @@ async def test_spans_reach_an_otlp_collector_at_the_configured_endpoint(
     try:
         service = await running_service(otel_endpoint=endpoint)
         await service.load(LoadSettings(parallel="1", ctx_size=4096).to_spec(str(tiny_model)))
-        await stream(service.gateway_port, chat(5), {})
+        await stream(service.gateway_port, chat(5),
+                     {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
         await asyncio.wait_for(receiver.arrived.wait(), 30)
     finally:
         assert receiver.server is not None
         receiver.server.close()
     [span] = receiver.spans
     attributes = {a.key: a.value for a in span.attributes}
-    assert span.name == "chat tiny"
+    assert span.name == "chat tiny" and span.kind == WireSpan.SPAN_KIND_SERVER
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    assert attributes["gen_ai.operation.name"].string_value == "chat"
+    assert attributes["gen_ai.provider.name"].string_value == "llama.cpp"
+    assert attributes["gen_ai.request.model"].string_value == "tiny"
+    assert attributes["gen_ai.usage.input_tokens"].int_value > 0
     assert attributes["gen_ai.usage.output_tokens"].int_value == 5
+    assert attributes["gguf_studio.time_to_first_token_seconds"].double_value > 0
+    assert span.end_time_unix_nano > span.start_time_unix_nano
 
 
 def test_without_an_endpoint_nothing_of_opentelemetry_is_imported(tmp_path: Path):
