@@ -75,8 +75,9 @@ class Settings:
     # line or run (their parsed form takes several times their bytes); past it a request
     # gets 429.  0 = no bound.  A body alone always passes (max_body_bytes bounds it).
     max_incoming_body_bytes: int = 64 * 1024 * 1024
-    # Prompt counts the port asks one engine for at once; past it a request that waits
-    # for its count gets 429.  0 means twice the engine's slots; see effective_max_prompt_counts.
+    # Prompt counts the port asks a model's counting engine for at once; past it a request
+    # that waits for its count gets 429.  0 means twice the slots of the model's engines;
+    # see effective_max_prompt_counts.
     max_prompt_counts: int = 0
     # Connections the port keeps open at once; past it, the oldest one that has not sent
     # a whole request makes room (as nginx drains idle keep-alive connections), else the
@@ -137,7 +138,7 @@ class Settings:
         return max(64, 16 * max(slots, 1))
 
     def effective_max_prompt_counts(self, slots: int) -> int:
-        """Prompt counts one engine of `slots` slots is asked for at once."""
+        """Prompt counts asked at once for a model whose engines have `slots` slots."""
         if self.max_prompt_counts > 0:
             return self.max_prompt_counts
         return 2 * max(slots, 1)

@@ -526,7 +526,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="bytes of bodies being read, parsed and counted at once, before "
                        f"they queue, 0 = no bound (64 MiB; {env('max_incoming_body_bytes')})")
     serve.add_argument("--max-prompt-counts", type=int,
-                       help="prompt counts asked of the engine at once, 0 = twice its slots "
+                       help="prompt counts asked of a model's engines at once, 0 = twice their slots "
                        f"({env('max_prompt_counts')})")
     serve.add_argument("--client-stall-timeout", type=float,
                        help="seconds a client may leave its answer unread before it is "

@@ -336,8 +336,10 @@ class Gateway:
             registry = self.ctx.registry
             for key in [k for k in self._planners if registry.queue_for(k) is None]:
                 del self._planners[key]
-        # Its cap of counts at once follows the settings live.
-        planner.counter.max_counts = self.settings.effective_max_prompt_counts(queue.capacity)
+        # Its cap of counts at once follows the settings live; it counts for its model's
+        # whole line (`Line.planning_engine`), so the cap follows the line's slots.
+        planner.counter.max_counts = self.settings.effective_max_prompt_counts(
+            queue.line.capacity)
         return planner
 
     # --- open routes -----------------------------------------------------------------

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from backend.llama.kv_capacity import KvCapacity
+from backend.llama.load import Serving
 from tests.backend.gateway_harness import (CHAT, Gateway, assert_clean_error, chat, open_gateway,
                                            until)
 from tests.fake_upstream import FakeUpstream
@@ -193,6 +194,38 @@ async def test_the_cap_of_counts_follows_the_settings_live(slow_counter, gw_coun
     assert_clean_error(second, 429, "prompt_counts_full", gw)
     slow_counter.count_gate.set()
     assert (await first).status_code == 200
+
+
+async def test_a_pools_counts_at_once_follow_the_slots_of_all_its_engines(slow_counter,
+                                                                          gw_counting):
+    """One engine plans (and counts) for its model's whole line: a pool of two engines of
+    `SLOTS` slots takes twice the slots of both in counts at once, not of one (the first
+    turns of 6 agents on 2 engines were refused 429 while slots were free)."""
+    gw = gw_counting
+    async with FakeUpstream(slots=SLOTS, n_ctx=1 << 24) as other:
+        gw.registry.activate(Serving(other.base_url, SLOTS, kv=KvCapacity.shared(SLOTS * 4096)),
+                             engine="other")
+        slow_counter.count_gate = asyncio.Event()
+        other.count_gate = asyncio.Event()
+        body = with_image(1000)
+        requests = [asyncio.create_task(gw.client.post(
+            CHAT, content=body, headers={"content-type": "application/json"}))
+            for _ in range(4 * SLOTS)]
+
+        def counting() -> int:
+            return sum(1 for fake in (slow_counter, other) for r in fake.counted
+                       if "messages" in r.body and isinstance(r.body["messages"][0]["content"],
+                                                              list))
+
+        try:
+            await until(lambda: counting() == 4 * SLOTS or any(t.done() for t in requests))
+            assert not [t.result().text for t in requests if t.done()]
+        finally:
+            slow_counter.count_gate.set()
+            other.count_gate.set()
+            answers = await asyncio.gather(*requests)
+        assert [r.status_code for r in answers] == [200] * 4 * SLOTS
+        assert gw.rejections("prompt_counts_full") == 0
 
 
 # --- tools on their byte bound --------------------------------------------------------------
