@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.server
 import json
 import os
@@ -75,12 +76,18 @@ class Port:
     answers: Any  # the read end of its CPU pipe
     port: int = 0
     cpu: list[float] = field(default_factory=list)  # seconds per request, by round
+    #: The garbage collector's runs by generation and their seconds, at the last reading.
+    collections: list[float] = field(default_factory=lambda: [0.0] * 4)
+    collected: list[list[float]] = field(default_factory=list)  # per request, by round
 
     def process_time(self) -> float:
+        """Its CPU seconds; `collections` becomes its collector's figures so far."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(b"cpu\n")
         self.proc.stdin.flush()
-        return float(self.answers.readline())
+        cpu, *collections = (float(x) for x in self.answers.readline().split())
+        self.collections = collections
+        return cpu
 
 
 # --- the children: a port that tells its CPU, and the OTLP sink ---------------------------
@@ -90,10 +97,22 @@ def port_child(checkout: str, argv: list[str]) -> int:
     process's CPU seconds (every thread) on the fd named by BENCH_CPU_FD."""
     sys.path.insert(0, checkout)
     out = os.fdopen(int(os.environ[CPU_FD_ENV]), "w", buffering=1)
+    collections = [0, 0, 0]
+    collecting = [0.0, 0.0]  # the seconds of all runs so far, the current one's start
+
+    def collector(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collections[info["generation"]] += 1
+            collecting[0] += time.perf_counter() - collecting[1]
+
+    gc.callbacks.append(collector)
 
     def answer() -> None:
         for _ in sys.stdin:
-            out.write(f"{time.process_time():.9f}\n")
+            out.write(f"{time.process_time():.9f} {collections[0]} {collections[1]} "
+                      f"{collections[2]} {collecting[0]:.9f}\n")
 
     threading.Thread(target=answer, daemon=True).start()
     from backend.app.cli import main
@@ -203,6 +222,7 @@ async def run_rounds(ports: list[Port], body: bytes, args: argparse.Namespace, s
     for index in range(rounds):
         expected = sink_spans(sink) + tracing * per_round
         before = [port.process_time() for port in ports]
+        collections_before = [port.collections for port in ports]
         started = time.monotonic()
         # Rotated round by round: the clients of the port first in line connect first.
         order = ports[index % len(ports):] + ports[:index % len(ports)]
@@ -214,11 +234,15 @@ async def run_rounds(ports: list[Port], body: bytes, args: argparse.Namespace, s
             await asyncio.sleep(0.05)
         if sink_spans(sink) < expected:
             raise RuntimeError(f"the sink got {sink_spans(sink)} spans, not {expected}")
-        for port, then in zip(ports, before):
+        for port, then, collections in zip(ports, before, collections_before):
             port.cpu.append((port.process_time() - then) / per_round)
+            port.collected.append([(a - b) / per_round
+                                   for a, b in zip(port.collections, collections)])
         log(f"round {index + 1}: {time.monotonic() - started:.1f} s, "
             + ", ".join(f"{p.name} {p.cpu[-1] * 1e6:.0f} µs" for p in ports)
-            + f", on/off {ports[1].cpu[-1] / ports[0].cpu[-1]:.3f}")
+            + f", on/off {ports[1].cpu[-1] / ports[0].cpu[-1]:.3f}; collections a request "
+            + ", ".join(f"{p.name} " + "/".join(f"{n:.2f}" for n in p.collected[-1][:3])
+                        + f" {p.collected[-1][3] * 1e6:.0f} µs" for p in ports))
     return errors
 
 
