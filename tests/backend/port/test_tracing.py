@@ -118,6 +118,22 @@ def test_spans_are_encoded_as_the_sdks_own_otlp_encoder_encodes_them():
         spans[:1])
 
 
+def test_closing_exports_the_spans_still_waiting_for_their_batch(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # no batch would go before close
+    memory = InMemorySpanExporter()
+    export = SpanExport(memory)
+    export(record(), f"00-{TRACE_ID}-{PARENT_ID}-01")
+    export(record(status=500, error="upstream_failed"), None)
+    assert memory.get_finished_spans() == ()
+    export.close()
+    first, second = memory.get_finished_spans()
+    assert f"{first.context.trace_id:032x}" == TRACE_ID
+    assert second.status.status_code is StatusCode.ERROR
+    export(record(), None)  # a port closing: no span, no error
+    assert len(memory.get_finished_spans()) == 2
+
+
 def record(**fields: object) -> RequestRecord:
     """A finished request as the relay records it."""
     base: dict = dict(id=1, time=1_700_000_000.25, route="/v1/chat/completions", key="owner",
