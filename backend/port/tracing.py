@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
     #: An ended request waiting for its span (see `SpanExport._pending`).
     Ended = tuple[RequestRecord, int, int, int]
+    #: Its span's ids given: (record, trace id, span id, parent span id or 0, end in ns).
+    Made = tuple[RequestRecord, int, int, int, int]
 
 __all__ = ["SpanExport", "otlp_request", "span_export_to"]
 
@@ -80,6 +82,13 @@ class SpanExport:
         self._server = SpanKind.SERVER
         self._error = Status(StatusCode.ERROR)
         self._unset = Status(StatusCode.UNSET)
+        # The OTLP message's parts around the spans (`otlp_request`'s), for `_encoded`.
+        scope = self._scope
+        self._scope_head = _field(1, _text(1, scope.name) + _text(2, scope.version or "")
+                                  + _attribute_list(3, scope.attributes))
+        self._scope_tail = _text(3, scope.schema_url or "")
+        self._resource_head = _field(1, _attribute_list(1, self._resource.attributes))
+        self._resource_tail = _text(3, self._resource.schema_url)
         #: Ended requests not yet exported: (record, parent trace id, parent span id,
         #: end in ns), the record being the ring's own (frozen), the rest ints.
         self._pending: queue.SimpleQueue[Ended] = queue.SimpleQueue()
@@ -151,24 +160,53 @@ class SpanExport:
                 log.exception("exporting spans failed")
 
     def _export(self, batch: list[Ended]) -> None:
-        """`batch` as the finished spans a tracer would hand its processors at `end()`:
-        a tracer would clean each attribute; these are already clean (str, int, float)."""
-        ids = self._ids
-        spans = []
-        for record, trace_id, parent_id, end_time in batch:
+        """`batch` as the finished spans a tracer would hand its processors at `end()`
+        (a tracer would clean each attribute; these are already clean: str, int, float),
+        or, to `OtlpHttpSpans`, straight as the OTLP message of those spans."""
+        generate_trace_id, generate_span_id = (self._ids.generate_trace_id,
+                                               self._ids.generate_span_id)
+        spans = [(record, trace_id or generate_trace_id(), generate_span_id(), parent_id,
+                  end_time) for record, trace_id, parent_id, end_time in batch]
+        send = getattr(self._exporter, "send_encoded", None)
+        if send is not None:
+            send(self._encoded(spans))
+        else:
+            self._exporter.export([self._readable(span) for span in spans])
+
+    def _readable(self, span: Made) -> ReadableSpan:
+        record, trace_id, span_id, parent_id, end_time = span
+        operation = OPERATIONS.get(record.route, "chat")
+        failed = record.error is not None or record.status >= 400
+        return self._span(
+            f"{operation} {record.model}" if record.model else operation,
+            context=self._context(trace_id, span_id, False, self._sampled),
+            parent=self._context(trace_id, parent_id, True, self._sampled)
+            if parent_id else None,
+            resource=self._resource, attributes=_attributes(record, operation),
+            kind=self._server, status=self._error if failed else self._unset,
+            start_time=int(record.time * 1e9), end_time=end_time,
+            instrumentation_scope=self._scope)
+
+    def _encoded(self, spans: list[Made]) -> bytes:
+        """What `otlp_request` makes of `self._readable` of each, without making them."""
+        encoded = []
+        for record, trace_id, span_id, parent_id, end_time in spans:
             operation = OPERATIONS.get(record.route, "chat")
             failed = record.error is not None or record.status >= 400
-            spans.append(self._span(
-                f"{operation} {record.model}" if record.model else operation,
-                context=self._context(trace_id or ids.generate_trace_id(),
-                                      ids.generate_span_id(), False, self._sampled),
-                parent=self._context(trace_id, parent_id, True, self._sampled)
-                if parent_id else None,
-                resource=self._resource, attributes=_attributes(record, operation),
-                kind=self._server, status=self._error if failed else self._unset,
-                start_time=int(record.time * 1e9), end_time=end_time,
-                instrumentation_scope=self._scope))
-        self._exporter.export(spans)
+            encoded.append(_field(2, b"".join((
+                b"\x0a\x10", trace_id.to_bytes(16, "big"),
+                b"\x12\x08", span_id.to_bytes(8, "big"),
+                b"\x22\x08" + parent_id.to_bytes(8, "big") if parent_id else b"",
+                _text(5, f"{operation} {record.model}" if record.model else operation),
+                b"\x30\x02",  # SERVER
+                b"\x39", _pack_fixed64(int(record.time * 1e9)),
+                b"\x41", _pack_fixed64(end_time),
+                _attribute_list(9, _attributes(record, operation)),
+                b"\x7a\x02\x18\x02" if failed else b"\x7a\x00",  # status ERROR / UNSET
+                b"\x85\x01", (_HAS_IS_REMOTE | _IS_REMOTE if parent_id
+                                 else _HAS_IS_REMOTE).to_bytes(4, "little")))))
+        scope_spans = self._scope_head + b"".join(encoded) + self._scope_tail
+        return _field(1, self._resource_head + _field(2, scope_spans) + self._resource_tail)
 
 
 def span_export_to(endpoint: str) -> SpanExport:
@@ -211,9 +249,14 @@ def _otlp_http_spans(endpoint: str) -> SpanExporter:
         of the pinned SDK version: its retries, headers, TLS and compression)."""
 
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return self.send_encoded(otlp_request(spans))
+
+        def send_encoded(self, request: bytes) -> SpanExportResult:
+            """Sends an encoded `ExportTraceServiceRequest` (`SpanExport` encodes its
+            records straight into one, without making the SDK's spans)."""
             if self._shutdown:
                 return SpanExportResult.FAILURE
-            sent = self._client.export(otlp_request(spans))
+            sent = self._client.export(request)
             return SpanExportResult.SUCCESS if sent.success else SpanExportResult.FAILURE
 
     return OtlpHttpSpans(endpoint=endpoint)
