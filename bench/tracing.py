@@ -21,7 +21,9 @@ exporter's work is inside the round.  Each port's CPU is its whole process's
 (`time.process_time()` in it: every thread, the exporter's included, read through a
 pipe, nanoseconds rather than /proc's 10 ms ticks) over the round.  Figures: CPU per
 request, medians over rounds, and the median of the per-round ratios on ÷ off (the
-machine is shared: the ratio is what to read).  A port's idle CPU (it polls its
+machine is shared: the ratio is what to read).  Beside them, to place an added cost: the
+port's loop thread's CPU and its other threads' (each thread's own CPU clock), and the
+garbage collector's runs by generation and their time (`gc.callbacks` in the port).  A port's idle CPU (it polls its
 upstream) is printed: it is in every figure alike.
 
 Upstreams: by default the synthetic one (`tests/fake_upstream.py`, as fast as it goes: the
