@@ -109,6 +109,8 @@ class SpanExport:
     def __call__(self, record: RequestRecord, traceparent: str | None) -> None:
         """One span for `record`, from its arrival to now; a child of `traceparent`'s span
         when the client sent a valid one."""
+        if self._closed:
+            return
         trace_id = parent_id = 0
         if traceparent:
             parent = _parent(traceparent)
@@ -120,10 +122,9 @@ class SpanExport:
         if self._thread is None:
             self._export([ended])
             return
-        # Only the queue is touched here: the span is made, encoded and sent on the
-        # exporter's thread.  The SDK's batch processor held each finished span (five
-        # objects the collector tracks) on the loop's side of its queue.
-        if self._closed or self._pending.qsize() >= self._queue_size:
+        # Only the queue is touched here, the loop's CPU being the relay's: the span is
+        # made (or encoded straight), and sent, on the exporter's thread.
+        if self._pending.qsize() >= self._queue_size:
             return  # the SDK's processor drops spans past its queue's bound too
         self._pending.put(ended)
         if self._pending.qsize() >= self._batch_size:
