@@ -21,7 +21,9 @@ exporter's work is inside the round.  Each port's CPU is its whole process's
 (`time.process_time()` in it: every thread, the exporter's included, read through a
 pipe, nanoseconds rather than /proc's 10 ms ticks) over the round.  Figures: CPU per
 request, medians over rounds, and the median of the per-round ratios on ÷ off (the
-machine is shared: the ratio is what to read).  A port's idle CPU (it polls its
+machine is shared: the ratio is what to read).  Beside them, to place an added cost: the
+port's loop thread's CPU and its other threads' (each thread's own CPU clock), and the
+garbage collector's runs by generation and their time (`gc.callbacks` in the port).  A port's idle CPU (it polls its
 upstream) is printed: it is in every figure alike.
 
 Upstreams: by default the synthetic one (`tests/fake_upstream.py`, as fast as it goes: the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.server
 import json
 import os
@@ -75,12 +78,19 @@ class Port:
     answers: Any  # the read end of its CPU pipe
     port: int = 0
     cpu: list[float] = field(default_factory=list)  # seconds per request, by round
+    #: The garbage collector's runs by generation and their seconds, then the CPU seconds
+    #: of the port's loop thread and of its other Python threads, at the last reading.
+    collections: list[float] = field(default_factory=lambda: [0.0] * 6)
+    collected: list[list[float]] = field(default_factory=list)  # per request, by round
 
     def process_time(self) -> float:
+        """Its CPU seconds; `collections` becomes its collector's figures so far."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(b"cpu\n")
         self.proc.stdin.flush()
-        return float(self.answers.readline())
+        cpu, *collections = (float(x) for x in self.answers.readline().split())
+        self.collections = collections
+        return cpu
 
 
 # --- the children: a port that tells its CPU, and the OTLP sink ---------------------------
@@ -90,14 +100,41 @@ def port_child(checkout: str, argv: list[str]) -> int:
     process's CPU seconds (every thread) on the fd named by BENCH_CPU_FD."""
     sys.path.insert(0, checkout)
     out = os.fdopen(int(os.environ[CPU_FD_ENV]), "w", buffering=1)
+    collections = [0, 0, 0]
+    collecting = [0.0, 0.0]  # the seconds of all runs so far, the current one's start
+
+    def collector(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collections[info["generation"]] += 1
+            collecting[0] += time.perf_counter() - collecting[1]
+
+    gc.callbacks.append(collector)
+
+    loop = threading.main_thread().ident  # the port's event loop runs on it
 
     def answer() -> None:
         for _ in sys.stdin:
-            out.write(f"{time.process_time():.9f}\n")
+            cpu = time.process_time()
+            threads = {thread.ident: thread_time(thread.ident)
+                       for thread in threading.enumerate()
+                       if thread is not threading.current_thread()}
+            on_loop = threads.pop(loop, 0.0)
+            out.write(f"{cpu:.9f} {collections[0]} {collections[1]} {collections[2]} "
+                      f"{collecting[0]:.9f} {on_loop:.9f} {sum(threads.values()):.9f}\n")
 
     threading.Thread(target=answer, daemon=True).start()
     from backend.app.cli import main
     return main(argv)
+
+
+def thread_time(ident: int | None) -> float:
+    """A thread's CPU seconds so far (0 once it ended)."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident or 0))
+    except (OSError, OverflowError):
+        return 0.0
 
 
 def sink_child() -> int:
@@ -203,6 +240,7 @@ async def run_rounds(ports: list[Port], body: bytes, args: argparse.Namespace, s
     for index in range(rounds):
         expected = sink_spans(sink) + tracing * per_round
         before = [port.process_time() for port in ports]
+        collections_before = [port.collections for port in ports]
         started = time.monotonic()
         # Rotated round by round: the clients of the port first in line connect first.
         order = ports[index % len(ports):] + ports[:index % len(ports)]
@@ -214,11 +252,18 @@ async def run_rounds(ports: list[Port], body: bytes, args: argparse.Namespace, s
             await asyncio.sleep(0.05)
         if sink_spans(sink) < expected:
             raise RuntimeError(f"the sink got {sink_spans(sink)} spans, not {expected}")
-        for port, then in zip(ports, before):
+        for port, then, collections in zip(ports, before, collections_before):
             port.cpu.append((port.process_time() - then) / per_round)
+            port.collected.append([(a - b) / per_round
+                                   for a, b in zip(port.collections, collections)])
         log(f"round {index + 1}: {time.monotonic() - started:.1f} s, "
             + ", ".join(f"{p.name} {p.cpu[-1] * 1e6:.0f} µs" for p in ports)
-            + f", on/off {ports[1].cpu[-1] / ports[0].cpu[-1]:.3f}")
+            + f", on/off {ports[1].cpu[-1] / ports[0].cpu[-1]:.3f}; collections a request "
+            + ", ".join(f"{p.name} " + "/".join(f"{n:.2f}" for n in p.collected[-1][:3])
+                        + f" {p.collected[-1][3] * 1e6:.0f} µs" for p in ports)
+            + "; loop / other threads µs a request "
+            + ", ".join(f"{p.name} {p.collected[-1][4] * 1e6:.0f} / "
+                        f"{p.collected[-1][5] * 1e6:.0f}" for p in ports))
     return errors
 
 
@@ -281,18 +326,28 @@ def table(results: list[tuple[int, list[Port], float]], args: argparse.Namespace
     upstream = ("llama-server, tiny model, --parallel 4" if args.real
                 else f"synthetic, {args.delay * 1e3:g} ms/token")
     lines = ["| upstream | tokens | requests/round | port | CPU µs/request | ÷ off (range) "
-             "| span µs/request |",
-             "|---|---:|---:|---|---:|---|---:|"]
+             "| added µs/request | loop thread added | other threads added "
+             "| GC runs/request (gen 0/1/2) | GC µs/request |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|---|---:|"]
     for tokens, ports, _ in results:
         off = ports[0]
         for port in ports:
             ratios = [a / b for a, b in zip(port.cpu, off.cpu)]
             added = [(a - b) * 1e6 for a, b in zip(port.cpu, off.cpu)]
+
+            def more(column: int) -> str:
+                if port is off:
+                    return f"{median([r[column] for r in off.collected]) * 1e6:.0f}"
+                pairs = zip(port.collected, off.collected)
+                return f"{median([(a[column] - b[column]) * 1e6 for a, b in pairs]):+.0f}"
+
+            runs = "/".join(f"{median([r[g] for r in port.collected]):.2f}" for g in range(3))
             lines.append(
                 f"| {upstream} | {tokens} | {args.streams * args.requests} | {port.name} "
                 f"| {median(port.cpu) * 1e6:.0f} | {median(ratios):.3f} "
                 f"({min(ratios):.3f}–{max(ratios):.3f}) "
-                f"| {'—' if port is off else f'{median(added):+.0f}'} |")
+                f"| {'—' if port is off else f'{median(added):+.0f}'} | {more(4)} | {more(5)} "
+                f"| {runs} | {median([r[3] for r in port.collected]) * 1e6:.0f} |")
     return lines
 
 

@@ -8,35 +8,49 @@ named "{operation} {model}" with the GenAI semantic conventions' attributes
 and the inspector's own under `gguf_studio.*`.  A client's W3C `traceparent` header makes
 it a child of the client's span (and a parent that is not sampled, none: the SDK's
 default sampler's rule).  Spans are made from the record once the request ended and
-exported in batches from the SDK's own thread, so the relay's per-chunk work is
+exported in batches from a thread of their own, so the relay's per-chunk work is
 unchanged; when off, nothing of OpenTelemetry is imported.
 
 What a span costs is measured by `bench/tracing.py` (target: at most 2 % of the relay's
 CPU for a 200-token answer).  The SDK's own path costs ~8 % there: its tracer cleans
 every attribute (~35 µs a span), its propagator ~17 µs a `traceparent`, its OTLP encoder
-~75 µs a span in the exporter's thread.  So the finished span is built here as the SDK's
-`ReadableSpan` (what a tracer hands its processors) and given to the span processor
-directly, the `traceparent` is read with the propagator's own pattern, and
-`OtlpHttpSpans` is the SDK's OTLP/HTTP exporter (its endpoint, `OTEL_EXPORTER_OTLP_*`
-headers, TLS, compression and retries) with a protobuf encoder for these spans that
-writes the same message in a fifth of the time.
+~75 µs a span in the exporter's thread.  So the loop only reads the `traceparent` (with
+the propagator's own pattern) and queues the ended request (the ring's own frozen record
+and three ints); this module's thread takes them in batches as the SDK's batch processor
+does (its `OTEL_BSP_*` settings) and hands them on: to `OtlpHttpSpans` (the SDK's
+OTLP/HTTP exporter: its endpoint, `OTEL_EXPORTER_OTLP_*` headers, TLS, compression and
+retries) encoded straight into the OTLP message the SDK's encoder would write (~10 µs a
+span, against ~75 for the SDK's encoder and ~9 to make its span), to any other exporter
+as the SDK's `ReadableSpan`s (what a tracer hands its processors).  The garbage
+collector is not what spans cost (bench/README.md: its runs and time are alike on and
+off); the exporter's thread is.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import queue
 import re
 import struct
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-    from opentelemetry.trace import SpanContext
 
     from backend.port.request_log import RequestRecord
 
+    #: An ended request waiting for its span (see `SpanExport._pending`).
+    Ended = tuple[RequestRecord, int, int, int]
+    #: Its span's ids given: (record, trace id, span id, parent span id or 0, end in ns).
+    Made = tuple[RequestRecord, int, int, int, int]
+
 __all__ = ["SpanExport", "otlp_request", "span_export_to"]
+
+log = logging.getLogger(__name__)
 
 #: `gen_ai.operation.name` by route.
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/messages": "chat", "/v1/responses": "chat",
@@ -50,65 +64,152 @@ TRACEPARENT = re.compile(
 
 
 class SpanExport:
-    """Turns records into spans and hands them to `exporter` (batched, off the loop;
-    `batch=False` exports each at once, for tests)."""
+    """Turns records into spans and hands them to `exporter` in batches from a thread of
+    its own (`batch=False`: each at once, on the caller's thread, for tests)."""
 
     def __init__(self, exporter: SpanExporter, *, batch: bool = True) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-        self._processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        self._exporter = exporter
         self._resource = Resource.create({"service.name": "gguf-studio"})
         self._scope = InstrumentationScope("gguf_studio.port")
         self._ids = RandomIdGenerator()
         self._span = ReadableSpan
         self._context = SpanContext
-        self._flags = TraceFlags
         self._sampled = TraceFlags(TraceFlags.SAMPLED)
         self._server = SpanKind.SERVER
         self._error = Status(StatusCode.ERROR)
         self._unset = Status(StatusCode.UNSET)
+        # The OTLP message's parts around the spans (`otlp_request`'s), for `_encoded`.
+        scope = self._scope
+        self._scope_head = _field(1, _text(1, scope.name) + _text(2, scope.version or "")
+                                  + _attribute_list(3, scope.attributes))
+        self._scope_tail = _text(3, scope.schema_url or "")
+        self._resource_head = _field(1, _attribute_list(1, self._resource.attributes))
+        self._resource_tail = _text(3, self._resource.schema_url)
+        #: Ended requests not yet exported: (record, parent trace id, parent span id,
+        #: end in ns), the record being the ring's own (frozen), the rest ints.
+        self._pending: queue.SimpleQueue[Ended] = queue.SimpleQueue()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if batch:
+            self._delay = _setting("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+            self._queue_size = _setting("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+            self._batch_size = min(_setting("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512),
+                                   self._queue_size)
+            self._wake = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="gguf-studio-spans",
+                                            daemon=True)
+            self._thread.start()
 
     def __call__(self, record: RequestRecord, traceparent: str | None) -> None:
         """One span for `record`, from its arrival to now; a child of `traceparent`'s span
         when the client sent a valid one."""
-        parent = self._parent(traceparent) if traceparent else None
-        if parent is not None and not parent.trace_flags.sampled:
+        if self._closed:
             return
-        operation = OPERATIONS.get(record.route, "chat")
-        failed = record.error is not None or record.status >= 400
-        ids = self._ids
-        # A tracer's span would clean each attribute and copy it into bounded
-        # attributes on the loop; these are already clean (str, int, float), so the
-        # finished span is what a tracer would hand its processors at `end()`.
-        self._processor.on_end(self._span(
-            f"{operation} {record.model}" if record.model else operation,
-            context=self._context(parent.trace_id if parent else ids.generate_trace_id(),
-                                  ids.generate_span_id(), False, self._sampled,
-                                  parent.trace_state if parent else None),
-            parent=parent, resource=self._resource, attributes=_attributes(record, operation),
-            kind=self._server, status=self._error if failed else self._unset,
-            start_time=int(record.time * 1e9), end_time=time.time_ns(),
-            instrumentation_scope=self._scope))
+        trace_id = parent_id = 0
+        if traceparent:
+            parent = _parent(traceparent)
+            if parent is not None:
+                trace_id, parent_id, sampled = parent
+                if not sampled:
+                    return
+        ended = (record, trace_id, parent_id, time.time_ns())
+        if self._thread is None:
+            self._export([ended])
+            return
+        # Only the queue is touched here, the loop's CPU being the relay's: the span is
+        # made (or encoded straight), and sent, on the exporter's thread.
+        if self._pending.qsize() >= self._queue_size:
+            return  # the SDK's processor drops spans past its queue's bound too
+        self._pending.put(ended)
+        if self._pending.qsize() >= self._batch_size:
+            self._wake.set()
 
     def close(self) -> None:
         """Export what is pending, then stop."""
-        self._processor.shutdown()
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._wake.set()
+            self._thread.join(30)
+        self._exporter.shutdown()
 
-    def _parent(self, traceparent: str) -> SpanContext | None:
-        match = TRACEPARENT.match(traceparent) if len(traceparent) <= 512 else None
-        if match is None:
-            return None
-        version, trace_id, span_id, flags, rest = match.groups()
-        if (version == "ff" or (version == "00" and rest) or trace_id == "0" * 32
-                or span_id == "0" * 16):
-            return None
-        return self._context(int(trace_id, 16), int(span_id, 16), True,
-                             self._flags(int(flags, 16)))
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self._delay)
+            self._wake.clear()
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            batch: list[Ended] = []
+            while len(batch) < self._batch_size:
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            if not batch:
+                return
+            try:
+                self._export(batch)
+            except Exception:  # an exporter that fails never stops the thread
+                log.exception("exporting spans failed")
+
+    def _export(self, batch: list[Ended]) -> None:
+        """`batch` as the finished spans a tracer would hand its processors at `end()`
+        (a tracer would clean each attribute; these are already clean: str, int, float),
+        or, to `OtlpHttpSpans`, straight as the OTLP message of those spans."""
+        generate_trace_id, generate_span_id = (self._ids.generate_trace_id,
+                                               self._ids.generate_span_id)
+        spans = [(record, trace_id or generate_trace_id(), generate_span_id(), parent_id,
+                  end_time) for record, trace_id, parent_id, end_time in batch]
+        send = getattr(self._exporter, "send_encoded", None)
+        if send is not None:
+            send(self._encoded(spans))
+        else:
+            self._exporter.export([self._readable(span) for span in spans])
+
+    def _readable(self, span: Made) -> ReadableSpan:
+        record, trace_id, span_id, parent_id, end_time = span
+        operation = OPERATIONS.get(record.route, "chat")
+        failed = record.error is not None or record.status >= 400
+        return self._span(
+            f"{operation} {record.model}" if record.model else operation,
+            context=self._context(trace_id, span_id, False, self._sampled),
+            parent=self._context(trace_id, parent_id, True, self._sampled)
+            if parent_id else None,
+            resource=self._resource, attributes=_attributes(record, operation),
+            kind=self._server, status=self._error if failed else self._unset,
+            start_time=int(record.time * 1e9), end_time=end_time,
+            instrumentation_scope=self._scope)
+
+    def _encoded(self, spans: list[Made]) -> bytes:
+        """What `otlp_request` makes of `self._readable` of each, without making them."""
+        encoded = []
+        for record, trace_id, span_id, parent_id, end_time in spans:
+            operation = OPERATIONS.get(record.route, "chat")
+            failed = record.error is not None or record.status >= 400
+            encoded.append(_field(2, b"".join((
+                b"\x0a\x10", trace_id.to_bytes(16, "big"),
+                b"\x12\x08", span_id.to_bytes(8, "big"),
+                b"\x22\x08" + parent_id.to_bytes(8, "big") if parent_id else b"",
+                _text(5, f"{operation} {record.model}" if record.model else operation),
+                b"\x30\x02",  # SERVER
+                b"\x39", _pack_fixed64(int(record.time * 1e9)),
+                b"\x41", _pack_fixed64(end_time),
+                _attribute_list(9, _attributes(record, operation)),
+                b"\x7a\x02\x18\x02" if failed else b"\x7a\x00",  # status ERROR / UNSET
+                b"\x85\x01", (_HAS_IS_REMOTE | _IS_REMOTE if parent_id
+                                 else _HAS_IS_REMOTE).to_bytes(4, "little")))))
+        scope_spans = self._scope_head + b"".join(encoded) + self._scope_tail
+        return _field(1, self._resource_head + _field(2, scope_spans) + self._resource_tail)
 
 
 def span_export_to(endpoint: str) -> SpanExport:
@@ -151,12 +252,38 @@ def _otlp_http_spans(endpoint: str) -> SpanExporter:
         of the pinned SDK version: its retries, headers, TLS and compression)."""
 
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return self.send_encoded(otlp_request(spans))
+
+        def send_encoded(self, request: bytes) -> SpanExportResult:
+            """Sends an encoded `ExportTraceServiceRequest` (`SpanExport` encodes its
+            records straight into one, without making the SDK's spans)."""
             if self._shutdown:
                 return SpanExportResult.FAILURE
-            sent = self._client.export(otlp_request(spans))
+            sent = self._client.export(request)
             return SpanExportResult.SUCCESS if sent.success else SpanExportResult.FAILURE
 
     return OtlpHttpSpans(endpoint=endpoint)
+
+
+def _parent(traceparent: str) -> tuple[int, int, bool] | None:
+    """The trace id, span id and sampled flag of a valid `traceparent`."""
+    match = TRACEPARENT.match(traceparent) if len(traceparent) <= 512 else None
+    if match is None:
+        return None
+    version, trace_id, span_id, flags, rest = match.groups()
+    if (version == "ff" or (version == "00" and rest) or trace_id == "0" * 32
+            or span_id == "0" * 16):
+        return None
+    return int(trace_id, 16), int(span_id, 16), bool(int(flags, 16) & 1)
+
+
+def _setting(name: str, default: int) -> int:
+    """A batch setting of the SDK's (`OTEL_BSP_*`), a positive whole number."""
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def _attributes(record: RequestRecord, operation: str) -> dict[str, Any]:

@@ -118,6 +118,38 @@ def test_spans_are_encoded_as_the_sdks_own_otlp_encoder_encodes_them():
         spans[:1])
 
 
+def test_records_are_encoded_straight_as_the_sdks_encoder_encodes_their_spans():
+    # To the OTLP exporter the export thread sends records encoded without making the
+    # SDK's spans (`_encoded`); to any other exporter it hands those spans (`_readable`).
+    export = SpanExport(InMemorySpanExporter(), batch=False)
+    made = [(record(), int(TRACE_ID, 16), 0x1234, int(PARENT_ID, 16), 1_700_000_001 * 10**9),
+            (record(status=429, error="rate_limit_exceeded", model=None, session=None,
+                    route="/v1/embeddings", wait=0.0, prompt_tokens=2**40),
+             2**127 + 5, 2**63 + 7, 0, 1_700_000_002 * 10**9),
+            (record(key="ünïcode ✓", prompt_tokens=0, tokens_per_second=0.0, status=502),
+             1, 2, 0, 1_700_000_003 * 10**9)]
+    spans = [export._readable(span) for span in made]
+    assert ExportTraceServiceRequest.FromString(export._encoded(made)) == encode_spans(spans)
+    assert ExportTraceServiceRequest.FromString(export._encoded(made[1:2])) == encode_spans(
+        spans[1:2])
+
+
+def test_closing_exports_the_spans_still_waiting_for_their_batch(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # no batch would go before close
+    memory = InMemorySpanExporter()
+    export = SpanExport(memory)
+    export(record(), f"00-{TRACE_ID}-{PARENT_ID}-01")
+    export(record(status=500, error="upstream_failed"), None)
+    assert memory.get_finished_spans() == ()
+    export.close()
+    first, second = memory.get_finished_spans()
+    assert f"{first.context.trace_id:032x}" == TRACE_ID
+    assert second.status.status_code is StatusCode.ERROR
+    export(record(), None)  # a port closing: no span, no error
+    assert len(memory.get_finished_spans()) == 2
+
+
 def record(**fields: object) -> RequestRecord:
     """A finished request as the relay records it."""
     base: dict = dict(id=1, time=1_700_000_000.25, route="/v1/chat/completions", key="owner",
