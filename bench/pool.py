@@ -45,14 +45,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -61,8 +58,8 @@ if str(REPO) not in sys.path:
 from bench.load_generator import Run, chat_request, one_stream, run_closed_loop  # noqa: E402
 from bench.pool_results import PoolResult, RealResult  # noqa: E402
 from bench.processes import (HOST, CpuMeter, Processes, Target, free_port,  # noqa: E402
-                             get_json, start_fake, start_helper, start_port, stop_children,
-                             wait_until)
+                             get_json, run_bench, start_fake, start_helper, start_port,
+                             stop_children, wait_until)
 from bench.report import (closed_loop_table, machine_note, pool_newcomer_table,  # noqa: E402
                           pool_throughput_table, real_engine_tables, routing_table)
 from bench.scenarios import (Scenario, Steady, llama_body, median,  # noqa: E402
@@ -416,28 +413,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="gguf-studio-pool-bench-"))
-    (work / "config").mkdir()
-    procs = Processes(work)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        return asyncio.run(main_async(args, procs, work))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        procs.stop_all()
-        if args.keep_logs:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_bench(main_async, args, "gguf-studio-pool-bench-", config_dir=True)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,18 @@ import ctypes
 import http.client
 import json
 import os
+import asyncio
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -254,3 +257,34 @@ def stop_children(procs: Processes) -> None:
     for _, proc in list(procs.children):
         procs.stop(proc)
     procs.children.clear()
+
+
+def run_bench(main_async: Callable[[Any, Processes, Path], Awaitable[int]], args: Any,
+              prefix: str, *, config_dir: bool = False) -> int:
+    """`main_async(args, procs, work)` in a fresh work directory (with a `config` dir in it
+    when `config_dir`): SIGTERM ends it as Ctrl-C does, a RuntimeError is the bench's
+    failure (exit 1), and on the way out every child process is stopped and the directory
+    removed (kept, and said, with `args.keep_logs`)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    if config_dir:
+        (work / "config").mkdir()
+    procs = Processes(work)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return asyncio.run(main_async(args, procs, work))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        procs.stop_all()
+        if args.keep_logs:
+            print(f"logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)

@@ -33,21 +33,18 @@ Only loopback addresses are used; every process started here is ended on the way
 from __future__ import annotations
 
 import argparse
-import asyncio
-import shutil
-import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.processes import (HOST, PYTHON, Processes, Target, free_port,  # noqa: E402
-                             get_json, start_helper, start_port, stop_children, wait_until)
+                             get_json, run_bench, start_helper, start_port, stop_children,
+                             wait_until)
 from bench.report import (TARGET_THROUGHPUT, TARGET_TTFT_P50_MS, TARGET_TTFT_P99_MS,  # noqa: E402
                           latency_table, machine_note, saturation_table, steady_table)
 from bench.scenarios import (Scenario, Steady, llama_body, run_scenario,  # noqa: E402
@@ -261,28 +258,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="gguf-studio-bench-"))
-    (work / "config").mkdir()
-    procs = Processes(work)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        return asyncio.run(main_async(args, procs, work))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        procs.stop_all()
-        if args.keep_logs:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_bench(main_async, args, "gguf-studio-bench-", config_dir=True)
 
 
 if __name__ == "__main__":

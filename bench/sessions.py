@@ -68,12 +68,9 @@ import asyncio
 import http.client
 import json
 import random
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +83,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.processes import (HOST, PYTHON, Processes, free_port, get_json,  # noqa: E402
-                             health_slots, port_env, wait_until)
+                             health_slots, port_env, run_bench, wait_until)
 from bench.report import machine_note  # noqa: E402
 
 #: The name every target serves the model under.
@@ -689,27 +686,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="gguf-studio-sessions-bench-"))
-    procs = Processes(work)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        return asyncio.run(main_async(args, procs, work))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        procs.stop_all()
-        if args.keep_logs:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_bench(main_async, args, "gguf-studio-sessions-bench-")
 
 
 if __name__ == "__main__":

@@ -43,11 +43,8 @@ import gc
 import http.server
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +57,7 @@ if str(REPO) not in sys.path:
 
 from bench.load_generator import Agent, chat_request  # noqa: E402
 from bench.processes import (HOST, PYTHON, Processes, _die_with_parent,  # noqa: E402
-                             get_json, health_slots, stop_children, wait_until)
+                             get_json, health_slots, run_bench, stop_children, wait_until)
 from bench.report import machine_note  # noqa: E402
 from bench.scenarios import llama_body, median, synthetic_body  # noqa: E402
 
@@ -407,27 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--sink"]:
         return sink_child()
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="gguf-studio-tracing-bench-"))
-    procs = Processes(work)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        return asyncio.run(main_async(args, procs, work))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except RuntimeError as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        procs.stop_all()
-        if args.keep_logs:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_bench(main_async, args, "gguf-studio-tracing-bench-")
 
 
 if __name__ == "__main__":
