@@ -222,11 +222,16 @@ async def test_when_fit_shrinks_the_models_own_context_the_engine_gives_less_tha
     # --fit measures against the host's total memory less a margin (--fit-target, MiB).
     # A first load prints what the full context would use; a margin that leaves 4 MiB
     # less than that makes --fit shrink the context, as it would on a machine that is short.
-    settings = LoadSettings(ctx_size=0, parallel="4")
+    # The batch is the user's own in both loads: the compute buffer it sizes is part of
+    # what --fit projects, and the stall budget's batch (chosen from the engine's measured
+    # speed) differed between two loads (768 and 1,024 tokens), and with it the projection.
+    batch = ("--batch-size", "512", "--ubatch-size", "512")
+    settings = LoadSettings(ctx_size=0, parallel="4", extra_args=batch)
     first = await supervisor.load(settings.to_spec(str(tiny_model)))
     used, total = map(int, not_none(re.search(r"projected to use (\d+) MiB of host memory vs\. (\d+) MiB",
                                               Path(first.log_path).read_text())).groups())
-    short = LoadSettings(ctx_size=0, parallel="4", extra_args=("--fit-target", str(total - used + 4)))
+    short = LoadSettings(ctx_size=0, parallel="4",
+                         extra_args=(*batch, "--fit-target", str(total - used + 4)))
     plan = planned_capacity(0, "4", 8192, short.extra_args)
     assert plan is not None and plan.at_most
     assert plan.describe().startswith("Up to 4 requests at once; each slot has up to 8,192 tokens")
