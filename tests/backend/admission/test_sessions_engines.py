@@ -153,3 +153,44 @@ async def test_two_keys_sessions_of_the_same_names_keep_their_own_caches_and_hea
     sessions = service.registry.sessions.snapshot()
     assert len(sessions) == 8 and len({s.flow for s in sessions}) == 2
     assert all(s.key.startswith(s.flow + "\n") and s.turns == 2 for s in sessions)
+
+
+async def test_an_agents_turn_after_its_title_request_finds_its_prefix_in_its_slot(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path) -> None:
+    """OpenCode sends its title request with its agent's session headers: the agent's next
+    turn still goes to the slot holding the agent's conversation and computes only its new
+    tokens (no RAM prompt cache here to hide a pin to the title's slot)."""
+    port = pick_free_port()
+    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=4, ctx=4096 * 4,
+                                extra=(*PREFIX_CACHE_ARGS, "--cache-ram", "0"))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until_engines(service, 1)
+        rng = random.Random(11)
+        session = {"x-session-affinity": "ses_title"}
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. " + words(rng, 400)},
+            {"role": "user", "content": words(rng, 40)}]
+        title = [{"role": "system", "content": "You are a title generator. Output a title."},
+                 {"role": "user", "content": messages[1]["content"]}]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=120) as client:
+            async def ask(messages: list[dict[str, Any]]) -> dict[str, Any]:
+                answer = await client.post("/v1/chat/completions", headers=session, json={
+                    "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0})
+                assert answer.status_code == 200, answer.text
+                timings: dict[str, Any] = answer.json()["timings"]
+                return timings
+
+            first = await ask(messages)
+            await ask(title)
+            messages += [{"role": "assistant", "content": "noted"},
+                         {"role": "user", "content": words(rng, 40)}]
+            second = await ask(messages)
+    finally:
+        stop(engine)
+    new_tokens = second["prompt_n"] + second["cache_n"] - first["prompt_n"] - first["cache_n"]
+    assert second["cache_n"] >= first["prompt_n"] + first["cache_n"] - SLACK, (first, second)
+    assert second["prompt_n"] <= new_tokens + SLACK, (first, second)
