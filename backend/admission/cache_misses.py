@@ -328,10 +328,12 @@ def _owner(flow: str) -> str:
         return flow
     address = flow[len(ADDRESS_FLOW):]
     try:
-        loopback = ipaddress.ip_address(address).is_loopback
+        ip = ipaddress.ip_address(address)
     except ValueError:  # no address known ("unknown")
-        loopback = False
-    return THIS_COMPUTER if loopback else f"computer at {address}"
+        return f"computer at {address}"
+    mapped = getattr(ip, "ipv4_mapped", None)  # "::ffff:127.0.0.1" on a dual-stack port
+    return THIS_COMPUTER if ip.is_loopback or (mapped is not None and mapped.is_loopback) \
+        else f"computer at {address}"
 
 
 def _place(label: str, slot: int | None) -> str:

@@ -66,8 +66,8 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
 
 def test_a_sessions_owner_is_named_as_people_know_them_never_by_a_loopback_address(qtbot):
     book = CacheBook(clock=lambda: 10.0)
-    for flow in ("address 127.0.0.1", "address ::1", "address 192.168.1.20", "owner",
-                 "alice", "chat tab"):
+    for flow in ("address ::ffff:127.0.0.1", "address 127.0.0.1", "address ::1",
+                 "address 192.168.1.20", "owner", "alice", "chat tab"):
         book.judge(f"{flow}\nthread", flow, "coder", prompt_blocks(chat("hi")), 0, 100,
                    engine="e", label="this machine", engine_alive=lambda key: True)
     view = SessionsView()
@@ -75,7 +75,7 @@ def test_a_sessions_owner_is_named_as_people_know_them_never_by_a_loopback_addre
     view.show_sessions(session_rows(book.snapshot(), now=10.0))
     assert [dict(zip(COLUMNS, row))["Key"] for row in view.rows()] == [
         "chat tab", "alice", "owner", "computer at 192.168.1.20", "this computer (owner)",
-        "this computer (owner)"]
+        "this computer (owner)", "this computer (owner)"]
 
 
 def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hit_share(
