@@ -58,8 +58,7 @@ if TYPE_CHECKING:
     from backend.port.server import BodyWriter
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
 
-__all__ = ["DisconnectWatch", "Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS",
-           "StallGuard"]
+__all__ = ["Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS", "SlotParking"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
