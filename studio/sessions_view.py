@@ -68,7 +68,7 @@ class SessionsView(QWidget):
 
 
 def session_cells(row: SessionRow) -> tuple[str, ...]:
-    return (row.owner or "anonymous", row.name, row.model, str(row.turns),
+    return (row.owner, row.name, row.model, str(row.turns),
             f"{row.hit_percent:.0f} %", row.where, row.last_miss or "—",
             _idle(row.idle_seconds))
 

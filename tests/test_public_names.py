@@ -11,12 +11,7 @@ from typing import get_origin
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("backend", "studio", "launcher")
 #: (module, name) listed in a module's `__all__` though defined elsewhere, and why.
-RE_EXPORTS = {
-    # Not deliberate: relay.py is reworked in another branch of issue 24 this session;
-    # both names belong to backend.port.client_watch, and nobody imports them from relay.
-    ("backend.port.relay", "DisconnectWatch"): "client_watch's, left in relay's __all__",
-    ("backend.port.relay", "StallGuard"): "client_watch's, left in relay's __all__",
-}
+RE_EXPORTS: dict[tuple[str, str], str] = {}
 
 
 def test_every_name_in_an_all_exists_and_is_defined_where_it_is_listed() -> None:

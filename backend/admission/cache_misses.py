@@ -35,6 +35,7 @@ Pure: no I/O; hashes are Python's, meaningful within one process only.
 from __future__ import annotations
 
 import bisect
+import ipaddress
 import json
 import threading
 from collections import OrderedDict
@@ -42,12 +43,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from backend.admission.caller import ADDRESS_FLOW
+
 if TYPE_CHECKING:
     from backend.admission.sessions import Session
 
 __all__ = ["BLOCK_CHARS", "CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS",
            "NO_BLOCKS", "REASONS", "Part", "PromptBlocks", "SessionCache", "SessionRow",
-           "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows"]
+           "THIS_COMPUTER", "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows"]
 
 #: Characters per block (about 256 tokens of English or code).
 BLOCK_CHARS = 1024
@@ -55,6 +58,8 @@ BLOCK_CHARS = 1024
 NEAR_START_CHARS = 4096
 #: What a changing line may add to or take from its part's length (a date, a clock).
 CHANGING_LINE_CHARS = 80
+#: The owner of a session sent from this machine without a key (a `SessionRow`'s owner).
+THIS_COMPUTER = "this computer (owner)"
 #: Conversations followed apart within one session (an agent's turns, its title request).
 CONVERSATIONS = 4
 
@@ -277,7 +282,10 @@ class CacheBook:
 class SessionRow:
     """One live session as a view shows it."""
 
-    owner: str  #: its key's name, or "address …" without named keys
+    #: Whose it is, as people know them: its key's name ("owner" for the owner's key);
+    #: without named keys "this computer (owner)" for a request from this machine, else
+    #: "computer at ADDRESS"; "anonymous" when nothing is known.
+    owner: str
     name: str  #: the client's name for it, or "unnamed …" (named after its start)
     model: str
     turns: int
@@ -304,11 +312,28 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
         else:
             where = _place(summary.engine, summary.slot)
         miss = summary.last_miss
-        rows.append(SessionRow(owner, name, summary.model, summary.turns,
+        rows.append(SessionRow(_owner(owner), name, summary.model, summary.turns,
                                round(summary.hit_percent, 1), where,
                                miss.describe() if miss is not None and miss.reason != "first_turn"
                                else "", max(0.0, now - summary.at)))
     return tuple(rows)
+
+
+def _owner(flow: str) -> str:
+    """A flow as people know it: a flow named after a client's address (no named keys)
+    is this computer's owner when the address is this machine's own loopback."""
+    if not flow:
+        return "anonymous"
+    if not flow.startswith(ADDRESS_FLOW):
+        return flow
+    address = flow[len(ADDRESS_FLOW):]
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:  # no address known ("unknown")
+        return f"computer at {address}"
+    mapped = getattr(ip, "ipv4_mapped", None)  # "::ffff:127.0.0.1" on a dual-stack port
+    return THIS_COMPUTER if ip.is_loopback or (mapped is not None and mapped.is_loopback) \
+        else f"computer at {address}"
 
 
 def _place(label: str, slot: int | None) -> str:

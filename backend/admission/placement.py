@@ -204,6 +204,8 @@ class KeepPrefixes:
         need = ticket.need
         hint = ticket.hint
         session = self.sessions.where(hint.session)
+        if session is not None and not session.continued_by(hint.prefix):
+            session = None  # another conversation under its name: placed as a new one
         home = None if session is None else session.engine
         if home is None and len(engines) > 1:
             return self._place_new(ticket, engines)

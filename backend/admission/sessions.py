@@ -11,6 +11,15 @@ prompt's first blocks.  Placement asks where a session lives (`where`), which se
 last showed a prefix (`match_prefix`), who holds a slot (`holder`) and how many sessions
 live on an engine (`homed`); views read a `snapshot`.
 
+A session's name may carry more than one conversation: OpenCode sends its title request,
+and Claude Code its short side questions, with the headers of the agent's session.  A
+turn whose prompt begins otherwise than the session's last one (its first block differs)
+and is shorter is such a *side* turn: the session's place stays where its conversation
+is (a side turn does not continue it, and the next agent turn pinned to the side turn's
+slot would find the title there), and only the slot the side turn took is booked (whoever
+held it no longer does).  A longer one is the session's conversation from then on: the
+agent's turn that ends after its title request, or a client that began anew.
+
 A slot holds one prompt at a time: a turn pinned to slot S of an engine takes S from
 whichever session held it before (that one stays *on the engine*, slot None: llama-server
 saved it to its RAM prompt cache when it gave the slot away, if the cache had room).
@@ -69,6 +78,11 @@ class Session:
     def resident(self) -> bool:
         """Its prefix is on some engine (in a slot, or that engine's RAM cache)."""
         return self.engine is not None
+
+    def continued_by(self, prefix: tuple[int, ...]) -> bool:
+        """Does a prompt with these block digests begin as its last one did (the same
+        conversation, or nothing known to tell them apart)?"""
+        return not prefix or not self.prefix or prefix[0] == self.prefix[0]
 
 
 class SessionTable:
@@ -140,7 +154,11 @@ class SessionTable:
                slot: int | None = None, prompt_tokens: int = 0, cached_tokens: int = 0,
                prefix: tuple[int, ...] = ()) -> Session:
         """A turn of session `key` was served on `engine` (pinned to `slot`, or not):
-        its prefix lives there now.  The slot is taken from any other session."""
+        its prefix lives there now.  The slot is taken from any other session.  A side
+        turn (see the module's doc) leaves the session where it was, and takes the slot."""
+        old = self._sessions.get(key)
+        if old is not None and not old.continued_by(prefix) and prompt_tokens < old.prompt_tokens:
+            return self._aside(old, engine, slot)
         old = self._sessions.pop(key, None)
         if old is not None:
             self._unslot(old)
@@ -208,6 +226,16 @@ class SessionTable:
         return session
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _aside(self, session: Session, engine: str | None, slot: int | None) -> Session:
+        """A side turn of `session` ran on `slot` of `engine`: that slot holds its prompt
+        now, not whatever it held; the session stays where its conversation is."""
+        if engine is not None and slot is not None:
+            self.vacate(engine, slot)
+        session = replace(self._sessions[session.key], last_turn=self._clock())
+        self._sessions[session.key] = session
+        self._sessions.move_to_end(session.key)
+        return session
 
     def _unslot(self, session: Session) -> None:
         if session.engine is not None and session.slot is not None:

@@ -9,17 +9,15 @@ the first chunk, from the upstream connection's own callback straight to the cli
 (`_pump`, with the server's `BodyWriter`); only a `/v1/responses` stream has its head
 read, to keep one response id throughout.
 
-What it costs: a request ends booked in its key's limiter and usage (`_account`): with the
-engine's usage when the answer carried it, else (the client left mid-stream, the key was
-revoked, the engine broke off) with the prompt admission counted plus one token per event
-relayed, counted with one `bytes.count` per chunk; a non-streamed answer that was never
-read costs its reservation.  A named key's answers carry nothing of the engine's shared
+What it costs: a cut stream is charged one token per event relayed, counted with one
+`bytes.count` per chunk.  A named key's answers carry nothing of the engine's shared
 prompt cache (`sse.without_cache_figures`, on the one event or body that names it).
 
-What it did: each request leaves one record in the request inspector's ring when it ends
-(`_record`, `backend.port.request_log`): its wait and why (its ticket's `wait_reason`),
-the engine's figures read once from the answer's last bytes, its time to first token and
-the longest silence between chunks (one clock read and a max per arrival), never content.
+What it did: the exchange keeps what its books need as the chunks pass (the answer's
+last bytes, its time to first token, the longest silence between chunks: one clock read
+and a max per arrival) and hands it over once, when it ends (`Exchange._settle`, to
+`backend.port.settlement`: its usage, its session's place, its prompt cache's verdict,
+its record in the request inspector).
 
 Failures of the upstream client become the project's errors in one place
 (`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
@@ -35,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
-from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks, Verdict
+from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.engine_queue import AdmissionQueue
@@ -46,8 +44,8 @@ from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
-from backend.admission.placement import NO_HINT, Hint, KeepPrefixes
-from backend.port.request_log import NO_FIGURES, RequestLog, figures_in
+from backend.admission.placement import NO_HINT, Hint
+from backend.port.settlement import Ending, Settlement, SettlementHost
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -55,14 +53,12 @@ from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeou
 from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
-    from backend.port.metrics import Metrics, ModelCounts
+    from backend.port.metrics import ModelCounts
     from backend.port.request_body import Parsed
     from backend.port.server import BodyWriter
-    from backend.settings import Settings
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
 
-__all__ = ["DisconnectWatch", "Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS",
-           "StallGuard"]
+__all__ = ["Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS", "SlotParking"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -92,27 +88,17 @@ class _NotReached(Exception):
     """The upstream refused the connection (or never accepted it): nothing was sent."""
 
 
-class ExchangeHost(Protocol):
-    """What an exchange needs from the port that serves it."""
+class ExchangeHost(SettlementHost, Protocol):
+    """What an exchange needs from the port that serves it (and where its books are kept)."""
 
     @property
     def client(self) -> UpstreamClient: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def settings(self) -> Settings: ...
 
     @property
     def closing(self) -> bool: ...
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
                    body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
-
-    @property
-    def requests(self) -> RequestLog:
-        """The request inspector's ring, where each exchange leaves its record."""
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
@@ -226,7 +212,7 @@ class Exchange:
         self._failed: RequestError | None = None
         #: The status its client got (an error after the stream began leaves 200).
         self._status = 200
-        #: For the inspector (`_record`), all `time.monotonic`: when it arrived, its
+        #: For the inspector (`_settle`), all `time.monotonic`: when it arrived, its
         #: wait for its model to load, the engine's first bytes, the last chunk's
         #: arrival and the longest silence between two chunks.
         self._arrived = request.arrived or time.monotonic()
@@ -234,9 +220,6 @@ class Exchange:
         self._first_at: float | None = None
         self._last_at = 0.0
         self._longest_gap = 0.0
-        #: The figures the answer's last bytes carry (`sse.final_payloads`), parsed once
-        #: when the request ends (`_final_payloads`) for its books, its session and its record.
-        self._payloads: list[dict[str, Any]] | None = None
 
     @property
     def metrics(self) -> ModelCounts:
@@ -258,8 +241,7 @@ class Exchange:
                 self._take_ticket(self.request.plan)
             except RequestError as error:
                 last = self._failure(error)
-                self._account()
-                self._record()
+                self._settle()
                 await self._send_all(last)
                 return
         self._task = asyncio.current_task()
@@ -303,11 +285,7 @@ class Exchange:
             watch.stop()
             self._task = None  # nothing left to abort
             self.passage.close()
-            self._account()
-            # Judged before the record, which names a miss's reason: a comparison of
-            # block hashes made at the gateway (tens of microseconds for an agent's turn).
-            verdict = self._judge_cache() if self._answered else None
-            self._record(verdict)
+            self._settle()
         try:
             await self._send_all(last)
         finally:
@@ -359,141 +337,15 @@ class Exchange:
         for message in messages:
             await self.send(message)
 
-    def _account(self) -> None:
-        """Tell the caller's flow how it ended: the engine's usage settles its token
-        reservation; an answer without it (cut short) is charged what it got
-        (`_cut_usage`), as is the part the usage does not say; a refusal or an error
-        before anything was relayed gives the reservation back."""
-        if self._failed is not None and not self._events:
-            self.passage.refused(self._failed)
-        elif self._answered or (self.ticket is not None and self.ticket.admitted_at is not None):
-            payloads = self._final_payloads()
-            told_prompt, told_completion = sse.usage_in(payloads) or (None, None)
-            prompt, completion = self._cut_usage()
-            self.passage.answered((prompt if told_prompt is None else told_prompt,
-                                   completion if told_completion is None else told_completion))
-            if self._answered:
-                self._learn(_prompt_figures(payloads), told_prompt)
-            elif self._events:
-                # Stopped mid-answer: its slot holds the prompt all the same, and the
-                # conversation's next turn (a stop, then a new question) belongs there.
-                self._learn(None, prompt)
-        else:
-            self.passage.left()  # before its turn
-
-    def _record(self, verdict: Verdict | None = None) -> None:
-        """Leave this request's record in the inspector's ring: names, times and the
-        engine's figures, read once from the answer's last bytes; nothing of its content."""
-        ticket = self.ticket
-        request = self.request
-        seat = ticket.seat if ticket is not None else None
-        figures = figures_in(self._final_payloads()) \
-            if self._events or self._answered else NO_FIGURES
-        wait, reason, behind = self._waited()
-        first = self._first_at
-        session = request.hint.session
-        error = self._failed
-        output = figures.output_tokens
-        self.host.requests.add(
-            traceparent=request.traceparent,
-            time=time.time() - (time.monotonic() - self._arrived),
-            route=request.path, key=self.caller.name,
-            session=None if session is None else session.split("\n", 1)[-1],
-            model=request.model_id,
-            engine=seat.engine.label if seat is not None else None,
-            slot=seat.slot if seat is not None else None,
-            band=self._band_name(), stream=request.parsed.stream,
-            wait=wait, wait_reason=reason, waited_behind=behind,
-            prompt_tokens=figures.prompt_tokens, cached_tokens=figures.cached_tokens,
-            computed_tokens=(None if figures.prompt_tokens is None or figures.cached_tokens is None
-                             else figures.prompt_tokens - figures.cached_tokens),
-            cache_miss=None if verdict is None or not verdict.missed else verdict.describe(),
-            output_tokens=output if output is not None or not self._events else self._events,
-            prefill_ms=figures.prefill_ms,
-            time_to_first_token=None if first is None else first - self._arrived,
-            tokens_per_second=figures.tokens_per_second,
-            longest_gap=self._longest_gap if first is not None and self._last_at > first else None,
-            status=499 if self.client_gone else self._status,
-            error=None if error is None else error.code)
-
-    def _waited(self) -> tuple[float, str | None, str | None]:
-        """(seconds, reason, the key it waited behind) from arrival until it ran: its
-        ticket's wait as admission tells it, or its model's load when that was longer."""
-        ticket = self.ticket
-        queued = 0.0
-        reason = behind = None
-        if ticket is not None:
-            ran_at = ticket.admitted_at if ticket.admitted_at is not None else time.monotonic()
-            queued = max(0.0, ran_at - ticket.enqueued_at)
-            reason, behind = ticket.wait_reason, ticket.waited_behind
-        if self._loading > queued:
-            reason, behind = WaitReason.MODEL_LOADING, None
-        return self._loading + queued, reason, behind
-
-    def _band_name(self) -> str | None:
-        ticket = self.ticket
-        band = self.request.band
-        if ticket is not None:
-            flow_band = ticket.flow.band
-            band = flow_band if ticket.band is None else max(ticket.band, flow_band)
-        return None if band is None else band.name.lower()
-
-    def _final_payloads(self) -> list[dict[str, Any]]:
-        """The answer's figures, parsed from its last bytes the first time they are asked
-        for (an Anthropic stream names its prompt in its first event only)."""
-        if self._payloads is None:
-            tail = self._tail or b"".join(self._last_sent)
-            self._payloads = sse.final_payloads(self._start + tail)
-        return self._payloads
-
-    def _learn(self, figures: tuple[int, int] | None, told_prompt: int | None) -> None:
-        """Tell placement where the answer left its session's prefix, with the prompt's
-        tokens and those the engine's cache held (`figures`, from its final `timings`);
-        an answer without them tells only its prompt."""
-        ticket = self.ticket
-        placement = self.line.placement
-        if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
-            return
-        hint = ticket.hint
-        if hint.session is None:
-            return
-        if figures is None:
-            if told_prompt is None:
-                return
-            figures = (told_prompt, 0)
-        placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
-                         ticket.engine.label, *figures)
-
-    def _judge_cache(self) -> Verdict | None:
-        """Count the answer's cached and computed prompt tokens, and say why a miss
-        missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
-        figures = sse.prompt_cache_in(self._final_payloads())
-        ticket = self.ticket
-        if figures is None or ticket is None or ticket.engine is None:
-            return None
-        engines = self.line.engines
-        seat = ticket.seat
-        verdict, _summary = self.host.metrics.note_prompt(
-            self.request.model_id or UNROUTED, self.request.hint.session, self.caller.flow,
-            self.request.blocks, *figures, engine=ticket.serving.key, label=ticket.engine.label,
-            slot=seat.slot if seat is not None and seat.pinned else None,
-            engine_alive=lambda key: any(e.key == key for e in engines))
-        return verdict
-
-    def _cut_usage(self) -> tuple[int, int]:
-        """(prompt, completion) tokens of an answer that ended before the engine's usage
-        reached the client: the prompt as admission counted it (its byte bound when it
-        was not counted), and for a stream one token per event relayed (llama-server
-        sends one event per token, plus a few around them: this is at least what the
-        client got); a non-streamed answer, of which nothing can be counted, costs its
-        whole output budget, as reserved."""
-        ticket = self.ticket
-        need = ticket.need if ticket is not None else None
-        if need is not None:
-            prompt, output = need.prompt, need.output
-        else:
-            prompt, output = self.request.body_bytes, self.host.settings.default_output_tokens
-        return prompt, (self._events if self.request.parsed.stream else output)
+    def _settle(self) -> None:
+        """Close the request's books (`backend.port.settlement`): once, as it ends."""
+        Settlement(self.host, self.line, self.request, Ending(
+            ticket=self.ticket, failed=self._failed, events=self._events,
+            answered=self._answered,
+            tail=self._start + (self._tail or b"".join(self._last_sent)),
+            arrived=self._arrived, loading=self._loading, first_at=self._first_at,
+            last_at=self._last_at, longest_gap=self._longest_gap,
+            client_gone=self.client_gone, status=self._status)).close()
 
     def _failure(self, error: RequestError) -> list[dict[str, Any]]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
@@ -947,19 +799,6 @@ def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
         chunk = first(chunk)
         return second(chunk) if chunk else chunk
     return stage
-
-
-def _prompt_figures(payloads: list[dict[str, Any]]) -> tuple[int, int] | None:
-    """(prompt, cached) tokens from the last `timings` an answer carries (llama-server's
-    final chunk or body: `prompt_n` computed, `cache_n` found in its cache); None when
-    it carries none."""
-    for payload in payloads:
-        timings = payload.get("timings")
-        if isinstance(timings, dict):
-            computed, cached = timings.get("prompt_n"), timings.get("cache_n")
-            if isinstance(computed, int) and isinstance(cached, int):
-                return max(0, computed) + max(0, cached), max(0, cached)
-    return None
 
 
 def _seated(body: bytes, ticket: Ticket) -> bytes:

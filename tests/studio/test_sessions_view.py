@@ -64,6 +64,20 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
             thread["Last miss"]) == ("thread-1", "26 %", "nowhere", "unloaded")
 
 
+def test_a_sessions_owner_is_named_as_people_know_them_never_by_a_loopback_address(qtbot):
+    book = CacheBook(clock=lambda: 10.0)
+    for flow in ("address ::ffff:127.0.0.1", "address 127.0.0.1", "address ::1",
+                 "address 192.168.1.20", "owner", "alice", "chat tab"):
+        book.judge(f"{flow}\nthread", flow, "coder", prompt_blocks(chat("hi")), 0, 100,
+                   engine="e", label="this machine", engine_alive=lambda key: True)
+    view = SessionsView()
+    qtbot.addWidget(view)
+    view.show_sessions(session_rows(book.snapshot(), now=10.0))
+    assert [dict(zip(COLUMNS, row))["Key"] for row in view.rows()] == [
+        "chat tab", "alice", "owner", "computer at 192.168.1.20", "this computer (owner)",
+        "this computer (owner)", "this computer (owner)"]
+
+
 def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hit_share(
         open_window, qtbot, with_engine, tiny_model):
     import concurrent.futures
@@ -108,6 +122,7 @@ def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hi
     qtbot.waitUntil(lambda: len(window.sessions.rows()) == 1, timeout=15_000)
     row = dict(zip(COLUMNS, window.sessions.rows()[0]))
     assert (row["Session"], row["Model"], row["Turns"]) == ("thread-7", "tiny", "2")
+    assert row["Key"] == "this computer (owner)"  # no key, from this machine: not "address 127.0.0.1"
     # This machine's engine; its slot too where placement pinned the turn to one.
     assert row["Prefix lives on"] in ("this machine", "this machine, slot 0")
     assert 0 < int(row["Prompt cached"].removesuffix(" %")) < 100

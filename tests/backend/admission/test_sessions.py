@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from backend.admission.placement import Hint, KeepPrefixes, Seat
 from backend.admission.sessions import SessionTable
+from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from tests.backend.admission.test_placement import Clock as PlacementClock, Engine, Wanting
 
 
 class Clock:
@@ -93,3 +96,65 @@ def test_the_table_counts_the_sessions_living_on_each_engine() -> None:
     assert (table.homed("e1"), table.homed("e2")) == (0, 0)
     table.record("a\n3", flow="a", engine="e1", prompt_tokens=10)
     assert table.homed("e1") == 1 and len(table) == 2
+
+
+# --- a title request under the session's name ----------------------------------------------
+
+AGENT = (11, 12, 13)  # the agent's prompt: its system prompt and tools, then the history
+TITLE = (71,)  # OpenCode's title request: another system prompt, one short message
+
+
+def test_a_title_request_after_the_agents_turn_leaves_the_session_where_the_agent_is() -> None:
+    table = SessionTable(clock=Clock())
+    table.record("o\nses", flow="o", engine="e", slot=0, prompt_tokens=5_000,
+                 cached_tokens=4_000, prefix=AGENT)
+    table.record("o\nses", flow="o", engine="e", slot=1, prompt_tokens=300, prefix=TITLE)
+    session = table.where("o\nses")
+    assert session is not None
+    assert (session.engine, session.slot, session.prefix) == ("e", 0, AGENT)
+    assert (session.prompt_tokens, session.cached_tokens, session.turns) == (5_000, 4_000, 1)
+    assert table.holder("e", 0) is session and table.holder("e", 1) is None
+
+
+def test_an_agents_turn_that_ends_after_its_title_request_is_the_sessions_place() -> None:
+    table = SessionTable(clock=Clock())
+    table.record("o\nses", flow="o", engine="e", slot=1, prompt_tokens=300, prefix=TITLE)
+    table.record("o\nses", flow="o", engine="e", slot=0, prompt_tokens=5_000, prefix=AGENT)
+    session = table.where("o\nses")
+    assert session is not None and (session.slot, session.prefix) == (0, AGENT)
+    assert table.holder("e", 1) is None  # the title's slot holds nobody's conversation
+
+
+def test_a_title_request_on_the_agents_own_slot_takes_the_slot_not_the_session() -> None:
+    table = SessionTable(clock=Clock())
+    table.record("o\nses", flow="o", engine="e", slot=0, prompt_tokens=5_000, prefix=AGENT)
+    table.record("o\nses", flow="o", engine="e", slot=0, prompt_tokens=300, prefix=TITLE)
+    session = table.where("o\nses")
+    # Its prefix is in the engine's RAM cache now: not pinned to the slot the title holds.
+    assert session is not None and (session.engine, session.slot) == ("e", None)
+    assert session.prefix == AGENT and table.holder("e", 0) is None
+
+
+def test_the_agents_next_turn_after_a_title_request_is_pinned_to_the_agents_slot() -> None:
+    engine = Engine("e", [0, 1, 2, 3], kv=KvCapacity.split(16_384, 4), pin_any_slot=True)
+    policy = KeepPrefixes(SessionTable(), clock=PlacementClock())
+    agent = Hint("o\nses", AGENT, "o")
+    title = Hint("o\nses", TITLE, "o")
+    # Both first requests at once (as OpenCode sends them): two slots, the title ends last.
+    first = policy.place(Wanting(hint=agent), [engine])
+    assert first is not None and first.slot is not None
+    engine.free.remove(first.slot)
+    side = policy.place(Wanting(hint=title), [engine])
+    assert side is not None and side.slot is not None and side.slot != first.slot
+    engine.free.remove(side.slot)
+    engine.free.append(first.slot)
+    engine.released.append(first.slot)
+    policy.served(agent.session, "o", AGENT, first, "this machine", 5_000, 0)
+    engine.free.append(side.slot)
+    engine.released.append(side.slot)
+    policy.served(title.session, "o", TITLE, side, "this machine", 300, 0)
+    nxt = policy.place(Wanting(TokenNeed(5_400, 200), agent), [engine])
+    assert nxt == Seat(engine, first.slot, pinned=True, cached=5_000)
+    # A title request after it is not pinned onto the agent's slot either.
+    again = policy.place(Wanting(hint=title), [engine])
+    assert again is not None and again.slot != first.slot and again.cached == 0

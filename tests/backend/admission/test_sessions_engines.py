@@ -5,7 +5,9 @@ first computes about its new tokens only, however many agents share the engine's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,23 @@ SLACK = 8
 @pytest.fixture
 async def service(running_service: ServiceFactory) -> StudioService:
     return await running_service(queue_timeout=120)
+
+
+@contextlib.asynccontextmanager
+async def attached_engine(service: StudioService, binary: Path, model: Path, *, parallel: int,
+                          ctx: int, extra: tuple[str, ...]) -> AsyncIterator[int]:
+    """A llama-server of `parallel` split slots, attached to `service` as an engine
+    elsewhere; its port."""
+    port = pick_free_port()
+    engine = start_llama_server(binary, model, port, parallel=parallel, ctx=ctx, extra=extra)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+        await until_engines(service, 1)
+        yield port
+    finally:
+        stop(engine)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -76,14 +95,8 @@ def recomputed(figures: list[tuple[int, int]]) -> list[int]:
 async def test_each_turn_computes_about_its_new_tokens_only(
         service: StudioService, llama_server_binary: Path, tiny_model: Path,
         sessions: int, slots: int) -> None:
-    port = pick_free_port()
-    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=slots,
-                                ctx=4096 * slots, extra=PREFIX_CACHE_ARGS)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
-            await _until_healthy(probe)
-        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
-        await until_engines(service, 1)
+    async with attached_engine(service, llama_server_binary, tiny_model, parallel=slots,
+                               ctx=4096 * slots, extra=PREFIX_CACHE_ARGS):
         rng = random.Random(7)
         head = "You are a coding agent. " + words(rng, 400)  # every agent's fixed head
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
@@ -91,8 +104,6 @@ async def test_each_turn_computes_about_its_new_tokens_only(
             runs = await asyncio.gather(*(
                 converse(client, f"agent-{i}", head, 3, random.Random(i))
                 for i in range(sessions)))
-    finally:
-        stop(engine)
     extra = [tokens for figures in runs for tokens in recomputed(figures)]
     assert max(extra) <= SLACK, f"turns after the first recomputed {extra} tokens: {runs}"
 
@@ -123,14 +134,8 @@ async def test_two_keys_sessions_of_the_same_names_keep_their_own_caches_and_hea
     two slots: every answer is the one the engine gives that prompt computed afresh
     (no other conversation's cache in it), neither key is told what the cache held, and
     the port keeps each key's sessions apart."""
-    port = pick_free_port()
-    engine = start_llama_server(llama_server_binary, tiny_model, port, parallel=2, ctx=8192,
-                                extra=PREFIX_CACHE_ARGS)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
-            await _until_healthy(probe)
-        await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
-        await until_engines(service, 1)
+    async with attached_engine(service, llama_server_binary, tiny_model, parallel=2, ctx=8192,
+                               extra=PREFIX_CACHE_ARGS) as port:
         keys = [service.add_key(name)[1] for name in ("alice", "bob")]
         head = "You are a coding agent. " + words(random.Random(5), 300)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
@@ -148,8 +153,39 @@ async def test_two_keys_sessions_of_the_same_names_keep_their_own_caches_and_hea
                         == fresh.json()["choices"][0]["message"]["content"])
                 assert "timings" not in answer
                 assert not (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-    finally:
-        stop(engine)
     sessions = service.registry.sessions.snapshot()
     assert len(sessions) == 8 and len({s.flow for s in sessions}) == 2
     assert all(s.key.startswith(s.flow + "\n") and s.turns == 2 for s in sessions)
+
+
+async def test_an_agents_turn_after_its_title_request_finds_its_prefix_in_its_slot(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path) -> None:
+    """OpenCode sends its title request with its agent's session headers: the agent's next
+    turn still goes to the slot holding the agent's conversation and computes only its new
+    tokens (no RAM prompt cache here to hide a pin to the title's slot)."""
+    async with attached_engine(service, llama_server_binary, tiny_model, parallel=4,
+                               ctx=4096 * 4, extra=(*PREFIX_CACHE_ARGS, "--cache-ram", "0")):
+        rng = random.Random(11)
+        session = {"x-session-affinity": "ses_title"}
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. " + words(rng, 400)},
+            {"role": "user", "content": words(rng, 40)}]
+        title = [{"role": "system", "content": "You are a title generator. Output a title."},
+                 {"role": "user", "content": messages[1]["content"]}]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=120) as client:
+            async def ask(messages: list[dict[str, Any]]) -> dict[str, Any]:
+                answer = await client.post("/v1/chat/completions", headers=session, json={
+                    "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0})
+                assert answer.status_code == 200, answer.text
+                timings: dict[str, Any] = answer.json()["timings"]
+                return timings
+
+            first = await ask(messages)
+            await ask(title)
+            messages += [{"role": "assistant", "content": "noted"},
+                         {"role": "user", "content": words(rng, 40)}]
+            second = await ask(messages)
+    new_tokens = second["prompt_n"] + second["cache_n"] - first["prompt_n"] - first["cache_n"]
+    assert second["cache_n"] >= first["prompt_n"] + first["cache_n"] - SLACK, (first, second)
+    assert second["prompt_n"] <= new_tokens + SLACK, (first, second)
