@@ -25,6 +25,7 @@ from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from backend.admission.cache_misses import SessionRow
 from backend.app.activity import ActivitySample, ActivitySampler
 from backend.app.pool_config import ModelEntry
 from backend.app.pool_state import PoolState
@@ -341,6 +342,10 @@ class ServiceBridge(QObject):
         """The request inspector's records after id `after`, oldest first."""
         return self._call(_now_on_loop(lambda: self.service.requests.records(after=after)),
                           on_done=on_done)
+
+    def session_rows(self, on_done: Callback) -> concurrent.futures.Future[tuple[SessionRow, ...]]:
+        """The Sessions view's rows, made on the backend loop (which owns the session table)."""
+        return self._call(_now_on_loop(self.service.session_rows), on_done=on_done)
 
     # --- Hugging Face ------------------------------------------------------------------------
 

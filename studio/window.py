@@ -6,7 +6,6 @@ are the backend's."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt
@@ -25,7 +24,6 @@ from PySide6.QtWidgets import (
 
 from backend.llama.accelerators import Accelerators
 from backend.app import pool_config
-from backend.admission.cache_misses import session_rows
 from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.errors import SettingsError
@@ -416,9 +414,9 @@ class MainWindow(QMainWindow):
             self.refresh_sessions()
 
     def refresh_sessions(self) -> None:
-        """The Sessions tab from the port's cache book (its snapshot is thread-safe)."""
-        self.sessions.show_sessions(session_rows(
-            self.bridge.service.metrics.cache_book.snapshot(), now=time.monotonic()))
+        """The Sessions tab, from rows the backend makes on its loop (where the session
+        table lives); shown when they come back."""
+        self.bridge.session_rows(on_done=self.sessions.show_sessions)
 
     @property
     def requests_in_flight(self) -> int:

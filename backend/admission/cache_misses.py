@@ -39,7 +39,7 @@ import ipaddress
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from backend.admission.sessions import Session
 
 __all__ = ["BLOCK_CHARS", "CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS",
-           "NO_BLOCKS", "REASONS", "Part", "PromptBlocks", "SessionCache", "SessionRow",
+           "NO_BLOCKS", "PARKED", "REASONS", "Part", "PromptBlocks", "SessionCache", "SessionRow",
            "THIS_COMPUTER", "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows"]
 
 #: Characters per block (about 256 tokens of English or code).
@@ -60,6 +60,8 @@ NEAR_START_CHARS = 4096
 CHANGING_LINE_CHARS = 80
 #: The owner of a session sent from this machine without a key (a `SessionRow`'s owner).
 THIS_COMPUTER = "this computer (owner)"
+#: Where a session's prefix lives when it is saved on disk, on no engine (a `SessionRow`).
+PARKED = "parked"
 #: Conversations followed apart within one session (an agent's turns, its title request).
 CONVERSATIONS = 4
 
@@ -290,16 +292,21 @@ class SessionRow:
     model: str
     turns: int
     hit_percent: float  #: of its prompt tokens, the share found cached
-    where: str  #: where its prefix lives: "this machine, slot 1", "upstream 2", "nowhere"
+    #: Where its prefix lives: "this machine, slot 1", "upstream 2", "parked", "nowhere".
+    where: str
     last_miss: str  #: its last miss and why ("" when it never missed past its first turn)
     idle_seconds: float  #: since its last turn
 
 
 def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
-                 now: float) -> tuple[SessionRow, ...]:
+                 now: float, serving: Container[str] | None = None,
+                 parked: Container[str] = ()) -> tuple[SessionRow, ...]:
     """Rows for the sessions in `book` (most recent first): where each prefix lives from
     the session table (`backend.admission.sessions`) when it knows the session, else
-    where its last turn ran; `now` on the book's clock."""
+    where its last turn ran; `now` on the book's clock.  `serving`: the admission keys of
+    the engines that serve now (None: all the table names), a table's place on any other
+    engine is gone with it; `parked`: the sessions whose prefix is parked on disk
+    (`backend.app.parking`), "parked" when no serving engine holds it."""
     places = {s.key: s for s in table}
     rows = []
     for summary in book:
@@ -307,10 +314,12 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
         if name.startswith("#"):
             name = f"unnamed {name[1:]}"
         place = places.get(summary.session)
-        if place is not None:
-            where = _place(place.label if place.engine is not None else "", place.slot)
-        else:
+        if place is None:
             where = _place(summary.engine, summary.slot)
+        elif place.engine is not None and (serving is None or place.engine in serving):
+            where = _place(place.label, place.slot)
+        else:
+            where = PARKED if summary.session in parked else _place("", None)
         miss = summary.last_miss
         rows.append(SessionRow(_owner(owner), name, summary.model, summary.turns,
                                round(summary.hit_percent, 1), where,

@@ -36,10 +36,11 @@ from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
-from backend.llama.slot_parking import ParkingLot
+from backend.llama.slot_parking import ParkingLot, ParkKey
 from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
+from backend.admission.cache_misses import SessionRow, session_rows
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.route import Route
@@ -447,6 +448,23 @@ class StudioService:
                          self._chart_series(chart_key, span, math.floor(now / 60) * 60.0),
                          owner_key_set=bool(self.settings.api_key), chart_key=chart_key,
                          span=span, now=now)
+
+    def session_rows(self) -> tuple[SessionRow, ...]:
+        """The Sessions view's rows: the port's cache book, placed by the session table.
+        On the service's loop, which owns the table (the book's snapshot is thread-safe)."""
+        book = self.metrics.cache_book.snapshot()
+        table = self.registry.sessions.snapshot()
+        serving = {s.key for _, _, s in self.pool.serving_engines()}
+        models = {summary.session: summary.model for summary in book}
+        parked = {s.key for s in table
+                  if (s.engine is None or s.engine not in serving) and s.key in models
+                  and self._is_parked(models[s.key], s.flow, s.key)}
+        return session_rows(book, table, now=time.monotonic(), serving=serving, parked=parked)
+
+    def _is_parked(self, model: str, flow: str, session: str) -> bool:
+        # No engine's key: an identity worked out for the view, kept per model.
+        identity = self.parking.identity(model, "")
+        return identity is not None and self.parking.lot.find(ParkKey(identity, flow, session)) is not None
 
     def _chart_series(self, key: str | None, span: int, this_minute: float) -> list[MinuteUsage]:
         """`key`'s minutes over the chart's span.  The minutes that are over are summed

@@ -78,6 +78,30 @@ def test_a_sessions_owner_is_named_as_people_know_them_never_by_a_loopback_addre
         "this computer (owner)", "this computer (owner)"]
 
 
+def test_a_prefix_on_a_stopped_engine_shows_as_parked_when_saved_else_nowhere(qtbot):
+    book = CacheBook(clock=lambda: 10.0)
+    table = SessionTable(clock=lambda: 10.0)
+    for name, slot in (("kept", 0), ("lost", 1), ("taken", 2)):
+        book.judge(f"alice\n{name}", "alice", "coder", prompt_blocks(chat(name)), 0, 100,
+                   engine="e1", label="this machine", slot=slot, engine_alive=lambda key: True)
+        table.record(f"alice\n{name}", flow="alice", engine="e1", label="this machine", slot=slot)
+    # Another session's turn took slot 2: the engine's RAM cache may keep "taken".
+    table.record("alice\nother", flow="alice", engine="e1", label="this machine", slot=2)
+    view = SessionsView()
+    qtbot.addWidget(view)
+
+    def places(serving: set[str]) -> dict[str, str]:
+        view.show_sessions(session_rows(book.snapshot(), table, now=10.0, serving=serving,
+                                        parked={"alice\nkept"}))
+        return {row["Session"]: row["Prefix lives on"]
+                for row in (dict(zip(COLUMNS, r)) for r in view.rows())}
+
+    assert places({"e1"}) == {"kept": "this machine, slot 0", "lost": "this machine, slot 1",
+                              "taken": "this machine"}
+    # Its engine stopped (unloaded): what was saved is parked, the rest is nowhere.
+    assert places(set()) == {"kept": "parked", "lost": "nowhere", "taken": "nowhere"}
+
+
 def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hit_share(
         open_window, qtbot, with_engine, tiny_model):
     import concurrent.futures
@@ -126,3 +150,59 @@ def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hi
     # This machine's engine; its slot too where placement pinned the turn to one.
     assert row["Prefix lives on"] in ("this machine", "this machine, slot 0")
     assert 0 < int(row["Prompt cached"].removesuffix(" %")) < 100
+
+
+def test_a_sessions_row_says_parked_once_its_model_is_unloaded_with_its_prefix_saved(
+        open_window, qtbot, with_engine, tiny_model):
+    """The book alone says where the last turn ran ("this machine, slot 0") long after that
+    engine is gone; the session table and the parked files say where the prefix is now."""
+    import concurrent.futures
+
+    import httpx
+    from PySide6.QtCore import Qt
+
+    from backend.llama.load import State
+    from studio.window import SESSIONS_TAB
+
+    window = open_window()
+    view = window.model_view
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: view.info is not None, timeout=15_000)
+    view.parallel.setValue(1)
+    view.ctx_size.setValue(2048)
+    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=60_000)
+
+    def turns() -> None:
+        url = f"http://127.0.0.1:{window.settings.port}/v1/chat/completions"
+        messages = [{"role": "system", "content": HEAD}, {"role": "user", "content": "hi"}]
+        with httpx.Client(timeout=60) as client:
+            for text in ("read main.py", "run the tests"):
+                answer = client.post(url, json={"model": "tiny", "messages": messages,
+                                                "max_tokens": 4, "prompt_cache_key": "thread-8"})
+                assert answer.status_code == 200, answer.text
+                messages += [{"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": text}]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # never on the Qt loop
+        future = pool.submit(turns)
+        qtbot.waitUntil(future.done, timeout=120_000)
+        future.result()
+
+    def where() -> str | None:
+        rows = window.sessions.rows()
+        return dict(zip(COLUMNS, rows[0]))["Prefix lives on"] if rows else None
+
+    window.tabs.setCurrentIndex(SESSIONS_TAB)
+    qtbot.waitUntil(lambda: where() is not None, timeout=15_000)
+    assert where() == "this machine, slot 0"  # the table's place: the slot it was pinned to
+
+    # An unload is a planned loss: the session's slot is saved before the engine stops.
+    window.bridge.unload_model("tiny").result(timeout=60)
+    assert window.bridge.service.parking.counts["parked"] == 1
+
+    def shown() -> str | None:
+        window.refresh_sessions()
+        return where()
+
+    qtbot.waitUntil(lambda: shown() == "parked", timeout=15_000)
