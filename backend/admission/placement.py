@@ -42,7 +42,8 @@ that showed the same first blocks: measured with 6 agents sharing a 1,200-token 
 conversations, and the 4 queued for its 2 slots); while its own engine has no room and
 another has, it waits at most `home_wait` seconds (10 by default) from its arrival, then
 goes wherever today's rule puts it.  The fairness bound is the line's: a head that waits for its engine is passed
-by other flows' requests at most `MAX_PASSES` times, then nothing passes it.  A seat
+at most `MAX_PASSES` times, by other flows' requests or by its own flow's turns that go to
+another engine meanwhile (`home_while_waiting`), then nothing passes it.  A seat
 says how many prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
 fair share charges the rest (a warm agent is not billed for the prefix it reuses).
 
@@ -276,13 +277,20 @@ class KeepPrefixes:
     def waits_for_home(self, ticket: Placeable, engines: Sequence[E]) -> bool:
         """Does `place` keep `ticket` waiting for the engine holding its session's prefix
         while another of `engines` has room (the line's reason for its wait)?"""
+        return self.home_while_waiting(ticket, engines) is not None
+
+    def home_while_waiting(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
+        """The engine holding `ticket`'s session's prefix, when `place` keeps the ticket
+        waiting for it while another of `engines` has room; else None."""
         session = self.sessions.where(ticket.hint.session)
         if session is None or session.engine is None or len(engines) < 2:
-            return False
+            return None
         need = ticket.need
         home = next((e for e in engines if e.key == session.engine), None)
-        return (home is not None and not home.has_room(need) and self._may_wait(ticket)
-                and any(e is not home and e.has_room(need) for e in engines))
+        if (home is not None and not home.has_room(need) and self._may_wait(ticket)
+                and any(e is not home and e.has_room(need) for e in engines)):
+            return home
+        return None
 
     def _may_wait(self, ticket: Placeable) -> bool:
         since = getattr(ticket, "enqueued_at", None)

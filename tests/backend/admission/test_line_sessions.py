@@ -162,3 +162,44 @@ def test_a_turn_waiting_for_its_sessions_engine_says_so():
     assert turn(line, "y", flow="dave", need=100).engine is other  # others are not held back
     holder.release()
     assert waiting.admitted and not_none(waiting.seat).engine is home
+
+
+def test_a_turn_waiting_for_its_engine_holds_back_none_of_its_own_keys_turns_for_the_other():
+    # One key's agents (or every agent of a port without keys: one flow) on two engines:
+    # the turn waiting for its session's engine is its flow's head, and the next turn,
+    # whose prefix is on the engine with a free slot, went nowhere until the first's
+    # engine freed (bench/sessions.py's pool: a slot idle while two turns waited).
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    home, other = engine(line, OLD, 1), engine(line, NEW, 1)
+    answered(policy, turn(line, "s"), 900)  # its prefix lives on `home`
+    answered(policy, turn(line, "t"), 900)  # where fewer sessions live: `other`
+    holder = turn(line, "u")
+    assert not_none(holder.seat).engine is home
+
+    waiting = turn(line, "s")  # `home` is full, `other` free: it waits for `home`
+    assert not waiting.admitted and waiting.wait_reason == WaitReason.SESSION_ENGINE
+    behind = turn(line, "t")  # the same key's next turn, its prefix on `other`
+    assert behind.admitted and not_none(behind.seat).engine is other
+    holder.release()
+    assert waiting.admitted and not_none(waiting.seat).engine is home
+
+
+def test_a_turn_waiting_for_its_engine_is_passed_by_its_own_key_at_most_max_passes_times():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    home, other = engine(line, OLD, 1), engine(line, NEW, 1)
+    answered(policy, turn(line, "s"), 900)
+    answered(policy, turn(line, "t"), 900)
+    holder = turn(line, "u")
+    waiting = turn(line, "s")
+    admitted = []
+    for _ in range(MAX_PASSES + 1):
+        ticket = turn(line, "t")  # each goes to `other`, passing the waiting turn
+        admitted.append(ticket.admitted)
+        if ticket.admitted:
+            answered(policy, ticket, 900)
+    assert admitted == [True] * MAX_PASSES + [False]  # then a barrier, as for other keys
+    assert not waiting.admitted
+    holder.release()
+    assert waiting.admitted and not_none(waiting.seat).engine is home
