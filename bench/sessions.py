@@ -137,6 +137,7 @@ class Turn:
     cache_n: int = 0  #: prompt tokens it took from its cache
     predicted_n: int = 0
     ttft: float = 0.0
+    prompt_ms: float = 0.0  #: the engine's time computing the prompt (`timings.prompt_ms`)
     error: str = ""
     retries: int = 0  #: refusals (429, 503) before it was served
 
@@ -201,8 +202,13 @@ async def run_turns(session: Session, url: Callable[[int], str], turns: range,
     """Turns `turns` of `session`, one after the other; `url(session)` names where each
     goes (read per turn: a restarted port has a new address)."""
     await asyncio.sleep(start_delay)
+    # An agent runs its tools between turns: 0.5-1.5 times --think seconds, the same
+    # pauses for every target (seeded by the session and turn).
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.turn_timeout, connect=10.0)) as client:
         for t in turns:
+            pause = args.think * random.Random(f"{session.key}-{t}").uniform(0.5, 1.5)
+            if t != turns.start and pause > 0:
+                await asyncio.sleep(pause)
             session.messages.append({"role": "user", "content": session.user_texts[t]})
             turn, reply = await one_turn(client, url(session.index), session, t, args.max_tokens)
             session.turns.append(turn)
@@ -264,6 +270,7 @@ async def _try_turn(client: httpx.AsyncClient, url: str, session: Session, index
                     turn.prompt_n = int(timings.get("prompt_n") or 0)
                     turn.cache_n = int(timings.get("cache_n") or 0)
                     turn.predicted_n = int(timings.get("predicted_n") or 0)
+                    turn.prompt_ms = float(timings.get("prompt_ms") or 0.0)
             turn.ok = done and not turn.error and turn.prompt > 0
             if done and not turn.error and not turn.prompt:
                 turn.error = "no timings in the answer"
@@ -285,7 +292,17 @@ class Figures:
     from_scratch: int = 0
     later_turns: int = 0
     ttft: float | None = None  #: median of turns >= 2, seconds
+    #: Medians of turns >= 2: before the engine computed the prompt (TTFT less the
+    #: engine's `prompt_ms`: a wait for a seat, counting, relaying), and computing it.
+    queue: float | None = None
+    prefill: float | None = None
     after_break: float | None = None  #: computed share of the first turn after the break
+    #: Of the first turn after the break: its new tokens' share of its prompt (what no
+    #: cache can hold), and what it computed beyond them of the rest (what a cache could).
+    after_new: float | None = None
+    after_held: float | None = None
+    #: Through the port: its own records of turns >= 2 (/requests), see `port_waits`.
+    port_waits: str = ""
     #: Through the port: its misses by reason (/metrics), as it explains them.
     misses: str = ""
     errors: int = 0
@@ -297,7 +314,11 @@ def figures(scenario: str, target: str, sessions: list[Session],
             break_at: int | None = None) -> Figures:
     f = Figures(scenario, target)
     ttfts: list[float] = []
+    queues: list[float] = []
+    prefills: list[float] = []
     after: list[float] = []
+    after_new: list[float] = []
+    after_held: list[float] = []
     for s in sessions:
         previous: Turn | None = None
         for turn in s.turns:
@@ -315,12 +336,58 @@ def figures(scenario: str, target: str, sessions: list[Session],
                 f.later_turns += 1
                 f.from_scratch += turn.prompt_n * 2 > turn.prompt
                 ttfts.append(turn.ttft)
+                queues.append(max(0.0, turn.ttft - turn.prompt_ms / 1e3))
+                prefills.append(turn.prompt_ms / 1e3)
                 if break_at is not None and turn.index == break_at:
                     after.append(turn.prompt_n / turn.prompt)
+                    after_new.append(new / turn.prompt)
+                    held = turn.prompt - new
+                    after_held.append(max(0, turn.prompt_n - new) / held if held else 0.0)
             previous = turn
     f.ttft = statistics.median(ttfts) if ttfts else None
+    f.queue = statistics.median(queues) if queues else None
+    f.prefill = statistics.median(prefills) if prefills else None
     f.after_break = statistics.fmean(after) if after else None
+    f.after_new = statistics.fmean(after_new) if after_new else None
+    f.after_held = statistics.fmean(after_held) if after_held else None
     return f
+
+
+def port_waits(records: list[dict[str, Any]]) -> str:
+    """The port's own account of turns >= 2 (its /requests records, each session's
+    answered ones in order): the median wait in line (to admission), the median of the
+    rest of its time to first token less the engine's prefill (counting the prompt before
+    it queued, relaying, a pool's second port), and why turns waited."""
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for record in sorted(records, key=lambda r: int(r.get("id") or 0)):
+        if record.get("status") == 200 and record.get("session"):
+            by_session.setdefault(str(record["session"]), []).append(record)
+    waits: list[float] = []
+    before: list[float] = []
+    relay: list[float] = []
+    by_engine: dict[str, list[float]] = {}
+    reasons: dict[str, int] = {}
+    for turns in by_session.values():
+        for record in turns[1:]:
+            ttft = record.get("time_to_first_token")
+            wait = float(record.get("wait") or 0.0)
+            waits.append(wait)
+            reason = record.get("wait_reason")
+            if reason and wait > 0.005:
+                reasons[reason] = reasons.get(reason, 0) + 1
+            if isinstance(ttft, (int, float)):
+                prefill = float(record.get("prefill_ms") or 0.0) / 1e3
+                rest = max(0.0, ttft - wait - prefill)
+                relay.append(rest)
+                by_engine.setdefault(str(record.get("engine")), []).append(rest)
+    if not waits:
+        return ""
+    return (f"wait {_ms(statistics.median(waits))} (max {_ms(max(waits))}), TTFT less wait "
+            f"and prefill {_ms(statistics.median(relay)) if relay else 'n/a'}"
+            + (" (" + ", ".join(f"{engine} {_ms(statistics.median(v))}"
+                                for engine, v in sorted(by_engine.items())) + ")"
+               if len(by_engine) > 1 else "") + "; waited: "
+            + (", ".join(f"{r} {n}" for r, n in sorted(reasons.items())) or "none"))
 
 
 # --- the targets -----------------------------------------------------------------------------
@@ -417,6 +484,17 @@ class Engines:
                 counts[reason] = counts.get(reason, 0) + float(value)
         return ", ".join(f"{reason} {n:g}" for reason, n in sorted(counts.items()) if n)
 
+    def records(self) -> list[dict[str, Any]]:
+        """The port's request records (/requests; [] directly)."""
+        if self.port is None:
+            return []
+        try:
+            status, body = get_json(self.port, "/requests", timeout=10)
+        except (OSError, http.client.HTTPException):
+            return []
+        data = body.get("data") if isinstance(body, dict) else None
+        return [r for r in data or () if isinstance(r, dict)]
+
     def _llama_cmd(self, port: int, flags: list[str]) -> list[str]:
         cmd = [str(self.args.llama_server), "--model", str(self.model), "--alias", MODEL,
                "--host", HOST, "--port", str(port), "-np", str(self.slots),
@@ -495,6 +573,7 @@ class Engines:
         config = home / "config"
         config.mkdir(parents=True, exist_ok=True)
         env = port_env(config)
+        env["HOME"] = str(home)
         for dirname in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
             (home / dirname).mkdir(exist_ok=True)
             env[dirname] = str(home / dirname)
@@ -527,12 +606,15 @@ async def run_scenario(scenario: Scenario, target: str, model: Path, procs: Proc
             await _all(sessions, engines, range(split, args.turns), args)
         result = figures(scenario.name, target, sessions, split if scenario.break_ else None)
         result.misses = engines.misses()
+        result.port_waits = port_waits(engines.records())
     finally:
         engines.stop()
     log(f"  {target:<8} computed ÷ floor {_ratio(result.computed, result.floor)}, "
-        f"{result.from_scratch} from scratch, ttft {_ms(result.ttft)}"
+        f"{result.from_scratch} from scratch, ttft {_ms(result.ttft)} (before the "
+        f"engine {_ms(result.queue)}, its prefill {_ms(result.prefill)})"
         + (f", after the break ({note}) {_pct(result.after_break)}" if note else "")
         + (f", {result.retries} refusals retried" if result.retries else "")
+        + (f"; the port's records: {result.port_waits}" if result.port_waits else "")
         + (f", {result.errors} failed: {result.first_error}" if result.errors else "")
         + f" ({time.monotonic() - started:.0f} s)")
     return result
@@ -565,14 +647,28 @@ def table(model: str, results: list[Figures], lone: dict[str, float | None]) -> 
     rows = [f"model: {model}; lone session's TTFT of turns ≥ 2: "
             + ", ".join(f"{t} {_ms(v)}" for t, v in lone.items()), "",
             "| scenario | target | computed ÷ floor | ideal ÷ floor | from scratch | "
-            "TTFT ÷ lone | after break computed | retried / failed | the port's misses by reason |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "TTFT ÷ lone | TTFT: before the engine + its prefill | prefill ÷ lone | "
+            "after break computed (new tokens; of the rest) | retried / failed | "
+            "the port's misses by reason |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    waits = []
     for f in results:
         alone = lone.get(f.target)
         ttft = f"{f.ttft / alone:.2f}" if f.ttft and alone else "n/a"
+        prefill = f"{f.prefill / alone:.2f}" if f.prefill is not None and alone else "n/a"
+        split = (f"{_ms(f.ttft)}: {_ms(f.queue)} + {_ms(f.prefill)}"
+                 if f.ttft is not None else "n/a")
+        after = _pct(f.after_break)
+        if f.after_new is not None:
+            after += f" ({_pct(f.after_new)}; {_pct(f.after_held)})"
         rows.append(f"| {f.scenario} | {f.target} | {_ratio(f.computed, f.floor)} | "
                     f"{_ratio(f.ideal, f.floor)} | {f.from_scratch}/{f.later_turns} | {ttft} | "
-                    f"{_pct(f.after_break)} | {f.retries} / {f.errors} | {f.misses or '—'} |")
+                    f"{split} | {prefill} | {after} | {f.retries} / {f.errors} | "
+                    f"{f.misses or '—'} |")
+        if f.port_waits:
+            waits.append(f"- {f.scenario}, {f.target}: {f.port_waits}")
+    if waits:
+        rows += ["", "The port's own records of turns ≥ 2 (/requests):", *waits]
     return rows
 
 
@@ -613,6 +709,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "llama-servers attached with --upstream (managed)")
     p.add_argument("--idle-ttl", type=float, default=2.0,
                    help="the port's idle TTL in the idle-unload scenario, seconds (2)")
+    p.add_argument("--think", type=float, default=0.0,
+                   help="seconds an agent pauses between its turns (running its tools): "
+                   "0.5-1.5 times this, the same pauses on every target (0)")
     p.add_argument("--stagger", type=float, default=0.2,
                    help="session i starts i times this many seconds late (0.2)")
     p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds per turn (600)")

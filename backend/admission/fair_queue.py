@@ -39,7 +39,10 @@ that did not fit has been *passed* once; a head passed `max_passes` times is a b
 nothing behind it in the order is admitted until it fits (those ahead of it still go).
 Running requests end, so it does fit, and no head is passed more than `max_passes`
 times.  `max_passes=0` is the strict rule of a FIFO line (only the first in order may
-go).  With a single flow in a single band there is one lane and nobody to pass: the
+go).  Inside a lane the order is first come first served, except behind a head that
+waits for room its lane's next items would not take (`next_to_admit`'s
+`waits_elsewhere`: its session's engine, while they go to others): they may pass it,
+each admission one pass of the same bound.  With a single flow in a single band there is one lane and nobody to pass: the
 order is exactly first come, first served.
 
 State stays bounded: a lane with nothing waiting is kept only while it owes service,
@@ -219,11 +222,15 @@ class FairQueue(Generic[T]):
         if not lane.items:
             self._emptied(lane)
 
-    def next_to_admit(self, fits: Callable[[T], bool]) -> T | None:
+    def next_to_admit(self, fits: Callable[[T], bool],
+                      waits_elsewhere: Callable[[T], bool] | None = None) -> T | None:
         """The item to admit now, or None; it leaves the line and its flow is charged.
 
         `fits(item)`: is there room for it right now.  It must not change the queue.
-        Ask only while some engine has a free slot: when nothing can fit, each head
+        `waits_elsewhere(item)`: a head that does not fit waits for room that items
+        behind it in its own lane would not take (its session's engine, while they go
+        to others): they may pass it, each admission one pass, within `max_passes`.
+        Ask only while some engine has a free slot: when nothing can fit, each item
         tried costs a `fits` call and a step down the heap, up to `max_scan` + 1.
         """
         if not self._waiting:
@@ -239,6 +246,18 @@ class FairQueue(Generic[T]):
             if entry.passes >= self._max_passes:
                 return None  # nothing passes it any more
             missed.append(entry)
+            if waits_elsewhere is not None and waits_elsewhere(entry.item):
+                # Its own lane's next ones, in order, while each waits elsewhere too.
+                for behind in itertools.islice(lane.items.values(), 1, None):
+                    if len(missed) > self._max_scan:
+                        return None
+                    if fits(behind.item):
+                        for passed in missed:
+                            passed.passes += 1
+                        return self._admit(behind, now, lifted_into)
+                    if behind.passes >= self._max_passes or not waits_elsewhere(behind.item):
+                        break
+                    missed.append(behind)
             if len(missed) > self._max_scan:
                 return None
         return None
@@ -395,8 +414,9 @@ class FairQueue(Generic[T]):
         state = entry.flow
         lane = state.lanes[entry.band]
         band = self._bands[entry.band]
-        assert head_of(lane) is entry, "only a lane's head is admitted"
-        item, _ = lane.items.popitem(last=False)
+        was_head = head_of(lane) is entry
+        item = entry.item
+        del lane.items[item]
         del self._waiting[item]
         state.waiting -= 1
         state.running += 1
@@ -413,7 +433,8 @@ class FairQueue(Generic[T]):
             higher.aged_vtime = aged_start + entry.cost / AGED_WEIGHT
             higher.vtime = max(higher.vtime, aged_start)
             higher.paid = max(higher.paid, higher.vtime)
-        lane.head_since = now
+        if was_head:
+            lane.head_since = now
         self._rekey(lane)
         self._refresh(state)
         # A processor-sharing clock: how far every backlogged lane's debt is paid.  It

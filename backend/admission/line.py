@@ -23,7 +23,11 @@ of its own flow**: a big head waits only for running requests to finish (each ha
 bounded output budget).  Another flow's request that fits may pass a head that does not
 fit at most `MAX_PASSES` times; then nothing passes it until it fits, so no head starves.
 The price is head-of-line blocking while a big head waits; concurrency is unchanged
-whenever the needs fit (the common case).
+whenever the needs fit (the common case).  One exception inside a flow: a head that waits
+for its session's engine (full, while another has a free slot) takes nothing the flow's
+next turns would take elsewhere, so they may pass it, within the same `MAX_PASSES`
+(one key's agents, or every agent of a port without keys, are one flow: before, the
+turn waiting for one engine kept the next ones from the other engine's free slot).
 
 Optimistic admission: a long prompt need not wait for its count when its byte bound
 (an upper bound of the count) fits right now and nobody waits (`fits_now`): it is
@@ -318,6 +322,9 @@ class Line(Generic[E]):
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
         self._promote(skip=engine if hold else None)
+        # After the promotion: a session's first turn still counts where it ran while
+        # others choose their engine (its answer is recorded right after this).
+        self._placement_ended(ticket)
         self._changed()
 
     def leave(self, ticket: Ticket) -> None:
@@ -340,6 +347,7 @@ class Line(Generic[E]):
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
         self.prefill_budget.ended(ticket)
+        self._placement_ended(ticket)
         self._waiters.requeue(ticket)
         self._waiting_bytes += ticket.size
         self._promote(skip=engine)
@@ -438,8 +446,18 @@ class Line(Generic[E]):
                 ticket.wait_reason = WaitReason.PREFILL_BUDGET
             return chosen[0] is not None
 
+        policy = self._prefill.inner
+        home_of = policy if isinstance(policy, KeepPrefixes) and len(engines) > 1 else None
+
+        def waits_elsewhere(ticket: Ticket) -> bool:
+            # Its session's engine has no free slot: whoever of its flow goes meanwhile
+            # goes to another engine, and takes nothing it waits for.
+            assert home_of is not None
+            home = home_of.home_while_waiting(ticket, engines)
+            return home is not None and not home.free_slots
+
         while len(waiters) and self._slot_free(skip):
-            ticket = waiters.next_to_admit(fits)
+            ticket = waiters.next_to_admit(fits, waits_elsewhere if home_of else None)
             if ticket is None:
                 break
             seat = chosen[0]
@@ -447,6 +465,8 @@ class Line(Generic[E]):
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
             self.prefill_budget.started(ticket, seat.engine)
+            if home_of is not None:
+                home_of.admitted(ticket, seat)
             if ticket.wait_reason == WaitReason.SLOTS_FULL:
                 self._note_passer(ticket)
             self._admitted.append((ticket.seq, ticket.flow.key))
@@ -454,6 +474,11 @@ class Line(Generic[E]):
                 waiters.discount(ticket, seat.cached)
             moved = True
         return moved
+
+    def _placement_ended(self, ticket: Ticket) -> None:
+        policy = self._prefill.inner
+        if isinstance(policy, KeepPrefixes):
+            policy.ended(ticket)
 
     def _why_waiting(self, ticket: Ticket) -> str:
         """Why `ticket` did not go in at once (O(engines), only for one that waits): the

@@ -678,6 +678,28 @@ def test_with_no_passes_only_the_first_in_order_may_go():
     assert queue.next_to_admit(lambda item: item == "small") is None
 
 
+def test_a_head_waiting_elsewhere_is_passed_by_its_own_flow_within_max_passes_in_order():
+    queue: FairQueue[str] = FairQueue(clock=Clock(), max_passes=2)
+    one = Flow("one key")
+    for seq, item in enumerate(["home-waiter", "a", "also-waiting", "b", "c", "d"]):
+        queue.push(item, one, 100, seq)
+    waiting = {"home-waiter", "also-waiting"}  # wait for room the others do not take
+
+    def fits(item: str) -> bool:
+        return item not in waiting
+
+    def waits_elsewhere(item: str) -> bool:
+        return item in waiting
+
+    # Without the rule, nothing passes the head of its own flow.
+    assert queue.next_to_admit(fits) is None
+    assert queue.next_to_admit(fits, waits_elsewhere) == "a"
+    assert queue.next_to_admit(fits, waits_elsewhere) == "b"  # past both waiters
+    assert queue.next_to_admit(fits, waits_elsewhere) is None  # the head's 2 passes: a barrier
+    waiting.clear()
+    assert admit_all(queue, fits) == ["home-waiter", "also-waiting", "c", "d"]
+
+
 # --- state --------------------------------------------------------------------------------
 
 def test_state_does_not_grow_with_one_shot_flows_during_a_long_busy_period():
