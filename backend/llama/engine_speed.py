@@ -29,10 +29,10 @@ rows in tiles of 64 (`ATTENTION_TILE`), each costing a whole tile's work at that
 however few rows it holds, and one row at a time below 64.  So the batch is a whole
 number of tiles, large enough that the prompt keeps 64 rows beside the other slots'
 tokens; within that, the largest the stall budget allows (and the smallest when none
-does: the streams then stall longer than the budget anyway).  Measured with SmolLM2 (Q4_1, one
-thread) at depth 6,000, prompt tokens/s: 41 at `-b 2048`, 41 at 128, 36 at 64, 5.4 at
-32, and 3.7 at 64 with three streams decoding beside (the prompt's rows: 61); 18 at 68
-and 24 at 96 (two tiles each, half and three quarters full).
+does: the streams then stall longer than the budget anyway).  Measured with SmolLM2
+(Q4_1, one thread) at depth 6,000, prompt tokens/s: 41-53 at `-b 2048`, 41-42 at 128,
+36 at 64, 5.4 at 32, and 3.7 at 64 with three streams decoding beside (the prompt's
+rows: 61); 18 at 68 and 24 at 96 (two tiles each, half and three quarters full).
 """
 
 from __future__ import annotations
