@@ -22,6 +22,12 @@ time to first token).  Ratios matter: the machine is shared (see bench/README.md
 
     .venv/bin/python bench/prefill.py                 # both models, both targets
     .venv/bin/python bench/prefill.py --models tiny   # the quick one
+
+`--sweep 2048,128,64,32` instead times the engine alone, direct, at each batch size (`-b`
+and `-ub` alike; 2048 runs with llama-server's own `-ub 512`): a cold prompt of
+`--sweep-tokens` at depth 0 and the same length after `--sweep-depth` tokens kept in the
+slot (computed once, then restored from a saved slot), each alone and beside the 3
+streams; printed: the engine's own prompt timings, per step, and the streams' gaps.
 """
 
 from __future__ import annotations
@@ -94,6 +100,10 @@ async def main() -> int:
                    help="the long prompt's length in tokens (default: a slot's context less 400)")
     p.add_argument("--stall-budget-ms", type=float, default=None,
                    help="the port's stall budget (default: the port's own default)")
+    p.add_argument("--sweep", default="", help="comma-separated batch sizes: time the "
+                   "engine's prompt evaluation at each instead (direct, no port)")
+    p.add_argument("--sweep-tokens", type=int, default=512)
+    p.add_argument("--sweep-depth", type=int, default=6000)
     args = p.parse_args()
 
     engine = Engine()
@@ -115,6 +125,10 @@ async def main() -> int:
                 model = write_tiny_model(home / "tiny.gguf", vocab, context_length=CONTEXT)
             else:
                 raise SystemExit(f"unknown model {model_name!r}")
+            if args.sweep:
+                await sweep(model, binary, home, [int(b) for b in args.sweep.split(",")],
+                            args.sweep_tokens, args.sweep_depth)
+                continue
             for round_ in range(args.runs):
                 order = ("direct", "port") if round_ % 2 == 0 else ("port", "direct")
                 for mode in order:
@@ -126,8 +140,118 @@ async def main() -> int:
                           f"{max(g[1] for g in result.gaps) * 1000:.0f} ms, largest "
                           f"{max(g[2] for g in result.gaps) * 1000:.0f} ms, "
                           f"{result.prompt_tokens} prompt tokens", file=sys.stderr, flush=True)
-    report(results)
+    if results:
+        report(results)
     return 0
+
+
+async def sweep(model: Path, binary: Path, home: Path, batches: list[int], tokens: int,
+                depth: int) -> None:
+    """The engine's prompt evaluation at each batch size, at depth 0 and at `depth`, alone
+    and beside `STREAMS` decoding streams (llama-server's own `timings`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(XDG_CONFIG_HOME=str(home / "config"), XDG_CACHE_HOME=str(home / "cache"),
+               XDG_DATA_HOME=str(home / "data"), XDG_STATE_HOME=str(home / "state"))
+    saves = home / "slots"
+    saves.mkdir(exist_ok=True)
+    saved = False
+    print(f"{model.name}: {tokens} prompt tokens per measure; load average "
+          f"{os.getloadavg()[0]:.1f} at the start", flush=True)
+    print(f"{'b/ub':>9} {'depth':>6} {'streams':>7} {'tok/s':>7} {'steps':>5} "
+          f"{'ms/step':>8} {'gap p50':>8} {'gap p99':>8}", flush=True)
+    for batch in batches:
+        port = free_port()
+        spec = LoadSettings(parallel=str(SLOTS)).to_spec(str(model), model_id="m")
+        command = build_command(binary, spec, port, slot_save_dir=saves)
+        command += ["--ctx-size", str(SLOTS * CONTEXT)]
+        if batch != 2048:
+            command += ["-b", str(batch), "-ub", str(batch)]
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as c:
+                await _wait_healthy(c, base, proc)
+                text = " ".join(random.Random(26).choice(WORDS) for _ in range(60))
+                words = (await c.post(base + "/tokenize", json={"content": text})).json()["tokens"]
+                prefix = [words[(1 + i * 7) % len(words)] for i in range(depth)]
+                if not saved:
+                    await _timings(c, base, prefix, cache=True)
+                    (await c.post(base + "/slots/0?action=save",
+                                  json={"filename": "deep.bin"})).raise_for_status()
+                    saved = True
+                else:
+                    (await c.post(base + "/slots/0?action=restore",
+                                  json={"filename": "deep.bin"})).raise_for_status()
+                for k, (at, beside) in enumerate(((0, 0), (0, STREAMS), (depth, 0),
+                                                  (depth, STREAMS))):
+                    fresh = [words[(batch * 13 + k * 101 + i * 11) % len(words)]
+                             for i in range(tokens)]
+                    prompt = prefix + fresh if at else fresh
+                    timings, gaps = await _beside_streams(c, base, prompt, bool(at), beside)
+                    steps = -(-timings["prompt_n"] // batch)
+                    gaps.sort()
+                    p50 = statistics.median(gaps) * 1000 if gaps else 0.0
+                    p99 = gaps[int(0.99 * (len(gaps) - 1))] * 1000 if gaps else 0.0
+                    print(f"{batch:>4}/{min(batch, 512):<4} {at:>6} {beside:>7} "
+                          f"{timings['prompt_per_second']:>7.1f} {steps:>5} "
+                          f"{timings['prompt_ms'] / steps:>8.0f} {p50:>8.0f} {p99:>8.0f}",
+                          flush=True)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
+
+
+async def _timings(client: httpx.AsyncClient, base: str, prompt: list[int],
+                   cache: bool) -> dict:
+    body = {"prompt": prompt, "n_predict": 1, "cache_prompt": cache, "id_slot": 0,
+            "ignore_eos": True, "temperature": 0}
+    answer = await client.post(base + "/completion", json=body)
+    answer.raise_for_status()
+    return answer.json()["timings"]
+
+
+async def _beside_streams(client: httpx.AsyncClient, base: str, prompt: list[int], cache: bool,
+                          streams: int) -> tuple[dict, list[float]]:
+    """The prompt's timings on slot 0, with `streams` streams decoding on the next slots,
+    and the gaps between their tokens meanwhile."""
+    stop = asyncio.Event()
+    times: list[list[float]] = [[] for _ in range(streams)]
+    warm = [asyncio.Event() for _ in range(streams)]
+
+    async def decode(i: int) -> None:
+        body = {"prompt": f"Stream {i} tells a long story", "n_predict": 100000,
+                "ignore_eos": True, "stream": True, "id_slot": i + 1, "temperature": 0}
+        async with client.stream("POST", base + "/completion", json=body) as response:
+            async for line in response.aiter_lines():
+                if stop.is_set():
+                    return
+                if line.startswith("data: "):
+                    times[i].append(time.perf_counter())
+                    if len(times[i]) >= WARM_TOKENS:
+                        warm[i].set()
+
+    tasks = [asyncio.create_task(decode(i)) for i in range(streams)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(w.wait() for w in warm)), 300)
+        start = time.perf_counter()
+        timings = await _timings(client, base, prompt, cache)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    gaps: list[float] = []
+    for stream_times in times:
+        inside = [t for t in stream_times if start <= t <= end]
+        gaps += [b - a for a, b in zip(inside, inside[1:])]
+    return timings, gaps
 
 
 async def one_target(mode: str, model: Path, binary: Path, home: Path,

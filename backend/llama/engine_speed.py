@@ -17,8 +17,22 @@ depth and then decoded for a few tokens.  A prompt token's cost grows with its d
 (attention reads every earlier token), so the two times give its cost at depth 0 and its
 growth per token of depth (`SpeedModel`), from which `choose_batch` predicts a step of any
 size at any depth.  The choice needs a restart of the engine (the batch is fixed at its
-start); the supervisor keeps each load's measure, so the restart happens once per load
-settings (see `backend.llama.supervisor`).
+start, `llama_n_batch` of its context: no request can change it); the supervisor keeps
+each load's measure, so the restart happens once per load settings (see
+`backend.llama.supervisor`).
+
+A step costs more than its tokens: each micro-batch pays a fixed cost (the weights read
+once, the graph; about a decode step), and the streams' own tokens go in a micro-batch of
+their own (llama.cpp splits a batch by sequence when each slot has its own cache).  And a
+batch is not worth its tokens alone: llama.cpp's CPU flash attention computes a prompt's
+rows in tiles of 64 (`ATTENTION_TILE`), each costing a whole tile's work at that depth
+however few rows it holds, and one row at a time below 64.  So the batch is a whole
+number of tiles, large enough that the prompt keeps 64 rows beside the other slots'
+tokens; within that, the largest the stall budget allows (and the smallest when none
+does: the streams then stall longer than the budget anyway).  Measured with SmolLM2
+(Q4_1, one thread) at depth 6,000, prompt tokens/s: 41-53 at `-b 2048`, 41-42 at 128,
+36 at 64, 5.4 at 32, and 3.7 at 64 with three streams decoding beside (the prompt's
+rows: 61); 18 at 68 and 24 at 96 (two tiles each, half and three quarters full).
 """
 
 from __future__ import annotations
@@ -30,8 +44,9 @@ from typing import Any
 
 from backend.llama.api import EngineClient
 
-__all__ = ["DEFAULT_BATCH", "DEFAULT_STALL_BUDGET", "DEFAULT_UBATCH", "BatchChoice",
-           "EngineSpeed", "SpeedModel", "choose_batch", "measure_speed", "user_batch"]
+__all__ = ["ATTENTION_TILE", "DEFAULT_BATCH", "DEFAULT_STALL_BUDGET", "DEFAULT_UBATCH",
+           "BatchChoice", "EngineSpeed", "SpeedModel", "choose_batch", "fit_speed",
+           "measure_speed", "smallest_batch", "user_batch"]
 
 log = logging.getLogger("gguf_studio.engine_speed")
 
@@ -40,8 +55,12 @@ DEFAULT_BATCH = 2048
 DEFAULT_UBATCH = 512
 #: The longest a running stream may wait for one step, in seconds, by default.
 DEFAULT_STALL_BUDGET = 0.25
-#: The smallest batch chosen: below it a CPU's matrix kernels lose most of their speed.
-MIN_BATCH = 32
+#: Rows of one sequence llama.cpp's CPU flash attention computes together
+#: (GGML_FA_TILE_Q, ggml-cpu/common.h): a tile costs 64 rows' work at its depth however
+#: many it holds, and a sequence with fewer than 64 rows in a micro-batch is computed one
+#: query at a time, 7x slower per token at depth 6,000 (SmolLM2 here).  Batches are whole
+#: tiles.
+ATTENTION_TILE = 64
 #: Prompt tokens of the calibration's chunks, and the depth of the deep one.
 CALIBRATION_TOKENS = 128
 CALIBRATION_DEPTH = 512
@@ -55,16 +74,25 @@ UBATCH_FLAGS = frozenset({"-ub", "--ubatch-size"})
 @dataclass(frozen=True)
 class SpeedModel:
     """Seconds a prompt token costs: `per_token` at depth 0, plus `per_depth` for each
-    token of context before it; and a decode step of one stream."""
+    token of context before it; and a decode step of one stream, which is also the fixed
+    cost of any micro-batch (the weights read once, the graph)."""
 
     per_token: float
     per_depth: float
     step: float
 
     def chunk_seconds(self, tokens: int, depth: int) -> float:
-        """A step carrying `tokens` prompt tokens starting at `depth`, with one stream
-        decoding beside them."""
-        return tokens * (self.per_token + self.per_depth * (depth + tokens / 2)) + self.step
+        """A step carrying `tokens` prompt tokens starting at `depth`, with streams decoding
+        beside them: the prompt's micro-batch (its fixed cost and its tokens) and the
+        streams' own."""
+        return tokens * (self.per_token + self.per_depth * (depth + tokens / 2)) + 2 * self.step
+
+    def speed_share(self, tokens: int) -> float:
+        """The share of the engine's best prefill speed (every fixed cost spread over
+        many tokens) that steps of `tokens` prompt tokens keep beside streams, at depth 0,
+        where the fixed costs weigh most (whole attention tiles assumed)."""
+        work = tokens * self.per_token
+        return work / (work + 2 * self.step) if work > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -121,13 +149,22 @@ def user_batch(extra_args: tuple[str, ...] | list[str]) -> tuple[int | None, int
     return batch, ubatch
 
 
+def smallest_batch(slots: int) -> int:
+    """The smallest batch worth running beside `slots` slots: whole attention tiles,
+    enough that a prompt keeps a tile's rows beside one decoding token of each other slot
+    (a smaller one computes the prompt one row at a time, several times slower at depth)."""
+    return _whole_tiles(ATTENTION_TILE + max(0, slots - 1))
+
+
 def choose_batch(model: SpeedModel | None, *, budget: float, slots: int, context: int,
                  extra_args: tuple[str, ...] | list[str] = ()) -> BatchChoice:
     """The batch for an engine of `slots` slots of `context` tokens each, measured as
     `model`, so that a step carrying a prompt chunk at the deepest position stays within
     `budget` seconds (0: no budget).  A user's -b/-ub win.  The largest batch within the
     budget is chosen because a smaller one only costs prefill speed (more steps, each
-    with the streams' tokens and the micro-batch's fixed costs)."""
+    with the streams' tokens and the micro-batch's fixed costs), and never one that leaves
+    a prompt less than an attention tile beside the other slots' tokens
+    (`smallest_batch`): when no batch meets the budget, that one."""
     batch, ubatch = user_batch(extra_args)
     if batch is not None or ubatch is not None:
         b = batch or DEFAULT_BATCH
@@ -141,25 +178,53 @@ def choose_batch(model: SpeedModel | None, *, budget: float, slots: int, context
     if model is None:
         return BatchChoice(DEFAULT_BATCH, DEFAULT_UBATCH,
                            "the engine's default: its speed could not be measured")
+    floor = smallest_batch(slots)
     best = 0
-    size = MIN_BATCH
+    size = floor
     while size <= DEFAULT_BATCH:
         if model.chunk_seconds(size, max(0, context - size)) <= budget:
             best = size
-        size += MIN_BATCH
+        size += ATTENTION_TILE
     ms = budget * 1000
-    if best >= DEFAULT_BATCH:
+    if best >= DEFAULT_BATCH or floor >= DEFAULT_BATCH:
         return BatchChoice(DEFAULT_BATCH, DEFAULT_UBATCH,
                            f"the engine's default: a full batch stays within the {ms:g} ms "
-                           "stall budget")
+                           "stall budget" if best else "the engine's default: too many slots "
+                           "for a smaller batch to keep a prompt's attention tiles whole")
     if best == 0:
-        return BatchChoice(MIN_BATCH, MIN_BATCH,
-                           f"the smallest useful batch: even {MIN_BATCH} prompt tokens take "
-                           f"longer than the {ms:g} ms stall budget at the end of the context")
+        worst = model.chunk_seconds(floor, max(0, context - floor)) * 1000
+        return BatchChoice(floor, floor,
+                           f"the smallest that keeps a prompt on whole attention tiles beside "
+                           f"the other slots' streams: the {ms:g} ms stall budget cannot be met "
+                           f"at the end of a {context:,}-token context (a step of {floor} "
+                           f"prompt tokens there: about {worst:,.0f} ms), and a smaller batch "
+                           "would compute prompts several times slower for a stall shorter by "
+                           "its fixed costs only")
     return BatchChoice(best, best,
                        f"the largest whose step stays within the {ms:g} ms stall budget at "
                        f"the end of a {context:,}-token context (a larger one computes prompts "
                        "faster but stalls the other streams longer)")
+
+
+def fit_speed(cold: dict[str, Any], deep: dict[str, Any], *,
+              depth: int) -> tuple[SpeedModel, float] | None:
+    """The `SpeedModel` and the prefill tokens/s of the calibration's timings (llama-server's
+    `timings` of a cold chunk, and of a chunk `depth` tokens deep that then decoded a few
+    tokens), or None when they are unusable.  Each chunk is one micro-batch, whose fixed
+    cost (about a decode step) is not its tokens' cost: counting it per token would
+    overstate what a token costs, and understate what a larger batch saves."""
+    t0, n0 = cold["prompt_ms"] / 1000, cold["prompt_n"]
+    td, nd = deep["prompt_ms"] / 1000, deep["prompt_n"]
+    if n0 <= 0 or nd <= 0 or t0 <= 0:
+        return None
+    steps = deep.get("predicted_n") or 0
+    step = deep["predicted_ms"] / 1000 / steps if steps > 1 else t0 / n0
+    fixed = min(step, t0 / 2)  # a noisy step must not take the chunk's whole time
+    cold_token = (t0 - fixed) / n0
+    deep_token = max(0.0, td - fixed) / nd
+    per_depth = max(0.0, (deep_token - cold_token) / max(1, depth))
+    per_token = max(1e-7, cold_token - per_depth * n0 / 2)
+    return SpeedModel(per_token, per_depth, step), n0 / t0
 
 
 async def measure_speed(client: EngineClient, *, context: int, vocabulary_text: str = "",
@@ -184,16 +249,7 @@ async def measure_speed(client: EngineClient, *, context: int, vocabulary_text: 
     except Exception as exc:  # measuring is best effort: the load serves without it
         log.warning("could not measure the engine's speed: %s", exc)
         return None
-    t0, n0 = cold["prompt_ms"] / 1000, cold["prompt_n"]
-    td, nd = deep["prompt_ms"] / 1000, deep["prompt_n"]
-    if n0 <= 0 or nd <= 0 or t0 <= 0:
-        return None
-    at_depth = len(base) + len(fresh) - nd
-    per_depth = max(0.0, (td / nd - t0 / n0) / max(1, at_depth))
-    per_token = max(1e-7, t0 / n0 - per_depth * n0 / 2)
-    steps = deep.get("predicted_n") or 0
-    step = deep["predicted_ms"] / 1000 / steps if steps > 1 else per_token
-    return SpeedModel(per_token, per_depth, step), n0 / t0
+    return fit_speed(cold, deep, depth=len(base) + len(fresh) - deep["prompt_n"])
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -215,6 +271,10 @@ async def _completion(client: EngineClient, prompt: list[int], *, n_predict: int
     if not isinstance(timings, dict) or not isinstance(timings.get("prompt_ms"), (int, float)):
         raise ValueError("the engine's answer has no timings")
     return timings
+
+
+def _whole_tiles(tokens: int) -> int:
+    return -(-tokens // ATTENTION_TILE) * ATTENTION_TILE
 
 
 def _positive_int(text: str) -> int | None:

@@ -9,24 +9,82 @@ import httpx
 import pytest
 
 from backend.app.service import StudioService
-from backend.llama.engine_speed import (DEFAULT_BATCH, DEFAULT_UBATCH, MIN_BATCH, SpeedModel,
-                                        choose_batch, user_batch)
+from backend.llama.engine_speed import (ATTENTION_TILE, DEFAULT_BATCH, DEFAULT_UBATCH,
+                                        SpeedModel, choose_batch, fit_speed,
+                                        smallest_batch, user_batch)
 from backend.llama.load import LoadSettings, Snapshot
 from backend.llama.supervisor import Supervisor
 from tests.backend.service_harness import ServiceFactory
 
-#: An engine like SmolLM2 on this CPU: 2 ms a prompt token, 0.1 µs more per token of
-#: depth, 30 ms a step.
-CPU_LIKE = SpeedModel(per_token=0.002, per_depth=1e-7, step=0.03)
+#: A small model on a quiet CPU: 0.5 ms a prompt token, 0.01 µs more per token of depth,
+#: 30 ms a step.
+CPU_LIKE = SpeedModel(per_token=0.0005, per_depth=1e-8, step=0.03)
+#: SmolLM2 (Q4_1, one thread) on this 2-core VM, as measured: 8 ms a prompt token at depth
+#: 0, 24 ms at depth 6,000, a decode step of 60 ms.
+SMOLLM2_HERE = SpeedModel(per_token=0.008, per_depth=2.7e-6, step=0.06)
 
 
 def test_the_batch_is_the_largest_whose_step_at_the_end_of_the_context_fits_the_budget():
     choice = choose_batch(CPU_LIKE, budget=0.25, slots=4, context=8192)
     assert choice.batch == choice.ubatch < DEFAULT_BATCH
     assert CPU_LIKE.chunk_seconds(choice.batch, 8192 - choice.batch) <= 0.25
-    bigger = choice.batch + MIN_BATCH
+    bigger = choice.batch + ATTENTION_TILE
     assert CPU_LIKE.chunk_seconds(bigger, 8192 - bigger) > 0.25
     assert "250 ms stall budget" in choice.reason and not choice.user_given
+
+
+def test_a_prompt_beside_the_other_slots_streams_keeps_whole_attention_tiles():
+    """llama.cpp's CPU attention computes a prompt's rows 64 at a time, one at a time
+    below 64: -b 32, or -b 64 beside three decoding streams (61 prompt rows), computed
+    SmolLM2's prompt at depth 6,000 at a tenth of its speed."""
+    for model in (CPU_LIKE, SMOLLM2_HERE, SpeedModel(0.02, 1e-5, 0.2)):
+        for slots in (2, 4, 8):
+            for budget in (0.05, 0.25, 1.0):
+                choice = choose_batch(model, budget=budget, slots=slots, context=8192)
+                assert choice.batch % ATTENTION_TILE == 0 and choice.ubatch == choice.batch \
+                    or (choice.batch, choice.ubatch) == (DEFAULT_BATCH, DEFAULT_UBATCH)
+                assert choice.batch - (slots - 1) >= ATTENTION_TILE
+
+
+def test_an_engine_too_slow_for_the_budget_gets_whole_tiles_not_the_smallest_batch():
+    """SmolLM2 here: at the end of its 8,192-token context even one tile of prompt takes
+    ~2 s, so no batch meets 250 ms; a 32-token batch made each stall a little shorter and
+    the prompt 0.26x as fast as the engine's default batch (bench/prefill.py)."""
+    choice = choose_batch(SMOLLM2_HERE, budget=0.25, slots=4, context=8192)
+    assert choice.batch == choice.ubatch == smallest_batch(4) == 2 * ATTENTION_TILE
+    assert SMOLLM2_HERE.speed_share(choice.batch) >= 0.85
+    assert "cannot be met" in choice.reason and "250 ms" in choice.reason
+
+
+def test_an_engine_with_a_large_fixed_cost_per_step_gets_a_batch_that_keeps_its_speed():
+    """An engine whose every step costs 12 ms besides 0.1 ms a prompt token (a GPU's
+    launches, say), calibrated as measure_speed does (a 128-token cold chunk, one 128
+    tokens deep, then decode steps): its batch keeps prefill within 15 % of its best
+    speed, and its step, streams beside it, within the budget."""
+    true = SpeedModel(per_token=1e-4, per_depth=0.0, step=0.012)
+    cold = {"prompt_n": 128, "prompt_ms": (true.step + 128 * true.per_token) * 1000}
+    deep = dict(cold, predicted_n=8, predicted_ms=8 * true.step * 1000)
+    fitted = fit_speed(cold, deep, depth=512)
+    assert fitted is not None
+    choice = choose_batch(fitted[0], budget=0.25, slots=4, context=8192)
+    assert true.speed_share(choice.batch) >= 0.85
+    assert true.chunk_seconds(choice.batch, 8192 - choice.batch) <= 0.25
+
+
+def test_the_calibration_fit_predicts_the_steps_it_measured():
+    """A micro-batch's fixed cost is not its tokens': the fit of a chunk of 128 tokens
+    at depth 0 and one at depth 512 predicts both chunks' times back."""
+    true = SpeedModel(per_token=0.008, per_depth=2.7e-6, step=0.06)
+    def timings(depth: int) -> dict[str, float]:
+        return {"prompt_n": 128, "prompt_ms": (true.chunk_seconds(128, depth) - true.step) * 1000,
+                "predicted_n": 8, "predicted_ms": 8 * true.step * 1000}
+    fitted = fit_speed(timings(0), timings(512), depth=512)
+    assert fitted is not None
+    model, rate = fitted
+    assert model.per_token == pytest.approx(true.per_token, rel=1e-6)
+    assert model.per_depth == pytest.approx(true.per_depth, rel=1e-6)
+    assert model.step == pytest.approx(true.step)
+    assert rate == pytest.approx(128 / (true.chunk_seconds(128, 0) - true.step))
 
 
 def test_a_deeper_context_or_a_tighter_budget_gets_a_smaller_batch():
@@ -87,7 +145,8 @@ async def test_a_load_is_measured_and_its_engine_runs_with_the_batch_its_budget_
     assert speed.prefill_tokens_per_second > 0 and speed.step_seconds > 0
     assert batch_flags(engine_command(snapshot)) == (speed.choice.batch, speed.choice.ubatch)
     assert speed.choice.batch < DEFAULT_BATCH
-    assert speed.worst_step_seconds <= 0.05 or speed.choice.batch == MIN_BATCH
+    assert speed.worst_step_seconds <= 0.05 \
+        or speed.choice.batch == smallest_batch(2)
     assert speed.to_dict()["batch"] == speed.choice.batch
 
 
