@@ -107,19 +107,10 @@ def test_an_agents_turns_through_the_port_show_in_the_sessions_tab_with_their_hi
     import concurrent.futures
 
     import httpx
-    from PySide6.QtCore import Qt
 
-    from backend.llama.load import State
     from studio.window import SESSIONS_TAB
 
-    window = open_window()
-    view = window.model_view
-    window.open_files([str(tiny_model)])
-    qtbot.waitUntil(lambda: view.info is not None, timeout=15_000)
-    view.parallel.setValue(1)
-    view.ctx_size.setValue(2048)
-    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=60_000)
+    window = window_serving(open_window, qtbot, tiny_model)
 
     def two_turns() -> list[int]:
         """Codex's way: its thread id as `prompt_cache_key`, the whole history each turn."""
@@ -159,19 +150,10 @@ def test_a_sessions_row_says_parked_once_its_model_is_unloaded_with_its_prefix_s
     import concurrent.futures
 
     import httpx
-    from PySide6.QtCore import Qt
 
-    from backend.llama.load import State
     from studio.window import SESSIONS_TAB
 
-    window = open_window()
-    view = window.model_view
-    window.open_files([str(tiny_model)])
-    qtbot.waitUntil(lambda: view.info is not None, timeout=15_000)
-    view.parallel.setValue(1)
-    view.ctx_size.setValue(2048)
-    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=60_000)
+    window = window_serving(open_window, qtbot, tiny_model)
 
     def turns() -> None:
         url = f"http://127.0.0.1:{window.settings.port}/v1/chat/completions"
@@ -206,3 +188,20 @@ def test_a_sessions_row_says_parked_once_its_model_is_unloaded_with_its_prefix_s
         return where()
 
     qtbot.waitUntil(lambda: shown() == "parked", timeout=15_000)
+
+
+def window_serving(open_window, qtbot, model):
+    """The window with `model` loaded on one slot of 2,048 tokens, as a user does it."""
+    from PySide6.QtCore import Qt
+
+    from backend.llama.load import State
+
+    window = open_window()
+    view = window.model_view
+    window.open_files([str(model)])
+    qtbot.waitUntil(lambda: view.info is not None, timeout=15_000)
+    view.parallel.setValue(1)
+    view.ctx_size.setValue(2048)
+    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=60_000)
+    return window
