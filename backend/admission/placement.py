@@ -35,15 +35,13 @@ slots in another order there than here.  A slot never used is pinned on any spli
 (an empty slot skips the RAM cache, a cost paid once per slot): requests arriving at once
 may reach a fresh engine in another order than they were admitted, and the table would
 then name the wrong slots.  Nothing is pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
-engine holding its prefix; a session that lives nowhere yet goes to the engine where the
-fewest sessions live, those whose first turn runs there counted (among equals, one holding
-another session of its flow that showed the same first blocks: measured with 6 agents
-sharing a 1,200-token head on 2 engines, following the head put 4 on one engine and 2 on
-the other for their whole conversations, and the 4 queued for its 2 slots; so did counting
-a session only once its first turn was answered); while its own engine has no room and
-another has, it waits at most `home_wait` seconds (10 by default) from its arrival, a new
-session `new_wait` (2) for the engine where the fewest live, then goes wherever today's
-rule puts it.  The fairness bound is the line's: a head that waits for its engine is passed
+engine holding its prefix; a session that lives nowhere yet goes to the engine with room
+where the fewest sessions live (among equals, one holding another session of its flow
+that showed the same first blocks: measured with 6 agents sharing a 1,200-token head on
+2 engines, following the head put 4 on one engine and 2 on the other for their whole
+conversations, and the 4 queued for its 2 slots); while its own engine has no room and
+another has, it waits at most `home_wait` seconds (10 by default) from its arrival, then
+goes wherever today's rule puts it.  The fairness bound is the line's: a head that waits for its engine is passed
 at most `MAX_PASSES` times, by other flows' requests or by its own flow's turns that go to
 another engine meanwhile (`home_while_waiting`), then nothing passes it.  A seat
 says how many prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
