@@ -322,9 +322,6 @@ class Line(Generic[E]):
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
         self._promote(skip=engine if hold else None)
-        # After the promotion: a session's first turn still counts where it ran while
-        # others choose their engine (its answer is recorded right after this).
-        self._placement_ended(ticket)
         self._changed()
 
     def leave(self, ticket: Ticket) -> None:
@@ -347,7 +344,6 @@ class Line(Generic[E]):
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
         self.prefill_budget.ended(ticket)
-        self._placement_ended(ticket)
         self._waiters.requeue(ticket)
         self._waiting_bytes += ticket.size
         self._promote(skip=engine)
@@ -465,8 +461,6 @@ class Line(Generic[E]):
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
             self.prefill_budget.started(ticket, seat.engine)
-            if home_of is not None:
-                home_of.admitted(ticket, seat)
             if ticket.wait_reason == WaitReason.SLOTS_FULL:
                 self._note_passer(ticket)
             self._admitted.append((ticket.seq, ticket.flow.key))
@@ -474,11 +468,6 @@ class Line(Generic[E]):
                 waiters.discount(ticket, seat.cached)
             moved = True
         return moved
-
-    def _placement_ended(self, ticket: Ticket) -> None:
-        policy = self._prefill.inner
-        if isinstance(policy, KeepPrefixes):
-            policy.ended(ticket)
 
     def _why_waiting(self, ticket: Ticket) -> str:
         """Why `ticket` did not go in at once (O(engines), only for one that waits): the
