@@ -381,6 +381,8 @@ class LocalModels:
                 ttl = local.entry.idle_ttl
                 if ttl <= 0 or local.entry.pinned or local.residency is not Residency.READY:
                     continue
+                if local.loading is not None and not local.loading.done():
+                    continue  # ready but its load not yet returned: unloading would cancel it
                 if self.registry.busy(name):
                     local.last_used = now
                 elif now - local.last_used >= ttl:
@@ -397,6 +399,7 @@ class LocalModels:
                                    label=HERE)
             if local.residency is Residency.LOADING:
                 local.residency = Residency.READY
+                local.last_used = self._clock()  # its idle time starts now, not at its last use
         else:
             if self.registry.current_of(local.engine_id) is not None:
                 line = self.registry.find_line(name)  # before retiring may forget it
