@@ -26,7 +26,7 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from backend.event_loop import loop_factory  # noqa: E402
-from backend.llama.engine import ENV_LLAMA_SERVER, Engine  # noqa: E402
+from backend.llama.engine import ENV_DATA_DIR, ENV_LLAMA_SERVER, Engine  # noqa: E402
 from tests.user_dirs import UserDirs, isolate  # noqa: E402
 
 # The user's engine and models, found where the user keeps them, before the switch.
@@ -37,6 +37,7 @@ USER_DIRS = UserDirs.of_this_user()
 _USER_DIRS_BEFORE = USER_DIRS.listing()
 SESSION_HOME = Path(tempfile.mkdtemp(prefix="gguf-studio-tests-"))
 isolate(SESSION_HOME, engines=USER_ENGINE.engines_dir)
+SESSION_DATA_DIR = Path(os.environ[ENV_DATA_DIR])
 if _cpu_engine is not None and _cpu_engine.path is not None:
     os.environ[ENV_LLAMA_SERVER] = str(_cpu_engine.path)
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
@@ -89,11 +90,18 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 @pytest.fixture(autouse=True)
-def private_config(tmp_path_factory: pytest.TempPathFactory,
-                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test gets a config dir of its own: settings, named keys and usage never leak
-    between tests, nor into the user's."""
+def private_dirs(tmp_path_factory: pytest.TempPathFactory,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets a config dir and a data dir of its own: settings, named keys, usage
+    and parked session prefixes never leak between tests, nor into the user's.  (A prefix
+    one test parked was restored into the next test's first turn of the same prompt.)
+    The data dir's `engines` is the session's, as `isolate` links it."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+    data_dir = tmp_path_factory.mktemp("data")
+    session_engines = SESSION_DATA_DIR / "engines"
+    if session_engines.exists():
+        (data_dir / "engines").symlink_to(session_engines.resolve(), target_is_directory=True)
+    monkeypatch.setenv(ENV_DATA_DIR, str(data_dir))
 
 
 @pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down

@@ -89,3 +89,11 @@ def test_an_empty_listing_has_no_changes() -> None:
 
 def _under_user_dirs(place: Path) -> bool:
     return any(place.resolve().is_relative_to(d.resolve()) for d in USER_DIRS.whole)
+
+
+def test_each_test_parks_prefixes_in_a_data_dir_of_its_own(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A prefix parked by one test is never restored into the next test's turn of the
+    same prompt (it was: the session's data dir was shared)."""
+    parked = StudioService(Settings()).parking.lot.directory
+    assert parked.is_relative_to(tmp_path_factory.getbasetemp())
+    assert not parked.is_relative_to(SESSION_HOME)

@@ -137,8 +137,10 @@ async def open_gateway(base_url: str, slots: int, *, model_id: str = "fake-model
         await server.stop()
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait until `condition()` holds (polled), or fail after `timeout` seconds."""
+async def until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Wait until `condition()` holds (polled), or fail after `timeout` seconds.  The
+    default is a guard against a hang, not a speed claim: on 2 loaded cores a step the
+    tests wait for has taken over 5 s.  A test that claims "at once" passes its own."""
     async def poll() -> None:
         while not condition():
             await asyncio.sleep(0.002)

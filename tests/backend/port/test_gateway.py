@@ -259,7 +259,9 @@ async def test_disconnect_while_running_closes_upstream_and_frees_the_slot(gw, f
             await asyncio.Event().wait()
 
     task = asyncio.create_task(read_some() if streamed else gw.client.post(CHAT, json=body))
-    await until(lambda: fake.active == 1 and gw.registry.total_active == 1)
+    await until(lambda: task.done() or (fake.active == 1 and gw.registry.total_active == 1),
+                timeout=30)
+    assert not task.done(), f"the request ended before it was cut: {task!r}"
     await cancel(task)
     # A longer deadline than the harness's 5 s: on 2 loaded cores the fake has taken
     # longer than that to notice its closed socket (the CI run beside a bench).
