@@ -102,6 +102,21 @@ class PromptBlocks:
     #: Where each block ends, in characters.
     ends: tuple[int, ...] = ()
     parts: tuple[Part, ...] = ()
+    #: A hash of the request's other fields (what else a template may render: tool
+    #: choice, template arguments, the output limit), for `CacheBook.continuation`.
+    frame: int = 0
+    #: The body's bytes with its tool calls' allowance (`prompt_tokens.prompt_size`);
+    #: 0: unknown (images), no continuation bound.
+    size: int = 0
+
+    def continues(self, earlier: PromptBlocks) -> bool:
+        """Is this the `earlier` request with messages added at its end (every block of
+        the earlier prompt the same, the other fields the same)?"""
+        n = len(earlier.chained)
+        return (0 < n <= len(self.chained) and self.frame == earlier.frame
+                and self.chained[n - 1] == earlier.chained[-1]
+                # a block may grow: the earlier prompt's last block ended where it did
+                and self.ends[n - 1] == earlier.ends[-1])
 
     @property
     def chars(self) -> int:
@@ -135,6 +150,8 @@ class TurnRecord:
     #: engine chose one itself).
     engine: str | None
     slot: int | None = None
+    #: The model that counted `prompt_tokens` ("" unknown).
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +282,7 @@ class CacheBook:
             verdict if verdict.missed and not another
             else (summary.last_miss if summary else None),
             self._clock())
-        record = TurnRecord(blocks, verdict.cached + verdict.computed, engine, slot)
+        record = TurnRecord(blocks, verdict.cached + verdict.computed, engine, slot, model)
         kept = (record, *(r for r in records if another or r is not previous))[:CONVERSATIONS]
         with self._lock:
             self._turns.pop(session, None)
@@ -273,6 +290,23 @@ class CacheBook:
             while len(self._turns) > self.max_sessions:
                 self._turns.popitem(last=False)
         return verdict, summary
+
+    def continuation(self, session: str | None, model: str,
+                     blocks: PromptBlocks) -> TurnRecord | None:
+        """The answered turn of `session` on `model` that `blocks` continues (the same
+        request with messages added: `PromptBlocks.continues`), whose prompt tokens
+        bound this one's (`prompt_tokens.continued_prompt_bound`); None when there is
+        none, or the turns' sizes are unknown."""
+        if session is None or not blocks.size:
+            return None
+        found = self._turns.get(session)
+        if found is None:
+            return None
+        for record in found[0]:
+            if (record.model == model and record.blocks.size and record.prompt_tokens
+                    and blocks.continues(record.blocks)):
+                return record
+        return None
 
     def snapshot(self) -> tuple[SessionCache, ...]:
         """Every session, most recently served first; safe from any thread."""
@@ -351,8 +385,9 @@ def _place(label: str, slot: int | None) -> str:
     return label if slot is None else f"{label}, slot {slot}"
 
 
-def prompt_blocks(data: Mapping[str, Any]) -> PromptBlocks:
-    """The blocks of a parsed chat, messages, responses or completions request body."""
+def prompt_blocks(data: Mapping[str, Any], size: int | None = None) -> PromptBlocks:
+    """The blocks of a parsed chat, messages, responses or completions request body;
+    `size`: its `prompt_tokens.prompt_size` (None: unknown)."""
     chained: list[int] = []
     ends: list[int] = []
     parts: list[Part] = []
@@ -381,10 +416,15 @@ def prompt_blocks(data: Mapping[str, Any]) -> PromptBlocks:
         parts.append(Part(kind, start, offset, hash((kind, pieces))))
     if not chained:
         return NO_BLOCKS
-    return PromptBlocks(tuple(chained), tuple(ends), tuple(parts))
+    frame = hash(_dumps({key: value for key, value in sorted(data.items())
+                         if key not in _PROMPT_FIELDS}))
+    return PromptBlocks(tuple(chained), tuple(ends), tuple(parts), frame, size or 0)
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+#: The fields `_parts` reads the prompt's text from; the others make a request's frame.
+_PROMPT_FIELDS = frozenset({"system", "instructions", "tools", "messages", "input", "prompt"})
 
 
 def _continued(records: tuple[TurnRecord, ...], blocks: PromptBlocks) -> TurnRecord | None:

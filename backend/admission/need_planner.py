@@ -92,11 +92,14 @@ class NeedPlanner:
 
     async def plan(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
                    fits_now: Callable[[TokenNeed], bool] = lambda need: False,
-                   hint: Hint = NO_HINT) -> Plan:
+                   hint: Hint = NO_HINT, continued: int | None = None) -> Plan:
         """The plan of one request of `body_bytes` bytes to `route`, carrying `hint`.
         `fits_now(need)`: would admission take a request of that need (and hint) at once,
-        passing no one."""
+        passing no one; `continued`: a bound on its prompt from the turn it continues
+        (`prompt_tokens.continued_prompt_bound`), used where it is below the byte bound."""
         bound = await self.bound_need(route, body, body_bytes)
+        if continued is not None and (bound is None or continued < bound.prompt):
+            bound = self._need(route, body, PromptCount(continued, "bound"))
         if bound is not None:
             if bound.prompt <= self.uncounted_room(route, body):
                 return Plan(bound, hint=hint)  # what `request_need` gives, without a second bound

@@ -75,6 +75,7 @@ from backend.llama.kv_capacity import TokenNeed
 from backend.admission.output_limits import output_limit
 
 __all__ = [
+    "CONTINUATION_SLACK",
     "DEFAULT_OUTPUT_TOKENS",
     "IMAGE_TOKENS",
     "MIN_OUTPUT_TOKENS",
@@ -85,7 +86,9 @@ __all__ = [
     "PromptCount",
     "PromptCounter",
     "ToolCosts",
+    "continued_prompt_bound",
     "output_budget",
+    "prompt_size",
     "token_need",
 ]
 
@@ -117,6 +120,10 @@ MIN_OUTPUT_TOKENS = 16
 IMAGE_TOKENS = 4096
 #: Tokens a tokenizer may add to any text beyond one per byte (BOS, EOS, dummy prefix).
 TEXT_SLACK = 4
+#: What a template may add to a continued conversation beyond the bytes the client added
+#: (`continued_prompt_bound`): an end mark it gives the previous last message once
+#: another follows, a date that turned over.
+CONTINUATION_SLACK = 32
 #: The template's fixed part when it could not be measured: generous, since some
 #: templates add a default system prompt with a date and tool-use instructions.
 TEMPLATE_ALLOWANCE = 1024
@@ -410,6 +417,28 @@ class PromptCounter:
         self._logged_fallback = True
         log.warning("The engine could not count prompt tokens (%s); using a conservative "
                     "estimate from the request's size (logged once per load).", error)
+
+
+def prompt_size(body: Mapping[str, Any], body_bytes: int) -> int | None:
+    """The body's bytes and what its tool calls may render beyond them (re-indented
+    arguments): the part of the byte bound a conversation grows by, turn after turn
+    (`continued_prompt_bound`).  None with images: their bytes say nothing."""
+    if _images(body)[0]:
+        return None
+    return body_bytes + _tool_call_allowance(body)
+
+
+def continued_prompt_bound(prior_tokens: int, prior_size: int, size: int) -> int:
+    """A bound on the prompt of a turn that continues an earlier one: the same request
+    but for messages added at the end (`CacheBook.continuation` checks that).  The earlier
+    prompt's tokens, as the engine counted them, plus the byte bound of what was added:
+    the template renders the kept messages as before (or smaller: some drop old
+    reasoning), each added message takes fewer tokens than its bytes (see the module's
+    docstring), and `CONTINUATION_SLACK` covers what a template adds around them.  It
+    spares a warm turn the engine's count before it queues (a round trip to a busy
+    engine, ~90 ms on 2 loaded cores), where the byte bound of the whole conversation,
+    about 4 bytes a token, exceeds a slot."""
+    return prior_tokens + max(0, size - prior_size) + TEXT_SLACK + CONTINUATION_SLACK
 
 
 def output_budget(route: str, body: Mapping[str, Any], *, prompt_tokens: int, limit: int,

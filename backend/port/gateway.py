@@ -50,10 +50,10 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
-from backend.admission.cache_misses import prompt_blocks
+from backend.admission.cache_misses import PromptBlocks, prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.placement import NO_HINT, Hint, request_hint
-from backend.admission.prompt_tokens import PromptCounter
+from backend.admission.prompt_tokens import PromptCounter, continued_prompt_bound, prompt_size
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
@@ -249,9 +249,10 @@ class Gateway:
             queue = line.planning_engine
             plan: Plan | None = None
             hint = request_hint(caller.flow, headers, parsed.data)
-            blocks = prompt_blocks(parsed.data)
+            blocks = prompt_blocks(parsed.data, prompt_size(parsed.data, raw_size))
             if queue is not None:
-                plan = await self.plan(queue, path, parsed, raw_size, hint)
+                plan = await self.plan(queue, path, parsed, raw_size, hint,
+                                       self.continued_bound(hint, model, blocks))
                 # Planned: the parsed objects (several times the body's bytes) are not
                 # kept by a waiting request, only the body (max_waiting_body_bytes).
                 parsed.data = {}
@@ -289,11 +290,19 @@ class Gateway:
             scope[_GONE] = True
         return exchange.metrics
 
+    def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None:
+        """A bound on the prompt of a turn that continues its session's last answered
+        one on this model (`prompt_tokens.continued_prompt_bound`); None otherwise."""
+        earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
+        if earlier is None:
+            return None
+        return continued_prompt_bound(earlier.prompt_tokens, earlier.blocks.size, blocks.size)
+
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int, hint: Hint = NO_HINT) -> Plan:
+                   body_bytes: int, hint: Hint = NO_HINT, continued: int | None = None) -> Plan:
         """What the request will hold of the engine's KV cache (`NeedPlanner`), and its
         `hint`; no need when the cache is unknown or admission is off: slots alone
-        decide, or nothing."""
+        decide, or nothing.  `continued`: its `continued_bound`, if it has one."""
         planner = self.planner_for(queue)
         if planner is None:
             return NO_PLAN if hint is NO_HINT else Plan(hint=hint)
@@ -302,7 +311,8 @@ class Gateway:
         if hint is not NO_HINT:
             def fits_now(need: TokenNeed) -> bool:
                 return line.fits_now(need, hint)
-        return await planner.plan(path, parsed.data, body_bytes, fits_now=fits_now, hint=hint)
+        return await planner.plan(path, parsed.data, body_bytes, fits_now=fits_now, hint=hint,
+                                  continued=continued)
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's named key as the store has it now (revoked,

@@ -98,7 +98,9 @@ class ExchangeHost(SettlementHost, Protocol):
     def closing(self) -> bool: ...
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int, hint: Hint = NO_HINT) -> Plan: ...
+                   body_bytes: int, hint: Hint = NO_HINT, continued: int | None = None) -> Plan: ...
+
+    def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None: ...
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
@@ -394,8 +396,10 @@ class Exchange:
             self.host.recheck(self.caller)  # its key may have gone while the model loaded
             queue = self.line.planning_engine
             parsed = self.request.parsed
-            plan = Plan(hint=self.request.hint) if queue is None else await self.host.plan(
-                queue, self.request.path, parsed, self.request.body_bytes, self.request.hint)
+            request = self.request
+            plan = Plan(hint=request.hint) if queue is None else await self.host.plan(
+                queue, request.path, parsed, request.body_bytes, request.hint,
+                self.host.continued_bound(request.hint, request.model_id or UNROUTED, request.blocks))
             parsed.data = {}
             ticket = self._take_ticket(plan)
         while True:

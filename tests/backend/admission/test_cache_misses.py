@@ -221,3 +221,45 @@ def test_the_book_judges_each_turn_against_the_conversation_it_continues():
     (summary,) = book.snapshot()
     assert summary.turns == 5 and summary.last_miss is not None
     assert summary.last_miss.reason == "slot_taken"
+
+
+# --- the turn a request continues: its bound without a count ---------------------------------
+
+def blocks_of(body: dict[str, Any]) -> Any:
+    return prompt_blocks(body, size=len(str(body)))
+
+
+def test_a_turn_that_adds_messages_continues_the_last_but_one_that_rewrites_it_does_not():
+    assert blocks_of(SECOND).continues(blocks_of(FIRST))
+    assert blocks_of(AGENT_NEXT).continues(blocks_of(AGENT))
+    assert not blocks_of(FIRST).continues(blocks_of(SECOND))  # shorter: not a continuation
+    # An earlier message rewritten, the system prompt changed, tools sent, another field.
+    rewritten = chat({**user("list the files"), "content": "list every file"},
+                     {"role": "assistant", "content": "Here they are."}, user("open main.py"))
+    assert not blocks_of(rewritten).continues(blocks_of(FIRST))
+    assert not blocks_of(chat(user("list the files"), user("x"), system="Be brief.")).continues(
+        blocks_of(FIRST))
+    assert not blocks_of(chat(user("list the files"), user("x"), tools=TOOLS)).continues(
+        blocks_of(FIRST))
+    assert not blocks_of({**SECOND, "tool_choice": "none"}).continues(blocks_of(FIRST))
+    # The earlier prompt's last message grown in place (a part's block ends elsewhere).
+    grown = chat({**user("list the files"), "content": user("list the files")["content"] + "!"})
+    assert not blocks_of(grown).continues(blocks_of(FIRST))
+
+
+def test_the_book_finds_the_answered_turn_a_request_continues_on_the_same_model_only():
+    from backend.admission.cache_misses import CacheBook
+
+    book = CacheBook(clock=lambda: 0.0)
+    book.judge("k\nses_1", "k", "m", blocks_of(AGENT), 0, 2340, engine="e1",
+               engine_alive=lambda key: True)
+    book.judge("k\nses_1", "k", "m", blocks_of(TITLE), 12, 648, engine="e1",
+               engine_alive=lambda key: True)
+
+    found = book.continuation("k\nses_1", "m", blocks_of(AGENT_NEXT))
+    assert found is not None and found.prompt_tokens == 2340  # the agent's, not the title's
+    assert book.continuation("k\nses_1", "other-model", blocks_of(AGENT_NEXT)) is None
+    assert book.continuation("k\nses_2", "m", blocks_of(AGENT_NEXT)) is None
+    assert book.continuation(None, "m", blocks_of(AGENT_NEXT)) is None
+    # Without a size (a body with images) there is no bound to give.
+    assert book.continuation("k\nses_1", "m", prompt_blocks(AGENT_NEXT)) is None

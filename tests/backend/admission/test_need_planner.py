@@ -181,6 +181,32 @@ async def test_a_long_chat_that_does_not_fit_now_is_counted_before_it_queues() -
     assert tokenizer.asked == [CHAT, CHAT]
 
 
+@pytest.mark.parametrize(("continued", "counted_while_running"), [
+    (1_200, False),  # within the uncounted room (3,072): reserved, never counted
+    (3_500, True),   # beyond it, fitting now: admitted on it and counted while it runs
+])
+async def test_a_turn_continuing_its_session_is_planned_on_that_bound_and_not_counted_first(
+        continued: int, counted_while_running: bool) -> None:
+    """A long conversation's next turn, whose byte bound would be counted before it
+    queues, is planned on the bound its earlier turn gives (that turn's tokens plus the
+    bytes added) when that bound is lower."""
+    planner, tokenizer = planner_of(KvCapacity.shared(16_384))
+    body = chat(1_000)
+    plan = await planner.plan(CHAT, body, size(body), continued=continued,
+                              fits_now=lambda need: need.prompt == continued)
+
+    assert plan.need == TokenNeed(continued, DEFAULT)
+    assert plan.settle_later is counted_while_running
+    assert tokenizer.asked == [CHAT]  # the template's probe only: no count before it runs
+
+
+async def test_a_continued_bound_above_the_byte_bound_is_not_used() -> None:
+    planner, tokenizer = planner_of(KvCapacity.shared(16_384))
+    body = chat(20)
+    plan = await planner.plan(CHAT, body, size(body), continued=chat_bound(body) + 1)
+    assert plan.need == TokenNeed(chat_bound(body), DEFAULT)
+
+
 async def test_a_chat_with_an_image_has_no_bound_and_is_counted() -> None:
     planner, tokenizer = planner_of(KvCapacity.shared(16_384))
     body = {"messages": [{"role": "user", "content": [

@@ -33,9 +33,12 @@ from backend.admission.prompt_tokens import (
     TEXT_SLACK,
     PromptCount,
     PromptCounter,
+    continued_prompt_bound,
     output_budget,
+    prompt_size,
     token_need,
 )
+from backend.admission.cache_misses import prompt_blocks
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port
 
@@ -488,3 +491,42 @@ async def test_a_long_request_is_counted_exactly_and_its_budget_fits_the_room(
 
     assert need.prompt == real
     assert need.total == min(8_192, real + DEFAULT_OUTPUT_TOKENS)
+
+
+# --- a turn that continues an earlier one ------------------------------------------------------
+
+def _turns_before(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The earlier turns of a conversation: its messages up to each one a client sends a
+    turn after (a user's message or a tool's result, not an assistant's)."""
+    field = "messages" if "messages" in body else "input"
+    messages = body.get(field)
+    if not isinstance(messages, list):
+        return []
+    return [{**body, field: messages[:k]} for k in range(1, len(messages))
+            if not (isinstance(messages[k - 1], dict) and messages[k - 1].get("role") == "assistant")]
+
+
+CONVERSATIONS = [(route, body) for route, body in [*SHORT_BODIES, *CASES.values()]
+                 if route != COMPLETIONS and _turns_before(body)]
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+async def test_a_continued_turns_bound_is_never_below_the_engines_count(
+        engine_url, tools_engine_url, index):
+    """The bound a turn gets from the one it continues (that turn's tokens as the engine
+    counted them, plus the bytes added), on the tiny model's template and on one that
+    renders tools and re-indents tool calls."""
+    route, body = CONVERSATIONS[index]
+    urls = [engine_url, tools_engine_url] if route == CHAT else [engine_url]
+
+    def size(of: dict[str, Any]) -> int:
+        found = prompt_size(of, len(json.dumps(of).encode()))
+        assert found is not None
+        return found
+
+    for url in urls:
+        later = await engine_prompt_tokens(url, route, body)
+        for earlier in _turns_before(body):
+            assert prompt_blocks(body, size(body)).continues(prompt_blocks(earlier, size(earlier)))
+            prior = await engine_prompt_tokens(url, route, earlier)
+            assert continued_prompt_bound(prior, size(earlier), size(body)) >= later
