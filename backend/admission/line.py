@@ -255,7 +255,7 @@ class Line(Generic[E]):
         the placement finds a seat for the need.  The gateway admits a long prompt on
         its byte bound when this holds, and counts it while it runs."""
         return (not len(self._waiters)
-                and self._seat_for(_Probe(as_need(need), hint)) is not None)
+                and self._seat_for(_Probe(as_need(need), hint, self._clock())) is not None)
 
     def when_served(self, *, size: int = 0, max_waiting_bytes: int = 0,
                     flow: str = DEFAULT_FLOW.key) -> asyncio.Future[None]:
@@ -592,13 +592,14 @@ class Line(Generic[E]):
             self._on_change(self)
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Probe:
-    """A request that has no ticket yet, as placement reads it (`fits_now`)."""
+    """A request that has no ticket yet, as placement reads it (`fits_now`): arriving
+    now, so it may wait for its session's engine as its ticket will."""
 
     need: TokenNeed | None
     hint: Hint
+    enqueued_at: float
 
 
 

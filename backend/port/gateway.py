@@ -53,6 +53,7 @@ from backend.llama.kv_capacity import TokenNeed
 from backend.admission.cache_misses import PromptBlocks, prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.placement import NO_HINT, Hint, request_hint
+from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
 from backend.admission.prompt_tokens import PromptCounter, continued_prompt_bound, prompt_size
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
@@ -292,9 +293,13 @@ class Gateway:
 
     def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None:
         """A bound on the prompt of a turn that continues its session's last answered
-        one on this model (`prompt_tokens.continued_prompt_bound`); None otherwise."""
+        one on this model (`prompt_tokens.continued_prompt_bound`), when what it adds is
+        short; None otherwise.  A long addition is counted before it queues: the prefill
+        budget reads the bound's added bytes as tokens to compute, about 4 times the
+        count, and would hold a warm turn as a long cold prompt, or send it to another
+        engine than its prefix's (seen in bench/sessions.py's pool, 330 words a turn)."""
         earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
-        if earlier is None:
+        if earlier is None or blocks.size - earlier.blocks.size >= LONG_PREFILL_TOKENS:
             return None
         return continued_prompt_bound(earlier.prompt_tokens, earlier.blocks.size, blocks.size)
 

@@ -164,6 +164,24 @@ def test_a_turn_waiting_for_its_sessions_engine_says_so():
     assert waiting.admitted and not_none(waiting.seat).engine is home
 
 
+def test_a_turn_whose_engine_is_full_does_not_fit_now_though_another_engine_is_free():
+    """The gateway admits a long prompt on its bound, counted while it runs, only when it
+    would run at once: a warm turn waits for its session's engine, so it does not (the
+    probe once read as a request that had waited its home wait already)."""
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    home, other = engine(line, OLD, 1), engine(line, NEW, 1)
+    answered(policy, turn(line, "s"), 900)
+    answered(policy, turn(line, "z", flow="erin"), 900)
+    holder = turn(line, "x", flow="carol", need=100)
+    assert not_none(holder.seat).engine is home
+    hint = Hint("alice\ns", flow="alice")
+    assert not line.fits_now(TokenNeed(1000, 0), hint)
+    assert line.fits_now(TokenNeed(1000, 0), Hint("alice\nnew", flow="alice"))  # a new one
+    holder.release()
+    assert line.fits_now(TokenNeed(1000, 0), hint)
+
+
 def test_a_turn_waiting_for_its_engine_holds_back_none_of_its_own_keys_turns_for_the_other():
     # One key's agents (or every agent of a port without keys: one flow) on two engines:
     # the turn waiting for its session's engine is its flow's head, and the next turn,
