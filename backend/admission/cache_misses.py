@@ -24,7 +24,7 @@ cache) and why, comparing the session's previous turn with this one:
   another session (and the engine's RAM cache did not keep it).
 
 A prompt is seen as `PromptBlocks`: its text in order (system, tools, each message's
-reasoning, content and tool calls), cut into blocks of at most `BLOCK_CHARS` characters
+reasoning, content, tool calls and other fields: a name, a tool call's id), cut into blocks of at most `BLOCK_CHARS` characters
 that never span two parts, each with the chained hash of everything up to its end; and
 each part with its own hash.  `prompt_blocks` makes them from a parsed request body,
 once per request (where its placement hint is made, never per chunk).
@@ -540,10 +540,17 @@ def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     calls = message.get("tool_calls")
     if calls:
         yield kind, _dumps(calls)
+    rest = {key: value for key, value in message.items() if key not in _MESSAGE_TEXT_FIELDS}
+    if rest:  # its name, its tool call's id: a template may render them too
+        yield kind, _dumps(rest)
 
 
 _KINDS = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
+#: The fields of a chat message `_message_parts` reads as its parts' text, and its `type`
+#: (a Responses "message" item), which no template renders.
+_MESSAGE_TEXT_FIELDS = frozenset({"role", "type", "content", "reasoning_content", "reasoning",
+                                  "thinking", "tool_calls"})
 
 
 def _split_think(kind: str, text: str) -> Iterable[tuple[str, str]]:

@@ -242,6 +242,11 @@ def test_a_turn_that_adds_messages_continues_the_last_but_one_that_rewrites_it_d
     assert not blocks_of(chat(user("list the files"), user("x"), tools=TOOLS)).continues(
         blocks_of(FIRST))
     assert not blocks_of({**SECOND, "tool_choice": "none"}).continues(blocks_of(FIRST))
+    # A field of an earlier message a template may render, rewritten at the same length.
+    called = chat(user("run it"), {"role": "tool", "tool_call_id": "call_1", "content": "ok"})
+    recalled = chat(user("run it"), {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
+                    user("and now?"))
+    assert not blocks_of(recalled).continues(blocks_of(called))
     # The earlier prompt's last message grown in place (a part's block ends elsewhere).
     grown = chat({**user("list the files"), "content": user("list the files")["content"] + "!"})
     assert not blocks_of(grown).continues(blocks_of(FIRST))
