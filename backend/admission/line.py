@@ -322,6 +322,9 @@ class Line(Generic[E]):
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
         self._promote(skip=engine if hold else None)
+        # After the promotion: a session's first turn still counts where it ran while
+        # others choose their engine (its answer is recorded right after this).
+        self._placement_ended(ticket)
         self._changed()
 
     def leave(self, ticket: Ticket) -> None:
@@ -344,6 +347,7 @@ class Line(Generic[E]):
         engine = self._engine_of(ticket)
         engine.give_back(ticket)
         self.prefill_budget.ended(ticket)
+        self._placement_ended(ticket)
         self._waiters.requeue(ticket)
         self._waiting_bytes += ticket.size
         self._promote(skip=engine)
@@ -443,7 +447,8 @@ class Line(Generic[E]):
             return chosen[0] is not None
 
         policy = self._prefill.inner
-        home_of = policy if isinstance(policy, KeepPrefixes) and len(engines) > 1 else None
+        keeper = policy if isinstance(policy, KeepPrefixes) else None
+        home_of = keeper if len(engines) > 1 else None
 
         def waits_elsewhere(ticket: Ticket) -> bool:
             # Its session's engine has no free slot: whoever of its flow goes meanwhile
@@ -461,6 +466,8 @@ class Line(Generic[E]):
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
             self.prefill_budget.started(ticket, seat.engine)
+            if keeper is not None:  # it tells when each session has a turn running
+                keeper.admitted(ticket, seat)
             if ticket.wait_reason == WaitReason.SLOTS_FULL:
                 self._note_passer(ticket)
             self._admitted.append((ticket.seq, ticket.flow.key))
@@ -468,6 +475,11 @@ class Line(Generic[E]):
                 waiters.discount(ticket, seat.cached)
             moved = True
         return moved
+
+    def _placement_ended(self, ticket: Ticket) -> None:
+        policy = self._prefill.inner
+        if isinstance(policy, KeepPrefixes):
+            policy.ended(ticket)
 
     def _why_waiting(self, ticket: Ticket) -> str:
         """Why `ticket` did not go in at once (O(engines), only for one that waits): the

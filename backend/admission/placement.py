@@ -35,13 +35,18 @@ slots in another order there than here.  A slot never used is pinned on any spli
 (an empty slot skips the RAM cache, a cost paid once per slot): requests arriving at once
 may reach a fresh engine in another order than they were admitted, and the table would
 then name the wrong slots.  Nothing is pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
-engine holding its prefix; a session that lives nowhere yet goes to the engine with room
-where the fewest sessions live (among equals, one holding another session of its flow
-that showed the same first blocks: measured with 6 agents sharing a 1,200-token head on
-2 engines, following the head put 4 on one engine and 2 on the other for their whole
-conversations, and the 4 queued for its 2 slots); while its own engine has no room and
-another has, it waits at most `home_wait` seconds (10 by default) from its arrival, then
-goes wherever today's rule puts it.  The fairness bound is the line's: a head that waits for its engine is passed
+engine holding its prefix; a session that lives nowhere yet goes to the engine where the
+fewest sessions live, those whose first turn runs there counted (among equals, one holding
+another session of its flow that showed the same first blocks: measured with 6 agents
+sharing a 1,200-token head on 2 engines, following the head put 4 on one engine and 2 on
+the other for their whole conversations, and the 4 queued for its 2 slots; so did counting
+a session only once its first turn was answered); while its own engine has no room and
+another has, it waits at most `home_wait` seconds (10 by default) from its arrival, a new
+session `new_wait` (2) for the engine where the fewest live, then goes wherever today's
+rule puts it.  A session's request that arrives while another of its turns runs waits for
+neither: that turn's slot holds nothing for it until the turn ends (identical chats are
+one session by their digest, and one of them waited for another's whole answer beside a
+free engine).  The fairness bound is the line's: a head that waits for its engine is passed
 at most `MAX_PASSES` times, by other flows' requests or by its own flow's turns that go to
 another engine meanwhile (`home_while_waiting`), then nothing passes it.  A seat
 says how many prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
@@ -62,6 +67,7 @@ from __future__ import annotations
 import hashlib
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, Self, TypeVar
@@ -69,7 +75,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 from backend.admission.sessions import Session, SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
-__all__ = ["HOME_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
+__all__ = ["HOME_WAIT", "NEW_SESSION_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
            "Hint", "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement", "Seat",
            "SeatEngine", "request_hint"]
 
@@ -86,6 +92,11 @@ SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"sess
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
 HOME_WAIT = 10.0
+#: Seconds a new session's first turn may wait for the engine where the fewest sessions
+#: live while one where more live has room: it is cold anywhere, and the wait only buys
+#: its later turns a less crowded engine; short, since sessions that ended long ago
+#: still count where they lived (until the table drops them).
+NEW_SESSION_WAIT = 2.0
 #: Characters of a conversation's start read for its session digest, at most.
 _SESSION_DIGEST_CHARS = 64 * 1024
 
@@ -196,10 +207,23 @@ class KeepPrefixes:
     `served` where each answer left it."""
 
     def __init__(self, sessions: SessionTable | None = None, *, home_wait: float = HOME_WAIT,
+                 new_wait: float = NEW_SESSION_WAIT,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions = sessions if sessions is not None else SessionTable(clock=clock)
         self.home_wait = home_wait
+        self.new_wait = new_wait
         self._clock = clock
+        # Sessions whose first turn runs (admitted, not yet answered): session -> the
+        # engine it will live on; and how many per engine.  Counted with the table's
+        # sessions when a new one chooses its engine: agents arriving together would
+        # otherwise all see empty engines.
+        self._arriving: dict[str, str] = {}
+        self._arriving_on: Counter[str] = Counter()
+        # Turns running per session: a session's request that arrives while another of
+        # its own runs waits for no engine (that turn's slot holds nothing for it until
+        # it ends): four identical chats, one session by their digest, or an agent's
+        # side request beside its turn.
+        self._running: Counter[str] = Counter()
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         need = ticket.need
@@ -218,7 +242,8 @@ class KeepPrefixes:
                     return _seat_on(engine, session if session is not None
                                     and session.engine == home else None, need,
                                     self.sessions)
-                if session is not None and len(engines) > 1 and self._may_wait(ticket):
+                if (session is not None and len(engines) > 1 and self._may_wait(ticket)
+                        and not self._runs(ticket)):
                     return None  # its engine frees a slot soon: bounded by home_wait
                 break
         best = _most_free(need, engines)
@@ -245,6 +270,7 @@ class KeepPrefixes:
                cached_tokens: int) -> Session | None:
         """A turn of `session` was answered on `seat`: its prefix lives there now (the
         slot only on a split cache, where the engine keeps it)."""
+        self._unarrive(session)
         if session is None or seat is None:
             return None
         engine = seat.engine
@@ -253,12 +279,56 @@ class KeepPrefixes:
                                     slot=slot, prompt_tokens=prompt_tokens,
                                     cached_tokens=cached_tokens, prefix=prefix)
 
+    def admitted(self, ticket: Placeable, seat: Seat[Any]) -> None:
+        """The line admitted `ticket` on `seat`: its session has a turn running until it
+        ends (`ended`), and a session's first turn there counts as living on its engine
+        until its answer is recorded (`served`) or it ends."""
+        session = ticket.hint.session
+        if session is None:
+            return
+        self._running[session] += 1
+        if session in self._arriving:
+            return
+        known = self.sessions.where(session)
+        if known is None or known.engine is None:
+            engine = seat.engine.key
+            self._arriving[session] = engine
+            self._arriving_on[engine] += 1
+
+    def ended(self, ticket: Placeable) -> None:
+        """`ticket` left its seat (answered, failed or sent back in line)."""
+        session = ticket.hint.session
+        self._unarrive(session)
+        if session is not None and session in self._running:
+            self._running[session] -= 1
+            if self._running[session] <= 0:
+                del self._running[session]
+
+    def lives_on(self, engine: SeatEngine) -> int:
+        """Sessions whose prefix lives on `engine`, and those whose first turn runs there."""
+        key = engine.key
+        return self.sessions.homed(key) + self._arriving_on[key]
+
+    def _unarrive(self, session: str | None) -> None:
+        engine = None if session is None else self._arriving.pop(session, None)
+        if engine is not None:
+            self._arriving_on[engine] -= 1
+            if self._arriving_on[engine] <= 0:
+                del self._arriving_on[engine]
+
     def _place_new(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
-        """A session that lives nowhere yet, in a pool: on the engine with room where the
-        fewest sessions live (each stays where its prefix is, so a pile of them on one
-        engine queues there for the rest of their conversations); among equals the one
-        holding its flow's prefix (a shared head computed once), then the most free."""
+        """A session that lives nowhere yet, in a pool: on the engine where the fewest
+        sessions live, counting those whose first turn runs there (each stays where its
+        prefix is, so a pile of them on one engine queues there for the rest of their
+        conversations); among equals the one holding its flow's prefix (a shared head
+        computed once), then the most free.  While that engine is full and one where more
+        live has room, it waits for it within `home_wait`, as a known session waits for
+        its own (measured in bench/sessions.py's pool, 6 agents on 2 engines of 2 slots:
+        taking the first free slot put 4 on one engine and 2 on the other)."""
         need = ticket.need
+        fewest = self._fewest_sessions(ticket, engines)
+        if fewest is not None and not fewest.has_room(need):
+            return None  # it waits for the engine where it belongs, within home_wait
         hint = ticket.hint
         match = self.sessions.match_prefix(hint.flow, hint.prefix) if hint.prefix else None
         near = None if match is None else match[0].engine
@@ -267,7 +337,7 @@ class KeepPrefixes:
         for engine in engines:
             if not engine.has_room(need):
                 continue
-            rank = (-self.sessions.homed(engine.key), engine.key == near, engine.free_slots)
+            rank = (-self.lives_on(engine), engine.key == near, engine.free_slots)
             if best is None or rank > best_rank:
                 best, best_rank = engine, rank
         if best is None:
@@ -284,9 +354,11 @@ class KeepPrefixes:
     def home_while_waiting(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
         """The engine holding `ticket`'s session's prefix, when `place` keeps the ticket
         waiting for it while another of `engines` has room; else None."""
-        session = self.sessions.where(ticket.hint.session)
-        if session is None or session.engine is None or len(engines) < 2:
+        if len(engines) < 2 or self._runs(ticket):
             return None
+        session = self.sessions.where(ticket.hint.session)
+        if session is None or session.engine is None:
+            return self._fewest_sessions(ticket, engines)
         need = ticket.need
         home = next((e for e in engines if e.key == session.engine), None)
         if (home is not None and not home.has_room(need) and self._may_wait(ticket)
@@ -294,9 +366,35 @@ class KeepPrefixes:
             return home
         return None
 
-    def _may_wait(self, ticket: Placeable) -> bool:
+    def _fewest_sessions(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
+        """For a new session's turn that may still wait: the engine with no room where
+        fewer sessions live than on every engine with room, if there is one."""
+        if (ticket.hint.session is None or self._runs(ticket)
+                or not self._may_wait(ticket, self.new_wait)):
+            return None
+        need = ticket.need
+        full: E | None = None
+        fewest_with_room: int | None = None
+        for engine in engines:
+            lives = self.lives_on(engine)
+            if engine.has_room(need):
+                if fewest_with_room is None or lives < fewest_with_room:
+                    fewest_with_room = lives
+            elif full is None or lives < self.lives_on(full):
+                full = engine
+        if full is None or fewest_with_room is None or self.lives_on(full) >= fewest_with_room:
+            return None
+        return full
+
+    def _runs(self, ticket: Placeable) -> bool:
+        """Does another turn of `ticket`'s session run now?"""
+        session = ticket.hint.session
+        return session is not None and self._running[session] > 0
+
+    def _may_wait(self, ticket: Placeable, bound: float | None = None) -> bool:
         since = getattr(ticket, "enqueued_at", None)
-        return isinstance(since, float) and self._clock() - since < self.home_wait
+        return isinstance(since, float) and self._clock() - since < (
+            self.home_wait if bound is None else bound)
 
     def __repr__(self) -> str:
         return f"KeepPrefixes({len(self.sessions)} sessions, home_wait={self.home_wait:g})"

@@ -8,7 +8,7 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import MAX_PASSES, Line
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.flow import Flow
-from backend.admission.placement import HOME_WAIT, Hint, KeepPrefixes, Seat
+from backend.admission.placement import HOME_WAIT, NEW_SESSION_WAIT, Hint, KeepPrefixes, Seat
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from tests.backend.admission_helpers import NEW, NEWER, OLD, FakeClock
@@ -221,3 +221,77 @@ def test_a_turn_waiting_for_its_engine_is_passed_by_its_own_key_at_most_max_pass
     assert not waiting.admitted
     holder.release()
     assert waiting.admitted and not_none(waiting.seat).engine is home
+
+
+def test_agents_arriving_together_on_two_engines_live_three_and_three_not_four_and_two():
+    # bench/sessions.py's pool: 6 agents of one key, 2 engines of 2 slots.  Each new
+    # session took the first free slot: the two that waited both went to the engine
+    # that freed first, 4 agents queued for its 2 slots for their whole conversations.
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    one, two = engine(line, OLD, 2), engine(line, NEW, 2)
+    first = [turn(line, f"s{i}") for i in range(6)]
+    assert [not_none(t.seat).engine for t in first[:4]] == [one, two, one, two]
+    assert not first[4].admitted and not first[5].admitted
+
+    answered(policy, first[0], 900)  # `one` frees a slot: s4 goes there (2 and 2 before it)
+    assert first[4].admitted and not_none(first[4].seat).engine is one
+    answered(policy, first[2], 900)  # `one` again: 3 live there now, 2 on `two`
+    assert not first[5].admitted
+    answered(policy, first[1], 900)
+    assert first[5].admitted and not_none(first[5].seat).engine is two
+    for ticket in (first[3], first[4], first[5]):
+        answered(policy, ticket, 900)
+    assert [policy.sessions.homed(e.key) for e in (one, two)] == [3, 3]
+
+
+def test_a_new_session_waits_for_the_emptier_engine_at_most_new_session_wait_seconds():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    one, two = engine(line, OLD, 1), engine(line, NEW, 1)
+    answered(policy, turn(line, "a"), 900)
+    answered(policy, turn(line, "b"), 900)
+    answered(policy, turn(line, "c"), 900)  # 2 live on `one`, 1 on `two`
+    holder = turn(line, "b")
+    assert not_none(holder.seat).engine is two
+
+    new = turn(line, "d")  # `one` is free, but more live there: it waits for `two`
+    assert not new.admitted and new.wait_reason == WaitReason.SESSION_ENGINE
+    clock.now += NEW_SESSION_WAIT
+    line.admit_waiting()
+    assert new.admitted and not_none(new.seat).engine is one
+    holder.release()
+
+
+def test_a_sessions_request_while_another_of_its_turns_runs_takes_any_free_slot():
+    """Its running turn's slot holds nothing for it until that turn ends: it waits for
+    no engine (four identical chats are one session by their digest; with the wait,
+    one of them waited for another's whole answer on an engine beside a free one)."""
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    home, other = engine(line, OLD, 1), engine(line, NEW, 1)
+    answered(policy, turn(line, "s"), 900)  # it lives on `home`
+    answered(policy, turn(line, "z", flow="erin"), 900)  # another on `other`
+    running = turn(line, "s")
+    assert not_none(running.seat).engine is home
+    beside = turn(line, "s")  # `home` is full with its own turn: `other` at once
+    assert beside.admitted and not_none(beside.seat).engine is other
+    running.release()
+    beside.release()
+    # Once none of its turns runs, it waits for its engine again.
+    holder = turn(line, "x", flow="carol")  # a new one: as many live on each, the first
+    assert not_none(holder.seat).engine is home
+    waiting = turn(line, "s")
+    assert not waiting.admitted and waiting.wait_reason == WaitReason.SESSION_ENGINE
+    holder.release()
+    assert waiting.admitted and not_none(waiting.seat).engine is home
+
+
+def test_identical_chats_arriving_together_spread_over_the_free_slots_of_two_engines():
+    clock = FakeClock()
+    line, _ = line_of(clock)
+    one, two = engine(line, OLD, 2), engine(line, NEW, 2)
+    chats = [turn(line, "#same-digest") for _ in range(4)]
+    assert all(chat.admitted for chat in chats)
+    assert sorted(not_none(c.seat).engine.key for c in chats) == sorted([one.key, one.key,
+                                                                         two.key, two.key])
