@@ -20,5 +20,5 @@ for order in after before before after after before; do
   if [ "$order" = after ]; then dir=$after; else dir=$before; fi
   echo "=== $order $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
   (cd "$dir" && "$python" bench/sessions.py --llama-server "$engine" "$@" 2>&1 \
-     | grep -E "^\| |lone session|^- " || true)
+     | grep -E "^\| |lone session|^- " | grep -vE "^\| (scenario|---)" || true)
 done
