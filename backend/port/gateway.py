@@ -250,7 +250,9 @@ class Gateway:
             queue = line.planning_engine
             plan: Plan | None = None
             hint = request_hint(caller.flow, headers, parsed.data)
-            blocks = prompt_blocks(parsed.data, prompt_size(parsed.data, raw_size))
+            # Its size walks the body's messages again: only a session's turn is continued.
+            size = None if hint.session is None else prompt_size(parsed.data, raw_size)
+            blocks = prompt_blocks(parsed.data, size)
             if queue is not None:
                 plan = await self.plan(queue, path, parsed, raw_size, hint,
                                        self.continued_bound(hint, model, blocks))
