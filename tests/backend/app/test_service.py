@@ -139,13 +139,15 @@ async def until_slots(snapshot: Snapshot, wanted, timeout: float = 60.0) -> None
 async def test_disconnect_while_queued_leaves_the_line(service, client, tiny_model):
     await service.load(spec(tiny_model, parallel="1"))
     async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as running:
-        async for line in running.aiter_lines():
+        # Each iterator held, not left by a `break`: a dropped one is closed when
+        # collected, which hangs up at a random moment.
+        running_lines = running.aiter_lines()
+        async for line in running_lines:
             if line.startswith("data:"):
                 break
         async with client.stream("POST", "/v1/chat/completions", json=chat(**LONG)) as queued:
-            async for line in queued.aiter_lines():
-                assert line.startswith(":")  # a keep-alive: it is waiting
-                break
+            queued_lines = queued.aiter_lines()
+            assert (await anext(queued_lines)).startswith(":")  # a keep-alive: it is waiting
             assert service.registry.total_waiting == 1
         await until(lambda: service.registry.total_waiting == 0, timeout=5)
 
