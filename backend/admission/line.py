@@ -471,11 +471,8 @@ class Line(Generic[E]):
             if ticket.wait_reason == WaitReason.SLOTS_FULL:
                 self._note_passer(ticket)
             self._admitted.append((ticket.seq, ticket.flow.key))
-            # The fair share charges what the engine will compute: not what its cache
-            # holds, nor a bound's slack beyond the prompt's estimate.
-            uncharged = seat.cached + _beyond_estimate(ticket)
-            if uncharged:
-                waiters.discount(ticket, uncharged)
+            if seat.cached:  # the fair share charges what the engine's cache lacks
+                waiters.discount(ticket, seat.cached)
             moved = True
         return moved
 
@@ -616,13 +613,6 @@ class _Probe:
     hint: Hint
     enqueued_at: float
 
-
-def _beyond_estimate(ticket: Ticket) -> int:
-    """Prompt tokens its need reserves beyond its hint's estimate: a bound's slack."""
-    need, estimate = ticket.need, ticket.hint.prompt_estimate
-    if need is None or estimate is None:
-        return 0
-    return max(0, need.prompt - estimate)
 
 
 def _limit(engine: LineEngine) -> int:

@@ -4,8 +4,6 @@ and a warm agent's share is charged the tokens the engine's cache lacked."""
 
 from __future__ import annotations
 
-import pytest
-
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import MAX_PASSES, Line
 from backend.admission.admission_ticket import Ticket, WaitReason
@@ -27,10 +25,9 @@ def engine(line: Line, url: str, slots: int, *, pin_any_slot: bool = True) -> Ad
     return AdmissionQueue(Serving(url, slots, kv=kv, pin_any_slot=pin_any_slot), line=line)
 
 
-def turn(line: Line, session: str, flow: str = "alice", need: int = 1000,
-         estimate: int | None = None) -> Ticket:
+def turn(line: Line, session: str, flow: str = "alice", need: int = 1000) -> Ticket:
     return line.request(TokenNeed(need, 0), flow=Flow(flow),
-                        hint=Hint(f"{flow}\n{session}", flow=flow, prompt_estimate=estimate))
+                        hint=Hint(f"{flow}\n{session}", flow=flow))
 
 
 def answered(policy: KeepPrefixes, ticket: Ticket, prompt: int, cached: int = 0) -> None:
@@ -95,19 +92,14 @@ def test_a_turn_waits_for_its_engine_passed_at_most_max_passes_times_then_home_w
     assert last.admitted and not_none(last.seat).engine is near
 
 
-@pytest.mark.parametrize("bound", [None, 3_000], ids=["counted", "planned-on-a-bound"])
-def test_a_warm_agent_is_charged_the_tokens_the_cache_lacked_a_cold_one_all(bound):
-    """`bound`: the warm turns' needs hold a bound of 3,000 prompt tokens (a continued
-    turn planned without a count) and their hints the estimate, 1,000: the bound's slack
-    is reserved, never computed, and not charged either."""
+def test_a_warm_agent_is_charged_the_tokens_the_cache_lacked_a_cold_one_all():
     clock = FakeClock()
     line, policy = line_of(clock)
     engine(line, NEWER, 1)
     warm_first = turn(line, "w", flow="warm")
     answered(policy, warm_first, 900)
     holder = turn(line, "h", flow="holder")  # the slot is taken: everyone waits
-    waiting = [turn(line, "w", flow="warm") if bound is None
-               else turn(line, "w", flow="warm", need=bound, estimate=1000) for _ in range(12)]
+    waiting = [turn(line, "w", flow="warm") for _ in range(12)]
     waiting += [turn(line, f"c{i}", flow="cold") for i in range(12)]
     holder.release()
     order = []
