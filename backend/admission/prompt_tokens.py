@@ -82,12 +82,12 @@ __all__ = [
     "MIN_OUTPUT_TOKENS",
     "TEMPLATE_ALLOWANCE",
     "TEXT_SLACK",
-    "ContinuedPrompt",
     "CountFailed",
     "EngineTokenizer",
     "PromptCount",
     "PromptCounter",
     "ToolCosts",
+    "ContinuedPrompt",
     "continued_prompt",
     "continued_prompt_bound",
     "output_budget",
@@ -461,8 +461,8 @@ class ContinuedPrompt:
 def continued_prompt(prior_tokens: int, prior_size: int, size: int) -> ContinuedPrompt:
     """The bound and the estimate of the prompt of a turn that continues an earlier one.
     The estimate takes what was added at the earlier prompt's own tokens per byte
-    (with `ESTIMATE_MARGIN`): the bound takes a token per byte, about 4 times the count,
-    which would make a warm turn that adds a page look like a long cold prompt."""
+    (with `ESTIMATE_MARGIN`): the bound's byte a token is about 4 times the count, which
+    would make a warm turn that adds a page look like a long cold prompt."""
     added = max(0, size - prior_size)
     per_byte = prior_tokens / prior_size if prior_size > 0 else 1.0
     estimate = prior_tokens + math.ceil(added * min(1.0, per_byte * ESTIMATE_MARGIN))
