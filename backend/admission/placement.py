@@ -168,10 +168,6 @@ class Hint:
     prefix: tuple[int, ...] = ()
     #: Whose request it is (its flow's key).
     flow: str = ""
-    #: A best guess of its prompt tokens where its need holds only a bound (a turn that
-    #: continues its session's last one: `prompt_tokens.continued_prompt`); None: the
-    #: need's prompt is the guess.
-    prompt_estimate: int | None = None
 
 
 NO_HINT = Hint()

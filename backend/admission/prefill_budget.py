@@ -8,8 +8,7 @@ prompt tokens (llama-server fills the batch from every slot that has prompt left
 double the time the streams crawl.
 
 A prompt is *long* when the tokens the engine must still compute for it (its prompt
-tokens, or the hint's estimate where the need holds a bound, less what the engine's cache
-holds of it: `uncached`) reach `long_tokens`.  The
+tokens less what the engine's cache holds of it: `uncached`) reach `long_tokens`.  The
 decision for one ticket and one engine (`PrefillBudget.admits`):
 
 - a short prompt, or one mostly cached, always passes;
@@ -119,10 +118,7 @@ class PrefillBudget:
         need = ticket.need
         if need is None:
             return 0
-        hint = ticket.hint
-        prompt = need.prompt if hint.prompt_estimate is None else min(need.prompt,
-                                                                      hint.prompt_estimate)
-        return max(0, prompt - self.cache.cached_tokens(hint, engine))
+        return max(0, need.prompt - self.cache.cached_tokens(ticket.hint, engine))
 
     def is_long(self, ticket: Placeable, engine: object) -> bool:
         return self.uncached(ticket, engine) >= self.long_tokens

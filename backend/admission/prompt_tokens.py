@@ -66,7 +66,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,8 +86,6 @@ __all__ = [
     "PromptCount",
     "PromptCounter",
     "ToolCosts",
-    "ContinuedPrompt",
-    "continued_prompt",
     "continued_prompt_bound",
     "output_budget",
     "prompt_size",
@@ -127,10 +124,6 @@ TEXT_SLACK = 4
 #: (`continued_prompt_bound`): an end mark it gives the previous last message once
 #: another follows, a date that turned over.
 CONTINUATION_SLACK = 32
-#: How far a continued turn's added tokens are estimated above its session's own tokens
-#: per byte (`continued_prompt`): an addition of code or of another language than the
-#: conversation so far has more tokens to the byte.
-ESTIMATE_MARGIN = 1.5
 #: The template's fixed part when it could not be measured: generous, since some
 #: templates add a default system prompt with a date and tool-use instructions.
 TEMPLATE_ALLOWANCE = 1024
@@ -446,28 +439,6 @@ def continued_prompt_bound(prior_tokens: int, prior_size: int, size: int) -> int
     engine, ~90 ms on 2 loaded cores), where the byte bound of the whole conversation,
     about 4 bytes a token, exceeds a slot."""
     return prior_tokens + max(0, size - prior_size) + TEXT_SLACK + CONTINUATION_SLACK
-
-
-@dataclass(frozen=True, slots=True)
-class ContinuedPrompt:
-    """What is known of a turn's prompt from the turn it continues."""
-
-    #: Never below the engine's count (`continued_prompt_bound`): what admission reserves.
-    bound: int
-    #: A best guess (`continued_prompt`): what the prefill budget counts as computed.
-    estimate: int
-
-
-def continued_prompt(prior_tokens: int, prior_size: int, size: int) -> ContinuedPrompt:
-    """The bound and the estimate of the prompt of a turn that continues an earlier one.
-    The estimate takes what was added at the earlier prompt's own tokens per byte
-    (with `ESTIMATE_MARGIN`): the bound's byte a token is about 4 times the count, which
-    would make a warm turn that adds a page look like a long cold prompt."""
-    added = max(0, size - prior_size)
-    per_byte = prior_tokens / prior_size if prior_size > 0 else 1.0
-    estimate = prior_tokens + math.ceil(added * min(1.0, per_byte * ESTIMATE_MARGIN))
-    bound = continued_prompt_bound(prior_tokens, prior_size, size)
-    return ContinuedPrompt(bound, min(bound, estimate + CONTINUATION_SLACK))
 
 
 def output_budget(route: str, body: Mapping[str, Any], *, prompt_tokens: int, limit: int,

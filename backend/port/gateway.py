@@ -25,7 +25,6 @@ import ipaddress
 import json
 import logging
 import time
-from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
 
 from starlette.applications import Starlette
@@ -54,8 +53,8 @@ from backend.llama.kv_capacity import TokenNeed
 from backend.admission.cache_misses import PromptBlocks, prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.placement import NO_HINT, Hint, request_hint
-from backend.admission.prompt_tokens import (ContinuedPrompt, PromptCounter, continued_prompt,
-                                             prompt_size)
+from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
+from backend.admission.prompt_tokens import PromptCounter, continued_prompt_bound, prompt_size
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
@@ -256,7 +255,7 @@ class Gateway:
             blocks = prompt_blocks(parsed.data, size)
             if queue is not None:
                 plan = await self.plan(queue, path, parsed, raw_size, hint,
-                                       self.continued(hint, model, blocks))
+                                       self.continued_bound(hint, model, blocks))
                 # Planned: the parsed objects (several times the body's bytes) are not
                 # kept by a waiting request, only the body (max_waiting_body_bytes).
                 parsed.data = {}
@@ -294,24 +293,23 @@ class Gateway:
             scope[_GONE] = True
         return exchange.metrics
 
-    def continued(self, hint: Hint, model: str, blocks: PromptBlocks) -> ContinuedPrompt | None:
-        """The bound and estimate of the prompt of a turn that continues its session's
-        last answered one on this model (`prompt_tokens.continued_prompt`); None for any
-        other request."""
+    def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None:
+        """A bound on the prompt of a turn that continues its session's last answered
+        one on this model (`prompt_tokens.continued_prompt_bound`), when what it adds is
+        short; None otherwise.  A long addition is counted before it queues: the prefill
+        budget reads the bound's added bytes as tokens to compute, about 4 times the
+        count, and would hold a warm turn as a long cold prompt, or send it to another
+        engine than its prefix's (seen in bench/sessions.py's pool, 330 words a turn)."""
         earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
-        if earlier is None:
+        if earlier is None or blocks.size - earlier.blocks.size >= LONG_PREFILL_TOKENS:
             return None
-        return continued_prompt(earlier.prompt_tokens, earlier.blocks.size, blocks.size)
+        return continued_prompt_bound(earlier.prompt_tokens, earlier.blocks.size, blocks.size)
 
-    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed, body_bytes: int,
-                   hint: Hint = NO_HINT, continued: ContinuedPrompt | None = None) -> Plan:
+    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
+                   body_bytes: int, hint: Hint = NO_HINT, continued: int | None = None) -> Plan:
         """What the request will hold of the engine's KV cache (`NeedPlanner`), and its
         `hint`; no need when the cache is unknown or admission is off: slots alone
-        decide, or nothing.  `continued`: what the turn it continues says of its prompt
-        (`continued`): the planner may reserve its bound, and the hint carries its
-        estimate, which the prefill budget counts instead of the bound's bytes."""
-        if continued is not None:
-            hint = replace(hint, prompt_estimate=continued.estimate)
+        decide, or nothing.  `continued`: its `continued_bound`, if it has one."""
         planner = self.planner_for(queue)
         if planner is None:
             return NO_PLAN if hint is NO_HINT else Plan(hint=hint)
@@ -321,7 +319,7 @@ class Gateway:
             def fits_now(need: TokenNeed) -> bool:
                 return line.fits_now(need, hint)
         return await planner.plan(path, parsed.data, body_bytes, fits_now=fits_now, hint=hint,
-                                  continued=None if continued is None else continued.bound)
+                                  continued=continued)
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's named key as the store has it now (revoked,

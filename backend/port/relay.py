@@ -45,7 +45,6 @@ from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.placement import NO_HINT, Hint
-from backend.admission.prompt_tokens import ContinuedPrompt
 from backend.port.settlement import Ending, Settlement, SettlementHost
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
@@ -98,10 +97,10 @@ class ExchangeHost(SettlementHost, Protocol):
     @property
     def closing(self) -> bool: ...
 
-    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed, body_bytes: int,
-                   hint: Hint = NO_HINT, continued: ContinuedPrompt | None = None) -> Plan: ...
+    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
+                   body_bytes: int, hint: Hint = NO_HINT, continued: int | None = None) -> Plan: ...
 
-    def continued(self, hint: Hint, model: str, blocks: PromptBlocks) -> ContinuedPrompt | None: ...
+    def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None: ...
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
@@ -400,7 +399,7 @@ class Exchange:
             request = self.request
             plan = Plan(hint=request.hint) if queue is None else await self.host.plan(
                 queue, request.path, parsed, request.body_bytes, request.hint,
-                self.host.continued(request.hint, request.model_id or UNROUTED, request.blocks))
+                self.host.continued_bound(request.hint, request.model_id or UNROUTED, request.blocks))
             parsed.data = {}
             ticket = self._take_ticket(plan)
         while True:

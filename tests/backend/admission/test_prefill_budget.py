@@ -141,28 +141,6 @@ def test_what_the_cache_holds_does_not_count_as_prefill():
     assert budget.uncached(warm, None) == LONG.prompt - 5_900 < LONG_PREFILL_TOKENS
 
 
-def test_a_warm_turn_planned_on_a_bound_counts_its_estimate_not_the_bounds_bytes():
-    """A turn that adds a page to its session's 3,000-token prompt: its need holds the
-    bound (the page's 4,000 bytes as tokens); its hint the estimate (800 of them)."""
-    class SessionCached:
-        def cached_tokens(self, hint: Hint, engine: object) -> int:
-            return 3_000 if hint.session == "alice\nagent" else 0
-
-    bound = TokenNeed(prompt=3_000 + 4_000, output=200)
-    line: Line[AdmissionQueue] = Line(clock=FakeClock())
-    line.prefill_budget.cache = SessionCached()
-    engine(line)
-    line.request(SHORT, flow=BOB)
-    line.request(LONG, flow=CAROL)  # a long cold prompt computed beside a stream
-    guessed = line.request(bound, flow=ALICE,
-                           hint=Hint(session="alice\nagent", prompt_estimate=3_800))
-    unguessed = line.request(bound, flow=Flow("dave"), hint=Hint(session="alice\nagent"))
-
-    assert guessed.admitted, "its estimate leaves it short: it passes"
-    assert not unguessed.admitted and unguessed.wait_reason == PREFILL_BUDGET
-    assert line.prefill_budget.uncached(guessed, None) == 800
-
-
 def test_held_requests_show_in_the_metrics_as_a_wait_reason():
     registry = AdmissionRegistry()
     queue = registry.activate(Serving(OLD, 4, kv=KvCapacity.split(4 * 8_192, 4)))

@@ -33,15 +33,12 @@ from backend.admission.prompt_tokens import (
     TEXT_SLACK,
     PromptCount,
     PromptCounter,
-    continued_prompt,
     continued_prompt_bound,
     output_budget,
     prompt_size,
     token_need,
 )
 from backend.admission.cache_misses import prompt_blocks
-from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from tests.not_none import not_none
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port
 
@@ -533,33 +530,3 @@ async def test_a_continued_turns_bound_is_never_below_the_engines_count(
             assert prompt_blocks(body, size(body)).continues(prompt_blocks(earlier, size(earlier)))
             prior = await engine_prompt_tokens(url, route, earlier)
             assert continued_prompt_bound(prior, size(earlier), size(body)) >= later
-
-
-#: What an agent's turn adds after a tool read a file: about 2.5 KB of prose, or of code.
-PROSE_PAGE = " ".join(f"Step {i}: the parser reads one line, checks its indent, and keeps "
-                      "the names it found for the next pass." for i in range(24))
-CODE_PAGE = "".join(f"def handler_{i}(request):\n    return respond(request, status={200 + i})\n\n"
-                    for i in range(36))
-
-
-@pytest.mark.parametrize("page", [PROSE_PAGE, CODE_PAGE], ids=["prose", "code"])
-async def test_a_warm_turn_that_adds_a_page_is_estimated_short_where_its_bound_is_long(
-        engine_url, page):
-    """The prefill budget counts a continued turn's estimate, not its bound: the page's
-    tokens at the conversation's own tokens per byte come near the engine's count of what
-    it added, where the bound's bytes are several times that and would make the warm turn
-    a long cold prompt."""
-    earlier = {"messages": [{"role": "system", "content": LONG_SYSTEM},
-                            {"role": "user", "content": "Read main.py."}]}
-    later = {"messages": [*earlier["messages"], {"role": "assistant", "content": "Reading it."},
-                          {"role": "user", "content": page}]}
-    prior = await engine_prompt_tokens(engine_url, CHAT, earlier)
-    added = await engine_prompt_tokens(engine_url, CHAT, later) - prior
-
-    def size(of: dict[str, Any]) -> int:
-        return not_none(prompt_size(of, len(json.dumps(of).encode())))
-
-    continued = continued_prompt(prior, size(earlier), size(later))
-    assert continued.bound - prior >= LONG_PREFILL_TOKENS > continued.estimate - prior
-    assert added <= continued.estimate - prior <= 1.6 * added
-    assert continued.estimate <= continued.bound
