@@ -296,10 +296,10 @@ class Gateway:
     def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None:
         """A bound on the prompt of a turn that continues its session's last answered
         one on this model (`prompt_tokens.continued_prompt_bound`), when what it adds is
-        short; None otherwise.  A long addition is counted before it queues: the prefill
-        budget reads the bound's added bytes as tokens to compute, about 4 times the
-        count, and would hold a warm turn as a long cold prompt, or send it to another
-        engine than its prefix's (seen in bench/sessions.py's pool, 330 words a turn)."""
+        short; None otherwise.  A long addition is counted before it queues: planned on
+        its bound, warm turns left their prefix's engine in bench/sessions.py's pool (330
+        words a turn), even with an estimate of the added tokens for the prefill budget in
+        place of the bound's bytes (tried and reverted: see bench/README.md)."""
         earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
         if earlier is None or blocks.size - earlier.blocks.size >= LONG_PREFILL_TOKENS:
             return None
