@@ -75,8 +75,8 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 from backend.admission.sessions import Session, SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
-__all__ = ["HOME_WAIT", "NEW_SESSION_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
-           "Hint", "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement", "Seat",
+__all__ = ["HOME_WAIT", "NEW_SESSION_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS",
+           "SESSION_HEADERS", "Hint", "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement", "Seat",
            "SeatEngine", "request_hint"]
 
 #: Characters of prompt text per block of the prefix digest.
@@ -322,13 +322,13 @@ class KeepPrefixes:
         prefix is, so a pile of them on one engine queues there for the rest of their
         conversations); among equals the one holding its flow's prefix (a shared head
         computed once), then the most free.  While that engine is full and one where more
-        live has room, it waits for it within `home_wait`, as a known session waits for
-        its own (measured in bench/sessions.py's pool, 6 agents on 2 engines of 2 slots:
+        live has room, it waits for it within `new_wait`, as a known session waits for
+        its own within `home_wait` (measured in bench/sessions.py's pool, 6 agents on 2 engines of 2 slots:
         taking the first free slot put 4 on one engine and 2 on the other)."""
         need = ticket.need
         fewest = self._fewest_sessions(ticket, engines)
         if fewest is not None and not fewest.has_room(need):
-            return None  # it waits for the engine where it belongs, within home_wait
+            return None  # it waits for the engine where it belongs, within new_wait
         hint = ticket.hint
         match = self.sessions.match_prefix(hint.flow, hint.prefix) if hint.prefix else None
         near = None if match is None else match[0].engine
@@ -374,15 +374,16 @@ class KeepPrefixes:
             return None
         need = ticket.need
         full: E | None = None
+        full_lives = 0
         fewest_with_room: int | None = None
         for engine in engines:
             lives = self.lives_on(engine)
             if engine.has_room(need):
                 if fewest_with_room is None or lives < fewest_with_room:
                     fewest_with_room = lives
-            elif full is None or lives < self.lives_on(full):
-                full = engine
-        if full is None or fewest_with_room is None or self.lives_on(full) >= fewest_with_room:
+            elif full is None or lives < full_lives:
+                full, full_lives = engine, lives
+        if full is None or fewest_with_room is None or full_lives >= fewest_with_room:
             return None
         return full
 
