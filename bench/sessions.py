@@ -38,9 +38,9 @@ default takes every core, and its spinning workers stall whenever one is desched
 
 Scenarios: N+1 sessions on N slots (3 on 2), 8 sessions on 2 slots, 2 sessions on 4
 slots, a pool of 2 engines of 2 slots (6 sessions), an idle-TTL unload mid-run and a
-`serve` restart mid-run (2 sessions on 2 slots, the break after half the turns; directly,
-both are an engine restart; through the port, a models file with a short `idle_ttl` and
-the `serve` process stopped and started again).
+`serve` restart mid-run (2 sessions on 2 slots, the break after half the turns or
+`--break-after`; directly, both are an engine restart; through the port, a models file
+with a short `idle_ttl` and the `serve` process stopped and started again).
 
 Figures, from each answer's `timings` (`prompt_n` computed, `cache_n` taken from the
 cache; the port relays them to a caller without a key, as to the owner):
@@ -598,7 +598,7 @@ async def run_scenario(scenario: Scenario, target: str, model: Path, procs: Proc
     engines.start()
     try:
         sessions = make_sessions(scenario.sessions, args, seed)
-        split = args.turns // 2 if scenario.break_ else args.turns
+        split = args.break_after if scenario.break_ else args.turns
         await _all(sessions, engines, range(0, split), args)
         note = ""
         if scenario.break_:
@@ -707,6 +707,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the port's pool of engines: each started by a GGUF Studio port "
                    "(this one's own model, the others' attached with --upstream) or plain "
                    "llama-servers attached with --upstream (managed)")
+    p.add_argument("--break-after", type=int,
+                   help="turns before the unload or restart of scenarios 5 and 6 (half the turns)")
     p.add_argument("--idle-ttl", type=float, default=2.0,
                    help="the port's idle TTL in the idle-unload scenario, seconds (2)")
     p.add_argument("--think", type=float, default=0.0,
@@ -739,6 +741,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.scenarios = every
     if args.turns < 2:
         p.error("--turns must be at least 2")
+    if args.break_after is None:
+        args.break_after = args.turns // 2
+    if not 1 <= args.break_after < args.turns:
+        p.error("--break-after takes 1 to one less than the turns")
     return args
 
 

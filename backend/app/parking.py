@@ -17,8 +17,14 @@ runs between the seat and the request.
 
 Which slot holds which session is the session table's (`backend.admission.sessions`,
 read through `Residents`): placement pins the turns that keep prefixes, and the relay
-records where each turn's prefix went.  Sessions whose prefix is only in an engine's RAM
-prompt cache (slot unknown) are not parked: llama-server saves slots, not that cache.
+records where each turn's prefix went.  A session whose slot another session took lives
+on in the engine's RAM prompt cache, which llama-server cannot save and which goes with
+the process.  For those, the steward keeps each session's last request (`remember`,
+bounded by `REMEMBERED_BYTES`) and, once the slots are saved, sends it again pinned to a
+saved slot for one token (`SlotClient.recall`): a pinned request on an engine that keeps
+prefixes loads its prompt from that cache (`backend.llama.supervisor.PREFIX_CACHE_ARGS`),
+and the slot is then saved as that session's.  Only where the port pins slots: elsewhere
+no slot is known to hold a prompt, and pinning an empty one skips the RAM cache.
 """
 
 from __future__ import annotations
@@ -28,19 +34,21 @@ import dataclasses
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
+from backend.admission.prompt_tokens import CHAT, COMPLETIONS
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
 from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
 
-__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents"]
+__all__ = ["PARK_TIME_LIMIT", "REMEMBERED_BYTES", "ParkingSteward", "Resident", "Residents"]
 
 log = logging.getLogger("gguf_studio.parking")
 
@@ -48,6 +56,12 @@ log = logging.getLogger("gguf_studio.parking")
 #: the slot's KV (SmolLM2: 22 KiB a token; a 7B model: 128 KiB, 4 GB for a 30k-token
 #: agent prompt, seconds on an SSD); past this the engine stops with what is left unsaved.
 PARK_TIME_LIMIT = 15.0
+#: Bytes of sessions' last requests kept to bring their prefixes back from an engine's
+#: RAM prompt cache before it goes (the least recently answered dropped first): an
+#: agent's 30k-token request is about 120 KiB, so a few hundred sessions.
+REMEMBERED_BYTES = 64 << 20
+#: The routes whose requests are sent again that way (both read `n_predict`).
+_RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS))
 
 
 class Resident(Protocol):
@@ -80,6 +94,16 @@ class Residents(Protocol):
 
 
 @dataclass(frozen=True)
+class _Request:
+    """A session's last request, to bring its prefix back from the RAM cache."""
+
+    path: str
+    body: bytes
+    #: The digest of its prompt's first block (`Hint.prefix`), or () when it has none.
+    begins: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Pending:
     """A restore whose reply has yet to say whether it took."""
 
@@ -99,8 +123,14 @@ class ParkingSteward:
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
         self.time_limit = time_limit
-        #: Figures for the log and the window: saves, restores that took, that did not.
-        self.counts = {"parked": 0, "restored": 0, "not_taken": 0, "park_failed": 0}
+        # A session's last request of its conversation, by its ParkKey.
+        self._requests: OrderedDict[ParkKey, _Request] = OrderedDict()
+        self._request_bytes = 0
+        self.remembered_bytes = REMEMBERED_BYTES
+        #: Figures for the log and the window: saves, those among them brought back
+        #: from the RAM prompt cache, restores that took, that did not.
+        self.counts = {"parked": 0, "recalled": 0, "restored": 0, "not_taken": 0,
+                       "park_failed": 0}
 
     # --- before a planned loss ----------------------------------------------------------
 
@@ -108,33 +138,80 @@ class ParkingSteward:
         """Save the slots of the sessions resident on `model`'s engine `serving` (drained:
         nothing runs on it), within `time_limit` seconds; how many were saved."""
         identity = self.identity(model, serving.key)
-        residents = [(r.slot, ParkKey(identity or "", r.flow, r.key))
-                     for r in self._residents.resident(serving.key) if r.slot is not None]
         self._identities.pop((model, serving.key), None)
-        if identity is None or not residents or self.lot.budget_bytes <= 0:
+        if identity is None or self.lot.budget_bytes <= 0:
             return 0
-        saved = tried = 0
+        in_slots: list[tuple[int, ParkKey]] = []
+        in_ram: list[ParkKey] = []
+        for resident in self._residents.resident(serving.key):
+            key = ParkKey(identity, resident.flow, resident.key)
+            if resident.slot is not None:
+                in_slots.append((resident.slot, key))
+            elif key in self._requests:
+                in_ram.append(key)
+        # Brought back into the most recent session's slot once that is saved (a slot
+        # that holds a prompt, so the pinned request consults the RAM cache).
+        spare = in_slots[-1][0] if in_slots and serving.pin_any_slot else None
+        parked: list[tuple[int, ParkKey, _Request | None]] = [
+            (slot, key, None) for slot, key in reversed(in_slots)]  # the most recent first
+        if spare is not None:
+            parked += [(spare, key, self._requests[key]) for key in reversed(in_ram)]
+        if not parked:
+            return 0
+        saved = tried = recalled = 0
         started = time.monotonic()
         async with SlotClient(serving.base_url, api_key=serving.api_key,
                               timeout=self.time_limit) as engine:
             try:
                 async with asyncio.timeout(self.time_limit):
-                    for slot, key in reversed(residents):  # the most recent first
+                    for slot, key, request in parked:
                         tried += 1
                         try:
+                            if request is not None:
+                                cached, computed = await engine.recall(
+                                    slot, request.path, request.body)
+                                recalled += cached > computed
                             await self.lot.save(engine, slot, key)
                             saved += 1
                         except (SlotActionFailed, OSError, StudioError) as exc:
                             self.counts["park_failed"] += 1
-                            log.warning("%s: a session's slot was not parked (%s)", model, exc)
+                            log.warning("%s: a session's prefix was not parked (%s)", model, exc)
             except TimeoutError:
-                self.counts["park_failed"] += len(residents) - tried + 1
+                self.counts["park_failed"] += len(parked) - tried + 1
                 log.warning("%s: parking gave up after %g s with %d of %d sessions saved",
-                            model, self.time_limit, saved, len(residents))
+                            model, self.time_limit, saved, len(parked))
         self.counts["parked"] += saved
-        log.info("%s: parked %d session prefixes in %.2f s", model, saved,
-                 time.monotonic() - started)
+        self.counts["recalled"] += recalled
+        log.info("%s: parked %d session prefixes (%d of them brought back from the RAM "
+                 "prompt cache) in %.2f s", model, saved, recalled, time.monotonic() - started)
         return saved
+
+    def remember(self, ticket: Ticket, model: str | None, path: str, body: bytes) -> None:
+        """Keep an answered request of a session (`body` as the engine took it), the
+        latest of its conversation (not a side turn's): what brings its prefix back from
+        the engine's RAM cache when `park` comes (see the module's doc).  O(1) but for
+        what it drops."""
+        session = ticket.hint.session
+        if session is None or model is None or path not in _RECALLED_ROUTES:
+            return
+        identity = self.identity(model, ticket.serving.key)
+        if identity is None:
+            return
+        key = ParkKey(identity, ticket.flow.key, session)
+        begins = ticket.hint.prefix[:1]
+        earlier = self._requests.get(key)
+        if earlier is not None and _aside(earlier, begins, body):
+            return
+        if earlier is not None:
+            del self._requests[key]
+            self._request_bytes -= len(earlier.body)
+        if len(body) > self.remembered_bytes:
+            return
+        self._requests[key] = _Request(path, body, begins)
+        self._request_bytes += len(body)
+        while self._request_bytes > self.remembered_bytes:
+            _, dropped = self._requests.popitem(last=False)
+            self._request_bytes -= len(dropped.body)
 
     # --- a session's next turn -----------------------------------------------------------
 
@@ -214,6 +291,15 @@ class ParkingSteward:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _aside(earlier: _Request, begins: tuple[int, ...], body: bytes) -> bool:
+    """Is a request that begins with `begins` a side turn of the session whose last
+    request was `earlier` (another beginning, and shorter: a title request, a side
+    question; `backend.admission.sessions`)?  Its slot then holds the side prompt, and
+    the conversation's prefix is what `earlier` brings back."""
+    return bool(begins and earlier.begins) and begins != earlier.begins \
+        and len(body) < len(earlier.body)
 
 
 def _cache_n(tail: bytes) -> int | None:

@@ -17,9 +17,15 @@ A restore may fail (a file of another model or cache layout, a prompt longer tha
 slot): the engine then answers an error and clears the slot, and the request is served
 with a plain prefill.  A file cut short or changed on disk never reaches the engine: the
 pinned llama.cpp aborts on a truncated one (`GGML_ASSERT(nread <= state_size)`), so each
-file's size and SHA-256 are kept in the index and checked before a restore.  A restore may also answer success and not take
-(llama.cpp has had restores that were no-ops): `Restored.took(cache_n)` tells from the
-next reply's cached tokens, and the file is dropped when it did not.
+file's size and SHA-256 are kept in the index and checked before a restore.  A restore
+may also answer success and not take (llama.cpp has had restores that were no-ops):
+`Restored.took(cache_n)` tells from the next reply's cached tokens, and the file is
+dropped when it did not.
+
+A prefix that llama-server moved from its slot to its RAM prompt cache (another prompt
+took the slot) cannot be saved from there: `SlotClient.recall` sends its request again,
+pinned to a slot that holds a prompt, for one token, and the engine loads it from that
+cache into the slot, which is then saved like any other (`backend.app.parking`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from backend.llama.api import engine_headers
 from backend.private_files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private, write_private
 
 __all__ = ["DEFAULT_BUDGET_BYTES", "INDEX_NAME", "SAVE_TIMEOUT", "ParkKey", "Parked",
-           "ParkingLot", "Restored", "SlotClient", "SlotActionFailed", "model_identity"]
+           "ParkingLot", "Restored", "SlotClient", "SlotActionFailed", "model_identity",
+           "recall_body"]
 
 log = logging.getLogger("gguf_studio.slot_parking")
 
@@ -146,6 +153,27 @@ class SlotClient:
 
     async def erase(self, slot: int) -> None:
         await self._action(slot, "erase", None)
+
+    async def recall(self, slot: int, path: str, body: bytes) -> tuple[int, int]:
+        """Send `body`, a request the engine answered before (on `path`, made to compute
+        its prompt and one token in `slot`: `recall_body`), so that what its RAM prompt
+        cache holds of that prompt comes back into the slot; (prompt tokens taken from a
+        cache, computed)."""
+        try:
+            response = await self._client.post(path, content=recall_body(body, slot),
+                                               headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise SlotActionFailed(f"a recall got no answer ({type(exc).__name__})") from None
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if response.status_code != 200 or not isinstance(answer, dict):
+            raise SlotActionFailed(f"a recall answered {response.status_code}")
+        timings = answer.get("timings")
+        if not isinstance(timings, dict):
+            return 0, 0
+        return _count(timings.get("cache_n")), _count(timings.get("prompt_n"))
 
     async def _action(self, slot: int, action: str, filename: str | None) -> dict[str, Any]:
         try:
@@ -289,6 +317,16 @@ class ParkingLot:
         entries = [dataclasses.asdict(p) for p in self._index.values()]
         write_private(self.directory / INDEX_NAME,
                       json.dumps({"version": 1, "parked": entries}).encode())
+
+
+def recall_body(body: bytes, slot: int) -> bytes:
+    """`body` (one JSON object, as the engine answered it before) made to compute its
+    prompt and one token in `slot`, answered at once: pinned (`id_slot`), one token
+    (`n_predict` outranks the route's own limit), not streamed, its prompt cached."""
+    request = json.loads(body)
+    request.pop("stream_options", None)
+    request.update(id_slot=slot, n_predict=1, stream=False, cache_prompt=True)
+    return json.dumps(request).encode()
 
 
 def model_identity(model_path: str | os.PathLike[str], *extra: str) -> str:

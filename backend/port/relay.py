@@ -118,6 +118,8 @@ class SlotParking(Protocol):
 
     def after_answer(self, pending: object | None, tail: bytes) -> None: ...
 
+    def remember(self, ticket: Ticket, model: str | None, path: str, body: bytes) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class GatedRequest:
@@ -412,6 +414,8 @@ class Exchange:
                 last = await self._forward(ticket)
                 if parking is not None:
                     parking.after_answer(pending, self._tail or b"".join(self._last_sent))
+                    parking.remember(ticket, self.request.model_id, self.request.path,
+                                     self.request.parsed.body)
                 return last
             except _NotReached:
                 refused_by = self.metrics  # the engine's counts, before the ticket leaves it

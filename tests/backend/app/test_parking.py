@@ -81,6 +81,28 @@ async def test_the_first_turn_after_the_app_restarts_computes_little_of_its_prom
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in slots.iterdir())
 
 
+async def test_a_session_whose_slot_another_took_is_parked_from_the_ram_cache(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    names = ("ram-a", "ram-b", "ram-c")
+    heads = {name: f"You work for {name}. " + HEAD for name in names}
+    async with port(service) as client:
+        for name in names:  # three sessions on two slots: one slot changes hands
+            await turn(client, name, 1, head=heads[name])
+        places = {s.key.split("\n")[-1]: s.slot for s in service.registry.sessions}
+        assert sorted(places) == sorted(names) and list(places.values()).count(None) == 1
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        after = {name: await turn(client, name, 2, head=heads[name]) for name in names}
+    print("after an idle unload, computed of prompt: "
+          + ", ".join(f"{n} {f.computed}/{f.prompt}" for n, f in after.items()))
+    assert service.parking.counts["parked"] == 3
+    assert service.parking.counts["recalled"] == 1  # from the RAM cache, not recomputed
+    assert all(f.computed <= 0.15 * f.prompt for f in after.values())
+    assert service.parking.counts["restored"] == 3
+
+
 async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
         studio: ServiceFactory, tiny_model):
     service = await studio()
@@ -112,8 +134,8 @@ async def test_a_restore_the_turn_does_not_share_is_dropped_and_the_turn_served(
         # the engine takes the restore, and the reply reuses next to nothing of it.
         second = await turn(client, "rewritten-1", 2, head="Today is Tuesday. " + HEAD)
     assert second.computed >= 0.9 * second.prompt
-    assert service.parking.counts == {"parked": 1, "restored": 0, "not_taken": 1,
-                                      "park_failed": 0}
+    assert service.parking.counts == {"parked": 1, "recalled": 0, "restored": 0,
+                                      "not_taken": 1, "park_failed": 0}
     assert parked_files(service.parking) == []  # not restored again on the next turn
 
 
@@ -133,7 +155,8 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
         bobs_counts = dict(service.parking.counts)
         await turn(client, "shared-name", 2, key=alice)
     assert len(parked) == 1 and parked_files(service.parking) == parked
-    assert bobs_counts == {"parked": 1, "restored": 0, "not_taken": 0, "park_failed": 0}
+    assert bobs_counts == {"parked": 1, "recalled": 0, "restored": 0, "not_taken": 0,
+                           "park_failed": 0}
     assert service.parking.counts["restored"] == 1  # alice's own turn got it
 
 

@@ -18,7 +18,7 @@ import pytest
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings, Snapshot
 from backend.llama.slot_parking import (INDEX_NAME, ParkingLot, ParkKey, SlotClient,
-                                        model_identity)
+                                        model_identity, recall_body)
 from backend.llama.supervisor import Supervisor, build_command
 
 #: About 600 tokens of the tiny model's SentencePiece vocabulary.
@@ -144,6 +144,39 @@ async def test_past_the_disk_budget_the_least_recently_used_prefix_goes(
     assert [lot.find(k) is not None for k in keys] == [True, False, True]
     assert lot.used_bytes <= budget[0]
     assert not (slots / keys[1].file_name).exists()
+
+
+async def test_a_prefix_in_the_ram_cache_is_recalled_into_a_slot_and_parked(
+        llama_server_binary, tmp_path, tiny_model):
+    key = ParkKey(model_identity(tiny_model), flow="alice", session="moved-out")
+    other = "Another agent's conversation. " + PROMPT
+    slots = tmp_path / "slots"
+    lot = ParkingLot(slots)
+    async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
+        assert engine.serving is not None and engine.serving.pin_any_slot
+        first = await complete(engine, PROMPT, slot=0)
+        await complete(engine, other, slot=0)  # the slot changes hands: PROMPT goes to RAM
+        async with slot_client(engine) as client:
+            cached, computed = await client.recall(0, "/completion", json.dumps(
+                {"prompt": PROMPT, "n_predict": 8, "stream": True}).encode())
+            parked = await lot.save(client, 0, key)
+    assert cached >= first["prompt_n"] - 1 and computed <= 1  # from the cache, not computed
+    assert parked.tokens >= first["prompt_n"]
+
+    async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
+        async with slot_client(engine) as client:
+            restored = await lot.restore(client, 1, key)
+        warm = await complete(engine, PROMPT + " And one more line.", slot=1)
+    assert restored is not None and restored.took(warm["cache_n"])
+    assert warm["prompt_n"] <= 0.05 * (warm["prompt_n"] + warm["cache_n"])
+
+
+def test_a_recalled_request_computes_its_prompt_and_one_token_in_its_slot():
+    body = recall_body(b'{"model": "m", "messages": [], "stream": true, "max_tokens": 900,'
+                       b' "stream_options": {"include_usage": true}}', 3)
+    assert json.loads(body) == {"model": "m", "messages": [], "stream": False,
+                                "max_tokens": 900, "id_slot": 3, "n_predict": 1,
+                                "cache_prompt": True}
 
 
 def test_the_engine_is_started_with_the_parking_directory(tmp_path, tiny_model):
