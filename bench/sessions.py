@@ -38,7 +38,7 @@ default takes every core, and its spinning workers stall whenever one is desched
 
 Scenarios: N+1 sessions on N slots (3 on 2), 8 sessions on 2 slots, 2 sessions on 4
 slots, a pool of 2 engines of 2 slots (6 sessions), an idle-TTL unload mid-run and a
-`serve` restart mid-run (2 sessions on 2 slots, the break after half the turns or
+`serve` restart mid-run (3 sessions on 2 slots, the break after half the turns or
 `--break-after`; directly, both are an engine restart; through the port, a models file
 with a short `idle_ttl` and the `serve` process stopped and started again).
 
@@ -120,8 +120,10 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("8 sessions on 2 slots", 8 if not quick else 6, 2),
         Scenario("2 sessions on 4 slots", 2, 4),
         Scenario("pool of 2 engines × 2 slots, 6 sessions", 6, 2, engines=2),
-        Scenario("idle-TTL unload mid-run, 2 sessions on 2 slots", 2, 2, break_="idle"),
-        Scenario("serve restart mid-run, 2 sessions on 2 slots", 2, 2, break_="restart"),
+        # One session more than slots: at the break one prefix is in no slot, only in
+        # the engine's RAM prompt cache.
+        Scenario("idle-TTL unload mid-run, 3 sessions on 2 slots", 3, 2, break_="idle"),
+        Scenario("serve restart mid-run, 3 sessions on 2 slots", 3, 2, break_="restart"),
     ]
 
 
