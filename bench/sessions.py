@@ -205,11 +205,11 @@ async def run_turns(session: Session, url: Callable[[int], str], turns: range,
     goes (read per turn: a restarted port has a new address)."""
     await asyncio.sleep(start_delay)
     # An agent runs its tools between turns: 0.5-1.5 times --think seconds, the same
-    # pauses for every target (seeded by the session and turn).
+    # pauses for every target (seeded by the session and turn); a break falls in them.
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.turn_timeout, connect=10.0)) as client:
         for t in turns:
             pause = args.think * random.Random(f"{session.key}-{t}").uniform(0.5, 1.5)
-            if t != turns.start and pause > 0:
+            if t != 0 and pause > 0:
                 await asyncio.sleep(pause)
             session.messages.append({"role": "user", "content": session.user_texts[t]})
             turn, reply = await one_turn(client, url(session.index), session, t, args.max_tokens)

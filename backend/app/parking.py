@@ -11,6 +11,9 @@ A save that hangs does not hold the unload: all saves of one engine share
 A session's next turn, once admission gave it a seat (a slot of an engine), is looked up
 by the relay (`before_send`): when its prefix is parked for its key on this model, it is
 restored into the seat's slot and the seat is pinned (`id_slot`), so the engine reuses it.
+A restore overwrites its slot: when that holds another session's prefix (agents back
+together after a break), the prefix is first moved to the engine's RAM prompt cache
+(`SlotClient.vacate`), where that session's next turn finds it.
 The reply's cached tokens say whether it took (`after_answer`); one that did not is
 dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
 runs between the seat and the request.
@@ -91,6 +94,9 @@ class Residents(Protocol):
 
     def where(self, key: str | None) -> Resident | None:
         """Session `key`, or None when unknown."""
+
+    def holder(self, engine: str, slot: int) -> Resident | None:
+        """The session whose prefix `slot` of `engine` holds, if one is known."""
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,16 @@ class ParkingSteward:
         here = where is not None and where.engine == ticket.serving.key
         if not here and self.lot.find(key) is not None:
             serving = ticket.serving
+            holder = self._residents.holder(serving.key, seat.slot)
             async with SlotClient(serving.base_url, api_key=serving.api_key) as engine:
+                if holder is not None and holder.key != session:
+                    # Agents back together after a break: the slot holds a prefix
+                    # restored a turn ago, which is nowhere else on this engine.
+                    try:
+                        await engine.vacate(seat.slot)
+                    except SlotActionFailed as exc:
+                        log.warning("a slot's prefix was not kept before a restore into "
+                                    "it (%s); its session computes it again", exc)
                 restored = await self.lot.restore(engine, seat.slot, key)
             if restored is None:
                 self.counts["not_taken"] += 1

@@ -154,6 +154,20 @@ class SlotClient:
     async def erase(self, slot: int) -> None:
         await self._action(slot, "erase", None)
 
+    async def vacate(self, slot: int) -> None:
+        """Move what `slot` holds to the engine's RAM prompt cache (a restore overwrites a
+        slot and would lose it): a pinned request of one token does, on an engine whose
+        slot similarity is not 0 (`get_available_slot` saves a slot's prompt before it
+        loads another)."""
+        try:
+            response = await self._client.post("/completion", json={
+                "prompt": " ", "n_predict": 1, "id_slot": slot, "cache_prompt": True})
+        except httpx.HTTPError as exc:
+            raise SlotActionFailed(
+                f"vacating a slot got no answer ({type(exc).__name__})") from None
+        if response.status_code != 200:
+            raise SlotActionFailed(f"vacating a slot answered {response.status_code}")
+
     async def recall(self, slot: int, path: str, body: bytes) -> tuple[int, int]:
         """Send `body`, a request the engine answered before (on `path`, made to compute
         its prompt and one token in `slot`: `recall_body`), so that what its RAM prompt
