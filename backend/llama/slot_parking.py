@@ -174,7 +174,11 @@ class SlotClient:
         cache holds of that prompt comes back into the slot; (prompt tokens taken from a
         cache, computed)."""
         try:
-            response = await self._client.post(path, content=recall_body(body, slot),
+            content = recall_body(body, slot)
+        except ValueError:
+            raise SlotActionFailed("a recall's request is not one JSON object") from None
+        try:
+            response = await self._client.post(path, content=content,
                                                headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
             raise SlotActionFailed(f"a recall got no answer ({type(exc).__name__})") from None
@@ -338,6 +342,8 @@ def recall_body(body: bytes, slot: int) -> bytes:
     prompt and one token in `slot`, answered at once: pinned (`id_slot`), one token
     (`n_predict` outranks the route's own limit), not streamed, its prompt cached."""
     request = json.loads(body)
+    if not isinstance(request, dict):
+        raise ValueError("not a JSON object")
     request.pop("stream_options", None)
     request.update(id_slot=slot, n_predict=1, stream=False, cache_prompt=True)
     return json.dumps(request).encode()
