@@ -159,14 +159,8 @@ class SlotClient:
         slot and would lose it): a pinned request of one token does, on an engine whose
         slot similarity is not 0 (`get_available_slot` saves a slot's prompt before it
         loads another)."""
-        try:
-            response = await self._client.post("/completion", json={
-                "prompt": " ", "n_predict": 1, "id_slot": slot, "cache_prompt": True})
-        except httpx.HTTPError as exc:
-            raise SlotActionFailed(
-                f"vacating a slot got no answer ({type(exc).__name__})") from None
-        if response.status_code != 200:
-            raise SlotActionFailed(f"vacating a slot answered {response.status_code}")
+        await self._post("vacating a slot", "/completion", json={
+            "prompt": " ", "n_predict": 1, "id_slot": slot, "cache_prompt": True})
 
     async def recall(self, slot: int, path: str, body: bytes) -> tuple[int, int]:
         """Send `body`, a request the engine answered before (on `path`, made to compute
@@ -177,35 +171,31 @@ class SlotClient:
             content = recall_body(body, slot)
         except ValueError:
             raise SlotActionFailed("a recall's request is not one JSON object") from None
-        try:
-            response = await self._client.post(path, content=content,
-                                               headers={"content-type": "application/json"})
-        except httpx.HTTPError as exc:
-            raise SlotActionFailed(f"a recall got no answer ({type(exc).__name__})") from None
-        try:
-            answer = response.json()
-        except ValueError:
-            answer = None
-        if response.status_code != 200 or not isinstance(answer, dict):
-            raise SlotActionFailed(f"a recall answered {response.status_code}")
+        answer = await self._post("a recall", path, content=content,
+                                  headers={"content-type": "application/json"})
         timings = answer.get("timings")
         if not isinstance(timings, dict):
             return 0, 0
         return _count(timings.get("cache_n")), _count(timings.get("prompt_n"))
 
     async def _action(self, slot: int, action: str, filename: str | None) -> dict[str, Any]:
+        return await self._post(f"slot {action}", f"/slots/{slot}", params={"action": action},
+                                json={"filename": filename} if filename else {})
+
+    async def _post(self, what: str, path: str, **request: Any) -> dict[str, Any]:
+        """The engine's answer to one POST to `path`, a JSON object; SlotActionFailed,
+        saying `what` was asked, when it gives none or not with 200."""
         try:
-            response = await self._client.post(f"/slots/{slot}", params={"action": action},
-                                               json={"filename": filename} if filename else {})
+            response = await self._client.post(path, **request)
         except httpx.HTTPError as exc:
-            raise SlotActionFailed(f"slot {action} got no answer ({type(exc).__name__})") from None
+            raise SlotActionFailed(f"{what} got no answer ({type(exc).__name__})") from None
         try:
             body = response.json()
         except ValueError:
             body = None
         if response.status_code != 200 or not isinstance(body, dict):
             said = body.get("error", {}).get("message") if isinstance(body, dict) else None
-            raise SlotActionFailed(f"slot {action} answered {response.status_code}: "
+            raise SlotActionFailed(f"{what} answered {response.status_code}: "
                                    f"{said or 'no reason given'}")
         return body
 
