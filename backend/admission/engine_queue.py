@@ -134,6 +134,12 @@ class AdmissionQueue:
         return self.serving.pin_any_slot
 
     @property
+    def prefill_tokens_per_second(self) -> float | None:
+        """See `backend.llama.engine_speed.EngineSpeed` (None: not measured)."""
+        speed = self.serving.speed
+        return None if speed is None else speed.prefill_tokens_per_second
+
+    @property
     def counts_prompts(self) -> bool:
         """A llama-server counts prompts; another GGUF Studio port (it takes no slot ids
         either) has no counting routes."""

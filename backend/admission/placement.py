@@ -41,9 +41,11 @@ another session of its flow that showed the same first blocks: measured with 6 a
 sharing a 1,200-token head on 2 engines, following the head put 4 on one engine and 2 on
 the other for their whole conversations, and the 4 queued for its 2 slots; so did counting
 a session only once its first turn was answered); while its own engine has no room and
-another has, it waits at most `home_wait` seconds (10 by default) from its arrival, a new
-session `new_wait` (2) for the engine where the fewest live, then goes wherever today's
-rule puts it.  A session's request that arrives while another of its turns runs waits for
+another has, it waits at most `home_wait` seconds (10 by default) from its arrival, or as
+long as the other engine would take to compute its prefix again when that is longer (up to
+`HOME_WAIT_LIMIT`: measured with SmolLM2 on a pool of 2 engines, agents pausing 15-45 s,
+a turn that left after 10 s computed its whole prompt, 30 s), a new session `new_wait` (2)
+for the engine where the fewest live, then goes wherever today's rule puts it.  A session's request that arrives while another of its turns runs waits for
 neither: that turn's slot holds nothing for it until the turn ends (identical chats are
 one session by their digest, and one of them waited for another's whole answer beside a
 free engine).  The fairness bound is the line's: a head that waits for its engine is passed
@@ -75,9 +77,9 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 from backend.admission.sessions import Session, SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
-__all__ = ["HOME_WAIT", "NEW_SESSION_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS",
-           "SESSION_HEADERS", "Hint", "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement", "Seat",
-           "SeatEngine", "request_hint"]
+__all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "NO_HINT", "PREFIX_BLOCK_CHARS",
+           "PREFIX_BLOCKS", "SESSION_HEADERS", "Hint", "KeepPrefixes", "MostFreeSlots",
+           "Placeable", "Placement", "Seat", "SeatEngine", "request_hint"]
 
 #: Characters of prompt text per block of the prefix digest.
 PREFIX_BLOCK_CHARS = 1024
@@ -92,6 +94,9 @@ SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"sess
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
 HOME_WAIT = 10.0
+#: The longest a session's turn waits for its engine when computing its prefix elsewhere
+#: would take longer than `home_wait` (SmolLM2 on one CPU thread: 2,300 tokens, 25 s).
+HOME_WAIT_LIMIT = 60.0
 #: Seconds a new session's first turn may wait for the engine where the fewest sessions
 #: live while one where more live has room: it is cold anywhere, and the wait only buys
 #: its later turns a less crowded engine; short, since sessions that ended long ago
@@ -138,6 +143,11 @@ class SeatEngine(Protocol):
     def pin_any_slot(self) -> bool:
         """A request pinned to a slot that has held a prompt still finds its own prefix
         (in that slot or the engine's RAM prompt cache): the engine was started so."""
+
+    @property
+    def prefill_tokens_per_second(self) -> float | None:
+        """How fast it computes a fresh prompt, as measured after its load; None: not
+        measured."""
 
 
 E = TypeVar("E", bound=SeatEngine)
@@ -242,9 +252,9 @@ class KeepPrefixes:
                     return _seat_on(engine, session if session is not None
                                     and session.engine == home else None, need,
                                     self.sessions)
-                if (session is not None and len(engines) > 1 and self._may_wait(ticket)
-                        and not self._runs(ticket)):
-                    return None  # its engine frees a slot soon: bounded by home_wait
+                if (session is not None and len(engines) > 1 and not self._runs(ticket)
+                        and self._may_wait(ticket, self._home_bound(session, need, engines))):
+                    return None  # its engine frees a slot soon: bounded by _home_bound
                 break
         best = _most_free(need, engines)
         if best is None:
@@ -361,10 +371,23 @@ class KeepPrefixes:
             return self._fewest_sessions(ticket, engines)
         need = ticket.need
         home = next((e for e in engines if e.key == session.engine), None)
-        if (home is not None and not home.has_room(need) and self._may_wait(ticket)
-                and any(e is not home and e.has_room(need) for e in engines)):
+        if (home is not None and not home.has_room(need)
+                and any(e is not home and e.has_room(need) for e in engines)
+                and self._may_wait(ticket, self._home_bound(session, need, engines))):
             return home
         return None
+
+    def _home_bound(self, session: Session, need: TokenNeed | None,
+                    engines: Sequence[E]) -> float:
+        """How long a turn of `session` may wait for the engine holding its prefix:
+        `home_wait`, or as long as the fastest other engine with room would take to
+        compute that prefix again when that is longer (a real model on a CPU), up to
+        `HOME_WAIT_LIMIT`."""
+        fastest = max((speed for e in engines if e.key != session.engine and e.has_room(need)
+                       if (speed := e.prefill_tokens_per_second)), default=None)
+        if not fastest:
+            return self.home_wait
+        return min(HOME_WAIT_LIMIT, max(self.home_wait, session.prompt_tokens / fastest))
 
     def _fewest_sessions(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
         """For a new session's turn that may still wait: the engine with no room where

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
-from backend.admission.prompt_tokens import CHAT, COMPLETIONS
+from backend.admission.prompt_tokens import CHAT, COMPLETIONS, RESPONSES
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
 from backend.llama.load import Serving
@@ -63,8 +63,10 @@ PARK_TIME_LIMIT = 15.0
 #: RAM prompt cache before it goes (the least recently answered dropped first): an
 #: agent's 30k-token request is about 120 KiB, so a few hundred sessions.
 REMEMBERED_BYTES = 64 << 20
-#: The routes whose requests are sent again that way (both read `n_predict`).
-_RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS))
+#: The routes whose requests are sent again that way: they read `n_predict` and
+#: `id_slot` (a Responses request becomes a chat one with its other fields kept; an
+#: Anthropic one keeps only its own, so it cannot be pinned).
+_RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES))
 
 
 class Resident(Protocol):
@@ -134,7 +136,8 @@ class ParkingSteward:
         self._request_bytes = 0
         self.remembered_bytes = REMEMBERED_BYTES
         #: Figures for the log and the window: saves, those among them brought back
-        #: from the RAM prompt cache, restores that took, that did not.
+        #: from the RAM prompt cache (as far as the answers' timings say: a Responses
+        #: answer has none), restores that took, that did not.
         self.counts = {"parked": 0, "recalled": 0, "restored": 0, "not_taken": 0,
                        "park_failed": 0}
 

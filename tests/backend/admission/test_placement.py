@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend.admission.placement import (HOME_WAIT, NO_HINT, PREFIX_BLOCK_CHARS, Hint,
-                                         KeepPrefixes, MostFreeSlots, Seat, request_hint)
+from backend.admission.placement import (HOME_WAIT, HOME_WAIT_LIMIT, NO_HINT, PREFIX_BLOCK_CHARS,
+                                         Hint, KeepPrefixes, MostFreeSlots, Seat, request_hint)
 from backend.admission.sessions import SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
@@ -21,6 +21,7 @@ class Engine:
     kv: KvCapacity | None = None
     released: list[int] = field(default_factory=list)
     pin_any_slot: bool = False
+    prefill_tokens_per_second: float | None = None
     seats: dict[int | None, Seat[Engine]] = field(default_factory=dict)
 
     @property
@@ -240,6 +241,30 @@ def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
     clock.now += HOME_WAIT
     assert policy.place(ticket, [a, b]) == Seat(a, 1, pinned=True)  # waited long enough: anywhere
     assert policy.place(Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now), [b]) is None
+
+
+def test_a_turn_waits_for_its_engine_as_long_as_computing_its_prefix_elsewhere_would_take():
+    clock = Clock()
+    # A real model on a CPU: the other engine would compute the 3,000-token prefix in 30 s.
+    a = Engine("a", [0, 1], kv=SPLIT, prefill_tokens_per_second=100.0)
+    b = Engine("b", [], kv=SPLIT, prefill_tokens_per_second=100.0)
+    policy = KeepPrefixes(SessionTable(), clock=clock)
+    served(policy, "f\ns", Seat(b, 0), 3_000)
+    ticket = Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now)
+    clock.now += HOME_WAIT
+    assert policy.place(ticket, [a, b]) is None
+    assert policy.waits_for_home(ticket, [a, b])  # the line says why it waits
+    clock.now += 30.0 - HOME_WAIT
+    assert policy.place(ticket, [a, b]) == Seat(a, 1, pinned=True)
+    # A fast engine recomputes it within home_wait; a slow one is waited for at most the limit.
+    a.prefill_tokens_per_second = 10_000.0
+    assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT),
+                        [a, b]) == Seat(a, 1, pinned=True)
+    a.prefill_tokens_per_second = 1.0
+    assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT_LIMIT + 1),
+                        [a, b]) is None
+    assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT_LIMIT),
+                        [a, b]) == Seat(a, 1, pinned=True)
 
 
 def test_a_turn_on_an_engine_that_went_away_is_placed_as_any_other():

@@ -171,6 +171,28 @@ async def test_a_prefix_in_the_ram_cache_is_recalled_into_a_slot_and_parked(
     assert warm["prompt_n"] <= 0.05 * (warm["prompt_n"] + warm["cache_n"])
 
 
+async def test_a_responses_request_is_recalled_into_its_slot_too(
+        llama_server_binary, tmp_path, tiny_model):
+    """Codex's route: llama-server turns a Responses request into a chat one, keeping the
+    slot and token fields the recall sets (its answer carries no timings)."""
+    model = model_identity(tiny_model)
+    request = {"model": "tiny", "input": PROMPT, "max_output_tokens": 8, "stream": True}
+    slots = tmp_path / "slots"
+    lot = ParkingLot(slots)
+    async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
+        assert engine.serving is not None
+        async with slot_client(engine) as client, httpx.AsyncClient(
+                headers=engine_headers(engine.serving.api_key), timeout=120) as http:
+            answer = await http.post(f"{engine.serving.base_url}/v1/responses",
+                                     json={**request, "stream": False, "id_slot": 0})
+            assert answer.status_code == 200, answer.text
+            first = await lot.save(client, 0, ParkKey(model, "alice", "as answered"))
+            await complete(engine, "Another agent's conversation. " + PROMPT, slot=0)
+            await client.recall(0, "/v1/responses", json.dumps(request).encode())
+            recalled = await lot.save(client, 0, ParkKey(model, "alice", "recalled"))
+    assert recalled.tokens >= first.tokens - 8  # its prompt, with one token of answer
+
+
 def test_a_recalled_request_computes_its_prompt_and_one_token_in_its_slot():
     body = recall_body(b'{"model": "m", "messages": [], "stream": true, "max_tokens": 900,'
                        b' "stream_options": {"include_usage": true}}', 3)
