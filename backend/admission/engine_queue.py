@@ -133,11 +133,11 @@ class AdmissionQueue:
         """See `Serving.pin_any_slot`."""
         return self.serving.pin_any_slot
 
-    @property
-    def prefill_tokens_per_second(self) -> float | None:
-        """See `backend.llama.engine_speed.EngineSpeed` (None: not measured)."""
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """A fresh prompt of `tokens`, computed at the depths it reaches
+        (`backend.llama.engine_speed.SpeedModel`); None: not measured."""
         speed = self.serving.speed
-        return None if speed is None else speed.prefill_tokens_per_second
+        return None if speed is None else speed.model.chunk_seconds(tokens, 0)
 
     @property
     def counts_prompts(self) -> bool:

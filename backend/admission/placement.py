@@ -44,7 +44,7 @@ a session only once its first turn was answered); while its own engine has no ro
 another has, it waits at most `home_wait` seconds (10 by default) from its arrival, or as
 long as the other engine would take to compute its prefix again when that is longer (up to
 `HOME_WAIT_LIMIT`: measured with SmolLM2 on a pool of 2 engines, agents pausing 15-45 s,
-a turn that left after 10 s computed its whole prompt, 30 s), a new session `new_wait` (2)
+a turn that left after 10 s computed its whole prompt, about 30 s), a new session `new_wait` (2)
 for the engine where the fewest live, then goes wherever today's rule puts it.  A session's request that arrives while another of its turns runs waits for
 neither: that turn's slot holds nothing for it until the turn ends (identical chats are
 one session by their digest, and one of them waited for another's whole answer beside a
@@ -144,10 +144,9 @@ class SeatEngine(Protocol):
         """A request pinned to a slot that has held a prompt still finds its own prefix
         (in that slot or the engine's RAM prompt cache): the engine was started so."""
 
-    @property
-    def prefill_tokens_per_second(self) -> float | None:
-        """How fast it computes a fresh prompt, as measured after its load; None: not
-        measured."""
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """Seconds it would take to compute a fresh prompt of `tokens`, from its speed
+        measured after its load; None: not measured."""
 
 
 E = TypeVar("E", bound=SeatEngine)
@@ -380,14 +379,21 @@ class KeepPrefixes:
     def _home_bound(self, session: Session, need: TokenNeed | None,
                     engines: Sequence[E]) -> float:
         """How long a turn of `session` may wait for the engine holding its prefix:
-        `home_wait`, or as long as the fastest other engine with room would take to
+        `home_wait`, or as long as the quickest other engine with room would take to
         compute that prefix again when that is longer (a real model on a CPU), up to
-        `HOME_WAIT_LIMIT`."""
-        fastest = max((speed for e in engines if e.key != session.engine and e.has_room(need)
-                       if (speed := e.prefill_tokens_per_second)), default=None)
-        if not fastest:
+        `HOME_WAIT_LIMIT`.  An engine elsewhere is not measured: its model is the same,
+        so the home engine's own speed stands in for it."""
+        tokens = session.prompt_tokens
+        elsewhere = [e.prefill_seconds(tokens) for e in engines
+                     if e.key != session.engine and e.has_room(need)]
+        known = [s for s in elsewhere if s is not None]
+        if not known:
+            home = next((e for e in engines if e.key == session.engine), None)
+            here = None if home is None else home.prefill_seconds(tokens)
+            known = [] if here is None else [here]
+        if not known:
             return self.home_wait
-        return min(HOME_WAIT_LIMIT, max(self.home_wait, session.prompt_tokens / fastest))
+        return min(HOME_WAIT_LIMIT, max(self.home_wait, min(known)))
 
     def _fewest_sessions(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
         """For a new session's turn that may still wait: the engine with no room where

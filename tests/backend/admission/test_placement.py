@@ -21,7 +21,7 @@ class Engine:
     kv: KvCapacity | None = None
     released: list[int] = field(default_factory=list)
     pin_any_slot: bool = False
-    prefill_tokens_per_second: float | None = None
+    seconds_per_token: float | None = None  #: its measured prefill speed (None: not measured)
     seats: dict[int | None, Seat[Engine]] = field(default_factory=dict)
 
     @property
@@ -52,6 +52,9 @@ class Engine:
 
     def slot_used(self, slot: int) -> bool:
         return slot in self.released
+
+    def prefill_seconds(self, tokens: int) -> float | None:
+        return None if self.seconds_per_token is None else tokens * self.seconds_per_token
 
 
 @dataclass(frozen=True)
@@ -246,8 +249,8 @@ def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
 def test_a_turn_waits_for_its_engine_as_long_as_computing_its_prefix_elsewhere_would_take():
     clock = Clock()
     # A real model on a CPU: the other engine would compute the 3,000-token prefix in 30 s.
-    a = Engine("a", [0, 1], kv=SPLIT, prefill_tokens_per_second=100.0)
-    b = Engine("b", [], kv=SPLIT, prefill_tokens_per_second=100.0)
+    a = Engine("a", [0, 1], kv=SPLIT, seconds_per_token=0.01)
+    b = Engine("b", [], kv=SPLIT, seconds_per_token=0.01)
     policy = KeepPrefixes(SessionTable(), clock=clock)
     served(policy, "f\ns", Seat(b, 0), 3_000)
     ticket = Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now)
@@ -256,11 +259,15 @@ def test_a_turn_waits_for_its_engine_as_long_as_computing_its_prefix_elsewhere_w
     assert policy.waits_for_home(ticket, [a, b])  # the line says why it waits
     clock.now += 30.0 - HOME_WAIT
     assert policy.place(ticket, [a, b]) == Seat(a, 1, pinned=True)
+    # Not measured there (an engine elsewhere): the home engine's speed stands in for it.
+    a.seconds_per_token = None
+    assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT),
+                        [a, b]) is None
     # A fast engine recomputes it within home_wait; a slow one is waited for at most the limit.
-    a.prefill_tokens_per_second = 10_000.0
+    a.seconds_per_token = 0.0001
     assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT),
                         [a, b]) == Seat(a, 1, pinned=True)
-    a.prefill_tokens_per_second = 1.0
+    a.seconds_per_token = 1.0
     assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT_LIMIT + 1),
                         [a, b]) is None
     assert policy.place(Wanting(hint=ticket.hint, enqueued_at=clock.now - HOME_WAIT_LIMIT),
