@@ -44,14 +44,15 @@ a session only once its first turn was answered); while its own engine has no ro
 another has, it waits at most `home_wait` seconds (10 by default) from its arrival, or as
 long as the other engine would take to compute its prefix again when that is longer (up to
 `HOME_WAIT_LIMIT`: measured with SmolLM2 on a pool of 2 engines, agents pausing 15-45 s,
-a turn that left after 10 s computed its whole prompt, about 30 s), a new session `new_wait` (2)
-for the engine where the fewest live, then goes wherever today's rule puts it.  A session's request that arrives while another of its turns runs waits for
-neither: that turn's slot holds nothing for it until the turn ends (identical chats are
-one session by their digest, and one of them waited for another's whole answer beside a
-free engine).  The fairness bound is the line's: a head that waits for its engine is passed
-at most `MAX_PASSES` times, by other flows' requests or by its own flow's turns that go to
-another engine meanwhile (`home_while_waiting`), then nothing passes it.  A seat
-says how many prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
+a turn that left after 10 s computed its whole prompt, about 30 s), a new session
+`new_wait` (2) for the engine where the fewest live, then goes wherever today's rule puts
+it.  A session's request that arrives while another of its turns runs waits for neither:
+that turn's slot holds nothing for it until the turn ends (identical chats are one session
+by their digest, and one of them waited for another's whole answer beside a free engine).
+The fairness bound is the line's: a head that waits for its engine is passed at most
+`MAX_PASSES` times, by other flows' requests or by its own flow's turns that go to another
+engine meanwhile (`home_while_waiting`), then nothing passes it.  A seat says how many
+prompt tokens it expects the engine's cache to hold (`Seat.cached`): the
 fair share charges the rest (a warm agent is not billed for the prefix it reuses).
 
 `MostFreeSlots` is the rule before sessions: the need fits; the engine with the most
@@ -95,7 +96,7 @@ SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"sess
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
 HOME_WAIT = 10.0
 #: The longest a session's turn waits for its engine when computing its prefix elsewhere
-#: would take longer than `home_wait` (SmolLM2 on one CPU thread: 2,300 tokens, 25 s).
+#: would take longer than `home_wait` (SmolLM2 on one CPU thread: 2,300 tokens, ~30 s).
 HOME_WAIT_LIMIT = 60.0
 #: Seconds a new session's first turn may wait for the engine where the fewest sessions
 #: live while one where more live has room: it is cold anywhere, and the wait only buys
