@@ -51,7 +51,8 @@ from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
 
-__all__ = ["PARK_TIME_LIMIT", "REMEMBERED_BYTES", "ParkingSteward", "Resident", "Residents"]
+__all__ = ["PARK_TIME_LIMIT", "REMEMBERED_BYTES", "LastRequests", "ParkingSteward", "Resident",
+           "Residents", "SessionRequest"]
 
 log = logging.getLogger("gguf_studio.parking")
 
@@ -102,13 +103,53 @@ class Residents(Protocol):
 
 
 @dataclass(frozen=True)
-class _Request:
+class SessionRequest:
     """A session's last request, to bring its prefix back from the RAM cache."""
 
     path: str
     body: bytes
     #: The digest of its prompt's first block (`Hint.prefix`), or () when it has none.
-    begins: tuple[int, ...]
+    begins: tuple[int, ...] = ()
+
+
+class LastRequests:
+    """Each session's last request of its conversation, within `limit` bytes of bodies
+    (the least recently kept dropped first).  No I/O; O(1) but for what it drops."""
+
+    def __init__(self, limit: int = REMEMBERED_BYTES) -> None:
+        self.limit = limit
+        self._requests: OrderedDict[ParkKey, SessionRequest] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    @property
+    def bytes(self) -> int:
+        """The bodies' bytes kept."""
+        return self._bytes
+
+    def get(self, key: ParkKey) -> SessionRequest | None:
+        return self._requests.get(key)
+
+    def keep(self, key: ParkKey, request: SessionRequest) -> bool:
+        """Keep `request` as `key`'s last one, unless it is a side turn of the
+        conversation kept (`_aside`); a body larger than the whole limit is not kept
+        (and forgets the one before).  Whether it was kept."""
+        earlier = self._requests.get(key)
+        if earlier is not None and _aside(earlier, request):
+            return False
+        if earlier is not None:
+            del self._requests[key]
+            self._bytes -= len(earlier.body)
+        if len(request.body) > self.limit:
+            return False
+        self._requests[key] = request
+        self._bytes += len(request.body)
+        while self._bytes > self.limit:
+            _, dropped = self._requests.popitem(last=False)
+            self._bytes -= len(dropped.body)
+        return True
 
 
 @dataclass(frozen=True)
@@ -131,10 +172,8 @@ class ParkingSteward:
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
         self.time_limit = time_limit
-        # A session's last request of its conversation, by its ParkKey.
-        self._requests: OrderedDict[ParkKey, _Request] = OrderedDict()
-        self._request_bytes = 0
-        self.remembered_bytes = REMEMBERED_BYTES
+        #: Each session's last request of its conversation, by its ParkKey.
+        self.last_requests = LastRequests()
         #: Figures for the log and the window: saves, those among them brought back
         #: from the RAM prompt cache (as far as the answers' timings say: a Responses
         #: answer has none), restores that took, that did not.
@@ -151,20 +190,21 @@ class ParkingSteward:
         if identity is None or self.lot.budget_bytes <= 0:
             return 0
         in_slots: list[tuple[int, ParkKey]] = []
-        in_ram: list[ParkKey] = []
+        in_ram: list[tuple[ParkKey, SessionRequest]] = []
         for resident in self._residents.resident(serving.key):
             key = ParkKey(identity, resident.flow, resident.key)
+            last = self.last_requests.get(key)
             if resident.slot is not None:
                 in_slots.append((resident.slot, key))
-            elif key in self._requests:
-                in_ram.append(key)
+            elif last is not None:
+                in_ram.append((key, last))
         # Brought back into the most recent session's slot once that is saved (a slot
         # that holds a prompt, so the pinned request consults the RAM cache).
         spare = in_slots[-1][0] if in_slots and serving.pin_any_slot else None
-        parked: list[tuple[int, ParkKey, _Request | None]] = [
+        parked: list[tuple[int, ParkKey, SessionRequest | None]] = [
             (slot, key, None) for slot, key in reversed(in_slots)]  # the most recent first
         if spare is not None:
-            parked += [(spare, key, self._requests[key]) for key in reversed(in_ram)]
+            parked += [(spare, key, last) for key, last in reversed(in_ram)]
         if not parked:
             return 0
         saved = tried = recalled = 0
@@ -206,21 +246,8 @@ class ParkingSteward:
         identity = self.identity(model, ticket.serving.key)
         if identity is None:
             return
-        key = ParkKey(identity, ticket.flow.key, session)
-        begins = ticket.hint.prefix[:1]
-        earlier = self._requests.get(key)
-        if earlier is not None and _aside(earlier, begins, body):
-            return
-        if earlier is not None:
-            del self._requests[key]
-            self._request_bytes -= len(earlier.body)
-        if len(body) > self.remembered_bytes:
-            return
-        self._requests[key] = _Request(path, body, begins)
-        self._request_bytes += len(body)
-        while self._request_bytes > self.remembered_bytes:
-            _, dropped = self._requests.popitem(last=False)
-            self._request_bytes -= len(dropped.body)
+        self.last_requests.keep(ParkKey(identity, ticket.flow.key, session),
+                                SessionRequest(path, body, ticket.hint.prefix[:1]))
 
     # --- a session's next turn -----------------------------------------------------------
 
@@ -311,13 +338,13 @@ class ParkingSteward:
 # --- helpers -------------------------------------------------------------------------------
 
 
-def _aside(earlier: _Request, begins: tuple[int, ...], body: bytes) -> bool:
-    """Is a request that begins with `begins` a side turn of the session whose last
-    request was `earlier` (another beginning, and shorter: a title request, a side
-    question; `backend.admission.sessions`)?  Its slot then holds the side prompt, and
-    the conversation's prefix is what `earlier` brings back."""
-    return bool(begins and earlier.begins) and begins != earlier.begins \
-        and len(body) < len(earlier.body)
+def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:
+    """Is `request` a side turn of the session whose last request was `earlier` (another
+    beginning, and shorter: a title request, a side question;
+    `backend.admission.sessions`)?  Its slot then holds the side prompt, and the
+    conversation's prefix is what `earlier` brings back."""
+    return bool(request.begins and earlier.begins) and request.begins != earlier.begins \
+        and len(request.body) < len(earlier.body)
 
 
 def _cache_n(tail: bytes) -> int | None:

@@ -1,0 +1,69 @@
+"""The steward's memory of each session's last request (what brings a prefix back from
+the engine's RAM cache before a planned loss): side turns do not replace the
+conversation, and the bodies stay within their byte bound.  No I/O."""
+
+from __future__ import annotations
+
+from backend.app.parking import LastRequests, SessionRequest
+from backend.llama.slot_parking import ParkKey
+
+ALICE = ParkKey("model", "alice", "alice\nthread-1")
+BOB = ParkKey("model", "bob", "bob\nthread-1")
+CAROL = ParkKey("model", "carol", "carol\nthread-1")
+#: The digests of two prompts' first blocks: the agent's head, a title request's.
+HEAD, TITLE = (11,), (22,)
+
+
+def turn(n: int, begins: tuple[int, ...] = HEAD, size: int = 1000) -> SessionRequest:
+    return SessionRequest("/v1/chat/completions", b"x" * (size * n), begins)
+
+
+def test_each_turn_of_a_conversation_replaces_the_one_before():
+    last = LastRequests()
+    assert last.keep(ALICE, turn(1)) and last.keep(ALICE, turn(2))
+    assert last.get(ALICE) == turn(2)
+    assert len(last) == 1 and last.bytes == len(turn(2).body)
+
+
+def test_a_side_turn_does_not_replace_the_conversation_it_interrupts():
+    last = LastRequests()
+    last.keep(ALICE, turn(3))
+    # A title request: another first block, and shorter than the conversation.
+    assert not last.keep(ALICE, turn(1, begins=TITLE))
+    assert last.get(ALICE) == turn(3)
+    assert last.keep(ALICE, turn(4))  # the conversation goes on
+    assert last.get(ALICE) == turn(4)
+
+
+def test_a_rewritten_head_longer_than_before_is_the_conversation_now():
+    last = LastRequests()
+    last.keep(ALICE, turn(2))
+    # Another first block but longer: the client rewrote its head and went on.
+    assert last.keep(ALICE, turn(3, begins=TITLE))
+    assert last.get(ALICE) == turn(3, begins=TITLE)
+
+
+def test_requests_without_a_first_block_are_never_taken_for_side_turns():
+    last = LastRequests()
+    last.keep(ALICE, turn(3, begins=()))
+    assert last.keep(ALICE, turn(1, begins=HEAD))
+    assert last.get(ALICE) == turn(1)
+
+
+def test_the_least_recently_kept_sessions_go_first_past_the_byte_bound():
+    last = LastRequests(limit=5000)
+    last.keep(ALICE, turn(2))
+    last.keep(BOB, turn(2))
+    last.keep(ALICE, turn(2))  # alice answered again: bob is now the oldest
+    last.keep(CAROL, turn(2))  # 6,000 bytes: one must go
+    assert last.get(BOB) is None
+    assert last.get(ALICE) == turn(2) and last.get(CAROL) == turn(2)
+    assert last.bytes == 4000 <= last.limit
+
+
+def test_a_body_larger_than_the_bound_is_not_kept_and_costs_no_one_else_theirs():
+    last = LastRequests(limit=5000)
+    last.keep(BOB, turn(2))
+    assert not last.keep(ALICE, turn(6))
+    assert last.get(ALICE) is None and last.get(BOB) == turn(2)
+    assert last.bytes == 2000
