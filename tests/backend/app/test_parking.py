@@ -25,7 +25,8 @@ from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.pool_status import Residency
 from backend.app.service import PARKED_SLOTS_DIR, StudioService
 from backend.llama.load import LoadSettings
-from backend.llama.slot_parking import INDEX_NAME, ParkingLot, ParkKey
+from backend.llama.slot_parking import (INDEX_NAME, ParkingLot, ParkKey, SlotActionFailed,
+                                        SlotClient)
 from backend.settings import Settings
 from tests.backend.service_harness import ServiceFactory
 
@@ -113,6 +114,38 @@ async def test_a_session_whose_slot_another_took_is_parked_from_the_ram_cache(
     assert service.parking.counts["restored"] == 3
     # Each computes its step (and the answer before it), not the step before too.
     assert all(f.computed <= after[name].computed + 20 for name, f in again.items())
+
+
+async def test_a_slot_that_cannot_be_vacated_costs_its_session_a_prefill_not_a_turn(
+        studio: ServiceFactory, tiny_model, monkeypatch, caplog):
+    vacated: list[int] = []
+
+    async def refuse(self: SlotClient, slot: int) -> None:
+        # An injected fault: the real engine answers a pinned one-token request.
+        vacated.append(slot)
+        raise SlotActionFailed("vacating a slot answered 503: no reason given")
+
+    monkeypatch.setattr(SlotClient, "vacate", refuse)
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    names = ("stuck-a", "stuck-b", "stuck-c")
+    heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 2] for name in names}
+    async with port(service) as client:
+        for name in names:
+            await turn(client, name, 1, head=heads[name], step=TOOL_OUTPUT)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        after = dict(zip(names, await asyncio.gather(*(
+            turn(client, name, 2, head=heads[name], step=TOOL_OUTPUT) for name in names))))
+        again = {name: await turn(client, name, 3, head=heads[name], step=TOOL_OUTPUT)
+                 for name in names}
+    assert vacated, "no restore went into a slot another session held"
+    assert "was not kept before a restore" in caplog.text
+    # Every turn was served, and every restore took; the session whose prefix was in
+    # the slot computes its last turn's step again (two steps, not one).
+    assert service.parking.counts["restored"] == 3
+    assert all(f.computed <= 0.25 * f.prompt for f in after.values())
+    assert max(f.computed - after[name].computed for name, f in again.items()) > 200
 
 
 async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
