@@ -378,15 +378,20 @@ def test_requests_sent_together_with_clients_going_away_leave_the_real_engine_cl
         """Clients that go away while the engine generates their answers: the drawn
         moments above may all fall before admission or after the answer when this
         machine is quick or slow."""
+        cancelled = service.metrics.value("gguf_studio_cancellations_total")
         async with httpx.AsyncClient(base_url=url, timeout=60.0, trust_env=False) as client:
             calls = [asyncio.ensure_future(client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": f"Count to {n} thousand."}],
                 "max_tokens": 256})) for n in range(TOGETHER)]
             await _until(lambda: service.registry.total_active >= 2)
-            for call in calls:
+            running = [call for call in calls if not call.done()]
+            for call in running:
                 call.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
         await _until(lambda: not (service.registry.total_active or service.registry.total_waiting))
+        # The port saw them go: the two admitted ones at least.
+        left = service.metrics.value("gguf_studio_cancellations_total") - cancelled
+        assert len(running) >= 2 and left >= 2, (len(running), left)
 
     capped = service.settings
     # Answers long enough that a client leaves while its request waits or runs.
