@@ -38,9 +38,9 @@ default takes every core, and its spinning workers stall whenever one is desched
 
 Scenarios: N+1 sessions on N slots (3 on 2), 8 sessions on 2 slots, 2 sessions on 4
 slots, a pool of 2 engines of 2 slots (6 sessions), an idle-TTL unload mid-run and a
-`serve` restart mid-run (3 sessions on 2 slots, the break after half the turns or
-`--break-after`; directly, both are an engine restart; through the port, a models file
-with a short `idle_ttl` and the `serve` process stopped and started again).
+`serve` restart mid-run (3 sessions on 2 slots, the break after half the turns rounded
+up or `--break-after`; directly, both are an engine restart; through the port, a models
+file with a short `idle_ttl` and the `serve` process stopped and started again).
 
 Figures, from each answer's `timings` (`prompt_n` computed, `cache_n` taken from the
 cache; the port relays them to a caller without a key, as to the owner):
@@ -50,7 +50,7 @@ cache; the port relays them to a caller without a key, as to the owner):
   is what perfect reuse computes (the previous reply is already in the cache);
 - from scratch: turns ≥ 2 that computed more than half their prompt;
 - TTFT ÷ lone: the median time to the first event of turns ≥ 2, over that of one session
-  alone on the same target (measured first, on its own engines);
+  alone on the same target, on its own engines, run just before the row (`--lone`);
 - after break: the prompt share the first turn after the unload or restart computed
   (mean over sessions; the target is ≤ 15 %);
 - the port's misses by reason: what the port itself counted in
@@ -110,7 +110,7 @@ class Scenario:
     sessions: int
     slots: int  #: per engine
     engines: int = 1
-    #: "idle" (an idle-TTL unload) or "restart" (of `serve`) after half the turns
+    #: "idle" (an idle-TTL unload) or "restart" (of `serve`) after `--break-after` turns
     break_: str | None = None
 
 
@@ -310,6 +310,8 @@ class Figures:
     errors: int = 0
     first_error: str = ""
     retries: int = 0  #: refusals that were retried
+    #: The lone session's TTFT this scenario's row is divided by (see `run_model`).
+    lone: float | None = None
 
 
 def figures(scenario: str, target: str, sessions: list[Session],
@@ -630,33 +632,44 @@ async def _all(sessions: list[Session], engines: Engines, turns: range,
 
 async def run_model(name: str, model: Path, procs: Processes, work: Path,
                     args: argparse.Namespace, log: LOG) -> list[str]:
+    """Every scenario on every target.  The lone session a row's TTFT is divided by runs
+    on the same target just before it (`--lone each`, the default: the machine's pace
+    drifts between minutes, 88-170 ms for the tiny model's lone turn), or once per target
+    before all scenarios (`--lone once`)."""
     log(f"model {name}: {model}")
+    alone = Scenario("one session alone", 1, 2)
     lone: dict[str, float | None] = {}
-    for target in args.targets:
-        f = await run_scenario(Scenario("one session alone", 1, 2), target, model, procs,
-                               work, args, 0, log)
-        lone[target] = f.ttft
+    if args.lone == "once":
+        for target in args.targets:
+            lone[target] = (await run_scenario(alone, target, model, procs, work, args, 0,
+                                               log)).ttft
     results = []
     for seed, scenario in enumerate(args.scenarios, start=1):
         log(f"{scenario.name}:")
         for target in args.targets:
-            results.append(await run_scenario(scenario, target, model, procs, work, args,
-                                              seed, log))
-    return table(name, results, lone)
+            if args.lone == "each":
+                lone[target] = (await run_scenario(alone, target, model, procs, work, args,
+                                                   0, log)).ttft
+            result = await run_scenario(scenario, target, model, procs, work, args, seed, log)
+            result.lone = lone[target]
+            results.append(result)
+    return table(name, results, args.lone)
 
 
-def table(model: str, results: list[Figures], lone: dict[str, float | None]) -> list[str]:
-    rows = [f"model: {model}; lone session's TTFT of turns ≥ 2: "
-            + ", ".join(f"{t} {_ms(v)}" for t, v in lone.items()), "",
+def table(model: str, results: list[Figures], lone: str) -> list[str]:
+    paired = "measured just before each row, on its target" if lone == "each" else \
+        "measured once per target, before every scenario"
+    rows = [f"model: {model}; TTFT ÷ lone: over the median TTFT of turns ≥ 2 of one "
+            f"session alone ({paired}; in brackets)", "",
             "| scenario | target | computed ÷ floor | ideal ÷ floor | from scratch | "
-            "TTFT ÷ lone | TTFT: before the engine + its prefill | prefill ÷ lone | "
+            "TTFT ÷ lone (lone) | TTFT: before the engine + its prefill | prefill ÷ lone | "
             "after break computed (new tokens; of the rest) | retried / failed | "
             "the port's misses by reason |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     waits = []
     for f in results:
-        alone = lone.get(f.target)
-        ttft = f"{f.ttft / alone:.2f}" if f.ttft and alone else "n/a"
+        alone = f.lone
+        ttft = f"{f.ttft / alone:.2f} ({_ms(alone)})" if f.ttft and alone else "n/a"
         prefill = f"{f.prefill / alone:.2f}" if f.prefill is not None and alone else "n/a"
         split = (f"{_ms(f.ttft)}: {_ms(f.queue)} + {_ms(f.prefill)}"
                  if f.ttft is not None else "n/a")
@@ -710,7 +723,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(this one's own model, the others' attached with --upstream) or plain "
                    "llama-servers attached with --upstream (managed)")
     p.add_argument("--break-after", type=int,
-                   help="turns before the unload or restart of scenarios 5 and 6 (half the turns)")
+                   help="turns before the unload or restart of scenarios 5 and 6 (half the "
+                   "turns, rounded up: 3 of 5)")
+    p.add_argument("--lone", choices=("each", "once"), default="each",
+                   help="the lone session TTFT is divided by: run on each row's target just "
+                   "before it, or once per target before all scenarios (each)")
     p.add_argument("--idle-ttl", type=float, default=2.0,
                    help="the port's idle TTL in the idle-unload scenario, seconds (2)")
     p.add_argument("--think", type=float, default=0.0,
@@ -744,7 +761,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.turns < 2:
         p.error("--turns must be at least 2")
     if args.break_after is None:
-        args.break_after = args.turns // 2
+        args.break_after = (args.turns + 1) // 2
     if not 1 <= args.break_after < args.turns:
         p.error("--break-after takes 1 to one less than the turns")
     return args
