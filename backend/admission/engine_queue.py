@@ -128,6 +128,12 @@ class AdmissionQueue:
         """Has slot id `slot` held a request since the engine started?"""
         return slot in self._released
 
+    def touch(self, slot: int) -> None:
+        """Free slot `slot` served a request outside admission (the session steward's):
+        the engine counts it as its most recently used, and so does
+        `least_recent_free_seat`."""
+        self._released[slot] = next(_releases)
+
     @property
     def pin_any_slot(self) -> bool:
         """See `Serving.pin_any_slot`."""

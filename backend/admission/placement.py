@@ -22,6 +22,8 @@ relies on in the pinned llama.cpp (tools/server/server-context.cpp, `get_availab
   RAM cache and cleared whenever a request starts: nothing stays in a slot to pin.
 - OpenAI-style answers do not say which slot served (only `/completion`'s `id_slot`);
   their `timings` say the prompt's computed (`prompt_n`) and cached (`cache_n`) tokens.
+- an Anthropic request (`/v1/messages`) keeps none of the fields it does not convert,
+  `id_slot` among them: it cannot be pinned (`Hint.pinnable`).
 
 So, on an engine with a split cache, a session whose last turn left its prefix in slot S
 (and nothing took S since) is pinned to S when S is free; any other request goes on the
@@ -34,8 +36,12 @@ seat is pinned too and the books stay exact when requests ending together releas
 slots in another order there than here.  A slot never used is pinned on any split cache
 (an empty slot skips the RAM cache, a cost paid once per slot): requests arriving at once
 may reach a fresh engine in another order than they were admitted, and the table would
-then name the wrong slots.  Nothing is pinned on a unified cache or one not known.  Between engines, a session's turn goes to the
-engine holding its prefix; a session that lives nowhere yet goes to the engine where the
+then name the wrong slots.  Nothing is pinned on a unified cache or one not known.  A
+request that cannot be pinned goes, on an engine with a slot similarity of 1 (which never
+picks a slot by its prompt), on the least recently released free seat, where the engine
+puts it, and the session steward first moves its prefix from its slot to the RAM cache
+the engine loads from (`backend.app.parking`).  Between engines, a session's turn goes to
+the engine holding its prefix; a session that lives nowhere yet goes to the engine where the
 fewest sessions live, those whose first turn runs there counted (among equals, one holding
 another session of its flow that showed the same first blocks: measured with 6 agents
 sharing a 1,200-token head on 2 engines, following the head put 4 on one engine and 2 on
@@ -178,6 +184,9 @@ class Hint:
     prefix: tuple[int, ...] = ()
     #: Whose request it is (its flow's key).
     flow: str = ""
+    #: Does the engine honour an `id_slot` in it?  Not on `/v1/messages`: llama-server's
+    #: Anthropic conversion keeps only its own fields (see `_seat_on`).
+    pinnable: bool = True
 
 
 NO_HINT = Hint()
@@ -251,7 +260,7 @@ class KeepPrefixes:
                 if engine.has_room(need):
                     return _seat_on(engine, session if session is not None
                                     and session.engine == home else None, need,
-                                    self.sessions)
+                                    self.sessions, hint.pinnable)
                 if (session is not None and len(engines) > 1 and not self._runs(ticket)
                         and self._may_wait(ticket, self._home_bound(session, need, engines))):
                     return None  # its engine frees a slot soon: bounded by _home_bound
@@ -259,7 +268,7 @@ class KeepPrefixes:
         best = _most_free(need, engines)
         if best is None:
             return None
-        return _unpinned(best) if _split(best) else best.lowest_free_seat()
+        return _unpinned(best, pinnable=hint.pinnable) if _split(best) else best.lowest_free_seat()
 
     def cached_tokens(self, hint: Hint, engine: object) -> int:
         """Prompt tokens of the request with `hint` that `engine`'s cache holds, as far as
@@ -353,8 +362,8 @@ class KeepPrefixes:
         if best is None:
             return None
         if best.key == near:
-            return _seat_on(best, None, need, self.sessions)
-        return _unpinned(best) if _split(best) else best.lowest_free_seat()
+            return _seat_on(best, None, need, self.sessions, hint.pinnable)
+        return _unpinned(best, pinnable=hint.pinnable) if _split(best) else best.lowest_free_seat()
 
     def waits_for_home(self, ticket: Placeable, engines: Sequence[E]) -> bool:
         """Does `place` keep `ticket` waiting for the engine holding its session's prefix
@@ -432,8 +441,9 @@ class KeepPrefixes:
 
 
 def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
-                 data: Mapping[str, Any]) -> Hint:
-    """The hint of a request from flow `flow` with these headers and parsed body."""
+                 data: Mapping[str, Any], *, pinnable: bool = True) -> Hint:
+    """The hint of a request from flow `flow` with these headers and parsed body (on a
+    route whose requests the engine pins to a slot, or not)."""
     session = data.get("prompt_cache_key")
     if not isinstance(session, str) or not session:
         session = _session_header(headers)
@@ -441,8 +451,8 @@ def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
     if session is None and prefix:
         session = _conversation_digest(data)
     if session is None and not prefix:
-        return NO_HINT
-    return Hint(None if session is None else f"{flow}\n{session}", prefix, flow)
+        return NO_HINT if pinnable else Hint(pinnable=False)
+    return Hint(None if session is None else f"{flow}\n{session}", prefix, flow, pinnable)
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -464,12 +474,13 @@ def _split(engine: SeatEngine) -> bool:
     return kv is not None and not kv.unified
 
 
-def _unpinned(engine: E, *, pin_fresh: bool = True) -> Seat[E]:
+def _unpinned(engine: E, *, pin_fresh: bool = True, pinnable: bool = True) -> Seat[E]:
     """The seat llama-server would choose by itself; pinned there when the engine was
     started to keep prefixes and that slot has held a prompt (the port's books then hold
-    for sure: requests ending at once may release their slots in another order there)."""
+    for sure: requests ending at once may release their slots in another order there),
+    and the request takes a pin."""
     seat = engine.least_recent_free_seat()
-    if seat.slot is not None and (engine.pin_any_slot
+    if pinnable and seat.slot is not None and (engine.pin_any_slot
                                   or (pin_fresh and not engine.slot_used(seat.slot))):
         # A slot never used is pinned too: requests that reach the engine in another
         # order than they were admitted here (two agents' first turns on a fresh engine)
@@ -482,18 +493,25 @@ def _unpinned(engine: E, *, pin_fresh: bool = True) -> Seat[E]:
 
 
 def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
-             sessions: SessionTable) -> Seat[E]:
+             sessions: SessionTable, pinnable: bool = True) -> Seat[E]:
     """`engine` holds the session's prefix (or one of its flow's): its slot, pinned,
-    when that slot still holds it and is free, else where the engine would put it."""
+    when that slot still holds it and is free, else where the engine would put it.
+
+    A request the engine cannot pin, on an engine that keeps prefixes (slot similarity
+    1: it never picks a slot by its prompt), goes to the least recently used free slot,
+    whatever that holds, and finds its prefix in the RAM prompt cache: the session
+    steward moves it there from its slot first (`backend.app.parking`)."""
     if not _split(engine):
         seat = engine.lowest_free_seat()
+    elif not pinnable and engine.pin_any_slot:
+        seat = engine.least_recent_free_seat()
     elif (session is not None and session.slot is not None and engine.slot_free(session.slot)
             and sessions.holder(engine.key, session.slot) is session):
         seat = Seat(engine, session.slot, pinned=True)
     else:
         # Not a fresh slot for a session whose prefix is here: unpinned, the engine may
         # still find it in its RAM cache.
-        seat = _unpinned(engine, pin_fresh=session is None)
+        seat = _unpinned(engine, pin_fresh=session is None, pinnable=pinnable)
     if session is None or not session.prompt_tokens:
         return seat
     prompt = session.prompt_tokens if need is None else min(need.prompt, session.prompt_tokens)

@@ -28,6 +28,14 @@ saved slot for one token (`SlotClient.recall`): a pinned request on an engine th
 prefixes loads its prompt from that cache (`backend.llama.supervisor.PREFIX_CACHE_ARGS`),
 and the slot is then saved as that session's.  Only where the port pins slots: elsewhere
 no slot is known to hold a prompt, and pinning an empty one skips the RAM cache.
+
+A turn the engine cannot pin (Claude Code's `/v1/messages`: llama-server's Anthropic
+conversion drops `id_slot`) goes to the engine's least recently used idle slot, which
+placement gives it as its seat, and looks for its prefix in the RAM cache only.  When its
+session's prefix is in another idle slot, the steward moves it there first (`_gather`,
+one pinned one-token request); before, every such turn computed the turns since its
+slot was last the least recently used (measured: twice its new tokens, and the second
+turn its whole prompt).
 """
 
 from __future__ import annotations
@@ -64,6 +72,10 @@ PARK_TIME_LIMIT = 15.0
 #: RAM prompt cache before it goes (the least recently answered dropped first): an
 #: agent's 30k-token request is about 120 KiB, so a few hundred sessions.
 REMEMBERED_BYTES = 64 << 20
+#: Seconds moving a session's prefix to the RAM prompt cache for a turn the engine cannot
+#: pin may take (a save of its KV in memory: well under a second for a 30k-token prompt of
+#: a 7B model); longer, a request admitted onto that slot meanwhile is holding it.
+GATHER_TIME_LIMIT = 5.0
 #: The routes whose requests are sent again that way: they read `n_predict` and
 #: `id_slot` (a Responses request becomes a chat one with its other fields kept; an
 #: Anthropic one keeps only its own, so it cannot be pinned).
@@ -176,9 +188,10 @@ class ParkingSteward:
         self.last_requests = LastRequests()
         #: Figures for the log and the window: saves, those among them brought back
         #: from the RAM prompt cache (as far as the answers' timings say: a Responses
-        #: answer has none), restores that took, that did not.
+        #: answer has none), restores that took, that did not, parks that failed, and
+        #: prefixes moved to the RAM cache for turns that cannot be pinned (`_gather`).
         self.counts = {"parked": 0, "recalled": 0, "restored": 0, "not_taken": 0,
-                       "park_failed": 0}
+                       "park_failed": 0, "gathered": 0}
 
     # --- before a planned loss ----------------------------------------------------------
 
@@ -315,9 +328,17 @@ class ParkingSteward:
         # in its slot (or the engine's RAM cache), newer than the file.
         where = self._residents.where(session)
         here = where is not None and where.engine == ticket.serving.key
+        pinnable = ticket.hint.pinnable
+        if where is not None and here and not pinnable:
+            await self._gather(ticket, where)
+            return None
         if not here and self.lot.find(key) is not None:
             serving = ticket.serving
             holder = self._residents.holder(serving.key, seat.slot)
+            if holder is not None and holder.key != session and not pinnable:
+                # The engine puts this turn in its least recently used slot, the seat;
+                # making room there would make that slot the most recent one.
+                return None
             async with SlotClient(serving.base_url, api_key=serving.api_key) as engine:
                 if holder is not None and holder.key != session:
                     # Agents back together after a break: the slot holds a prefix
@@ -330,9 +351,34 @@ class ParkingSteward:
                 restored = await self.lot.restore(engine, seat.slot, key)
             if restored is None:
                 self.counts["not_taken"] += 1
-        if restored is not None and not seat.pinned:
+        if restored is not None and not seat.pinned and pinnable:
             ticket.seat = dataclasses.replace(seat, pinned=True)
         return _Pending(key, restored) if restored is not None else None
+
+    async def _gather(self, ticket: Ticket, where: Resident) -> None:
+        """A turn the engine cannot pin (`Hint.pinnable`) goes to the engine's least
+        recently used slot, its seat, and looks for its prefix in the RAM prompt cache
+        only (an engine that keeps prefixes never picks a slot by its prompt).  When its
+        session's prefix is in another slot, idle, it is moved to that cache first; the
+        slot then counts as just used, there and in the port's books."""
+        seat = ticket.seat
+        slot = where.slot
+        serving = ticket.serving
+        if seat is None or slot is None or slot == seat.slot or not serving.pin_any_slot:
+            return  # in its seat already, or in the RAM cache
+        holder = self._residents.holder(serving.key, slot)
+        if holder is None or holder.key != where.key or not seat.engine.slot_free(slot):
+            return  # its slot was taken since: the engine moved it to the RAM cache then
+        seat.engine.touch(slot)
+        try:
+            async with SlotClient(serving.base_url, api_key=serving.api_key,
+                                  timeout=GATHER_TIME_LIMIT) as engine:
+                await engine.vacate(slot)
+            self.counts["gathered"] += 1
+        except SlotActionFailed as exc:
+            # A request admitted onto that slot meanwhile moved the prefix there itself.
+            log.warning("a prefix was not moved to the RAM prompt cache for a turn that "
+                        "cannot be pinned (%s)", exc)
 
 
 # --- helpers -------------------------------------------------------------------------------

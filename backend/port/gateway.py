@@ -54,7 +54,8 @@ from backend.admission.cache_misses import PromptBlocks, prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.placement import NO_HINT, Hint, request_hint
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from backend.admission.prompt_tokens import PromptCounter, continued_prompt_bound, prompt_size
+from backend.admission.prompt_tokens import (MESSAGES, PromptCounter, continued_prompt_bound,
+                                             prompt_size)
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
@@ -249,7 +250,7 @@ class Gateway:
                                          separators=(",", ":")).encode()
             queue = line.planning_engine
             plan: Plan | None = None
-            hint = request_hint(caller.flow, headers, parsed.data)
+            hint = request_hint(caller.flow, headers, parsed.data, pinnable=path != MESSAGES)
             # Its size walks the body's messages again: only a session's turn is continued.
             size = None if hint.session is None else prompt_size(parsed.data, raw_size)
             blocks = prompt_blocks(parsed.data, size)

@@ -201,6 +201,32 @@ def test_on_a_split_cache_every_seat_is_pinned_an_empty_one_too():
     assert seat == Seat(engine, 0, pinned=True, cached=600)  # its own slot, not the LRU one
 
 
+def test_a_turn_the_engine_cannot_pin_is_seated_where_the_engines_lru_puts_it():
+    engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0, 1])
+    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    served(policy, "f\nclaude", Seat(engine, 0, pinned=True), 600)
+    messages = Hint("f\nclaude", flow="f", pinnable=False)  # `/v1/messages`
+    # Its prefix is in slot 0, but the engine (slot similarity 1) takes its least recently
+    # used idle slot for a request without `id_slot`: slot 2.  Not pinned, and still
+    # charged as cached (the steward moves the prefix to the RAM cache it loads from).
+    assert policy.place(Wanting(hint=messages), [engine]) == Seat(engine, 2, cached=600)
+    # A new session too, where a chat turn would have pinned the LRU slot.
+    new = Hint("f\nanother", flow="f", pinnable=False)
+    assert policy.place(Wanting(hint=new), [engine]) == Seat(engine, 2)
+    # An engine started with llama-server's own similarity finds the prefix in its slot
+    # by itself: there the session's slot is the seat, as for any turn.
+    own = Engine("o", [0, 1, 2], kv=SPLIT, released=[2, 0, 1])
+    served(policy, "f\nclaude", Seat(own, 0, pinned=True), 600)
+    assert policy.place(Wanting(hint=messages), [own]) == Seat(own, 0, pinned=True, cached=600)
+
+
+def test_a_hint_says_whether_the_engine_can_pin_its_request():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert request_hint("f", [], body).pinnable
+    assert not request_hint("f", [], body, pinnable=False).pinnable
+    assert not request_hint("f", [], {}, pinnable=False).pinnable  # no session: still not
+
+
 def test_nothing_is_pinned_on_a_unified_cache_or_an_unknown_one():
     for kv in (KvCapacity.shared(8_192), None):
         engine = Engine("e", [0, 1], kv=kv)

@@ -36,6 +36,8 @@ HEAD = " ".join(f"Rule {n}: read the file before editing it, and keep edit {n} s
                 for n in range(80))
 #: A turn's tool output: about 250 tokens.
 TOOL_OUTPUT = " ".join(f"test_{n} passed in 0.{n} seconds." for n in range(20))
+#: A third of it: a short step, so that five turns of a session fit a slot.
+STEP = TOOL_OUTPUT[: len(TOOL_OUTPUT) // 3]
 
 
 async def test_the_first_turn_after_an_idle_unload_computes_little_of_its_prompt(
@@ -148,6 +150,50 @@ async def test_a_slot_that_cannot_be_vacated_costs_its_session_a_prefill_not_a_t
     assert max(f.computed - after[name].computed for name, f in again.items()) > 200
 
 
+async def test_a_claude_code_session_computes_only_its_new_tokens(studio: ServiceFactory,
+                                                                  tiny_model):
+    # llama-server drops `id_slot` from `/v1/messages`: each turn goes to the engine's
+    # least recently used slot, which alternates between the two here.
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS),)))
+    async with port(service) as client:
+        figures = [await message_turn(client, "claude-1", n) for n in range(1, 6)]
+    print(f"computed of prompt per turn: {figures}")
+    for before, after in zip(figures, figures[1:]):
+        assert after.computed <= after.prompt - before.prompt + 5, figures
+    assert service.parking.counts["gathered"] >= 2
+
+
+async def test_claude_code_and_codex_sessions_sharing_two_slots_compute_only_their_new_tokens(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS),)))
+    heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 3]
+             for name in ("claude", "codex-a", "codex-b")}
+
+    async def take_turn(name: str, n: int) -> Figures:
+        if name == "claude":
+            return await message_turn(client, name, n, heads[name])
+        return await turn(client, name, n, head=heads[name], step=STEP)
+
+    async with port(service) as client:
+        rounds = [{name: await take_turn(name, 1) for name in heads}]
+        for n in (2, 3):  # one after another: each turn takes a slot from another session
+            rounds.append({name: await take_turn(name, n) for name in heads})
+        # All at once: one waits for a slot at the port.
+        rounds.append(dict(zip(heads, await asyncio.gather(
+            *(take_turn(name, 4) for name in heads)))))
+    print("computed of prompt: " + "; ".join(
+        ", ".join(f"{name} {f.computed}/{f.prompt}" for name, f in turns.items())
+        for turns in rounds))
+    for before, after in zip(rounds, rounds[1:]):
+        for name, figures in after.items():
+            # Its new step and the reply before it: about a tenth of its prompt.
+            assert figures.computed <= figures.prompt - before[name].prompt + 5, rounds
+
+
 async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
         studio: ServiceFactory, tiny_model):
     service = await studio()
@@ -180,7 +226,7 @@ async def test_a_restore_the_turn_does_not_share_is_dropped_and_the_turn_served(
         second = await turn(client, "rewritten-1", 2, head="Today is Tuesday. " + HEAD)
     assert second.computed >= 0.9 * second.prompt
     assert service.parking.counts == {"parked": 1, "recalled": 0, "restored": 0,
-                                      "not_taken": 1, "park_failed": 0}
+                                      "not_taken": 1, "park_failed": 0, "gathered": 0}
     assert parked_files(service.parking) == []  # not restored again on the next turn
 
 
@@ -201,7 +247,7 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
         await turn(client, "shared-name", 2, key=alice)
     assert len(parked) == 1 and parked_files(service.parking) == parked
     assert bobs_counts == {"parked": 1, "recalled": 0, "restored": 0, "not_taken": 0,
-                           "park_failed": 0}
+                           "park_failed": 0, "gathered": 0}
     assert service.parking.counts["restored"] == 1  # alice's own turn got it
 
 
@@ -307,6 +353,9 @@ class Figures:
         self.computed = timings["prompt_n"]
         self.prompt = timings["prompt_n"] + timings["cache_n"]
 
+    def __repr__(self) -> str:
+        return f"{self.computed}/{self.prompt}"
+
 
 def port(service: StudioService) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}", timeout=120)
@@ -326,6 +375,24 @@ async def turn(client: httpx.AsyncClient, session: str, n: int, head: str = HEAD
         "prompt_cache_key": session}, headers={"authorization": f"Bearer {key}"} if key else {})
     assert answer.status_code == 200, answer.text
     return Figures(answer.json().get("timings", {"prompt_n": 0, "cache_n": 0}))
+
+
+async def message_turn(client: httpx.AsyncClient, session: str, n: int,
+                       head: str = HEAD[: len(HEAD) // 2]) -> Figures:
+    """Turn `n` of a Claude Code session (`/v1/messages`), each step a third of a tool's
+    output."""
+    messages = []
+    for earlier in range(1, n):
+        messages += [{"role": "user", "content": f"Step {earlier}: {STEP}"},
+                     {"role": "assistant", "content": f"Done with step {earlier}."}]
+    messages.append({"role": "user", "content": f"Step {n}: {STEP}"})
+    answer = await client.post("/v1/messages", json={
+        "model": "tiny", "system": head, "messages": messages, "max_tokens": 2,
+        "temperature": 0}, headers={"x-claude-code-session-id": session})
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    return Figures({"prompt_n": usage["input_tokens"],
+                    "cache_n": usage.get("cache_read_input_tokens", 0)})
 
 
 def parked_files(steward: ParkingSteward) -> list[Path]:
