@@ -6,11 +6,13 @@
 
 Coding agents resend their whole conversation every turn: a long fixed head
 (instructions and tools, the same for every session), then the session's history, then a
-few hundred new tokens.  Each simulated session here does exactly that over streamed chat
-completions, with its reply kept short (`--max-tokens`) so a run takes minutes.  The
-sessions carry the session names real clients send: Codex `prompt_cache_key` and a
-`session_id` header, OpenCode `x-session-affinity` / `X-Session-Id`, Claude Code
-`X-Claude-Code-Session-Id` (a third of the sessions each).
+few hundred new tokens.  Each simulated session here does exactly that over a streamed
+API, with its reply kept short (`--max-tokens`) so a run takes minutes.  The sessions
+speak as real clients do (a third of them each): Codex chat completions with
+`prompt_cache_key` and a `session_id` header, OpenCode chat completions with
+`x-session-affinity` / `X-Session-Id`, Claude Code Anthropic's `/v1/messages` with
+`X-Claude-Code-Session-Id` (llama-server drops `id_slot` from those: they cannot be
+pinned).
 
 A turn the port refuses for now (429, 503) is sent again after its Retry-After, as the
 agents do (at most 8 times; its TTFT counts from the first try).
@@ -166,11 +168,19 @@ class Session:
             return {"x-session-affinity": self.key, "X-Session-Id": self.key}
         return {"X-Claude-Code-Session-Id": self.key}
 
+    @property
+    def path(self) -> str:
+        """Claude Code speaks Anthropic's Messages API; the others chat completions."""
+        return "/v1/messages" if self.style == "claude-code" else "/v1/chat/completions"
+
     def body(self, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {"model": MODEL, "messages": self.messages, "stream": True,
                                 "max_tokens": max_tokens, "temperature": 0}
         if self.style == "codex":
             body["prompt_cache_key"] = self.key
+        elif self.style == "claude-code":
+            body["system"] = self.messages[0]["content"]
+            body["messages"] = self.messages[1:]
         return body
 
 
@@ -240,7 +250,7 @@ async def _try_turn(client: httpx.AsyncClient, url: str, session: Session, index
     turn = Turn(session.index, index)
     parts: list[str] = []
     try:
-        async with client.stream("POST", url + "/v1/chat/completions",
+        async with client.stream("POST", url + session.path,
                                  json=session.body(max_tokens), headers=session.headers()) as answer:
             if answer.status_code != 200:
                 turn.error = f"HTTP {answer.status_code}: {(await answer.aread())[:160]!r}"
@@ -265,6 +275,10 @@ async def _try_turn(client: httpx.AsyncClient, url: str, session: Session, index
                 if "error" in event:
                     turn.error = json.dumps(event["error"])[:160]
                     continue
+                if "type" in event:  # Anthropic's events: no timings, the usage at the start
+                    done = done or event["type"] == "message_stop"
+                    _read_message_event(event, turn, parts)
+                    continue
                 for choice in event.get("choices") or ():
                     parts.append((choice.get("delta") or {}).get("content") or "")
                 timings = event.get("timings")
@@ -279,6 +293,23 @@ async def _try_turn(client: httpx.AsyncClient, url: str, session: Session, index
     except httpx.HTTPError as exc:
         turn.error = f"{type(exc).__name__}: {exc}"
     return turn, "".join(parts), None
+
+
+def _read_message_event(event: dict[str, Any], turn: Turn, parts: list[str]) -> None:
+    """What one event of an Anthropic stream says: its prompt's tokens, computed
+    (`input_tokens`) and from the cache, in `message_start`; text in the deltas.  It
+    says no prompt time: such turns are left out of the TTFT split's medians."""
+    kind = event["type"]
+    if kind == "message_start":
+        usage = (event.get("message") or {}).get("usage") or {}
+        turn.prompt_n = int(usage.get("input_tokens") or 0)
+        turn.cache_n = int(usage.get("cache_read_input_tokens") or 0)
+    elif kind == "content_block_delta":
+        parts.append((event.get("delta") or {}).get("text") or "")
+    elif kind == "message_delta":
+        turn.predicted_n = int((event.get("usage") or {}).get("output_tokens") or 0)
+    elif kind == "error":
+        turn.error = json.dumps(event.get("error"))[:160]
 
 
 # --- the figures ---------------------------------------------------------------------------
@@ -340,8 +371,9 @@ def figures(scenario: str, target: str, sessions: list[Session],
                 f.later_turns += 1
                 f.from_scratch += turn.prompt_n * 2 > turn.prompt
                 ttfts.append(turn.ttft)
-                queues.append(max(0.0, turn.ttft - turn.prompt_ms / 1e3))
-                prefills.append(turn.prompt_ms / 1e3)
+                if turn.prompt_ms > 0:  # Anthropic's answers say none
+                    queues.append(max(0.0, turn.ttft - turn.prompt_ms / 1e3))
+                    prefills.append(turn.prompt_ms / 1e3)
                 if break_at is not None and turn.index == break_at:
                     after.append(turn.prompt_n / turn.prompt)
                     after_new.append(new / turn.prompt)
