@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -55,6 +54,7 @@ from backend.admission.admission_ticket import Ticket
 from backend.admission.prompt_tokens import CHAT, COMPLETIONS, RESPONSES
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
+from backend.port import sse
 from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
@@ -280,7 +280,8 @@ class ParkingSteward:
         cached tokens reached the restored prefix), drop it when it did not."""
         if not isinstance(pending, _Pending):
             return
-        cache_n = _cache_n(tail)
+        figures = sse.find_prompt_cache(tail)
+        cache_n = None if figures is None else figures[0]
         if pending.restored.took(cache_n):
             self.counts["restored"] += 1
             return
@@ -391,21 +392,3 @@ def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:
     conversation's prefix is what `earlier` brings back."""
     return bool(request.begins and earlier.begins) and request.begins != earlier.begins \
         and len(request.body) < len(earlier.body)
-
-
-def _cache_n(tail: bytes) -> int | None:
-    """The engine's `timings.cache_n` in the last event or body that carries it."""
-    for block in reversed(tail.split(b"\n")):
-        if b'"cache_n"' not in block:
-            continue
-        text = block[5:] if block.startswith(b"data:") else block
-        try:
-            payload = json.loads(text)
-        except ValueError:
-            continue
-        timings = payload.get("timings") if isinstance(payload, dict) else None
-        value = timings.get("cache_n") if isinstance(timings, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-

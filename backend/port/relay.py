@@ -413,7 +413,8 @@ class Exchange:
             try:
                 last = await self._forward(ticket)
                 if parking is not None:
-                    parking.after_answer(pending, self._tail or b"".join(self._last_sent))
+                    parking.after_answer(pending, self._start + (self._tail or
+                                                                 b"".join(self._last_sent)))
                     parking.remember(ticket, self.request.model_id, self.request.path,
                                      self.request.parsed.body)
                 return last

@@ -165,6 +165,21 @@ async def test_a_claude_code_session_computes_only_its_new_tokens(studio: Servic
     assert service.parking.counts["gathered"] >= 2
 
 
+async def test_a_claude_code_sessions_turn_after_an_idle_unload_computes_little_of_its_prompt(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await message_turn(client, "claude-idle", 1)
+        await message_turn(client, "claude-idle", 2)
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        after = [await message_turn(client, "claude-idle", n) for n in (3, 4)]
+    print(f"after an idle unload, computed of prompt: {after}")
+    assert service.parking.counts["restored"] == 1
+    assert all(f.computed <= 0.15 * f.prompt for f in after), after
+
+
 async def test_claude_code_and_codex_sessions_sharing_two_slots_compute_only_their_new_tokens(
         studio: ServiceFactory, tiny_model):
     service = await studio()
