@@ -73,8 +73,8 @@ PARK_TIME_LIMIT = 15.0
 #: agent's 30k-token request is about 120 KiB, so a few hundred sessions.
 REMEMBERED_BYTES = 64 << 20
 #: Seconds moving a session's prefix to the RAM prompt cache for a turn the engine cannot
-#: pin may take (a save of its KV in memory: well under a second for a 30k-token prompt of
-#: a 7B model); longer, a request admitted onto that slot meanwhile is holding it.
+#: pin may take (a copy of its KV in memory: about a second for a 7B model's 30k-token
+#: prompt, 4 GB, by estimate); longer, a request admitted onto that slot meanwhile holds it.
 GATHER_TIME_LIMIT = 5.0
 #: The routes whose requests are sent again that way: they read `n_predict` and
 #: `id_slot` (a Responses request becomes a chat one with its other fields kept; an
