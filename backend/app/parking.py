@@ -35,7 +35,9 @@ placement gives it as its seat, and looks for its prefix in the RAM cache only. 
 session's prefix is in another idle slot, the steward moves it there first (`_gather`,
 one pinned one-token request); before, every such turn computed the turns since its
 slot was last the least recently used (measured: twice its new tokens, and the second
-turn its whole prompt).
+turn its whole prompt).  Such a session held only in the RAM cache is recalled before a
+planned loss too: its request goes to the least recently used slot, so the steward first
+makes every other slot more recent (their prefixes are saved by then).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from pathlib import Path
 from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
-from backend.admission.prompt_tokens import CHAT, COMPLETIONS, RESPONSES
+from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
 from backend.port import sse
@@ -76,10 +78,11 @@ REMEMBERED_BYTES = 64 << 20
 #: pin may take (a copy of its KV in memory: about a second for a 7B model's 30k-token
 #: prompt, 4 GB, by estimate); longer, a request admitted onto that slot meanwhile holds it.
 GATHER_TIME_LIMIT = 5.0
-#: The routes whose requests are sent again that way: they read `n_predict` and
-#: `id_slot` (a Responses request becomes a chat one with its other fields kept; an
-#: Anthropic one keeps only its own, so it cannot be pinned).
-_RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES))
+#: The routes whose requests are sent again that way.  They read `n_predict` and
+#: `id_slot` (a Responses request becomes a chat one with its other fields kept), except
+#: an Anthropic one, which keeps only its own: it goes to the engine's least recently used
+#: slot, so every other slot is made more recent first (`park`).
+_RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES))
 
 
 class Resident(Protocol):
@@ -230,6 +233,12 @@ class ParkingSteward:
                         tried += 1
                         try:
                             if request is not None:
+                                if request.path == MESSAGES:
+                                    # Their prefixes are parked: `slot` becomes the one
+                                    # the engine used least recently.
+                                    for other in range(serving.slots):
+                                        if other != slot:
+                                            await engine.vacate(other)
                                 cached, computed = await engine.recall(
                                     slot, request.path, request.body)
                                 recalled += cached > computed

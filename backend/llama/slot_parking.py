@@ -48,7 +48,7 @@ import httpx
 from backend.llama.api import engine_headers
 from backend.private_files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private, write_private
 
-__all__ = ["DEFAULT_BUDGET_BYTES", "INDEX_NAME", "SAVE_TIMEOUT", "ParkKey", "Parked",
+__all__ = ["ANTHROPIC_MESSAGES", "DEFAULT_BUDGET_BYTES", "INDEX_NAME", "SAVE_TIMEOUT", "ParkKey", "Parked",
            "ParkingLot", "Restored", "SlotClient", "SlotActionFailed", "model_identity",
            "recall_body"]
 
@@ -63,6 +63,8 @@ DEFAULT_BUDGET_BYTES = 4 << 30
 #: slot action while the slot works, so a busy slot would otherwise hold it for ever).
 SAVE_TIMEOUT = 10.0
 INDEX_NAME = "index.json"
+#: llama-server's Anthropic route, whose requests cannot be pinned (`recall_body`).
+ANTHROPIC_MESSAGES = "/v1/messages"
 #: A restore took when the reply's cached tokens reach this share of what it restored
 #: (a reply shares all of the restored prefix but what the client rewrote, typically
 #: the last assistant turn re-rendered: a few tokens out of thousands).
@@ -168,15 +170,18 @@ class SlotClient:
         cache holds of that prompt comes back into the slot; (prompt tokens taken from a
         cache, computed)."""
         try:
-            content = recall_body(body, slot)
+            content = recall_body(body, slot, anthropic=path == ANTHROPIC_MESSAGES)
         except ValueError:
             raise SlotActionFailed("a recall's request is not one JSON object") from None
         answer = await self._post("a recall", path, content=content,
                                   headers={"content-type": "application/json"})
         timings = answer.get("timings")
-        if not isinstance(timings, dict):
-            return 0, 0
-        return _count(timings.get("cache_n")), _count(timings.get("prompt_n"))
+        if isinstance(timings, dict):
+            return _count(timings.get("cache_n")), _count(timings.get("prompt_n"))
+        usage = answer.get("usage")  # an Anthropic answer has no timings
+        if isinstance(usage, dict):
+            return _count(usage.get("cache_read_input_tokens")), _count(usage.get("input_tokens"))
+        return 0, 0
 
     async def _action(self, slot: int, action: str, filename: str | None) -> dict[str, Any]:
         return await self._post(f"slot {action}", f"/slots/{slot}", params={"action": action},
@@ -327,15 +332,19 @@ class ParkingLot:
                       json.dumps({"version": 1, "parked": entries}).encode())
 
 
-def recall_body(body: bytes, slot: int) -> bytes:
+def recall_body(body: bytes, slot: int, *, anthropic: bool = False) -> bytes:
     """`body` (one JSON object, as the engine answered it before) made to compute its
     prompt and one token in `slot`, answered at once: pinned (`id_slot`), one token
-    (`n_predict` outranks the route's own limit), not streamed, its prompt cached."""
+    (`n_predict` outranks the route's own limit), not streamed, its prompt cached.  An
+    Anthropic request keeps only the fields its conversion reads: one token is its
+    `max_tokens`, and the pin is lost (the engine takes its least recently used slot)."""
     request = json.loads(body)
     if not isinstance(request, dict):
         raise ValueError("not a JSON object")
     request.pop("stream_options", None)
     request.update(id_slot=slot, n_predict=1, stream=False, cache_prompt=True)
+    if anthropic:
+        request["max_tokens"] = 1
     return json.dumps(request).encode()
 
 

@@ -180,6 +180,27 @@ async def test_a_claude_code_sessions_turn_after_an_idle_unload_computes_little_
     assert all(f.computed <= 0.15 * f.prompt for f in after), after
 
 
+async def test_a_claude_code_session_whose_slot_another_took_is_parked_from_the_ram_cache(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 3]
+             for name in ("claude", "codex-a", "codex-b")}
+    async with port(service) as client:
+        first = await message_turn(client, "claude", 1, heads["claude"])
+        for name in ("codex-a", "codex-b"):  # the second takes claude's slot
+            await turn(client, name, 1, head=heads[name], step=STEP)
+        places = {s.key.split("\n")[-1]: s.slot for s in service.registry.sessions}
+        assert places["claude"] is None, places
+        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        second = await message_turn(client, "claude", 2, heads["claude"])
+    print(f"claude's turns, computed of prompt: {first}, then after an idle unload {second}")
+    assert service.parking.counts["parked"] == 3
+    assert service.parking.counts["recalled"] == 1
+    assert second.computed <= second.prompt - first.prompt + 5
+
+
 async def test_claude_code_and_codex_sessions_sharing_two_slots_compute_only_their_new_tokens(
         studio: ServiceFactory, tiny_model):
     service = await studio()

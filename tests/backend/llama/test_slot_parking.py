@@ -199,6 +199,11 @@ def test_a_recalled_request_computes_its_prompt_and_one_token_in_its_slot():
     assert json.loads(body) == {"model": "m", "messages": [], "stream": False,
                                 "max_tokens": 900, "id_slot": 3, "n_predict": 1,
                                 "cache_prompt": True}
+    # An Anthropic request keeps only its own fields: its one token is its max_tokens.
+    anthropic = recall_body(b'{"model": "m", "system": "s", "messages": [], "stream": true,'
+                            b' "max_tokens": 900}', 3, anthropic=True)
+    assert json.loads(anthropic)["max_tokens"] == 1
+    assert json.loads(anthropic)["stream"] is False
 
 
 def test_the_engine_is_started_with_the_parking_directory(tmp_path, tiny_model):
