@@ -1,6 +1,7 @@
 """Parked prefixes through the port, on the real engine: an agent's next turn after its
 model was unloaded for idleness, or after the app restarted, computes almost nothing of
-its prompt; a parked file that cannot be restored costs a plain prefill, nothing more."""
+its prompt; a parked file that cannot be restored costs a plain prefill, nothing more.
+Claude Code's turns (`/v1/messages`, which the engine cannot pin) find their prefix too."""
 
 from __future__ import annotations
 
