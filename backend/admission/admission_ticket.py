@@ -26,7 +26,8 @@ from backend.errors import QueueTimeout
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
 from backend.admission.flow import Band, Flow
-from backend.admission.placement import NO_HINT, Hint, Seat
+from backend.admission.hint import NO_HINT, Hint
+from backend.admission.placement import Seat
 
 __all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState",
            "WaitReason", "as_need"]

@@ -59,8 +59,8 @@ from backend.admission.admission_ticket import (DEFAULT_FLOW, Ticket, TicketStat
                                                 as_need)
 from backend.admission.flow import Band, Flow
 from backend.admission.fair_queue import FairQueue
-from backend.admission.placement import (NO_HINT, Hint, KeepPrefixes, Placeable, Placement, Seat,
-                                         SeatEngine)
+from backend.admission.hint import NO_HINT, Hint
+from backend.admission.placement import KeepPrefixes, Placeable, Placement, Seat, SeatEngine
 from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
 
 __all__ = ["AGING_SECONDS", "DEFAULT_MODEL", "MAX_PASSES", "Clock", "Line", "LineEngine"]

@@ -24,7 +24,7 @@ from typing import Any
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.admission_ticket import Ticket
-from backend.admission.placement import NO_HINT, Hint
+from backend.admission.hint import NO_HINT, Hint
 from backend.admission.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, PromptCount, PromptCounter,
                                         output_budget, token_need)
 
@@ -51,7 +51,7 @@ class Plan:
     need: TokenNeed | None = None
     #: Set when `need` is the prompt's byte bound, admitted before counting.
     count_later: Callable[[], Awaitable[TokenNeed]] | None = None
-    #: Its session and prompt prefix (`backend.admission.placement.Hint`), for placement.
+    #: Its session and prompt prefix (`backend.admission.hint.Hint`), for placement.
     hint: Hint = NO_HINT
 
     @property

@@ -42,7 +42,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from backend.admission.admission_ticket import WaitReason
 from backend.admission.flow import Band, Flow
-from backend.admission.placement import Hint, Placeable, Placement, Seat, SeatEngine
+from backend.admission.hint import Hint
+from backend.admission.placement import Placeable, Placement, Seat, SeatEngine
 
 __all__ = ["LONG_PREFILL_TOKENS", "PREFILL_BUDGET", "CacheKnowledge", "NothingCached",
            "PrefillBudget", "PrefillPlaceable", "PrefillPlacement"]

@@ -1,7 +1,7 @@
 """Where each session's prompt prefix lives: the session table.
 
 A *session* is one conversation of one caller: its key is scoped to the caller's flow
-("flow\\nname", see `backend.admission.placement.request_hint`), so that no key can name,
+("flow\\nname", see `backend.admission.hint.request_hint`), so that no key can name,
 steer into or read about another key's session.  After each answer the port records the
 turn (`record`): which engine served it (its admission key, a new one for each process:
 a restarted engine holds nothing) and its public label, the slot id it was pinned to

@@ -52,7 +52,7 @@ from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
 from backend.admission.cache_misses import PromptBlocks, prompt_blocks
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
-from backend.admission.placement import NO_HINT, Hint, request_hint
+from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
 from backend.admission.prompt_tokens import (MESSAGES, PromptCounter, continued_prompt_bound,
                                              prompt_size)

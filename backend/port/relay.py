@@ -44,7 +44,7 @@ from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
 from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
-from backend.admission.placement import NO_HINT, Hint
+from backend.admission.hint import NO_HINT, Hint
 from backend.port.settlement import Ending, Settlement, SettlementHost
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers

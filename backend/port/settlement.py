@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from backend.admission.flow import Band
     from backend.admission.flow_control import Pass
     from backend.admission.line import Line
-    from backend.admission.placement import Hint
+    from backend.admission.hint import Hint
     from backend.errors import RequestError
     from backend.port.metrics import Metrics
     from backend.port.request_body import Parsed

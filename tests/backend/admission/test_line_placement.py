@@ -10,7 +10,8 @@ from backend.llama.load import Serving
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.flow import Flow
-from backend.admission.placement import Hint, Placeable, Seat, SeatEngine
+from backend.admission.hint import Hint
+from backend.admission.placement import Placeable, Seat, SeatEngine
 from tests.backend.admission_helpers import NEW, OLD
 from tests.not_none import not_none
 

@@ -20,7 +20,7 @@ from backend.errors import CountingFull
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.need_planner import NeedPlanner, OutputPolicy
-from backend.admission.placement import Hint
+from backend.admission.hint import Hint
 from backend.admission.prompt_tokens import (CHAT, COMPLETIONS, EMBEDDINGS, TEXT_SLACK, CountFailed,
                                         PromptCounter)
 from tests.backend.admission_helpers import OLD, kv_queue_of

@@ -8,7 +8,7 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.admission.flow import Band, Flow
-from backend.admission.placement import Hint
+from backend.admission.hint import Hint
 from backend.admission.prefill_budget import (LONG_PREFILL_TOKENS, PREFILL_BUDGET, PrefillBudget)
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.admission.placement import Hint, KeepPrefixes, Seat
+from backend.admission.hint import Hint
+from backend.admission.placement import KeepPrefixes, Seat
 from backend.admission.sessions import SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from tests.backend.admission.test_placement import Clock as PlacementClock, Engine, Wanting

@@ -1,0 +1,160 @@
+"""What a request says about itself beside its need: its `Hint`, read once by the gateway
+and kept by its ticket without its parsed body; placement reads it
+(`backend.admission.placement`).
+
+A hint names the request's flow; its session (a client's `prompt_cache_key`, or a session
+header, `SESSION_HEADERS`, else a digest of the conversation's start: its instructions
+and first user message), scoped to its flow so that no caller can name another's session;
+and a digest of its prompt's first blocks, seeded with the flow, so that no caller's
+prompt can match another's.  Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS", "Hint",
+           "request_hint"]
+
+#: Characters of prompt text per block of the prefix digest.
+PREFIX_BLOCK_CHARS = 1024
+#: Blocks of the prompt's beginning the digest covers (the first few KB).
+PREFIX_BLOCKS = 4
+#: Headers that name a client's session, in order of preference (lower case): OpenCode's
+#: affinity and session ids; Codex CLI's thread (0.171 sends `session-id` and `thread-id`,
+#: the same id as its body's `prompt_cache_key`; older ones `session_id`,
+#: `conversation_id`); Claude Code's.
+SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"session-id",
+                   b"thread-id", b"conversation_id", b"x-claude-code-session-id")
+#: Characters of a conversation's start read for its session digest, at most.
+_SESSION_DIGEST_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """What a request says about itself beside its need."""
+
+    #: Its session, scoped to its flow ("flow\\nkey"); None: it names none and its prompt
+    #: has no text to name it by.
+    session: str | None = None
+    #: Chained hashes of the prompt text's first blocks, seeded with the flow (each names
+    #: the whole prefix up to its block's end); only meaningful within this process.
+    prefix: tuple[int, ...] = ()
+    #: Whose request it is (its flow's key).
+    flow: str = ""
+    #: Does the engine honour an `id_slot` in it?  Not on `/v1/messages`: llama-server's
+    #: Anthropic conversion keeps only its own fields (`placement._seat_on`).
+    pinnable: bool = True
+
+
+NO_HINT = Hint()
+
+
+def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
+                 data: Mapping[str, Any], *, pinnable: bool = True) -> Hint:
+    """The hint of a request from flow `flow` with these headers and parsed body (on a
+    route whose requests the engine pins to a slot, or not)."""
+    session = data.get("prompt_cache_key")
+    if not isinstance(session, str) or not session:
+        session = _session_header(headers)
+    prefix = _prefix_digest(flow, data)
+    if session is None and prefix:
+        session = _conversation_digest(data)
+    if session is None and not prefix:
+        return NO_HINT if pinnable else Hint(pinnable=False)
+    return Hint(None if session is None else f"{flow}\n{session}", prefix, flow, pinnable)
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _session_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    found: dict[bytes, bytes] = {}
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in SESSION_HEADERS and value:
+            found.setdefault(lowered, value)
+    for name in SESSION_HEADERS:
+        if name in found:
+            return found[name].decode("latin-1")
+    return None
+
+
+def _conversation_digest(data: Mapping[str, Any]) -> str | None:
+    """A session name for a client that gives none: a digest of its conversation's
+    start, the prompt's text up to the end of its first user message (what stays the
+    same turn after turn; a shared head of instructions alone would merge sessions)."""
+    # blake2b, not hash(): the name must be the same in the next process (a session's
+    # parked prefix is found by it after a restart).
+    digest = hashlib.blake2b(digest_size=8)
+    size = 0
+    seen_user = False
+    for text in _prompt_texts(data):
+        if seen_user and text.startswith("\x1e"):
+            break  # the next message's role mark: the first user message ended
+        if text == "\x1euser\x1f":
+            seen_user = True
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")
+        size += len(text)
+        if size >= _SESSION_DIGEST_CHARS:
+            break
+    return f"#{digest.hexdigest()}" if size else None
+
+
+def _prefix_digest(flow: str, data: Mapping[str, Any]) -> tuple[int, ...]:
+    """Chained hashes of `PREFIX_BLOCK_CHARS`-character blocks of the prompt text's
+    first `PREFIX_BLOCKS` blocks (a short last block counts too), seeded with the flow."""
+    limit = PREFIX_BLOCK_CHARS * PREFIX_BLOCKS
+    parts: list[str] = []
+    size = 0
+    for text in _prompt_texts(data):
+        parts.append(text)
+        size += len(text)
+        if size >= limit:
+            break
+    if not size:
+        return ()
+    text = "".join(parts)[:limit]
+    digest: list[int] = []
+    chained = hash(flow)
+    for start in range(0, len(text), PREFIX_BLOCK_CHARS):
+        chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
+        digest.append(chained)
+    return tuple(digest)
+
+
+def _prompt_texts(data: Mapping[str, Any]) -> Iterable[str]:
+    """The prompt's text in order: system, then each message's role and content (chat,
+    messages, responses), or the completion's prompt; stops being read where the caller
+    stops."""
+    system = data.get("system", data.get("instructions"))
+    if system is not None:
+        yield from _texts(system)
+    messages = data.get("messages", data.get("input", data.get("prompt")))
+    if isinstance(messages, str):
+        yield messages
+        return
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, Mapping):
+                role = message.get("role")
+                if isinstance(role, str):
+                    yield f"\x1e{role}\x1f"
+                yield from _texts(message.get("content"))
+            else:
+                yield from _texts(message)
+
+
+def _texts(content: Any) -> Iterable[str]:
+    if isinstance(content, str):
+        yield content
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, str):
+                yield part
+            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                yield part["text"]

@@ -1,0 +1,73 @@
+"""A request's hint, without I/O: its session, scoped to its flow, and the digest of its
+prompt's first blocks."""
+
+from __future__ import annotations
+
+from backend.admission.hint import NO_HINT, PREFIX_BLOCK_CHARS, request_hint
+
+
+def chat(*contents: str, **fields: object) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": c} for c in contents], **fields}
+
+
+def test_a_session_key_is_the_clients_prompt_cache_key_scoped_to_its_flow():
+    body = chat("hi", prompt_cache_key="agent-7")
+    assert request_hint("key alice", [], body).session == "key alice\nagent-7"
+    assert request_hint("key bob", [], body).session != request_hint("key alice", [], body).session
+
+
+def test_a_session_header_names_the_session_when_the_body_does_not():
+    headers = [(b"Content-Type", b"application/json"), (b"X-Claude-Code-Session-Id", b"c1"),
+               (b"x-session-id", b"s1")]
+    assert request_hint("f", headers, chat("hi")).session == "f\ns1"  # the preferred header
+    assert request_hint("f", headers[:2], chat("hi")).session == "f\nc1"
+    assert request_hint("f", headers, chat("hi", prompt_cache_key="k")).session == "f\nk"
+    codex = [(b"session_id", b"thread-9"), (b"conversation_id", b"thread-8")]
+    assert request_hint("f", codex, chat("hi")).session == "f\nthread-9"
+    # Codex CLI 0.171, as it was seen sending (with the same id as prompt_cache_key).
+    assert request_hint("f", [(b"thread-id", b"t1"), (b"x-codex-window-id", b"t1:0")],
+                        chat("hi")).session == "f\nt1"
+
+
+def test_the_prefix_digest_names_the_blocks_two_prompts_share():
+    system = "You are a coding agent. " * 200  # ~4.8 KB: more than the digest reads
+    first = request_hint("f", [], {"system": "s", "messages": [{"role": "user", "content": "a" * 2_500}]})
+    second = request_hint("f", [], {"system": "s", "messages": [{"role": "user", "content": "a" * 2_000 + "b" * 500}]})
+    assert len(first.prefix) == 3  # 2,500 characters and a role mark: three blocks
+    assert first.prefix[:1] == second.prefix[:1] and first.prefix[2] != second.prefix[2]
+    long = request_hint("f", [], chat(system, "then"))
+    assert len(long.prefix) == 4 and len(set(long.prefix)) == 4
+    assert request_hint("f", [], chat(system, "other")).prefix == long.prefix  # beyond the digest
+    assert request_hint("f", [], {"prompt": "x" * PREFIX_BLOCK_CHARS}).prefix != ()
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
+    assert request_hint("f", [], parts).prefix == request_hint("f", [], chat("hello")).prefix
+
+
+def test_a_request_without_session_or_prompt_text_has_no_hint():
+    assert request_hint("f", [], {"input": [{"type": "image"}]}) is NO_HINT
+    assert request_hint("f", [], {}) is NO_HINT
+
+
+def test_without_a_name_a_session_is_its_conversations_start_scoped_to_its_flow():
+    head = {"role": "system", "content": "You are a coding agent. " * 300}  # one shared head
+    first = [head, {"role": "user", "content": "fix the parser"}]
+    other = [head, {"role": "user", "content": "write the docs"}]
+    later = [*first, {"role": "assistant", "content": "done"}, {"role": "user", "content": "now test"}]
+    session = request_hint("f", [], {"messages": first}).session
+    assert session is not None and session.startswith("f\n")
+    assert request_hint("f", [], {"messages": later}).session == session  # turn after turn
+    assert request_hint("f", [], {"messages": other}).session != session  # the same head
+    assert request_hint("g", [], {"messages": first}).session != session  # another flow
+
+
+def test_the_prefix_digest_is_scoped_to_the_flow():
+    body = chat("the same prompt, sent by two keys")
+    assert request_hint("key alice", [], body).prefix != request_hint("key bob", [], body).prefix
+    assert request_hint("key alice", [], body).flow == "key alice"
+
+
+def test_a_hint_says_whether_the_engine_can_pin_its_request():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert request_hint("f", [], body).pinnable
+    assert not request_hint("f", [], body, pinnable=False).pinnable
+    assert not request_hint("f", [], {}, pinnable=False).pinnable  # no session: still not
