@@ -43,12 +43,10 @@ STEP = TOOL_OUTPUT[: len(TOOL_OUTPUT) // 3]
 
 async def test_the_first_turn_after_an_idle_unload_computes_little_of_its_prompt(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     async with port(service) as client:
         first = await turn(client, "idle-1", 1)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         second = await turn(client, "idle-1", 2)
         third = await turn(client, "idle-1", 3)
     print(f"idle-TTL unload: turn 2 computed {second.computed} of {second.prompt} prompt tokens")
@@ -89,9 +87,7 @@ async def test_the_first_turn_after_the_app_restarts_computes_little_of_its_prom
 
 async def test_a_session_whose_slot_another_took_is_parked_from_the_ram_cache(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     names = ("ram-a", "ram-b", "ram-c")
     # Half the usual head: three turns of tool output fit a slot's 2,048 tokens.
     heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 2] for name in names}
@@ -100,7 +96,7 @@ async def test_a_session_whose_slot_another_took_is_parked_from_the_ram_cache(
             await turn(client, name, 1, head=heads[name], step=TOOL_OUTPUT)
         places = {s.key.split("\n")[-1]: s.slot for s in service.registry.sessions}
         assert sorted(places) == sorted(names) and list(places.values()).count(None) == 1
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         # The agents come back together: the third restore goes into a slot whose
         # restored prefix has just served its turn.
         after = dict(zip(names, await asyncio.gather(*(
@@ -129,15 +125,13 @@ async def test_a_slot_that_cannot_be_vacated_costs_its_session_a_prefill_not_a_t
         raise SlotActionFailed("vacating a slot answered 503: no reason given")
 
     monkeypatch.setattr(SlotClient, "vacate", refuse)
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     names = ("stuck-a", "stuck-b", "stuck-c")
     heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 2] for name in names}
     async with port(service) as client:
         for name in names:
             await turn(client, name, 1, head=heads[name], step=TOOL_OUTPUT)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         after = dict(zip(names, await asyncio.gather(*(
             turn(client, name, 2, head=heads[name], step=TOOL_OUTPUT) for name in names))))
         again = {name: await turn(client, name, 3, head=heads[name], step=TOOL_OUTPUT)
@@ -155,9 +149,7 @@ async def test_a_claude_code_session_computes_only_its_new_tokens(studio: Servic
                                                                   tiny_model):
     # llama-server drops `id_slot` from `/v1/messages`: each turn goes to the engine's
     # least recently used slot, which alternates between the two here.
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS),)))
+    service = await serving_tiny(studio, tiny_model)
     async with port(service) as client:
         figures = [await message_turn(client, "claude-1", n) for n in range(1, 6)]
     print(f"computed of prompt per turn: {figures}")
@@ -168,13 +160,11 @@ async def test_a_claude_code_session_computes_only_its_new_tokens(studio: Servic
 
 async def test_a_claude_code_sessions_turn_after_an_idle_unload_computes_little_of_its_prompt(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     async with port(service) as client:
         await message_turn(client, "claude-idle", 1)
         await message_turn(client, "claude-idle", 2)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         after = [await message_turn(client, "claude-idle", n) for n in (3, 4)]
     print(f"after an idle unload, computed of prompt: {after}")
     assert service.parking.counts["restored"] == 1
@@ -183,9 +173,7 @@ async def test_a_claude_code_sessions_turn_after_an_idle_unload_computes_little_
 
 async def test_a_claude_code_session_whose_slot_another_took_is_parked_from_the_ram_cache(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 3]
              for name in ("claude", "codex-a", "codex-b")}
     async with port(service) as client:
@@ -194,7 +182,7 @@ async def test_a_claude_code_session_whose_slot_another_took_is_parked_from_the_
             await turn(client, name, 1, head=heads[name], step=STEP)
         places = {s.key.split("\n")[-1]: s.slot for s in service.registry.sessions}
         assert places["claude"] is None, places
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         second = await message_turn(client, "claude", 2, heads["claude"])
     print(f"claude's turns, computed of prompt: {first}, then after an idle unload {second}")
     assert service.parking.counts["parked"] == 3
@@ -204,9 +192,7 @@ async def test_a_claude_code_session_whose_slot_another_took_is_parked_from_the_
 
 async def test_claude_code_and_codex_sessions_sharing_two_slots_compute_only_their_new_tokens(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS),)))
+    service = await serving_tiny(studio, tiny_model)
     heads = {name: f"You work for {name}. " + HEAD[: len(HEAD) // 3]
              for name in ("claude", "codex-a", "codex-b")}
 
@@ -233,12 +219,10 @@ async def test_claude_code_and_codex_sessions_sharing_two_slots_compute_only_the
 
 async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     async with port(service) as client:
         await turn(client, "broken-1", 1)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         for parked in parked_files(service.parking):
             parked.write_bytes(parked.read_bytes()[: parked.stat().st_size // 3])
         second = await turn(client, "broken-1", 2)
@@ -251,12 +235,10 @@ async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
 
 async def test_a_restore_the_turn_does_not_share_is_dropped_and_the_turn_served(
         studio: ServiceFactory, tiny_model):
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     async with port(service) as client:
         await turn(client, "rewritten-1", 1)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         assert len(parked_files(service.parking)) == 1
         # The client rewrote its head (a timestamp at the start of the system prompt):
         # the engine takes the restore, and the reply reuses next to nothing of it.
@@ -276,7 +258,7 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
         ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
     async with port(service) as client:
         await turn(client, "shared-name", 1, key=alice)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         parked = parked_files(service.parking)
         # bob names the same session and sends the same conversation.
         await turn(client, "shared-name", 2, key=bob)
@@ -294,7 +276,7 @@ async def test_an_isolated_model_parks_nothing(studio: ServiceFactory, tiny_mode
         str(tiny_model), settings=SETTINGS, idle_ttl=1.0, isolated=True),)))
     async with port(service) as client:
         await turn(client, "isolated-1", 1)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         await turn(client, "isolated-1", 2)
     assert parked_files(service.parking) == []
     assert service.parking.counts["parked"] == 0
@@ -304,12 +286,10 @@ async def test_a_parking_directory_that_cannot_be_made_leaves_serving_alone(
         studio: ServiceFactory, tiny_model, tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / PARKED_SLOTS_DIR).write_text("a file where the directory would go")
-    service = await studio()
-    await service.start_pool(PoolConfig(models=(
-        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     async with port(service) as client:
         await turn(client, "no-dir-1", 1)
-        await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
+        await unloaded_for_idleness(service)
         second = await turn(client, "no-dir-1", 2)
     assert second.computed == second.prompt  # served as without parking
     assert service.parking.counts["parked"] == 0
@@ -383,6 +363,19 @@ async def studio(tmp_path: Path, llama_server_binary: Path) -> AsyncIterator[Ser
             await service.start_gateway()
             return service
         yield start
+
+
+async def serving_tiny(studio: ServiceFactory, model: Path, *,
+                       idle_ttl: float = 0.0) -> StudioService:
+    """A service whose pool serves the tiny model on 2 slots (`SETTINGS`)."""
+    service = await studio()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(model), settings=SETTINGS, idle_ttl=idle_ttl),)))
+    return service
+
+
+async def unloaded_for_idleness(service: StudioService) -> None:
+    await until(lambda: service.pool.status("tiny").residency is Residency.EVICTED)
 
 
 class Figures:
