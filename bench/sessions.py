@@ -688,8 +688,8 @@ async def run_model(name: str, model: Path, procs: Processes, work: Path,
     return table(name, results, args.lone)
 
 
-def table(model: str, results: list[Figures], lone: str) -> list[str]:
-    paired = "measured just before each row, on its target" if lone == "each" else \
+def table(model: str, results: list[Figures], lone_runs: str) -> list[str]:
+    paired = "measured just before each row, on its target" if lone_runs == "each" else \
         "measured once per target, before every scenario"
     rows = [f"model: {model}; TTFT ÷ lone: over the median TTFT of turns ≥ 2 of one "
             f"session alone ({paired}; in brackets)", "",

@@ -346,7 +346,7 @@ class Exchange:
         Settlement(self.host, self.line, self.request, Ending(
             ticket=self.ticket, failed=self._failed, events=self._events,
             answered=self._answered,
-            tail=self._start + (self._tail or b"".join(self._last_sent)),
+            tail=self._answer_tail(),
             arrived=self._arrived, loading=self._loading, first_at=self._first_at,
             last_at=self._last_at, longest_gap=self._longest_gap,
             client_gone=self.client_gone, status=self._status)).close()
@@ -413,8 +413,7 @@ class Exchange:
             try:
                 last = await self._forward(ticket)
                 if parking is not None:
-                    parking.after_answer(pending, self._start + (self._tail or
-                                                                 b"".join(self._last_sent)))
+                    parking.after_answer(pending, self._answer_tail())
                     parking.remember(ticket, self.request.model_id, self.request.path,
                                      self.request.parsed.body)
                 return last
@@ -425,6 +424,11 @@ class Exchange:
                                               "Try again shortly.", retry_after=RETRY_SOON) from None
                 refused_by.count_requeue()
                 self.stage = "queued"
+
+    def _answer_tail(self) -> bytes:
+        """What the answer's figures are read from: its first event (an Anthropic stream
+        names its prompt there only) and its last bytes."""
+        return self._start + (self._tail or b"".join(self._last_sent))
 
     def _stop_awaiting(self) -> None:
         """The wait for the model's load (`_served`) is over: it took its ticket or
