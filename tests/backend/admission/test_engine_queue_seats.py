@@ -92,3 +92,14 @@ def test_a_requeued_ticket_gives_its_slot_id_back():
     assert not ticket.admitted and new.lowest_free_slot() == 0
     line.admit_waiting()
     assert ticket.admitted and not_none(ticket.seat) == Seat(new, 0)
+
+
+def test_the_least_recent_free_seat_follows_releases_and_slots_the_steward_used():
+    queue = queue_of(capacity=3)
+    tickets = [queue.request() for _ in range(3)]
+    for ticket in tickets:  # released in order: slot 0 longest ago
+        ticket.release()
+    assert queue.least_recent_free_seat().slot == 0
+    queue.touch(0)  # the session steward's request used slot 0 (llama-server's LRU too)
+    assert queue.least_recent_free_seat().slot == 1
+    assert queue.slot_used(0)
