@@ -207,10 +207,14 @@ async def test_a_model_failed_by_crashes_loads_again_after_its_cool_down_naming_
         ModelEntry.for_file(str(tiny_model), settings=SMALL),)))
     _record, secret = service.add_key("crasher")
     pool = service.pool
+    killed = None
     for crash in range(2):  # max_restarts=1: the second crash leaves it failed
-        await until(lambda: pool.snapshot("tiny").serving is not None)
+        # The restarted engine, not the killed one the supervisor has yet to see exit.
+        await until(lambda: pool.snapshot("tiny").serving is not None
+                    and pool.snapshot("tiny").pid != killed)
         running = await busy_stream(client, "tiny", **auth(secret))
-        os.kill(pool.snapshot("tiny").pid, signal.SIGKILL)
+        killed = pool.snapshot("tiny").pid
+        os.kill(killed, signal.SIGKILL)
         await asyncio.gather(running, return_exceptions=True)
     await until(lambda: pool.status("tiny").residency is Residency.FAILED)
     failed = pool.status("tiny")
