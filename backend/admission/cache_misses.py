@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BLOCK_CHARS", "CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS",
            "NO_BLOCKS", "PARKED", "REASONS", "Part", "PromptBlocks", "SessionCache", "SessionRow",
-           "THIS_COMPUTER", "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows"]
+           "THIS_COMPUTER", "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows",
+           "text_after"]
 
 #: Characters per block (about 256 tokens of English or code).
 BLOCK_CHARS = 1024
@@ -295,7 +296,7 @@ class CacheBook:
                      blocks: PromptBlocks) -> TurnRecord | None:
         """The answered turn of `session` on `model` that `blocks` continues (the same
         request with messages added: `PromptBlocks.continues`), whose prompt tokens
-        bound this one's (`prompt_tokens.continued_prompt_bound`); None when there is
+        bound this one's (`prompt_tokens.Continued`); None when there is
         none, or the turns' sizes are unknown."""
         if session is None or not blocks.size:
             return None
@@ -419,6 +420,22 @@ def prompt_blocks(data: Mapping[str, Any], size: int | None = None) -> PromptBlo
     frame = hash(_dumps({key: value for key, value in sorted(data.items())
                          if key not in _PROMPT_FIELDS}))
     return PromptBlocks(tuple(chained), tuple(ends), tuple(parts), frame, size or 0)
+
+
+def text_after(data: Mapping[str, Any], chars: int) -> str:
+    """The text of a request body's prompt past its first `chars` characters (as
+    `prompt_blocks` counts them), each part on a line of its own: what a turn that
+    continues an earlier one of `chars` characters added, for the engine to tokenize.
+    The line breaks keep a tokenizer from merging the end of one part with the start of
+    the next (a template separates them too)."""
+    added: list[str] = []
+    offset = 0
+    for _kind, text in _parts(data):
+        end = offset + len(text)
+        if end > chars:
+            added.append(text[max(0, chars - offset):])
+        offset = end
+    return "\n".join(added)
 
 
 # --- helpers ---------------------------------------------------------------------------

@@ -9,7 +9,10 @@ the operator's `OutputPolicy`, with a `PromptCounter` that asks that engine.  It
 - a longer one whose bound fits right now, with nobody waiting (`fits_now`), is admitted
   on the bound and counted while it runs: `Plan.settle(ticket)` shrinks the reservation
   to the count, so the count's round trip no longer delays its first token;
-- otherwise it is counted before it queues, as its bound may hold back others.
+- otherwise it is counted before it queues, as its bound may hold back others;
+- a turn that continues its session's last one (`Continued`) is planned from that
+  turn's count: its addition's bytes when short, else the engine's tokens of the added
+  text alone, which is as good as a count of the whole prompt and far cheaper.
 
 Without a known cache (or with admission off) there is no need: slots alone decide.
 """
@@ -25,8 +28,8 @@ from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.admission_ticket import Ticket
 from backend.admission.hint import NO_HINT, Hint
-from backend.admission.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, PromptCount, PromptCounter,
-                                        output_budget, token_need)
+from backend.admission.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, Continued, PromptCount,
+                                             PromptCounter, output_budget, token_need)
 
 __all__ = ["NO_PLAN", "NeedPlanner", "OutputPolicy", "Plan"]
 
@@ -92,14 +95,19 @@ class NeedPlanner:
 
     async def plan(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
                    fits_now: Callable[[TokenNeed], bool] = lambda need: False,
-                   hint: Hint = NO_HINT, continued: int | None = None) -> Plan:
+                   hint: Hint = NO_HINT, continued: Continued | None = None) -> Plan:
         """The plan of one request of `body_bytes` bytes to `route`, carrying `hint`.
         `fits_now(need)`: would admission take a request of that need (and hint) at once,
-        passing no one; `continued`: a bound on its prompt from the turn it continues
-        (`prompt_tokens.continued_prompt_bound`), used where it is below the byte bound."""
+        passing no one; `continued`: the turn it continues, whose prompt plans this one's
+        where it is below the byte bound: counted from its addition alone, it needs no
+        count of the whole prompt."""
         bound = await self.bound_need(route, body, body_bytes)
-        if continued is not None and (bound is None or continued < bound.prompt):
-            bound = self._need(route, body, PromptCount(continued, "bound"))
+        if continued is not None:
+            prompt = await self.counter.count_continued(continued)
+            if bound is None or prompt.tokens < bound.prompt:
+                if prompt.how == "continued":
+                    return Plan(self._need(route, body, prompt), hint=hint)
+                bound = self._need(route, body, prompt)
         if bound is not None:
             if bound.prompt <= self.uncounted_room(route, body):
                 return Plan(bound, hint=hint)  # what `request_need` gives, without a second bound

@@ -25,7 +25,7 @@ import ipaddress
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -50,11 +50,11 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.llama.kv_capacity import TokenNeed
-from backend.admission.cache_misses import PromptBlocks, prompt_blocks
+from backend.admission.cache_misses import PromptBlocks, prompt_blocks, text_after
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from backend.admission.prompt_tokens import (MESSAGES, PromptCounter, continued_prompt_bound,
+from backend.admission.prompt_tokens import (MESSAGES, Continued, PromptCounter,
                                              prompt_size)
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
@@ -256,7 +256,7 @@ class Gateway:
             blocks = prompt_blocks(parsed.data, size)
             if queue is not None:
                 plan = await self.plan(queue, path, parsed, raw_size, hint,
-                                       self.continued_bound(hint, model, blocks))
+                                       self.continued(hint, model, blocks, parsed.data))
                 # Planned: the parsed objects (several times the body's bytes) are not
                 # kept by a waiting request, only the body (max_waiting_body_bytes).
                 parsed.data = {}
@@ -294,23 +294,25 @@ class Gateway:
             scope[_GONE] = True
         return exchange.metrics
 
-    def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None:
-        """A bound on the prompt of a turn that continues its session's last answered
-        one on this model (`prompt_tokens.continued_prompt_bound`), when what it adds is
-        short; None otherwise.  A long addition is counted before it queues: planned on
-        its bound, warm turns left their prefix's engine in bench/sessions.py's pool (330
-        words a turn), even with an estimate of the added tokens for the prefill budget in
-        place of the bound's bytes (tried and reverted: see bench/README.md)."""
+    def continued(self, hint: Hint, model: str, blocks: PromptBlocks,
+                  data: Mapping[str, Any]) -> Continued | None:
+        """The turn of its session's last answered one on this model that the request of
+        parsed body `data` continues (`prompt_tokens.Continued`), planned from it; None
+        when it continues none.  A long addition brings its text, for the engine to
+        count it alone."""
         earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
-        if earlier is None or blocks.size - earlier.blocks.size >= LONG_PREFILL_TOKENS:
+        if earlier is None:
             return None
-        return continued_prompt_bound(earlier.prompt_tokens, earlier.blocks.size, blocks.size)
+        added = blocks.size - earlier.blocks.size
+        text = text_after(data, earlier.blocks.chars) if added >= LONG_PREFILL_TOKENS else ""
+        return Continued(earlier.prompt_tokens, added, text)
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int, hint: Hint = NO_HINT, continued: int | None = None) -> Plan:
+                   body_bytes: int, hint: Hint = NO_HINT,
+                   continued: Continued | None = None) -> Plan:
         """What the request will hold of the engine's KV cache (`NeedPlanner`), and its
         `hint`; no need when the cache is unknown or admission is off: slots alone
-        decide, or nothing.  `continued`: its `continued_bound`, if it has one."""
+        decide, or nothing.  `continued`: the turn it continues, if any (`continued`)."""
         planner = self.planner_for(queue)
         if planner is None:
             return NO_PLAN if hint is NO_HINT else Plan(hint=hint)

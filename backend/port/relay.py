@@ -31,7 +31,8 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
+from typing import (TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping, Protocol,
+                    TypeVar)
 
 from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
@@ -53,6 +54,7 @@ from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeou
 from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
+    from backend.admission.prompt_tokens import Continued
     from backend.port.metrics import ModelCounts
     from backend.port.request_body import Parsed
     from backend.port.server import BodyWriter
@@ -98,9 +100,11 @@ class ExchangeHost(SettlementHost, Protocol):
     def closing(self) -> bool: ...
 
     async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int, hint: Hint = NO_HINT, continued: int | None = None) -> Plan: ...
+                   body_bytes: int, hint: Hint = NO_HINT,
+                   continued: Continued | None = None) -> Plan: ...
 
-    def continued_bound(self, hint: Hint, model: str, blocks: PromptBlocks) -> int | None: ...
+    def continued(self, hint: Hint, model: str, blocks: PromptBlocks,
+                  data: Mapping[str, Any]) -> Continued | None: ...
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
@@ -401,7 +405,8 @@ class Exchange:
             request = self.request
             plan = Plan(hint=request.hint) if queue is None else await self.host.plan(
                 queue, request.path, parsed, request.body_bytes, request.hint,
-                self.host.continued_bound(request.hint, request.model_id or UNROUTED, request.blocks))
+                self.host.continued(request.hint, request.model_id or UNROUTED, request.blocks,
+                                    parsed.data))
             parsed.data = {}
             ticket = self._take_ticket(plan)
         while True:

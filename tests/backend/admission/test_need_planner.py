@@ -21,8 +21,8 @@ from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.need_planner import NeedPlanner, OutputPolicy
 from backend.admission.hint import Hint
-from backend.admission.prompt_tokens import (CHAT, COMPLETIONS, EMBEDDINGS, TEXT_SLACK, CountFailed,
-                                        PromptCounter)
+from backend.admission.prompt_tokens import (CHAT, COMPLETIONS, CONTINUATION_SLACK, EMBEDDINGS,
+                                             TEXT_SLACK, Continued, CountFailed, PromptCounter)
 from tests.backend.admission_helpers import OLD, kv_queue_of
 
 TEMPLATE = 10  # tokens the template adds to any conversation
@@ -181,6 +181,11 @@ async def test_a_long_chat_that_does_not_fit_now_is_counted_before_it_queues() -
     assert tokenizer.asked == [CHAT, CHAT]
 
 
+def continued_at(bound: int) -> Continued:
+    """A short continued turn whose bound is `bound`."""
+    return Continued(bound - TEXT_SLACK - CONTINUATION_SLACK, 0)
+
+
 @pytest.mark.parametrize(("continued", "counted_while_running"), [
     (1_200, False),  # within the uncounted room (3,072): reserved, never counted
     (3_500, True),   # beyond it, fitting now: admitted on it and counted while it runs
@@ -192,7 +197,7 @@ async def test_a_turn_continuing_its_session_is_planned_on_that_bound_and_not_co
     bytes added) when that bound is lower."""
     planner, tokenizer = planner_of(KvCapacity.shared(16_384))
     body = chat(1_000)
-    plan = await planner.plan(CHAT, body, size(body), continued=continued,
+    plan = await planner.plan(CHAT, body, size(body), continued=continued_at(continued),
                               fits_now=lambda need: need.prompt == continued)
 
     assert plan.need == TokenNeed(continued, DEFAULT)
@@ -203,8 +208,24 @@ async def test_a_turn_continuing_its_session_is_planned_on_that_bound_and_not_co
 async def test_a_continued_bound_above_the_byte_bound_is_not_used() -> None:
     planner, tokenizer = planner_of(KvCapacity.shared(16_384))
     body = chat(20)
-    plan = await planner.plan(CHAT, body, size(body), continued=chat_bound(body) + 1)
+    plan = await planner.plan(CHAT, body, size(body),
+                              continued=continued_at(chat_bound(body) + 1))
     assert plan.need == TokenNeed(chat_bound(body), DEFAULT)
+
+
+async def test_a_long_addition_is_counted_alone_and_planned_as_counted() -> None:
+    """A turn adding 400 words to a 1,000-word conversation: the engine tokenizes the 400
+    words, not the conversation, and nothing is counted while it runs, even where the
+    request does not fit now (it would be counted before it queues)."""
+    planner, tokenizer = planner_of(KvCapacity.shared(16_384))
+    body = chat(1_400)
+    added = " ".join(["word"] * 400)
+    continued = Continued(TEMPLATE + 1_000, len(added) + 40, added)
+    plan = await planner.plan(CHAT, body, size(body), continued=continued)
+
+    expected = TEMPLATE + 1_000 + 400 + 40 + TEXT_SLACK + CONTINUATION_SLACK
+    assert plan.need == TokenNeed(expected, DEFAULT) and not plan.settle_later
+    assert tokenizer.asked == [CHAT, "tokenize"]  # the template's probe, then the addition
 
 
 async def test_a_chat_with_an_image_has_no_bound_and_is_counted() -> None:

@@ -31,14 +31,14 @@ from backend.admission.prompt_tokens import (
     IMAGE_TOKENS,
     MIN_OUTPUT_TOKENS,
     TEXT_SLACK,
+    Continued,
     PromptCount,
     PromptCounter,
-    continued_prompt_bound,
     output_budget,
     prompt_size,
     token_need,
 )
-from backend.admission.cache_misses import prompt_blocks
+from backend.admission.cache_misses import prompt_blocks, text_after
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port
 
@@ -495,6 +495,69 @@ async def test_a_long_request_is_counted_exactly_and_its_budget_fits_the_room(
 
 # --- a turn that continues an earlier one ------------------------------------------------------
 
+class RecordingTokenizer(HttpEngineTokenizer):
+    """The real engine's tokenizer, noting what it was asked."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, api_key=ENGINE_KEY)
+        self.asked: list[str] = []
+
+    async def count_input_tokens(self, route: str, body: Any) -> int:
+        self.asked.append("count_input_tokens")
+        return await super().count_input_tokens(route, body)
+
+    async def tokenize(self, text: str) -> int:
+        self.asked.append("tokenize")
+        return await super().tokenize(text)
+
+
+async def test_a_long_continued_turn_is_planned_from_its_addition_alone_near_its_count(
+        engine_url):
+    """An agent's next turn (a 2,000-token conversation, 330 new words): the engine
+    tokenizes the added text only, never the whole conversation, and the plan holds
+    within 200 tokens of the engine's own count, without a count later.  The byte bound
+    of the addition alone would hold about a thousand tokens more."""
+    common = ("the file line code test value read write change open close path name "
+              "error return list string number call function module class import").split()
+    words = [common[(i * 7) % len(common)] for i in range(1100)]
+    head = [{"role": "system", "content": " ".join(words)},
+            {"role": "user", "content": " ".join(words[:330])},
+            {"role": "assistant", "content": "Done: the file is read."}]
+    body = {"messages": [*head, {"role": "user", "content": " ".join(words[400:730])}]}
+    earlier = {"messages": head[:2]}
+    real = await engine_prompt_tokens(engine_url, CHAT, body)
+
+    def size(of: dict[str, Any]) -> int:
+        found = prompt_size(of, len(json.dumps(of).encode()))
+        assert found is not None
+        return found
+
+    blocks = prompt_blocks(earlier, size(earlier))
+    continued = Continued(await engine_prompt_tokens(engine_url, CHAT, earlier),
+                          size(body) - size(earlier), text_after(body, blocks.chars))
+    tokenizer = RecordingTokenizer(engine_url)
+    planner = NeedPlanner(Serving(engine_url, 2, kv=KvCapacity.shared(16_384)),
+                          PromptCounter(tokenizer))
+    await planner.bound_need(CHAT, body, len(json.dumps(body)))  # the template, once a load
+    tokenizer.asked.clear()
+    plan = await planner.plan(CHAT, body, len(json.dumps(body)), continued=continued)
+    await tokenizer.aclose()
+
+    assert tokenizer.asked == ["tokenize"]
+    assert plan.need is not None and not plan.settle_later
+    assert real <= plan.need.prompt <= real + 200
+    assert continued.bound() - real > 1000
+
+
+async def test_a_continued_turn_keeps_its_byte_bound_when_the_engine_cannot_tokenize(
+        dead_url):
+    continued = Continued(3000, 4000, "w1x " * 800)
+    tokenizer = HttpEngineTokenizer(dead_url)
+    counted = await PromptCounter(tokenizer).count_continued(continued)
+    await tokenizer.aclose()
+    assert counted == PromptCount(continued.bound(), "bound")
+
+
 def _turns_before(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The earlier turns of a conversation: its messages up to each one a client sends a
     turn after (a user's message or a tool's result, not an assistant's)."""
@@ -514,8 +577,9 @@ CONVERSATIONS = [(route, body) for route, body in [*SHORT_BODIES, *CASES.values(
 async def test_a_continued_turns_bound_is_never_below_the_engines_count(
         engine_url, tools_engine_url, index):
     """The bound a turn gets from the one it continues (that turn's tokens as the engine
-    counted them, plus the bytes added), on the tiny model's template and on one that
-    renders tools and re-indents tool calls."""
+    counted them, plus the bytes added), and its count from the engine's tokens of the
+    added text alone, on the tiny model's template and on one that renders tools and
+    re-indents tool calls."""
     route, body = CONVERSATIONS[index]
     urls = [engine_url, tools_engine_url] if route == CHAT else [engine_url]
 
@@ -526,7 +590,13 @@ async def test_a_continued_turns_bound_is_never_below_the_engines_count(
 
     for url in urls:
         later = await engine_prompt_tokens(url, route, body)
+        tokenizer = HttpEngineTokenizer(url, api_key=ENGINE_KEY)
         for earlier in _turns_before(body):
-            assert prompt_blocks(body, size(body)).continues(prompt_blocks(earlier, size(earlier)))
+            blocks = prompt_blocks(earlier, size(earlier))
+            assert prompt_blocks(body, size(body)).continues(blocks)
             prior = await engine_prompt_tokens(url, route, earlier)
-            assert continued_prompt_bound(prior, size(earlier), size(body)) >= later
+            added = text_after(body, blocks.chars)
+            continued = Continued(prior, size(body) - size(earlier), added)
+            assert continued.bound() >= later
+            assert continued.counted(await tokenizer.tokenize(added)) >= later
+        await tokenizer.aclose()

@@ -1,6 +1,7 @@
 """How the port plans a request's need through a real engine: a session's next turn,
-which continues its last answered one, is planned on that turn's count and the bytes it
-adds, without asking the engine to count it again before it queues."""
+which continues its last answered one, is planned on that turn's count and what it adds
+(its bytes, or the engine's tokens of its text when long), without asking the engine to
+count the whole conversation again before it queues."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return asked
 
 
+@pytest.fixture
+def tokenized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The texts the engine was asked to tokenize."""
+    asked: list[str] = []
+    original = HttpEngineTokenizer.tokenize
+
+    async def spy(self: HttpEngineTokenizer, text: str) -> int:
+        asked.append(text)
+        return await original(self, text)
+    monkeypatch.setattr(HttpEngineTokenizer, "tokenize", spy)
+    return asked
+
+
 async def turn(client: httpx.AsyncClient, messages: list[dict[str, Any]],
                session: str = "thread-1") -> dict[str, Any]:
     answer = await client.post(CHAT, json={"model": "tiny", "messages": messages,
@@ -54,7 +68,7 @@ async def turn(client: httpx.AsyncClient, messages: list[dict[str, Any]],
 
 
 async def test_a_sessions_next_turn_is_not_counted_before_it_queues(service, port_client,
-                                                                    counted):
+                                                                    counted, tokenized):
     first = [{"role": "system", "content": HEAD}, {"role": "user", "content": "Read main.py."}]
     await turn(port_client, first)
     assert counted == [2]  # its byte bound did not fit: counted before it queued
@@ -69,9 +83,12 @@ async def test_a_sessions_next_turn_is_not_counted_before_it_queues(service, por
     # session's own.
     await turn(port_client, second, session="thread-2")
     assert counted == [2, 4]
-    # A long addition (a file read back, 1,500 bytes) is counted before it queues: its
-    # bound's bytes would read as a long cold prompt to the prefill budget.
+    # A long addition (a file read back, 1,500 bytes) is not counted whole either: the
+    # engine tokenizes what it adds alone (its bound's bytes would read as a long cold
+    # prompt to the prefill budget).
+    file = "Here is the file:\n" + "x = 1\n" * 250
     third = [*second, {"role": "assistant", "content": "Done."},
-             {"role": "user", "content": "Here is the file:\n" + "x = 1\n" * 250}]
+             {"role": "user", "content": file}]
     await turn(port_client, third)
-    assert counted == [2, 4, 6]
+    assert counted == [2, 4]
+    assert tokenized == ["Done.\n" + file]
