@@ -169,18 +169,19 @@ def engine_figures(*parts: bytes) -> EngineFigures:
 
 
 def figures_in(payloads: list[dict[str, Any]]) -> EngineFigures:
-    """The engine's figures from an answer's `final_payloads`: the last `timings` and
-    `usage` it carries."""
+    """The engine's figures from an answer's `final_payloads`: the last `timings` it
+    carries, and each `usage` field as the last usage naming it says it (an Anthropic
+    stream names its prompt in `message_start`, its output in the `message_delta` after)."""
     timings: dict[str, Any] | None = None
-    usage: dict[str, Any] | None = None
+    usage: dict[str, Any] = {}
     for payload in payloads:
         if timings is None and isinstance(payload.get("timings"), dict):
             timings = payload["timings"]
-        if usage is None:
-            usage = _usage_of(payload)
-        if timings is not None and usage is not None:
-            break
-    return _figures(timings or {}, usage or {})
+        told = _usage_of(payload)
+        if told is not None:
+            for name, value in told.items():
+                usage.setdefault(name, value)
+    return _figures(timings or {}, usage)
 
 
 # --- helpers ------------------------------------------------------------------------------

@@ -60,6 +60,18 @@ def test_engine_figures_come_from_the_last_chunk_timings_or_the_usage():
     assert engine_figures(b"data: [DONE]\n\n").prompt_tokens is None
 
 
+def test_an_anthropic_streams_figures_come_from_its_first_and_last_events():
+    """llama-server names the prompt of a `/v1/messages` stream in `message_start` only
+    (its cached part apart), and the output in the `message_delta` at the end."""
+    stream = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"m",'
+              b'"type":"message","role":"assistant","content":[],"usage":'
+              b'{"cache_read_input_tokens":62,"input_tokens":1,"output_tokens":0}}}\n\n'
+              b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+              b'"max_tokens"},"usage":{"output_tokens":3}}\n\n')
+    figures = engine_figures(stream)
+    assert (figures.prompt_tokens, figures.cached_tokens, figures.output_tokens) == (63, 62, 3)
+
+
 def test_a_record_survives_its_trip_as_json():
     record = RequestLog().add(route="/v1/messages", key="owner", slot=0, wait=0.5)
     assert RequestRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
@@ -171,3 +183,27 @@ async def test_a_refused_request_leaves_its_error_code(service):
     assert (record["key"], record["status"]) == ("narrow", 403)
     assert record["error"] == answer.json()["error"]["code"]
     assert anonymous.status_code == 401
+
+
+async def test_a_streamed_claude_code_turns_record_says_what_the_cache_held(service):
+    """Claude Code streams `/v1/messages`: its second turn's record names the prompt the
+    client was told of, and the part of it the engine's cache held."""
+    body = {"model": "tiny", "system": "You are a careful coding agent. " * 20,
+            "messages": [{"role": "user", "content": f"Say {SECRET_WORDS}"}],
+            "max_tokens": 3, "stream": True}
+    told = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=120) as client:
+        for _ in range(2):
+            async with client.stream("POST", "/v1/messages", json=body, headers={
+                    "Authorization": f"Bearer {OWNER_KEY}",
+                    "X-Claude-Code-Session-Id": "claude-1"}) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if line.startswith("data:") and '"message_start"' in line:
+                        told.append(json.loads(line[5:])["message"]["usage"])
+        first, second = (await requests_seen(client, OWNER_KEY))[-2:]
+    assert second["cached_tokens"] == told[1]["cache_read_input_tokens"] > 0
+    assert second["prompt_tokens"] == told[1]["input_tokens"] + second["cached_tokens"]
+    assert second["computed_tokens"] == told[1]["input_tokens"]
+    assert first["prompt_tokens"] == second["prompt_tokens"]
