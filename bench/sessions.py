@@ -642,7 +642,13 @@ async def run_scenario(scenario: Scenario, target: str, model: Path, procs: Proc
             await _all(sessions, engines, range(split, args.turns), args)
         result = figures(scenario.name, target, sessions, split if scenario.break_ else None)
         result.misses = engines.misses()
-        result.port_waits = port_waits(engines.records())
+        records = engines.records()
+        result.port_waits = port_waits(records)
+        if args.records is not None and records:
+            args.records.mkdir(parents=True, exist_ok=True)
+            name = f"{model.stem}-{scenario.name.split(' (')[0]}-{target}-{time.time():.0f}"
+            (args.records / (name.replace(" ", "_") + ".json")).write_text(
+                json.dumps(records, indent=1))
     finally:
         engines.stop()
     log(f"  {target:<8} computed ÷ floor {_ratio(result.computed, result.floor)}, "
@@ -767,6 +773,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "0.5-1.5 times this, the same pauses on every target (0)")
     p.add_argument("--stagger", type=float, default=0.2,
                    help="session i starts i times this many seconds late (0.2)")
+    p.add_argument("--records", type=Path,
+                   help="a folder to write the port's request records of each row to "
+                   "(/requests, as JSON: each turn's session, engine, slot and verdict)")
     p.add_argument("--turn-timeout", type=float, default=600.0, help="seconds per turn (600)")
     p.add_argument("--llama-server", type=Path, help="the llama-server binary (the built CPU one)")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
