@@ -130,6 +130,9 @@ class FakeUpstream:
         #: While set to an unset Event, a stream holds its very last frame (`[DONE]`)
         #: until it is set: a reply whose final event is out but whose stream is not over.
         self.end_gate: asyncio.Event | None = None
+        #: When set, a streamed chat's final chunk carries these `timings`, as
+        #: llama-server's does (its `cache_n` and `prompt_n`: what its cache held).
+        self.timings: dict[str, Any] | None = None
         self.active = 0
         self.peak_active = 0
         self.waited = 0  # requests that found every slot busy (enforce_slots)
@@ -370,8 +373,11 @@ class FakeUpstream:
         frames = [chunk({"role": "assistant", "content": None})] if plan.n_tokens else []
         frames += [chunk({"content": f"tok{i} "}) for i in range(plan.n_tokens)]
         options = body.get("stream_options")
-        usage = ({"usage": _usage(plan.n_tokens)}
-                 if isinstance(options, dict) and options.get("include_usage") else {})
+        usage: dict[str, Any] = ({"usage": _usage(plan.n_tokens)}
+                                 if isinstance(options, dict) and options.get("include_usage")
+                                 else {})
+        if self.timings is not None:
+            usage["timings"] = self.timings
         final = [chunk({}, reason, **usage), b"data: [DONE]\n\n"]
         return _sse(self._events(plan, frames, final))
 

@@ -75,6 +75,12 @@ SSE_HEADERS = [
 _DATA_ERROR = b'data: {"error"'
 _NAMED_ERROR = b"event: error"
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
+#: What shows that a relayed stream's answer is whole, its client having all of it: the
+#: engine's final figures or its last event (a Responses stream's last event is the
+#: port's own, sent once the engine's stream is over).
+_WHOLE_ANSWER = {sse.StreamKind.CHAT: (b'"timings"', b'"usage":{', b'"usage": {', b"data: [DONE]"),
+                 sse.StreamKind.MESSAGES: (b'"message_delta"', b"message_stop"),
+                 sse.StreamKind.RESPONSES: (b"response.completed",)}
 #: First wait before a load that refused a connection is tried again (then doubled per
 #: try: 0.05 + 0.1 + ... + 0.8 s = 1.55 s over MAX_REQUEUES tries).  A killed engine is
 #: noticed within milliseconds and its waiters then wait for the restarted load instead.
@@ -416,7 +422,12 @@ class Exchange:
             pending = None if parking is None else await parking.before_send(
                 ticket, self.request.model_id)
             try:
-                last = await self._forward(ticket)
+                try:
+                    last = await self._forward(ticket)
+                except asyncio.CancelledError:
+                    if not self._left_with_whole_answer():
+                        raise
+                    last = []
                 if parking is not None:
                     parking.after_answer(pending, self._answer_tail())
                     parking.remember(ticket, self.request.model_id, self.request.path,
@@ -429,6 +440,25 @@ class Exchange:
                                               "Try again shortly.", retry_after=RETRY_SOON) from None
                 refused_by.count_requeue()
                 self.stage = "queued"
+
+    def _left_with_whole_answer(self) -> bool:
+        """Did the client hang up once it had its whole answer, before the engine's
+        stream was over (clients stop reading at `[DONE]` or the final usage)?  Then the
+        answer was answered, not cancelled: its turn is judged, its session's prefix
+        placed and remembered like any other, and the task's cancellation withdrawn."""
+        watch = self.watch
+        if watch is None or not watch.disconnected or not self.headers_sent:
+            return False
+        sent = b"".join(self._last_sent)
+        if not any(mark in sent for mark in _WHOLE_ANSWER[self.kind]):
+            return False
+        task = asyncio.current_task()
+        if task is None or task.cancelling() != 1:
+            return False  # cancelled by someone else too
+        task.uncancel()
+        self._tail = sent
+        self._answered = True
+        return True
 
     def _answer_tail(self) -> bytes:
         """What the answer's figures are read from: its first event (an Anthropic stream

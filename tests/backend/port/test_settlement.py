@@ -39,3 +39,26 @@ async def test_a_client_that_hangs_up_after_the_final_event_is_charged_the_engin
     fake.end_gate.set()
     # The fake's usage: 3 prompt tokens, one completion token per chunk (8).
     assert [(prompt, completion) for _, prompt, completion in ledger.requests] == [(3, 8)]
+
+
+async def test_a_client_that_hangs_up_after_the_final_event_has_its_turn_judged_not_cancelled(
+        gw, fake):
+    """Clients stop reading at the final usage or at [DONE]; the engine's stream ends a
+    moment later (through another GGUF Studio port, one write later).  The turn was
+    answered: its record says 200, no cancellation is counted, and its session's turn is
+    in the cache book, for the next turn to be judged against and planned from."""
+    fake.end_gate = asyncio.Event()
+    fake.timings = {"cache_n": 0, "prompt_n": 3, "prompt_ms": 1.0}
+    body = chat(True, stream_options={"include_usage": True})
+    async with gw.client.stream("POST", CHAT, json=body,
+                                headers={"x-session-id": "agent-1"}) as response:
+        async for line in response.aiter_lines():
+            if '"usage"' in line:
+                break  # and hang up
+    await until(lambda: bool(gw.ctx.requests.records()))
+    fake.end_gate.set()
+    [record] = gw.ctx.requests.records()
+    assert (record.status, record.cache_miss, record.prompt_tokens) == (200, "first turn", 3)
+    assert gw.metrics.totals()["cancellations"] == {}
+    [session] = gw.metrics.cache_book.snapshot()
+    assert session.turns == 1 and session.computed == 3
