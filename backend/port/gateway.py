@@ -298,8 +298,10 @@ class Gateway:
                   data: Mapping[str, Any]) -> Continued | None:
         """The turn of its session's last answered one on this model that the request of
         parsed body `data` continues (`prompt_tokens.Continued`), planned from it; None
-        when it continues none.  A long addition brings its text, for the engine to
-        count it alone."""
+        when it continues none.  An addition of `LONG_PREFILL_TOKENS` bytes or more
+        brings its text, for the engine to count it alone: on its bytes (about 4 a
+        token) it would over-reserve, and read as a long cold prompt to the prefill
+        budget, which sent warm turns away from their prefix's engine in a pool."""
         earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
         if earlier is None:
             return None
