@@ -76,9 +76,10 @@ _DATA_ERROR = b'data: {"error"'
 _NAMED_ERROR = b"event: error"
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 #: What shows that a relayed stream's answer is whole, its client having all of it: the
-#: engine's final figures or its last event (a Responses stream's last event is the
-#: port's own, sent once the engine's stream is over).
-_WHOLE_ANSWER = {sse.StreamKind.CHAT: (b'"timings"', b'"usage":{', b'"usage": {', b"data: [DONE]"),
+#: final event's finish reason, or the last event (a Responses stream's last event is
+#: the port's own, sent once the engine's stream is over).
+_WHOLE_ANSWER = {sse.StreamKind.CHAT: (b'"finish_reason":"', b'"finish_reason": "',
+                                       b"data: [DONE]"),
                  sse.StreamKind.MESSAGES: (b'"message_delta"', b"message_stop"),
                  sse.StreamKind.RESPONSES: (b"response.completed",)}
 #: First wait before a load that refused a connection is tried again (then doubled per

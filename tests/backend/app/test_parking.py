@@ -158,6 +158,29 @@ async def test_a_claude_code_session_computes_only_its_new_tokens(studio: Servic
     assert service.parking.counts["gathered"] >= 2
 
 
+async def test_a_claude_code_turn_whose_prefix_could_not_be_gathered_is_served_all_the_same(
+        studio: ServiceFactory, tiny_model, monkeypatch, caplog):
+    """The move of a Claude Code session's prefix to the RAM cache fails (an injected
+    fault: the real engine answers the pinned one-token request): each turn is served,
+    the failure is logged, and a turn then recomputes more than its addition (the
+    prefix stayed in a slot the engine does not look in)."""
+    gathers: list[int] = []
+
+    async def refuse(self: SlotClient, slot: int) -> None:
+        gathers.append(slot)
+        raise SlotActionFailed("vacating a slot answered 503: no reason given")
+
+    monkeypatch.setattr(SlotClient, "vacate", refuse)
+    service = await serving_tiny(studio, tiny_model)
+    async with port(service) as client:
+        figures = [await message_turn(client, "claude-1", n) for n in range(1, 5)]
+    assert gathers, "no turn's prefix was to be moved"
+    assert "was not moved to the RAM prompt cache" in caplog.text
+    assert service.parking.counts["gathered"] == 0
+    assert any(after.computed > after.prompt - before.prompt + 5
+               for before, after in zip(figures, figures[1:])), figures
+
+
 async def test_a_claude_code_sessions_turn_after_an_idle_unload_computes_little_of_its_prompt(
         studio: ServiceFactory, tiny_model):
     service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
