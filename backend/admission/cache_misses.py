@@ -296,7 +296,7 @@ class CacheBook:
                      blocks: PromptBlocks) -> TurnRecord | None:
         """The answered turn of `session` on `model` that `blocks` continues (the same
         request with messages added: `PromptBlocks.continues`), whose prompt tokens
-        bound this one's (`prompt_tokens.Continued`); None when there is
+        bound this one's (`continued_turn.Continued`); None when there is
         none, or the turns' sizes are unknown."""
         if session is None or not blocks.size:
             return None

@@ -28,8 +28,9 @@ from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.admission_ticket import Ticket
 from backend.admission.hint import NO_HINT, Hint
-from backend.admission.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, Continued, PromptCount,
-                                             PromptCounter, output_budget, token_need)
+from backend.admission.continued_turn import Continued
+from backend.admission.prompt_tokens import (DEFAULT_OUTPUT_TOKENS, PromptCount, PromptCounter,
+                                             output_budget, token_need)
 
 __all__ = ["NO_PLAN", "NeedPlanner", "OutputPolicy", "Plan"]
 
@@ -103,7 +104,7 @@ class NeedPlanner:
         count of the whole prompt."""
         bound = await self.bound_need(route, body, body_bytes)
         if continued is not None:
-            prompt = await self.counter.count_continued(continued)
+            prompt = await continued.count(self.counter)
             if bound is None or prompt.tokens < bound.prompt:
                 if prompt.how == "continued":
                     return Plan(self._need(route, body, prompt), hint=hint)

@@ -75,13 +75,11 @@ from backend.llama.kv_capacity import TokenNeed
 from backend.admission.output_limits import output_limit
 
 __all__ = [
-    "CONTINUATION_SLACK",
     "DEFAULT_OUTPUT_TOKENS",
     "IMAGE_TOKENS",
     "MIN_OUTPUT_TOKENS",
     "TEMPLATE_ALLOWANCE",
     "TEXT_SLACK",
-    "Continued",
     "CountFailed",
     "EngineTokenizer",
     "PromptCount",
@@ -120,10 +118,6 @@ MIN_OUTPUT_TOKENS = 16
 IMAGE_TOKENS = 4096
 #: Tokens a tokenizer may add to any text beyond one per byte (BOS, EOS, dummy prefix).
 TEXT_SLACK = 4
-#: What a template may add to a continued conversation beyond the bytes the client added
-#: (`Continued`): an end mark it gives the previous last message once
-#: another follows, a date that turned over.
-CONTINUATION_SLACK = 32
 #: The template's fixed part when it could not be measured: generous, since some
 #: templates add a default system prompt with a date and tool-use instructions.
 TEMPLATE_ALLOWANCE = 1024
@@ -182,45 +176,10 @@ class EngineTokenizer(Protocol):
 class PromptCount:
     tokens: int
     #: "engine" (counted by it), "exact" (token arrays), "bound" (byte bound, short
-    #: request), "continued" (a continued turn's addition counted by it: `Continued`)
+    #: request), "continued" (a continued turn's addition counted by it:
+    #: `continued_turn.Continued`)
     #: or "estimate" (the engine could not count).
     how: str
-
-
-@dataclass(frozen=True, slots=True)
-class Continued:
-    """A turn that continues its session's last answered one on the same model: the same
-    request but for messages added at the end (`CacheBook.continuation` checks that).
-
-    Its prompt is the earlier one's, as the engine counted it, plus what was added:
-    `bound()` takes the added bytes (no I/O, for a short addition);
-    `counted(tokens)` takes the engine's tokens of the added text (`added_text`, set for
-    a long addition).  Either spares a warm turn the engine's count of the whole
-    conversation: its template and tokenizer over every earlier turn, 10 ms for a
-    3,000-token prompt of the tiny model on a quiet engine, ~90 ms on 2 loaded cores,
-    where the tokens of a 330-word addition take 1.3 ms (bench/README.md)."""
-
-    #: The earlier turn's prompt tokens, as the engine counted them.
-    prior_tokens: int
-    #: What the body grew by (`prompt_size` of this turn less the earlier one's).
-    added_bytes: int
-    #: The added parts' text (`cache_misses.text_after`); "" for a short addition.
-    added_text: str = ""
-
-    def bound(self) -> int:
-        """The earlier prompt's tokens plus the byte bound of what was added: the template
-        renders the kept messages as before (or smaller: some drop old reasoning), each
-        added message takes fewer tokens than its bytes (see the module's docstring),
-        and `CONTINUATION_SLACK` covers what a template adds around them."""
-        return self.prior_tokens + max(0, self.added_bytes) + TEXT_SLACK + CONTINUATION_SLACK
-
-    def counted(self, text_tokens: int) -> int:
-        """As `bound()`, with the added text at its `text_tokens` and only the rest of the
-        added bytes (the messages' JSON around the text, tool calls' re-indentation) at
-        one token a byte."""
-        rest = max(0, self.added_bytes - len(self.added_text.encode()))
-        return min(self.bound(), self.prior_tokens + text_tokens + rest + TEXT_SLACK
-                   + CONTINUATION_SLACK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,19 +249,18 @@ class PromptCounter:
             return exact + sum(len(t.encode()) + TEXT_SLACK for t in texts)
         return None
 
-    async def count_continued(self, continued: Continued) -> PromptCount:
-        """The prompt of a continued turn: the engine's tokens of what it added, when its
-        text is given (`Continued.counted`), else or when the engine cannot answer or is
-        counting `max_counts` prompts already, its bound (`Continued.bound`)."""
-        if continued.added_text and not self.busy:
-            try:
-                with self._asking():
-                    async with _deadline(self.timeout):
-                        tokens = await self.tokenizer.tokenize(continued.added_text)
-                return PromptCount(continued.counted(tokens), "continued")
-            except CountFailed as error:
-                self._log_fallback(error)
-        return PromptCount(continued.bound(), "bound")
+    async def count_text(self, text: str) -> int | None:
+        """The engine's tokens of `text` alone; None when it cannot answer or is counting
+        `max_counts` prompts already (the caller then keeps its bound)."""
+        if self.busy:
+            return None
+        try:
+            with self._asking():
+                async with _deadline(self.timeout):
+                    return await self.tokenizer.tokenize(text)
+        except CountFailed as error:
+            self._log_fallback(error)
+            return None
 
     @property
     def busy(self) -> bool:
@@ -473,7 +431,7 @@ class PromptCounter:
 def prompt_size(body: Mapping[str, Any], body_bytes: int) -> int | None:
     """The body's bytes and what its tool calls may render beyond them (re-indented
     arguments): the part of the byte bound a conversation grows by, turn after turn
-    (`Continued`).  None with images: their bytes say nothing."""
+    (`continued_turn.Continued`).  None with images: their bytes say nothing."""
     if _images(body)[0]:
         return None
     return body_bytes + _tool_call_allowance(body)

@@ -54,8 +54,8 @@ from backend.admission.cache_misses import PromptBlocks, prompt_blocks, text_aft
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from backend.admission.prompt_tokens import (MESSAGES, Continued, PromptCounter,
-                                             prompt_size)
+from backend.admission.continued_turn import Continued
+from backend.admission.prompt_tokens import MESSAGES, PromptCounter, prompt_size
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
@@ -297,7 +297,7 @@ class Gateway:
     def continued(self, hint: Hint, model: str, blocks: PromptBlocks,
                   data: Mapping[str, Any]) -> Continued | None:
         """The turn of its session's last answered one on this model that the request of
-        parsed body `data` continues (`prompt_tokens.Continued`), planned from it; None
+        parsed body `data` continues (`continued_turn.Continued`), planned from it; None
         when it continues none.  An addition of `LONG_PREFILL_TOKENS` bytes or more
         brings its text, for the engine to count it alone: on its bytes (about 4 a
         token) it would over-reserve, and read as a long cold prompt to the prefill

@@ -54,7 +54,7 @@ from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeou
 from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
-    from backend.admission.prompt_tokens import Continued
+    from backend.admission.continued_turn import Continued
     from backend.port.metrics import ModelCounts
     from backend.port.request_body import Parsed
     from backend.port.server import BodyWriter

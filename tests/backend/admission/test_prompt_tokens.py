@@ -31,7 +31,6 @@ from backend.admission.prompt_tokens import (
     IMAGE_TOKENS,
     MIN_OUTPUT_TOKENS,
     TEXT_SLACK,
-    Continued,
     PromptCount,
     PromptCounter,
     output_budget,
@@ -39,6 +38,7 @@ from backend.admission.prompt_tokens import (
     token_need,
 )
 from backend.admission.cache_misses import prompt_blocks, text_after
+from backend.admission.continued_turn import Continued
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port
 
@@ -553,7 +553,7 @@ async def test_a_continued_turn_keeps_its_byte_bound_when_the_engine_cannot_toke
         dead_url):
     continued = Continued(3000, 4000, "w1x " * 800)
     tokenizer = HttpEngineTokenizer(dead_url)
-    counted = await PromptCounter(tokenizer).count_continued(continued)
+    counted = await continued.count(PromptCounter(tokenizer))
     await tokenizer.aclose()
     assert counted == PromptCount(continued.bound(), "bound")
 
