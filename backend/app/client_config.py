@@ -4,7 +4,9 @@ What the window's snippets say (`backend.app.snippets`), written where the clien
 it, next to what the user has:
 
 - **The key** goes into a file of its own, 0600 in a 0700 directory
-  (`$XDG_CONFIG_HOME/gguf-studio/connections/PROFILE.key`), never into a config file.
+  (`$XDG_CONFIG_HOME/gguf-studio/connections/PROFILE.key`), never into a config file;
+  the profile is the port's name unless the user names one, and a key file it replaces is
+  kept as a private backup first (a key may be the only copy of another port's).
   Codex reads it with its provider `auth.command` (`cat FILE`), OpenCode with its
   `{file:FILE}` substitution: neither needs it in the environment.
 - **Codex CLI**: a profile file `$CODEX_HOME/PROFILE.config.toml` (Codex 0.171 layers it
@@ -13,7 +15,9 @@ it, next to what the user has:
   more profile per other model (`PROFILE-MODEL`).
 - **OpenCode**: the provider `PROFILE` added to `opencode.json` beside the user's
   others; its `model` is set only where the file names none
-  (`opencode -m PROFILE/MODEL` picks ours otherwise).
+  (`opencode -m PROFILE/MODEL` picks ours otherwise).  `small_model` is left as it is:
+  it serves every provider's titles, so pointing it at one port would send the titles of
+  the user's other conversations there.
 
 Every file that exists is copied to `NAME.bak-YYYYMMDD-HHMMSS` before it changes.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -62,9 +67,10 @@ def write_client_config(target: ClientTarget, profile: str, port_name: str) -> W
     (its `api_key` the secret, its `base_url` the port's /v1)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     key_file = connections_dir() / f"{profile}.key"
-    write_private(key_file, target.api_key.encode() + b"\n")
     files: list[Path] = []
     backups: list[Path] = []
+    _backup(key_file, stamp, backups, private=True)
+    write_private(key_file, target.api_key.encode() + b"\n")
     notes: list[str] = []
     codex_home = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex")
     codex_home.mkdir(parents=True, exist_ok=True)
@@ -87,7 +93,8 @@ def write_client_config(target: ClientTarget, profile: str, port_name: str) -> W
             notes.append(str(exc))
     return WrittenConfig(key_file, tuple(files), tuple(backups),
                          f"codex --profile {profile}",
-                         f"opencode -m {profile}/{first.model_id}", tuple(notes))
+                         f"opencode -m {shlex.quote(f'{profile}/{first.model_id}')}",
+                         tuple(notes))
 
 
 def connections_dir() -> Path:
@@ -134,19 +141,23 @@ def _write_opencode(path: Path, target: ClientTarget, profile: str, port_name: s
         providers = config["provider"] = {}
     providers[profile] = provider
     config.setdefault("$schema", ours["$schema"])
-    for field in ("model", "small_model"):
-        config.setdefault(field, ours[field].replace("gguf-studio/", f"{profile}/", 1))
+    config.setdefault("model", ours["model"].replace("gguf-studio/", f"{profile}/", 1))
     _backup(path, stamp, backups)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _backup(path: Path, stamp: str, backups: list[Path]) -> None:
+def _backup(path: Path, stamp: str, backups: list[Path], *, private: bool = False) -> None:
+    """Copy `path` aside before it changes; a `private` one (a key) is copied 0600 from
+    its first byte, never readable by others for a moment as a plain copy would be."""
     if path.exists():
         copy = path.with_name(f"{path.name}.bak-{stamp}")
         n = 1
         while copy.exists():  # two connects within a second: keep the older backup too
             n += 1
             copy = path.with_name(f"{path.name}.bak-{stamp}-{n}")
-        shutil.copy2(path, copy)
+        if private:
+            write_private(copy, path.read_bytes())
+        else:
+            shutil.copy2(path, copy)
         backups.append(copy)

@@ -8,7 +8,11 @@
 3. Waits (long polls) while the owner approves (`gguf-studio keys approve NAME`, or the
    window) or refuses; the key comes once, over this connection.
 4. Writes the key (0600 file), a Codex CLI profile and an OpenCode provider
-   (`backend.app.client_config`), and says how to start each.
+   (`backend.app.client_config`), named after the port unless `--profile` names them,
+   and says how to start each.
+
+Everything a port or an announcement says (names, codes, messages) is printed through
+`printable`: a rogue answer must not drive the teammate's terminal.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from backend.app.client_config import profile_name, write_client_config
 from backend.app.discovery import FoundPort, browse
 from backend.app.snippets import ClientModel, ClientTarget
 from backend.errors import ConnectFailed
+from backend.models.hf_cache import printable
 
 __all__ = ["add_connect_parser"]
 
@@ -46,7 +51,7 @@ def add_connect_parser(sub: Any) -> None:
                          help="the port's announced name, or its address (http://HOST:PORT)")
     connect.add_argument("--name", help="the name your key gets (asked if not given)")
     connect.add_argument("--profile", help="the Codex profile and OpenCode provider to write "
-                         "(default: gguf-studio)")
+                         "(default: the port's name)")
     connect.add_argument("--browse-seconds", type=float, default=3.0,
                          help="how long to listen for ports on the LAN (3)")
     connect.add_argument("--timeout", type=float, default=900.0,
@@ -70,9 +75,10 @@ async def _connect_async(args: argparse.Namespace) -> int:
         name = args.name or _ask_name()
         answer = await client.post(root + ENROL_PATH, json={"name": name})
         request = _json(answer, f"{port_name} did not take the request")
-        print(f"Asked {port_name} ({root}) for a key named {request['name']!r}.\n"
-              f"Code: {request['code']}  (the owner sees the same code beside your request)\n"
-              "Waiting for the owner to approve...", flush=True)
+        print(f"Asked {printable(port_name)} ({printable(root)}) for a key named "
+              f"{printable(request.get('name'), 80)!r}.\n"
+              f"Code: {printable(request.get('code'), 20)}  (the owner sees the same code "
+              "beside your request)\nWaiting for the owner to approve...", flush=True)
         approved = await _wait(client, root + str(request["poll"]), args.timeout, port_name)
     described = approved["port"]
     target = ClientTarget(
@@ -80,17 +86,19 @@ async def _connect_async(args: argparse.Namespace) -> int:
         described["max_output_tokens"], described["default_output_tokens"],
         others=tuple(ClientModel(m["model_id"], m["context_length"]) for m in described["others"]),
         small_model=described["small_model"], default_alias=described["default_alias"])
-    profile = profile_name(args.profile) if args.profile else "gguf-studio"
+    # One profile per port: a second port's key never replaces the first's.
+    profile = profile_name(args.profile or port_name)
     written = write_client_config(target, profile, port_name)
-    print(f"Approved: key {approved['name']!r} saved in {written.key_file} (private to you).")
+    print(f"Approved: key {printable(approved.get('name'), 80)!r} saved in {written.key_file} "
+          "(private to you).")
     for path in written.files:
         print(f"  wrote {path}")
     for path in written.backups:
         print(f"  backup {path}")
     for note in written.notes:
-        print(f"  {note}")
-    print(f"Start Codex with: {written.codex_command}\n"
-          f"Start OpenCode with: {written.opencode_command}\n"
+        print(f"  {printable(note, 1000)}")
+    print(f"Start Codex with: {printable(written.codex_command, 1000)}\n"
+          f"Start OpenCode with: {printable(written.opencode_command, 1000)}\n"
           f"Connected in {time.monotonic() - started:.1f}s.", flush=True)
     return 0
 
@@ -117,13 +125,13 @@ async def _choose_port(target: str | None, seconds: float) -> tuple[str, list[st
         raise ConnectFailed(f"No port named {target!r} answered; found: "
                             + ", ".join(p.name for p in found) + ".")
     for i, port in enumerate(found, 1):
-        print(f"  {i}. {port.name}  {', '.join(port.urls)}", flush=True)
+        print(f"  {i}. {printable(port.name, 80)}  {printable(', '.join(port.urls))}", flush=True)
     return _pick(chosen)
 
 
 def _pick(ports: list[FoundPort]) -> tuple[str, list[str]]:
     if len(ports) == 1:
-        print(f"Using {ports[0].name}.", flush=True)
+        print(f"Using {printable(ports[0].name, 80)}.", flush=True)
         return ports[0].name, ports[0].urls
     if not sys.stdin.isatty():
         raise ConnectFailed("Several ports answered: name one (gguf-studio connect NAME).")

@@ -136,10 +136,13 @@ async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute
         rest, _ = await asyncio.wait_for(connect.communicate(), 60)
         said.append(rest.decode(errors="replace"))
         assert connect.returncode == 0, "".join(said)
+        # The profile is the port's: its announced name, or its address when given one.
+        profile = "".join(said).split("Start Codex with: codex --profile ", 1)[1].split()[0]
+        assert profile == PORT_NAME or profile.startswith("127-0-0-1-"), profile
 
         codex = await Process.start(
             [str(clients.codex_bin), "exec", "--strict-config", "--skip-git-repo-check",
-             "--ephemeral", "--color", "never", "-C", str(tmp_path), "--profile", "gguf-studio",
+             "--ephemeral", "--color", "never", "-C", str(tmp_path), "--profile", profile,
              "Say hello."], env={**mate, "CODEX_HOME": str(codex_home)}, cwd=tmp_path)
         run = await codex.result()
         elapsed = time.monotonic() - started
@@ -151,24 +154,25 @@ async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute
         assert elapsed < TARGET_SECONDS, f"{elapsed:.1f}s"
         # The key: in a 0600 file, in no config file; the files the teammate had: kept,
         # backed up where changed.
-        key_file = Path(mate["XDG_CONFIG_HOME"]) / "gguf-studio" / "connections" / "gguf-studio.key"
+        key_file = Path(mate["XDG_CONFIG_HOME"]) / "gguf-studio" / "connections" / f"{profile}.key"
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
         secret = key_file.read_text().strip()
         assert secret.startswith("gs-")
-        profile = (codex_home / "gguf-studio.config.toml").read_text()
+        codex_profile = (codex_home / f"{profile}.config.toml").read_text()
         written = json.loads(opencode_json.read_text())
-        assert secret not in profile and secret not in opencode_json.read_text()
+        assert secret not in codex_profile and secret not in opencode_json.read_text()
         assert (codex_home / "config.toml").read_text() == config_toml
-        assert set(written["provider"]) == {"mine", "gguf-studio"} and written["model"] == "mine/x"
+        assert set(written["provider"]) == {"mine", profile} and written["model"] == "mine/x"
+        assert "small_model" not in written  # OpenCode's own, for every provider: left alone
         assert list(opencode_json.parent.glob("opencode.json.bak-*"))
         assert secret not in "".join(said)  # never printed either
 
         # OpenCode with the file as connect left it (plus the suite's offline switches),
         # asked for the port's default model by the provider connect added.
         config = {**written, "autoupdate": False, "share": "disabled"}
-        (first_model, *_) = written["provider"]["gguf-studio"]["models"]
+        (first_model, *_) = written["provider"][profile]["models"]
         oc = await opencode.run(cast(StudioService, None), "Say hello.", config=config,
-                                args=("-m", f"gguf-studio/{first_model}"))
+                                args=("-m", f"{profile}/{first_model}"))
         assert oc.returncode == 0 and not oc.timed_out, oc.describe()
         assert oc.text, oc.describe()
     finally:

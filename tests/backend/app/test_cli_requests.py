@@ -76,7 +76,7 @@ async def test_requests_with_a_wrong_key_or_no_port_says_so(service, env, tmp_pa
         tmp_path / "config" / "gguf-studio" / "settings.json")
     refused = await requests_cli(env)
     assert refused.returncode == 1 and "refused the key" in refused.stderr
-    nowhere = await requests_cli(env, "--url", "http://127.0.0.1:9")
+    nowhere = await requests_cli(env, "--port", "9")
     assert nowhere.returncode == 1 and "No GGUF Studio port answers" in nowhere.stderr
 
 
@@ -101,3 +101,80 @@ async def test_requests_follow_prints_each_request_as_it_ends(service, env):
     finally:
         follower.terminate()
         await follower.wait()
+
+
+class StrangePort:
+    """A server that is not this machine's port: whatever listens at an address the user
+    typed.  It keeps the keys it is sent and answers records with escape codes (no real
+    port names a key or model so; a hostile one may)."""
+
+    ESCAPES = "\x1b]0;pwned\x07\x1b[2J"
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.keys: list[str] = []
+        strange = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                strange.keys.append(self.headers.get("Authorization", ""))
+                record = {"id": 1, "time": 0.0, "route": "/v1/chat/completions",
+                          "key": "eve" + strange.ESCAPES, "model": "m\x1b[31mred", "status": 200}
+                body = json.dumps({"data": [record], "last_id": 1}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def strange_port():
+    port = StrangePort()
+    yield port
+    port.close()
+
+
+async def test_requests_at_another_address_never_sends_the_saved_owner_key(strange_port, env,
+                                                                           tmp_path):
+    Settings(port=8899, api_key=OWNER_KEY).save(tmp_path / "config" / "gguf-studio" / "settings.json")
+
+    asked = await requests_cli(env, "--url", strange_port.url)
+
+    assert asked.returncode == 1
+    assert "not this machine's port" in asked.stderr and "--api-key-file" in asked.stderr
+    assert strange_port.keys == []  # nothing was sent at all
+    key_file = tmp_path / "theirs.key"
+    key_file.write_text("their-owner-key-0123456789\n")
+    key_file.chmod(0o600)
+    given = await requests_cli(env, "--url", strange_port.url, "--api-key-file", str(key_file))
+    assert given.returncode == 0, given.stderr
+    assert strange_port.keys == ["Bearer their-owner-key-0123456789"]
+    assert OWNER_KEY not in "".join(strange_port.keys)
+
+
+async def test_what_a_port_answers_is_printed_without_its_escape_codes(strange_port, env, tmp_path):
+    key_file = tmp_path / "theirs.key"
+    key_file.write_text("their-owner-key-0123456789\n")
+    key_file.chmod(0o600)
+
+    table = await requests_cli(env, "--url", strange_port.url, "--api-key-file", str(key_file))
+
+    assert table.returncode == 0, table.stderr
+    assert "\x1b" not in table.stdout and "\x07" not in table.stdout
+    assert "eve\\x1b]0;pwned\\x07\\x1b[2J" in table.stdout  # shown, escaped
+    assert "m\\x1b[31mred" in table.stdout

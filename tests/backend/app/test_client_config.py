@@ -48,10 +48,12 @@ def test_a_second_connect_backs_up_what_the_first_wrote_and_keeps_the_users_own(
     config = json.loads(opencode.read_text())
     assert config["model"] == "mine/x" and set(config["provider"]) == {"mine", "office"}
     assert config["provider"]["office"]["options"]["apiKey"] == "{file:" + str(key_file) + "}"
-    assert len(first.backups) == 1 and len(second.backups) == 3  # opencode.json, 2 profiles
+    assert len(first.backups) == 1 and len(second.backups) == 4  # the key, opencode.json, 2 profiles
     assert json.loads(first.backups[0].read_text()) == {"model": "mine/x", "provider": {"mine": {}}}
+    (key_backup,) = (b for b in second.backups if b.name.startswith("office.key.bak-"))
+    assert key_backup.read_text() == SECRET + "\n"  # the key it replaced, kept
     for path in [*first.files, *second.backups]:
-        assert SECRET not in path.read_text()
+        assert path == key_backup or SECRET not in path.read_text()
     assert second.codex_command == "codex --profile office"
 
 
@@ -65,3 +67,18 @@ def test_an_opencode_config_with_comments_is_left_alone_and_said_so(home):
     assert jsonc.read_text() == '{ // mine\n "model": "mine/x" }\n'
     assert not (home / ".config" / "opencode" / "opencode.json").exists()
     assert any("left as it is" in note for note in written.notes)
+
+
+def test_opencodes_small_model_is_left_to_the_user(home):
+    """OpenCode's small_model titles every provider's conversations: set by connect, it
+    would send the titles of the user's other work to this port."""
+    opencode = home / ".config" / "opencode" / "opencode.json"
+
+    write_client_config(target(), "office", "Office box")  # no OpenCode config yet
+
+    config = json.loads(opencode.read_text())
+    assert config["model"].startswith("office/")
+    assert "small_model" not in config
+    opencode.write_text(json.dumps({"small_model": "mine/tiny"}))
+    write_client_config(target(), "office", "Office box")
+    assert json.loads(opencode.read_text())["small_model"] == "mine/tiny"

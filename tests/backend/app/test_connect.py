@@ -1,13 +1,17 @@
-"""`gguf-studio connect` where it does not end in a key: multicast finds nothing (it says
-so and asks for the address), and the owner refuses (nothing is minted or written; the
-address was shown as a QR code first, with --qr)."""
+"""`gguf-studio connect` as a teammate runs it: multicast finds nothing (it says so and
+asks for the address), the owner refuses (nothing is minted or written; the address was
+shown as a QR code first, with --qr), and two ports connected to one after the other
+each keep their own key."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import sys
 from pathlib import Path
+
+import pytest
 
 from backend.app.discovery import ENV_INTERFACES
 from backend.key_store import KeyStore
@@ -55,3 +59,47 @@ async def test_a_refused_teammate_gets_no_key_and_nothing_is_written(running_ser
     assert KeyStore().records() == []
     assert not (tmp_path / ".config" / "gguf-studio").exists()
     assert not (tmp_path / ".codex").exists()
+
+
+@pytest.fixture
+def loose_umask():
+    """The umask most desktops run with (022): a plain copy would come out world-readable."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+async def enrol(service, env: dict[str, str], name: str) -> str:
+    """`connect` to `service` by its address, approved by the owner: what it printed."""
+    proc = await connect(env, f"http://127.0.0.1:{service.gateway_port}", "--name", name)
+    await until(lambda: any(e.name == name for e in service.enrolments.pending()), 30)
+    service.approve_enrolment(name)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, out.decode() + err.decode()
+    return out.decode()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
+async def test_a_second_port_gets_a_profile_of_its_own_and_a_replaced_key_is_kept(
+        running_service, tmp_path, loose_umask):
+    first = await running_service(api_key=OWNER_KEY)
+    second = await running_service(api_key=OWNER_KEY)
+    env = teammate(tmp_path)
+    connections = tmp_path / ".config" / "gguf-studio" / "connections"
+
+    said = await enrol(first, env, "bob")
+    await enrol(second, env, "bob2")
+
+    # Without --profile each port is its own profile: the first key is still there.
+    one, two = (connections / f"127-0-0-1-{s.gateway_port}.key" for s in (first, second))
+    first_secret, second_secret = one.read_text().strip(), two.read_text().strip()
+    assert first_secret.startswith("gs-") and second_secret.startswith("gs-")
+    assert first_secret != second_secret
+    assert f"codex --profile 127-0-0-1-{first.gateway_port}" in said
+    # The same port again: the key it replaces is backed up, as private as the key.
+    again = await enrol(first, env, "bob3")
+    (backup,) = connections.glob(f"{one.name}.bak-*")
+    assert backup.read_text().strip() == first_secret
+    assert stat.S_IMODE(backup.stat().st_mode) == 0o600
+    assert f"backup {backup}" in again
+    assert one.read_text().strip() not in (first_secret, second_secret)
