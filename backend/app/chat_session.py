@@ -3,9 +3,10 @@ held and streamed here, sent through the port like any client's.
 
 The session talks to the app's own port over HTTP (`/v1/chat/completions`, streamed),
 with the Chat tab's own key (`StudioService.chat_secret`, made for the run and never
-saved: the owner's rights, a flow of its own, booked in usage and named in the inspector
-as "chat tab"), so what the owner sees is what an agent gets: the same admission, the
-same answers.  Each conversation names itself to the port with a `prompt_cache_key` of
+saved: the owner's rights on models, a flow of its own, booked in usage and named in the
+inspector as "chat tab"; on `/requests` it reads its own records only), straight to the
+port and never through a proxy of the environment (`HTTP_PROXY`), so what the owner
+sees is what an agent gets: the same admission, the same answers.  Each conversation names itself to the port with a `prompt_cache_key` of
 its own (`studio-chat-…`): the request's session, by which the port places each turn
 where the last one left the conversation's prefix (so the next turn's cached tokens show
 in its figures) and by which its records name the conversation.
@@ -222,7 +223,9 @@ class ChatSession:
             headers["authorization"] = f"Bearer {port.api_key}"
         reading = _Reading(self._clock())
         try:
-            async with httpx.AsyncClient(timeout=TIMEOUT) as client, \
+            # Never through a proxy the environment names: the request carries the
+            # owner-rights secret and the whole conversation, and goes to this machine.
+            async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client, \
                     client.stream("POST", port.base_url + CHAT_PATH, json=body,
                                   headers=headers) as response:
                 if response.status_code != 200:

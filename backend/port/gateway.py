@@ -4,7 +4,7 @@ Gated (a slot of the model is needed, through the admission queue):
 `POST /v1/chat/completions`, `/v1/responses`, `/v1/completions`, `/v1/messages`,
 `/v1/embeddings`.  Ungated: `GET /v1/models`, `/health`, `/metrics`, `/requests` (the
 request inspector's ring, `backend.port.request_log`: all of it for the owner's key, a
-named key's own records for that key).  Nothing else, and none of llama-server's own
+named key's own records for that key, and the Chat tab's own for its secret).  Nothing else, and none of llama-server's own
 endpoints, is reachable: every other path is a 404.
 
 Auth, when `settings.api_key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette import routing
 
 from backend.port import http_errors
-from backend.key_store import KeyStore
+from backend.key_store import OWNER_NAME, KeyStore
 from backend.admission.caller import Caller
 from backend.port.access_guard import AccessGuard
 from backend.admission.flow import Band
@@ -438,13 +438,14 @@ class Gateway:
         """The inspector's records after `?after=ID` (the newest `?limit=N`): every one
         for the owner's key (or this machine's clients on a port without keys), a named
         key's own for that key (without the shared cache's figures), none for anyone
-        else."""
+        else.  The Chat tab's secret is the owner's on models but reads like a named key:
+        its own records (it needs no others, and a leaked one must not show everyone's)."""
         caller = self.check_key(request.scope)
         after = _whole_param(request, "after", 0)
         limit = _whole_param(request, "limit", 0)
         ring = self.requests
         key = caller.key
-        if key is not None and not key.is_owner:
+        if key is not None and key.name != OWNER_NAME:
             records = ring.records(after=after, key=key.name, limit=limit)
         elif key is not None or _from_loopback(request.scope):
             records = ring.records(after=after, limit=limit)

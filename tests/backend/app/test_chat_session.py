@@ -1,7 +1,8 @@
 """The chat playground's conversation against the real SmolLM2 through a running port:
 an answer streams with real figures, stop ends it and keeps what arrived (and frees the
 engine's slot), regenerate replaces the last answer, clear empties; the port's own
-errors reach the person as its sentence."""
+errors reach the person as its sentence; a proxy the environment names never sees the
+conversation nor the Chat tab's secret."""
 
 from __future__ import annotations
 
@@ -73,8 +74,10 @@ async def test_an_answer_streams_through_the_port_with_real_figures(service, cha
     assert follow_up.figures is not None and follow_up.figures.cached_tokens is not None
     assert follow_up.figures.cached_tokens >= figures.prompt_tokens
     assert chat.request_body(options)["prompt_cache_key"].startswith(SESSION_PREFIX)
-    # Its own flow: booked apart from the owner's agents, and named so in the inspector.
-    assert service.usage.usage(CHAT_NAME).requests == 2
+    # Its own flow: booked apart from the owner's agents, and named so in the inspector
+    # (booked once the port has settled the request, which may be just after the client
+    # read its last event).
+    await until(lambda: service.usage.usage(CHAT_NAME).requests == 2, timeout=10)
     assert service.usage.usage("owner").requests == 0
     assert [r.key for r in service.requests.records()][-2:] == [CHAT_NAME, CHAT_NAME]
 
@@ -137,3 +140,34 @@ async def test_the_ports_refusal_is_told_as_its_sentence(service, chat, options)
     assert "404" in answer.error and "no-such-model" in answer.error
     # A failed answer is not sent back to the model with the next turn.
     assert chat.request_body(options)["messages"][-1] == {"role": "user", "content": QUESTION}
+
+
+async def test_a_proxy_named_by_the_environment_never_sees_the_chat(service, chat, options,
+                                                                    monkeypatch):
+    """`HTTP_PROXY` on the owner's desktop (a company proxy, or a hostile one) would get
+    every conversation and the Chat tab's owner-rights secret: the chat goes straight to
+    this machine's port instead."""
+    connections = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(await reader.read(65536))
+        writer.close()  # a proxy that answers nothing: a chat sent through it fails fast
+
+    listening = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    address = "http://127.0.0.1:%d" % listening.sockets[0].getsockname()[1]
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                 "all_proxy"):
+        monkeypatch.setenv(name, address)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        answer = await asyncio.wait_for(
+            chat.send(QUESTION, ChatOptions(options.model, temperature=0.0, max_tokens=8)), 120)
+    finally:
+        listening.close()
+        await listening.wait_closed()
+
+    assert answer.state is AnswerState.DONE, answer.error
+    assert answer.text
+    assert connections == []
+    await until(lambda: service.usage.usage(CHAT_NAME).requests == 1, timeout=10)

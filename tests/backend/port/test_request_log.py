@@ -1,5 +1,6 @@
 """The request inspector: its ring, and its records of requests to a real engine (one
-slot, two keys): why a request waited, what a named key may read, no content kept."""
+slot, two keys): why a request waited, what a named key and the Chat tab may read, no
+content kept."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from backend.app.service import StudioService
+from backend.key_store import CHAT_NAME
 from backend.llama.load import LoadSettings
 from backend.admission.admission_ticket import WaitReason
 from backend.port.request_log import RequestLog, RequestRecord, engine_figures
@@ -169,6 +171,23 @@ async def test_a_request_that_waited_behind_another_keys_request_names_that_keys
     assert all(r["cached_tokens"] is None and r["waited_behind"] is None for r in flood_seen)
     assert flood_seen[1]["wait_reason"] == WaitReason.FAIR_SHARE
     assert [r["id"] for r in colleague_seen] == [theirs["id"]]
+
+
+async def test_the_chat_tabs_secret_reads_its_own_records_not_everyones(service):
+    """The Chat tab's secret has the owner's rights on models, not on the inspector: were
+    it to leak (it travels with every conversation), it shows no other key's requests."""
+    _, alice = service.keys.add("alice")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=120) as client:
+        for key in (alice, OWNER_KEY, service.chat_secret):
+            await read_stream(client, key, chat(2))
+        # Recorded once the port has settled each (maybe just after its last event).
+        await until(lambda: service.requests.last_id == 3, "the three requests recorded")
+        everything = await requests_seen(client, OWNER_KEY)
+        chat_seen = await requests_seen(client, service.chat_secret)
+    assert [r["key"] for r in everything] == ["alice", "owner", CHAT_NAME]
+    assert [r["id"] for r in chat_seen] == [everything[2]["id"]]
+    assert chat_seen[0]["waited_behind"] is None and chat_seen[0]["cached_tokens"] is None
 
 
 async def test_a_refused_request_leaves_its_error_code(service):
