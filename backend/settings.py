@@ -41,6 +41,10 @@ class Settings:
     #: An OTLP/HTTP traces endpoint (http://collector:4318/v1/traces): each request's
     #: inspector record is exported there as a span (the `otel` extra); empty: nothing.
     otel_endpoint: str = ""
+    #: A client's `traceparent` makes its span the parent of the request's span (the
+    #: request joins the client's trace) instead of a link from a trace of the port's own:
+    #: for clients the owner traces too (a client could otherwise pick the trace).
+    otel_client_parent: bool = False
     allow_no_key: bool = False
     # Named keys were used here (backend.key_store): every client must send a key from
     # then on, also after keys.json was deleted or emptied, which must not open the port

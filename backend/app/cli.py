@@ -166,7 +166,8 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "client_stall_timeout", "max_connections", "header_timeout",
                    "reload_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
-                   "load_timeout", "models_file", "rpc", "otel_endpoint", "allow_enrolment",
+                   "load_timeout", "models_file", "rpc", "otel_endpoint", "otel_client_parent",
+                   "allow_enrolment",
                    "stall_budget_ms")
 
 
@@ -516,6 +517,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="export each request as an OpenTelemetry span to this OTLP/HTTP "
                        "endpoint, e.g. http://collector:4318/v1/traces (needs the otel extra; "
                        f"{env('otel_endpoint')})")
+    serve.add_argument("--otel-client-parent", action="store_true", default=None,
+                       help="a client's traceparent makes the request's span a child of the "
+                       "client's span (its trace) instead of a link from a trace of the port's "
+                       f"own; for clients you trace too ({env('otel_client_parent')}=1)")
     serve.add_argument("--default-output-tokens", type=int,
                        help="output tokens reserved for a request that sends no limit (2048)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body, 0 = default (32 MiB)")

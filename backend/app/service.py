@@ -101,7 +101,8 @@ class StudioService:
         self._spans: SpanExport | None = None
         if settings.otel_endpoint:  # OpenTelemetry only when asked for (the `otel` extra)
             from backend.port.tracing import span_export_to
-            self._spans = self.requests.exporter = span_export_to(settings.otel_endpoint)
+            self._spans = self.requests.exporter = span_export_to(
+                settings.otel_endpoint, client_parent=lambda: self.settings.otel_client_parent)
         self._flow_tasks: list[asyncio.Future[None]] = []
         self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         #: Session prefixes saved before planned losses and restored on the next turn.

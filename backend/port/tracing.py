@@ -5,11 +5,15 @@ With `settings.otel_endpoint` set (GGUF_STUDIO_OTEL_ENDPOINT, e.g.
 exporter), each request's record becomes one span when the request ends: a SERVER span
 named "{operation} {model}" with the GenAI semantic conventions' attributes
 (`gen_ai.operation.name`, `gen_ai.request.model`, `gen_ai.usage.input_tokens`, ...)
-and the inspector's own under `gguf_studio.*`.  A client's W3C `traceparent` header makes
-it a child of the client's span (and a parent that is not sampled, none: the SDK's
-default sampler's rule).  Spans are made from the record once the request ended and
-exported in batches from a thread of their own, so the relay's per-chunk work is
-unchanged; when off, nothing of OpenTelemetry is imported.
+and the inspector's own under `gguf_studio.*`.  The port's span is always exported: the
+export is the owner's record of the port, so a client's W3C `traceparent` flagged "not
+sampled" hides nothing from it.  A client's valid `traceparent` is a *link* of the span,
+which starts a trace of its own: a client on the LAN cannot put the owner's spans into a
+trace it chose.  Only when the owner opts in (`settings.otel_client_parent`, for clients
+the owner traces too) is the client's span the parent, so the request joins its trace.
+Spans are made from the record once the request ended and exported in batches from a
+thread of their own, so the relay's per-chunk work is unchanged; when off, nothing of
+OpenTelemetry is imported.
 
 What a span costs is measured by `bench/tracing.py` (target: at most 2 % of the relay's
 CPU for a 200-token answer).  The SDK's own path costs ~8 % there: its tracer cleans
@@ -35,7 +39,7 @@ import re
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
@@ -43,10 +47,13 @@ if TYPE_CHECKING:
 
     from backend.port.request_log import RequestRecord
 
+    #: A client's span a span links to: (trace id, span id, trace flags).
+    ClientSpan = tuple[int, int, int]
     #: An ended request waiting for its span (see `SpanExport._pending`).
-    Ended = tuple[RequestRecord, int, int, int]
-    #: Its span's ids given: (record, trace id, span id, parent span id or 0, end in ns).
-    Made = tuple[RequestRecord, int, int, int, int]
+    Ended = tuple[RequestRecord, int, int, ClientSpan | None, int]
+    #: Its span's ids given: (record, trace id, span id, parent span id or 0, the client's
+    #: span it links to or None, end in ns).
+    Made = tuple[RequestRecord, int, int, int, ClientSpan | None, int]
 
 __all__ = ["SpanExport", "otlp_request", "span_export_to"]
 
@@ -65,16 +72,22 @@ TRACEPARENT = re.compile(
 
 class SpanExport:
     """Turns records into spans and hands them to `exporter` in batches from a thread of
-    its own (`batch=False`: each at once, on the caller's thread, for tests)."""
+    its own (`batch=False`: each at once, on the caller's thread, for tests).  A client's
+    span is the parent of a request's span while `client_parent()` says so, else a link."""
 
-    def __init__(self, exporter: SpanExporter, *, batch: bool = True) -> None:
+    def __init__(self, exporter: SpanExporter, *, batch: bool = True,
+                 client_parent: Callable[[], bool] = lambda: False) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+        from opentelemetry.trace import (Link, SpanContext, SpanKind, Status, StatusCode,
+                                         TraceFlags)
 
         self._exporter = exporter
+        self._client_parent = client_parent
+        self._link = Link
+        self._flags = TraceFlags
         self._resource = Resource.create({"service.name": "gguf-studio"})
         self._scope = InstrumentationScope("gguf_studio.port")
         self._ids = RandomIdGenerator()
@@ -91,8 +104,8 @@ class SpanExport:
         self._scope_tail = _text(3, scope.schema_url or "")
         self._resource_head = _field(1, _attribute_list(1, self._resource.attributes))
         self._resource_tail = _text(3, self._resource.schema_url)
-        #: Ended requests not yet exported: (record, parent trace id, parent span id,
-        #: end in ns), the record being the ring's own (frozen), the rest ints.
+        #: Ended requests not yet exported: (record, parent trace id, parent span id, the
+        #: client's span to link, end in ns), the record being the ring's own (frozen).
         self._pending: queue.SimpleQueue[Ended] = queue.SimpleQueue()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -107,18 +120,17 @@ class SpanExport:
             self._thread.start()
 
     def __call__(self, record: RequestRecord, traceparent: str | None) -> None:
-        """One span for `record`, from its arrival to now; a child of `traceparent`'s span
-        when the client sent a valid one."""
+        """One span for `record`, from its arrival to now, sampled or not by the client;
+        linked to `traceparent`'s span when the client sent a valid one, or its child when
+        the owner opted in."""
         if self._closed:
             return
         trace_id = parent_id = 0
-        if traceparent:
-            parent = _parent(traceparent)
-            if parent is not None:
-                trace_id, parent_id, sampled = parent
-                if not sampled:
-                    return
-        ended = (record, trace_id, parent_id, time.time_ns())
+        link = _client_span(traceparent) if traceparent else None
+        if link is not None and self._client_parent():
+            trace_id, parent_id, _ = link
+            link = None
+        ended = (record, trace_id, parent_id, link, time.time_ns())
         if self._thread is None:
             self._export([ended])
             return
@@ -168,8 +180,8 @@ class SpanExport:
         or, to `OtlpHttpSpans`, straight as the OTLP message of those spans."""
         generate_trace_id, generate_span_id = (self._ids.generate_trace_id,
                                                self._ids.generate_span_id)
-        spans = [(record, trace_id or generate_trace_id(), generate_span_id(), parent_id,
-                  end_time) for record, trace_id, parent_id, end_time in batch]
+        spans = [(record, trace_id or generate_trace_id(), generate_span_id(), parent_id, link,
+                  end_time) for record, trace_id, parent_id, link, end_time in batch]
         send = getattr(self._exporter, "send_encoded", None)
         if send is not None:
             send(self._encoded(spans))
@@ -177,7 +189,7 @@ class SpanExport:
             self._exporter.export([self._readable(span) for span in spans])
 
     def _readable(self, span: Made) -> ReadableSpan:
-        record, trace_id, span_id, parent_id, end_time = span
+        record, trace_id, span_id, parent_id, link, end_time = span
         operation = OPERATIONS.get(record.route, "chat")
         failed = record.error is not None or record.status >= 400
         return self._span(
@@ -185,6 +197,8 @@ class SpanExport:
             context=self._context(trace_id, span_id, False, self._sampled),
             parent=self._context(trace_id, parent_id, True, self._sampled)
             if parent_id else None,
+            links=() if link is None else (self._link(self._context(
+                link[0], link[1], True, self._flags(link[2]))),),
             resource=self._resource, attributes=_attributes(record, operation),
             kind=self._server, status=self._error if failed else self._unset,
             start_time=int(record.time * 1e9), end_time=end_time,
@@ -193,7 +207,7 @@ class SpanExport:
     def _encoded(self, spans: list[Made]) -> bytes:
         """What `otlp_request` makes of `self._readable` of each, without making them."""
         encoded = []
-        for record, trace_id, span_id, parent_id, end_time in spans:
+        for record, trace_id, span_id, parent_id, link, end_time in spans:
             operation = OPERATIONS.get(record.route, "chat")
             failed = record.error is not None or record.status >= 400
             encoded.append(_field(2, b"".join((
@@ -205,6 +219,7 @@ class SpanExport:
                 b"\x39", _pack_fixed64(int(record.time * 1e9)),
                 b"\x41", _pack_fixed64(end_time),
                 _attribute_list(9, _attributes(record, operation)),
+                b"" if link is None else _link(link[0], link[1], _HAS_IS_REMOTE | _IS_REMOTE),
                 b"\x7a\x02\x18\x02" if failed else b"\x7a\x00",  # status ERROR / UNSET
                 b"\x85\x01", (_HAS_IS_REMOTE | _IS_REMOTE if parent_id
                                  else _HAS_IS_REMOTE).to_bytes(4, "little")))))
@@ -212,15 +227,16 @@ class SpanExport:
         return _field(1, self._resource_head + _field(2, scope_spans) + self._resource_tail)
 
 
-def span_export_to(endpoint: str) -> SpanExport:
+def span_export_to(endpoint: str, *,
+                   client_parent: Callable[[], bool] = lambda: False) -> SpanExport:
     """Spans to an OTLP/HTTP collector at `endpoint` (ImportError without the extra)."""
-    return SpanExport(_otlp_http_spans(endpoint))
+    return SpanExport(_otlp_http_spans(endpoint), client_parent=client_parent)
 
 
 def otlp_request(spans: Sequence[ReadableSpan]) -> bytes:
     """An OTLP `ExportTraceServiceRequest` of `spans`, the message the SDK's `encode_spans`
-    makes of them, for spans as `SpanExport` makes them: no events or links, attributes
-    of str, bool, int or float."""
+    makes of them, for spans as `SpanExport` makes them: no events, links without a
+    trace state, attributes of str, bool, int or float."""
     groups: dict[tuple[int, int], tuple[Any, Any, list[bytes]]] = {}
     for span in spans:
         # By identity: a Resource hashes its attributes as JSON, 20 µs a span.
@@ -265,8 +281,8 @@ def _otlp_http_spans(endpoint: str) -> SpanExporter:
     return OtlpHttpSpans(endpoint=endpoint)
 
 
-def _parent(traceparent: str) -> tuple[int, int, bool] | None:
-    """The trace id, span id and sampled flag of a valid `traceparent`."""
+def _client_span(traceparent: str) -> ClientSpan | None:
+    """The trace id, span id and trace flags of a valid `traceparent`."""
     match = TRACEPARENT.match(traceparent) if len(traceparent) <= 512 else None
     if match is None:
         return None
@@ -274,7 +290,7 @@ def _parent(traceparent: str) -> tuple[int, int, bool] | None:
     if (version == "ff" or (version == "00" and rest) or trace_id == "0" * 32
             or span_id == "0" * 16):
         return None
-    return int(trace_id, 16), int(span_id, 16), bool(int(flags, 16) & 1)
+    return int(trace_id, 16), int(span_id, 16), int(flags, 16)
 
 
 def _setting(name: str, default: int) -> int:
@@ -346,11 +362,23 @@ def _span(span: ReadableSpan) -> bytes:
         b"\x39", _pack_fixed64(span.start_time or 0),
         b"\x41", _pack_fixed64(span.end_time or 0),
         _attribute_list(9, span.attributes),
+        *(_link(link.context.trace_id, link.context.span_id,
+                _HAS_IS_REMOTE | (_IS_REMOTE if link.context.is_remote else 0),
+                link.attributes) for link in span.links),
         _field(15, _text(2, status.description or "")
                + (b"\x18" + _SMALL[status.status_code.value] if status.status_code.value
                   else b"")),
         b"\x85\x01", flags.to_bytes(4, "little"),  # field 16, fixed32
     ))
+
+
+def _link(trace_id: int, span_id: int, flags: int, attributes: Any = None) -> bytes:
+    """A Span.Link field: the span linked to and its flags (as the SDK's encoder writes
+    them: whether it is remote, not its trace flags)."""
+    return _field(13, b"".join((b"\x0a\x10", trace_id.to_bytes(16, "big"),
+                                b"\x12\x08", span_id.to_bytes(8, "big"),
+                                _attribute_list(4, attributes),
+                                b"\x35", flags.to_bytes(4, "little"))))  # field 6, fixed32
 
 
 def _attribute_list(number: int, attributes: Any) -> bytes:

@@ -1,7 +1,8 @@
 """OpenTelemetry export of the inspector's records: a span per request with the GenAI
-attributes, in the client's trace, an error status on a failed one, sent to a real OTLP/HTTP
-receiver in the message the SDK's own encoder makes; nothing of OpenTelemetry imported when
-it is off."""
+attributes, always exported (a client flagging its context "not sampled" hides nothing),
+linked to the client's span or (when the owner opts in) in the client's trace, an error
+status on a failed one, sent to a real OTLP/HTTP receiver in the message the SDK's own
+encoder makes; nothing of OpenTelemetry imported when it is off."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ async def stream(port: int | None, body: dict, headers: dict[str, str]) -> None:
 
 async def test_a_request_is_a_span_with_the_genai_attributes_in_the_clients_trace(
         running_service: ServiceFactory, tiny_model: Path):
-    service = await running_service()
+    service = await running_service(otel_client_parent=True)
     await service.load(LoadSettings(parallel="1", ctx_size=4096).to_spec(str(tiny_model)))
     memory = InMemorySpanExporter()
-    service.requests.exporter = SpanExport(memory, batch=False)
+    service.requests.exporter = SpanExport(
+        memory, batch=False, client_parent=lambda: service.settings.otel_client_parent)
     await stream(service.gateway_port, chat(7),
                  {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "x-session-id": "agent-7"})
     await stream(service.gateway_port, chat(3), {})
@@ -67,8 +69,40 @@ async def test_a_request_is_a_span_with_the_genai_attributes_in_the_clients_trac
     assert first.end_time is not None and first.start_time is not None
     assert first.end_time > first.start_time
     assert first.status.status_code is StatusCode.UNSET
+    assert first.links == ()
     # No traceparent: a trace of its own.
     assert second.parent is None and second.context.trace_id != first.context.trace_id
+
+
+async def test_a_clients_context_is_a_link_and_not_sampled_hides_nothing(
+        running_service: ServiceFactory, tiny_model: Path):
+    """By default a client on the LAN neither picks the trace of the owner's span (its
+    context is a link) nor keeps its request out of the export by flagging its context
+    "not sampled"; opted in, the request joins the client's trace, sampled or not."""
+    service = await running_service()
+    await service.load(LoadSettings(parallel="1", ctx_size=4096).to_spec(str(tiny_model)))
+    memory = InMemorySpanExporter()
+    service.requests.exporter = SpanExport(
+        memory, batch=False, client_parent=lambda: service.settings.otel_client_parent)
+    await stream(service.gateway_port, chat(2),
+                 {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00", "x-session-id": "hidden"})
+    await stream(service.gateway_port, chat(2),
+                 {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    service.settings.otel_client_parent = True  # the owner opts in, live
+    await stream(service.gateway_port, chat(2),
+                 {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00"})
+    unsampled, sampled, joined = memory.get_finished_spans()
+    assert dict(unsampled.attributes or {})["gguf_studio.session"] == "hidden"
+    for span, flags in ((unsampled, 0), (sampled, 1)):
+        assert span.parent is None and f"{span.context.trace_id:032x}" != TRACE_ID
+        assert span.context.trace_flags.sampled
+        [link] = span.links
+        assert f"{link.context.trace_id:032x}" == TRACE_ID
+        assert f"{link.context.span_id:016x}" == PARENT_ID
+        assert link.context.is_remote and link.context.trace_flags == flags
+    assert unsampled.context.trace_id != sampled.context.trace_id
+    assert f"{joined.context.trace_id:032x}" == TRACE_ID and joined.links == ()
+    assert joined.parent is not None and f"{joined.parent.span_id:016x}" == PARENT_ID
 
 
 async def test_a_failed_request_is_a_span_with_an_error_status(
@@ -88,30 +122,37 @@ async def test_a_failed_request_is_a_span_with_an_error_status(
     attributes = dict(span.attributes or {})
     assert attributes["error.type"] == "invalid_request"
     assert attributes["http.response.status_code"] == 400
-    assert span.parent is not None and f"{span.parent.span_id:016x}" == PARENT_ID
+    assert span.parent is None and f"{span.links[0].context.span_id:016x}" == PARENT_ID
 
 
-def test_a_client_span_that_is_not_sampled_has_no_child_here():
+def test_a_client_context_that_is_not_sampled_still_has_a_child_when_the_owner_opts_in():
     memory = InMemorySpanExporter()
-    export = SpanExport(memory, batch=False)
-    for traceparent in (f"00-{TRACE_ID}-{PARENT_ID}-00",  # not sampled: no span
+    export = SpanExport(memory, batch=False, client_parent=lambda: True)
+    for traceparent in (f"00-{TRACE_ID}-{PARENT_ID}-00",  # not sampled: its child all the same
                         f"00-{TRACE_ID}-{PARENT_ID}-01-extra",  # malformed: a trace of its own
                         f"00-{'0' * 32}-{PARENT_ID}-01"):  # invalid: a trace of its own
         export(record(), traceparent)
-    spans = memory.get_finished_spans()
-    assert len(spans) == 2 and all(span.parent is None for span in spans)
-    assert all(f"{span.context.trace_id:032x}" != TRACE_ID for span in spans)
+    child, *alone = memory.get_finished_spans()
+    assert f"{child.context.trace_id:032x}" == TRACE_ID and child.context.trace_flags.sampled
+    assert child.parent is not None and f"{child.parent.span_id:016x}" == PARENT_ID
+    assert len(alone) == 2
+    assert all(span.parent is None and span.links == () for span in alone)
+    assert all(f"{span.context.trace_id:032x}" != TRACE_ID for span in alone)
 
 
 def test_spans_are_encoded_as_the_sdks_own_otlp_encoder_encodes_them():
     memory = InMemorySpanExporter()
-    export = SpanExport(memory, batch=False)
-    export(record(), f"00-{TRACE_ID}-{PARENT_ID}-01")
+    parent = False
+    export = SpanExport(memory, batch=False, client_parent=lambda: parent)
+    export(record(), f"00-{TRACE_ID}-{PARENT_ID}-01")  # a link
+    parent = True
+    export(record(), f"00-{TRACE_ID}-{PARENT_ID}-00")  # a parent
+    parent = False
     export(record(status=429, error="rate_limit_exceeded", model=None, session=None,
                   route="/v1/embeddings", wait=0.0, prompt_tokens=2**40), None)
     export(record(key="ünïcode ✓", prompt_tokens=0, tokens_per_second=0.0), None)
     spans = memory.get_finished_spans()
-    assert len(spans) == 3
+    assert len(spans) == 4 and len(spans[0].links) == 1 and spans[1].parent is not None
     ours = ExportTraceServiceRequest.FromString(otlp_request(spans))
     assert ours == encode_spans(spans)
     assert ExportTraceServiceRequest.FromString(otlp_request(spans[:1])) == encode_spans(
@@ -122,12 +163,14 @@ def test_records_are_encoded_straight_as_the_sdks_encoder_encodes_their_spans():
     # To the OTLP exporter the export thread sends records encoded without making the
     # SDK's spans (`_encoded`); to any other exporter it hands those spans (`_readable`).
     export = SpanExport(InMemorySpanExporter(), batch=False)
-    made = [(record(), int(TRACE_ID, 16), 0x1234, int(PARENT_ID, 16), 1_700_000_001 * 10**9),
+    made = [(record(), int(TRACE_ID, 16), 0x1234, int(PARENT_ID, 16), None,
+             1_700_000_001 * 10**9),
             (record(status=429, error="rate_limit_exceeded", model=None, session=None,
                     route="/v1/embeddings", wait=0.0, prompt_tokens=2**40),
-             2**127 + 5, 2**63 + 7, 0, 1_700_000_002 * 10**9),
+             2**127 + 5, 2**63 + 7, 0, None, 1_700_000_002 * 10**9),
             (record(key="ünïcode ✓", prompt_tokens=0, tokens_per_second=0.0, status=502),
-             1, 2, 0, 1_700_000_003 * 10**9)]
+             1, 2, 0, (int(TRACE_ID, 16), int(PARENT_ID, 16), 0), 1_700_000_003 * 10**9),
+            (record(), 3, 4, 0, (2**128 - 1, 2**64 - 1, 1), 1_700_000_004 * 10**9)]
     spans = [export._readable(span) for span in made]
     assert ExportTraceServiceRequest.FromString(export._encoded(made)) == encode_spans(spans)
     assert ExportTraceServiceRequest.FromString(export._encoded(made[1:2])) == encode_spans(
@@ -144,7 +187,7 @@ def test_closing_exports_the_spans_still_waiting_for_their_batch(
     assert memory.get_finished_spans() == ()
     export.close()
     first, second = memory.get_finished_spans()
-    assert f"{first.context.trace_id:032x}" == TRACE_ID
+    assert f"{first.links[0].context.trace_id:032x}" == TRACE_ID
     assert second.status.status_code is StatusCode.ERROR
     export(record(), None)  # a port closing: no span, no error
     assert len(memory.get_finished_spans()) == 2
@@ -207,7 +250,10 @@ async def test_spans_reach_an_otlp_collector_at_the_configured_endpoint(
     [span] = receiver.spans
     attributes = {a.key: a.value for a in span.attributes}
     assert span.name == "chat tiny" and span.kind == WireSpan.SPAN_KIND_SERVER
-    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
+    # A trace of the port's own, linked to the client's span.
+    assert span.trace_id.hex() != TRACE_ID and span.parent_span_id == b""
+    [link] = span.links
+    assert link.trace_id.hex() == TRACE_ID and link.span_id.hex() == PARENT_ID
     assert attributes["gen_ai.operation.name"].string_value == "chat"
     assert attributes["gen_ai.provider.name"].string_value == "llama.cpp"
     assert attributes["gen_ai.request.model"].string_value == "tiny"
