@@ -163,7 +163,13 @@ class BodyTooLarge(RequestError):
 
 
 class RequestTimeout(RequestError):
+    """A request's body came too slowly: its answer closes the connection, whose body
+    is left unread (a client trickling it must not keep the socket)."""
+
     status, type, code = 408, "invalid_request_error", "request_timeout"
+
+    def answer_headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
 
 
 class Unauthorized(RequestError):
@@ -338,6 +344,23 @@ class TooManyEnrolments(RequestError):
     """Enrolment requests come faster than the port takes them (from one address, or all)."""
 
     status, type, code = 429, "invalid_request_error", "too_many_enrolments"
+
+
+class TooManyPolls(RequestError):
+    """An enrolment request is polled by more connections at once than one requester
+    needs, or the port holds as many polls as it keeps open."""
+
+    status, type, code = 429, "invalid_request_error", "too_many_polls"
+
+
+class KeylessRequestsFull(RequestError):
+    """The port holds as many requests without a key (enrolment) as it keeps open at
+    once: the connection is closed with the answer, its body left unread."""
+
+    status, type, code = 429, "server_error", "keyless_requests_full"
+
+    def answer_headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
 
 
 class ConnectFailed(StudioError):

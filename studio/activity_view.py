@@ -38,6 +38,8 @@ REASONS = {
     "invalid_request": "bad request",
     "request_too_large": "too large",
     "request_timeout": "sent too slowly",
+    "keyless_requests_full": "too many without a key",
+    "too_many_polls": "too many enrolment polls",
     "upstream_failed": "engine failed",
     "upstream_unavailable": "engine unreachable",
     "model_reloaded": "model reloaded",

@@ -156,7 +156,8 @@ class StudioService:
 
         async with self._gateway_lock:
             if self._gateway is None:
-                enrolment = EnrolmentEndpoint(self.open_enrolments, self.client_setup)
+                enrolment = EnrolmentEndpoint(self.open_enrolments, self.client_setup,
+                                              lambda: self.settings)
                 self._gateway = await GatewayServer.start(create_app(self, enrolment),
                                                           self.settings.host, self.settings.port)
                 self._advertise()

@@ -10,54 +10,95 @@ Both are open without a key (the requester has none yet): the owner's approval i
 grants anything, the id is 192 random bits only the requester learns, and the state
 behind them is bounded and rate-limited (`backend.enrolments`).  Open only on a port
 that requires keys and whose owner left enrolment on; else 404 `enrolment_closed`.
+
+**Doors anyone can open hold little.**  Anyone on the network reaches these two routes,
+so what they hold of the port is bounded here: a request body is read under the gated
+routes' deadline (`header_timeout` for each part, the whole at `MIN_BODY_RATE`; 408
+after, and the connection closed); at most `MAX_IN_FLIGHT` of these requests run at
+once (past it 429 `keyless_requests_full`, the connection closed, its body unread); an
+id is polled by at most `POLLS_PER_REQUEST` connections at once and the port holds at
+most `MAX_POLLS` polls (429 `too_many_polls`).  Each marks its connection keyless
+(`backend.port.server.KEYLESS_EXTENSION`), so that a full port closes it before it
+turns away a newcomer.  A client that leaves, mid-body or mid-poll, ends its request
+at once (`ClientGone`: 499 in the log), and a poll whose client left collects nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from backend.enrolments import APPROVED, PENDING, Enrolments
-from backend.errors import BodyTooLarge, EnrolmentClosed, InvalidRequest
+from backend.errors import (EnrolmentClosed, InvalidRequest, KeylessRequestsFull,
+                            TooManyPolls)
 from backend.key_store import KeyRecord
+from backend.port.request_body import ClientGone, read_body
+from backend.port.server import KEYLESS_EXTENSION
+from backend.settings import Settings
 
-__all__ = ["ENROL_PATH", "MAX_BODY", "MAX_WAIT", "EnrolmentEndpoint"]
+__all__ = ["ENROL_PATH", "MAX_BODY", "MAX_IN_FLIGHT", "MAX_POLLS", "MAX_WAIT",
+           "POLLS_PER_REQUEST", "EnrolmentEndpoint"]
 
 ENROL_PATH = "/v1/enrolments"
 #: Seconds one poll may be held open before it is answered "pending".
 MAX_WAIT = 30.0
 #: Bytes of a request body: a name fits in far less.
 MAX_BODY = 4096
+#: Enrolment requests (asks and polls) running at once, from everyone: a few teammates
+#: connecting need a handful; a slow sender holds one for `header_timeout` at most.
+MAX_IN_FLIGHT = 64
+#: Polls of one enrolment request held at once: `gguf-studio connect` keeps one open,
+#: and a second covers its next poll arriving before the port saw the first one go.
+POLLS_PER_REQUEST = 2
+#: Polls the port holds at once, over every request (at most `MAX_REQUESTS` are kept,
+#: so `POLLS_PER_REQUEST` bounds them first; this holds should that bound grow).
+MAX_POLLS = 32
+#: Retry-After of a poll turned away: held polls are answered within `MAX_WAIT`.
+POLL_RETRY_AFTER = 5.0
+#: Retry-After of a request turned away while `MAX_IN_FLIGHT` run: a slow one holds its
+#: place for `header_timeout` at most, a quick one for milliseconds.
+BUSY_RETRY_AFTER = 5.0
 
 
 class EnrolmentEndpoint:
     """`enrolments()`: the port's requests, None while enrolment is closed;
-    `describe(record)`: what a client of that key needs to know of the port's models."""
+    `describe(record)`: what a client of that key needs to know of the port's models;
+    `settings()`: the port's settings as they are now (its body deadline)."""
 
     def __init__(self, enrolments: Callable[[], Enrolments | None],
-                 describe: Callable[[KeyRecord], dict[str, Any]]) -> None:
+                 describe: Callable[[KeyRecord], dict[str, Any]],
+                 settings: Callable[[], Settings]) -> None:
         self._enrolments = enrolments
         self._describe = describe
+        self._settings = settings
+        #: Requests running now (asks and polls).
+        self.in_flight = 0
+        #: Polls held now, by enrolment id.
+        self._polls: dict[str, int] = {}
 
     async def create(self, request: Request) -> Response:
         enrolments = self._open()
-        body = await _small_body(request)
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):
-            raise InvalidRequest("Send JSON: {\"name\": \"alice\"}.") from None
-        if not isinstance(data, dict):
-            raise InvalidRequest("Send JSON: {\"name\": \"alice\"}.")
-        client = request.client.host if request.client is not None else "unknown"
-        enrolment = enrolments.request(data.get("name"), client)  # type: ignore[arg-type]
-        return JSONResponse({"id": enrolment.token, "name": enrolment.name,
-                             "code": enrolment.code, "status": PENDING,
-                             "expires_in": math.ceil(enrolments.seconds_left(enrolment)),
-                             "poll": f"{ENROL_PATH}/{enrolment.token}"}, status_code=202)
+        with self._held(request):
+            body = await read_body(request.receive, request.scope["headers"], MAX_BODY,
+                                   self._settings().header_timeout)
+            try:
+                data = json.loads(body)
+            except (ValueError, RecursionError):
+                raise InvalidRequest("Send JSON: {\"name\": \"alice\"}.") from None
+            if not isinstance(data, dict):
+                raise InvalidRequest("Send JSON: {\"name\": \"alice\"}.")
+            client = request.client.host if request.client is not None else "unknown"
+            enrolment = enrolments.request(data.get("name"), client)  # type: ignore[arg-type]
+            return JSONResponse({"id": enrolment.token, "name": enrolment.name,
+                                 "code": enrolment.code, "status": PENDING,
+                                 "expires_in": math.ceil(enrolments.seconds_left(enrolment)),
+                                 "poll": f"{ENROL_PATH}/{enrolment.token}"}, status_code=202)
 
     async def poll(self, request: Request) -> Response:
         enrolments = self._open()
@@ -67,17 +108,24 @@ class EnrolmentEndpoint:
             raise InvalidRequest("wait is a number of seconds.", param="wait") from None
         if not math.isfinite(wait):
             wait = 0.0
-        enrolment = await enrolments.wait(str(request.path_params["token"]), wait)
-        if enrolment.state == PENDING:
-            return JSONResponse({"status": PENDING, "name": enrolment.name,
-                                 "code": enrolment.code,
-                                 "expires_in": math.ceil(enrolments.seconds_left(enrolment))})
-        record = enrolment.record
-        secret = enrolments.collect(enrolment)  # raises the refusal, once
-        assert enrolment.state == APPROVED and record is not None
-        return JSONResponse({"status": APPROVED, "name": record.name, "api_key": secret,
-                             "port": self._describe(record)},
-                            headers={"Cache-Control": "no-store"})
+        token = enrolments.find(str(request.path_params["token"])).token  # 404 if unknown
+        with self._held(request), self._polling(token):
+            enrolment = await _unless_gone(enrolments.wait(token, wait), request.receive)
+            if enrolment.state == PENDING:
+                return JSONResponse({"status": PENDING, "name": enrolment.name,
+                                     "code": enrolment.code,
+                                     "expires_in": math.ceil(enrolments.seconds_left(enrolment))})
+            record = enrolment.record
+            secret = enrolments.collect(enrolment)  # raises the refusal, once
+            assert enrolment.state == APPROVED and record is not None
+            return JSONResponse({"status": APPROVED, "name": record.name, "api_key": secret,
+                                 "port": self._describe(record)},
+                                headers={"Cache-Control": "no-store"})
+
+    @property
+    def polls(self) -> int:
+        """Polls held now."""
+        return sum(self._polls.values())
 
     def _open(self) -> Enrolments:
         enrolments = self._enrolments()
@@ -86,11 +134,60 @@ class EnrolmentEndpoint:
                                   "for a key.")
         return enrolments
 
+    @contextlib.contextmanager
+    def _held(self, request: Request) -> Iterator[None]:
+        """One of the `MAX_IN_FLIGHT` places, its connection marked keyless."""
+        if self.in_flight >= MAX_IN_FLIGHT:
+            raise KeylessRequestsFull("The server is answering as many requests without a key "
+                                      "as it takes at once. Try again shortly.",
+                                      retry_after=BUSY_RETRY_AFTER)
+        mark = request.scope.get("extensions", {}).get(KEYLESS_EXTENSION)
+        if mark is not None:
+            mark()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
-async def _small_body(request: Request) -> bytes:
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise BodyTooLarge(f"An enrolment request has at most {MAX_BODY} bytes.")
-    return body
+    @contextlib.contextmanager
+    def _polling(self, token: str) -> Iterator[None]:
+        held = self._polls.get(token, 0)
+        if held >= POLLS_PER_REQUEST:
+            raise TooManyPolls(f"This enrolment request is polled by {held} connections "
+                               "already; wait for their answer.", retry_after=POLL_RETRY_AFTER)
+        if self.polls >= MAX_POLLS:
+            raise TooManyPolls("The server holds as many enrolment polls as it keeps open. "
+                               "Try again shortly.", retry_after=POLL_RETRY_AFTER)
+        self._polls[token] = held + 1
+        try:
+            yield
+        finally:
+            left = self._polls.pop(token) - 1
+            if left:
+                self._polls[token] = left
+
+
+async def _unless_gone(waiting: Any, receive: Any) -> Any:
+    """What `waiting` returns; ClientGone as soon as the client disconnects first (a
+    poll held for half a minute must not outlive its connection, nor collect a key no
+    one will read)."""
+    task = asyncio.ensure_future(waiting)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, gone):
+            pending.cancel()
+    if gone.done():  # the client left: what the wait found goes unsaid (and uncollected)
+        for finished in (gone, task):
+            if finished.done() and not finished.cancelled():
+                finished.exception()  # retrieved: no "never retrieved" warning
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client disconnects (the request itself has no body left)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, MutableMapp
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette import routing
 
@@ -495,7 +495,8 @@ def not_ready_message(snapshot: Snapshot) -> str:
 
 
 class GatewayMiddleware:
-    """Outermost app layer: access log, request counts, 426, last-resort 500.
+    """Outermost app layer: access log, request counts, 426, 499 for a client that left
+    before its answer (logged as that, no traceback), last-resort 500.
 
     Gated POSTs are dispatched here directly (no router walk, one send wrapper less per
     relayed chunk); everything else goes through Starlette's router.
@@ -537,6 +538,8 @@ class GatewayMiddleware:
                 counts = await self.gateway.handle_gated(scope, receive, reply, path)
             else:
                 await self.app(scope, receive, reply)
+        except (ClientGone, ClientDisconnect):  # it left before its answer: nothing to say
+            scope[_GONE] = True
         except Exception as exc:
             error = http_errors.as_request_error(exc)
             if not status:

@@ -4,8 +4,9 @@
 the gateway, or `PlainApp` for any other ASGI app), with no signal handlers (the service owns the process's signals and its loop), and
 `stop()` gives running requests a grace period.  The h11 protocol adds the limits uvicorn
 lacks (a deadline for each request head, a connection cap) and lets each request drop
-its connection (`ABORT_EXTENSION`) and write a streamed body straight to it
-(`BODY_WRITER_EXTENSION`).  `bind_socket` turns a port that cannot be opened
+its connection (`ABORT_EXTENSION`), write a streamed body straight to it
+(`BODY_WRITER_EXTENSION`), and say that it is held without a key (`KEYLESS_EXTENSION`:
+such a connection is closed first when the port is full, after the idle ones).  `bind_socket` turns a port that cannot be opened
 into a SettingsError a person can act on.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import socket
@@ -29,8 +31,8 @@ from backend.settings import Settings
 if TYPE_CHECKING:
     from uvicorn._types import HTTPScope
 
-__all__ = ["ABORT_EXTENSION", "BODY_WRITER_EXTENSION", "BodyWriter", "GatewayServer",
-           "PlainApp", "Served", "bind_socket"]
+__all__ = ["ABORT_EXTENSION", "BODY_WRITER_EXTENSION", "KEYLESS_EXTENSION", "BodyWriter",
+           "GatewayServer", "PlainApp", "Served", "bind_socket"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -39,6 +41,10 @@ log = logging.getLogger("gguf_studio.gateway")
 ABORT_EXTENSION = "gguf_studio.abort_connection"
 #: Scope extension: a `BodyWriter` for the request's answer.
 BODY_WRITER_EXTENSION = "gguf_studio.body_writer"
+#: Scope extension: a function of no argument that marks the request's connection as
+#: held by a request without a key (until its answer ends): when the port is full, such
+#: connections are closed before the newcomer is refused.
+KEYLESS_EXTENSION = "gguf_studio.keyless"
 
 
 class Served(Protocol):
@@ -184,7 +190,10 @@ class _Protocol(H11Protocol):
     request head has arrived.  An idle connection gets `header_timeout` seconds (bytes
     arriving do not extend it: a slowloris client sends a byte at a time).  Past
     `max_connections`, the idle connection idle the longest is closed to make room;
-    if none is idle, the newcomer is.  Settings are read live, per connection.
+    if none is idle, the one whose request without a key (`KEYLESS_EXTENSION`) runs the
+    longest: anyone on the network can open those, and they must not keep out a client
+    with a key.  If there is neither, the newcomer is closed.  Settings are read live,
+    per connection.
     """
 
     settings: Callable[[], Settings]
@@ -198,6 +207,8 @@ class _Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_scope: object = None
         self._idle_since = self.loop.time()
+        #: Since when its running request, which has no key, holds it (None: it has one).
+        self._keyless_since: float | None = None
         self._wait_for_head()
         limit = self.settings().max_connections
         if limit > 0 and len(self.connections) > limit:
@@ -218,15 +229,21 @@ class _Protocol(H11Protocol):
         scope: HTTPScope | None = self.scope  # None until the first head (uvicorn's own start)
         if scope is not None and scope is not self._head_scope:  # a whole head arrived
             self._head_scope = scope
+            self._keyless_since = None
             self._stop_head_timer()
-            # Our extension's value is the abort function, not the dict ASGI's types expect.
+            # Our extensions' values are functions, not the dicts ASGI's types expect.
             extensions: dict[str, Any] = scope.setdefault("extensions", {})
             extensions[ABORT_EXTENSION] = self.transport.abort
+            extensions[KEYLESS_EXTENSION] = functools.partial(self._mark_keyless, scope)
             if self.cycle is not None and self.cycle.scope is scope:
                 extensions[BODY_WRITER_EXTENSION] = BodyWriter(self.cycle)
 
     def _idle(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
+
+    def _mark_keyless(self, scope: object) -> None:
+        if scope is self._head_scope and self._keyless_since is None:
+            self._keyless_since = self.loop.time()
 
     def _wait_for_head(self) -> None:
         timeout = self.settings().header_timeout
@@ -246,14 +263,21 @@ class _Protocol(H11Protocol):
 
     def _make_room(self) -> None:
         """O(connections), only past the cap."""
-        idle = [c for c in self.connections if isinstance(c, _Protocol) and c._idle()
-                and not c.transport.is_closing()]
-        victim = min(idle, key=lambda c: c._idle_since) if idle else self
+        others = [c for c in self.connections if isinstance(c, _Protocol) and c is not self
+                  and not c.transport.is_closing()]
+        idle = [c for c in others if c._idle()]
+        keyless = [c for c in others if c._keyless_since is not None] if not idle else []
+        victim: _Protocol = self
+        if idle:
+            victim = min(idle, key=lambda c: c._idle_since)
+        elif keyless:
+            victim = min(keyless, key=lambda c: c._keyless_since or 0.0)
         now = self.loop.time()
         if now - _Protocol._warned_at > 60:  # once a minute, not once per connection
             _Protocol._warned_at = now
             log.warning("more than %d connections to the port: closing the ones that "
-                        "send no request", self.settings().max_connections)
+                        "send no request, then those of requests without a key",
+                        self.settings().max_connections)
         victim.transport.abort()
 
 

@@ -1,15 +1,24 @@
 """The enrolment endpoint of a real port: refused and expired requests mint nothing, the
-key is handed over once, and a flood finds bounded state, 429s and a port still serving."""
+key is handed over once, and a flood finds bounded state, 429s and a port still serving:
+slow senders and long polls, which anyone on the network can open without a key, neither
+keep the owner out nor fill the log with tracebacks."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import socket
 
 import httpx
 import pytest
 
 from backend.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PORT_BURST
 from backend.key_store import KeyStore
+from backend.llama.load import LoadSettings
+from backend.port.access_log import ACCESS_LOGGER
+from backend.port.enrolment_endpoint import MAX_IN_FLIGHT, POLLS_PER_REQUEST
+from tests.backend.gateway_harness import until
 
 OWNER_KEY = "owner-key-for-the-enrolment-tests-0123"
 
@@ -127,3 +136,149 @@ async def test_the_access_log_leaves_out_a_polls_id(service, caplog):
 
     assert "GET /v1/enrolments/… 200" in caplog.text
     assert asked["id"] not in caplog.text
+
+
+#: The head of an ask whose body never comes (a slow sender, or one that left).
+SLOW_ASK = (b"POST /v1/enrolments HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 20\r\n\r\n")
+
+
+async def opened(port: int, head: bytes) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, head)
+    return sock
+
+
+async def until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the server sent until it closed `sock`, and when it closed it."""
+    loop = asyncio.get_running_loop()
+    received = b""
+    while True:
+        try:
+            chunk = await loop.sock_recv(sock, 65536)
+        except (ConnectionResetError, BrokenPipeError):
+            chunk = b""
+        if not chunk:
+            return received, loop.time()
+        received += chunk
+
+
+def poll_head(poll: str, wait: int) -> bytes:
+    return f"GET {poll}?wait={wait} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+
+
+def status_line(answer: bytes) -> str:
+    return answer.split(b"\r\n", 1)[0].decode() if answer else "closed"
+
+
+def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.exc_info or "Traceback" in record.getMessage()]
+
+
+async def test_an_ask_whose_body_stops_coming_is_a_408_and_its_connection_closes(running_service):
+    service = await running_service(api_key=OWNER_KEY, header_timeout=0.5)
+    sock = await opened(service.gateway_port, SLOW_ASK + b'{"name":')
+    try:
+        answer, _ = await asyncio.wait_for(until_closed(sock), 10)
+    finally:
+        sock.close()
+
+    assert status_line(answer) == "HTTP/1.1 408 Request Timeout", answer
+    assert b'"code": "request_timeout"' in answer
+    assert service.enrolments.pending() == []
+
+
+async def test_a_client_that_leaves_mid_body_is_logged_as_499_without_a_traceback(
+        running_service, caplog):
+    caplog.set_level(logging.INFO)
+    service = await running_service(api_key=OWNER_KEY)
+    sock = await opened(service.gateway_port, SLOW_ASK + b'{"name":')
+    sock.close()
+
+    await until(lambda: "POST /v1/enrolments 499" in caplog.text)
+    assert tracebacks(caplog) == []
+    assert service.enrolments.pending() == []
+
+
+async def test_an_enrolment_is_polled_by_two_connections_at_most_and_a_poll_that_left_frees_its_place(
+        service, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    async with client(service) as http:
+        asked = (await ask(http, "bob")).json()
+    loop = asyncio.get_running_loop()
+    head = poll_head(asked["poll"], 20)
+    socks = [await opened(service.gateway_port, head) for _ in range(POLLS_PER_REQUEST + 1)]
+    try:
+        answers = {asyncio.ensure_future(loop.sock_recv(sock, 65536)): sock for sock in socks}
+        done, pending = await asyncio.wait(answers, timeout=10,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        (first,) = done
+        refused = first.result()
+        for waiting in pending:
+            waiting.cancel()
+    finally:
+        for sock in socks:
+            sock.close()
+    # The polls held leave before their answer: logged as that, their places freed.
+    await until(lambda: caplog.text.count("GET /v1/enrolments/… 499") == POLLS_PER_REQUEST)
+    async with client(service) as http:
+        polling = asyncio.ensure_future(http.get(asked["poll"], params={"wait": 20}))
+        service.approve_enrolment("bob")
+        answer = await asyncio.wait_for(polling, 20)
+
+    assert status_line(refused) == "HTTP/1.1 429 Too Many Requests", refused
+    assert b'"code": "too_many_polls"' in refused and b"retry-after: 5" in refused.lower()
+    assert answer.status_code == 200 and answer.json()["api_key"], answer.text
+    assert tracebacks(caplog) == []
+
+
+async def test_slow_asks_and_long_polls_by_the_hundred_leave_the_owner_served_at_once(
+        running_service, tiny_model, caplog):
+    """The attack of issue 33: 600 asks that send their head and never their body, and
+    600 long polls of an enrolment of the attacker's own, all without a key.  The
+    owner's requests (the model list, a chat on the real engine) are answered within
+    2 s while they are held, each slow ask is answered (408, or 429 past the port's
+    bound) and closed by its deadline, and the log holds no traceback."""
+    caplog.set_level(logging.INFO)
+    header_timeout = 3.0
+    service = await running_service(api_key=OWNER_KEY, header_timeout=header_timeout)
+    await service.load(LoadSettings(parallel="1", ctx_size=2048).to_spec(str(tiny_model)))
+    port = service.gateway_port
+    loop = asyncio.get_running_loop()
+    async with client(service) as http:
+        asked = (await ask(http, "mallory")).json()
+    polls = [await opened(port, poll_head(asked["poll"], 30)) for _ in range(600)]
+    slow: list[socket.socket] = []
+    try:
+        for _ in range(600):
+            slow.append(await opened(port, SLOW_ASK))
+        last_sent = loop.time()
+        endings = [asyncio.ensure_future(until_closed(sock)) for sock in slow]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                                     headers={"Authorization": f"Bearer {OWNER_KEY}"}) as owner:
+            started = loop.time()
+            models = await asyncio.wait_for(owner.get("/v1/models"), 2)
+            chat = await asyncio.wait_for(owner.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}), 2)
+            answered = loop.time()
+        ended = await asyncio.wait_for(asyncio.gather(*endings), header_timeout + 10)
+    finally:
+        for sock in polls + slow:
+            sock.close()
+
+    statuses = [status_line(answer) for answer, _ in ended]
+    print(f"the owner's two requests under the flood: {answered - started:.3f} s; the slow "
+          f"asks: " + ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))))
+    assert models.status_code == 200 and chat.status_code == 200, (models.text, chat.text)
+    timed_out = [when for (answer, when) in ended if b" 408 " in answer[:16]]
+    assert set(statuses) <= {"HTTP/1.1 408 Request Timeout", "HTTP/1.1 429 Too Many Requests",
+                             "closed"}, set(statuses)
+    assert 1 <= len(timed_out) <= MAX_IN_FLIGHT
+    assert min(timed_out) > answered  # the owner was served while the slow asks were held
+    assert max(when for _, when in ended) < last_sent + header_timeout + 3
+    assert tracebacks(caplog) == []
+    assert " 500 " not in caplog.text

@@ -15,7 +15,7 @@ import pytest
 
 from backend.errors import SettingsError
 from backend.port.gateway import Gateway as Port, create_app
-from backend.port.server import GatewayServer
+from backend.port.server import KEYLESS_EXTENSION, GatewayServer, PlainApp
 from tests.backend.gateway_harness import CHAT, Gateway, chat, events, open_gateway, stream, until
 
 #: What a slowloris client dribbles, one byte at a time: a head that never ends.
@@ -132,6 +132,98 @@ async def test_a_body_that_trickles_in_is_a_408_at_its_deadline(gw, fake):
     assert b'"code": "request_timeout"' in answer
     assert loop.time() - started < 3
     assert fake.requests == []
+
+
+class Doors:
+    """An app whose requests hold their connection until the client leaves: `/keyless`
+    marks it held without a key (as the enrolment routes do), `/keyed` does not; `/quick`
+    answers at once."""
+
+    def __init__(self) -> None:
+        self.holding: list[str] = []
+
+    async def __call__(self, scope: dict[str, object], receive, send) -> None:
+        path = scope["path"]
+        if path == "/quick":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        if path == "/keyless":
+            extensions = scope["extensions"]
+            assert isinstance(extensions, dict)
+            extensions[KEYLESS_EXTENSION]()
+        self.holding.append(str(path))
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+async def connected(port: int, request: bytes = b"") -> socket.socket:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    if request:
+        await loop.sock_sendall(sock, request)
+    return sock
+
+
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+
+
+async def test_a_full_port_closes_idle_then_keyless_connections_before_it_refuses_a_newcomer():
+    """Anyone on the network can open a request without a key (enrolment): when the port
+    is full, those go right after the idle connections, and a client with a key is
+    never closed for a newcomer."""
+    app = Doors()
+    served = PlainApp(app)
+    served.settings = served.settings.replace(max_connections=3, header_timeout=30.0)
+    server = await GatewayServer.start(served, "127.0.0.1", 0)
+    opened: list[socket.socket] = []
+    try:
+        keyed = await connected(server.port, get("/keyed"))
+        keyless = await connected(server.port, get("/keyless"))
+        idle = await connected(server.port)
+        opened += [keyed, keyless, idle]
+        await until(lambda: len(app.holding) == 2)
+
+        first = await connected(server.port, get("/quick"))
+        opened.append(first)
+        assert (await asyncio.wait_for(closed_or_answer(first), 10)).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(closed_by_server(idle), 10)  # the idle one made room
+        first.close()
+        opened.append(await connected(server.port, get("/keyed")))
+        await until(lambda: app.holding.count("/keyed") == 2 and server_state_connections(server) == 3)
+
+        second = await connected(server.port, get("/quick"))
+        opened.append(second)
+        assert (await asyncio.wait_for(closed_or_answer(second), 10)).startswith(b"HTTP/1.1 200")
+        await asyncio.wait_for(closed_by_server(keyless), 10)  # then the one without a key
+        second.close()
+        opened.append(await connected(server.port, get("/keyed")))
+        await until(lambda: app.holding.count("/keyed") == 3 and server_state_connections(server) == 3)
+
+        newcomer = await connected(server.port, get("/quick"))
+        opened.append(newcomer)
+        assert await asyncio.wait_for(closed_or_answer(newcomer), 10) == b""  # turned away
+        assert server_state_connections(server) == 3  # the keyed ones all still held
+    finally:
+        for sock in opened:
+            sock.close()
+        await server.stop(grace=0.1)
+
+
+async def closed_or_answer(sock: socket.socket) -> bytes:
+    """The first bytes the server sends, or b"" when it closes the connection first."""
+    try:
+        return await asyncio.get_running_loop().sock_recv(sock, 65536)
+    except (ConnectionResetError, BrokenPipeError):
+        return b""
+
+
+def server_state_connections(server: GatewayServer) -> int:
+    return len(server._server.server_state.connections)
 
 
 async def test_a_taken_port_is_a_clear_settings_error(gw):
