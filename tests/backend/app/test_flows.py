@@ -456,6 +456,70 @@ async def test_one_key_cannot_read_anothers_prompt_through_the_cache_figures(ser
     assert service.usage.usage("mallory").prompt_tokens > 0
 
 
+def cache_fields(value: object) -> list[tuple[str, object]]:
+    """Every field of a payload by which the engine tells what its prompt cache held,
+    with its value, wherever it is nested."""
+    found: list[tuple[str, object]] = []
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            if name in ("timings", "prompt_progress", "cached_tokens",
+                        "cache_read_input_tokens", "tokens_cached"):
+                found.append((name, inner))
+            else:
+                found += cache_fields(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            found += cache_fields(inner)
+    return found
+
+
+async def test_a_named_keys_streamed_answer_tells_nothing_of_anothers_cached_prompt(service):
+    """The main streaming path: a normal answer of many chunks, its usage and (asked per
+    token) its timings and prompt progress, while the engine did reuse another key's
+    prompt for it.  Not one chunk tells the named key so; the owner's record does."""
+    _, alice = service.keys.add("alice")
+    _, mallory = service.keys.add("mallory")
+    async with httpx.AsyncClient(base_url=url(service), timeout=60) as client:
+        for key in (alice, OWNER_KEY):  # alice's prompt, then a request that keeps it cached
+            said = await client.post("/v1/chat/completions",
+                                     headers={"Authorization": f"Bearer {key}"},
+                                     json={"model": "tiny", "max_tokens": 1,
+                                           "messages": [{"role": "user", "content": SECRET}]})
+            assert said.status_code == 200, said.text
+        asked = {"model": "tiny", "messages": [{"role": "user", "content": SECRET}],
+                 "max_tokens": 40, "ignore_eos": True, "stream": True,
+                 "stream_options": {"include_usage": True}}
+        for extra in ({}, {"timings_per_token": True, "return_progress": True}):
+            told, usage, events = [], None, 0
+            before = service.requests.last_id
+            async with client.stream("POST", "/v1/chat/completions", json={**asked, **extra},
+                                     headers={"Authorization": f"Bearer {mallory}"}) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line.removeprefix("data: "))
+                        events += 1
+                        told += [field for field in cache_fields(event)
+                                 if field[1] not in (0, None)]
+                        usage = event.get("usage") or usage
+            await until(lambda: service.requests.last_id > before)
+            [record] = service.requests.records(after=before)
+            # The engine did reuse the other keys' prompt, and streamed the answer in
+            # many chunks with its usage at the end.
+            assert record.cached_tokens is not None and record.cached_tokens > 0, record
+            assert record.key == "mallory" and record.output_tokens == 40 and events > 40
+            assert usage is not None
+            assert usage["prompt_tokens"] == record.prompt_tokens, usage
+            assert told == [], extra
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "never came true"
+        await asyncio.sleep(0.01)
+
+
 async def test_an_isolated_model_reuses_no_prompt_even_when_a_request_asks(service, tiny_model,
                                                                            tmp_path):
     spare = tmp_path / "apart.gguf"
