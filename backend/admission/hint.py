@@ -7,6 +7,13 @@ header, `SESSION_HEADERS`, else a digest of the conversation's start: its instru
 and first user message), scoped to its flow so that no caller can name another's session;
 and a digest of its prompt's first blocks, seeded with the flow, so that no caller's
 prompt can match another's.  Pure: no I/O.
+
+A session's name is bounded here, once (`bounded_name`): a client's name of at most
+`SESSION_NAME_CHARS` printable characters is kept as given, any other becomes a digest of
+it ("sha256:" and 32 hex digits).  The hint's form is the one the session table, the
+cache book, the parked files, the inspector's records and the exported spans keep: a
+client that names its session with megabytes holds no more of the port than one that
+names it "agent-7".
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS", "Hint",
-           "request_hint"]
+__all__ = ["NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
+           "SESSION_NAME_CHARS", "Hint", "bounded_name", "request_hint"]
 
 #: Characters of prompt text per block of the prefix digest.
 PREFIX_BLOCK_CHARS = 1024
@@ -29,6 +36,10 @@ PREFIX_BLOCKS = 4
 #: `conversation_id`); Claude Code's.
 SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"session-id",
                    b"thread-id", b"conversation_id", b"x-claude-code-session-id")
+#: The longest session name kept as the client gave it (longer ones become a digest).
+SESSION_NAME_CHARS = 128
+#: Hex digits of a long name's SHA-256 kept in its digest (128 bits: no two collide).
+_NAME_DIGEST_HEX = 32
 #: Characters of a conversation's start read for its session digest, at most.
 _SESSION_DIGEST_CHARS = 64 * 1024
 
@@ -58,7 +69,9 @@ def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
     """The hint of a request from flow `flow` with these headers and parsed body (on a
     route whose requests the engine pins to a slot, or not)."""
     session = data.get("prompt_cache_key")
-    if not isinstance(session, str) or not session:
+    if isinstance(session, str) and session:
+        session = bounded_name(session)
+    else:
         session = _session_header(headers)
     prefix = _prefix_digest(flow, data)
     if session is None and prefix:
@@ -66,6 +79,16 @@ def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
     if session is None and not prefix:
         return NO_HINT if pinnable else Hint(pinnable=False)
     return Hint(None if session is None else f"{flow}\n{session}", prefix, flow, pinnable)
+
+
+def bounded_name(name: str) -> str:
+    """A client's name for something the port keeps (its session): as given when it has
+    at most `SESSION_NAME_CHARS` characters, all printable; else "sha256:" and the first
+    32 hex digits of its UTF-8 digest (the same in every process: a parked prefix is
+    found by its session's name after a restart)."""
+    if len(name) <= SESSION_NAME_CHARS and name.isprintable():
+        return name
+    return _name_digest(name.encode("utf-8", "surrogatepass"))
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -79,8 +102,17 @@ def _session_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
             found.setdefault(lowered, value)
     for name in SESSION_HEADERS:
         if name in found:
-            return found[name].decode("latin-1")
+            value = found[name]
+            if len(value) <= SESSION_NAME_CHARS:  # a long one is never decoded
+                text = value.decode("latin-1")
+                if text.isprintable():
+                    return text
+            return _name_digest(value)
     return None
+
+
+def _name_digest(raw: bytes) -> str:
+    return "sha256:" + hashlib.sha256(raw).hexdigest()[:_NAME_DIGEST_HEX]
 
 
 def _conversation_digest(data: Mapping[str, Any]) -> str | None:

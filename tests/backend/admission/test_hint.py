@@ -3,7 +3,10 @@ prompt's first blocks."""
 
 from __future__ import annotations
 
-from backend.admission.hint import NO_HINT, PREFIX_BLOCK_CHARS, request_hint
+import hashlib
+
+from backend.admission.hint import (NO_HINT, PREFIX_BLOCK_CHARS, SESSION_NAME_CHARS,
+                                    bounded_name, request_hint)
 
 
 def chat(*contents: str, **fields: object) -> dict[str, object]:
@@ -71,3 +74,30 @@ def test_a_hint_says_whether_the_engine_can_pin_its_request():
     assert request_hint("f", [], body).pinnable
     assert not request_hint("f", [], body, pinnable=False).pinnable
     assert not request_hint("f", [], {}, pinnable=False).pinnable  # no session: still not
+
+
+def test_a_session_name_of_at_most_128_printable_characters_is_kept_as_given():
+    name = "codex thread 019a-é/" + "x" * (SESSION_NAME_CHARS - 20)
+    assert len(name) == SESSION_NAME_CHARS
+    assert request_hint("f", [], chat("hi", prompt_cache_key=name)).session == f"f\n{name}"
+    header = [(b"x-session-id", name.encode("latin-1"))]
+    assert request_hint("f", header, chat("hi")).session == f"f\n{name}"
+
+
+def test_a_longer_or_unprintable_session_name_is_kept_as_its_digest():
+    huge = "s" * (30 << 20)  # 30 MiB: what a client once made the port keep four times
+    session = request_hint("f", [], chat("hi", prompt_cache_key=huge)).session
+    assert session == "f\nsha256:" + hashlib.sha256(huge.encode()).hexdigest()[:32]
+    assert bounded_name(huge + "t") != bounded_name(huge)  # each long name its own
+    assert bounded_name(huge) == bounded_name("s" * (30 << 20))  # the same in every process
+    for unprintable in ("line\nbreak", "tab\there", "\x1b[31mred", "nul\x00"):
+        bounded = bounded_name(unprintable)
+        assert bounded.startswith("sha256:") and bounded.isprintable() and len(bounded) == 39
+    # A header: its bytes' digest, a long one never decoded whole.
+    long_header = b"h" * (16 << 10)
+    assert request_hint("f", [(b"session_id", long_header)], chat("hi")).session == \
+        "f\nsha256:" + hashlib.sha256(long_header).hexdigest()[:32]
+    assert request_hint("f", [(b"session_id", b"\x85next-line")], chat("hi")).session == \
+        "f\nsha256:" + hashlib.sha256(b"\x85next-line").hexdigest()[:32]
+    # Scoped to the flow all the same.
+    assert request_hint("g", [], chat("hi", prompt_cache_key=huge)).session != session
