@@ -7,5 +7,8 @@ keyed by the engines' base URLs (`admission_registry`), a waiting request's tick
 between keys (`fair_queue` and its books, `lanes`; who a share is owed to, `flow`), keys'
 token limits (`rate_limits`) and the flow of a caller (`caller`, `flow_control`), what a
 request needs (`need_planner`; the counting rules `prompt_tokens` and the output limit
-`output_limits`; the engine's tokenizer is given to them).
+`output_limits`; the engine's tokenizer is given to them), what a request says of its
+session (`hint`, where a client's session name is bounded), where sessions live
+(`sessions`), why a prompt was recomputed (`cache_misses`), and each key's share of what
+is kept per session (`flow_shares`).
 """

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backend.admission.caller import ADDRESS_FLOW
+from backend.admission.flow_shares import FlowShares
 
 if TYPE_CHECKING:
     from backend.admission.sessions import Session
@@ -248,15 +249,20 @@ class SessionCache:
 
 
 class CacheBook:
-    """Each session's last turn and its figures, bounded (least recently served dropped
-    first).  Changed on the port's loop; `snapshot` may be read from any thread."""
+    """Each session's last turn and its figures, bounded as the session table is: at
+    most `max_sessions`, of them at most `max_per_flow` of one flow (None: a quarter);
+    past its share a flow's own least recently served go, past the bound the least
+    recently served of the flow holding the most (`backend.admission.flow_shares`).
+    Changed on the port's loop; `snapshot` may be read from any thread."""
 
-    def __init__(self, max_sessions: int = 4096, *, clock: Callable[[], float]) -> None:
+    def __init__(self, max_sessions: int = 4096, *, max_per_flow: int | None = None,
+                 clock: Callable[[], float]) -> None:
         self.max_sessions = max_sessions
         self._clock = clock
         self._lock = threading.Lock()
         # Each session's last turn of each of its last few conversations, newest first.
         self._turns: OrderedDict[str, tuple[tuple[TurnRecord, ...], SessionCache]] = OrderedDict()
+        self._shares: FlowShares[str] = FlowShares(max_sessions, max_per_flow)
 
     def judge(self, session: str | None, flow: str, model: str, blocks: PromptBlocks,
               cached: int, computed: int, *, engine: str | None, label: str = "",
@@ -288,9 +294,18 @@ class CacheBook:
         with self._lock:
             self._turns.pop(session, None)
             self._turns[session] = (kept, summary)
-            while len(self._turns) > self.max_sessions:
-                self._turns.popitem(last=False)
+            for dropped in self._shares.put(flow, session):
+                del self._turns[dropped]
         return verdict, summary
+
+    def forget_flow(self, flow: str) -> int:
+        """Drop every session of `flow` (its key is gone); how many."""
+        sessions = list(self._shares.keys_of(flow))
+        with self._lock:
+            for session in sessions:
+                self._shares.discard(session)
+                del self._turns[session]
+        return len(sessions)
 
     def continuation(self, session: str | None, model: str,
                      blocks: PromptBlocks) -> TurnRecord | None:

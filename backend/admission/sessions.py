@@ -25,10 +25,13 @@ whichever session held it before (that one stays *on the engine*, slot None: lla
 saved it to its RAM prompt cache when it gave the slot away, if the cache had room).
 An engine that goes away (`forget_engine`) leaves its sessions homeless.
 
-Bounded: at most `max_sessions` sessions, the least recently served dropped first.
+Bounded: at most `max_sessions` sessions, and of them at most `max_per_flow` of one flow
+(a quarter by default: `backend.admission.flow_shares`).  Past its share a flow's own least
+recently served session goes; past the table's bound, the least recently served of the
+flow holding the most: one key making a session per request never pushes out another's.
 Pure: no I/O, no clock of its own beyond the one given, no locks (the backend's one
 asyncio loop owns it).  Every operation is O(1) except `resident` and `forget_engine`
-(O(sessions)) and `snapshot` (O(n log n)).
+(O(sessions)), `snapshot` (O(n log n)) and a session dropped past the bound (O(flows)).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+
+from backend.admission.flow_shares import FlowShares
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "Session", "SessionTable"]
 
@@ -89,12 +94,16 @@ class SessionTable:
     """Sessions by key, least recently served first; which slot each holds."""
 
     def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS, *,
+                 max_per_flow: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`max_per_flow`: the sessions one flow may hold (None: a quarter of the table)."""
         if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or max_sessions < 1:
             raise ValueError(f"max_sessions is a whole number, at least 1, not {max_sessions!r}")
         self.max_sessions = max_sessions
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        # Which sessions go when a flow or the table is full.
+        self._shares: FlowShares[str] = FlowShares(max_sessions, max_per_flow)
         # (engine, slot) -> the session key holding it.
         self._slots: dict[tuple[str, int], str] = {}
         # A prefix block's digest -> the session that last showed it.
@@ -181,25 +190,18 @@ class SessionTable:
         self._sessions[key] = session
         for digest in prefix:
             self._prefixes[digest] = key
-        while len(self._sessions) > self.max_sessions:
-            _, dropped = self._sessions.popitem(last=False)
-            self._unslot(dropped)
-            self._unhome(dropped)
-            self._unprefix(dropped)
+        for dropped in self._shares.put(flow, key):
+            self._drop(dropped)
         return session
 
     def forget(self, key: str) -> Session | None:
         """Drop session `key` (its key was revoked); what it was."""
-        session = self._sessions.pop(key, None)
-        if session is not None:
-            self._unslot(session)
-            self._unhome(session)
-            self._unprefix(session)
-        return session
+        self._shares.discard(key)
+        return self._drop(key)
 
     def forget_flow(self, flow: str) -> int:
         """Drop every session of `flow`; how many."""
-        keys = [s.key for s in self._sessions.values() if s.flow == flow]
+        keys = list(self._shares.keys_of(flow))
         for key in keys:
             self.forget(key)
         return len(keys)
@@ -235,6 +237,15 @@ class SessionTable:
         session = replace(self._sessions[session.key], last_turn=self._clock())
         self._sessions[session.key] = session
         self._sessions.move_to_end(session.key)
+        self._shares.touch(session.key)
+        return session
+
+    def _drop(self, key: str) -> Session | None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._unslot(session)
+            self._unhome(session)
+            self._unprefix(session)
         return session
 
     def _unslot(self, session: Session) -> None:

@@ -46,13 +46,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
+from backend.admission.flow_shares import FlowShares
 from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
@@ -71,8 +71,9 @@ log = logging.getLogger("gguf_studio.parking")
 #: agent prompt, seconds on an SSD); past this the engine stops with what is left unsaved.
 PARK_TIME_LIMIT = 15.0
 #: Bytes of sessions' last requests kept to bring their prefixes back from an engine's
-#: RAM prompt cache before it goes (the least recently answered dropped first): an
-#: agent's 30k-token request is about 120 KiB, so a few hundred sessions.
+#: RAM prompt cache before it goes (the least recently answered dropped first), a
+#: quarter of it at most one key's: an agent's 30k-token request is about 120 KiB, so a
+#: few hundred sessions, and a hundred of one key.
 REMEMBERED_BYTES = 64 << 20
 #: Seconds moving a session's prefix to the RAM prompt cache for a turn the engine cannot
 #: pin may take (a copy of its KV in memory: about a second for a 7B model's 30k-token
@@ -128,13 +129,16 @@ class SessionRequest:
 
 
 class LastRequests:
-    """Each session's last request of its conversation, within `limit` bytes of bodies
-    (the least recently kept dropped first).  No I/O; O(1) but for what it drops."""
+    """Each session's last request of its conversation, within `limit` bytes of bodies,
+    of them at most `per_flow` bytes of one key's (None: a quarter): past its share a
+    key's own least recently kept go first, past the limit the least recently kept of
+    the key holding the most (`backend.admission.flow_shares`), so that one key's
+    requests never push out another's.  No I/O; O(1) but for what it drops."""
 
-    def __init__(self, limit: int = REMEMBERED_BYTES) -> None:
+    def __init__(self, limit: int = REMEMBERED_BYTES, *, per_flow: int | None = None) -> None:
         self.limit = limit
-        self._requests: OrderedDict[ParkKey, SessionRequest] = OrderedDict()
-        self._bytes = 0
+        self._requests: dict[ParkKey, SessionRequest] = {}
+        self._shares: FlowShares[ParkKey] = FlowShares(limit, per_flow)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -142,29 +146,30 @@ class LastRequests:
     @property
     def bytes(self) -> int:
         """The bodies' bytes kept."""
-        return self._bytes
+        return self._shares.units
 
     def get(self, key: ParkKey) -> SessionRequest | None:
         return self._requests.get(key)
 
     def keep(self, key: ParkKey, request: SessionRequest) -> bool:
         """Keep `request` as `key`'s last one, unless it is a side turn of the
-        conversation kept (`_aside`); a body larger than the whole limit is not kept
-        (and forgets the one before).  Whether it was kept."""
+        conversation kept (`_aside`); a body larger than its key's whole share is not
+        kept (and forgets the one before).  Whether it was kept."""
         earlier = self._requests.get(key)
         if earlier is not None and _aside(earlier, request):
             return False
-        if earlier is not None:
-            del self._requests[key]
-            self._bytes -= len(earlier.body)
-        if len(request.body) > self.limit:
-            return False
         self._requests[key] = request
-        self._bytes += len(request.body)
-        while self._bytes > self.limit:
-            _, dropped = self._requests.popitem(last=False)
-            self._bytes -= len(dropped.body)
-        return True
+        for dropped in self._shares.put(key.flow, key, len(request.body)):
+            del self._requests[dropped]
+        return key in self._requests
+
+    def forget_flow(self, flow: str) -> int:
+        """Forget every request of `flow` (its key is gone); how many."""
+        keys = list(self._shares.keys_of(flow))
+        for key in keys:
+            self._shares.discard(key)
+            del self._requests[key]
+        return len(keys)
 
 
 @dataclass(frozen=True)

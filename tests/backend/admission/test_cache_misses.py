@@ -159,7 +159,7 @@ def test_anthropic_and_responses_bodies_have_blocks_too():
 def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first():
     from backend.admission.cache_misses import CacheBook
 
-    book = CacheBook(max_sessions=2, clock=lambda: 0.0)
+    book = CacheBook(max_sessions=2, max_per_flow=2, clock=lambda: 0.0)
 
     def served(session: str | None, body: dict[str, Any], cached: int, computed: int) -> Verdict:
         return book.judge(session, "k", "m", prompt_blocks(body), cached, computed,
@@ -174,6 +174,27 @@ def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first()
     # A prompt with nothing to name its session by is counted, never judged or kept.
     assert served(None, FIRST, 0, 900) == Verdict(0, 900)
     assert len(book.snapshot()) == 2
+
+
+def test_a_key_making_a_session_per_request_never_pushes_anothers_out_of_the_book():
+    from backend.admission.cache_misses import CacheBook
+
+    book = CacheBook(max_sessions=8, clock=lambda: 0.0)  # a quarter each: 2 sessions
+
+    def served(flow: str, name: str) -> None:
+        book.judge(f"{flow}\n{name}", flow, "m", prompt_blocks(FIRST), 0, 900, engine="e1",
+                   engine_alive=lambda key: True)
+
+    served("alice", "agent")
+    for n in range(50):
+        served("mallory", str(n))
+    assert [s.session for s in book.snapshot()] == ["mallory\n49", "mallory\n48", "alice\nagent"]
+    # alice's next turn is judged against her first: it was kept.
+    verdict, _ = book.judge("alice\nagent", "alice", "m", prompt_blocks(SECOND), 899, 421,
+                            engine="e1", engine_alive=lambda key: True)
+    assert not verdict.missed
+    assert book.forget_flow("mallory") == 2
+    assert [s.session for s in book.snapshot()] == ["alice\nagent"]
 
 
 # OpenCode's requests of one session, as 1.18 sends them (both with the session's

@@ -60,7 +60,7 @@ def test_an_engine_that_goes_leaves_its_sessions_homeless() -> None:
 
 
 def test_the_table_is_bounded_least_recently_served_first() -> None:
-    table = SessionTable(2, clock=Clock())
+    table = SessionTable(2, max_per_flow=2, clock=Clock())
     table.record("a\ns1", flow="a", engine="e", slot=0, prefix=(1,))
     table.record("a\ns2", flow="a", engine="e", slot=1)
     table.record("a\ns1", flow="a", engine="e", slot=0, prefix=(1,))
@@ -70,6 +70,33 @@ def test_the_table_is_bounded_least_recently_served_first() -> None:
     assert table.holder("e", 1) is None
     with pytest.raises(ValueError):
         SessionTable(0)
+
+
+def test_a_key_making_a_session_per_request_never_pushes_out_anothers() -> None:
+    table = SessionTable(8, clock=Clock())  # a key may hold a quarter: 2 sessions
+    table.record("alice\nagent", flow="alice", engine="e", slot=0, prefix=(1,))
+    table.record("bob\nagent", flow="bob", engine="e", slot=1)
+    for n in range(100):
+        table.record(f"mallory\n{n}", flow="mallory", engine="e", prefix=(100 + n,))
+    # Mallory keeps its own two newest; alice's and bob's sessions (and alice's prefix)
+    # are where they were, and their next sessions find room.
+    assert [s.key for s in table if s.flow == "mallory"] == ["mallory\n98", "mallory\n99"]
+    assert table.holder("e", 0).key == "alice\nagent"  # type: ignore[union-attr]
+    assert table.match_prefix("alice", (1,)) is not None
+    assert table.match_prefix("mallory", (100,)) is None  # a dropped session's prefix
+    assert table.homed("e") == 4
+    for name in ("alice", "bob", "carol"):
+        table.record(f"{name}\nsecond", flow=name, engine="e")
+    assert len(table) == 7 and "alice\nagent" in table and "bob\nagent" in table
+
+
+def test_a_full_table_makes_room_from_the_key_holding_the_most() -> None:
+    table = SessionTable(4, max_per_flow=3, clock=Clock())
+    table.record("alice\nold", flow="alice", engine="e")  # the least recently served
+    for n in range(3):
+        table.record(f"mallory\n{n}", flow="mallory", engine="e")
+    table.record("bob\nnew", flow="bob", engine="e")
+    assert "alice\nold" in table and "mallory\n0" not in table and len(table) == 4
 
 
 def test_a_prefix_matches_only_the_flows_own_sessions() -> None:
@@ -84,7 +111,7 @@ def test_a_prefix_matches_only_the_flows_own_sessions() -> None:
 
 
 def test_the_table_counts_the_sessions_living_on_each_engine() -> None:
-    table = SessionTable(max_sessions=3, clock=Clock())
+    table = SessionTable(max_sessions=3, max_per_flow=3, clock=Clock())
     for key, engine in (("a\n1", "e1"), ("a\n2", "e1"), ("a\n3", "e2")):
         table.record(key, flow="a", engine=engine, slot=0, prompt_tokens=10)
     assert (table.homed("e1"), table.homed("e2")) == (2, 1)

@@ -51,7 +51,7 @@ def test_requests_without_a_first_block_are_never_taken_for_side_turns():
 
 
 def test_the_least_recently_kept_sessions_go_first_past_the_byte_bound():
-    last = LastRequests(limit=5000)
+    last = LastRequests(limit=5000, per_flow=5000)
     last.keep(ALICE, turn(2))
     last.keep(BOB, turn(2))
     last.keep(ALICE, turn(2))  # alice answered again: bob is now the oldest
@@ -62,8 +62,22 @@ def test_the_least_recently_kept_sessions_go_first_past_the_byte_bound():
 
 
 def test_a_body_larger_than_the_bound_is_not_kept_and_costs_no_one_else_theirs():
-    last = LastRequests(limit=5000)
+    last = LastRequests(limit=5000, per_flow=5000)
     last.keep(BOB, turn(2))
     assert not last.keep(ALICE, turn(6))
     assert last.get(ALICE) is None and last.get(BOB) == turn(2)
     assert last.bytes == 2000
+
+
+def test_a_key_past_its_share_of_the_bytes_loses_its_own_oldest_requests_only():
+    last = LastRequests(limit=10_000)  # a quarter a key: 2,500 bytes
+    last.keep(ALICE, turn(2))
+    mallory = [ParkKey("model", "mallory", f"mallory\n{n}") for n in range(20)]
+    for key in mallory:
+        last.keep(key, turn(1))
+    assert last.get(ALICE) == turn(2)
+    assert [k for k in mallory if last.get(k) is not None] == mallory[-2:]
+    # A body larger than a key's whole share is not kept, and costs its key nothing else.
+    assert not last.keep(mallory[0], turn(3))
+    assert [k for k in mallory if last.get(k) is not None] == mallory[-2:]
+    assert last.forget_flow("mallory") == 2 and last.bytes == 2000 and len(last) == 1
