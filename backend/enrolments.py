@@ -3,27 +3,36 @@
 `gguf-studio connect` on the teammate's machine sends a name (`request`); the port
 answers with a short code and a secret id only that requester learns.  The owner sees
 the name, the requester's address and the same code in the window or in `gguf-studio
-keys requests`, and approves it with limits (`approve`: a named key is minted in the key
-store, as `keys add` makes one) or refuses it.  The requester polls with its id
-(`wait`/`collect`) and receives the key's secret **once**: it is handed over and
-forgotten, and never written to disk here.
+keys requests`, checks the code with the person, and approves **that request** with
+limits or refuses it: a decision names the request by its name, code and time asked, so
+a request that expired and was replaced by another of the same name (another code) is
+never the one approved.  Approving stores the limits; the key is made when the requester
+collects it (`wait`/`collect`: its poll), and its secret handed over **once** and never
+written to disk here.  An approval not collected before the request expires makes no key.
 
-**Bounded.**  At most `MAX_REQUESTS` requests are kept (pending, or decided and not yet
+**Bounded.**  At most `MAX_REQUESTS` requests are kept (pending, or approved and not yet
 collected); each expires `ttl` seconds after it was made (600 by default) and is then
-forgotten, approved or not: an approval that was never collected leaves its key unused,
-and an expired request mints nothing.  New requests are rate-limited per client address
-(`PER_ADDRESS_BURST`, then one per `PER_ADDRESS_EVERY` seconds; at most
+forgotten, approved or not.  A refused request gives its place back at once; its
+requester still learns the refusal on its next poll (a small bounded memory of refused
+ids, `MAX_REFUSED`, which holds no place).  Every request is rate-limited per client
+address (`PER_ADDRESS_BURST`, then one per `PER_ADDRESS_EVERY` seconds; at most
 `MAX_PER_ADDRESS` waiting at once; `MAX_ADDRESSES` addresses remembered) and for the whole
-port (`PORT_BURST`, then one per `PORT_EVERY` seconds).  Past any bound the answer is a
-429 with Retry-After, and the state stays as it was.
+port (`PORT_BURST`, then one per `PORT_EVERY` seconds): an invalid or taken name costs
+its token like an accepted one, so names cannot be tried faster than requests made.  Past
+any bound the answer is a 429 with Retry-After.
+
+**Names are not told.**  A name that is a key's, or a waiting request's, gets one answer
+(`NAME_TAKEN`, 409), the same for both: a stranger probing names learns only that a name
+is in use, at the rate above, never whether it is a key or someone's request.
 
 **Across processes.**  The port mirrors its pending requests (name, address, code,
 times; never the id) into `enrolments.json` beside the keys (0600, written under a lock),
 where `gguf-studio keys requests|approve|refuse` in another process reads them and
-writes its decision (`EnrolmentFile.decide`); the port takes decisions on its next
-`sync` (twice a second), mints the key itself, and notes the outcome for the command to
-read.  So a secret only ever exists in the port's memory and on the wire to its
-requester.
+writes its decision (`EnrolmentFile.decide`: the request's name, code and time asked, the
+action and the limits); the port takes decisions on its next `sync` (twice a second),
+checks each (anything but an explicit "approve" or "refuse" of a request waiting now
+fails and approves nothing), and notes the outcome for the command to read.  So a secret
+only ever exists in the port's memory and on the wire to its requester.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -41,43 +51,66 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentRefused,
-                            EnrolmentsFull, InvalidRequest, KeyStoreError, StudioError,
-                            TooManyEnrolments)
+from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentNotMade,
+                            EnrolmentRefused, EnrolmentsFull, InvalidRequest, KeyStoreError,
+                            StudioError, TooManyEnrolments)
 from backend.key_store import KeyRecord, KeyStore, check_name, keys_path
 from backend.private_files import PRIVATE_FILE_MODE, write_private
 
 __all__ = [
+    "APPROVED",
     "DEFAULT_TTL",
     "MAX_REQUESTS",
+    "NAME_TAKEN",
+    "PENDING",
+    "REFUSED",
     "Enrolment",
     "EnrolmentFile",
     "Enrolments",
     "SharedRequest",
+    "as_code",
     "enrolments_path",
 ]
 
-#: Requests kept at once, pending or decided and not yet collected.
+#: Requests kept at once, pending or approved and not yet collected.
 MAX_REQUESTS = 8
-#: Seconds a request waits for the owner before it expires (and is forgotten).
+#: Seconds a request waits for the owner (and, approved, for its requester) before it
+#: expires and is forgotten.
 DEFAULT_TTL = 600.0
-#: New requests one address may make at once, then one per PER_ADDRESS_EVERY seconds.
+#: Requests one address may make at once, then one per PER_ADDRESS_EVERY seconds.
 PER_ADDRESS_BURST = 3
 PER_ADDRESS_EVERY = 20.0
 #: Requests of one address waiting at once.
 MAX_PER_ADDRESS = 2
 #: Addresses whose rate is remembered; the least recently seen are forgotten first.
 MAX_ADDRESSES = 256
-#: New requests the port takes at once from everyone, then one per PORT_EVERY seconds.
+#: Requests the port takes at once from everyone, then one per PORT_EVERY seconds.
 PORT_BURST = 10
 PORT_EVERY = 6.0
-#: Outcomes (approved, refused, failed) kept in the file for `keys approve` to read.
+#: Refused requests whose requester has not polled yet, remembered (by id only) to tell
+#: it "refused"; the oldest are forgotten first (its poll then finds nothing).
+MAX_REFUSED = 64
+#: Outcomes (approved, collected, refused, failed) kept in the file for `keys` to read.
 MAX_OUTCOMES = 16
 #: The short code's letters: no 0/O, 1/I/L, so it reads aloud and types without doubt.
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
 FILE_VERSION = 1
+#: The one answer to a name in use, whether by a key or by a waiting request.
+NAME_TAKEN = "That name cannot be given to a new key; choose another name."
 
 PENDING, APPROVED, REFUSED = "pending", "approved", "refused"
+
+
+@dataclass(frozen=True)
+class SharedRequest:
+    """A pending request as the owner sees it (the window, `enrolments.json`): no id.
+    Its name, code and `requested_at` together name it in a decision."""
+
+    name: str
+    address: str
+    code: str
+    requested_at: float
+    expires_at: float
 
 
 @dataclass
@@ -91,23 +124,20 @@ class Enrolment:
     expires_at: float  # wall clock
     token: str  # the id only the requester knows (polls carry it)
     state: str = PENDING
-    record: KeyRecord | None = None  # the key minted on approval
-    secret: str = ""  # its secret, until the requester collects it
+    limits: dict[str, Any] = field(default_factory=dict)  # the owner's, once approved
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def expires_in(self, now: float) -> float:
         return max(0.0, self.expires_at - now)
 
+    def shared(self) -> SharedRequest:
+        return SharedRequest(self.name, self.address, self.code, self.requested_at,
+                             self.expires_at)
 
-@dataclass(frozen=True)
-class SharedRequest:
-    """A pending request as `enrolments.json` shows it to other processes."""
-
-    name: str
-    address: str
-    code: str
-    requested_at: float
-    expires_at: float
+    def is_the(self, name: str, code: str, requested_at: float) -> bool:
+        """Whether this is the request the owner checked (`name`, `code`, `requested_at`)."""
+        return (self.name.casefold() == name.casefold() and self.code == code
+                and self.requested_at == requested_at)
 
 
 class Enrolments:
@@ -123,6 +153,8 @@ class Enrolments:
         self._clock = clock
         self._on_change = on_change
         self._by_token: dict[str, Enrolment] = {}
+        #: Ids of refused requests not yet told, with when each would have expired.
+        self._refused: OrderedDict[str, float] = OrderedDict()
         self._addresses: OrderedDict[str, _Bucket] = OrderedDict()
         self._port = _Bucket(PORT_BURST, PORT_EVERY)
         self._mirrored: list[SharedRequest] | None = None
@@ -131,24 +163,20 @@ class Enrolments:
 
     # --- the requester's side (the HTTP endpoint) -------------------------------------
 
-    def request(self, name: str, address: str) -> Enrolment:
-        """Take a new request, or raise why not (a 429 leaves the state as it was)."""
+    def request(self, name: object, address: str) -> Enrolment:
+        """Take a new request, or raise why not.  Every request that passes the rates
+        takes its token, whatever then refuses it (an invalid or taken name too)."""
         now = self._clock()
         self._expire(now)
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidRequest("Send the name the key should have: {\"name\": \"alice\"}.",
-                                 param="name")
-        name = name.strip()
-        try:
-            check_name(name)
-        except KeyStoreError as exc:
-            raise InvalidRequest(str(exc), param="name") from None
         bucket = self._bucket(address)
         wait = max(bucket.wait(now), self._port.wait(now))
         if wait > 0:
             self.turned_away += 1
             raise TooManyEnrolments("Too many enrolment requests; try again later.",
                                     retry_after=wait)
+        bucket.take(now)
+        self._port.take(now)
+        name = _asked_name(name)
         if sum(1 for e in self._by_token.values() if e.address == address) >= MAX_PER_ADDRESS:
             self.turned_away += 1
             raise TooManyEnrolments("This address already has requests waiting for the "
@@ -157,16 +185,8 @@ class Enrolments:
             self.turned_away += 1
             raise EnrolmentsFull("The owner has as many requests waiting as this port keeps; "
                                  "try again later.", retry_after=self._next_expiry(now))
-        folded = name.casefold()
-        if self.keys.get(name) is not None or any(
-                r.name.casefold() == folded for r in self.keys.records()):
-            raise EnrolmentNameTaken(f"A key named {name!r} exists already; choose another "
-                                     "name.", param="name")
-        if any(e.name.casefold() == folded for e in self._by_token.values()):
-            raise EnrolmentNameTaken(f"A request named {name!r} is waiting already; choose "
-                                     "another name.", param="name")
-        bucket.take(now)
-        self._port.take(now)
+        if self._taken(name):
+            raise EnrolmentNameTaken(NAME_TAKEN, param="name")
         enrolment = Enrolment(name=name, address=address, code=_new_code(), requested_at=now,
                               expires_at=now + self._ttl(), token=secrets.token_urlsafe(24))
         self._by_token[enrolment.token] = enrolment
@@ -177,19 +197,23 @@ class Enrolments:
         return enrolment
 
     def find(self, token: str) -> Enrolment:
-        """The request with id `token`; EnrolmentNotFound when expired, collected or unknown."""
+        """The request with id `token`; EnrolmentRefused (once) when the owner refused it,
+        EnrolmentNotFound when expired, collected or unknown."""
         self._expire(self._clock())
         found = self._by_token.get(token) if isinstance(token, str) else None
-        if found is None:
-            raise EnrolmentNotFound("No such enrolment request: it expired, was answered "
-                                    "already, or never was. Run gguf-studio connect again.")
-        return found
+        if found is not None:
+            return found
+        if isinstance(token, str) and self._refused.pop(token, None) is not None:
+            raise EnrolmentRefused("The owner refused this enrolment request.")
+        raise EnrolmentNotFound("No such enrolment request: it expired, was answered "
+                                "already, or never was. Run gguf-studio connect again.")
 
     def seconds_left(self, enrolment: Enrolment) -> float:
         return enrolment.expires_in(self._clock())
 
     async def wait(self, token: str, timeout: float) -> Enrolment:
-        """The request once decided, or as it is after `timeout` seconds (or at its expiry)."""
+        """The request once approved, or as it is after `timeout` seconds (or at its
+        expiry); raises as `find` does (a refusal while waiting too)."""
         enrolment = self.find(token)
         deadline = self._clock() + timeout
         while enrolment.state == PENDING:
@@ -203,18 +227,26 @@ class Enrolments:
             enrolment = self.find(token)
         return self.find(token)
 
-    def collect(self, enrolment: Enrolment) -> str:
-        """The approved key's secret, handed over once: the request is forgotten.  A
-        refused request raises its refusal (once, too)."""
-        if enrolment.state == REFUSED:
-            self._by_token.pop(enrolment.token, None)
+    def collect(self, enrolment: Enrolment) -> tuple[KeyRecord, str]:
+        """Make the approved request's key with the owner's limits and hand over its
+        secret, once: the request is forgotten.  EnrolmentNotFound when it expired or was
+        collected already; EnrolmentNotMade when the key cannot be made now."""
+        self._expire(self._clock())
+        if self._by_token.get(enrolment.token) is not enrolment or enrolment.state != APPROVED:
+            raise EnrolmentNotFound("No such enrolment request: it expired, was answered "
+                                    "already, or never was. Run gguf-studio connect again.")
+        del self._by_token[enrolment.token]
+        outcome = _outcome(enrolment)
+        try:
+            record, secret = self.keys.add(enrolment.name, **enrolment.limits)
+        except KeyStoreError as exc:
+            self._mirror([dict(outcome, result="failed", error=str(exc))])
             self._changed()
-            raise EnrolmentRefused("The owner refused this enrolment request.")
-        assert enrolment.state == APPROVED, enrolment.state
-        secret, enrolment.secret = enrolment.secret, ""
-        self._by_token.pop(enrolment.token, None)
+            raise EnrolmentNotMade(f"The owner approved this request, but its key could not "
+                                   f"be made: {exc} Ask the owner.") from None
+        self._mirror([dict(outcome, result="collected")])
         self._changed()
-        return secret
+        return record, secret
 
     # --- the owner's side -----------------------------------------------------------------
 
@@ -224,19 +256,31 @@ class Enrolments:
         return sorted((e for e in self._by_token.values() if e.state == PENDING),
                       key=lambda e: e.requested_at)
 
-    def approve(self, name: str, **limits: Any) -> KeyRecord:
-        """Mint the key of the pending request `name` (with `limits`, as `keys add`
-        takes them) for its requester to collect."""
-        enrolment = self._pending_named(name)
-        record, secret = self.keys.add(enrolment.name, **limits)
-        enrolment.state, enrolment.record, enrolment.secret = APPROVED, record, secret
+    def waiting(self) -> list[SharedRequest]:
+        """The same as the owner sees them (no id)."""
+        return [e.shared() for e in self.pending()]
+
+    def approve(self, name: str, code: str, requested_at: float, **limits: Any) -> Enrolment:
+        """Approve the pending request named `name` whose code is `code`, made at
+        `requested_at` (what the owner checked), with `limits` as `keys add` takes them:
+        its key is made when its requester collects it.  A limit the key could not have
+        is refused now, and so is a name a key took meanwhile."""
+        enrolment = self._checked(name, code, requested_at)
+        self.keys.check_add(enrolment.name, **limits)
+        enrolment.state, enrolment.limits = APPROVED, dict(limits)
         enrolment.changed.set()
         self._changed()
-        return record
+        return enrolment
 
-    def refuse(self, name: str) -> Enrolment:
-        enrolment = self._pending_named(name)
+    def refuse(self, name: str, code: str, requested_at: float) -> Enrolment:
+        """Refuse the request the owner checked: its place is free at once; its
+        requester learns the refusal on its next poll."""
+        enrolment = self._checked(name, code, requested_at)
+        del self._by_token[enrolment.token]
         enrolment.state = REFUSED
+        self._refused[enrolment.token] = enrolment.expires_at
+        while len(self._refused) > MAX_REFUSED:
+            self._refused.popitem(last=False)
         enrolment.changed.set()
         self._changed()
         return enrolment
@@ -246,55 +290,81 @@ class Enrolments:
         pending requests into the file (only when they changed)."""
         self._expire(self._clock())
         try:
-            decisions = self.file.take_decisions()
-        except (OSError, StudioError):
-            decisions = []
-        outcomes = []
-        for decision in decisions:
-            name = str(decision.get("name", ""))
-            try:
-                if decision.get("action") == "refuse":
-                    self.refuse(name)
-                    outcomes.append({"name": name, "result": REFUSED})
-                else:
-                    record = self.approve(name, **_limits(decision.get("limits")))
-                    outcomes.append({"name": record.name, "result": APPROVED})
-            except (StudioError, TypeError, ValueError) as exc:
-                outcomes.append({"name": name, "result": "failed", "error": str(exc)})
+            outcomes = [self._take(decision) for decision in self.file.take_decisions()]
+        except (OSError, StudioError) as exc:
+            # Written anew by the mirror below; the command that wrote it hears why.
+            outcomes = [{"name": "", "code": "", "result": "failed", "error": str(exc)}]
         self._mirror(outcomes)
 
     def close(self) -> None:
         """The port stops: nothing it held can be collected any more."""
         self._by_token.clear()
+        self._refused.clear()
         with contextlib.suppress(OSError, StudioError):
             self.file.mirror([], [])
 
     # --- helpers -----------------------------------------------------------------------
 
+    def _take(self, decision: Any) -> dict[str, Any]:
+        """One decision another process wrote, taken; its outcome.  Only an explicit
+        "approve" approves: anything unreadable fails."""
+        if not isinstance(decision, dict):
+            return {"name": "", "code": "", "result": "failed",
+                    "error": "The decision is not readable."}
+        outcome = {"name": str(decision.get("name", ""))[:80],
+                   "code": str(decision.get("code", ""))[:16],
+                   "requested_at": decision.get("requested_at")}
+        try:
+            name, code, requested_at = _named_request(decision)
+            action = decision.get("action")
+            if action == "approve":
+                self.approve(name, code, requested_at, **_limits(decision.get("limits")))
+                return dict(outcome, result=APPROVED)
+            if action == "refuse":
+                self.refuse(name, code, requested_at)
+                return dict(outcome, result=REFUSED)
+            raise ValueError(f"The decision's action {str(action)[:40]!r} is neither "
+                             "'approve' nor 'refuse'.")
+        except (StudioError, TypeError, ValueError) as exc:
+            return dict(outcome, result="failed", error=str(exc))
+
     def _mirror(self, outcomes: list[dict[str, Any]]) -> None:
         """The pending requests into the file, for `keys requests` (when they changed)."""
-        shared = [SharedRequest(e.name, e.address, e.code, e.requested_at, e.expires_at)
-                  for e in self.pending()]
+        shared = self.waiting()
         if outcomes or shared != self._mirrored:
             with contextlib.suppress(OSError, StudioError):
                 self.file.mirror(shared, outcomes)
                 self._mirrored = shared
 
-    def _pending_named(self, name: str) -> Enrolment:
+    def _checked(self, name: str, code: str, requested_at: float) -> Enrolment:
+        """The pending request the owner checked, or a KeyStoreError saying why not."""
         self._expire(self._clock())
-        folded = name.casefold()
         for enrolment in self._by_token.values():
-            if enrolment.name.casefold() == folded and enrolment.state == PENDING:
+            if enrolment.state == PENDING and enrolment.is_the(name, code, requested_at):
                 return enrolment
-        raise KeyStoreError(f"No enrolment request named {name!r} is waiting (gguf-studio "
-                            "keys requests lists them; unanswered ones expire).")
+        if any(e.state == PENDING and e.name.casefold() == name.casefold()
+               for e in self._by_token.values()):
+            raise KeyStoreError(f"The request named {name!r} waiting now is not the one with "
+                                f"code {code}: that one expired or was answered, and this one "
+                                "was made since. Check its code with the person before "
+                                "approving it.")
+        raise KeyStoreError(f"No request named {name!r} with code {code} is waiting: it "
+                            "expired or was answered (gguf-studio keys requests lists those "
+                            "waiting).")
+
+    def _taken(self, name: str) -> bool:
+        folded = name.casefold()
+        return (any(r.name.casefold() == folded for r in self.keys.records())
+                or any(e.name.casefold() == folded for e in self._by_token.values()))
 
     def _expire(self, now: float) -> None:
         gone = [t for t, e in self._by_token.items() if e.expires_at <= now]
         for token in gone:
             enrolment = self._by_token.pop(token)
-            enrolment.secret = ""
+            enrolment.limits = {}
             enrolment.changed.set()
+        for token in [t for t, expires_at in self._refused.items() if expires_at <= now]:
+            del self._refused[token]
         if gone:
             self._changed()
 
@@ -327,37 +397,39 @@ class EnrolmentFile:
     def requests(self, now: float | None = None) -> list[SharedRequest]:
         """The pending requests the port last wrote (expired ones left out)."""
         now = time.time() if now is None else now
-        saved = _read(self.path)
-        return [SharedRequest(str(r["name"]), str(r["address"]), str(r["code"]),
-                              float(r["requested_at"]), float(r["expires_at"]))
-                for r in saved["requests"] if float(r["expires_at"]) > now]
+        return [r for r in _shared(_read(self.path), self.path) if r.expires_at > now]
 
     def outcomes(self) -> list[dict[str, Any]]:
-        return list(_read(self.path)["outcomes"])
+        return [o for o in _read(self.path)["outcomes"] if isinstance(o, dict)]
 
-    def decide(self, name: str, action: str, limits: dict[str, Any] | None = None) -> SharedRequest:
-        """Write the owner's decision on the pending request `name` for the port to take."""
+    def decide(self, code: str, action: str, limits: dict[str, Any] | None = None, *,
+               name: str | None = None) -> SharedRequest:
+        """Write the owner's decision on the pending request whose code is `code` (and,
+        given, whose name is `name`) for the port to take: it names the request by its
+        name, code and time asked."""
+        assert action in ("approve", "refuse"), action
         with _locked(self.path):
             saved = _read(self.path)
-            folded = name.casefold()
             now = time.time()
-            found = next((r for r in saved["requests"] if str(r["name"]).casefold() == folded
-                          and float(r["expires_at"]) > now), None)
-            if found is None:
-                raise KeyStoreError(f"No enrolment request named {name!r} is waiting (gguf-studio "
-                                    "keys requests lists them; unanswered ones expire, and "
-                                    "only a running port takes them).")
+            found = next((r for r in _shared(saved, self.path)
+                          if r.code == code and r.expires_at > now), None)
+            if found is None or (name is not None and found.name.casefold() != name.casefold()):
+                whose = f"named {name!r} " if name is not None else ""
+                raise KeyStoreError(f"No request {whose}with code {code} is waiting "
+                                    "(gguf-studio keys requests lists them; unanswered ones "
+                                    "expire, and only a running port takes them).")
             saved["decisions"] = [d for d in saved["decisions"]
-                                  if str(d.get("name", "")).casefold() != folded]
-            saved["decisions"].append({"name": found["name"], "action": action,
+                                  if not isinstance(d, dict) or d.get("code") != code]
+            saved["decisions"].append({"name": found.name, "code": found.code,
+                                       "requested_at": found.requested_at, "action": action,
                                        "limits": limits or {}})
             saved["outcomes"] = [o for o in saved["outcomes"]
-                                 if str(o.get("name", "")).casefold() != folded]
+                                 if isinstance(o, dict) and o.get("code") != code]
             _write(self.path, saved)
-        return SharedRequest(str(found["name"]), str(found["address"]), str(found["code"]),
-                             float(found["requested_at"]), float(found["expires_at"]))
+        return found
 
-    def take_decisions(self) -> list[dict[str, Any]]:
+    def take_decisions(self) -> list[Any]:
+        """The decisions written since, as written (the port checks each), removed."""
         seen = _signature(self.path)
         if seen is None or seen == self._seen:
             return []
@@ -371,8 +443,13 @@ class EnrolmentFile:
         return decisions
 
     def mirror(self, requests: list[SharedRequest], outcomes: list[dict[str, Any]]) -> None:
+        """The port's pending requests and new outcomes into the file (which the port
+        owns: one that does not hold enrolments is written anew)."""
         with _locked(self.path):
-            saved = _read(self.path)
+            try:
+                saved = _read(self.path)
+            except KeyStoreError:
+                saved = _empty()
             saved["requests"] = [r.__dict__ for r in requests]
             saved["outcomes"] = (saved["outcomes"] + outcomes)[-MAX_OUTCOMES:]
             _write(self.path, saved)
@@ -412,9 +489,56 @@ class _Bucket:
         self.tokens -= 1
 
 
+def as_code(text: str) -> str | None:
+    """`text` as a request's code ("abc def", "ABCDEF" -> "ABC-DEF"); None when it
+    cannot be one (a name, say)."""
+    letters = re.sub(r"[\s-]", "", text).upper()
+    if len(letters) != 6 or any(c not in CODE_ALPHABET for c in letters):
+        return None
+    return f"{letters[:3]}-{letters[3:]}"
+
+
 def _new_code() -> str:
     letters = "".join(secrets.choice(CODE_ALPHABET) for _ in range(6))
     return f"{letters[:3]}-{letters[3:]}"
+
+
+def _asked_name(name: object) -> str:
+    """The name a requester sent, checked as a key's name."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidRequest("Send the name the key should have: {\"name\": \"alice\"}.",
+                             param="name")
+    name = name.strip()
+    try:
+        check_name(name)
+    except KeyStoreError as exc:
+        raise InvalidRequest(str(exc), param="name") from None
+    return name
+
+
+def _named_request(decision: dict[str, Any]) -> tuple[str, str, float]:
+    """The request a decision names: its name, code and time asked (all three)."""
+    name, code, requested_at = (decision.get(k) for k in ("name", "code", "requested_at"))
+    if not isinstance(name, str) or not isinstance(code, str) or isinstance(
+            requested_at, bool) or not isinstance(requested_at, (int, float)):
+        raise ValueError("The decision does not name a request by its name, code and time "
+                         "asked.")
+    return name, code, float(requested_at)
+
+
+def _outcome(enrolment: Enrolment) -> dict[str, Any]:
+    return {"name": enrolment.name, "code": enrolment.code,
+            "requested_at": enrolment.requested_at}
+
+
+def _shared(saved: dict[str, Any], path: Path) -> list[SharedRequest]:
+    try:
+        return [SharedRequest(str(r["name"]), str(r["address"]), str(r["code"]),
+                              float(r["requested_at"]), float(r["expires_at"]))
+                for r in saved["requests"]]
+    except (KeyError, TypeError, ValueError):
+        raise KeyStoreError(f"The enrolment file {path.name} does not hold enrolments.") \
+            from None
 
 
 _LIMIT_FIELDS = {"models", "max_concurrent", "tokens_per_minute", "tokens_per_day", "priority",
@@ -427,6 +551,8 @@ def _limits(raw: Any) -> dict[str, Any]:
         raise ValueError("The decision's limits are not readable.")
     limits = dict(raw)
     if "models" in limits:
+        if not isinstance(limits["models"], list):
+            raise ValueError("The decision's models are not a list.")
         limits["models"] = tuple(limits["models"])
     return limits
 

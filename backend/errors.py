@@ -331,7 +331,16 @@ class EnrolmentRefused(RequestError):
 
 
 class EnrolmentNameTaken(RequestError):
+    """The name is a key's or a waiting request's (the answer does not say which)."""
+
     status, type, code = 409, "invalid_request_error", "name_taken"
+
+
+class EnrolmentNotMade(RequestError):
+    """The owner approved the request, but its key could not be made when collected (a
+    key of that name was made meanwhile, or the approved expiry passed)."""
+
+    status, type, code = 409, "invalid_request_error", "enrolment_not_made"
 
 
 class EnrolmentsFull(RequestError):

@@ -285,24 +285,41 @@ class KeyStore:
             tokens_per_day: int | None = None, priority: Priority = Priority.NORMAL,
             weight: float = 1.0, expires_at: float | None = None) -> tuple[KeyRecord, str]:
         """Make a key; returns it and its secret, which exists nowhere else afterwards."""
-        check_name(name)
         secret = generate_api_key()
+        record = self._new_record(name, hash_secret(secret), models=models,
+                                  max_concurrent=max_concurrent,
+                                  tokens_per_minute=tokens_per_minute,
+                                  tokens_per_day=tokens_per_day, priority=priority,
+                                  weight=weight, expires_at=expires_at)
+        with self._changing() as records:
+            _check_free(records, name)
+            records[name] = record
+        return record, secret
+
+    def check_add(self, name: str, **limits: Any) -> None:
+        """Raise the KeyStoreError `add(name, **limits)` would raise now, changing nothing
+        (an approved enrolment's key is made later, when its requester collects it)."""
+        unknown = set(limits) - EDITABLE
+        if unknown:
+            raise KeyStoreError(f"Not a key's limit: {', '.join(sorted(unknown))}.")
+        self._new_record(name, "", **limits)
+        self.refresh()
+        _check_free(self._records, name)
+
+    def _new_record(self, name: str, secret_hash: str, *, models: tuple[str, ...] = (),
+                    max_concurrent: int | None = None, tokens_per_minute: int | None = None,
+                    tokens_per_day: int | None = None, priority: Priority = Priority.NORMAL,
+                    weight: float = 1.0, expires_at: float | None = None) -> KeyRecord:
+        check_name(name)
         now = self._wall_clock()
-        record = KeyRecord(name=name, secret_hash=hash_secret(secret), models=tuple(models),
+        record = KeyRecord(name=name, secret_hash=secret_hash, models=tuple(models),
                            max_concurrent=max_concurrent, tokens_per_minute=tokens_per_minute,
                            tokens_per_day=tokens_per_day, priority=_priority(priority),
                            weight=weight, expires_at=_second(expires_at),
                            created_at=float(math.floor(now)))
         _check_limits(record)
         _check_future(expires_at, now)
-        with self._changing() as records:
-            same = [r for r in records if r.casefold() == name.casefold()]
-            if same:
-                state = " (revoked)" if records[same[0]].revoked_at is not None else ""
-                raise KeyStoreError(f"A key named {same[0]!r} already exists{state}; "
-                                    "choose another name.")
-            records[name] = record
-        return record, secret
+        return record
 
     def edit(self, name: str, **changes: Any) -> KeyRecord:
         """Change some of a key's limits (`EDITABLE`); the others stay as they are."""
@@ -583,6 +600,14 @@ def _priority(value: Any) -> Priority:
 def _check_future(expires_at: float | None, now: float) -> None:
     if expires_at is not None and expires_at <= now:
         raise KeyStoreError(f"The expiry {describe_time(expires_at)} is in the past.")
+
+
+def _check_free(records: dict[str, KeyRecord], name: str) -> None:
+    same = [r for r in records if r.casefold() == name.casefold()]
+    if same:
+        state = " (revoked)" if records[same[0]].revoked_at is not None else ""
+        raise KeyStoreError(f"A key named {same[0]!r} already exists{state}; "
+                            "choose another name.")
 
 
 def _existing(records: dict[str, KeyRecord], name: str) -> KeyRecord:

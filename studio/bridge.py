@@ -33,6 +33,7 @@ from backend.app.saver import Saver, Write
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
 from backend.errors import LoadSuperseded, StudioError
+from backend.enrolments import SharedRequest
 from backend.key_store import KeyRecord
 from backend.models.download_queue import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
@@ -69,7 +70,7 @@ class ServiceBridge(QObject):
     error_occurred = Signal(str)  # something the user asked for failed; a readable sentence
     download_progressed = Signal(object)  # DownloadProgress, from the download queue's thread
     pool_changed = Signal(object)  # PoolState, at most ten a second
-    enrolments_changed = Signal(list)  # [(name, address, code)]: teammates asking for a key
+    enrolments_changed = Signal(list)  # [SharedRequest]: teammates asking for a key
     announcement_changed = Signal(str)  # the port on the LAN: announced as..., or why not
 
     # Internal: carries a callback and its argument to the GUI thread.
@@ -319,18 +320,20 @@ class ServiceBridge(QObject):
         return self._call(_now_on_loop(self.service.revoke_key, name), on_done=on_done,
                           on_error=on_error)
 
-    def approve_enrolment(self, name: str, limits: dict[str, Any],
+    def approve_enrolment(self, request: SharedRequest, limits: dict[str, Any],
                           on_done: Callback | None = None,
                           on_error: Callable[[str], None] | None = None
-                          ) -> concurrent.futures.Future[KeyRecord]:
-        """Mint the key a teammate asked for, with `limits` (as `add_key`); the port
-        hands it to them once."""
-        return self._call(_now_on_loop(self.service.approve_enrolment, name, **limits),
+                          ) -> concurrent.futures.Future[None]:
+        """Approve the teammate's request the owner checked (its name, code and time
+        asked), with `limits` (as `add_key`): the port makes the key when they collect it."""
+        return self._call(_now_on_loop(self.service.approve_enrolment, request, **limits),
                           on_done=on_done, on_error=on_error)
 
-    def refuse_enrolment(self, name: str, on_error: Callable[[str], None] | None = None
+    def refuse_enrolment(self, request: SharedRequest,
+                         on_error: Callable[[str], None] | None = None
                          ) -> concurrent.futures.Future[None]:
-        return self._call(_now_on_loop(self.service.refuse_enrolment, name), on_error=on_error)
+        return self._call(_now_on_loop(self.service.refuse_enrolment, request),
+                          on_error=on_error)
 
     def key_table(self, chart_key: str | None, span: int, on_done: Callback
                   ) -> concurrent.futures.Future[KeyTable]:
@@ -493,7 +496,7 @@ class ServiceBridge(QObject):
             pass
 
     def _on_enrolments(self) -> None:
-        waiting = [(e.name, e.address, e.code) for e in self.service.enrolments.pending()]
+        waiting = self.service.enrolments.waiting()
         try:
             self.enrolments_changed.emit(waiting)
         except RuntimeError:  # the bridge is gone: the app is exiting

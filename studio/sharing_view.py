@@ -30,7 +30,9 @@ from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from backend.app.key_table import KeyForm
+from backend.enrolments import SharedRequest
 from backend.errors import KeyStoreError
+from backend.key_store import describe_time
 
 from studio.keys_view import KeyDialog, KeysView
 from studio.widgets import CopyButton, monospace_font, secondary_label
@@ -47,8 +49,9 @@ class SharingView(QWidget):
     port_changed = Signal(int)
     generate_key_requested = Signal()
     limits_changed = Signal(dict)  # setting name -> value
-    enrolment_approved = Signal(str, dict)  # the name a teammate asked for, the key's limits
-    enrolment_refused = Signal(str)
+    #: The request the owner checked (SharedRequest: name, code, time asked), the limits.
+    enrolment_approved = Signal(object, dict)
+    enrolment_refused = Signal(object)  # SharedRequest
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -390,13 +393,24 @@ class SharingView(QWidget):
         self.qr_dialog = dialog
         return dialog
 
-    def approve_dialog(self, name: str) -> KeyDialog:
-        """The key dialog for the request `name`: its limits, then Approve."""
+    def approve_dialog(self, request: SharedRequest) -> KeyDialog:
+        """The key dialog for the request it was opened on: its limits, then Approve.  It
+        keeps that request (name, code, time asked): a request of the same name made
+        since, with another code, is never the one approved."""
         dialog = KeyDialog(None, "", self)
-        dialog.setWindowTitle(f"Approve {name}'s request")
-        dialog.name.setText(name)
+        dialog.setWindowTitle(f"Approve {request.name}'s request")
+        dialog.name.setText(request.name)
         dialog.name.setReadOnly(True)
         dialog.ok_button.setText("Approve")
+        checked = QLabel(f"Code {request.code}, from {request.address}, asked "
+                         f"{describe_time(request.requested_at)}. Approve only if the person "
+                         "reads you this code from their screen.")
+        checked.setTextFormat(Qt.TextFormat.PlainText)  # the name is the requester's
+        checked.setWordWrap(True)
+        checked.setAccessibleName("Request code")
+        layout = dialog.layout()
+        assert isinstance(layout, QFormLayout)
+        layout.insertRow(0, checked)
 
         def submitted(form: KeyForm) -> None:
             try:
@@ -404,7 +418,7 @@ class SharingView(QWidget):
             except KeyStoreError as exc:
                 dialog.show_error(str(exc))
                 return
-            self.enrolment_approved.emit(name, limits)
+            self.enrolment_approved.emit(request, limits)
             dialog.accept()
 
         dialog.submitted.connect(submitted)
@@ -418,25 +432,27 @@ class SharingView(QWidget):
         self.announcement.setText(text)
         self.announcement.setVisible(bool(text))
 
-    def set_enrolments(self, waiting: list[tuple[str, str, str]]) -> None:
-        """The requests waiting: (name, address, code) each, with Approve and Refuse."""
+    def set_enrolments(self, waiting: list[SharedRequest]) -> None:
+        """The requests waiting, each with its code, Approve and Refuse (which act on that
+        request, not on whichever has its name later)."""
         for row in self.enrolment_rows:
             row.deleteLater()
         self.enrolment_rows = []
-        for name, address, code in waiting:
+        for request in waiting:
+            name = request.name
             row = QWidget(self.enrolments_box)
             line = QHBoxLayout(row)
             line.setContentsMargins(0, 0, 0, 0)
-            label = QLabel(f"{name} from {address} — code {code}")
+            label = QLabel(f"{name} from {request.address} — code {request.code}")
             label.setTextFormat(Qt.TextFormat.PlainText)  # the name is the requester's
             label.setAccessibleName(f"Request of {name}")
             line.addWidget(label, 1)
             approve = QPushButton("Approve")
             approve.setAccessibleName(f"Approve {name}")
-            approve.clicked.connect(lambda _=False, n=name: self.approve_dialog(n))
+            approve.clicked.connect(lambda _=False, r=request: self.approve_dialog(r))
             refuse = QPushButton("Refuse")
             refuse.setAccessibleName(f"Refuse {name}")
-            refuse.clicked.connect(lambda _=False, n=name: self.enrolment_refused.emit(n))
+            refuse.clicked.connect(lambda _=False, r=request: self.enrolment_refused.emit(r))
             line.addWidget(approve)
             line.addWidget(refuse)
             self._enrolments_layout.addWidget(row)

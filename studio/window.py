@@ -400,10 +400,10 @@ class MainWindow(QMainWindow):
             name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
         b.enrolments_changed.connect(self.sharing.set_enrolments)
         b.announcement_changed.connect(self.sharing.show_announcement)
-        self.sharing.enrolment_approved.connect(lambda name, limits: b.approve_enrolment(
-            name, limits, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
-        self.sharing.enrolment_refused.connect(lambda name: b.refuse_enrolment(
-            name, on_error=self.show_message))
+        self.sharing.enrolment_approved.connect(lambda request, limits: b.approve_enrolment(
+            request, limits, on_error=self.show_message))
+        self.sharing.enrolment_refused.connect(lambda request: b.refuse_enrolment(
+            request, on_error=self.show_message))
 
     # --- activity -------------------------------------------------------------------------------
 

@@ -31,10 +31,18 @@ def add_key_parsers(sub: Any) -> None:
     add = keys_sub.add_parser("add", help="make a key and print its secret (shown this once)")
     edit = keys_sub.add_parser("edit", help="change a key's limits (the others stay)")
     approve = keys_sub.add_parser("approve", help="approve a teammate's request (gguf-studio "
-                                  "connect): the running port makes the key, with these limits, "
-                                  "and sends it to them")
-    for command in (add, edit, approve):
+                                  "connect) by its code: the running port makes the key, with "
+                                  "these limits, when their connect collects it")
+    refuse = keys_sub.add_parser("refuse", help="refuse a teammate's request, by its code")
+    for command in (approve, refuse):
+        command.add_argument("request", metavar="CODE",
+                             help="the request's code, as keys requests lists it and the "
+                             "teammate's screen shows it (or its NAME, with --code)")
+        command.add_argument("--code", metavar="CODE",
+                             help="the request's code, when NAME is given instead")
+    for command in (add, edit):
         command.add_argument("name", metavar="NAME")
+    for command in (add, edit, approve):
         command.add_argument("--models", metavar="A,B",
                              help="models the key may use, comma-separated; shell patterns "
                              "such as 'qwen*' allowed (default, or 'all': every model)")
@@ -56,8 +64,6 @@ def add_key_parsers(sub: Any) -> None:
     approve.add_argument("--wait", type=float, default=10.0, metavar="S",
                          help="seconds to wait for the running port to make the key (10)")
     approve.set_defaults(run=_keys_approve)
-    refuse = keys_sub.add_parser("refuse", help="refuse a teammate's request")
-    refuse.add_argument("name", metavar="NAME")
     refuse.set_defaults(run=_keys_refuse)
     requests = keys_sub.add_parser("requests", help="teammates' requests for a key, waiting "
                                    "for you (name, address, code)")
@@ -143,8 +149,8 @@ def _keys_requests(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    print("Check the code with the person, then: gguf-studio keys approve NAME [limits] "
-          "or keys refuse NAME.", file=sys.stderr)
+    print("Check the code with the person, then: gguf-studio keys approve CODE [limits] "
+          "or keys refuse CODE.", file=sys.stderr)
     return 0
 
 
@@ -152,35 +158,64 @@ def _keys_approve(args: argparse.Namespace) -> int:
     changes = _key_changes(args)
     if "models" in changes:
         changes["models"] = list(changes["models"])
-    request = _decide(args.name, "approve", changes, args.wait)
-    print(f"Key {request.name!r} made and sent to {request.address} (code {request.code}).")
+    request, collected = _decide(args, "approve", changes)
+    if collected:
+        print(f"Key {request.name!r} made and sent to {request.address} (code "
+              f"{request.code}).")
+    else:
+        from backend.key_store import describe_time
+
+        print(f"Request {request.name!r} from {request.address} (code {request.code}) "
+              f"approved: the key is made when their gguf-studio connect collects it, which "
+              f"it does while it waits; if it does not by {describe_time(request.expires_at)}, "
+              "no key is made.")
     return 0
 
 
 def _keys_refuse(args: argparse.Namespace) -> int:
-    request = _decide(args.name, "refuse", {}, 10.0)
-    print(f"Request {request.name!r} from {request.address} refused; no key was made.")
+    request, _ = _decide(args, "refuse", {})
+    print(f"Request {request.name!r} from {request.address} (code {request.code}) refused; "
+          "no key was made.")
     return 0
 
 
-def _decide(name: str, action: str, limits: dict[str, Any], wait: float) -> "SharedRequest":
-    """Write the decision for the running port, and wait until it took it."""
+def _decide(args: argparse.Namespace, action: str, limits: dict[str, Any]
+            ) -> "tuple[SharedRequest, bool]":
+    """Write the decision on the request the owner named by its code for the running
+    port, and wait until it took it; for an approval, also (within the wait) until the
+    requester collected the key.  The request, and whether it was collected."""
     import time
 
-    from backend.enrolments import EnrolmentFile, enrolments_path
+    from backend.enrolments import EnrolmentFile, as_code, enrolments_path
 
+    name = args.request if args.code is not None else None
+    given = args.code if args.code is not None else args.request
+    code = as_code(given)
+    if code is None:
+        raise StudioError(f"{given!r} is not a request's code (three letters or digits, a "
+                          "dash, three more: gguf-studio keys requests lists them). Give the "
+                          f"code: keys {action} CODE, or keys {action} NAME --code CODE.")
     shared = EnrolmentFile(enrolments_path())
-    request = shared.decide(name, action, limits)
+    request = shared.decide(code, action, limits, name=name)
+    wait = getattr(args, "wait", 10.0)
     deadline = time.monotonic() + wait
+    taken = False
     while time.monotonic() < deadline:
-        outcome = next((o for o in shared.outcomes()
-                        if str(o.get("name", "")).casefold() == request.name.casefold()), None)
-        if outcome is not None:
-            if outcome.get("result") == "failed":
-                raise StudioError(f"The port could not {action} {request.name!r}: "
-                                  f"{outcome.get('error')}")
-            return request
+        results = {str(o.get("result")): o for o in shared.outcomes()
+                   if o.get("code") == request.code
+                   and o.get("requested_at") == request.requested_at}
+        failed = results.get("failed")
+        if failed is not None:
+            raise StudioError(f"The port could not {action} {request.name!r}: "
+                              f"{failed.get('error')}")
+        if "collected" in results:
+            return request, True
+        if action == "refuse" and "refused" in results:
+            return request, False
+        taken = taken or "approved" in results
         time.sleep(0.1)
+    if taken:
+        return request, False
     raise StudioError(f"The decision on {request.name!r} is written, but no running port took "
                       f"it within {wait:g}s (is the port that received the request running?).")
 

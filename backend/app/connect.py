@@ -5,7 +5,7 @@
    NAME or by the user; when multicast finds nothing it says so and asks for the address.
 2. Asks the port for a key under the teammate's name (`POST /v1/enrolments`) and shows
    the short code the owner sees beside the request.
-3. Waits (long polls) while the owner approves (`gguf-studio keys approve NAME`, or the
+3. Waits (long polls) while the owner approves (`gguf-studio keys approve CODE`, or the
    window) or refuses; the key comes once, over this connection.
 4. Writes the key (0600 file), a Codex CLI profile and an OpenCode provider
    (`backend.app.client_config`), named after the port unless `--profile` names them,

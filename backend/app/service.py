@@ -30,7 +30,7 @@ from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool_status import scrubbed
-from backend.enrolments import Enrolments
+from backend.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
 from backend.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
@@ -211,13 +211,14 @@ class StudioService:
         """Called on the service's loop whenever a request comes, is decided or goes."""
         self._enrolment_listeners.add(listener)
 
-    def approve_enrolment(self, name: str, **limits: Any) -> KeyRecord:
-        """Mint the key of the waiting request `name` (limits as `add_key`); its requester
-        receives it once, on its next poll."""
-        return self.enrolments.approve(name, **limits)
+    def approve_enrolment(self, request: SharedRequest, **limits: Any) -> None:
+        """Approve the waiting request the owner checked (its name, code and time asked;
+        limits as `add_key`): its requester's next poll makes the key and receives it,
+        once.  Raises when that request is not waiting any more."""
+        self.enrolments.approve(request.name, request.code, request.requested_at, **limits)
 
-    def refuse_enrolment(self, name: str) -> None:
-        self.enrolments.refuse(name)
+    def refuse_enrolment(self, request: SharedRequest) -> None:
+        self.enrolments.refuse(request.name, request.code, request.requested_at)
 
     def client_setup(self, record: KeyRecord) -> dict[str, Any]:
         """What a client holding `record` needs to know of the port's models (the window's
@@ -402,11 +403,19 @@ class StudioService:
         """Keys edited, revoked or expired while their requests wait: revoked and expired
         ones are refused at once (401), edited ones wait under their new weight, band
         and concurrency."""
+        failing = ""
         while True:
             await asyncio.sleep(KEY_CHECK_INTERVAL)
-            self.keys.refresh()
-            self.apply_keys()
-            self.enrolments.sync()
+            try:
+                self.keys.refresh()
+                self.apply_keys()
+                self.enrolments.sync()
+                failing = ""
+            except Exception as exc:  # one bad file or bug must not end the watch for good
+                if repr(exc) != failing:  # logged once, not twice a second
+                    log.exception("Checking the keys and enrolment requests failed; trying "
+                                  "again every %gs.", KEY_CHECK_INTERVAL)
+                failing = repr(exc)
 
     def apply_keys(self) -> None:
         """Apply the key store as it is now to every request that waits or runs (a

@@ -3,7 +3,8 @@
     POST /v1/enrolments        {"name": "alice"}  -> 202 {"id", "code", "expires_in", ...}
     GET  /v1/enrolments/{id}?wait=S               -> {"status": "pending", ...} after at
                                                      most S seconds (30 at most), or the
-                                                     approved key once, or 403 refused,
+                                                     approved key once (made
+                                                     then), or 403 refused (once),
                                                      404 expired or unknown
 
 Both are open without a key (the requester has none yet): the owner's approval is what
@@ -90,11 +91,11 @@ class EnrolmentEndpoint:
             try:
                 data = json.loads(body)
             except (ValueError, RecursionError):
-                raise InvalidRequest("Send JSON: {\"name\": \"alice\"}.") from None
-            if not isinstance(data, dict):
-                raise InvalidRequest("Send JSON: {\"name\": \"alice\"}.")
+                data = None
             client = request.client.host if request.client is not None else "unknown"
-            enrolment = enrolments.request(data.get("name"), client)  # type: ignore[arg-type]
+            # Not JSON, or no name: refused by `request`, which takes a token for every try.
+            enrolment = enrolments.request(data.get("name") if isinstance(data, dict) else None,
+                                           client)
             return JSONResponse({"id": enrolment.token, "name": enrolment.name,
                                  "code": enrolment.code, "status": PENDING,
                                  "expires_in": math.ceil(enrolments.seconds_left(enrolment)),
@@ -108,16 +109,15 @@ class EnrolmentEndpoint:
             raise InvalidRequest("wait is a number of seconds.", param="wait") from None
         if not math.isfinite(wait):
             wait = 0.0
-        token = enrolments.find(str(request.path_params["token"])).token  # 404 if unknown
+        # 404 if unknown; the refusal (once) if the owner refused it.
+        token = enrolments.find(str(request.path_params["token"])).token
         with self._held(request), self._polling(token):
             enrolment = await _unless_gone(enrolments.wait(token, wait), request.receive)
             if enrolment.state == PENDING:
                 return JSONResponse({"status": PENDING, "name": enrolment.name,
                                      "code": enrolment.code,
                                      "expires_in": math.ceil(enrolments.seconds_left(enrolment))})
-            record = enrolment.record
-            secret = enrolments.collect(enrolment)  # raises the refusal, once
-            assert enrolment.state == APPROVED and record is not None
+            record, secret = enrolments.collect(enrolment)  # the key is made now, once
             return JSONResponse({"status": APPROVED, "name": record.name, "api_key": secret,
                                  "port": self._describe(record)},
                                 headers={"Cache-Control": "no-store"})

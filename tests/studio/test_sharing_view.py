@@ -199,6 +199,74 @@ def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
     assert not sharing.enrolments_box.isVisible()
 
 
+def test_refuse_refuses_that_request_and_frees_its_row(open_window, qtbot):
+    from PySide6.QtWidgets import QPushButton
+
+    from backend.key_store import KeyStore
+
+    Settings.load().replace(api_key=ENROL_KEY).save()
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    root = f"http://127.0.0.1:{window.bridge.gateway_port}"
+    asked = httpx.post(f"{root}/v1/enrolments", json={"name": "mallory"}, timeout=10).json()
+    qtbot.waitUntil(lambda: len(sharing.enrolment_rows) == 1, timeout=WAIT)
+
+    refuse = next(b for b in sharing.enrolment_rows[0].findChildren(QPushButton)
+                  if b.text() == "Refuse")
+    qtbot.mouseClick(refuse, Qt.MouseButton.LeftButton)
+
+    qtbot.waitUntil(lambda: not sharing.enrolment_rows, timeout=WAIT)
+    answer = httpx.get(root + asked["poll"], timeout=10)
+    assert answer.status_code == 403 and answer.json()["error"]["code"] == "enrolment_refused"
+    assert KeyStore().records() == []
+
+
+def test_approve_acts_on_the_request_the_dialog_showed_not_on_a_later_one_of_its_name(
+        open_window, qtbot):
+    """The name race: while the owner fills in the limits of carol's request (code
+    shown), it expires and a stranger, who kept asking for that name, takes it with
+    another code.  Approve then fails and says why; the stranger gets no key."""
+    from PySide6.QtWidgets import QLabel, QPushButton
+
+    from backend.enrolments import PER_ADDRESS_BURST
+    from backend.key_store import KeyStore
+
+    def lan_host(address: str) -> httpx.Client:
+        return httpx.Client(base_url=f"http://127.0.0.1:{window.bridge.gateway_port}",
+                            transport=httpx.HTTPTransport(local_address=address), timeout=30)
+
+    Settings.load().replace(api_key=ENROL_KEY, enrolment_ttl=6.0).save()
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    with lan_host("127.0.0.2") as teammate, lan_host("127.0.0.3") as stranger, \
+            lan_host("127.0.0.4") as stranger_elsewhere:
+        asked = teammate.post("/v1/enrolments", json={"name": "carol"}).json()
+        qtbot.waitUntil(lambda: len(sharing.enrolment_rows) == 1, timeout=WAIT)
+        approve = next(b for b in sharing.enrolment_rows[0].findChildren(QPushButton)
+                       if b.text() == "Approve")
+        qtbot.mouseClick(approve, Qt.MouseButton.LeftButton)
+        dialog = sharing.approval
+        assert dialog is not None
+        assert any(asked["code"] in label.text() for label in dialog.findChildren(QLabel))
+        retries = [stranger.post("/v1/enrolments", json={"name": "carol"})
+                   for _ in range(PER_ADDRESS_BURST + 2)]
+        # Held until carol's request expires.
+        assert teammate.get(asked["poll"], params={"wait": 20}).status_code == 404
+        taken = stranger_elsewhere.post("/v1/enrolments", json={"name": "carol"}).json()
+        assert taken["code"] != asked["code"] or taken["name"] != asked["name"]
+
+        qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
+        answer = stranger_elsewhere.get(taken["poll"], params={"wait": 2})
+
+    assert answer.status_code == 200 and "api_key" not in answer.json(), answer.text
+    assert KeyStore().get("carol") is None
+    qtbot.waitUntil(lambda: f"not the one with code {asked['code']}"
+                    in window.statusBar().currentMessage(), timeout=WAIT)
+    assert [r.status_code for r in retries] == [409] * PER_ADDRESS_BURST + [429, 429]
+
+
 def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, qtbot):
     window = open_window()
     sharing = window.sharing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -9,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from backend.app.usage import UsageLedger
 from backend.errors import KeyRevoked
 from backend.key_store import KeyStore, Priority, hash_secret
+from tests.backend.gateway_harness import until
 from tests.not_none import not_none
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -166,3 +169,133 @@ def test_an_unknown_priority_is_refused_by_the_parser(env):
     out = keys(env, "add", "x", "--priority", "urgent")
     assert out.returncode == 2
     assert "invalid choice: 'urgent'" in out.stderr
+
+
+# --- answering a teammate's request (gguf-studio connect) on a running port --------------
+
+
+OWNER_KEY = "owner-key-for-the-keys-cli-tests-0123456"
+
+
+@pytest.fixture
+async def port(running_service, env, monkeypatch):
+    """A running port sharing the command's config dir (keys, enrolments.json)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", env["XDG_CONFIG_HOME"])
+    service = await running_service(api_key=OWNER_KEY, host="127.0.0.1")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=60) as http:
+        yield service, http
+
+
+async def keys_beside(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """`keys ...` while the port runs on this test's loop (which takes its decision)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "backend.app.cli", "keys", *args, cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return subprocess.CompletedProcess(args, not_none(proc.returncode), out.decode(), err.decode())
+
+
+async def test_keys_refuse_by_code_refuses_the_waiting_teammate_and_makes_no_key(env, port):
+    service, http = port
+    asked = (await http.post("/v1/enrolments", json={"name": "bob"})).json()
+    answer = asyncio.ensure_future(http.get(asked["poll"], params={"wait": 30}))
+    listed = await keys_beside(env, "requests")
+    assert "bob" in listed.stdout and asked["code"] in listed.stdout
+    assert "keys approve CODE" in listed.stderr
+
+    refused = await keys_beside(env, "refuse", asked["code"].lower().replace("-", " "))
+
+    assert refused.returncode == 0, refused.stderr
+    assert f"Request 'bob' from 127.0.0.1 (code {asked['code']}) refused" in refused.stdout
+    assert (await answer).status_code == 403, (await answer).text
+    assert (await answer).json()["error"]["code"] == "enrolment_refused"
+    assert KeyStore().records() == []
+    assert service.enrolments.waiting() == []
+    assert (await http.get(asked["poll"])).status_code == 404
+
+
+async def test_keys_approve_by_code_gives_the_waiting_teammate_a_key_with_its_limits(env, port):
+    service, http = port
+    asked = (await http.post("/v1/enrolments", json={"name": "bob"})).json()
+    answer = asyncio.ensure_future(http.get(asked["poll"], params={"wait": 30}))
+
+    approved = await keys_beside(env, "approve", "BOB", "--code", asked["code"],
+                                 "--tokens-per-minute", "700")
+
+    assert approved.returncode == 0, approved.stderr
+    assert f"Key 'bob' made and sent to 127.0.0.1 (code {asked['code']})" in approved.stdout
+    got = await answer
+    assert got.status_code == 200 and got.json()["name"] == "bob", got.text
+    models = await http.get("/v1/models",
+                            headers={"Authorization": f"Bearer {got.json()['api_key']}"})
+    assert models.status_code == 200
+    assert not_none(KeyStore().get("bob")).tokens_per_minute == 700
+
+
+@pytest.mark.parametrize("args, message", [
+    (("approve", "bob"), "'bob' is not a request's code"),
+    (("approve", "bob", "--code", "XYZ-234"), "No request named 'bob' with code XYZ-234"),
+    (("approve", "carol", "--code", "{code}"), "No request named 'carol' with code {code}"),
+    (("refuse", "XYZ-234"), "No request with code XYZ-234 is waiting"),
+])
+async def test_a_decision_names_the_request_by_its_code(env, port, args, message):
+    service, http = port
+    asked = (await http.post("/v1/enrolments", json={"name": "bob"})).json()
+
+    out = await keys_beside(env, *(a.format(code=asked["code"]) for a in args))
+
+    assert out.returncode == 1 and message.format(code=asked["code"]) in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert [r.name for r in service.enrolments.waiting()] == ["bob"]
+
+
+async def test_a_bad_decision_in_the_file_ends_no_watch_and_the_next_one_is_taken(env, port):
+    """A non-object, or an action that is not "approve", written into enrolments.json by
+    hand or by a broken tool: it fails alone, approves nothing, and `keys refuse` still
+    reaches the port (before, one such entry ended the port's key watcher for good)."""
+    from backend.enrolments import enrolments_path
+
+    service, http = port
+    asked = (await http.post("/v1/enrolments", json={"name": "bob"})).json()
+    (request,) = service.enrolments.waiting()
+    saved = json.loads(enrolments_path().read_text())
+    saved["decisions"] = [42, {"name": "bob", "code": request.code, "action": "aprove",
+                               "requested_at": request.requested_at, "limits": {}}]
+    enrolments_path().write_text(json.dumps(saved))
+    await until(lambda: len(json.loads(enrolments_path().read_text())["outcomes"]) == 2, 30)
+    outcomes = json.loads(enrolments_path().read_text())["outcomes"]
+    assert [o["result"] for o in outcomes] == ["failed", "failed"]
+    assert [r.name for r in service.enrolments.waiting()] == ["bob"]
+
+    refused = await keys_beside(env, "refuse", asked["code"])
+
+    assert refused.returncode == 0, refused.stderr
+    assert (await http.get(asked["poll"])).status_code == 403
+    assert KeyStore().records() == []
+
+
+async def test_a_failing_check_is_logged_once_and_the_watch_goes_on(env, port, caplog,
+                                                                     monkeypatch):
+    """Whatever one check of the key watcher raises (here a fault injected into the
+    enrolment sync), the next checks still run: revoked keys and decisions are still
+    taken."""
+    service, http = port
+    real_sync = service.enrolments.sync
+    calls = {"n": 0}
+
+    def sync_failing_three_times() -> None:
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise RuntimeError("an injected fault")
+        real_sync()
+
+    monkeypatch.setattr(service.enrolments, "sync", sync_failing_three_times)
+    asked = (await http.post("/v1/enrolments", json={"name": "bob"})).json()
+
+    refused = await keys_beside(env, "refuse", asked["code"])
+
+    assert refused.returncode == 0, refused.stderr
+    assert calls["n"] > 3
+    logged = [r for r in caplog.records if r.exc_info and "injected" in str(r.exc_info[1])]
+    assert len(logged) == 1, caplog.text  # once, not at every try

@@ -49,7 +49,8 @@ async def test_a_refused_teammate_gets_no_key_and_nothing_is_written(running_ser
     proc = await connect(teammate(tmp_path), f"http://127.0.0.1:{service.gateway_port}",
                          "--name", "bob", "--qr")
     await until(lambda: bool(service.enrolments.pending()), 30)
-    service.refuse_enrolment("bob")
+    (request,) = service.enrolments.waiting()
+    service.refuse_enrolment(request)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
 
     assert proc.returncode == 1, out.decode() + err.decode()
@@ -73,7 +74,7 @@ async def enrol(service, env: dict[str, str], name: str) -> str:
     """`connect` to `service` by its address, approved by the owner: what it printed."""
     proc = await connect(env, f"http://127.0.0.1:{service.gateway_port}", "--name", name)
     await until(lambda: any(e.name == name for e in service.enrolments.pending()), 30)
-    service.approve_enrolment(name)
+    service.approve_enrolment(next(r for r in service.enrolments.waiting() if r.name == name))
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, out.decode() + err.decode()
     return out.decode()

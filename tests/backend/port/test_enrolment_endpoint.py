@@ -13,7 +13,8 @@ import socket
 import httpx
 import pytest
 
-from backend.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PORT_BURST
+from backend.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PER_ADDRESS_BURST, PORT_BURST
+from backend.errors import KeyStoreError
 from backend.key_store import KeyStore
 from backend.llama.load import LoadSettings
 from backend.port.access_log import ACCESS_LOGGER
@@ -42,9 +43,9 @@ async def test_an_approved_request_gets_its_key_once_and_the_key_works(service):
     async with client(service) as http:
         asked = (await ask(http, "bob")).json()
         polling = asyncio.ensure_future(http.get(asked["poll"], params={"wait": 20}))
-        (pending,) = service.enrolments.pending()
+        (pending,) = service.enrolments.waiting()
         assert (pending.name, pending.code, pending.address) == ("bob", asked["code"], "127.0.0.1")
-        service.approve_enrolment("bob", tokens_per_minute=1000)
+        service.approve_enrolment(pending, tokens_per_minute=1000)
         answer = await polling
         again = await http.get(asked["poll"])
         models = await http.get("/v1/models",
@@ -60,7 +61,8 @@ async def test_an_approved_request_gets_its_key_once_and_the_key_works(service):
 async def test_a_refused_request_mints_nothing_and_is_told_so(service):
     async with client(service) as http:
         asked = (await ask(http, "mallory")).json()
-        service.refuse_enrolment("mallory")
+        (pending,) = service.enrolments.waiting()
+        service.refuse_enrolment(pending)
         answer = await http.get(asked["poll"])
 
     assert answer.status_code == 403, answer.text
@@ -72,13 +74,14 @@ async def test_an_expired_request_mints_nothing_and_cannot_be_approved(running_s
     service = await running_service(api_key=OWNER_KEY, enrolment_ttl=1.0)
     async with client(service) as http:
         asked = (await ask(http, "late")).json()
+        (checked,) = service.enrolments.waiting()
         # The poll is held until the request expires (1 s), then answered.
         answer = await http.get(asked["poll"], params={"wait": 10})
 
     assert answer.status_code == 404, answer.text
     assert answer.json()["error"]["code"] == "enrolment_not_found"
-    with pytest.raises(Exception, match="No enrolment request named 'late'"):
-        service.approve_enrolment("late")
+    with pytest.raises(KeyStoreError, match="No request named 'late' with code"):
+        service.approve_enrolment(checked)
     assert service.enrolments.pending() == []
     assert KeyStore().records() == []
 
@@ -227,7 +230,8 @@ async def test_an_enrolment_is_polled_by_two_connections_at_most_and_a_poll_that
     await until(lambda: caplog.text.count("GET /v1/enrolments/… 499") == POLLS_PER_REQUEST)
     async with client(service) as http:
         polling = asyncio.ensure_future(http.get(asked["poll"], params={"wait": 20}))
-        service.approve_enrolment("bob")
+        (checked,) = service.enrolments.waiting()
+        service.approve_enrolment(checked)
         answer = await asyncio.wait_for(polling, 20)
 
     assert status_line(refused) == "HTTP/1.1 429 Too Many Requests", refused
@@ -282,3 +286,86 @@ async def test_slow_asks_and_long_polls_by_the_hundred_leave_the_owner_served_at
     assert max(when for _, when in ended) < last_sent + header_timeout + 3
     assert tracebacks(caplog) == []
     assert " 500 " not in caplog.text
+
+
+# --- what a stranger on the LAN tries (each of these passed on the port before) ----------
+
+
+async def test_a_refused_request_gives_its_place_back_at_once(service):
+    """Four addresses fill every place; the owner refuses them all.  A teammate can ask at
+    once (before, a refused request held its place until its requester polled: for ten
+    minutes), and each stranger still learns "refused" when it polls."""
+    strangers = [client(service, f"127.0.0.{i}") for i in range(2, 2 + MAX_REQUESTS
+                                                                  // MAX_PER_ADDRESS)]
+    try:
+        asked = [(await ask(http, f"filler-{i}-{n}")).json()
+                 for i, http in enumerate(strangers) for n in range(MAX_PER_ADDRESS)]
+        assert len(service.enrolments.waiting()) == MAX_REQUESTS
+        for request in service.enrolments.waiting():
+            service.refuse_enrolment(request)
+        async with client(service, "127.0.0.40") as teammate:
+            answer = await ask(teammate, "teammate")
+        told = [await strangers[0].get(a["poll"]) for a in asked]
+        again = await strangers[0].get(asked[0]["poll"])
+    finally:
+        for http in strangers:
+            await http.aclose()
+
+    assert answer.status_code == 202, answer.text
+    assert {t.status_code for t in told} == {403}
+    assert again.status_code == 404
+    assert KeyStore().records() == []
+
+
+async def test_probing_names_tells_not_which_are_keys_or_requests_and_costs_a_token_each(
+        service):
+    """A stranger tries names: a key's and a waiting request's get the same answer, and
+    each try takes a rate token, so names are not tried faster than requests are made."""
+    service.add_key("alice")
+    async with client(service, "127.0.0.2") as teammate:
+        await ask(teammate, "bob")
+    async with client(service, "127.0.0.3") as stranger:
+        tries = [await ask(stranger, name)
+                 for name in ("alice", "bob", "ALICE", "carol", "dave", "erin", "frank")]
+    sources = [client(service, f"127.0.0.{i}") for i in range(10, 30)]
+    try:
+        spread = await asyncio.gather(*(ask(http, name) for http in sources
+                                        for name in ("alice", "bob", "owner")))
+    finally:
+        for http in sources:
+            await http.aclose()
+
+    key, waiting = tries[0], tries[1]
+    assert key.status_code == waiting.status_code == 409
+    assert key.json() == waiting.json(), (key.text, waiting.text)
+    assert "alice" not in key.text and "bob" not in waiting.text
+    assert [t.status_code for t in tries[PER_ADDRESS_BURST:]] == \
+        [429] * (len(tries) - PER_ADDRESS_BURST), [t.status_code for t in tries]
+    answered = [a for a in spread if a.status_code != 429]
+    assert len(answered) <= PORT_BURST, len(answered)  # the port's bucket, across addresses
+
+
+async def test_a_name_taken_after_the_teammates_request_expired_is_not_the_one_approved(
+        running_service):
+    """The name race: a stranger retries the teammate's name until the teammate's request
+    expires, then takes the name with another code.  The owner approves the request it
+    checked (the teammate's code): it fails, and the stranger gets nothing."""
+    service = await running_service(api_key=OWNER_KEY, host="127.0.0.1", enrolment_ttl=3.0)
+    async with client(service, "127.0.0.2") as teammate:
+        asked = (await ask(teammate, "carol")).json()
+        (checked,) = service.enrolments.waiting()  # what the owner checked with carol
+        expired = asyncio.ensure_future(teammate.get(asked["poll"], params={"wait": 20}))
+        async with client(service, "127.0.0.3") as stranger:
+            retries = [await ask(stranger, "carol") for _ in range(PER_ADDRESS_BURST + 2)]
+        assert (await expired).status_code == 404  # the teammate's request expired
+    async with client(service, "127.0.0.4") as stranger:
+        taken = (await ask(stranger, "carol")).json()
+        assert taken["code"] != asked["code"] or taken["name"] != asked["name"]
+        with pytest.raises(KeyStoreError, match="not the one with code"):
+            service.approve_enrolment(checked)
+        answer = await stranger.get(taken["poll"], params={"wait": 1})
+
+    assert [r.status_code for r in retries] == [409] * PER_ADDRESS_BURST + [429, 429]
+    assert answer.status_code == 200 and answer.json()["status"] == "pending", answer.text
+    assert "api_key" not in answer.json()
+    assert KeyStore().records() == []
