@@ -311,9 +311,10 @@ class Enrolments:
         if not isinstance(decision, dict):
             return {"name": "", "code": "", "result": "failed",
                     "error": "The decision is not readable."}
+        asked_at = decision.get("requested_at")
         outcome = {"name": str(decision.get("name", ""))[:80],
                    "code": str(decision.get("code", ""))[:16],
-                   "requested_at": decision.get("requested_at")}
+                   "requested_at": asked_at if isinstance(asked_at, (int, float)) else None}
         try:
             name, code, requested_at = _named_request(decision)
             action = decision.get("action")
