@@ -49,7 +49,8 @@ _DETAILS = (("time", "Arrived"), ("route", "Route"), ("key", "Key"), ("session",
             ("status", "Status"), ("error", "Error"))
 _REASONS = {"slots_full": "slots full", "kv_full": "KV cache full",
             "key_concurrency": "key's concurrency", "fair_share": "fair share",
-            "model_loading": "model loading", "prefill_budget": "prefill budget"}
+            "model_loading": "model loading", "prefill_budget": "prefill budget",
+            "session_engine": "session's engine"}
 
 
 class RequestsView(QWidget):

@@ -57,7 +57,8 @@ class WaitReason:
     #: A slot was free, on another engine than the one holding its session's prefix:
     #: it waited for that one (placement's `HOME_WAIT` at most).
     SESSION_ENGINE = "session_engine"
-    #: Its key already ran as many requests as it may at once (`Flow.max_concurrent`).
+    #: Its key already ran (or had waiting before it) as many requests as it may run at
+    #: once (`Flow.max_concurrent`), whether or not a slot was free.
     KEY_CONCURRENCY = "key_concurrency"
     #: Another flow's later request went first (its fair share, or its band).
     FAIR_SHARE = "fair_share"

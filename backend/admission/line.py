@@ -488,7 +488,10 @@ class Line(Generic[E]):
         if ticket in self._prefill.held:
             return WaitReason.PREFILL_BUDGET
         flow = ticket.flow
-        if flow.max_concurrent and self._waiters.running_of(flow.key) >= flow.max_concurrent:
+        # Its key's running requests and those waiting before it (it is in line already):
+        # as many as it may run at once, and it waits for them whatever the slots do.
+        own = self._waiters.running_of(flow.key) + self._waiters.waiting_of(flow.key) - 1
+        if flow.max_concurrent and own >= flow.max_concurrent:
             return WaitReason.KEY_CONCURRENCY
         if not self._engines:
             return WaitReason.MODEL_LOADING

@@ -71,6 +71,10 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+#: Why a request waits that its keep-alives say (`: keep-alive; waiting: REASON`): its
+#: key's own concurrency limit, which its client may raise or wait out, and the prefill
+#: budget that holds a long prompt; a full server needs no telling.
+_TOLD_REASONS = frozenset({WaitReason.KEY_CONCURRENCY, WaitReason.PREFILL_BUDGET})
 #: How llama-server's in-stream error events begin (chat-like, and messages).
 _DATA_ERROR = b'data: {"error"'
 _NAMED_ERROR = b"event: error"
@@ -554,9 +558,9 @@ class Exchange:
         else:
             body = self._keepalive
             ticket = self.ticket
-            if (ticket is not None and ticket.wait_reason == WaitReason.PREFILL_BUDGET
+            if (ticket is not None and ticket.wait_reason in _TOLD_REASONS
                     and not ticket.admitted and body is sse.KEEPALIVE_COMMENT):
-                body = sse.keepalive_waiting(WaitReason.PREFILL_BUDGET)
+                body = sse.keepalive_waiting(ticket.wait_reason)
             await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _send_response_created(self) -> None:

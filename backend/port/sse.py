@@ -46,7 +46,8 @@ KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
 def keepalive_waiting(reason: str) -> bytes:
-    """A keep-alive comment that says why the request still waits ("prefill_budget")."""
+    """A keep-alive comment that says why the request still waits ("prefill_budget",
+    "key_concurrency")."""
     return b": keep-alive; waiting: " + reason.encode("ascii", "replace") + b"\n\n"
 
 

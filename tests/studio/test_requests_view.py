@@ -1,5 +1,5 @@
 """The Requests tab: a request through the port shows up live as a row, filters narrow the
-table, and a row opens its details."""
+table, and a row opens its details; each reason to wait reads as its own words."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from pathlib import Path
 import httpx
 from PySide6.QtCore import Qt
 
+from backend.admission.admission_ticket import WaitReason
 from backend.llama.load import State
+from backend.port.request_log import RequestRecord
+from studio.requests_view import RequestsView
 from studio.window import REQUESTS_TAB
 
 LOAD_WAIT = 60_000
@@ -57,3 +60,24 @@ def test_a_request_through_the_port_shows_as_a_row_that_opens_its_details(
     assert "Engine:" in details and "this machine" in details
     assert "Prompt tokens:" in details and "Status:" in details
     assert "Hello" not in details
+
+
+def test_each_reason_to_wait_reads_as_its_own_words(qtbot) -> None:
+    """A key held by its own concurrency limit must not read like a full server (the
+    owner would add slots for nothing): every reason the line gives has words of its own."""
+    view = RequestsView()
+    qtbot.addWidget(view)
+    reasons = [value for name, value in vars(WaitReason).items() if name.isupper()]
+    view.add_records([RequestRecord(id=n, time=1_700_000_000.0, route="/v1/chat/completions",
+                                    key="solo", wait=1.5, wait_reason=reason)
+                      for n, reason in enumerate(reasons, 1)])
+    shown = {}
+    for row in range(len(reasons)):
+        item = view.table.topLevelItem(row)
+        assert item is not None
+        record = view.record_of(item)
+        assert record is not None
+        shown[record.wait_reason] = item.text(5)
+    assert len(set(shown.values())) == len(reasons) and "_" not in "".join(shown.values())
+    assert shown[WaitReason.KEY_CONCURRENCY] == "key's concurrency"
+    assert shown[WaitReason.SLOTS_FULL] == "slots full"

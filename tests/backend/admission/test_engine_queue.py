@@ -475,3 +475,18 @@ def test_a_waiter_held_by_its_keys_concurrency_or_the_cache_says_so():
     line.request(TokenNeed(900, 0), flow=big)
     # A slot is free, the cache is not.
     assert line.request(TokenNeed(900, 0), flow=big).wait_reason == WaitReason.KV_FULL
+
+
+def test_a_keys_request_behind_its_own_waiting_one_waits_for_its_key_not_the_slots():
+    queue = queue_of(capacity=1)
+    line = queue.line
+    running = line.request(flow=Flow("busy"))
+    limited = Flow("limited", max_concurrent=1)
+    first, second = line.request(flow=limited), line.request(flow=limited)
+    assert first.wait_reason == WaitReason.SLOTS_FULL
+    # However many slots free up, it runs only once the key's first one ended.
+    assert second.wait_reason == WaitReason.KEY_CONCURRENCY
+    running.release()
+    assert first.admitted and not second.admitted
+    first.release()
+    assert second.admitted and second.wait_reason == WaitReason.KEY_CONCURRENCY

@@ -173,6 +173,43 @@ async def test_a_request_that_waited_behind_another_keys_request_names_that_keys
     assert [r["id"] for r in colleague_seen] == [theirs["id"]]
 
 
+async def test_a_key_at_its_own_concurrency_limit_is_told_so_not_that_the_slots_are_full(
+        service):
+    """One slot, a key that may run one request at once: its second request waits for
+    its own limit (it would wait with a free slot too), and its keep-alives and its
+    record say that, not "slots full" (which sends the owner after more slots)."""
+    _, solo = service.keys.add("solo", max_concurrent=1)
+    registry = service.registry
+    comments: list[str] = []
+
+    async def second() -> None:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(4),
+                                 headers={"Authorization": f"Bearer {solo}"}) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith(":"):
+                    comments.append(line)
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=120) as client:
+        first = asyncio.create_task(read_stream(client, solo, chat(8000)))
+        await until(lambda: registry.total_active == 1, "the key's first request runs")
+        waiting = asyncio.create_task(second())
+        await until(lambda: registry.total_waiting == 1, "its second request waits")
+        await until(lambda: len(comments) >= 2, "keep-alives while it waits")
+        assert not first.done(), "the first request ended before the second waited"
+        first.cancel()
+        await waiting
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    await until(lambda: service.requests.last_id == 2, "both requests recorded")
+    cut, waited = service.requests.records()
+    assert cut.status == 499 and waited.status == 200
+    assert waited.wait_reason == WaitReason.KEY_CONCURRENCY == "key_concurrency", waited
+    assert waited.wait > 0
+    assert ": keep-alive; waiting: key_concurrency" in comments, comments
+
+
 async def test_the_chat_tabs_secret_reads_its_own_records_not_everyones(service):
     """The Chat tab's secret has the owner's rights on models, not on the inspector: were
     it to leak (it travels with every conversation), it shows no other key's requests."""
