@@ -57,11 +57,14 @@ class Settings:
     # LAN discovery and enrolment (backend/app/discovery.py, backend/enrolments.py): the
     # port announces itself over mDNS only when asked (and only while it shares on the
     # LAN with keys required), under the owner's name ("": this machine's); teammates
-    # may ask it for a key unless the owner turns enrolment off; unanswered requests
+    # may ask it for a key while it is announced or until accept_enrolments_until (a
+    # wall-clock time: `serve --accept-enrolments MINUTES`, the Sharing tab), unless the
+    # owner turns enrolment off (backend/enrolment_window.py); unanswered requests
     # expire after enrolment_ttl seconds.
     advertise: bool = False
     advertise_name: str = ""
     allow_enrolment: bool = True
+    accept_enrolments_until: float = 0.0
     enrolment_ttl: float = 600.0
     # Admission.  max_queue 0 means "16 x slots, at least 64"; see effective_max_queue.
     max_queue: int = 0

@@ -32,6 +32,7 @@ from backend.app.pool_state import PoolState
 from backend.app.saver import Saver, Write
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
+from backend.enrolment_window import EnrolmentWindow
 from backend.errors import LoadSuperseded, StudioError
 from backend.enrolments import SharedRequest
 from backend.key_store import KeyRecord
@@ -72,6 +73,7 @@ class ServiceBridge(QObject):
     pool_changed = Signal(object)  # PoolState, at most ten a second
     enrolments_changed = Signal(list)  # [SharedRequest]: teammates asking for a key
     announcement_changed = Signal(str)  # the port on the LAN: announced as..., or why not
+    enrolment_window_changed = Signal(object)  # EnrolmentWindow: may teammates ask for a key
 
     # Internal: carries a callback and its argument to the GUI thread.
     _deliver = Signal(object, object)
@@ -486,12 +488,20 @@ class ServiceBridge(QObject):
         self._pool_watch.poke()
         self.service.add_enrolment_listener(self._on_enrolments)
         self.service.add_announce_listener(self._on_announcement)
+        self.service.add_enrolment_window_listener(self._on_enrolment_window)
+        self._on_enrolment_window(self.service.enrolment_window())
         self._sampler = ActivitySampler(self.service, self._on_sample)
         self._sampler.start()
 
     def _on_announcement(self, text: str) -> None:
         try:
             self.announcement_changed.emit(text)
+        except RuntimeError:  # the bridge is gone: the app is exiting
+            pass
+
+    def _on_enrolment_window(self, window: EnrolmentWindow) -> None:
+        try:
+            self.enrolment_window_changed.emit(window)
         except RuntimeError:  # the bridge is gone: the app is exiting
             pass
 

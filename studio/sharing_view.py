@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.enrolment_window import DEFAULT_ACCEPT_MINUTES, MAX_ACCEPT_MINUTES, EnrolmentWindow
 from backend.settings import Settings, parse_names
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
@@ -52,6 +53,7 @@ class SharingView(QWidget):
     #: The request the owner checked (SharedRequest: name, code, time asked), the limits.
     enrolment_approved = Signal(object, dict)
     enrolment_refused = Signal(object)  # SharedRequest
+    accept_enrolments_changed = Signal(int)  # minutes from now teammates may ask (0: stop)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -125,6 +127,26 @@ class SharingView(QWidget):
         self.announcement.setAccessibleName("Announcement")
         self.announcement.hide()
 
+        # --- teammates may ask for a key: while announced, or for the minutes given here
+        self.accept = QCheckBox("Accept &requests from teammates for")
+        self.accept.setToolTip(
+            "Teammates may ask for a key with `gguf-studio connect` for this long (while the "
+            "port is announced, they always may). You still approve each request.")
+        self.accept_minutes = QSpinBox()
+        self.accept_minutes.setRange(1, MAX_ACCEPT_MINUTES)
+        self.accept_minutes.setValue(DEFAULT_ACCEPT_MINUTES)
+        self.accept_minutes.setSuffix(" min")
+        self.accept_minutes.setAccessibleName("Minutes to accept requests")
+        self.accept.toggled.connect(self._on_accept)
+        self.accept_minutes.editingFinished.connect(
+            lambda: self._on_accept(True) if self.accept.isChecked() else None)
+        accept_row = QHBoxLayout()
+        accept_row.addWidget(self.accept)
+        accept_row.addWidget(self.accept_minutes)
+        accept_row.addStretch(1)
+        self.enrolment_state = secondary_label()
+        self.enrolment_state.setAccessibleName("Enrolment")
+
         access = QGroupBox("Access")
         form = QFormLayout(access)
         form.addRow("Share with:", scope_row)
@@ -133,6 +155,8 @@ class SharingView(QWidget):
         form.addRow("", self.key_hint)
         form.addRow("", advertise_row)
         form.addRow("", self.announcement)
+        form.addRow("", accept_row)
+        form.addRow("", self.enrolment_state)
         form.addRow(self.problem)
 
         # --- teammates asking for a key (`gguf-studio connect`)
@@ -432,6 +456,13 @@ class SharingView(QWidget):
         self.announcement.setText(text)
         self.announcement.setVisible(bool(text))
 
+    def show_enrolment_window(self, window: EnrolmentWindow) -> None:
+        """Whether teammates may ask for a key now, why, and until when."""
+        self.accept.blockSignals(True)
+        self.accept.setChecked(window.until is not None)
+        self.accept.blockSignals(False)
+        self.enrolment_state.setText(window.describe())
+
     def set_enrolments(self, waiting: list[SharedRequest]) -> None:
         """The requests waiting, each with its code, Approve and Refuse (which act on that
         request, not on whichever has its name later)."""
@@ -511,6 +542,9 @@ class SharingView(QWidget):
     def _on_advertise(self) -> None:
         self.limits_changed.emit({"advertise": self.advertise.isChecked(),
                                   "advertise_name": self.advertise_name.text().strip()})
+
+    def _on_accept(self, accepting: bool) -> None:
+        self.accept_enrolments_changed.emit(self.accept_minutes.value() if accepting else 0)
 
     def _on_scope(self) -> None:
         self.scope_changed.emit(self.lan.isChecked())

@@ -26,6 +26,7 @@ from backend.llama.accelerators import Accelerators
 from backend.app import pool_config
 from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
+from backend.enrolment_window import accepting_until
 from backend.errors import SettingsError
 from backend.models.gguf_info import ModelInfo, read_model_info
 from backend.models.download import DownloadProgress, DownloadState
@@ -400,6 +401,9 @@ class MainWindow(QMainWindow):
             name, on_done=lambda _record: keys.request_refresh(), on_error=self.show_message))
         b.enrolments_changed.connect(self.sharing.set_enrolments)
         b.announcement_changed.connect(self.sharing.show_announcement)
+        b.enrolment_window_changed.connect(self.sharing.show_enrolment_window)
+        self.sharing.accept_enrolments_changed.connect(lambda minutes: self.apply_settings(
+            self.settings.replace(accept_enrolments_until=accepting_until(minutes))))
         self.sharing.enrolment_approved.connect(lambda request, limits: b.approve_enrolment(
             request, limits, on_error=self.show_message))
         self.sharing.enrolment_refused.connect(lambda request: b.refuse_enrolment(

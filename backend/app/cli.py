@@ -29,6 +29,7 @@ from backend import event_loop
 from backend.llama.accelerators import BACKENDS
 from backend.api_keys import read_api_key_file
 from backend.llama.engine import Engine, BuildProgress
+from backend.enrolment_window import MAX_ACCEPT_MINUTES, accepting_until
 from backend.errors import StudioError
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import THREADS_HELP, LoadSettings
@@ -209,6 +210,8 @@ def serve_settings(args: argparse.Namespace) -> Settings:
         overrides["advertise"] = True
         if args.advertise:
             overrides["advertise_name"] = args.advertise
+    if args.accept_enrolments is not None:
+        overrides["accept_enrolments_until"] = accepting_until(args.accept_enrolments)
     settings = Settings.load().with_overrides(overrides)
     if args.extra_arg:
         settings = settings.replace(extra_args=list(args.extra_arg))
@@ -321,6 +324,8 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
             print(f"  {url}", flush=True)
         if settings.advertise:
             asyncio.ensure_future(_say_announced(service))
+        if settings.api_key or service.keys.requires_keys():
+            print(service.enrolment_window().describe(), flush=True)
         start = asyncio.create_task(service.start_pool(config))
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -505,6 +510,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-enrolment", dest="allow_enrolment", action="store_false",
                        default=None, help="take no enrolment requests (`gguf-studio connect`) "
                        f"from teammates ({env('allow_enrolment')}=0)")
+    serve.add_argument("--accept-enrolments", type=float, metavar="MINUTES",
+                       help="take teammates' enrolment requests (`gguf-studio connect`) for "
+                       f"MINUTES from now (at most {MAX_ACCEPT_MINUTES}; 0 closes); without "
+                       "it, only while the port is announced (--advertise)")
     serve.add_argument("--parallel", help="parallel slots: auto or N (default auto)")
     serve.add_argument("--ctx-size", type=int, help="context size, 0 = the model's (default 0)")
     serve.add_argument("--n-gpu-layers", help="layers on the GPU: auto (what fits; default), all, none or N")

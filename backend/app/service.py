@@ -30,6 +30,7 @@ from backend.app.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool_status import scrubbed
+from backend.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
 from backend.key_store import KeyRecord, KeyStore
@@ -88,6 +89,9 @@ class StudioService:
         self.enrolments = Enrolments(self.keys, ttl=lambda: self.settings.enrolment_ttl,
                                      on_change=self._enrolments_changed)
         self._enrolment_listeners: Listeners[[]] = Listeners(log, "enrolment listener")
+        self._window_listeners: Listeners[[EnrolmentWindow]] = Listeners(
+            log, "enrolment window listener")
+        self._window_published: EnrolmentWindow | None = None
         self._announce_listeners: Listeners[[str]] = Listeners(log, "announce listener")
         self.advertiser = Advertiser()
         #: Why the port is not announced although asked to be ("" when it is, or not asked).
@@ -156,12 +160,13 @@ class StudioService:
 
         async with self._gateway_lock:
             if self._gateway is None:
-                enrolment = EnrolmentEndpoint(self.open_enrolments, self.client_setup,
-                                              lambda: self.settings)
+                enrolment = EnrolmentEndpoint(self.enrolments, self.enrolment_window,
+                                              self.client_setup, lambda: self.settings)
                 self._gateway = await GatewayServer.start(create_app(self, enrolment),
                                                           self.settings.host, self.settings.port)
                 self._advertise()
                 self._start_flow_tasks()
+                self._publish_enrolment_window()
                 # What is alive now lives about as long as the process (modules, the app,
                 # Qt's wrappers): out of the collector's sight, the collections that run
                 # while streams flow no longer walk it (62,000 objects: a full collection
@@ -187,6 +192,7 @@ class StudioService:
             await self.stop_gateway()
         elif self._gateway is not None and _announced(old) != _announced(settings):
             self._advertise()
+        self._publish_enrolment_window()
         return await self.start_gateway() if self._gateway is None else \
             client_urls(settings.host, self._gateway.port)
 
@@ -199,13 +205,16 @@ class StudioService:
 
     # --- the LAN: announcing the port, teammates enrolling ---------------------------------
 
-    def open_enrolments(self) -> Enrolments | None:
-        """The enrolment requests, while the port takes them: it requires keys (a port
-        without one needs no enrolment) and the owner left enrolment on."""
-        settings = self.settings
-        if not settings.allow_enrolment or not (settings.api_key or self.keys.requires_keys()):
-            return None
-        return self.enrolments
+    def enrolment_window(self) -> EnrolmentWindow:
+        """Whether the port takes enrolment requests now, why, and until when
+        (`backend.enrolment_window`: announced, or an accept window open)."""
+        return enrolment_window(self.settings, keys_required=bool(
+            self.settings.api_key or self.keys.requires_keys()))
+
+    def add_enrolment_window_listener(self, listener: Callable[[EnrolmentWindow], None]) -> None:
+        """Called on the service's loop with the enrolment window whenever it opens,
+        closes or moves (within `KEY_CHECK_INTERVAL` of an accept window's end)."""
+        self._window_listeners.add(listener)
 
     def add_enrolment_listener(self, listener: Callable[[], None]) -> None:
         """Called on the service's loop whenever a request comes, is decided or goes."""
@@ -259,6 +268,12 @@ class StudioService:
 
     def _enrolments_changed(self) -> None:
         self._enrolment_listeners()
+
+    def _publish_enrolment_window(self) -> None:
+        window = self.enrolment_window()
+        if window != self._window_published:
+            self._window_published = window
+            self._window_listeners(window)
 
     def _advertise(self) -> None:
         """(Re)announce the port as the settings say, in the background: zeroconf's
@@ -410,6 +425,7 @@ class StudioService:
                 self.keys.refresh()
                 self.apply_keys()
                 self.enrolments.sync()
+                self._publish_enrolment_window()  # an accept window ends, keys become required
                 failing = ""
             except Exception as exc:  # one bad file or bug must not end the watch for good
                 if repr(exc) != failing:  # logged once, not twice a second

@@ -9,8 +9,9 @@
 
 Both are open without a key (the requester has none yet): the owner's approval is what
 grants anything, the id is 192 random bits only the requester learns, and the state
-behind them is bounded and rate-limited (`backend.enrolments`).  Open only on a port
-that requires keys and whose owner left enrolment on; else 404 `enrolment_closed`.
+behind them is bounded and rate-limited (`backend.enrolments`).  Open only while the
+owner accepts requests (`backend.enrolment_window`: the port announced, or an accept
+window open); else 404 `enrolment_closed`, saying why.
 
 **Doors anyone can open hold little.**  Anyone on the network reaches these two routes,
 so what they hold of the port is bounded here: a request body is read under the gated
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from backend.enrolment_window import EnrolmentWindow
 from backend.enrolments import APPROVED, PENDING, Enrolments
 from backend.errors import (EnrolmentClosed, InvalidRequest, KeylessRequestsFull,
                             TooManyPolls)
@@ -68,14 +70,15 @@ BUSY_RETRY_AFTER = 5.0
 
 
 class EnrolmentEndpoint:
-    """`enrolments()`: the port's requests, None while enrolment is closed;
+    """`enrolments`: the port's requests; `window()`: whether the port takes them now;
     `describe(record)`: what a client of that key needs to know of the port's models;
     `settings()`: the port's settings as they are now (its body deadline)."""
 
-    def __init__(self, enrolments: Callable[[], Enrolments | None],
+    def __init__(self, enrolments: Enrolments, window: Callable[[], EnrolmentWindow],
                  describe: Callable[[KeyRecord], dict[str, Any]],
                  settings: Callable[[], Settings]) -> None:
         self._enrolments = enrolments
+        self.window = window
         self._describe = describe
         self._settings = settings
         #: Requests running now (asks and polls).
@@ -102,7 +105,7 @@ class EnrolmentEndpoint:
                                  "poll": f"{ENROL_PATH}/{enrolment.token}"}, status_code=202)
 
     async def poll(self, request: Request) -> Response:
-        enrolments = self._open()
+        enrolments = self._open(polling=True)
         try:
             wait = min(MAX_WAIT, max(0.0, float(request.query_params.get("wait", "0"))))
         except ValueError:
@@ -127,12 +130,11 @@ class EnrolmentEndpoint:
         """Polls held now."""
         return sum(self._polls.values())
 
-    def _open(self) -> Enrolments:
-        enrolments = self._enrolments()
-        if enrolments is None:
-            raise EnrolmentClosed("This server takes no enrolment requests; ask its owner "
-                                  "for a key.")
-        return enrolments
+    def _open(self, *, polling: bool = False) -> Enrolments:
+        window = self.window()
+        if not (window.answers_polls if polling else window.open):
+            raise EnrolmentClosed(window.closed_message())
+        return self._enrolments
 
     @contextlib.contextmanager
     def _held(self, request: Request) -> Iterator[None]:

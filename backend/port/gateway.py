@@ -413,6 +413,10 @@ class Gateway:
             # Engines on other machines, also those out of the pool right now, and why.
             "upstreams": elsewhere,
         }
+        if self.enrolment is not None:
+            # Whether teammates may ask for a key now (the owner reads it: the door's
+            # hours are not for everyone's eyes).
+            body["enrolment"] = self.enrolment.window().to_dict()
         return JSONResponse(body, status_code=status)
 
     def _may_read_health(self, scope: MutableMapping[str, Any]) -> bool:

@@ -170,7 +170,7 @@ def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
 
     from backend.key_store import KeyStore
 
-    Settings.load().replace(api_key=ENROL_KEY).save()
+    Settings.load().replace(api_key=ENROL_KEY, accept_enrolments_until=time.time() + 600).save()
     window = open_window()
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
@@ -204,7 +204,7 @@ def test_refuse_refuses_that_request_and_frees_its_row(open_window, qtbot):
 
     from backend.key_store import KeyStore
 
-    Settings.load().replace(api_key=ENROL_KEY).save()
+    Settings.load().replace(api_key=ENROL_KEY, accept_enrolments_until=time.time() + 600).save()
     window = open_window()
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
@@ -236,7 +236,8 @@ def test_approve_acts_on_the_request_the_dialog_showed_not_on_a_later_one_of_its
         return httpx.Client(base_url=f"http://127.0.0.1:{window.bridge.gateway_port}",
                             transport=httpx.HTTPTransport(local_address=address), timeout=30)
 
-    Settings.load().replace(api_key=ENROL_KEY, enrolment_ttl=6.0).save()
+    Settings.load().replace(api_key=ENROL_KEY, enrolment_ttl=6.0,
+                            accept_enrolments_until=time.time() + 600).save()
     window = open_window()
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
@@ -265,6 +266,44 @@ def test_approve_acts_on_the_request_the_dialog_showed_not_on_a_later_one_of_its
     qtbot.waitUntil(lambda: f"not the one with code {asked['code']}"
                     in window.statusBar().currentMessage(), timeout=WAIT)
     assert [r.status_code for r in retries] == [409] * PER_ADDRESS_BURST + [429, 429]
+
+
+def test_the_accept_requests_switch_opens_enrolment_for_its_minutes_and_says_until_when(
+        open_window, qtbot):
+    """A port with a key takes no enrolment request until the owner accepts them: the
+    switch opens it for the minutes beside it on the running port (and is remembered),
+    the tab says until when, and switching it off closes it again."""
+    Settings.load().replace(api_key=ENROL_KEY).save()
+    window = open_window()
+    sharing = window.sharing
+    qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
+    root = f"http://127.0.0.1:{window.bridge.gateway_port}"
+
+    def ask(name: str) -> httpx.Response:
+        return httpx.post(f"{root}/v1/enrolments", json={"name": name}, timeout=10)
+
+    qtbot.waitUntil(lambda: "cannot ask for a key now" in sharing.enrolment_state.text(),
+                    timeout=WAIT)
+    assert not sharing.accept.isChecked()
+    assert ask("bob").json()["error"]["code"] == "enrolment_closed"
+
+    sharing.accept_minutes.setValue(5)
+    started = time.time()
+    qtbot.mouseClick(sharing.accept, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "may ask for a key until" in sharing.enrolment_state.text(),
+                    timeout=WAIT)
+    closes = window.bridge.service.settings.accept_enrolments_until
+    assert started + 300 <= closes <= time.time() + 300
+    assert time.strftime("%H:%M", time.localtime(closes)) in sharing.enrolment_state.text()
+    assert sharing.accept.isChecked()
+    assert ask("bob").status_code == 202
+    assert Settings.load().accept_enrolments_until == closes
+
+    qtbot.mouseClick(sharing.accept, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "cannot ask for a key now" in sharing.enrolment_state.text(),
+                    timeout=WAIT)
+    assert not sharing.accept.isChecked()
+    assert ask("carol").json()["error"]["code"] == "enrolment_closed"
 
 
 def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, qtbot):

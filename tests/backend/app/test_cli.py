@@ -8,6 +8,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -257,3 +259,44 @@ def test_named_keys_guard_a_lan_port_alone_and_stay_required_when_the_keys_file_
     assert "holds no keys, but named keys were used" in err
     settings = json.loads((keys_file.parent / "settings.json").read_text())
     assert settings == {"keys_required": True}  # the marker alone: nothing else was saved
+
+
+def test_serve_takes_enrolment_requests_for_the_minutes_given_and_says_until_when(user_dirs):
+    """`serve --accept-enrolments MINUTES` opens enrolment on a port that is not announced,
+    says until when, and /health tells the owner; without it the port takes none."""
+    key = "owner-key-for-the-cli-enrolment-0123"
+    owner = {"Authorization": f"Bearer {key}"}
+    started = time.time()
+    proc, url = serve_until_open(user_dirs, "--api-key", key, "--accept-enrolments", "5")
+    try:
+        said = next(not_none(proc.stdout)).strip()
+        root = url.removesuffix("/v1")
+        asked = httpx.post(f"{root}/v1/enrolments", json={"name": "bob"}, timeout=30)
+        window = httpx.get(f"{root}/health", headers=owner, timeout=30).json()["enrolment"]
+    finally:
+        stop_serving(proc)
+    assert asked.status_code == 202, asked.text
+    assert window["open"] and window["reason"] == "accepting"
+    closes = datetime.fromisoformat(window["accepting_until"]).timestamp()
+    assert started + 300 - 1 <= closes <= time.time() + 300
+    assert said.startswith("Teammates may ask for a key until ") and \
+        datetime.fromtimestamp(closes).strftime("%H:%M") in said, said
+
+    proc, url = serve_until_open(user_dirs, "--api-key", key)  # neither announced nor accepting
+    try:
+        said = next(not_none(proc.stdout)).strip()
+        refused = httpx.post(f"{url.removesuffix('/v1')}/v1/enrolments", json={"name": "bob"},
+                             timeout=30)
+    finally:
+        stop_serving(proc)
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "enrolment_closed"
+    assert "--accept-enrolments" in refused.json()["error"]["message"]
+    assert said.startswith("Teammates cannot ask for a key now"), said
+
+
+def test_an_accept_window_longer_than_a_day_is_refused_with_one_clear_line(user_dirs):
+    out = cli("serve", "--upstream", "http://127.0.0.1:9", "--accept-enrolments", "2000",
+              env=user_dirs)
+    assert out.returncode == 1
+    assert out.stderr.strip() == ("gguf-studio: Accept enrolment requests for 0 to 1440 minutes "
+                                  "(a day), not 2000; announce the port to keep it open.")

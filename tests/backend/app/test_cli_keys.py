@@ -181,7 +181,8 @@ OWNER_KEY = "owner-key-for-the-keys-cli-tests-0123456"
 async def port(running_service, env, monkeypatch):
     """A running port sharing the command's config dir (keys, enrolments.json)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", env["XDG_CONFIG_HOME"])
-    service = await running_service(api_key=OWNER_KEY, host="127.0.0.1")
+    service = await running_service(api_key=OWNER_KEY, host="127.0.0.1",
+                                    accept_enrolments_until=time.time() + 600)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
                                  timeout=60) as http:
         yield service, http

@@ -9,6 +9,7 @@ import asyncio
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,11 @@ from tests.backend.gateway_harness import until
 
 ROOT = Path(__file__).resolve().parents[3]
 OWNER_KEY = "owner-key-for-the-connect-tests-012345"
+
+
+def accepting() -> dict[str, object]:
+    """The settings of an owner who accepts enrolment requests for the next ten minutes."""
+    return {"api_key": OWNER_KEY, "accept_enrolments_until": time.time() + 600}
 
 
 def teammate(home: Path) -> dict[str, str]:
@@ -45,7 +51,7 @@ async def test_when_multicast_finds_nothing_connect_says_so_and_asks_for_the_add
 
 
 async def test_a_refused_teammate_gets_no_key_and_nothing_is_written(running_service, tmp_path):
-    service = await running_service(api_key=OWNER_KEY)
+    service = await running_service(**accepting())
     proc = await connect(teammate(tmp_path), f"http://127.0.0.1:{service.gateway_port}",
                          "--name", "bob", "--qr")
     await until(lambda: bool(service.enrolments.pending()), 30)
@@ -83,8 +89,8 @@ async def enrol(service, env: dict[str, str], name: str) -> str:
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
 async def test_a_second_port_gets_a_profile_of_its_own_and_a_replaced_key_is_kept(
         running_service, tmp_path, loose_umask):
-    first = await running_service(api_key=OWNER_KEY)
-    second = await running_service(api_key=OWNER_KEY)
+    first = await running_service(**accepting())
+    second = await running_service(**accepting())
     env = teammate(tmp_path)
     connections = tmp_path / ".config" / "gguf-studio" / "connections"
 

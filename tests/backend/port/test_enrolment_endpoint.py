@@ -9,10 +9,13 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
+from datetime import datetime, timezone
 
 import httpx
 import pytest
 
+from backend.enrolment_window import EnrolmentWindow
 from backend.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PER_ADDRESS_BURST, PORT_BURST
 from backend.errors import KeyStoreError
 from backend.key_store import KeyStore
@@ -24,9 +27,15 @@ from tests.backend.gateway_harness import until
 OWNER_KEY = "owner-key-for-the-enrolment-tests-0123"
 
 
+def accepting(minutes: float = 10) -> float:
+    """`accept_enrolments_until` of an owner who accepts requests for `minutes`."""
+    return time.time() + minutes * 60
+
+
 @pytest.fixture
 async def service(running_service):
-    return await running_service(api_key=OWNER_KEY, host="127.0.0.1")
+    return await running_service(api_key=OWNER_KEY, host="127.0.0.1",
+                                 accept_enrolments_until=accepting())
 
 
 def client(service, source: str = "127.0.0.1") -> httpx.AsyncClient:
@@ -71,7 +80,8 @@ async def test_a_refused_request_mints_nothing_and_is_told_so(service):
 
 
 async def test_an_expired_request_mints_nothing_and_cannot_be_approved(running_service):
-    service = await running_service(api_key=OWNER_KEY, enrolment_ttl=1.0)
+    service = await running_service(api_key=OWNER_KEY, enrolment_ttl=1.0,
+                                    accept_enrolments_until=accepting())
     async with client(service) as http:
         asked = (await ask(http, "late")).json()
         (checked,) = service.enrolments.waiting()
@@ -120,11 +130,57 @@ async def test_a_flood_of_requests_gets_429s_keeps_bounded_state_and_the_port_se
 
 
 async def test_a_port_without_a_key_takes_no_enrolment(running_service):
-    service = await running_service()
+    service = await running_service(accept_enrolments_until=accepting())
     async with client(service) as http:
         answer = await ask(http, "bob")
 
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "enrolment_closed"
+
+
+async def test_enrolment_is_open_only_while_the_owner_accepts_requests_and_says_so(running_service):
+    """Not announced and no accept window: closed, saying how the owner opens it.  An
+    accept window opens it until its end, which /health tells the owner; once it ends,
+    new requests are closed again but one already made is still answered, and the
+    window's listeners hear it close."""
+    service = await running_service(api_key=OWNER_KEY)
+    heard: list[EnrolmentWindow] = []
+    service.add_enrolment_window_listener(heard.append)
+    owner = {"Authorization": f"Bearer {OWNER_KEY}"}
+    async with client(service) as http:
+        closed = await ask(http, "bob")
+        closed_health = (await http.get("/health", headers=owner)).json()["enrolment"]
+
+        closes_at = accepting(10)
+        await service.apply_settings(service.settings.replace(accept_enrolments_until=closes_at))
+        asked = await ask(http, "bob")
+        open_health = (await http.get("/health", headers=owner)).json()["enrolment"]
+
+        await service.apply_settings(service.settings.replace(
+            accept_enrolments_until=time.time() + 1))
+        await until_status(http, 404)
+        after = await ask(http, "carol")
+        still_answered = await http.get(asked.json()["poll"])
+
+    assert closed.status_code == 404 and closed.json()["error"]["code"] == "enrolment_closed"
+    assert "not accepting enrolment requests now" in closed.json()["error"]["message"]
+    assert "--accept-enrolments" in closed.json()["error"]["message"]
+    assert closed_health == {"open": False, "reason": "not_accepting", "accepting_until": None}
+    assert asked.status_code == 202, asked.text
+    assert open_health["open"] and open_health["reason"] == "accepting"
+    assert open_health["accepting_until"] == datetime.fromtimestamp(
+        closes_at, timezone.utc).isoformat(timespec="seconds")
+    assert after.json()["error"]["code"] == "enrolment_closed"
+    assert still_answered.status_code == 200 and still_answered.json()["status"] == "pending"
+    await until(lambda: bool(heard) and not heard[-1].open, 10)
+    assert [w.reason for w in heard][-1] == "not_accepting"
+
+
+async def until_status(http: httpx.AsyncClient, status: int) -> None:
+    """Ask (as a teammate would, again) until the port answers `status`."""
+    async def asking() -> None:
+        while (await ask(http, "probe")).status_code != status:
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(asking(), 15)
 
 
 async def test_the_access_log_leaves_out_a_polls_id(service, caplog):
@@ -183,7 +239,8 @@ def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 async def test_an_ask_whose_body_stops_coming_is_a_408_and_its_connection_closes(running_service):
-    service = await running_service(api_key=OWNER_KEY, header_timeout=0.5)
+    service = await running_service(api_key=OWNER_KEY, header_timeout=0.5,
+                                    accept_enrolments_until=accepting())
     sock = await opened(service.gateway_port, SLOW_ASK + b'{"name":')
     try:
         answer, _ = await asyncio.wait_for(until_closed(sock), 10)
@@ -198,7 +255,7 @@ async def test_an_ask_whose_body_stops_coming_is_a_408_and_its_connection_closes
 async def test_a_client_that_leaves_mid_body_is_logged_as_499_without_a_traceback(
         running_service, caplog):
     caplog.set_level(logging.INFO)
-    service = await running_service(api_key=OWNER_KEY)
+    service = await running_service(api_key=OWNER_KEY, accept_enrolments_until=accepting())
     sock = await opened(service.gateway_port, SLOW_ASK + b'{"name":')
     sock.close()
 
@@ -249,7 +306,8 @@ async def test_slow_asks_and_long_polls_by_the_hundred_leave_the_owner_served_at
     bound) and closed by its deadline, and the log holds no traceback."""
     caplog.set_level(logging.INFO)
     header_timeout = 3.0
-    service = await running_service(api_key=OWNER_KEY, header_timeout=header_timeout)
+    service = await running_service(api_key=OWNER_KEY, header_timeout=header_timeout,
+                                    accept_enrolments_until=accepting())
     await service.load(LoadSettings(parallel="1", ctx_size=2048).to_spec(str(tiny_model)))
     port = service.gateway_port
     loop = asyncio.get_running_loop()
@@ -350,7 +408,8 @@ async def test_a_name_taken_after_the_teammates_request_expired_is_not_the_one_a
     """The name race: a stranger retries the teammate's name until the teammate's request
     expires, then takes the name with another code.  The owner approves the request it
     checked (the teammate's code): it fails, and the stranger gets nothing."""
-    service = await running_service(api_key=OWNER_KEY, host="127.0.0.1", enrolment_ttl=3.0)
+    service = await running_service(api_key=OWNER_KEY, host="127.0.0.1", enrolment_ttl=3.0,
+                                    accept_enrolments_until=accepting())
     async with client(service, "127.0.0.2") as teammate:
         asked = (await ask(teammate, "carol")).json()
         (checked,) = service.enrolments.waiting()  # what the owner checked with carol
