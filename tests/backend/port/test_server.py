@@ -134,6 +134,35 @@ async def test_a_body_that_trickles_in_is_a_408_at_its_deadline(gw, fake):
     assert fake.requests == []
 
 
+async def test_a_keyless_get_whose_body_never_ends_is_answered_and_closed_by_the_deadline(gw):
+    """/health reads no body: it answers at once, and a client that keeps sending one
+    (a byte under every part timeout) holds the connection no longer than a head may take."""
+    gw.configure(header_timeout=0.5)
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", gw.server.port))
+        await loop.sock_sendall(sock, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                      b"Content-Length: 100000\r\n\r\n")
+
+        async def trickle() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    await loop.sock_sendall(sock, b" ")
+                    await asyncio.sleep(0.1)  # the client's pace: under the part timeout
+
+        sending = asyncio.create_task(trickle())
+        started = loop.time()
+        try:
+            answer = await asyncio.wait_for(loop.sock_recv(sock, 65536), 10)
+            await asyncio.wait_for(closed_by_server(sock), 10)
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+    assert answer.startswith(b"HTTP/1.1 ")
+    assert loop.time() - started < 3
+
+
 class Doors:
     """An app whose requests hold their connection until the client leaves: `/keyless`
     marks it held without a key (as the enrolment routes do), `/keyed` does not; `/quick`
