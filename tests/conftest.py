@@ -105,6 +105,16 @@ def private_dirs(tmp_path_factory: pytest.TempPathFactory,
     monkeypatch.setenv(ENV_DATA_DIR, str(data_dir))
 
 
+@pytest.fixture
+def loose_umask() -> Iterator[None]:
+    """The umask most desktops run with (022), for every test of a file's mode: a file
+    written without its mode would come out world-readable and fail the test, whereas
+    under a strict umask (077, as some machines and CI runners have) it would pass."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
 @pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
 def pytest_sessionfinish(session: pytest.Session) -> None:
     changes = USER_DIRS.listing().changes_since(_USER_DIRS_BEFORE)

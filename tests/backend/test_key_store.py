@@ -90,13 +90,6 @@ def test_allowed_models_are_names_or_patterns_and_none_means_all(path):
 # --- the file ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def loose_umask():
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
-
-
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
 def test_the_keys_file_is_private_to_the_user(path, loose_umask):
     KeyStore(path).add("alice")

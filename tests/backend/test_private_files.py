@@ -12,7 +12,7 @@ import pytest
 from backend.private_files import write_private
 
 
-def test_a_written_file_is_private_and_whole(tmp_path: Path):
+def test_a_written_file_is_private_and_whole(tmp_path: Path, loose_umask: None):
     path = tmp_path / "gguf-studio" / "keys.json"
     write_private(path, b"first")
     write_private(path, b"second")

@@ -60,14 +60,6 @@ def test_default_queue_is_sixteen_per_slot_and_at_least_64():
 # --- the key file is private ------------------------------------------------------------
 
 
-@pytest.fixture
-def loose_umask():
-    """The umask most desktops run with (022): files would come out world-readable."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
-
-
 def _mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 

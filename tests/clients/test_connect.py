@@ -76,7 +76,8 @@ async def start_connect(env: dict[str, str], target: str) -> asyncio.subprocess.
 
 
 async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute(
-        clients: Clients, opencode: OpenCode, long_context_model, llama_server_binary, tmp_path):
+        clients: Clients, opencode: OpenCode, long_context_model, llama_server_binary, tmp_path,
+        loose_umask):
     owner = home(tmp_path / "owner")
     owner["GGUF_STUDIO_API_KEY"] = OWNER_KEY
     mate = home(tmp_path / "mate")

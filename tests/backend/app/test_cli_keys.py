@@ -40,7 +40,7 @@ def keys(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
                           text=True, capture_output=True, env=env, timeout=60)
 
 
-def test_add_prints_the_secret_alone_once_and_stores_only_its_hash(env, config):
+def test_add_prints_the_secret_alone_once_and_stores_only_its_hash(env, config, loose_umask):
     made = keys(env, "add", "alice", "--models", "qwen2.5-coder-7b,llama-3*",
                 "--max-concurrent", "2", "--tokens-per-minute", "10000",
                 "--tokens-per-day", "1,000,000", "--priority", "interactive",

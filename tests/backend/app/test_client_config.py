@@ -29,7 +29,8 @@ def target() -> ClientTarget:
                         others=(ClientModel("small", 4096),), default_alias="default")
 
 
-def test_a_second_connect_backs_up_what_the_first_wrote_and_keeps_the_users_own(home):
+def test_a_second_connect_backs_up_what_the_first_wrote_and_keeps_the_users_own(home,
+                                                                                loose_umask):
     opencode = home / ".config" / "opencode" / "opencode.json"
     opencode.parent.mkdir(parents=True)
     opencode.write_text(json.dumps({"model": "mine/x", "provider": {"mine": {}}}))

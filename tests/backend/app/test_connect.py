@@ -68,14 +68,6 @@ async def test_a_refused_teammate_gets_no_key_and_nothing_is_written(running_ser
     assert not (tmp_path / ".codex").exists()
 
 
-@pytest.fixture
-def loose_umask():
-    """The umask most desktops run with (022): a plain copy would come out world-readable."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
-
-
 async def enrol(service, env: dict[str, str], name: str) -> str:
     """`connect` to `service` by its address, approved by the owner: what it printed."""
     proc = await connect(env, f"http://127.0.0.1:{service.gateway_port}", "--name", name)

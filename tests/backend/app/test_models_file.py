@@ -232,7 +232,7 @@ def test_a_models_file_naming_a_key_file_stays_as_it_was_and_never_copies_the_ke
     assert read_models_file(path).upstreams[0].api_key == "box2-secret"
 
 
-def test_a_written_file_with_a_key_is_private_and_without_one_is_not(tmp_path):
+def test_a_written_file_with_a_key_is_private_and_without_one_is_not(tmp_path, loose_umask):
     keyed = PoolConfig(upstreams=(UpstreamEntry("http://h:1", "sk-inline"),))
     write_models_file(keyed, tmp_path / "keyed.toml")
     assert stat.S_IMODE((tmp_path / "keyed.toml").stat().st_mode) == 0o600

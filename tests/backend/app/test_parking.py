@@ -58,7 +58,7 @@ async def test_the_first_turn_after_an_idle_unload_computes_little_of_its_prompt
 
 
 async def test_the_first_turn_after_the_app_restarts_computes_little_of_its_prompt(
-        tmp_path, llama_server_binary, tiny_model):
+        tmp_path, llama_server_binary, tiny_model, loose_umask):
     config = PoolConfig(models=(ModelEntry.for_file(str(tiny_model), settings=SETTINGS),))
     settings = Settings(port=0, llama_server=str(llama_server_binary), load_timeout=60)
     engine = Engine(data_dir=tmp_path / "data")

@@ -128,7 +128,8 @@ async def test_a_failure_nobody_listens_for_is_logged(tmp_path: Path,
     assert "library.json could not be saved" in caplog.text
 
 
-async def test_a_library_save_writes_the_library_as_it_was_when_saved(tmp_path: Path) -> None:
+async def test_a_library_save_writes_the_library_as_it_was_when_saved(tmp_path: Path,
+                                                                     loose_umask: None) -> None:
     saver = Saver()
     library = ModelLibrary(tmp_path / "config" / "library.json", locations=[])
     library.add_file(tmp_path / "a.gguf")

@@ -122,12 +122,8 @@ def test_usage_survives_a_restart(path):
     assert after.usage("alice").requests == 3
 
 
-def test_the_file_names_keys_and_is_private(path):
-    os.umask(old := os.umask(0o022))
-    try:
-        _busy_ledger(path, Clock()).save()
-    finally:
-        os.umask(old)
+def test_the_file_names_keys_and_is_private(path, loose_umask):
+    _busy_ledger(path, Clock()).save()
     assert set(json.loads(path.read_text())["keys"]) == {"alice", "bob"}
     if os.name != "nt":
         assert stat.S_IMODE(path.stat().st_mode) == 0o600

@@ -95,7 +95,7 @@ async def test_a_restore_that_does_not_take_leaves_the_engine_up_and_the_turn_is
 
 
 async def test_parked_files_are_private_digest_named_and_only_their_own_keys(
-        llama_server_binary, tmp_path, tiny_model):
+        llama_server_binary, tmp_path, tiny_model, loose_umask):
     model = model_identity(tiny_model)
     alice = ParkKey(model, flow="alice", session="thread-42")
     bob = ParkKey(model, flow="bob", session="thread-42")  # the same session name

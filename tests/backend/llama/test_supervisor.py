@@ -454,7 +454,8 @@ async def test_an_engine_started_under_an_output_cap_obeys_it_for_requests_witho
         await sup.unload()
 
 
-async def test_the_engines_own_port_refuses_requests_without_the_apps_key(supervisor, tiny_model):
+async def test_the_engines_own_port_refuses_requests_without_the_apps_key(supervisor, tiny_model,
+                                                                         loose_umask):
     snapshot = await supervisor.load(LoadSettings(parallel="1", ctx_size=1024).to_spec(str(tiny_model)))
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with httpx.AsyncClient(base_url=snapshot.serving.base_url, timeout=30) as client:

@@ -112,7 +112,7 @@ def test_offline_is_a_readable_sentence(hf_hub, monkeypatch):
         list_repo(CODER_REPO)
 
 
-def test_a_saved_token_is_private_and_the_environment_wins(hf_hub, monkeypatch):
+def test_a_saved_token_is_private_and_the_environment_wins(hf_hub, monkeypatch, loose_umask):
     assert current_token() is None
     path = save_token("hf_saved\n")
     assert path == token_path()
@@ -141,6 +141,6 @@ def test_the_token_goes_only_to_the_endpoint_itself(monkeypatch, endpoint, url, 
     assert (token_for(url) == "hf_secret") is sent
 
 
-def test_the_token_folder_is_private_when_it_is_made(hf_hub, tmp_path):
+def test_the_token_folder_is_private_when_it_is_made(hf_hub, tmp_path, loose_umask):
     save_token("hf_saved")
     assert stat.S_IMODE(os.stat(token_path().parent).st_mode) == 0o700
