@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.enrolment_code import CODE_ALPHABET, CODE_LETTERS, enrolment_code
 from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentNotMade,
                             EnrolmentRefused, EnrolmentsFull, InvalidRequest, KeyStoreError,
                             StudioError, TooManyEnrolments)
@@ -92,8 +93,6 @@ PORT_EVERY = 6.0
 MAX_REFUSED = 64
 #: Outcomes (approved, collected, refused, failed) kept in the file for `keys` to read.
 MAX_OUTCOMES = 16
-#: The short code's letters: no 0/O, 1/I/L, so it reads aloud and types without doubt.
-CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
 FILE_VERSION = 1
 #: The one answer to a name in use, whether by a key or by a waiting request.
 NAME_TAKEN = "That name cannot be given to a new key; choose another name."
@@ -163,9 +162,12 @@ class Enrolments:
 
     # --- the requester's side (the HTTP endpoint) -------------------------------------
 
-    def request(self, name: object, address: str) -> Enrolment:
-        """Take a new request, or raise why not.  Every request that passes the rates
-        takes its token, whatever then refuses it (an invalid or taken name too)."""
+    def request(self, name: object, address: str, reached_at: tuple[str, int] = ("", 0)
+                ) -> Enrolment:
+        """Take a new request from `address`, made to the port at `reached_at` (its
+        socket's own address and port number: the code is bound to both), or raise why
+        not.  Every request that passes the rates takes its token, whatever then refuses
+        it (an invalid or taken name too)."""
         now = self._clock()
         self._expire(now)
         bucket = self._bucket(address)
@@ -187,7 +189,8 @@ class Enrolments:
                                  "try again later.", retry_after=self._next_expiry(now))
         if self._taken(name):
             raise EnrolmentNameTaken(NAME_TAKEN, param="name")
-        enrolment = Enrolment(name=name, address=address, code=_new_code(), requested_at=now,
+        code = enrolment_code(address, *reached_at, name)
+        enrolment = Enrolment(name=name, address=address, code=code, requested_at=now,
                               expires_at=now + self._ttl(), token=secrets.token_urlsafe(24))
         self._by_token[enrolment.token] = enrolment
         # In the file before the teammate is told its code: the owner, told that code,
@@ -494,14 +497,10 @@ def as_code(text: str) -> str | None:
     """`text` as a request's code ("abc def", "ABCDEF" -> "ABC-DEF"); None when it
     cannot be one (a name, say)."""
     letters = re.sub(r"[\s-]", "", text).upper()
-    if len(letters) != 6 or any(c not in CODE_ALPHABET for c in letters):
+    if len(letters) != CODE_LETTERS or any(c not in CODE_ALPHABET for c in letters):
         return None
-    return f"{letters[:3]}-{letters[3:]}"
-
-
-def _new_code() -> str:
-    letters = "".join(secrets.choice(CODE_ALPHABET) for _ in range(6))
-    return f"{letters[:3]}-{letters[3:]}"
+    half = CODE_LETTERS // 2
+    return f"{letters[:half]}-{letters[half:]}"
 
 
 def _asked_name(name: object) -> str:

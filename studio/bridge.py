@@ -72,7 +72,7 @@ class ServiceBridge(QObject):
     download_progressed = Signal(object)  # DownloadProgress, from the download queue's thread
     pool_changed = Signal(object)  # PoolState, at most ten a second
     enrolments_changed = Signal(list)  # [SharedRequest]: teammates asking for a key
-    announcement_changed = Signal(str)  # the port on the LAN: announced as..., or why not
+    announcement_changed = Signal(str, bool)  # the port on the LAN: announced as..., or why not; a warning?
     enrolment_window_changed = Signal(object)  # EnrolmentWindow: may teammates ask for a key
 
     # Internal: carries a callback and its argument to the GUI thread.
@@ -493,9 +493,9 @@ class ServiceBridge(QObject):
         self._sampler = ActivitySampler(self.service, self._on_sample)
         self._sampler.start()
 
-    def _on_announcement(self, text: str) -> None:
+    def _on_announcement(self, text: str, warning: bool) -> None:
         try:
-            self.announcement_changed.emit(text)
+            self.announcement_changed.emit(text, warning)
         except RuntimeError:  # the bridge is gone: the app is exiting
             pass
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QPixmap
+from PySide6.QtGui import QPalette, QPixmap
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -451,9 +451,12 @@ class SharingView(QWidget):
         self.approval = dialog
         return dialog
 
-    def show_announcement(self, text: str) -> None:
-        """Under which name the port is announced on the LAN, or why it is not."""
-        self.announcement.setText(text)
+    def show_announcement(self, text: str, warning: bool = False) -> None:
+        """Under which name the port is announced on the LAN, or why it is not; a
+        `warning` (another device took the name) in the text's own colour, not grey."""
+        self.announcement.setText(("⚠ " if warning else "") + text)
+        self.announcement.setForegroundRole(QPalette.ColorRole.WindowText if warning
+                                            else QPalette.ColorRole.PlaceholderText)
         self.announcement.setVisible(bool(text))
 
     def show_enrolment_window(self, window: EnrolmentWindow) -> None:

@@ -344,7 +344,9 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
 async def _say_announced(service: Any) -> None:
     """One line once the port is announced on the LAN (or why it is not)."""
     await service.announced()
-    if service.advertiser.running:
+    if service.advertiser.renamed:
+        print(f"Warning: {service.announcement()}", flush=True)
+    elif service.advertiser.running:
         print(f"Announced on the LAN as {service.advertiser.name!r}: teammates run "
               f"gguf-studio connect", flush=True)
     elif service.advertise_problem:

@@ -3,8 +3,16 @@
 1. Which port: the URL given (`http://10.0.0.5:8899`, or `10.0.0.5:8899`), else the
    ports that answer over mDNS within a few seconds (`backend.app.discovery`), chosen by
    NAME or by the user; when multicast finds nothing it says so and asks for the address.
+   A name several ports answer to (the owner's and a device that took its name, which
+   zeroconf then renamed `NAME-2`) is never chosen silently: they are listed with their
+   addresses, and the user chooses, or is told to give the address.  The address used is
+   printed.
 2. Asks the port for a key under the teammate's name (`POST /v1/enrolments`) and shows
-   the short code the owner sees beside the request.
+   the short code, worked out here from this end of the connection
+   (`backend.enrolment_code`): the owner's screen shows the same code only when nothing
+   relays the connection.  The port's answer says where it sees the teammate from; a
+   difference is printed as a warning.  The port's own copy of the code is never shown
+   (a relay would pass it on).
 3. Waits (long polls) while the owner approves (`gguf-studio keys approve CODE`, or the
    window) or refuses; the key comes once, over this connection.
 4. Writes the key (0600 file), a Codex CLI profile and an OpenCode provider
@@ -20,14 +28,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import re
 import sys
 import time
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
 from backend.app.client_config import profile_name, write_client_config
 from backend.app.discovery import FoundPort, browse
+from backend.enrolment_code import enrolment_code, normal_address
 from backend.app.snippets import ClientModel, ClientTarget
 from backend.errors import ConnectFailed
 from backend.models.hf_cache import printable
@@ -70,16 +81,17 @@ async def _connect_async(args: argparse.Namespace) -> int:
     port_name, urls = await _choose_port(args.target, args.browse_seconds)
     async with httpx.AsyncClient(timeout=POLL_WAIT + 10, trust_env=False) as client:
         root = await _reachable(client, urls)
+        print(f"Connecting to {printable(port_name, 80)} at {printable(root)}.", flush=True)
         if args.qr:
             _print_qr(root)
-        name = args.name or _ask_name()
-        answer = await client.post(root + ENROL_PATH, json={"name": name})
-        request = _json(answer, f"{port_name} did not take the request")
-        print(f"Asked {printable(port_name)} ({printable(root)}) for a key named "
-              f"{printable(request.get('name'), 80)!r}.\n"
-              f"Code: {printable(request.get('code'), 20)}  (the owner sees the same code "
-              "beside your request)\nWaiting for the owner to approve...", flush=True)
-        approved = await _wait(client, root + str(request["poll"]), args.timeout, port_name)
+        name = (args.name or _ask_name()).strip()
+        async with client.stream("POST", root + ENROL_PATH, json={"name": name}) as answer:
+            ends = _ends(answer)  # while the connection is surely open
+            await answer.aread()
+        request = _json(answer, f"{printable(port_name, 80)} did not take the request")
+        _say_code(name, ends, request)
+        poll = f"{root}{ENROL_PATH}/{quote(str(request.get('id', '')), safe='')}"
+        approved = await _wait(client, poll, args.timeout, port_name)
     described = approved["port"]
     target = ClientTarget(
         root + "/v1", described["model_id"], approved["api_key"], described["context_length"],
@@ -89,7 +101,7 @@ async def _connect_async(args: argparse.Namespace) -> int:
     # One profile per port: a second port's key never replaces the first's.
     profile = profile_name(args.profile or port_name)
     written = write_client_config(target, profile, port_name)
-    print(f"Approved: key {printable(approved.get('name'), 80)!r} saved in {written.key_file} "
+    print(f"Approved: key '{printable(approved.get('name'), 80)}' saved in {written.key_file} "
           "(private to you).")
     for path in written.files:
         print(f"  wrote {path}")
@@ -108,33 +120,49 @@ async def _choose_port(target: str | None, seconds: float) -> tuple[str, list[st
     if target and _looks_like_address(target):
         url = target if "://" in target else f"http://{target}"
         url = url.rstrip("/").removesuffix("/v1")
-        print(f"Using the address given, {url} (not looked up on the LAN).", flush=True)
+        print(f"Using the address given, {printable(url)} (not looked up on the LAN).",
+              flush=True)
         return url.split("//", 1)[1], [url]
     print(f"Looking for GGUF Studio ports on the LAN ({seconds:g}s)...", flush=True)
     found = await browse(seconds)
-    if target:
-        chosen = [p for p in found if p.name.casefold() == target.casefold()] or \
-            [p for p in found if target.casefold() in p.name.casefold()]
-    else:
-        chosen = found
     if not found:
         raise ConnectFailed("No GGUF Studio port answered on the LAN (multicast found nothing: "
                             "the owner may not announce it, or this network drops mDNS). Give "
                             "its address instead: gguf-studio connect http://HOST:PORT")
-    if not chosen:
-        raise ConnectFailed(f"No port named {target!r} answered; found: "
-                            + ", ".join(p.name for p in found) + ".")
     for i, port in enumerate(found, 1):
         print(f"  {i}. {printable(port.name, 80)}  {printable(', '.join(port.urls))}", flush=True)
-    return _pick(chosen)
+    if target:
+        # The name and the names zeroconf gives when another device holds it: a device
+        # that announced "office" first leaves the owner's port "office-2".
+        family = _family(target)
+        chosen = [p for p in found if _family(p.name) == family] or \
+            [p for p in found if target.casefold() in p.name.casefold()]
+        if not chosen:
+            raise ConnectFailed(f"No port named '{printable(target, 80)}' answered; found: "
+                                + ", ".join(printable(p.name, 80) for p in found) + ".")
+    else:
+        chosen = found
+    return _pick(chosen, target)
 
 
-def _pick(ports: list[FoundPort]) -> tuple[str, list[str]]:
+def _pick(ports: list[FoundPort], target: str | None) -> tuple[str, list[str]]:
     if len(ports) == 1:
         print(f"Using {printable(ports[0].name, 80)}.", flush=True)
         return ports[0].name, ports[0].urls
+    listing = "".join(f"\n  {printable(p.name, 80)} at {printable(', '.join(p.urls))}"
+                      for p in ports)
+    if target:
+        why = (f"Several ports answer to '{printable(target, 80)}'; one may be a device "
+               "posing as the owner's port:" + listing + "\nAsk the owner which address is "
+               "theirs (their Sharing tab shows it)")
+    else:
+        why = "Several ports answered:" + listing + "\nAsk the owner which one is theirs"
     if not sys.stdin.isatty():
-        raise ConnectFailed("Several ports answered: name one (gguf-studio connect NAME).")
+        raise ConnectFailed(why + ", then run: gguf-studio connect http://HOST:PORT")
+    print(why + ".", flush=True)
+    for i, port in enumerate(ports, 1):
+        print(f"  {i}. {printable(port.name, 80)}  {printable(', '.join(port.urls))}",
+              flush=True)
     while True:
         text = input(f"Which one (1-{len(ports)})? ").strip()
         if text.isdigit() and 1 <= int(text) <= len(ports):
@@ -181,6 +209,54 @@ def _json(answer: httpx.Response, what: str) -> dict[str, Any]:
         message = error.get("message") if isinstance(error, dict) else None
         raise ConnectFailed(f"{what}: {message or answer.status_code}")
     return body
+
+
+def _ends(answer: httpx.Response) -> tuple[str, str, int]:
+    """This end of the connection `answer` came over: (this machine's address on it, the
+    address it reached, that port number), as the socket says, not the answer."""
+    stream = answer.extensions.get("network_stream")
+    mine = stream.get_extra_info("client_addr") if stream is not None else None
+    peer = stream.get_extra_info("server_addr") if stream is not None else None
+    if not mine or not peer:
+        raise ConnectFailed("Could not read this connection's addresses, so the code "
+                            "could not be worked out; run gguf-studio connect again.")
+    return normal_address(str(mine[0])), normal_address(str(peer[0])), int(peer[1])
+
+
+def _say_code(name: str, ends: tuple[str, str, int], request: dict[str, Any]) -> None:
+    """The code, worked out on this side, and where the port says it sees us from."""
+    mine, peer, peer_port = ends
+    code = enrolment_code(mine, peer, peer_port, name)
+    print(f"Asked for a key named '{printable(name, 80)}', from {mine} to {peer}:{peer_port}.\n"
+          f"Code: {code}\n"
+          "  Read it to the owner with your name: their screen shows this code beside your "
+          "request only when nothing stands between you and their port.", flush=True)
+    seen = request.get("address")
+    reached = request.get("port_address")
+    if not isinstance(seen, str) or not isinstance(reached, list) or len(reached) != 2:
+        print("The port did not say where it sees you from (an older GGUF Studio?). If the "
+              "owner's code differs from yours, do not go on: ask for the port's address.",
+              flush=True)
+    elif (normal_address(seen), normal_address(str(reached[0])), str(reached[1])) == \
+            (mine, peer, str(peer_port)) and request.get("code") == code:
+        print(f"The port sees you as {mine}, as you are.", flush=True)
+    else:
+        print(f"Warning: the port sees you as {printable(seen, 60)}, reached at "
+              f"{printable(reached[0], 60)}:{printable(reached[1], 10)}, but you are {mine} "
+              f"talking to {peer}:{peer_port}. Something between you relays this connection "
+              "(a NAT, a VPN, a tunnel, or a device posing as the port), and the owner's code "
+              "will not be yours. Unless you expect that, stop (Ctrl-C) and ask the owner for "
+              "the port's address: gguf-studio connect http://HOST:PORT", flush=True)
+    print("Waiting for the owner to approve...", flush=True)
+
+
+def _family(name: str) -> str:
+    """`name` without the number a responder adds when another device holds the name
+    (zeroconf "office-2", Avahi "office #2", Bonjour "office (2)"), case folded."""
+    return _RENAMED.sub("", name.strip()).casefold()
+
+
+_RENAMED = re.compile(r"(?:-\d+| #\d+| \(\d+\))$")
 
 
 def _ask_name() -> str:

@@ -5,6 +5,9 @@ The owner's port, when it shares on the LAN with keys required and the owner ask
 `_gguf-studio._tcp.local.` under a name the owner chooses.  Its TXT record holds no
 secret: the protocol and app versions, the enrolment endpoint's path, and that a key is
 required.  `gguf-studio connect` browses for that type for a few seconds (`browse`).
+Anyone on the LAN can announce any name: when another device already answers to the
+owner's, zeroconf announces the port as "NAME-2" and the Advertiser says it was
+`renamed`, which the owner is shown; `connect` never picks among such names silently.
 
 Everything runs on the caller's asyncio loop through zeroconf's asyncio API
 (`AsyncZeroconf`): announcing and answering never block the port.  Which interfaces are
@@ -19,7 +22,6 @@ import ipaddress
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,16 +55,25 @@ class FoundPort:
 
 
 class Advertiser:
-    """One port's announcement; `start` and `stop` on the port's loop."""
+    """One port's announcement; `start` and `stop` on the port's loop.  `name` is the
+    name it is announced under, `asked` the one it was given: they differ when another
+    device on the LAN answered to that name first (`renamed`)."""
 
     def __init__(self) -> None:
         self._zeroconf: Any = None
         self._info: Any = None
         self.name = ""
+        self.asked = ""
 
     @property
     def running(self) -> bool:
         return self._zeroconf is not None
+
+    @property
+    def renamed(self) -> bool:
+        """Announced under another name than asked: something else answers to the name
+        teammates were told, maybe a device posing as this port."""
+        return self.running and self.name != self.asked
 
     async def start(self, name: str, port: int, addresses: list[str], *, version: str,
                     enrol_path: str, keys_required: bool) -> None:
@@ -71,15 +82,18 @@ class Advertiser:
 
         await self.stop()
         packed = [ipaddress.ip_address(a).packed for a in addresses]
+        asked = _instance(name)
         self._info = AsyncServiceInfo(
-            SERVICE_TYPE, f"{_instance(name)}.{SERVICE_TYPE}", port=port, addresses=packed,
+            SERVICE_TYPE, f"{asked}.{SERVICE_TYPE}", port=port, addresses=packed,
             properties={"v": PROTOCOL, "version": version, "enrol": enrol_path,
                         "keys": "required" if keys_required else "none"},
             server=f"{_host_label()}.local.")
         self._zeroconf = AsyncZeroconf(interfaces=_interfaces(), ip_version=IPVersion.V4Only)
-        # Another port of that name on the LAN: zeroconf picks "NAME (2)".
+        # Another device answers to that name: zeroconf picks "NAME-2" (and `renamed`
+        # says so, for the owner to hear: that device may be posing as this port).
         await self._zeroconf.async_register_service(self._info, allow_name_change=True)
         self.name = self._info.name.removesuffix("." + SERVICE_TYPE)
+        self.asked = asked
 
     async def stop(self) -> None:
         zeroconf, self._zeroconf = self._zeroconf, None
@@ -88,7 +102,7 @@ class Advertiser:
                 await zeroconf.async_unregister_all_services()
             finally:
                 await zeroconf.async_close()
-        self.name = ""
+        self.name = self.asked = ""
 
 
 async def browse(seconds: float = 3.0) -> list[FoundPort]:
@@ -106,11 +120,9 @@ async def browse(seconds: float = 3.0) -> list[FoundPort]:
     browser = AsyncServiceBrowser(zeroconf.zeroconf, SERVICE_TYPE, handlers=[on_change])
     found: list[FoundPort] = []
     try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-            if names and time.monotonic() > deadline - seconds / 2:
-                break  # something answered and half the time went: later ones rarely come
+        # The whole time, even once something answered: a device that took the owner's
+        # name may answer first, and a name two ports share must be seen as shared.
+        await asyncio.sleep(seconds)
         for name in names:
             info = AsyncServiceInfo(SERVICE_TYPE, name)
             if not await info.async_request(zeroconf.zeroconf, 2000) or not info.port:

@@ -92,7 +92,7 @@ class StudioService:
         self._window_listeners: Listeners[[EnrolmentWindow]] = Listeners(
             log, "enrolment window listener")
         self._window_published: EnrolmentWindow | None = None
-        self._announce_listeners: Listeners[[str]] = Listeners(log, "announce listener")
+        self._announce_listeners: Listeners[[str, bool]] = Listeners(log, "announce listener")
         self.advertiser = Advertiser()
         #: Why the port is not announced although asked to be ("" when it is, or not asked).
         self.advertise_problem = ""
@@ -256,14 +256,21 @@ class StudioService:
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
-    def add_announce_listener(self, listener: Callable[[str], None]) -> None:
+    def add_announce_listener(self, listener: Callable[[str, bool], None]) -> None:
         """Called on the service's loop with what the port's announcement is now: "" (not
-        asked for), the name it is announced under, or why it is not."""
+        asked for), the name it is announced under, or why it is not; and whether that
+        is a warning (the name was taken: `announcement`)."""
         self._announce_listeners.add(listener)
 
     def announcement(self) -> str:
-        if self.advertiser.running:
-            return f"Announced as {self.advertiser.name!r}: teammates run gguf-studio connect."
+        advertiser = self.advertiser
+        if advertiser.renamed:
+            return (f"Announced as {advertiser.name!r}, not {advertiser.asked!r}: another "
+                    f"device on the network already answers to {advertiser.asked!r} and may "
+                    "be posing as this port. Teammates who connect to that name are shown both and "
+                    "asked to choose: give them this port's address instead.")
+        if advertiser.running:
+            return f"Announced as {advertiser.name!r}: teammates run gguf-studio connect."
         return self.advertise_problem
 
     def _enrolments_changed(self) -> None:
@@ -286,7 +293,7 @@ class StudioService:
         try:
             await self._announce_now()
         finally:
-            self._announce_listeners(self.announcement())
+            self._announce_listeners(self.announcement(), self.advertiser.renamed)
 
     async def _announce_now(self) -> None:
         from backend.port.enrolment_endpoint import ENROL_PATH

@@ -1,12 +1,16 @@
 """The port's enrolment endpoint: a teammate without a key asks for one.
 
-    POST /v1/enrolments        {"name": "alice"}  -> 202 {"id", "code", "expires_in", ...}
+    POST /v1/enrolments        {"name": "alice"}  -> 202 {"id", "code", "expires_in",
+                                                     "address", "port_address", ...}
     GET  /v1/enrolments/{id}?wait=S               -> {"status": "pending", ...} after at
                                                      most S seconds (30 at most), or the
                                                      approved key once (made
                                                      then), or 403 refused (once),
                                                      404 expired or unknown
 
+The code is bound to the connection (`backend.enrolment_code`); `address` and
+`port_address` echo its two ends as the port sees them (the requester's address; the
+address and port number it reached), so `connect` shows where the port sees it from.
 Both are open without a key (the requester has none yet): the owner's approval is what
 grants anything, the id is 192 random bits only the requester learns, and the state
 behind them is bounded and rate-limited (`backend.enrolments`).  Open only while the
@@ -96,11 +100,16 @@ class EnrolmentEndpoint:
             except (ValueError, RecursionError):
                 data = None
             client = request.client.host if request.client is not None else "unknown"
+            # Where this connection reached the port (its socket's own address): the code
+            # binds both ends, and the answer echoes them so `connect` can compare.
+            host, port = request.scope.get("server") or ("", 0)
+            reached_at = (str(host), int(port or 0))
             # Not JSON, or no name: refused by `request`, which takes a token for every try.
             enrolment = enrolments.request(data.get("name") if isinstance(data, dict) else None,
-                                           client)
+                                           client, reached_at)
             return JSONResponse({"id": enrolment.token, "name": enrolment.name,
                                  "code": enrolment.code, "status": PENDING,
+                                 "address": client, "port_address": list(reached_at),
                                  "expires_in": math.ceil(enrolments.seconds_left(enrolment)),
                                  "poll": f"{ENROL_PATH}/{enrolment.token}"}, status_code=202)
 

@@ -342,3 +342,31 @@ def test_a_base_url_shows_as_a_qr_code(open_window, qtbot):
     assert image.accessibleName() == f"QR code of {sharing.urls[0]}"
     assert image.pixmap().width() >= 21 * 6  # a version-1 code at least, 6 px a module
     dialog.close()
+
+
+def test_the_tab_warns_when_another_device_answers_to_the_announced_name(open_window, qtbot,
+                                                                         monkeypatch):
+    from zeroconf import IPVersion, ServiceInfo, Zeroconf
+
+    from backend.app.discovery import ENV_INTERFACES, SERVICE_TYPE
+
+    monkeypatch.setenv(ENV_INTERFACES, "127.0.0.1")
+    # A device on the network announced "office" before the owner's port (a real mDNS
+    # responder on this machine's loopback, as a device on the LAN would be).
+    device = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    device.register_service(ServiceInfo(
+        SERVICE_TYPE, f"office.{SERVICE_TYPE}", port=9, addresses=[socket.inet_aton("127.0.0.1")],
+        server="impostor.local."))
+    try:
+        Settings(host="0.0.0.0", api_key="owner-key-of-the-sharing-tests-0123456",
+                 advertise=True, advertise_name="office").save()
+        window = open_window()
+        label = window.sharing.announcement
+
+        qtbot.waitUntil(lambda: "office-2" in label.text(), timeout=WAIT)
+        assert label.isVisible()
+        assert "not 'office'" in label.text() and "posing as this port" in label.text()
+        assert label.foregroundRole() == label.palette().ColorRole.WindowText  # not grey
+    finally:
+        device.unregister_all_services()
+        device.close()

@@ -1,7 +1,8 @@
 """`gguf-studio connect` as a teammate runs it: multicast finds nothing (it says so and
 asks for the address), the owner refuses (nothing is minted or written; the address was
-shown as a QR code first, with --qr), and two ports connected to one after the other
-each keep their own key."""
+shown as a QR code first, with --qr), two ports connected to one after the other each
+keep their own key; a name a device took as well as the owner's port is never chosen
+silently, and through a relay the teammate's code is not the owner's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import stat
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from backend.app.discovery import ENV_INTERFACES
 from backend.key_store import KeyStore
 from tests.backend.gateway_harness import until
+from tests.backend.lan_harness import Impostor, Relay
 
 ROOT = Path(__file__).resolve().parents[3]
 OWNER_KEY = "owner-key-for-the-connect-tests-012345"
@@ -102,3 +105,159 @@ async def test_a_second_port_gets_a_profile_of_its_own_and_a_replaced_key_is_kep
     assert stat.S_IMODE(backup.stat().st_mode) == 0o600
     assert f"backup {backup}" in again
     assert one.read_text().strip() not in (first_secret, second_secret)
+
+
+@pytest.fixture
+async def impostor() -> AsyncIterator[Impostor]:
+    device = Impostor()
+    yield device
+    await device.leave()
+
+
+async def test_a_name_two_ports_answer_to_is_never_chosen_silently(running_service, impostor,
+                                                                     tmp_path, monkeypatch):
+    # A device announced "office" first; the owner's port is then announced as "office-2".
+    monkeypatch.setenv(ENV_INTERFACES, "127.0.0.1")
+    trap = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    trap_port = trap.sockets[0].getsockname()[1]
+    await impostor.announce("office", trap_port)
+    service = await running_service(host="0.0.0.0", api_key=OWNER_KEY, advertise=True,
+                                    advertise_name="office")
+    await service.announced()
+    assert service.advertiser.name == "office-2"
+
+    proc = await connect(teammate(tmp_path), "office", "--name", "bob")
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    trap.close()
+
+    said = err.decode()
+    assert proc.returncode == 1, out.decode() + said
+    assert "Several ports answer to 'office'" in said and "posing as the owner's port" in said
+    assert f"office at http://127.0.0.1:{trap_port}" in said
+    assert f"office-2 at http://" in said and f":{service.gateway_port}" in said
+    assert "gguf-studio connect http://HOST:PORT" in said
+    assert service.enrolments.pending() == []  # nothing was asked of anyone
+
+
+async def test_connect_shows_the_port_it_uses_and_the_same_code_as_the_owner(running_service,
+                                                                            tmp_path):
+    service = await running_service(**accepting())
+    root = f"http://127.0.0.1:{service.gateway_port}"
+    proc = await connect(teammate(tmp_path), root, "--name", "bob")
+    try:
+        assert proc.stdout is not None
+        said = await read_until(proc.stdout, "Waiting for the owner")
+    finally:
+        proc.kill()
+        await proc.wait()
+
+    (request,) = service.enrolments.pending()
+    assert f"Connecting to 127.0.0.1:{service.gateway_port} at {root}." in said
+    assert f"Code: {request.code}\n" in said
+    assert "The port sees you as 127.0.0.1, as you are." in said
+    assert "Warning" not in said
+
+
+@pytest.mark.parametrize("relay_source", ["127.0.0.3", "127.0.0.1"])
+async def test_through_a_relay_the_teammate_and_the_owner_see_different_codes(
+        running_service, tmp_path, relay_source):
+    """A device passes the teammate's connection on to the port: from an address of its
+    own, or from the teammate's own address (the port then sees the teammate's address,
+    but the teammate reached another)."""
+    service = await running_service(**accepting(), host="0.0.0.0")
+    relay = Relay(("127.0.0.1", service.gateway_port), listen="127.0.0.2", source=relay_source)
+    await relay.start()
+    relay_url = relay.url
+    proc = await connect(teammate(tmp_path), relay_url, "--name", "bob")
+    try:
+        assert proc.stdout is not None
+        said = await read_until(proc.stdout, "Waiting for the owner")
+    finally:
+        proc.kill()
+        await proc.wait()
+        await relay.close()
+
+    (request,) = service.enrolments.pending()
+    assert request.address == relay_source and relay.connections >= 1
+    shown = said.split("Code: ", 1)[1].split()[0]
+    assert shown != request.code  # read out to the owner, it matches nothing on their screen
+    assert request.code not in said  # the port's own code, passed on by the relay: never shown
+    assert f"Warning: the port sees you as {relay_source}, reached at 127.0.0.1:" in said
+    assert f"talking to 127.0.0.2:{relay_url.rsplit(':', 1)[1]}" in said
+
+
+async def read_until(stream: asyncio.StreamReader, wanted: str, timeout: float = 60) -> str:
+    """What `stream` said up to and with the first line holding `wanted`."""
+    said = ""
+    while wanted not in said:
+        line = await asyncio.wait_for(stream.readline(), timeout)
+        if not line:
+            raise AssertionError(f"output ended before {wanted!r}:\n{said}")
+        said += line.decode(errors="replace")
+    return said
+
+
+class StrangePort:
+    """A server posing as a port that answers with escape codes wherever it may: no real
+    port does, a hostile one would (to clear the screen, retitle the terminal, hide what
+    it says).  It approves at once."""
+
+    ESC = "\x1b[2J\x1b]0;owned\x07"
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+        import threading
+
+        esc = self.ESC
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self, status: int, body: object) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path.startswith("/health"):
+                    return self.answer(200, {"status": "ok"})
+                self.answer(200, {"status": "approved", "name": "bob" + esc,
+                                  "api_key": "gs-" + "k" * 43,
+                                  "port": {"model_id": "m" + esc, "context_length": 4096,
+                                           "max_output_tokens": 256,
+                                           "default_output_tokens": 128, "others": [],
+                                           "small_model": "", "default_alias": ""}})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.answer(202, {"id": "x", "name": "bob" + esc, "code": esc,
+                                  "address": esc + "10.0.0.66", "port_address": [esc, 1]})
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_what_a_port_says_is_printed_without_its_escape_codes(tmp_path):
+    strange = StrangePort()
+    try:
+        proc = await connect(teammate(tmp_path), strange.url, "--name", "bob")
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        strange.close()
+
+    said = out.decode() + err.decode()
+    assert proc.returncode == 0, said
+    assert "\x1b" not in said and "\x07" not in said
+    assert "Warning: the port sees you as \\x1b[2J" in said  # shown, escaped
+    assert "key 'bob\\x1b[2J\\x1b]0;owned\\x07'" in said
+    assert "m\\x1b[2J" in said  # the model in the command to start OpenCode

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 
+from backend.enrolment_code import enrolment_code
 from backend.enrolment_window import EnrolmentWindow
 from backend.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PER_ADDRESS_BURST, PORT_BURST
 from backend.errors import KeyStoreError
@@ -431,3 +432,15 @@ async def test_a_name_taken_after_the_teammates_request_expired_is_not_the_one_a
     assert answer.status_code == 200 and answer.json()["status"] == "pending", answer.text
     assert "api_key" not in answer.json()
     assert KeyStore().records() == []
+
+
+async def test_the_answer_echoes_both_ends_of_the_connection_the_code_is_bound_to(service):
+    async with client(service, source="127.0.0.3") as http:
+        asked = (await ask(http, "bob")).json()
+
+    port = service.gateway_port
+    assert asked["address"] == "127.0.0.3"  # where the port sees the requester
+    assert asked["port_address"] == ["127.0.0.1", port]  # where the request reached it
+    assert asked["code"] == enrolment_code("127.0.0.3", "127.0.0.1", port, "bob")
+    (pending,) = service.enrolments.pending()
+    assert (pending.address, pending.code) == ("127.0.0.3", asked["code"])
