@@ -123,14 +123,18 @@ async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute
         else:
             assert any(f"Using {PORT_NAME}." in line for line in said), said  # found over mDNS
         code = code_line.split("Code: ", 1)[1].split()[0]
+        await read_until(connect.stdout, "Waiting for the owner", said)
 
-        # The owner sees the request, with the same code, and approves it.
+        # The owner sees the request, with the code the teammate worked out on their side
+        # (nothing relays the connection), and approves it by the code read out to them.
         listing = await (await gguf_studio(owner, "keys", "requests", "--json")).result()
         assert listing.returncode == 0, listing.describe()
         (request,) = json.loads(listing.stdout)
         assert (request["name"], request["code"]) == ("bob", code)
         assert request["address"]  # where the request came from, as the port saw it
-        approval = await (await gguf_studio(owner, "keys", "approve", "bob",
+        assert any(f"The port sees you as {request['address']}, as you are." in line
+                   for line in said), said
+        approval = await (await gguf_studio(owner, "keys", "approve", code,
                                             "--tokens-per-minute", "500000")).result()
         assert approval.returncode == 0, approval.describe()
 
