@@ -123,6 +123,7 @@ async def test_a_teammate_connects_is_approved_and_codex_answers_within_a_minute
         else:
             assert any(f"Using {PORT_NAME}." in line for line in said), said  # found over mDNS
         code = code_line.split("Code: ", 1)[1].split()[0]
+        assert connect.stdout is not None
         await read_until(connect.stdout, "Waiting for the owner", said)
 
         # The owner sees the request, with the code the teammate worked out on their side
