@@ -139,6 +139,39 @@ async def test_a_name_two_ports_answer_to_is_never_chosen_silently(running_servi
     assert service.enrolments.pending() == []  # nothing was asked of anyone
 
 
+@pytest.mark.skipif(os.name == "nt", reason="a pseudo-terminal")
+async def test_at_a_terminal_the_teammate_is_asked_which_port_and_picks_the_owners(
+        running_service, impostor, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_INTERFACES, "127.0.0.1")
+    await impostor.announce("office", 9)
+    service = await running_service(host="0.0.0.0", api_key=OWNER_KEY, advertise=True,
+                                    advertise_name="office")
+    await service.announced()
+    terminal, tty = os.openpty()  # the teammate types at a terminal
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "backend.app.cli", "connect", "office", "--name", "bob", cwd=ROOT,
+        env=teammate(tmp_path), stdin=tty, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    os.close(tty)
+    try:
+        assert proc.stdout is not None
+        said = await read_until(proc.stdout, "Which one (1-2)? ", lines=False)
+        assert "one may be a device posing as the owner's port" in said
+        # The last list is the one asked about: "  N. office-2  http://...".
+        owners = next(line for line in said.splitlines()[::-1] if "office-2  http" in line)
+        os.write(terminal, owners.split(".", 1)[0].strip().encode() + b"\n")
+        said += await read_until(proc.stdout, "Waiting for the owner")
+    finally:
+        proc.kill()
+        await proc.wait()
+        os.close(terminal)
+
+    (request,) = service.enrolments.pending()
+    assert request.name == "bob"
+    assert f":{service.gateway_port}." in said.split("Connecting to office-2 at ", 1)[1]
+    assert f"Code: {request.code}\n" in said
+
+
 async def test_connect_shows_the_port_it_uses_and_the_same_code_as_the_owner(running_service,
                                                                             tmp_path):
     service = await running_service(**accepting())
@@ -186,14 +219,17 @@ async def test_through_a_relay_the_teammate_and_the_owner_see_different_codes(
     assert f"talking to 127.0.0.2:{relay_url.rsplit(':', 1)[1]}" in said
 
 
-async def read_until(stream: asyncio.StreamReader, wanted: str, timeout: float = 60) -> str:
-    """What `stream` said up to and with the first line holding `wanted`."""
+async def read_until(stream: asyncio.StreamReader, wanted: str, timeout: float = 60, *,
+                     lines: bool = True) -> str:
+    """What `stream` said up to and with the first line holding `wanted` (with `lines`
+    off, up to `wanted` itself: a prompt ends no line)."""
     said = ""
     while wanted not in said:
-        line = await asyncio.wait_for(stream.readline(), timeout)
-        if not line:
+        chunk = await asyncio.wait_for(stream.readline() if lines else stream.read(4096),
+                                       timeout)
+        if not chunk:
             raise AssertionError(f"output ended before {wanted!r}:\n{said}")
-        said += line.decode(errors="replace")
+        said += chunk.decode(errors="replace")
     return said
 
 
