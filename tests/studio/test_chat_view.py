@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QFontInfo
+from PySide6.QtGui import QFont, QFontMetricsF
 
 from backend.app.chat_session import AnswerFigures, AnswerState, ChatState, Turn
 from backend.llama.load import State
@@ -18,6 +18,14 @@ from tests.studio.test_pool_view import LOAD_WAIT, SMOL_ARGS, WAIT, select, unti
 
 STORY = "Write a very long story about a dragon who learns to cook. Use many chapters."
 QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def monospaced(font: QFont) -> bool:
+    """Whether `font`, as this machine's fonts resolve it, gives every glyph one width.
+    (Qt's `QFontInfo.fixedPitch()` is not it: fontconfig's monospace is Noto Sans Mono on
+    Debian desktops with fonts-noto-mono, which Qt does not flag fixed-pitch.)"""
+    metrics = QFontMetricsF(font)
+    return len({metrics.horizontalAdvance(glyph) for glyph in "iW.m0_"}) == 1
 
 
 def last_answer(window: MainWindow) -> Turn | None:
@@ -124,15 +132,15 @@ def test_code_blocks_read_as_code_and_an_unfinished_one_keeps_to_its_answer(qtbo
     document = view.transcript.document()
     found = document.find("return a + b")
     assert not found.isNull()
-    assert QFontInfo(found.charFormat().font()).fixedPitch()
+    assert monospaced(found.charFormat().font())
     assert found.block().blockFormat().background().style() != Qt.BrushStyle.NoBrush
     done = document.find("Done.")
-    assert not QFontInfo(done.charFormat().font()).fixedPitch()
+    assert not monospaced(done.charFormat().font())
     # The stopped answer's open fence ends with it: the next turn is no code.
     after = document.find("After")
     assert not after.isNull()
     assert after.block().blockFormat().background().style() == Qt.BrushStyle.NoBrush
-    assert not QFontInfo(after.charFormat().font()).fixedPitch()
+    assert not monospaced(after.charFormat().font())
     assert "Stopped" in text
 
 
@@ -160,7 +168,7 @@ def test_a_streaming_answer_redraws_itself_alone_and_the_conversation_stays_righ
     assert text.count("Last question?") == 1 and text.count("The answer") == 1
     assert text.endswith("The answer is 42.\nfirst token 0.50 s · 20.0 tok/s · 6 tokens · "
                          "190 of 200 prompt tokens cached")
-    assert QFontInfo(document.find("x = 29").charFormat().font()).fixedPitch()
+    assert monospaced(document.find("x = 29").charFormat().font())
     # Regenerate drops the answer, Clear everything: what is shown follows.
     view.show_state(ChatState(earlier + (question,), True))
     assert view.transcript.toPlainText().endswith("Last question?")
