@@ -105,6 +105,10 @@ class Settings:
     # before an idle TTL, eviction, unload or exit, restored on the session's next turn;
     # past it the least recently used go.  0: nothing is parked.
     parked_slots_mib: int = 4096
+    # Days a parked prefix (a prompt at rest) is kept unused, neither saved nor restored,
+    # before it is removed; the files of a revoked or deleted key go with it.  0: nothing
+    # is parked.
+    parked_slots_days: float = 7.0
     admission_enabled: bool = True
     # The engine.
     llama_server: str = ""

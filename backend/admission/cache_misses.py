@@ -298,6 +298,10 @@ class CacheBook:
                 del self._turns[dropped]
         return verdict, summary
 
+    def flows(self) -> list[str]:
+        """The flows holding any session."""
+        return self._shares.flows()
+
     def forget_flow(self, flow: str) -> int:
         """Drop every session of `flow` (its key is gone); how many."""
         sessions = list(self._shares.keys_of(flow))

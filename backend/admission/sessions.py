@@ -153,6 +153,10 @@ class SessionTable:
         """The sessions whose prefix lives on `engine`, least recently served first."""
         return [s for s in self._sessions.values() if s.engine == engine]
 
+    def flows(self) -> list[str]:
+        """The flows holding any session."""
+        return self._shares.flows()
+
     def snapshot(self) -> tuple[Session, ...]:
         """Every session, most recently served first (for views and metrics)."""
         return tuple(sorted(self._sessions.values(), key=_by_last_turn, reverse=True))

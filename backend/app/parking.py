@@ -46,7 +46,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -56,6 +56,8 @@ from backend.admission.flow_shares import FlowShares
 from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
+from backend.models.fit import KvShape
+from backend.models.gguf_info import read_model_info
 from backend.port import sse
 from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
@@ -163,6 +165,10 @@ class LastRequests:
             del self._requests[dropped]
         return key in self._requests
 
+    def flows(self) -> list[str]:
+        """The flows whose requests are kept."""
+        return self._shares.flows()
+
     def forget_flow(self, flow: str) -> int:
         """Forget every request of `flow` (its key is gone); how many."""
         keys = list(self._shares.keys_of(flow))
@@ -191,6 +197,8 @@ class ParkingSteward:
         # (model, engine key) -> its identity: worked out once per engine process (it
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
+        # Identity -> a token's KV bytes as the model's header says (0: it does not).
+        self._token_bytes: dict[str, int] = {}
         self.time_limit = time_limit
         #: Each session's last request of its conversation, by its ParkKey.
         self.last_requests = LastRequests()
@@ -208,7 +216,7 @@ class ParkingSteward:
         nothing runs on it), within `time_limit` seconds; how many were saved."""
         identity = self.identity(model, serving.key)
         self._identities.pop((model, serving.key), None)
-        if identity is None or self.lot.budget_bytes <= 0:
+        if identity is None or self.lot.budget_bytes <= 0 or self.lot.ttl_seconds <= 0:
             return 0
         in_slots: list[tuple[int, ParkKey]] = []
         in_ram: list[tuple[ParkKey, SessionRequest]] = []
@@ -228,6 +236,10 @@ class ParkingSteward:
             parked += [(spare, key, last) for key, last in reversed(in_ram)]
         if not parked:
             return 0
+        if identity not in self._token_bytes:
+            self._token_bytes[identity] = await asyncio.to_thread(_header_token_bytes,
+                                                                  self._entry_of(model))
+        token_bytes = self._token_bytes[identity]
         saved = tried = recalled = 0
         started = time.monotonic()
         async with SlotClient(serving.base_url, api_key=serving.api_key,
@@ -247,7 +259,7 @@ class ParkingSteward:
                                 cached, computed = await engine.recall(
                                     slot, request.path, request.body)
                                 recalled += cached > computed
-                            await self.lot.save(engine, slot, key)
+                            await self.lot.save(engine, slot, key, token_bytes=token_bytes)
                             saved += 1
                         except (SlotActionFailed, OSError, StudioError) as exc:
                             self.counts["park_failed"] += 1
@@ -261,6 +273,24 @@ class ParkingSteward:
         log.info("%s: parked %d session prefixes (%d of them brought back from the RAM "
                  "prompt cache) in %.2f s", model, saved, recalled, time.monotonic() - started)
         return saved
+
+    def keep_flows(self, flows: Collection[str]) -> None:
+        """Forget the parked prefixes and the last requests of every flow but `flows`
+        (their keys were revoked or deleted): prompts are not kept past their key."""
+        for flow in self.last_requests.flows():
+            if flow not in flows:
+                self.last_requests.forget_flow(flow)
+        try:
+            self.lot.keep_flows(flows)
+        except (OSError, StudioError) as exc:
+            log.warning("parked prefixes of revoked keys were not removed (%s)", exc)
+
+    def expire(self) -> None:
+        """Remove the parked prefixes unused for longer than the lot's TTL."""
+        try:
+            self.lot.expire()
+        except (OSError, StudioError) as exc:
+            log.warning("parked prefixes past their TTL were not removed (%s)", exc)
 
     def remember(self, ticket: Ticket, model: str | None, path: str, body: bytes) -> None:
         """Keep an answered request of a session (`body` as the engine took it), the
@@ -397,6 +427,18 @@ class ParkingSteward:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _header_token_bytes(entry: ModelEntry | None) -> int:
+    """A token's KV bytes in the slots of `entry`'s model, as its header says (f16: the
+    engine's default cache type; a quantized cache takes less); 0 when it does not say."""
+    if entry is None:
+        return 0
+    try:
+        shape = KvShape.from_model_info(read_model_info(entry.path))
+    except (OSError, StudioError):
+        return 0
+    return shape.bytes_per_token if shape is not None else 0
 
 
 def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:

@@ -33,7 +33,7 @@ from backend.app.pool_status import scrubbed
 from backend.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
-from backend.key_store import KeyRecord, KeyStore
+from backend.key_store import CHAT_NAME, OWNER_NAME, KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.kv_capacity import KvLayout
@@ -62,6 +62,8 @@ log = logging.getLogger("gguf_studio.service")
 PARKED_SLOTS_DIR = "parked-slots"
 #: How often waiting requests are checked against their keys (revoked, expired, edited).
 KEY_CHECK_INTERVAL = 0.5
+#: How often parked prefixes are checked against their TTL (also on every look and save).
+PARKED_EXPIRY_INTERVAL = 600.0
 
 
 class StudioService:
@@ -112,7 +114,8 @@ class StudioService:
         #: Session prefixes saved before planned losses and restored on the next turn.
         self.parking = ParkingSteward(
             ParkingLot(self.engine.data_dir / PARKED_SLOTS_DIR,
-                       budget=lambda: self.settings.parked_slots_mib << 20),
+                       budget=lambda: self.settings.parked_slots_mib << 20,
+                       ttl=lambda: self.settings.parked_slots_days * 86400),
             entry_of=lambda name: self.pool.local_entry(name), residents=self.registry.sessions)
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
@@ -128,6 +131,9 @@ class StudioService:
         self.pool.add_listener(self._on_engine_snapshot)
         self.pool.add_log_listener(lambda model, line: self._log_listeners(line))
         self._last_spec: LoadSpec | None = None
+        #: The keys' generation whose gone keys were forgotten (`_forget_gone_keys`).
+        self._keys_applied = -1
+        self._next_expiry = 0.0
 
     # --- state --------------------------------------------------------------------------
 
@@ -433,6 +439,9 @@ class StudioService:
                 self.apply_keys()
                 self.enrolments.sync()
                 self._publish_enrolment_window()  # an accept window ends, keys become required
+                if time.monotonic() >= self._next_expiry:
+                    self._next_expiry = time.monotonic() + PARKED_EXPIRY_INTERVAL
+                    self.parking.expire()
                 failing = ""
             except Exception as exc:  # one bad file or bug must not end the watch for good
                 if repr(exc) != failing:  # logged once, not twice a second
@@ -455,6 +464,22 @@ class StudioService:
                 self.flows.end_flow(flow, refusal)
             elif record is not None:
                 self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
+        self._forget_gone_keys()
+
+    def _forget_gone_keys(self) -> None:
+        """Once the keys changed: the sessions, cache figures, remembered requests and
+        parked prefixes (prompts at rest) of keys revoked or deleted go with them.  Only
+        where every request needs a key: then every live flow is a key's."""
+        if self.keys.generation == self._keys_applied or not self.keys.requires_keys():
+            return
+        self._keys_applied = self.keys.generation
+        live = {OWNER_NAME, CHAT_NAME} | {r.name for r in self.keys.records()
+                                          if r.revoked_at is None}
+        for room in (self.registry.sessions, self.metrics.cache_book):
+            for flow in room.flows():
+                if flow not in live:
+                    room.forget_flow(flow)
+        self.parking.keep_flows(live)
 
     def add_key(self, name: str, **limits: Any) -> tuple[KeyRecord, str]:
         """Make a named key (`KeyStore.add`); the port takes it at once."""

@@ -8,6 +8,16 @@ used file evicted first, and a small private index beside the files (`index.json
 survives a restart of the app and says, for each file, which model, key (flow) and
 session it holds.
 
+A parked file is a prompt at rest (its tokens are the conversation's text), so it lives
+no longer than it serves: one unused (neither saved nor restored) for the lot's TTL
+(`settings.parked_slots_days`, a week by default) is removed, when the lot opens and on
+every later look; the files of a key that was revoked or deleted are removed with it
+(`keep_flows`).  Before a save the slot's size is known (its tokens, from the engine's
+`/slots`, times a token's bytes in this model's files: learnt from the files saved
+before, else estimated from the model's header): a slot larger than the whole budget,
+or one that would leave the disk with less than `MIN_FREE_DISK_BYTES` free, is not
+saved, and older files make room within the budget before the engine writes.
+
 A file's name is a digest of the three: it carries neither a secret nor a session's own
 name, and a request of one key can never name another key's file.  A restore looks the
 file up by the requesting key's own `ParkKey` and checks the index's key digest again
@@ -38,19 +48,20 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 
 from backend.llama.api import engine_headers
 from backend.private_files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private, write_private
 
-__all__ = ["ANTHROPIC_MESSAGES", "DEFAULT_BUDGET_BYTES", "INDEX_NAME", "SAVE_TIMEOUT", "ParkKey", "Parked",
-           "ParkingLot", "Restored", "SlotClient", "SlotActionFailed", "model_identity",
-           "recall_body"]
+__all__ = ["ANTHROPIC_MESSAGES", "DEFAULT_BUDGET_BYTES", "DEFAULT_TTL_SECONDS", "INDEX_NAME",
+           "MIN_FREE_DISK_BYTES", "SAVE_TIMEOUT", "ParkKey", "Parked", "ParkingLot", "Restored",
+           "SlotClient", "SlotActionFailed", "model_identity", "recall_body"]
 
 log = logging.getLogger("gguf_studio.slot_parking")
 
@@ -59,6 +70,11 @@ log = logging.getLogger("gguf_studio.slot_parking")
 #: agent-sized prefixes (30k tokens) of a small model or a handful of a 7B one, and is
 #: a small share of a disk that holds GGUF files.
 DEFAULT_BUDGET_BYTES = 4 << 30
+#: How long a parked prefix is kept unused (neither saved nor restored): a week, so that
+#: a weekend away from an agent finds its prompt, and no prompt stays on disk for good.
+DEFAULT_TTL_SECONDS = 7 * 24 * 3600.0
+#: Free disk a save must leave: parked prefixes never fill the disk that holds them.
+MIN_FREE_DISK_BYTES = 1 << 30
 #: Seconds one save or restore may take before it is given up (the engine defers a
 #: slot action while the slot works, so a busy slot would otherwise hold it for ever).
 SAVE_TIMEOUT = 10.0
@@ -72,6 +88,11 @@ TOOK_SHARE = 0.5
 
 _SUFFIX = ".slot"
 _PARTIAL = "partial-"
+#: What a slot file holds beside each token's KV: its token id, its cell's position and
+#: sequence (measured: 16 bytes a token in SmolLM2's and the tiny model's files); and its
+#: head (under 1 KiB there), at most.
+_TOKEN_EXTRA_BYTES = 16
+_FILE_HEAD_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,25 @@ class SlotClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._client.aclose()
 
+    async def slot_tokens(self, slot: int) -> int:
+        """Tokens `slot` holds, which a save writes (llama-server's `/slots`); a slot that
+        does not say (it ran no task yet) is counted as full: its context."""
+        try:
+            response = await self._client.get("/slots")
+        except httpx.HTTPError as exc:
+            raise SlotActionFailed(f"listing the slots got no answer ({type(exc).__name__})") from None
+        try:
+            slots = response.json()
+        except ValueError:
+            slots = None
+        if response.status_code != 200 or not isinstance(slots, list):
+            raise SlotActionFailed(f"listing the slots answered {response.status_code}")
+        for entry in slots:
+            if isinstance(entry, dict) and entry.get("id") == slot:
+                held = entry.get("n_prompt_tokens")
+                return _count(held) if isinstance(held, int) else _count(entry.get("n_ctx"))
+        raise SlotActionFailed(f"the engine lists no slot {slot}")
+
     async def save(self, slot: int, filename: str) -> tuple[int, int]:
         """(tokens, bytes) written to `filename` in the engine's slot directory."""
         body = await self._action(slot, "save", filename)
@@ -209,10 +249,17 @@ class ParkingLot:
     """The directory of parked slots, its index and its disk budget."""
 
     def __init__(self, directory: Path, *, budget: Callable[[], int] = lambda: DEFAULT_BUDGET_BYTES,
-                 clock: Callable[[], float] = time.time) -> None:
+                 ttl: Callable[[], float] = lambda: DEFAULT_TTL_SECONDS,
+                 clock: Callable[[], float] = time.time,
+                 free_disk: Callable[[Path], int] = lambda path: shutil.disk_usage(path).free
+                 ) -> None:
+        """`budget()`: the bytes the files may take together; `ttl()`: the seconds one is
+        kept unused; `free_disk(directory)`: the bytes free on its disk."""
         self.directory = Path(directory)
         self._budget = budget
+        self._ttl = ttl
         self._clock = clock
+        self._free_disk = free_disk
         self._index: dict[str, Parked] = {}
         self._opened = False
 
@@ -233,16 +280,22 @@ class ParkingLot:
             self._opened = True
             if gone:
                 self._write_index()
+            self.expire()
         return self.directory
 
     def find(self, key: ParkKey) -> Parked | None:
-        """The file parked for `key`, only if the index says it is that key's."""
+        """The file parked for `key`, only if the index says it is that key's (and it is
+        not past its TTL: then it is removed)."""
         self.open()
         parked = self._index.get(key.file_name)
+        if parked is not None and self._stale(parked):
+            self._remove([parked], "unused for longer than the TTL")
+            return None
         return parked if parked is not None and parked.belongs_to(key) else None
 
     def parked(self) -> list[Parked]:
         self.open()
+        self.expire()
         return sorted(self._index.values(), key=lambda p: p.used)
 
     @property
@@ -250,14 +303,58 @@ class ParkingLot:
         return self._budget()
 
     @property
+    def ttl_seconds(self) -> float:
+        return self._ttl()
+
+    def expire(self) -> int:
+        """Remove the files unused (neither saved nor restored) for longer than the TTL;
+        how many."""
+        self.open()
+        stale = [p for p in self._index.values() if self._stale(p)]
+        self._remove(stale, "unused for longer than the TTL")
+        return len(stale)
+
+    def keep_flows(self, flows: Iterable[str]) -> int:
+        """Remove the files of every flow but `flows` (their keys were revoked or
+        deleted); how many."""
+        self.open()
+        kept = {_digest("flow", flow) for flow in flows}
+        gone = [p for p in self._index.values() if p.flow not in kept]
+        self._remove(gone, "its key was revoked or deleted")
+        return len(gone)
+
+    @property
     def used_bytes(self) -> int:
         return sum(p.size for p in self._index.values())
 
-    async def save(self, engine: SlotClient, slot: int, key: ParkKey) -> Parked:
-        """Save `slot` as `key`'s prefix (replacing what was parked for it), then evict
-        the least recently used files past the budget.  SlotActionFailed when the engine
-        did not save it; nothing of it is left then."""
+    async def save(self, engine: SlotClient, slot: int, key: ParkKey, *,
+                   token_bytes: int = 0) -> Parked:
+        """Save `slot` as `key`'s prefix (replacing what was parked for it), once its size
+        is known to fit: within the budget (the least recently used files make room
+        first) and leaving `MIN_FREE_DISK_BYTES` of the disk free.  `token_bytes`: a
+        token's KV bytes in this model's slots as its header says, for a model with no
+        file parked yet (its files say it better).  SlotActionFailed when the slot is
+        not saved (it does not fit, or the engine did not save it); nothing of it is left
+        then, and nothing else was removed for it."""
         self.open()
+        self.expire()
+        tokens = await engine.slot_tokens(slot)
+        if tokens <= 0:
+            raise SlotActionFailed(f"slot {slot} holds no prompt to park")
+        size = self._expected_size(key, tokens, token_bytes)
+        budget = self._budget()
+        if size > budget:
+            raise SlotActionFailed(f"slot {slot}'s {tokens} tokens would take about "
+                                   f"{_mib(size)} MiB, more than the {_mib(budget)} MiB "
+                                   "parked prefixes may take together")
+        replaced = self._index.get(key.file_name)
+        free = await asyncio.to_thread(self._free_disk, self.directory)
+        if free + (replaced.size if replaced is not None else 0) - size < MIN_FREE_DISK_BYTES:
+            raise SlotActionFailed(f"slot {slot}'s {tokens} tokens would take about "
+                                   f"{_mib(size)} MiB of the {_mib(free)} MiB free on the disk "
+                                   f"of parked prefixes, leaving less than "
+                                   f"{_mib(MIN_FREE_DISK_BYTES)} MiB")
+        self._make_room(budget - size, key.file_name)
         # Written under a name of its own and renamed once private: a reader never meets
         # half a file or one readable by others under a parked name.
         partial = f"{_PARTIAL}{secrets.token_hex(8)}{_SUFFIX}"
@@ -274,7 +371,7 @@ class ParkingLot:
         parked = Parked(key.file_name, key.model_digest, key.flow_digest, tokens, size,
                         sha256, self._clock())
         self._index[parked.file] = parked
-        self._evict()
+        self._evict()  # an estimate that fell short
         self._write_index()
         return parked
 
@@ -311,6 +408,47 @@ class ParkingLot:
             with contextlib.suppress(OSError):
                 (self.directory / key.file_name).unlink()
             self._write_index()
+
+    def _stale(self, parked: Parked) -> bool:
+        return self._clock() - parked.used >= self._ttl()
+
+    def _remove(self, gone: Iterable[Parked], why: str) -> None:
+        removed = 0
+        for parked in gone:
+            if self._index.pop(parked.file, None) is not None:
+                removed += 1
+                with contextlib.suppress(OSError):
+                    (self.directory / parked.file).unlink()
+        if removed:
+            log.info("%d parked prefix(es) removed: %s", removed, why)
+            self._write_index()
+
+    def _expected_size(self, key: ParkKey, tokens: int, token_bytes: int) -> int:
+        """The bytes a file of `key`'s model holding `tokens` tokens takes: as its largest
+        file parked says (its bytes a token), else from `token_bytes`.  SlotActionFailed
+        when neither tells."""
+        known = [p for p in self._index.values() if p.model == key.model_digest and p.tokens > 0]
+        if known:
+            largest = max(known, key=lambda p: p.tokens)
+            return -(-tokens * largest.size // largest.tokens)
+        if token_bytes <= 0:
+            raise SlotActionFailed("how large a slot of this model is cannot be told before "
+                                   "saving it (its header does not say)")
+        return tokens * (token_bytes + _TOKEN_EXTRA_BYTES) + _FILE_HEAD_BYTES
+
+    def _make_room(self, room: int, replacing: str) -> None:
+        """Evict the least recently used files until the others (not `replacing`, which
+        the save replaces) take at most `room` bytes."""
+        others = sorted((p for p in self._index.values() if p.file != replacing),
+                        key=lambda p: p.used)
+        used = sum(p.size for p in others)
+        evicted = []
+        for parked in others:
+            if used <= room:
+                break
+            evicted.append(parked)
+            used -= parked.size
+        self._remove(evicted, "the least recently used, to make room within the budget")
 
     def _evict(self) -> None:
         budget = self._budget()
@@ -361,6 +499,10 @@ def model_identity(model_path: str | os.PathLike[str], *extra: str) -> str:
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def _mib(n: int) -> int:
+    return -(-n // (1 << 20))
 
 
 def _digest(*parts: str) -> str:

@@ -25,6 +25,7 @@ from backend.llama.supervisor import Supervisor
 from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.pool_status import Residency
 from backend.app.service import PARKED_SLOTS_DIR, StudioService
+from backend.key_store import KeyStore
 from backend.llama.load import LoadSettings
 from backend.llama.slot_parking import (INDEX_NAME, ParkingLot, ParkKey, SlotActionFailed,
                                         SlotClient)
@@ -291,6 +292,38 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
     assert bobs_counts == {"parked": 1, "recalled": 0, "restored": 0, "not_taken": 0,
                            "park_failed": 0, "gathered": 0}
     assert service.parking.counts["restored"] == 1  # alice's own turn got it
+
+
+async def test_a_revoked_keys_parked_prefixes_and_sessions_go_with_it_and_no_one_elses(
+        studio: ServiceFactory, tiny_model):
+    service = await studio()
+    _, alice = service.keys.add("alice")
+    _, bob = service.keys.add("bob")
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "alice-1", 1, key=alice)
+        await turn(client, "bob-1", 1, key=bob)
+        await unloaded_for_idleness(service)
+        assert len(parked_files(service.parking)) == 2
+        # `gguf-studio keys revoke alice`, from another process: the keys file changes.
+        KeyStore(service.keys.path).revoke("alice")
+        await until(lambda: len(parked_files(service.parking)) == 1)
+        assert service.registry.sessions.flows() == ["bob"]
+        assert service.metrics.cache_book.flows() == ["bob"]
+        assert service.parking.last_requests.flows() == ["bob"]
+        await turn(client, "bob-1", 2, key=bob)
+    assert service.parking.counts["restored"] == 1  # bob's prefix was left where it was
+
+
+async def test_with_no_days_to_keep_them_nothing_is_parked(studio: ServiceFactory, tiny_model):
+    service = await studio(parked_slots_days=0)
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), settings=SETTINGS, idle_ttl=1.0),)))
+    async with port(service) as client:
+        await turn(client, "kept-0-days", 1)
+        await unloaded_for_idleness(service)
+    assert parked_files(service.parking) == [] and service.parking.counts["parked"] == 0
 
 
 async def test_an_isolated_model_parks_nothing(studio: ServiceFactory, tiny_model):
