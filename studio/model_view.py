@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.errors import SettingsError
+from backend.models.fit import format_bytes, load_memory
 from backend.models.gguf_info import ModelInfo, format_file_size, format_parameter_count
 from backend.gpu_layers import parse_gpu_layers
 from backend.rpc_workers import parse_rpc_workers
@@ -114,11 +115,16 @@ class ModelView(QWidget):
         for box in (self.ctx_size, self.parallel, self.threads):
             box.valueChanged.connect(self.settings_edited)
         self.gpu_layers.currentTextChanged.connect(self.settings_edited)
+        self.gpu_layers.currentTextChanged.connect(self._show_plan)
         self.extra_args.editingFinished.connect(self.settings_edited)
         self.rpc.editingFinished.connect(self.settings_edited)
         self.plan = secondary_label("")
         self.plan.setWordWrap(True)
         self.plan.setAccessibleName("What these settings mean")
+        self.memory_plan = secondary_label("")
+        self.memory_plan.setAccessibleName("What the layers keep, and the context's memory with "
+                                           "these settings")
+        self.memory_plan.hide()
         for box in (self.ctx_size, self.parallel):
             box.valueChanged.connect(self._show_plan)
         self.extra_args.editingFinished.connect(self._show_plan)
@@ -129,7 +135,12 @@ class ModelView(QWidget):
 
         settings_box = QGroupBox("Load settings")
         form = QFormLayout(settings_box)
-        form.addRow("&Context size:", self.ctx_size)
+        context_row = QHBoxLayout()
+        context_row.addWidget(self.ctx_size, 1)
+        context_row.addWidget(self.memory_plan)
+        context_label = QLabel("&Context size:")
+        context_label.setBuddy(self.ctx_size)
+        form.addRow(context_label, context_row)
         # Slots and threads share a row, so that the RPC workers' row adds no height.
         threads_label = QLabel("&Threads:")
         threads_label.setBuddy(self.threads)
@@ -346,9 +357,28 @@ class ModelView(QWidget):
             settings = self.load_settings()
         except SettingsError:  # unreadable extra arguments or workers: the settings error says so
             self.plan.setText("")
+            self.memory_plan.setText("")
+            self.memory_plan.hide()
             return
         trained = self._info.context_length if self._info is not None else None
         self.plan.setText(settings.describe_plan(trained))
+        self._show_memory(settings)
+
+    def _show_memory(self, settings: LoadSettings) -> None:
+        """Beside the context: what the KV cache and state take with these settings; the
+        hover says what each kind of layer keeps and where the bytes go."""
+        info = self._info
+        memory = load_memory(info, settings) if info is not None else None
+        if info is None or info.memory is None or memory is None:
+            self.memory_plan.setText("")
+            self.memory_plan.hide()
+            return
+        kind = "KV cache and state" if info.memory.recurrent_layers else "KV cache"
+        self.memory_plan.setText(f"{kind} {format_bytes(memory.total_bytes)}")
+        tip = info.memory.describe()
+        self.memory_plan.setToolTip(f"{tip[:1].upper()}{tip[1:]}. {memory.describe()}.")
+        self.memory_plan.setAccessibleDescription(self.memory_plan.toolTip())
+        self.memory_plan.show()
 
     def _update_buttons(self) -> None:
         snapshot = self._snapshot

@@ -39,7 +39,7 @@ from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, 
 from backend.listeners import Listeners
 from backend.llama.load import Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
-from backend.models.fit import RAM_USABLE, estimate_fit, machine_memory
+from backend.models.fit import RAM_USABLE, estimate_fit, load_memory, machine_memory
 from backend.models.gguf_info import read_model_info
 from backend.admission.caller import ADDRESS_FLOW
 from backend.admission.engine_queue import AdmissionQueue
@@ -521,10 +521,12 @@ def memory_budget() -> int:
 
 
 def estimate_model_bytes(entry: ModelEntry) -> int:
-    """The fit estimate of `entry` at its context (weights, KV cache, working space)."""
+    """The fit estimate of `entry` as its engine is started (weights, the KV cache and
+    state of its context and slots, working space)."""
     info = read_model_info(entry.path)
-    return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size,
-                        info=info).total_bytes
+    memory = load_memory(info, entry.settings)
+    return estimate_fit(info.file_size, machine_memory(), context=entry.settings.ctx_size, info=info,
+                        cache=memory.settings if memory is not None else None).total_bytes
 
 
 def _gib(n: int) -> str:

@@ -32,13 +32,14 @@ Where the capacity comes from after a healthy load:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend.errors import SettingsError
 
-__all__ = ["FIT_MIN_CONTEXT", "KvCapacity", "KvLayout", "KvPlan", "TokenNeed", "assumed_layout_note",
-           "context_args", "kv_from_health", "kv_from_load", "kv_from_props", "planned_capacity"]
+__all__ = ["FIT_MIN_CONTEXT", "KvCapacity", "KvLayout", "KvPlan", "LlamaArgs", "TokenNeed",
+           "assumed_layout_note", "context_args", "kv_from_health", "kv_from_load", "kv_from_props",
+           "planned_capacity"]
 
 #: The least context `--fit` may shrink a "model's own" context to, per stream: llama.cpp's
 #: own default for `--fit-ctx`, given explicitly because `-c 0` alone turns shrinking off.
@@ -179,6 +180,11 @@ class KvPlan:
     #: --fit may shrink the context to fit the memory: the numbers are the most it gives
     at_most: bool = False
     fit_floor: int = 0  #: the least --fit shrinks the whole context to, when `at_most`
+    #: The cells llama.cpp allocates for each attention layer, every slot's together
+    #: (its n_ctx after padding): more than `kv.total` when a slot's share exceeds what
+    #: one request may hold (the trained context, --kv-unified-per-slot).  What the
+    #: memory depends on, not what clients see, so plans compare without it.
+    cells: int = field(default=0, compare=False)
 
     def describe(self) -> str:
         """For people: "Up to 4 requests at once; each slot has its own 8,192 tokens"."""
@@ -228,7 +234,7 @@ def planned_capacity(ctx_size: int, parallel: str, trained: int | None,
     4. tools/server/server-context.cpp: one slot never exceeds the trained context nor
        `--kv-unified-per-slot`.
     """
-    args = _Args((*context_args(ctx_size, fit=fit), "--fit", "on" if fit else "off", *extra_args))
+    args = LlamaArgs((*context_args(ctx_size, fit=fit), "--fit", "on" if fit else "off", *extra_args))
     auto = str(parallel).strip() in ("", "auto", "0", "-1")
     slots = 4 if auto else max(1, int(parallel))
     unified = True if auto else args.switch(("-kvu", "--kv-unified"), ("-no-kvu", "--no-kv-unified"))
@@ -252,14 +258,14 @@ def planned_capacity(ctx_size: int, parallel: str, trained: int | None,
     per_request = min(share, per_slot_cap or share, trained or share)
     kv = (KvCapacity.shared(pool, per_request) if unified
           else KvCapacity(per_request * slots, per_request, unified=False))
-    return KvPlan(slots, kv, at_most, fit_floor)
+    return KvPlan(slots, kv, at_most, fit_floor, cells=pool if unified else share * slots)
 
 
 def _pad(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
-class _Args:
+class LlamaArgs:
     """llama-server's command line as its parser reads it: the last value of a flag wins,
     given as `--flag value` or `--flag=value`."""
 

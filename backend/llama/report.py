@@ -2,7 +2,8 @@
 
 llama-server prints, while it loads: the devices it uses (`using device Vulkan0 (...) -
 N MiB free`), how many layers went to the GPU (`offloaded 5/5 layers to GPU`), the
-buffers it allocated on each device (model, KV cache, compute) and the context it ended
+buffers it allocated on each device (model, KV cache, a hybrid's or recurrent model's
+state, compute) and the context it ended
 up with (`n_ctx = N`, which `--fit on` may have shrunk), then its slots and how they share
 the KV cache (`initializing, n_slots = N, n_ctx_slot = S, kv_unified = 'true'`).
 `EngineReportReader` is the one reader of that output: fed every line of one start, it
@@ -29,10 +30,11 @@ class DeviceUse:
     model_mib: float = 0.0
     kv_mib: float = 0.0
     compute_mib: float = 0.0
+    state_mib: float = 0.0  # recurrent layers' state ("RS buffer")
 
     @property
     def total_mib(self) -> float:
-        return self.model_mib + self.kv_mib + self.compute_mib
+        return self.model_mib + self.kv_mib + self.compute_mib + self.state_mib
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class EngineReportReader:
         if _REAL_LOAD.search(line):
             # Anything before was --fit measuring; the real load's buffers start here.
             for dev in self._devices.values():
-                for kind in ("model_mib", "kv_mib", "compute_mib"):
+                for kind in ("model_mib", "kv_mib", "compute_mib", "state_mib"):
                     dev.pop(kind, None)
             return
         m = _FIT_REDUCED.search(line)
@@ -115,7 +117,8 @@ class EngineReportReader:
             return
         m = _BUFFER.search(line)
         if m:
-            kind = {"model": "model_mib", "KV": "kv_mib", "compute": "compute_mib"}[m.group("kind")]
+            kind = {"model": "model_mib", "KV": "kv_mib", "compute": "compute_mib",
+                    "RS": "state_mib"}[m.group("kind")]
             dev = self._device(_owner(m.group("buffer")))
             dev[kind] = dev.get(kind, 0.0) + float(m.group("mib"))
             return
@@ -171,7 +174,7 @@ _USING_DEVICE = re.compile(
     r"using device (?P<name>\S+) \((?P<desc>.*)\) \(.*\) - (?P<free>\d+) MiB free")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _BUFFER = re.compile(
-    r":\s+(?P<buffer>\S+) (?P<kind>model|KV|compute) buffer size =\s*(?P<mib>[\d.]+) MiB")
+    r":\s+(?P<buffer>\S+) (?P<kind>model|KV|compute|RS) buffer size =\s*(?P<mib>[\d.]+) MiB")
 _REAL_LOAD = re.compile(r"load_tensors: loading model tensors")
 _FIT_REDUCED = re.compile(r"context size reduced from (\d+) to (\d+)")
 _N_CTX = re.compile(r"llama_context: n_ctx\s+=\s*(\d+)")

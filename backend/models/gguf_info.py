@@ -7,7 +7,9 @@ which is how a truncated download is caught.
 The `gguf` package supplies the format's constants.  Its `GGUFReader` is not used
 because it decodes every element of every metadata array in Python: 1.4 s for a
 32k vocabulary, 10 s for Qwen2's and 17 s for Llama 3's, where this reader skips
-those arrays in a fraction of a second.
+those arrays in a fraction of a second.  Short arrays of numbers are read: they are the
+per-layer numbers (KV heads, the sliding-window pattern, the recurrent layers) that say
+what each layer keeps in memory (`backend.models.memory_layout`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gguf.constants import (
 )
 
 from backend.errors import ModelFileError
+from backend.models.memory_layout import MemoryLayout, memory_layout
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,14 @@ class ModelInfo:
     head_count_kv: int | None = None
     key_length: int | None = None
     value_length: int | None = None
+    #: What each layer keeps beside the weights: the KV cache's layers, the sliding
+    #: window, the recurrent state (see backend.models.fit); None when not stated.
+    memory: MemoryLayout | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["memory"] = self.memory.to_dict() if self.memory is not None else None
+        return data
 
     def summary_lines(self) -> list[str]:
         def known(value: int | None) -> str:
@@ -70,6 +78,7 @@ class ModelInfo:
             f"Layers: {known(self.layer_count)}",
             f"Embedding length: {known(self.embedding_length)}",
             f"Chat template: {'yes' if self.has_chat_template else 'no'}",
+            *([f"Memory: {self.memory.describe()}"] if self.memory is not None else []),
         ]
 
 
@@ -100,6 +109,7 @@ def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
         head_count_kv=_first_integer(metadata.get(f"{architecture}.attention.head_count_kv")),
         key_length=arch_int("attention.key_length"),
         value_length=arch_int("attention.value_length"),
+        memory=memory_layout(architecture, metadata),
     )
 
 
@@ -147,8 +157,10 @@ class _Corrupt(Exception):
     pass
 
 
-# Arrays are skipped, not decoded: they are the vocabulary and merges, never needed here.
+# Arrays are skipped, not decoded: they are the vocabulary and merges, never needed here;
+# but an array of at most this many numbers is read, as a tuple: a per-layer setting.
 _SKIPPED = object()
+_MAX_READ_ARRAY = 4096
 
 _SCALARS: dict[int, str] = {
     GGUFValueType.UINT8: "B",
@@ -282,6 +294,15 @@ class _Cursor:
         if value_type == GGUFValueType.STRING:
             return self.string()
         if value_type == GGUFValueType.ARRAY:
+            start = self.offset
+            item_type = self.scalar("I")
+            count = self.scalar("Q")
+            fmt = _SCALARS.get(item_type)
+            if fmt is not None and count <= _MAX_READ_ARRAY:
+                items = struct.unpack_from(f"{self.order}{count}{fmt}", self.data, self.offset)
+                self.offset += count * struct.calcsize(fmt)
+                return items
+            self.offset = start
             self.skip_array()
             return _SKIPPED
         fmt = _SCALARS.get(value_type)

@@ -368,6 +368,26 @@ def test_load_settings_say_what_they_mean_before_loading_and_what_the_engine_gav
             "one shared pool of 16,384 tokens.") in view.slots.text()
 
 
+def test_the_context_size_says_what_it_takes_and_the_hover_where_it_goes(
+        open_window, qtbot, gemma3_model: Path) -> None:
+    window = open_window()
+    window.open_files([str(gemma3_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    view = window.model_view
+    view.parallel.setValue(1)
+    view.ctx_size.setValue(32768)
+    # What llama-server allocates for it: 96 MiB for the 3 global layers, 15 MiB for the
+    # 15 sliding ones (a window and a micro-batch each); not 576 MiB of 18 full layers.
+    assert view.memory_plan.text() == "KV cache 116.4 MB"
+    assert view.memory_plan.toolTip().startswith(
+        "15 of 18 layers keep a 512-token sliding window. 116.4 MB: 100.7 MB for 32,768 tokens "
+        "in 3 layers, 15.7 MB for 15 sliding-window layers (512 tokens; 1,024 cells); context "
+        "checkpoints may add up to ")
+    view.extra_args.setText("--swa-full")
+    view.extra_args.editingFinished.emit()
+    assert view.memory_plan.text() == "KV cache 604.0 MB"
+
+
 def test_activity_shows_kv_tokens_reserved_next_to_the_slots(open_window) -> None:
     window = open_window()
     window.activity.add_sample(ActivitySample(time=1.0, active=2, slots_total=4,

@@ -5,6 +5,7 @@ chat model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -201,6 +202,25 @@ async def test_a_busy_model_is_never_evicted_its_stream_completes(
     assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
     text_of(await waiting)  # loaded once the busy one was idle, which made room
     assert service.pool.status("tiny").residency is Residency.EVICTED
+
+
+async def test_a_sliding_window_model_and_a_hybrid_fit_a_limit_a_dense_count_would_break(
+        service, client, gemma3_model, hybrid_model):
+    # At 32k, Gemma 3 keeps the context in 3 layers and a 512-token window in 15 (116 MB;
+    # 600 MB were every layer to keep it all, as with --swa-full); the hybrid's 3 recurrent
+    # layers keep a state, not the context.  A limit of their estimates together holds
+    # both, where counting every layer as full attention evicted one to load the other.
+    long = LoadSettings(parallel="1", ctx_size=32768)
+    gemma = ModelEntry.for_file(str(gemma3_model), name="gemma", settings=long)
+    hybrid = ModelEntry.for_file(str(hybrid_model), name="hybrid", settings=long)
+    limit_mib = ((estimate_model_bytes(gemma) + estimate_model_bytes(hybrid)) >> 20) + 1
+    every_layer_full = dataclasses.replace(gemma, settings=dataclasses.replace(
+        long, extra_args=("--swa-full",)))
+    assert estimate_model_bytes(every_layer_full) + estimate_model_bytes(hybrid) > limit_mib << 20
+    await service.start_pool(PoolConfig(models=(gemma, hybrid), memory_limit_mib=limit_mib))
+    for name in ("gemma", "hybrid"):
+        text_of(await client.post("/v1/chat/completions", json=chat(name, max_tokens=4)))
+    assert [service.pool.status(n).residency for n in ("gemma", "hybrid")] == [Residency.READY] * 2
 
 
 async def test_an_idle_model_is_unloaded_after_its_ttl(service, client, tiny_model):

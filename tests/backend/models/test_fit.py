@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from backend.llama.load import LoadSettings
+from backend.llama.supervisor import Supervisor
 from backend.models.gguf_info import read_model_info
 from backend.models.fit import (
     FITS_GPU,
     FITS_RAM,
     TOO_BIG,
-    KvShape,
+    CacheSettings,
     MachineMemory,
+    context_memory,
     estimate_fit,
     machine_memory,
 )
@@ -16,17 +24,18 @@ from tests.model_factory import EMBEDDING_LENGTH, HEAD_COUNT, HEAD_COUNT_KV, LAY
 from tests.not_none import not_none
 
 GB = 10**9
+MIB = 1 << 20
 
 
 def test_the_kv_cache_comes_from_the_gguf_header(tiny_model):
     info = read_model_info(tiny_model)
-    shape = not_none(KvShape.from_model_info(info))
+    fit = estimate_fit(info.file_size, MachineMemory(16 * GB), context=4096, info=info)
     head_width = EMBEDDING_LENGTH // HEAD_COUNT
     # layers x KV heads x (key + value widths) x 2 bytes (f16): 2 x 4 x 32 x 2
-    assert shape.bytes_per_token == LAYER_COUNT * HEAD_COUNT_KV * (head_width + head_width) * 2 == 512
-    fit = estimate_fit(info.file_size, MachineMemory(16 * GB), context=4096, info=info)
+    sized = not_none(fit.context_memory)
+    assert sized.bytes_per_token == LAYER_COUNT * HEAD_COUNT_KV * (head_width + head_width) * 2 == 512
     assert fit.basis == "header"
-    assert fit.kv_bytes == shape.bytes_per_token * 4096
+    assert fit.kv_bytes == sized.bytes_per_token * 4096
     assert fit.total_bytes == info.file_size + fit.kv_bytes + fit.margin_bytes
     assert "for 4,096 tokens of context" in fit.details()
 
@@ -69,3 +78,84 @@ def test_this_machine_reports_its_ram():
     memory = machine_memory()
     assert memory.ram_bytes > 256 * 1024 * 1024
     assert memory.gpu_vram_bytes == ()
+
+
+# --- the estimate against what the engine allocates, family by family ----------------------
+
+
+@pytest.fixture
+def family_model(request: pytest.FixtureRequest) -> Path:
+    """The model fixture named by the test's parameter (set up before the test's loop)."""
+    model: Path = request.getfixturevalue(request.param)
+    return model
+
+
+FAMILIES = ["tiny_model", "smollm2_model", "gemma3_model", "hybrid_model", "swa_moe_model"]
+
+
+@pytest.mark.parametrize("context", [4096, 32768])
+@pytest.mark.parametrize("family_model", FAMILIES, indirect=True)
+async def test_the_estimate_is_what_the_engine_allocates_for_each_family(
+        llama_server_binary, tmp_path, family_model, context):
+    # Two slots, each its own stream: the window and the state count per slot.  At the
+    # model's trained context when it is shorter (SmolLM2 and the tiny llama: 8,192).
+    context = min(context, not_none(read_model_info(family_model).context_length))
+    await assert_estimate_is_allocated(llama_server_binary, tmp_path, family_model,
+                                       LoadSettings(ctx_size=context, parallel="2"))
+
+
+@pytest.mark.parametrize("extra_args", [("--swa-full",), ("-ctk", "q8_0", "-ctv", "q8_0", "--kv-unified")])
+async def test_the_estimate_follows_the_engine_flags_that_size_the_cache(
+        llama_server_binary, tmp_path, gemma3_model, extra_args):
+    await assert_estimate_is_allocated(llama_server_binary, tmp_path, gemma3_model, LoadSettings(
+        ctx_size=8192, parallel="2", extra_args=extra_args))
+
+
+async def assert_estimate_is_allocated(binary: Path, log_dir: Path, model: Path,
+                                       settings: LoadSettings) -> None:
+    """Load `model` with `settings` and compare the estimate with the KV cache and state
+    the engine reports it allocated (its log's "KV buffer" and "RS buffer" lines)."""
+    info = read_model_info(model)
+    layout = not_none(info.memory)
+    supervisor = Supervisor(binary, log_dir, load_timeout=120, stop_timeout=5)
+    try:
+        engine = await supervisor.load(settings.to_spec(str(model)))
+    finally:
+        await supervisor.unload()
+    report, serving = not_none(engine.engine), not_none(engine.serving)
+    kv_mib = sum(device.kv_mib for device in report.devices)
+    state_mib = sum(device.state_mib for device in report.devices)
+    cache = not_none(CacheSettings.of_load(settings.ctx_size, settings.parallel, info.context_length,
+                                           settings.extra_args))
+    # The engine may restart with a smaller micro-batch once its speed is measured; a
+    # sliding window's cache holds one micro-batch beyond the window.
+    if serving.speed is not None:
+        cache = dataclasses.replace(cache, ubatch=serving.speed.choice.ubatch)
+    estimate = context_memory(layout, cache)
+    assert estimate.full_bytes + estimate.sliding_bytes == pytest.approx(kv_mib * MIB, rel=0.1)
+    assert estimate.recurrent_bytes == pytest.approx(state_mib * MIB, rel=0.1)
+    assert bool(estimate.sliding_bytes) == bool(layout.sliding_layers)
+
+
+def test_the_load_settings_give_the_engines_cache_flags():
+    split = not_none(CacheSettings.of_load(32768, "4", 8192, ("-ub", "256", "--swa-full", "-ctk", "q8_0")))
+    assert (split.context, split.slots, split.unified) == (32768, 4, False)
+    assert (split.ubatch, split.swa_full, split.type_k, split.type_v) == (256, True, "q8_0", "f16")
+    auto = not_none(CacheSettings.of_load(0, "auto", 8192, ("-ctxcp", "4")))
+    assert (auto.context, auto.slots, auto.unified, auto.checkpoints) == (8192, 4, True, 4)
+    # The model's own context on a split cache: each slot gets the trained context.
+    assert not_none(CacheSettings.of_load(0, "2", 8192)).context == 16384
+    assert CacheSettings.of_load(0, "2", None) is None
+
+
+def test_a_sliding_window_model_needs_far_less_than_every_layer_full(gemma3_model):
+    info = read_model_info(gemma3_model)
+    fit = estimate_fit(info.file_size, MachineMemory(16 * GB), context=32768, info=info)
+    sized = not_none(fit.context_memory)
+    # 3 global layers x 1 KV head x (256 + 256) x f16 a token; 15 sliding layers hold their
+    # 512-token window and a 512-token micro-batch.
+    assert sized.full_bytes == 3 * 512 * 2 * 32768 == 96 * MIB
+    assert sized.sliding_bytes == 15 * 512 * 2 * 1024 == 15 * MIB
+    assert "15 sliding-window layers (512 tokens; 1,024 cells)" in fit.details()
+    # Context checkpoints (a slot's window, at most 32 a slot) are said, not counted.
+    assert sized.checkpoint_bytes == 32 * 15 * MIB and fit.kv_bytes == 111 * MIB
