@@ -46,6 +46,7 @@ __all__ = [
     "CacheSettings",
     "ContextMemory",
     "FitEstimate",
+    "KvShape",
     "MachineMemory",
     "context_memory",
     "estimate_fit",
@@ -230,6 +231,26 @@ def context_memory(layout: MemoryLayout, settings: CacheSettings) -> ContextMemo
         sliding_cells=sliding_cells if layout.sliding_layers else 0,
         layout=layout, settings=settings,
         checkpoint_bytes=checkpoint * settings.checkpoints * slots)
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """What a slot's cache holds of a model, from its header, at f16 (the engine's default
+    cache type): `bytes_per_token` for each token of its prompt (the layers that keep the
+    whole context) and `bytes_per_sequence` whatever its length (its sliding window and a
+    micro-batch, its recurrent state)."""
+
+    bytes_per_token: int
+    bytes_per_sequence: int = 0
+
+    @classmethod
+    def from_model_info(cls, info: ModelInfo) -> KvShape | None:
+        if info.memory is None:
+            return None
+        # A context long enough for the whole window and a micro-batch.
+        context = _pad(info.memory.sliding_window + DEFAULT_UBATCH)
+        one_slot = context_memory(info.memory, CacheSettings(context=context))
+        return cls(one_slot.bytes_per_token, one_slot.bytes_per_sequence)
 
 
 def load_memory(info: ModelInfo, settings: LoadSettings) -> ContextMemory | None:

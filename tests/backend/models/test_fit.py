@@ -15,6 +15,7 @@ from backend.models.fit import (
     FITS_RAM,
     TOO_BIG,
     CacheSettings,
+    KvShape,
     MachineMemory,
     context_memory,
     estimate_fit,
@@ -159,3 +160,9 @@ def test_a_sliding_window_model_needs_far_less_than_every_layer_full(gemma3_mode
     assert "15 sliding-window layers (512 tokens; 1,024 cells)" in fit.details()
     # Context checkpoints (a slot's window, at most 32 a slot) are said, not counted.
     assert sized.checkpoint_bytes == 32 * 15 * MIB and fit.kv_bytes == 111 * MIB
+
+
+def test_a_slots_shape_counts_the_full_layers_per_token_and_the_window_per_slot(gemma3_model):
+    shape = not_none(KvShape.from_model_info(read_model_info(gemma3_model)))
+    assert shape.bytes_per_token == 3 * 512 * 2  # the 3 global layers, f16
+    assert shape.bytes_per_sequence == 15 * 512 * 2 * 1024  # the window and a micro-batch
