@@ -33,6 +33,7 @@ from backend.app.pool_status import scrubbed
 from backend.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
+from backend.heap import return_large_blocks
 from backend.key_store import CHAT_NAME, OWNER_NAME, KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
@@ -180,6 +181,8 @@ class StudioService:
                 # streams).  Collected first, so no garbage of an earlier port is kept.
                 gc.collect()
                 gc.freeze()
+                # A large request body's memory goes back to the system once freed.
+                return_large_blocks()
         return client_urls(self.settings.host, self._gateway.port)
 
     @property
