@@ -197,8 +197,9 @@ class ParkingSteward:
         # (model, engine key) -> its identity: worked out once per engine process (it
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
-        # Identity -> a token's KV bytes as the model's header says (0: it does not).
-        self._token_bytes: dict[str, int] = {}
+        # Identity -> a slot's bytes a token and whatever its length, as the model's
+        # header says (0: it does not).
+        self._slot_sizes: dict[str, tuple[int, int]] = {}
         self.time_limit = time_limit
         #: Each session's last request of its conversation, by its ParkKey.
         self.last_requests = LastRequests()
@@ -236,10 +237,10 @@ class ParkingSteward:
             parked += [(spare, key, last) for key, last in reversed(in_ram)]
         if not parked:
             return 0
-        if identity not in self._token_bytes:
-            self._token_bytes[identity] = await asyncio.to_thread(_header_token_bytes,
-                                                                  self._entry_of(model))
-        token_bytes = self._token_bytes[identity]
+        if identity not in self._slot_sizes:
+            self._slot_sizes[identity] = await asyncio.to_thread(_header_sizes,
+                                                                 self._entry_of(model))
+        token_bytes, sequence_bytes = self._slot_sizes[identity]
         saved = tried = recalled = 0
         started = time.monotonic()
         async with SlotClient(serving.base_url, api_key=serving.api_key,
@@ -259,7 +260,8 @@ class ParkingSteward:
                                 cached, computed = await engine.recall(
                                     slot, request.path, request.body)
                                 recalled += cached > computed
-                            await self.lot.save(engine, slot, key, token_bytes=token_bytes)
+                            await self.lot.save(engine, slot, key, token_bytes=token_bytes,
+                                                sequence_bytes=sequence_bytes)
                             saved += 1
                         except (SlotActionFailed, OSError, StudioError) as exc:
                             self.counts["park_failed"] += 1
@@ -429,16 +431,18 @@ class ParkingSteward:
 # --- helpers -------------------------------------------------------------------------------
 
 
-def _header_token_bytes(entry: ModelEntry | None) -> int:
-    """A token's KV bytes in the slots of `entry`'s model, as its header says (f16: the
-    engine's default cache type; a quantized cache takes less); 0 when it does not say."""
+def _header_sizes(entry: ModelEntry | None) -> tuple[int, int]:
+    """What a slot of `entry`'s model holds, as its header says (f16: the engine's default
+    cache type; a quantized cache takes less): bytes a token of its prompt, and bytes
+    whatever its length (a sliding window, a recurrent state); (0, 0) when it does not
+    say."""
     if entry is None:
-        return 0
+        return 0, 0
     try:
         shape = KvShape.from_model_info(read_model_info(entry.path))
     except (OSError, StudioError):
-        return 0
-    return shape.bytes_per_token if shape is not None else 0
+        return 0, 0
+    return (0, 0) if shape is None else (shape.bytes_per_token, shape.bytes_per_sequence)
 
 
 def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:

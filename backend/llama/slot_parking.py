@@ -328,11 +328,12 @@ class ParkingLot:
         return sum(p.size for p in self._index.values())
 
     async def save(self, engine: SlotClient, slot: int, key: ParkKey, *,
-                   token_bytes: int = 0) -> Parked:
+                   token_bytes: int = 0, sequence_bytes: int = 0) -> Parked:
         """Save `slot` as `key`'s prefix (replacing what was parked for it), once its size
         is known to fit: within the budget (the least recently used files make room
-        first) and leaving `MIN_FREE_DISK_BYTES` of the disk free.  `token_bytes`: a
-        token's KV bytes in this model's slots as its header says, for a model with no
+        first) and leaving `MIN_FREE_DISK_BYTES` of the disk free.  `token_bytes` and
+        `sequence_bytes`: what a slot of this model holds a token and whatever its length
+        (a sliding window, a recurrent state) as its header says, for a model with no
         file parked yet (its files say it better).  SlotActionFailed when the slot is
         not saved (it does not fit, or the engine did not save it); nothing of it is left
         then, and nothing else was removed for it."""
@@ -341,7 +342,7 @@ class ParkingLot:
         tokens = await engine.slot_tokens(slot)
         if tokens <= 0:
             raise SlotActionFailed(f"slot {slot} holds no prompt to park")
-        size = self._expected_size(key, tokens, token_bytes)
+        size = self._expected_size(key, tokens, token_bytes, sequence_bytes)
         budget = self._budget()
         if size > budget:
             raise SlotActionFailed(f"slot {slot}'s {tokens} tokens would take about "
@@ -423,10 +424,11 @@ class ParkingLot:
             log.info("%d parked prefix(es) removed: %s", removed, why)
             self._write_index()
 
-    def _expected_size(self, key: ParkKey, tokens: int, token_bytes: int) -> int:
+    def _expected_size(self, key: ParkKey, tokens: int, token_bytes: int,
+                       sequence_bytes: int) -> int:
         """The bytes a file of `key`'s model holding `tokens` tokens takes: as its largest
-        file parked says (its bytes a token), else from `token_bytes`.  SlotActionFailed
-        when neither tells."""
+        file parked says (its bytes a token), else from the header's figures.
+        SlotActionFailed when neither tells."""
         known = [p for p in self._index.values() if p.model == key.model_digest and p.tokens > 0]
         if known:
             largest = max(known, key=lambda p: p.tokens)
@@ -434,7 +436,7 @@ class ParkingLot:
         if token_bytes <= 0:
             raise SlotActionFailed("how large a slot of this model is cannot be told before "
                                    "saving it (its header does not say)")
-        return tokens * (token_bytes + _TOKEN_EXTRA_BYTES) + _FILE_HEAD_BYTES
+        return tokens * (token_bytes + _TOKEN_EXTRA_BYTES) + sequence_bytes + _FILE_HEAD_BYTES
 
     def _make_room(self, room: int, replacing: str) -> None:
         """Evict the least recently used files until the others (not `replacing`, which
