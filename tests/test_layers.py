@@ -20,7 +20,7 @@ ROOMS = ("backend", "backend.llama", "backend.models", "backend.admission", "bac
 #: Modules that decide without I/O (the counting rules, the planner, the answer parser):
 #: what they ask of an engine is given to them, so none may reach a module that connects.
 SANS_IO = ("backend.admission.prompt_tokens", "backend.admission.need_planner",
-           "backend.port.http1_response")
+           "backend.admission.request_planner", "backend.port.http1_response")
 CONNECTING = ("backend.port.upstream_http", "backend.port.tokenizer_client")
 
 

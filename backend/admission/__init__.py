@@ -5,7 +5,8 @@ one engine (`engine_queue`) and the line of one model (`line`), the registry of 
 keyed by the engines' base URLs (`admission_registry`), a waiting request's ticket
 (`admission_ticket`), where a ticket sits (`placement`: an engine and a seat), fair share
 between keys (`fair_queue` and its books, `lanes`; who a share is owed to, `flow`), keys'
-token limits (`rate_limits`) and the flow of a caller (`caller`, `flow_control`), what a
+token limits (`rate_limits`) and the flow of a caller (`caller`, `flow_control`), a
+request's admission asked once (`request_planner`: its hint, blocks and plan), what a
 request needs (`need_planner`; the counting rules `prompt_tokens` and the output limit
 `output_limits`; the engine's tokenizer is given to them), what a request says of its
 session (`hint`, where a client's session name is bounded), where sessions live

@@ -2,7 +2,7 @@
 
 Routes, keys and browser checks (`gateway`, `access_guard`), serving the socket
 (`server`), the engine's tokenizer over HTTP (`tokenizer_client`, given to admission's
-need planner), the relay of one exchange (`relay`, `client_watch`, `sse`), the upstream
+request planner), the relay of one exchange (`relay`, `client_watch`, `sse`), the upstream
 HTTP client (`upstream_http`: the connection pool; `http1_response`: the sans-I/O parser
 of its answers; `upstream_errors`: the failures of both), TCP_NODELAY on the connections
 of both sides (`tcp_nodelay`), request bodies (`request_body`, `request_fields`), error

@@ -25,7 +25,7 @@ import ipaddress
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Protocol
+from typing import Any, AsyncIterator, MutableMapping, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -41,7 +41,6 @@ from backend.port.access_guard import AccessGuard
 from backend.admission.flow import Band
 from backend.admission.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
-from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
 from backend.port.enrolment_endpoint import ENROL_PATH, EnrolmentEndpoint
@@ -49,13 +48,7 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
-from backend.llama.kv_capacity import TokenNeed
-from backend.admission.cache_misses import PromptBlocks, prompt_blocks, text_after
-from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
-from backend.admission.hint import NO_HINT, Hint, request_hint
-from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from backend.admission.continued_turn import Continued
-from backend.admission.prompt_tokens import MESSAGES, PromptCounter, prompt_size
+from backend.admission.request_planner import RequestPlanner
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.relay import Exchange, GatedRequest, SlotParking
 from backend.port.route import Route
@@ -64,7 +57,7 @@ from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_bod
                                        read_body)
 from backend.settings import Settings
 from backend.port.sse import StreamKind
-from backend.llama.load import Snapshot, State
+from backend.llama.load import Serving, Snapshot, State
 from backend.port.upstream_http import UpstreamClient
 
 __all__ = ["GATED_ROUTES", "GatewayContext", "create_app"]
@@ -138,8 +131,10 @@ class Gateway:
         self._client: UpstreamClient | None = None
         # Running exchanges, so that a load going away can end them (see `abort_load`).
         self._running: set[Exchange] = set()
-        # Engine key -> its need planner (and prompt counter); see `planner_for`.
-        self._planners: dict[str, NeedPlanner] = {}
+        #: Admits each request with one question (its hint, blocks and plan), and
+        #: plans one that waited for its model's load.
+        self.planner = RequestPlanner(ctx.registry, ctx.metrics.cache_book, self._tokenizer,
+                                      lambda: ctx.settings)
         #: The ASGI app that `backend.port.server` serves.
         self.app = _starlette_app(self)
         #: Bodies being read, parsed and counted (before any queue bound holds them).
@@ -248,15 +243,9 @@ class Gateway:
                 parsed.data["cache_prompt"] = False
                 parsed.body = json.dumps(parsed.data, ensure_ascii=False,
                                          separators=(",", ":")).encode()
-            queue = line.planning_engine
-            plan: Plan | None = None
-            hint = request_hint(caller.flow, headers, parsed.data, pinnable=path != MESSAGES)
-            # Its size walks the body's messages again: only a session's turn is continued.
-            size = None if hint.session is None else prompt_size(parsed.data, raw_size)
-            blocks = prompt_blocks(parsed.data, size)
-            if queue is not None:
-                plan = await self.plan(queue, path, parsed, raw_size, hint,
-                                       self.continued(hint, model, blocks, parsed.data))
+            admission = await self.planner.admit(line, path, model, caller.flow, headers,
+                                                 parsed.data, raw_size)
+            if admission.plan is not None:
                 # Planned: the parsed objects (several times the body's bytes) are not
                 # kept by a waiting request, only the body (max_waiting_body_bytes).
                 parsed.data = {}
@@ -279,9 +268,10 @@ class Gateway:
 
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
-                                                     parsed, model, passage, plan, raw_size,
-                                                     requested_band(headers), served, hint,
-                                                     arrived, traceparent, blocks),
+                                                     parsed, model, passage, admission.plan,
+                                                     raw_size, requested_band(headers), served,
+                                                     admission.hint, arrived, traceparent,
+                                                     admission.blocks),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -294,37 +284,12 @@ class Gateway:
             scope[_GONE] = True
         return exchange.metrics
 
-    def continued(self, hint: Hint, model: str, blocks: PromptBlocks,
-                  data: Mapping[str, Any]) -> Continued | None:
-        """The turn of its session's last answered one on this model that the request of
-        parsed body `data` continues (`continued_turn.Continued`), planned from it; None
-        when it continues none.  An addition of `LONG_PREFILL_TOKENS` bytes or more
-        brings its text, for the engine to count it alone: on its bytes (about 4 a
-        token) it would over-reserve, and read as a long cold prompt to the prefill
-        budget, which sent warm turns away from their prefix's engine in a pool."""
-        earlier = self.ctx.metrics.cache_book.continuation(hint.session, model, blocks)
-        if earlier is None:
-            return None
-        added = blocks.size - earlier.blocks.size
-        text = text_after(data, earlier.blocks.chars) if added >= LONG_PREFILL_TOKENS else ""
-        return Continued(earlier.prompt_tokens, added, text)
-
-    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int, hint: Hint = NO_HINT,
-                   continued: Continued | None = None) -> Plan:
-        """What the request will hold of the engine's KV cache (`NeedPlanner`), and its
-        `hint`; no need when the cache is unknown or admission is off: slots alone
-        decide, or nothing.  `continued`: the turn it continues, if any (`continued`)."""
-        planner = self.planner_for(queue)
-        if planner is None:
-            return NO_PLAN if hint is NO_HINT else Plan(hint=hint)
-        line = queue.line
-        fits_now: Callable[[TokenNeed], bool] = line.fits_now
-        if hint is not NO_HINT:
-            def fits_now(need: TokenNeed) -> bool:
-                return line.fits_now(need, hint)
-        return await planner.plan(path, parsed.data, body_bytes, fits_now=fits_now, hint=hint,
-                                  continued=continued)
+    def _tokenizer(self, serving: Serving) -> HttpEngineTokenizer:
+        """The tokenizer of a serving engine, for its need planner's counter.  No idle
+        connection is kept to the engine for counting: llama-server waits for its open
+        connections before it stops, which would slow every reload."""
+        return HttpEngineTokenizer(serving.base_url, api_key=serving.api_key,
+                                   client=self.client, headers={"Connection": "close"})
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's named key as the store has it now (revoked,
@@ -338,31 +303,6 @@ class Gateway:
                    else now.refusal(time.time()))
         if refusal is not None:
             raise refusal
-
-    def planner_for(self, queue: AdmissionQueue) -> NeedPlanner | None:
-        """One planner per serving engine, counting with that engine (it knows its
-        template); remade when the engine's cache or the output policy changes."""
-        serving = queue.serving
-        if serving.kv is None or not queue.enabled:
-            return None
-        policy = OutputPolicy(self.settings.max_output_tokens, self.settings.default_output_tokens)
-        planner = self._planners.get(serving.key)
-        if planner is None or planner.serving is not serving or planner.policy != policy:
-            counter = planner.counter if planner is not None else PromptCounter(
-                # No idle connection is kept to the engine for counting: llama-server
-                # waits for its open connections before it stops, which would slow
-                # every reload.
-                HttpEngineTokenizer(serving.base_url, api_key=serving.api_key,
-                                    client=self.client, headers={"Connection": "close"}))
-            planner = self._planners[serving.key] = NeedPlanner(serving, counter, policy)
-            registry = self.ctx.registry
-            for key in [k for k in self._planners if registry.queue_for(k) is None]:
-                del self._planners[key]
-        # Its cap of counts at once follows the settings live; it counts for its model's
-        # whole line (`Line.planning_engine`), so the cap follows the line's slots.
-        planner.counter.max_counts = self.settings.effective_max_prompt_counts(
-            queue.line.capacity)
-        return planner
 
     # --- open routes -----------------------------------------------------------------
 

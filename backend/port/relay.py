@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping, Protocol,
+from typing import (TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol,
                     TypeVar)
 
 from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
@@ -54,7 +54,7 @@ from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeou
 from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
-    from backend.admission.continued_turn import Continued
+    from backend.admission.request_planner import RequestPlanner
     from backend.port.metrics import ModelCounts
     from backend.port.request_body import Parsed
     from backend.port.server import BodyWriter
@@ -110,12 +110,9 @@ class ExchangeHost(SettlementHost, Protocol):
     @property
     def closing(self) -> bool: ...
 
-    async def plan(self, queue: AdmissionQueue, path: str, parsed: Parsed,
-                   body_bytes: int, hint: Hint = NO_HINT,
-                   continued: Continued | None = None) -> Plan: ...
-
-    def continued(self, hint: Hint, model: str, blocks: PromptBlocks,
-                  data: Mapping[str, Any]) -> Continued | None: ...
+    @property
+    def planner(self) -> RequestPlanner:
+        """Plans a request that waited for its model's load, as it admitted the others."""
 
     def recheck(self, caller: Caller) -> None:
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
@@ -421,13 +418,11 @@ class Exchange:
         if ticket is None:
             await self._served(None if deadline is None else deadline - loop.time())
             self.host.recheck(self.caller)  # its key may have gone while the model loaded
-            queue = self.line.planning_engine
-            parsed = self.request.parsed
             request = self.request
-            plan = Plan(hint=request.hint) if queue is None else await self.host.plan(
-                queue, request.path, parsed, request.body_bytes, request.hint,
-                self.host.continued(request.hint, request.model_id or UNROUTED, request.blocks,
-                                    parsed.data))
+            parsed = request.parsed
+            plan = await self.host.planner.plan_after_load(
+                self.line, request.path, request.model_id or UNROUTED, parsed.data,
+                request.body_bytes, request.hint, request.blocks)
             parsed.data = {}
             ticket = self._take_ticket(plan)
         while True:

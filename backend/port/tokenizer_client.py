@@ -1,6 +1,7 @@
 """The engine's tokenizer over llama-server's HTTP routes: the `EngineTokenizer` that
-`backend.admission.prompt_tokens.PromptCounter` asks (the gateway makes one per engine load and
-hands it to the counter; the counting rules do no I/O of their own).
+`backend.admission.prompt_tokens.PromptCounter` asks (the gateway hands admission's
+`RequestPlanner` a factory that makes one per engine load; the counting rules do no I/O of
+their own).
 
 Its routes: llama-server's counting routes for chat completions, Responses and Anthropic
 messages (`COUNT_ROUTES`), `/apply-template` and `/tokenize`.  Every failure (no

@@ -279,7 +279,7 @@ async def test_when_the_engine_cannot_count_in_time_the_documented_estimate_deci
     measured by its bytes (plus TEMPLATE_ALLOWANCE), with one warning in the log."""
     snapshot = await service.load(auto_spec(tiny_model))
     gateway = service._gateway.served
-    planner = gateway.planner_for(service.registry.current)
+    planner = gateway.planner.planner_for(service.registry.current)
     assert planner is not None
     planner.counter.timeout = 1e-9
     prompt = await prompt_of(snapshot, 700)  # beyond the byte bound's shortcut

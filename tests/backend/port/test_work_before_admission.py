@@ -189,7 +189,7 @@ async def test_the_cap_of_counts_follows_the_settings_live(slow_counter, gw_coun
     body = with_image(1000)
     first = asyncio.create_task(gw.client.post(CHAT, content=body,
                                                headers={"content-type": "application/json"}))
-    await until(lambda: gw.server.served.planner_for(gw.registry.current).counter.counting == 1)
+    await until(lambda: gw.server.served.planner.planner_for(gw.registry.current).counter.counting == 1)
     second = await gw.client.post(CHAT, content=body, headers={"content-type": "application/json"})
     assert_clean_error(second, 429, "prompt_counts_full", gw)
     slow_counter.count_gate.set()
@@ -250,5 +250,5 @@ async def test_a_short_request_with_tools_is_admitted_on_its_bound_without_a_cou
     again = await asyncio.wait_for(gw.client.post(CHAT, json=body), 5)
     assert again.status_code == 200
     assert len(slow_counter.counted) == probes  # not counted
-    counter = gw.server.served.planner_for(gw.registry.current).counter
+    counter = gw.server.served.planner.planner_for(gw.registry.current).counter
     assert counter.tool_costs is not None
