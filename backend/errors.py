@@ -263,6 +263,21 @@ class ContextLengthExceeded(RequestError):
         self.limit = limit
 
 
+class NoChatTemplate(RequestError):
+    """A chat route for a model that has no chat template (its file carries none and its
+    owner picked none, or the owner turned it off): llama-server would render the chat
+    with its fallback and the model answer junk.  `/v1/completions` takes plain prompts."""
+
+    status, type, code = 400, "invalid_request_error", "model_has_no_chat_template"
+
+    def __init__(self, model: str, *, turned_off: bool = False) -> None:
+        why = ("is served without a chat template" if turned_off else "has no chat template")
+        super().__init__(
+            f"The model {model} {why}, so it cannot take chat requests: send a plain prompt "
+            "to /v1/completions, or ask its owner to pick a chat template for it.",
+            param="model")
+
+
 class QueueFull(RequestError):
     status, type, code = 429, "server_error", "server_is_overloaded"
 

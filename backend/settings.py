@@ -138,6 +138,9 @@ class Settings:
     # Machines running `gguf-studio rpc-worker` the model is spread over ("host:port";
     # the environment gives them comma- or space-separated).
     rpc: list[str] = field(default_factory=list)
+    # The chat template picked for the model: "" its own, a llama.cpp built-in's name, a
+    # Jinja file, or "none" (backend.llama.chat_template).
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)  # from any source: file, environment, flag, window

@@ -299,7 +299,7 @@ class MainWindow(QMainWindow):
             return
         try:
             wanted = self.model_view.load_settings()
-            spec = wanted.to_spec(path, chat_template=info.has_chat_template)
+            spec = wanted.to_spec(path, own_template=info.has_chat_template)
         except SettingsError as exc:
             self.model_view.show_settings_error(str(exc))
             return
@@ -318,7 +318,7 @@ class MainWindow(QMainWindow):
             return
         try:
             wanted = self.model_view.load_settings()
-            wanted.to_spec(path, chat_template=info.has_chat_template)  # refuses owned flags
+            wanted.to_spec(path, own_template=info.has_chat_template)  # refuses owned flags
         except SettingsError as exc:
             self.model_view.show_settings_error(str(exc))
             return
@@ -326,8 +326,7 @@ class MainWindow(QMainWindow):
         self.library.remember_settings(path, wanted)
         self.library.mark_used(path)
         self._save_library()
-        entry = pool_config.ModelEntry.for_file(path, settings=wanted,
-                                                chat_template=info.has_chat_template)
+        entry = pool_config.ModelEntry.for_file(path, settings=wanted)
         self.bridge.add_model(entry, on_error=lambda message: self.show_message(
             f"{entry.name} did not load: {message}"))
         self.tabs.setCurrentIndex(POOL_TAB)

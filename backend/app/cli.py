@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ from backend.api_keys import read_api_key_file
 from backend.llama.engine import Engine, BuildProgress
 from backend.enrolment_window import MAX_ACCEPT_MINUTES, accepting_until
 from backend.errors import StudioError
+from backend.llama.chat_template import (ChatTemplate, TemplateSource, check_chat_template,
+                                         resolved_chat_template)
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import THREADS_HELP, LoadSettings
 from backend.models.hf_cache import printable
@@ -169,7 +172,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "models_file", "rpc", "otel_endpoint", "otel_client_parent",
                    "allow_enrolment",
-                   "stall_budget_ms")
+                   "stall_budget_ms", "chat_template")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -212,6 +215,9 @@ def serve_settings(args: argparse.Namespace) -> Settings:
             overrides["advertise_name"] = args.advertise
     if args.accept_enrolments is not None:
         overrides["accept_enrolments_until"] = accepting_until(args.accept_enrolments)
+    if args.chat_template is not None:
+        overrides["chat_template"] = resolved_chat_template(args.chat_template, os.getcwd())
+        check_chat_template(overrides["chat_template"], as_given=args.chat_template)
     settings = Settings.load().with_overrides(overrides)
     if args.extra_arg:
         settings = settings.replace(extra_args=list(args.extra_arg))
@@ -225,7 +231,8 @@ def pool_config(args: argparse.Namespace, settings: Settings) -> PoolConfig:
     load = LoadSettings.last_load(settings)
     models = [ModelEntry.for_file(os.path.abspath(os.path.expanduser(path)), name, settings=load)
               for name, path in map(_named_path, args.model or ())]
-    models += [ModelEntry.for_file(os.path.abspath(os.path.expanduser(path)), name, settings=load,
+    models += [ModelEntry.for_file(os.path.abspath(os.path.expanduser(path)), name,
+                                   settings=dataclasses.replace(load, chat_template=""),
                                    embeddings=True)
                for name, path in map(_named_path, args.embeddings_model or ())]
     urls = list(args.upstream or ())
@@ -311,6 +318,8 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
                 line += f"; runs on {snapshot.engine.summary()}"
             if serving.kv_note:
                 line += f"\n  {serving.kv_note} (--upstream-kv split|unified)"
+            line += _template_report(service.pool.status(model).chat_template
+                                     if model in service.pool.names() else None)
         if snapshot.error:
             line += f": {snapshot.error}"
         # Model names and errors come from files and other servers: shown escaped.
@@ -339,6 +348,16 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
         return 0
     finally:
         await service.close()
+
+
+def _template_report(template: ChatTemplate | None) -> str:
+    """The load report's words on a ready model's chat template: a warning when it has
+    none, the owner's pick when it has one; nothing for the model's own."""
+    if template is None or template.source is TemplateSource.OWN:
+        return ""
+    if not template.takes_chats:
+        return f"\n  {template.warning()}"
+    return f"; chat template: {template.describe()}"
 
 
 async def _say_announced(service: Any) -> None:
@@ -562,6 +581,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="spread the model over these machines, each running `gguf-studio "
                        "rpc-worker` (trusted wired network only; llama.cpp's RPC is insecure) "
                        f"({env('rpc')})")
+    serve.add_argument("--chat-template", metavar="NAME|FILE",
+                       help="the chat template of the --model models: one of llama.cpp's "
+                       "built-in templates (chatml, gemma, llama3, ...; chatml and files take "
+                       "tools), a Jinja template file, or none (plain completion only); "
+                       "default: the model's own. A model without one takes no chat requests "
+                       f"({env('chat_template')})")
     serve.add_argument("--extra-arg", action="append", metavar="ARG",
                        help="extra llama-server argument (repeatable)")
     serve.add_argument("--save", action="store_true", help="remember these options as settings")

@@ -34,9 +34,10 @@ import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelNotFound, ModelNotReady,
-                            RequestError)
+from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelFileError, ModelNotFound,
+                            ModelNotReady, RequestError)
 from backend.listeners import Listeners
+from backend.llama.chat_template import ChatTemplate
 from backend.llama.load import Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.models.fit import RAM_USABLE, estimate_fit, load_memory, machine_memory
@@ -261,10 +262,11 @@ class LocalModels:
                 supervisor = local.supervisor = self._new_supervisor(binary)
                 supervisor.add_listener(lambda snapshot: self._on_local_snapshot(local, snapshot))
                 supervisor.add_log_listener(lambda line: self._logs(name, line))
-            entry = local.entry
-            spec = entry.settings.to_spec(entry.path, chat_template=entry.chat_template,
-                                          model_id=name)
+            spec = local.entry.to_spec(own_template=local.own_template)
             snapshot = await supervisor.load(spec)
+            template = local.chat_template
+            if template is not None and not template.takes_chats:
+                log.warning("%s: %s", name, template.warning())
             local.residency = Residency.READY
             local.failed_at = None
             local.last_used = self._clock()
@@ -498,6 +500,8 @@ class LocalModel:
         #: Crashes of its engine, and how many of them each named key was in flight at.
         self.crashes = 0
         self.crashed_with: collections.Counter[str] = collections.Counter()
+        #: (the file read, whether it carries a chat template of its own)
+        self._own_template: tuple[str, bool] | None = None
 
     @property
     def engine_id(self) -> str:
@@ -506,6 +510,27 @@ class LocalModel:
     @property
     def resident(self) -> bool:
         return self.residency in (Residency.LOADING, Residency.READY, Residency.UNLOADING)
+
+    @property
+    def own_template(self) -> bool:
+        """Whether its file carries a chat template of its own (read once per file: a
+        header read, some milliseconds; an unreadable file counts as having one, its load
+        says what is wrong with it)."""
+        path = self.entry.path
+        if self._own_template is None or self._own_template[0] != path:
+            try:
+                has_one = read_model_info(path).has_chat_template
+            except ModelFileError:
+                has_one = True
+            self._own_template = (path, has_one)
+        return self._own_template[1]
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """What its chats are rendered with; None for an embeddings model (no chats)."""
+        if self.entry.embeddings:
+            return None
+        return ChatTemplate.of(self.entry.settings.chat_template, model_has_one=self.own_template)
 
     @property
     def holds_room(self) -> bool:

@@ -24,6 +24,11 @@ Codex's own config.toml, which the same people edit, is TOML too.
     preload = false                # loaded on its first request
     # isolated = true              # no prompt cache shared between requests (keys that are strangers)
 
+    [[model]]
+    path = "gemma-3-270m-q4_k_m.gguf"
+    chat_template = "gemma"        # it has none: llama.cpp's built-in gemma (or a .jinja file;
+                                   # false: none, chat requests refused, /v1/completions only)
+
     [[upstream]]
     url = "http://10.0.0.2:8899"
     api_key_file = "box2.key"      # its key, kept out of this file
@@ -48,6 +53,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from backend.errors import SettingsError
+from backend.llama.chat_template import (BUILT_IN_TEMPLATES, NO_TEMPLATE, OWN_TEMPLATE,
+                                         check_chat_template, resolved_chat_template)
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from backend.models.model_names import ModelNames
@@ -184,7 +191,13 @@ def _model_fields(entry: ModelEntry, folder: Path | None) -> list[tuple[str, Any
         fields.append(("extra_args", extra))
     if settings.rpc:
         fields.append(("rpc", list(settings.rpc)))
-    for key in ("pinned", "embeddings", "chat_template", "preload", "isolated"):
+    if settings.chat_template == NO_TEMPLATE:
+        fields.append(("chat_template", False))
+    elif settings.chat_template:
+        fields.append(("chat_template", settings.chat_template
+                       if settings.chat_template in BUILT_IN_TEMPLATES
+                       else _written_path(settings.chat_template, folder)))
+    for key in ("pinned", "embeddings", "preload", "isolated"):
         if getattr(entry, key) != getattr(ModelEntry, key):
             fields.append((key, getattr(entry, key)))
     if entry.idle_ttl:
@@ -268,7 +281,6 @@ class _Reader:
             "aliases": self._strings("model", i, table, "aliases", split=False),
             "pinned": self._flag("model", i, table, "pinned", False),
             "embeddings": self._flag("model", i, table, "embeddings", False),
-            "chat_template": self._flag("model", i, table, "chat_template", True),
             "preload": self._flag("model", i, table, "preload", True),
             "isolated": self._flag("model", i, table, "isolated", False),
         }
@@ -286,10 +298,11 @@ class _Reader:
             rpc = parse_rpc_workers(table.get("rpc", ()))
         except SettingsError as exc:
             raise self.error("model", i, "rpc", str(exc)) from None
+        chat_template = self._chat_template(i, table)
         try:
             settings = LoadSettings(ctx_size=ctx_size, parallel=parallel, threads=threads,
                                     n_gpu_layers=table.get("n_gpu_layers", "auto"), extra_args=extra_args,
-                                    rpc=rpc)
+                                    rpc=rpc, chat_template=chat_template)
         except SettingsError as exc:
             raise self.error("model", i, "n_gpu_layers", str(exc)) from None
         try:
@@ -342,6 +355,23 @@ class _Reader:
         if value == "auto":
             return "auto"
         raise self.error("model", i, "parallel", f"must be \"auto\" or a number of slots, not {value!r}")
+
+    def _chat_template(self, i: int, table: Mapping[str, Any]) -> str:
+        """The model's chat template: true (its own), false (none), a built-in template's
+        name or a Jinja file (relative to this file's folder)."""
+        value = table.get("chat_template", True)
+        if isinstance(value, bool):
+            return OWN_TEMPLATE if value else NO_TEMPLATE
+        if not isinstance(value, str):
+            raise self.error("model", i, "chat_template", "must be true (the model's own), false "
+                             "(none), a built-in template's name or a template file, not "
+                             f"{value!r}")
+        pick = resolved_chat_template(value, self.folder)
+        try:
+            check_chat_template(pick, as_given=value)
+        except SettingsError as exc:
+            raise self.error("model", i, "chat_template", str(exc)) from None
+        return pick
 
     def _flag(self, kind: str, i: int, table: Mapping[str, Any], key: str, default: bool) -> bool:
         value = table.get(key, default)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from backend.errors import RETRY_SOON, ModelNotFound, ModelNotReady, RequestError
+from backend.errors import RETRY_SOON, ModelNotFound, ModelNotReady, NoChatTemplate, RequestError
 from backend.listeners import Listeners
 from backend.models.hf_cache import printable
 from backend.llama.load import LoadBackend, LoadSpec, Serving, Snapshot
@@ -33,7 +33,7 @@ from backend.app.local_models import LocalModel, LocalModels
 from backend.app.pool_config import ModelEntry, UpstreamEntry
 from backend.app.pool_status import HERE, EngineStatus, ModelStatus, UpstreamStatus, engine_status
 from backend.app.pool_upstreams import Upstreams
-from backend.port.route import Route
+from backend.port.route import CHAT_ROUTES, Route
 from backend.settings import Settings
 
 __all__ = ["EMBEDDINGS_ROUTE", "Pool"]
@@ -157,6 +157,9 @@ class Pool:
         name = self.resolve(path, requested)
         local = self._locals.get(name)
         if local is not None:
+            template = local.chat_template
+            if path in CHAT_ROUTES and template is not None and not template.takes_chats:
+                raise NoChatTemplate(name, turned_off=template.model_has_one)
             return Route(name, isolated=local.entry.isolated,
                          serve=functools.partial(self._serve, name))
         return Route(name, named=self._upstreams.must_name(name),
@@ -209,7 +212,8 @@ class Pool:
             entry = local.entry
             return ModelStatus(name, entry.aliases, True, local.residency, entry.pinned,
                                entry.idle_ttl, entry.embeddings, name == self.default_model,
-                               context, local.decision, local.error, engines)
+                               context, local.decision, local.error, engines,
+                               local.chat_template)
         return self._upstreams.model_status(name, engines, context, name == self.default_model)
 
     def snapshot(self, name: str | None = None) -> Snapshot:
@@ -265,8 +269,7 @@ class Pool:
         previous default (when another model) is unloaded after its running requests
         finish (up to the reload grace), and its waiters move to the new one."""
         previous = self.default_model
-        entry = ModelEntry(name=spec.name, path=spec.model_path, settings=spec.settings,
-                           chat_template=spec.chat_template, pinned=True)
+        entry = ModelEntry(name=spec.name, path=spec.model_path, settings=spec.settings, pinned=True)
         self._names_beside(entry, replacing=previous)
         existing = self._locals.get(spec.name)
         if existing is not None and existing.resident:

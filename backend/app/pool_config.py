@@ -52,7 +52,6 @@ class ModelEntry:
     pinned: bool = False  #: never unloaded, neither to make room nor for idleness
     idle_ttl: float = 0.0  #: seconds without a request before it is unloaded; 0: never
     embeddings: bool = False  #: started with --embeddings; /v1/embeddings goes to it
-    chat_template: bool = True  #: render the model's own chat template (where it has one)
     preload: bool = True  #: loaded at start; else on its first request
     #: no prompt cache shared between requests (keys that are strangers): see ISOLATED_FLAGS
     isolated: bool = False
@@ -96,12 +95,12 @@ class ModelEntry:
         """It as `ModelNames` sees it."""
         return NamedModel(self.name, self.aliases, self.path)
 
-    def to_spec(self, *, has_chat_template: bool = True) -> LoadSpec:
-        """The load; `has_chat_template`: whether the file carries a template to render."""
+    def to_spec(self, *, own_template: bool = True) -> LoadSpec:
+        """The load; `own_template`: whether the file carries a chat template of its own
+        (its chat template setting is `settings.chat_template`)."""
         settings = self.settings if not self.isolated else dataclasses.replace(
             self.settings, extra_args=(*self.settings.extra_args, *ISOLATED_FLAGS))
-        return settings.to_spec(self.path, chat_template=self.chat_template and has_chat_template,
-                                model_id=self.name)
+        return settings.to_spec(self.path, own_template=own_template, model_id=self.name)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import enum
 import re
 from dataclasses import dataclass
 
+from backend.llama.chat_template import ChatTemplate
 from backend.llama.load import Snapshot
 from backend.admission.admission_registry import AdmissionRegistry
 
@@ -61,6 +62,9 @@ class ModelStatus:
     decision: str  #: the last residency decision and its reason
     error: str | None
     engines: tuple[EngineStatus, ...]
+    #: What its chats are rendered with; None where not known here (an engine
+    #: elsewhere's model) or not a chat model (embeddings).
+    chat_template: ChatTemplate | None = None
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ async def _run(model: Path, llama_server: str | os.PathLike[str] | None,
         await service.start_gateway()
         port = service.gateway_port
         spec = LoadSettings(parallel="1", ctx_size=ctx_size).to_spec(
-            str(model), chat_template=info.has_chat_template)
+            str(model), own_template=info.has_chat_template)
         load_started = time.monotonic()
         try:
             snapshot = await service.load(spec)
@@ -115,23 +115,30 @@ async def _run(model: Path, llama_server: str | os.PathLike[str] | None,
 
         host = _client_host(service.settings.host)
         headers = {"Authorization": f"Bearer {service.settings.api_key}"} if service.settings.api_key else {}
-        body = {"model": snapshot.model_id, "max_tokens": MAX_TOKENS, "stream": False,
-                "messages": [{"role": "user", "content": PROMPT}]}
+        # A model without a chat template takes no chats through the port: a plain prompt.
+        chats = info.has_chat_template
+        body: dict[str, Any] = {"model": snapshot.model_id, "max_tokens": MAX_TOKENS, "stream": False}
+        if chats:
+            body["messages"] = [{"role": "user", "content": PROMPT}]
+        else:
+            body["prompt"] = PROMPT
         request_started = time.monotonic()
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=headers,
                                      timeout=60.0, trust_env=False) as client:
             try:
-                response = await client.post("/v1/chat/completions", json=body)
+                response = await client.post("/v1/chat/completions" if chats else "/v1/completions",
+                                             json=body)
             except httpx.HTTPError as exc:
                 raise SelfTestFailed(f"the request to its own port failed: {exc!r}.") from None
         request_seconds = time.monotonic() - request_started
-        answer = _check_answer(response)
+        answer = _check_answer(response, chats)
         tokens = (answer.get("usage") or {}).get("completion_tokens")
         choice = answer["choices"][0]
-        text = (choice.get("message") or {}).get("content") or ""
+        text = ((choice.get("message") or {}).get("content") if chats else choice.get("text")) or ""
         return (f"{snapshot.model_id} loaded in {load_seconds:.1f} s "
                 f"({snapshot.serving.slots if snapshot.serving else 0} slot, ctx {ctx_size}); "
-                f"1 chat completion through port {port} in {request_seconds:.2f} s "
+                f"1 {'chat completion' if chats else 'completion (no chat template)'} through "
+                f"port {port} in {request_seconds:.2f} s "
                 f"({tokens if tokens is not None else '?'} tokens, finish_reason "
                 f"{choice.get('finish_reason')}, {len(text)} chars); "
                 f"total {time.monotonic() - started:.1f} s")
@@ -186,16 +193,17 @@ def _client_host(bind_host: str) -> str:
     return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
-def _check_answer(response: httpx.Response) -> dict[str, Any]:
+def _check_answer(response: httpx.Response, chat: bool) -> dict[str, Any]:
     if response.status_code != 200:
         raise SelfTestFailed(f"its own port answered HTTP {response.status_code}: {response.text[:300]}")
+    what = "a chat completion" if chat else "a completion"
     try:
         answer: dict[str, Any] = response.json()
         choices = answer["choices"]
-        if not choices or "message" not in choices[0]:
-            raise ValueError("no choice with a message")
+        if not choices or ("message" if chat else "text") not in choices[0]:
+            raise ValueError(f"no choice with {'a message' if chat else 'a text'}")
     except (ValueError, KeyError, TypeError) as exc:
-        raise SelfTestFailed(f"the answer is not a chat completion ({exc}): {response.text[:300]}") from None
+        raise SelfTestFailed(f"the answer is not {what} ({exc}): {response.text[:300]}") from None
     return answer
 
 

@@ -37,6 +37,7 @@ from backend.heap import return_large_blocks
 from backend.key_store import CHAT_NAME, OWNER_NAME, KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
+from backend.llama.chat_template import ChatTemplate
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.slot_parking import ParkingLot, ParkKey
 from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
@@ -556,7 +557,9 @@ class StudioService:
                          "pinned": status.pinned, "idle_ttl": status.idle_ttl,
                          "embeddings": status.embeddings, "decision": scrubbed(status.decision),
                          "error": scrubbed(status.error),
-                         "engines": [dataclasses.asdict(e) for e in status.engines]}))
+                         "engines": [dataclasses.asdict(e) for e in status.engines],
+                         # What its chats are rendered with (none: chat routes are refused).
+                         "chat_template": _chat_template(status.chat_template)}))
         return cards
 
     def engines_elsewhere(self) -> list[dict[str, Any]]:
@@ -646,6 +649,13 @@ def check_bind_allowed(settings: Settings, *, named_keys: bool = False) -> None:
         f"Refusing to listen on {settings.host} without an API key: anyone on the network could "
         "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), make a named key with "
         "`gguf-studio keys add NAME`, or pass --allow-no-key if you really mean it.")
+
+
+def _chat_template(template: ChatTemplate | None) -> dict[str, Any] | None:
+    """/health's words on a model's chat template; None where not known here."""
+    if template is None:
+        return None
+    return dict(template.to_dict(), note=template.warning() or None)
 
 
 def _speed_figure(speed: dict[str, object] | None, name: str) -> float:

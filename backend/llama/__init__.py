@@ -4,7 +4,8 @@ watched elsewhere.
 Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`), runs and
 supervises one load (`supervisor`) or watches a remote one (`remote_engine`), talks to
 its own API (`api`), reads what it reported (`report`, `log`), knows its KV cache
-rules (`kv_capacity`) and keeps slots saved to disk (`slot_parking`).  `load` is the
+rules (`kv_capacity`) and the chat template it renders chats with (`chat_template`), and
+keeps slots saved to disk (`slot_parking`).  `load` is the
 contract everything above uses: what a load is asked for, the state it is in, and the
 `Serving` value that exists while it serves.
 """

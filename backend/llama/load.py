@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from backend.llama.api import UpstreamModel
+from backend.llama.chat_template import ChatTemplate, check_chat_template, normal_chat_template
 from backend.llama.engine_speed import EngineSpeed
 from backend.llama.report import EngineReport
 from backend.errors import SettingsError
@@ -40,6 +41,9 @@ OWNED_FLAGS = frozenset({
     "-n", "--predict", "--n-predict",
     # Parked slots live in a private directory GGUF Studio owns (backend.llama.slot_parking).
     "--slot-save-path",
+    # The chat template: the port refuses chats for a model without one, so it must know
+    # the one the engine renders with (LoadSettings.chat_template, backend.llama.chat_template).
+    "--chat-template", "--chat-template-file",
 })
 
 # What threads 0 (the default) means, for every help text that mentions it.
@@ -65,9 +69,13 @@ class LoadSettings:
     extra_args: tuple[str, ...] = ()
     #: Machines running `gguf-studio rpc-worker` ("host:port") the model is spread over.
     rpc: tuple[str, ...] = ()
+    #: The chat template the owner picked: "" the model's own, a llama.cpp built-in's
+    #: name, a Jinja file, or "none" (backend.llama.chat_template).
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "n_gpu_layers", parse_gpu_layers(self.n_gpu_layers))
+        object.__setattr__(self, "chat_template", normal_chat_template(self.chat_template))
         try:
             object.__setattr__(self, "rpc", parse_rpc_workers(self.rpc))
         except SettingsError:  # kept as given: `validate` (every load) says what is wrong
@@ -82,20 +90,22 @@ class LoadSettings:
         if owned:
             raise SettingsError(
                 f"{', '.join(owned)} cannot be given as extra arguments: GGUF Studio sets "
-                "the model, host, port, parallel slots, API key, RPC workers and output cap "
-                "itself.")
+                "the model, host, port, parallel slots, API key, RPC workers, output cap and "
+                "chat template itself (the chat template is a load setting of its own).")
         parse_rpc_workers(self.rpc)
+        check_chat_template(self.chat_template)
         if self.rpc and self.n_gpu_layers == NONE:
             raise SettingsError(
                 "RPC workers take the model's layers as devices, and GPU layers \"none\" "
                 "keeps every layer on this machine: use auto or all with RPC workers.")
 
-    def to_spec(self, model_path: str, *, chat_template: bool = True, model_id: str = "") -> "LoadSpec":
-        """The one way a load is built.  Raises SettingsError like `validate`."""
+    def to_spec(self, model_path: str, *, own_template: bool = True, model_id: str = "") -> "LoadSpec":
+        """The one way a load is built; `own_template`: whether the GGUF file carries a
+        chat template of its own.  Raises SettingsError like `validate`."""
         settings = dataclasses.replace(self, parallel=str(self.parallel).strip() or "auto",
                                        extra_args=tuple(self.extra_args))
         return LoadSpec(model_path=str(model_path), settings=settings,
-                        chat_template=chat_template, model_id=model_id)
+                        own_template=own_template, model_id=model_id)
 
     def describe_plan(self, trained_context: int | None) -> str:
         """What these settings mean for clients, before loading ("Up to 4 requests at
@@ -115,13 +125,15 @@ class LoadSettings:
         """The last load's settings, as `Settings` remembers them."""
         return cls(ctx_size=settings.ctx_size, parallel=settings.parallel,
                    n_gpu_layers=settings.n_gpu_layers, threads=settings.threads,
-                   extra_args=tuple(settings.extra_args), rpc=tuple(settings.rpc))
+                   extra_args=tuple(settings.extra_args), rpc=tuple(settings.rpc),
+                   chat_template=settings.chat_template)
 
     def remembered_in(self, settings: Settings) -> Settings:
         """A copy of `settings` remembering these as the last load's settings."""
         return settings.replace(ctx_size=self.ctx_size, parallel=str(self.parallel),
                                 n_gpu_layers=self.n_gpu_layers, threads=self.threads,
-                                extra_args=list(self.extra_args), rpc=list(self.rpc))
+                                extra_args=list(self.extra_args), rpc=list(self.rpc),
+                                chat_template=self.chat_template)
 
     @staticmethod
     def parse_extra_args(text: str) -> tuple[str, ...]:
@@ -155,7 +167,7 @@ class LoadSettings:
         return cls(ctx_size=number("ctx_size"), parallel=str(data.get("parallel") or "auto"),
                    n_gpu_layers=read_saved_gpu_layers(data.get("n_gpu_layers", "auto")),
                    threads=number("threads"), extra_args=strings("extra_args"),
-                   rpc=strings("rpc"))
+                   rpc=strings("rpc"), chat_template=str(data.get("chat_template") or ""))
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,7 @@ class LoadSpec:
 
     model_path: str
     settings: LoadSettings = LoadSettings()
-    chat_template: bool = True  # --jinja: render the model's own chat template
+    own_template: bool = True  #: the GGUF file carries a chat template of its own
     model_id: str = ""  # the name clients see; the file name without .gguf by default
 
     def __post_init__(self) -> None:
@@ -173,6 +185,11 @@ class LoadSpec:
     @property
     def name(self) -> str:
         return self.model_id or Path(self.model_path).name.removesuffix(".gguf")
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """What the engine renders chats with (none: the port refuses chat routes)."""
+        return ChatTemplate.of(self.settings.chat_template, model_has_one=self.own_template)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from backend.llama.accelerators import cpu_claims_amx
 from backend.llama.api import EngineClient, EngineProps
+from backend.llama.chat_template import chat_template_args
 from backend.llama.engine_speed import (DEFAULT_BATCH, DEFAULT_STALL_BUDGET, DEFAULT_UBATCH,
                                         EngineSpeed, choose_batch, measure_speed)
 from backend.llama.environment import die_with_parent, engine_environment
@@ -444,8 +445,7 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         args += ["--api-key-file", str(api_key_file)]
     if slot_save_dir is not None:
         args += ["--slot-save-path", str(slot_save_dir)]
-    if spec.chat_template:
-        args.append("--jinja")
+    args += chat_template_args(settings.chat_template, model_has_one=spec.own_template)
     if (cpu_claims_amx() if amx is None else amx) and "--no-repack" not in settings.extra_args:
         # Measured on the pinned llama.cpp: where the CPU claims AMX (a cloud VM here),
         # loading a Q4_1 model (SmolLM2) dies with SIGSEGV in ggml's AMX weight layout;

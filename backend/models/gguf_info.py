@@ -77,7 +77,9 @@ class ModelInfo:
             f"Context length: {known(self.context_length)}",
             f"Layers: {known(self.layer_count)}",
             f"Embedding length: {known(self.embedding_length)}",
-            f"Chat template: {'yes' if self.has_chat_template else 'no'}",
+            "Chat template: " + ("yes" if self.has_chat_template else
+                                 "no (chat requests are refused; plain prompts work; pick one "
+                                 "with serve --chat-template NAME|FILE)"),
             *([f"Memory: {self.memory.describe()}"] if self.memory is not None else []),
         ]
 

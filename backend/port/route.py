@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from backend.admission.flow import Band
 
-__all__ = ["Route"]
+__all__ = ["CHAT_ROUTES", "Route"]
+
+#: The routes whose requests are chats the engine renders with the model's chat template
+#: (a model without one takes none of them: backend.errors.NoChatTemplate).
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
 
 def _served_already(band: Band) -> None:

@@ -40,6 +40,14 @@ async def test_loads_answers_through_its_own_port_and_reports(tiny_model, llama_
     assert err == ""
 
 
+async def test_a_model_without_a_chat_template_is_tested_with_a_plain_prompt(
+        gemma3_model, llama_server_binary):
+    """Gemma 3 270M has no chat template: its port refuses chats, and takes prompts."""
+    code, out, err = await self_test(gemma3_model, llama_server=llama_server_binary)
+    assert code == 0, err
+    assert "1 completion (no chat template) through port" in out
+
+
 async def test_uses_a_given_service_and_leaves_it_open(tmp_path, tiny_model, llama_server_binary):
     """The window's path: its own service, on whatever port it has."""
     service = StudioService(Settings(port=0, llama_server=str(llama_server_binary)),

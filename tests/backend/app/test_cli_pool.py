@@ -48,6 +48,20 @@ def test_every_model_flag_is_a_model_with_the_flags_load_settings(user):
     assert config.default is config.models[0]
 
 
+def test_the_chat_template_flag_picks_the_models_template_and_a_file_is_found_from_here(user):
+    (user / "templates").mkdir()
+    (user / "templates" / "base.jinja").write_text("{{ messages[0]['content'] }}")
+    config = serve_config("--model", "base.gguf", "--embeddings-model", "e.gguf",
+                          "--chat-template", "templates/base.jinja")
+    chat, embed = config.models
+    assert chat.settings.chat_template == str(user / "templates" / "base.jinja")
+    assert embed.settings.chat_template == ""  # an embeddings model takes no chats
+    assert serve_config("--model", "base.gguf", "--chat-template", "ChatML").models[0] \
+        .settings.chat_template == "chatml"
+    with pytest.raises(SettingsError, match="'chat-ml' is neither"):
+        serve_config("--model", "base.gguf", "--chat-template", "chat-ml")
+
+
 def test_name_equals_path_names_a_model_and_a_file_with_an_equals_sign_stays_a_path(user):
     (user / "odd=name.gguf").write_bytes(b"")
     config = serve_config("--model", "coder=models/qwen.gguf", "--model", "odd=name.gguf",
@@ -193,6 +207,38 @@ def test_serve_with_two_models_answers_each_by_name_and_lists_both(tiny_model, s
             assert answer.status_code == 200, answer.text
             answers[model] = answer.json()["choices"][0]["message"]["content"]
         assert "Paris" in answers["smol"] and answers["tiny"] != answers["smol"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        not_none(proc.stdout).close()
+        not_none(proc.stderr).close()
+
+
+def test_serve_says_when_a_model_has_no_chat_template_and_what_its_clients_get(
+        gemma3_model, llama_server_binary, tmp_path):
+    """The load report of a model without a chat template (the real Gemma 3 270M) says
+    that chats are refused and plain prompts taken, and how to pick one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_STATE_HOME=str(tmp_path / "state"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.app.cli", "serve", "--model", f"gemma={gemma3_model}",
+         "--port", "0", "--parallel", "1", "--ctx-size", "2048", "--threads", "1",
+         "--llama-server", str(llama_server_binary)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = iter(not_none(proc.stdout))
+        for line in lines:
+            if line.startswith(("[ready] gemma", "[failed]")):
+                break
+        assert line.startswith("[ready] gemma:"), line
+        said = next(lines).strip()
+        assert said.startswith("This model has no chat template: chat requests "
+                               "(/v1/chat/completions, /v1/responses, /v1/messages) are refused "
+                               "with 400 model_has_no_chat_template, and /v1/completions takes "
+                               "plain prompts."), said
+        assert "serve --chat-template NAME|FILE" in said
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:

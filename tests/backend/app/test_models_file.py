@@ -155,7 +155,14 @@ def test_a_file_name_two_models_share_answers_for_neither_and_their_own_names_st
     ("aliases = [1]", "models.toml line 3 (model 1, aliases): must be a list of texts, not [1]."),
     ('extra_args = ["--port", "1"]', "models.toml line 3 (model 1, extra_args): --port cannot be given as "
                                      "extra arguments: GGUF Studio sets the model, host, port, parallel "
-                                     "slots, API key, RPC workers and output cap itself."),
+                                     "slots, API key, RPC workers, output cap and chat template itself "
+                                     "(the chat template is a load setting of its own)."),
+    ("chat_template = 3", "models.toml line 3 (model 1, chat_template): must be true (the model's "
+                          "own), false (none), a built-in template's name or a template file, not 3."),
+    ('chat_template = "gemma-3"', "models.toml line 3 (model 1, chat_template): The chat template "
+                                  "'gemma-3' is neither one of llama.cpp's built-in templates "
+                                  "(chatml, gemma, llama3, mistral-v7, phi4, ... the Model tab lists "
+                                  "them all) nor a readable Jinja template file."),
     ("ctx = 4096", "models.toml line 3 (model 1, ctx): is not a setting here (known: name, path, aliases, "
                    "ctx_size, parallel, n_gpu_layers, threads, extra_args, rpc, pinned, idle_ttl, embeddings, "
                    "chat_template, preload, isolated)."),
@@ -261,7 +268,7 @@ async def test_an_embeddings_entry_loads_into_an_engine_that_answers_embeddings(
                               'embeddings = true\nparallel = 2\n').models[0]
     supervisor = Supervisor(llama_server_binary, tmp_path, load_timeout=120, stop_timeout=5)
     try:
-        snapshot = await supervisor.load(entry.to_spec(has_chat_template=False))
+        snapshot = await supervisor.load(entry.to_spec(own_template=False))
         serving = snapshot.serving
         assert serving is not None and snapshot.model_id == "tiny-embed"
         async with httpx.AsyncClient(headers=engine_headers(serving.api_key), timeout=60) as client:
@@ -273,6 +280,23 @@ async def test_an_embeddings_entry_loads_into_an_engine_that_answers_embeddings(
 
 
 # --- written back --------------------------------------------------------------------------------
+
+def test_a_models_chat_template_is_its_own_none_a_built_in_or_a_file_and_is_written_back(tmp_path):
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "base.jinja").write_text("{{ messages[0]['content'] }}")
+    path = write(tmp_path, '[[model]]\npath = "own.gguf"\nchat_template = true\n'
+                           '[[model]]\npath = "off.gguf"\nchat_template = false\n'
+                           '[[model]]\npath = "gemma.gguf"\nchat_template = "Gemma"\n'
+                           '[[model]]\npath = "base.gguf"\nchat_template = "templates/base.jinja"\n')
+    config = read_models_file(path)
+    assert [m.settings.chat_template for m in config.models] == [
+        "", "none", "gemma", str(tmp_path / "templates" / "base.jinja")]
+    write_models_file(config, path)
+    text = path.read_text()
+    assert 'chat_template = false' in text and 'chat_template = "gemma"' in text
+    assert 'chat_template = "templates/base.jinja"' in text  # relative to the file, as written
+    assert read_models_file(path) == config
+
 
 def test_a_file_written_back_reads_the_same_with_paths_relative_to_its_folder(tmp_path):
     (tmp_path / "box2.key").write_text("box2-secret\n")

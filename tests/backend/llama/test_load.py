@@ -7,15 +7,32 @@ import re
 import pytest
 
 from backend.errors import SettingsError
+from backend.llama.chat_template import ChatTemplate, TemplateSource
 from backend.llama.load import OWNED_FLAGS, LoadSettings
 from backend.settings import Settings
 
 
 def test_load_settings_become_a_load_spec() -> None:
     spec = LoadSettings(ctx_size=2048, parallel="2", extra_args=("--temp", "0.1")).to_spec(
-        "/m.gguf", chat_template=False)
+        "/m.gguf", own_template=False)
     assert (spec.model_path, spec.settings.parallel, spec.settings.ctx_size,
-            spec.settings.extra_args, spec.chat_template) == ("/m.gguf", "2", 2048, ("--temp", "0.1"), False)
+            spec.settings.extra_args, spec.own_template) == ("/m.gguf", "2", 2048, ("--temp", "0.1"), False)
+    # A file without a template of its own, and none picked: no chats.
+    assert spec.chat_template == ChatTemplate(TemplateSource.NONE, model_has_one=False)
+
+
+def test_the_chat_template_picked_is_kept_with_the_load_and_a_wrong_one_is_refused(tmp_path) -> None:
+    wanted = LoadSettings(ctx_size=2048, chat_template=" Gemma ")
+    assert wanted.chat_template == "gemma"  # a built-in's name, as llama.cpp spells it
+    assert LoadSettings.from_dict(wanted.to_dict()) == wanted
+    wanted.remembered_in(Settings()).save(tmp_path / "s.json", environ={})
+    assert LoadSettings.last_load(Settings.load(tmp_path / "s.json", environ={})) == wanted
+    assert wanted.to_spec("/m.gguf", own_template=False).chat_template.describe() == (
+        "gemma (llama.cpp's built-in, picked by the owner)")
+    with pytest.raises(SettingsError, match="neither one of llama.cpp's built-in templates"):
+        LoadSettings(chat_template="gemma-7").to_spec("/m.gguf")
+    with pytest.raises(SettingsError, match="neither one of llama.cpp's built-in templates"):
+        LoadSettings(chat_template=str(tmp_path / "missing.jinja")).validate()
 
 
 @pytest.mark.parametrize("extra", [("--port", "9"), ("-m", "x.gguf"), ("--host", "0.0.0.0"),
@@ -47,7 +64,7 @@ def test_the_last_load_survives_the_settings_file_in_the_same_shape(tmp_path) ->
 OWNED_SPELLINGS = ["--port", "--port=80", "--api_key", "--api-key=x", "--api_key_file", "-m",
                    "-m=x.gguf", "-np", "-a", "--alias=x", "--hf_repo", "-hfr",
                    "--model_url", "--host=0.0.0.0", "-n", "--predict", "--n-predict=5",
-                   "--n_predict"]
+                   "--n_predict", "--chat-template", "--chat_template_file=t.jinja"]
 
 
 @pytest.mark.parametrize("flag", OWNED_SPELLINGS)
