@@ -12,12 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Collection, Coroutine
 
 from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (QColor, QFont, QKeySequence, QPalette, QShortcut, QTextBlock,
                            QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument, QTextFormat)
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -60,6 +61,10 @@ class ChatView(QWidget):
         super().__init__(parent)
         self.state = ChatState()
         self._answer_started: float | None = None
+        #: The models served without a chat template: plain completion only.
+        self._without_template: frozenset[str] = frozenset()
+        #: Plain completion as the person chose it for models that take chats.
+        self._plain_chosen = False
 
         self.model = QComboBox()
         self.model.setAccessibleName("Model to chat with")
@@ -73,6 +78,13 @@ class ChatView(QWidget):
         self.max_tokens.setRange(1, 1_000_000)
         self.max_tokens.setValue(1024)
         self.max_tokens.setAccessibleName("Most tokens of an answer")
+        self.plain = QCheckBox("Plain &completion")
+        self.plain.setToolTip("Send the conversation as one text to /v1/completions: the model "
+                              "continues it, without a chat template. A model that has none "
+                              "takes only this.")
+        self.plain.setAccessibleDescription(self.plain.toolTip())
+        self.plain.toggled.connect(self._plain_toggled)
+        self.model.currentTextChanged.connect(lambda _name: self._show_mode())
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("System prompt (optional)")
         self.system_prompt.setAccessibleName("System prompt")
@@ -115,6 +127,7 @@ class ChatView(QWidget):
         settings = QHBoxLayout()
         form = QFormLayout()
         form.addRow("Model", self.model)
+        form.addRow("", self.plain)
         settings.addLayout(form, 2)
         numbers = QFormLayout()
         numbers.addRow("Temperature", self.temperature)
@@ -138,18 +151,19 @@ class ChatView(QWidget):
 
     # --- what the window tells ----------------------------------------------------------
 
-    def set_models(self, names: list[str]) -> None:
-        """The models the port serves now; the one chosen stays chosen while served."""
+    def set_models(self, names: list[str], without_template: Collection[str] = ()) -> None:
+        """The models the port serves now, and those of them without a chat template
+        (plain completion only); the one chosen stays chosen while served."""
+        self._without_template = frozenset(without_template)
         current = self.model.currentText()
-        if names == [self.model.itemText(i) for i in range(self.model.count())]:
-            return
-        self.model.blockSignals(True)
-        self.model.clear()
-        self.model.addItems(names)
-        if current in names:
-            self.model.setCurrentText(current)
-        self.model.blockSignals(False)
-        self._enable()
+        if names != [self.model.itemText(i) for i in range(self.model.count())]:
+            self.model.blockSignals(True)
+            self.model.clear()
+            self.model.addItems(names)
+            if current in names:
+                self.model.setCurrentText(current)
+            self.model.blockSignals(False)
+        self._show_mode()
 
     def show_state(self, state: ChatState) -> None:
         was_streaming = self.state.streaming
@@ -170,7 +184,8 @@ class ChatView(QWidget):
         return ChatOptions(model=self.model.currentText(),
                            system_prompt=self.system_prompt.toPlainText(),
                            temperature=round(self.temperature.value(), 2),
-                           max_tokens=self.max_tokens.value())
+                           max_tokens=self.max_tokens.value(),
+                           completion=self.plain.isChecked())
 
     def send(self) -> None:
         text = self.input.toPlainText().strip()
@@ -181,6 +196,25 @@ class ChatView(QWidget):
         self.send_requested.emit(text, self.options())
 
     # --- helpers -----------------------------------------------------------------------------
+
+    def _plain_toggled(self, checked: bool) -> None:
+        if self.plain.isEnabled():  # the person's choice, not a model's lack of a template
+            self._plain_chosen = checked
+        self._show_mode()
+
+    def _show_mode(self) -> None:
+        """Plain completion forced for a model without a chat template, else as chosen."""
+        forced = self.model.currentText() in self._without_template
+        self.plain.blockSignals(True)
+        self.plain.setChecked(forced or self._plain_chosen)
+        self.plain.setEnabled(not forced)
+        self.plain.blockSignals(False)
+        plain = self.plain.isChecked()
+        self.system_prompt.setEnabled(not plain)
+        self.input.setPlaceholderText("Text for the model to continue — Ctrl+Enter sends" if plain
+                                      else "Message — Ctrl+Enter sends")
+        self._show_status()
+        self._enable()
 
     def _stop(self) -> None:
         if self.stop_button.isEnabled():
@@ -197,6 +231,13 @@ class ChatView(QWidget):
             self.status.setText(f"{doing}… {waited:.1f} s")
         elif last is not None and last.state is AnswerState.FAILED:
             self.status.setText(last.error)
+        elif self.model.currentText() in self._without_template:
+            self.status.setText(f"{self.model.currentText()} has no chat template, so it takes no "
+                                "chats: plain completion, the model continues your text. Pick a "
+                                "template for it in the Model tab to chat.")
+        elif self.plain.isChecked():
+            self.status.setText("Plain completion: the model continues the text, through the "
+                                "port with the owner's key.")
         else:
             self.status.setText("Through the port with the owner's key, as an agent's request goes.")
 

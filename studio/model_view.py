@@ -8,6 +8,7 @@ import shlex
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
+    QFileDialog,
     QFormLayout,
     QGridLayout,
     QGroupBox,
@@ -19,6 +20,7 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QSpinBox,
     QStyle,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -28,6 +30,7 @@ from backend.models.fit import format_bytes, load_memory
 from backend.models.gguf_info import ModelInfo, format_file_size, format_parameter_count
 from backend.gpu_layers import parse_gpu_layers
 from backend.rpc_workers import parse_rpc_workers
+from backend.llama.chat_template import BUILT_IN_TEMPLATES, NO_TEMPLATE, OWN_TEMPLATE, ChatTemplate
 from backend.llama.load import THREADS_HELP, LoadSettings, Snapshot, State
 
 from studio.widgets import heading, secondary_label
@@ -77,6 +80,18 @@ class ModelView(QWidget):
             self.facts[key] = value
             facts.addRow(label + ":", value)
 
+        # What a model without a chat template means, beside its card.
+        self.template_icon = QLabel()
+        self.template_icon.setPixmap(self.style().standardIcon(
+            QStyle.StandardPixmap.SP_MessageBoxWarning).pixmap(16, 16))
+        self.template_warning = QLabel()
+        self.template_warning.setWordWrap(True)
+        self.template_warning.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.template_warning.setAccessibleName("Chat template warning")
+        template_row_card = QHBoxLayout()
+        template_row_card.addWidget(self.template_icon, 0, Qt.AlignmentFlag.AlignTop)
+        template_row_card.addWidget(self.template_warning, 1)
+
         card_widget = QWidget()
         card_widget.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         card = QVBoxLayout(card_widget)
@@ -85,6 +100,7 @@ class ModelView(QWidget):
         card.addWidget(self.subtitle)
         card.addLayout(problem_row)
         card.addLayout(facts)
+        card.addLayout(template_row_card)
         card.addStretch(1)
 
         # --- load settings
@@ -112,6 +128,14 @@ class ModelView(QWidget):
                    "encryption: use it on a trusted wired network only.")
         self.rpc.setToolTip(rpc_tip)
         self.rpc.setAccessibleDescription(rpc_tip)
+        self.chat_template = _chat_template_box()
+        self.chat_template.currentTextChanged.connect(self.settings_edited)
+        self.chat_template.currentTextChanged.connect(lambda _text: self._show_template())
+        self.template_file_button = QToolButton()
+        self.template_file_button.setText("…")
+        self.template_file_button.setToolTip("Pick a Jinja chat template file")
+        self.template_file_button.setAccessibleName("Pick a chat template file")
+        self.template_file_button.clicked.connect(self._pick_template_file)
         for box in (self.ctx_size, self.parallel, self.threads):
             box.valueChanged.connect(self.settings_edited)
         self.gpu_layers.currentTextChanged.connect(self.settings_edited)
@@ -154,6 +178,12 @@ class ModelView(QWidget):
         form.addRow("GPU la&yers:", self.gpu_layers)
         form.addRow("E&xtra arguments:", self.extra_args)
         form.addRow("&RPC workers:", self.rpc)
+        template_row = QHBoxLayout()
+        template_row.addWidget(self.chat_template, 1)
+        template_row.addWidget(self.template_file_button)
+        template_label = QLabel("Chat template:")  # every letter of it is taken
+        template_label.setBuddy(self.chat_template)
+        form.addRow(template_label, template_row)
         form.addRow(self.plan)
         form.addRow(self.settings_error)
 
@@ -258,8 +288,7 @@ class ModelView(QWidget):
             self.facts["size"].setText(format_file_size(info.file_size))
             self.facts["context"].setText(f"{info.context_length:,} tokens" if info.context_length
                                           else "unknown")
-            self.facts["template"].setText("yes" if info.has_chat_template else
-                                           "no (clients must send raw prompts or a template)")
+
         else:
             if path is None:
                 self.title.setText("No model selected")
@@ -269,6 +298,7 @@ class ModelView(QWidget):
             for value in self.facts.values():
                 value.setText("—")
         self._set_problem(problem)
+        self._show_template()
         self._show_plan()
         self._update_buttons()
 
@@ -287,11 +317,12 @@ class ModelView(QWidget):
             parallel=str(self.parallel.value()) if self.parallel.value() else "auto",
             n_gpu_layers=_gpu_layers_value(self.gpu_layers), threads=self.threads.value(),
             extra_args=LoadSettings.parse_extra_args(self.extra_args.text()),
-            rpc=parse_rpc_workers(self.rpc.text()))
+            rpc=parse_rpc_workers(self.rpc.text()),
+            chat_template=_chat_template_value(self.chat_template))
 
     def set_load_settings(self, settings: LoadSettings) -> None:
         fields = (self.ctx_size, self.parallel, self.gpu_layers, self.threads, self.extra_args,
-                  self.rpc)
+                  self.rpc, self.chat_template)
         for field in fields:
             field.blockSignals(True)
         self.ctx_size.setValue(settings.ctx_size)
@@ -300,9 +331,11 @@ class ModelView(QWidget):
         self.threads.setValue(settings.threads)
         self.extra_args.setText(shlex.join(settings.extra_args))
         self.rpc.setText(", ".join(settings.rpc))
+        _show_chat_template(self.chat_template, settings.chat_template)
         for field in fields:
             field.blockSignals(False)
         self.show_settings_error("")
+        self._show_template()
         self._show_plan()
 
     def show_settings_error(self, message: str) -> None:
@@ -351,6 +384,25 @@ class ModelView(QWidget):
         self.placement.setText(describe_placement(snapshot))
         self.cpu_retry_button.setVisible(snapshot.state is State.FAILED and snapshot.cpu_retry_offered)
         self._update_buttons()
+
+    def _show_template(self) -> None:
+        """The card's chat template as the model and the template picked make it, and
+        what having none means for its clients."""
+        info = self._info
+        template = ChatTemplate.of(_chat_template_value(self.chat_template),
+                                   model_has_one=info.has_chat_template) if info is not None else None
+        if template is not None:
+            self.facts["template"].setText(template.describe())
+        warning = template.warning() if template is not None else ""
+        self.template_warning.setText(warning)
+        for widget in (self.template_icon, self.template_warning):
+            widget.setVisible(bool(warning))
+
+    def _pick_template_file(self) -> None:
+        path, _filter = QFileDialog.getOpenFileName(
+            self, "Chat template file", "", "Jinja templates (*.jinja *.j2 *.txt);;All files (*)")
+        if path:
+            self.chat_template.setCurrentText(path)
 
     def _show_plan(self) -> None:
         try:
@@ -445,6 +497,41 @@ def _gpu_layers_value(box: QComboBox) -> str:
 def _show_gpu_layers(box: QComboBox, value: str) -> None:
     value = parse_gpu_layers(value)
     box.setCurrentText(_GPU_LAYER_LABELS.get(value, value))
+
+
+_TEMPLATE_LABELS = {OWN_TEMPLATE: "Model's own", NO_TEMPLATE: "None (plain completion only)"}
+
+
+def _chat_template_box() -> QComboBox:
+    """The model's own, none, llama.cpp's built-in templates, or a typed or picked file."""
+    box = QComboBox()
+    box.setEditable(True)
+    box.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+    for value, label in _TEMPLATE_LABELS.items():
+        box.addItem(label, value)
+    box.insertSeparator(box.count())
+    for name in BUILT_IN_TEMPLATES:
+        box.addItem(name, name)
+    tip = ("The chat template chats are rendered with. Model's own: the one in its GGUF file; a "
+           "model without one takes no chats (plain completion only) until one is picked here: "
+           "one of llama.cpp's built-in templates (chatml also takes tools), or a Jinja file "
+           "(…), which takes tools. Applies at the next load.")
+    box.setToolTip(tip)
+    box.setAccessibleDescription(tip)
+    return box
+
+
+def _chat_template_value(box: QComboBox) -> str:
+    """The pick the box shows: a label's value, else the name or file typed."""
+    text = box.currentText().strip()
+    for value, label in _TEMPLATE_LABELS.items():
+        if text == label:
+            return value
+    return text
+
+
+def _show_chat_template(box: QComboBox, value: str) -> None:
+    box.setCurrentText(_TEMPLATE_LABELS.get(value, value))
 
 
 def _spin(low: int, high: int, special: str, *, step: int = 1, tip: str = "") -> QSpinBox:

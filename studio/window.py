@@ -171,7 +171,10 @@ class MainWindow(QMainWindow):
         b.build_finished.connect(self._on_build_finished)
         b.error_occurred.connect(self.show_message)
         b.pool_changed.connect(self.pool.set_state)
-        b.pool_changed.connect(lambda state: self.chat.set_models([m.name for m in state.models]))
+        b.pool_changed.connect(lambda state: self.chat.set_models(
+            [m.name for m in state.models], without_template=[
+                m.name for m in state.models
+                if m.chat_template is not None and not m.chat_template.takes_chats]))
         self.requests.refresh_wanted.connect(
             lambda after: b.recent_requests(after, on_done=self.requests.add_records))
 

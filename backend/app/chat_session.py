@@ -1,7 +1,9 @@
 """The chat playground without the window: one conversation with a model of the pool,
 held and streamed here, sent through the port like any client's.
 
-The session talks to the app's own port over HTTP (`/v1/chat/completions`, streamed),
+The session talks to the app's own port over HTTP (`/v1/chat/completions`, streamed;
+`/v1/completions` in plain completion, which a model without a chat template takes
+instead of chats: the conversation is then one text the model continues),
 with the Chat tab's own key (`StudioService.chat_secret`, made for the run and never
 saved: the owner's rights on models, a flow of its own, booked in usage and named in the
 inspector as "chat tab"; on `/requests` it reads its own records only), straight to the
@@ -35,6 +37,7 @@ from backend.app.service import StudioService
 
 __all__ = [
     "CHAT_PATH",
+    "COMPLETIONS_PATH",
     "SESSION_PREFIX",
     "USER_AGENT",
     "AnswerFigures",
@@ -45,9 +48,12 @@ __all__ = [
     "PortAddress",
     "Turn",
     "port_of",
+    "prompt_text",
 ]
 
 CHAT_PATH = "/v1/chat/completions"
+#: Plain completion: the conversation's text, continued by the model.
+COMPLETIONS_PATH = "/v1/completions"
 #: Each conversation's `prompt_cache_key` starts so: its session in the port's records.
 SESSION_PREFIX = "studio-chat-"
 USER_AGENT = "gguf-studio-chat"
@@ -71,6 +77,9 @@ class ChatOptions:
     system_prompt: str = ""
     temperature: float = 0.7
     max_tokens: int = 512
+    #: Plain completion (`/v1/completions`): the conversation is one text the model
+    #: continues, without a chat template; the system prompt is not used.
+    completion: bool = False
 
 
 class AnswerState(enum.Enum):
@@ -179,12 +188,19 @@ class ChatSession:
 
     def request_body(self, options: ChatOptions) -> dict[str, Any]:
         """What the next answer is asked with: the conversation so far (failed answers and
-        empty ones left out) after the system prompt."""
-        messages = [{"role": "system", "content": options.system_prompt}] \
-            if options.system_prompt.strip() else []
-        messages += [{"role": turn.role, "content": turn.text} for turn in self._turns
-                     if turn.text and turn.state in (AnswerState.DONE, AnswerState.STOPPED)]
-        return {"model": options.model, "messages": messages, "stream": True,
+        empty ones left out) after the system prompt; in plain completion, the
+        conversation as one text (`prompt_text`)."""
+        said = [turn for turn in self._turns
+                if turn.text and turn.state in (AnswerState.DONE, AnswerState.STOPPED)]
+        asked: dict[str, Any]
+        if options.completion:
+            asked = {"prompt": prompt_text(said)}
+        else:
+            messages = [{"role": "system", "content": options.system_prompt}] \
+                if options.system_prompt.strip() else []
+            messages += [{"role": turn.role, "content": turn.text} for turn in said]
+            asked = {"messages": messages}
+        return {"model": options.model, **asked, "stream": True,
                 "stream_options": {"include_usage": True},
                 "temperature": options.temperature, "max_tokens": options.max_tokens,
                 "prompt_cache_key": self._session}
@@ -195,7 +211,8 @@ class ChatSession:
         body = self.request_body(options)
         self._turns.append(Turn("assistant", "", AnswerState.WAITING, options.model))
         index = len(self._turns) - 1
-        task = asyncio.create_task(self._stream(body, index))
+        path = COMPLETIONS_PATH if options.completion else CHAT_PATH
+        task = asyncio.create_task(self._stream(path, body, index))
         self._task = task
         self._answered.clear()
         self._publish()
@@ -213,7 +230,7 @@ class ChatSession:
             self._publish()
         return self._turns[index]
 
-    async def _stream(self, body: dict[str, Any], index: int) -> None:
+    async def _stream(self, path: str, body: dict[str, Any], index: int) -> None:
         port = self._port()
         if port is None:
             self._fail(index, "The port is not open.")
@@ -226,7 +243,7 @@ class ChatSession:
             # Never through a proxy the environment names: the request carries the
             # owner-rights secret and the whole conversation, and goes to this machine.
             async with httpx.AsyncClient(timeout=TIMEOUT, trust_env=False) as client, \
-                    client.stream("POST", port.base_url + CHAT_PATH, json=body,
+                    client.stream("POST", port.base_url + path, json=body,
                                   headers=headers) as response:
                 if response.status_code != 200:
                     self._fail(index, _error_message(await response.aread(), response.status_code))
@@ -285,6 +302,17 @@ class ChatSession:
         streaming = self._task is not None and not self._task.done()
         self.state = ChatState(tuple(self._turns), streaming, self._session)
         self._on_change()
+
+
+def prompt_text(turns: list[Turn]) -> str:
+    """The conversation as one text for plain completion: each answer continues the text
+    before it, and each of the person's turns after the first starts a new line."""
+    text = ""
+    for turn in turns:
+        if turn.role == "user" and text and not text.endswith("\n"):
+            text += "\n"
+        text += turn.text
+    return text
 
 
 def port_of(service: StudioService) -> PortAddress | None:
@@ -348,9 +376,13 @@ class _Reading:
 
 
 def _delta_text(event: dict[str, Any]) -> str:
+    """The text a chat chunk (`delta.content`) or a completion chunk (`text`) adds."""
     choices = event.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return ""
+    text = choices[0].get("text")
+    if isinstance(text, str):
+        return text
     delta = choices[0].get("delta")
     if not isinstance(delta, dict):
         return ""

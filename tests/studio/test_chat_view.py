@@ -60,6 +60,7 @@ def test_the_chat_tab_streams_stops_regenerates_and_clears_with_smollm2(
     chat = window.chat
     window.tabs.setCurrentIndex(CHAT_TAB)
     qtbot.waitUntil(lambda: chat.model.count() == 1 and chat.send_button.isEnabled(), timeout=WAIT)
+    assert chat.plain.isEnabled() and not chat.plain.isChecked()  # it has a chat template
     chat.max_tokens.setValue(3000)
 
     # A long answer streams into the conversation ...
@@ -174,3 +175,36 @@ def test_a_streaming_answer_redraws_itself_alone_and_the_conversation_stays_righ
     assert view.transcript.toPlainText().endswith("Last question?")
     view.show_state(ChatState())
     assert not view.transcript.toPlainText().strip()
+
+
+def test_the_chat_tab_offers_plain_completion_for_a_model_without_a_chat_template(
+        open_window, qtbot, with_engine: Path, gemma3_model: Path) -> None:
+    """Gemma 3 270M has no chat template: the tab says so, sends through /v1/completions
+    only (its chats would be refused), and the model's continuation streams in."""
+    window = open_window()
+    window.open_files([str(gemma3_model)])
+    select(qtbot, window, gemma3_model)
+    window.model_view.ctx_size.setValue(2048)
+    window.model_view.parallel.setValue(1)
+    window.load_selected()
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
+    chat = window.chat
+    window.tabs.setCurrentIndex(CHAT_TAB)
+    qtbot.waitUntil(lambda: chat.model.count() == 1 and not chat.plain.isEnabled(), timeout=WAIT)
+    name = chat.model.currentText()
+    assert chat.plain.isChecked()  # the only way it takes text
+    assert chat.status.text().startswith(f"{name} has no chat template, so it takes no chats")
+    assert not chat.system_prompt.isEnabled()
+    assert chat.input.placeholderText().startswith("Text for the model to continue")
+    chat.max_tokens.setValue(12)
+    chat.temperature.setValue(0.0)
+
+    send(qtbot, window, "The capital of France is")
+    until(qtbot, lambda: answered(window, AnswerState.DONE), lambda: chat.state, timeout=60_000)
+    answer = last_answer(window)
+    assert answer is not None and answer.text.strip() and answer.figures is not None
+    assert answer.figures.output_tokens > 1
+    assert answer.text.strip().split()[0] in chat.transcript.toPlainText()
+    # It went to the completions route, as the inspector's record says.
+    records = window.bridge.service.requests.records()
+    assert records[-1].route == "/v1/completions" and records[-1].status == 200

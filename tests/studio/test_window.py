@@ -33,7 +33,7 @@ def test_card_shows_the_model_metadata(open_window, qtbot, tiny_model: Path) -> 
     assert view.facts["architecture"].text() == "llama"
     assert view.facts["quantization"].text() == "F32"
     assert view.facts["context"].text() == "8,192 tokens"
-    assert view.facts["template"].text() == "yes"
+    assert view.facts["template"].text() == "the model's own"
     assert view.facts["size"].text().endswith("MiB")
     assert view.facts["parameters"].text().endswith("M")
     assert not view.problem.isVisible()

@@ -171,3 +171,37 @@ async def test_a_proxy_named_by_the_environment_never_sees_the_chat(service, cha
     assert answer.text
     assert connections == []
     await until(lambda: service.usage.usage(CHAT_NAME).requests == 1, timeout=10)
+
+
+async def test_plain_completion_continues_the_text_of_a_model_without_a_chat_template(
+        running_service: ServiceFactory, gemma3_model: Path):
+    """Gemma 3 270M has no chat template: its chats are refused (the person reads why),
+    and plain completion continues the conversation's text through /v1/completions."""
+    service = await running_service(api_key=OWNER_KEY, queue_timeout=120)
+    await service.load(LoadSettings(parallel="1", ctx_size=2048, threads=1).to_spec(
+        str(gemma3_model), own_template=False))
+    name = service.pool.statuses()[0].name
+    chat = ChatSession.of_service(service)
+
+    refused = await asyncio.wait_for(chat.send("Hello", ChatOptions(name, max_tokens=8)), 120)
+    assert refused.state is AnswerState.FAILED
+    assert refused.error.startswith(f"The port answered HTTP 400: The model {name} has no chat "
+                                    "template") and "/v1/completions" in refused.error
+    await chat.clear()
+
+    plain = ChatOptions(name, temperature=0.0, max_tokens=12, completion=True)
+    first = await asyncio.wait_for(chat.send("The capital of France is", plain), 120)
+    assert first.state is AnswerState.DONE, first.error
+    assert first.text.strip() and first.figures is not None
+    assert first.figures.output_tokens > 1 and first.figures.prompt_tokens
+    # The next turn continues the whole text: the answer after the prompt, the new text
+    # on a line of its own.
+    body = chat.request_body(plain)
+    assert body["prompt"] == "The capital of France is" + first.text
+    assert "messages" not in body and body["prompt_cache_key"].startswith(SESSION_PREFIX)
+    second = await asyncio.wait_for(chat.send("The capital of Italy is", plain), 120)
+    assert second.state is AnswerState.DONE, second.error
+    new_line = "" if first.text.endswith("\n") else "\n"
+    assert chat.request_body(plain)["prompt"] == (
+        f"The capital of France is{first.text}{new_line}The capital of Italy is{second.text}")
+    assert second.figures is not None and second.figures.cached_tokens  # the text before was kept
