@@ -129,11 +129,14 @@ class LoadSettings:
                    chat_template=settings.chat_template)
 
     def remembered_in(self, settings: Settings) -> Settings:
-        """A copy of `settings` remembering these as the last load's settings."""
+        """A copy of `settings` remembering these as the last load's settings, but for
+        the chat template: it belongs to one model (the library keeps it with it), and
+        remembered here it would render the next `serve --model` of another model with
+        it instead of that model's own.  Only `serve --chat-template` (with `--save`, or
+        its variable) sets the settings' one."""
         return settings.replace(ctx_size=self.ctx_size, parallel=str(self.parallel),
                                 n_gpu_layers=self.n_gpu_layers, threads=self.threads,
-                                extra_args=list(self.extra_args), rpc=list(self.rpc),
-                                chat_template=self.chat_template)
+                                extra_args=list(self.extra_args), rpc=list(self.rpc))
 
     @staticmethod
     def parse_extra_args(text: str) -> tuple[str, ...]:

@@ -21,12 +21,15 @@ def test_load_settings_become_a_load_spec() -> None:
     assert spec.chat_template == ChatTemplate(TemplateSource.NONE, model_has_one=False)
 
 
-def test_the_chat_template_picked_is_kept_with_the_load_and_a_wrong_one_is_refused(tmp_path) -> None:
+def test_the_chat_template_picked_is_kept_with_the_models_settings_and_a_wrong_one_is_refused(tmp_path) -> None:
     wanted = LoadSettings(ctx_size=2048, chat_template=" Gemma ")
     assert wanted.chat_template == "gemma"  # a built-in's name, as llama.cpp spells it
-    assert LoadSettings.from_dict(wanted.to_dict()) == wanted
+    assert LoadSettings.from_dict(wanted.to_dict()) == wanted  # the library's, per model
+    # Not as the last load: a `serve --model` of another model would take it for its own.
     wanted.remembered_in(Settings()).save(tmp_path / "s.json", environ={})
-    assert LoadSettings.last_load(Settings.load(tmp_path / "s.json", environ={})) == wanted
+    assert LoadSettings.last_load(Settings.load(tmp_path / "s.json", environ={})) == LoadSettings(
+        ctx_size=2048)
+    assert LoadSettings.last_load(Settings(chat_template="chatml")).chat_template == "chatml"
     assert wanted.to_spec("/m.gguf", own_template=False).chat_template.describe() == (
         "gemma (llama.cpp's built-in, picked by the owner)")
     with pytest.raises(SettingsError, match="neither one of llama.cpp's built-in templates"):
