@@ -269,7 +269,8 @@ class Upstreams:
             context = model.context_length
         return ModelStatus(name, model.aliases, False, residency, True, 0.0,
                            any(m.embeddings for _u, m in served), default,
-                           context, decision, None if ready else model.error, engines)
+                           context, decision, None if ready else model.error, engines,
+                           model.chat_template)
 
     # --- following them ------------------------------------------------------------------
 

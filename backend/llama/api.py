@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from backend.errors import LoadError
+from backend.llama.chat_template import ChatTemplate
 from backend.llama.kv_capacity import KvCapacity, kv_from_health
 
 __all__ = ["EngineClient", "EngineProps", "HealthAnswer", "StudioEngineHealth", "StudioHealth",
@@ -108,6 +109,8 @@ class StudioModelHealth:
     embeddings: bool = False
     error: str | None = None
     engines: tuple[StudioEngineHealth, ...] = ()
+    #: What its chats are rendered with there; None where that port does not say.
+    chat_template: ChatTemplate | None = None
 
     @property
     def loadable(self) -> bool:
@@ -291,7 +294,8 @@ def _studio_models(listed: Any) -> tuple[StudioModelHealth, ...] | None:
             engines=tuple(StudioEngineHealth(str(e.get("state")), _positive(e.get("slots")),
                                              kv_from_health(e.get("kv")))
                           for e in engines if isinstance(e, dict))
-            if isinstance(engines, list) else ()))
+            if isinstance(engines, list) else (),
+            chat_template=ChatTemplate.from_dict(entry.get("chat_template"))))
     return tuple(found)
 
 

@@ -49,6 +49,8 @@ BUILT_IN_TEMPLATES = (
     "hunyuan-dense", "hunyuan-vl", "kimi-k2", "seed_oss", "grok-2", "pangu-embedded",
     "solar-open",
 )
+#: The longest template name kept of what another port says.
+_MAX_NAME = 120
 #: The one built-in template llama.cpp also renders with its Jinja engine (its own Jinja
 #: ChatML source), so that requests with tools work; the others only by its older
 #: renderer, which takes no tools (`--no-jinja`).
@@ -117,6 +119,20 @@ class ChatTemplate:
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source.value, "name": self.name or None,
                 "model_has_one": self.model_has_one, "takes_chats": self.takes_chats}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ChatTemplate | None":
+        """What another GGUF Studio port's `/health` says of a model's template
+        (`to_dict`); None when it says nothing usable."""
+        if not isinstance(data, dict):
+            return None
+        try:
+            source = TemplateSource(data.get("source"))
+        except ValueError:
+            return None
+        name = data.get("name")
+        name = name[:_MAX_NAME] if isinstance(name, str) and name.isprintable() else ""
+        return cls(source, name, data.get("model_has_one") is not False)
 
 
 def normal_chat_template(pick: str) -> str:

@@ -272,6 +272,8 @@ class ServedModel:
     embeddings: bool = False
     default: bool = False  #: that port's own default model
     error: str | None = None
+    #: What its chats are rendered with there; None where that port does not say.
+    chat_template: ChatTemplate | None = None
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,8 @@ class RemoteEngine(SnapshotPublisher):
                               kv_note=LOADABLE_NOTE, takes_slot_ids=False)
         return ServedModel(model.id, model.state, serving, aliases=model.aliases,
                            context_length=model.context_length, embeddings=model.embeddings,
-                           default=model.default, error=model.error)
+                           default=model.default, error=model.error,
+                           chat_template=model.chat_template)
 
     async def _listed_models(self, engine: EngineClient, *, changed: bool
                              ) -> tuple[UpstreamModel, ...] | None:

@@ -1,7 +1,8 @@
 """A model without a chat template, through the port with the real engine and the real
 Gemma 3 270M (which has none): its chat routes answer a clear 400 instead of the junk the
 engine's fallback template makes, plain completion works, a template the owner picks (a
-llama.cpp built-in, or a Jinja file) makes the chat routes work, and /health says which."""
+llama.cpp built-in, or a Jinja file) makes the chat routes work, and /health says which,
+also in front of another GGUF Studio port serving it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.pool_status import Residency
 from backend.app.service import StudioService
 from backend.llama.api import engine_headers
+from backend.llama.chat_template import TemplateSource
 from backend.llama.load import LoadSettings
+from backend.llama.supervisor import pick_free_port
+from tests.backend.app.test_pool import STUDIO_KEY, until
+from tests.backend.llama.test_remote_engine import _until_healthy, end_studio, start_studio
 from tests.backend.service_harness import ServiceFactory
 
 SMALL = LoadSettings(parallel="1", ctx_size=2048, threads=1)
@@ -122,3 +127,35 @@ async def rendered(service: StudioService, model: str) -> str:
     prompt: str = answer.json()["prompt"]
     return prompt
 
+
+
+async def test_a_gguf_studio_port_behind_says_its_model_has_none_and_its_400_reaches_the_client(
+        service, client, tmp_path, llama_server_binary, gemma3_model):
+    """Another GGUF Studio port (a real `serve` process) serves Gemma 3 270M: the port in
+    front says what that port says of its template, and relays its 400 as it is."""
+    port = pick_free_port()
+    home = tmp_path / "inner"
+    home.mkdir()
+    inner = start_studio(home, llama_server_binary, gemma3_model, port, parallel=1,
+                         extra=("--threads", "1"))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as probe:
+            await _until_healthy(probe, timeout=120)
+        await service.attach_upstream(f"http://127.0.0.1:{port}", api_key=STUDIO_KEY)
+        name = gemma3_model.name.removesuffix(".gguf")
+        await until(lambda: service.pool.names() == [name])
+        template = service.pool.status(name).chat_template
+        assert template is not None and (template.source, template.takes_chats) == (
+            TemplateSource.NONE, False)
+        said = (await client.get("/health")).json()["models"][0]["chat_template"]
+        assert (said["source"], said["takes_chats"]) == ("none", False)
+
+        answer = await client.post("/v1/chat/completions", json={"model": name, **CHATS[
+            "/v1/chat/completions"]})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["code"] == "model_has_no_chat_template"
+        completion = await client.post("/v1/completions", json={
+            "model": name, "prompt": "The capital of France is", "max_tokens": 4})
+        assert completion.status_code == 200, completion.text
+    finally:
+        end_studio(inner)

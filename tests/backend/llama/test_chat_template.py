@@ -79,3 +79,13 @@ def test_a_file_is_found_from_the_folder_it_was_given_in_and_a_wrong_pick_is_ref
     check_chat_template(str(tmp_path / "chat.jinja"))
     with pytest.raises(SettingsError, match="'chat-ml' is neither"):
         check_chat_template("chat-ml")
+
+
+def test_what_another_port_says_of_a_template_reads_back_and_nonsense_reads_as_unknown() -> None:
+    for template in (ChatTemplate.of("", model_has_one=False), ChatTemplate.of("gemma", model_has_one=False),
+                     ChatTemplate.of("/t/mine.jinja", model_has_one=True)):
+        assert ChatTemplate.from_dict(template.to_dict()) == template
+    assert ChatTemplate.from_dict(None) is None
+    assert ChatTemplate.from_dict({"source": "jinja2"}) is None
+    odd = ChatTemplate.from_dict({"source": "file", "name": "\x1b[2J" + "x" * 500})
+    assert odd is not None and odd.name == ""
