@@ -2,20 +2,15 @@
 
 `Exchange.run` owns the request for its whole life: it takes the ticket from the
 admission queue, waits for it (sending keep-alives when the client streams), forwards
-the request to the load the ticket was admitted on, relays the answer, releases the
-ticket, and decides what a cancellation means (the client left, the load went away, the
-port closes).  Stream bytes are relayed as they come, cut only at event boundaries: past
-the first chunk, from the upstream connection's own callback straight to the client's
-(`_pump`, with the server's `BodyWriter`); only a `/v1/responses` stream has its head
-read, to keep one response id throughout.
+the request to the load the ticket was admitted on, has its answer relayed (a stream by
+its `backend.port.stream_relay.StreamRelay`, as the chunks come; a whole answer at
+once), releases the ticket, and decides what a cancellation means (the client left, the
+load went away, the port closes).  A request for a model that is loading waits for its
+engine, then is planned by the port's `RequestPlanner` as the others were at once.
 
-What it costs: a cut stream is charged one token per event relayed, counted with one
-`bytes.count` per chunk.  A named key's answers carry nothing of the engine's shared
-prompt cache (`sse.without_cache_figures`, on the one event or body that names it).
-
-What it did: the exchange keeps what its books need as the chunks pass (the answer's
-last bytes, its time to first token, the longest silence between chunks: one clock read
-and a max per arrival) and hands it over once, when it ends (`Exchange._settle`, to
+What it did: the exchange and its stream relay keep what the books need as the answer
+passes (its last bytes, its time to first token, the longest silence between chunks,
+its events) and hand it over once, when it ends (`Exchange._settle`, to
 `backend.port.settlement`: its usage, its session's place, its prompt cache's verdict,
 its record in the request inspector).
 
@@ -31,15 +26,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol,
-                    TypeVar)
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
 from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
-from backend.admission.admission_ticket import Ticket, WaitReason
+from backend.admission.admission_ticket import Ticket
 from backend.admission.caller import Caller
 from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
@@ -47,6 +41,7 @@ from backend.admission.flow_control import Pass
 from backend.admission.need_planner import NO_PLAN, Plan
 from backend.admission.hint import NO_HINT, Hint
 from backend.port.settlement import Ending, Settlement, SettlementHost
+from backend.port.stream_relay import StreamRelay
 from backend.port.client_watch import DisconnectWatch, StallGuard
 from backend.llama.api import engine_headers
 from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
@@ -71,21 +66,7 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-#: Why a request waits that its keep-alives say (`: keep-alive; waiting: REASON`): its
-#: key's own concurrency limit, which its client may raise or wait out, and the prefill
-#: budget that holds a long prompt; a full server needs no telling.
-_TOLD_REASONS = frozenset({WaitReason.KEY_CONCURRENCY, WaitReason.PREFILL_BUDGET})
-#: How llama-server's in-stream error events begin (chat-like, and messages).
-_DATA_ERROR = b'data: {"error"'
-_NAMED_ERROR = b"event: error"
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
-#: What shows that a relayed stream's answer is whole, its client having all of it: the
-#: final event's finish reason, or the last event (a Responses stream's last event is
-#: the port's own, sent once the engine's stream is over).
-_WHOLE_ANSWER = {sse.StreamKind.CHAT: (b'"finish_reason":"', b'"finish_reason": "',
-                                       b"data: [DONE]"),
-                 sse.StreamKind.MESSAGES: (b'"message_delta"', b"message_stop"),
-                 sse.StreamKind.RESPONSES: (b"response.completed",)}
 #: First wait before a load that refused a connection is tried again (then doubled per
 #: try: 0.05 + 0.1 + ... + 0.8 s = 1.55 s over MAX_REQUEUES tries).  A killed engine is
 #: noticed within milliseconds and its waiters then wait for the restarted load instead.
@@ -185,9 +166,6 @@ class Exchange:
         self.headers_sent = False
         #: Set when the client went away before its answer was complete.
         self.client_gone = False
-        self.rewriter = sse.ResponsesRewriter(None) if self.kind is sse.StreamKind.RESPONSES else None
-        self.framer = sse.EventFramer()
-        self._keepalive = sse.KEEPALIVE_COMMENT
         self._task: asyncio.Task[Any] | None = None
         self._abort: RequestError | None = None
         #: Set when the engine dropped the request while answering (see `run`).
@@ -210,32 +188,22 @@ class Exchange:
         #: A named key's answers tell nothing of the prompt cache all keys share: what it
         #: held for a prompt would tell how much of another key's prompt a guess matches.
         self._hide_cache = key is not None and not key.is_owner
-        #: Events relayed from the engine: about one generated token each.
-        self._events = 0
-        #: An Anthropic stream's `message_start`, the one event that names its prompt.
-        self._start = b""
+        #: Its answer's stream, relayed (`backend.port.stream_relay`), and what it did.
+        self.stream = StreamRelay(self.kind, hide_cache=self._hide_cache)
         #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
         self._extra_headers: list[tuple[bytes, bytes]] = []
         #: The last bytes relayed, where the engine's `usage` is.
         self._tail = b""
-        #: The last two chunks of a stream sent so far, kept as they go: a client may
-        #: hang up as soon as it has the final event (Codex does), before the stream ends.
-        #: As the engine sent them (with the cache's figures, which count the prompt).
-        self._last_sent = (b"", b"")
         #: Set once the engine's whole answer was relayed.
         self._answered = False
         #: The error the request ended with, if it did.
         self._failed: RequestError | None = None
         #: The status its client got (an error after the stream began leaves 200).
         self._status = 200
-        #: For the inspector (`_settle`), all `time.monotonic`: when it arrived, its
-        #: wait for its model to load, the engine's first bytes, the last chunk's
-        #: arrival and the longest silence between two chunks.
+        #: For the inspector (`_settle`), all `time.monotonic`: when it arrived and its
+        #: wait for its model to load (the stream's own times are the stream relay's).
         self._arrived = request.arrived or time.monotonic()
         self._loading = 0.0
-        self._first_at: float | None = None
-        self._last_at = 0.0
-        self._longest_gap = 0.0
 
     @property
     def metrics(self) -> ModelCounts:
@@ -365,12 +333,13 @@ class Exchange:
 
     def _settle(self) -> None:
         """Close the request's books (`backend.port.settlement`): once, as it ends."""
+        stream = self.stream
         Settlement(self.host, self.line, self.request, Ending(
-            ticket=self.ticket, failed=self._failed, events=self._events,
+            ticket=self.ticket, failed=self._failed, events=stream.events,
             answered=self._answered,
             tail=self._answer_tail(),
-            arrived=self._arrived, loading=self._loading, first_at=self._first_at,
-            last_at=self._last_at, longest_gap=self._longest_gap,
+            arrived=self._arrived, loading=self._loading, first_at=stream.first_at,
+            last_at=stream.last_at, longest_gap=stream.longest_gap,
             client_gone=self.client_gone, status=self._status)).close()
 
     def _failure(self, error: RequestError) -> list[dict[str, Any]]:
@@ -382,8 +351,9 @@ class Exchange:
             self.headers_sent = True
             return [{"type": "http.response.start", "status": status, "headers": headers},
                     {"type": "http.response.body", "body": body, "more_body": False}]
-        self.framer.drop()  # an incomplete event is never completed: leave it out
-        response_id = self.rewriter.client_id if self.rewriter else None
+        self.stream.framer.drop()  # an incomplete event is never completed: leave it out
+        rewriter = self.stream.rewriter
+        response_id = rewriter.client_id if rewriter else None
         tail = http_errors.stream_error(error, self.metrics, kind=self.kind,
                                            response_id=response_id, model=self.request.model_id)
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
@@ -459,21 +429,21 @@ class Exchange:
         watch = self.watch
         if watch is None or not watch.disconnected or not self.headers_sent:
             return False
-        sent = b"".join(self._last_sent)
-        if not any(mark in sent for mark in _WHOLE_ANSWER[self.kind]):
+        if not self.stream.whole():
             return False
         task = asyncio.current_task()
         if task is None or task.cancelling() != 1:
             return False  # cancelled by someone else too
         task.uncancel()
-        self._tail = sent
+        self._tail = b"".join(self.stream.last_sent)
         self._answered = True
         return True
 
     def _answer_tail(self) -> bytes:
         """What the answer's figures are read from: its first event (an Anthropic stream
         names its prompt there only) and its last bytes."""
-        return self._start + (self._tail or b"".join(self._last_sent))
+        stream = self.stream
+        return stream.start + (self._tail or b"".join(stream.last_sent))
 
     def _stop_awaiting(self) -> None:
         """The wait for the model's load (`_served`) is over: it took its ticket or
@@ -556,30 +526,12 @@ class Exchange:
         self.headers_sent = True
 
     async def _send_keepalive(self) -> None:
-        """A comment; on the Responses wire our `response.created` first, then
-        `response.in_progress` events."""
-        if self.rewriter is not None and self.rewriter.our_id is None:
-            await self._send_response_created()
-        else:
-            body = self._keepalive
-            ticket = self.ticket
-            if (ticket is not None and ticket.wait_reason in _TOLD_REASONS
-                    and not ticket.admitted and body is sse.KEEPALIVE_COMMENT):
-                body = sse.keepalive_waiting(ticket.wait_reason)
-            await self.send({"type": "http.response.body", "body": body, "more_body": True})
-
-    async def _send_response_created(self) -> None:
-        """Our `response.created`; from now on the upstream's own is dropped and its id
-        replaced by ours, and keep-alives are `response.in_progress` events."""
-        assert self.rewriter is not None
-        our_id = sse.new_response_id()
-        self.rewriter.our_id = our_id
-        stub = sse.response_stub(our_id, self.request.model_id)
-        created = sse.named_event("response.created",
-                                  {"type": "response.created", "response": stub})
-        self._keepalive = sse.named_event("response.in_progress",
-                                          {"type": "response.in_progress", "response": stub})
-        await self.send({"type": "http.response.body", "body": created, "more_body": True})
+        """What the stream says while it waits (`StreamRelay.keepalive`): why, where its
+        client may act on it."""
+        ticket = self.ticket
+        waiting = ticket.wait_reason if ticket is not None and not ticket.admitted else None
+        await self.send({"type": "http.response.body", "more_body": True,
+                         "body": self.stream.keepalive(self.request.model_id, waiting)})
 
     async def _keep_alive_until(self, pending: Awaitable[T]) -> T:
         """`pending`'s result, sending a keep-alive every interval until it comes (while
@@ -641,17 +593,12 @@ class Exchange:
             with self._upstream_failures(ticket):
                 self._check_answer(upstream)
                 if self.request.parsed.stream:
-                    try:
-                        return await self._relay(upstream)
-                    except _ErrorAfter as failed:
-                        if failed.head:
-                            head = failed.head
-                            self._events += head.count(b"data:")
-                            if self._hide_cache:
-                                head = sse.without_cache_figures(head, stream=True)
-                            await self.send({"type": "http.response.body", "body": head,
-                                             "more_body": True})
-                        raise failed.error from None
+                    await self._until_first_bytes(upstream, ticket)
+                    last = await self.stream.relay(upstream, self.send, self._body_writer,
+                                                   self._stall)
+                    self._tail = self.stream.tail
+                    self._answered = True
+                    return last
                 return await self._answer(upstream)
         finally:
             await upstream.aclose()
@@ -677,6 +624,18 @@ class Exchange:
             pass
         return body
 
+    async def _until_first_bytes(self, upstream: UpstreamResponse, ticket: Ticket) -> None:
+        """The stream's start sent, keep-alives until the engine's first bytes:
+        llama-server sends nothing, not even `response.created`, until it has read the
+        whole prompt, which takes longer than a client's idle timeout for a long
+        conversation on a CPU.  Then the prompt is computed: the next long one may start."""
+        if not self.headers_sent:
+            await self._send_stream_headers()
+        interval = self.keepalive_interval if self.keepalive_interval > 0 else None
+        while not await upstream.arrived(interval):
+            await self._send_keepalive()
+        ticket.prefilled()
+
     async def _answer(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
         body = await upstream.aread()
         content_type = upstream.headers.get("content-type")
@@ -693,165 +652,8 @@ class Exchange:
                              *self._extra_headers]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
 
-    async def _relay(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
-        """The one relay loop.  Each chunk goes through `stage`: the framer alone, or the
-        framer then the Responses rewriter, chosen once per stream."""
-        send = self.send
-        if not self.headers_sent:
-            await self._send_stream_headers()
-        framer = self.framer
-        rewriter = self.rewriter
-        stage = framer.feed if rewriter is None else _then(framer.feed, rewriter.feed)
-        if self.kind is sse.StreamKind.MESSAGES:
-            stage = _then(stage, self._note_start)
-        # llama-server ends a failing stream with an error event: `event: error` on the
-        # messages wire, `data: {"error"...` elsewhere.  One substring test per chunk
-        # (about a third of a microsecond for a 235-byte chunk here); only a chunk that
-        # holds the marker is parsed.
-        marker = _NAMED_ERROR if self.kind is sse.StreamKind.MESSAGES else _DATA_ERROR
-        hide = self._hide_cache
-        writer = self._body_writer
-        if writer is not None and not writer.ready():
-            writer = None  # the start was not sent (the client left): `send` knows
-        # Keep-alives until the engine's first bytes: llama-server sends nothing, not
-        # even `response.created`, until it has read the whole prompt, which takes longer
-        # than a client's idle timeout for a long conversation on a CPU.
-        interval = self.keepalive_interval if self.keepalive_interval > 0 else None
-        while not await upstream.arrived(interval):
-            await self._send_keepalive()
-        self._first_at = self._last_at = time.monotonic()
-        if self.ticket is not None:
-            self.ticket.prefilled()  # the prompt is computed: the next long one may start
-        # The first chunk too goes the way of the rest: straight to the client's
-        # connection when the server offers it, else through `send`.
-        if writer is not None:
-            await self._pump(upstream, stage, marker, writer)
-        else:
-            # Each chunk relayed counts its events (`_events`, what a cut stream is
-            # charged): one `bytes.count`, 0.3 us for a 229-byte chunk here (less than
-            # the marker's substring test); a named key's chunks one more substring test
-            # for the cache.  The same per chunk as `_pump`'s, written out in each: a
-            # call per chunk is what the relay's hottest loop does without.
-            clock = time.monotonic
-            async for chunk in upstream.aiter_raw():
-                now = clock()
-                if now - self._last_at > self._longest_gap:
-                    self._longest_gap = now - self._last_at
-                self._last_at = now
-                chunk = stage(chunk)
-                if chunk:
-                    if marker in chunk:
-                        chunk = self._before_error(chunk)
-                    self._last_sent = (self._last_sent[1], chunk)
-                    self._events += chunk.count(b"data:")
-                    if hide and sse.CACHE_MARKER in chunk:
-                        chunk = sse.without_cache_figures(chunk, stream=True)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        tail = framer.finish()
-        if rewriter is not None:
-            tail = rewriter.feed(tail) + rewriter.flush()
-        self._tail = b"".join(self._last_sent) + tail
-        self._answered = True
-        if hide:
-            tail = sse.without_cache_figures(tail, stream=True)
-        return [{"type": "http.response.body", "body": tail, "more_body": False}]
-
-    async def _pump(self, upstream: UpstreamResponse, stage: Callable[[bytes], bytes],
-                    marker: bytes, writer: BodyWriter) -> None:
-        """The rest of a stream, relayed from the upstream connection's own callback:
-        each read goes out to the client in the loop turn it came in, with no task
-        switch (on a busy port the CPU per chunk is what delays everyone's next first
-        token).  This task only waits: for the end, an error, or a full client."""
-        loop = asyncio.get_running_loop()
-        hide = self._hide_cache
-        cache = sse.CACHE_MARKER
-        clock = time.monotonic
-        while True:
-            turn: asyncio.Future[bool] = loop.create_future()
-
-            def pump() -> None:
-                if turn.done():
-                    return
-                # The inspector's longest silence: one clock read and a max per arrival.
-                now = clock()
-                if now - self._last_at > self._longest_gap:
-                    self._longest_gap = now - self._last_at
-                self._last_at = now
-                try:
-                    while data := upstream.read():
-                        chunk = stage(data)
-                        if chunk:
-                            if marker in chunk:
-                                chunk = self._before_error(chunk)
-                            self._last_sent = (self._last_sent[1], chunk)
-                            self._events += chunk.count(b"data:")
-                            if hide and cache in chunk:
-                                chunk = sse.without_cache_figures(chunk, stream=True)
-                            if not writer.write(chunk):
-                                turn.set_result(False)  # the client's buffer is full
-                                return
-                    if data is None:
-                        turn.set_result(True)
-                except Exception as exc:  # the upstream's error, or the engine's error event
-                    turn.set_exception(exc)
-
-            upstream.on_arrival(pump)
-            try:
-                pump()  # what came before
-                if await turn:
-                    return
-            finally:
-                upstream.on_arrival(None)
-                if turn.done() and not turn.cancelled():
-                    turn.exception()  # retrieved, even when this task was cancelled meanwhile
-            await self._drained(writer)
-
-    async def _drained(self, writer: BodyWriter) -> None:
-        """Until the client read enough of what was written (a client that reads
-        nothing for the stall timeout is dropped, as for a `send` that waits)."""
-        if self._stall is not None:
-            await self._stall.wait(writer.drain())
-        else:
-            await writer.drain()
-
-    def _note_start(self, chunk: bytes) -> bytes:
-        """`chunk`, kept if it holds the stream's `message_start` (see `_start`)."""
-        if not self._start and b'"message_start"' in chunk:
-            self._start = chunk
-        return chunk
-
-    def _before_error(self, chunk: bytes) -> bytes:
-        """`chunk` (whole events) if it holds no error event of the engine; else raises
-        the error, normalized (string code), once the events before it are sent."""
-        start = 0
-        for end in sse.event_ends(chunk):
-            error = http_errors.upstream_stream_error(chunk[start:end])
-            if error is not None:
-                raise _ErrorAfter(chunk[:start], error)
-            start = end
-        return chunk
-
-
-class _ErrorAfter(Exception):
-    """Internal: the engine's stream carried an error after `head` (sent first)."""
-
-    def __init__(self, head: bytes, error: RequestError) -> None:
-        super().__init__(str(error))
-        self.head = head
-        self.error = error
-
-
 def _backoff(ticket: Ticket) -> float:
     return float(REFUSAL_BACKOFF * 2 ** (ticket.requeues - 1))
-
-
-def _then(first: Callable[[bytes], bytes], second: Callable[[bytes], bytes]
-          ) -> Callable[[bytes], bytes]:
-    """`second(first(chunk))`, skipping `second` when `first` held everything back."""
-    def stage(chunk: bytes) -> bytes:
-        chunk = first(chunk)
-        return second(chunk) if chunk else chunk
-    return stage
 
 
 def _seated(body: bytes, ticket: Ticket) -> bytes:
