@@ -50,7 +50,8 @@ from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.admission.request_planner import RequestPlanner
 from backend.port.tokenizer_client import HttpEngineTokenizer
-from backend.port.relay import Exchange, GatedRequest, SlotParking
+from backend.port.gated_request import GatedRequest
+from backend.port.relay import Exchange, SlotParking
 from backend.port.route import Route
 from backend.port.request_log import RequestLog
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,

@@ -25,21 +25,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
 
-from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_ticket import Ticket
 from backend.admission.caller import Caller
-from backend.admission.flow import Band
 from backend.port.metrics import UNROUTED
-from backend.admission.flow_control import Pass
-from backend.admission.need_planner import NO_PLAN, Plan
-from backend.admission.hint import NO_HINT, Hint
+from backend.admission.need_planner import Plan
+from backend.port.gated_request import GatedRequest
 from backend.port.settlement import Ending, Settlement, SettlementHost
 from backend.port.stream_relay import StreamRelay
 from backend.port.client_watch import DisconnectWatch, StallGuard
@@ -51,11 +47,10 @@ from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, Upstrea
 if TYPE_CHECKING:
     from backend.admission.request_planner import RequestPlanner
     from backend.port.metrics import ModelCounts
-    from backend.port.request_body import Parsed
     from backend.port.server import BodyWriter
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
 
-__all__ = ["Exchange", "ExchangeHost", "GatedRequest", "SSE_HEADERS", "SlotParking"]
+__all__ = ["Exchange", "ExchangeHost", "SSE_HEADERS", "SlotParking"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -112,35 +107,6 @@ class SlotParking(Protocol):
     def after_answer(self, pending: object | None, tail: bytes) -> None: ...
 
     def remember(self, ticket: Ticket, model: str | None, path: str, body: bytes) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class GatedRequest:
-    """A checked request for a gated route, before it has a ticket."""
-
-    path: str
-    kind: sse.StreamKind
-    parsed: Parsed
-    model_id: str | None
-    #: Its way through its caller's limits (who sent it, its flow, its key's windows).
-    passage: Pass
-    #: What it will hold of the engine's cache, and whether it is counted while it runs;
-    #: None while no engine serves its model yet (it is loading): planned once one does.
-    plan: Plan | None = NO_PLAN
-    #: The body's size as received, for planning later.
-    body_bytes: int = 0
-    #: The priority band it asked for (only ever lower than its key's).
-    band: Band | None = None
-    #: Its wait for its model to load (`Line.when_served`), when it was loading.
-    served: asyncio.Future[None] | None = None
-    #: Its session and prompt prefix, for placement (planned with it once it can be).
-    hint: Hint = NO_HINT
-    #: When it arrived (`time.monotonic`), for its waits and its time to first token.
-    arrived: float = 0.0
-    #: The client's W3C `traceparent`, read only while spans are exported.
-    traceparent: str | None = None
-    #: Its prompt's blocks, to say why its answer's prompt missed the cache (if it did).
-    blocks: PromptBlocks = NO_BLOCKS
 
 
 class Exchange:

@@ -58,7 +58,7 @@ class SettlementHost(Protocol):
 
 
 class SettledRequest(Protocol):
-    """What the books read of the request as it was checked (`relay.GatedRequest`)."""
+    """What the books read of the request as it was checked (`gated_request.GatedRequest`)."""
 
     @property
     def path(self) -> str: ...
