@@ -15,17 +15,17 @@ its events) and hand it over once, when it ends (`Exchange._settle`, to
 its record in the request inspector).
 
 Failures of the upstream client become the project's errors in one place
-(`Exchange._upstream_failures`); errors become answers through `backend.port.http_errors`:
-an HTTP answer while no header was sent, a final in-stream error event afterwards.
+(`backend.port.forwarding.named_failures`); errors become answers through
+`backend.port.http_errors`: an HTTP answer while no header was sent, a final in-stream
+error event afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
 
 from backend.port import http_errors
 from backend.port import sse
@@ -39,10 +39,10 @@ from backend.port.gated_request import GatedRequest
 from backend.port.settlement import Ending, Settlement, SettlementHost
 from backend.port.stream_relay import StreamRelay
 from backend.port.client_watch import DisconnectWatch, StallGuard
-from backend.llama.api import engine_headers
-from backend.errors import (RETRY_SOON, LoadReplaced, ModelNotReady, QueueTimeout,
-                            RequestError, UpstreamFailed, UpstreamUnavailable)
-from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
+from backend.errors import (RETRY_SOON, ModelNotReady, QueueTimeout, RequestError,
+                            UpstreamUnavailable)
+from backend.port.forwarding import (NotReached, check_answer, named_failures, read_error,
+                                     upstream_request)
 
 if TYPE_CHECKING:
     from backend.admission.request_planner import RequestPlanner
@@ -61,7 +61,6 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 #: First wait before a load that refused a connection is tried again (then doubled per
 #: try: 0.05 + 0.1 + ... + 0.8 s = 1.55 s over MAX_REQUEUES tries).  A killed engine is
 #: noticed within milliseconds and its waiters then wait for the restarted load instead.
@@ -69,12 +68,6 @@ REFUSAL_BACKOFF = 0.05
 #: Seconds a slot freed by a request the engine dropped stays empty (see `run`): a
 #: crashed engine is noticed well within it, a live one loses only this much.
 ENGINE_FAILURE_HOLD = 0.5
-#: How much of an upstream error body is read.
-ERROR_BODY_LIMIT = 64 * 1024
-
-
-class _NotReached(Exception):
-    """The upstream refused the connection (or never accepted it): nothing was sent."""
 
 
 class ExchangeHost(SettlementHost, Protocol):
@@ -379,7 +372,7 @@ class Exchange:
                     parking.remember(ticket, self.request.model_id, self.request.path,
                                      self.request.parsed.body)
                 return last
-            except _NotReached:
+            except NotReached:
                 refused_by = self.metrics  # the engine's counts, before the ticket leaves it
                 if not ticket.requeue():
                     raise UpstreamUnavailable("The model server could not be reached. "
@@ -518,46 +511,18 @@ class Exchange:
 
     # --- forwarding ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _upstream_failures(self, ticket: Ticket, *, connecting: bool = False) -> Iterator[None]:
-        """The one place where the upstream client's failures become our errors: the
-        engine unreachable, or gone while answering, or its load replaced meanwhile."""
-        try:
-            yield
-        except UpstreamError as exc:
-            if connecting and isinstance(exc, ConnectFailed):
-                raise _NotReached() from None  # nothing was sent: safe on the next load
-            error: RequestError
-            if ticket.engine is not None and ticket.engine.retired:
-                error = LoadReplaced("The model was reloaded or unloaded while this request "
-                                     "ran. Send it again.", retry_after=RETRY_SOON)
-            elif isinstance(exc, MalformedAnswer):
-                error = UpstreamFailed("The model server sent an invalid answer.")
-            elif connecting:
-                error = UpstreamUnavailable("The model server could not be reached. "
-                                            "Try again shortly.", retry_after=RETRY_SOON)
-            else:
-                self._engine_dropped = True
-                error = UpstreamFailed("The model server stopped while answering. Try again.")
-            raise error from None
-        except sse.BrokenStream:
-            raise UpstreamFailed("The model server's answer broke off in the middle of an "
-                                 "event. Try again.") from None
-
     async def _forward(self, ticket: Ticket) -> list[dict[str, Any]]:
         """Forward to the ticket's load; returns the last messages still to send."""
-        request = self.client.build_request("POST", ticket.serving.base_url + self.request.path,
-                                            content=_seated(self.request.parsed.body, ticket),
-                                            headers={**UPSTREAM_HEADERS,
-                                                     **engine_headers(ticket.api_key)})
-        with self._upstream_failures(ticket, connecting=True):
+        request = upstream_request(self.client, ticket, self.request.path,
+                                   self.request.parsed.body)
+        with named_failures(ticket, connecting=True):
             upstream = await self.client.send(request, stream=True)
         try:
             if upstream.status_code >= 400:
                 raise http_errors.upstream_error(upstream.status_code,
-                                                    await self._read_error(upstream))
-            with self._upstream_failures(ticket):
-                self._check_answer(upstream)
+                                                 await read_error(upstream))
+            with named_failures(ticket, dropped=self._dropped):
+                check_answer(upstream, streamed=self.request.parsed.stream)
                 if self.request.parsed.stream:
                     await self._until_first_bytes(upstream, ticket)
                     last = await self.stream.relay(upstream, self.send, self._body_writer,
@@ -568,27 +533,6 @@ class Exchange:
                 return await self._answer(upstream)
         finally:
             await upstream.aclose()
-
-    def _check_answer(self, upstream: UpstreamResponse) -> None:
-        """Relay only what llama-server answers: 200 with an event stream for a streamed
-        request, JSON otherwise (a redirect, a 2xx without the body asked for, or another
-        media type would reach the client as if it were the model's answer)."""
-        media = (upstream.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-        expected = "text/event-stream" if self.request.parsed.stream else "application/json"
-        if upstream.status_code != 200 or media != expected:
-            raise MalformedAnswer(f"Unexpected answer: {upstream.status_code} {media!r}.")
-
-    async def _read_error(self, upstream: UpstreamResponse) -> bytes:
-        """As much of an error body as arrives (a cut one still says something)."""
-        body = b""
-        try:
-            async for chunk in upstream.aiter_raw():
-                body += chunk
-                if len(body) > ERROR_BODY_LIMIT:
-                    break
-        except UpstreamError:
-            pass
-        return body
 
     async def _until_first_bytes(self, upstream: UpstreamResponse, ticket: Ticket) -> None:
         """The stream's start sent, keep-alives until the engine's first bytes:
@@ -601,6 +545,10 @@ class Exchange:
         while not await upstream.arrived(interval):
             await self._send_keepalive()
         ticket.prefilled()
+
+    def _dropped(self) -> None:
+        """The engine dropped the request while answering (see `run`)."""
+        self._engine_dropped = True
 
     async def _answer(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
         body = await upstream.aread()
@@ -618,16 +566,6 @@ class Exchange:
                              *self._extra_headers]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
 
+
 def _backoff(ticket: Ticket) -> float:
     return float(REFUSAL_BACKOFF * 2 ** (ticket.requeues - 1))
-
-
-def _seated(body: bytes, ticket: Ticket) -> bytes:
-    """The body as sent to the engine: with the seat's slot as `id_slot` when its
-    placement pinned it (a client's own `id_slot` is refused before this)."""
-    seat = ticket.seat
-    if seat is None or not seat.pinned or seat.slot is None or not ticket.serving.takes_slot_ids:
-        return body
-    rest = body.lstrip()[1:]  # a checked body is one JSON object
-    comma = b"" if rest.lstrip().startswith(b"}") else b","
-    return b'{"id_slot":%d%s%s' % (seat.slot, comma, rest)
