@@ -4,10 +4,11 @@ Routes, keys and browser checks (`gateway`, `access_guard`), serving the socket
 (`server`), the engine's tokenizer over HTTP (`tokenizer_client`, given to admission's
 request planner), the relay of one exchange (`relay`, `client_watch`; the checked request
 it is given, `gated_request`; its forwarding to the engine, `forwarding`; its answer's
-stream, `stream_relay`, `sse`), the upstream HTTP client (`upstream_http`: the connection pool; `http1_response`: the sans-I/O parser
-of its answers; `upstream_errors`: the failures of both), TCP_NODELAY on the connections
-of both sides (`tcp_nodelay`), request bodies (`request_body`, `request_fields`), error
-answers (`http_errors`), metrics and the access log, and the enrolment endpoint a
-teammate without a key asks for one at (`enrolment_endpoint`).  What is decided about a request
+stream, `stream_relay`, `sse`), the upstream HTTP client (`upstream_http`: the connection
+pool; `http1_response`: the sans-I/O parser of its answers; `upstream_errors`: the
+failures of both), TCP_NODELAY on the connections of both sides (`tcp_nodelay`), request
+bodies (`request_body`, `request_fields`), error answers (`http_errors`), what `/health`
+says (`health`), metrics and the access log, and the enrolment endpoint a teammate
+without a key asks for one at (`enrolment_endpoint`).  What is decided about a request
 (admission, fair share, limits, placement) lives in `backend.admission`.
 """

@@ -44,6 +44,7 @@ from backend.port.access_log import log_request
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
 from backend.port.enrolment_endpoint import ENROL_PATH, EnrolmentEndpoint
+from backend.port.health import health_answer
 from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
@@ -313,51 +314,9 @@ class Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        """200 while the default model has an engine that serves, else 503.  The top-level
-        fields are that model's: its serving engines' slots and cache together, so one
-        engine out of several leaves it ready (and named in `engines_out`).  A client off
-        this machine without the key, on a port that has one, is told the state only."""
-        cards = self.ctx.model_cards()
-        elsewhere = self.ctx.engines_elsewhere()
-        default = next((card for card in cards if card.default), None)
-        summary = _default_model_health(default, self.ctx.snapshot(),
-                                         self.ctx.registry.total_reserved_tokens)
-        status = 200 if summary["state"] == State.READY.value else 503
-        if not self._may_read_health(request.scope):
-            return JSONResponse({"state": summary["state"]}, status_code=status)
-        registry = self.ctx.registry
-        snapshot = self.ctx.snapshot()
-        # Out: an engine elsewhere that does not serve and says why (not one that is
-        # still starting, nor a GGUF Studio port whose models load on demand there).
-        out = [{"engine": e["engine"], "model": (e["models"] or [None])[0], "state": e["state"],
-                "error": e["error"]} for e in elsewhere if not e["serving"] and e["error"]]
-        out += [{"engine": engine["where"], "model": card.id, "state": engine["state"],
-                 "error": card.details.get("error")}
-                for card in cards for engine in card.details.get("engines", ())
-                if engine["id"].startswith("local:") and card.state == "failed"]
-        body = {
-            **summary,
-            # Requests of the whole port, running and waiting.
-            "active": registry.total_active,
-            "waiting": registry.total_waiting,
-            # Engines that should serve and do not: the pool runs on the others meanwhile.
-            "degraded": bool(out),
-            "engines_out": out,
-            # Which backend and devices the engine uses (no paths, ports or URLs in it).
-            "engine": snapshot.engine.to_dict() if snapshot.engine else None,
-            # Every model, its residency and the reason of its last decision, its engines,
-            # its requests since start (as /metrics counts them) and waiting now.
-            "models": [{"id": card.id, "state": card.state, "default": card.default,
-                        "context_length": card.context_length, **card.details,
-                        "requests": self._model_requests(card.id)}
-                       for card in cards],
-            # Engines on other machines, also those out of the pool right now, and why.
-            "upstreams": elsewhere,
-        }
-        if self.enrolment is not None:
-            # Whether teammates may ask for a key now (the owner reads it: the door's
-            # hours are not for everyone's eyes).
-            body["enrolment"] = self.enrolment.window().to_dict()
+        """`backend.port.health`: all of it for whoever may read it (`_may_read_health`)."""
+        body, status = health_answer(self.ctx, self.enrolment,
+                                     lambda: self._may_read_health(request.scope))
         return JSONResponse(body, status_code=status)
 
     def _may_read_health(self, scope: MutableMapping[str, Any]) -> bool:
@@ -372,12 +331,6 @@ class Gateway:
         except RequestError:
             return False
         return True
-
-    def _model_requests(self, model: str) -> dict[str, int]:
-        totals = self.ctx.metrics.model_totals(model)
-        line = self.ctx.registry.find_line(model)
-        return {"answered": totals.answered, "refused": totals.refused,
-                "cancelled": totals.cancelled, "waiting": line.waiting if line is not None else 0}
 
     async def requests_endpoint(self, request: Request) -> Response:
         """The inspector's records after `?after=ID` (the newest `?limit=N`): every one
@@ -557,36 +510,6 @@ def _starlette_app(gateway: Gateway) -> Starlette:
     )
     app.router.redirect_slashes = False
     return app
-
-
-def _default_model_health(card: ModelCard | None, snapshot: Snapshot,
-                          reserved: int) -> dict[str, Any]:
-    """/health's top-level fields: the default model, as its engines that serve now make
-    it together (a port of one engine without a pool: that engine's snapshot)."""
-    engines = card.details.get("engines") if card is not None else None
-    if card is None or engines is None:
-        serving = snapshot.serving
-        kv = serving.kv.to_dict() if serving is not None and serving.kv is not None else None
-        return {"state": snapshot.state.value, "model": snapshot.model_id,
-                "effective_parallel_slots": serving.slots if serving is not None else None,
-                "kv": None if kv is None else dict(kv, reserved=reserved),
-                "speed": serving.speed.to_dict() if serving is not None and serving.speed else None}
-    serving_now = [e for e in engines if e["state"] == State.READY.value and e["slots"]]
-    caches = [e["kv"] for e in serving_now if e["kv"] is not None]
-    if serving_now:
-        state = State.READY.value
-    elif snapshot.model_id == card.id and snapshot.state is not State.READY:
-        state = snapshot.state.value
-    else:
-        state = next((e["state"] for e in engines), State.STOPPED.value)
-    return {"state": state, "model": card.id,
-            "effective_parallel_slots": sum(e["slots"] for e in serving_now) or None,
-            "kv": {"total": sum(int(c["total"]) for c in caches),
-                   "per_request": max(int(c["per_request"]) for c in caches),
-                   "unified": all(c["unified"] is True for c in caches),
-                   "reserved": sum(int(e["reserved_tokens"]) for e in serving_now)} if caches else None,
-            # The first serving engine's measured speed (each engine's is in `models`).
-            "speed": next((e["speed"] for e in serving_now if e.get("speed")), None)}
 
 
 def _traceparent(headers: list[tuple[bytes, bytes]]) -> str | None:
