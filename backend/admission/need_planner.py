@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
@@ -96,13 +97,14 @@ class NeedPlanner:
 
     async def plan(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
                    fits_now: Callable[[TokenNeed], bool] = lambda need: False,
-                   hint: Hint = NO_HINT, continued: Continued | None = None) -> Plan:
+                   hint: Hint = NO_HINT, continued: Continued | None = None,
+                   size: int | None | EllipsisType = ...) -> Plan:
         """The plan of one request of `body_bytes` bytes to `route`, carrying `hint`.
         `fits_now(need)`: would admission take a request of that need (and hint) at once,
         passing no one; `continued`: the turn it continues, whose prompt plans this one's
         where it is below the byte bound: counted from its addition alone, it needs no
-        count of the whole prompt."""
-        bound = await self.bound_need(route, body, body_bytes)
+        count of the whole prompt; `size`: the body's `prompt_size`, if read already."""
+        bound = await self.bound_need(route, body, body_bytes, size=size)
         if continued is not None:
             prompt = await continued.count(self.counter)
             if bound is None or prompt.tokens < bound.prompt:
@@ -135,13 +137,14 @@ class NeedPlanner:
                                cap=self.policy.cap, default=self.policy.default)
         return max(0, share - budget)
 
-    async def bound_need(self, route: str, body: Mapping[str, Any],
-                         body_bytes: int) -> TokenNeed | None:
+    async def bound_need(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
+                         size: int | None | EllipsisType = ...) -> TokenNeed | None:
         """The need on the prompt's byte bound, without asking the engine; None where no
         bound holds.  Never below the counted need: the prompt's bound is at least its
         count, and a larger prompt leaves a budget no larger than the room it takes
-        (`output_budget`), so the sum only grows with the prompt."""
-        prompt = await self.counter.bound(route, body, body_bytes)
+        (`output_budget`), so the sum only grows with the prompt.  `size`: the body's
+        `prompt_size`, if read already."""
+        prompt = await self.counter.bound(route, body, body_bytes, size=size)
         if prompt is None:
             return None
         return self._need(route, body, PromptCount(prompt, "bound"))

@@ -68,6 +68,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any, Protocol
 
 from backend.errors import CountingFull
@@ -237,12 +238,15 @@ class PromptCounter:
             return await self._count_prompts(body.get(field), fits_below, refuse_when_busy)
         raise ValueError(f"no prompt to count on {route}")
 
-    async def bound(self, route: str, body: Mapping[str, Any], body_bytes: int) -> int | None:
+    async def bound(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
+                    size: int | None | EllipsisType = ...) -> int | None:
         """The byte bound of the prompt without counting it (the template's fixed parts
         are measured once per counter); None where no bound holds: images, or the
-        template could not be measured."""
+        template could not be measured.  `size`: the body's `prompt_size`, when the
+        caller read it already (its walk of the body is not made twice)."""
         if route in COUNT_ROUTES:
-            return await self._chat_bound(body, body_bytes)
+            return await self._chat_bound(
+                body, prompt_size(body, body_bytes) if size is ... else size)
         if route in (COMPLETIONS, EMBEDDINGS):
             texts, exact = _split_prompts(body.get("prompt" if route == COMPLETIONS
                                                    else "input"))
@@ -269,16 +273,18 @@ class PromptCounter:
 
     # --- chat, Responses, messages -------------------------------------------------
 
-    async def _chat_bound(self, body: Mapping[str, Any], body_bytes: int) -> int | None:
-        """The bound, measuring the template's parts it needs first."""
-        if _images(body)[0] or await self._template_base() is None:
+    async def _chat_bound(self, body: Mapping[str, Any], size: int | None) -> int | None:
+        """The bound of a body of `prompt_size` `size`, measuring the template's parts it
+        needs first."""
+        if size is None or await self._template_base() is None:
             return None
         if body.get("tools") and await self._tool_costs() is None:
             return None
-        return self._known_bound(body, body_bytes)
+        return self._known_bound(body, size)
 
-    def _known_bound(self, body: Mapping[str, Any], body_bytes: int) -> int | None:
-        """The bound from what is measured already; None if that is not enough.
+    def _known_bound(self, body: Mapping[str, Any], size: int | None) -> int | None:
+        """The bound of a body of `prompt_size` `size` (None: it has images) from what is
+        measured already; None if that is not enough.
 
         Without tools, the template adds per message fewer tokens than the JSON spends
         on it (see the module's docstring), and a tool call's arguments, which a
@@ -288,22 +294,22 @@ class PromptCounter:
         (`ToolCosts`), and each tool's JSON counts at its indented, escaped size in
         place of the bytes it takes in the body."""
         base = self.template_base
-        if base is None or _images(body)[0]:
+        if base is None or size is None:
             return None
-        extra = _tool_call_allowance(body)
+        extra = 0
         tools = body.get("tools")
         if tools:
             if self.tool_costs is None or not isinstance(tools, list):
                 return None
             extra += self.tool_costs.allowance(tools) - len(_compact(tools).encode())
-        return body_bytes + base + extra + TEXT_SLACK
+        return size + base + extra + TEXT_SLACK
 
     async def _count_chat_like(self, route: str, body: Mapping[str, Any], body_bytes: int,
                                fits_below: int, refuse_when_busy: bool) -> PromptCount:
-        images, image_bytes = _images(body)
+        size = prompt_size(body, body_bytes)  # None: it has images
         ask = True
-        if fits_below > 0 and not images:
-            bound = await self._chat_bound(body, body_bytes)
+        if fits_below > 0 and size is not None:
+            bound = await self._chat_bound(body, size)
             if bound is not None and bound <= fits_below:
                 return PromptCount(bound, "bound")
             # A probe just failed: asking again would only double the wait.
@@ -315,9 +321,10 @@ class PromptCounter:
                     return PromptCount(await self._ask_chat_like(route, body), "engine")
             except CountFailed as error:
                 self._log_fallback(error)
-        bound = self._known_bound(body, body_bytes)
+        bound = self._known_bound(body, size)
         if bound is not None:
             return PromptCount(bound, "estimate")
+        images, image_bytes = _images(body)
         tools = body.get("tools")
         tool_bytes = len(_compact(tools)) if tools else 0
         base = self.template_base if self.template_base is not None else TEMPLATE_ALLOWANCE

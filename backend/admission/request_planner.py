@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any, Protocol
 
 from backend.admission.admission_registry import AdmissionRegistry
@@ -27,8 +28,8 @@ from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.line import Line
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from backend.admission.prompt_tokens import (MESSAGES, EngineTokenizer, PromptCounter,
-                                             prompt_size)
+from backend.admission.prompt_tokens import (COUNT_ROUTES, MESSAGES, EngineTokenizer,
+                                             PromptCounter, prompt_size)
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
 from backend.settings import Settings
@@ -79,14 +80,16 @@ class RequestPlanner:
         """The admission of a request to `route` for `model` (resolved, its line `line`)
         from flow `flow`, with these headers and parsed body of `body_bytes` bytes."""
         hint = request_hint(flow, headers, data, pinnable=route != MESSAGES)
-        # Its size walks the body's messages again: only a session's turn is continued.
-        size = None if hint.session is None else prompt_size(data, body_bytes)
+        # Its size (a walk of its messages for images and tool calls) bounds a chat-like
+        # prompt, and a session's turn that the next continues: read once for both.
+        size = (prompt_size(data, body_bytes)
+                if route in COUNT_ROUTES or hint.session is not None else None)
         blocks = prompt_blocks(data, size)
         queue = line.planning_engine
         if queue is None:  # the model is loading: planned once it is served
             return Admission(None, hint, blocks)
         plan = await self._plan(queue, route, data, body_bytes, hint,
-                                self._continued(hint, model, blocks, data))
+                                self._continued(hint, model, blocks, data), size)
         return Admission(plan, hint, blocks)
 
     async def plan_after_load(self, line: Line[AdmissionQueue], route: str, model: str,
@@ -143,10 +146,12 @@ class RequestPlanner:
         return Continued(earlier.prompt_tokens, added, text)
 
     async def _plan(self, queue: AdmissionQueue, route: str, data: Mapping[str, Any],
-                    body_bytes: int, hint: Hint, continued: Continued | None) -> Plan:
+                    body_bytes: int, hint: Hint, continued: Continued | None,
+                    size: int | None | EllipsisType = ...) -> Plan:
         """What the request will hold of the engine's KV cache (`NeedPlanner`), and its
         `hint`; no need when the cache is unknown or admission is off: slots alone
-        decide, or nothing.  `continued`: the turn it continues, if any."""
+        decide, or nothing.  `continued`: the turn it continues, if any; `size`: its
+        body's `prompt_size`, if read already."""
         planner = self.planner_for(queue)
         if planner is None:
             return NO_PLAN if hint is NO_HINT else Plan(hint=hint)
@@ -156,4 +161,4 @@ class RequestPlanner:
             def fits_now(need: TokenNeed) -> bool:
                 return line.fits_now(need, hint)
         return await planner.plan(route, data, body_bytes, fits_now=fits_now, hint=hint,
-                                  continued=continued)
+                                  continued=continued, size=size)

@@ -279,6 +279,19 @@ async def test_the_byte_bound_is_never_below_the_engines_count(counter, engine_u
     assert bound.tokens >= await engine_prompt_tokens(engine_url, route, body)
 
 
+@pytest.mark.parametrize("index", range(len(SHORT_BODIES) + 1))
+async def test_a_bound_from_the_size_read_by_the_planner_is_the_counters_own(counter, index):
+    """The request planner reads a body's `prompt_size` once and hands it on: the bound
+    is the one the counter reads for itself (None with an image)."""
+    route, body = (SHORT_BODIES + [(CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})])[index]
+    body_bytes = len(json.dumps(body).encode())
+    own = await counter.bound(route, body, body_bytes)
+    assert await counter.bound(route, body, body_bytes,
+                               size=prompt_size(body, body_bytes)) == own
+    assert (own is None) == (index == len(SHORT_BODIES))
+
+
 TOOL_BODIES = [(route, body) for route, body in SHORT_BODIES
                if body.get("tools") and route == CHAT]
 
