@@ -439,9 +439,8 @@ def prompt_size(body: Mapping[str, Any], body_bytes: int) -> int | None:
     """The body's bytes and what its tool calls may render beyond them (re-indented
     arguments): the part of the byte bound a conversation grows by, turn after turn
     (`continued_turn.Continued`).  None with images: their bytes say nothing."""
-    if _images(body)[0]:
-        return None
-    return body_bytes + _tool_call_allowance(body)
+    allowance = _tool_call_allowance(body)
+    return None if allowance is None else body_bytes + allowance
 
 
 def output_budget(route: str, body: Mapping[str, Any], *, prompt_tokens: int, limit: int,
@@ -499,17 +498,21 @@ def _indented_bytes(value: Any) -> int:
     return len(json.dumps(value, indent=4))
 
 
-def _tool_call_allowance(body: Mapping[str, Any]) -> int:
+def _tool_call_allowance(body: Mapping[str, Any]) -> int | None:
     """Indented bytes of the arguments of every tool call in `body` (chat `tool_calls`,
     Responses `function_call` items, messages `tool_use` blocks): a template may render
-    them parsed and re-indented, larger than the string the body holds."""
+    them parsed and re-indented, larger than the string the body holds.  None when the
+    body holds an image (in its messages, `input` items or `system`): one walk of a
+    conversation for both, once per request."""
     total = 0
-    stack: list[Any] = [body.get("messages"), body.get("input")]
+    stack: list[Any] = [body.get("messages"), body.get("input"), body.get("system")]
     while stack:
         item = stack.pop()
         if isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, dict):
+            if item.get("type") in _IMAGE_PARTS:
+                return None
             arguments = item.get("arguments")
             if arguments is None and isinstance(item.get("function"), dict):
                 arguments = item["function"].get("arguments")
