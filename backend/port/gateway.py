@@ -226,8 +226,8 @@ class Gateway:
             # The key's limits first: a request refused for them loads and evicts nothing.
             passage = self.flows.enter(caller, model)
             flow = passage.flow
-            band = requested_band(headers)
-            band = flow.band if band is None else max(band, flow.band)
+            asked = requested_band(headers)  # only ever lower than its key's
+            band = flow.band if asked is None else max(asked, flow.band)
             line = ctx.registry.line(model)
             if not line.engines:  # it loads: its wait is checked before it starts one
                 self.flows.check_spent(caller)
@@ -271,7 +271,7 @@ class Gateway:
         extensions = scope.get("extensions", {})
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, passage, admission.plan,
-                                                     raw_size, requested_band(headers), served,
+                                                     raw_size, asked, served,
                                                      admission.hint, arrived, traceparent,
                                                      admission.blocks),
                             send, receive,
