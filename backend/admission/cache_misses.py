@@ -23,39 +23,31 @@ cache) and why, comparing the session's previous turn with this one:
 - `slot_taken`: same engine, same load, yet the prefix was gone: its slot was given to
   another session (and the engine's RAM cache did not keep it).
 
-A prompt is seen as `PromptBlocks`: its text in order (system, tools, each message's
-reasoning, content, tool calls and other fields: a name, a tool call's id), cut into blocks of at most `BLOCK_CHARS` characters
-that never span two parts, each with the chained hash of everything up to its end; and
-each part with its own hash.  `prompt_blocks` makes them from a parsed request body,
-once per request (where its placement hint is made, never per chunk).
+A prompt is seen as `PromptBlocks` (`backend.admission.prompt`).
 
 Pure: no I/O; hashes are Python's, meaningful within one process only.
 """
 
 from __future__ import annotations
 
-import bisect
 import ipaddress
-import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backend.admission.caller import ADDRESS_FLOW
 from backend.admission.flow_shares import FlowShares
+from backend.admission.prompt import Part, PromptBlocks
 
 if TYPE_CHECKING:
     from backend.admission.sessions import Session
 
-__all__ = ["BLOCK_CHARS", "CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS",
-           "NO_BLOCKS", "PARKED", "REASONS", "Part", "PromptBlocks", "SessionCache", "SessionRow",
-           "THIS_COMPUTER", "TurnRecord", "Verdict", "judge", "prompt_blocks", "session_rows",
-           "text_after"]
+__all__ = ["CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS", "PARKED", "REASONS",
+           "SessionCache", "SessionRow", "THIS_COMPUTER", "TurnRecord", "Verdict", "judge",
+           "session_rows"]
 
-#: Characters per block (about 256 tokens of English or code).
-BLOCK_CHARS = 1024
 #: A change this close to the start, in a part otherwise kept, is "a changing line".
 NEAR_START_CHARS = 4096
 #: What a changing line may add to or take from its part's length (a date, a clock).
@@ -83,63 +75,6 @@ CAUSES: Mapping[str, str] = {
     "tools_rerendered": "tools re-rendered",
 }
 
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One part of a prompt: `kind` is system, tools, user, assistant, reasoning, tool
-    or prompt; `start`/`end` in characters of the whole prompt text."""
-
-    kind: str
-    start: int
-    end: int
-    digest: int
-
-
-@dataclass(frozen=True, slots=True)
-class PromptBlocks:
-    """A prompt as the classifier compares it (see the module docstring)."""
-
-    #: Chained hash of the text up to each block's end.
-    chained: tuple[int, ...] = ()
-    #: Where each block ends, in characters.
-    ends: tuple[int, ...] = ()
-    parts: tuple[Part, ...] = ()
-    #: A hash of the request's other fields (what else a template may render: tool
-    #: choice, template arguments, the output limit), for `CacheBook.continuation`.
-    frame: int = 0
-    #: The body's bytes with its tool calls' allowance (`prompt_tokens.prompt_size`);
-    #: 0: unknown (images), no continuation bound.
-    size: int = 0
-
-    def continues(self, earlier: PromptBlocks) -> bool:
-        """Is this the `earlier` request with messages added at its end (every block of
-        the earlier prompt the same, the other fields the same)?"""
-        n = len(earlier.chained)
-        return (0 < n <= len(self.chained) and self.frame == earlier.frame
-                and self.chained[n - 1] == earlier.chained[-1]
-                # a block may grow: the earlier prompt's last block ended where it did
-                and self.ends[n - 1] == earlier.ends[-1])
-
-    @property
-    def chars(self) -> int:
-        return self.ends[-1] if self.ends else 0
-
-    def common_chars(self, other: PromptBlocks) -> int:
-        """Characters at the start both prompts share, to the precision of a block."""
-        same = 0
-        for mine, theirs in zip(self.chained, other.chained):
-            if mine != theirs:
-                break
-            same += 1
-        return self.ends[same - 1] if same else 0
-
-    def part_at(self, char: int) -> Part | None:
-        """The part holding character `char`."""
-        i = bisect.bisect_right([p.start for p in self.parts], char) - 1
-        return self.parts[i] if 0 <= i < len(self.parts) and char < self.parts[i].end else None
-
-
-NO_BLOCKS = PromptBlocks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,62 +340,7 @@ def _place(label: str, slot: int | None) -> str:
     return label if slot is None else f"{label}, slot {slot}"
 
 
-def prompt_blocks(data: Mapping[str, Any], size: int | None = None) -> PromptBlocks:
-    """The blocks of a parsed chat, messages, responses or completions request body;
-    `size`: its `prompt_tokens.prompt_size` (None: unknown)."""
-    chained: list[int] = []
-    ends: list[int] = []
-    parts: list[Part] = []
-    link = 0
-    offset = 0
-    for kind, text in _parts(data):
-        if not text:
-            continue
-        start = offset
-        if len(text) <= BLOCK_CHARS:  # most parts: one block, its text not copied
-            pieces: tuple[int, ...] = (hash(text),)
-            offset += len(text)
-            link = hash((link, kind, pieces[0]))
-            chained.append(link)
-            ends.append(offset)
-        else:
-            hashes = []
-            for at in range(0, len(text), BLOCK_CHARS):
-                piece = text[at:at + BLOCK_CHARS]
-                hashes.append(hash(piece))  # each character is hashed once
-                link = hash((link, kind, hashes[-1]))
-                offset += len(piece)
-                chained.append(link)
-                ends.append(offset)
-            pieces = tuple(hashes)
-        parts.append(Part(kind, start, offset, hash((kind, pieces))))
-    if not chained:
-        return NO_BLOCKS
-    frame = hash(_dumps({key: value for key, value in sorted(data.items())
-                         if key not in _PROMPT_FIELDS}))
-    return PromptBlocks(tuple(chained), tuple(ends), tuple(parts), frame, size or 0)
-
-
-def text_after(data: Mapping[str, Any], chars: int) -> str:
-    """The text of a request body's prompt past its first `chars` characters (as
-    `prompt_blocks` counts them), each part on a line of its own: what a turn that
-    continues an earlier one of `chars` characters added, for the engine to tokenize.
-    The line breaks keep a tokenizer from merging the end of one part with the start of
-    the next (a template separates them too)."""
-    added: list[str] = []
-    offset = 0
-    for _kind, text in _parts(data):
-        end = offset + len(text)
-        if end > chars:
-            added.append(text[max(0, chars - offset):])
-        offset = end
-    return "\n".join(added)
-
-
 # --- helpers ---------------------------------------------------------------------------
-
-#: The fields `_parts` reads the prompt's text from; the others make a request's frame.
-_PROMPT_FIELDS = frozenset({"system", "instructions", "tools", "messages", "input", "prompt"})
 
 
 def _continued(records: tuple[TurnRecord, ...], blocks: PromptBlocks) -> TurnRecord | None:
@@ -516,99 +396,3 @@ def _rest_kept(old: PromptBlocks, new: PromptBlocks, was: Part, now: Part) -> bo
     after_old = [p.digest for p in old.parts if p.start >= was.end]
     after_new = [p.digest for p in new.parts if p.start >= now.end]
     return after_new[:len(after_old)] == after_old
-
-
-def _parts(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    """(kind, text) of a request body's prompt, in the order a template renders it."""
-    system = data.get("system", data.get("instructions"))
-    if system is not None:
-        for text in _texts(system):
-            yield "system", text
-    tools = data.get("tools")
-    if tools:
-        yield "tools", _dumps(tools)
-    messages = data.get("messages", data.get("input", data.get("prompt")))
-    if isinstance(messages, str):
-        yield "prompt", messages
-        return
-    if not isinstance(messages, list):
-        return
-    for message in messages:
-        if isinstance(message, str):
-            yield "prompt", message
-        elif isinstance(message, dict):
-            yield from _message_parts(message)
-
-
-def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    role = message.get("role")
-    kind = _KINDS.get(role) if isinstance(role, str) else None
-    item = message.get("type")
-    if kind is None:  # a Responses input item, or an unknown role
-        if item == "reasoning":
-            yield "reasoning", _dumps(message.get("summary") or message.get("content") or "")
-        elif item in ("function_call", "function_call_output", "custom_tool_call",
-                      "custom_tool_call_output"):
-            yield "tool", _dumps(message)
-        else:
-            yield "user", _dumps(message)
-        return
-    for name in ("reasoning_content", "reasoning", "thinking"):
-        value = message.get(name)
-        if isinstance(value, str) and value:
-            yield "reasoning", value
-    content = message.get("content")
-    if isinstance(content, str):
-        yield from _split_think(kind, content)
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, str):
-                yield kind, part
-            elif isinstance(part, dict):
-                ptype = part.get("type")
-                if ptype in ("thinking", "redacted_thinking", "reasoning"):
-                    yield "reasoning", str(part.get("thinking") or part.get("data")
-                                           or part.get("text") or "")
-                elif ptype in ("tool_use", "tool_result"):
-                    yield "tool", _dumps(part)
-                elif isinstance(part.get("text"), str):
-                    yield from _split_think(kind, part["text"])
-    calls = message.get("tool_calls")
-    if calls:
-        yield kind, _dumps(calls)
-    rest = {key: value for key, value in message.items() if key not in _MESSAGE_TEXT_FIELDS}
-    if rest:  # its name, its tool call's id: a template may render them too
-        yield kind, _dumps(rest)
-
-
-_KINDS = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-          "tool": "tool"}
-#: The fields of a chat message `_message_parts` reads as its parts' text, and its `type`
-#: (a Responses "message" item), which no template renders.
-_MESSAGE_TEXT_FIELDS = frozenset({"role", "type", "content", "reasoning_content", "reasoning",
-                                  "thinking", "tool_calls"})
-
-
-def _split_think(kind: str, text: str) -> Iterable[tuple[str, str]]:
-    """An answer that starts with its `<think>` block: the block is its reasoning."""
-    if kind == "assistant" and text.startswith("<think>"):
-        end = text.find("</think>")
-        if end >= 0:
-            end += len("</think>")
-            return (("reasoning", text[:end]), (kind, text[end:]))
-    return ((kind, text),)
-
-
-def _texts(content: Any) -> Iterator[str]:
-    if isinstance(content, str):
-        yield content
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, str):
-                yield part
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                yield part["text"]
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

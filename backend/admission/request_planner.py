@@ -2,7 +2,7 @@
 continues and its plan (`RequestPlanner.admit` -> `Admission`).
 
 The port reads and checks a request, then asks one question: `admit` reads its `Hint`
-(its session and prompt prefix), its prompt's blocks (`cache_misses.prompt_blocks`; its
+(its session and prompt prefix), its prompt's blocks (`prompt.prompt_blocks`; its
 size only for a session's turn, the one that may be continued), the turn of its session
 it continues (from the turn book, `TurnBook.continuation`), and plans its need on its
 model's planning engine (`need_planner`).  A request for a model that is loading has no
@@ -21,13 +21,14 @@ from types import EllipsisType
 from typing import Any, Protocol
 
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.cache_misses import PromptBlocks, TurnRecord, prompt_blocks, text_after
+from backend.admission.cache_misses import TurnRecord
 from backend.admission.continued_turn import Continued
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.line import Line
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
+from backend.admission.prompt import PromptBlocks, prompt_blocks, text_after
 from backend.admission.prompt_tokens import (COUNT_ROUTES, MESSAGES, EngineTokenizer,
                                              PromptCounter, prompt_size)
 from backend.llama.kv_capacity import TokenNeed

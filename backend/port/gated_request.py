@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backend.admission.cache_misses import NO_BLOCKS, PromptBlocks
+from backend.admission.prompt import NO_BLOCKS, PromptBlocks
 from backend.admission.flow import Band
 from backend.admission.flow_control import Pass
 from backend.admission.hint import NO_HINT, Hint

@@ -29,7 +29,8 @@ from backend.port.metrics import UNROUTED
 from backend.port.request_log import NO_FIGURES, RequestLog, figures_in
 
 if TYPE_CHECKING:
-    from backend.admission.cache_misses import PromptBlocks, Verdict
+    from backend.admission.cache_misses import Verdict
+    from backend.admission.prompt import PromptBlocks
     from backend.admission.engine_queue import AdmissionQueue
     from backend.admission.flow import Band
     from backend.admission.flow_control import Pass

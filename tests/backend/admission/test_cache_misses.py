@@ -5,38 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.admission.cache_misses import (BLOCK_CHARS, TurnRecord, Verdict, judge,
-                                            prompt_blocks)
-
-HEAD = "You are a coding agent. " + "Follow the rules of the repository. " * 120
-TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "path": {"type": "string"}}}}},
-         {"type": "function", "function": {"name": "run", "description": "Run a command.",
-                                           "parameters": {"type": "object", "properties": {
-                                               "command": {"type": "string"}}}}}]
-
-
-def chat(*messages: dict[str, Any], system: str = HEAD, tools: Any = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system},
-                                                      *messages]}
-    if tools is not None:
-        body["tools"] = tools
-    return body
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text + " and more words of the tool output. " * 40}
+from backend.admission.cache_misses import TurnRecord, Verdict, judge
+from backend.admission.prompt import BLOCK_CHARS, prompt_blocks
+from tests.backend.admission.chat_bodies import (AGENT, AGENT_NEXT, FIRST, HEAD, SECOND, TITLE,
+                                                 TOOLS, blocks_of, chat, user)
 
 
 def turn(body: dict[str, Any], tokens: int, engine: str | None = "e1",
          slot: int | None = None) -> TurnRecord:
     return TurnRecord(prompt_blocks(body), tokens, engine, slot)
-
-
-FIRST = chat(user("list the files"))
-SECOND = chat(user("list the files"), {"role": "assistant", "content": "Here they are."},
-              user("open main.py"))
 
 
 def test_a_sessions_first_turn_is_its_own_reason():
@@ -143,19 +120,6 @@ def test_a_rewritten_history_without_a_known_cause_names_none():
     assert verdict.describe() == "prefix changed at token 1100"
 
 
-def test_anthropic_and_responses_bodies_have_blocks_too():
-    messages = {"system": [{"type": "text", "text": HEAD}], "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"},
-                                          {"type": "text", "text": "hello"}]}]}
-    assert [p.kind for p in prompt_blocks(messages).parts] == [
-        "system", "user", "reasoning", "assistant"]
-    responses = {"instructions": HEAD, "input": [
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-        {"type": "function_call", "name": "run", "arguments": "{}", "call_id": "c1"}]}
-    assert [p.kind for p in prompt_blocks(responses).parts] == ["system", "user", "tool"]
-
-
 def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first():
     from backend.admission.cache_misses import CacheBook
 
@@ -197,17 +161,6 @@ def test_a_key_making_a_session_per_request_never_pushes_anothers_out_of_the_boo
     assert [s.session for s in book.snapshot()] == ["alice\nagent"]
 
 
-# OpenCode's requests of one session, as 1.18 sends them (both with the session's
-# x-session-affinity): its title request, then its agent's turns (tools, its own system).
-TITLE = chat({"role": "user", "content": "Generate a title for this conversation:\n"},
-             {"role": "user", "content": "Say hello.\n"},
-             system="You are a title generator. You output ONLY a thread title.")
-AGENT = chat({"role": "user", "content": "Say hello.\n"}, tools=TOOLS)
-AGENT_NEXT = chat({"role": "user", "content": "Say hello.\n"},
-                  {"role": "assistant", "content": "Hello!"},
-                  {"role": "user", "content": "Now in French.\n"}, tools=TOOLS)
-
-
 def test_another_conversation_under_the_sessions_name_is_its_first_turn_not_a_miss():
     """OpenCode's agent turn after its title request shares nothing with it: not "prefix
     changed (tools re-rendered)", which the Sessions tab showed for every OpenCode session."""
@@ -245,33 +198,6 @@ def test_the_book_judges_each_turn_against_the_conversation_it_continues():
 
 
 # --- the turn a request continues: its bound without a count ---------------------------------
-
-def blocks_of(body: dict[str, Any]) -> Any:
-    return prompt_blocks(body, size=len(str(body)))
-
-
-def test_a_turn_that_adds_messages_continues_the_last_but_one_that_rewrites_it_does_not():
-    assert blocks_of(SECOND).continues(blocks_of(FIRST))
-    assert blocks_of(AGENT_NEXT).continues(blocks_of(AGENT))
-    assert not blocks_of(FIRST).continues(blocks_of(SECOND))  # shorter: not a continuation
-    # An earlier message rewritten, the system prompt changed, tools sent, another field.
-    rewritten = chat({**user("list the files"), "content": "list every file"},
-                     {"role": "assistant", "content": "Here they are."}, user("open main.py"))
-    assert not blocks_of(rewritten).continues(blocks_of(FIRST))
-    assert not blocks_of(chat(user("list the files"), user("x"), system="Be brief.")).continues(
-        blocks_of(FIRST))
-    assert not blocks_of(chat(user("list the files"), user("x"), tools=TOOLS)).continues(
-        blocks_of(FIRST))
-    assert not blocks_of({**SECOND, "tool_choice": "none"}).continues(blocks_of(FIRST))
-    # A field of an earlier message a template may render, rewritten at the same length.
-    called = chat(user("run it"), {"role": "tool", "tool_call_id": "call_1", "content": "ok"})
-    recalled = chat(user("run it"), {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
-                    user("and now?"))
-    assert not blocks_of(recalled).continues(blocks_of(called))
-    # The earlier prompt's last message grown in place (a part's block ends elsewhere).
-    grown = chat({**user("list the files"), "content": user("list the files")["content"] + "!"})
-    assert not blocks_of(grown).continues(blocks_of(FIRST))
-
 
 def test_the_book_finds_the_answered_turn_a_request_continues_on_the_same_model_only():
     from backend.admission.cache_misses import CacheBook

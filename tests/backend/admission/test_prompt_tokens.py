@@ -37,7 +37,7 @@ from backend.admission.prompt_tokens import (
     prompt_size,
     token_need,
 )
-from backend.admission.cache_misses import prompt_blocks, text_after
+from backend.admission.prompt import prompt_blocks, text_after
 from backend.admission.continued_turn import Continued
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.llama.supervisor import pick_free_port

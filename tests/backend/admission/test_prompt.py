@@ -1,0 +1,44 @@
+"""A prompt as the port reads it, without I/O: its parts and blocks, and whether one
+request continues another."""
+
+from __future__ import annotations
+
+from backend.admission.prompt import prompt_blocks
+from tests.backend.admission.chat_bodies import (AGENT, AGENT_NEXT, FIRST, HEAD, SECOND, TOOLS,
+                                                 blocks_of, chat, user)
+
+
+def test_anthropic_and_responses_bodies_have_blocks_too():
+    messages = {"system": [{"type": "text", "text": HEAD}], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"},
+                                          {"type": "text", "text": "hello"}]}]}
+    assert [p.kind for p in prompt_blocks(messages).parts] == [
+        "system", "user", "reasoning", "assistant"]
+    responses = {"instructions": HEAD, "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "name": "run", "arguments": "{}", "call_id": "c1"}]}
+    assert [p.kind for p in prompt_blocks(responses).parts] == ["system", "user", "tool"]
+
+
+def test_a_turn_that_adds_messages_continues_the_last_but_one_that_rewrites_it_does_not():
+    assert blocks_of(SECOND).continues(blocks_of(FIRST))
+    assert blocks_of(AGENT_NEXT).continues(blocks_of(AGENT))
+    assert not blocks_of(FIRST).continues(blocks_of(SECOND))  # shorter: not a continuation
+    # An earlier message rewritten, the system prompt changed, tools sent, another field.
+    rewritten = chat({**user("list the files"), "content": "list every file"},
+                     {"role": "assistant", "content": "Here they are."}, user("open main.py"))
+    assert not blocks_of(rewritten).continues(blocks_of(FIRST))
+    assert not blocks_of(chat(user("list the files"), user("x"), system="Be brief.")).continues(
+        blocks_of(FIRST))
+    assert not blocks_of(chat(user("list the files"), user("x"), tools=TOOLS)).continues(
+        blocks_of(FIRST))
+    assert not blocks_of({**SECOND, "tool_choice": "none"}).continues(blocks_of(FIRST))
+    # A field of an earlier message a template may render, rewritten at the same length.
+    called = chat(user("run it"), {"role": "tool", "tool_call_id": "call_1", "content": "ok"})
+    recalled = chat(user("run it"), {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
+                    user("and now?"))
+    assert not blocks_of(recalled).continues(blocks_of(called))
+    # The earlier prompt's last message grown in place (a part's block ends elsewhere).
+    grown = chat({**user("list the files"), "content": user("list the files")["content"] + "!"})
+    assert not blocks_of(grown).continues(blocks_of(FIRST))
