@@ -25,7 +25,7 @@ from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from backend.admission.cache_misses import SessionRow
+from backend.app.session_rows import SessionRow
 from backend.app.activity import ActivitySample, ActivitySampler
 from backend.app.pool_config import ModelEntry
 from backend.app.pool_state import PoolState

@@ -1,6 +1,6 @@
 """The agents' sessions: each live session per key and model, how much of its prompts
 the engine's cache held, where its prefix lives, and its last miss and why.  Renders
-rows the backend made (`backend.admission.cache_misses.session_rows`); decides nothing."""
+rows the backend made (`backend.app.session_rows`); decides nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLabel, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from backend.admission.cache_misses import SessionRow
+from backend.app.session_rows import SessionRow
 
 from studio.widgets import secondary_label
 

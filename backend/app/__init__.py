@@ -3,7 +3,7 @@ thread it runs on under a GUI, `backend_thread`), the pool of models and engines
 its models here `local_models`; its engines elsewhere `pool_upstreams`; what it says of
 them `pool_status`; its settings `pool_config`, and their file `models_file`; the window's
 picture `pool_state`; the sessions' prefixes saved before an engine goes and restored
-after, `parking`), the command line (`cli`, with its `keys` commands in `cli_keys` and its
+after, `parking`; the Sessions view's rows, `session_rows`), the command line (`cli`, with its `keys` commands in `cli_keys` and its
 Hugging Face ones in `cli_hub`), the keys as people edit and see them (`key_table`), usage
 per key (`usage`), the end-to-end self-test, client snippets, activity over time, the
 desktop entry, LAN discovery (`discovery`: mDNS announce and browse), `gguf-studio connect`

@@ -43,7 +43,7 @@ from backend.llama.slot_parking import ParkingLot, ParkKey
 from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
 from backend.llama.supervisor import Supervisor
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
-from backend.admission.cache_misses import SessionRow, session_rows
+from backend.app.session_rows import SessionRow, session_rows
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.route import Route

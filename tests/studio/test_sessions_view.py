@@ -3,7 +3,8 @@ of its prompt tokens the cache held, where its prefix lives, and its last miss a
 
 from __future__ import annotations
 
-from backend.admission.cache_misses import CacheBook, session_rows
+from backend.admission.cache_misses import CacheBook
+from backend.app.session_rows import session_rows
 from backend.admission.prompt import prompt_blocks
 from backend.admission.sessions import SessionTable
 from studio.sessions_view import COLUMNS, SessionsView
