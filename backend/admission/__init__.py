@@ -10,7 +10,7 @@ request's admission asked once (`request_planner`: its hint, blocks and plan), w
 request needs (`need_planner`; the counting rules `prompt_tokens` and the output limit
 `output_limits`; the engine's tokenizer is given to them), what a request says of its
 session (`hint`, where a client's session name is bounded), where sessions live
-(`sessions`), a prompt as the port reads it (`prompt`), why a prompt was recomputed
+(`session_book`), a prompt as the port reads it (`prompt`), why a prompt was recomputed
 (`cache_misses`), and each key's share of what
 is kept per session (`flow_shares`).
 """

@@ -22,7 +22,7 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import DEFAULT_MODEL, Clock, Line
 from backend.admission.flow import Flow
 from backend.admission.placement import KeepPrefixes
-from backend.admission.sessions import SessionTable
+from backend.admission.session_book import SessionTable
 
 __all__ = ["AdmissionRegistry"]
 

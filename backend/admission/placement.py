@@ -7,7 +7,7 @@ its free slot ids), or None to keep the ticket waiting.  A policy is pure: it re
 engines' free slots and room and the ticket's need and `Hint`, and changes nothing.
 
 `KeepPrefixes` is the default: it keeps each session's prompt prefix warm, with what the
-`SessionTable` (`backend.admission.sessions`) learnt from the answers (`served`).  What it
+`SessionTable` (`backend.admission.session_book`) learnt from the answers (`served`).  What it
 relies on in the pinned llama.cpp (tools/server/server-context.cpp, `get_available_slot`):
 
 - a request with `id_slot` takes that slot: with `--slot-prompt-similarity 0` no RAM
@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 from backend.admission.hint import Hint
-from backend.admission.sessions import Session, SessionTable
+from backend.admission.session_book import Session, SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
 __all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "KeepPrefixes", "MostFreeSlots",

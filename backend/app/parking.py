@@ -18,7 +18,7 @@ The reply's cached tokens say whether it took (`after_answer`); one that did not
 dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
 runs between the seat and the request.
 
-Which slot holds which session is the session table's (`backend.admission.sessions`,
+Which slot holds which session is the session table's (`backend.admission.session_book`,
 read through `Residents`): placement pins the turns that keep prefixes, and the relay
 records where each turn's prefix went.  A session whose slot another session took lives
 on in the engine's RAM prompt cache, which llama-server cannot save and which goes with
@@ -89,7 +89,7 @@ _RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES))
 
 
 class Resident(Protocol):
-    """A session as the session table knows it (`backend.admission.sessions.Session`)."""
+    """A session as the session table knows it (`backend.admission.session_book.Session`)."""
 
     @property
     def key(self) -> str:
@@ -108,7 +108,7 @@ class Resident(Protocol):
 
 
 class Residents(Protocol):
-    """Where sessions live (`backend.admission.sessions.SessionTable`)."""
+    """Where sessions live (`backend.admission.session_book.SessionTable`)."""
 
     def resident(self, engine: str) -> Sequence[Resident]:
         """The sessions on `engine`, least recently served first."""
@@ -448,7 +448,7 @@ def _header_sizes(entry: ModelEntry | None) -> tuple[int, int]:
 def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:
     """Is `request` a side turn of the session whose last request was `earlier` (another
     beginning, and shorter: a title request, a side question;
-    `backend.admission.sessions`)?  Its slot then holds the side prompt, and the
+    `backend.admission.session_book`)?  Its slot then holds the side prompt, and the
     conversation's prefix is what `earlier` brings back."""
     return bool(request.begins and earlier.begins) and request.begins != earlier.begins \
         and len(request.body) < len(earlier.body)

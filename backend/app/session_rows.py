@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from backend.admission.cache_misses import SessionCache
 from backend.admission.caller import ADDRESS_FLOW
-from backend.admission.sessions import Session
+from backend.admission.session_book import Session
 
 __all__ = ["PARKED", "THIS_COMPUTER", "SessionRow", "session_rows"]
 
@@ -41,7 +41,7 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
                  now: float, serving: Container[str] | None = None,
                  parked: Container[str] = ()) -> tuple[SessionRow, ...]:
     """Rows for the sessions in `book` (most recent first): where each prefix lives from
-    the session table (`backend.admission.sessions`) when it knows the session, else
+    the session table (`backend.admission.session_book`) when it knows the session, else
     where its last turn ran; `now` on the book's clock.  `serving`: the admission keys of
     the engines that serve now (None: all the table names), a table's place on any other
     engine is gone with it; `parked`: the sessions whose prefix is parked on disk

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.placement import HOME_WAIT, HOME_WAIT_LIMIT, KeepPrefixes, MostFreeSlots, Seat
-from backend.admission.sessions import SessionTable
+from backend.admission.session_book import SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
 

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from backend.admission.sessions import SessionTable
+from backend.admission.session_book import SessionTable
 from backend.app.parking import ParkingSteward
 from backend.llama.api import engine_headers
 from backend.llama.engine import Engine

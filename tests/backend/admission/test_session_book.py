@@ -6,7 +6,7 @@ import pytest
 
 from backend.admission.hint import Hint
 from backend.admission.placement import KeepPrefixes, Seat
-from backend.admission.sessions import SessionTable
+from backend.admission.session_book import SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from tests.backend.admission.test_placement import Clock as PlacementClock, Engine, Wanting
 
