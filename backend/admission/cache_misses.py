@@ -10,7 +10,7 @@ cache) and why, comparing the session's previous turn with this one:
   no block with the session's last one, whose head (system prompt, or first message) is
   not in it either, and no line near the start changed (OpenCode sends its title request
   with its session's headers).  The book follows a session's
-  last few conversations apart (`CONVERSATIONS`), each turn judged against the one
+  last few conversations apart (`session_book.CONVERSATIONS`), each turn judged against the one
   whose prompt it continues;
 - `prefix_changed`: the client sent a different beginning than last time, at token N;
   with the likely cause where it is one of the known breakers: the reasoning of an
@@ -30,23 +30,17 @@ Pure: no I/O; hashes are Python's, meaningful within one process only.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from backend.admission.flow_shares import FlowShares
 from backend.admission.prompt import Part, PromptBlocks
 
-__all__ = ["CAUSES", "CONVERSATIONS", "CacheBook", "NEAR_START_CHARS", "REASONS", "SessionCache",
-           "TurnRecord", "Verdict", "judge"]
+__all__ = ["CAUSES", "NEAR_START_CHARS", "REASONS", "TurnRecord", "Verdict", "judge"]
 
 #: A change this close to the start, in a part otherwise kept, is "a changing line".
 NEAR_START_CHARS = 4096
 #: What a changing line may add to or take from its part's length (a date, a clock).
 CHANGING_LINE_CHARS = 80
-#: Conversations followed apart within one session (an agent's turns, its title request).
-CONVERSATIONS = 4
 
 #: Miss reasons: their metric label and what they say.
 REASONS: Mapping[str, str] = {
@@ -63,7 +57,6 @@ CAUSES: Mapping[str, str] = {
     "changing_line": "a changing line near the start",
     "tools_rerendered": "tools re-rendered",
 }
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,132 +138,7 @@ def judge(previous: TurnRecord | None, blocks: PromptBlocks, cached: int, comput
     return Verdict(cached, computed, "slot_taken")
 
 
-@dataclass(frozen=True, slots=True)
-class SessionCache:
-    """One session's prompt cache so far: what its turns found cached and computed, and
-    its last miss."""
-
-    #: Its key, scoped to its flow ("flow\\nname"; a conversation the client does not name
-    #: is named by placement's hint after its start: "flow\\n#digest").
-    session: str
-    model: str
-    turns: int
-    cached: int  #: prompt tokens its turns took from a cache
-    computed: int  #: prompt tokens its turns computed
-    #: Where its last turn ran: the engine's public name and its slot, if pinned.
-    engine: str
-    slot: int | None
-    last: Verdict
-    last_miss: Verdict | None
-    #: When its last turn ended (the book's clock).
-    at: float
-
-    @property
-    def hit_percent(self) -> float:
-        """Of all its prompt tokens, the share found cached (0-100)."""
-        total = self.cached + self.computed
-        return 100.0 * self.cached / total if total else 0.0
-
-
-class CacheBook:
-    """Each session's last turn and its figures, bounded as the session table is: at
-    most `max_sessions`, of them at most `max_per_flow` of one flow (None: a quarter);
-    past its share a flow's own least recently served go, past the bound the least
-    recently served of the flow holding the most (`backend.admission.flow_shares`).
-    Changed on the port's loop; `snapshot` may be read from any thread."""
-
-    def __init__(self, max_sessions: int = 4096, *, max_per_flow: int | None = None,
-                 clock: Callable[[], float]) -> None:
-        self.max_sessions = max_sessions
-        self._clock = clock
-        self._lock = threading.Lock()
-        # Each session's last turn of each of its last few conversations, newest first.
-        self._turns: OrderedDict[str, tuple[tuple[TurnRecord, ...], SessionCache]] = OrderedDict()
-        self._shares: FlowShares[str] = FlowShares(max_sessions, max_per_flow)
-
-    def judge(self, session: str | None, flow: str, model: str, blocks: PromptBlocks,
-              cached: int, computed: int, *, engine: str | None, label: str = "",
-              slot: int | None = None, engine_alive: Callable[[str], bool],
-              restored: bool = False) -> tuple[Verdict, SessionCache | None]:
-        """The verdict on one answered turn (see `judge`), recorded as the session's last.
-        `session`: its session (scoped to `flow`); None: a prompt with nothing to name it
-        by, only counted; `engine_alive(key)`: does the engine of that admission key
-        still serve."""
-        if session is None:
-            return Verdict(max(0, cached), max(0, computed)), None
-        found = self._turns.get(session)
-        records, summary = found if found is not None else ((), None)
-        previous = _continued(records, blocks)
-        alive = previous is not None and previous.engine is not None and engine_alive(previous.engine)
-        verdict = judge(previous, blocks, cached, computed, engine=engine, slot=slot,
-                        engine_alive=alive or previous is None, restored=restored)
-        # Another conversation's first turn leaves the session's last miss as it was.
-        another = previous is not None and verdict.reason == "first_turn"
-        summary = SessionCache(
-            session, model, (summary.turns if summary else 0) + 1,
-            (summary.cached if summary else 0) + verdict.cached,
-            (summary.computed if summary else 0) + verdict.computed, label, slot, verdict,
-            verdict if verdict.missed and not another
-            else (summary.last_miss if summary else None),
-            self._clock())
-        record = TurnRecord(blocks, verdict.cached + verdict.computed, engine, slot, model)
-        kept = (record, *(r for r in records if another or r is not previous))[:CONVERSATIONS]
-        with self._lock:
-            self._turns.pop(session, None)
-            self._turns[session] = (kept, summary)
-            for dropped in self._shares.put(flow, session):
-                del self._turns[dropped]
-        return verdict, summary
-
-    def flows(self) -> list[str]:
-        """The flows holding any session."""
-        return self._shares.flows()
-
-    def forget_flow(self, flow: str) -> int:
-        """Drop every session of `flow` (its key is gone); how many."""
-        sessions = list(self._shares.keys_of(flow))
-        with self._lock:
-            for session in sessions:
-                self._shares.discard(session)
-                del self._turns[session]
-        return len(sessions)
-
-    def continuation(self, session: str | None, model: str,
-                     blocks: PromptBlocks) -> TurnRecord | None:
-        """The answered turn of `session` on `model` that `blocks` continues (the same
-        request with messages added: `PromptBlocks.continues`), whose prompt tokens
-        bound this one's (`continued_turn.Continued`); None when there is
-        none, or the turns' sizes are unknown."""
-        if session is None or not blocks.size:
-            return None
-        found = self._turns.get(session)
-        if found is None:
-            return None
-        for record in found[0]:
-            if (record.model == model and record.blocks.size and record.prompt_tokens
-                    and blocks.continues(record.blocks)):
-                return record
-        return None
-
-    def snapshot(self) -> tuple[SessionCache, ...]:
-        """Every session, most recently served first; safe from any thread."""
-        with self._lock:
-            summaries = [summary for _, summary in self._turns.values()]
-        return tuple(reversed(summaries))
-
 # --- helpers ---------------------------------------------------------------------------
-
-
-def _continued(records: tuple[TurnRecord, ...], blocks: PromptBlocks) -> TurnRecord | None:
-    """Of a session's conversations (newest first), the last turn `blocks` continues: the
-    one sharing the longest start with it (the newest among equals); the newest when none
-    shares any."""
-    best, longest = None, 0
-    for record in records:
-        common = blocks.common_chars(record.blocks)
-        if common > longest:
-            best, longest = record, common
-    return best if best is not None else (records[0] if records else None)
 
 
 def _slack(expected: int) -> int:

@@ -3,7 +3,7 @@ prompt taken from that turn (`Continued`).
 
 Agents resend their whole conversation every turn.  Once a session's turn is answered,
 the engine has counted its prompt; the next turn is the same request with messages added
-at the end (`cache_misses.CacheBook.continuation` checks that), so its prompt is the
+at the end (`session_book.CacheBook.continuation` checks that), so its prompt is the
 earlier one plus what was added.  Counting only that spares the engine a count of the
 whole conversation (`Continued.count` asks it through the engine's `PromptCounter`).
 """

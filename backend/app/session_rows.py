@@ -7,9 +7,8 @@ import ipaddress
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
-from backend.admission.cache_misses import SessionCache
 from backend.admission.caller import ADDRESS_FLOW
-from backend.admission.session_book import Session
+from backend.admission.session_book import Session, SessionCache
 
 __all__ = ["PARKED", "THIS_COMPUTER", "SessionRow", "session_rows"]
 

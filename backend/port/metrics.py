@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from backend.admission.cache_misses import CacheBook, SessionCache, Verdict
+from backend.admission.cache_misses import Verdict
+from backend.admission.session_book import CacheBook, SessionCache
 from backend.admission.prompt import PromptBlocks
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily

@@ -3,10 +3,9 @@ of its prompt tokens the cache held, where its prefix lives, and its last miss a
 
 from __future__ import annotations
 
-from backend.admission.cache_misses import CacheBook
 from backend.app.session_rows import session_rows
 from backend.admission.prompt import prompt_blocks
-from backend.admission.session_book import SessionTable
+from backend.admission.session_book import CacheBook, SessionTable
 from studio.sessions_view import COLUMNS, SessionsView
 
 HEAD = "You are a coding agent. " * 80

@@ -7,8 +7,8 @@ from typing import Any
 
 from backend.admission.cache_misses import TurnRecord, Verdict, judge
 from backend.admission.prompt import BLOCK_CHARS, prompt_blocks
-from tests.backend.admission.chat_bodies import (AGENT, AGENT_NEXT, FIRST, HEAD, SECOND, TITLE,
-                                                 TOOLS, blocks_of, chat, user)
+from tests.backend.admission.chat_bodies import (AGENT, FIRST, HEAD, SECOND, TITLE, TOOLS, chat,
+                                                 user)
 
 
 def turn(body: dict[str, Any], tokens: int, engine: str | None = "e1",
@@ -120,47 +120,6 @@ def test_a_rewritten_history_without_a_known_cause_names_none():
     assert verdict.describe() == "prefix changed at token 1100"
 
 
-def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first():
-    from backend.admission.cache_misses import CacheBook
-
-    book = CacheBook(max_sessions=2, max_per_flow=2, clock=lambda: 0.0)
-
-    def served(session: str | None, body: dict[str, Any], cached: int, computed: int) -> Verdict:
-        return book.judge(session, "k", "m", prompt_blocks(body), cached, computed,
-                          engine="e1", engine_alive=lambda key: True)[0]
-
-    assert served("k\na", FIRST, 0, 900).reason == "first_turn"
-    assert not served("k\na", SECOND, 899, 421).missed  # judged against a's first turn
-    served("k\nb", FIRST, 0, 900)
-    served("k\nc", FIRST, 0, 900)  # a is dropped: the least recently served of three
-    assert [s.session for s in book.snapshot()] == ["k\nc", "k\nb"]
-    assert served("k\na", SECOND, 0, 1320).reason == "first_turn"  # forgotten
-    # A prompt with nothing to name its session by is counted, never judged or kept.
-    assert served(None, FIRST, 0, 900) == Verdict(0, 900)
-    assert len(book.snapshot()) == 2
-
-
-def test_a_key_making_a_session_per_request_never_pushes_anothers_out_of_the_book():
-    from backend.admission.cache_misses import CacheBook
-
-    book = CacheBook(max_sessions=8, clock=lambda: 0.0)  # a quarter each: 2 sessions
-
-    def served(flow: str, name: str) -> None:
-        book.judge(f"{flow}\n{name}", flow, "m", prompt_blocks(FIRST), 0, 900, engine="e1",
-                   engine_alive=lambda key: True)
-
-    served("alice", "agent")
-    for n in range(50):
-        served("mallory", str(n))
-    assert [s.session for s in book.snapshot()] == ["mallory\n49", "mallory\n48", "alice\nagent"]
-    # alice's next turn is judged against her first: it was kept.
-    verdict, _ = book.judge("alice\nagent", "alice", "m", prompt_blocks(SECOND), 899, 421,
-                            engine="e1", engine_alive=lambda key: True)
-    assert not verdict.missed
-    assert book.forget_flow("mallory") == 2
-    assert [s.session for s in book.snapshot()] == ["alice\nagent"]
-
-
 def test_another_conversation_under_the_sessions_name_is_its_first_turn_not_a_miss():
     """OpenCode's agent turn after its title request shares nothing with it: not "prefix
     changed (tools re-rendered)", which the Sessions tab showed for every OpenCode session."""
@@ -172,46 +131,3 @@ def test_another_conversation_under_the_sessions_name_is_its_first_turn_not_a_mi
     verdict = judge(turn(FIRST, 900), prompt_blocks(with_tools), cached=12, computed=1100,
                     engine="e1")
     assert (verdict.reason, verdict.cause) == ("prefix_changed", "tools_rerendered")
-
-
-def test_the_book_judges_each_turn_against_the_conversation_it_continues():
-    from backend.admission.cache_misses import CacheBook
-
-    book = CacheBook(clock=lambda: 0.0)
-
-    def served(body: dict[str, Any], cached: int, computed: int) -> Verdict:
-        return book.judge("k\nses_1", "k", "m", prompt_blocks(body), cached, computed,
-                          engine="e1", engine_alive=lambda key: True)[0]
-
-    # The agent's first call ran first; the title ended after it.
-    assert served(AGENT, 0, 2340).reason == "first_turn"
-    assert served(TITLE, 12, 648).reason == "first_turn"
-    # The agent's next turn continues its own conversation, not the title's.
-    assert not served(AGENT_NEXT, 2339, 60).missed
-    # A real miss in it is still one, and stays the session's last miss when the title
-    # conversation comes again.
-    assert served(AGENT_NEXT, 0, 2400).reason == "slot_taken"
-    served(TITLE, 12, 648)
-    (summary,) = book.snapshot()
-    assert summary.turns == 5 and summary.last_miss is not None
-    assert summary.last_miss.reason == "slot_taken"
-
-
-# --- the turn a request continues: its bound without a count ---------------------------------
-
-def test_the_book_finds_the_answered_turn_a_request_continues_on_the_same_model_only():
-    from backend.admission.cache_misses import CacheBook
-
-    book = CacheBook(clock=lambda: 0.0)
-    book.judge("k\nses_1", "k", "m", blocks_of(AGENT), 0, 2340, engine="e1",
-               engine_alive=lambda key: True)
-    book.judge("k\nses_1", "k", "m", blocks_of(TITLE), 12, 648, engine="e1",
-               engine_alive=lambda key: True)
-
-    found = book.continuation("k\nses_1", "m", blocks_of(AGENT_NEXT))
-    assert found is not None and found.prompt_tokens == 2340  # the agent's, not the title's
-    assert book.continuation("k\nses_1", "other-model", blocks_of(AGENT_NEXT)) is None
-    assert book.continuation("k\nses_2", "m", blocks_of(AGENT_NEXT)) is None
-    assert book.continuation(None, "m", blocks_of(AGENT_NEXT)) is None
-    # Without a size (a body with images) there is no bound to give.
-    assert book.continuation("k\nses_1", "m", prompt_blocks(AGENT_NEXT)) is None

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.admission.cache_misses import CacheBook
 from backend.admission.continued_turn import CONTINUATION_SLACK
 from backend.admission.need_planner import NO_PLAN
 from backend.admission.prompt_tokens import CHAT, MESSAGES, TEXT_SLACK, CountFailed, prompt_size
 from backend.admission.request_planner import RequestPlanner
+from backend.admission.session_book import CacheBook
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.settings import Settings

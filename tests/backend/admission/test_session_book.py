@@ -1,13 +1,20 @@
-"""The session table: where each session's prefix lives, bounded, one flow's own."""
+"""The session table: where each session's prefix lives, bounded, one flow's own; and the
+cache book: each session's last turns, judged against the conversation they continue."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from backend.admission.cache_misses import Verdict
 from backend.admission.hint import Hint
 from backend.admission.placement import KeepPrefixes, Seat
-from backend.admission.session_book import SessionTable
+from backend.admission.prompt import prompt_blocks
+from backend.admission.session_book import CacheBook, SessionTable
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from tests.backend.admission import chat_bodies
+from tests.backend.admission.chat_bodies import AGENT_NEXT, FIRST, SECOND, blocks_of
 from tests.backend.admission.test_placement import Clock as PlacementClock, Engine, Wanting
 
 
@@ -186,3 +193,80 @@ def test_the_agents_next_turn_after_a_title_request_is_pinned_to_the_agents_slot
     # A title request after it is not pinned onto the agent's slot either.
     again = policy.place(Wanting(hint=title), [engine])
     assert again is not None and again.slot != first.slot and again.cached == 0
+
+
+# --- the cache book: each session's last turns and its figures -------------------------------
+
+
+def test_the_book_keeps_each_sessions_last_turn_the_least_recent_dropped_first():
+    book = CacheBook(max_sessions=2, max_per_flow=2, clock=lambda: 0.0)
+
+    def served(session: str | None, body: dict[str, Any], cached: int, computed: int) -> Verdict:
+        return book.judge(session, "k", "m", prompt_blocks(body), cached, computed,
+                          engine="e1", engine_alive=lambda key: True)[0]
+
+    assert served("k\na", FIRST, 0, 900).reason == "first_turn"
+    assert not served("k\na", SECOND, 899, 421).missed  # judged against a's first turn
+    served("k\nb", FIRST, 0, 900)
+    served("k\nc", FIRST, 0, 900)  # a is dropped: the least recently served of three
+    assert [s.session for s in book.snapshot()] == ["k\nc", "k\nb"]
+    assert served("k\na", SECOND, 0, 1320).reason == "first_turn"  # forgotten
+    # A prompt with nothing to name its session by is counted, never judged or kept.
+    assert served(None, FIRST, 0, 900) == Verdict(0, 900)
+    assert len(book.snapshot()) == 2
+
+
+def test_a_key_making_a_session_per_request_never_pushes_anothers_out_of_the_book():
+    book = CacheBook(max_sessions=8, clock=lambda: 0.0)  # a quarter each: 2 sessions
+
+    def served(flow: str, name: str) -> None:
+        book.judge(f"{flow}\n{name}", flow, "m", prompt_blocks(FIRST), 0, 900, engine="e1",
+                   engine_alive=lambda key: True)
+
+    served("alice", "agent")
+    for n in range(50):
+        served("mallory", str(n))
+    assert [s.session for s in book.snapshot()] == ["mallory\n49", "mallory\n48", "alice\nagent"]
+    # alice's next turn is judged against her first: it was kept.
+    verdict, _ = book.judge("alice\nagent", "alice", "m", prompt_blocks(SECOND), 899, 421,
+                            engine="e1", engine_alive=lambda key: True)
+    assert not verdict.missed
+    assert book.forget_flow("mallory") == 2
+    assert [s.session for s in book.snapshot()] == ["alice\nagent"]
+
+
+def test_the_book_judges_each_turn_against_the_conversation_it_continues():
+    book = CacheBook(clock=lambda: 0.0)
+
+    def served(body: dict[str, Any], cached: int, computed: int) -> Verdict:
+        return book.judge("k\nses_1", "k", "m", prompt_blocks(body), cached, computed,
+                          engine="e1", engine_alive=lambda key: True)[0]
+
+    # The agent's first call ran first; the title ended after it.
+    assert served(chat_bodies.AGENT, 0, 2340).reason == "first_turn"
+    assert served(chat_bodies.TITLE, 12, 648).reason == "first_turn"
+    # The agent's next turn continues its own conversation, not the title's.
+    assert not served(AGENT_NEXT, 2339, 60).missed
+    # A real miss in it is still one, and stays the session's last miss when the title
+    # conversation comes again.
+    assert served(AGENT_NEXT, 0, 2400).reason == "slot_taken"
+    served(chat_bodies.TITLE, 12, 648)
+    (summary,) = book.snapshot()
+    assert summary.turns == 5 and summary.last_miss is not None
+    assert summary.last_miss.reason == "slot_taken"
+
+
+def test_the_book_finds_the_answered_turn_a_request_continues_on_the_same_model_only():
+    book = CacheBook(clock=lambda: 0.0)
+    book.judge("k\nses_1", "k", "m", blocks_of(chat_bodies.AGENT), 0, 2340, engine="e1",
+               engine_alive=lambda key: True)
+    book.judge("k\nses_1", "k", "m", blocks_of(chat_bodies.TITLE), 12, 648, engine="e1",
+               engine_alive=lambda key: True)
+
+    found = book.continuation("k\nses_1", "m", blocks_of(AGENT_NEXT))
+    assert found is not None and found.prompt_tokens == 2340  # the agent's, not the title's
+    assert book.continuation("k\nses_1", "other-model", blocks_of(AGENT_NEXT)) is None
+    assert book.continuation("k\nses_2", "m", blocks_of(AGENT_NEXT)) is None
+    assert book.continuation(None, "m", blocks_of(AGENT_NEXT)) is None
+    # Without a size (a body with images) there is no bound to give.
+    assert book.continuation("k\nses_1", "m", prompt_blocks(AGENT_NEXT)) is None
