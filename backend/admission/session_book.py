@@ -1,5 +1,6 @@
-"""Where each session's prompt prefix lives (the session table), and what its last turns
-left (the cache book).
+"""Where each session's prompt prefix lives (the session table), what its last turns left
+(the cache book), and its last request (what brings its prefix back from an engine's RAM
+cache before a planned loss, `backend.app.parking`).
 
 A *session* is one conversation of one caller: its key is scoped to the caller's flow
 ("flow\\nname", see `backend.admission.hint.request_hint`), so that no key can name,
@@ -46,14 +47,20 @@ from dataclasses import dataclass, replace
 from backend.admission.cache_misses import TurnRecord, Verdict, judge
 from backend.admission.flow_shares import FlowShares
 from backend.admission.prompt import PromptBlocks
+from backend.llama.slot_parking import ParkKey
 
-__all__ = ["CONVERSATIONS", "DEFAULT_MAX_SESSIONS", "CacheBook", "Session", "SessionCache",
-           "SessionTable"]
+__all__ = ["CONVERSATIONS", "DEFAULT_MAX_SESSIONS", "REMEMBERED_BYTES", "CacheBook", "LastRequests",
+           "Session", "SessionCache", "SessionRequest", "SessionTable"]
 
 #: Sessions kept: enough for every agent of a shared box, small (a few hundred bytes each).
 DEFAULT_MAX_SESSIONS = 4096
 #: Conversations followed apart within one session (an agent's turns, its title request).
 CONVERSATIONS = 4
+#: Bytes of sessions' last requests kept to bring their prefixes back from an engine's
+#: RAM prompt cache before it goes (the least recently answered dropped first), a
+#: quarter of it at most one key's: an agent's 30k-token request is about 120 KiB, so a
+#: few hundred sessions, and a hundred of one key.
+REMEMBERED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +399,64 @@ class CacheBook:
         return tuple(reversed(summaries))
 
 
+@dataclass(frozen=True)
+class SessionRequest:
+    """A session's last request, to bring its prefix back from the RAM cache."""
+
+    path: str
+    body: bytes
+    #: The digest of its prompt's first block (`Hint.prefix`), or () when it has none.
+    begins: tuple[int, ...] = ()
+
+
+class LastRequests:
+    """Each session's last request of its conversation, within `limit` bytes of bodies,
+    of them at most `per_flow` bytes of one key's (None: a quarter): past its share a
+    key's own least recently kept go first, past the limit the least recently kept of
+    the key holding the most (`backend.admission.flow_shares`), so that one key's
+    requests never push out another's.  No I/O; O(1) but for what it drops."""
+
+    def __init__(self, limit: int = REMEMBERED_BYTES, *, per_flow: int | None = None) -> None:
+        self.limit = limit
+        self._requests: dict[ParkKey, SessionRequest] = {}
+        self._shares: FlowShares[ParkKey] = FlowShares(limit, per_flow)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    @property
+    def bytes(self) -> int:
+        """The bodies' bytes kept."""
+        return self._shares.units
+
+    def get(self, key: ParkKey) -> SessionRequest | None:
+        return self._requests.get(key)
+
+    def keep(self, key: ParkKey, request: SessionRequest) -> bool:
+        """Keep `request` as `key`'s last one, unless it is a side turn of the
+        conversation kept (`_aside`); a body larger than its key's whole share is not
+        kept (and forgets the one before).  Whether it was kept."""
+        earlier = self._requests.get(key)
+        if earlier is not None and _aside(earlier, request):
+            return False
+        self._requests[key] = request
+        for dropped in self._shares.put(key.flow, key, len(request.body)):
+            del self._requests[dropped]
+        return key in self._requests
+
+    def flows(self) -> list[str]:
+        """The flows whose requests are kept."""
+        return self._shares.flows()
+
+    def forget_flow(self, flow: str) -> int:
+        """Forget every request of `flow` (its key is gone); how many."""
+        keys = list(self._shares.keys_of(flow))
+        for key in keys:
+            self._shares.discard(key)
+            del self._requests[key]
+        return len(keys)
+
+
 def _by_last_turn(session: Session) -> float:
     return session.last_turn
 
@@ -406,3 +471,12 @@ def _continued(records: tuple[TurnRecord, ...], blocks: PromptBlocks) -> TurnRec
         if common > longest:
             best, longest = record, common
     return best if best is not None else (records[0] if records else None)
+
+
+def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:
+    """Is `request` a side turn of the session whose last request was `earlier` (another
+    beginning, and shorter: a title request, a side question;
+    `backend.admission.session_book`)?  Its slot then holds the side prompt, and the
+    conversation's prefix is what `earlier` brings back."""
+    return bool(request.begins and earlier.begins) and request.begins != earlier.begins \
+        and len(request.body) < len(earlier.body)

@@ -23,7 +23,7 @@ read through `Residents`): placement pins the turns that keep prefixes, and the 
 records where each turn's prefix went.  A session whose slot another session took lives
 on in the engine's RAM prompt cache, which llama-server cannot save and which goes with
 the process.  For those, the steward keeps each session's last request (`remember`,
-bounded by `REMEMBERED_BYTES`) and, once the slots are saved, sends it again pinned to a
+bounded by `session_book.REMEMBERED_BYTES`) and, once the slots are saved, sends it again pinned to a
 saved slot for one token (`SlotClient.recall`): a pinned request on an engine that keeps
 prefixes loads its prompt from that cache (`backend.llama.supervisor.PREFIX_CACHE_ARGS`),
 and the slot is then saved as that session's.  Only where the port pins slots: elsewhere
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
-from backend.admission.flow_shares import FlowShares
 from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from backend.admission.session_book import LastRequests, SessionRequest
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
 from backend.models.fit import KvShape
@@ -63,8 +63,7 @@ from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
 
-__all__ = ["PARK_TIME_LIMIT", "REMEMBERED_BYTES", "LastRequests", "ParkingSteward", "Resident",
-           "Residents", "SessionRequest"]
+__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents"]
 
 log = logging.getLogger("gguf_studio.parking")
 
@@ -72,11 +71,6 @@ log = logging.getLogger("gguf_studio.parking")
 #: the slot's KV (SmolLM2: 22 KiB a token; a 7B model: 128 KiB, 4 GB for a 30k-token
 #: agent prompt, seconds on an SSD); past this the engine stops with what is left unsaved.
 PARK_TIME_LIMIT = 15.0
-#: Bytes of sessions' last requests kept to bring their prefixes back from an engine's
-#: RAM prompt cache before it goes (the least recently answered dropped first), a
-#: quarter of it at most one key's: an agent's 30k-token request is about 120 KiB, so a
-#: few hundred sessions, and a hundred of one key.
-REMEMBERED_BYTES = 64 << 20
 #: Seconds moving a session's prefix to the RAM prompt cache for a turn the engine cannot
 #: pin may take (a copy of its KV in memory: about a second for a 7B model's 30k-token
 #: prompt, 4 GB, by estimate); longer, a request admitted onto that slot meanwhile holds it.
@@ -118,64 +112,6 @@ class Residents(Protocol):
 
     def holder(self, engine: str, slot: int) -> Resident | None:
         """The session whose prefix `slot` of `engine` holds, if one is known."""
-
-
-@dataclass(frozen=True)
-class SessionRequest:
-    """A session's last request, to bring its prefix back from the RAM cache."""
-
-    path: str
-    body: bytes
-    #: The digest of its prompt's first block (`Hint.prefix`), or () when it has none.
-    begins: tuple[int, ...] = ()
-
-
-class LastRequests:
-    """Each session's last request of its conversation, within `limit` bytes of bodies,
-    of them at most `per_flow` bytes of one key's (None: a quarter): past its share a
-    key's own least recently kept go first, past the limit the least recently kept of
-    the key holding the most (`backend.admission.flow_shares`), so that one key's
-    requests never push out another's.  No I/O; O(1) but for what it drops."""
-
-    def __init__(self, limit: int = REMEMBERED_BYTES, *, per_flow: int | None = None) -> None:
-        self.limit = limit
-        self._requests: dict[ParkKey, SessionRequest] = {}
-        self._shares: FlowShares[ParkKey] = FlowShares(limit, per_flow)
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    @property
-    def bytes(self) -> int:
-        """The bodies' bytes kept."""
-        return self._shares.units
-
-    def get(self, key: ParkKey) -> SessionRequest | None:
-        return self._requests.get(key)
-
-    def keep(self, key: ParkKey, request: SessionRequest) -> bool:
-        """Keep `request` as `key`'s last one, unless it is a side turn of the
-        conversation kept (`_aside`); a body larger than its key's whole share is not
-        kept (and forgets the one before).  Whether it was kept."""
-        earlier = self._requests.get(key)
-        if earlier is not None and _aside(earlier, request):
-            return False
-        self._requests[key] = request
-        for dropped in self._shares.put(key.flow, key, len(request.body)):
-            del self._requests[dropped]
-        return key in self._requests
-
-    def flows(self) -> list[str]:
-        """The flows whose requests are kept."""
-        return self._shares.flows()
-
-    def forget_flow(self, flow: str) -> int:
-        """Forget every request of `flow` (its key is gone); how many."""
-        keys = list(self._shares.keys_of(flow))
-        for key in keys:
-            self._shares.discard(key)
-            del self._requests[key]
-        return len(keys)
 
 
 @dataclass(frozen=True)
@@ -443,12 +379,3 @@ def _header_sizes(entry: ModelEntry | None) -> tuple[int, int]:
     except (OSError, StudioError):
         return 0, 0
     return (0, 0) if shape is None else (shape.bytes_per_token, shape.bytes_per_sequence)
-
-
-def _aside(earlier: SessionRequest, request: SessionRequest) -> bool:
-    """Is `request` a side turn of the session whose last request was `earlier` (another
-    beginning, and shorter: a title request, a side question;
-    `backend.admission.session_book`)?  Its slot then holds the side prompt, and the
-    conversation's prefix is what `earlier` brings back."""
-    return bool(request.begins and earlier.begins) and request.begins != earlier.begins \
-        and len(request.body) < len(earlier.body)

@@ -1,10 +1,10 @@
-"""The steward's memory of each session's last request (what brings a prefix back from
+"""The session book's memory of each session's last request (what brings a prefix back from
 the engine's RAM cache before a planned loss): side turns do not replace the
 conversation, and the bodies stay within their byte bound.  No I/O."""
 
 from __future__ import annotations
 
-from backend.app.parking import LastRequests, SessionRequest
+from backend.admission.session_book import LastRequests, SessionRequest
 from backend.llama.slot_parking import ParkKey
 
 ALICE = ParkKey("model", "alice", "alice\nthread-1")
