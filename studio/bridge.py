@@ -349,7 +349,7 @@ class ServiceBridge(QObject):
                           on_done=on_done)
 
     def session_rows(self, on_done: Callback) -> concurrent.futures.Future[tuple[SessionRow, ...]]:
-        """The Sessions view's rows, made on the backend loop (which owns the session table)."""
+        """The Sessions view's rows, made on the backend loop (which owns the session book)."""
         return self._call(_now_on_loop(self.service.session_rows), on_done=on_done)
 
     # --- Hugging Face ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import DEFAULT_MODEL, Clock, Line
 from backend.admission.flow import Flow
 from backend.admission.placement import KeepPrefixes
-from backend.admission.session_book import SessionTable
+from backend.admission.session_book import Sessions
 
 __all__ = ["AdmissionRegistry"]
 
@@ -38,8 +38,9 @@ class AdmissionRegistry:
         self._max_waiting_for = max_waiting_for
         self._enabled = enabled
         self._clock = clock
-        #: Where each session's prompt prefix lives, for every line's placement.
-        self.sessions = SessionTable(clock=clock)
+        #: The session book: every session's state, for every line's placement, the
+        #: settlements, parking and the views.
+        self.sessions = Sessions(clock=clock)
         # Insertion order is age; a queue made current is moved to the end.
         self._queues: dict[str, AdmissionQueue] = {}
         self._lines: dict[str, Line[AdmissionQueue]] = {}

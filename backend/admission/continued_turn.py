@@ -3,7 +3,7 @@ prompt taken from that turn (`Continued`).
 
 Agents resend their whole conversation every turn.  Once a session's turn is answered,
 the engine has counted its prompt; the next turn is the same request with messages added
-at the end (`session_book.CacheBook.continuation` checks that), so its prompt is the
+at the end (`session_book.Sessions.continuation` checks that), so its prompt is the
 earlier one plus what was added.  Counting only that spares the engine a count of the
 whole conversation (`Continued.count` asks it through the engine's `PromptCounter`).
 """
@@ -25,7 +25,7 @@ CONTINUATION_SLACK = 32
 @dataclass(frozen=True, slots=True)
 class Continued:
     """A turn that continues its session's last answered one on the same model: the same
-    request but for messages added at the end (`CacheBook.continuation` checks that).
+    request but for messages added at the end (`Sessions.continuation` checks that).
 
     Its prompt is the earlier one's, as the engine counted it, plus what was added:
     `bound()` takes the added bytes (no I/O, for a short addition);

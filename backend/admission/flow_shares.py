@@ -1,8 +1,8 @@
 """A room shared by flows: what each flow keeps per session, within a capacity and each
 flow's share of it.
 
-The session table, the cache book and the parking steward's last requests each keep
-something per session of every key (flow) in one bounded room.  Least recently used
+The session book (`backend.admission.session_book`) keeps its sessions, and their last
+requests' bodies, of every key (flow) in one bounded room.  Least recently used
 first alone, one key that names a new session per request would push every other key's
 sessions out.  So here a flow holds at most `share` units (past it, its own least
 recently used go first), and past the room's `capacity` the least recently used key of

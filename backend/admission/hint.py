@@ -10,8 +10,8 @@ prompt can match another's.  Pure: no I/O.
 
 A session's name is bounded here, once (`bounded_name`): a client's name of at most
 `SESSION_NAME_CHARS` printable characters is kept as given, any other becomes a digest of
-it ("sha256:" and 32 hex digits).  The hint's form is the one the session table, the
-cache book, the parked files, the inspector's records and the exported spans keep: a
+it ("sha256:" and 32 hex digits).  The hint's form is the one the session book, the
+parked files, the inspector's records and the exported spans keep: a
 client that names its session with megabytes holds no more of the port than one that
 names it "agent-7".
 """

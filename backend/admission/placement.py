@@ -7,7 +7,7 @@ its free slot ids), or None to keep the ticket waiting.  A policy is pure: it re
 engines' free slots and room and the ticket's need and `Hint`, and changes nothing.
 
 `KeepPrefixes` is the default: it keeps each session's prompt prefix warm, with what the
-`SessionTable` (`backend.admission.session_book`) learnt from the answers (`served`).  What it
+session book (`backend.admission.session_book.Sessions`) learnt from the answers.  What it
 relies on in the pinned llama.cpp (tools/server/server-context.cpp, `get_available_slot`):
 
 - a request with `id_slot` takes that slot: with `--slot-prompt-similarity 0` no RAM
@@ -75,11 +75,11 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 from backend.admission.hint import Hint
-from backend.admission.session_book import Session, SessionTable
+from backend.admission.session_book import Session, Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
 __all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "KeepPrefixes", "MostFreeSlots",
-           "Placeable", "Placement", "Seat", "SeatEngine"]
+           "Placeable", "Placement", "Seat", "SeatEngine", "keeps_slots"]
 
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
@@ -184,13 +184,13 @@ class MostFreeSlots:
 
 
 class KeepPrefixes:
-    """Each session's turn where its prefix is (see the module's doc); learns from
-    `served` where each answer left it."""
+    """Each session's turn where its prefix is (see the module's doc), as the session
+    book says (settlement tells it where each answer left its prefix)."""
 
-    def __init__(self, sessions: SessionTable | None = None, *, home_wait: float = HOME_WAIT,
+    def __init__(self, sessions: Sessions | None = None, *, home_wait: float = HOME_WAIT,
                  new_wait: float = NEW_SESSION_WAIT,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.sessions = sessions if sessions is not None else SessionTable(clock=clock)
+        self.sessions = sessions if sessions is not None else Sessions(clock=clock)
         self.home_wait = home_wait
         self.new_wait = new_wait
         self._clock = clock
@@ -230,7 +230,7 @@ class KeepPrefixes:
         best = _most_free(need, engines)
         if best is None:
             return None
-        return _unpinned(best, pinnable=hint.pinnable) if _split(best) else best.lowest_free_seat()
+        return _unpinned(best, pinnable=hint.pinnable) if keeps_slots(best) else best.lowest_free_seat()
 
     def cached_tokens(self, hint: Hint, engine: object) -> int:
         """Prompt tokens of the request with `hint` that `engine`'s cache holds, as far as
@@ -246,24 +246,10 @@ class KeepPrefixes:
             return 0  # another beginning: the engine holds none of it
         return session.prompt_tokens
 
-    def served(self, session: str | None, flow: str, prefix: tuple[int, ...],
-               seat: Seat[Any] | None, label: str, prompt_tokens: int,
-               cached_tokens: int) -> Session | None:
-        """A turn of `session` was answered on `seat`: its prefix lives there now (the
-        slot only on a split cache, where the engine keeps it)."""
-        self._unarrive(session)
-        if session is None or seat is None:
-            return None
-        engine = seat.engine
-        slot = seat.slot if _split(engine) else None
-        return self.sessions.record(session, flow=flow, engine=engine.key, label=label,
-                                    slot=slot, prompt_tokens=prompt_tokens,
-                                    cached_tokens=cached_tokens, prefix=prefix)
-
     def admitted(self, ticket: Placeable, seat: Seat[Any]) -> None:
         """The line admitted `ticket` on `seat`: its session has a turn running until it
         ends (`ended`), and a session's first turn there counts as living on its engine
-        until its answer is recorded (`served`) or it ends."""
+        until it ends (its answer is recorded in the book right after)."""
         session = ticket.hint.session
         if session is None:
             return
@@ -325,7 +311,7 @@ class KeepPrefixes:
             return None
         if best.key == near:
             return _seat_on(best, None, need, self.sessions, hint.pinnable)
-        return _unpinned(best, pinnable=hint.pinnable) if _split(best) else best.lowest_free_seat()
+        return _unpinned(best, pinnable=hint.pinnable) if keeps_slots(best) else best.lowest_free_seat()
 
     def waits_for_home(self, ticket: Placeable, engines: Sequence[E]) -> bool:
         """Does `place` keep `ticket` waiting for the engine holding its session's prefix
@@ -415,8 +401,9 @@ def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
     return best
 
 
-def _split(engine: SeatEngine) -> bool:
-    """Does the engine keep each slot's prompt in the slot (a split cache)?"""
+def keeps_slots(engine: SeatEngine) -> bool:
+    """Does the engine keep each slot's prompt in the slot (a split cache)?  Then the slot
+    a turn ran on holds its session's prefix after it (`Sessions.turn_ended`)."""
     kv = engine.kv
     return kv is not None and not kv.unified
 
@@ -440,7 +427,7 @@ def _unpinned(engine: E, *, pin_fresh: bool = True, pinnable: bool = True) -> Se
 
 
 def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
-             sessions: SessionTable, pinnable: bool = True) -> Seat[E]:
+             sessions: Sessions, pinnable: bool = True) -> Seat[E]:
     """`engine` holds the session's prefix (or one of its flow's): its slot, pinned,
     when that slot still holds it and is free, else where the engine would put it.
 
@@ -448,7 +435,7 @@ def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
     1: it never picks a slot by its prompt), goes to the least recently used free slot,
     whatever that holds, and finds its prefix in the RAM prompt cache: the session
     steward moves it there from its slot first (`backend.app.parking`)."""
-    if not _split(engine):
+    if not keeps_slots(engine):
         seat = engine.lowest_free_seat()
     elif not pinnable and engine.pin_any_slot:
         seat = engine.least_recent_free_seat()

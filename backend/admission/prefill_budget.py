@@ -64,7 +64,7 @@ class CacheKnowledge(Protocol):
 
 
 class NothingCached:
-    """Until the session table answers: every prompt is computed in full."""
+    """Until the session book answers: every prompt is computed in full."""
 
     def cached_tokens(self, hint: Hint, engine: object) -> int:
         return 0

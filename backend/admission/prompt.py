@@ -45,7 +45,7 @@ class PromptBlocks:
     ends: tuple[int, ...] = ()
     parts: tuple[Part, ...] = ()
     #: A hash of the request's other fields (what else a template may render: tool
-    #: choice, template arguments, the output limit), for `session_book.CacheBook.continuation`.
+    #: choice, template arguments, the output limit), for `session_book.Sessions.continuation`.
     frame: int = 0
     #: The body's bytes with its tool calls' allowance (`prompt_tokens.prompt_size`);
     #: 0: unknown (images), no continuation bound.

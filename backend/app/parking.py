@@ -18,13 +18,13 @@ The reply's cached tokens say whether it took (`after_answer`); one that did not
 dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
 runs between the seat and the request.
 
-Which slot holds which session is the session table's (`backend.admission.session_book`,
-read through `Residents`): placement pins the turns that keep prefixes, and the relay
-records where each turn's prefix went.  A session whose slot another session took lives
-on in the engine's RAM prompt cache, which llama-server cannot save and which goes with
-the process.  For those, the steward keeps each session's last request (`remember`,
-bounded by `session_book.REMEMBERED_BYTES`) and, once the slots are saved, sends it again pinned to a
-saved slot for one token (`SlotClient.recall`): a pinned request on an engine that keeps
+Which slot holds which session is the session book's (`backend.admission.session_book`):
+placement pins the turns that keep prefixes, and each request's settlement tells the book
+where its turn's prefix went.  A session whose slot another session took lives on in the
+engine's RAM prompt cache, which llama-server cannot save and which goes with the
+process.  For those, the steward has the book keep each session's last request
+(`remember`, bounded by `session_book.REMEMBERED_BYTES`) and, once the slots are saved,
+sends it again pinned to a saved slot for one token (`SlotClient.recall`): a pinned request on an engine that keeps
 prefixes loads its prompt from that cache (`backend.llama.supervisor.PREFIX_CACHE_ARGS`),
 and the slot is then saved as that session's.  Only where the port pins slots: elsewhere
 no slot is known to hold a prompt, and pinning an empty one skips the RAM cache.
@@ -46,14 +46,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from backend.admission.admission_ticket import Ticket
 from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from backend.admission.session_book import LastRequests, SessionRequest
+from backend.admission.session_book import Session, SessionRequest, Sessions
 from backend.app.pool_config import ModelEntry
 from backend.errors import StudioError
 from backend.models.fit import KvShape
@@ -63,7 +62,7 @@ from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
 
-__all__ = ["PARK_TIME_LIMIT", "ParkingSteward", "Resident", "Residents"]
+__all__ = ["PARK_TIME_LIMIT", "ParkingSteward"]
 
 log = logging.getLogger("gguf_studio.parking")
 
@@ -82,38 +81,6 @@ GATHER_TIME_LIMIT = 5.0
 _RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES))
 
 
-class Resident(Protocol):
-    """A session as the session table knows it (`backend.admission.session_book.Session`)."""
-
-    @property
-    def key(self) -> str:
-        """Its key, scoped to its flow ("flow\\nname")."""
-
-    @property
-    def flow(self) -> str: ...
-
-    @property
-    def engine(self) -> str | None:
-        """The admission key of the engine whose cache holds its prefix; None: nowhere."""
-
-    @property
-    def slot(self) -> int | None:
-        """The slot holding its prefix, when known (pinned)."""
-
-
-class Residents(Protocol):
-    """Where sessions live (`backend.admission.session_book.SessionTable`)."""
-
-    def resident(self, engine: str) -> Sequence[Resident]:
-        """The sessions on `engine`, least recently served first."""
-
-    def where(self, key: str | None) -> Resident | None:
-        """Session `key`, or None when unknown."""
-
-    def holder(self, engine: str, slot: int) -> Resident | None:
-        """The session whose prefix `slot` of `engine` holds, if one is known."""
-
-
 @dataclass(frozen=True)
 class _Pending:
     """A restore whose reply has yet to say whether it took."""
@@ -126,10 +93,11 @@ class ParkingSteward:
     """Parks the slots of live sessions before planned losses and restores them."""
 
     def __init__(self, lot: ParkingLot, *, entry_of: Callable[[str], ModelEntry | None],
-                 residents: Residents, time_limit: float = PARK_TIME_LIMIT) -> None:
+                 sessions: Sessions, time_limit: float = PARK_TIME_LIMIT) -> None:
         self.lot = lot
         self._entry_of = entry_of
-        self._residents = residents
+        #: The session book: where sessions live, and their last requests.
+        self.sessions = sessions
         # (model, engine key) -> its identity: worked out once per engine process (it
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
@@ -137,8 +105,6 @@ class ParkingSteward:
         # header says (0: it does not).
         self._slot_sizes: dict[str, tuple[int, int]] = {}
         self.time_limit = time_limit
-        #: Each session's last request of its conversation, by its ParkKey.
-        self.last_requests = LastRequests()
         #: Figures for the log and the window: saves, those among them brought back
         #: from the RAM prompt cache (as far as the answers' timings say: a Responses
         #: answer has none), restores that took, that did not, parks that failed, and
@@ -157,9 +123,9 @@ class ParkingSteward:
             return 0
         in_slots: list[tuple[int, ParkKey]] = []
         in_ram: list[tuple[ParkKey, SessionRequest]] = []
-        for resident in self._residents.resident(serving.key):
+        for resident in self.sessions.resident(serving.key):
             key = ParkKey(identity, resident.flow, resident.key)
-            last = self.last_requests.get(key)
+            last = self.sessions.last_request(key)
             if resident.slot is not None:
                 in_slots.append((resident.slot, key))
             elif last is not None:
@@ -213,11 +179,9 @@ class ParkingSteward:
         return saved
 
     def keep_flows(self, flows: Collection[str]) -> None:
-        """Forget the parked prefixes and the last requests of every flow but `flows`
-        (their keys were revoked or deleted): prompts are not kept past their key."""
-        for flow in self.last_requests.flows():
-            if flow not in flows:
-                self.last_requests.forget_flow(flow)
+        """Forget the parked prefixes of every flow but `flows` (their keys were revoked
+        or deleted): prompts are not kept past their key (the session book forgets the
+        rest of those sessions: `Sessions.keep_flows`)."""
         try:
             self.lot.keep_flows(flows)
         except (OSError, StudioError) as exc:
@@ -241,8 +205,8 @@ class ParkingSteward:
         identity = self.identity(model, ticket.serving.key)
         if identity is None:
             return
-        self.last_requests.keep(ParkKey(identity, ticket.flow.key, session),
-                                SessionRequest(path, body, ticket.hint.prefix[:1]))
+        self.sessions.remember(ParkKey(identity, ticket.flow.key, session),
+                               SessionRequest(path, body, ticket.hint.prefix[:1]))
 
     # --- a session's next turn -----------------------------------------------------------
 
@@ -309,7 +273,7 @@ class ParkingSteward:
         restored = None
         # Parked, and not on this engine since: a turn after a restore finds its prefix
         # in its slot (or the engine's RAM cache), newer than the file.
-        where = self._residents.where(session)
+        where = self.sessions.where(session)
         here = where is not None and where.engine == ticket.serving.key
         pinnable = ticket.hint.pinnable
         if where is not None and here and not pinnable:
@@ -317,7 +281,7 @@ class ParkingSteward:
             return None
         if not here and self.lot.find(key) is not None:
             serving = ticket.serving
-            holder = self._residents.holder(serving.key, seat.slot)
+            holder = self.sessions.holder(serving.key, seat.slot)
             if holder is not None and holder.key != session and not pinnable:
                 # The engine puts this turn in its least recently used slot, the seat;
                 # making room there would make that slot the most recent one.
@@ -338,7 +302,7 @@ class ParkingSteward:
             ticket.seat = dataclasses.replace(seat, pinned=True)
         return _Pending(key, restored) if restored is not None else None
 
-    async def _gather(self, ticket: Ticket, where: Resident) -> None:
+    async def _gather(self, ticket: Ticket, where: Session) -> None:
         """A turn the engine cannot pin (`Hint.pinnable`) goes to the engine's least
         recently used slot, its seat, and looks for its prefix in the RAM prompt cache
         only (an engine that keeps prefixes never picks a slot by its prompt).  When its
@@ -349,7 +313,7 @@ class ParkingSteward:
         serving = ticket.serving
         if seat is None or slot is None or slot == seat.slot or not serving.pin_any_slot:
             return  # in its seat already, or in the RAM cache
-        holder = self._residents.holder(serving.key, slot)
+        holder = self.sessions.holder(serving.key, slot)
         if holder is None or holder.key != where.key or not seat.engine.slot_free(slot):
             return  # its slot was taken since: the engine moved it to the RAM cache then
         seat.engine.touch(slot)

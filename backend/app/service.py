@@ -118,7 +118,7 @@ class StudioService:
             ParkingLot(self.engine.data_dir / PARKED_SLOTS_DIR,
                        budget=lambda: self.settings.parked_slots_mib << 20,
                        ttl=lambda: self.settings.parked_slots_days * 86400),
-            entry_of=lambda name: self.pool.local_entry(name), residents=self.registry.sessions)
+            entry_of=lambda name: self.pool.local_entry(name), sessions=self.registry.sessions)
         self.pool = Pool(self.registry, settings=lambda: self.settings,
                          engine_binary=self._engine_binary, new_supervisor=self._new_supervisor,
                          abort=self._abort, memory_budget=memory_budget,
@@ -479,10 +479,7 @@ class StudioService:
         self._keys_applied = self.keys.generation
         live = {OWNER_NAME, CHAT_NAME} | {r.name for r in self.keys.records()
                                           if r.revoked_at is None}
-        for room in (self.registry.sessions, self.metrics.cache_book):
-            for flow in room.flows():
-                if flow not in live:
-                    room.forget_flow(flow)
+        self.registry.sessions.keep_flows(live)
         self.parking.keep_flows(live)
 
     def add_key(self, name: str, **limits: Any) -> tuple[KeyRecord, str]:
@@ -513,10 +510,11 @@ class StudioService:
                          span=span, now=now)
 
     def session_rows(self) -> tuple[SessionRow, ...]:
-        """The Sessions view's rows: the port's cache book, placed by the session table.
-        On the service's loop, which owns the table (the book's snapshot is thread-safe)."""
-        book = self.metrics.cache_book.snapshot()
-        table = self.registry.sessions.snapshot()
+        """The Sessions view's rows: the session book's figures and places.  On the
+        service's loop, which owns the book."""
+        sessions = self.registry.sessions
+        book = sessions.caches()
+        table = sessions.snapshot()
         serving = {s.key for _, _, s in self.pool.serving_engines()}
         models = {summary.session: summary.model for summary in book}
         parked = {s.key for s in table

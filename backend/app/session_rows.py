@@ -1,5 +1,5 @@
-"""The Sessions view's rows: each live session as people read it, made from the cache
-book and placed by the session table (`backend.admission`)."""
+"""The Sessions view's rows: each live session as people read it, made from the session
+book's figures and places (`backend.admission.session_book`)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
                  now: float, serving: Container[str] | None = None,
                  parked: Container[str] = ()) -> tuple[SessionRow, ...]:
     """Rows for the sessions in `book` (most recent first): where each prefix lives from
-    the session table (`backend.admission.session_book`) when it knows the session, else
+    the session book's places (`backend.admission.session_book`) when it knows the session, else
     where its last turn ran; `now` on the book's clock.  `serving`: the admission keys of
     the engines that serve now (None: all the table names), a table's place on any other
     engine is gone with it; `parked`: the sessions whose prefix is parked on disk

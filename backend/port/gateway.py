@@ -50,6 +50,7 @@ from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAll
 from backend.port.server import ABORT_EXTENSION, BODY_WRITER_EXTENSION
 from backend.port.metrics import UNROUTED, Metrics, ModelCounts
 from backend.admission.request_planner import RequestPlanner
+from backend.admission.session_book import Sessions
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.gated_request import GatedRequest
 from backend.port.relay import Exchange, SlotParking
@@ -135,7 +136,7 @@ class Gateway:
         self._running: set[Exchange] = set()
         #: Admits each request with one question (its hint, blocks and plan), and
         #: plans one that waited for its model's load.
-        self.planner = RequestPlanner(ctx.registry, ctx.metrics.cache_book, self._tokenizer,
+        self.planner = RequestPlanner(ctx.registry, ctx.registry.sessions, self._tokenizer,
                                       lambda: ctx.settings)
         #: The ASGI app that `backend.port.server` serves.
         self.app = _starlette_app(self)
@@ -191,6 +192,11 @@ class Gateway:
     @property
     def parking(self) -> SlotParking | None:
         return self.ctx.parking
+
+    @property
+    def sessions(self) -> Sessions:
+        """The session book, which each request's settlement tells once."""
+        return self.ctx.registry.sessions
 
     # --- gated routes ----------------------------------------------------------------
 

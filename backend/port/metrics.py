@@ -27,15 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from backend.admission.cache_misses import Verdict
-from backend.admission.session_book import CacheBook, SessionCache
-from backend.admission.prompt import PromptBlocks
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -44,6 +40,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from backend.admission.admission_registry import AdmissionRegistry
+    from backend.admission.cache_misses import Verdict
     from backend.llama.load import Snapshot
 
 __all__ = ["EngineLoad", "Metrics", "ModelCounts", "ModelLoad", "ModelTotals",
@@ -151,8 +148,6 @@ class Metrics:
             "Answered requests whose engine computed what the session's previous turn had "
             "left in a cache, by reason (first_turn, prefix_changed, unloaded, "
             "engine_changed, restored, slot_taken) and model.", ["reason", "model"])
-        #: Each session's last turn and its prompt cache figures (see `note_prompt`).
-        self.cache_book = CacheBook(clock=time.monotonic)
         self._prompt_children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
         self._miss_children: dict[tuple[str, str], Counter] = {}
 
@@ -199,16 +194,10 @@ class Metrics:
     def count_request(self, route: str, status: int | str) -> None:
         self._unrouted.count_request(route, status)
 
-    def note_prompt(self, model: str, session: str | None, flow: str, blocks: PromptBlocks,
-                    cached: int, computed: int, *, engine: str | None, label: str = "",
-                    slot: int | None = None, engine_alive: Callable[[str], bool],
-                    restored: bool = False) -> tuple[Verdict, SessionCache | None]:
-        """An answered turn's prompt: `cached` tokens found in the engine's cache,
-        `computed` computed.  Judged against its session's last turn (`CacheBook.judge`),
-        counted by kind and, for a miss, by reason; once per request."""
-        verdict, summary = self.cache_book.judge(
-            session, flow, model, blocks, cached, computed, engine=engine, label=label,
-            slot=slot, engine_alive=engine_alive, restored=restored)
+    def count_prompt(self, model: str, verdict: Verdict) -> None:
+        """An answered turn's prompt, as the session book judged it
+        (`backend.admission.session_book.Sessions.turn_ended`): its cached and computed
+        tokens, counted by kind, and a miss by its reason; once per request."""
         tokens = self._prompt_children.get((model, ""))
         if tokens is None:
             tokens = self._prompt_children[(model, "")] = (
@@ -222,7 +211,6 @@ class Metrics:
                 miss = self._miss_children[(model, verdict.reason)] = \
                     self.prompt_cache_misses.labels(verdict.reason, model)
             miss.inc()
-        return verdict, summary
 
     # --- called by the service ------------------------------------------------------
 

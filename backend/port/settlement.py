@@ -4,8 +4,9 @@ What it cost: a request ends booked in its key's limiter and usage (`Settlement.
 with the engine's usage when the answer carried it, else (the client left mid-stream, the
 key was revoked, the engine broke off) with the prompt admission counted plus one token
 per event relayed; a non-streamed answer that was never read costs its reservation.  Its
-session's place is told to placement (where the answer left its prefix), and its prompt's
-cached and computed tokens are counted with why a miss missed (`Metrics.note_prompt`).
+session book is told once how its turn ended (`Sessions.turn_ended`: where the answer left
+its session's prefix, and its prompt's cached and computed tokens, judged), and the verdict
+it gives back is counted with why a miss missed (`Metrics.count_prompt`).
 
 What it did: each request leaves one record in the request inspector's ring
 (`backend.port.request_log`): its wait and why (its ticket's `wait_reason`), the engine's
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backend.admission.admission_ticket import Ticket, WaitReason
-from backend.admission.placement import KeepPrefixes
+from backend.admission.placement import keeps_slots
 from backend.port import sse
 from backend.port.metrics import UNROUTED
 from backend.port.request_log import NO_FIGURES, RequestLog, figures_in
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from backend.admission.flow_control import Pass
     from backend.admission.line import Line
     from backend.admission.hint import Hint
+    from backend.admission.session_book import Sessions
     from backend.errors import RequestError
     from backend.port.metrics import Metrics
     from backend.port.request_body import Parsed
@@ -56,6 +58,10 @@ class SettlementHost(Protocol):
     @property
     def requests(self) -> RequestLog:
         """The request inspector's ring, where each exchange leaves its record."""
+
+    @property
+    def sessions(self) -> Sessions:
+        """The session book (`backend.admission.session_book`), told once as a turn ends."""
 
 
 class SettledRequest(Protocol):
@@ -117,8 +123,8 @@ class Ending:
 
 
 class Settlement:
-    """One request's books: `close()` settles its flow, tells placement where its
-    session's prefix is, judges its prompt's cache and leaves its record."""
+    """One request's books: `close()` settles its flow, tells the session book how its
+    turn ended, counts the verdict on its prompt's cache and leaves its record."""
 
     def __init__(self, host: SettlementHost, line: Line[AdmissionQueue],
                  request: SettledRequest, ending: Ending) -> None:
@@ -133,17 +139,20 @@ class Settlement:
         self._payloads: list[dict[str, Any]] | None = None
 
     def close(self) -> None:
-        self._account()
+        prompt = self._account()
         # Judged before the record, which names a miss's reason: a comparison of block
         # hashes made at the gateway (tens of microseconds for an agent's turn).
-        verdict = self._judge_cache() if self.ending.answered else None
+        verdict = self._tell_book(prompt)
         self._record(verdict)
 
-    def _account(self) -> None:
+    def _account(self) -> tuple[int, int] | None:
         """Tell the caller's flow how it ended: the engine's usage settles its token
         reservation; an answer without it (cut short) is charged what it got
         (`_cut_usage`), as is the part the usage does not say; a refusal or an error
-        before anything was relayed gives the reservation back."""
+        before anything was relayed gives the reservation back.  What its session's
+        prefix now holds: (prompt tokens, of them found cached), from the answer's
+        figures (its final `timings`; its usage's prompt alone without them); None when
+        the engine holds nothing of it."""
         ending = self.ending
         if ending.failed is not None and not ending.events:
             self.passage.refused(ending.failed)
@@ -154,13 +163,16 @@ class Settlement:
             self.passage.answered((prompt if told_prompt is None else told_prompt,
                                    completion if told_completion is None else told_completion))
             if ending.answered:
-                self._learn(_prompt_figures(payloads), told_prompt)
-            elif ending.events:
+                figures = _prompt_figures(payloads)
+                return figures if figures is not None or told_prompt is None \
+                    else (told_prompt, 0)
+            if ending.events:
                 # Stopped mid-answer: its slot holds the prompt all the same, and the
                 # conversation's next turn (a stop, then a new question) belongs there.
-                self._learn(None, prompt)
+                return prompt, 0
         else:
             self.passage.left()  # before its turn
+        return None
 
     def _record(self, verdict: Verdict | None = None) -> None:
         """Leave this request's record in the inspector's ring: names, times and the
@@ -228,39 +240,32 @@ class Settlement:
             self._payloads = sse.final_payloads(self.ending.tail)
         return self._payloads
 
-    def _learn(self, figures: tuple[int, int] | None, told_prompt: int | None) -> None:
-        """Tell placement where the answer left its session's prefix, with the prompt's
-        tokens and those the engine's cache held (`figures`, from its final `timings`);
-        an answer without them tells only its prompt."""
+    def _tell_book(self, prompt: tuple[int, int] | None) -> Verdict | None:
+        """Tell the session book how the turn ended, once (`Sessions.turn_ended`): where
+        the answer left its session's prefix (`prompt`: its tokens and those the engine's
+        cache held, from `_account`), and for an answer, its cached and computed prompt
+        tokens (from the engine's last figures), judged against the turn it continues.
+        The verdict is counted by kind and reason (`Metrics.count_prompt`) and returned."""
         ticket = self.ticket
-        placement = self.line.placement
-        if ticket is None or ticket.engine is None or not isinstance(placement, KeepPrefixes):
-            return
-        hint = ticket.hint
-        if hint.session is None:
-            return
-        if figures is None:
-            if told_prompt is None:
-                return
-            figures = (told_prompt, 0)
-        placement.served(hint.session, hint.flow, hint.prefix, ticket.seat,
-                         ticket.engine.label, *figures)
-
-    def _judge_cache(self) -> Verdict | None:
-        """Count the answer's cached and computed prompt tokens, and say why a miss
-        missed (`Metrics.note_prompt`); once per request, from the engine's last figures."""
-        figures = sse.prompt_cache_in(self._final_payloads())
-        ticket = self.ticket
-        if figures is None or ticket is None or ticket.engine is None:
+        if ticket is None or ticket.engine is None:
             return None
-        engines = self.line.engines
+        cache = sse.prompt_cache_in(self._final_payloads()) if self.ending.answered else None
         seat = ticket.seat
-        verdict, _summary = self.host.metrics.note_prompt(
-            self.request.model_id or UNROUTED, self.request.hint.session,
-            self.passage.caller.flow, self.request.blocks, *figures,
-            engine=ticket.serving.key, label=ticket.engine.label,
-            slot=seat.slot if seat is not None and seat.pinned else None,
-            engine_alive=lambda key: any(e.key == key for e in engines))
+        if seat is None:
+            prompt = None  # it was placed nowhere
+        if cache is None and prompt is None:
+            return None
+        hint = self.request.hint
+        engines = self.line.engines
+        model = self.request.model_id or UNROUTED
+        verdict = self.host.sessions.turn_ended(
+            hint.session, self.passage.caller.flow, model=model, prefix=hint.prefix,
+            blocks=self.request.blocks, engine=ticket.serving.key, label=ticket.engine.label,
+            slot=None if seat is None else seat.slot, pinned=seat is not None and seat.pinned,
+            keeps_slot=seat is not None and keeps_slots(seat.engine), prompt=prompt,
+            cache=cache, engine_alive=lambda key: any(e.key == key for e in engines))
+        if verdict is not None:
+            self.host.metrics.count_prompt(model, verdict)
         return verdict
 
     def _cut_usage(self) -> tuple[int, int]:

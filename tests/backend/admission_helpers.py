@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from backend.admission.placement import Seat, keeps_slots
+from backend.admission.prompt import NO_BLOCKS
+from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity
 from backend.llama.load import Serving
 from backend.admission.engine_queue import AdmissionQueue
@@ -41,3 +45,15 @@ def queue_of(capacity: int = 1, max_waiting: int = 0, *, kv: KvCapacity | None =
 
 def kv_queue_of(slots: int, kv: KvCapacity, max_waiting: int = 0) -> AdmissionQueue:
     return AdmissionQueue(Serving(OLD, slots, kv=kv), max_waiting=max_waiting)
+
+
+def told_served(sessions: Sessions, session: str | None, flow: str, prefix: tuple[int, ...],
+                seat: Seat[Any] | None, label: str, prompt: int, cached: int = 0) -> None:
+    """Settlement's part: the session book is told where an answer left its session's
+    prefix (`Sessions.turn_ended`), its prompt's tokens and those its engine's cache held."""
+    if seat is None:
+        return
+    sessions.turn_ended(session, flow, model="m", prefix=prefix, blocks=NO_BLOCKS,
+                        engine=seat.engine.key, label=label, slot=seat.slot,
+                        pinned=seat.pinned, keeps_slot=keeps_slots(seat.engine),
+                        prompt=(prompt, cached), cache=None, engine_alive=lambda key: True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from backend.app.session_rows import session_rows
 from backend.admission.prompt import prompt_blocks
-from backend.admission.session_book import CacheBook, SessionTable
+from backend.admission.session_book import Sessions
 from studio.sessions_view import COLUMNS, SessionsView
 
 HEAD = "You are a coding agent. " * 80
@@ -19,8 +19,8 @@ def chat(*texts: str, system: str = HEAD) -> dict[str, object]:
 
 def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_last_miss(qtbot):
     clock = [100.0]
-    book = CacheBook(clock=lambda: clock[0])
-    table = SessionTable(clock=lambda: clock[0])
+    book = Sessions(clock=lambda: clock[0])
+    table = book  # one book: where each session lives, and its figures
 
     def here(session: str | None, flow: str, body: dict[str, object], cached: int,
              computed: int) -> None:
@@ -40,7 +40,7 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
 
     view = SessionsView()
     qtbot.addWidget(view)
-    view.show_sessions(session_rows(book.snapshot(), table, now=clock[0]))
+    view.show_sessions(session_rows(book.caches(), table, now=clock[0]))
 
     shown = [dict(zip(COLUMNS, row)) for row in view.rows()]
     assert shown == [
@@ -59,29 +59,29 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
                0, 900, engine="http://127.0.0.1:9001", label="this machine",
                engine_alive=lambda key: key == "http://127.0.0.1:9001")
     table.forget_engine("http://127.0.0.1:9000")
-    view.show_sessions(session_rows(book.snapshot(), table, now=clock[0]))
+    view.show_sessions(session_rows(book.caches(), table, now=clock[0]))
     thread = dict(zip(COLUMNS, view.rows()[0]))
     assert (thread["Session"], thread["Prompt cached"], thread["Prefix lives on"],
             thread["Last miss"]) == ("thread-1", "26 %", "nowhere", "unloaded")
 
 
 def test_a_sessions_owner_is_named_as_people_know_them_never_by_a_loopback_address(qtbot):
-    book = CacheBook(clock=lambda: 10.0)
+    book = Sessions(clock=lambda: 10.0)
     for flow in ("address ::ffff:127.0.0.1", "address 127.0.0.1", "address ::1",
                  "address 192.168.1.20", "owner", "alice", "chat tab"):
         book.judge(f"{flow}\nthread", flow, "coder", prompt_blocks(chat("hi")), 0, 100,
                    engine="e", label="this machine", engine_alive=lambda key: True)
     view = SessionsView()
     qtbot.addWidget(view)
-    view.show_sessions(session_rows(book.snapshot(), now=10.0))
+    view.show_sessions(session_rows(book.caches(), now=10.0))
     assert [dict(zip(COLUMNS, row))["Key"] for row in view.rows()] == [
         "chat tab", "alice", "owner", "computer at 192.168.1.20", "this computer (owner)",
         "this computer (owner)", "this computer (owner)"]
 
 
 def test_a_prefix_on_a_stopped_engine_shows_as_parked_when_saved_else_nowhere(qtbot):
-    book = CacheBook(clock=lambda: 10.0)
-    table = SessionTable(clock=lambda: 10.0)
+    book = Sessions(clock=lambda: 10.0)
+    table = book
     for name, slot in (("kept", 0), ("lost", 1), ("taken", 2)):
         book.judge(f"alice\n{name}", "alice", "coder", prompt_blocks(chat(name)), 0, 100,
                    engine="e1", label="this machine", slot=slot, engine_alive=lambda key: True)
@@ -92,7 +92,7 @@ def test_a_prefix_on_a_stopped_engine_shows_as_parked_when_saved_else_nowhere(qt
     qtbot.addWidget(view)
 
     def places(serving: set[str]) -> dict[str, str]:
-        view.show_sessions(session_rows(book.snapshot(), table, now=10.0, serving=serving,
+        view.show_sessions(session_rows(book.caches(), table, now=10.0, serving=serving,
                                         parked={"alice\nkept"}))
         return {row["Session"]: row["Prefix lives on"]
                 for row in (dict(zip(COLUMNS, r)) for r in view.rows())}

@@ -12,7 +12,7 @@ from backend.admission.hint import Hint
 from backend.admission.placement import HOME_WAIT, NEW_SESSION_WAIT, KeepPrefixes, Seat
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
-from tests.backend.admission_helpers import NEW, NEWER, OLD, FakeClock
+from tests.backend.admission_helpers import NEW, NEWER, OLD, FakeClock, told_served
 from tests.not_none import not_none
 
 
@@ -32,11 +32,12 @@ def turn(line: Line, session: str, flow: str = "alice", need: int = 1000) -> Tic
 
 
 def answered(policy: KeepPrefixes, ticket: Ticket, prompt: int, cached: int = 0) -> None:
-    """The relay's part: the answer tells where the turn's prefix went."""
+    """The relay's part: the ticket is released, then its settlement tells the session
+    book where the turn's prefix went."""
     hint = ticket.hint
-    policy.served(hint.session, hint.flow, hint.prefix, ticket.seat, "this machine",
-                  prompt, cached)
     ticket.release()
+    told_served(policy.sessions, hint.session, hint.flow, hint.prefix, ticket.seat,
+                "this machine", prompt, cached)
 
 
 def test_the_default_placement_keeps_prefixes():

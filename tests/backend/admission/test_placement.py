@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.placement import HOME_WAIT, HOME_WAIT_LIMIT, KeepPrefixes, MostFreeSlots, Seat
-from backend.admission.session_book import SessionTable
+from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
+from tests.backend.admission_helpers import told_served
 
 
 @dataclass(eq=False)
@@ -103,12 +104,13 @@ class Clock:
 
 def served(policy: KeepPrefixes, session: str, seat: Seat[Engine] | None, prompt: int,
            cached: int = 0, prefix: tuple[int, ...] = ()) -> None:
-    policy.served(session, session.split("\n")[0], prefix, seat, "this machine", prompt, cached)
+    told_served(policy.sessions, session, session.split("\n")[0], prefix, seat, "this machine",
+                prompt, cached)
 
 
 def test_a_sessions_turn_is_pinned_to_the_slot_its_last_turn_left_its_prefix_in():
     engine = Engine("e", [0, 1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     first = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
     # As llama-server picks (LRU, highest id), pinned: a slot never used is pinned, so two
     # first turns at once cannot swap slots there.
@@ -121,7 +123,7 @@ def test_a_sessions_turn_is_pinned_to_the_slot_its_last_turn_left_its_prefix_in(
 
 def test_a_slot_another_session_took_is_not_pinned_the_engine_finds_the_prefix_itself():
     engine = Engine("e", [0, 1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     served(policy, "f\na", Seat(engine, 1), 900)
     served(policy, "f\nb", Seat(engine, 1), 800)  # b's turn went to slot 1 after a's
     engine.released[:] = [0, 1]
@@ -133,7 +135,7 @@ def test_a_slot_another_session_took_is_not_pinned_the_engine_finds_the_prefix_i
 
 def test_on_a_split_cache_every_seat_is_pinned_an_empty_one_too():
     engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0])
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     # Slot 1 was never used: pinned all the same, so the table names the slot it ran on.
     assert policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]) == Seat(engine, 1, pinned=True)
     engine.free = [0, 2]  # slot 1 runs: the one released longest ago, pinned
@@ -145,7 +147,7 @@ def test_on_a_split_cache_every_seat_is_pinned_an_empty_one_too():
 
 def test_a_turn_the_engine_cannot_pin_is_seated_where_the_engines_lru_puts_it():
     engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0, 1])
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     served(policy, "f\nclaude", Seat(engine, 0, pinned=True), 600)
     messages = Hint("f\nclaude", flow="f", pinnable=False)  # `/v1/messages`
     # Its prefix is in slot 0, but the engine (slot similarity 1) takes its least recently
@@ -165,7 +167,7 @@ def test_a_turn_the_engine_cannot_pin_is_seated_where_the_engines_lru_puts_it():
 def test_nothing_is_pinned_on_a_unified_cache_or_an_unknown_one():
     for kv in (KvCapacity.shared(8_192), None):
         engine = Engine("e", [0, 1], kv=kv)
-        policy = KeepPrefixes(SessionTable(), clock=Clock())
+        policy = KeepPrefixes(Sessions(), clock=Clock())
         served(policy, "f\na", Seat(engine, 1), 900)
         seat = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
         assert seat is not None and not seat.pinned and seat.slot == 0
@@ -173,7 +175,7 @@ def test_nothing_is_pinned_on_a_unified_cache_or_an_unknown_one():
 
 def test_a_session_goes_back_to_the_engine_holding_its_prefix():
     a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [0, 1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     served(policy, "f\ns", Seat(b, 0), 500)
     a.free = [0, 1]
     b.free = [1]  # b has fewer free slots: today's rule would take a
@@ -183,7 +185,7 @@ def test_a_session_goes_back_to_the_engine_holding_its_prefix():
 
 def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_another_flows():
     a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     mine = request_hint("key alice", [], chat("a long shared head " * 100, "first"))
     served(policy, "key carol\nher", Seat(a, 0), 700)  # one session lives on each engine
     served(policy, "key alice\nold", Seat(b, 0), 700, prefix=mine.prefix)
@@ -198,7 +200,7 @@ def test_a_new_session_sharing_its_flows_prefix_goes_to_that_engine_never_to_ano
 def test_a_turn_waits_for_its_engine_at_most_home_wait_seconds():
     clock = Clock()
     a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=clock)
+    policy = KeepPrefixes(Sessions(), clock=clock)
     served(policy, "f\ns", Seat(b, 0), 500)
     ticket = Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now)
     assert policy.place(ticket, [a, b]) is None  # b frees a slot soon
@@ -212,7 +214,7 @@ def test_a_turn_waits_for_its_engine_as_long_as_computing_its_prefix_elsewhere_w
     # A real model on a CPU: the other engine would compute the 3,000-token prefix in 30 s.
     a = Engine("a", [0, 1], kv=SPLIT, seconds_per_token=0.01)
     b = Engine("b", [], kv=SPLIT, seconds_per_token=0.01)
-    policy = KeepPrefixes(SessionTable(), clock=clock)
+    policy = KeepPrefixes(Sessions(), clock=clock)
     served(policy, "f\ns", Seat(b, 0), 3_000)
     ticket = Wanting(hint=Hint("f\ns", flow="f"), enqueued_at=clock.now)
     clock.now += HOME_WAIT
@@ -237,7 +239,7 @@ def test_a_turn_waits_for_its_engine_as_long_as_computing_its_prefix_elsewhere_w
 
 def test_a_turn_on_an_engine_that_went_away_is_placed_as_any_other():
     a = Engine("a", [0, 1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     served(policy, "f\ns", Seat(Engine("gone", [0], kv=SPLIT), 0), 500)
     assert policy.place(Wanting(hint=Hint("f\ns", flow="f")), [a]) == Seat(a, 1, pinned=True)
     assert policy.place(Wanting(TokenNeed(20_000, 0), Hint("f\ns", flow="f")), [a]) is None
@@ -245,7 +247,7 @@ def test_a_turn_on_an_engine_that_went_away_is_placed_as_any_other():
 
 def test_the_table_tells_the_prefill_budget_what_an_engine_holds_of_a_sessions_turn():
     home, other = Engine("home", [0, 1], kv=SPLIT), Engine("other", [0, 1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     served(policy, "f\na", Seat(home, 1, pinned=True), 2_900, prefix=(1, 2))
     policy.sessions.vacate("home", 1)  # its slot given away: the engine's RAM cache keeps it
 
@@ -261,7 +263,7 @@ def test_the_table_tells_the_prefill_budget_what_an_engine_holds_of_a_sessions_t
 
 def test_a_new_session_goes_where_the_fewest_sessions_live_before_its_flows_shared_head():
     a, b = Engine("a", [0, 1], kv=SPLIT), Engine("b", [0, 1], kv=SPLIT)
-    policy = KeepPrefixes(SessionTable(), clock=Clock())
+    policy = KeepPrefixes(Sessions(), clock=Clock())
     head = "You are a coding agent. Tools: ... " * 100  # every agent's first blocks
     for name in ("s0", "s1"):
         hint = request_hint("f", [(b"x-session-id", name.encode())], chat(head, name))

@@ -20,7 +20,7 @@ from backend.admission.continued_turn import CONTINUATION_SLACK
 from backend.admission.need_planner import NO_PLAN
 from backend.admission.prompt_tokens import CHAT, MESSAGES, TEXT_SLACK, CountFailed, prompt_size
 from backend.admission.request_planner import RequestPlanner
-from backend.admission.session_book import CacheBook
+from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.settings import Settings
@@ -62,7 +62,7 @@ class Port:
     def __init__(self, **settings: Any) -> None:
         self.settings = Settings(default_output_tokens=DEFAULT, **settings)
         self.registry = AdmissionRegistry(max_waiting_for=lambda slots: 64)
-        self.book = CacheBook(clock=lambda: 0.0)
+        self.book = Sessions(clock=lambda: 0.0)
         self.tokenizers: list[WordTokenizer] = []
         self.planner = RequestPlanner(self.registry, self.book, self._tokenizer,
                                       lambda: self.settings)

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from backend.admission.session_book import SessionTable
+from backend.admission.session_book import Sessions
 from backend.app.parking import ParkingSteward
 from backend.llama.api import engine_headers
 from backend.llama.engine import Engine
@@ -310,8 +310,6 @@ async def test_a_revoked_keys_parked_prefixes_and_sessions_go_with_it_and_no_one
         KeyStore(service.keys.path).revoke("alice")
         await until(lambda: len(parked_files(service.parking)) == 1)
         assert service.registry.sessions.flows() == ["bob"]
-        assert service.metrics.cache_book.flows() == ["bob"]
-        assert service.parking.last_requests.flows() == ["bob"]
         await turn(client, "bob-1", 2, key=bob)
     assert service.parking.counts["restored"] == 1  # bob's prefix was left where it was
 
@@ -374,9 +372,9 @@ async def test_an_engine_that_does_not_answer_its_save_stops_within_the_bound(
 async def test_with_the_session_table_the_sessions_in_slots_are_the_ones_parked(
         tmp_path, llama_server_binary, tiny_model):
     entry = ModelEntry.for_file(str(tiny_model), settings=SETTINGS)
-    table = SessionTable()
+    table = Sessions()
     steward = ParkingSteward(ParkingLot(tmp_path / "slots"), entry_of=lambda name: entry,
-                             residents=table)
+                             sessions=table)
     supervisor = Supervisor(llama_server_binary, tmp_path, load_timeout=120, stop_timeout=5,
                             slot_save_dir=steward.lot.open)
     try:

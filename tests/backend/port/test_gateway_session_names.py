@@ -71,7 +71,7 @@ async def test_twenty_sessions_named_with_30_mib_each_add_less_than_50_mib_to_th
     assert len({r.session for r in exported[-REQUESTS:]}) == REQUESTS
     assert all(r.session is not None and len(r.session) <= 128 for r in exported)
     assert all(len(s.key) < 256 for s in service.registry.sessions)
-    assert all(len(s.session) < 256 for s in service.metrics.cache_book.snapshot())
+    assert all(len(s.session) < 256 for s in service.registry.sessions.caches())
 
 
 async def send(service: StudioService, secret: str, *, requests: int, name_bytes: int) -> None:

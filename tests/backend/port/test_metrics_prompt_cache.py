@@ -90,7 +90,7 @@ async def test_each_answer_counts_its_cached_and_computed_prompt_tokens_and_a_ch
     _, found = await scrape(client)
     assert at(found, "gguf_studio_prompt_cache_misses_total", reason="prefix_changed",
               model="tiny") == 1
-    session, = service.metrics.cache_book.snapshot()
+    session, = service.registry.sessions.caches()
     assert session.turns == 3
     miss = session.last_miss
     assert miss is not None and miss.cause == "changing_line"

@@ -60,5 +60,5 @@ async def test_a_client_that_hangs_up_after_the_final_event_has_its_turn_judged_
     [record] = gw.ctx.requests.records()
     assert (record.status, record.cache_miss, record.prompt_tokens) == (200, "first turn", 3)
     assert gw.metrics.totals()["cancellations"] == {}
-    [session] = gw.metrics.cache_book.snapshot()
+    [session] = gw.registry.sessions.caches()
     assert session.turns == 1 and session.computed == 3
