@@ -6,7 +6,9 @@ A hint names the request's flow; its session (a client's `prompt_cache_key`, or 
 header, `SESSION_HEADERS`, else a digest of the conversation's start: its instructions
 and first user message), scoped to its flow so that no caller can name another's session;
 and a digest of its prompt's first blocks, seeded with the flow, so that no caller's
-prompt can match another's.  Pure: no I/O.
+prompt can match another's.  Both read what the conversation says as the gateway read it
+once (`backend.admission.prompt.Prompt.said`: each message's role and texts, not the
+tools), never the body again.  Pure: no I/O.
 
 A session's name is bounded here, once (`bounded_name`): a client's name of at most
 `SESSION_NAME_CHARS` printable characters is kept as given, any other becomes a digest of
@@ -22,6 +24,8 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from backend.admission.prompt import Prompt, read_prompt
 
 __all__ = ["NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
            "SESSION_NAME_CHARS", "Hint", "bounded_name", "request_hint"]
@@ -65,17 +69,21 @@ NO_HINT = Hint()
 
 
 def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
-                 data: Mapping[str, Any], *, pinnable: bool = True) -> Hint:
+                 data: Mapping[str, Any], *, pinnable: bool = True,
+                 prompt: Prompt | None = None) -> Hint:
     """The hint of a request from flow `flow` with these headers and parsed body (on a
-    route whose requests the engine pins to a slot, or not)."""
+    route whose requests the engine pins to a slot, or not).  `prompt`: the body's
+    prompt as the gateway read it (`read_prompt(data)`, read here when not given)."""
     session = data.get("prompt_cache_key")
     if isinstance(session, str) and session:
         session = bounded_name(session)
     else:
         session = _session_header(headers)
-    prefix = _prefix_digest(flow, data)
+    if prompt is None:
+        prompt = read_prompt(data)
+    prefix = _prefix_digest(flow, prompt)
     if session is None and prefix:
-        session = _conversation_digest(data)
+        session = _conversation_digest(prompt)
     if session is None and not prefix:
         return NO_HINT if pinnable else Hint(pinnable=False)
     return Hint(None if session is None else f"{flow}\n{session}", prefix, flow, pinnable)
@@ -115,7 +123,7 @@ def _name_digest(raw: bytes) -> str:
     return "sha256:" + hashlib.sha256(raw).hexdigest()[:_NAME_DIGEST_HEX]
 
 
-def _conversation_digest(data: Mapping[str, Any]) -> str | None:
+def _conversation_digest(prompt: Prompt) -> str | None:
     """A session name for a client that gives none: a digest of its conversation's
     start, the prompt's text up to the end of its first user message (what stays the
     same turn after turn; a shared head of instructions alone would merge sessions)."""
@@ -124,7 +132,7 @@ def _conversation_digest(data: Mapping[str, Any]) -> str | None:
     digest = hashlib.blake2b(digest_size=8)
     size = 0
     seen_user = False
-    for text in _prompt_texts(data):
+    for text in prompt.said():
         if seen_user and text.startswith("\x1e"):
             break  # the next message's role mark: the first user message ended
         if text == "\x1euser\x1f":
@@ -137,13 +145,13 @@ def _conversation_digest(data: Mapping[str, Any]) -> str | None:
     return f"#{digest.hexdigest()}" if size else None
 
 
-def _prefix_digest(flow: str, data: Mapping[str, Any]) -> tuple[int, ...]:
+def _prefix_digest(flow: str, prompt: Prompt) -> tuple[int, ...]:
     """Chained hashes of `PREFIX_BLOCK_CHARS`-character blocks of the prompt text's
     first `PREFIX_BLOCKS` blocks (a short last block counts too), seeded with the flow."""
     limit = PREFIX_BLOCK_CHARS * PREFIX_BLOCKS
     parts: list[str] = []
     size = 0
-    for text in _prompt_texts(data):
+    for text in prompt.said():
         parts.append(text)
         size += len(text)
         if size >= limit:
@@ -157,36 +165,3 @@ def _prefix_digest(flow: str, data: Mapping[str, Any]) -> tuple[int, ...]:
         chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
         digest.append(chained)
     return tuple(digest)
-
-
-def _prompt_texts(data: Mapping[str, Any]) -> Iterable[str]:
-    """The prompt's text in order: system, then each message's role and content (chat,
-    messages, responses), or the completion's prompt; stops being read where the caller
-    stops."""
-    system = data.get("system", data.get("instructions"))
-    if system is not None:
-        yield from _texts(system)
-    messages = data.get("messages", data.get("input", data.get("prompt")))
-    if isinstance(messages, str):
-        yield messages
-        return
-    if isinstance(messages, list):
-        for message in messages:
-            if isinstance(message, Mapping):
-                role = message.get("role")
-                if isinstance(role, str):
-                    yield f"\x1e{role}\x1f"
-                yield from _texts(message.get("content"))
-            else:
-                yield from _texts(message)
-
-
-def _texts(content: Any) -> Iterable[str]:
-    if isinstance(content, str):
-        yield content
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, str):
-                yield part
-            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                yield part["text"]

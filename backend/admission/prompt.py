@@ -1,10 +1,14 @@
 """A prompt as the port reads it: its text in order, and its blocks.
 
-A prompt is seen as `PromptBlocks`: its text in order (system, tools, each message's
-reasoning, content, tool calls and other fields: a name, a tool call's id), cut into blocks of at most `BLOCK_CHARS` characters
-that never span two parts, each with the chained hash of everything up to its end; and
-each part with its own hash.  `prompt_blocks` makes them from a parsed request body,
-once per request (where its placement hint is made, never per chunk).
+A request's body is walked once (`read_prompt`), where the gateway reads it: its prompt
+as `Prompt`, its parts in the order a template renders them (system, tools, and each
+message's role, reasoning, content, tool calls and other fields: a name, a tool call's
+id).  The request's hint reads what its conversation says (`Prompt.said`:
+`backend.admission.hint`), and its `PromptBlocks` are cut from the same parts
+(`Prompt.blocks`): blocks of at most `BLOCK_CHARS` characters that never span two parts,
+each with the chained hash of everything up to its end, and each part with its own hash,
+compared with the session's last turns (`backend.admission.cache_misses`).  A turn that
+continues an earlier one gives the engine what it added to count (`Prompt.text_after`).
 
 Pure: no I/O; hashes are Python's, meaningful within one process only.
 """
@@ -17,7 +21,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BLOCK_CHARS", "NO_BLOCKS", "Part", "PromptBlocks", "prompt_blocks", "text_after"]
+__all__ = ["BLOCK_CHARS", "NO_BLOCKS", "NO_PROMPT", "ROLE", "Part", "Prompt", "PromptBlocks",
+           "prompt_blocks", "read_prompt", "text_after"]
 
 
 #: Characters per block (about 256 tokens of English or code).
@@ -83,56 +88,108 @@ NO_BLOCKS = PromptBlocks()
 
 
 
-def prompt_blocks(data: Mapping[str, Any], size: int | None = None) -> PromptBlocks:
-    """The blocks of a parsed chat, messages, responses or completions request body;
-    `size`: its `prompt_tokens.prompt_size` (None: unknown)."""
-    chained: list[int] = []
-    ends: list[int] = []
-    parts: list[Part] = []
-    link = 0
-    offset = 0
-    for kind, text in _parts(data):
-        if not text:
-            continue
-        start = offset
-        if len(text) <= BLOCK_CHARS:  # most parts: one block, its text not copied
-            pieces: tuple[int, ...] = (hash(text),)
-            offset += len(text)
-            link = hash((link, kind, pieces[0]))
-            chained.append(link)
-            ends.append(offset)
-        else:
-            hashes = []
-            for at in range(0, len(text), BLOCK_CHARS):
-                piece = text[at:at + BLOCK_CHARS]
-                hashes.append(hash(piece))  # each character is hashed once
-                link = hash((link, kind, hashes[-1]))
-                offset += len(piece)
+#: A prompt part's kind that marks where a message begins (its text is the message's
+#: role): the hint reads it, the blocks do not.
+ROLE = "role"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request body's prompt, read once (`read_prompt`): its parts, in the order a
+    template renders them, the texts the body holds (not copied) beside the JSON of its
+    tools, tool calls and other fields; each message's parts after a `ROLE` mark."""
+
+    #: (kind, text, said): kind is system, tools, user, assistant, reasoning, tool, prompt,
+    #: or `ROLE` (the text is the role of the message that begins); said: the text is
+    #: what the conversation says (the system prompt, a message's content), not JSON of
+    #: its tools, tool calls or other fields, nor reasoning.
+    parts: tuple[tuple[str, str, bool], ...] = ()
+    #: A hash of the request's other fields (`PromptBlocks.frame`); 0 without parts.
+    frame: int = 0
+
+    def blocks(self, size: int | None = None) -> PromptBlocks:
+        """Its blocks (see the module's doc); `size`: the body's
+        `prompt_tokens.prompt_size` (None: unknown)."""
+        chained: list[int] = []
+        ends: list[int] = []
+        parts: list[Part] = []
+        link = 0
+        offset = 0
+        for kind, text, _said in self.parts:
+            if not text or kind == ROLE:
+                continue
+            start = offset
+            if len(text) <= BLOCK_CHARS:  # most parts: one block, its text not copied
+                pieces: tuple[int, ...] = (hash(text),)
+                offset += len(text)
+                link = hash((link, kind, pieces[0]))
                 chained.append(link)
                 ends.append(offset)
-            pieces = tuple(hashes)
-        parts.append(Part(kind, start, offset, hash((kind, pieces))))
-    if not chained:
-        return NO_BLOCKS
+            else:
+                hashes = []
+                for at in range(0, len(text), BLOCK_CHARS):
+                    piece = text[at:at + BLOCK_CHARS]
+                    hashes.append(hash(piece))  # each character is hashed once
+                    link = hash((link, kind, hashes[-1]))
+                    offset += len(piece)
+                    chained.append(link)
+                    ends.append(offset)
+                pieces = tuple(hashes)
+            parts.append(Part(kind, start, offset, hash((kind, pieces))))
+        if not chained:
+            return NO_BLOCKS
+        return PromptBlocks(tuple(chained), tuple(ends), tuple(parts), self.frame, size or 0)
+
+    def text_after(self, chars: int) -> str:
+        """Its text past its first `chars` characters (as `blocks` counts them), each part
+        on a line of its own: what a turn that continues an earlier one of `chars`
+        characters added, for the engine to tokenize.  The line breaks keep a tokenizer
+        from merging the end of one part with the start of the next (a template separates
+        them too)."""
+        added: list[str] = []
+        offset = 0
+        for kind, text, _said in self.parts:
+            if kind == ROLE:
+                continue
+            end = offset + len(text)
+            if end > chars:
+                added.append(text[max(0, chars - offset):])
+            offset = end
+        return "\n".join(added)
+
+    def said(self) -> Iterator[str]:
+        """What the conversation says, in order, for the request's hint
+        (`backend.admission.hint`): each message's role as a mark ("\\x1erole\\x1f") and
+        its content's texts, after the system prompt's."""
+        for kind, text, said in self.parts:
+            if kind == ROLE:
+                yield f"\x1e{text}\x1f"
+            elif said:
+                yield text
+
+
+def read_prompt(data: Mapping[str, Any]) -> Prompt:
+    """The prompt of a parsed chat, messages, responses or completions request body: the
+    one walk of its fields each request makes (the hint and the blocks read its parts)."""
+    parts = tuple(_parts(data))
+    if not parts:
+        return NO_PROMPT
     frame = hash(_dumps({key: value for key, value in sorted(data.items())
                          if key not in _PROMPT_FIELDS}))
-    return PromptBlocks(tuple(chained), tuple(ends), tuple(parts), frame, size or 0)
+    return Prompt(parts, frame)
+
+
+NO_PROMPT = Prompt()
+
+
+def prompt_blocks(data: Mapping[str, Any], size: int | None = None) -> PromptBlocks:
+    """The blocks of a parsed request body (`read_prompt(data).blocks(size)`)."""
+    return read_prompt(data).blocks(size)
 
 
 def text_after(data: Mapping[str, Any], chars: int) -> str:
-    """The text of a request body's prompt past its first `chars` characters (as
-    `prompt_blocks` counts them), each part on a line of its own: what a turn that
-    continues an earlier one of `chars` characters added, for the engine to tokenize.
-    The line breaks keep a tokenizer from merging the end of one part with the start of
-    the next (a template separates them too)."""
-    added: list[str] = []
-    offset = 0
-    for _kind, text in _parts(data):
-        end = offset + len(text)
-        if end > chars:
-            added.append(text[max(0, chars - offset):])
-        offset = end
-    return "\n".join(added)
+    """`Prompt.text_after` of a parsed request body."""
+    return read_prompt(data).text_after(chars)
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -141,67 +198,72 @@ def text_after(data: Mapping[str, Any], chars: int) -> str:
 _PROMPT_FIELDS = frozenset({"system", "instructions", "tools", "messages", "input", "prompt"})
 
 
-def _parts(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    """(kind, text) of a request body's prompt, in the order a template renders it."""
+def _parts(data: Mapping[str, Any]) -> Iterator[tuple[str, str, bool]]:
+    """(kind, text, said) of a request body's prompt, in the order a template renders it
+    (see `Prompt.parts`)."""
     system = data.get("system", data.get("instructions"))
     if system is not None:
         for text in _texts(system):
-            yield "system", text
+            yield "system", text, True
     tools = data.get("tools")
     if tools:
-        yield "tools", _dumps(tools)
+        yield "tools", _dumps(tools), False
     messages = data.get("messages", data.get("input", data.get("prompt")))
     if isinstance(messages, str):
-        yield "prompt", messages
+        yield "prompt", messages, True
         return
     if not isinstance(messages, list):
         return
     for message in messages:
         if isinstance(message, str):
-            yield "prompt", message
+            yield "prompt", message, True
         elif isinstance(message, dict):
+            role = message.get("role")
+            if isinstance(role, str):
+                yield ROLE, role, False
             yield from _message_parts(message)
 
 
-def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str, bool]]:
     role = message.get("role")
     kind = _KINDS.get(role) if isinstance(role, str) else None
     item = message.get("type")
     if kind is None:  # a Responses input item, or an unknown role
         if item == "reasoning":
-            yield "reasoning", _dumps(message.get("summary") or message.get("content") or "")
+            yield "reasoning", _dumps(message.get("summary") or message.get("content") or ""), \
+                False
         elif item in ("function_call", "function_call_output", "custom_tool_call",
                       "custom_tool_call_output"):
-            yield "tool", _dumps(message)
+            yield "tool", _dumps(message), False
         else:
-            yield "user", _dumps(message)
+            yield "user", _dumps(message), False
         return
     for name in ("reasoning_content", "reasoning", "thinking"):
         value = message.get(name)
         if isinstance(value, str) and value:
-            yield "reasoning", value
+            yield "reasoning", value, False
     content = message.get("content")
     if isinstance(content, str):
         yield from _split_think(kind, content)
     elif isinstance(content, list):
         for part in content:
             if isinstance(part, str):
-                yield kind, part
+                yield kind, part, True
             elif isinstance(part, dict):
                 ptype = part.get("type")
                 if ptype in ("thinking", "redacted_thinking", "reasoning"):
                     yield "reasoning", str(part.get("thinking") or part.get("data")
-                                           or part.get("text") or "")
+                                           or part.get("text") or ""), False
                 elif ptype in ("tool_use", "tool_result"):
-                    yield "tool", _dumps(part)
+                    yield "tool", _dumps(part), False
                 elif isinstance(part.get("text"), str):
                     yield from _split_think(kind, part["text"])
     calls = message.get("tool_calls")
     if calls:
-        yield kind, _dumps(calls)
+        yield kind, _dumps(calls), False
     rest = {key: value for key, value in message.items() if key not in _MESSAGE_TEXT_FIELDS}
     if rest:  # its name, its tool call's id: a template may render them too
-        yield kind, _dumps(rest)
+        yield kind, _dumps(rest), False
 
 
 _KINDS = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -212,14 +274,15 @@ _MESSAGE_TEXT_FIELDS = frozenset({"role", "type", "content", "reasoning_content"
                                   "thinking", "tool_calls"})
 
 
-def _split_think(kind: str, text: str) -> Iterable[tuple[str, str]]:
-    """An answer that starts with its `<think>` block: the block is its reasoning."""
+def _split_think(kind: str, text: str) -> Iterable[tuple[str, str, bool]]:
+    """An answer that starts with its `<think>` block: the block is its reasoning (what
+    the conversation says all the same: its content)."""
     if kind == "assistant" and text.startswith("<think>"):
         end = text.find("</think>")
         if end >= 0:
             end += len("</think>")
-            return (("reasoning", text[:end]), (kind, text[end:]))
-    return ((kind, text),)
+            return (("reasoning", text[:end], True), (kind, text[end:], True))
+    return ((kind, text, True),)
 
 
 def _texts(content: Any) -> Iterator[str]:

@@ -2,7 +2,7 @@
 continues and its plan (`RequestPlanner.admit` -> `Admission`).
 
 The port reads and checks a request, then asks one question: `admit` reads its `Hint`
-(its session and prompt prefix), its prompt's blocks (`prompt.prompt_blocks`; its
+(its session and prompt prefix), its prompt's blocks (`prompt.read_prompt`, the body's one walk; its
 size only for a session's turn, the one that may be continued), the turn of its session
 it continues (from the turn book, `TurnBook.continuation`), and plans its need on its
 model's planning engine (`need_planner`).  A request for a model that is loading has no
@@ -28,7 +28,7 @@ from backend.admission.hint import NO_HINT, Hint, request_hint
 from backend.admission.line import Line
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
-from backend.admission.prompt import PromptBlocks, prompt_blocks, text_after
+from backend.admission.prompt import Prompt, PromptBlocks, read_prompt
 from backend.admission.prompt_tokens import (COUNT_ROUTES, MESSAGES, EngineTokenizer,
                                              PromptCounter, prompt_size)
 from backend.llama.kv_capacity import TokenNeed
@@ -80,17 +80,20 @@ class RequestPlanner:
                     body_bytes: int) -> Admission:
         """The admission of a request to `route` for `model` (resolved, its line `line`)
         from flow `flow`, with these headers and parsed body of `body_bytes` bytes."""
-        hint = request_hint(flow, headers, data, pinnable=route != MESSAGES)
+        # The body's prompt, read once: its hint and its blocks read the same parts.
+        prompt = read_prompt(data)
+        hint = request_hint(flow, headers, data, pinnable=route != MESSAGES, prompt=prompt)
         # Its size (a walk of its messages for images and tool calls) bounds a chat-like
         # prompt, and a session's turn that the next continues: read once for both.
         size = (prompt_size(data, body_bytes)
                 if route in COUNT_ROUTES or hint.session is not None else None)
-        blocks = prompt_blocks(data, size)
+        blocks = prompt.blocks(size)
         queue = line.planning_engine
         if queue is None:  # the model is loading: planned once it is served
             return Admission(None, hint, blocks)
-        plan = await self._plan(queue, route, data, body_bytes, hint,
-                                self._continued(hint, model, blocks, data), size)
+        continued = self._continued(hint, model, blocks, data, prompt)
+        del prompt  # its parts hold the body's texts: not kept while it is planned
+        plan = await self._plan(queue, route, data, body_bytes, hint, continued, size)
         return Admission(plan, hint, blocks)
 
     async def plan_after_load(self, line: Line[AdmissionQueue], route: str, model: str,
@@ -132,10 +135,11 @@ class RequestPlanner:
     # --- helpers -------------------------------------------------------------------------
 
     def _continued(self, hint: Hint, model: str, blocks: PromptBlocks,
-                   data: Mapping[str, Any]) -> Continued | None:
+                   data: Mapping[str, Any], prompt: Prompt | None = None) -> Continued | None:
         """The turn of its session's last answered one on this model that the request of
-        parsed body `data` continues (`continued_turn.Continued`), planned from it; None
-        when it continues none.  An addition of `LONG_PREFILL_TOKENS` bytes or more
+        parsed body `data` (its prompt read: `prompt`, else read here if needed)
+        continues (`continued_turn.Continued`), planned from it; None when it continues
+        none.  An addition of `LONG_PREFILL_TOKENS` bytes or more
         brings its text, for the engine to count it alone: on its bytes (about 4 a
         token) it would over-reserve, and read as a long cold prompt to the prefill
         budget, which sent warm turns away from their prefix's engine in a pool."""
@@ -143,7 +147,8 @@ class RequestPlanner:
         if earlier is None:
             return None
         added = blocks.size - earlier.blocks.size
-        text = text_after(data, earlier.blocks.chars) if added >= LONG_PREFILL_TOKENS else ""
+        text = "" if added < LONG_PREFILL_TOKENS else \
+            (read_prompt(data) if prompt is None else prompt).text_after(earlier.blocks.chars)
         return Continued(earlier.prompt_tokens, added, text)
 
     async def _plan(self, queue: AdmissionQueue, route: str, data: Mapping[str, Any],

@@ -3,7 +3,8 @@ request continues another."""
 
 from __future__ import annotations
 
-from backend.admission.prompt import prompt_blocks
+from backend.admission.hint import request_hint
+from backend.admission.prompt import NO_BLOCKS, NO_PROMPT, prompt_blocks, read_prompt
 from tests.backend.admission.chat_bodies import (AGENT, AGENT_NEXT, FIRST, HEAD, SECOND, TOOLS,
                                                  blocks_of, chat, user)
 
@@ -42,3 +43,20 @@ def test_a_turn_that_adds_messages_continues_the_last_but_one_that_rewrites_it_d
     # The earlier prompt's last message grown in place (a part's block ends elsewhere).
     grown = chat({**user("list the files"), "content": user("list the files")["content"] + "!"})
     assert not blocks_of(grown).continues(blocks_of(FIRST))
+
+
+def test_a_body_is_read_once_for_its_hint_and_its_blocks():
+    body = {**chat(user("list the files"), {"role": "assistant", "content": "<think>ls</think>ok",
+                                           "tool_calls": [{"id": "c1", "type": "function"}]},
+                   tools=TOOLS), "prompt_cache_key": "agent-7"}
+    prompt = read_prompt(body)
+    # What the conversation says, for the hint: its roles and contents, not its tools'
+    # or its calls' JSON.
+    assert list(prompt.said()) == ["\x1esystem\x1f", HEAD, "\x1euser\x1f",
+                                   user("list the files")["content"], "\x1eassistant\x1f",
+                                   "<think>ls</think>", "ok"]
+    assert request_hint("f", [], body, prompt=prompt) == request_hint("f", [], body)
+    assert prompt.blocks(100) == prompt_blocks(body, 100)
+    assert [p.kind for p in prompt.blocks().parts] == [
+        "tools", "system", "user", "reasoning", "assistant", "assistant"]
+    assert read_prompt({"model": "m"}) is NO_PROMPT and NO_PROMPT.blocks() is NO_BLOCKS
