@@ -22,7 +22,7 @@ from tests.backend.service_harness import ServiceFactory
 
 CHAT = "/v1/chat/completions"
 SMALL = LoadSettings(parallel="1", ctx_size=2048)
-#: Runs until cancelled (random weights never stop by themselves).
+#: Runs until cancelled, or its context (2,048 tokens) is full: ignore_eos stops no model.
 LONG = {"max_tokens": 4000, "ignore_eos": True}
 HERE = "this machine"
 
@@ -71,23 +71,25 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
                             aliases=("SmolLM2",)))))
     metrics = service.metrics
 
-    # tiny's one slot held by a stream: the next request for tiny waits in its line.
+    # smol's one slot held by a stream (SmolLM2 is the slow one: its stream outlasts
+    # every step below, where the tiny model's 2,000 tokens may end on a busy machine):
+    # the next request for smol waits in its line.
     started = asyncio.Event()
 
     async def holder() -> None:
-        async with client.stream("POST", CHAT, json=chat("tiny", stream=True, **LONG)) as r:
-            async for line in r.aiter_lines():
+        async with client.stream("POST", CHAT, json=chat("SmolLM2", stream=True, **LONG)) as r:
+            async for line in r.aiter_lines():  # by its alias
                 if line.startswith("data: {"):
                     started.set()
 
     holding = asyncio.create_task(holder())
     await started.wait()
-    waiter = asyncio.create_task(client.post(CHAT, json=chat("tiny")))
-    await until(lambda: service.registry.find_line("tiny").waiting == 1)
+    waiter = asyncio.create_task(client.post(CHAT, json=chat("smol")))
+    await until(lambda: service.registry.find_line("smol").waiting == 1)
     health = (await client.get("/health")).json()
-    tiny_health = next(m for m in health["models"] if m["id"] == "tiny")
-    assert tiny_health["requests"]["waiting"] == 1
-    assert (await client.post(CHAT, json=chat("SmolLM2"))).status_code == 200  # by its alias
+    smol_health = next(m for m in health["models"] if m["id"] == "smol")
+    assert smol_health["requests"]["waiting"] == 1
+    assert (await client.post(CHAT, json=chat("tiny"))).status_code == 200
     holding.cancel()
     await asyncio.gather(holding, return_exceptions=True)
     assert (await waiter).status_code == 200
@@ -102,9 +104,9 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
 
     text, found = await scrape(client)
     ok = {"route": CHAT, "status": "200"}
-    # tiny: the holder (its stream had begun: 200) and the waiter.
-    assert at(found, "gguf_studio_requests_total", model="tiny", engine=HERE, **ok) == 2
-    assert at(found, "gguf_studio_requests_total", model="smol", engine=HERE, **ok) == 1
+    # smol: the holder (its stream had begun: 200) and the waiter.
+    assert at(found, "gguf_studio_requests_total", model="smol", engine=HERE, **ok) == 2
+    assert at(found, "gguf_studio_requests_total", model="tiny", engine=HERE, **ok) == 1
     # The client's string is no label value: the refusal counts under no model.
     assert "gpt-4o-from-a-client" not in text
     assert at(found, "gguf_studio_requests_total", model="", engine="", route=CHAT,
@@ -114,18 +116,18 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
     # A body that could not be read named no model yet, whatever it began with.
     assert at(found, "gguf_studio_requests_total", model="", engine="", route=CHAT,
               status="400") == 1
-    # The holder left while running on tiny's engine.
-    assert at(found, "gguf_studio_cancellations_total", model="tiny", engine=HERE,
+    # The holder left while running on smol's engine.
+    assert at(found, "gguf_studio_cancellations_total", model="smol", engine=HERE,
               stage="running") == 1
-    # Queue waits per model and engine: tiny's second request waited for the holder.
-    assert at(found, "gguf_studio_queue_wait_seconds_count", model="tiny", engine=HERE) == 2
-    assert at(found, "gguf_studio_queue_wait_seconds_count", model="smol", engine=HERE) == 1
-    tiny_waited = at(found, "gguf_studio_queue_wait_seconds_sum", model="tiny", engine=HERE)
-    assert tiny_waited > at(found, "gguf_studio_queue_wait_seconds_sum", model="smol",
+    # Queue waits per model and engine: smol's second request waited for the holder.
+    assert at(found, "gguf_studio_queue_wait_seconds_count", model="smol", engine=HERE) == 2
+    assert at(found, "gguf_studio_queue_wait_seconds_count", model="tiny", engine=HERE) == 1
+    smol_waited = at(found, "gguf_studio_queue_wait_seconds_sum", model="smol", engine=HERE)
+    assert smol_waited > at(found, "gguf_studio_queue_wait_seconds_sum", model="tiny",
                             engine=HERE)
-    assert at(found, "gguf_studio_queue_wait_seconds_bucket", model="tiny", engine=HERE,
+    assert at(found, "gguf_studio_queue_wait_seconds_bucket", model="smol", engine=HERE,
               le="0.001") < 2  # one of them was not admitted at once
-    assert at(found, "gguf_studio_requeues_total", model="smol", engine=HERE) == 0  # exists
+    assert at(found, "gguf_studio_requeues_total", model="tiny", engine=HERE) == 0  # exists
 
     # Summed over models and engines, the totals are the port's, as before.
     totals = metrics.totals()
@@ -136,8 +138,8 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
     health = (await client.get("/health")).json()
     requests = {m["id"]: m["requests"] for m in health["models"]}
     assert requests == {
-        "tiny": {"answered": 2, "refused": 0, "cancelled": 1, "waiting": 0},
-        "smol": {"answered": 1, "refused": 0, "cancelled": 0, "waiting": 0}}
+        "smol": {"answered": 2, "refused": 0, "cancelled": 1, "waiting": 0},
+        "tiny": {"answered": 1, "refused": 0, "cancelled": 0, "waiting": 0}}
 
 
 async def test_a_refused_connection_counts_under_the_engine_that_refused_it():
