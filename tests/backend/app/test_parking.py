@@ -139,11 +139,14 @@ async def test_a_slot_that_cannot_be_vacated_costs_its_session_a_prefill_not_a_t
                  for name in names}
     assert vacated, "no restore went into a slot another session held"
     assert "was not kept before a restore" in caplog.text
-    # Every turn was served, and every restore took; the session whose prefix was in
-    # the slot computes its last turn's step again (two steps, not one).
+    # Every turn was served, and every restore took.  The session whose prefix was in
+    # the slot computes its last turn's step again (two steps, not one), unless
+    # llama-server had saved that slot to its RAM cache meanwhile (it saves every idle
+    # slot when a task starts on another: half the runs here); never its whole prompt.
     assert service.parking.counts["restored"] == 3
     assert all(f.computed <= 0.25 * f.prompt for f in after.values())
-    assert max(f.computed - after[name].computed for name, f in again.items()) > 200
+    assert all(f.computed <= 2 * after[name].computed + 40 for name, f in again.items())
+    assert all(f.computed <= 0.5 * f.prompt for f in again.values())
 
 
 async def test_a_claude_code_session_computes_only_its_new_tokens(studio: ServiceFactory,
