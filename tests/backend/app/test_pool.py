@@ -154,8 +154,10 @@ async def test_two_models_at_once_answer_by_name_and_are_listed(service, client,
 
 async def test_a_model_loads_on_demand_evicting_the_idle_one_never_the_busy_one(
         service, client, tiny_model, other_tiny_model, smollm2_model):
-    busy = ModelEntry.for_file(str(tiny_model), settings=SMALL)
-    idle = ModelEntry.for_file(str(smollm2_model), name="smol", settings=SMALL)
+    # The busy one streams SmolLM2, whose answer outlasts the rest of the test: the tiny
+    # model's 2,000 tokens ended before the load they were to outlast on a busy machine.
+    busy = ModelEntry.for_file(str(smollm2_model), name="smol", settings=SMALL)
+    idle = ModelEntry.for_file(str(tiny_model), settings=SMALL)
     third = ModelEntry.for_file(str(other_tiny_model), settings=SMALL, preload=False)
     sizes = [estimate_model_bytes(entry) for entry in (busy, idle, third)]
     limit_mib = (sum(sizes) - 1) // (1 << 20)  # two fit, not three
@@ -164,44 +166,46 @@ async def test_a_model_loads_on_demand_evicting_the_idle_one_never_the_busy_one(
     assert pool.status("other").residency is Residency.UNLOADED
 
     running_started = asyncio.Event()
-    running = asyncio.create_task(stream_lines(client, chat("tiny", True, **LONG),
+    running = asyncio.create_task(stream_lines(client, chat("smol", True, **LONG),
                                                running_started))
     await running_started.wait()
-    text_of(await client.post("/v1/chat/completions", json=chat("smol")))
+    text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
     # The busy model is now the least recently used one; the idle one must go instead.
     demanded = await stream_lines(client, chat("other", True))
 
     assert demanded[0].startswith(":")  # keep-alives flowed while it loaded
     assert demanded[-1] == "data: [DONE]"
-    assert pool.status("smol").residency is Residency.EVICTED
-    assert "evicted to make room for other" in pool.status("smol").decision
-    assert pool.status("tiny").residency is Residency.READY and not running.done()
+    assert pool.status("tiny").residency is Residency.EVICTED
+    assert "evicted to make room for other" in pool.status("tiny").decision
+    assert pool.status("smol").residency is Residency.READY and not running.done()
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
     # The evicted model comes back on demand (the idle "other" makes room for it).
-    smol_text, _ = text_of(await client.post("/v1/chat/completions", json=chat("smol")))
-    assert "Paris" in smol_text
+    text_of(await client.post("/v1/chat/completions", json=chat("tiny")))
+    assert pool.status("tiny").residency is Residency.READY
 
 
 async def test_a_busy_model_is_never_evicted_its_stream_completes(
-        service, client, tiny_model, other_tiny_model):
-    busy = ModelEntry.for_file(str(tiny_model), settings=SMALL)
+        service, client, smollm2_model, other_tiny_model):
+    # SmolLM2's 400 tokens take seconds: the tiny model's could end before the waiter
+    # was seen waiting for room on a busy machine.
+    busy = ModelEntry.for_file(str(smollm2_model), name="smol", settings=SMALL)
     third = ModelEntry.for_file(str(other_tiny_model), settings=SMALL, preload=False)
     limit_mib = (max(estimate_model_bytes(busy), estimate_model_bytes(third)) + (1 << 20)) >> 20
     await service.start_pool(PoolConfig(models=(busy, third), memory_limit_mib=limit_mib))
 
     started = asyncio.Event()
     running = asyncio.create_task(stream_lines(
-        client, chat("tiny", True, max_tokens=400, ignore_eos=True), started))
+        client, chat("smol", True, max_tokens=400, ignore_eos=True), started))
     await started.wait()
     waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat("other")))
     await until(lambda: "waiting for room" in service.pool.status("other").decision)
-    assert service.pool.status("tiny").residency is Residency.READY
+    assert service.pool.status("smol").residency is Residency.READY
 
     lines = await running
     assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
     text_of(await waiting)  # loaded once the busy one was idle, which made room
-    assert service.pool.status("tiny").residency is Residency.EVICTED
+    assert service.pool.status("smol").residency is Residency.EVICTED
 
 
 async def test_a_sliding_window_model_and_a_hybrid_fit_a_limit_a_dense_count_would_break(
