@@ -110,6 +110,11 @@ class Settings:
     # is parked.
     parked_slots_days: float = 7.0
     admission_enabled: bool = True
+    # Where a request goes among its model's engines (backend.admission.placement):
+    # "keep-prefixes", each session back to the engine and slot holding its prefix, or
+    # "hash-ring", each session on the engine its name falls to on a consistent-hash
+    # ring.  A model of the models file may name its own.
+    placement: str = "keep-prefixes"
     # The engine.
     llama_server: str = ""
     load_timeout: float = 300.0
@@ -144,6 +149,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)  # from any source: file, environment, flag, window
+        check_placement(self.placement)
 
     def effective_max_queue(self, slots: int) -> int:
         """Waiting places for a load with `slots` slots; 0 from the user means default."""
@@ -257,6 +263,18 @@ def env_var(name: str) -> str:
 UPSTREAM_KV_LAYOUTS = ("split", "unified")
 
 
+#: The placement policies an operator may name (backend.admission.placement.placement_named).
+PLACEMENTS = ("keep-prefixes", "hash-ring")
+
+
+def check_placement(raw: Any) -> str:
+    """A placement policy's name as an operator wrote it: one of PLACEMENTS (SettingsError)."""
+    word = str(raw).strip().lower()
+    if word not in PLACEMENTS:
+        raise SettingsError(f"The placement must be one of {', '.join(PLACEMENTS)}, not {raw!r}.")
+    return word
+
+
 def _upstream_kv(raw: Any) -> str:
     word = str(raw).strip().lower()
     if word and word not in UPSTREAM_KV_LAYOUTS:
@@ -288,6 +306,8 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
             return parse_gpu_layers(raw)
         elif name == "upstream_kv":
             return _upstream_kv(raw)
+        elif name == "placement":
+            return check_placement(raw)
         else:
             return str(raw)
     except (TypeError, ValueError):

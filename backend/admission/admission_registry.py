@@ -21,7 +21,7 @@ from backend.llama.load import Serving
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import DEFAULT_MODEL, Clock, Line
 from backend.admission.flow import Flow
-from backend.admission.placement import KeepPrefixes
+from backend.admission.placement import KeepPrefixes, Placement, placement_named
 from backend.admission.session_book import Sessions
 
 __all__ = ["AdmissionRegistry"]
@@ -34,10 +34,15 @@ class AdmissionRegistry:
 
     def __init__(self, *,
                  max_waiting_for: Callable[[int], int] = lambda slots: max(64, 16 * slots),
-                 enabled: bool = True, clock: Clock = time.monotonic) -> None:
+                 enabled: bool = True, clock: Clock = time.monotonic,
+                 placement_of: Callable[[str], str] = lambda model: KeepPrefixes.name) -> None:
+        """`placement_of(model)`: the name of the placement policy of `model`'s line
+        (`placement.placement_named`), asked when its line is made and when the settings
+        change (`refresh_placements`)."""
         self._max_waiting_for = max_waiting_for
         self._enabled = enabled
         self._clock = clock
+        self._placement_of = placement_of
         #: The session book: every session's state, for every line's placement, the
         #: settlements, parking and the views.
         self.sessions = Sessions(clock=clock)
@@ -124,7 +129,7 @@ class AdmissionRegistry:
         if line is None:
             line = self._lines[model] = Line(model, max_waiting=self._max_waiting_for(1),
                                              clock=self._clock, on_change=self._line_changed,
-                                             placement=KeepPrefixes(self.sessions, clock=self._clock))
+                                             placement=self._placement(model))
         return line
 
     # --- lifecycle -------------------------------------------------------------------
@@ -231,6 +236,15 @@ class AdmissionRegistry:
             for line in self._lines.values():
                 self._bound(line)
 
+    def refresh_placements(self) -> None:
+        """The settings changed: a line whose policy the operator named another (as
+        `placement_of` says now) takes the new one; a policy set by hand stays."""
+        for model, line in self._lines.items():
+            policy = line.placement
+            if policy.name and policy.name != self._placement_of(model):
+                line.placement = self._placement(model)
+                line.admit_waiting()
+
     # --- listeners -------------------------------------------------------------------
 
     def add_listener(self, callback: Callable[[], None]) -> None:
@@ -244,6 +258,9 @@ class AdmissionRegistry:
         return f"<AdmissionRegistry {self.queues!r} {self.lines!r}>"
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _placement(self, model: str) -> Placement:
+        return placement_named(self._placement_of(model), self.sessions, clock=self._clock)
 
     def _bound(self, line: Line[AdmissionQueue]) -> None:
         if line.engines:

@@ -447,18 +447,16 @@ class Line(Generic[E]):
             return chosen[0] is not None
 
         policy = self._prefill.inner
-        keeper = policy if isinstance(policy, KeepPrefixes) else None
-        home_of = keeper if len(engines) > 1 else None
 
         def waits_elsewhere(ticket: Ticket) -> bool:
-            # Its session's engine has no free slot: whoever of its flow goes meanwhile
-            # goes to another engine, and takes nothing it waits for.
-            assert home_of is not None
-            home = home_of.home_while_waiting(ticket, engines)
+            # Its engine (its session's) has no free slot: whoever of its flow goes
+            # meanwhile goes to another engine, and takes nothing it waits for.
+            home = policy.home_while_waiting(ticket, engines)
             return home is not None and not home.free_slots
 
+        may_pass = waits_elsewhere if len(engines) > 1 else None
         while len(waiters) and self._slot_free(skip):
-            ticket = waiters.next_to_admit(fits, waits_elsewhere if home_of else None)
+            ticket = waiters.next_to_admit(fits, may_pass)
             if ticket is None:
                 break
             seat = chosen[0]
@@ -466,8 +464,7 @@ class Line(Generic[E]):
             self._waiting_bytes -= ticket.size
             seat.engine.take(ticket, self._clock(), seat)
             self.prefill_budget.started(ticket, seat.engine)
-            if keeper is not None:  # it tells when each session has a turn running
-                keeper.admitted(ticket, seat)
+            policy.admitted(ticket, seat)
             if ticket.wait_reason == WaitReason.SLOTS_FULL:
                 self._note_passer(ticket)
             self._admitted.append((ticket.seq, ticket.flow.key))
@@ -477,9 +474,7 @@ class Line(Generic[E]):
         return moved
 
     def _placement_ended(self, ticket: Ticket) -> None:
-        policy = self._prefill.inner
-        if isinstance(policy, KeepPrefixes):
-            policy.ended(ticket)
+        self._prefill.inner.ended(ticket)
 
     def _why_waiting(self, ticket: Ticket) -> str:
         """Why `ticket` did not go in at once (O(engines), only for one that waits): the
@@ -497,8 +492,7 @@ class Line(Generic[E]):
             return WaitReason.MODEL_LOADING
         if not self._slot_free(None):
             return WaitReason.SLOTS_FULL
-        policy = self._prefill.inner
-        if isinstance(policy, KeepPrefixes) and policy.waits_for_home(ticket, self._engines):
+        if self._prefill.inner.waits_for_home(ticket, self._engines):
             return WaitReason.SESSION_ENGINE
         return WaitReason.KV_FULL
 

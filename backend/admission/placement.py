@@ -5,6 +5,12 @@
 now (the one a requeue excludes is left out) and answers a `Seat` (an engine and one of
 its free slot ids), or None to keep the ticket waiting.  A policy is pure: it reads the
 engines' free slots and room and the ticket's need and `Hint`, and changes nothing.
+Beside `place` a policy hears a ticket's life (`admitted`, `ended`, `learned`) and says
+where a waiting ticket waits and why (`home_while_waiting`, `waits_for_home`) and what an
+engine's cache holds of a prompt (`cached_tokens`); each does nothing by default, so any
+policy plugs into the line, its prefill budget and settlement as it is.  The operator
+picks one by name (`placement_named`: a setting, `serve --placement`, a model's
+`placement` in the models file).
 
 `KeepPrefixes` is the default: it keeps each session's prompt prefix warm, with what the
 session book (`backend.admission.session_book.Sessions`) learnt from the answers.  What it
@@ -64,10 +70,16 @@ fair share charges the rest (a warm agent is not billed for the prefix it reuses
 `MostFreeSlots` is the rule before sessions: the need fits; the engine with the most
 free slots (spreading the load); its lowest free slot id; nothing pinned.
 
+`HashRing` puts each session on the engine its key falls to on a consistent-hash ring of
+the engines (vLLM's session router): no load, no wait bound, no prefix matching between
+sessions; a session's slot on that engine as the session book says.
+
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -78,8 +90,9 @@ from backend.admission.hint import Hint
 from backend.admission.session_book import Session, Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 
-__all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "KeepPrefixes", "MostFreeSlots",
-           "Placeable", "Placement", "Seat", "SeatEngine", "keeps_slots"]
+__all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "HashRing",
+           "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement", "Seat", "SeatEngine",
+           "cached_in", "keeps_slots", "placement_named"]
 
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
@@ -164,15 +177,51 @@ class Placeable(Protocol):
     def hint(self) -> Hint: ...
 
 
-class Placement(Protocol):
-    """Where a ticket is admitted: a pure decision over the engines that may take it."""
+class Placement:
+    """Where a ticket is admitted (`place`: a pure decision over the engines that may take
+    it), and what the policy hears of a ticket's life.  The line calls `place`, then
+    `admitted` on the seat it took, and `ended` when the ticket leaves it; it asks
+    `home_while_waiting` for where a waiting ticket waits (its flow's next turns may pass
+    it meanwhile) and `waits_for_home` for its wait's reason.  The prefill budget asks
+    `cached_tokens` (its `CacheKnowledge`).  Settlement tells `learned` once the session
+    book knows where an answer left its session's prefix.  Every hook but `place` does
+    nothing by default, so a policy says only what it decides."""
+
+    #: Its name where the operator chooses it (`placement_named`); "" for the others.
+    name = ""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
-        """A seat for `ticket` on one of `engines` (those serving its model, in the order
-        they joined), or None: it waits."""
+        """A seat for `ticket` on one of `engines` (those serving its model that may take
+        it now, in the order they joined), or None: it waits."""
+        raise NotImplementedError
+
+    def admitted(self, ticket: Placeable, seat: Seat[Any]) -> None:
+        """The line admitted `ticket` on `seat`."""
+
+    def ended(self, ticket: Placeable) -> None:
+        """`ticket` left its seat (answered, failed or sent back in line)."""
+
+    def learned(self, ticket: Placeable, session: Session | None) -> None:
+        """The session book learnt where `ticket`'s answer left its session's prefix
+        (`session`: as the book has it now; None: nowhere), after `ended`."""
+
+    def home_while_waiting(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
+        """The one engine `place` keeps `ticket` waiting for while another of `engines`
+        has room (whoever of its flow goes meanwhile goes elsewhere, so may pass it);
+        None: it waits for no engine in particular."""
+        return None
+
+    def waits_for_home(self, ticket: Placeable, engines: Sequence[E]) -> bool:
+        """Does `ticket` wait for one engine while another has room (its wait's reason)?"""
+        return self.home_while_waiting(ticket, engines) is not None
+
+    def cached_tokens(self, hint: Hint, engine: object) -> int:
+        """Prompt tokens of a request with `hint` that `engine`'s cache holds, as far as
+        the policy knows (the prefill budget's `CacheKnowledge`); 0: it knows nothing."""
+        return 0
 
 
-class MostFreeSlots:
+class MostFreeSlots(Placement):
     """The need fits; the engine with the most free slots; its lowest free slot id."""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
@@ -183,9 +232,11 @@ class MostFreeSlots:
         return "MostFreeSlots()"
 
 
-class KeepPrefixes:
+class KeepPrefixes(Placement):
     """Each session's turn where its prefix is (see the module's doc), as the session
     book says (settlement tells it where each answer left its prefix)."""
+
+    name = "keep-prefixes"
 
     def __init__(self, sessions: Sessions | None = None, *, home_wait: float = HOME_WAIT,
                  new_wait: float = NEW_SESSION_WAIT,
@@ -233,18 +284,9 @@ class KeepPrefixes:
         return _unpinned(best, pinnable=hint.pinnable) if keeps_slots(best) else best.lowest_free_seat()
 
     def cached_tokens(self, hint: Hint, engine: object) -> int:
-        """Prompt tokens of the request with `hint` that `engine`'s cache holds, as far as
-        the table knows: its session's last prompt when that lives on `engine` (in a slot
-        or its RAM prompt cache) and the request begins as that prompt did; else 0.  The
-        prefill budget's `CacheKnowledge`: a warm turn counts only its new tokens."""
-        session = self.sessions.where(hint.session)
-        if session is None or session.engine is None \
-                or session.engine != getattr(engine, "key", None):
-            return 0
-        shared = min(len(hint.prefix), len(session.prefix))
-        if hint.prefix[:shared] != session.prefix[:shared]:
-            return 0  # another beginning: the engine holds none of it
-        return session.prompt_tokens
+        """What the session book knows `engine`'s cache holds of the request with `hint`
+        (`cached_in`): a warm turn counts only its new tokens to the prefill budget."""
+        return cached_in(self.sessions, hint, engine)
 
     def admitted(self, ticket: Placeable, seat: Seat[Any]) -> None:
         """The line admitted `ticket` on `seat`: its session has a turn running until it
@@ -388,7 +430,114 @@ class KeepPrefixes:
         return f"KeepPrefixes({len(self.sessions)} sessions, home_wait={self.home_wait:g})"
 
 
+class HashRing(Placement):
+    """Each session on the engine its key falls to on a consistent-hash ring of the
+    engines (as vLLM's production-stack session router does): every engine at `points`
+    places of the ring, a session at the first engine after its key's hash (Python's
+    `hash()`, cached by the key itself: within one process, where engines' keys live too).  A session's
+    turns go to one engine as long as the engines stay; an engine that joins or goes moves
+    only the sessions of its arcs.  An engine not offered for a decision (a requeue skips
+    one, the prefill budget holds a long prompt off one) is off the ring for it: the next
+    one takes the turn.  Its engine full, a turn waits for it, whatever the others have
+    (the line lets its flow's next turns pass it: `home_while_waiting`); a request with no
+    session goes where `MostFreeSlots` puts it.  On its engine a turn takes the slot the
+    session book says holds its prefix, as `KeepPrefixes` does; it knows nothing else."""
+
+    name = "hash-ring"
+
+    def __init__(self, sessions: Sessions | None = None, *, points: int = 64) -> None:
+        self.sessions = sessions if sessions is not None else Sessions()
+        self.points = points
+        # The rings of the engine sets seen lately: (the points' hashes, their engines).
+        self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
+
+    def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
+        hint = ticket.hint
+        if hint.session is None:
+            best = _most_free(ticket.need, engines)
+            return None if best is None else best.lowest_free_seat()
+        engine = self.engine_of(hint.session, engines)
+        if not engine.has_room(ticket.need):
+            return None
+        session = self.sessions.where(hint.session)
+        here = session is not None and session.engine == engine.key \
+            and session.continued_by(hint.prefix)
+        return _seat_on(engine, session if here else None, ticket.need, self.sessions,
+                        hint.pinnable)
+
+    def engine_of(self, session: str, engines: Sequence[E]) -> E:
+        """The engine of `engines` (not empty) that `session` falls to on their ring."""
+        keys = tuple(engine.key for engine in engines)
+        ring = self._rings.get(keys)
+        if ring is None:  # a new set of engines: rare, O(points x engines)
+            if len(self._rings) >= 16:
+                self._rings.clear()
+            points = sorted((_ring_point(key, n), key) for key in keys for n in range(self.points))
+            ring = self._rings[keys] = ([h for h, _ in points], [key for _, key in points])
+        hashes, owners = ring
+        owner = owners[bisect.bisect(hashes, hash(session)) % len(owners)]
+        return engines[keys.index(owner)]
+
+    def home_while_waiting(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
+        session = ticket.hint.session
+        if session is None or len(engines) < 2:
+            return None
+        need = ticket.need
+        home = self.engine_of(session, engines)
+        if home.has_room(need) or not any(e.has_room(need) for e in engines):
+            return None
+        return home
+
+    def cached_tokens(self, hint: Hint, engine: object) -> int:
+        return cached_in(self.sessions, hint, engine)
+
+    def __repr__(self) -> str:
+        return f"HashRing({self.points} points an engine)"
+
+
+def placement_named(name: str, sessions: Sessions, *,
+                    clock: Callable[[], float] = time.monotonic) -> Placement:
+    """A new policy of `name` ("keep-prefixes": `KeepPrefixes`, "hash-ring": `HashRing`;
+    `backend.settings.PLACEMENTS`) over the session book `sessions`."""
+    if name == HashRing.name:
+        return HashRing(sessions)
+    if name == KeepPrefixes.name:
+        return KeepPrefixes(sessions, clock=clock)
+    raise ValueError(f"There is no placement policy named {name!r}.")
+
+
+def cached_in(sessions: Sessions, hint: Hint, engine: object) -> int:
+    """Prompt tokens of the request with `hint` that `engine`'s cache holds, as far as the
+    session book knows: its session's last prompt when that lives on `engine` (in a slot
+    or its RAM prompt cache) and the request begins as that prompt did; else 0."""
+    session = sessions.where(hint.session)
+    if session is None or session.engine is None \
+            or session.engine != getattr(engine, "key", None):
+        return 0
+    shared = min(len(hint.prefix), len(session.prefix))
+    if hint.prefix[:shared] != session.prefix[:shared]:
+        return 0  # another beginning: the engine holds none of it
+    return session.prompt_tokens
+
+
+
+def keeps_slots(engine: SeatEngine) -> bool:
+    """Does the engine keep each slot's prompt in the slot (a split cache)?  Then the slot
+    a turn ran on holds its session's prefix after it (`Sessions.turn_ended`)."""
+    kv = engine.kv
+    return kv is not None and not kv.unified
+
+
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _ring_point(engine: str, n: int) -> int:
+    """Where engine `engine`'s `n`th point sits on the ring: a digest, spread evenly over
+    the range of `hash()` (Python's own hash of a tuple of a name and a counter is not:
+    with 64 points of 3 engines one took 15 % of the sessions, another 53 %)."""
+    digest = hashlib.blake2b(f"{engine}\x00{n}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
 
 def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
     if len(engines) == 1:  # the common case: one engine serves the model
@@ -399,13 +548,6 @@ def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
         if engine.has_room(need) and (best is None or engine.free_slots > best.free_slots):
             best = engine
     return best
-
-
-def keeps_slots(engine: SeatEngine) -> bool:
-    """Does the engine keep each slot's prompt in the slot (a split cache)?  Then the slot
-    a turn ran on holds its session's prefix after it (`Sessions.turn_ended`)."""
-    kv = engine.kv
-    return kv is not None and not kv.unified
 
 
 def _unpinned(engine: E, *, pin_fresh: bool = True, pinnable: bool = True) -> Seat[E]:

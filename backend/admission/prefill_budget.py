@@ -26,9 +26,9 @@ line's own policy unchanged; a prompt that is long only where it is cold (its se
 prefix lives on one of the engines, which the budget lets it start on) goes to the
 line's policy among every engine the budget admits it on, so that a warm turn is not sent
 away from its prefix for having fewer streams elsewhere.  What an engine holds of a prompt
-is the session steward's knowledge (`CacheKnowledge`): the line's policy when it knows
-(`KeepPrefixes`: a session's turn whose prefix is resident counts only what it adds to
-its last prompt), else nothing counts as cached.
+is the line's policy's knowledge (`CacheKnowledge`, `Placement.cached_tokens`: for
+`KeepPrefixes` a session's turn whose prefix is resident counts only what it adds to its
+last prompt; by default nothing counts as cached).
 
 Pure: no I/O, no clock of its own (`now` is passed in), O(1) per decision for one engine.
 The line tells the budget when a ticket starts (`started`), when the engine sent its first
@@ -38,7 +38,7 @@ bytes (`prefilled`: the prompt is computed) and when it ends (`ended`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar
 
 from backend.admission.admission_ticket import WaitReason
 from backend.admission.flow import Band, Flow
@@ -55,7 +55,6 @@ LONG_PREFILL_TOKENS = 1024
 PREFILL_BUDGET = WaitReason.PREFILL_BUDGET
 
 
-@runtime_checkable
 class CacheKnowledge(Protocol):
     """What an engine's cache already holds of a prompt (the session steward's answer)."""
 
@@ -206,16 +205,16 @@ class PrefillPlacement:
 
     @property
     def inner(self) -> Placement:
-        """The line's own policy; when it knows what the engines' caches hold (it is a
-        `CacheKnowledge`, as `KeepPrefixes` is), the budget asks it, unless the budget
-        was given its own knowledge."""
+        """The line's own policy: the budget asks it what the engines' caches hold
+        (`Placement.cached_tokens`: nothing, unless it knows, as `KeepPrefixes` does),
+        unless the budget was given its own knowledge."""
         return self._inner
 
     @inner.setter
     def inner(self, policy: Placement) -> None:
         self._inner = policy
         if not self.budget.cache_given:
-            self.budget.cache = policy if isinstance(policy, CacheKnowledge) else NothingCached()
+            self.budget.cache = policy
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         budget = self.budget

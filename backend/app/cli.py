@@ -37,7 +37,7 @@ from backend.llama.chat_template import (ChatTemplate, TemplateSource, check_cha
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import THREADS_HELP, LoadSettings
 from backend.models.hf_cache import printable
-from backend.settings import API_KEY_FILE_ENV, UPSTREAM_KV_LAYOUTS, Settings, env_var
+from backend.settings import API_KEY_FILE_ENV, PLACEMENTS, UPSTREAM_KV_LAYOUTS, Settings, env_var
 from backend.url_credentials import hide_url_credentials, hide_url_credentials_in_logs
 from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
@@ -172,7 +172,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "models_file", "rpc", "otel_endpoint", "otel_client_parent",
                    "allow_enrolment",
-                   "stall_budget_ms", "chat_template")
+                   "stall_budget_ms", "chat_template", "placement")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -541,6 +541,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, help=f"CPU threads, 0 = {THREADS_HELP}")
     serve.add_argument("--max-queue", type=int, help="waiting places, 0 = 16 x slots, at least 64")
     serve.add_argument("--queue-timeout", type=float, help="seconds a request may wait, 0 = no limit (600)")
+    serve.add_argument("--placement", choices=PLACEMENTS, help="where a session's turns go among a "
+                       "model's engines: back to its prefix (keep-prefixes, the default) or to its "
+                       "engine on a consistent-hash ring (hash-ring); a model's own in the models file")
     serve.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives while queued (5)")
     serve.add_argument("--max-output-tokens", type=int, help="default and ceiling for output tokens, 0 = off")
     serve.add_argument("--otel-endpoint", metavar="URL",

@@ -23,6 +23,7 @@ Codex's own config.toml, which the same people edit, is TOML too.
     idle_ttl = "30m"               # unloaded after 30 minutes without a request
     preload = false                # loaded on its first request
     # isolated = true              # no prompt cache shared between requests (keys that are strangers)
+    # placement = "hash-ring"      # its sessions on a consistent-hash ring of its engines
 
     [[model]]
     path = "gemma-3-270m-q4_k_m.gguf"
@@ -58,6 +59,7 @@ from backend.llama.chat_template import (BUILT_IN_TEMPLATES, NO_TEMPLATE, OWN_TE
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from backend.models.model_names import ModelNames
+from backend.settings import PLACEMENTS, check_placement
 from backend.rpc_workers import parse_rpc_workers
 from backend.app.pool_config import (EMBEDDINGS_SPELLINGS, ModelEntry, PoolConfig, UpstreamEntry,
                                      check_distinct_upstreams)
@@ -153,7 +155,7 @@ def parse_duration(value: Any) -> float:
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MODEL_KEYS = ("name", "path", "aliases", "ctx_size", "parallel", "n_gpu_layers", "threads",
                "extra_args", "rpc", "pinned", "idle_ttl", "embeddings", "chat_template", "preload",
-               "isolated")
+               "isolated", "placement")
 _UPSTREAM_KEYS = ("url", "api_key", "api_key_file", "kv_layout")
 _TOP_KEYS = ("default_model", "memory_limit_mib", "model", "upstream")
 
@@ -202,6 +204,8 @@ def _model_fields(entry: ModelEntry, folder: Path | None) -> list[tuple[str, Any
             fields.append((key, getattr(entry, key)))
     if entry.idle_ttl:
         fields.append(("idle_ttl", _describe_duration(entry.idle_ttl)))
+    if entry.placement:
+        fields.append(("placement", entry.placement))
     return fields
 
 
@@ -284,6 +288,12 @@ class _Reader:
             "preload": self._flag("model", i, table, "preload", True),
             "isolated": self._flag("model", i, table, "isolated", False),
         }
+        if "placement" in table:
+            try:
+                values["placement"] = check_placement(table["placement"])
+            except SettingsError:
+                raise self.error("model", i, "placement", f"must be one of {', '.join(PLACEMENTS)}, "
+                                 f"not {table['placement']!r}") from None
         if "idle_ttl" in table:
             try:
                 values["idle_ttl"] = parse_duration(table["idle_ttl"])

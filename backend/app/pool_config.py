@@ -26,6 +26,7 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings, LoadSpec
 from backend.llama.remote_engine import normalise_base_url
 from backend.models.model_names import ModelNames, NamedModel, check_name, file_names, model_name
+from backend.settings import check_placement
 
 __all__ = ["EMBEDDINGS_FLAG", "EMBEDDINGS_SPELLINGS", "ISOLATED_FLAGS", "ModelEntry", "PoolConfig",
            "UpstreamEntry", "check_distinct_upstreams"]
@@ -55,6 +56,8 @@ class ModelEntry:
     preload: bool = True  #: loaded at start; else on its first request
     #: no prompt cache shared between requests (keys that are strangers): see ISOLATED_FLAGS
     isolated: bool = False
+    #: its line's placement policy (backend.settings.PLACEMENTS); "": the port's setting
+    placement: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aliases", tuple(self.aliases))
@@ -72,6 +75,8 @@ class ModelEntry:
             raise SettingsError(f"{self.name} is pinned, so it is never unloaded and an idle TTL "
                                 "cannot apply: drop one of them.")
         self.settings.validate()
+        if self.placement:
+            object.__setattr__(self, "placement", check_placement(self.placement))
         flagged = any(arg in EMBEDDINGS_SPELLINGS for arg in self.settings.extra_args)
         if self.embeddings and not flagged:
             object.__setattr__(self, "settings", dataclasses.replace(

@@ -79,7 +79,7 @@ class StudioService:
         self.metrics = Metrics()
         self.registry = AdmissionRegistry(
             max_waiting_for=lambda slots: self.settings.effective_max_queue(slots),
-            enabled=settings.admission_enabled,
+            enabled=settings.admission_enabled, placement_of=self._placement_of,
         )
         self.metrics.bind_registry(self.registry)
         self.keys = KeyStore(owner_secret=settings.api_key, keys_required=settings.keys_required,
@@ -198,6 +198,7 @@ class StudioService:
         self.keys.set_owner_secret(settings.api_key)
         self.registry.enabled = settings.admission_enabled
         self.registry.refresh_bounds()
+        self.registry.refresh_placements()
         if self._gateway is not None and (old.host, old.port) != (settings.host, settings.port):
             await self.stop_gateway()
         elif self._gateway is not None and _announced(old) != _announced(settings):
@@ -521,6 +522,13 @@ class StudioService:
                   if (s.engine is None or s.engine not in serving) and s.key in models
                   and self._is_parked(models[s.key], s.flow, s.key)}
         return session_rows(book, table, now=time.monotonic(), serving=serving, parked=parked)
+
+    def _placement_of(self, model: str) -> str:
+        """The placement policy of `model`'s line: its own in the models file, else the
+        port's setting."""
+        entry = self.pool.local_entry(model)
+        return entry.placement if entry is not None and entry.placement else \
+            self.settings.placement
 
     def _is_parked(self, model: str, flow: str, session: str) -> bool:
         # No engine's key: an identity worked out for the view, kept per model.

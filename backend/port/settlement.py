@@ -244,8 +244,9 @@ class Settlement:
         """Tell the session book how the turn ended, once (`Sessions.turn_ended`): where
         the answer left its session's prefix (`prompt`: its tokens and those the engine's
         cache held, from `_account`), and for an answer, its cached and computed prompt
-        tokens (from the engine's last figures), judged against the turn it continues.
-        The verdict is counted by kind and reason (`Metrics.count_prompt`) and returned."""
+        tokens (from the engine's last figures), judged against the turn it continues;
+        then the line's placement hears what the book learnt (`Placement.learned`).  The
+        verdict is counted by kind and reason (`Metrics.count_prompt`) and returned."""
         ticket = self.ticket
         if ticket is None or ticket.engine is None:
             return None
@@ -264,6 +265,8 @@ class Settlement:
             slot=None if seat is None else seat.slot, pinned=seat is not None and seat.pinned,
             keeps_slot=seat is not None and keeps_slots(seat.engine), prompt=prompt,
             cache=cache, engine_alive=lambda key: any(e.key == key for e in engines))
+        if hint.session is not None and prompt is not None:
+            self.line.placement.learned(ticket, self.host.sessions.where(hint.session))
         if verdict is not None:
             self.host.metrics.count_prompt(model, verdict)
         return verdict

@@ -214,3 +214,16 @@ def test_keys_required_once_marked_survives_a_window_saving_its_older_settings(t
     window.replace(queue_timeout=30.0).save(path, environ={})  # a limit changed in the window
     again = Settings.load(path, environ={})
     assert again.keys_required and again.queue_timeout == 30.0
+
+
+def test_the_placement_comes_from_the_file_the_environment_and_serve_and_names_one_policy(tmp_path):
+    from backend.app.cli import _parser, serve_settings
+    path = tmp_path / "settings.json"
+    assert Settings.load(path, environ={}).placement == "keep-prefixes"
+    assert Settings.load(path, environ={"GGUF_STUDIO_PLACEMENT": "Hash-Ring"}).placement == "hash-ring"
+    with pytest.raises(SettingsError, match="one of keep-prefixes, hash-ring, not 'round-robin'"):
+        Settings.load(path, environ={"GGUF_STUDIO_PLACEMENT": "round-robin"})
+    with pytest.raises(SettingsError, match="not 'random'"):
+        Settings(placement="random")
+    args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--placement", "hash-ring"])
+    assert serve_settings(args).placement == "hash-ring"

@@ -11,14 +11,14 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.flow import Flow
 from backend.admission.hint import Hint
-from backend.admission.placement import Placeable, Seat, SeatEngine
+from backend.admission.placement import Placeable, Placement, Seat, SeatEngine
 from tests.backend.admission_helpers import NEW, OLD
 from tests.not_none import not_none
 
 E = TypeVar("E", bound=SeatEngine)
 
 
-class LastEngine:
+class LastEngine(Placement):
     """A test policy: always the last engine that has room."""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
@@ -28,7 +28,7 @@ class LastEngine:
         return None
 
 
-class SeatTheHintNames:
+class SeatTheHintNames(Placement):
     """A test policy: a session's requests go to the slot named for it, pinned, and wait
     while it is taken; the rest as the default would place them, unpinned."""
 

@@ -1,6 +1,7 @@
 """Placement through a real service in front of real llama-servers: swapping the line's
 policy changes which engine and which slot run a request, and a pinned seat's slot id
-reaches the engine as `id_slot`."""
+reaches the engine as `id_slot`; the hash ring, named in the settings, sends each session
+to its engine on the ring; any policy hears a turn's life."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.supervisor import pick_free_port
-from backend.admission.placement import Placeable, Seat, SeatEngine
+from backend.admission.placement import (HashRing, KeepPrefixes, MostFreeSlots, Placeable,
+                                         Placement, Seat, SeatEngine)
+from backend.admission.session_book import Session
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
 from tests.backend.service_harness import ServiceFactory
 
@@ -22,13 +25,13 @@ E = TypeVar("E", bound=SeatEngine)
 MODEL = "elsewhere"  # the alias `start_llama_server` gives
 
 
-class LastEngine:
+class LastEngine(Placement):
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         last = engines[-1]
         return last.lowest_free_seat() if last.has_room(ticket.need) else None
 
 
-class SessionOnSlotZero:
+class SessionOnSlotZero(Placement):
     """A session named "agent-1" (in its caller's flow) runs on slot 0, pinned."""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
@@ -109,6 +112,85 @@ async def test_a_pinned_seat_reaches_the_engine_as_id_slot(
         await ask(service, body={"prompt_cache_key": "agent-1",
                                  "messages": [{"role": "user", "content": "Other words"}]})
         assert await slots_that_ran(port) == [0]
+    finally:
+        for process in processes:
+            stop(process)
+
+
+async def session_turn(service: StudioService, session: str) -> None:
+    await ask(service, headers={"x-session-id": session},
+              body={"messages": [{"role": "user", "content": f"Hello from {session}"}]})
+
+
+async def test_the_hash_ring_sends_each_session_to_its_engine_on_the_ring_whatever_the_load(
+        running_service: ServiceFactory, llama_server_binary: Path, tiny_model: Path) -> None:
+    service = await running_service(queue_timeout=60, placement="hash-ring")
+    processes, ports = await engines_serving(service, llama_server_binary, tiny_model, 2)
+    try:
+        line = service.registry.line(MODEL)
+        ring = line.placement
+        assert isinstance(ring, HashRing)
+        first, second = line.engines
+        assert first.label != second.label  # the records name each
+        await session_turn(service, "probe")
+        flow = service.registry.sessions.snapshot()[0].flow  # whose sessions they are
+        names = [f"agent-{n}" for n in range(40)]
+        on_second = [n for n in names if ring.engine_of(f"{flow}\n{n}", [first, second]) is second]
+        on_first = [n for n in names if n not in on_second]
+        assert len(on_second) >= 4 and on_first
+        # Three new sessions that fall to the second engine all go there, though the
+        # first holds fewer sessions (where the default would send a new one).
+        for name in on_second[:3]:
+            await session_turn(service, name)
+        await session_turn(service, on_first[0])
+        for name in (*on_second[:3], on_first[0]):  # and their next turns stay
+            await session_turn(service, name)
+        ran = {(r.session, r.engine) for r in service.requests.records() if r.session != "probe"}
+        assert ran == {*((n, second.label) for n in on_second[:3]), (on_first[0], first.label)}
+        assert all(r.status == 200 for r in service.requests.records())
+        # The engines themselves say so: both ran tasks.
+        assert await slots_that_ran(ports[0]) and await slots_that_ran(ports[1])
+        places = {s.key.split("\n")[1]: s.engine for s in service.registry.sessions.snapshot()}
+        assert places[on_second[0]] == second.key and places[on_first[0]] == first.key
+
+        # The default policy, swapped in, sends the next new session to the engine where
+        # the fewest live: the first.
+        service.registry.line(MODEL).placement = KeepPrefixes(service.registry.sessions)
+        await session_turn(service, on_second[3])
+        assert service.requests.records()[-1].engine == first.label
+    finally:
+        for process in processes:
+            stop(process)
+
+
+class Listening(MostFreeSlots):
+    """The rule before sessions, hearing each ticket's life (no KeepPrefixes)."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, ...]] = []
+
+    def admitted(self, ticket: Placeable, seat: Seat[Any]) -> None:
+        self.heard.append(("admitted", str(ticket.hint.session), seat.engine.key))
+
+    def ended(self, ticket: Placeable) -> None:
+        self.heard.append(("ended", str(ticket.hint.session)))
+
+    def learned(self, ticket: Placeable, session: Session | None) -> None:
+        self.heard.append(("learned", str(ticket.hint.session), str(session and session.engine)))
+
+
+async def test_any_policy_hears_a_turns_admission_its_end_and_where_the_book_put_its_prefix(
+        service: StudioService, llama_server_binary: Path, tiny_model: Path) -> None:
+    processes, (port,) = await engines_serving(service, llama_server_binary, tiny_model, 1)
+    try:
+        line = service.registry.line(MODEL)
+        policy = line.placement = Listening()
+        await session_turn(service, "agent-1")
+        (engine,) = line.engines
+        (place,) = service.registry.sessions.snapshot()
+        assert policy.heard == [("admitted", place.key, engine.key), ("ended", place.key),
+                                ("learned", place.key, engine.key)]
+        assert place.engine == engine.key and place.prompt_tokens > 0
     finally:
         for process in processes:
             stop(process)

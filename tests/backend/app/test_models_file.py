@@ -163,9 +163,11 @@ def test_a_file_name_two_models_share_answers_for_neither_and_their_own_names_st
                                   "'gemma-3' is neither one of llama.cpp's built-in templates "
                                   "(chatml, gemma, llama3, mistral-v7, phi4, ... the Model tab lists "
                                   "them all) nor a readable Jinja template file."),
+    ('placement = "sticky"', "models.toml line 3 (model 1, placement): must be one of "
+                             "keep-prefixes, hash-ring, not 'sticky'."),
     ("ctx = 4096", "models.toml line 3 (model 1, ctx): is not a setting here (known: name, path, aliases, "
                    "ctx_size, parallel, n_gpu_layers, threads, extra_args, rpc, pinned, idle_ttl, embeddings, "
-                   "chat_template, preload, isolated)."),
+                   "chat_template, preload, isolated, placement)."),
     ('rpc = ["[::1]:50052"]', "models.toml line 3 (model 1, rpc): RPC worker '[::1]:50052': llama.cpp "
                               "reaches RPC workers over IPv4 only; give an IPv4 address or a host "
                               "name, as host:port."),
@@ -260,6 +262,14 @@ def test_an_isolated_model_is_read_written_back_and_loaded_without_a_shared_prom
     assert entry.to_spec().settings.extra_args == ("--cache-ram", "4096", "--no-cache-prompt",
                                                    "--cache-ram", "0")
     assert not ModelEntry.for_file("/m/b.gguf").isolated
+
+
+def test_a_models_own_placement_is_read_and_written_back():
+    config = parse_models_file('[[model]]\npath = "/m/a.gguf"\nplacement = "hash-ring"\n'
+                               '[[model]]\npath = "/m/b.gguf"\n')
+    ring, default = config.models
+    assert (ring.placement, default.placement) == ("hash-ring", "")  # "": the port's setting
+    assert parse_models_file(models_file_text(config)).models == (ring, default)
 
 
 async def test_an_embeddings_entry_loads_into_an_engine_that_answers_embeddings(

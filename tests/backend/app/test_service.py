@@ -15,6 +15,8 @@ import pytest
 
 from backend.errors import SettingsError
 from backend.addresses import client_urls
+from backend.admission.placement import HashRing, KeepPrefixes
+from backend.app.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService, check_bind_allowed
 from backend.settings import Settings
 from backend.llama.api import engine_headers
@@ -371,3 +373,18 @@ async def test_loads_clicked_in_quick_succession_leave_one_engine_serving_the_la
     assert service.registry.current.capacity == 3
     answer = await client.post("/v1/chat/completions", json=chat(stream=False, max_tokens=2))
     assert answer.status_code == 200
+
+
+async def test_a_models_line_takes_its_own_placement_else_the_ports_as_the_settings_change(
+        running_service: ServiceFactory, tiny_model: Path) -> None:
+    service = await running_service()
+    await service.start_pool(PoolConfig(models=(
+        ModelEntry.for_file(str(tiny_model), "ringed", placement="hash-ring", preload=False),
+        ModelEntry.for_file(str(tiny_model), "plain", preload=False))))
+    assert isinstance(service.registry.line("ringed").placement, HashRing)
+    assert isinstance(service.registry.line("plain").placement, KeepPrefixes)
+    await service.apply_settings(service.settings.replace(placement="hash-ring"))
+    assert isinstance(service.registry.line("plain").placement, HashRing)
+    await service.apply_settings(service.settings.replace(placement="keep-prefixes"))
+    assert isinstance(service.registry.line("ringed").placement, HashRing)  # its own
+    assert isinstance(service.registry.line("plain").placement, KeepPrefixes)
