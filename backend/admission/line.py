@@ -51,7 +51,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, Protocol, Self, TypeVar
+from typing import Generic, TypeVar
 
 from backend.errors import RETRY_SOON, ContextLengthExceeded, QueueFull
 from backend.llama.kv_capacity import TokenNeed
@@ -60,10 +60,11 @@ from backend.admission.admission_ticket import (DEFAULT_FLOW, Ticket, TicketStat
 from backend.admission.flow import Band, Flow
 from backend.admission.fair_queue import FairQueue
 from backend.admission.hint import NO_HINT, Hint
-from backend.admission.placement import KeepPrefixes, Placeable, Placement, Seat, SeatEngine
+from backend.admission.line_engine import LineEngine
+from backend.admission.placement import KeepPrefixes, Placeable, Placement, Seat
 from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
 
-__all__ = ["AGING_SECONDS", "DEFAULT_MODEL", "MAX_PASSES", "Clock", "Line", "LineEngine"]
+__all__ = ["AGING_SECONDS", "DEFAULT_MODEL", "MAX_PASSES", "Clock", "Line"]
 
 Clock = Callable[[], float]
 
@@ -75,33 +76,6 @@ AGING_SECONDS = 30.0
 MAX_PASSES = 4
 #: Admissions a line remembers (arrival order, flow), to tell a waiter who passed it.
 RECENT_ADMISSIONS = 64
-
-
-class LineEngine(SeatEngine, Protocol):
-    """One engine as its line reads and books it (`AdmissionQueue`)."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    @property
-    def active(self) -> int: ...
-
-    @property
-    def enabled(self) -> bool:
-        """Admission on: off, everyone goes in at once (and is still counted)."""
-
-    @property
-    def counts_prompts(self) -> bool:
-        """It answers llama-server's prompt-counting routes (the need planner asks it)."""
-
-    def take(self, ticket: Ticket, now: float, seat: Seat[Self] | None = None) -> None:
-        """Admit `ticket` on `seat` (a free slot of this engine)."""
-
-    def give_back(self, ticket: Ticket) -> None:
-        """`ticket` ended or went back in line: its slot and tokens are free."""
-
-    def give_back_tokens(self, tokens: int) -> None:
-        """A running ticket settled below what it reserved."""
 
 
 E = TypeVar("E", bound=LineEngine)
