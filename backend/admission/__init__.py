@@ -2,7 +2,7 @@
 
 No sockets: the port and the app do the I/O and ask this room to decide.  The queue of
 one engine (`engine_queue`) and the line of one model (`line`; an engine as it reads one,
-`line_engine`), the registry of lines keyed by the engines' base URLs
+`line_engine`; the requests waiting for its model's first engine, `load_wait`), the registry of lines keyed by the engines' base URLs
 (`admission_registry`), a waiting request's ticket (`admission_ticket`), where a ticket
 sits (`placement`: an engine and a seat, by a policy with its lifecycle), fair share
 between keys (`fair_queue` and its books, `lanes`; who a share is owed to, `flow`), keys'

@@ -61,6 +61,7 @@ from backend.admission.flow import Band, Flow
 from backend.admission.fair_queue import FairQueue
 from backend.admission.hint import NO_HINT, Hint
 from backend.admission.line_engine import LineEngine
+from backend.admission.load_wait import LoadWait
 from backend.admission.placement import KeepPrefixes, Placeable, Placement, Seat
 from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
 
@@ -108,11 +109,12 @@ class Line(Generic[E]):
         # O(log F) per push, admission and removal.
         self._waiters: FairQueue[Ticket] = FairQueue(clock=clock, aging=aging,
                                                      max_passes=max_passes)
+        # Bytes of the waiters' bodies (those waiting for a load hold theirs in `_loading`).
         self._waiting_bytes = 0
         self._service_time: float | None = None
         # Requests that wait for any engine to serve the model (it is loading) before
-        # they can be planned and take a ticket: their flow and the bytes they hold.
-        self._awaiting_engine: dict[asyncio.Future[None], tuple[str, int]] = {}
+        # they can be planned and take a ticket.
+        self._loading = LoadWait(self._changed)
         # (when, flow) of the last requests that ended.
         self._ended: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
         # (arrival order, flow) of the last tickets admitted: who passed a waiter.
@@ -139,7 +141,7 @@ class Line(Generic[E]):
     @property
     def waiting(self) -> int:
         """Everyone in line, and those waiting for the model's first engine."""
-        return len(self._waiters) + len(self._awaiting_engine)
+        return len(self._waiters) + len(self._loading)
 
     @property
     def busy(self) -> bool:
@@ -218,9 +220,10 @@ class Line(Generic[E]):
                 raise QueueFull(
                     f"The server is busy: {waiting} requests are already waiting. "
                     "Try again later.", retry_after=self.retry_after())
-            if max_waiting_bytes and self._waiting_bytes > max_waiting_bytes:
+            held = self._waiting_bytes + self._loading.bytes
+            if max_waiting_bytes and held > max_waiting_bytes:
                 self._pop(ticket)
-                raise _bodies_full(self._waiting_bytes, max_waiting_bytes, self.retry_after())
+                raise _bodies_full(held, max_waiting_bytes, self.retry_after())
         self._changed()
         return ticket
 
@@ -240,21 +243,18 @@ class Line(Generic[E]):
         still keeps the model busy until its holder calls `stop_awaiting` (it took its
         ticket, or gave up): its request is planned in between, and a model evicted then
         would leave it no engine to wait for."""
-        served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._engines:
+            served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             served.set_result(None)
             return served
         self.check_wait(size, max_waiting_bytes)
-        self._awaiting_engine[served] = (flow, size)
-        self._waiting_bytes += size
-        served.add_done_callback(self._unless_served)
+        served = self._loading.add(flow, size)
         self._changed()
         return served
 
     def stop_awaiting(self, served: asyncio.Future[None]) -> None:
         """The request of `served` (`when_served`) took its ticket or gave up."""
-        served.cancel()
-        self._stop_awaiting(served)
+        self._loading.stop(served)
 
     def check_wait(self, size: int = 0, max_waiting_bytes: int = 0) -> None:
         """QueueFull when one more request holding `size` bytes may not wait for the
@@ -262,8 +262,9 @@ class Line(Generic[E]):
         if self.max_waiting and self.waiting >= self.max_waiting:
             raise QueueFull(f"The server is busy: {self.waiting} requests already wait for "
                             "the model to load. Try again later.", retry_after=RETRY_SOON)
-        if max_waiting_bytes and self._waiting_bytes + size > max_waiting_bytes:
-            raise _bodies_full(self._waiting_bytes, max_waiting_bytes, RETRY_SOON)
+        held = self._waiting_bytes + self._loading.bytes
+        if max_waiting_bytes and held + size > max_waiting_bytes:
+            raise _bodies_full(held, max_waiting_bytes, RETRY_SOON)
 
     def admit_waiting(self) -> None:
         """Admit from the head of the line while there is room."""
@@ -346,9 +347,7 @@ class Line(Generic[E]):
         """`engine` serves this model now (its waiters may go to it)."""
         if engine not in self._engines:
             self._engines.append(engine)
-        for served in list(self._awaiting_engine):
-            if not served.done():
-                served.set_result(None)
+        self._loading.serve_all()
         self.engines_changed()
 
     def detach(self, engine: E) -> None:
@@ -370,13 +369,10 @@ class Line(Generic[E]):
         for ticket in tickets:
             self._pop(ticket)
             ticket.refuse(error)
-        awaiting = [served for served in self._awaiting_engine if not served.done()]
-        for served in awaiting:
-            served.set_exception(error)
-            self._stop_awaiting(served)
+        awaiting = self._loading.refuse(error)
         if tickets or awaiting:
             self._changed()
-        return len(tickets) + len(awaiting)
+        return len(tickets) + awaiting
 
     def take_waiters(self, other: Line[E]) -> None:
         """`other`'s waiters join this line, everyone in order of arrival (a load that
@@ -496,16 +492,12 @@ class Line(Generic[E]):
         for ticket in refused:
             self._pop(ticket)
             ticket.refuse(error)
-        loading = [served for served, (flow, _size) in self._awaiting_engine.items()
-                   if flow == key and not served.done()]
-        for served in loading:
-            served.set_exception(error)
-            self._stop_awaiting(served)
+        loading = self._loading.refuse(error, key)
         if refused:
             self._promote()
         if refused or loading:
             self._changed()
-        return len(refused) + len(loading)
+        return len(refused) + loading
 
     def flows_in_flight(self, within: float) -> set[str]:
         """The flows with a request running now, or ended within the last `within`
@@ -517,7 +509,7 @@ class Line(Generic[E]):
 
     def awaiting_flows(self) -> set[str]:
         """The flows of the requests that wait for the model to load."""
-        return {flow for flow, _size in self._awaiting_engine.values()}
+        return self._loading.flows()
 
     def update_flow(self, flow: Flow) -> None:
         """A key's weight, band or concurrency changed: it applies now."""
@@ -541,16 +533,6 @@ class Line(Generic[E]):
             if ticket.need is not None and ticket.need.total > limit:
                 self._pop(ticket)
                 ticket.refuse(_too_long(ticket.need, limit))
-
-    def _unless_served(self, served: asyncio.Future[None]) -> None:
-        if served.cancelled() or served.exception() is not None:
-            self._stop_awaiting(served)
-
-    def _stop_awaiting(self, served: asyncio.Future[None]) -> None:
-        held = self._awaiting_engine.pop(served, None)
-        if held is not None:
-            self._waiting_bytes -= held[1]
-            self._changed()
 
     def _pop(self, ticket: Ticket) -> None:
         self._waiters.remove(ticket)
