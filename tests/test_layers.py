@@ -55,6 +55,15 @@ def test_the_admission_room_opens_no_connection() -> None:
     assert found == []
 
 
+def test_the_window_never_imports_admission() -> None:
+    """The window shows what the app made of admission's state (the Sessions view's rows:
+    `backend.app.session_rows`); it reads none of admission's own types."""
+    found = [f"{module} imports {target}" for module, targets in _import_graph().items()
+             if module.startswith("studio") for target in targets
+             if target.startswith("backend.admission")]
+    assert found == []
+
+
 def test_backend_never_imports_qt() -> None:
     qt = [f"{module} imports {target}" for module, targets in _import_graph(every=True).items()
           if module.startswith("backend") for target in targets
