@@ -8,5 +8,6 @@ small base; imports only go down (app → port, models → llama → base):
 - `backend.port`: the OpenAI-compatible port and its admission;
 - `backend.app`: the service, command line, self-test, snippets, activity, desktop;
 - the base, here: settings, API keys, errors, listeners, the event loop, addresses, the
-  C heap (`heap`: large blocks given back when freed).
+  C heap (`heap`: large blocks given back when freed), TOML values written by hand
+  (`toml_text`).
 """

@@ -36,7 +36,7 @@ from pathlib import Path
 import platformdirs
 
 from backend.app.snippets import ClientModel, ClientTarget, codex_model_lines, opencode_snippet
-from backend.app.toml_text import toml_string
+from backend.toml_text import toml_string
 from backend.errors import ConnectFailed
 from backend.private_files import write_private
 from backend.settings import APP_NAME

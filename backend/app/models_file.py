@@ -63,7 +63,7 @@ from backend.settings import PLACEMENTS, check_placement
 from backend.rpc_workers import parse_rpc_workers
 from backend.app.pool_config import (EMBEDDINGS_SPELLINGS, ModelEntry, PoolConfig, UpstreamEntry,
                                      check_distinct_upstreams)
-from backend.app.toml_text import toml_key, toml_value
+from backend.toml_text import toml_key, toml_value
 
 __all__ = ["models_file_text", "parse_duration", "parse_models_file", "read_models_file",
            "write_models_file"]

@@ -24,7 +24,7 @@ import shlex
 from dataclasses import dataclass
 
 from backend.api_keys import mask_api_key
-from backend.app.toml_text import toml_string
+from backend.toml_text import toml_string
 from backend.admission.prompt_tokens import DEFAULT_OUTPUT_TOKENS
 
 __all__ = [
