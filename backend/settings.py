@@ -54,7 +54,7 @@ class Settings:
     # backend/port/access_guard.py.  The environment may give them comma- or space-separated.
     allow_origins: list[str] = field(default_factory=list)
     allow_hosts: list[str] = field(default_factory=list)
-    # LAN discovery and enrolment (backend/app/discovery.py, backend/enrolments.py): the
+    # LAN discovery and enrolment (backend/app/sharing/discovery.py, backend/enrolments.py): the
     # port announces itself over mDNS only when asked (and only while it shares on the
     # LAN with keys required), under the owner's name ("": this machine's); teammates
     # may ask it for a key while it is announced or until accept_enrolments_until (a

@@ -46,7 +46,7 @@ from backend.app.key_table import (
     short_number,
     usage_chart,
 )
-from backend.app.snippets import ClientTarget, Snippet, codex_snippet, opencode_snippet
+from backend.app.sharing.snippets import ClientTarget, Snippet, codex_snippet, opencode_snippet
 from backend.errors import KeyStoreError
 from backend.key_store import KeyRecord, Priority
 

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 from backend.enrolment_window import DEFAULT_ACCEPT_MINUTES, MAX_ACCEPT_MINUTES, EnrolmentWindow
 from backend.settings import Settings, parse_names
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
-from backend.app.snippets import ClientTarget, Snippet, client_snippets, key_requirement
+from backend.app.sharing.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from backend.app.key_table import KeyForm
 from backend.enrolments import SharedRequest

@@ -5,8 +5,8 @@ them `pool_status`; its settings `pool_config`, and their file `models_file`; th
 picture `pool_state`; the sessions' prefixes saved before an engine goes and restored
 after, `parking`; the Sessions view's rows, `session_rows`), the command line (`cli`, with its `keys` commands in `cli_keys` and its
 Hugging Face ones in `cli_hub`), the keys as people edit and see them (`key_table`), usage
-per key (`usage`), the end-to-end self-test, client snippets, activity over time, the
-desktop entry, LAN discovery (`discovery`: mDNS announce and browse), `gguf-studio connect`
-(`connect`) and the client configuration it writes (`client_config`), the writer of the
+per key (`usage`), the end-to-end self-test, activity over time, the desktop entry,
+sharing the port with a teammate on the LAN (`sharing`: mDNS, the client snippets,
+`gguf-studio connect` and the client configuration it writes), the writer of the
 window's files off its thread (`saver`), and the chat playground's conversation, sent
 through the port like any client's (`chat_session`)."""

@@ -42,7 +42,7 @@ from backend.url_credentials import hide_url_credentials, hide_url_credentials_i
 from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
 from backend.app.cli_requests import add_requests_parser
-from backend.app.connect import add_connect_parser
+from backend.app.sharing.connect import add_connect_parser
 from backend.app.models_file import read_models_file
 from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backend.app.snippets import ClientModel, ClientTarget
+from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.usage import KeyUsage, MinuteUsage
 from backend.errors import KeyStoreError
 from backend.key_store import (CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority, describe_time,

@@ -10,7 +10,7 @@ import contextlib
 import socket
 from typing import Any
 
-from backend.app.discovery import SERVICE_TYPE
+from backend.app.sharing.discovery import SERVICE_TYPE
 
 __all__ = ["Impostor", "Relay"]
 

@@ -32,7 +32,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.app.service import StudioService
-from backend.app.snippets import ClientTarget, Snippet
+from backend.app.sharing.snippets import ClientTarget, Snippet
 from backend.settings import Settings
 from backend.llama.load import LoadSettings, LoadSpec
 from tests.model_factory import write_tiny_model

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from backend.app.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, opencode_snippet
+from backend.app.sharing.snippets import KEY_ENV_VAR, ClientModel, ClientTarget, opencode_snippet
 from tests.clients.conftest import (API_KEY, CONTEXT, MODEL_ID, OUTPUT_CAP, OpenCode, add_key,
                                     base_url, key_sample, key_target, listed_keys,
                                     network_connections, occupied, occupied_place, pasted_env,

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from PySide6.QtCore import Qt
 
-from backend.app.snippets import codex_snippet, opencode_snippet
+from backend.app.sharing.snippets import codex_snippet, opencode_snippet
 from backend.llama.load import State
 from backend.settings import Settings
 from studio.sessions_view import COLUMNS

@@ -11,7 +11,7 @@ import httpx
 from PySide6.QtCore import Qt
 
 from backend.addresses import client_urls
-from backend.app.snippets import KEY_ENV_VAR, PROVIDER_ID
+from backend.app.sharing.snippets import KEY_ENV_VAR, PROVIDER_ID
 from backend.llama.load import State
 from studio.window import ACTIVITY_TAB
 

@@ -348,7 +348,7 @@ def test_the_tab_warns_when_another_device_answers_to_the_announced_name(open_wi
                                                                          monkeypatch):
     from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
-    from backend.app.discovery import ENV_INTERFACES, SERVICE_TYPE
+    from backend.app.sharing.discovery import ENV_INTERFACES, SERVICE_TYPE
 
     monkeypatch.setenv(ENV_INTERFACES, "127.0.0.1")
     # A device on the network announced "office" before the owner's port (a real mDNS

@@ -23,7 +23,7 @@ from backend.app.key_table import (
     usage_chart,
 )
 from backend.app.service import StudioService
-from backend.app.snippets import ClientModel, ClientTarget, opencode_snippet
+from backend.app.sharing.snippets import ClientModel, ClientTarget, opencode_snippet
 from backend.app.usage import MinuteUsage, UsageLedger
 from backend.errors import KeyStoreError
 from backend.key_store import KeyRecord, KeyStore, Priority, describe_time

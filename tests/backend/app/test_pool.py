@@ -604,7 +604,7 @@ async def test_an_agent_configured_with_the_default_alias_keeps_working_when_the
     """The window's snippets name the default model `default`; /v1/models offers it beside
     the real names.  After the owner loads another model (the window's one load), the same
     config reaches the new model, while the old file's name is a 404 as any unknown name."""
-    from backend.app.snippets import ClientTarget, codex_snippet
+    from backend.app.sharing.snippets import ClientTarget, codex_snippet
     from backend.models.model_names import DEFAULT_MODEL_ALIAS
     import tomllib
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backend.app.discovery import ENV_INTERFACES, browse
+from backend.app.sharing.discovery import ENV_INTERFACES, browse
 from tests.backend.lan_harness import Impostor
 
 OWNER_KEY = "owner-key-for-the-discovery-tests-0123"

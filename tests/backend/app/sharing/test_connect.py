@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.app.discovery import ENV_INTERFACES
+from backend.app.sharing.discovery import ENV_INTERFACES
 from backend.key_store import KeyStore
 from tests.backend.gateway_harness import until
 from tests.backend.lan_harness import Impostor, Relay
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 OWNER_KEY = "owner-key-for-the-connect-tests-012345"
 
 

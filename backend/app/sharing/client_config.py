@@ -1,6 +1,6 @@
 """Writing a teammate's Codex CLI and OpenCode configuration for a port (`connect`).
 
-What the window's snippets say (`backend.app.snippets`), written where the clients read
+What the window's snippets say (`backend.app.sharing.snippets`), written where the clients read
 it, next to what the user has:
 
 - **The key** goes into a file of its own, 0600 in a 0700 directory
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import platformdirs
 
-from backend.app.snippets import ClientModel, ClientTarget, codex_model_lines, opencode_snippet
+from backend.app.sharing.snippets import ClientModel, ClientTarget, codex_model_lines, opencode_snippet
 from backend.toml_text import toml_string
 from backend.errors import ConnectFailed
 from backend.private_files import write_private

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.app.client_config import write_client_config
-from backend.app.snippets import ClientModel, ClientTarget
+from backend.app.sharing.client_config import write_client_config
+from backend.app.sharing.snippets import ClientModel, ClientTarget
 
 SECRET = "gs-" + "s" * 43
 

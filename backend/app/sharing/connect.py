@@ -1,7 +1,7 @@
 """`gguf-studio connect [NAME|URL]`: a teammate gets a key and a working client set-up.
 
 1. Which port: the URL given (`http://10.0.0.5:8899`, or `10.0.0.5:8899`), else the
-   ports that answer over mDNS within a few seconds (`backend.app.discovery`), chosen by
+   ports that answer over mDNS within a few seconds (`backend.app.sharing.discovery`), chosen by
    NAME or by the user; when multicast finds nothing it says so and asks for the address.
    A name several ports answer to (the owner's and a device that took its name, which
    zeroconf then renamed `NAME-2`) is never chosen silently: they are listed with their
@@ -16,7 +16,7 @@
 3. Waits (long polls) while the owner approves (`gguf-studio keys approve CODE`, or the
    window) or refuses; the key comes once, over this connection.
 4. Writes the key (0600 file), a Codex CLI profile and an OpenCode provider
-   (`backend.app.client_config`), named after the port unless `--profile` names them,
+   (`backend.app.sharing.client_config`), named after the port unless `--profile` names them,
    and says how to start each.
 
 Everything a port or an announcement says (names, codes, messages) is printed through
@@ -36,10 +36,10 @@ from urllib.parse import quote
 
 import httpx
 
-from backend.app.client_config import profile_name, write_client_config
-from backend.app.discovery import FoundPort, browse
+from backend.app.sharing.client_config import profile_name, write_client_config
+from backend.app.sharing.discovery import FoundPort, browse
 from backend.enrolment_code import enrolment_code, normal_address
-from backend.app.snippets import ClientModel, ClientTarget
+from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.errors import ConnectFailed
 from backend.models.hf_cache import printable
 

@@ -6,7 +6,7 @@ import json
 import shlex
 import tomllib
 
-from backend.app.snippets import (KEY_ENV_VAR, PROVIDER_ID, ClientModel, ClientTarget, client_snippets,
+from backend.app.sharing.snippets import (KEY_ENV_VAR, PROVIDER_ID, ClientModel, ClientTarget, client_snippets,
                                   key_requirement)
 from backend.key_store import KeyStore
 
