@@ -2,7 +2,7 @@
 watched elsewhere.
 
 Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`), runs and
-supervises one load (`supervisor`) or watches a remote one (`remote_engine`), talks to
+supervises one load (`supervisor`; one started process of it and its key, `engine_process`) or watches a remote one (`remote_engine`), talks to
 its own API (`api`), reads what it reported (`report`, `log`), knows its KV cache
 rules (`kv_capacity`) and the chat template it renders chats with (`chat_template`), and
 keeps slots saved to disk (`slot_parking`).  `load` is the

@@ -17,11 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
-import shutil
-import signal
 import socket
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -32,8 +28,9 @@ from backend.llama.api import EngineClient, EngineProps
 from backend.llama.chat_template import chat_template_args
 from backend.llama.engine_speed import (DEFAULT_BATCH, DEFAULT_STALL_BUDGET, DEFAULT_UBATCH,
                                         EngineSpeed, choose_batch, measure_speed)
-from backend.llama.environment import die_with_parent, engine_environment
-from backend.llama.log import EngineLogFile, for_display, read_lines
+from backend.llama.engine_process import (EngineKey, EngineProcess, describe_exit,
+                                          is_bind_failure, reason_from_log)
+from backend.llama.log import EngineLogFile
 from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.llama.rpc_worker import check_rpc_workers, protocol_of_engine, rpc_failure_reason
 from backend.errors import (
@@ -190,7 +187,7 @@ class Supervisor(SnapshotPublisher):
                         cpu_retry_offered=False)
         restarts: deque[float] = deque()  # when each restart of this load happened
         bind_retries = 0
-        child: _Child | None = None
+        child: EngineProcess | None = None
         try:
             while True:
                 try:
@@ -209,7 +206,7 @@ class Supervisor(SnapshotPublisher):
                     props = await self._wait_ready(child)
                 except EngineExitedDuringLoad as exc:
                     await child.stop(self.stop_timeout)
-                    if _is_bind_failure(exc.log_tail) and bind_retries < 3:
+                    if is_bind_failure(exc.log_tail) and bind_retries < 3:
                         bind_retries += 1
                         log.warning("port %d was taken; retrying on another", port)
                         continue
@@ -268,7 +265,7 @@ class Supervisor(SnapshotPublisher):
             await check_rpc_workers(spec.settings.rpc,
                                     await asyncio.to_thread(protocol_of_engine, self.binary))
 
-    async def _measure(self, spec: LoadSpec, child: "_Child", props: EngineProps,
+    async def _measure(self, spec: LoadSpec, child: EngineProcess, props: EngineProps,
                        budget: float) -> EngineSpeed | None:
         """The engine's speed and the batch its stall budget asks for, kept for the next
         start of this load; None for an engine that computes no completions (embeddings)."""
@@ -289,7 +286,7 @@ class Supervisor(SnapshotPublisher):
         self._speeds[(spec, budget)] = speed
         return speed
 
-    async def _stop_child(self, child: "_Child | None") -> None:
+    async def _stop_child(self, child: EngineProcess | None) -> None:
         if child is None:
             return
         if child.running:
@@ -317,7 +314,7 @@ class Supervisor(SnapshotPublisher):
         await asyncio.sleep(delay)
         return True
 
-    async def _until_gone(self, child: "_Child") -> str:
+    async def _until_gone(self, child: EngineProcess) -> str:
         """Wait while the ready engine runs and answers; why it no longer does (it exited,
         or it stopped answering /health and was killed)."""
         exited = asyncio.create_task(child.wait())
@@ -331,13 +328,13 @@ class Supervisor(SnapshotPublisher):
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
         if exited.done():
-            return f"llama-server stopped unexpectedly ({_describe_exit(exited.result())})."
+            return f"llama-server stopped unexpectedly ({describe_exit(exited.result())})."
         child.proc.kill()  # SIGKILL: a hung (or SIGSTOPped) engine would not act on SIGTERM
         await exited
         return (f"llama-server stopped answering (no health answer within "
                 f"{self.health_timeout:g} s, {self.health_failures} times in a row); it was killed.")
 
-    async def _watch_health(self, child: "_Child") -> None:
+    async def _watch_health(self, child: EngineProcess) -> None:
         """Returns once the engine failed `health_failures` health checks in a row."""
         failures = 0
         async with EngineClient(child.base_url, api_key=child.key.value) as engine:
@@ -356,17 +353,17 @@ class Supervisor(SnapshotPublisher):
         if not ready.done():
             ready.set_exception(exc)
 
-    async def _spawn(self, spec: LoadSpec, port: int, batch: list[str]) -> "_Child":
+    async def _spawn(self, spec: LoadSpec, port: int, batch: list[str]) -> EngineProcess:
         log_file = await asyncio.to_thread(
             EngineLogFile.for_start, self.log_dir, spec.name, port,
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
-        key = _EngineKey.create()
+        key = EngineKey.create()
         args = build_command(self.binary, spec, port, api_key_file=key.path,
                              n_predict=self.output_cap(),
                              slot_save_dir=await asyncio.to_thread(self.slot_save_dir)) + batch
         self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
-            child = await _Child.start(args, port, log_file, self._on_log_line, key)
+            child = await EngineProcess.start(args, port, log_file, self._on_log_line, key)
         except BaseException:
             key.forget()
             await asyncio.to_thread(log_file.close)
@@ -374,13 +371,13 @@ class Supervisor(SnapshotPublisher):
         self._set_state(State.STARTING, pid=child.pid, log_path=str(log_file.path))
         return child
 
-    async def _wait_ready(self, child: "_Child") -> EngineProps:
+    async def _wait_ready(self, child: EngineProcess) -> EngineProps:
         """What /props says once /health says 200; each way of not getting there has its
         own error."""
         async with EngineClient(child.base_url, api_key=child.key.value, timeout=10.0) as engine:
             return await self._wait_healthy_then_props(child, engine)
 
-    async def _wait_healthy_then_props(self, child: "_Child", engine: EngineClient) -> EngineProps:
+    async def _wait_healthy_then_props(self, child: EngineProcess, engine: EngineClient) -> EngineProps:
         deadline = self.load_timeout
         health = asyncio.create_task(engine.wait_healthy())
         exited = asyncio.create_task(child.wait())
@@ -396,8 +393,8 @@ class Supervisor(SnapshotPublisher):
             await child.drain_output()
             tail = "\n".join(child.tail(20))
             raise EngineExitedDuringLoad(
-                f"llama-server exited while loading the model ({_describe_exit(exited.result())}). "
-                f"{_reason_from_log(child.tail(40))}".strip(), tail)
+                f"llama-server exited while loading the model ({describe_exit(exited.result())}). "
+                f"{reason_from_log(child.tail(40))}".strip(), tail)
         if health not in done:
             raise LoadTimedOut(f"The model did not become ready within {self.load_timeout:g} seconds.",
                                "\n".join(child.tail(20)))
@@ -493,122 +490,6 @@ def pick_free_port() -> int:
         return port
 
 
-# --- helpers ------------------------------------------------------------------------------
-
-
-class _Child:
-    """A running llama-server and the task copying its output to the log file and tail."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, port: int, log_file: EngineLogFile,
-                 on_line: LogListener, key: "_EngineKey") -> None:
-        self.proc = proc
-        self.key = key
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self._log_file = log_file
-        self._on_line = on_line
-        self._tail: deque[str] = deque(maxlen=200)
-        self._reader = asyncio.create_task(self._copy_output())
-
-    @classmethod
-    async def start(cls, args: list[str], port: int, log_file: EngineLogFile, on_line: LogListener,
-                    key: "_EngineKey") -> "_Child":
-        log_file.write("$ " + " ".join(args))
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=_child_environment(),
-                preexec_fn=die_with_parent(),
-            )
-        except BaseException:
-            await asyncio.to_thread(log_file.close)
-            raise
-        return cls(proc, port, log_file, on_line, key)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def running(self) -> bool:
-        return self.proc.returncode is None
-
-    def tail(self, lines: int) -> list[str]:
-        return list(self._tail)[-lines:]
-
-    async def wait(self) -> int:
-        return await self.proc.wait()
-
-    async def drain_output(self) -> None:
-        """Let the reader copy what the child wrote before it exited."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
-        except (asyncio.TimeoutError, Exception):
-            pass
-
-    async def stop(self, timeout: float) -> None:
-        """SIGTERM, then SIGKILL after `timeout`."""
-        if self.running:
-            try:
-                self.proc.terminate()
-                await asyncio.wait_for(self.proc.wait(), timeout)
-            except asyncio.TimeoutError:
-                log.warning("llama-server ignored SIGTERM for %gs; killing it", timeout)
-                self.proc.kill()
-                await self.proc.wait()
-            except ProcessLookupError:
-                pass
-        self.key.forget()
-        await self.drain_output()
-        if not self._reader.done():
-            self._reader.cancel()
-        await asyncio.to_thread(self._log_file.close)
-
-    async def _copy_output(self) -> None:
-        assert self.proc.stdout is not None
-        async for line in read_lines(self.proc.stdout):
-            self._log_file.write(line)
-            shown = for_display(line)
-            self._tail.append(shown)
-            self._on_line(shown)
-
-
-class _EngineKey:
-    """A random key for one engine start, in a 0600 file inside a 0700 directory of its
-    own while the engine runs: other users cannot read it, and our own tools (bench/)
-    can find it from the engine's command line."""
-
-    def __init__(self, value: str, directory: Path) -> None:
-        self.value = value
-        self._directory: Path | None = directory
-
-    @classmethod
-    def create(cls) -> "_EngineKey":
-        value = secrets.token_urlsafe(32)
-        directory = Path(tempfile.mkdtemp(prefix="gguf-studio-engine-"))  # mode 0700
-        fd = os.open(directory / "api-key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(value + "\n")
-        return cls(value, directory)
-
-    @property
-    def path(self) -> Path:
-        assert self._directory is not None
-        return self._directory / "api-key"
-
-    def forget(self) -> None:
-        directory, self._directory = self._directory, None
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-def _child_environment() -> dict[str, str]:
-    """The engine's processes' environment, minus what would give the engine's port
-    another key than the one we set, or RPC workers the load did not ask for."""
-    return {k: v for k, v in engine_environment().items()
-            if k not in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_RPC")}
-
-
 #: Flags of an engine that computes no completions, so has no prompt speed to measure.
 _NO_COMPLETIONS = frozenset({"--embedding", "--embeddings", "--reranking", "--rerank"})
 
@@ -647,30 +528,3 @@ def _rpc_failure(exc: EngineExitedDuringLoad, spec: LoadSpec,
     """The RPC problem behind a failed start of a load with workers, worded for people."""
     reason = rpc_failure_reason(output) if spec.settings.rpc else None
     return RpcWorkerFailed(reason, exc.log_tail) if reason else None
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _is_bind_failure(log_tail: str) -> bool:
-    return "couldn't bind" in log_tail or "Address already in use" in log_tail
-
-
-def _reason_from_log(lines: list[str]) -> str:
-    """The most telling error line of llama-server's output, for a one-line message."""
-    keys = ("error", "failed", "invalid", "unable", "couldn't", "cannot")
-    for line in reversed(lines):
-        lowered = line.lower()
-        if any(k in lowered for k in keys):
-            text = line.strip()
-            # llama-server prefixes lines with source locations; keep the message only.
-            return text.split(": ", 1)[-1] if ": " in text else text
-    return ""
