@@ -128,7 +128,7 @@ class Settings:
     # Last load, so that `serve` and the window can offer it again.
     model: str = ""
     upstream: str = ""
-    # The models file (backend.app.models_file): the models and upstreams `serve` runs
+    # The models file (backend.app.pool.models_file): the models and upstreams `serve` runs
     # side by side; flags add to it.
     models_file: str = ""
     # How the upstream llama-server's KV cache is laid out, which it cannot report:

@@ -1,6 +1,6 @@
 """TOML values written by hand: the standard library reads TOML (tomllib) but writes none.
 
-The models file (`backend.app.models_file`) and the Codex snippet (`backend.app.sharing.snippets`)
+The models file (`backend.app.pool.models_file`) and the Codex snippet (`backend.app.sharing.snippets`)
 hold only strings, whole numbers, decimals, booleans and lists of strings, which these
 few functions write exactly as `tomllib` reads them back.
 """

@@ -27,8 +27,8 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.app.session_rows import SessionRow
 from backend.app.activity import ActivitySample, ActivitySampler
-from backend.app.pool_config import ModelEntry
-from backend.app.pool_state import PoolState
+from backend.app.pool.pool_config import ModelEntry
+from backend.app.pool.pool_state import PoolState
 from backend.app.saver import Saver, Write
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends

@@ -1,7 +1,7 @@
 """The models the port serves, side by side, and the engines elsewhere it serves through.
 
 Renders a `PoolState` and emits what the user asks for; what a cell says is the
-backend's (`backend.app.pool_state`).  Rows are updated in place, so a pin box or an
+backend's (`backend.app.pool.pool_state`).  Rows are updated in place, so a pin box or an
 idle TTL being edited is not replaced under the user's hands by the next picture.
 """
 
@@ -27,8 +27,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.app.pool_status import ModelStatus, UpstreamStatus
-from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
+from backend.app.pool.pool_status import ModelStatus, UpstreamStatus
+from backend.app.pool.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
                                     describe_slots, describe_where, model_actions)
 from backend.port.metrics import ModelTotals
 from backend.url_credentials import hide_url_credentials

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.llama.accelerators import Accelerators
-from backend.app import pool_config
+from backend.app.pool import pool_config
 from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
 from backend.enrolment_window import accepting_until

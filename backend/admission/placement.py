@@ -46,7 +46,7 @@ then name the wrong slots.  Nothing is pinned on a unified cache or one not know
 request that cannot be pinned goes, on an engine with a slot similarity of 1 (which never
 picks a slot by its prompt), on the least recently released free seat, where the engine
 puts it, and the session steward first moves its prefix from its slot to the RAM cache
-the engine loads from (`backend.app.parking`).  Between engines, a session's turn goes to
+the engine loads from (`backend.app.pool.parking_steward`).  Between engines, a session's turn goes to
 the engine holding its prefix; a session that lives nowhere yet goes to the engine where the
 fewest sessions live, those whose first turn runs there counted (among equals, one holding
 another session of its flow that showed the same first blocks: measured with 6 agents
@@ -576,7 +576,7 @@ def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
     A request the engine cannot pin, on an engine that keeps prefixes (slot similarity
     1: it never picks a slot by its prompt), goes to the least recently used free slot,
     whatever that holds, and finds its prefix in the RAM prompt cache: the session
-    steward moves it there from its slot first (`backend.app.parking`)."""
+    steward moves it there from its slot first (`backend.app.pool.parking_steward`)."""
     if not keeps_slots(engine):
         seat = engine.lowest_free_seat()
     elif not pinnable and engine.pin_any_slot:

@@ -19,7 +19,7 @@ steer into or read about another key's session.  Its entry holds:
   (`backend.admission.cache_misses.judge`), and the need planner bounds a continued
   turn's prompt by the earlier one's (`continuation`);
 - its last request on each model (`SessionRequest`), kept for parking: what brings its
-  prefix back from an engine's RAM cache before a planned loss (`backend.app.parking`).
+  prefix back from an engine's RAM cache before a planned loss (`backend.app.pool.parking_steward`).
 
 A turn's end is told once, by its settlement (`turn_ended`), which gets its verdict back.
 

@@ -1,10 +1,8 @@
 """The application: the service the window and the command line drive (`service`; the
-thread it runs on under a GUI, `backend_thread`), the pool of models and engines (`pool`;
-its models here `local_models`; its engines elsewhere `pool_upstreams`; what it says of
-them `pool_status`; its settings `pool_config`, and their file `models_file`; the window's
-picture `pool_state`; the sessions' prefixes saved before an engine goes and restored
-after, `parking`; the Sessions view's rows, `session_rows`), the command line (`cli`, with its `keys` commands in `cli_keys` and its
-Hugging Face ones in `cli_hub`), the keys as people edit and see them (`key_table`), usage
+thread it runs on under a GUI, `backend_thread`), the pool of models and engines (`pool`:
+its models, engines, settings and their file, and the steward of parked prefixes), the
+Sessions view's rows (`session_rows`), the command line (`cli`, with its `keys` commands
+in `cli_keys` and its Hugging Face ones in `cli_hub`), the keys as people edit and see them (`key_table`), usage
 per key (`usage`), the end-to-end self-test, activity over time, the desktop entry,
 sharing the port with a teammate on the LAN (`sharing`: mDNS, the client snippets,
 `gguf-studio connect` and the client configuration it writes), the writer of the

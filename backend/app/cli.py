@@ -43,8 +43,8 @@ from backend.app.cli_hub import add_hub_parsers
 from backend.app.cli_keys import add_key_parsers
 from backend.app.cli_requests import add_requests_parser
 from backend.app.sharing.connect import add_connect_parser
-from backend.app.models_file import read_models_file
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool.models_file import read_models_file
+from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,12 +24,12 @@ from backend.api_keys import generate_api_key
 from backend.app.sharing.discovery import Advertiser, app_version, service_name
 from backend.app.key_table import KeyTable, key_table, key_target
 from backend.app.sharing.snippets import ClientModel, ClientTarget
-from backend.app.local_models import estimate_model_bytes, memory_budget
-from backend.app.parking import ParkingSteward
-from backend.app.pool import Pool
+from backend.app.pool.local_models import estimate_model_bytes, memory_budget
+from backend.app.pool.parking_steward import ParkingSteward
+from backend.app.pool.pool import Pool
 from backend.app.usage import MinuteUsage, UsageLedger
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.app.pool_status import scrubbed
+from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool.pool_status import scrubbed
 from backend.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError

@@ -44,7 +44,7 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
     where its last turn ran; `now` on the book's clock.  `serving`: the admission keys of
     the engines that serve now (None: all the table names), a table's place on any other
     engine is gone with it; `parked`: the sessions whose prefix is parked on disk
-    (`backend.app.parking`), "parked" when no serving engine holds it."""
+    (`backend.app.pool.parking_steward`), "parked" when no serving engine holds it."""
     places = {s.key: s for s in table}
     rows = []
     for summary in book:

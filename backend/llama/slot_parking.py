@@ -35,7 +35,7 @@ dropped when it did not.
 A prefix that llama-server moved from its slot to its RAM prompt cache (another prompt
 took the slot) cannot be saved from there: `SlotClient.recall` sends its request again,
 pinned to a slot that holds a prompt, for one token, and the engine loads it from that
-cache into the slot, which is then saved like any other (`backend.app.parking`).
+cache into the slot, which is then saved like any other (`backend.app.pool.parking_steward`).
 """
 
 from __future__ import annotations

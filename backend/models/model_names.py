@@ -3,7 +3,7 @@
 A model answers to its name, its aliases, and the names its file gives it
 (`file_names`: the file name with and without .gguf, without a split file's
 -00001-of-00003, and `owner/repo:QUANT` for a file in the Hugging Face cache).  The
-models file (`backend.app.models_file`) and the pool (`backend.app.pool`, which the
+models file (`backend.app.pool.models_file`) and the pool (`backend.app.pool.pool`, which the
 window's loads and additions go through) ask one `ModelNames`, so what the file accepts
 the pool serves:
 

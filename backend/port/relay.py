@@ -92,7 +92,7 @@ class ExchangeHost(SettlementHost, Protocol):
 
 
 class SlotParking(Protocol):
-    """Parked prefixes (`backend.app.parking`): between the seat and the request, and
+    """Parked prefixes (`backend.app.pool.parking_steward`): between the seat and the request, and
     once the answer's last bytes are in."""
 
     async def before_send(self, ticket: Ticket, model: str | None) -> object | None: ...

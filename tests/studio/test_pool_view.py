@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QTableWidget
 from pytestqt.exceptions import TimeoutError as WaitTimeout
 
 from backend.models.model_names import model_name
-from backend.app.pool_state import describe_requests
+from backend.app.pool.pool_state import describe_requests
 from backend.llama.load import State
 from backend.llama.supervisor import pick_free_port
 from backend.port.metrics import ModelTotals

@@ -16,7 +16,7 @@ from backend.app.chat_session import (SESSION_PREFIX, AnswerState, ChatOptions, 
 from backend.app.service import StudioService
 from backend.key_store import CHAT_NAME
 from backend.llama.load import LoadSettings
-from tests.backend.app.test_pool import until
+from tests.backend.app.pool.test_pool import until
 from tests.backend.service_harness import ServiceFactory
 
 OWNER_KEY = "owner-key-0123456789abcdef"

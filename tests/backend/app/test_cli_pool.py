@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from backend.app import cli
-from backend.app.pool_config import PoolConfig
+from backend.app.pool.pool_config import PoolConfig
 from backend.errors import SettingsError, StudioError
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from backend.app.pool_status import Residency
-from backend.app.pool_config import ModelEntry
+from backend.app.pool.pool_status import Residency
+from backend.app.pool.pool_config import ModelEntry
 from backend.app.service import StudioService
 from backend.key_store import KeyStore, Priority
 from backend.llama.api import engine_headers

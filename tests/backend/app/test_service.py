@@ -16,7 +16,7 @@ import pytest
 from backend.errors import SettingsError
 from backend.addresses import client_urls
 from backend.admission.placement import HashRing, KeepPrefixes
-from backend.app.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService, check_bind_allowed
 from backend.settings import Settings
 from backend.llama.api import engine_headers

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from backend.app.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
 from backend.port.request_log import RequestRecord

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.app.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.app.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.app.pool_status import Residency
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.app.local_models import estimate_model_bytes
+from backend.app.pool.pool_status import Residency
+from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool.local_models import estimate_model_bytes
 from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvCapacity, KvLayout
 from backend.llama.load import LoadSettings

@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from backend.admission.session_book import Sessions
-from backend.app.parking import ParkingSteward
+from backend.app.pool.parking_steward import ParkingSteward
 from backend.llama.api import engine_headers
 from backend.llama.engine import Engine
 from backend.llama.supervisor import Supervisor
-from backend.app.pool_config import ModelEntry, PoolConfig
-from backend.app.pool_status import Residency
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_status import Residency
 from backend.app.service import PARKED_SLOTS_DIR, StudioService
 from backend.key_store import KeyStore
 from backend.llama.load import LoadSettings

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend.app.pool import Pool
-from backend.app.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
+from backend.app.pool.pool import Pool
+from backend.app.pool.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
 from backend.llama.load import State
 from backend.port.metrics import Metrics, ModelTotals
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.errors import SettingsError
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings

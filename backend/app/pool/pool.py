@@ -3,12 +3,12 @@
 A model is either a GGUF file on this machine (a `ModelEntry`, run by its own
 `Supervisor`: its own llama-server, key, report, restarts, logs, slots and KV), or what
 an engine elsewhere serves (an `UpstreamEntry` watched by a `RemoteEngine`; followed by
-`backend.app.pool_upstreams`).  Every engine that serves joins its model's admission
+`backend.app.pool.pool_upstreams`).  Every engine that serves joins its model's admission
 line under its own key (base URL), so the admission sees each engine's own slots and
 KV, and a waiter goes to whichever engine of its model has room first.  What the pool
-says of its models and engines is `backend.app.pool_status`.
+says of its models and engines is `backend.app.pool.pool_status`.
 
-Local models are `LocalModels`' (`backend.app.local_models`: loading, eviction by the
+Local models are `LocalModels`' (`backend.app.pool.local_models`: loading, eviction by the
 fit estimate, idleness, crashes); the pool resolves and routes a request's model to
 them or to an engine elsewhere, and says which is the default.
 """
@@ -29,10 +29,10 @@ from backend.llama.supervisor import Supervisor
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.admission.flow import Band
 from backend.models.model_names import ModelNames, NamedModel
-from backend.app.local_models import LocalModel, LocalModels
-from backend.app.pool_config import ModelEntry, UpstreamEntry
-from backend.app.pool_status import HERE, EngineStatus, ModelStatus, UpstreamStatus, engine_status
-from backend.app.pool_upstreams import Upstreams
+from backend.app.pool.local_models import LocalModel, LocalModels
+from backend.app.pool.pool_config import ModelEntry, UpstreamEntry
+from backend.app.pool.pool_status import HERE, EngineStatus, ModelStatus, UpstreamStatus, engine_status
+from backend.app.pool.pool_upstreams import Upstreams
 from backend.port.route import CHAT_ROUTES, Route
 from backend.settings import Settings
 

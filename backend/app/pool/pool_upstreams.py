@@ -18,8 +18,8 @@ from backend.errors import RETRY_SOON, ModelNotFound, ModelNotReady
 from backend.llama.load import LoadBackend, ServedModel, Serving, Snapshot, State
 from backend.llama.remote_engine import RemoteEngine
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.app.pool_config import UpstreamEntry
-from backend.app.pool_status import (EngineStatus, ModelStatus, Residency, UpstreamStatus,
+from backend.app.pool.pool_config import UpstreamEntry
+from backend.app.pool.pool_status import (EngineStatus, ModelStatus, Residency, UpstreamStatus,
                                      engine_status, residency_of)
 
 __all__ = ["Upstream", "Upstreams"]

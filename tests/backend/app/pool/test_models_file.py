@@ -13,9 +13,9 @@ import httpx
 import pytest
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 
-from backend.app.models_file import (models_file_text, parse_duration, parse_models_file,
+from backend.app.pool.models_file import (models_file_text, parse_duration, parse_models_file,
                                      read_models_file, write_models_file)
-from backend.app.pool_config import ModelEntry, PoolConfig, UpstreamEntry
+from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.toml_text import toml_string
 from backend.errors import SettingsError
 from backend.llama.api import engine_headers

@@ -39,7 +39,7 @@ An upstream's key is best kept in a file of its own (`api_key_file`).  A models 
 that holds a key itself (`api_key`) is made private (0600) when it is read, as the
 settings are, and is written private.
 
-The values it holds are `backend.app.pool_config`'s.
+The values it holds are `backend.app.pool.pool_config`'s.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from backend.llama.load import LoadSettings
 from backend.models.model_names import ModelNames
 from backend.settings import PLACEMENTS, check_placement
 from backend.rpc_workers import parse_rpc_workers
-from backend.app.pool_config import (EMBEDDINGS_SPELLINGS, ModelEntry, PoolConfig, UpstreamEntry,
+from backend.app.pool.pool_config import (EMBEDDINGS_SPELLINGS, ModelEntry, PoolConfig, UpstreamEntry,
                                      check_distinct_upstreams)
 from backend.toml_text import toml_key, toml_value
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.app.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
-from backend.app.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
+from backend.app.pool.pool_status import EngineStatus, ModelStatus, Residency, UpstreamStatus
+from backend.app.pool.pool_state import (PoolState, describe_health, describe_kv, describe_requests,
                                     describe_slots, describe_where, model_actions)
 from backend.port.metrics import ModelTotals
 

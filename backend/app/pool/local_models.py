@@ -2,7 +2,7 @@
 
 A local model (a `ModelEntry`) is run by its own `Supervisor`: its own llama-server, key,
 report, restarts, logs, slots and KV.  `LocalModels` keeps their state (`LocalModel`) and
-decides their residency; the pool (`backend.app.pool`) routes requests to them and to
+decides their residency; the pool (`backend.app.pool.pool`) routes requests to them and to
 engines elsewhere.  Residency follows the fit estimate (`backend.models.fit`):
 
 - a request for a known model that is not loaded loads it (it waits meanwhile, with
@@ -47,8 +47,8 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.admission.flow import Band
-from backend.app.pool_config import ModelEntry
-from backend.app.pool_status import HERE, Residency
+from backend.app.pool.pool_config import ModelEntry
+from backend.app.pool.pool_status import HERE, Residency
 from backend.settings import Settings
 
 __all__ = ["LocalModel", "LocalModels", "estimate_model_bytes", "memory_budget"]
@@ -91,7 +91,7 @@ class LocalModels:
         self.models: dict[str, LocalModel] = {}
         self.memory_limit_mib = 0
         #: Called with a drained engine just before a planned stop (its sessions' slots
-        #: are parked: backend.app.parking); it bounds its own time.
+        #: are parked: backend.app.pool.parking_steward); it bounds its own time.
         self._before_loss = before_loss
         self._settings = settings
         self._engine_binary = engine_binary

@@ -2,8 +2,8 @@
 elsewhere that join the port.
 
 Plain values, each checked whole when made.  `serve` builds a `PoolConfig` from its flags
-and the models file (`backend.app.models_file`), merged (`PoolConfig.merge`);
-`backend.app.pool` runs it.
+and the models file (`backend.app.pool.models_file`), merged (`PoolConfig.merge`);
+`backend.app.pool.pool` runs it.
 
 Names: a model answers to its name, its aliases, and the names its file gives it, by the
 one rule of `backend.models.model_names` (which the pool follows too): compared

@@ -12,13 +12,13 @@ import pytest
 
 from backend.addresses import lan_addresses
 from backend.errors import LoadError
-from backend.app.pool_config import ModelEntry, PoolConfig
-from backend.app.pool_status import scrubbed
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_status import scrubbed
 from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
-from tests.backend.app.test_pool import attach_llama_servers, until
+from tests.backend.app.pool.test_pool import attach_llama_servers, until
 from tests.backend.llama.test_remote_engine import start_llama_server, stop
 from tests.backend.service_harness import ServiceFactory
 

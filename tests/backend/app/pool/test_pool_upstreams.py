@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from backend.app.pool_config import UpstreamEntry
-from backend.app.pool_upstreams import Upstreams
+from backend.app.pool.pool_config import UpstreamEntry
+from backend.app.pool.pool_upstreams import Upstreams
 from backend.llama.kv_capacity import KvCapacity, KvLayout
 from backend.llama.load import Snapshot
 from backend.llama.supervisor import pick_free_port
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.admission.admission_ticket import TicketState
-from tests.backend.app.test_pool import studio_health, studio_model
+from tests.backend.app.pool.test_pool import studio_health, studio_model
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
 from tests.fake_upstream import FakeUpstream
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from backend.app.pool_config import ModelEntry, PoolConfig
-from backend.app.pool_status import Residency
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_status import Residency
 from backend.app.service import StudioService
 from backend.llama.api import engine_headers
 from backend.llama.chat_template import TemplateSource
 from backend.llama.load import LoadSettings
 from backend.llama.supervisor import pick_free_port
-from tests.backend.app.test_pool import STUDIO_KEY, until
+from tests.backend.app.pool.test_pool import STUDIO_KEY, until
 from tests.backend.llama.test_remote_engine import _until_healthy, end_studio, start_studio
 from tests.backend.service_harness import ServiceFactory
 

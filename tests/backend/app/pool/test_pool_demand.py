@@ -14,14 +14,14 @@ import time
 import httpx
 import pytest
 
-import backend.app.local_models as local_models_module
-from backend.app.pool_config import ModelEntry, PoolConfig
-from backend.app.pool_status import Residency
-from backend.app.local_models import estimate_model_bytes
+import backend.app.pool.local_models as local_models_module
+from backend.app.pool.pool_config import ModelEntry, PoolConfig
+from backend.app.pool.pool_status import Residency
+from backend.app.pool.local_models import estimate_model_bytes
 from backend.app.service import StudioService
 from backend.key_store import Priority
 from backend.settings import Settings
-from tests.backend.app.test_pool import (LONG, SMALL, chat, other_tiny_model, studio_health,
+from tests.backend.app.pool.test_pool import (LONG, SMALL, chat, other_tiny_model, studio_health,
                                          studio_model, stream_lines, text_of, until)
 from tests.fake_upstream import FakeUpstream
 from tests.backend.service_harness import ServiceFactory

@@ -53,7 +53,7 @@ from pathlib import Path
 from backend.admission.admission_ticket import Ticket
 from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from backend.admission.session_book import Session, SessionRequest, Sessions
-from backend.app.pool_config import ModelEntry
+from backend.app.pool.pool_config import ModelEntry
 from backend.errors import StudioError
 from backend.models.fit import KvShape
 from backend.models.gguf_info import read_model_info
