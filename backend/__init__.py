@@ -3,6 +3,7 @@
 Never imports Qt: the headless `gguf-studio serve` runs exactly this.  Four rooms over a
 small base; imports only go down (app → port, models → llama → base):
 
+- `backend.keys`: named keys, their usage, teammates' enrolment requests;
 - `backend.llama`: the engine (build, supervise, report, KV rules, the load contract);
 - `backend.models`: GGUF files, the hub, downloads, fit;
 - `backend.port`: the OpenAI-compatible port and its admission;

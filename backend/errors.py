@@ -326,7 +326,7 @@ class LoadReplaced(RequestError):
     status, type, code = 503, "server_error", "model_reloaded"
 
 
-# --- enrolment (a teammate asks for a key; backend.enrolments) --------------------------
+# --- enrolment (a teammate asks for a key; backend.keys.enrolments) --------------------------
 
 
 class EnrolmentClosed(RequestError):

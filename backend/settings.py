@@ -46,7 +46,7 @@ class Settings:
     #: for clients the owner traces too (a client could otherwise pick the trace).
     otel_client_parent: bool = False
     allow_no_key: bool = False
-    # Named keys were used here (backend.key_store): every client must send a key from
+    # Named keys were used here (backend.keys.key_store): every client must send a key from
     # then on, also after keys.json was deleted or emptied, which must not open the port
     # to everyone.  Once true in the saved file it stays so (`save`, `remember_keys_required`).
     keys_required: bool = False
@@ -54,12 +54,12 @@ class Settings:
     # backend/port/access_guard.py.  The environment may give them comma- or space-separated.
     allow_origins: list[str] = field(default_factory=list)
     allow_hosts: list[str] = field(default_factory=list)
-    # LAN discovery and enrolment (backend/app/sharing/discovery.py, backend/enrolments.py): the
+    # LAN discovery and enrolment (backend/app/sharing/discovery.py, backend/keys/enrolments.py): the
     # port announces itself over mDNS only when asked (and only while it shares on the
     # LAN with keys required), under the owner's name ("": this machine's); teammates
     # may ask it for a key while it is announced or until accept_enrolments_until (a
     # wall-clock time: `serve --accept-enrolments MINUTES`, the Sharing tab), unless the
-    # owner turns enrolment off (backend/enrolment_window.py); unanswered requests
+    # owner turns enrolment off (backend/keys/enrolment_window.py); unanswered requests
     # expire after enrolment_ttl seconds.
     advertise: bool = False
     advertise_name: str = ""

@@ -40,7 +40,7 @@ def measure(engines: int, iterations: int) -> dict[str, float]:
     """Seconds of CPU per request in this process, for the checkout first on sys.path."""
     from backend.llama.kv_capacity import KvCapacity, TokenNeed
     from backend.llama.load import Serving
-    from backend.key_store import KeyStore
+    from backend.keys.key_store import KeyStore
     try:
         from backend.admission.admission_registry import AdmissionRegistry
         from backend.admission import flow_control

@@ -175,7 +175,7 @@ def make_keys(config: Path, agents: list[int]) -> Keys:
     """Named keys, one per group of agents, and the owner's key, in `config` (the
     port's XDG_CONFIG_HOME), as `gguf-studio keys add` and the window make them."""
     from backend.api_keys import generate_api_key
-    from backend.key_store import KeyStore
+    from backend.keys.key_store import KeyStore
     from backend.settings import APP_NAME, Settings
 
     folder = config / APP_NAME

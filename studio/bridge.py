@@ -32,10 +32,10 @@ from backend.app.pool.pool_state import PoolState
 from backend.app.saver import Saver, Write
 from backend.llama.accelerators import Accelerators
 from backend.llama.engine import Engine, Resolution, detect_accelerators, detected_backends
-from backend.enrolment_window import EnrolmentWindow
+from backend.keys.enrolment_window import EnrolmentWindow
 from backend.errors import LoadSuperseded, StudioError
-from backend.enrolments import SharedRequest
-from backend.key_store import KeyRecord
+from backend.keys.enrolments import SharedRequest
+from backend.keys.key_store import KeyRecord
 from backend.models.download_queue import DownloadQueue
 from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models

@@ -48,7 +48,7 @@ from backend.app.key_table import (
 )
 from backend.app.sharing.snippets import ClientTarget, Snippet, codex_snippet, opencode_snippet
 from backend.errors import KeyStoreError
-from backend.key_store import KeyRecord, Priority
+from backend.keys.key_store import KeyRecord, Priority
 
 from studio.activity_view import ACTIVE_COLOUR, TOKENS_COLOUR, WAITING_COLOUR, describe_rejections
 from studio.chart_frame import ChartFrame

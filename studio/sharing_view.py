@@ -25,15 +25,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.enrolment_window import DEFAULT_ACCEPT_MINUTES, MAX_ACCEPT_MINUTES, EnrolmentWindow
+from backend.keys.enrolment_window import DEFAULT_ACCEPT_MINUTES, MAX_ACCEPT_MINUTES, EnrolmentWindow
 from backend.settings import Settings, parse_names
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.sharing.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
 from backend.app.key_table import KeyForm
-from backend.enrolments import SharedRequest
+from backend.keys.enrolments import SharedRequest
 from backend.errors import KeyStoreError
-from backend.key_store import describe_time
+from backend.keys.key_store import describe_time
 
 from studio.keys_view import KeyDialog, KeysView
 from studio.widgets import CopyButton, monospace_font, secondary_label

@@ -26,7 +26,7 @@ from backend.llama.accelerators import Accelerators
 from backend.app.pool import pool_config
 from backend.app.activity import ActivitySample
 from backend.api_keys import generate_api_key
-from backend.enrolment_window import accepting_until
+from backend.keys.enrolment_window import accepting_until
 from backend.errors import SettingsError
 from backend.models.gguf_info import ModelInfo, read_model_info
 from backend.models.download import DownloadProgress, DownloadState

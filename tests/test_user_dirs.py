@@ -11,8 +11,8 @@ import platformdirs
 import pytest
 
 from backend.app.service import StudioService
-from backend.app.usage import usage_path
-from backend.key_store import keys_path
+from backend.keys.usage import usage_path
+from backend.keys.key_store import keys_path
 from backend.llama.engine import ENV_LLAMA_SERVER, Engine
 from backend.models.hf_cache import hugging_face_cache
 from backend.settings import APP_NAME, Settings, settings_path

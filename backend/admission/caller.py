@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.key_store import KeyRecord
+from backend.keys.key_store import KeyRecord
 
 __all__ = ["ADDRESS_FLOW", "ANONYMOUS", "Caller"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from backend.errors import ModelNotAllowed, RequestError
-from backend.key_store import KeyRecord, Priority
+from backend.keys.key_store import KeyRecord, Priority
 from backend.admission.caller import Caller
 from backend.admission.flow import Band, Flow
 from backend.admission.rate_limits import RateLimiter, Reservation, TokenLimits
@@ -36,7 +36,7 @@ _BANDS = {Priority.INTERACTIVE: Band.INTERACTIVE, Priority.NORMAL: Band.NORMAL,
 
 
 class UsageRecorder(Protocol):
-    """Where usage per key goes (backend.app.usage.UsageLedger)."""
+    """Where usage per key goes (backend.keys.usage.UsageLedger)."""
 
     def record_request(self, key: str, prompt_tokens: int, completion_tokens: int) -> None: ...
 

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from backend.errors import RateLimitExceeded
-from backend.key_store import KeyRecord
+from backend.keys.key_store import KeyRecord
 
 __all__ = [
     "DAY",

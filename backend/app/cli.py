@@ -30,7 +30,7 @@ from backend import event_loop
 from backend.llama.accelerators import BACKENDS
 from backend.api_keys import read_api_key_file
 from backend.llama.engine import Engine, BuildProgress
-from backend.enrolment_window import MAX_ACCEPT_MINUTES, accepting_until
+from backend.keys.enrolment_window import MAX_ACCEPT_MINUTES, accepting_until
 from backend.errors import StudioError
 from backend.llama.chat_template import (ChatTemplate, TemplateSource, check_chat_template,
                                          resolved_chat_template)

@@ -1,9 +1,9 @@
 """`gguf-studio keys add|edit|revoke|list|requests|approve|refuse`: named API keys from
 the command line.  `requests`, `approve` and `refuse` answer teammates who asked a running
-port for a key (`gguf-studio connect`; backend.enrolments): the port mints the key.
+port for a key (`gguf-studio connect`; backend.keys.enrolments): the port mints the key.
 
 The keys' form, wording and table are shared with the window (`backend.app.key_table`);
-the store applies changes to a running port live (`backend.key_store`).
+the store applies changes to a running port live (`backend.keys.key_store`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from backend.errors import StudioError
 from backend.settings import Settings
 
 if TYPE_CHECKING:
-    from backend.app.usage import KeyUsage
-    from backend.enrolments import SharedRequest
-    from backend.key_store import KeyRecord
+    from backend.keys.usage import KeyUsage
+    from backend.keys.enrolments import SharedRequest
+    from backend.keys.key_store import KeyRecord
 
 __all__ = ["add_key_parsers"]
 
@@ -85,7 +85,7 @@ _KEY_OPTIONS = {"models": "models", "max_concurrent": "max_concurrent",
 
 def _keys_add(args: argparse.Namespace) -> int:
     from backend.app.key_table import describe_key
-    from backend.key_store import KeyStore
+    from backend.keys.key_store import KeyStore
 
     record, secret = KeyStore().add(args.name, **_key_changes(args))
     # The secret alone on stdout (so `keys add NAME > file` keeps just it); the rest on
@@ -99,7 +99,7 @@ def _keys_add(args: argparse.Namespace) -> int:
 
 def _keys_edit(args: argparse.Namespace) -> int:
     from backend.app.key_table import describe_key
-    from backend.key_store import KeyStore
+    from backend.keys.key_store import KeyStore
 
     changes = _key_changes(args)
     if not changes:
@@ -112,7 +112,7 @@ def _keys_edit(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    from backend.key_store import KeyStore, describe_time
+    from backend.keys.key_store import KeyStore, describe_time
 
     store = KeyStore()
     before = next((r for r in store.records() if r.name.casefold() == args.name.casefold()),
@@ -131,8 +131,8 @@ def _keys_revoke(args: argparse.Namespace) -> int:
 def _keys_requests(args: argparse.Namespace) -> int:
     import time
 
-    from backend.enrolments import EnrolmentFile, enrolments_path
-    from backend.key_store import describe_time
+    from backend.keys.enrolments import EnrolmentFile, enrolments_path
+    from backend.keys.key_store import describe_time
 
     requests = EnrolmentFile(enrolments_path()).requests()
     if args.json:
@@ -163,7 +163,7 @@ def _keys_approve(args: argparse.Namespace) -> int:
         print(f"Key {request.name!r} made and sent to {request.address} (code "
               f"{request.code}).")
     else:
-        from backend.key_store import describe_time
+        from backend.keys.key_store import describe_time
 
         print(f"Request {request.name!r} from {request.address} (code {request.code}) "
               f"approved: the key is made when their gguf-studio connect collects it, which "
@@ -186,7 +186,7 @@ def _decide(args: argparse.Namespace, action: str, limits: dict[str, Any]
     requester collected the key.  The request, and whether it was collected."""
     import time
 
-    from backend.enrolments import EnrolmentFile, as_code, enrolments_path
+    from backend.keys.enrolments import EnrolmentFile, as_code, enrolments_path
 
     name = args.request if args.code is not None else None
     given = args.code if args.code is not None else args.request
@@ -223,8 +223,8 @@ def _decide(args: argparse.Namespace, action: str, limits: dict[str, Any]
 def _keys_list(args: argparse.Namespace) -> int:
     import time
 
-    from backend.app.usage import UsageLedger, usage_path
-    from backend.key_store import OWNER, KeyStore
+    from backend.keys.usage import UsageLedger, usage_path
+    from backend.keys.key_store import OWNER, KeyStore
 
     records = KeyStore().records()
     if _owner_key_set():
@@ -251,7 +251,7 @@ def _key_changes(args: argparse.Namespace) -> dict[str, Any]:
     read as the window's key dialog reads its fields (backend.app.key_table)."""
     from backend.app.key_table import parse_limit, parse_models
     from backend.errors import KeyStoreError
-    from backend.key_store import parse_expiry
+    from backend.keys.key_store import parse_expiry
 
     changes: dict[str, Any] = {}
     for option, field in _KEY_OPTIONS.items():
@@ -282,7 +282,7 @@ def _owner_key_set() -> bool:
 
 
 def _key_row(record: "KeyRecord", usage: "KeyUsage | None", now: float) -> tuple[str, ...]:
-    from backend.key_store import describe_time
+    from backend.keys.key_store import describe_time
 
     def number(value: int | None) -> str:
         return f"{value:,}" if value else "-"

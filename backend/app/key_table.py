@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.app.sharing.snippets import ClientModel, ClientTarget
-from backend.app.usage import KeyUsage, MinuteUsage
+from backend.keys.usage import KeyUsage, MinuteUsage
 from backend.errors import KeyStoreError
-from backend.key_store import (CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority, describe_time,
+from backend.keys.key_store import (CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority, describe_time,
                                parse_expiry)
 
 __all__ = [

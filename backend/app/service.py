@@ -27,14 +27,14 @@ from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.pool.local_models import estimate_model_bytes, memory_budget
 from backend.app.pool.parking_steward import ParkingSteward
 from backend.app.pool.pool import Pool
-from backend.app.usage import MinuteUsage, UsageLedger
+from backend.keys.usage import MinuteUsage, UsageLedger
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool.pool_status import scrubbed
-from backend.enrolment_window import EnrolmentWindow, enrolment_window
-from backend.enrolments import Enrolments, SharedRequest
+from backend.keys.enrolment_window import EnrolmentWindow, enrolment_window
+from backend.keys.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
 from backend.heap import return_large_blocks
-from backend.key_store import CHAT_NAME, OWNER_NAME, KeyRecord, KeyStore
+from backend.keys.key_store import CHAT_NAME, OWNER_NAME, KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.chat_template import ChatTemplate
@@ -89,7 +89,7 @@ class StudioService:
         for record in self.keys.records():
             limiter.preload(record.name, self.usage.day_tokens(record.name))
         self.flows = FlowControl(limiter, self.usage)
-        #: Teammates asking for a key (backend.enrolments); `on_enrolments` hears changes.
+        #: Teammates asking for a key (backend.keys.enrolments); `on_enrolments` hears changes.
         self.enrolments = Enrolments(self.keys, ttl=lambda: self.settings.enrolment_ttl,
                                      on_change=self._enrolments_changed)
         self._enrolment_listeners: Listeners[[]] = Listeners(log, "enrolment listener")
@@ -218,7 +218,7 @@ class StudioService:
 
     def enrolment_window(self) -> EnrolmentWindow:
         """Whether the port takes enrolment requests now, why, and until when
-        (`backend.enrolment_window`: announced, or an accept window open)."""
+        (`backend.keys.enrolment_window`: announced, or an accept window open)."""
         return enrolment_window(self.settings, keys_required=bool(
             self.settings.api_key or self.keys.requires_keys()))
 

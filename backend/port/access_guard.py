@@ -52,7 +52,7 @@ from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, 
                             UnsupportedContentType)
 from backend.addresses import lan_addresses
 from backend.admission.caller import ADDRESS_FLOW, ANONYMOUS, Caller
-from backend.key_store import CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, KeyStore
+from backend.keys.key_store import CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, KeyStore
 from backend.settings import Settings
 
 __all__ = ["FREE_FAILURES", "MAX_LOCKOUT", "AccessGuard", "Screening"]

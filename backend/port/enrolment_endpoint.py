@@ -8,13 +8,13 @@
                                                      then), or 403 refused (once),
                                                      404 expired or unknown
 
-The code is bound to the connection (`backend.enrolment_code`); `address` and
+The code is bound to the connection (`backend.keys.enrolment_code`); `address` and
 `port_address` echo its two ends as the port sees them (the requester's address; the
 address and port number it reached), so `connect` shows where the port sees it from.
 Both are open without a key (the requester has none yet): the owner's approval is what
 grants anything, the id is 192 random bits only the requester learns, and the state
-behind them is bounded and rate-limited (`backend.enrolments`).  Open only while the
-owner accepts requests (`backend.enrolment_window`: the port announced, or an accept
+behind them is bounded and rate-limited (`backend.keys.enrolments`).  Open only while the
+owner accepts requests (`backend.keys.enrolment_window`: the port announced, or an accept
 window open); else 404 `enrolment_closed`, saying why.
 
 **Doors anyone can open hold little.**  Anyone on the network reaches these two routes,
@@ -40,11 +40,11 @@ from typing import Any, Callable, Iterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from backend.enrolment_window import EnrolmentWindow
-from backend.enrolments import APPROVED, PENDING, Enrolments
+from backend.keys.enrolment_window import EnrolmentWindow
+from backend.keys.enrolments import APPROVED, PENDING, Enrolments
 from backend.errors import (EnrolmentClosed, InvalidRequest, KeylessRequestsFull,
                             TooManyPolls)
-from backend.key_store import KeyRecord
+from backend.keys.key_store import KeyRecord
 from backend.port.request_body import ClientGone, read_body
 from backend.port.server import KEYLESS_EXTENSION
 from backend.settings import Settings

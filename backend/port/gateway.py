@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette import routing
 
 from backend.port import http_errors
-from backend.key_store import OWNER_NAME, KeyStore
+from backend.keys.key_store import OWNER_NAME, KeyStore
 from backend.admission.caller import Caller
 from backend.port.access_guard import AccessGuard
 from backend.admission.flow import Band

@@ -245,7 +245,7 @@ class Metrics:
         self.registry.register(_PoolCollector(loads))
 
     def bind_usage(self, usage: Callable[[], Mapping[str, Any]]) -> None:
-        """Usage per key (backend.app.usage.KeyUsage by key name, never the secret),
+        """Usage per key (backend.keys.usage.KeyUsage by key name, never the secret),
         read at every scrape."""
         self.registry.register(_KeyUsageCollector(usage))
 

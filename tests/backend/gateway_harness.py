@@ -17,7 +17,7 @@ from backend.errors import RETRY_SOON, ModelNotReady
 from backend.llama.kv_capacity import KvCapacity
 from backend.admission.line import DEFAULT_MODEL
 from backend.admission.admission_registry import AdmissionRegistry
-from backend.key_store import KeyStore
+from backend.keys.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message

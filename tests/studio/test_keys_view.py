@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QApplication, QLabel, QLineEdit, QPlainTextEdit
 
 from backend.app.key_table import COLUMNS
 from backend.app.sharing.snippets import KEY_ENV_VAR, PROVIDER_ID
-from backend.key_store import KeyRecord
+from backend.keys.key_store import KeyRecord
 from backend.llama.load import State
 from studio.keys_view import KeysView
 from studio.window import MainWindow

@@ -168,7 +168,7 @@ def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
 
     from PySide6.QtWidgets import QLabel, QPushButton
 
-    from backend.key_store import KeyStore
+    from backend.keys.key_store import KeyStore
 
     Settings.load().replace(api_key=ENROL_KEY, accept_enrolments_until=time.time() + 600).save()
     window = open_window()
@@ -202,7 +202,7 @@ def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
 def test_refuse_refuses_that_request_and_frees_its_row(open_window, qtbot):
     from PySide6.QtWidgets import QPushButton
 
-    from backend.key_store import KeyStore
+    from backend.keys.key_store import KeyStore
 
     Settings.load().replace(api_key=ENROL_KEY, accept_enrolments_until=time.time() + 600).save()
     window = open_window()
@@ -229,8 +229,8 @@ def test_approve_acts_on_the_request_the_dialog_showed_not_on_a_later_one_of_its
     another code.  Approve then fails and says why; the stranger gets no key."""
     from PySide6.QtWidgets import QLabel, QPushButton
 
-    from backend.enrolments import PER_ADDRESS_BURST
-    from backend.key_store import KeyStore
+    from backend.keys.enrolments import PER_ADDRESS_BURST
+    from backend.keys.key_store import KeyStore
 
     def lan_host(address: str) -> httpx.Client:
         return httpx.Client(base_url=f"http://127.0.0.1:{window.bridge.gateway_port}",

@@ -9,7 +9,7 @@
    printed.
 2. Asks the port for a key under the teammate's name (`POST /v1/enrolments`) and shows
    the short code, worked out here from this end of the connection
-   (`backend.enrolment_code`): the owner's screen shows the same code only when nothing
+   (`backend.keys.enrolment_code`): the owner's screen shows the same code only when nothing
    relays the connection.  The port's answer says where it sees the teammate from; a
    difference is printed as a warning.  The port's own copy of the code is never shown
    (a relay would pass it on).
@@ -38,7 +38,7 @@ import httpx
 
 from backend.app.sharing.client_config import profile_name, write_client_config
 from backend.app.sharing.discovery import FoundPort, browse
-from backend.enrolment_code import enrolment_code, normal_address
+from backend.keys.enrolment_code import enrolment_code, normal_address
 from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.errors import ConnectFailed
 from backend.models.hf_cache import printable

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from backend.errors import ModelNotAllowed, RateLimitExceeded, RequestError
-from backend.key_store import OWNER, KeyStore, Priority
+from backend.keys.key_store import OWNER, KeyStore, Priority
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.flow import Band, Flow
 from backend.admission.flow_control import FlowControl, band_of, requested_band
 from backend.admission.rate_limits import RateLimiter
-from backend.app.usage import UsageLedger
+from backend.keys.usage import UsageLedger
 from tests.backend.admission.test_rate_limits import T0, Clock
 from tests.not_none import not_none
 

@@ -13,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from backend.errors import RateLimitExceeded
-from backend.key_store import KeyRecord
+from backend.keys.key_store import KeyRecord
 from backend.port.http_errors import http_error
 from backend.admission.rate_limits import DAY, RateLimiter, TokenLimits, go_duration
 from tests.not_none import not_none

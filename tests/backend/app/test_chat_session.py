@@ -14,7 +14,7 @@ import pytest
 from backend.app.chat_session import (SESSION_PREFIX, AnswerState, ChatOptions, ChatSession,
                                       ChatState)
 from backend.app.service import StudioService
-from backend.key_store import CHAT_NAME
+from backend.keys.key_store import CHAT_NAME
 from backend.llama.load import LoadSettings
 from tests.backend.app.pool.test_pool import until
 from tests.backend.service_harness import ServiceFactory

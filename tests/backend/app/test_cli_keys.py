@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.app.usage import UsageLedger
+from backend.keys.usage import UsageLedger
 from backend.errors import KeyRevoked
-from backend.key_store import KeyStore, Priority, hash_secret
+from backend.keys.key_store import KeyStore, Priority, hash_secret
 from tests.backend.gateway_harness import until
 from tests.not_none import not_none
 
@@ -255,7 +255,7 @@ async def test_a_bad_decision_in_the_file_ends_no_watch_and_the_next_one_is_take
     """A non-object, or an action that is not "approve", written into enrolments.json by
     hand or by a broken tool: it fails alone, approves nothing, and `keys refuse` still
     reaches the port (before, one such entry ended the port's key watcher for good)."""
-    from backend.enrolments import enrolments_path
+    from backend.keys.enrolments import enrolments_path
 
     service, http = port
     asked = (await http.post("/v1/enrolments", json={"name": "bob"})).json()

@@ -17,7 +17,7 @@ import pytest
 from backend.app.pool.pool_status import Residency
 from backend.app.pool.pool_config import ModelEntry
 from backend.app.service import StudioService
-from backend.key_store import KeyStore, Priority
+from backend.keys.key_store import KeyStore, Priority
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings
 from backend.models.model_names import file_names

@@ -281,7 +281,7 @@ def _scope(secret: str) -> dict:
 
 @pytest.mark.parametrize("owner_key", ["", "owner-secret-0123456789"])
 def test_the_chat_tabs_key_is_its_own_flow_with_the_owners_rights(owner_key: str):
-    from backend.key_store import CHAT_NAME
+    from backend.keys.key_store import CHAT_NAME
     from backend.port.access_guard import AccessGuard
     from backend.settings import Settings
     settings = Settings(api_key=owner_key)

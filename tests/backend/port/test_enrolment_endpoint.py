@@ -15,11 +15,11 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 
-from backend.enrolment_code import enrolment_code
-from backend.enrolment_window import EnrolmentWindow
-from backend.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PER_ADDRESS_BURST, PORT_BURST
+from backend.keys.enrolment_code import enrolment_code
+from backend.keys.enrolment_window import EnrolmentWindow
+from backend.keys.enrolments import MAX_PER_ADDRESS, MAX_REQUESTS, PER_ADDRESS_BURST, PORT_BURST
 from backend.errors import KeyStoreError
-from backend.key_store import KeyStore
+from backend.keys.key_store import KeyStore
 from backend.llama.load import LoadSettings
 from backend.port.access_log import ACCESS_LOGGER
 from backend.port.enrolment_endpoint import MAX_IN_FLIGHT, POLLS_PER_REQUEST

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from backend.app.service import StudioService
-from backend.key_store import CHAT_NAME
+from backend.keys.key_store import CHAT_NAME
 from backend.llama.load import LoadSettings
 from backend.admission.admission_ticket import WaitReason
 from backend.port.request_log import RequestLog, RequestRecord, engine_figures

@@ -25,7 +25,7 @@ from backend.llama.supervisor import Supervisor
 from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.pool.pool_status import Residency
 from backend.app.service import PARKED_SLOTS_DIR, StudioService
-from backend.key_store import KeyStore
+from backend.keys.key_store import KeyStore
 from backend.llama.load import LoadSettings
 from backend.llama.slot_parking import (INDEX_NAME, ParkingLot, ParkKey, SlotActionFailed,
                                         SlotClient)

@@ -19,7 +19,7 @@ from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.pool.pool_status import Residency
 from backend.app.pool.local_models import estimate_model_bytes
 from backend.app.service import StudioService
-from backend.key_store import Priority
+from backend.keys.key_store import Priority
 from backend.settings import Settings
 from tests.backend.app.pool.test_pool import (LONG, SMALL, chat, other_tiny_model, studio_health,
                                          studio_model, stream_lines, text_of, until)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from backend.app.sharing.discovery import ENV_INTERFACES
-from backend.key_store import KeyStore
+from backend.keys.key_store import KeyStore
 from tests.backend.gateway_harness import until
 from tests.backend.lan_harness import Impostor, Relay
 

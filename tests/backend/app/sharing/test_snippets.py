@@ -8,7 +8,7 @@ import tomllib
 
 from backend.app.sharing.snippets import (KEY_ENV_VAR, PROVIDER_ID, ClientModel, ClientTarget, client_snippets,
                                   key_requirement)
-from backend.key_store import KeyStore
+from backend.keys.key_store import KeyStore
 
 URL = "http://192.168.1.20:8899/v1"
 KEY = "gs-secretsecretsecret"
@@ -186,7 +186,7 @@ def test_with_a_default_alias_every_snippet_names_the_default_model_by_it():
 
 def test_a_key_limited_to_some_models_is_given_their_own_names_not_the_alias():
     from backend.app.key_table import key_target
-    from backend.key_store import KeyRecord
+    from backend.keys.key_store import KeyRecord
     every = key_target(ALIASED, KeyRecord("bob"), "gs-bob")
     assert [m.model_id for m in every.models] == ["default", "small"]
     assert tomllib.loads(client_snippets(every)[0].text)["model"] == "default"

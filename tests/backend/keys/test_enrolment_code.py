@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from backend.enrolment_code import enrolment_code, normal_address
+from backend.keys.enrolment_code import enrolment_code, normal_address
 
 
 def test_the_same_connection_and_name_give_the_same_code_on_both_screens():

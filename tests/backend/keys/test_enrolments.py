@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from backend.enrolments import (MAX_PER_ADDRESS, MAX_REQUESTS, NAME_TAKEN, PER_ADDRESS_BURST,
+from backend.keys.enrolments import (MAX_PER_ADDRESS, MAX_REQUESTS, NAME_TAKEN, PER_ADDRESS_BURST,
                                 PER_ADDRESS_EVERY, PORT_EVERY, Enrolment, EnrolmentFile,
                                 Enrolments, as_code)
 from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentRefused,
                             EnrolmentsFull, InvalidRequest, KeyStoreError, TooManyEnrolments)
-from backend.key_store import KeyStore
+from backend.keys.key_store import KeyStore
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Clock:
@@ -194,7 +194,7 @@ def test_a_refused_request_frees_its_place_at_once_and_its_requester_learns_it_o
 
 def test_refusals_not_yet_told_are_few_and_forgotten_at_the_requests_expiry(
         enrolments, clock, monkeypatch):
-    monkeypatch.setattr("backend.enrolments.MAX_REFUSED", 2)
+    monkeypatch.setattr("backend.keys.enrolments.MAX_REFUSED", 2)
     asked = []
     for n in range(3):
         clock.now += PORT_EVERY
@@ -263,8 +263,8 @@ def test_the_file_shows_no_secret_and_takes_decisions_of_another_process(
     read and write enrolments.json; the port takes the decision on its next sync, and
     makes the key when its requester collects it."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    from backend.enrolments import enrolments_path
-    from backend.key_store import keys_path
+    from backend.keys.enrolments import enrolments_path
+    from backend.keys.key_store import keys_path
 
     shared = Enrolments(KeyStore(keys_path()), path=enrolments_path())
     asked = shared.request("bob", "10.0.0.5")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.app.usage import KeyUsage, UsageLedger
+from backend.keys.usage import KeyUsage, UsageLedger
 from backend.errors import RateLimitExceeded
 from backend.admission.rate_limits import RateLimiter, TokenLimits
 

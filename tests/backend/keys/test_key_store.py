@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from backend.errors import KeyExpired, KeyRevoked, KeyStoreError, Unauthorized
-from backend.key_store import OWNER, KeyStore, Priority, hash_secret, parse_expiry
+from backend.keys.key_store import OWNER, KeyStore, Priority, hash_secret, parse_expiry
 from tests.not_none import not_none
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NOW = 1_750_000_000.0  # a fixed "wall clock" for expiry
 
 
@@ -194,7 +194,7 @@ def test_a_file_broken_while_serving_keeps_the_last_good_keys(path, caplog):
 
 
 def test_two_processes_adding_keys_at_once_lose_none(path):
-    program = ("import sys; from pathlib import Path; from backend.key_store import KeyStore\n"
+    program = ("import sys; from pathlib import Path; from backend.keys.key_store import KeyStore\n"
                "store = KeyStore(Path(sys.argv[1]))\n"
                "for i in range(15): store.add(f'{sys.argv[2]}-{i}')\n")
     runs = [subprocess.Popen([sys.executable, "-c", program, str(path), who], cwd=ROOT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.enrolment_window import (ACCEPTING, ANNOUNCED, MAX_ACCEPT_MINUTES, NO_KEY,
+from backend.keys.enrolment_window import (ACCEPTING, ANNOUNCED, MAX_ACCEPT_MINUTES, NO_KEY,
                                       NOT_ACCEPTING, TURNED_OFF, EnrolmentWindow,
                                       accepting_until, enrolment_window)
 from backend.errors import SettingsError

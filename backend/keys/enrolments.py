@@ -51,11 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.enrolment_code import CODE_ALPHABET, CODE_LETTERS, enrolment_code
+from backend.keys.enrolment_code import CODE_ALPHABET, CODE_LETTERS, enrolment_code
 from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentNotMade,
                             EnrolmentRefused, EnrolmentsFull, InvalidRequest, KeyStoreError,
                             StudioError, TooManyEnrolments)
-from backend.key_store import KeyRecord, KeyStore, check_name, keys_path
+from backend.keys.key_store import KeyRecord, KeyStore, check_name, keys_path
 from backend.private_files import PRIVATE_FILE_MODE, write_private
 
 __all__ = [

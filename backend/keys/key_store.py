@@ -26,7 +26,7 @@ the hot path that costs one clock read, and a `stat` twice a second.  A revocati
 always changes the file's size, so it is never missed.
 
 When a key was last used, and everything else that changes per request, lives in the
-usage ledger (backend.app.usage): writing this file per request would put disk I/O on
+usage ledger (backend.keys.usage): writing this file per request would put disk I/O on
 the hot path and race with people editing keys.
 """
 
