@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.app.key_table import CHART_SPANS, key_table  # noqa: E402
+from backend.app.sharing.key_table import CHART_SPANS, key_table  # noqa: E402
 from backend.app.service import StudioService  # noqa: E402
 from backend.keys.usage import UsageLedger  # noqa: E402
 from backend.settings import Settings  # noqa: E402

@@ -41,7 +41,7 @@ from backend.models.fit import FitEstimate, MachineMemory
 from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
 from backend.models.library import ModelLibrary
 from backend.port.request_log import RequestRecord
-from backend.app.key_table import KeyTable
+from backend.app.sharing.key_table import KeyTable
 from backend.app.backend_thread import BackendThread
 from backend.app.service import StudioService
 from backend.settings import Settings, settings_path

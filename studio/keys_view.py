@@ -1,7 +1,7 @@
 """Named API keys in the Sharing tab: the keys with their limits and usage, Create, Edit
 and Revoke, a new key's secret shown once with its client set-up, and a chart of usage
 over time.  What the form means, what a row says and what the chart sums are
-backend.app.key_table's; this module shows them and says what the person asked for."""
+backend.app.sharing.key_table's; this module shows them and says what the person asked for."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend.app.key_table import (
+from backend.app.sharing.key_table import (
     CHART_SPANS,
     COLUMNS,
     KeyForm,
@@ -530,7 +530,7 @@ class SecretDialog(QDialog):
 
 class KeyUsageChart(QWidget):
     """Tokens (prompt and completion) and requests (answered and refused) per bar, over
-    the chosen span: the usage ledger's minutes, summed by backend.app.key_table."""
+    the chosen span: the usage ledger's minutes, summed by backend.app.sharing.key_table."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)

@@ -30,7 +30,7 @@ from backend.settings import Settings, parse_names
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.sharing.snippets import ClientTarget, Snippet, client_snippets, key_requirement
 
-from backend.app.key_table import KeyForm
+from backend.app.sharing.key_table import KeyForm
 from backend.keys.enrolments import SharedRequest
 from backend.errors import KeyStoreError
 from backend.keys.key_store import describe_time

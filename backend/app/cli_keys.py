@@ -2,7 +2,7 @@
 the command line.  `requests`, `approve` and `refuse` answer teammates who asked a running
 port for a key (`gguf-studio connect`; backend.keys.enrolments): the port mints the key.
 
-The keys' form, wording and table are shared with the window (`backend.app.key_table`);
+The keys' form, wording and table are shared with the window (`backend.app.sharing.key_table`);
 the store applies changes to a running port live (`backend.keys.key_store`).
 """
 
@@ -84,7 +84,7 @@ _KEY_OPTIONS = {"models": "models", "max_concurrent": "max_concurrent",
 
 
 def _keys_add(args: argparse.Namespace) -> int:
-    from backend.app.key_table import describe_key
+    from backend.app.sharing.key_table import describe_key
     from backend.keys.key_store import KeyStore
 
     record, secret = KeyStore().add(args.name, **_key_changes(args))
@@ -98,7 +98,7 @@ def _keys_add(args: argparse.Namespace) -> int:
 
 
 def _keys_edit(args: argparse.Namespace) -> int:
-    from backend.app.key_table import describe_key
+    from backend.app.sharing.key_table import describe_key
     from backend.keys.key_store import KeyStore
 
     changes = _key_changes(args)
@@ -248,8 +248,8 @@ def _keys_list(args: argparse.Namespace) -> int:
 
 def _key_changes(args: argparse.Namespace) -> dict[str, Any]:
     """The options given on the command line, as KeyStore values (absent ones left out);
-    read as the window's key dialog reads its fields (backend.app.key_table)."""
-    from backend.app.key_table import parse_limit, parse_models
+    read as the window's key dialog reads its fields (backend.app.sharing.key_table)."""
+    from backend.app.sharing.key_table import parse_limit, parse_models
     from backend.errors import KeyStoreError
     from backend.keys.key_store import parse_expiry
 

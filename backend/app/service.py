@@ -22,7 +22,7 @@ import platformdirs
 from backend.addresses import client_urls, is_loopback
 from backend.api_keys import generate_api_key
 from backend.app.sharing.discovery import Advertiser, app_version, service_name
-from backend.app.key_table import KeyTable, key_table, key_target
+from backend.app.sharing.key_table import KeyTable, key_table, key_target
 from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.pool.local_models import estimate_model_bytes, memory_budget
 from backend.app.pool.parking_steward import ParkingSteward

@@ -15,7 +15,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication, QLabel, QLineEdit, QPlainTextEdit
 
-from backend.app.key_table import COLUMNS
+from backend.app.sharing.key_table import COLUMNS
 from backend.app.sharing.snippets import KEY_ENV_VAR, PROVIDER_ID
 from backend.keys.key_store import KeyRecord
 from backend.llama.load import State

@@ -185,7 +185,7 @@ def test_with_a_default_alias_every_snippet_names_the_default_model_by_it():
 
 
 def test_a_key_limited_to_some_models_is_given_their_own_names_not_the_alias():
-    from backend.app.key_table import key_target
+    from backend.app.sharing.key_table import key_target
     from backend.keys.key_store import KeyRecord
     every = key_target(ALIASED, KeyRecord("bob"), "gs-bob")
     assert [m.model_id for m in every.models] == ["default", "small"]

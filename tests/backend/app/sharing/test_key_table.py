@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from backend.app.key_table import (
+from backend.app.sharing.key_table import (
     COLUMNS,
     KeyForm,
     describe_key,
