@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("backend", "studio", "launcher", "bench")
 #: Lower rooms first; a module may import its own room and any room before it.
 #: The app's sub-rooms come before the app's own modules (the service drives them).
-ROOMS = ("backend", "backend.keys", "backend.llama", "backend.models", "backend.admission", "backend.port",
-         "backend.app.sharing", "backend.app.pool", "backend.app", "studio", "launcher", "bench")
+ROOMS = ("backend", "backend.keys", "backend.llama", "backend.models", "backend.admission",
+         "backend.port", "backend.app.sharing", "backend.app.pool", "backend.app.commands",
+         "backend.app", "studio", "launcher", "bench")
 #: Modules that decide without I/O (the counting rules, the planner, the answer parser):
 #: what they ask of an engine is given to them, so none may reach a module that connects.
 SANS_IO = ("backend.admission.prompt_tokens", "backend.admission.need_planner",

@@ -39,9 +39,9 @@ from backend.llama.load import THREADS_HELP, LoadSettings
 from backend.models.hf_cache import printable
 from backend.settings import API_KEY_FILE_ENV, PLACEMENTS, UPSTREAM_KV_LAYOUTS, Settings, env_var
 from backend.url_credentials import hide_url_credentials, hide_url_credentials_in_logs
-from backend.app.cli_hub import add_hub_parsers
-from backend.app.cli_keys import add_key_parsers
-from backend.app.cli_requests import add_requests_parser
+from backend.app.commands.cli_hub import add_hub_parsers
+from backend.app.commands.cli_keys import add_key_parsers
+from backend.app.commands.cli_requests import add_requests_parser
 from backend.app.sharing.connect import add_connect_parser
 from backend.app.pool.models_file import read_models_file
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry

@@ -19,7 +19,7 @@ from backend.keys.key_store import KeyStore, Priority, hash_secret
 from tests.backend.gateway_harness import until
 from tests.not_none import not_none
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture

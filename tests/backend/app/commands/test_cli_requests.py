@@ -18,7 +18,7 @@ from backend.llama.load import LoadSettings
 from backend.settings import Settings
 from tests.backend.service_harness import ServiceFactory
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 OWNER_KEY = "owner-key-0123456789abcdef"
 
 
