@@ -36,6 +36,7 @@ __all__ = [
     "check_sha256",
     "hugging_face_cache",
     "printable",
+    "printable_lines",
     "repo_cache",
     "repo_id_of_folder",
 ]
@@ -175,6 +176,12 @@ def printable(text: object, limit: int = 200) -> str:
     text = str(text)
     shown = "".join(c.encode("unicode_escape").decode("ascii") if _is_control(c) else c for c in text)
     return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
+def printable_lines(text: str) -> str:
+    """`text` with its line breaks kept and every other control character or escape code
+    shown escaped: messages can carry a hub's strings, which must not drive the terminal."""
+    return "\n".join(printable(line, 100_000) for line in text.split("\n"))
 
 
 # --- helpers -----------------------------------------------------------------------------------
