@@ -1,11 +1,15 @@
-"""The engine: llama.cpp's `llama-server`, built from pinned sources and run here or
-watched elsewhere.
+"""The engine: llama.cpp's `llama-server`, built from pinned sources and run here or watched
+elsewhere.
 
-Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`), runs and
-supervises one load (`supervisor`; one started process of it and its key, `engine_process`) or watches a remote one (`remote_engine`), talks to
-its own API (`api`), reads what it reported (`report`, `log`), knows its KV cache
-rules (`kv_capacity`) and the chat template it renders chats with (`chat_template`), and
-keeps slots saved to disk (`slot_parking`).  `load` is the
-contract everything above uses: what a load is asked for, the state it is in, and the
-`Serving` value that exists while it serves.
+Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`; its pinned
+sources, checked before any use, `sources`; the environment its processes get,
+`environment`), runs and supervises one load (`supervisor`; one started process of it and
+its key, `engine_process`) or watches a remote one (`remote_engine`), lends this machine's
+devices to an engine elsewhere and greets a load's workers (`rpc_worker`), measures how
+fast an engine computes prompts and steps after each load (`engine_speed`), talks to its
+own API (`api`), reads what it reported (`report`, `log`), knows its KV cache rules
+(`kv_capacity`) and the chat template it renders chats with (`chat_template`), and keeps
+slots saved to disk (`slot_parking`).  `load` is the contract everything above uses: what
+a load is asked for, the state it is in, and the `Serving` value that exists while it
+serves.
 """

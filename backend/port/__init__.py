@@ -8,7 +8,11 @@ stream, `stream_relay`, `sse`), the upstream HTTP client (`upstream_http`: the c
 pool; `http1_response`: the sans-I/O parser of its answers; `upstream_errors`: the
 failures of both), TCP_NODELAY on the connections of both sides (`tcp_nodelay`), request
 bodies (`request_body`, `request_fields`), error answers (`http_errors`), what `/health`
-says (`health`), metrics and the access log, and the enrolment endpoint a teammate
-without a key asks for one at (`enrolment_endpoint`).  What is decided about a request
-(admission, fair share, limits, placement) lives in `backend.admission`.
+says (`health`), what it tells clients of its models (`catalog`), the app's answer to
+where a model's requests go (`route`), a request's books closed once when it ends
+(`settlement`), Prometheus metrics (`metrics`), the access log (`access_log`), the request
+inspector (`request_log`) and its optional OpenTelemetry export (`tracing`), and the
+enrolment endpoint a teammate without a key asks for one at (`enrolment_endpoint`).  What
+is decided about a request (admission, fair share, limits, placement) lives in
+`backend.admission`.
 """
