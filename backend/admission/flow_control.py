@@ -25,7 +25,7 @@ from backend.admission.caller import Caller
 from backend.admission.flow import Band, Flow
 from backend.admission.rate_limits import RateLimiter, Reservation, TokenLimits
 
-__all__ = ["BAND_HEADER", "Endable", "FlowControl", "Pass", "UsageRecorder", "band_of",
+__all__ = ["BAND_HEADER", "Endable", "FlowControl", "Pass", "UsageRecorder", "key_band",
            "requested_band"]
 
 #: A request may lower its own priority with this header (never raise it).
@@ -92,7 +92,7 @@ class FlowControl:
         if flow is None:
             record = caller.key
             flow = Flow(caller.flow) if record is None or record.is_owner else Flow(
-                caller.flow, weight=record.weight, band=band_of(record),
+                caller.flow, weight=record.weight, band=key_band(record),
                 max_concurrent=record.max_concurrent or 0)
             if len(self._flows) > 4096:  # addresses come and go: keep the cache bounded
                 self._flows.clear()
@@ -221,7 +221,8 @@ class Pass:
                 self._control.limiter.settle(self.reservation, 0)
 
 
-def band_of(record: KeyRecord) -> Band:
+def key_band(record: KeyRecord) -> Band:
+    """The band a key's requests wait in, by its priority."""
     return _BANDS[record.priority]
 
 

@@ -248,7 +248,7 @@ class PrefillPlacement:
         return f"PrefillPlacement({self.inner!r})"
 
 
-def band_of(ticket: object) -> Band:
+def _waiting_band(ticket: object) -> Band:
     """The band a ticket waits in: its own when it lowered it, else its flow's (as the
     fair queue has it); a probe (`Line.fits_now`: no ticket yet) is of the normal band."""
     flow = getattr(ticket, "flow", None)
@@ -262,4 +262,4 @@ def band_of(ticket: object) -> Band:
 def _band_and_wait(ticket: Placeable, now: float) -> tuple[Band, float]:
     """A ticket's band and how long it has waited (a probe has not waited)."""
     enqueued = getattr(ticket, "enqueued_at", now)
-    return band_of(ticket), now - enqueued if isinstance(enqueued, (int, float)) else 0.0
+    return _waiting_band(ticket), now - enqueued if isinstance(enqueued, (int, float)) else 0.0

@@ -14,7 +14,7 @@ from backend.errors import ModelNotAllowed, RateLimitExceeded, RequestError
 from backend.keys.key_store import OWNER, KeyStore, Priority
 from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.flow import Band, Flow
-from backend.admission.flow_control import FlowControl, band_of, requested_band
+from backend.admission.flow_control import FlowControl, key_band, requested_band
 from backend.admission.rate_limits import RateLimiter
 from backend.keys.usage import UsageLedger
 from tests.backend.admission.test_rate_limits import T0, Clock
@@ -98,7 +98,7 @@ def test_an_edited_key_gets_its_new_limits_at_once(store: KeyStore,
 
 def test_band_of_a_key_and_the_band_a_request_asks_for(store: KeyStore) -> None:
     record, _ = store.add("bulk", priority=Priority.BATCH)
-    assert band_of(record) is Band.BATCH
+    assert key_band(record) is Band.BATCH
     assert requested_band([(b"x-priority", b" Batch ")]) is Band.BATCH
     assert requested_band([(b"accept", b"*/*"), (b"x-priority", b"interactive")]) \
         is Band.INTERACTIVE
