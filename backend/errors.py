@@ -387,5 +387,5 @@ class KeylessRequestsFull(RequestError):
         return {"Connection": "close"}
 
 
-class ConnectFailed(StudioError):
+class ConnectCommandFailed(StudioError):
     """`gguf-studio connect` could not find, reach or enrol with a port."""

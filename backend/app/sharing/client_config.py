@@ -37,7 +37,7 @@ import platformdirs
 
 from backend.app.sharing.snippets import ClientModel, ClientTarget, codex_model_lines, opencode_snippet
 from backend.toml_text import toml_string
-from backend.errors import ConnectFailed
+from backend.errors import ConnectCommandFailed
 from backend.private_files import write_private
 from backend.settings import APP_NAME
 
@@ -89,7 +89,7 @@ def write_client_config(target: ClientTarget, profile: str, port_name: str) -> W
         try:
             _write_opencode(opencode, target, profile, port_name, key_file, stamp, backups)
             files.append(opencode)
-        except ConnectFailed as exc:
+        except ConnectCommandFailed as exc:
             notes.append(str(exc))
     return WrittenConfig(key_file, tuple(files), tuple(backups),
                          f"codex --profile {profile}",
@@ -128,9 +128,10 @@ def _write_opencode(path: Path, target: ClientTarget, profile: str, port_name: s
         try:
             loaded = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError, UnicodeDecodeError):
-            raise ConnectFailed(f"OpenCode: {path} is not plain JSON; left as it is.") from None
+            raise ConnectCommandFailed(
+                f"OpenCode: {path} is not plain JSON; left as it is.") from None
         if not isinstance(loaded, dict):
-            raise ConnectFailed(f"OpenCode: {path} holds no settings; left as it is.")
+            raise ConnectCommandFailed(f"OpenCode: {path} holds no settings; left as it is.")
         config = loaded
     ours = json.loads(opencode_snippet(target).text)
     (provider,) = ours["provider"].values()

@@ -40,7 +40,7 @@ from backend.app.sharing.client_config import profile_name, write_client_config
 from backend.app.sharing.discovery import FoundPort, browse
 from backend.keys.enrolment_code import enrolment_code, normal_address
 from backend.app.sharing.snippets import ClientModel, ClientTarget
-from backend.errors import ConnectFailed
+from backend.errors import ConnectCommandFailed
 from backend.models.hf_cache import printable
 
 __all__ = ["add_connect_parser"]
@@ -126,9 +126,10 @@ async def _choose_port(target: str | None, seconds: float) -> tuple[str, list[st
     print(f"Looking for GGUF Studio ports on the LAN ({seconds:g}s)...", flush=True)
     found = await browse(seconds)
     if not found:
-        raise ConnectFailed("No GGUF Studio port answered on the LAN (multicast found nothing: "
-                            "the owner may not announce it, or this network drops mDNS). Give "
-                            "its address instead: gguf-studio connect http://HOST:PORT")
+        raise ConnectCommandFailed(
+            "No GGUF Studio port answered on the LAN (multicast found nothing: the owner may "
+            "not announce it, or this network drops mDNS). Give its address instead: "
+            "gguf-studio connect http://HOST:PORT")
     for i, port in enumerate(found, 1):
         print(f"  {i}. {printable(port.name, 80)}  {printable(', '.join(port.urls))}", flush=True)
     if target:
@@ -138,8 +139,8 @@ async def _choose_port(target: str | None, seconds: float) -> tuple[str, list[st
         chosen = [p for p in found if _family(p.name) == family] or \
             [p for p in found if target.casefold() in p.name.casefold()]
         if not chosen:
-            raise ConnectFailed(f"No port named '{printable(target, 80)}' answered; found: "
-                                + ", ".join(printable(p.name, 80) for p in found) + ".")
+            raise ConnectCommandFailed(f"No port named '{printable(target, 80)}' answered; found: "
+                                       + ", ".join(printable(p.name, 80) for p in found) + ".")
     else:
         chosen = found
     return _pick(chosen, target)
@@ -158,7 +159,7 @@ def _pick(ports: list[FoundPort], target: str | None) -> tuple[str, list[str]]:
     else:
         why = "Several ports answered:" + listing + "\nAsk the owner which one is theirs"
     if not sys.stdin.isatty():
-        raise ConnectFailed(why + ", then run: gguf-studio connect http://HOST:PORT")
+        raise ConnectCommandFailed(why + ", then run: gguf-studio connect http://HOST:PORT")
     print(why + ".", flush=True)
     for i, port in enumerate(ports, 1):
         print(f"  {i}. {printable(port.name, 80)}  {printable(', '.join(port.urls))}",
@@ -177,7 +178,7 @@ async def _reachable(client: httpx.AsyncClient, urls: list[str]) -> str:
         except httpx.HTTPError:
             continue
         return url
-    raise ConnectFailed("The port did not answer at " + ", ".join(urls) + ".")
+    raise ConnectCommandFailed("The port did not answer at " + ", ".join(urls) + ".")
 
 
 async def _wait(client: httpx.AsyncClient, url: str, timeout: float,
@@ -188,13 +189,13 @@ async def _wait(client: httpx.AsyncClient, url: str, timeout: float,
         try:
             answer = await client.get(url, params={"wait": wait})
         except httpx.TransportError as exc:
-            raise ConnectFailed(f"Lost {port_name} while waiting ({type(exc).__name__}); "
-                                "run gguf-studio connect again.") from None
+            raise ConnectCommandFailed(f"Lost {port_name} while waiting ({type(exc).__name__}); "
+                                       "run gguf-studio connect again.") from None
         body = _json(answer, "The enrolment ended")
         if body.get("status") == "approved":
             return body
-    raise ConnectFailed(f"The owner did not answer within {timeout:g}s; run gguf-studio "
-                        "connect again later.")
+    raise ConnectCommandFailed(f"The owner did not answer within {timeout:g}s; run gguf-studio "
+                               "connect again later.")
 
 
 def _json(answer: httpx.Response, what: str) -> dict[str, Any]:
@@ -203,11 +204,12 @@ def _json(answer: httpx.Response, what: str) -> dict[str, Any]:
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        raise ConnectFailed(f"{what}: the answer is not GGUF Studio's (HTTP {answer.status_code}).")
+        raise ConnectCommandFailed(
+            f"{what}: the answer is not GGUF Studio's (HTTP {answer.status_code}).")
     if answer.status_code >= 400:
         error = body.get("error")
         message = error.get("message") if isinstance(error, dict) else None
-        raise ConnectFailed(f"{what}: {message or answer.status_code}")
+        raise ConnectCommandFailed(f"{what}: {message or answer.status_code}")
     return body
 
 
@@ -218,8 +220,8 @@ def _ends(answer: httpx.Response) -> tuple[str, str, int]:
     mine = stream.get_extra_info("client_addr") if stream is not None else None
     peer = stream.get_extra_info("server_addr") if stream is not None else None
     if not mine or not peer:
-        raise ConnectFailed("Could not read this connection's addresses, so the code "
-                            "could not be worked out; run gguf-studio connect again.")
+        raise ConnectCommandFailed("Could not read this connection's addresses, so the code "
+                                   "could not be worked out; run gguf-studio connect again.")
     return normal_address(str(mine[0])), normal_address(str(peer[0])), int(peer[1])
 
 
