@@ -53,7 +53,7 @@ from backend.admission.request_planner import RequestPlanner
 from backend.admission.session_book import Sessions
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.gated_request import GatedRequest
-from backend.port.relay import Exchange, SlotParking
+from backend.port.relay import Exchange, PrefixSteward
 from backend.port.route import Route
 from backend.port.request_log import RequestLog
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
@@ -95,7 +95,7 @@ class GatewayContext(Protocol):
     chat_secret: str
 
     @property
-    def parking(self) -> SlotParking | None:
+    def parking(self) -> PrefixSteward | None:
         """Restores sessions' parked prefixes before their turns (None: nothing is parked)."""
 
     @property
@@ -190,7 +190,7 @@ class Gateway:
         return self.ctx.requests
 
     @property
-    def parking(self) -> SlotParking | None:
+    def parking(self) -> PrefixSteward | None:
         return self.ctx.parking
 
     @property

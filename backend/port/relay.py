@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from backend.port.server import BodyWriter
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
 
-__all__ = ["Exchange", "ExchangeHost", "SSE_HEADERS", "SlotParking"]
+__all__ = ["Exchange", "ExchangeHost", "PrefixSteward", "SSE_HEADERS"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -87,13 +87,15 @@ class ExchangeHost(SettlementHost, Protocol):
         """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
 
     @property
-    def parking(self) -> SlotParking | None:
+    def parking(self) -> PrefixSteward | None:
         """Who restores a session's parked prefix into its seat (None: nobody)."""
 
 
-class SlotParking(Protocol):
-    """Parked prefixes (`backend.app.pool.parking_steward`): between the seat and the request, and
-    once the answer's last bytes are in."""
+class PrefixSteward(Protocol):
+    """What the relay asks of the steward of parked prefixes
+    (`backend.app.pool.parking_steward`; the slot files it keeps are
+    `backend.llama.slot_parking`'s): between the seat and the request, and once the
+    answer's last bytes are in."""
 
     async def before_send(self, ticket: Ticket, model: str | None) -> object | None: ...
 

@@ -21,7 +21,7 @@ from backend.keys.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
-from backend.port.relay import SlotParking
+from backend.port.relay import PrefixSteward
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
 from backend.port.request_log import RequestLog
@@ -52,7 +52,7 @@ class Context:
         self.flows = FlowControl()
         self.requests = RequestLog()
         self.chat_secret = ""
-        self.parking: SlotParking | None = None
+        self.parking: PrefixSteward | None = None
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
