@@ -63,6 +63,8 @@ class ChatView(QWidget):
         self._answer_started: float | None = None
         #: The models served without a chat template: plain completion only.
         self._without_template: frozenset[str] = frozenset()
+        #: The models with an engine ready now; the others load on the first message.
+        self._ready: frozenset[str] = frozenset()
         #: Plain completion as the person chose it for models that take chats.
         self._plain_chosen = False
 
@@ -151,10 +153,13 @@ class ChatView(QWidget):
 
     # --- what the window tells ----------------------------------------------------------
 
-    def set_models(self, names: list[str], without_template: Collection[str] = ()) -> None:
-        """The models the port serves now, and those of them without a chat template
-        (plain completion only); the one chosen stays chosen while served."""
+    def set_models(self, names: list[str], without_template: Collection[str] = (),
+                   ready: Collection[str] | None = None) -> None:
+        """The models the port serves now, those of them without a chat template (plain
+        completion only) and those ready now (None: all); the one chosen stays chosen
+        while served."""
         self._without_template = frozenset(without_template)
+        self._ready = frozenset(names if ready is None else ready)
         current = self.model.currentText()
         if names != [self.model.itemText(i) for i in range(self.model.count())]:
             self.model.blockSignals(True)
@@ -223,18 +228,23 @@ class ChatView(QWidget):
     def _show_status(self) -> None:
         turns = self.state.turns
         last = turns[-1] if turns and turns[-1].role == "assistant" else None
+        current = self.model.currentText()
         if not self.model.count():
-            self.status.setText("No model is served yet: load one (Pool tab) to chat with it.")
+            self.status.setText("No model is loaded yet: pick one in the list on the left and "
+                                "press Load to chat with it.")
         elif self.state.streaming and self._answer_started is not None:
             waited = time.monotonic() - self._answer_started
             doing = "Waiting for the first token" if last is None or not last.text else "Answering"
             self.status.setText(f"{doing}… {waited:.1f} s")
         elif last is not None and last.state is AnswerState.FAILED:
             self.status.setText(last.error)
-        elif self.model.currentText() in self._without_template:
+        elif current in self._without_template:
             self.status.setText(f"{self.model.currentText()} has no chat template, so it takes no "
                                 "chats: plain completion, the model continues your text. Pick a "
-                                "template for it in the Model tab to chat.")
+                                "chat template in its load settings to chat.")
+        elif current not in self._ready:
+            self.status.setText(f"{current} is not loaded right now: a message waits while it "
+                                "loads.")
         elif self.plain.isChecked():
             self.status.setText("Plain completion: the model continues the text, through the "
                                 "port with the owner's key.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, Signal
 from PySide6.QtGui import QFont, QKeySequence, QPainter, QPalette, QShortcut
 from PySide6.QtWidgets import (
@@ -19,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from backend.models.gguf_info import format_file_size
-from backend.models.library import ModelEntry, search
+from backend.models.library import ModelEntry, in_shown_order, search
 from studio.widgets import plain_tooltip, secondary_label
 
 __all__ = ["LibraryView"]
@@ -37,6 +39,8 @@ class LibraryView(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self._entries: list[ModelEntry] = []
+        #: Where the file dialogs open: the folder of the last file opened, else home.
+        self.start_dir = str(Path.home())
 
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search models")
@@ -83,17 +87,19 @@ class LibraryView(QWidget):
         layout.addWidget(self.list, 1)
         layout.addLayout(buttons)
 
+        # Open (Ctrl+O) and Rescan (F5) are the File menu's: a second binding here made
+        # both ambiguous, and Qt then runs neither.
         QShortcut(QKeySequence.StandardKey.Find, self, self._focus_search)
-        QShortcut(QKeySequence.StandardKey.Open, self, self.ask_for_files)
-        QShortcut(QKeySequence.StandardKey.Refresh, self, self.rescan_requested.emit)
         # Down from the search box goes to the list, as in a launcher.
         self.search.returnPressed.connect(self.list.setFocus)
 
     # --- rendering ------------------------------------------------------------------------
 
     def set_entries(self, entries: list[ModelEntry], select: str | None = None) -> None:
+        """Show `entries`; those shown already keep their places (a load must not move the
+        model under the pointer), new ones come after them."""
         current = self.current_entry()
-        self._entries = list(entries)
+        self._entries = in_shown_order(entries, [entry.path for entry in self._entries])
         self._refilter(select=select or (current.path if current else None))
 
     def current_entry(self) -> ModelEntry | None:
@@ -144,15 +150,18 @@ class LibraryView(QWidget):
 
     def ask_for_files(self) -> None:
         """Let the user pick GGUF files; `files_opened` says which."""
-        paths, _ = QFileDialog.getOpenFileNames(self, "Open GGUF models", "",
+        paths, _ = QFileDialog.getOpenFileNames(self, "Open GGUF models", self.start_dir,
                                                 "GGUF models (*.gguf);;All files (*)")
         if paths:
+            self.start_dir = str(Path(paths[-1]).parent)
             self.files_opened.emit(paths)
 
     def ask_for_folder(self) -> None:
         """Let the user pick a folder of models; `folder_added` says which."""
-        folder = QFileDialog.getExistingDirectory(self, "Add a folder of GGUF models")
+        folder = QFileDialog.getExistingDirectory(self, "Add a folder of GGUF models",
+                                                  self.start_dir)
         if folder:
+            self.start_dir = folder
             self.folder_added.emit(folder)
 
 

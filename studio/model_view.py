@@ -33,7 +33,7 @@ from backend.rpc_workers import parse_rpc_workers
 from backend.llama.chat_template import BUILT_IN_TEMPLATES, NO_TEMPLATE, OWN_TEMPLATE, ChatTemplate
 from backend.llama.load import THREADS_HELP, LoadSettings, Snapshot, State
 
-from studio.widgets import heading, secondary_label
+from studio.widgets import heading, plain_tooltip, secondary_label
 
 __all__ = ["ModelView", "describe_state"]
 
@@ -49,6 +49,8 @@ class ModelView(QWidget):
         super().__init__(parent)
         self._info: ModelInfo | None = None
         self._path: str | None = None
+        #: The selected model's path and name as the list has them.
+        self._named: tuple[str | None, str] = (None, "")
         self._snapshot = Snapshot()
 
         # --- card
@@ -269,6 +271,7 @@ class ModelView(QWidget):
 
     def show_reading(self, path: str, name: str) -> None:
         self._path, self._info = path, None
+        self._named = (path, name)
         self.title.setText(name)
         self.subtitle.setText(path)
         self._set_problem("")
@@ -280,7 +283,10 @@ class ModelView(QWidget):
         """The card for `path`: its metadata, or `problem` when it cannot be read."""
         self._path, self._info = path, info
         if info is not None:
-            self.title.setText(info.name)
+            # The name the list shows (the file's); the one inside the file is its hover.
+            listed_path, listed_name = self._named
+            self.title.setText(listed_name if path == listed_path else info.name)
+            self.title.setToolTip(plain_tooltip(f"Named in the file: {info.name}"))
             self.subtitle.setText(info.path)
             self.facts["architecture"].setText(info.architecture)
             self.facts["parameters"].setText(format_parameter_count(info.parameter_count))

@@ -282,7 +282,7 @@ def _table(columns: tuple[str, ...], name: str) -> QTableWidget:
 def _small_button(text: str, accessible: str, clicked: Callable[[], None]) -> QPushButton:
     button = QPushButton(text)
     button.setAccessibleName(accessible)
-    button.setToolTip(accessible)
+    button.setToolTip(plain_tooltip(accessible))
     button.clicked.connect(lambda _=False: clicked())
     return button
 

@@ -401,6 +401,10 @@ class SharingView(QWidget):
         self._model = (model_id, context_length)
         self._render_snippets()
 
+    def show_keys(self) -> None:
+        """Bring the named keys into view."""
+        self.keys.setFocus()
+
     def show_qr(self, url: str) -> QDialog:
         dialog = QDialog(self)
         dialog.setWindowTitle("Base URL as a QR code")

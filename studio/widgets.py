@@ -23,6 +23,9 @@ def guard_widgets(app: QCoreApplication) -> None:
     - a label shows its text as plain text unless it was made rich on purpose
       (`setTextFormat(Qt.RichText)`): model names, GGUF metadata, a hub's or another
       server's strings are never read as markup, links or images.
+
+    Qt's tooltip label is left as Qt has it (it wraps rich text and shows plain text as
+    it is): a tooltip holding such strings is made with `plain_tooltip`.
     """
     if app.property(_GUARDED) is None:
         guard = _WidgetGuard(app)
@@ -76,7 +79,7 @@ class CopyButton(QPushButton):
         self._label = label
         if accessible_name:
             self.setAccessibleName(accessible_name)
-            self.setToolTip(accessible_name)
+            self.setToolTip(plain_tooltip(accessible_name))
         self.clicked.connect(self._copy)
 
     def _copy(self) -> None:
@@ -108,6 +111,7 @@ class _WidgetGuard(QObject):
             if isinstance(watched, _VALUE_BOXES):
                 # Not WheelFocus (the default of spin boxes): the wheel must not focus them.
                 watched.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
-            elif isinstance(watched, QLabel) and watched.textFormat() == Qt.TextFormat.AutoText:
+            elif isinstance(watched, QLabel) and watched.textFormat() == Qt.TextFormat.AutoText \
+                    and watched.windowType() != Qt.WindowType.ToolTip:
                 watched.setTextFormat(Qt.TextFormat.PlainText)
         return False

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 from backend.llama.accelerators import Accelerators
 from backend.app.pool import pool_config
 from backend.app.activity import ActivitySample
+from backend.app.pool_status import Residency
 from backend.api_keys import generate_api_key
 from backend.keys.enrolment_window import accepting_until
 from backend.errors import SettingsError
@@ -50,8 +51,10 @@ from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
 
-(SHARING_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB, ENGINE_TAB, GET_MODELS_TAB, CHAT_TAB,
- SESSIONS_TAB, REQUESTS_TAB) = range(9)
+# The way a newcomer goes: talk to the model loaded, share it, see who uses it; the
+# machinery after.
+(CHAT_TAB, SHARING_TAB, REQUESTS_TAB, SESSIONS_TAB, POOL_TAB, ACTIVITY_TAB, LOGS_TAB,
+ ENGINE_TAB, GET_MODELS_TAB) = range(9)
 
 log = logging.getLogger("gguf_studio.studio")
 
@@ -73,6 +76,8 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("GGUF Studio")
 
         self.library_view = LibraryView()
+        if library.opened:
+            self.library_view.start_dir = str(Path(library.opened[-1]).parent)
         self.model_view = ModelView()
         self.sharing = SharingView()
         self.pool = PoolView()
@@ -86,16 +91,14 @@ class MainWindow(QMainWindow):
         self.sessions = SessionsView()
 
         self.tabs = QTabWidget()
-        # Sharing and Engine scroll rather than force a wide window on small screens.
-        self.tabs.addTab(_scrolling(self.sharing), "&Sharing")
-        self.tabs.addTab(self.pool, "Pool")  # Ctrl+2; every letter of it is taken
-        self.tabs.addTab(self.activity, "&Activity")
-        self.tabs.addTab(self.logs, "Lo&gs")
-        self.tabs.addTab(_scrolling(self.engine), "&Engine")
-        self.tabs.addTab(self.discover, "Get &models")
-        self.tabs.addTab(self.chat, "C&hat")
-        self.tabs.addTab(self.sessions, "Sessions")  # Ctrl+8
-        self.tabs.addTab(self.requests, "&Requests")
+        # Sessions and Pool go by Ctrl+4 and Ctrl+5: every letter of theirs is taken.
+        for page, title in ((self.chat, "C&hat"), (_scrolling(self.sharing), "&Sharing"),
+                            (self.requests, "&Requests"), (self.sessions, "Sessions"),
+                            (self.pool, "Pool"), (self.activity, "&Activity"),
+                            (self.logs, "Lo&gs"), (_scrolling(self.engine), "&Engine"),
+                            (self.discover, "Get &models")):
+            page.setObjectName(title.replace("&", "").lower())  # remembered by name
+            self.tabs.addTab(page, title)
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 0, 0, 0)
@@ -172,9 +175,10 @@ class MainWindow(QMainWindow):
         b.error_occurred.connect(self.show_message)
         b.pool_changed.connect(self.pool.set_state)
         b.pool_changed.connect(lambda state: self.chat.set_models(
-            [m.name for m in state.models], without_template=[
+            [m.name for m in state.models if not m.embeddings], without_template=[
                 m.name for m in state.models
-                if m.chat_template is not None and not m.chat_template.takes_chats]))
+                if m.chat_template is not None and not m.chat_template.takes_chats],
+            ready=[m.name for m in state.models if m.residency is Residency.READY]))
         self.requests.refresh_wanted.connect(
             lambda after: b.recent_requests(after, on_done=self.requests.add_records))
 
@@ -251,7 +255,11 @@ class MainWindow(QMainWindow):
 
         def done(entries: list[ModelEntry]) -> None:
             if scan == self._scans:
-                self.library_view.set_entries(entries, select=select)
+                view = self.library_view
+                view.set_entries(entries, select=select)
+                if view.current_entry() is None and view.entries():
+                    # At first sight a model found is a model chosen: Load is one click.
+                    view.select_path(view.entries()[0].path)
 
         self.bridge.run_in_thread(self.library.scan, on_done=done, on_error=self.show_message)
 
@@ -351,6 +359,12 @@ class MainWindow(QMainWindow):
         self.status_state.setText(describe_state(snapshot))
 
     # --- sharing ------------------------------------------------------------------------------
+
+    def show_sharing(self, keys: bool = False) -> None:
+        """The Sharing tab (at its named keys when `keys`)."""
+        self.tabs.setCurrentIndex(SHARING_TAB)
+        if keys:
+            self.sharing.show_keys()
 
     def set_lan(self, lan: bool) -> None:
         changes: dict[str, str] = {"host": ALL_INTERFACES if lan else LOOPBACK}
@@ -499,8 +513,10 @@ class MainWindow(QMainWindow):
         if isinstance(splitter, QByteArray):
             self.splitter.restoreState(splitter)
         tab = self._state.value("tab")
-        if tab is not None:
-            self.tabs.setCurrentIndex(int(tab))
+        for index in range(self.tabs.count()):
+            page = self.tabs.widget(index)
+            if page is not None and page.objectName() == tab:
+                self.tabs.setCurrentIndex(index)
         self.logs.follow.setChecked(self._state.value("follow_logs", "true") in (True, "true"))
 
     def save_state(self) -> None:
@@ -508,7 +524,8 @@ class MainWindow(QMainWindow):
             return
         self._state.setValue("geometry", self.saveGeometry())
         self._state.setValue("splitter", self.splitter.saveState())
-        self._state.setValue("tab", self.tabs.currentIndex())
+        current = self.tabs.currentWidget()
+        self._state.setValue("tab", current.objectName() if current is not None else "")
         self._state.setValue("follow_logs", "true" if self.logs.follow.isChecked() else "false")
         self._state.sync()
 

@@ -35,6 +35,7 @@ __all__ = [
     "ModelLibrary",
     "default_locations",
     "find_gguf_files",
+    "in_shown_order",
     "library_path",
     "search",
 ]
@@ -225,6 +226,15 @@ def search(entries: Iterable[ModelEntry], query: str) -> list[ModelEntry]:
         if all(word in haystack for word in words):
             found.append(entry)
     return found
+
+
+def in_shown_order(entries: Iterable[ModelEntry], shown: Iterable[str]) -> list[ModelEntry]:
+    """`entries` with those already `shown` (their paths, in order) keeping their places
+    and the new ones after them in `entries`' order: a list people are looking at does
+    not reorder under them because a model was loaded (its last use changed)."""
+    by_path = {entry.path: entry for entry in entries}
+    kept = [by_path.pop(path) for path in shown if path in by_path]
+    return kept + list(by_path.values())
 
 
 def library_path() -> Path:

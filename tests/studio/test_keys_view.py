@@ -73,6 +73,7 @@ def every_text_on_screen() -> str:
 def test_a_key_made_in_the_window_is_shown_once_with_its_set_up_and_works_at_once(
         open_window, qtbot, with_engine: Path, tiny_model: Path, studio_home: Path) -> None:
     window = open_window()
+    window.show_sharing(keys=True)
     load_tiny(window, qtbot, tiny_model)
     keys = window.sharing.keys
     qtbot.waitUntil(lambda: keys.table_shown is not None, timeout=WAIT)
@@ -128,6 +129,7 @@ def test_a_key_made_in_the_window_is_shown_once_with_its_set_up_and_works_at_onc
 
 def test_a_refused_key_is_said_in_the_dialog_which_stays_open(open_window, qtbot) -> None:
     window = open_window()
+    window.show_sharing(keys=True)
     keys = window.sharing.keys
     make_key(window, qtbot, "alice")
     qtbot.mouseClick(keys.create_button, Qt.MouseButton.LeftButton)
@@ -152,6 +154,7 @@ def test_a_refused_key_is_said_in_the_dialog_which_stays_open(open_window, qtbot
 
 def test_an_edit_changes_the_limits_shown_and_those_the_port_applies(open_window, qtbot) -> None:
     window = open_window()
+    window.show_sharing(keys=True)
     keys = window.sharing.keys
     make_key(window, qtbot, "bob", tokens_per_minute=1000, max_concurrent=2)
     assert row_of(keys, "bob")["Tokens/min"] == "1,000"
@@ -177,6 +180,7 @@ def test_an_edit_changes_the_limits_shown_and_those_the_port_applies(open_window
 def test_a_revoked_key_gets_401_from_the_running_port(open_window, qtbot, with_engine: Path,
                                                        tiny_model: Path) -> None:
     window = open_window()
+    window.show_sharing(keys=True)
     load_tiny(window, qtbot, tiny_model)
     keys = window.sharing.keys
     secret = make_key(window, qtbot, "mallory")
@@ -205,6 +209,7 @@ def test_a_revoked_key_gets_401_from_the_running_port(open_window, qtbot, with_e
 def test_usage_shows_in_the_table_and_the_chart_after_a_request(
         open_window, qtbot, with_engine: Path, tiny_model: Path) -> None:
     window = open_window()
+    window.show_sharing(keys=True)
     load_tiny(window, qtbot, tiny_model)
     keys = window.sharing.keys
     alice = make_key(window, qtbot, "alice")

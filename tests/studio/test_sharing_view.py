@@ -24,6 +24,7 @@ def preflight(port: int) -> httpx.Response:
 
 def test_an_origin_allowed_in_the_window_gets_cors_answers_from_the_running_port(open_window, qtbot):
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     port = window.bridge.gateway_port
@@ -45,6 +46,7 @@ def test_an_origin_allowed_in_the_window_gets_cors_answers_from_the_running_port
 
 def test_limits_edited_in_the_window_bind_the_running_port_and_are_saved(open_window, qtbot):
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     defaults = Settings()
     assert sharing.max_connections.value() == defaults.max_connections
@@ -117,6 +119,7 @@ def test_scrolling_past_max_wait_leaves_it_and_the_running_port_alone(open_windo
     """The wheel over a spin box the user did not click scrolls the page; it changed the
     running port's "Max wait" (600 s into 576 s) before."""
     window = open_window()
+    window.show_sharing(keys=True)
     window.show()
     qtbot.waitExposed(window)
     sharing = window.sharing
@@ -143,6 +146,7 @@ def test_scrolling_past_max_wait_leaves_it_and_the_running_port_alone(open_windo
 def test_every_spin_and_combo_box_of_the_window_waits_for_focus_before_the_wheel(open_window):
     from PySide6.QtWidgets import QAbstractSpinBox, QComboBox
     window = open_window()
+    window.show_sharing(keys=True)
     window.show()
     boxes = window.findChildren(QAbstractSpinBox) + window.findChildren(QComboBox)
     assert len(boxes) > 10
@@ -172,6 +176,7 @@ def test_a_teammates_request_shows_its_code_and_approving_it_hands_the_key_over(
 
     Settings.load().replace(api_key=ENROL_KEY, accept_enrolments_until=time.time() + 600).save()
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     root = f"http://127.0.0.1:{window.bridge.gateway_port}"
@@ -206,6 +211,7 @@ def test_refuse_refuses_that_request_and_frees_its_row(open_window, qtbot):
 
     Settings.load().replace(api_key=ENROL_KEY, accept_enrolments_until=time.time() + 600).save()
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     root = f"http://127.0.0.1:{window.bridge.gateway_port}"
@@ -239,6 +245,7 @@ def test_approve_acts_on_the_request_the_dialog_showed_not_on_a_later_one_of_its
     Settings.load().replace(api_key=ENROL_KEY, enrolment_ttl=6.0,
                             accept_enrolments_until=time.time() + 600).save()
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     with lan_host("127.0.0.2") as teammate, lan_host("127.0.0.3") as stranger, \
@@ -275,6 +282,7 @@ def test_the_accept_requests_switch_opens_enrolment_for_its_minutes_and_says_unt
     the tab says until when, and switching it off closes it again."""
     Settings.load().replace(api_key=ENROL_KEY).save()
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     root = f"http://127.0.0.1:{window.bridge.gateway_port}"
@@ -308,6 +316,7 @@ def test_the_accept_requests_switch_opens_enrolment_for_its_minutes_and_says_unt
 
 def test_announcing_on_the_network_is_a_setting_of_the_sharing_tab(open_window, qtbot):
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     assert not sharing.advertise.isChecked()
 
@@ -326,6 +335,7 @@ def test_a_base_url_shows_as_a_qr_code(open_window, qtbot):
     from PySide6.QtWidgets import QPushButton
 
     window = open_window()
+    window.show_sharing(keys=True)
     sharing = window.sharing
     qtbot.waitUntil(lambda: bool(sharing.urls), timeout=WAIT)
     holder = sharing.url_rows[0].parentWidget()
@@ -361,6 +371,7 @@ def test_the_tab_warns_when_another_device_answers_to_the_announced_name(open_wi
         Settings(host="0.0.0.0", api_key="owner-key-of-the-sharing-tests-0123456",
                  advertise=True, advertise_name="office").save()
         window = open_window()
+        window.show_sharing(keys=True)
         label = window.sharing.announcement
 
         qtbot.waitUntil(lambda: "office-2" in label.text(), timeout=WAIT)

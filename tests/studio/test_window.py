@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QTextDocument
 
 from backend.app.activity import ActivitySample
 from backend.llama.engine import BuildProgress
@@ -29,7 +30,8 @@ def test_card_shows_the_model_metadata(open_window, qtbot, tiny_model: Path) -> 
     window.open_files([str(tiny_model)])
     qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
     view = window.model_view
-    assert view.title.text() == "tiny-test-llama"
+    assert view.title.text() == "tiny"  # as the list names it; general.name on hover
+    assert "tiny-test-llama" in view.title.toolTip()
     assert view.facts["architecture"].text() == "llama"
     assert view.facts["quantization"].text() == "F32"
     assert view.facts["context"].text() == "8,192 tokens"
@@ -408,8 +410,11 @@ def test_a_models_own_name_is_shown_as_text_never_as_markup(open_window, qtbot, 
     window = open_window()
     window.open_files([str(hostile)])
     qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    # The heading names the file; the name inside it is its hover, escaped.
+    shown = QTextDocument()
+    shown.setHtml(window.model_view.title.toolTip())
+    assert shown.toPlainText() == f"Named in the file: {name}"
     showing = [label for label in window.findChildren(QLabel) if name in label.text()]
-    assert showing and window.model_view.title in showing
     assert [label.textFormat() for label in showing] == [Qt.TextFormat.PlainText] * len(showing)
     rich = [label.text()[:40] for label in window.findChildren(QLabel)
             if label.textFormat() != Qt.TextFormat.PlainText]
