@@ -27,6 +27,7 @@ from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.app.session_rows import SessionRow
 from backend.app.activity import ActivitySample, ActivitySampler
+from backend.app.model_swap import LoadQuestion, UnloadQuestion
 from backend.app.pool.pool_config import ModelEntry
 from backend.app.pool.pool_state import PoolState
 from backend.app.saver import Saver, Write
@@ -154,24 +155,44 @@ class ServiceBridge(QObject):
 
     # --- intent -------------------------------------------------------------------------
 
-    def load(self, spec: LoadSpec, on_error: Callable[[str], None] | None = None
-             ) -> concurrent.futures.Future[Snapshot]:
-        return self._call(self.service.load(spec), on_error=on_error, quiet=(LoadSuperseded,))
+    def load(self, spec: LoadSpec, on_error: Callable[[str], None] | None = None,
+             on_done: Callback | None = None) -> concurrent.futures.Future[Snapshot]:
+        """Load `spec` as the default model, replacing the default one (ask first:
+        `load_question`)."""
+        return self._call(self.service.load(spec), on_done=on_done, on_error=on_error,
+                          quiet=(LoadSuperseded,))
+
+    def load_question(self, name: str, takes_chats: bool, on_done: Callback
+                      ) -> concurrent.futures.Future[LoadQuestion | None]:
+        """What loading `name` changes for the port's users: `on_done(LoadQuestion)`, or
+        `on_done(None)` when nothing else is served."""
+        return self._call(_now_on_loop(self.service.load_question, name, takes_chats=takes_chats),
+                          on_done=on_done)
+
+    def unload_question(self, on_done: Callback
+                        ) -> concurrent.futures.Future[UnloadQuestion | None]:
+        """What unloading the default model changes, when others serve (else None)."""
+        return self._call(_now_on_loop(self.service.unload_question), on_done=on_done)
 
     def retry_on_cpu(self, on_error: Callable[[str], None] | None = None
                      ) -> concurrent.futures.Future[Snapshot]:
         """After a GPU load failed: the same load with no GPU layers."""
         return self._call(self.service.retry_on_cpu(), on_error=on_error, quiet=(LoadSuperseded,))
 
-    def unload(self) -> concurrent.futures.Future[None]:
-        return self._call(self.service.unload())
+    def unload(self, new_default: str | None = None) -> concurrent.futures.Future[None]:
+        """Unload the default model; `default` names `new_default` from now on (None:
+        no model until a load)."""
+        return self._call(self.service.unload(new_default=new_default))
 
     # --- the pool -----------------------------------------------------------------------
 
-    def add_model(self, entry: ModelEntry, on_error: Callable[[str], None] | None = None
+    def add_model(self, entry: ModelEntry, on_error: Callable[[str], None] | None = None, *,
+                  default: bool = False, on_done: Callback | None = None
                   ) -> concurrent.futures.Future[Snapshot]:
-        """Serve `entry` beside the loaded models (the default one stays) and load it."""
-        return self._call(self.service.add_model(entry), on_error=on_error)
+        """Serve `entry` beside the loaded models and load it; the default one stays the
+        default unless `default`."""
+        return self._call(self.service.add_model(entry, default=default), on_done=on_done,
+                          on_error=on_error)
 
     def load_model(self, name: str, on_error: Callable[[str], None] | None = None
                    ) -> concurrent.futures.Future[Snapshot]:

@@ -63,6 +63,8 @@ class ChatView(QWidget):
         self._answer_started: float | None = None
         #: The models served without a chat template: plain completion only.
         self._without_template: frozenset[str] = frozenset()
+        #: The model to choose once the port lists it ("": none).
+        self._wanted = ""
         #: The models with an engine ready now; the others load on the first message.
         self._ready: frozenset[str] = frozenset()
         #: Plain completion as the person chose it for models that take chats.
@@ -161,14 +163,22 @@ class ChatView(QWidget):
         self._without_template = frozenset(without_template)
         self._ready = frozenset(names if ready is None else ready)
         current = self.model.currentText()
+        if self._wanted in names:  # the model just loaded, once listed
+            current, self._wanted = self._wanted, ""
         if names != [self.model.itemText(i) for i in range(self.model.count())]:
             self.model.blockSignals(True)
             self.model.clear()
             self.model.addItems(names)
-            if current in names:
-                self.model.setCurrentText(current)
             self.model.blockSignals(False)
+        if current in names and current != self.model.currentText():
+            self.model.setCurrentText(current)
         self._show_mode()
+
+    def choose(self, name: str) -> None:
+        """Chat with `name` (once the port lists it)."""
+        self._wanted = name
+        if self.model.findText(name) >= 0:
+            self.model.setCurrentText(name)
 
     def show_state(self, state: ChatState) -> None:
         was_streaming = self.state.streaming

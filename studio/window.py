@@ -25,7 +25,8 @@ from PySide6.QtWidgets import (
 from backend.llama.accelerators import Accelerators
 from backend.app.pool import pool_config
 from backend.app.activity import ActivitySample
-from backend.app.pool_status import Residency
+from backend.app.model_swap import LoadChoice, LoadQuestion, UnloadQuestion
+from backend.app.pool.pool_status import Residency
 from backend.api_keys import generate_api_key
 from backend.keys.enrolment_window import accepting_until
 from backend.errors import SettingsError
@@ -47,6 +48,7 @@ from studio.pool_view import PoolView
 from studio.requests_view import RequestsView
 from studio.sessions_view import SessionsView
 from studio.sharing_view import ALL_INTERFACES, LOOPBACK, SharingView
+from studio.swap_dialog import LoadDialog, UnloadDialog
 from studio.widgets import guard_widgets
 
 __all__ = ["MainWindow"]
@@ -153,7 +155,7 @@ class MainWindow(QMainWindow):
             file_menu.addAction(action)
         model_menu = self.menuBar().addMenu("&Model")
         for label, keys, handler in (("&Load", "Ctrl+L", self.load_selected),
-                                     ("&Unload", "Ctrl+U", self.bridge.unload)):
+                                     ("&Unload", "Ctrl+U", self.unload_selected)):
             action = QAction(label, self)
             action.setShortcut(QKeySequence(keys))
             action.triggered.connect(lambda _=False, h=handler: h())
@@ -187,7 +189,7 @@ class MainWindow(QMainWindow):
         self.library_view.folder_added.connect(self.add_folder)
         self.library_view.rescan_requested.connect(self.refresh_library)
         self.model_view.load_requested.connect(self.load_selected)
-        self.model_view.unload_requested.connect(self.bridge.unload)
+        self.model_view.unload_requested.connect(self.unload_selected)
         self.model_view.add_requested.connect(self.add_selected)
         self.model_view.settings_edited.connect(self._remember_load_settings)
         self.model_view.cpu_retry_requested.connect(
@@ -305,6 +307,8 @@ class MainWindow(QMainWindow):
     # --- loading ----------------------------------------------------------------------------
 
     def load_selected(self) -> None:
+        """Load the selected model with the settings shown.  While other models serve, ask
+        first: replace the default model (teammates' `default` moves) or add beside it."""
         path, info = self.model_view.path, self.model_view.info
         if path is None or info is None:
             return
@@ -315,12 +319,56 @@ class MainWindow(QMainWindow):
             self.model_view.show_settings_error(str(exc))
             return
         self.model_view.show_settings_error("")
-        self.library.remember_settings(path, wanted)
-        self.library.mark_used(path)
-        self._save_library()
-        self.apply_settings(spec.settings.remembered_in(self.settings).replace(model=path))
-        self.bridge.load(spec, on_error=self._on_load_error)
-        self.refresh_library(select=path)
+
+        def asked(question: LoadQuestion | None) -> None:
+            if self.model_view.path != path:
+                return  # another model was picked meanwhile
+            choice = LoadChoice.REPLACE if question is None else self.ask_load(question)
+            if choice is None:
+                return
+            self.library.remember_settings(path, wanted)
+            self.library.mark_used(path)
+            self._save_library()
+            if choice is LoadChoice.REPLACE:
+                self.apply_settings(spec.settings.remembered_in(self.settings).replace(model=path))
+                self.bridge.load(spec, on_error=self._on_load_error,
+                                 on_done=lambda _snapshot: self._chat_with(spec.name))
+            else:
+                entry = pool_config.ModelEntry.for_file(path, settings=wanted)
+                self.bridge.add_model(entry, on_error=lambda message: self.show_message(
+                    f"{entry.name} did not load: {message}"),
+                    default=choice is LoadChoice.BESIDE_AS_DEFAULT,
+                    on_done=lambda _snapshot: self._chat_with(entry.name))
+            self.refresh_library(select=path)
+
+        self.bridge.load_question(spec.name, spec.chat_template.takes_chats, on_done=asked)
+
+    def ask_load(self, question: LoadQuestion) -> LoadChoice | None:
+        """The owner's answer to `question` (None: cancelled)."""
+        dialog = LoadDialog(question, self)
+        return dialog.choice() if dialog.exec() == LoadDialog.DialogCode.Accepted else None
+
+    def unload_selected(self) -> None:
+        """Unload the default model; while others serve, ask which one `default` names."""
+        def asked(question: UnloadQuestion | None) -> None:
+            if question is None:
+                self.bridge.unload()
+                return
+            answer = self.ask_unload(question)
+            if answer is not None:
+                self.bridge.unload(new_default=answer[0])
+
+        self.bridge.unload_question(on_done=asked)
+
+    def ask_unload(self, question: UnloadQuestion) -> tuple[str | None] | None:
+        """(the model `default` names from now on, or None) or None when cancelled."""
+        dialog = UnloadDialog(question, self)
+        return (dialog.new_default(),) if dialog.exec() == UnloadDialog.DialogCode.Accepted else None
+
+    def _chat_with(self, name: str) -> None:
+        """After a load: the Chat tab, with the model loaded chosen."""
+        self.tabs.setCurrentIndex(CHAT_TAB)
+        self.chat.choose(name)
 
     def add_selected(self) -> None:
         """Serve the selected model beside the others, with the settings shown."""

@@ -27,6 +27,8 @@ from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.pool.local_models import estimate_model_bytes, memory_budget
 from backend.app.pool.parking_steward import ParkingSteward
 from backend.app.pool.pool import Pool
+from backend.app.model_swap import (LoadQuestion, ServedModel, UnloadQuestion, load_question,
+                                    served_models, unload_question)
 from backend.keys.usage import MinuteUsage, UsageLedger
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool.pool_status import scrubbed
@@ -368,11 +370,28 @@ class StudioService:
         waiters wait for the model's other engines."""
         await self.pool.remove_upstream(url)
 
-    async def add_model(self, entry: ModelEntry) -> Snapshot:
+    def load_question(self, name: str, *, takes_chats: bool = True) -> LoadQuestion | None:
+        """What loading model `name` (as `load` would) changes for the port's users, to
+        ask before: None when no other model is served (`backend.app.model_swap`)."""
+        return load_question(name, self._served_models(), takes_chats=takes_chats)
+
+    def unload_question(self) -> UnloadQuestion | None:
+        """What unloading the default model changes, when others serve (else None)."""
+        default = self.pool.default_model
+        return unload_question(default, self._served_models()) if default else None
+
+    def _served_models(self) -> list[ServedModel]:
+        statuses = self.pool.statuses()
+        busy = {status.name: sum(e.active for e in status.engines) + (
+            line.waiting if (line := self.registry.find_line(status.name)) is not None else 0)
+            for status in statuses}
+        return served_models(statuses, self.requests.records(), now=time.time(), busy=busy)
+
+    async def add_model(self, entry: ModelEntry, *, default: bool = False) -> Snapshot:
         """Serve `entry` beside the models already here and load it (making room as the
-        pool's residency decides); the default model stays the default."""
+        pool's residency decides); the default model stays the default unless `default`."""
         try:
-            self.pool.add_model(entry)
+            self.pool.add_model(entry, default=default)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
         return await self.pool.load_model(entry.name, why="added")
@@ -406,12 +425,15 @@ class StudioService:
             await self.pool.add_upstream(upstream)
         await self.pool.start()
 
-    async def unload(self) -> None:
+    async def unload(self, *, new_default: str | None = None) -> None:
         """Unload the default model and stop serving it (requests for it are refused
-        until a load, not loaded on demand); its waiters are told it is gone."""
+        until a load, not loaded on demand); its waiters are told it is gone.  Requests
+        for `default` go to `new_default` from now on, else are refused until a load."""
         name = self.pool.default_model
         if name is not None:
             await self.pool.remove_model(name)
+        if new_default is not None:
+            self.pool.set_default(new_default)
 
     async def close(self) -> None:
         await self.stop_gateway()

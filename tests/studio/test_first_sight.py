@@ -13,8 +13,8 @@ from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QTextDocument
 from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QToolTip
 
-from backend.app.pool_state import PoolState
-from backend.app.pool_status import ModelStatus, Residency
+from backend.app.pool.pool_state import PoolState
+from backend.app.pool.pool_status import ModelStatus, Residency
 from studio.widgets import plain_tooltip
 from studio.window import CHAT_TAB, SHARING_TAB
 

@@ -95,7 +95,11 @@ class Pool:
 
     @property
     def default_model(self) -> str | None:
-        if self._default is not None and self._known(self._default):
+        """The model requests naming none (or `default`) go to: the one made the default,
+        also while it is not served (its requests are then refused, never sent to another
+        model: an agent set up with `default` is moved only when the owner says so);
+        without one, the first model."""
+        if self._default is not None:
             return self._default
         names = self.names()
         return names[0] if names else None
@@ -137,6 +141,9 @@ class Pool:
             if default is None:
                 raise ModelNotReady("No model is loaded right now. Try again later.",
                                     retry_after=RETRY_SOON)
+            if not self._known(default):
+                raise ModelNotReady(f"The default model ({printable(default, 80)}) is not "
+                                    "served right now. Try again later.", retry_after=RETRY_SOON)
             return default
         wanted = requested.strip()
         if not self.names():

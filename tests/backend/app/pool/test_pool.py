@@ -634,6 +634,46 @@ async def test_an_agent_configured_with_the_default_alias_keeps_working_when_the
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
+async def test_the_default_model_moves_only_when_the_owner_says_so(service, client, tiny_model,
+                                                                  other_tiny_model):
+    """A model added beside leaves `default` where it was; unloading the default model
+    sends `default` to the model the owner names, and with none refuses its requests
+    (503) rather than handing them to whichever model is left."""
+    def answered_by(answer: httpx.Response) -> str:
+        assert answer.status_code == 200, answer.text
+        return str(answer.json()["model"])
+
+    await service.load(SMALL.to_spec(str(tiny_model), model_id="tiny"))
+    await service.add_model(ModelEntry.for_file(str(other_tiny_model), settings=SMALL))
+    assert answered_by(await client.post("/v1/chat/completions", json=chat("default"))) == "tiny"
+    question = service.unload_question()
+    assert question is not None and question.others == ("other",)
+
+    await service.unload()  # no new default named
+    for named in (None, "default"):
+        refused = await client.post("/v1/chat/completions", json=chat(named))
+        assert refused.status_code == 503, refused.text
+        assert "The default model (tiny) is not served right now" in refused.json()["error"]["message"]
+    assert answered_by(await client.post("/v1/chat/completions", json=chat("other"))) == "other"
+
+    await service.load(SMALL.to_spec(str(tiny_model), model_id="tiny"))
+    await service.unload(new_default="other")
+    assert answered_by(await client.post("/v1/chat/completions", json=chat(None))) == "other"
+
+
+async def test_a_default_model_not_known_yet_is_not_stood_in_for_by_another(service, tiny_model):
+    """`serve --default-model coder` where coder is an engine elsewhere's, before it
+    answers: a request naming no model is not ready, never sent to the local model."""
+    from backend.errors import ModelNotReady
+
+    await service.start_pool(PoolConfig(models=(ModelEntry.for_file(
+        str(tiny_model), settings=dataclasses.replace(SMALL), preload=False),),
+        default_model="coder", upstreams=(UpstreamEntry(f"http://127.0.0.1:{pick_free_port()}"),)))
+    assert service.pool.resolve("/v1/chat/completions", "tiny") == "tiny"
+    with pytest.raises(ModelNotReady, match="default model .coder. is not served right now"):
+        service.pool.resolve("/v1/chat/completions", None)
+
+
 async def test_a_long_request_goes_to_the_engine_of_the_model_whose_context_fits_it(
         service, client, llama_server_binary, tiny_model):
     """Two engines of one model, 1,024 and 4,096 tokens a slot: a prompt of about 2,900
