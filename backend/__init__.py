@@ -20,6 +20,6 @@ base, each importing only the rooms before it (`tests/test_layers.py`):
   event (`listeners`), news that changes often reaching its readers a few times a second
   (`throttle`), the event loop (`event_loop`), this machine's addresses (`addresses`),
   files private to the user (`private_files`), credentials kept out of logged URLs
-  (`url_credentials`), the C heap (`heap`: large blocks given back when freed), and TOML
-  values written by hand (`toml_text`).
+  (`url_credentials`), the C heap (`heap`: large blocks given back when freed), TOML
+  values written by hand (`toml_text`), and memory as people read it (`memory_size`).
 """

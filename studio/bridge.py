@@ -63,7 +63,8 @@ T = TypeVar("T")
 
 
 class ServiceBridge(QObject):
-    snapshot_changed = Signal(object)  # Snapshot
+    snapshot_changed = Signal(object)  # Snapshot of the default model's engine
+    model_snapshot_changed = Signal(str, object)  # model, Snapshot: every engine of the pool
     log_lines_arrived = Signal(list)  # [LogLine], batched
     activity_sampled = Signal(object)  # ActivitySample
     build_progressed = Signal(list)  # [BuildProgress], batched
@@ -106,6 +107,8 @@ class ServiceBridge(QObject):
         self._building: concurrent.futures.Future[Path] | None = None
         self._closed = False
         self.snapshot = Snapshot()
+        #: The newest snapshot of each model's engine (the default's is `snapshot`).
+        self.model_snapshots: dict[str, Snapshot] = {}
         self.urls: list[str] = []
 
     # --- life -----------------------------------------------------------------------------
@@ -505,6 +508,8 @@ class ServiceBridge(QObject):
         pool = self.service.pool
         pool.add_change_listener(self._pool_watch.poke)
         pool.add_listener(lambda _model, _snapshot: self._pool_watch.poke())
+        pool.add_listener(lambda model, snapshot: self._post(self._set_model_snapshot,
+                                                             (model, snapshot)))
         self.service.registry.add_listener(self._pool_watch.poke)
         self._pool_watch.poke()
         self.service.add_enrolment_listener(self._on_enrolments)
@@ -545,6 +550,11 @@ class ServiceBridge(QObject):
     def _set_snapshot(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
         self.snapshot_changed.emit(snapshot)
+
+    def _set_model_snapshot(self, change: tuple[str, Snapshot]) -> None:
+        model, snapshot = change
+        self.model_snapshots[model] = snapshot
+        self.model_snapshot_changed.emit(model, snapshot)
 
     def _publish_pool(self) -> None:
         if not self.backend_thread.loop.is_closed():

@@ -16,7 +16,6 @@ from PySide6.QtWidgets import (
     QDialogButtonBox,
     QDoubleSpinBox,
     QFormLayout,
-    QGroupBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -59,10 +58,12 @@ __all__ = ["KeyDialog", "KeyUsageChart", "KeysView", "SecretDialog"]
 #: How often the table and the chart are asked for while they are on screen.
 REFRESH_INTERVAL_MS = 1000
 _STATE_COLUMN = COLUMNS.index("State")
+#: The columns the Sharing tab shows.
+GLANCE_COLUMNS = ("Name", "Models", "State", "Requests", "Refused", "Last used")
 _REFUSED_COLUMN = COLUMNS.index("Refused")
 
 
-class KeysView(QGroupBox):
+class KeysView(QWidget):
     create_requested = Signal(str, dict)  # name, KeyStore.add's settings
     edit_requested = Signal(str, dict)  # name, KeyStore.edit's changes
     revoke_requested = Signal(str)  # name
@@ -71,7 +72,7 @@ class KeysView(QGroupBox):
 
     def __init__(self, client_target: Callable[[], ClientTarget],
                  parent: QWidget | None = None) -> None:
-        super().__init__("Named API keys", parent)
+        super().__init__(parent)
         self._client_target = client_target
         self.table_shown: KeyTable | None = None
         self.dialog: KeyDialog | None = None
@@ -95,6 +96,11 @@ class KeysView(QGroupBox):
         self.table.horizontalHeader().setSectionResizeMode(
             QHeaderView.ResizeMode.ResizeToContents)
         self.table.setMinimumHeight(140)
+        # At a glance: who, in what state, how much; the limits are the row's hover and
+        # its Edit dialog (all the columns are still the table's, for copying).
+        for column, name in enumerate(COLUMNS):
+            self.table.setColumnHidden(column, name not in GLANCE_COLUMNS)
+        self.table.horizontalHeader().setStretchLastSection(True)
         self.table.itemSelectionChanged.connect(self._on_selection)
         self.table.itemDoubleClicked.connect(lambda _item: self.edit_selected())
 

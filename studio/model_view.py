@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import html
 import shlex
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -26,7 +26,9 @@ from PySide6.QtWidgets import (
 )
 
 from backend.errors import SettingsError
-from backend.models.fit import format_bytes, load_memory
+from backend.app.model_account import ModelAccount
+from backend.memory_size import format_memory
+from backend.models.fit import load_memory
 from backend.models.gguf_info import ModelInfo, format_file_size, format_parameter_count
 from backend.gpu_layers import parse_gpu_layers
 from backend.rpc_workers import parse_rpc_workers
@@ -51,7 +53,7 @@ class ModelView(QWidget):
         self._path: str | None = None
         #: The selected model's path and name as the list has them.
         self._named: tuple[str | None, str] = (None, "")
-        self._snapshot = Snapshot()
+        self._account = ModelAccount("")
 
         # --- card
         self.title = heading("No model selected")
@@ -71,16 +73,23 @@ class ModelView(QWidget):
         self._problem_widgets = (self.problem_icon, self.problem)
 
         self.facts: dict[str, QLabel] = {}
-        facts = QFormLayout()
-        facts.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
-        for key, label in (("architecture", "Architecture"), ("parameters", "Parameters"),
-                           ("quantization", "Quantization"), ("size", "File size"),
-                           ("context", "Trained context"), ("template", "Chat template")):
+        # Two columns of three: the facts take three lines, not six.
+        facts = QGridLayout()
+        facts.setHorizontalSpacing(10)
+        facts.setVerticalSpacing(2)
+        for index, (key, label) in enumerate((
+                ("architecture", "Architecture"), ("size", "File size"),
+                ("parameters", "Parameters"), ("context", "Trained context"),
+                ("quantization", "Quantization"), ("template", "Chat template"))):
             value = QLabel("—")
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             value.setAccessibleName(label)
             self.facts[key] = value
-            facts.addRow(label + ":", value)
+            row, pair = divmod(index, 2)
+            facts.addWidget(secondary_label(label + ":"), row, pair * 2)
+            facts.addWidget(value, row, pair * 2 + 1)
+        facts.setColumnStretch(1, 1)
+        facts.setColumnStretch(3, 1)
 
         # What a model without a chat template means, beside its card.
         self.template_icon = QLabel()
@@ -94,15 +103,23 @@ class ModelView(QWidget):
         template_row_card.addWidget(self.template_icon, 0, Qt.AlignmentFlag.AlignTop)
         template_row_card.addWidget(self.template_warning, 1)
 
+        # What the load settings mean: under the card, where there is room for it.
+        self.plan = secondary_label("")
+        self.plan.setWordWrap(True)
+        self.plan.setAccessibleName("What these settings mean")
+
         card_widget = QWidget()
         card_widget.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         card = QVBoxLayout(card_widget)
         card.setContentsMargins(0, 0, 0, 0)
+        card.setSpacing(4)
         card.addWidget(self.title)
         card.addWidget(self.subtitle)
         card.addLayout(problem_row)
         card.addLayout(facts)
         card.addLayout(template_row_card)
+        card.addSpacing(4)
+        card.addWidget(self.plan)
         card.addStretch(1)
 
         # --- load settings
@@ -144,9 +161,6 @@ class ModelView(QWidget):
         self.gpu_layers.currentTextChanged.connect(self._show_plan)
         self.extra_args.editingFinished.connect(self.settings_edited)
         self.rpc.editingFinished.connect(self.settings_edited)
-        self.plan = secondary_label("")
-        self.plan.setWordWrap(True)
-        self.plan.setAccessibleName("What these settings mean")
         self.memory_plan = secondary_label("")
         self.memory_plan.setAccessibleName("What the layers keep, and the context's memory with "
                                            "these settings")
@@ -158,16 +172,27 @@ class ModelView(QWidget):
         self.settings_error.setWordWrap(True)
         self.settings_error.setAccessibleName("Load settings problem")
         self.settings_error.hide()
+        # Extra arguments and RPC workers are for few: behind "More", open when set.
+        self.more_settings = QToolButton()
+        self.more_settings.setText("More settings")
+        self.more_settings.setCheckable(True)
+        self.more_settings.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.more_settings.setArrowType(Qt.ArrowType.RightArrow)
+        self.more_settings.setAutoRaise(True)
+        self.more_settings.setAccessibleName("More load settings: extra arguments, RPC workers")
+        self.more_settings.toggled.connect(self._show_more_settings)
 
         settings_box = QGroupBox("Load settings")
         form = QFormLayout(settings_box)
+        form.setVerticalSpacing(4)
+        self._settings_form = form
         context_row = QHBoxLayout()
         context_row.addWidget(self.ctx_size, 1)
         context_row.addWidget(self.memory_plan)
         context_label = QLabel("&Context size:")
         context_label.setBuddy(self.ctx_size)
         form.addRow(context_label, context_row)
-        # Slots and threads share a row, so that the RPC workers' row adds no height.
+        # Slots and threads share a row; so do the GPU layers and the chat template.
         threads_label = QLabel("&Threads:")
         threads_label.setBuddy(self.threads)
         slots_and_threads = QHBoxLayout()
@@ -178,53 +203,65 @@ class ModelView(QWidget):
         slots_label.setBuddy(self.parallel)
         form.addRow(slots_label, slots_and_threads)
         form.addRow("GPU la&yers:", self.gpu_layers)
-        form.addRow("E&xtra arguments:", self.extra_args)
-        form.addRow("&RPC workers:", self.rpc)
         template_row = QHBoxLayout()
         template_row.addWidget(self.chat_template, 1)
         template_row.addWidget(self.template_file_button)
         template_label = QLabel("Chat template:")  # every letter of it is taken
         template_label.setBuddy(self.chat_template)
         form.addRow(template_label, template_row)
-        form.addRow(self.plan)
+        form.addRow(self.more_settings)
+        form.addRow("E&xtra arguments:", self.extra_args)
+        form.addRow("&RPC workers:", self.rpc)
         form.addRow(self.settings_error)
+        self._show_more_settings(False)
 
         # --- load controls
         self.load_button = QPushButton("&Load")
         self.load_button.setDefault(True)
         self.load_button.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_MediaPlay))
+        self.load_button.setToolTip("Serve this model. While another model serves, asks first "
+                                    "whether to add it beside or replace the default model.")
         self.load_button.clicked.connect(self.load_requested)
         self.unload_button = QPushButton("&Unload")
         self.unload_button.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_MediaStop))
+        self.unload_button.setToolTip("Stop serving this model and free its memory.")
         self.unload_button.clicked.connect(self.unload_requested)
         self.add_button = QPushButton("Add &beside")
-        self.add_button.setToolTip("Load this model beside the models already served, with "
-                                   "these settings; Load replaces the default model instead.")
+        self.add_button.setToolTip("Serve this model beside the models already served, with "
+                                   "these settings; the default model stays the default.")
         self.add_button.setAccessibleDescription(self.add_button.toolTip())
         self.add_button.clicked.connect(self.add_requested)
         self.progress = QProgressBar()
         self.progress.setRange(0, 0)
         self.progress.setTextVisible(False)
-        self.progress.setMaximumWidth(160)
+        self.progress.setMaximumWidth(120)
         self.progress.setAccessibleName("Loading")
         self.progress.hide()
+        self.slots_icon = QLabel()
+        self.slots_icon.setPixmap(self.style().standardIcon(
+            QStyle.StandardPixmap.SP_MessageBoxInformation).pixmap(16, 16))
+        self.slots_icon.setToolTip("llama-server gave another number of slots than asked for; "
+                                   "Details says why.")
+        self.slots_icon.hide()
         self.state = QLabel()
         self.state.setWordWrap(True)
         self.state.setAccessibleName("Engine state")
         self.state.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.state.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
-        self.slots_icon = QLabel()
-        self.slots_icon.setPixmap(self.style().standardIcon(
-            QStyle.StandardPixmap.SP_MessageBoxInformation).pixmap(16, 16))
-        self.slots_icon.hide()
-        self.slots = QLabel()
-        self.slots.setTextFormat(Qt.TextFormat.RichText)  # only numbers and our own words in it
-        self.slots.setAccessibleName("Effective parallel slots")
-        self.slots.setWordWrap(True)
-        self.placement = QLabel()
-        self.placement.setAccessibleName("Where the model runs")
-        self.placement.setWordWrap(True)
-        self.placement.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details_button = QToolButton()
+        self.details_button.setText("Details")
+        self.details_button.setCheckable(True)
+        self.details_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.details_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.details_button.setAutoRaise(True)
+        self.details_button.setAccessibleName("The engine's details")
+        self.details_button.toggled.connect(self._show_details)
+        self.details = QLabel()
+        self.details.setWordWrap(True)
+        self.details.setAccessibleName("The engine's details")
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.details.hide()
         self.cpu_retry_button = QPushButton("Retry on &CPU")
         self.cpu_retry_button.setToolTip("Load the same model again with no GPU layers.")
         self.cpu_retry_button.clicked.connect(self.cpu_retry_requested)
@@ -232,14 +269,13 @@ class ModelView(QWidget):
 
         controls = QHBoxLayout()
         controls.addWidget(self.load_button)
-        controls.addWidget(self.unload_button)
         controls.addWidget(self.add_button)
+        controls.addWidget(self.unload_button)
         controls.addWidget(self.progress)
+        controls.addWidget(self.slots_icon)
         controls.addWidget(self.state, 1)
         controls.addWidget(self.cpu_retry_button)
-        slots_row = QHBoxLayout()
-        slots_row.addWidget(self.slots_icon)
-        slots_row.addWidget(self.slots, 1)
+        controls.addWidget(self.details_button)
 
         settings_box.setMinimumWidth(340)
         settings_box.setMaximumWidth(460)
@@ -251,13 +287,13 @@ class ModelView(QWidget):
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(4)
         layout.addLayout(top)
         layout.addLayout(controls)
-        layout.addLayout(slots_row)
-        layout.addWidget(self.placement)
+        layout.addWidget(self.details)
 
         self.show_info(None, None)
-        self.set_state(Snapshot())
+        self.show_account(ModelAccount("No model selected."))
 
     # --- card -------------------------------------------------------------------------
 
@@ -337,6 +373,8 @@ class ModelView(QWidget):
         self.threads.setValue(settings.threads)
         self.extra_args.setText(shlex.join(settings.extra_args))
         self.rpc.setText(", ".join(settings.rpc))
+        if settings.extra_args or settings.rpc:
+            self.more_settings.setChecked(True)
         _show_chat_template(self.chat_template, settings.chat_template)
         for field in fields:
             field.blockSignals(False)
@@ -354,42 +392,27 @@ class ModelView(QWidget):
         """A load that failed before the engine ever started (no engine, for instance)."""
         self.state.setText(f"Failed — {message}")
 
-    def set_state(self, snapshot: Snapshot) -> None:
-        """Render `snapshot`; its requested settings say what the effective values differ from."""
-        self._snapshot = snapshot
-        requested_parallel = snapshot.requested.parallel if snapshot.requested else None
-        busy = snapshot.state in (State.STARTING, State.STOPPING)
-        self.progress.setVisible(busy)
-        self.state.setText(describe_state(snapshot))
-        serving = snapshot.serving
-        if serving is not None:
-            slots = serving.slots
-            text = f"Effective parallel slots: <b>{slots}</b>"
-            differs = requested_parallel is not None and requested_parallel != "auto" \
-                and int(requested_parallel) != slots
-            if differs:
-                text += (f" — you asked for {requested_parallel}; "
-                         "llama-server decided otherwise")
-            elif requested_parallel == "auto":
-                text += " (chosen by llama-server)"
-            if serving.context_length:
-                text += f" · context {serving.context_length:,} tokens per slot"
-            if serving.kv is not None:
-                text += "<br>" + html.escape(serving.describe_kv())
-            if serving.prefix_note:
-                text += "<br>" + html.escape(serving.prefix_note)
-            if serving.speed is not None:
-                text += "<br>" + html.escape(serving.speed.describe())
-            self.slots.setText(text)
-            self.slots_icon.setVisible(differs)
-            self.slots.setProperty("differs", differs)
-        else:
-            self.slots.setText("Effective parallel slots: —")
-            self.slots_icon.hide()
-            self.slots.setProperty("differs", False)
-        self.placement.setText(describe_placement(snapshot))
-        self.cpu_retry_button.setVisible(snapshot.state is State.FAILED and snapshot.cpu_retry_offered)
+    def show_account(self, account: ModelAccount, *, cpu_retry: bool = False) -> None:
+        """The selected model's own engine, as `backend.app.model_account` words it;
+        `cpu_retry`: its GPU load failed and the same load on the CPU may work."""
+        self._account = account
+        self.progress.setVisible(account.busy)
+        self.state.setText(account.headline)
+        self.slots_icon.setVisible(account.slots_differ)
+        self.details.setText("\n".join(account.details))
+        self.details_button.setEnabled(bool(account.details))
+        self._show_details(self.details_button.isChecked())
+        self.cpu_retry_button.setVisible(cpu_retry)
         self._update_buttons()
+
+    def _show_details(self, shown: bool) -> None:
+        self.details_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        self.details.setVisible(shown and bool(self._account.details))
+
+    def _show_more_settings(self, shown: bool) -> None:
+        self.more_settings.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        for field in (self.extra_args, self.rpc):
+            self._settings_form.setRowVisible(field, shown)
 
     def _show_template(self) -> None:
         """The card's chat template as the model and the template picked make it, and
@@ -432,17 +455,16 @@ class ModelView(QWidget):
             self.memory_plan.hide()
             return
         kind = "KV cache and state" if info.memory.recurrent_layers else "KV cache"
-        self.memory_plan.setText(f"{kind} {format_bytes(memory.total_bytes)}")
+        self.memory_plan.setText(f"{kind} {format_memory(memory.total_bytes)}")
         tip = info.memory.describe()
         self.memory_plan.setToolTip(f"{tip[:1].upper()}{tip[1:]}. {memory.describe()}.")
         self.memory_plan.setAccessibleDescription(self.memory_plan.toolTip())
         self.memory_plan.show()
 
     def _update_buttons(self) -> None:
-        snapshot = self._snapshot
         self.load_button.setEnabled(self._info is not None)
         self.add_button.setEnabled(self._info is not None)
-        self.unload_button.setEnabled(snapshot.state in (State.STARTING, State.READY))
+        self.unload_button.setEnabled(self._account.loaded)
 
 
 def describe_state(snapshot: Snapshot) -> str:
@@ -458,19 +480,6 @@ def describe_state(snapshot: Snapshot) -> str:
     if snapshot.state is State.FAILED:
         return f"Failed — {snapshot.error or 'the model did not load.'}"
     return "Stopped — no model loaded"
-
-
-def describe_placement(snapshot: Snapshot) -> str:
-    """Where the loaded model runs, as the engine itself reported it."""
-    report = snapshot.engine
-    if snapshot.state is not State.READY or report is None:
-        return "Runs on: —"
-    text = f"Runs on: {report.summary()}"
-    if report.context_size:
-        text += f" · context {report.context_size:,} tokens in total, as the engine chose it"
-        if report.context_reduced_from:
-            text += f" (shrunk from {report.context_reduced_from:,} to fit the memory)"
-    return text
 
 
 _GPU_LAYER_LABELS = {"auto": "Automatic (what fits)", "all": "All", "none": "None (CPU only)"}

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QRadioButton,
     QSpinBox,
     QTabWidget,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -206,13 +207,25 @@ class SharingView(QWidget):
 
         advanced = self._advanced_limits()
 
+        # The limits are for later: folded away until asked for.
+        self.limits_button = QToolButton()
+        self.limits_button.setText("Limits and protection")
+        self.limits_button.setCheckable(True)
+        self.limits_button.setAutoRaise(True)
+        self.limits_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.limits_button.setAccessibleName("Show the port's limits")
+        self.limits_button.toggled.connect(self._show_limits)
+        self._limit_boxes = (limits, advanced)
+
         left = QVBoxLayout()
         left.addWidget(access)
         left.addWidget(self.enrolments_box)
         left.addWidget(self.urls_box)
+        left.addWidget(self.limits_button, 0, Qt.AlignmentFlag.AlignLeft)
         left.addWidget(limits)
         left.addWidget(advanced)
         left.addStretch(1)
+        self._show_limits(False)
 
         # --- snippets
         self.snippet_tabs = QTabWidget()
@@ -248,7 +261,7 @@ class SharingView(QWidget):
             page_layout.addWidget(copy, 0, Qt.AlignmentFlag.AlignRight)
             self.snippet_tabs.addTab(page, client)
             self._snippet_widgets.append((where, shell, shell_row, text))
-        snippets_box = QGroupBox("Client set-up")
+        snippets_box = QWidget()
         snippets_layout = QVBoxLayout(snippets_box)
         self.snippets_hint = secondary_label()
         snippets_layout.addWidget(self.snippets_hint)
@@ -258,12 +271,14 @@ class SharingView(QWidget):
         self.keys = KeysView(self.client_target)
         self.keys.named_keys_changed.connect(self._on_named_keys)
 
-        columns = QHBoxLayout()
-        columns.addLayout(left, 1)
-        columns.addWidget(snippets_box, 1)
-        layout = QVBoxLayout(self)
-        layout.addLayout(columns)
-        layout.addWidget(self.keys)
+        # Beside the access: the named keys first, then the clients' set-up, one click
+        # apart and both in view without scrolling.
+        self.side = QTabWidget()
+        self.side.addTab(self.keys, "Named keys")
+        self.side.addTab(snippets_box, "Client set-up")
+        columns = QHBoxLayout(self)
+        columns.addLayout(left, 4)
+        columns.addWidget(self.side, 5)
 
     # --- rendering ------------------------------------------------------------------------
 
@@ -403,7 +418,15 @@ class SharingView(QWidget):
 
     def show_keys(self) -> None:
         """Bring the named keys into view."""
-        self.keys.setFocus()
+        self.side.setCurrentWidget(self.keys)
+
+    def show_client_setup(self) -> None:
+        self.side.setCurrentIndex(1)
+
+    def _show_limits(self, shown: bool) -> None:
+        self.limits_button.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        for box in self._limit_boxes:
+            box.setVisible(shown)
 
     def show_qr(self, url: str) -> QDialog:
         dialog = QDialog(self)

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 from backend.llama.accelerators import Accelerators
 from backend.app.pool import pool_config
 from backend.app.activity import ActivitySample
+from backend.app.model_account import model_account
 from backend.app.model_swap import LoadChoice, LoadQuestion, UnloadQuestion
 from backend.app.pool.pool_status import Residency
 from backend.api_keys import generate_api_key
@@ -101,11 +102,18 @@ class MainWindow(QMainWindow):
                             (self.discover, "Get &models")):
             page.setObjectName(title.replace("&", "").lower())  # remembered by name
             self.tabs.addTab(page, title)
+        # The model above the tabs, in a splitter of its own that remembers its place:
+        # the Chat tab gets the height the model pane does not need.
+        self.right_splitter = QSplitter(Qt.Orientation.Vertical)
+        self.right_splitter.addWidget(self.model_view)
+        self.right_splitter.addWidget(self.tabs)
+        self.right_splitter.setStretchFactor(0, 0)
+        self.right_splitter.setStretchFactor(1, 1)
+        self.right_splitter.setChildrenCollapsible(False)
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(6, 0, 0, 0)
-        right_layout.addWidget(self.model_view)
-        right_layout.addWidget(self.tabs, 1)
+        right_layout.addWidget(self.right_splitter)
         self.splitter = QSplitter()
         self.splitter.addWidget(self.library_view)
         self.splitter.addWidget(right)
@@ -167,6 +175,8 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         b = self.bridge
         b.snapshot_changed.connect(self._on_snapshot)
+        b.model_snapshot_changed.connect(lambda _model, _snapshot: self._show_account())
+        b.pool_changed.connect(lambda _state: self._show_account())
         b.log_lines_arrived.connect(self.logs.add_lines)
         b.activity_sampled.connect(self._on_sample)
         self.tabs.currentChanged.connect(
@@ -278,10 +288,12 @@ class MainWindow(QMainWindow):
     def _on_selected(self, entry: ModelEntry | None) -> None:
         if entry is None:
             self.model_view.show_info(None, None)
+            self._show_account()
             return
         path = entry.path
         self.model_view.show_reading(path, entry.name)
         self.model_view.set_load_settings(self.library.settings_for(path))
+        self._show_account()
 
         def shown(info: ModelInfo) -> None:
             if self.model_view.path == path:
@@ -323,6 +335,7 @@ class MainWindow(QMainWindow):
         def asked(question: LoadQuestion | None) -> None:
             if self.model_view.path != path:
                 return  # another model was picked meanwhile
+            tab = self.tabs.currentIndex()
             choice = LoadChoice.REPLACE if question is None else self.ask_load(question)
             if choice is None:
                 return
@@ -332,13 +345,13 @@ class MainWindow(QMainWindow):
             if choice is LoadChoice.REPLACE:
                 self.apply_settings(spec.settings.remembered_in(self.settings).replace(model=path))
                 self.bridge.load(spec, on_error=self._on_load_error,
-                                 on_done=lambda _snapshot: self._chat_with(spec.name))
+                                 on_done=lambda _snapshot: self._chat_with(spec.name, tab))
             else:
                 entry = pool_config.ModelEntry.for_file(path, settings=wanted)
                 self.bridge.add_model(entry, on_error=lambda message: self.show_message(
                     f"{entry.name} did not load: {message}"),
                     default=choice is LoadChoice.BESIDE_AS_DEFAULT,
-                    on_done=lambda _snapshot: self._chat_with(entry.name))
+                    on_done=lambda _snapshot: self._chat_with(entry.name, tab))
             self.refresh_library(select=path)
 
         self.bridge.load_question(spec.name, spec.chat_template.takes_chats, on_done=asked)
@@ -349,7 +362,15 @@ class MainWindow(QMainWindow):
         return dialog.choice() if dialog.exec() == LoadDialog.DialogCode.Accepted else None
 
     def unload_selected(self) -> None:
-        """Unload the default model; while others serve, ask which one `default` names."""
+        """Stop serving the selected model; for the default model while others serve, ask
+        first which one `default` names from now on."""
+        state = self.bridge.pool_state
+        name = state.model_of_file(self.model_view.path)
+        status = state.model(name) if name is not None else None
+        if name is not None and status is not None and not status.default:
+            self.bridge.remove_model(name)
+            return
+
         def asked(question: UnloadQuestion | None) -> None:
             if question is None:
                 self.bridge.unload()
@@ -365,10 +386,12 @@ class MainWindow(QMainWindow):
         dialog = UnloadDialog(question, self)
         return (dialog.new_default(),) if dialog.exec() == UnloadDialog.DialogCode.Accepted else None
 
-    def _chat_with(self, name: str) -> None:
-        """After a load: the Chat tab, with the model loaded chosen."""
-        self.tabs.setCurrentIndex(CHAT_TAB)
+    def _chat_with(self, name: str, tab: int) -> None:
+        """After a load: the Chat tab, with the model loaded chosen (unless the person
+        went to another tab meanwhile: they are doing something else there)."""
         self.chat.choose(name)
+        if self.tabs.currentIndex() == tab:
+            self.tabs.setCurrentIndex(CHAT_TAB)
 
     def add_selected(self) -> None:
         """Serve the selected model beside the others, with the settings shown."""
@@ -400,8 +423,21 @@ class MainWindow(QMainWindow):
             self.refresh_engine()
             self.tabs.setCurrentIndex(ENGINE_TAB)
 
+    def _show_account(self) -> None:
+        """Under the selected model's heading: its own engine's account, not the default
+        model's."""
+        state = self.bridge.pool_state
+        name = state.model_of_file(self.model_view.path)
+        status = state.model(name) if name is not None else None
+        snapshot = self.bridge.model_snapshots.get(name) if name is not None else None
+        serving = [m.name for m in state.models
+                   if m.residency is Residency.READY and m.name != name]
+        self.model_view.show_account(
+            model_account(snapshot, status, serving=serving),
+            cpu_retry=snapshot is not None and snapshot.state is State.FAILED
+            and snapshot.cpu_retry_offered)
+
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        self.model_view.set_state(snapshot)
         serving = snapshot.serving
         self.sharing.set_model(snapshot.model_id, serving.context_length if serving else None)
         self.status_state.setText(describe_state(snapshot))
@@ -549,6 +585,8 @@ class MainWindow(QMainWindow):
             f"The model library could not be saved: {message}"))
 
     def _restore_state(self) -> None:
+        # The model pane as tall as it needs; the tabs below take the rest.
+        self.right_splitter.setSizes([self.model_view.sizeHint().height(), 10_000])
         if self._state is None:
             self.resize(1240, 860)
             return
@@ -557,9 +595,10 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geometry)
         else:
             self.resize(1240, 860)
-        splitter = self._state.value("splitter")
-        if isinstance(splitter, QByteArray):
-            self.splitter.restoreState(splitter)
+        for key, splitter in (("splitter", self.splitter), ("right_splitter", self.right_splitter)):
+            saved = self._state.value(key)
+            if isinstance(saved, QByteArray):
+                splitter.restoreState(saved)
         tab = self._state.value("tab")
         for index in range(self.tabs.count()):
             page = self.tabs.widget(index)
@@ -572,6 +611,7 @@ class MainWindow(QMainWindow):
             return
         self._state.setValue("geometry", self.saveGeometry())
         self._state.setValue("splitter", self.splitter.saveState())
+        self._state.setValue("right_splitter", self.right_splitter.saveState())
         current = self.tabs.currentWidget()
         self._state.setValue("tab", current.objectName() if current is not None else "")
         self._state.setValue("follow_logs", "true" if self.logs.follow.isChecked() else "false")

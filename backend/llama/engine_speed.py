@@ -196,13 +196,13 @@ def choose_batch(model: SpeedModel | None, *, budget: float, slots: int, context
         return BatchChoice(floor, floor,
                            f"the smallest that keeps a prompt on whole attention tiles beside "
                            f"the other slots' streams: the {ms:g} ms stall budget cannot be met "
-                           f"at the end of a {context:,}-token context (a step of {floor} "
+                           f"at the end of a context of {context:,} tokens (a step of {floor} "
                            f"prompt tokens there: about {worst:,.0f} ms), and a smaller batch "
                            "would compute prompts several times slower for a stall shorter by "
                            "its fixed costs only")
     return BatchChoice(best, best,
                        f"the largest whose step stays within the {ms:g} ms stall budget at "
-                       f"the end of a {context:,}-token context (a larger one computes prompts "
+                       f"the end of a context of {context:,} tokens (a larger one computes prompts "
                        "faster but stalls the other streams longer)")
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from backend.memory_size import format_memory
 from backend.errors import ModelFileError
 from backend.gpu_layers import NONE
 from backend.llama.engine_speed import DEFAULT_BATCH, DEFAULT_UBATCH
@@ -358,11 +359,9 @@ def total_ram_bytes() -> int:
 
 
 def format_bytes(n: int) -> str:
-    """Decimal units, as disks and download sizes are usually quoted: 4.7 GB."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    """Memory in the one unit family the window uses everywhere (`backend.memory_size`):
+    "111 MiB", "3.7 GiB"."""
+    return format_memory(n)
 
 
 def _windows_ram() -> int:

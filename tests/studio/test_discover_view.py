@@ -159,7 +159,7 @@ def test_a_model_fits_in_gpu_on_a_machine_with_a_24_gb_gpu(open_window, qtbot, h
     badge, hover = _badge_with(open_window, qtbot, monkeypatch, detect(
         machine(tools=["nvidia-smi"], outputs={"nvidia-smi": NVIDIA_SMI_24GB})))
     assert badge == "fits in GPU"
-    assert "25.8 GB (NVIDIA GeForce RTX 4090) GPU memory" in hover
+    assert "24.0 GiB (NVIDIA GeForce RTX 4090) GPU memory" in hover
 
 
 def test_a_model_fits_in_ram_on_a_machine_without_a_gpu(open_window, qtbot, hf_hub, monkeypatch):

@@ -20,7 +20,7 @@ from backend.app.sharing.snippets import KEY_ENV_VAR, PROVIDER_ID
 from backend.keys.key_store import KeyRecord
 from backend.llama.load import State
 from studio.keys_view import KeysView
-from studio.window import MainWindow
+from studio.window import CHAT_TAB, MainWindow
 
 LOAD_WAIT = 60_000
 WAIT = 15_000
@@ -29,8 +29,12 @@ WAIT = 15_000
 def load_tiny(window: MainWindow, qtbot, tiny_model: Path) -> None:
     window.open_files([str(tiny_model)])
     qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    # A load leads to the Chat tab unless the person went elsewhere meanwhile: from the
+    # Chat tab, to the Sharing tab once the model is ready.
+    window.tabs.setCurrentIndex(CHAT_TAB)
     qtbot.mouseClick(window.model_view.load_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
+    window.show_sharing(keys=True)
 
 
 def chat(window: MainWindow, key: str) -> httpx.Response:

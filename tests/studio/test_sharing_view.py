@@ -125,6 +125,7 @@ def test_scrolling_past_max_wait_leaves_it_and_the_running_port_alone(open_windo
     sharing = window.sharing
     window.tabs.setCurrentIndex(next(i for i in range(window.tabs.count())
                                      if window.tabs.tabText(i) == "&Sharing"))
+    sharing.limits_button.click()  # the limits are folded away at first
     box = sharing.queue_timeout
     running = window.bridge.service.settings.queue_timeout
     assert box.value() == running

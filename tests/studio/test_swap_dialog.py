@@ -93,6 +93,11 @@ def test_a_second_load_asks_and_adding_beside_leaves_default_where_it_was(
     qtbot.waitUntil(lambda: window.chat.model.currentText() == "other", timeout=WAIT)
     assert window.tabs.currentIndex() == CHAT_TAB
     assert default_answer(window).json()["model"] == "tiny"
+    # Each heading tells its own model's engine.
+    qtbot.waitUntil(lambda: window.model_view.state.text().startswith("Ready — "), timeout=WAIT)
+    select(qtbot, window, tiny_model)
+    qtbot.waitUntil(lambda: window.model_view.state.text().startswith(
+        "Ready (the default model) — "), timeout=WAIT)
 
     # Unload the default: asked which model `default` names; none chosen: refused.
     unload_asked: list[UnloadQuestion] = []

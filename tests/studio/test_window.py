@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextDocument
 
 from backend.app.activity import ActivitySample
+from backend.app.model_account import ModelAccount, model_account
 from backend.llama.engine import BuildProgress
 from backend.llama.kv_capacity import KvCapacity
 from backend.settings import Settings
@@ -111,20 +112,26 @@ def test_rpc_workers_llama_cpp_cannot_reach_are_refused_with_a_message(open_wind
 
 def test_effective_slots_are_marked_when_the_server_decided_otherwise(open_window) -> None:
     view = open_window().model_view
-    def ready(parallel: str) -> Snapshot:
-        return Snapshot(state=State.READY, model_id="m", serving=Serving("http://e", 4, 2048),
-                        requested=LoadSettings(parallel=parallel))
+    def ready(parallel: str) -> ModelAccount:
+        return model_account(Snapshot(state=State.READY, model_id="m",
+                                      serving=Serving("http://e", 4, 2048),
+                                      requested=LoadSettings(parallel=parallel)), None)
 
-    view.set_state(ready("2"))
-    assert "<b>4</b>" in view.slots.text() and "you asked for 2" in view.slots.text()
-    assert view.slots_icon.isVisible()
-    view.set_state(ready("4"))
-    assert "asked" not in view.slots.text() and not view.slots_icon.isVisible()
-    view.set_state(ready("auto"))
-    assert "chosen by llama-server" in view.slots.text()
-    view.set_state(Snapshot(state=State.STARTING, restarting=True, error="it crashed."))
-    assert view.state.text().startswith("Restarting") and "—" in view.slots.text()
-    view.set_state(Snapshot(state=State.FAILED, error="no memory."))
+    view.show_account(ready("2"))
+    # Plain words first; the engine's detail behind the toggle.
+    assert view.state.text() == "Ready — 4 requests at once, up to 2,048 tokens each"
+    assert view.slots_icon.isVisible() and view.details.isHidden()
+    view.details_button.click()
+    assert view.details.isVisible()
+    assert "Parallel slots: 4 — you asked for 2; llama-server decided otherwise" in view.details.text()
+    view.show_account(ready("4"))
+    assert "asked" not in view.details.text() and not view.slots_icon.isVisible()
+    view.show_account(ready("auto"))
+    assert "Parallel slots: 4 (chosen by llama-server)" in view.details.text()
+    view.show_account(model_account(Snapshot(state=State.STARTING, restarting=True,
+                                             error="it crashed."), None))
+    assert view.state.text() == "Restarting — it crashed." and view.progress.isVisible()
+    view.show_account(model_account(Snapshot(state=State.FAILED, error="no memory."), None))
     assert view.state.text() == "Failed — no memory."
 
 
@@ -362,12 +369,12 @@ def test_load_settings_say_what_they_mean_before_loading_and_what_the_engine_gav
     assert view.plan.text() == ("Up to 4 requests at once; each slot has up to 8,192 tokens of "
                                 "its own. The engine may give less to fit the memory (not "
                                 "below 16,384 tokens in total).")
-    view.set_state(Snapshot(state=State.READY, model_id="m",
-                            serving=Serving("http://e", 4, 4096,
-                                            kv=KvCapacity(16384, 4096, unified=True)),
-                            requested=LoadSettings(parallel="auto", ctx_size=16384)))
+    view.show_account(model_account(Snapshot(
+        state=State.READY, model_id="m",
+        serving=Serving("http://e", 4, 4096, kv=KvCapacity(16384, 4096, unified=True)),
+        requested=LoadSettings(parallel="auto", ctx_size=16384)), None))
     assert ("Engine gave: up to 4 requests at once; each up to 4,096 tokens; "
-            "one shared pool of 16,384 tokens.") in view.slots.text()
+            "one shared pool of 16,384 tokens.") in view.details.text()
 
 
 def test_the_context_size_says_what_it_takes_and_the_hover_where_it_goes(
@@ -380,14 +387,15 @@ def test_the_context_size_says_what_it_takes_and_the_hover_where_it_goes(
     view.ctx_size.setValue(32768)
     # What llama-server allocates for it: 96 MiB for the 3 global layers, 15 MiB for the
     # 15 sliding ones (a window and a micro-batch each); not 576 MiB of 18 full layers.
-    assert view.memory_plan.text() == "KV cache 116.4 MB"
+    # Memory reads in one unit family everywhere (MiB, GiB).
+    assert view.memory_plan.text() == "KV cache 111 MiB"
     assert view.memory_plan.toolTip().startswith(
-        "15 of 18 layers keep a 512-token sliding window. 116.4 MB: 100.7 MB for 32,768 tokens "
-        "in 3 layers, 15.7 MB for 15 sliding-window layers (512 tokens; 1,024 cells); context "
+        "15 of 18 layers keep a 512-token sliding window. 111 MiB: 96 MiB for 32,768 tokens "
+        "in 3 layers, 15 MiB for 15 sliding-window layers (512 tokens; 1,024 cells); context "
         "checkpoints may add up to ")
     view.extra_args.setText("--swa-full")
     view.extra_args.editingFinished.emit()
-    assert view.memory_plan.text() == "KV cache 604.0 MB"
+    assert view.memory_plan.text() == "KV cache 576 MiB"
 
 
 def test_activity_shows_kv_tokens_reserved_next_to_the_slots(open_window) -> None:
@@ -425,8 +433,9 @@ def test_the_model_tab_shows_the_engines_measured_speed_and_its_batch(open_windo
     view = open_window().model_view
     choice = BatchChoice(256, 256, "the largest whose step stays within the 250 ms stall budget")
     speed = EngineSpeed(1234.0, 0.031, SpeedModel(0.0008, 1e-7, 0.031), choice, 0.24)
-    view.set_state(Snapshot(state=State.READY, model_id="m",
-                            serving=Serving("http://e", 4, 8192, speed=speed),
-                            requested=LoadSettings(parallel="4")))
+    view.show_account(model_account(Snapshot(
+        state=State.READY, model_id="m", serving=Serving("http://e", 4, 8192, speed=speed),
+        requested=LoadSettings(parallel="4")), None))
+    assert "stall budget" not in view.state.text()  # the jargon stays behind Details
     assert ("Prompts at 1,234 tokens/s, a step 31 ms; batch 256 (micro-batch 256): the "
-            "largest whose step stays within the 250 ms stall budget") in view.slots.text()
+            "largest whose step stays within the 250 ms stall budget") in view.details.text()

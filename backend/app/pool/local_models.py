@@ -34,6 +34,7 @@ import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from backend.memory_size import format_memory
 from backend.errors import (RETRY_SOON, LoadError, LoadReplaced, ModelFileError, ModelNotFound,
                             ModelNotReady, RequestError)
 from backend.listeners import Listeners
@@ -302,8 +303,9 @@ class LocalModels:
                 used = sum([await self._estimate_of(m) for m in placed])
                 if budget <= 0 or used + need <= budget:
                     local.room = True
-                    self._decide(local, f"{why}: needs about {_gib(need)}, fits beside "
-                                        f"{_names(placed)} ({_gib(used + need)} of {_gib(budget)})")
+                    beside = f" beside {_names(placed)}" if placed else ""
+                    self._decide(local, f"{why}: needs about {_gib(need)}, fits{beside} "
+                                        f"({_gib(used + need)} of {_gib(budget)})")
                     return
                 now = self._clock()
                 idle = [m for m in placed if not m.entry.pinned
@@ -555,7 +557,7 @@ def estimate_model_bytes(entry: ModelEntry) -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    return format_memory(n)
 
 
 def _names(models: list[LocalModel]) -> str:

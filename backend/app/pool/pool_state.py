@@ -25,6 +25,8 @@ class PoolState:
     upstreams: tuple[UpstreamStatus, ...] = ()
     #: Each model's requests since the port started (as `/health` counts them).
     requests: dict[str, ModelTotals] = field(default_factory=dict)
+    #: Each local model's file (the window finds the model of the file selected).
+    paths: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, pool: Pool, metrics: Metrics | None = None) -> PoolState:
@@ -32,7 +34,13 @@ class PoolState:
         pool's loop."""
         models = tuple(pool.statuses())
         requests = {} if metrics is None else {m.name: metrics.model_totals(m.name) for m in models}
-        return cls(models, tuple(pool.upstream_statuses()), requests)
+        paths = {m.name: entry.path for m in models
+                 if (entry := pool.local_entry(m.name)) is not None}
+        return cls(models, tuple(pool.upstream_statuses()), requests, paths)
+
+    def model_of_file(self, path: str | None) -> str | None:
+        """The local model served from the file at `path`, if any."""
+        return next((name for name, file in self.paths.items() if file == path), None)
 
     def model(self, name: str) -> ModelStatus | None:
         return next((m for m in self.models if m.name == name), None)

@@ -58,14 +58,14 @@ def test_the_badge_prefers_the_gpu_when_its_memory_holds_the_model():
     assert estimate_fit(14 * GB, MachineMemory(8 * GB, (8 * GB, 8 * GB)), context=1024).verdict == FITS_GPU
     small_gpu = estimate_fit(5 * GB, MachineMemory(32 * GB, (4 * GB,)), repo_metadata=repo)
     assert small_gpu.verdict == FITS_RAM
-    assert "4.0 GB GPU" in small_gpu.details() and "32.0 GB RAM" in small_gpu.details()
+    assert "3.7 GiB GPU" in small_gpu.details() and "29.8 GiB RAM" in small_gpu.details()
 
 
 def test_the_numbers_on_hover_name_the_gpu():
     memory = MachineMemory(32 * GB, (24 * GB,), ("NVIDIA GeForce RTX 4090",))
     fit = estimate_fit(5 * GB, memory)
     assert fit.verdict == FITS_GPU
-    assert "24.0 GB (NVIDIA GeForce RTX 4090) GPU memory" in fit.details()
+    assert "22.4 GiB (NVIDIA GeForce RTX 4090) GPU memory" in fit.details()
     assert machine_memory([("NVIDIA GeForce RTX 4090", 24 * GB)]).gpu_names == ("NVIDIA GeForce RTX 4090",)
 
 
