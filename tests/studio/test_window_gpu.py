@@ -9,6 +9,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 
+from backend.app.model_account import model_account
 from backend.llama.report import DeviceUse, EngineReport
 from backend.llama.load import LoadSettings, Serving, Snapshot, State
 
@@ -45,14 +46,15 @@ def test_the_model_tab_says_where_the_model_runs_as_the_engine_reported_it(open_
     view = open_window().model_view
     ready = Snapshot(state=State.READY, model_id="m", serving=Serving("http://e", 4, 2048),
                      engine=VULKAN_REPORT)
-    view.set_state(ready)
-    text = view.placement.text()
+    view.show_account(model_account(ready, None))
+    assert view.state.text().endswith("; on Vulkan0, 29 MiB")  # where, in plain words
+    text = view.details.text()
     assert "3/3 layers on Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))" in text
     assert "Vulkan0 29 MiB" in text
     assert "context 8,192 tokens in total" in text and "shrunk from 131,072" in text
     assert not view.cpu_retry_button.isVisible()
-    view.set_state(Snapshot(state=State.STOPPED))
-    assert view.placement.text() == "Runs on: —"
+    view.show_account(model_account(Snapshot(state=State.STOPPED), None))
+    assert "Runs on" not in view.details.text() and "Vulkan0" not in view.state.text()
 
 
 def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
@@ -68,7 +70,7 @@ def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
     # This machine has no GPU to fail on: show the view what a failed GPU load looks like.
     failed = replace(window.bridge.snapshot, state=State.FAILED, serving=None, cpu_retry_offered=True,
                      error="The GPU ran out of memory while loading the model.")
-    window.model_view.set_state(failed)
+    window.model_view.show_account(model_account(failed, None), cpu_retry=True)
     assert window.model_view.cpu_retry_button.isVisible()
     qtbot.mouseClick(window.model_view.cpu_retry_button, Qt.MouseButton.LeftButton)
 
@@ -76,9 +78,10 @@ def test_a_failed_gpu_load_offers_retry_on_cpu_which_loads_without_gpu_layers(
                     and window.bridge.snapshot.log_path != first_log, timeout=LOAD_WAIT)
     command = Path(window.bridge.snapshot.log_path).read_text().splitlines()[0]
     assert "--n-gpu-layers 0 --device none --fit off" in command
-    assert not window.model_view.cpu_retry_button.isVisible()
+    qtbot.waitUntil(lambda: not window.model_view.cpu_retry_button.isVisible(), timeout=WAIT)
     # An engine built with RPC counts the layers it keeps on the CPU; one from before does not.
-    assert re.match(r"Runs on: the CPU( \(all 3 layers\))?;", window.model_view.placement.text())
+    qtbot.waitUntil(lambda: re.search(r"Runs on the CPU( \(all 3 layers\))?;",
+                                      window.model_view.details.text()) is not None, timeout=WAIT)
 
 
 def test_the_engine_tab_lists_the_accelerators_found(open_window, qtbot) -> None:
