@@ -50,8 +50,9 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
     qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.STARTING, timeout=WAIT)
     qtbot.waitUntil(lambda: not view.progress.isHidden(), timeout=WAIT)  # its own engine loads
     qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
-    assert view.state.text().startswith("Ready (the default model) — 2 requests at once, up "
-                                        "to 1,024 tokens each; on the CPU")
+    qtbot.waitUntil(lambda: view.state.text().startswith(
+        "Ready (the default model) — 2 requests at once, up to 1,024 tokens each; on the CPU"),
+        timeout=WAIT)
     assert view.details.text().startswith("Parallel slots: 2\n")  # as asked: nothing to say
     assert not view.slots_icon.isVisible()
     # The click's settings came back inside the snapshot, next to the effective values.
