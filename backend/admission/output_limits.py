@@ -11,14 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CHAT", "CLIENT_LIMIT", "COMPLETIONS", "EMBEDDINGS", "ENGINE_LIMITS", "MESSAGES",
-           "MESSAGES_MAX_TOKENS", "RESPONSES", "output_limit", "requested_output"]
+from backend.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-EMBEDDINGS = "/v1/embeddings"
+__all__ = ["CLIENT_LIMIT", "ENGINE_LIMITS", "MESSAGES_MAX_TOKENS", "output_limit",
+           "requested_output"]
 
 #: Route -> the output-limit fields its engine reads, in the order the pinned llama-server
 #: reads them: the first one given (not null) is obeyed, the others ignored

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any, Protocol
 
+from backend.api_paths import CHAT, COMPLETIONS, COUNT_ROUTES, EMBEDDINGS
 from backend.errors import CountingFull
 from backend.llama.kv_capacity import TokenNeed
 from backend.admission.output_limits import output_limit
@@ -129,18 +130,6 @@ TOOL_CONVERSION = 64
 #: Retry-After of a request refused while the engine counts `max_counts` prompts.
 BUSY_RETRY_AFTER = 1.0
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-EMBEDDINGS = "/v1/embeddings"
-
-#: Route -> llama-server's counting route for it.
-COUNT_ROUTES = {
-    CHAT: "/v1/chat/completions/input_tokens",
-    RESPONSES: "/v1/responses/input_tokens",
-    MESSAGES: "/v1/messages/count_tokens",
-}
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
 _PROBE = {"messages": [{"role": "user", "content": "x"}]}
 _PROBE_TOOLS = [{"type": "function", "function": {

@@ -33,11 +33,10 @@ from typing import Any, Callable
 
 import httpx
 
+from backend.api_paths import CHAT, COMPLETIONS
 from backend.app.service import StudioService
 
 __all__ = [
-    "CHAT_PATH",
-    "COMPLETIONS_PATH",
     "SESSION_PREFIX",
     "USER_AGENT",
     "AnswerFigures",
@@ -51,9 +50,6 @@ __all__ = [
     "prompt_text",
 ]
 
-CHAT_PATH = "/v1/chat/completions"
-#: Plain completion: the conversation's text, continued by the model.
-COMPLETIONS_PATH = "/v1/completions"
 #: Each conversation's `prompt_cache_key` starts so: its session in the port's records.
 SESSION_PREFIX = "studio-chat-"
 USER_AGENT = "gguf-studio-chat"
@@ -211,7 +207,7 @@ class ChatSession:
         body = self.request_body(options)
         self._turns.append(Turn("assistant", "", AnswerState.WAITING, options.model))
         index = len(self._turns) - 1
-        path = COMPLETIONS_PATH if options.completion else CHAT_PATH
+        path = COMPLETIONS if options.completion else CHAT  # plain completion: the text continued
         task = asyncio.create_task(self._stream(path, body, index))
         self._task = task
         self._answered.clear()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence, TextIO
 
 import httpx
 
+from backend.api_paths import CHAT, COMPLETIONS
 from backend.llama.engine import Engine
 from backend.errors import EngineNotFound, StudioError
 from backend.settings import Settings
@@ -126,7 +127,7 @@ async def _run(model: Path, llama_server: str | os.PathLike[str] | None,
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=headers,
                                      timeout=60.0, trust_env=False) as client:
             try:
-                response = await client.post("/v1/chat/completions" if chats else "/v1/completions",
+                response = await client.post(CHAT if chats else COMPLETIONS,
                                              json=body)
             except httpx.HTTPError as exc:
                 raise SelfTestFailed(f"the request to its own port failed: {exc!r}.") from None

@@ -309,7 +309,7 @@ class StudioService:
             self._announce_listeners(self.announcement(), self.advertiser.renamed)
 
     async def _announce_now(self) -> None:
-        from backend.port.enrolment_endpoint import ENROL_PATH
+        from backend.api_paths import ENROLMENTS
 
         await self.advertiser.stop()
         settings = self.settings
@@ -329,7 +329,7 @@ class StudioService:
         addresses = [a for a in everywhere if not is_loopback(a)] or everywhere
         try:
             await self.advertiser.start(service_name(settings.advertise_name), self._gateway.port,
-                                        addresses, version=app_version(), enrol_path=ENROL_PATH,
+                                        addresses, version=app_version(), enrol_path=ENROLMENTS,
                                         keys_required=keys_required)
         except (OSError, ValueError, RuntimeError) as exc:
             self.advertise_problem = f"Could not announce the port on the network: {exc}"

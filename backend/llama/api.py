@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from backend.api_paths import HEALTH, METRICS, MODELS
 from backend.errors import LoadError
 from backend.llama.chat_template import ChatTemplate
 from backend.llama.kv_capacity import KvCapacity, kv_from_health
@@ -184,7 +185,7 @@ class EngineClient:
         """True when /health answers 200; False for any other answer or none."""
         try:
             response = await self._client.get(
-                "/health", timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+                HEALTH, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
             return response.status_code == 200
         except httpx.HTTPError:
             return False
@@ -198,7 +199,7 @@ class EngineClient:
         """What /health answered, or None when nothing answered."""
         try:
             response = await self._client.get(
-                "/health", timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+                HEALTH, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
         except httpx.HTTPError:
             return None
         try:
@@ -238,7 +239,7 @@ class EngineClient:
         """The models /v1/models lists, with their context (GGUF Studio's
         `context_length`, llama-server's `meta.n_ctx`); a LoadError when unreadable."""
         try:
-            response = await self._client.get("/v1/models")
+            response = await self._client.get(MODELS)
             _refuse_unauthorized(response)
             listed = response.raise_for_status().json()["data"]
             # An entry with `alias_of` is another name of a model listed already (GGUF
@@ -266,7 +267,7 @@ class EngineClient:
     async def metrics_text(self) -> str | None:
         """The Prometheus text of /metrics, or None when the engine does not answer it."""
         try:
-            response = await self._client.get("/metrics")
+            response = await self._client.get(METRICS)
         except httpx.HTTPError:
             return None
         return response.text if response.status_code == 200 else None

@@ -56,10 +56,11 @@ from typing import Any, Callable, Iterable
 
 import httpx
 
+from backend.api_paths import MESSAGES
 from backend.llama.api import engine_headers
 from backend.private_files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private, write_private
 
-__all__ = ["ANTHROPIC_MESSAGES", "DEFAULT_BUDGET_BYTES", "DEFAULT_TTL_SECONDS", "INDEX_NAME",
+__all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_TTL_SECONDS", "INDEX_NAME",
            "MIN_FREE_DISK_BYTES", "SAVE_TIMEOUT", "ParkKey", "Parked", "ParkingLot", "Restored",
            "SlotClient", "SlotActionFailed", "model_identity", "recall_body"]
 
@@ -80,7 +81,6 @@ MIN_FREE_DISK_BYTES = 1 << 30
 SAVE_TIMEOUT = 10.0
 INDEX_NAME = "index.json"
 #: llama-server's Anthropic route, whose requests cannot be pinned (`recall_body`).
-ANTHROPIC_MESSAGES = "/v1/messages"
 #: A restore took when the reply's cached tokens reach this share of what it restored
 #: (a reply shares all of the restored prefix but what the client rewrote, typically
 #: the last assistant turn re-rendered: a few tokens out of thousands).
@@ -210,7 +210,7 @@ class SlotClient:
         cache holds of that prompt comes back into the slot; (prompt tokens taken from a
         cache, computed)."""
         try:
-            content = recall_body(body, slot, anthropic=path == ANTHROPIC_MESSAGES)
+            content = recall_body(body, slot, anthropic=path == MESSAGES)
         except ValueError:
             raise SlotActionFailed("a recall's request is not one JSON object") from None
         answer = await self._post("a recall", path, content=content,

@@ -13,6 +13,8 @@ import logging
 from typing import Any, Mapping
 from urllib.parse import quote
 
+from backend.api_paths import ENROLMENTS
+
 __all__ = ["ACCESS_LOGGER", "log_request", "loggable_path"]
 
 ACCESS_LOGGER = "gguf_studio.access"
@@ -35,7 +37,7 @@ def loggable_path(scope: Mapping[str, Any]) -> str:
     return _printable(raw)
 
 
-_ENROLMENT_POLLS = b"/v1/enrolments/"
+_ENROLMENT_POLLS = ENROLMENTS.encode() + b"/"
 
 
 def _printable(raw: bytes) -> str:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from backend.api_paths import ENROLMENTS
 from backend.keys.enrolment_window import EnrolmentWindow
 from backend.keys.enrolments import APPROVED, PENDING, Enrolments
 from backend.errors import (EnrolmentClosed, InvalidRequest, KeylessRequestsFull,
@@ -49,10 +50,9 @@ from backend.port.request_body import ClientGone, read_body
 from backend.port.server import KEYLESS_EXTENSION
 from backend.settings import Settings
 
-__all__ = ["ENROL_PATH", "MAX_BODY", "MAX_IN_FLIGHT", "MAX_POLLS", "MAX_WAIT",
+__all__ = ["MAX_BODY", "MAX_IN_FLIGHT", "MAX_POLLS", "MAX_WAIT",
            "POLLS_PER_REQUEST", "EnrolmentEndpoint"]
 
-ENROL_PATH = "/v1/enrolments"
 #: Seconds one poll may be held open before it is answered "pending".
 MAX_WAIT = 30.0
 #: Bytes of a request body: a name fits in far less.
@@ -111,7 +111,7 @@ class EnrolmentEndpoint:
                                  "code": enrolment.code, "status": PENDING,
                                  "address": client, "port_address": list(reached_at),
                                  "expires_in": math.ceil(enrolments.seconds_left(enrolment)),
-                                 "poll": f"{ENROL_PATH}/{enrolment.token}"}, status_code=202)
+                                 "poll": f"{ENROLMENTS}/{enrolment.token}"}, status_code=202)
 
     async def poll(self, request: Request) -> Response:
         enrolments = self._open(polling=True)

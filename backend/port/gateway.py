@@ -34,6 +34,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette import routing
 
+from backend.api_paths import (CHAT, COMPLETIONS, EMBEDDINGS, ENROLMENTS, HEALTH, MESSAGES, METRICS,
+                               MODELS, REQUESTS, RESPONSES)
 from backend.port import http_errors
 from backend.keys.key_store import OWNER_NAME, KeyStore
 from backend.admission.caller import Caller
@@ -43,7 +45,7 @@ from backend.admission.flow_control import FlowControl, requested_band
 from backend.port.access_log import log_request
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
-from backend.port.enrolment_endpoint import ENROL_PATH, EnrolmentEndpoint
+from backend.port.enrolment_endpoint import EnrolmentEndpoint
 from backend.port.health import health_answer
 from backend.errors import (RETRY_SOON, InvalidRequest, KeyRevoked, MethodNotAllowed,
                             ModelNotReady, NotFound, RequestError, Unauthorized, UpgradeRequired)
@@ -69,18 +71,18 @@ log = logging.getLogger("gguf_studio.gateway")
 
 #: Gated route -> the framing of its streams (None: never streams).
 GATED_ROUTES: dict[str, StreamKind | None] = {
-    "/v1/chat/completions": StreamKind.CHAT,
-    "/v1/completions": StreamKind.CHAT,
-    "/v1/responses": StreamKind.RESPONSES,
-    "/v1/messages": StreamKind.MESSAGES,
-    "/v1/embeddings": None,
+    CHAT: StreamKind.CHAT,
+    COMPLETIONS: StreamKind.CHAT,
+    RESPONSES: StreamKind.RESPONSES,
+    MESSAGES: StreamKind.MESSAGES,
+    EMBEDDINGS: None,
 }
-OPEN_ROUTES = ("/v1/models", "/health", "/metrics")
-#: The request inspector's records (`backend.port.request_log`).
-REQUESTS_ROUTE = "/requests"
-KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES) | {REQUESTS_ROUTE}
+OPEN_ROUTES = (MODELS, HEALTH, METRICS)
+KNOWN_ROUTES = frozenset(GATED_ROUTES) | frozenset(OPEN_ROUTES) | {REQUESTS}
 #: Answered without the key when one is set (for probes); see `backend.port.access_guard`.
-KEYLESS_ROUTES = ("/health",)
+KEYLESS_ROUTES = (HEALTH,)
+#: What a 404 names, in this order.
+_ANSWERED = (CHAT, RESPONSES, COMPLETIONS, MESSAGES, EMBEDDINGS, MODELS, HEALTH, METRICS, REQUESTS)
 #: Set in the scope when the client went away before an answer could be sent.
 _GONE = "gguf_studio.client_gone"
 
@@ -127,7 +129,7 @@ class Gateway:
         self.ctx = ctx
         self.enrolment = enrolment
         self.guard = AccessGuard(lambda: ctx.settings, json_paths=GATED_ROUTES,
-                                 keyless_paths=KEYLESS_ROUTES + (ENROL_PATH,), keys=lambda: ctx.keys,
+                                 keyless_paths=KEYLESS_ROUTES + (ENROLMENTS,), keys=lambda: ctx.keys,
                                  chat_secret=lambda: ctx.chat_secret)
         self.closing = False
         self.started_at = int(time.time())
@@ -370,9 +372,8 @@ class Gateway:
         headers = dict(exc.headers or {})
         error: RequestError
         if exc.status_code == 404:
-            error = NotFound("Unknown path. This server answers /v1/chat/completions, "
-                             "/v1/responses, /v1/completions, /v1/messages, /v1/embeddings, "
-                             "/v1/models, /health, /metrics and /requests.")
+            error = NotFound(f"Unknown path. This server answers {', '.join(_ANSWERED[:-1])} "
+                             f"and {_ANSWERED[-1]}.")
         elif exc.status_code == 405:
             allowed = headers.get("Allow", "")
             error = MethodNotAllowed(f"Method {request.method} is not allowed here."
@@ -435,7 +436,7 @@ class GatewayMiddleware:
             reply = screening.wrap(send_and_note)
             if screening.preflight:
                 await screening.answer_preflight(send_and_note)
-            elif path == "/v1/responses" and _is_websocket_upgrade(scope["headers"]):
+            elif path == RESPONSES and _is_websocket_upgrade(scope["headers"]):
                 await http_errors.send_http_error(reply, UpgradeRequired(
                     "WebSocket is not supported here; use HTTP with streaming (SSE)."), metrics)
             elif method == "POST" and path in GATED_ROUTES:
@@ -498,14 +499,14 @@ def _starlette_app(gateway: Gateway) -> Starlette:
     routes = [routing.Route(path, _GatedEndpoint(gateway, path), methods=["POST"])
               for path in GATED_ROUTES]
     routes += [
-        routing.Route("/v1/models", gateway.models, methods=["GET"]),
-        routing.Route("/health", gateway.health, methods=["GET"]),
-        routing.Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
-        routing.Route(REQUESTS_ROUTE, gateway.requests_endpoint, methods=["GET"]),
+        routing.Route(MODELS, gateway.models, methods=["GET"]),
+        routing.Route(HEALTH, gateway.health, methods=["GET"]),
+        routing.Route(METRICS, gateway.metrics_endpoint, methods=["GET"]),
+        routing.Route(REQUESTS, gateway.requests_endpoint, methods=["GET"]),
     ]
     if gateway.enrolment is not None:
-        routes += [routing.Route(ENROL_PATH, gateway.enrolment.create, methods=["POST"]),
-                   routing.Route(ENROL_PATH + "/{token}", gateway.enrolment.poll,
+        routes += [routing.Route(ENROLMENTS, gateway.enrolment.create, methods=["POST"]),
+                   routing.Route(ENROLMENTS + "/{token}", gateway.enrolment.poll,
                                  methods=["GET"])]
     app = Starlette(
         routes=routes,

@@ -32,7 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from backend.admission.output_limits import CLIENT_LIMIT, EMBEDDINGS, ENGINE_LIMITS, output_limit
+from backend.admission.output_limits import CLIENT_LIMIT, ENGINE_LIMITS, output_limit
+from backend.api_paths import EMBEDDINGS
 from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
 from backend.port.request_fields import check_fields
 

@@ -25,15 +25,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from backend.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
 from backend.errors import InvalidRequest
 
 __all__ = ["MAX_EMBEDDING_INPUTS", "check_fields"]
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-EMBEDDINGS = "/v1/embeddings"
 
 #: The most inputs one embeddings request may list (OpenAI's limit): each is a task of
 #: the engine's, all under the request's one admission ticket.

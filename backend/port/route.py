@@ -6,12 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.admission.flow import Band
+from backend.api_paths import CHAT, MESSAGES, RESPONSES
 
 __all__ = ["CHAT_ROUTES", "Route"]
 
 #: The routes whose requests are chats the engine renders with the model's chat template
 #: (a model without one takes none of them: backend.errors.NoChatTemplate).
-CHAT_ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+CHAT_ROUTES = frozenset({CHAT, RESPONSES, MESSAGES})
 
 
 def _served_already(band: Band) -> None:

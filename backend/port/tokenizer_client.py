@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from backend.llama.api import engine_headers
-from backend.admission.prompt_tokens import COUNT_ROUTES, CountFailed
+from backend.admission.prompt_tokens import CountFailed
+from backend.api_paths import COUNT_ROUTES
 from backend.port.upstream_errors import UpstreamError
 from backend.port.upstream_http import UpstreamClient
 

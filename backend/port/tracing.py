@@ -41,6 +41,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from backend.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -60,8 +62,8 @@ __all__ = ["SpanExport", "otlp_request", "span_export_to"]
 log = logging.getLogger(__name__)
 
 #: `gen_ai.operation.name` by route.
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/messages": "chat", "/v1/responses": "chat",
-              "/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
+OPERATIONS = {CHAT: "chat", MESSAGES: "chat", RESPONSES: "chat", COMPLETIONS: "text_completion",
+              EMBEDDINGS: "embeddings"}
 #: `gen_ai.provider.name`: what answers behind the port.
 PROVIDER = "llama.cpp"
 

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from backend.addresses import is_loopback, lan_addresses
 from backend.api_keys import read_api_key_file
+from backend.api_paths import REQUESTS
 from backend.errors import StudioError
 from backend.models.hf_cache import printable
 from backend.port.request_log import RequestRecord
@@ -60,7 +61,7 @@ def add_requests_parser(sub: Any) -> None:
 def requests_url(args: argparse.Namespace, host: str, port: int) -> str:
     """The `/requests` address: `--url`, else this machine's saved (or `--port`) port."""
     if args.url:
-        return str(args.url).rstrip("/") + "/requests"
+        return str(args.url).rstrip("/") + REQUESTS
     if host in _WILDCARDS:
         host = "127.0.0.1"
     if ":" in host and not host.startswith("["):

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.admission.admission_ticket import Ticket
-from backend.admission.prompt_tokens import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from backend.api_paths import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from backend.admission.session_book import Session, SessionRequest, Sessions
 from backend.app.pool.pool_config import ModelEntry
 from backend.errors import StudioError

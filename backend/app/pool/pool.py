@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from backend.api_paths import EMBEDDINGS
 from backend.errors import RETRY_SOON, ModelNotFound, ModelNotReady, NoChatTemplate, RequestError
 from backend.listeners import Listeners
 from backend.models.hf_cache import printable
@@ -36,11 +37,10 @@ from backend.app.pool.pool_upstreams import Upstreams
 from backend.port.route import CHAT_ROUTES, Route
 from backend.settings import Settings
 
-__all__ = ["EMBEDDINGS_ROUTE", "Pool"]
+__all__ = ["Pool"]
 
 log = logging.getLogger("gguf_studio.pool")
 
-EMBEDDINGS_ROUTE = "/v1/embeddings"
 
 class Pool:
     """Local models and remote engines behind one port; see the module docstring."""
@@ -130,7 +130,7 @@ class Pool:
         names = self.model_names()
         if not isinstance(requested, str) or not requested.strip() \
                 or names.is_default_alias(requested.strip()):
-            if path == EMBEDDINGS_ROUTE:
+            if path == EMBEDDINGS:
                 for name, m in self._locals.items():
                     if m.entry.embeddings:
                         return name

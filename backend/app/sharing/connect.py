@@ -36,6 +36,7 @@ from urllib.parse import quote
 
 import httpx
 
+from backend.api_paths import ENROLMENTS, HEALTH
 from backend.app.sharing.client_config import profile_name, write_client_config
 from backend.app.sharing.discovery import FoundPort, browse
 from backend.keys.enrolment_code import enrolment_code, normal_address
@@ -45,7 +46,6 @@ from backend.models.hf_cache import printable
 
 __all__ = ["add_connect_parser"]
 
-ENROL_PATH = "/v1/enrolments"
 #: Seconds one poll asks the port to hold the answer.
 POLL_WAIT = 25
 
@@ -85,12 +85,12 @@ async def _connect_async(args: argparse.Namespace) -> int:
         if args.qr:
             _print_qr(root)
         name = (args.name or _ask_name()).strip()
-        async with client.stream("POST", root + ENROL_PATH, json={"name": name}) as answer:
+        async with client.stream("POST", root + ENROLMENTS, json={"name": name}) as answer:
             ends = _ends(answer)  # while the connection is surely open
             await answer.aread()
         request = _json(answer, f"{printable(port_name, 80)} did not take the request")
         _say_code(name, ends, request)
-        poll = f"{root}{ENROL_PATH}/{quote(str(request.get('id', '')), safe='')}"
+        poll = f"{root}{ENROLMENTS}/{quote(str(request.get('id', '')), safe='')}"
         approved = await _wait(client, poll, args.timeout, port_name)
     described = approved["port"]
     target = ClientTarget(
@@ -174,7 +174,7 @@ def _pick(ports: list[FoundPort], target: str | None) -> tuple[str, list[str]]:
 async def _reachable(client: httpx.AsyncClient, urls: list[str]) -> str:
     for url in urls:
         try:
-            await client.get(url + "/health", timeout=3)
+            await client.get(url + HEALTH, timeout=3)
         except httpx.HTTPError:
             continue
         return url

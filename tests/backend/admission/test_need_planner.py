@@ -22,8 +22,8 @@ from backend.llama.load import Serving
 from backend.admission.need_planner import NeedPlanner, OutputPolicy
 from backend.admission.hint import Hint
 from backend.admission.continued_turn import CONTINUATION_SLACK, Continued
-from backend.admission.prompt_tokens import (CHAT, COMPLETIONS, EMBEDDINGS, TEXT_SLACK, CountFailed,
-                                             PromptCounter)
+from backend.admission.prompt_tokens import TEXT_SLACK, CountFailed, PromptCounter
+from backend.api_paths import CHAT, COMPLETIONS, EMBEDDINGS
 from tests.backend.admission_helpers import OLD, kv_queue_of
 
 TEMPLATE = 10  # tokens the template adds to any conversation
