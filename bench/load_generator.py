@@ -1,16 +1,18 @@
 """The benchmarks' load generator: a lean asyncio HTTP/1.1 client, the same code for
 every target.  One `asyncio.Protocol` per stream over its own connection (`StreamClient`),
-or an agent sending request after request on its kept-alive connection (`Agent`); it
-counts content chunks and notes the time to the first one.
+an agent sending request after request on its kept-alive connection (`Agent`), or agents
+in lockstep, every one's request written in the same loop turn (`run_burst`); it counts
+content chunks and notes the time to the first one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from bench.processes import HOST, CpuMeter, Target
+from bench.processes import HOST, CpuMeter, Target, cpu_ns
 
 CHAT = "/v1/chat/completions"
 
@@ -178,6 +180,7 @@ class KeptAliveClient(StreamClient):
         self.t_send = time.perf_counter()
         if self.agent.t_asked is None:  # a resent request keeps its first time
             self.agent.t_asked = self.t_send
+            self.agent.sent_at.append(self.t_send)
         assert self.transport is not None
         self.transport.write(self.request)
 
@@ -232,6 +235,7 @@ class Agent:
         self.reconnected = 0
         self.chunks = 0
         self.errors = 0
+        self.sent_at: list[float] = []  # when each request was first written
 
     async def run(self, port: int, timeout: float, start_after: float = 0.0) -> None:
         loop = asyncio.get_running_loop()
@@ -257,6 +261,12 @@ class Run:
     #: Closed loop: measured requests that went out on a new connection all the same
     #: (the server had closed the kept-alive one).
     reconnected: int = 0
+    #: Closed loop and burst: for the agents' k-th request (k >= 2, the measured ones),
+    #: how far apart they were written: the last agent's write − the first's, seconds.
+    arrival_spread: list[float] = field(default_factory=list)
+    #: Burst: per measured burst, the relay's CPU (every thread, ns clock) from the first
+    #: write to the last first token, seconds: its serial work on the burst's way in.
+    first_token_cpu: list[float] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -328,9 +338,116 @@ async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int
                            for i, agent in enumerate(agents)))
     wall = time.perf_counter() - started
     cpu = meter.spent()
+    spreads = [max(times) - min(times) for times in zip(*(a.sent_at for a in agents))][1:]
     return Run(target.name, wall, sum(a.chunks for a in agents),
                [t for a in agents for t in a.ttfts], sum(a.errors for a in agents), cpu,
-               reconnected=sum(a.reconnected for a in agents))
+               reconnected=sum(a.reconnected for a in agents), arrival_spread=spreads)
+
+
+class BurstConnection(StreamClient):
+    """One agent of a burst (`run_burst`): a kept-alive connection on which `send` writes
+    the agent's request; the answer is read as any stream's, and the connection stays open
+    for the next burst.  `on_first` is called once the answer's first content came."""
+
+    def __init__(self, request: bytes, on_first: Callable[[], None]) -> None:
+        super().__init__(request, asyncio.get_running_loop().create_future())
+        self.on_first = on_first
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self) -> None:
+        self._new_answer()
+        self.done = asyncio.get_running_loop().create_future()
+        self.t_send = time.perf_counter()
+        assert self.transport is not None
+        self.transport.write(self.request)
+
+    def _body(self, data: bytes) -> None:
+        first = not self.tokens
+        super()._body(data)
+        if first and self.tokens:
+            self.on_first()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.t_end = time.perf_counter()
+            self.done.set_result(None)
+        if not self.keep_alive and self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        super().connection_lost(exc)
+
+    def ok(self, expect_tokens: int | None) -> bool:
+        return (self.status == 200 and self.saw_done and self.tokens > 0
+                and (expect_tokens is None or self.tokens == expect_tokens))
+
+
+async def run_burst(target: Target, upstream_pids: list[int], agents: int, bursts: int,
+                    body: bytes, expect_tokens: int | None, timeout: float) -> Run:
+    """`agents` agents in lockstep, each on its own kept-alive connection: `bursts` + 1
+    bursts, in each every agent's request written in the same loop turn, the next burst
+    the moment the last answer of this one ended.  The first burst (the port's first
+    request on each connection) is not measured.  TTFT: from a request's write to its
+    first content chunk; `first_token_cpu`: the relay's CPU over each measured burst's
+    way in (first write to last first token)."""
+    request = chat_request(target.port, body)
+    loop = asyncio.get_running_loop()
+    pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
+    if target.pid is not None:
+        pids["relay"] = target.pid
+    waiting = [0]
+    cpu_at_last_first = [0]
+
+    def on_first() -> None:
+        waiting[0] -= 1
+        if not waiting[0] and target.pid is not None:
+            cpu_at_last_first[0] = cpu_ns(target.pid)
+
+    async def connect() -> BurstConnection:
+        conn = BurstConnection(request, on_first)
+        await asyncio.wait_for(loop.create_connection(lambda: conn, HOST, target.port), timeout)
+        return conn
+
+    conns = list(await asyncio.gather(*(connect() for _ in range(agents))))
+    meter = CpuMeter(pids, client=True)
+    run = Run(target.name, 0.0, 0, [], 0, {})
+    started = time.perf_counter()
+    for burst in range(bursts + 1):
+        for i, conn in enumerate(conns):
+            if conn.lost:  # the server closed it: a new one, as HTTP clients do
+                conns[i] = await connect()
+                run.reconnected += 1 if burst else 0
+        waiting[0] = agents
+        cpu_before = cpu_ns(target.pid) if target.pid is not None else 0
+        for conn in conns:  # every request of the burst in this loop turn
+            conn.send()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.done for c in conns)), timeout)
+        except asyncio.TimeoutError:
+            for conn in conns:
+                if not conn.done.done() and conn.transport is not None:
+                    conn.transport.close()
+        for conn in conns:
+            run.chunks += conn.tokens
+            if not conn.ok(expect_tokens):
+                run.errors += 1
+            elif burst:
+                run.ttfts.append(conn.t_first - conn.t_send)
+        if burst:
+            sent = [c.t_send for c in conns]
+            run.arrival_spread.append(max(sent) - min(sent))
+            if target.pid is not None and not waiting[0]:
+                run.first_token_cpu.append((cpu_at_last_first[0] - cpu_before) / 1e9)
+    run.wall = time.perf_counter() - started
+    run.cpu = meter.spent()
+    for conn in conns:
+        if conn.transport is not None:
+            conn.transport.close()
+    return run
 
 
 async def _stream(client: StreamClient, port: int, timeout: float, start_after: float) -> None:

@@ -1,7 +1,9 @@
 """Pool benchmark: the port in front of N engines, and directly, side by side in one run.
 
-    python bench/pool.py            # the full run (about 15 minutes)
-    python bench/pool.py --quick    # a smoke run (about 2 minutes)
+    python bench/pool.py            # the full run (about 30 minutes)
+    python bench/pool.py --quick    # a smoke run (about 4 minutes)
+    python bench/pool.py --skip-pool --llama-tokens 0 --clients "" \
+        --against before=/tmp/before-52cece1          # the burst alone, beside 52cece1's port
 
 1. Pool: N = 1, 2, 4 synthetic engines (`tests/fake_upstream.py --enforce-slots`: 4
    slots each, a request beyond them waits as on llama-server; one token per 20 ms)
@@ -22,7 +24,15 @@
    (`bench/variants/checkout_port.py`): before and after in one run;
    `bench/variants/traced_port.py` (with `--keep-logs`) says which part of the added
    time is the port's own work and which the engine's.
-3. Real engines: two llama-servers with the tiny test model (`tests/model_factory.py`),
+3. Burst: N agents (64 and 8) in lockstep, each on its own kept-alive connection: every
+   agent's request is written in the same loop turn, and the next burst the moment the
+   last answer of this one ended (256 tokens at 20 ms per token, one synthetic engine of
+   N slots).  What the port's serial work per request costs the first token when requests
+   arrive together: the added TTFT (p50, p99, over direct; aim: at most 100 µs of serial
+   work per request, N x 0.1 ms at p50), and the port's CPU from a burst's first write to
+   its last first token, per request.  `--against NAME=CHECKOUT` measures another
+   checkout's port beside this one (a `git archive` of it), here and in the closed loop.
+4. Real engines: two llama-servers with the tiny test model (`tests/model_factory.py`),
    started as users start them (`-np 4`, the default cache; but `--threads 1`: on this
    shared 2-core machine spinning worker threads stall whenever one is descheduled),
    attached as users attach them (`serve --upstream A [--upstream B]`): the throughput
@@ -45,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,12 +66,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.load_generator import Run, chat_request, one_stream, run_closed_loop  # noqa: E402
+from bench.load_generator import (Run, chat_request, one_stream, run_burst,  # noqa: E402
+                                  run_closed_loop)
 from bench.pool_results import PoolResult, RealResult  # noqa: E402
 from bench.processes import (HOST, CpuMeter, Processes, Target, free_port,  # noqa: E402
                              get_json, run_bench, start_fake, start_helper, start_port,
                              stop_children, wait_until)
-from bench.report import (closed_loop_table, machine_note, pool_newcomer_table,  # noqa: E402
+from bench.report import (burst_table, closed_loop_table, machine_note,  # noqa: E402
+                          pool_newcomer_table,
                           pool_throughput_table, real_engine_tables, routing_table)
 from bench.scenarios import (Scenario, Steady, llama_body, median,  # noqa: E402
                              run_steady_rounds, synthetic_body)
@@ -71,6 +84,8 @@ SLOTS = 4
 #: pool shared by the slots, in which 4 requests of the default output budget fit.
 POOL_CTX = SLOTS * 4096
 LOG = Callable[[str], None]
+#: Runs another checkout's port (`--against`).
+CHECKOUT_PORT = REPO / "bench" / "variants" / "checkout_port.py"
 
 
 # --- the pool ------------------------------------------------------------------------------
@@ -213,9 +228,7 @@ async def closed_part(args: argparse.Namespace, procs: Processes, work: Path,
         fake, proc = start_fake(procs, f"closed-{clients}", clients, clients * 4096,
                                 enforce_slots=True)
         upstream = f"http://{HOST}:{fake.port}"
-        ports = [start_port(procs, "port", upstream, clients, work / "config")]
-        for name, patch in args.variant:
-            ports.append(start_port(procs, name, upstream, clients, work / "config", patch))
+        ports = start_ports(args, procs, upstream, clients, work)
         floor = start_helper(procs, "tcp-proxy", "tcp_proxy.py", upstream, "tcp proxy")
         log(f"closed loop, {clients} agents: engine pid {proc.pid} on {upstream}; "
             + ", ".join(f"{t.name} pid {t.pid} on :{t.port}" for t in [*ports, floor]))
@@ -247,6 +260,61 @@ async def closed_rounds(s: Scenario, rounds: int, log: LOG) -> Scenario:
             line.append(f"{target.name} ttft p50 {_q(run.ttfts, 0.5):.1f} p99 "
                         f"{_q(run.ttfts, 0.99):.1f} ms" + (f" ERRORS {run.errors}" if run.errors else ""))
         log(f"  {s.title}, {s.streams} agents round {i + 1}/{rounds}: " + " | ".join(line))
+    return s
+
+
+def start_ports(args: argparse.Namespace, procs: Processes, upstream: str, slots: int,
+                work: Path) -> list[Target]:
+    """This checkout's port, then each `--variant`'s and each `--against` checkout's."""
+    ports = [start_port(procs, "port", upstream, slots, work / "config")]
+    for name, patch in args.variant:
+        ports.append(start_port(procs, name, upstream, slots, work / "config", patch))
+    for name, checkout in args.against:
+        ports.append(start_port(procs, name, upstream, slots, work / "config", str(CHECKOUT_PORT),
+                                env={"BENCH_CHECKOUT": checkout}))
+    return ports
+
+
+# --- the burst -----------------------------------------------------------------------------
+
+
+async def burst_part(args: argparse.Namespace, procs: Processes, work: Path,
+                     log: LOG) -> list[Scenario]:
+    results = []
+    for agents in args.burst:
+        fake, proc = start_fake(procs, f"burst-{agents}", agents, agents * 4096,
+                                enforce_slots=True)
+        upstream = f"http://{HOST}:{fake.port}"
+        ports = start_ports(args, procs, upstream, agents, work)
+        floor = ([start_helper(procs, "tcp-proxy", "tcp_proxy.py", upstream, "tcp proxy")]
+                 if args.burst_floor else [])
+        log(f"burst, {agents} agents: engine pid {proc.pid} on {upstream}; "
+            + ", ".join(f"{t.name} pid {t.pid} on :{t.port}" for t in [*ports, *floor]))
+        s = Scenario(f"burst, {args.delay * 1e3:g} ms/token", agents, args.closed_tokens,
+                     synthetic_body(args.closed_tokens, args.delay), proc.pid,
+                     [*ports, Target("direct", fake.port, None), *floor], args.closed_tokens,
+                     timeout=60 + args.closed_tokens * args.delay * 4, requests=args.bursts)
+        await burst_rounds(s, args.burst_rounds, log)
+        results.append(s)
+        stop_children(procs)
+    return results
+
+
+async def burst_rounds(s: Scenario, rounds: int, log: LOG) -> Scenario:
+    """Every target in turn per round, `s.requests` measured bursts of `s.streams` agents
+    each; each round starts with the next target (see `closed_rounds`)."""
+    s.runs = {t.name: [] for t in s.targets}
+    for i in range(rounds):
+        line = []
+        turn = i % len(s.targets)
+        for target in s.targets[turn:] + s.targets[:turn]:
+            run = await run_burst(target, [s.upstream_pid], s.streams, s.requests, s.body,
+                                  s.expect_tokens, s.timeout)
+            s.runs[target.name].append(run)
+            line.append(f"{target.name} ttft p50 {_q(run.ttfts, 0.5):.1f} p99 "
+                        f"{_q(run.ttfts, 0.99):.1f} ms" + (f" ERRORS {run.errors}" if run.errors else ""))
+        log(f"  {s.title}, {s.streams} agents round {i + 1}/{rounds} "
+            f"(load {os.getloadavg()[0]:.1f}): " + " | ".join(line))
     return s
 
 
@@ -342,6 +410,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--closed-rounds", type=int, help="closed-loop rounds (3; quick 1)")
     p.add_argument("--closed-spread", type=float, default=0.5,
                    help="the agents connect evenly over this many seconds (0.5)")
+    p.add_argument("--burst", type=lambda s: [int(x) for x in s.split(",") if x],
+                   help="burst agent counts, comma separated; empty skips (64,8; quick 64)")
+    p.add_argument("--bursts", type=int, help="measured bursts per target and round, after "
+                   "one that opens the connections (3; quick 1)")
+    p.add_argument("--burst-rounds", type=int, help="burst rounds (5; quick 1)")
+    p.add_argument("--no-burst-floor", dest="burst_floor", action="store_false",
+                   help="no tcp-proxy in the burst")
     p.add_argument("--llama-tokens", type=int,
                    help="tokens per real-engine stream, 0 skips the real engine (200; quick 32)")
     p.add_argument("--llama-engines", type=lambda s: [int(x) for x in s.split(",")],
@@ -350,6 +425,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
                    help="also measure a patched port in the closed loop: FILE patches, then "
                         "calls backend.app.cli.main(sys.argv[1:]) (repeatable)")
+    p.add_argument("--against", action="append", default=[], metavar="NAME=CHECKOUT",
+                   help="also measure the port of another checkout (e.g. a git archive of a "
+                        "commit) in the closed loop and the burst (repeatable)")
     p.add_argument("--skip-pool", action="store_true", help="skip the pool part")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = p.parse_args(argv)
@@ -357,6 +435,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "newcomers": (40, 10), "steady_rounds": (3, 1), "short_requests": (50, 10),
                 "clients": ([64, 8], [64]), "closed_requests": (3, 2),
                 "closed_requests_few": (6, 3), "closed_rounds": (3, 1),
+                "burst": ([64, 8], [64]), "bursts": (3, 1), "burst_rounds": (5, 1),
                 "llama_tokens": (200, 32)}
     for name, (full, small) in defaults.items():
         if getattr(args, name) is None:
@@ -368,6 +447,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--variant takes NAME=FILE, NAME not one of port, direct, tcp-proxy")
         variants.append((name, str(Path(path).resolve())))
     args.variant = variants
+    against: list[tuple[str, str]] = []
+    for spec in args.against:
+        name, _, path = spec.partition("=")
+        taken = {"port", "direct", "tcp-proxy", *(n for n, _ in variants), *(n for n, _ in against)}
+        if not name or not path or name in taken:
+            p.error("--against takes NAME=CHECKOUT, NAME not one of port, direct, tcp-proxy "
+                    "or another port's")
+        if not (Path(path) / "backend").is_dir():
+            p.error(f"--against {spec}: no backend/ in {path}")
+        against.append((name, str(Path(path).resolve())))
+    args.against = against
     return args
 
 
@@ -380,6 +470,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
     pool = [] if args.skip_pool else await pool_part(args, procs, work, log)
     routing = {n: routing_cpu(n, args.routing_iterations) for n in (1, 2, 4, 16)}
     closed = await closed_part(args, procs, work, log) if args.clients else []
+    bursts = await burst_part(args, procs, work, log) if args.burst else []
     real = await real_part(args, procs, work, log) if args.llama_tokens > 0 else None
 
     out = [f"pool benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()}; "
@@ -397,12 +488,16 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
         rows, v = closed_loop_table(s)
         out += [*rows, ""]
         verdicts += v
+    for s in bursts:
+        rows, v = burst_table(s)
+        out += [*rows, ""]
+        verdicts += v
     if real is not None:
         out += [*real_engine_tables(real, SLOTS, args.llama_tokens), ""]
     errors = sum(r.errors for p in pool for runs in p.throughput.values() for r in runs)
     errors += sum(r.errors for p in pool if p.steady for runs in p.steady.runs.values()
                   for r in runs)
-    errors += sum(s.errors() for s in closed)
+    errors += sum(s.errors() for s in [*closed, *bursts])
     if real is not None:
         errors += sum(r.errors for p in real.pool for runs in p.throughput.values() for r in runs)
         errors += real.closed.errors() if real.closed is not None else 0

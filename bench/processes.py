@@ -144,6 +144,19 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds on a CPU of every thread of `pid` so far (/proc/<pid>/task/*/schedstat:
+    the scheduler's clock, not 10 ms ticks; a thread that ended is no longer counted)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended meanwhile
+    return total
+
+
 class CpuMeter:
     """The CPU seconds each named process spends from now until `spent()`: `{name: user +
     system, name + "_sys": system}`, and `"client"` (this process) when `client` is set."""
@@ -180,10 +193,12 @@ class Target:
 
 
 def start_port(procs: Processes, name: str, upstream: str | list[str], slots: int,
-               config_dir: Path, patch: str | None = None, extra: list[str] | None = None) -> Target:
+               config_dir: Path, patch: str | None = None, extra: list[str] | None = None,
+               env: dict[str, str] | None = None) -> Target:
     """`gguf-studio serve --upstream URL [--upstream URL ...]` in its own process; ready
     once it reports `slots` in all (`/health`'s `effective_parallel_slots`, or the sum
-    over its `engines` where it lists them)."""
+    over its `engines` where it lists them).  `env`: more variables for it (e.g.
+    `BENCH_CHECKOUT` for `bench/variants/checkout_port.py`)."""
     upstreams = [upstream] if isinstance(upstream, str) else upstream
     serve = ["serve", *(arg for url in upstreams for arg in ("--upstream", url)),
              "--host", HOST, "--port", "0", "--max-output-tokens", "0", *(extra or [])]
@@ -191,7 +206,7 @@ def start_port(procs: Processes, name: str, upstream: str | list[str], slots: in
         cmd = [PYTHON, patch, *serve]
     else:
         cmd = [PYTHON, "-m", "backend.app.cli", *serve]
-    proc = procs.start(name, cmd, env=port_env(config_dir))
+    proc = procs.start(name, cmd, env={**port_env(config_dir), **(env or {})})
     port = int(procs.wait_for_line(name, proc, r"http://127\.0\.0\.1:(\d+)/v1").group(1))
 
     def ready() -> bool:

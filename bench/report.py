@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from bench.load_generator import Run
 from bench.pool_results import PoolResult, RealResult
 from bench.scenarios import Scenario, Steady, median, quantile
 
@@ -212,12 +213,14 @@ def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list
             "moment the last answer ended), connecting over "
             f"{s.spread:g} s; TTFT of the requests on a kept-alive connection (the second on); "
             f"{len(direct)} rounds; direct TTFT p50 / p99 {d50:.1f} / {d99:.1f} ms; added = "
-            "relay − direct within a round, median over rounds (min–max)",
+            "relay − direct within a round, median over rounds (min–max); arrival spread = "
+            "how far apart the agents' k-th requests were written (last − first, k ≥ 2), "
+            "median",
             "",
             "| relay | throughput ÷ direct | added TTFT p50 ms | added TTFT p99 ms "
             "| relay CPU µs/chunk (sys) | requests measured per round (on a new connection: "
-            "relay / direct) |",
-            "|---|---|---|---|---|---|"]
+            "relay / direct) | arrival spread ms |",
+            "|---|---|---|---|---|---|---|"]
     verdicts = []
     for name in s.runs:
         if name == "direct":
@@ -229,7 +232,8 @@ def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list
                     f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
                     f"| {median([len(r.ttfts) for r in s.runs[name]]):.0f} "
                     f"({median([r.reconnected for r in s.runs[name]]):.0f} / "
-                    f"{median([r.reconnected for r in direct]):.0f}) |")
+                    f"{median([r.reconnected for r in direct]):.0f}) "
+                    f"| {_spread_ms(s.runs[name])} |")
         if judged and name == "port":
             checks = [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
                        median(p50) <= TARGET_TTFT_P50_MS),
@@ -238,6 +242,53 @@ def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list
             verdicts.append(f"- closed loop, {s.streams} agents: "
                             + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks))
     return rows, verdicts
+
+
+#: The burst's aim: at most this much of the port's serial work per request, so at most
+#: agents × this added to the first token (issue 34: 100 µs, 6.4 ms at 64 agents).
+TARGET_SERIAL_MS_PER_REQUEST = 0.1
+
+
+def burst_table(s: Scenario) -> tuple[list[str], list[str]]:
+    direct = s.runs["direct"]
+    d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
+    d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+    rows = [f"{s.title}: {s.streams} agents in lockstep, each on its kept-alive connection, "
+            f"every agent's request ({s.tokens} tokens) written in the same loop turn and the "
+            f"next burst the moment the last answer ended; {s.requests} measured bursts per "
+            f"round after one that opens the connections; {len(direct)} rounds; direct TTFT "
+            f"p50 / p99 {d50:.1f} / {d99:.1f} ms; added = relay − direct within a round, median "
+            "over rounds (min–max); serial CPU = the relay's CPU (every thread, scheduler "
+            "clock) from a burst's first write to its last first token ÷ agents, median over "
+            "bursts",
+            "",
+            "| relay | throughput ÷ direct | added TTFT p50 ms | added TTFT p99 ms "
+            "| added p50 ÷ agents µs | serial CPU µs/request | relay CPU µs/chunk (sys) "
+            "| arrival spread ms |",
+            "|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for name in s.runs:
+        if name == "direct":
+            continue
+        p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
+        p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+        serial = [cpu / s.streams * 1e6 for r in s.runs[name] for cpu in r.first_token_cpu]
+        rows.append(f"| {name} | {_range(s.throughput_ratios(name))} | {_range(p50, '{:+.1f}')} "
+                    f"| {_range(p99, '{:+.1f}')} | {median(p50) / s.streams * 1e3:.0f} "
+                    f"| {_range(serial, '{:.0f}') if serial else '—'} "
+                    f"| {s.cpu_per_chunk(name, 'relay'):.0f} "
+                    f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) | {_spread_ms(s.runs[name])} |")
+        if name == "port":
+            aim = TARGET_SERIAL_MS_PER_REQUEST * s.streams
+            verdicts.append(f"- burst, {s.streams} agents: added TTFT p50 {median(p50):+.2f} ms "
+                            f"≤ {aim:g} ({TARGET_SERIAL_MS_PER_REQUEST * 1e3:g} µs × "
+                            f"{s.streams}) {_mark(median(p50) <= aim)}")
+    return rows, verdicts
+
+
+def _spread_ms(runs: list[Run]) -> str:
+    spreads = [x * 1e3 for r in runs for x in r.arrival_spread]
+    return f"{median(spreads):.1f}" if spreads else "—"
 
 
 def real_engine_tables(real: RealResult, slots: int, tokens: int) -> list[str]:
