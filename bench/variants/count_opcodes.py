@@ -4,7 +4,9 @@ started after; the port then runs about 30× slower).  On each SIGUSR1 it append
 count so far to the file `$OPCODES_OUT` and, with `$OPCODES_BY_FUNCTION` set, writes the
 counts per function beside it (`<file>.<n>.json`, n = that line's number).
 `$BENCH_CHECKOUT`, when set, is imported ahead of this environment (as `checkout_port.py`
-does).  Used by `bench/opcodes.py`."""
+does), else this file's own checkout: never the editable install's, which may be another
+tree (a worktree's bench counted main's port, whatever main held at the time).  Used by
+`bench/opcodes.py`."""
 
 import json
 import os
@@ -15,13 +17,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-checkout = os.environ.get("BENCH_CHECKOUT")
-if checkout:
-    sys.path.insert(0, str(Path(checkout).resolve()))
+checkout = Path(os.environ.get("BENCH_CHECKOUT") or Path(__file__).parents[2]).resolve()
+sys.path.insert(0, str(checkout))
 
 import backend  # noqa: E402
 
-if checkout and not Path(backend.__file__).resolve().is_relative_to(Path(checkout).resolve()):
+if not Path(backend.__file__).resolve().is_relative_to(checkout):
     raise SystemExit(f"backend came from {backend.__file__}, not from {checkout}")
 
 OUT = Path(os.environ["OPCODES_OUT"])
