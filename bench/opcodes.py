@@ -144,7 +144,7 @@ def table(ports: list[Port], args: argparse.Namespace) -> list[str]:
 
 
 async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> int:
-    fake_target, fake = start_fake(procs, "fake-upstream", args.clients, 4096)
+    fake_target, fake = start_fake(procs, "fake-upstream", args.clients, args.n_ctx)
     upstream = f"http://{HOST}:{fake_target.port}"
     ports = [Port("this", None)] + [Port(name, path) for name, path in args.against]
     for r in range(args.rounds):
@@ -166,6 +166,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--delay", type=float, default=0.02,
                    help="seconds per token of the synthetic upstream (0.02): paced, each "
                         "chunk reaches the port in a read of its own, as a real engine's do")
+    p.add_argument("--n-ctx", type=int, default=4096,
+                   help="the synthetic upstream's context, which the port takes as one pool "
+                        "for all its slots (4096: with 8 agents a request's share is 512 "
+                        "tokens, below the default output budget, so every prompt is counted "
+                        "by the engine and two requests fit at once; 8 x 4096 = 32768: none is "
+                        "counted nor waits, as in bench/pool.py --burst)")
     p.add_argument("--by-function", type=int, default=0, metavar="N",
                    help="list the N functions whose per-request count moved most")
     p.add_argument("--keep-logs", action="store_true")
