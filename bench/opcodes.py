@@ -153,6 +153,12 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
             print(f"round {r + 1}/{args.rounds} {port.name}: {port.per_request[-1]:,.0f} per "
                   f"request, {port.per_chunk[-1]:,.1f} per chunk", file=sys.stderr, flush=True)
     print("\n".join(table(ports, args)))
+    if args.save:
+        Path(args.save).write_text(json.dumps({
+            p.name: {"per_request": p.per_request, "per_chunk": p.per_chunk,
+                     "idle_rate": p.idle_rate,
+                     "functions": {k: v / args.rounds for k, v in p.functions.items()}}
+            for p in ports}, indent=1))
     return 0
 
 
@@ -174,6 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "counted nor waits, as in bench/pool.py --burst)")
     p.add_argument("--by-function", type=int, default=0, metavar="N",
                    help="list the N functions whose per-request count moved most")
+    p.add_argument("--save", metavar="FILE",
+                   help="write each port's figures to FILE as JSON (with --by-function, "
+                        "every function's instructions per request, mean over rounds)")
     p.add_argument("--keep-logs", action="store_true")
     args = p.parse_args(argv)
     against = []
