@@ -84,7 +84,10 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
     out = work / f"{port.name}-{round_no}.{args.profiler}"
     target = _start(port, args, procs, work, upstream, out)
     assert target.pid is not None
-    body = synthetic_body(args.tokens, args.delay)
+    body: bytes | list[bytes] = synthetic_body(args.tokens, args.delay)
+    if args.distinct:  # each agent its own conversation, so its own session
+        body = [synthetic_body(args.tokens, args.delay, content=f"Hello from agent {i}")
+                for i in range(args.agents)]
     timeout = 60 + args.tokens * args.delay * 4
     try:
         await run_burst(target, [fake_pid], args.agents, 1, body, args.tokens, timeout)  # warm
@@ -228,7 +231,8 @@ def report(ports: list[Port], args: argparse.Namespace) -> list[str]:
             else f"perf record -e cpu-clock at {args.perf_rate} Hz, every thread")
     rows = [f"burst profile, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()}; "
             f"{args.rounds} rounds of {args.bursts + 1} bursts × {args.agents} agents, "
-            f"{args.tokens}-token answers at {args.delay * 1e3:g} ms a token; {what}", "",
+            f"{args.tokens}-token answers at {args.delay * 1e3:g} ms a token"
+            f"{', each agent its own conversation' if args.distinct else ''}; {what}", "",
             "| port | requests | CPU µs per request | profiled µs per request "
             + ("| calls per request |" if args.profiler == "cprofile" else "|"),
             "|---|---|---|---|" + ("---|" if args.profiler == "cprofile" else "")]
@@ -301,6 +305,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2, help="tokens of each answer (2)")
     p.add_argument("--delay", type=float, default=0.02, help="seconds per token (0.02)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each port once a round (3)")
+    p.add_argument("--distinct", action="store_true",
+                   help="each agent its own conversation (default: all the same \"Hello\", "
+                        "which the port takes for one session)")
     p.add_argument("--top", type=int, default=30, help="functions or symbols listed (30)")
     p.add_argument("--perf", default=shutil.which("perf") or "perf", help="the perf program")
     p.add_argument("--perf-rate", type=int, default=4999, help="perf samples a second (4999)")

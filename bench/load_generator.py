@@ -387,14 +387,17 @@ class BurstConnection(StreamClient):
 
 
 async def run_burst(target: Target, upstream_pids: list[int], agents: int, bursts: int,
-                    body: bytes, expect_tokens: int | None, timeout: float) -> Run:
+                    body: bytes | list[bytes], expect_tokens: int | None,
+                    timeout: float) -> Run:
     """`agents` agents in lockstep, each on its own kept-alive connection: `bursts` + 1
     bursts, in each every agent's request written in the same loop turn, the next burst
     the moment the last answer of this one ended.  The first burst (the port's first
     request on each connection) is not measured.  TTFT: from a request's write to its
     first content chunk; `first_token_cpu`: the relay's CPU over each measured burst's
-    way in (first write to last first token)."""
-    request = chat_request(target.port, body)
+    way in (first write to last first token).  `body`: every agent's, or agent i's the
+    i-th of a list (their own conversations)."""
+    requests = [chat_request(target.port, b) for b in
+                (body if isinstance(body, list) else [body] * agents)]
     loop = asyncio.get_running_loop()
     pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
     if target.pid is not None:
@@ -407,19 +410,19 @@ async def run_burst(target: Target, upstream_pids: list[int], agents: int, burst
         if not waiting[0] and target.pid is not None:
             cpu_at_last_first[0] = cpu_ns(target.pid)
 
-    async def connect() -> BurstConnection:
-        conn = BurstConnection(request, on_first)
+    async def connect(agent: int) -> BurstConnection:
+        conn = BurstConnection(requests[agent], on_first)
         await asyncio.wait_for(loop.create_connection(lambda: conn, HOST, target.port), timeout)
         return conn
 
-    conns = list(await asyncio.gather(*(connect() for _ in range(agents))))
+    conns = list(await asyncio.gather(*(connect(i) for i in range(agents))))
     meter = CpuMeter(pids, client=True)
     run = Run(target.name, 0.0, 0, [], 0, {})
     started = time.perf_counter()
     for burst in range(bursts + 1):
         for i, conn in enumerate(conns):
             if conn.lost:  # the server closed it: a new one, as HTTP clients do
-                conns[i] = await connect()
+                conns[i] = await connect(i)
                 run.reconnected += 1 if burst else 0
         waiting[0] = agents
         cpu_before = cpu_ns(target.pid) if target.pid is not None else 0

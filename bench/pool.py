@@ -290,26 +290,41 @@ async def burst_part(args: argparse.Namespace, procs: Processes, work: Path,
                  if args.burst_floor else [])
         log(f"burst, {agents} agents: engine pid {proc.pid} on {upstream}; "
             + ", ".join(f"{t.name} pid {t.pid} on :{t.port}" for t in [*ports, *floor]))
-        s = Scenario(f"burst, {args.delay * 1e3:g} ms/token", agents, args.closed_tokens,
+        s = Scenario(f"burst, {args.delay * 1e3:g} ms/token"
+                     + (", each agent its own conversation" if args.burst_distinct else ""),
+                     agents, args.closed_tokens,
                      synthetic_body(args.closed_tokens, args.delay), proc.pid,
                      [*ports, Target("direct", fake.port, None), *floor], args.closed_tokens,
                      timeout=60 + args.closed_tokens * args.delay * 4, requests=args.bursts)
-        await burst_rounds(s, args.burst_rounds, log)
+        await burst_rounds(s, args.burst_rounds, log, burst_bodies(
+            agents, args.closed_tokens, args.delay, args.burst_distinct))
         results.append(s)
         stop_children(procs)
     return results
 
 
-async def burst_rounds(s: Scenario, rounds: int, log: LOG) -> Scenario:
+def burst_bodies(agents: int, tokens: int, delay: float,
+                 distinct: bool) -> bytes | list[bytes]:
+    """Every agent the same conversation (the port then sees them as one session, named
+    by the conversation's start), or each its own."""
+    if not distinct:
+        return synthetic_body(tokens, delay)
+    return [synthetic_body(tokens, delay, content=f"Hello from agent {i}")
+            for i in range(agents)]
+
+
+async def burst_rounds(s: Scenario, rounds: int, log: LOG,
+                       bodies: bytes | list[bytes]) -> Scenario:
     """Every target in turn per round, `s.requests` measured bursts of `s.streams` agents
-    each; each round starts with the next target (see `closed_rounds`)."""
+    each (`bodies`: see `burst_bodies`); each round starts with the next target (see
+    `closed_rounds`)."""
     s.runs = {t.name: [] for t in s.targets}
     for i in range(rounds):
         line = []
         turn = i % len(s.targets)
         for target in s.targets[turn:] + s.targets[:turn]:
-            run = await run_burst(target, [s.upstream_pid], s.streams, s.requests, s.body,
-                                  s.expect_tokens, s.timeout)
+            run = await run_burst(target, [s.upstream_pid], s.streams, s.requests,
+                                  bodies, s.expect_tokens, s.timeout)
             s.runs[target.name].append(run)
             line.append(f"{target.name} ttft p50 {_q(run.ttfts, 0.5):.1f} p99 "
                         f"{_q(run.ttfts, 0.99):.1f} ms" + (f" ERRORS {run.errors}" if run.errors else ""))
@@ -417,6 +432,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-rounds", type=int, help="burst rounds (5; quick 1)")
     p.add_argument("--no-burst-floor", dest="burst_floor", action="store_false",
                    help="no tcp-proxy in the burst")
+    p.add_argument("--burst-distinct", action="store_true",
+                   help="each burst agent its own conversation (default: all the same "
+                        "\"Hello\", which the port takes for one session)")
     p.add_argument("--llama-tokens", type=int,
                    help="tokens per real-engine stream, 0 skips the real engine (200; quick 32)")
     p.add_argument("--llama-engines", type=lambda s: [int(x) for x in s.split(",")],

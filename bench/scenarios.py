@@ -213,9 +213,9 @@ async def run_steady_rounds(s: Steady, rounds: int, log: Callable[[str], None]) 
     return s
 
 
-def synthetic_body(tokens: int, delay: float, prompt_bytes: int = 0) -> bytes:
-    """A streamed chat request; its message is "Hello", or `prompt_bytes` bytes of words."""
-    content = "Hello"
+def synthetic_body(tokens: int, delay: float, prompt_bytes: int = 0, *,
+                   content: str = "Hello") -> bytes:
+    """A streamed chat request; its message is `content`, or `prompt_bytes` bytes of words."""
     if prompt_bytes > 0:
         words = "the relay counts this prompt before admission "
         content = (words * (prompt_bytes // len(words) + 1))[:prompt_bytes]
