@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import pstats
+import random
 import re
 import shutil
 import signal
@@ -46,6 +48,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -85,7 +88,9 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
     target = _start(port, args, procs, work, upstream, out)
     assert target.pid is not None
     body: bytes | list[bytes] = synthetic_body(args.tokens, args.delay)
-    if args.distinct:  # each agent its own conversation, so its own session
+    if args.turns:
+        body = [agent_body(i, args.turns, args.tokens, args.delay) for i in range(args.agents)]
+    elif args.distinct:  # each agent its own conversation, so its own session
         body = [synthetic_body(args.tokens, args.delay, content=f"Hello from agent {i}")
                 for i in range(args.agents)]
     timeout = 60 + args.tokens * args.delay * 4
@@ -139,6 +144,39 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
             if child_name == port.name:
                 procs.stop(proc)
                 procs.children.remove((child_name, proc))
+
+
+def agent_body(agent: int, turns: int, tokens: int, delay: float) -> bytes:
+    """A coding agent's request after `turns` turns: a system prompt of ~6 KB, three
+    tools, then user and assistant messages of ~1 KB each, the assistant's with a tool
+    call and its result (about 6 + 2.5 × turns KB in all); its first user message names
+    the agent, so each is its own session."""
+    words = ("function return value error import class module test file path string list "
+             "index buffer stream token parse build change commit branch merge request "
+             "async await result option config server client socket thread queue").split()
+    rng = random.Random(agent)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    tools = [{"type": "function", "function": {
+        "name": name, "description": text(40),
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string", "description": text(12)},
+            "content": {"type": "string", "description": text(12)}},
+            "required": ["path"]}}} for name in ("read_file", "write_file", "run")]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": text(900)},
+                                      {"role": "user", "content": f"agent {agent}: " + text(150)}]
+    for turn in range(turns):
+        call = f"call_{agent}_{turn}"
+        messages += [
+            {"role": "assistant", "content": text(60), "tool_calls": [
+                {"id": call, "type": "function", "function": {
+                    "name": "read_file", "arguments": json.dumps({"path": f"src/{turn}.py"})}}]},
+            {"role": "tool", "tool_call_id": call, "content": text(150)},
+            {"role": "user", "content": text(60)}]
+    return json.dumps({"model": "fake-model", "stream": True, "messages": messages,
+                       "tools": tools, "fake": {"n_tokens": tokens, "delay": delay}}).encode()
 
 
 def _start(port: Port, args: argparse.Namespace, procs: Processes, work: Path, upstream: str,
@@ -232,7 +270,9 @@ def report(ports: list[Port], args: argparse.Namespace) -> list[str]:
     rows = [f"burst profile, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()}; "
             f"{args.rounds} rounds of {args.bursts + 1} bursts × {args.agents} agents, "
             f"{args.tokens}-token answers at {args.delay * 1e3:g} ms a token"
-            f"{', each agent its own conversation' if args.distinct else ''}; {what}", "",
+            f"{', each agent its own conversation' if args.distinct else ''}"
+            f"{f', each agent a conversation of {args.turns} turns' if args.turns else ''}; "
+            f"{what}", "",
             "| port | requests | CPU µs per request | profiled µs per request "
             + ("| calls per request |" if args.profiler == "cprofile" else "|"),
             "|---|---|---|---|" + ("---|" if args.profiler == "cprofile" else "")]
@@ -282,8 +322,8 @@ def report(ports: list[Port], args: argparse.Namespace) -> list[str]:
 
 
 async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> int:
-    fake_target, fake = start_fake(procs, "fake-upstream", args.agents, args.agents * 4096,
-                                   enforce_slots=True)
+    fake_target, fake = start_fake(procs, "fake-upstream", args.agents,
+                                   args.agents * args.n_ctx, enforce_slots=True)
     upstream = f"http://{HOST}:{fake_target.port}"
     ports = [Port("this", None)] + [Port(name, path) for name, path in args.against]
     for r in range(args.rounds):
@@ -305,6 +345,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2, help="tokens of each answer (2)")
     p.add_argument("--delay", type=float, default=0.02, help="seconds per token (0.02)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each port once a round (3)")
+    p.add_argument("--turns", type=int, default=0,
+                   help="each agent a coding agent's conversation of this many turns "
+                        "(a system prompt, tools, ~2.5 KB a turn; its own session); 0: "
+                        "\"Hello\" (0)")
+    p.add_argument("--n-ctx", type=int, default=4096,
+                   help="the synthetic upstream's context per agent (4096: a \"Hello\" is "
+                        "neither counted by the engine nor waits; give longer "
+                        "conversations more, or they are counted before admission)")
     p.add_argument("--distinct", action="store_true",
                    help="each agent its own conversation (default: all the same \"Hello\", "
                         "which the port takes for one session)")
