@@ -68,6 +68,8 @@ Seconds = defaultdict[str, float]
 class Port:
     name: str
     checkout: Path | None  # None: this checkout
+    #: A file that patches the port and runs it (`--variant`, perf only).
+    script: str | None = None
     requests: int = 0
     cpu: float = 0.0  # seconds of the port's CPU over the profiled bursts
     #: Per key (a function, or a library and symbol for perf), summed over rounds:
@@ -186,6 +188,8 @@ def _start(port: Port, args: argparse.Namespace, procs: Processes, work: Path, u
     if args.profiler == "cprofile":
         env["PROFILE_OUT"] = str(out)
         script = str(PROFILED_PORT)
+    elif port.script is not None:
+        script = port.script
     elif port.checkout is not None:
         script = str(CHECKOUT_PORT)
     if port.checkout is not None:
@@ -326,6 +330,7 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
                                    args.agents * args.n_ctx, enforce_slots=True)
     upstream = f"http://{HOST}:{fake_target.port}"
     ports = [Port("this", None)] + [Port(name, path) for name, path in args.against]
+    ports += [Port(name, None, script) for name, script in args.variant]
     for r in range(args.rounds):
         for port in (ports if r % 2 == 0 else ports[::-1]):
             await measure(port, args, procs, work, upstream, fake.pid, r)
@@ -337,6 +342,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", action="append", default=[], metavar="NAME=CHECKOUT",
                    help="another checkout's port to profile beside this one (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                   help="with --profiler perf: also a patched port, FILE patching this "
+                        "checkout's and running backend.app.cli.main (repeatable)")
     p.add_argument("--profiler", choices=("cprofile", "perf"), default="cprofile",
                    help="cProfile in the port (Python functions) or perf (CPU by library)")
     p.add_argument("--agents", type=int, default=64, help="agents of each burst (64)")
@@ -368,6 +376,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--against {item}: no backend/ in {path}")
         against.append((name or Path(path).name, Path(path).resolve()))
     args.against = against
+    variants = []
+    for item in args.variant:
+        name, _, path = item.partition("=")
+        if not name or not Path(path).is_file():
+            p.error(f"--variant {item}: NAME=FILE, FILE a file")
+        variants.append((name, str(Path(path).resolve())))
+    if variants and args.profiler != "perf":
+        p.error("--variant needs --profiler perf")
+    args.variant = variants
     if args.profiler == "perf" and shutil.which(args.perf) is None and not Path(args.perf).exists():
         p.error("perf not found (--perf PATH)")
     return args
