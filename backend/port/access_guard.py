@@ -45,8 +45,10 @@ import ipaddress
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, MutableMapping
+from typing import Callable, Iterable
 from urllib.parse import urlsplit
+
+from starlette.types import Message, Scope, Send
 
 from backend.errors import (ForbiddenHost, ForbiddenOrigin, TooManyKeyFailures, Unauthorized,
                             UnsupportedContentType)
@@ -79,19 +81,19 @@ class Screening:
     preflight: bool = False
     requested_headers: bytes = b""  # a preflight's Access-Control-Request-Headers
 
-    def wrap(self, send: Any) -> Any:
+    def wrap(self, send: Send) -> Send:
         """`send` with the CORS headers added to the answer's head."""
         if not self.cors_headers:
             return send
         extra = self.cors_headers
 
-        async def send_with_cors(message: dict[str, Any]) -> None:
+        async def send_with_cors(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
         return send_with_cors
 
-    async def answer_preflight(self, send: Any) -> None:
+    async def answer_preflight(self, send: Send) -> None:
         headers = [*self.cors_headers,
                    (b"access-control-allow-methods", PREFLIGHT_METHODS.encode()),
                    (b"access-control-max-age", PREFLIGHT_MAX_AGE.encode()),
@@ -125,7 +127,7 @@ class AccessGuard:
 
     # --- before routing ---------------------------------------------------------------
 
-    def screen(self, scope: MutableMapping[str, Any]) -> Screening:
+    def screen(self, scope: Scope) -> Screening:
         """Raise the refusal for a request a browser page may not make; else say which
         CORS headers its answer carries and whether it is a preflight to answer here."""
         settings = self._settings()
@@ -189,7 +191,7 @@ class AccessGuard:
 
     # --- the key ------------------------------------------------------------------------
 
-    def check_key(self, scope: MutableMapping[str, Any]) -> Caller:
+    def check_key(self, scope: Scope) -> Caller:
         """Who sends the request: the owner's key, a named key, or (with no key set) the
         client's address; raise unless it carries a right key when keys are set.  Wrong
         keys from one client address are throttled after repeated failures, missing
@@ -277,7 +279,7 @@ def _matches(presented: list[bytes], expected: bytes) -> bool:
     return matched
 
 
-def _headers(scope: MutableMapping[str, Any]) -> dict[bytes, bytes]:
+def _headers(scope: Scope) -> dict[bytes, bytes]:
     """The request's headers by lower-case name; the first of repeated ones."""
     out: dict[bytes, bytes] = {}
     for name, value in scope["headers"]:

@@ -9,7 +9,9 @@ of each for the request's life.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
+
+from starlette.types import Message, Receive, Send
 
 __all__ = ["DisconnectWatch", "StallGuard"]
 
@@ -27,13 +29,13 @@ class DisconnectWatch:
 
     __slots__ = ("disconnected", "_stopped", "_task", "_watcher")
 
-    def __init__(self, receive: Any) -> None:
+    def __init__(self, receive: Receive) -> None:
         self.disconnected = False
         self._stopped = False
         self._task = asyncio.current_task()
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
-    async def _watch(self, receive: Any) -> None:
+    async def _watch(self, receive: Receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -63,7 +65,7 @@ class StallGuard:
 
     __slots__ = ("_send", "_timeout", "_on_stall", "_loop", "_since", "_timer")
 
-    def __init__(self, send: Any, timeout: float, on_stall: Callable[[], None]) -> None:
+    def __init__(self, send: Send, timeout: float, on_stall: Callable[[], None]) -> None:
         self._send = send
         self._timeout = timeout
         self._on_stall = on_stall
@@ -71,7 +73,7 @@ class StallGuard:
         self._since: float | None = None
         self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Message) -> None:
         await self.wait(self._send(message))
 
     async def wait(self, pending: Awaitable[None]) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from backend.api_paths import ENROLMENTS
 from backend.keys.enrolment_window import EnrolmentWindow
@@ -179,7 +180,7 @@ class EnrolmentEndpoint:
                 self._polls[token] = left
 
 
-async def _unless_gone(waiting: Any, receive: Any) -> Any:
+async def _unless_gone(waiting: Any, receive: Receive) -> Any:
     """What `waiting` returns; ClientGone as soon as the client disconnects first (a
     poll held for half a minute must not outlive its connection, nor collect a key no
     one will read)."""
@@ -198,7 +199,7 @@ async def _unless_gone(waiting: Any, receive: Any) -> Any:
     return task.result()
 
 
-async def _disconnect(receive: Any) -> None:
+async def _disconnect(receive: Receive) -> None:
     """Returns when the client disconnects (the request itself has no body left)."""
     while (await receive())["type"] != "http.disconnect":
         pass

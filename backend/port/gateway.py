@@ -25,7 +25,7 @@ import ipaddress
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, MutableMapping, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,6 +33,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette import routing
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.api_paths import (CHAT, COMPLETIONS, EMBEDDINGS, ENROLMENTS, HEALTH, MESSAGES, METRICS,
                                MODELS, REQUESTS, RESPONSES)
@@ -180,7 +181,7 @@ class Gateway:
 
     # --- auth ------------------------------------------------------------------------
 
-    def check_key(self, scope: MutableMapping[str, Any]) -> Caller:
+    def check_key(self, scope: Scope) -> Caller:
         return self.guard.check_key(scope)
 
     @property
@@ -202,7 +203,7 @@ class Gateway:
 
     # --- gated routes ----------------------------------------------------------------
 
-    async def handle_gated(self, scope: dict[str, Any], receive: Any, send: Any,
+    async def handle_gated(self, scope: Scope, receive: Receive, send: Send,
                            path: str) -> ModelCounts:
         """Answer one gated request; returns the counts it belongs to (its model, once
         resolved; the engine it was admitted on, if it was)."""
@@ -327,7 +328,7 @@ class Gateway:
                                      lambda: self._may_read_health(request.scope))
         return JSONResponse(body, status_code=status)
 
-    def _may_read_health(self, scope: MutableMapping[str, Any]) -> bool:
+    def _may_read_health(self, scope: Scope) -> bool:
         """All of /health: on a port without keys, from this machine, or with a key."""
         keys = self.ctx.keys
         if not self.settings.api_key and not (keys is not None and keys.requires_keys()):
@@ -407,11 +408,11 @@ class GatewayMiddleware:
     relayed chunk); everything else goes through Starlette's router.
     """
 
-    def __init__(self, app: Any, gateway: Gateway) -> None:
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
         self.app = app
         self.gateway = gateway
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await _refuse_websocket(scope, receive, send)
@@ -421,7 +422,7 @@ class GatewayMiddleware:
         started = time.perf_counter()
         status = 0
 
-        async def send_and_note(message: dict[str, Any]) -> None:
+        async def send_and_note(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -464,7 +465,7 @@ def _is_websocket_upgrade(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _refuse_websocket(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
     """Only under a server that speaks WebSocket (ours is started with ws='none')."""
     message = await receive()
     if message["type"] != "websocket.connect":
@@ -485,7 +486,7 @@ class _GatedEndpoint:
         self.gateway = gateway
         self.path = path
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.gateway.handle_gated(scope, receive, send, self.path)
 
 
@@ -537,7 +538,7 @@ def _whole_param(request: Request, name: str, default: int) -> int:
     return int(text)
 
 
-def _from_loopback(scope: MutableMapping[str, Any]) -> bool:
+def _from_loopback(scope: Scope) -> bool:
     host = str((scope.get("client") or ("", 0))[0])
     try:
         address = ipaddress.ip_address(host)

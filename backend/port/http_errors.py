@@ -31,6 +31,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
+from starlette.types import Send
 
 from backend.port import sse
 from backend.errors import RETRY_SOON, RequestError, UpstreamFailed
@@ -125,7 +126,7 @@ def error_response(error: RequestError, metrics: Counts | None,
     return response
 
 
-async def send_http_error(send: Any, error: RequestError, metrics: Counts | None,
+async def send_http_error(send: Send, error: RequestError, metrics: Counts | None,
                           extra_headers: dict[str, str] | None = None) -> None:
     status, headers, body = http_error(error, metrics, extra_headers)
     await send({"type": "http.response.start", "status": status, "headers": headers})

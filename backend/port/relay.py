@@ -27,6 +27,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
 
+from starlette.types import Message, Receive, Send
+
 from backend.port import http_errors
 from backend.port import sse
 from backend.admission.engine_queue import AdmissionQueue
@@ -108,7 +110,7 @@ class Exchange:
     """A gated request and its ticket; `run()` answers every RequestError itself."""
 
     def __init__(self, host: ExchangeHost, line: Line[AdmissionQueue], request: GatedRequest,
-                 send: Any, receive: Any, *,
+                 send: Send, receive: Receive, *,
                  abort_connection: Callable[[], None] | None = None,
                  body_writer: BodyWriter | None = None) -> None:
         self.host = host
@@ -288,7 +290,7 @@ class Exchange:
         task = asyncio.current_task()
         return ours and task is not None and task.uncancel() == 0
 
-    async def _send_all(self, messages: list[dict[str, Any]]) -> None:
+    async def _send_all(self, messages: list[Message]) -> None:
         for message in messages:
             await self.send(message)
 
@@ -303,7 +305,7 @@ class Exchange:
             last_at=stream.last_at, longest_gap=stream.longest_gap,
             client_gone=self.client_gone, status=self._status)).close()
 
-    def _failure(self, error: RequestError) -> list[dict[str, Any]]:
+    def _failure(self, error: RequestError) -> list[Message]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
         self._failed = error
         if not self.headers_sent:
@@ -337,7 +339,7 @@ class Exchange:
             self._counting = asyncio.ensure_future(plan.settle(ticket))
         return ticket
 
-    async def _admitted_and_forwarded(self) -> list[dict[str, Any]]:
+    async def _admitted_and_forwarded(self) -> list[Message]:
         """Wait for a slot and forward; a load that refused the connection (nothing of
         the request reached it) sends the ticket back to its place in line, to be
         served by the next admission, on this load or the restarted one, within what
@@ -513,7 +515,7 @@ class Exchange:
 
     # --- forwarding ------------------------------------------------------------------
 
-    async def _forward(self, ticket: Ticket) -> list[dict[str, Any]]:
+    async def _forward(self, ticket: Ticket) -> list[Message]:
         """Forward to the ticket's load; returns the last messages still to send."""
         request = upstream_request(self.client, ticket, self.request.path,
                                    self.request.parsed.body)
@@ -552,7 +554,7 @@ class Exchange:
         """The engine dropped the request while answering (see `run`)."""
         self._engine_dropped = True
 
-    async def _answer(self, upstream: UpstreamResponse) -> list[dict[str, Any]]:
+    async def _answer(self, upstream: UpstreamResponse) -> list[Message]:
         body = await upstream.aread()
         content_type = upstream.headers.get("content-type")
         if content_type is None:

@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from starlette.types import Receive
+
 from backend.admission.output_limits import CLIENT_LIMIT, ENGINE_LIMITS, output_limit
 from backend.api_paths import EMBEDDINGS
 from backend.errors import BodiesInFlightFull, BodyTooLarge, InvalidRequest, RequestTimeout
@@ -120,7 +122,7 @@ class BodyHold:
         self.size = 0
 
 
-async def read_body(receive: Any, headers: list[tuple[bytes, bytes]], limit: int,
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int,
                     timeout: float = 0.0, hold: BodyHold | None = None) -> bytes:
     """The whole request body; BodyTooLarge past `limit` bytes (at least 1), and
     RequestTimeout when the next part takes longer than `timeout` seconds, or the whole

@@ -22,6 +22,7 @@ import socket
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from backend.errors import RequestError, SettingsError
@@ -51,7 +52,7 @@ class Served(Protocol):
     """What the server runs: an ASGI app and the port's hooks around it."""
 
     @property
-    def app(self) -> Any: ...
+    def app(self) -> ASGIApp: ...
 
     @property
     def settings(self) -> Settings: ...
@@ -68,7 +69,7 @@ class PlainApp:
 
     closing = False
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.settings = Settings()
 

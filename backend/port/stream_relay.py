@@ -27,6 +27,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from starlette.types import Message, Send
+
 from backend.admission.admission_ticket import WaitReason
 from backend.errors import RequestError
 from backend.port import http_errors
@@ -111,8 +113,8 @@ class StreamRelay:
         sent = b"".join(self.last_sent)
         return any(mark in sent for mark in _WHOLE_ANSWER[self.kind])
 
-    async def relay(self, upstream: UpstreamResponse, send: Any, writer: BodyWriter | None,
-                    stall: StallGuard | None) -> list[dict[str, Any]]:
+    async def relay(self, upstream: UpstreamResponse, send: Send, writer: BodyWriter | None,
+                    stall: StallGuard | None) -> list[Message]:
         """Relay `upstream`'s stream, whose first bytes have come, to the client whose
         answer's start was sent; returns the last message still to send.  Each chunk is
         written with `writer` when it is ready (a full client waited for under `stall`),

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 import h11
 import pytest
+from starlette.types import Receive, Scope, Send
 
 from backend.errors import SettingsError
 from backend.port.gateway import Gateway as Port, create_app
@@ -171,7 +172,7 @@ class Doors:
     def __init__(self) -> None:
         self.holding: list[str] = []
 
-    async def __call__(self, scope: dict[str, object], receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         if path == "/quick":
             await send({"type": "http.response.start", "status": 200,
