@@ -54,10 +54,12 @@ class ActivityView(QWidget):
         self.values: dict[str, QLabel] = {}
         grid = QGridLayout()
         grid.setHorizontalSpacing(24)
+        # The words of every tab: "Requests" are the models' (what the Requests tab lists
+        # and the Pool counts per model); "Refused" and "Stopped by the client" likewise.
         fields = (("slots", "Slots busy"), ("kv", "KV tokens reserved"), ("waiting", "Waiting"),
                   ("requests_per_s", "Requests/s"), ("tokens_per_s", "Tokens/s"),
-                  ("requests", "Requests answered"), ("cancellations", "Cancelled"),
-                  ("rejections", "Rejected"))
+                  ("requests", "Requests"), ("cancellations", "Stopped by the client"),
+                  ("rejections", "Refused"))
         for index, (key, title) in enumerate(fields):
             caption = secondary_label(title)
             caption.setWordWrap(False)

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.llama.log import is_routine
 from studio.widgets import monospace_font
 
 __all__ = ["LogsView"]
@@ -42,6 +43,10 @@ class LogsView(QWidget):
         for label, _ in SOURCES:
             self.source.addItem(label)
         self.source.currentIndexChanged.connect(self._rerender)
+        self.routine = QCheckBox("R&outine lines")
+        self.routine.setToolTip("Show the lines an idle engine writes over and over (\"all "
+                                "slots are idle\", the port's health and slot polls).")
+        self.routine.toggled.connect(self._rerender)
         self.follow = QCheckBox("Follo&w")
         self.follow.setChecked(True)
         self.follow.setToolTip("Keep the newest lines in view")
@@ -60,6 +65,7 @@ class LogsView(QWidget):
         bar = QHBoxLayout()
         bar.addWidget(self.filter, 1)
         bar.addWidget(self.source)
+        bar.addWidget(self.routine)
         bar.addWidget(self.follow)
         bar.addWidget(self.open_folder)
         layout = QVBoxLayout(self)
@@ -87,6 +93,8 @@ class LogsView(QWidget):
         source, text = line
         wanted = SOURCES[self.source.currentIndex()][1]
         needle = self.filter.text().strip().lower()
+        if source == "llama-server" and not self.routine.isChecked() and is_routine(text):
+            return False
         return (wanted is None or source == wanted) and (not needle or needle in text.lower())
 
     def _format(self, line: tuple[str, str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -21,8 +22,10 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QSpinBox,
+    QStyle,
     QTableWidget,
     QTableWidgetItem,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -40,7 +43,7 @@ __all__ = ["ModelRow", "PoolView", "UpstreamRow"]
 MODEL_COLUMNS = ("Model", "Runs on", "State", "Slots busy", "KV in use", "Requests", "Pinned",
                  "Idle TTL", "Last decision", "")
 UPSTREAM_COLUMNS = ("Engine", "Address", "Health", "Models", "Slots busy", "KV in use", "Note", "")
-KV_LAYOUTS = (("Unknown", ""), ("Split (each slot its own)", "split"),
+KV_LAYOUTS = (("Not stated (assumed safe)", ""), ("Split (each slot its own)", "split"),
               ("Unified (one shared pool)", "unified"))
 MAX_TTL = 7 * 24 * 3600
 
@@ -66,10 +69,15 @@ class PoolView(QWidget):
         self.models_empty = secondary_label(
             "No model yet. Load one, or pick one on the left and press \"Add beside\" to serve "
             "it next to the others.")
+        # Each model's last decision in full below the table (a cell cut them off).
+        self.decisions = secondary_label("")
+        self.decisions.setAccessibleName("Last decisions")
+        self.decisions.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         models_box = QGroupBox("Models")
         models_layout = QVBoxLayout(models_box)
         models_layout.addWidget(self.models)
         models_layout.addWidget(self.models_empty)
+        models_layout.addWidget(self.decisions)
 
         self.url = QLineEdit()
         self.url.setPlaceholderText("http://192.168.1.20:8080")
@@ -80,11 +88,13 @@ class PoolView(QWidget):
         self.key.setAccessibleName("Upstream API key")
         self.layout_box = QComboBox()
         self.layout_box.setAccessibleName("Upstream KV layout")
+        layout_label = QLabel("KV &layout:")
+        layout_label.setBuddy(self.layout_box)
         for label, value in KV_LAYOUTS:
             self.layout_box.addItem(label, value)
         self.layout_box.setToolTip(
             "How a plain llama-server's KV cache is laid out (its /props cannot tell): split "
-            "is its default with -np N, unified is --kv-unified. Unknown assumes one shared "
+            "is its default with -np N, unified is --kv-unified. Not stated assumes one shared "
             "pool of one slot's context, which is safe but may hold requests back. A GGUF "
             "Studio port says it itself.")
         self.add_upstream_button = QPushButton("Add engine")
@@ -100,6 +110,7 @@ class PoolView(QWidget):
         form.addWidget(self.url, 3)
         form.addWidget(QLabel("Key:"))
         form.addWidget(self.key, 2)
+        form.addWidget(layout_label)
         form.addWidget(self.layout_box)
         form.addWidget(self.add_upstream_button)
         self.upstreams = _table(UPSTREAM_COLUMNS, "Engines elsewhere")
@@ -125,6 +136,15 @@ class PoolView(QWidget):
         for row, status in zip(self.model_rows.values(), state.models):
             row.show(status, state.requests.get(status.name))
         self.models_empty.setVisible(not names)
+        # Per model, in full: its requests as every tab words them, its last decision.
+        told = [f"{m.name}: {describe_requests(state.requests.get(m.name))} requests since "
+                f"start" + (f"; last decision: {m.decision}" if m.decision else "")
+                for m in state.models]
+        self.decisions.setText("\n".join(told))
+        self.decisions.setVisible(bool(told))
+        # Where each model runs says something only once an engine elsewhere serves one.
+        self.models.setColumnHidden(MODEL_COLUMNS.index("Runs on"),
+                                    all(m.local for m in state.models))
         urls = [u.url for u in state.upstreams]
         if urls != list(self.upstream_rows):
             self.upstream_rows = _rebuild(self.upstreams, urls,
@@ -178,11 +198,17 @@ class ModelRow:
         self.idle_ttl.setKeyboardTracking(False)
         self.idle_ttl.editingFinished.connect(self._ttl_edited)
         self._view = view
-        self.load = _small_button("Load", f"Load {name}", lambda: view.load_requested.emit(name))
-        self.unload = _small_button("Unload", f"Unload {name}",
-                                    lambda: view.unload_requested.emit(name))
-        self.remove = _small_button("Remove", f"Remove {name} from the pool",
-                                    lambda: view.remove_requested.emit(name))
+        # Icons, each named on hover and to a screen reader: three words of buttons made
+        # the table wider than the window.
+        style = view.style()
+        self.load = _icon_button(style.standardIcon(QStyle.StandardPixmap.SP_MediaPlay),
+                                 f"Load {name}", lambda: view.load_requested.emit(name))
+        self.unload = _icon_button(style.standardIcon(QStyle.StandardPixmap.SP_MediaStop),
+                                   f"Unload {name} (it loads again on its next request)",
+                                   lambda: view.unload_requested.emit(name))
+        self.remove = _icon_button(style.standardIcon(QStyle.StandardPixmap.SP_DialogDiscardButton),
+                                   f"Remove {name} from the pool",
+                                   lambda: view.remove_requested.emit(name))
         actions = QWidget()
         buttons = QHBoxLayout(actions)
         buttons.setContentsMargins(2, 0, 2, 0)
@@ -197,9 +223,10 @@ class ModelRow:
         name = status.name + (" (default)" if status.default else "")
         # An engine elsewhere keeps its model as its operator says: no pin, TTL or buttons.
         managed_here = "" if status.local else "—"
+        counted = f"{requests.answered:,}" if requests is not None else "—"
         texts = (name, describe_where(status.engines), status.residency.value,
                  describe_slots(status.engines), describe_kv(status.engines),
-                 describe_requests(requests), managed_here, managed_here, status.decision, "")
+                 counted, managed_here, managed_here, status.decision, "")
         for cell, text in zip(self.cells, texts):
             if cell.text() != text:
                 cell.setText(text)
@@ -273,10 +300,25 @@ def _table(columns: tuple[str, ...], name: str) -> QTableWidget:
     header = table.horizontalHeader()
     header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
     header.setStretchLastSection(False)
-    stretch = columns.index("Last decision") if "Last decision" in columns else columns.index("Note")
+    # The name takes what is left, elided in its middle; a model's last decision is said
+    # in full below the table, not in a cell cut off at the window's edge.
+    stretch = columns.index("Model") if "Model" in columns else columns.index("Note")
     header.setSectionResizeMode(stretch, QHeaderView.ResizeMode.Stretch)
+    if "Last decision" in columns:
+        table.setColumnHidden(columns.index("Last decision"), True)
+    table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
     table.setWordWrap(False)
     return table
+
+
+def _icon_button(icon: QIcon, accessible: str, clicked: Callable[[], None]) -> QToolButton:
+    button = QToolButton()
+    button.setIcon(icon)
+    button.setAutoRaise(True)
+    button.setAccessibleName(accessible)
+    button.setToolTip(plain_tooltip(accessible))
+    button.clicked.connect(lambda _=False: clicked())
+    return button
 
 
 def _small_button(text: str, accessible: str, clicked: Callable[[], None]) -> QPushButton:

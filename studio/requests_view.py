@@ -15,6 +15,7 @@ from PySide6.QtGui import QHideEvent, QShowEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QPlainTextEdit,
     QSplitter,
@@ -24,6 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.port.access_log import status_words
 from backend.port.request_log import RequestRecord
 from studio.widgets import monospace_font
 
@@ -33,8 +35,12 @@ __all__ = ["COLUMNS", "RequestsView"]
 MAX_ROWS = 2000
 #: Milliseconds between two asks for new records while the tab is shown.
 REFRESH_MS = 1000
-COLUMNS = ("Time", "Key", "Model", "Status", "Wait", "Why it waited", "Prompt", "Cached",
-           "Output", "First token", "Tokens/s", "Longest gap")
+#: What fits the default window without scrolling sideways; the rest is in the details.
+COLUMNS = ("Time", "Key", "Model", "Status", "Waited", "Prompt (cached)", "Output",
+           "First token", "Tokens/s")
+#: A typical cell of each column, for its width.
+_TYPICAL = ("00:00:00", "teammate", "", "499 stopped", "0.80 s slots full", "12,345 (12,000)",
+            "1,234", "850 ms", "123.4")
 ALL = "All"
 STATUSES = (ALL, "Answered", "Errors", "Waited")
 #: The details pane's lines: a record field and how it is called.
@@ -78,6 +84,18 @@ class RequestsView(QWidget):
         self.table.setUniformRowHeights(True)
         self.table.setAlternatingRowColors(True)
         self.table.setAccessibleName("Recent requests")
+        # Widths from typical cells, not from every row (2,000 rows measured on each new
+        # one would cost the window its smoothness); the model's name takes what is left,
+        # elided in its middle: the table fits the window.
+        header = self.table.header()
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        metrics = self.table.fontMetrics()
+        for column, sample in enumerate(_TYPICAL):
+            width = max(metrics.horizontalAdvance(sample), metrics.horizontalAdvance(COLUMNS[column]))
+            header.resizeSection(column, width + 18)
+        header.setSectionResizeMode(COLUMNS.index("Model"), QHeaderView.ResizeMode.Stretch)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.table.currentItemChanged.connect(lambda item, _old: self._show_details(item))
         self.table.itemActivated.connect(lambda item, _column: self._show_details(item))
 
@@ -206,22 +224,39 @@ def _add_choice(box: QComboBox, value: str | None) -> None:
 
 
 def _row(record: RequestRecord) -> QTreeWidgetItem:
-    reason = _REASONS.get(record.wait_reason or "", record.wait_reason or "")
-    if record.waited_behind:
-        reason += f" (behind {record.waited_behind})"
-    status = str(record.status) + (f" {record.error}" if record.error else "")
     item = QTreeWidgetItem([
         time.strftime("%H:%M:%S", time.localtime(record.time)), record.key, record.model or "",
-        status, _seconds(record.wait), reason, _number(record.prompt_tokens),
-        _number(record.cached_tokens), _number(record.output_tokens),
+        _status(record), _waited(record), _prompt(record), _number(record.output_tokens),
         _seconds(record.time_to_first_token),
-        "" if record.tokens_per_second is None else f"{record.tokens_per_second:.1f}",
-        _seconds(record.longest_gap)])
+        "" if record.tokens_per_second is None else f"{record.tokens_per_second:.1f}"])
     item.setData(0, Qt.ItemDataRole.UserRole, record.id)
-    for column in range(4, len(COLUMNS)):
-        if column != 5:
-            item.setTextAlignment(column, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+    for column in range(COLUMNS.index("Prompt (cached)"), len(COLUMNS)):
+        item.setTextAlignment(column, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
     return item
+
+
+def _status(record: RequestRecord) -> str:
+    """"200", "499 stopped by the client", "429 rate_limit_exceeded"."""
+    words = status_words(record.status)
+    return " ".join(part for part in (str(record.status), words, record.error or "") if part)
+
+
+def _waited(record: RequestRecord) -> str:
+    """"0.8 s slots full": how long and why, or nothing when it did not wait."""
+    if record.wait_reason is None:
+        return _seconds(record.wait) if record.wait >= 0.01 else ""
+    reason = _REASONS.get(record.wait_reason, record.wait_reason)
+    if record.waited_behind:
+        reason += f" (behind {record.waited_behind})"
+    return f"{_seconds(record.wait)} {reason}"
+
+
+def _prompt(record: RequestRecord) -> str:
+    if record.prompt_tokens is None:
+        return ""
+    if not record.cached_tokens:
+        return f"{record.prompt_tokens:,}"
+    return f"{record.prompt_tokens:,} ({record.cached_tokens:,})"
 
 
 def _detail(name: str, value: object) -> str:
@@ -237,6 +272,8 @@ def _detail(name: str, value: object) -> str:
         return _REASONS.get(value, value)
     if name == "stream":
         return "yes" if value else "no"
+    if name == "status" and isinstance(value, int) and status_words(value):
+        return f"{value} — {status_words(value)}"
     return str(value)
 
 

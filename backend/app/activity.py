@@ -60,7 +60,9 @@ class ActivitySample:
     slots_total: int = 0
     active: int = 0
     waiting: int = 0
-    requests: int = 0  # answered by the port since start
+    #: Requests to the models since start, whatever their end: the inspector's count,
+    #: which the Requests tab lists and the Pool tab counts per model.
+    requests: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
     cancellations: dict[str, int] = field(default_factory=dict)
     tokens_generated: int | None = None  # since start; None when the engine does not say
@@ -125,6 +127,7 @@ class ActivityHistory:
 class _Service(Protocol):
     registry: Any
     metrics: Any
+    requests: Any  #: the request inspector's ring (RequestLog)
 
     def model_loads(self) -> list[ModelLoad]: ...
 
@@ -162,6 +165,7 @@ class ActivitySampler:
         now = self._clock()
         registry = self.service.registry
         totals = self.service.metrics.totals()
+        requests = self.service.requests.last_id
         seen = [counter.total for counter in self._tokens.values() if counter.total is not None]
         tokens = sum(seen) if seen else None
         slots = sum(queue.capacity for queue in registry.queues if not queue.retired)
@@ -169,10 +173,10 @@ class ActivitySampler:
         peaks, self._peaks = self._peaks, [active, waiting]
         return ActivitySample(
             time=now, slots_total=slots, active=active, waiting=waiting,
-            requests=totals["requests"],
+            requests=requests,
             rejections=dict(totals["rejections"]), cancellations=dict(totals["cancellations"]),
             tokens_generated=tokens,
-            requests_per_s=self._requests_rate.update(now, totals["requests"]),
+            requests_per_s=self._requests_rate.update(now, requests),
             # Before the first scrape nothing was counted, and an engine's counter starts
             # at zero: tokens seen first were all made inside this window.
             tokens_per_s=self._tokens_rate.update(now, tokens),

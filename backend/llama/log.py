@@ -12,6 +12,10 @@ only queues lines) and keeps it bounded: a file that reaches `max_bytes` is move
 `<name>.1` (replacing the previous one) and started afresh, and when a model starts
 again only its `keep_starts` newest logs are kept.  So one model's logs take at most
 `keep_starts x 2 x max_bytes` (5 x 2 x 8 MiB by default).
+
+`is_routine` tells the lines an idle engine writes over and over (the port's health and
+slot polls, "all slots are idle") from those worth reading: the window's log view hides
+them unless asked.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
-__all__ = ["DISPLAY_LINE_CHARS", "FILE_LINE_BYTES", "EngineLogFile", "for_display", "read_lines"]
+__all__ = ["DISPLAY_LINE_CHARS", "FILE_LINE_BYTES", "EngineLogFile", "for_display",
+           "is_routine", "read_lines"]
 
 # The log file keeps lines up to this long; longer ones are cut with a note of how much.
 FILE_LINE_BYTES = 1 << 20
@@ -124,6 +129,17 @@ async def read_lines(stream: asyncio.StreamReader, limit: int = FILE_LINE_BYTES
             start = newline + 1
     if pending or dropped:
         yield _finish(pending, dropped)
+
+
+def is_routine(line: str) -> bool:
+    """Whether `line` is one an engine writes over and over while nothing happens: its
+    answers to the port's polls of /health, /slots and /props, and its idle loop."""
+    return _ROUTINE.search(line) is not None
+
+
+#: llama-server's lines for the port's polls and its idle loop (pinned llama.cpp).
+_ROUTINE = re.compile(r"all slots are idle|GET /(?:health|slots|props)\b"
+                      r"|start_loop: (?:processing new tasks|update slots|waiting for new tasks)")
 
 
 def for_display(line: str, limit: int = DISPLAY_LINE_CHARS) -> str:

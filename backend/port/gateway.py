@@ -43,7 +43,7 @@ from backend.admission.caller import Caller
 from backend.port.access_guard import AccessGuard
 from backend.admission.flow import Band
 from backend.admission.flow_control import FlowControl, requested_band
-from backend.port.access_log import log_request
+from backend.port.access_log import KEY_NAME, log_request
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.catalog import ModelCard, model_list
 from backend.port.enrolment_endpoint import EnrolmentEndpoint
@@ -221,6 +221,7 @@ class Gateway:
         served: asyncio.Future[None] | None = None  # its wait for a model load
         try:
             caller = self.check_key(scope)
+            scope[KEY_NAME] = caller.name
             try:
                 raw = await read_body(receive, headers, settings.effective_max_body_bytes(),
                                       settings.header_timeout, hold)
@@ -451,8 +452,10 @@ class GatewayMiddleware:
             if not status:
                 await http_errors.send_http_error(send_and_note, error, metrics)
         finally:
-            if not status:
-                status = 499 if scope.get(_GONE) else 500
+            if scope.get(_GONE):
+                status = 499  # it left before its answer's end: as its record says
+            elif not status:
+                status = 500
             route = path if path in KNOWN_ROUTES else "other"
             counts.count_request(route, status)
             log_request(scope, status, (time.perf_counter() - started) * 1000)

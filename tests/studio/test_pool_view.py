@@ -69,10 +69,17 @@ def recent_engines(window: MainWindow) -> list[tuple[float, list[tuple[str, str,
 
 
 def requests_counted(port: int) -> dict[str, str]:
-    """Each model's requests as the port's /health counts them, in the window's words."""
+    """Each model's requests as the port's /health counts them, as the cell shows them."""
     models = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["models"]
-    return {m["id"]: describe_requests(ModelTotals(m["requests"]["answered"], m["requests"]["refused"],
-                                                   m["requests"]["cancelled"])) for m in models}
+    return {m["id"]: f"{m['requests']['answered']:,}" for m in models}
+
+
+def requests_told(port: int) -> list[str]:
+    """Each model's requests and their ends in the window's words, as /health counts them."""
+    models = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["models"]
+    return [f"{m['id']}: " + describe_requests(ModelTotals(
+        m["requests"]["answered"], m["requests"]["refused"], m["requests"]["cancelled"]))
+        for m in models]
 
 
 def wait_for_model(qtbot, view: PoolView, name: str, timeout: int = 20_000, **cells: str) -> None:
@@ -238,6 +245,10 @@ def test_two_models_loaded_an_engine_elsewhere_added_and_activity_per_engine(
 
     until(qtbot, requests_as_counted,
           lambda: (requests_shown(), requests_counted(window.settings.port)))
+    # ... and in full below the table, in the words of every tab.
+    until(qtbot, lambda: all(told in pool.decisions.text()
+                             for told in requests_told(window.settings.port)),
+          lambda: (pool.decisions.text(), requests_told(window.settings.port)))
 
     # The engine elsewhere removed: its row and its model leave the pool.
     qtbot.mouseClick(pool.upstream_rows[engine_elsewhere].remove, Qt.MouseButton.LeftButton)

@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt
 from backend.admission.admission_ticket import WaitReason
 from backend.llama.load import State
 from backend.port.request_log import RequestRecord
-from studio.requests_view import RequestsView
+from studio.requests_view import COLUMNS, RequestsView
 from studio.window import REQUESTS_TAB
 
 LOAD_WAIT = 60_000
@@ -44,7 +44,7 @@ def test_a_request_through_the_port_shows_as_a_row_that_opens_its_details(
     qtbot.waitUntil(lambda: view.table.topLevelItemCount() == 2, timeout=WAIT)
     newest, answered = view.table.topLevelItem(0), view.table.topLevelItem(1)
     assert answered.text(2) == "tiny" and answered.text(3) == "200"
-    assert answered.text(8) == "6"  # output tokens
+    assert answered.text(COLUMNS.index("Output")) == "6"
     assert newest.text(3).startswith(str(refused.status_code))
 
     view.status_filter.setCurrentText("Errors")
@@ -77,7 +77,22 @@ def test_each_reason_to_wait_reads_as_its_own_words(qtbot) -> None:
         assert item is not None
         record = view.record_of(item)
         assert record is not None
-        shown[record.wait_reason] = item.text(5)
+        shown[record.wait_reason] = item.text(COLUMNS.index("Waited")).removeprefix("1.50 s ")
     assert len(set(shown.values())) == len(reasons) and "_" not in "".join(shown.values())
     assert shown[WaitReason.KEY_CONCURRENCY] == "key's concurrency"
     assert shown[WaitReason.SLOTS_FULL] == "slots full"
+
+
+def test_a_request_its_client_left_reads_stopped_by_the_client(qtbot) -> None:
+    view = RequestsView()
+    qtbot.addWidget(view)
+    view.add_records([RequestRecord(id=1, time=1_700_000_000.0, route="/v1/chat/completions",
+                                    key="alice", model="tiny", status=499, prompt_tokens=40,
+                                    cached_tokens=39, wait=0.8, wait_reason="slots_full")])
+    item = view.table.topLevelItem(0)
+    assert item is not None
+    assert item.text(COLUMNS.index("Status")) == "499 stopped by the client"
+    assert item.text(COLUMNS.index("Waited")) == "800 ms slots full"
+    assert item.text(COLUMNS.index("Prompt (cached)")) == "40 (39)"
+    view.table.setCurrentItem(item)
+    assert "499 — stopped by the client" in view.details.toPlainText()

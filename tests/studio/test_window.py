@@ -300,6 +300,21 @@ def test_logs_filter_and_sources(open_window) -> None:
     assert logs.visible_text() == "POST /v1/chat 200\nGET /v1/models 200"
 
 
+def test_the_logs_hide_an_idle_engines_routine_lines_until_asked(open_window) -> None:
+    logs = open_window().logs
+    logs.add_lines([("llama-server", "srv  update_slots: all slots are idle"),
+                    ("llama-server", "slot launch_slot_: id  0 | task 3 | processing task"),
+                    ("llama-server", "srv  update_slots: all slots are idle"),
+                    ("access", "POST /v1/chat/completions 499 (stopped by the client) 812.0ms "
+                               "key alice from 10.0.0.7")])
+    assert logs.visible_text().splitlines() == [
+        "[engine] slot launch_slot_: id  0 | task 3 | processing task",
+        "[access] POST /v1/chat/completions 499 (stopped by the client) 812.0ms key alice "
+        "from 10.0.0.7"]
+    logs.routine.setChecked(True)
+    assert logs.visible_text().count("all slots are idle") == 2
+
+
 def test_chart_repaints_at_most_ten_times_a_second(open_window, qtbot) -> None:
     window = open_window()
     window.tabs.setCurrentIndex(ACTIVITY_TAB)

@@ -95,14 +95,15 @@ def describe_kv(engines: tuple[EngineStatus, ...] | EngineStatus) -> str:
 
 
 def describe_requests(totals: ModelTotals | None) -> str:
-    """A model's requests since the port started: "12", "12, 1 refused, 2 cancelled"."""
+    """A model's requests since the port started: "12", "12, 1 refused, 2 stopped by the
+    client" (as the Activity and Requests tabs word them)."""
     if totals is None:
         return "—"
     text = f"{totals.answered:,}"
     if totals.refused:
         text += f", {totals.refused:,} refused"
     if totals.cancelled:
-        text += f", {totals.cancelled:,} cancelled"
+        text += f", {totals.cancelled:,} stopped by the client"
     return text
 
 

@@ -16,6 +16,7 @@ from backend.app.activity import (
 )
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.metrics import Metrics, ModelLoad
+from backend.port.request_log import RequestLog
 from backend.llama.load import Serving, Snapshot, State
 
 
@@ -23,6 +24,7 @@ class FakeService:
     def __init__(self) -> None:
         self.registry = AdmissionRegistry()
         self.metrics = Metrics()
+        self.requests = RequestLog()
         self._snapshot = Snapshot()
 
     def snapshot(self) -> Snapshot:
@@ -92,7 +94,8 @@ def test_request_rate_over_the_window() -> None:
     sampler = ActivitySampler(service, lambda s: None, clock=clock)
     sampler.sample()
     for _ in range(10):
-        service.metrics.count_request("/v1/chat/completions", 200)
+        service.requests.add(route="/v1/chat/completions", key="owner")
+    service.metrics.count_request("/health", 200)  # not a model's request: not counted
     clock.now += 1.0
     assert sampler.sample().requests_per_s == pytest.approx(10.0)
     clock.now += 1.0

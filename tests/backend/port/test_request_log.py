@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ from backend.app.service import StudioService
 from backend.keys.key_store import CHAT_NAME
 from backend.llama.load import LoadSettings
 from backend.admission.admission_ticket import WaitReason
+from backend.port.access_log import ACCESS_LOGGER
 from backend.port.request_log import RequestLog, RequestRecord, engine_figures
 from tests.backend.service_harness import ServiceFactory
 
@@ -208,6 +210,32 @@ async def test_a_key_at_its_own_concurrency_limit_is_told_so_not_that_the_slots_
     assert waited.wait_reason == WaitReason.KEY_CONCURRENCY == "key_concurrency", waited
     assert waited.wait > 0
     assert ": keep-alive; waiting: key_concurrency" in comments, comments
+
+
+async def test_a_stream_its_client_left_reads_499_stopped_by_the_client_everywhere(service, caplog):
+    """The inspector's record, the access log and the request count say the same of a
+    stream whose client went away mid-answer: 499, stopped by the client (the access log
+    and the counts said 200, the status sent before it left); the log names its key and
+    where it came from."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    _, alice = service.keys.add("alice")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                 timeout=120) as client:
+        stream = asyncio.create_task(read_stream(client, alice, chat(8000)))
+        await until(lambda: service.registry.total_active == 1, "the stream runs")
+        stream.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stream
+    await until(lambda: service.requests.last_id == 1, "the request recorded")
+    [record] = service.requests.records()
+    assert record.status == 499
+    await until(lambda: " 499 " in caplog.text, "the access log's line")
+    [line] = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert line.startswith("POST /v1/chat/completions 499 (stopped by the client) ")
+    assert line.endswith(" key alice from 127.0.0.1")
+    assert service.metrics.registry.get_sample_value("gguf_studio_requests_total", {
+        "route": "/v1/chat/completions", "status": "499", "model": "tiny",
+        "engine": "this machine"}) == 1.0
 
 
 async def test_the_chat_tabs_secret_reads_its_own_records_not_everyones(service):

@@ -85,6 +85,6 @@ def test_the_picture_finds_models_and_engines_by_name_and_address() -> None:
 
 def test_a_models_requests_say_how_many_and_only_the_refusals_and_cancellations_it_had() -> None:
     assert describe_requests(ModelTotals(answered=1234)) == "1,234"
-    assert describe_requests(ModelTotals(answered=12, refused=1, cancelled=2)) == "12, 1 refused, 2 cancelled"
-    assert describe_requests(ModelTotals(answered=3, cancelled=1)) == "3, 1 cancelled"
+    assert describe_requests(ModelTotals(answered=12, refused=1, cancelled=2)) == "12, 1 refused, 2 stopped by the client"
+    assert describe_requests(ModelTotals(answered=3, cancelled=1)) == "3, 1 stopped by the client"
     assert describe_requests(None) == "—"  # a picture taken without the port's counts

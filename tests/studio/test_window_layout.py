@@ -1,0 +1,83 @@
+"""The window at its first size, 1240 x 860: the conversation has room, the named keys
+are in view without scrolling, and the tables fit without scrolling sideways."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QPoint, QRect
+
+from backend.app.activity import ActivitySample, EngineActivity
+from backend.app.pool.pool_state import PoolState
+from backend.app.pool.pool_status import EngineStatus, ModelStatus, Residency
+from backend.app.session_rows import SessionRow
+from backend.port.metrics import ModelTotals
+from backend.port.request_log import RequestRecord
+from studio.window import ACTIVITY_TAB, CHAT_TAB, POOL_TAB, REQUESTS_TAB, SESSIONS_TAB, MainWindow
+
+WAIT = 10_000
+LONG_NAME = "Qwen2.5-Coder-7B-Instruct-Q4_K_M"
+
+
+def at_first_size(open_window, qtbot) -> MainWindow:
+    window = open_window()
+    assert (window.width(), window.height()) == (1240, 860)
+    return window
+
+
+def shown(qtbot, window: MainWindow, tab: int) -> None:
+    window.tabs.setCurrentIndex(tab)
+    qtbot.waitUntil(lambda: window.tabs.currentWidget().isVisible(), timeout=WAIT)
+    qtbot.wait(50)  # a layout pass: sizes settle on the next turn of the loop
+
+
+def test_the_conversation_has_most_of_the_height(open_window, qtbot) -> None:
+    window = at_first_size(open_window, qtbot)
+    shown(qtbot, window, CHAT_TAB)
+    # Was about 160 px under a pane of facts, settings and five lines of engine status.
+    assert window.chat.transcript.height() >= 300
+    assert window.model_view.height() <= window.height() * 0.3
+
+
+def test_the_named_keys_are_in_view_without_scrolling(open_window, qtbot) -> None:
+    window = at_first_size(open_window, qtbot)
+    window.show_sharing(keys=True)
+    qtbot.waitUntil(window.sharing.keys.table.isVisible, timeout=WAIT)
+    page = window.tabs.currentWidget()
+    table = window.sharing.keys.table
+    top_left = table.mapTo(page, QPoint(0, 0))
+    assert QRect(QPoint(0, 0), page.size()).contains(top_left)
+    assert top_left.y() + 100 < page.height()  # its first rows too
+    assert window.sharing.keys.create_button.isVisible()
+
+
+def test_the_tables_fit_without_scrolling_sideways(open_window, qtbot) -> None:
+    window = at_first_size(open_window, qtbot)
+    engine = EngineStatus("local:x", "this machine", "ready", 4, {"total": 32768, "per_request": 8192,
+                                                                 "unified": True}, 2, 1, 12000)
+    models = tuple(ModelStatus(name, (), True, Residency.READY, name == LONG_NAME, 1800.0, False,
+                               name == LONG_NAME, 8192, "loaded on request: needs about 4.5 GiB, "
+                               "fits beside the others (9.1 GiB of 30.0 GiB)", None, (engine,))
+                   for name in (LONG_NAME, "SmolLM2-135M-Instruct-Q4_1"))
+    window.bridge.pool_changed.emit(PoolState(models, (), {
+        LONG_NAME: ModelTotals(1234, 56, 78), "SmolLM2-135M-Instruct-Q4_1": ModelTotals(9, 0, 1)}))
+    window.requests.add_records([RequestRecord(
+        id=n, time=1_700_000_000.0 + n, route="/v1/chat/completions", key="teammate-laptop",
+        model=LONG_NAME, status=499 if n % 2 else 200, wait=0.8, wait_reason="slots_full",
+        prompt_tokens=12_345, cached_tokens=12_000, output_tokens=1_234, stream=True,
+        time_to_first_token=0.85, tokens_per_second=42.5) for n in range(1, 40)])
+    window.bridge.activity_sampled.disconnect()  # the idle port's samples: no engines
+    busy = ActivitySample(time=1.0, engines=tuple(
+        EngineActivity(name, "this machine", 4, 2, 1, 12000, 32768, 123456, 42.0)
+        for name in (LONG_NAME, "SmolLM2-135M-Instruct-Q4_1")))
+    window.sessions.show_sessions([SessionRow(
+        "teammate-laptop", f"codex-session-{n}", LONG_NAME, 12, 97.0, "this machine, slot 1",
+        "prefix changed at token 1,024 (a changing line near the start)", 42.0) for n in range(5)])
+
+    for tab, table in ((POOL_TAB, window.pool.models), (REQUESTS_TAB, window.requests.table),
+                       (ACTIVITY_TAB, window.activity.engines),
+                       (SESSIONS_TAB, window.sessions.table)):
+        shown(qtbot, window, tab)
+        if tab == ACTIVITY_TAB:  # after any sample of the idle port still on its way
+            window.activity.add_sample(busy)
+            qtbot.wait(50)
+        assert table.isVisible()
+        assert not table.horizontalScrollBar().isVisible(), window.tabs.tabText(tab)
