@@ -21,17 +21,18 @@ import platformdirs
 
 from backend.addresses import client_urls, is_loopback
 from backend.api_keys import generate_api_key
-from backend.app.sharing.discovery import Advertiser, app_version, service_name
-from backend.app.sharing.key_table import KeyTable, key_table, key_target
+from backend.app.sharing.announcer import Announcer
+from backend.app.sharing.discovery import Advertiser
+from backend.app.sharing.key_table import KeyTable, client_setup, key_table
 from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.pool.local_models import estimate_model_bytes, memory_budget
 from backend.app.pool.parking_steward import ParkingSteward
 from backend.app.pool.pool import Pool
 from backend.app.model_swap import (LoadQuestion, ServedModel, UnloadQuestion, load_question,
                                     served_models, unload_question)
-from backend.keys.usage import MinuteUsage, UsageLedger
+from backend.keys.usage import UsageLedger
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.app.pool.pool_status import scrubbed
+from backend.app.pool.pool_status import engines_elsewhere, model_loads, scrubbed
 from backend.keys.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.keys.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
@@ -53,7 +54,7 @@ from backend.admission.flow_control import FlowControl
 from backend.admission.rate_limits import RateLimiter
 from backend.port.request_log import RequestLog
 from backend.port.catalog import ModelCard
-from backend.port.metrics import EngineLoad, Metrics, ModelLoad
+from backend.port.metrics import Metrics, ModelLoad
 from backend.settings import Settings, remember_keys_required
 
 if TYPE_CHECKING:
@@ -98,11 +99,8 @@ class StudioService:
         self._window_listeners: Listeners[[EnrolmentWindow]] = Listeners(
             log, "enrolment window listener")
         self._window_published: EnrolmentWindow | None = None
-        self._announce_listeners: Listeners[[str, bool]] = Listeners(log, "announce listener")
-        self.advertiser = Advertiser()
-        #: Why the port is not announced although asked to be ("" when it is, or not asked).
-        self.advertise_problem = ""
-        self._advertising: asyncio.Task[None] | None = None
+        #: The port's announcement on the LAN (backend.app.sharing.announcer).
+        self.announcer = Announcer()
         self.metrics.bind_usage(self.usage.snapshot)
         #: The request inspector's ring (kept across restarts of the port).
         self.requests = RequestLog()
@@ -114,7 +112,6 @@ class StudioService:
             self._spans = self.requests.exporter = span_export_to(
                 settings.otel_endpoint, client_parent=lambda: self.settings.otel_client_parent)
         self._flow_tasks: list[asyncio.Future[None]] = []
-        self._chart_minutes: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
         #: Session prefixes saved before planned losses and restored on the next turn.
         self.parking = ParkingSteward(
             ParkingLot(self.engine.data_dir / PARKED_SLOTS_DIR,
@@ -212,7 +209,7 @@ class StudioService:
     async def stop_gateway(self) -> None:
         async with self._gateway_lock:
             gateway, self._gateway = self._gateway, None
-            await self._stop_advertising()
+            await self.announcer.stop()
             if gateway is not None:
                 await gateway.stop()
 
@@ -255,36 +252,28 @@ class StudioService:
                               settings.max_output_tokens, settings.default_output_tokens,
                               others=others,
                               default_alias=DEFAULT_MODEL_ALIAS if default else "")
-        target = key_target(target, record, "")
-        return {"model_id": target.model_id, "context_length": target.context_length,
-                "default_alias": target.default_alias, "small_model": target.small_model,
-                "max_output_tokens": target.max_output_tokens,
-                "default_output_tokens": target.default_output_tokens,
-                "others": [{"model_id": m.model_id, "context_length": m.context_length}
-                           for m in target.others]}
+        return client_setup(target, record)
+
+    @property
+    def advertiser(self) -> Advertiser:
+        return self.announcer.advertiser
+
+    @property
+    def advertise_problem(self) -> str:
+        """Why the port is not announced although asked to be ("" when it is, or not asked)."""
+        return self.announcer.problem
 
     async def announced(self) -> None:
         """Return once the port's announcement on the LAN is made (or given up)."""
-        task = self._advertising
-        if task is not None:
-            await asyncio.gather(task, return_exceptions=True)
+        await self.announcer.announced()
 
     def add_announce_listener(self, listener: Callable[[str, bool], None]) -> None:
-        """Called on the service's loop with what the port's announcement is now: "" (not
-        asked for), the name it is announced under, or why it is not; and whether that
-        is a warning (the name was taken: `announcement`)."""
-        self._announce_listeners.add(listener)
+        """Called on the service's loop with what the port's announcement is now
+        (`Announcer.add_listener`)."""
+        self.announcer.add_listener(listener)
 
     def announcement(self) -> str:
-        advertiser = self.advertiser
-        if advertiser.renamed:
-            return (f"Announced as {advertiser.name!r}, not {advertiser.asked!r}: another "
-                    f"device on the network already answers to {advertiser.asked!r} and may "
-                    "be posing as this port. Teammates who connect to that name are shown both and "
-                    "asked to choose: give them this port's address instead.")
-        if advertiser.running:
-            return f"Announced as {advertiser.name!r}: teammates run gguf-studio connect."
-        return self.advertise_problem
+        return self.announcer.text()
 
     def _enrolments_changed(self) -> None:
         self._enrolment_listeners()
@@ -296,51 +285,9 @@ class StudioService:
             self._window_listeners(window)
 
     def _advertise(self) -> None:
-        """(Re)announce the port as the settings say, in the background: zeroconf's
-        announcements take a second or two, which no caller should wait for."""
-        if self._advertising is not None and not self._advertising.done():
-            self._advertising.cancel()
-        self._advertising = asyncio.ensure_future(self._announce())
-
-    async def _announce(self) -> None:
-        try:
-            await self._announce_now()
-        finally:
-            self._announce_listeners(self.announcement(), self.advertiser.renamed)
-
-    async def _announce_now(self) -> None:
-        from backend.api_paths import ENROLMENTS
-
-        await self.advertiser.stop()
-        settings = self.settings
-        self.advertise_problem = ""
-        if not settings.advertise or self._gateway is None:
-            return
-        keys_required = bool(settings.api_key or self.keys.requires_keys())
-        if is_loopback(settings.host) or not keys_required:
-            self.advertise_problem = (
-                "Not announced on the network: the port " + (
-                    "listens on this computer only." if is_loopback(settings.host) else
-                    "requires no key; make one first."))
-            log.warning("%s", self.advertise_problem)
-            return
-        # Never this machine's loopback to other machines: it would name *their* own.
-        everywhere = client_hosts(settings.host)
-        addresses = [a for a in everywhere if not is_loopback(a)] or everywhere
-        try:
-            await self.advertiser.start(service_name(settings.advertise_name), self._gateway.port,
-                                        addresses, version=app_version(), enrol_path=ENROLMENTS,
-                                        keys_required=keys_required)
-        except (OSError, ValueError, RuntimeError) as exc:
-            self.advertise_problem = f"Could not announce the port on the network: {exc}"
-            log.error("%s", self.advertise_problem)
-
-    async def _stop_advertising(self) -> None:
-        task, self._advertising = self._advertising, None
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        await self.advertiser.stop()
+        """(Re)announce the port as the settings say, in the background."""
+        self.announcer.advertise(lambda: self.settings, lambda: self.gateway_port,
+                                 lambda: bool(self.settings.api_key or self.keys.requires_keys()))
 
     # --- loads ----------------------------------------------------------------------------
 
@@ -528,7 +475,7 @@ class StudioService:
         the last `span` minutes.  On the service's loop, where the usage is recorded."""
         now = time.time() if now is None else now
         return key_table(self.keys.records(), self.usage.snapshot(),
-                         self._chart_series(chart_key, span, math.floor(now / 60) * 60.0),
+                         self.usage.chart_series(chart_key, span, math.floor(now / 60) * 60.0),
                          owner_key_set=bool(self.settings.api_key), chart_key=chart_key,
                          span=span, now=now)
 
@@ -557,16 +504,6 @@ class StudioService:
         identity = self.parking.identity(model, "")
         return identity is not None and self.parking.lot.find(ParkKey(identity, flow, session)) is not None
 
-    def _chart_series(self, key: str | None, span: int, this_minute: float) -> list[MinuteUsage]:
-        """`key`'s minutes over the chart's span.  The minutes that are over are summed
-        once a minute (a day of fifty keys takes 0.2 s, too long for the port's loop every
-        second); this minute's, which still change, every time."""
-        wanted = (key, span, this_minute)
-        if self._chart_minutes is None or self._chart_minutes[0] != wanted:
-            over = self.usage.series(key, since=this_minute - (span - 1) * 60, until=this_minute)
-            self._chart_minutes = (wanted, over)
-        return self._chart_minutes[1] + self.usage.series(key, since=this_minute)
-
     # --- the gateway's view of the pool --------------------------------------------------
 
     def route(self, path: str, requested: object) -> Route:
@@ -592,35 +529,11 @@ class StudioService:
 
     def engines_elsewhere(self) -> list[dict[str, Any]]:
         """Every engine elsewhere for /health, by its "upstream N" (never its address)."""
-        found = []
-        for upstream in self.pool.upstream_statuses():
-            engine = upstream.engine
-            error = scrubbed(upstream.error.replace(upstream.url, engine.where)
-                             if upstream.error else None)
-            found.append({"engine": engine.where, "state": engine.state,
-                          "serving": engine.state == State.READY.value and bool(engine.slots),
-                          "error": error, "models": list(upstream.models),
-                          "kv_layout": upstream.kv_layout, "slots": engine.slots, "kv": engine.kv,
-                          "active": engine.active, "reserved_tokens": engine.reserved_tokens,
-                          "note": engine.note})
-        return found
+        return engines_elsewhere(self.pool.upstream_statuses())
 
     def model_loads(self) -> list[ModelLoad]:
         """Every model's line and engines right now, for the metrics and the activity."""
-        loads = []
-        for status in self.pool.statuses():
-            line = self.registry.find_line(status.name)
-            engines = tuple(EngineLoad(
-                engine.where, ready=engine.state == State.READY.value and bool(engine.slots),
-                slots=engine.slots or 0, active=engine.active,
-                kv_capacity=int(str(engine.kv["total"])) if engine.kv is not None else 0,
-                kv_reserved=engine.reserved_tokens,
-                prefill_tokens_per_second=_speed_figure(engine.speed, "prefill_tokens_per_second"),
-                step_seconds=_speed_figure(engine.speed, "step_ms") / 1000)
-                for engine in status.engines)
-            loads.append(ModelLoad(status.name, line.waiting if line is not None else 0,
-                                   status.residency.value, engines))
-        return loads
+        return model_loads(self.pool.statuses(), self.registry)
 
     def serving_engines(self) -> list[tuple[str, str, Serving]]:
         """(model, where, serving) of every engine that serves now."""
@@ -658,12 +571,6 @@ def _announced(settings: Settings) -> tuple[bool, str]:
     return settings.advertise, settings.advertise_name
 
 
-def client_hosts(host: str) -> list[str]:
-    """The addresses a client reaches a port bound to `host` at (all of this machine's
-    for 0.0.0.0), as the base URLs name them."""
-    return [url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]") for url in client_urls(host, 1)]
-
-
 def check_bind_allowed(settings: Settings, *, named_keys: bool = False) -> None:
     """Refuse to listen beyond loopback where no key guards the port: neither the
     owner's nor named keys (`named_keys`: the key store requires them)."""
@@ -684,9 +591,3 @@ def _chat_template(template: ChatTemplate | None) -> dict[str, Any] | None:
     if template is None:
         return None
     return dict(template.to_dict(), note=template.warning() or None)
-
-
-def _speed_figure(speed: dict[str, object] | None, name: str) -> float:
-    """One figure of an engine's measured speed (`EngineSpeed.to_dict`); 0 when unmeasured."""
-    value = (speed or {}).get(name)
-    return float(value) if isinstance(value, (int, float)) else 0.0

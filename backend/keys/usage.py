@@ -120,6 +120,8 @@ class UsageLedger:
         self._saved = 0        # the value of _changes the file holds
         # Flushes take turns, so that the newest copy is the one written last.
         self._flushing = asyncio.Lock()
+        # The chart's minutes that are over, by (key, span, this minute): `chart_series`.
+        self._chart: tuple[tuple[str | None, int, float], list[MinuteUsage]] | None = None
 
     @classmethod
     def load(cls, path: Path | None = None, *, clock: Callable[[], float] = time.time,
@@ -218,6 +220,16 @@ class UsageLedger:
                             completion_tokens=b[_COMPLETION], wait_seconds=b[_WAITED],
                             waits=b[_WAITS], refusals=b[_REFUSALS])
                 for m, b in sorted(sums.items())]
+
+    def chart_series(self, key: str | None, span: int, this_minute: float) -> list[MinuteUsage]:
+        """`key`'s minutes over a chart's `span` minutes up to `this_minute`.  The minutes
+        that are over are summed once a minute (a day of fifty keys takes 0.2 s, too long
+        for the port's loop every second); this minute's, which still change, every time."""
+        wanted = (key, span, this_minute)
+        if self._chart is None or self._chart[0] != wanted:
+            over = self.series(key, since=this_minute - (span - 1) * 60, until=this_minute)
+            self._chart = (wanted, over)
+        return self._chart[1] + self.series(key, since=this_minute)
 
     def day_tokens(self, key: str) -> list[tuple[float, int]]:
         """(start of minute, tokens) of the last day, for RateLimiter.preload."""

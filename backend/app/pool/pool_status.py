@@ -1,6 +1,7 @@
 """What the pool says about its models and the engines serving them: the values the
-window, `/health`, the metrics and `serve` read (no paths, no keys), and how one engine's
-snapshot and admission queue make an `EngineStatus`.
+window, `/health`, the metrics and `serve` read (no paths, no keys), how one engine's
+snapshot and admission queue make an `EngineStatus`, and the engines elsewhere as
+`/health` lists them and every model's line and engines as the metrics count them.
 """
 
 from __future__ import annotations
@@ -8,13 +9,15 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from backend.llama.chat_template import ChatTemplate
-from backend.llama.load import Snapshot
+from backend.llama.load import Snapshot, State
 from backend.admission.admission_registry import AdmissionRegistry
+from backend.port.metrics import EngineLoad, ModelLoad
 
 __all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
-           "engine_status", "residency_of", "scrubbed"]
+           "engine_status", "engines_elsewhere", "model_loads", "residency_of", "scrubbed"]
 
 #: Where a local model's engine runs, in the window, /health and the metrics' labels.
 HERE = "this machine"
@@ -127,3 +130,43 @@ _PRIVATE = (
     (re.compile(r"(?<![\w.])[a-zA-Z]:[\\/][^\s'\"<>]*"), "<path>"),
     (re.compile(r"(?:~|(?<![\w.<>])\.{0,2})/[^\s'\"<>]+"), "<path>"),
 )
+
+
+def engines_elsewhere(upstreams: list[UpstreamStatus]) -> list[dict[str, Any]]:
+    """Every engine elsewhere for /health, by its "upstream N" (never its address)."""
+    found = []
+    for upstream in upstreams:
+        engine = upstream.engine
+        error = scrubbed(upstream.error.replace(upstream.url, engine.where)
+                         if upstream.error else None)
+        found.append({"engine": engine.where, "state": engine.state,
+                      "serving": engine.state == State.READY.value and bool(engine.slots),
+                      "error": error, "models": list(upstream.models),
+                      "kv_layout": upstream.kv_layout, "slots": engine.slots, "kv": engine.kv,
+                      "active": engine.active, "reserved_tokens": engine.reserved_tokens,
+                      "note": engine.note})
+    return found
+
+
+def model_loads(statuses: list[ModelStatus], registry: AdmissionRegistry) -> list[ModelLoad]:
+    """Every model's line and engines right now, for the metrics and the activity."""
+    loads = []
+    for status in statuses:
+        line = registry.find_line(status.name)
+        engines = tuple(EngineLoad(
+            engine.where, ready=engine.state == State.READY.value and bool(engine.slots),
+            slots=engine.slots or 0, active=engine.active,
+            kv_capacity=int(str(engine.kv["total"])) if engine.kv is not None else 0,
+            kv_reserved=engine.reserved_tokens,
+            prefill_tokens_per_second=_speed_figure(engine.speed, "prefill_tokens_per_second"),
+            step_seconds=_speed_figure(engine.speed, "step_ms") / 1000)
+            for engine in status.engines)
+        loads.append(ModelLoad(status.name, line.waiting if line is not None else 0,
+                               status.residency.value, engines))
+    return loads
+
+
+def _speed_figure(speed: dict[str, object] | None, name: str) -> float:
+    """One figure of an engine's measured speed (`EngineSpeed.to_dict`); 0 when unmeasured."""
+    value = (speed or {}).get(name)
+    return float(value) if isinstance(value, (int, float)) else 0.0

@@ -34,6 +34,7 @@ __all__ = [
     "KeyTable",
     "UsageBin",
     "UsageChart",
+    "client_setup",
     "describe_key",
     "describe_limit",
     "first_key_warning",
@@ -382,6 +383,19 @@ def key_target(target: ClientTarget, record: KeyRecord, secret: str) -> ClientTa
                                context_length=first.context_length, size=first.size,
                                others=tuple(others), small_model=small, api_key=secret,
                                default_alias=first.model_id if first.alias_of else "")
+
+
+def client_setup(target: ClientTarget, record: KeyRecord) -> dict[str, Any]:
+    """What a client holding `record` needs to know of the port's models (`target`: the
+    window's snippets are made of the same), without the address and the secret: what
+    the enrolment endpoint hands a teammate's `connect` with its key."""
+    target = key_target(target, record, "")
+    return {"model_id": target.model_id, "context_length": target.context_length,
+            "default_alias": target.default_alias, "small_model": target.small_model,
+            "max_output_tokens": target.max_output_tokens,
+            "default_output_tokens": target.default_output_tokens,
+            "others": [{"model_id": m.model_id, "context_length": m.context_length}
+                       for m in target.others]}
 
 
 # --- checks ----------------------------------------------------------------------------
