@@ -48,6 +48,7 @@ from backend.port.forwarding import (NotReached, check_answer, named_failures, r
 
 if TYPE_CHECKING:
     from backend.admission.request_planner import RequestPlanner
+    from backend.admission.session_book import Sessions
     from backend.port.metrics import ModelCounts
     from backend.port.server import BodyWriter
     from backend.port.upstream_http import UpstreamClient, UpstreamResponse
@@ -151,6 +152,9 @@ class Exchange:
         #: A named key's answers tell nothing of the prompt cache all keys share: what it
         #: held for a prompt would tell how much of another key's prompt a guess matches.
         self._hide_cache = key is not None and not key.is_owner
+        #: ... but what its own session's earlier turn left there, which it sent itself
+        #: (`_own_prefix`, once it has its seat): its own cache hits.
+        self._cache_told = 0
         #: Its answer's stream, relayed (`backend.port.stream_relay`), and what it did.
         self.stream = StreamRelay(self.kind, hide_cache=self._hide_cache)
         #: The answer's extra headers (OpenAI's x-ratelimit-* for a key with limits).
@@ -517,6 +521,9 @@ class Exchange:
 
     async def _forward(self, ticket: Ticket) -> list[Message]:
         """Forward to the ticket's load; returns the last messages still to send."""
+        if self._hide_cache:
+            self._cache_told = self.stream.cache_told = _own_prefix(self.host.sessions,
+                                                                    self.request, ticket)
         request = upstream_request(self.client, ticket, self.request.path,
                                    self.request.parsed.body)
         with named_failures(ticket, connecting=True):
@@ -563,12 +570,27 @@ class Exchange:
         self._tail = body
         self._answered = True
         if self._hide_cache:
-            body = sse.without_cache_figures(body, stream=False)
+            body = sse.without_cache_figures(body, stream=False, told=self._cache_told)
         return [{"type": "http.response.start", "status": upstream.status_code,
                  "headers": [(b"content-type", content_type.encode("latin-1")),
                              (b"content-length", str(len(body)).encode()),
                              *self._extra_headers]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
+
+
+def _own_prefix(sessions: Sessions, request: GatedRequest, ticket: Ticket) -> int:
+    """Of what the engine's cache holds for `request`, what its key may be told: the
+    prompt tokens of its own session's turn (sessions are scoped to their key) that it
+    continues, when that turn's prefix is in the very slot it runs on (pinned there,
+    held since: the cache's hits are then its own, and at most that prompt is told);
+    else 0 (the hits may be any key's)."""
+    session, seat = request.hint.session, ticket.seat
+    place = sessions.where(session)
+    if (place is None or seat is None or not seat.pinned or seat.slot is None
+            or place.engine != ticket.serving.key or place.slot != seat.slot):
+        return 0
+    earlier = sessions.continuation(session, request.model_id or "", request.blocks)
+    return earlier.prompt_tokens if earlier is not None else 0
 
 
 def _backoff(ticket: Ticket) -> float:

@@ -8,8 +8,10 @@ always be appended cleanly and a stream cut mid-event never hands a client half 
 
 `without_cache_figures` takes out of an answer what the engine's prompt cache held for
 it (`timings`, the cached-token counts): every key shares that cache, so those figures
-would tell one key how much of another key's prompt a guess matches.  It parses only an
-event or body that names the cache (one byte search), in practice the final one.
+would tell one key how much of another key's prompt a guess matches.  What the key's
+own earlier turn left there it may be told (`told`: the cached count is cut to it, not
+to 0).  It parses only an event or body that names the cache (one byte search), in
+practice the final one.
 """
 
 from __future__ import annotations
@@ -298,15 +300,16 @@ def _created_id(data: bytes) -> str | None:
     return created if isinstance(created, str) and created else None
 
 
-def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
+def without_cache_figures(data: bytes, *, stream: bool, told: int = 0) -> bytes:
     """`data` (whole events of a stream, or a JSON body) without what the engine's prompt
     cache held for the request: `timings` and `prompt_progress` left out (they also time
-    the prompt: a cached prefix is read faster), cached-token counts made 0.  Events and
+    the prompt: a cached prefix is read faster), cached-token counts made at most `told`
+    (what the caller's own earlier turn left in the cache; 0: nothing).  Events and
     bodies that do not name the cache come back as they were (the same object)."""
     if CACHE_MARKER not in data:
         return data
     if not stream:
-        return _scrubbed_json(data) or data
+        return _scrubbed_json(data, told) or data
     parts: list[bytes] = []
     start = 0
     changed = False
@@ -314,7 +317,7 @@ def without_cache_figures(data: bytes, *, stream: bool) -> bytes:
         line = data[start:line_end]
         if line.startswith(b"data:") and CACHE_MARKER in line:
             body = line[5:].rstrip(b"\r\n")
-            scrubbed = _scrubbed_json(body)
+            scrubbed = _scrubbed_json(body, told)
             if scrubbed is not None:
                 line = b"data: " + scrubbed + line[5 + len(body):]
                 changed = True
@@ -473,18 +476,19 @@ def _line_ends(data: bytes) -> list[int]:
     return ends
 
 
-def _scrubbed_json(text: bytes) -> bytes | None:
-    """`text` (JSON) encoded again without the cache's figures; None when it is not JSON
-    or holds none of them."""
+def _scrubbed_json(text: bytes, told: int = 0) -> bytes | None:
+    """`text` (JSON) encoded again without the cache's figures (cached counts at most
+    `told`); None when it is not JSON or holds none of them."""
     try:
         payload = json.loads(text)
     except ValueError:
         return None
-    return _dumps(payload) if _scrub(payload) else None
+    return _dumps(payload) if _scrub(payload, told) else None
 
 
-def _scrub(value: Any) -> bool:
-    """Take the cache's figures out of `value` in place; whether there were any."""
+def _scrub(value: Any, told: int = 0) -> bool:
+    """Take the cache's figures out of `value` in place, cached counts cut to `told`;
+    whether there were any."""
     changed = False
     if isinstance(value, dict):
         for name in list(value):
@@ -493,20 +497,21 @@ def _scrub(value: Any) -> bool:
                 changed = True
             elif name in _CACHE_COUNTS:
                 cached = value[name]
-                if cached != 0:
-                    value[name] = 0
+                shown = min(cached, told) if _is_count(cached) else 0
+                if cached != shown:
+                    value[name] = shown
                     changed = True
                     # Anthropic's input_tokens are the prompt's tokens the cache did not
-                    # hold: with none held, that is all of them.
-                    told = value.get("input_tokens")
-                    if name == "cache_read_input_tokens" and _is_count(told) and _is_count(cached):
-                        value["input_tokens"] = told + cached
+                    # hold: those it is not told of count among them.
+                    computed = value.get("input_tokens")
+                    if name == "cache_read_input_tokens" and _is_count(computed) and _is_count(cached):
+                        value["input_tokens"] = computed + cached - shown
             elif isinstance(value[name], (dict, list)):
-                changed = _scrub(value[name]) or changed
+                changed = _scrub(value[name], told) or changed
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, (dict, list)):
-                changed = _scrub(item) or changed
+                changed = _scrub(item, told) or changed
     return changed
 
 

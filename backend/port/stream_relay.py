@@ -59,14 +59,16 @@ _WHOLE_ANSWER = {sse.StreamKind.CHAT: (b'"finish_reason":"', b'"finish_reason": 
 
 class StreamRelay:
     """The relay of one streamed answer of framing `kind`; `hide_cache`: a named key's,
-    which is told nothing of the shared prompt cache."""
+    which is told nothing of the shared prompt cache but the `cache_told` tokens its own
+    earlier turn left there."""
 
-    __slots__ = ("kind", "hide_cache", "framer", "rewriter", "events", "start", "last_sent",
+    __slots__ = ("kind", "hide_cache", "cache_told", "framer", "rewriter", "events", "start", "last_sent",
                  "tail", "first_at", "last_at", "longest_gap", "_in_progress")
 
-    def __init__(self, kind: sse.StreamKind, *, hide_cache: bool) -> None:
+    def __init__(self, kind: sse.StreamKind, *, hide_cache: bool, cache_told: int = 0) -> None:
         self.kind = kind
         self.hide_cache = hide_cache
+        self.cache_told = cache_told
         self.framer = sse.EventFramer()
         #: On the Responses wire: our `response.created` and one id throughout.
         self.rewriter = sse.ResponsesRewriter(None) if kind is sse.StreamKind.RESPONSES else None
@@ -157,7 +159,8 @@ class StreamRelay:
                         self.last_sent = (self.last_sent[1], chunk)
                         self.events += chunk.count(b"data:")
                         if hide and sse.CACHE_MARKER in chunk:
-                            chunk = sse.without_cache_figures(chunk, stream=True)
+                            chunk = sse.without_cache_figures(chunk, stream=True,
+                                                              told=self.cache_told)
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": True})
         except _ErrorAfter as failed:
@@ -165,7 +168,7 @@ class StreamRelay:
                 head = failed.head
                 self.events += head.count(b"data:")
                 if hide:
-                    head = sse.without_cache_figures(head, stream=True)
+                    head = sse.without_cache_figures(head, stream=True, told=self.cache_told)
                 await send({"type": "http.response.body", "body": head, "more_body": True})
             raise failed.error from None
         tail = framer.finish()
@@ -173,7 +176,7 @@ class StreamRelay:
             tail = rewriter.feed(tail) + rewriter.flush()
         self.tail = b"".join(self.last_sent) + tail
         if hide:
-            tail = sse.without_cache_figures(tail, stream=True)
+            tail = sse.without_cache_figures(tail, stream=True, told=self.cache_told)
         return [{"type": "http.response.body", "body": tail, "more_body": False}]
 
     async def _pump(self, upstream: UpstreamResponse, stage: Callable[[bytes], bytes],
@@ -206,7 +209,8 @@ class StreamRelay:
                             self.last_sent = (self.last_sent[1], chunk)
                             self.events += chunk.count(b"data:")
                             if hide and cache in chunk:
-                                chunk = sse.without_cache_figures(chunk, stream=True)
+                                chunk = sse.without_cache_figures(chunk, stream=True,
+                                                                  told=self.cache_told)
                             if not writer.write(chunk):
                                 turn.set_result(False)  # the client's buffer is full
                                 return

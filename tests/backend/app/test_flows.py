@@ -456,6 +456,65 @@ async def test_one_key_cannot_read_anothers_prompt_through_the_cache_figures(ser
     assert service.usage.usage("mallory").prompt_tokens > 0
 
 
+async def test_a_named_key_is_told_the_cache_hits_of_its_own_session_and_no_more(service):
+    """An agent's next turn continues its own last one: what the cache held of that turn
+    (its key sent it) is told, at most that turn's prompt, streamed or not; the same turn
+    sent by another key, whose own session holds nothing of it, is told 0."""
+    _, alice = service.keys.add("alice")
+    _, mallory = service.keys.add("mallory")
+    first = [{"role": "system", "content": "You are a careful assistant. " * 40},
+             {"role": "user", "content": SECRET}]
+
+    def body(messages: list[dict], stream: bool = False) -> dict:
+        asked = {"model": "tiny", "messages": messages, "max_tokens": 8, "ignore_eos": True,
+                 "prompt_cache_key": f"alice-agent-{stream}", "stream": stream}
+        return dict(asked, stream_options={"include_usage": True}) if stream else asked
+
+    async def told(key: str, asked: dict) -> tuple[dict, int, dict]:
+        """The answer's usage, the engine's own cached count (the inspector's), and the
+        answer's message."""
+        before = service.requests.last_id
+        headers = {"Authorization": f"Bearer {key}"}
+        usage: dict = {}
+        said = ""
+        if asked["stream"]:
+            async with client.stream("POST", "/v1/chat/completions", json=asked,
+                                     headers=headers) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line.removeprefix("data: "))
+                        usage = event.get("usage") or usage
+                        for choice in event.get("choices") or ():
+                            said += (choice.get("delta") or {}).get("content") or ""
+        else:
+            answer = await client.post("/v1/chat/completions", json=asked, headers=headers)
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            said = answer.json()["choices"][0]["message"]["content"]
+        await until(lambda: service.requests.last_id > before)
+        [record] = service.requests.records(after=before)
+        assert "timings" not in usage
+        return usage, record.cached_tokens or 0, {"role": "assistant", "content": said}
+
+    def cached(usage: dict) -> int:
+        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    async with httpx.AsyncClient(base_url=url(service), timeout=60) as client:
+        for stream in (True, False):  # an agent that streams, and one that does not
+            messages = list(first)
+            usage, _, said = await told(alice, body(messages, stream))
+            assert cached(usage) == 0  # its first turn: nothing of its own was cached
+            earlier = usage["prompt_tokens"]
+            messages += [said, {"role": "user", "content": "And what did I tell you?"}]
+            usage, engine_cached, said = await told(alice, body(messages, stream))
+            assert engine_cached > 0, usage
+            assert cached(usage) == min(engine_cached, earlier) > 0, (usage, engine_cached)
+        # mallory sends alice's very turn: the cache holds it, mallory's own session nothing.
+        usage, engine_cached, _ = await told(mallory, body(messages))
+        assert engine_cached > 0 and cached(usage) == 0, usage
+
+
 def cache_fields(value: object) -> list[tuple[str, object]]:
     """Every field of a payload by which the engine tells what its prompt cache held,
     with its value, wherever it is nested."""
