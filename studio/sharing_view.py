@@ -34,7 +34,7 @@ from backend.app.sharing.snippets import ClientTarget, Snippet, client_snippets,
 from backend.app.sharing.key_table import KeyForm
 from backend.keys.enrolments import SharedRequest
 from backend.errors import KeyStoreError
-from backend.keys.key_store import describe_time
+from backend.keys.expiry import describe_time
 
 from studio.keys_view import KeyDialog, KeysView
 from studio.widgets import CopyButton, monospace_font, secondary_label

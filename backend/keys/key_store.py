@@ -46,7 +46,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ import platformdirs
 
 from backend.api_keys import generate_api_key
 from backend.errors import KeyExpired, KeyRevoked, KeyStoreError, SettingsError, Unauthorized
+from backend.keys.expiry import check_future, describe_time
 from backend.private_files import PRIVATE_FILE_MODE, make_private, write_private
 from backend.settings import APP_NAME
 
@@ -68,10 +69,8 @@ __all__ = [
     "KeyStore",
     "Priority",
     "check_name",
-    "describe_time",
     "hash_secret",
     "keys_path",
-    "parse_expiry",
 ]
 
 log = logging.getLogger("gguf_studio.keys")
@@ -318,7 +317,7 @@ class KeyStore:
                            weight=weight, expires_at=_second(expires_at),
                            created_at=float(math.floor(now)))
         _check_limits(record)
-        _check_future(expires_at, now)
+        check_future(expires_at, now)
         return record
 
     def edit(self, name: str, **changes: Any) -> KeyRecord:
@@ -333,7 +332,7 @@ class KeyStore:
         if "expires_at" in changes:
             changes["expires_at"] = _second(changes["expires_at"])
         now = self._wall_clock()
-        _check_future(changes.get("expires_at"), now)
+        check_future(changes.get("expires_at"), now)
         with self._changing() as records:
             record = _existing(records, name)
             if record.revoked_at is not None:
@@ -385,42 +384,6 @@ class KeyStore:
             self._signature = _signature(self.path)
             self._next_check = self._clock() + self.check_interval
             self._install(records)
-
-
-def parse_expiry(text: str, now: float | None = None) -> float | None:
-    """An expiry as people type it, as seconds since the epoch; None for "never".
-
-    "2026-03-31" (the key works through that day, local time), "2026-03-31T18:00" (local
-    time unless an offset or Z is given), or a span from now: "30d", "12h", "2w"."""
-    text = text.strip()
-    now = time.time() if now is None else now
-    if text.lower() in {"never", "none"}:
-        return None
-    span = re.fullmatch(r"(\d+)\s*([hdw])", text.lower())
-    if span:
-        hours = {"h": 1, "d": 24, "w": 24 * 7}[span[2]] * int(span[1])
-        if hours == 0:
-            raise KeyStoreError(f"The expiry {text!r} is now; give a span of at least 1h.")
-        return now + hours * 3600
-    try:
-        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
-            day = datetime.strptime(text, "%Y-%m-%d")
-            moment = (day + timedelta(days=1)).astimezone()  # the end of that day, local
-        else:
-            moment = datetime.fromisoformat(text.replace(" ", "T", 1))
-            if moment.tzinfo is None:
-                moment = moment.astimezone()
-    except (ValueError, OverflowError):
-        raise KeyStoreError(f"The expiry {text!r} is not a date: give 2026-03-31, "
-                            "2026-03-31T18:00, a span such as 30d, 12h or 2w, or never.") from None
-    expires = moment.timestamp()
-    _check_future(expires, now)
-    return expires
-
-
-def describe_time(when: float) -> str:
-    """A moment as people read it: local time, to the minute."""
-    return datetime.fromtimestamp(when).astimezone().strftime("%Y-%m-%d %H:%M")
 
 
 # --- the file --------------------------------------------------------------------------
@@ -595,11 +558,6 @@ def _priority(value: Any) -> Priority:
     except ValueError:
         raise KeyStoreError(f"The priority {value!r} is not one of "
                             f"{', '.join(p.value for p in Priority)}.") from None
-
-
-def _check_future(expires_at: float | None, now: float) -> None:
-    if expires_at is not None and expires_at <= now:
-        raise KeyStoreError(f"The expiry {describe_time(expires_at)} is in the past.")
 
 
 def _check_free(records: dict[str, KeyRecord], name: str) -> None:

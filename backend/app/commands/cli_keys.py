@@ -112,7 +112,8 @@ def _keys_edit(args: argparse.Namespace) -> int:
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
-    from backend.keys.key_store import KeyStore, describe_time
+    from backend.keys.expiry import describe_time
+    from backend.keys.key_store import KeyStore
 
     store = KeyStore()
     before = next((r for r in store.records() if r.name.casefold() == args.name.casefold()),
@@ -132,7 +133,7 @@ def _keys_requests(args: argparse.Namespace) -> int:
     import time
 
     from backend.keys.enrolments import EnrolmentFile, enrolments_path
-    from backend.keys.key_store import describe_time
+    from backend.keys.expiry import describe_time
 
     requests = EnrolmentFile(enrolments_path()).requests()
     if args.json:
@@ -163,7 +164,7 @@ def _keys_approve(args: argparse.Namespace) -> int:
         print(f"Key {request.name!r} made and sent to {request.address} (code "
               f"{request.code}).")
     else:
-        from backend.keys.key_store import describe_time
+        from backend.keys.expiry import describe_time
 
         print(f"Request {request.name!r} from {request.address} (code {request.code}) "
               f"approved: the key is made when their gguf-studio connect collects it, which "
@@ -251,7 +252,7 @@ def _key_changes(args: argparse.Namespace) -> dict[str, Any]:
     read as the window's key dialog reads its fields (backend.app.sharing.key_table)."""
     from backend.app.sharing.key_table import parse_limit, parse_models
     from backend.errors import KeyStoreError
-    from backend.keys.key_store import parse_expiry
+    from backend.keys.expiry import parse_expiry
 
     changes: dict[str, Any] = {}
     for option, field in _KEY_OPTIONS.items():
@@ -282,7 +283,7 @@ def _owner_key_set() -> bool:
 
 
 def _key_row(record: "KeyRecord", usage: "KeyUsage | None", now: float) -> tuple[str, ...]:
-    from backend.keys.key_store import describe_time
+    from backend.keys.expiry import describe_time
 
     def number(value: int | None) -> str:
         return f"{value:,}" if value else "-"

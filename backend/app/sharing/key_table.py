@@ -21,8 +21,8 @@ from typing import Any
 from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.keys.usage import KeyUsage, MinuteUsage
 from backend.errors import KeyStoreError
-from backend.keys.key_store import (CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority, describe_time,
-                               parse_expiry)
+from backend.keys.expiry import describe_time, parse_expiry
+from backend.keys.key_store import CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority
 
 __all__ = [
     "CHART_BINS",

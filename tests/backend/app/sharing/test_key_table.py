@@ -26,7 +26,8 @@ from backend.app.service import StudioService
 from backend.app.sharing.snippets import ClientModel, ClientTarget, opencode_snippet
 from backend.keys.usage import MinuteUsage, UsageLedger
 from backend.errors import KeyStoreError
-from backend.keys.key_store import KeyRecord, KeyStore, Priority, describe_time
+from backend.keys.expiry import describe_time
+from backend.keys.key_store import KeyRecord, KeyStore, Priority
 from backend.settings import Settings
 
 NOW = 1_750_000_000.0  # 10:26:40 UTC: 40 s into a minute
