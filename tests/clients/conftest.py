@@ -2,10 +2,11 @@
 
 A `StudioService` with the real llama-server and a tiny model (random weights: it never
 stops by itself, so the port's output cap keeps every answer short) serves the port on
-127.0.0.1; Codex CLI and OpenCode, installed at pinned versions by
+127.0.0.1; Codex CLI, OpenCode and Claude Code, installed at pinned versions by
 `scripts/install-clients`, run non-interactively against it in throwaway home and config
 dirs, offline (no login, no telemetry, no update checks, no plugin installs), each under
-a hard timeout.  The tests skip, saying why, when Node.js/npm are missing or the install
+a hard timeout.  Claude Code's prompt (about 4k tokens) is read by SmolLM2, a trained
+model whose answers end by themselves (`start_smol_studio`).  The tests skip, saying why, when Node.js/npm are missing or the install
 failed.
 """
 
@@ -25,7 +26,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, cast
 
 import httpx
 import pytest
@@ -60,15 +61,17 @@ class Clients:
     opencode_plugin_dir: Path
     codex_version: str
     opencode_version: str
+    claude_bin: Path
+    claude_version: str
 
 
 @pytest.fixture(scope="session")
 def clients() -> Clients:
-    """Codex CLI and OpenCode at their pinned versions (installed on first use)."""
+    """Codex CLI, OpenCode and Claude Code at their pinned versions (installed on first use)."""
     missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"real-client tests need Node.js and npm to install Codex CLI and OpenCode "
-                    f"from the npm registry; not on PATH: {', '.join(missing)}")
+        pytest.skip("real-client tests need Node.js and npm to install Codex CLI, OpenCode and "
+                    f"Claude Code from the npm registry; not on PATH: {', '.join(missing)}")
     # In its own process group, so that a timeout also ends the npm it is running.
     install = subprocess.Popen([str(INSTALL_SCRIPT)], stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -88,7 +91,8 @@ def clients() -> Clients:
     return Clients(codex_bin=Path(values["CODEX_BIN"]), opencode_bin=Path(values["OPENCODE_BIN"]),
                    opencode_plugin_dir=Path(values["OPENCODE_PLUGIN_DIR"]),
                    codex_version=values["CODEX_VERSION"],
-                   opencode_version=values["OPENCODE_VERSION"])
+                   opencode_version=values["OPENCODE_VERSION"],
+                   claude_bin=Path(values["CLAUDE_BIN"]), claude_version=values["CLAUDE_VERSION"])
 
 
 # --- the service ---------------------------------------------------------------------------
@@ -121,6 +125,42 @@ async def start_studio(tmp_path: Path, llama_server_binary: Path,
         # to the port and the client (on 2 cores, two busy engine threads stalled the
         # test's loop, and so the port's keep-alives, for seconds).
         await service.load(LoadSettings(parallel=str(parallel), ctx_size=CONTEXT * parallel, threads=ENGINE_THREADS).to_spec(str(long_context_model), model_id=MODEL_ID))
+        return service
+
+    yield start
+    for service in services:
+        await service.close()
+
+
+#: SmolLM2's model id at the port, and its context (its trained one: one slot holds Claude
+#: Code's ~4k-token prompt and a few turns).
+SMOL_ID = "smol"
+SMOL_CONTEXT = 8192
+
+
+@pytest.fixture
+async def start_smol_studio(tmp_path: Path, llama_server_binary: Path,
+                            smollm2_model: Path) -> AsyncIterator[StartStudio]:
+    """`await start_smol_studio(parallel=1, max_queue=0)`: a service on 127.0.0.1:<free>
+    serving SmolLM2 as `SMOL_ID`, with no output cap (its answers end by themselves).
+
+    It samples greedily (`--temp 0`; Claude Code sends no temperature): on Claude Code's
+    prompt a sampled SmolLM2 often rambles to the output limit (and Claude Code then asks
+    it to go on, three times, and fails the turn), where a greedy one answers in a short
+    sentence."""
+    services: list[StudioService] = []
+
+    async def start(*, parallel: int = 1, max_queue: int = 0) -> StudioService:
+        settings = Settings(host="127.0.0.1", port=0, api_key=API_KEY,
+                            llama_server=str(llama_server_binary), max_output_tokens=0,
+                            keepalive_interval=KEEPALIVE, max_queue=max_queue, reload_grace=2,
+                            load_timeout=60)
+        service = StudioService(settings, log_dir=tmp_path / "logs")
+        services.append(service)
+        await service.start_gateway()
+        await service.load(LoadSettings(parallel=str(parallel), ctx_size=SMOL_CONTEXT * parallel,
+                                        threads=ENGINE_THREADS, extra_args=("--temp", "0"))
+                           .to_spec(str(smollm2_model), model_id=SMOL_ID))
         return service
 
     yield start
@@ -532,6 +572,94 @@ class OpenCode:
 @pytest.fixture
 def opencode(clients: Clients, tmp_path: Path, processes: list[Process]) -> OpenCode:
     return OpenCode(clients, tmp_path, processes)
+
+
+# --- Claude Code -------------------------------------------------------------------------
+
+#: Seconds one `claude -p` run may take: its ~4k-token prompt is read by SmolLM2 on one
+#: engine thread (about 25 s here) before a word comes.
+CLAUDE_TIMEOUT = 240.0
+
+#: The output limit Claude Code is given (`CLAUDE_CODE_MAX_OUTPUT_TOKENS`).
+CLAUDE_OUTPUT = 200
+
+#: What keeps `claude -p` from reaching out: no telemetry, error reports, surveys, update
+#: checks or feature flags (the first switch covers them; the others are the parts' own).
+CLAUDE_OFFLINE = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+}
+
+
+def claude_port_env(service: StudioService, model: str = SMOL_ID) -> dict[str, str]:
+    """Claude Code at the port: its base URL (the SDK adds /v1/messages), the suite's key
+    as its auth token (sent as `Authorization: Bearer`), every model alias it may ask for
+    (main, the small fast one, haiku/sonnet/opus, subagents) pointed at `model`, and an
+    output limit (it asks for 32,000 tokens, which SmolLM2 sometimes rambles towards)."""
+    return {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{service.gateway_port}",
+            "ANTHROPIC_AUTH_TOKEN": API_KEY, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(CLAUDE_OUTPUT),
+            **claude_model_env(model)}
+
+
+def claude_model_env(model: str) -> dict[str, str]:
+    return {name: model for name in (
+        "ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
+        "ANTHROPIC_DEFAULT_FABLE_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")}
+
+
+class ClaudeCode:
+    """`claude -p PROMPT` in a throwaway HOME and CLAUDE_CONFIG_DIR, answering in JSON."""
+
+    def __init__(self, clients: Clients, root: Path, processes: list[Process]) -> None:
+        self.clients = clients
+        self.root = root
+        self.processes = processes
+
+    async def start(self, service: StudioService, prompt: str, *,
+                    timeout: float = CLAUDE_TIMEOUT, args: tuple[str, ...] = (),
+                    output: str = "json", env: dict[str, str] | None = None,
+                    port_env: bool = True, trace: Path | None = None,
+                    continuing: Run | None = None) -> Process:
+        """`args`: more options (`("--resume", ID)`, `("--continue",)`, `("--settings",
+        FILE)`); `env`: more variables; `port_env=False` leaves out `claude_port_env` (the
+        settings file says it all); `continuing`: an earlier run whose dirs (its sessions,
+        its work dir) this one runs in."""
+        run_dir = continuing.run_dir if continuing is not None else None
+        if run_dir is None:
+            run_dir = self.root / f"claude-{len(self.processes)}"
+        home, work = run_dir / "home", run_dir / "work"
+        work.mkdir(parents=True, exist_ok=continuing is not None)
+        run_env = clean_env(home, CLAUDE_CONFIG_DIR=str(home / ".claude"), **CLAUDE_OFFLINE,
+                            **(claude_port_env(service) if port_env else {}), **(env or {}))
+        argv = [str(self.clients.claude_bin), "-p", "--output-format", output,
+                *(("--verbose",) if output == "stream-json" else ()), *args, "--", prompt]
+        process = await Process.start(traced(argv, trace), env=run_env, cwd=work,
+                                      timeout=timeout)
+        process.run.run_dir = run_dir
+        self.processes.append(process)
+        return process
+
+    async def run(self, service: StudioService, prompt: str, **kwargs: Any) -> Run:
+        return await (await self.start(service, prompt, **kwargs)).result()
+
+
+def claude_result(run: Run) -> dict[str, Any]:
+    """The `result` message of a `--output-format json` or `stream-json` run."""
+    for line in reversed(run.stdout.splitlines()):
+        if line.startswith("{"):
+            message = json.loads(line)
+            if message.get("type") == "result":
+                return cast(dict[str, Any], message)
+    raise AssertionError("no result message\n" + run.describe())
+
+
+@pytest.fixture
+def claude(clients: Clients, tmp_path: Path, processes: list[Process]) -> ClaudeCode:
+    return ClaudeCode(clients, tmp_path, processes)
 
 
 # --- named keys, as the user makes and hands them out -----------------------------------------
