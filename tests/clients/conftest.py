@@ -633,8 +633,9 @@ class ClaudeCode:
             run_dir = self.root / f"claude-{len(self.processes)}"
         home, work = run_dir / "home", run_dir / "work"
         work.mkdir(parents=True, exist_ok=continuing is not None)
-        run_env = clean_env(home, CLAUDE_CONFIG_DIR=str(home / ".claude"), **CLAUDE_OFFLINE,
-                            **(claude_port_env(service) if port_env else {}), **(env or {}))
+        run_env = clean_env(home, **{"CLAUDE_CONFIG_DIR": str(home / ".claude"), **CLAUDE_OFFLINE,
+                                     **(claude_port_env(service) if port_env else {}),
+                                     **(env or {})})
         argv = [str(self.clients.claude_bin), "-p", "--output-format", output,
                 *(("--verbose",) if output == "stream-json" else ()), *args, "--", prompt]
         process = await Process.start(traced(argv, trace), env=run_env, cwd=work,
@@ -655,6 +656,22 @@ def claude_result(run: Run) -> dict[str, Any]:
             if message.get("type") == "result":
                 return cast(dict[str, Any], message)
     raise AssertionError("no result message\n" + run.describe())
+
+
+def claude_answered(run: Run) -> dict[str, Any]:
+    """The result of a run that the port answered with the model's text, as Claude Code
+    judged it: a success, or the one failure that is the model's own, an answer that
+    went on past the output limit though Claude Code asked it (in three more requests of
+    the same session) to finish (greedy SmolLM2 does this on some of Claude Code's
+    prompts, depending on their paths and date)."""
+    assert not run.timed_out, run.describe()
+    result = claude_result(run)
+    if result.get("api_error") == "max_output_tokens":
+        assert result["usage"]["output_tokens"] >= CLAUDE_OUTPUT, run.describe()
+        return result
+    assert run.returncode == 0 and not result["is_error"], run.describe()
+    assert result["result"].strip(), run.describe()
+    return result
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.clients.conftest import (API_KEY, KEY_ENV, SMOL_ID, ClaudeCode, Run, add_key,
-                                    auth_headers, claude_result, network_connections,
-                                    rejections, responses_count)
+from tests.clients.conftest import (SMOL_ID, ClaudeCode, Run, add_key, auth_headers,
+                                    claude_answered, network_connections, rejections,
+                                    until)
 
 # A first run installs the clients (scripts/install-clients); each client run is bounded.
 pytestmark = pytest.mark.timeout(900)
@@ -35,21 +35,19 @@ async def test_claude_code_answers_with_the_models_text_streamed(start_smol_stud
     run = await claude.run(service, "Say hello.", output="stream-json",
                            args=("--include-partial-messages",))
 
-    assert run.returncode == 0 and not run.timed_out, run.describe()
-    result = claude_result(run)
-    assert result["subtype"] == "success" and not result["is_error"], result
-    assert result["result"].strip(), result
+    result = claude_answered(run)
     # The answer came in pieces as the engine made them, each one an event of the port's
     # stream that Claude Code passed on.
     deltas = [event["event"]["delta"]["text"] for event in stream_events(run)
               if event["event"]["type"] == "content_block_delta"
               and event["event"]["delta"]["type"] == "text_delta"]
     assert len(deltas) > 1, deltas
-    assert "".join(deltas).strip() == result["result"].strip()
-    assert responses_count(service, MESSAGES, 200) == 1, run.describe()  # nothing resent
-    (record,) = await inspected(service)
-    assert record["stream"] is True and record["session"] == result["session_id"], record
-    assert record["prompt_tokens"] > 3000, record  # Claude Code's own prompt and tools
+    if not result["is_error"]:
+        assert "".join(deltas).strip() == result["result"].strip()
+    records = await inspected(service)
+    assert [r["status"] for r in records] == [200] * result["num_turns"], records  # none resent
+    assert all(r["stream"] and r["session"] == result["session_id"] for r in records), records
+    assert records[0]["prompt_tokens"] > 3000, records  # Claude Code's own prompt and tools
 
 
 async def test_claude_code_connects_to_nothing_but_the_port(start_smol_studio,
@@ -61,10 +59,79 @@ async def test_claude_code_connects_to_nothing_but_the_port(start_smol_studio,
 
     run = await claude.run(service, "Say hello.", trace=trace)
 
-    assert run.returncode == 0 and claude_result(run)["result"].strip(), run.describe()
+    claude_answered(run)
     connections = network_connections(trace)
     assert connections, "strace saw no connection at all"
     assert set(connections) == {("127.0.0.1", service.gateway_port)}, connections
+
+
+async def test_claude_code_turns_resumed_and_continued_are_one_session_with_its_hit_share(
+        start_smol_studio, claude: ClaudeCode):
+    """Three runs with a named key: a first turn, `--resume ID`, then `--continue`; each
+    run sends Claude Code's session id, so the port books one session of three turns,
+    each after the first finding the one before in the engine's cache, and the Sessions
+    tab's rows show it under the key's name with its hit share."""
+    service = await start_smol_studio()
+    secret = await add_key("alice")
+    env = {"ANTHROPIC_AUTH_TOKEN": secret}
+
+    first = await claude.run(service, "Say hello.", env=env)
+    session = claude_answered(first)["session_id"]
+    resumed = await claude.run(service, "Say hello.", env=env, args=("--resume", session),
+                               continuing=first)
+    continued = await claude.run(service, "Say hello.", env=env, args=("--continue",),
+                                 continuing=first)
+
+    turns = 0
+    for run in (first, resumed, continued):
+        result = claude_answered(run)
+        assert result["session_id"] == session, result
+        turns += result["num_turns"]  # one request each, more for an answer too long
+    records = await inspected(service, "alice")
+    assert [r["session"] for r in records] == [session] * turns, records
+    assert all(r["status"] == 200 for r in records), records
+    assert all(r["cached_tokens"] > r["computed_tokens"] for r in records[1:]), records
+    (row,) = [row for row in service.session_rows() if row.name == session]
+    assert (row.owner, row.model, row.turns) == ("alice", SMOL_ID, turns), row
+    cached = sum(r["cached_tokens"] for r in records)
+    computed = sum(r["computed_tokens"] for r in records)
+    assert row.hit_percent == round(100 * cached / (cached + computed), 1), (row, records)
+    assert row.hit_percent > 50, row
+    assert row.where.startswith("this machine"), row
+
+
+async def test_claude_code_waits_out_a_429_for_its_retry_after_and_completes(
+        start_smol_studio, claude: ClaudeCode):
+    """A key with 9,000 tokens per minute, 7,000 of them held by its own long answer
+    running on the one slot: Claude Code's turn (about 4.3k tokens with its output limit)
+    does not fit, and is refused with 429 and a `Retry-After` of several seconds (the
+    bucket refills 150 tokens a second).  Claude Code waits that long and sends it again:
+    refused once, then admitted (to wait in line behind the long answer, which then
+    ends), and the turn completes."""
+    service = await start_smol_studio()
+    secret = await add_key("bob", "--tokens-per-minute", "9000")
+    env = {"ANTHROPIC_AUTH_TOKEN": secret}
+    body = {"model": SMOL_ID, "max_tokens": 7000, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell a long story."}]}
+    async with httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {secret}"}) as client:
+        async with client.stream("POST", f"http://127.0.0.1:{service.gateway_port}{MESSAGES}",
+                                 json=body) as holding:
+            assert holding.status_code == 200
+            await until(lambda: service.registry.total_active == 1, 30, "the long answer to run")
+            process = await claude.start(service, "Say hello.", env=env)
+            await until(lambda: rejections(service, "rate_limit_exceeded") == 1, 120,
+                        "Claude Code's request to be refused")
+            await until(lambda: service.registry.total_waiting == 1 or not process.running,
+                        120, "Claude Code's request to come again and wait in line")
+    run = await process.result()
+
+    session = claude_answered(run)["session_id"]
+    records = [r for r in await inspected(service, "bob") if r["session"] == session]
+    refused, served = records[:2]
+    assert (refused["status"], served["status"]) == (429, 200), records
+    assert refused["error"] == "rate_limit_exceeded", refused
+    # Sent again after the wait the port asked for (about 10 s here), not at once.
+    assert served["time"] - refused["time"] >= 4.0, (refused, served)
 
 
 # --- helpers -----------------------------------------------------------------------------
