@@ -45,7 +45,8 @@ from backend.app.sharing.key_table import (
     short_number,
     usage_chart,
 )
-from backend.app.sharing.snippets import ClientTarget, Snippet, codex_snippet, opencode_snippet
+from backend.app.sharing.snippets import (ClientTarget, Snippet, claude_code_snippet,
+                                          codex_snippet, opencode_snippet)
 from backend.errors import KeyStoreError
 from backend.keys.key_store import KeyRecord, Priority
 
@@ -451,7 +452,8 @@ class SecretDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle(f"Key {record.name!r} made")
         self._secret = secret
-        self._snippets: list[Snippet] = [codex_snippet(target), opencode_snippet(target)]
+        self._snippets: list[Snippet] = [codex_snippet(target), opencode_snippet(target),
+                                         claude_code_snippet(target)]
 
         notice = QLabel(f"<b>Copy the secret now.</b> This is the only time it is shown: "
                         f"GGUF Studio keeps only a hash of it. Give it to the person or agent "

@@ -231,7 +231,7 @@ class SharingView(QWidget):
         self.snippet_tabs = QTabWidget()
         self.snippet_tabs.setDocumentMode(True)
         self._snippet_widgets: list[tuple[QLabel, QLineEdit, QWidget, QPlainTextEdit]] = []
-        for client in ("Codex CLI", "OpenCode", "curl"):
+        for client in ("Codex CLI", "OpenCode", "Claude Code", "curl"):
             page = QWidget()
             where = secondary_label()
             shell = QLineEdit()

@@ -11,14 +11,17 @@ prefill on one engine thread: each run is bounded by `CLAUDE_TIMEOUT`.
 from __future__ import annotations
 
 import json
-import time
+import shlex
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.clients.conftest import (SMOL_ID, ClaudeCode, Run, add_key, auth_headers,
+from backend.app.client_config import write_client_config
+from backend.app.snippets import ClientTarget
+from tests.clients.conftest import (CLAUDE_OUTPUT, SMOL_ID, ClaudeCode, Run,
+                                    add_key, auth_headers,
                                     claude_answered, network_connections, rejections,
                                     until)
 
@@ -132,6 +135,41 @@ async def test_claude_code_waits_out_a_429_for_its_retry_after_and_completes(
     assert refused["error"] == "rate_limit_exceeded", refused
     # Sent again after the wait the port asked for (about 10 s here), not at once.
     assert served["time"] - refused["time"] >= 4.0, (refused, served)
+
+
+async def test_claude_code_started_as_connect_says_answers_and_its_session_shows(
+        start_smol_studio, claude: ClaudeCode, tmp_path: Path, monkeypatch):
+    """What `gguf-studio connect` writes for a key (`write_client_config`: the key in its
+    0600 file, Claude Code's settings file beside the user's, reading it with
+    `apiKeyHelper`), and Claude Code started the way connect prints, with nothing of the
+    suite's own set-up (no ANTHROPIC_* variables): it answers, twice in one session, which
+    the Sessions rows show under the key's name with its hit share."""
+    service = await start_smol_studio()
+    secret = await add_key("carol")
+    home = tmp_path / "carol"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.setenv("CODEX_HOME", str(home / ".codex"))
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(home / ".claude"))
+    # No context window: with SmolLM2's 8k window in CLAUDE_CODE_MAX_CONTEXT_TOKENS,
+    # Claude Code (its prompt 4k tokens) compacts the conversation before every turn.
+    target = ClientTarget(f"http://127.0.0.1:{service.gateway_port}/v1", SMOL_ID, secret,
+                          max_output_tokens=CLAUDE_OUTPUT)
+    written = write_client_config(target, "office", "Office box")
+    argv = shlex.split(written.claude_command)
+    assert argv[:2] == ["claude", "--settings"], argv
+    env = {"CLAUDE_CONFIG_DIR": str(home / ".claude")}
+
+    first = await claude.run(service, "Say hello.", port_env=False, env=env, args=tuple(argv[1:]))
+    session = claude_answered(first)["session_id"]
+    again = await claude.run(service, "Say hello.", port_env=False, env=env, continuing=first,
+                             args=(*argv[1:], "--continue"))
+
+    assert claude_answered(again)["session_id"] == session
+    records = await inspected(service, "carol")
+    assert records and all(r["session"] == session and r["status"] == 200 for r in records)
+    (row,) = [row for row in service.session_rows() if row.name == session]
+    assert (row.owner, row.turns) == ("carol", len(records)), row
+    assert row.hit_percent > 0, row
 
 
 # --- helpers -----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
     qtbot.waitUntil(lambda: window.sharing.urls == expected_urls, timeout=WAIT)
     assert [field.text() for field in window.sharing.url_rows] == expected_urls
     base_url = expected_urls[0]
-    codex, opencode, curl = window.sharing.snippets()
+    codex, opencode, claude, curl = window.sharing.snippets()
     provider = tomllib.loads(codex.text)["model_providers"][PROVIDER_ID]
     assert provider["base_url"] == base_url and provider["wire_api"] == "responses"
     assert provider["env_key"] == KEY_ENV_VAR and key in codex.shell
@@ -79,6 +79,10 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
     per_slot = window.bridge.snapshot.serving.context_length
     opencode_model = json.loads(opencode.text)["provider"][PROVIDER_ID]["models"]["default"]
     assert opencode_model["limit"]["context"] == per_slot
+    claude_env = json.loads(claude.text)["env"]
+    assert claude_env["ANTHROPIC_BASE_URL"] + "/v1" == base_url and key in claude.shell
+    assert claude_env["ANTHROPIC_MODEL"] == "default"
+    assert claude_env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(per_slot)
     assert base_url in curl.text and key in curl.text
 
     # Without the key the port refuses; with it, requests go through.

@@ -100,15 +100,17 @@ def test_a_key_made_in_the_window_is_shown_once_with_its_set_up_and_works_at_onc
     assert secret.startswith("gs-") and len(secret) > 40
     qtbot.mouseClick(shown.copy_secret, Qt.MouseButton.LeftButton)
     assert QGuiApplication.clipboard().text() == secret
-    codex, opencode = shown.snippets()
+    codex, opencode, claude = shown.snippets()
     base_url = window.sharing.urls[0]
-    assert codex.shell == f"export {KEY_ENV_VAR}={secret}" == opencode.shell
+    assert codex.shell == f"export {KEY_ENV_VAR}={secret}" == opencode.shell == claude.shell
     config = tomllib.loads(codex.text)
     assert config["model"] == "tiny" and secret not in codex.text
     assert config["model_providers"][PROVIDER_ID]["base_url"] == base_url
     assert json.loads(opencode.text)["provider"][PROVIDER_ID]["options"]["baseURL"] == base_url
+    settings = json.loads(claude.text)
+    assert settings["env"]["ANTHROPIC_BASE_URL"] + "/v1" == base_url and secret not in claude.text
     assert [shown.snippet_tabs.tabText(i) for i in range(shown.snippet_tabs.count())] == \
-        ["Codex CLI", "OpenCode"]
+        ["Codex CLI", "OpenCode", "Claude Code"]
     assert shown.shells[0].text() == codex.shell
 
     # The port takes the key at once, and now asks every client for one.

@@ -1,4 +1,5 @@
-"""Writing a teammate's Codex CLI and OpenCode configuration for a port (`connect`).
+"""Writing a teammate's Codex CLI, OpenCode and Claude Code configuration for a port
+(`connect`).
 
 What the window's snippets say (`backend.app.sharing.snippets`), written where the clients read
 it, next to what the user has:
@@ -8,7 +9,8 @@ it, next to what the user has:
   the profile is the port's name unless the user names one, and a key file it replaces is
   kept as a private backup first (a key may be the only copy of another port's).
   Codex reads it with its provider `auth.command` (`cat FILE`), OpenCode with its
-  `{file:FILE}` substitution: neither needs it in the environment.
+  `{file:FILE}` substitution, Claude Code with its `apiKeyHelper` (`cat FILE`): none
+  needs it in the environment.
 - **Codex CLI**: a profile file `$CODEX_HOME/PROFILE.config.toml` (Codex 0.171 layers it
   over config.toml with `codex --profile PROFILE`) holding the model and its own
   `[model_providers.PROFILE]`, so config.toml and other profiles stay as they are; one
@@ -18,6 +20,10 @@ it, next to what the user has:
   (`opencode -m PROFILE/MODEL` picks ours otherwise).  `small_model` is left as it is:
   it serves every provider's titles, so pointing it at one port would send the titles of
   the user's other conversations there.
+- **Claude Code**: a settings file of its own, `~/.claude/settings.gguf-studio-PROFILE.json`
+  (`$CLAUDE_CONFIG_DIR` when set), used with `claude --settings FILE`, which layers it
+  over the user's settings.json (left as it is): the port and its models in its `env`
+  (`backend.app.sharing.snippets.claude_code_env`), the key by `apiKeyHelper`.
 
 Every file that exists is copied to `NAME.bak-YYYYMMDD-HHMMSS` before it changes.
 """
@@ -35,7 +41,8 @@ from pathlib import Path
 
 import platformdirs
 
-from backend.app.sharing.snippets import ClientModel, ClientTarget, codex_model_lines, opencode_snippet
+from backend.app.sharing.snippets import (ClientModel, ClientTarget, claude_code_env,
+                                          codex_model_lines, opencode_snippet)
 from backend.toml_text import toml_string
 from backend.errors import ConnectCommandFailed
 from backend.private_files import write_private
@@ -54,6 +61,7 @@ class WrittenConfig:
     codex_command: str
     opencode_command: str
     notes: tuple[str, ...] = ()
+    claude_command: str = ""
 
 
 def profile_name(text: str) -> str:
@@ -91,14 +99,25 @@ def write_client_config(target: ClientTarget, profile: str, port_name: str) -> W
             files.append(opencode)
         except ConnectCommandFailed as exc:
             notes.append(str(exc))
+    claude = claude_dir() / f"settings.gguf-studio-{profile}.json"
+    _backup(claude, stamp, backups)
+    claude.parent.mkdir(parents=True, exist_ok=True)
+    claude.write_text(json.dumps({"apiKeyHelper": f"cat {shlex.quote(str(key_file))}",
+                                  "env": claude_code_env(target)}, indent=2) + "\n")
+    files.append(claude)
     return WrittenConfig(key_file, tuple(files), tuple(backups),
                          f"codex --profile {profile}",
                          f"opencode -m {shlex.quote(f'{profile}/{first.model_id}')}",
-                         tuple(notes))
+                         tuple(notes), f"claude --settings {shlex.quote(str(claude))}")
 
 
 def connections_dir() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME)) / "connections"
+
+
+def claude_dir() -> Path:
+    """Claude Code's config dir: `$CLAUDE_CONFIG_DIR`, else ~/.claude."""
+    return Path(os.environ.get("CLAUDE_CONFIG_DIR") or Path.home() / ".claude")
 
 
 # --- helpers -------------------------------------------------------------------------------

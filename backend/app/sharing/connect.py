@@ -15,9 +15,9 @@
    (a relay would pass it on).
 3. Waits (long polls) while the owner approves (`gguf-studio keys approve CODE`, or the
    window) or refuses; the key comes once, over this connection.
-4. Writes the key (0600 file), a Codex CLI profile and an OpenCode provider
-   (`backend.app.sharing.client_config`), named after the port unless `--profile` names them,
-   and says how to start each.
+4. Writes the key (0600 file), a Codex CLI profile, an OpenCode provider and a Claude Code
+   settings file (`backend.app.sharing.client_config`), named after the port unless
+   `--profile` names them, and says how to start each.
 
 Everything a port or an announcement says (names, codes, messages) is printed through
 `printable`: a rogue answer must not drive the teammate's terminal.
@@ -52,17 +52,18 @@ POLL_WAIT = 25
 
 def add_connect_parser(sub: Any) -> None:
     connect = sub.add_parser(
-        "connect", help="get a key from a GGUF Studio port on the LAN and set up Codex CLI "
-        "and OpenCode for it",
+        "connect", help="get a key from a GGUF Studio port on the LAN and set up Codex CLI, "
+        "OpenCode and Claude Code for it",
         description="Finds GGUF Studio ports on the LAN (mDNS) or takes an address, asks the "
         "chosen one for a key under your name, waits for its owner to approve, then writes "
-        "a Codex CLI profile and an OpenCode provider for its models (the key in a 0600 "
-        "file, never in a config file; a backup of every file changed).")
+        "a Codex CLI profile, an OpenCode provider and a Claude Code settings file for its "
+        "models (the key in a 0600 file, never in a config file; a backup of every file "
+        "changed).")
     connect.add_argument("target", nargs="?", metavar="NAME|URL",
                          help="the port's announced name, or its address (http://HOST:PORT)")
     connect.add_argument("--name", help="the name your key gets (asked if not given)")
-    connect.add_argument("--profile", help="the Codex profile and OpenCode provider to write "
-                         "(default: the port's name)")
+    connect.add_argument("--profile", help="the Codex profile, OpenCode provider and Claude "
+                         "Code settings to write (default: the port's name)")
     connect.add_argument("--browse-seconds", type=float, default=3.0,
                          help="how long to listen for ports on the LAN (3)")
     connect.add_argument("--timeout", type=float, default=900.0,
@@ -111,6 +112,7 @@ async def _connect_async(args: argparse.Namespace) -> int:
         print(f"  {printable(note, 1000)}")
     print(f"Start Codex with: {printable(written.codex_command, 1000)}\n"
           f"Start OpenCode with: {printable(written.opencode_command, 1000)}\n"
+          f"Start Claude Code with: {printable(written.claude_command, 1000)}\n"
           f"Connected in {time.monotonic() - started:.1f}s.", flush=True)
     return 0
 

@@ -1,4 +1,5 @@
-"""Ready-to-paste client configuration for the shared models: Codex CLI, OpenCode, curl.
+"""Ready-to-paste client configuration for the shared models: Codex CLI, OpenCode, Claude
+Code, curl.
 
 Each snippet is filled with the live base URL, model ids and key.  Config files name the
 key's environment variable rather than the key itself, so they can be committed or
@@ -10,6 +11,12 @@ OpenCode lists every model under its provider, with its limits, and takes a
 and switches with `codex --profile NAME`, which layers `$CODEX_HOME/NAME.config.toml`
 over config.toml (its older `[profiles.NAME]` tables cannot hold a model's context
 window), so every other model gets a profile file of its own (`Snippet.files`).
+
+Claude Code (2.1) speaks `/v1/messages` and takes its settings from a file of their own,
+`claude --settings FILE`, layered over the user's: the port's address and its model for
+every alias Claude Code asks for (its main model, the small fast one for side
+questions, haiku/sonnet/opus, subagents) in the file's `env`, and the key from an
+`apiKeyHelper` command (which it sends as `Authorization: Bearer` and `x-api-key`).
 
 The default model is best named by its stable alias (`ClientTarget.default_alias`, the
 window's choice: `default`): the port keeps that name on whichever model is the default,
@@ -31,9 +38,12 @@ __all__ = [
     "KEY_ENV_VAR",
     "PROVIDER_ID",
     "ClientModel",
+    "CLAUDE_SETTINGS",
     "ClientTarget",
     "Snippet",
     "SnippetFile",
+    "claude_code_env",
+    "claude_code_snippet",
     "client_snippets",
     "codex_model_lines",
     "codex_snippet",
@@ -46,6 +56,8 @@ KEY_ENV_VAR = "GGUF_STUDIO_API_KEY"
 # Codex reserves "openai", "ollama" and "lmstudio"; this id is ours alone.
 PROVIDER_ID = "gguf-studio"
 PROVIDER_NAME = "GGUF Studio"
+#: Where the Claude Code snippet goes: a settings file beside the user's own.
+CLAUDE_SETTINGS = "~/.claude/gguf-studio.settings.json"
 
 
 @dataclass(frozen=True)
@@ -154,7 +166,8 @@ class Snippet:
 
 
 def client_snippets(target: ClientTarget) -> list[Snippet]:
-    return [codex_snippet(target), opencode_snippet(target), curl_snippet(target)]
+    return [codex_snippet(target), opencode_snippet(target), claude_code_snippet(target),
+            curl_snippet(target)]
 
 
 def codex_snippet(target: ClientTarget) -> Snippet:
@@ -237,6 +250,38 @@ def opencode_snippet(target: ClientTarget) -> Snippet:
     }
     return Snippet("OpenCode", "opencode.json", "json", json.dumps(config, indent=2) + "\n",
                    _export_line(target.api_key), target.api_key)
+
+
+def claude_code_snippet(target: ClientTarget) -> Snippet:
+    settings: dict[str, object] = {"env": claude_code_env(target)}
+    if target.api_key:
+        settings["apiKeyHelper"] = f"printenv {KEY_ENV_VAR}"
+    return Snippet("Claude Code", f"{CLAUDE_SETTINGS}, then start it with "
+                   f"claude --settings {CLAUDE_SETTINGS}", "json",
+                   json.dumps(settings, indent=2) + "\n", _export_line(target.api_key),
+                   target.api_key)
+
+
+def claude_code_env(target: ClientTarget) -> dict[str, str]:
+    """The `env` of Claude Code's settings for `target`: the port's address (the SDK
+    adds /v1/messages), its default model for every alias but the small fast one (side
+    questions, titles), which gets the small model; the output limit to plan for (it
+    asks for 32,000 tokens otherwise) and the context window (it assumes a million for
+    a model it does not know); no telemetry, error reports or update checks."""
+    default, small = target.default.model_id, target.small.model_id
+    env = {"ANTHROPIC_BASE_URL": target.base_url.rstrip("/").removesuffix("/v1"),
+           "ANTHROPIC_MODEL": default,
+           "ANTHROPIC_DEFAULT_OPUS_MODEL": default,
+           "ANTHROPIC_DEFAULT_SONNET_MODEL": default,
+           "ANTHROPIC_DEFAULT_FABLE_MODEL": default,
+           "ANTHROPIC_DEFAULT_HAIKU_MODEL": small,
+           "ANTHROPIC_SMALL_FAST_MODEL": small,
+           "CLAUDE_CODE_SUBAGENT_MODEL": default,
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(target.output_limit)}
+    if target.context_length:
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(int(target.context_length))
+    env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    return env
 
 
 def curl_snippet(target: ClientTarget) -> Snippet:

@@ -1,5 +1,6 @@
 """What `connect` writes into a teammate's home: the key in a 0600 file only, a Codex
-profile per model, an OpenCode provider beside theirs, a backup of whatever changed."""
+profile per model, an OpenCode provider beside theirs, a Claude Code settings file beside
+theirs, a backup of whatever changed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / ".config"))
     monkeypatch.setenv("CODEX_HOME", str(tmp_path / ".codex"))
+    monkeypatch.delenv("CLAUDE_CONFIG_DIR", raising=False)
     return tmp_path
 
 
@@ -49,13 +51,42 @@ def test_a_second_connect_backs_up_what_the_first_wrote_and_keeps_the_users_own(
     config = json.loads(opencode.read_text())
     assert config["model"] == "mine/x" and set(config["provider"]) == {"mine", "office"}
     assert config["provider"]["office"]["options"]["apiKey"] == "{file:" + str(key_file) + "}"
-    assert len(first.backups) == 1 and len(second.backups) == 4  # the key, opencode.json, 2 profiles
+    # The key, opencode.json, 2 profiles, Claude Code's settings.
+    assert len(first.backups) == 1 and len(second.backups) == 5
     assert json.loads(first.backups[0].read_text()) == {"model": "mine/x", "provider": {"mine": {}}}
     (key_backup,) = (b for b in second.backups if b.name.startswith("office.key.bak-"))
     assert key_backup.read_text() == SECRET + "\n"  # the key it replaced, kept
     for path in [*first.files, *second.backups]:
         assert path == key_backup or SECRET not in path.read_text()
     assert second.codex_command == "codex --profile office"
+
+
+def test_claude_code_gets_a_settings_file_of_its_own_that_reads_the_key_file(home):
+    users_own = home / ".claude" / "settings.json"
+    users_own.parent.mkdir()
+    users_own.write_text('{"theme": "dark"}')
+
+    written = write_client_config(target(), "office", "Office box")
+
+    path = home / ".claude" / "settings.gguf-studio-office.json"
+    assert path in written.files and users_own.read_text() == '{"theme": "dark"}'
+    settings = json.loads(path.read_text())
+    assert settings["apiKeyHelper"] == f"cat {written.key_file}"
+    assert SECRET not in path.read_text()
+    env = settings["env"]
+    assert env["ANTHROPIC_BASE_URL"] == "http://10.0.0.5:8899"
+    assert env["ANTHROPIC_MODEL"] == "default" and env["ANTHROPIC_SMALL_FAST_MODEL"] == "default"
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "512"
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"
+    assert written.claude_command == f"claude --settings {path}"
+
+
+def test_claude_codes_settings_go_to_its_config_dir_when_one_is_set(home, monkeypatch):
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(home / "elsewhere"))
+
+    written = write_client_config(target(), "office", "Office box")
+
+    assert home / "elsewhere" / "settings.gguf-studio-office.json" in written.files
 
 
 def test_an_opencode_config_with_comments_is_left_alone_and_said_so(home):

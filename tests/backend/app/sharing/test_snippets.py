@@ -41,6 +41,34 @@ def test_snippets_plan_for_the_operators_cap_else_the_reserved_budget() -> None:
     assert limit == {"context": 8192, "output": 4096}
 
 
+def test_claude_code_settings_point_every_alias_at_the_port_and_read_the_key_from_its_variable(
+        ) -> None:
+    target = ClientTarget(URL, "qwen-7b", KEY, context_length=16384, size=5,
+                          others=(ClientModel("qwen-0.5b", 8192, size=1),))
+    claude = by_client(target)["Claude Code"]
+    settings = json.loads(claude.text)
+    env = settings["env"]
+    assert env["ANTHROPIC_BASE_URL"] == "http://192.168.1.20:8899"  # the SDK adds /v1/messages
+    for alias in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                  "ANTHROPIC_DEFAULT_FABLE_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
+        assert env[alias] == "qwen-7b", alias
+    # Side questions and titles go to the smallest model, as OpenCode's small_model.
+    assert env["ANTHROPIC_SMALL_FAST_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == "qwen-0.5b"
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "2048"
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "16384"
+    assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    assert settings["apiKeyHelper"] == f"printenv {KEY_ENV_VAR}"
+    assert KEY not in claude.text  # the helper reads the variable the shell line sets
+    assert shlex.split(claude.shell) == ["export", f"{KEY_ENV_VAR}={KEY}"]
+    assert "claude --settings ~/.claude/" in claude.where
+
+
+def test_claude_code_without_a_key_has_no_key_helper_nor_window_when_unknown() -> None:
+    settings = json.loads(by_client(ClientTarget(URL, "m"))["Claude Code"].text)
+    assert "apiKeyHelper" not in settings
+    assert "CLAUDE_CODE_MAX_CONTEXT_TOKENS" not in settings["env"]
+
+
 def test_codex_without_a_key_names_no_variable() -> None:
     codex = by_client(ClientTarget("http://127.0.0.1:8899/v1", "m"))["Codex CLI"]
     provider = tomllib.loads(codex.text)["model_providers"][PROVIDER_ID]
