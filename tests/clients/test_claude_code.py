@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.app.client_config import write_client_config
-from backend.app.snippets import ClientTarget
+from backend.app.sharing.client_config import write_client_config
+from backend.app.sharing.snippets import ClientTarget
 from tests.clients.conftest import (CLAUDE_OUTPUT, SMOL_ID, ClaudeCode, Run,
                                     add_key, auth_headers,
                                     claude_answered, network_connections, rejections,
