@@ -19,14 +19,17 @@ without sending from the requester's address.  A NAT, VPN or tunnel between team
 and port changes the addresses too: the codes then differ for an honest reason, which
 `connect` names.  A device that takes over both machines' addresses on the link (ARP
 spoofing) is not seen; that needs TLS.
+
+`gguf-studio keys approve CODE` reads a code as people type it (`as_code`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 
-__all__ = ["CODE_ALPHABET", "CODE_LETTERS", "enrolment_code", "normal_address"]
+__all__ = ["CODE_ALPHABET", "CODE_LETTERS", "as_code", "enrolment_code", "normal_address"]
 
 #: The short code's letters: no 0/O, 1/I/L, so it reads aloud and types without doubt.
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"
@@ -48,6 +51,16 @@ def enrolment_code(requester: str, port_host: str, port_number: int, name: str) 
         letters.append(CODE_ALPHABET[index])
     half = CODE_LETTERS // 2
     return "".join(letters[:half]) + "-" + "".join(letters[half:])
+
+
+def as_code(text: str) -> str | None:
+    """`text` as a request's code ("abc def", "ABCDEF" -> "ABC-DEF"); None when it
+    cannot be one (a name, say)."""
+    letters = re.sub(r"[\s-]", "", text).upper()
+    if len(letters) != CODE_LETTERS or any(c not in CODE_ALPHABET for c in letters):
+        return None
+    half = CODE_LETTERS // 2
+    return f"{letters[:half]}-{letters[half:]}"
 
 
 def normal_address(host: str) -> str:

@@ -42,7 +42,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import secrets
 import time
 from collections import OrderedDict
@@ -51,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.keys.enrolment_code import CODE_ALPHABET, CODE_LETTERS, enrolment_code
+from backend.keys.enrolment_code import enrolment_code
 from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentNotMade,
                             EnrolmentRefused, EnrolmentsFull, InvalidRequest, KeyStoreError,
                             StudioError, TooManyEnrolments)
@@ -69,7 +68,6 @@ __all__ = [
     "EnrolmentFile",
     "Enrolments",
     "SharedRequest",
-    "as_code",
     "enrolments_path",
 ]
 
@@ -491,16 +489,6 @@ class _Bucket:
     def take(self, now: float) -> None:
         self._refill(now)
         self.tokens -= 1
-
-
-def as_code(text: str) -> str | None:
-    """`text` as a request's code ("abc def", "ABCDEF" -> "ABC-DEF"); None when it
-    cannot be one (a name, say)."""
-    letters = re.sub(r"[\s-]", "", text).upper()
-    if len(letters) != CODE_LETTERS or any(c not in CODE_ALPHABET for c in letters):
-        return None
-    half = CODE_LETTERS // 2
-    return f"{letters[:half]}-{letters[half:]}"
 
 
 def _asked_name(name: object) -> str:

@@ -187,7 +187,8 @@ def _decide(args: argparse.Namespace, action: str, limits: dict[str, Any]
     requester collected the key.  The request, and whether it was collected."""
     import time
 
-    from backend.keys.enrolments import EnrolmentFile, as_code, enrolments_path
+    from backend.keys.enrolment_code import as_code
+    from backend.keys.enrolments import EnrolmentFile, enrolments_path
 
     name = args.request if args.code is not None else None
     given = args.code if args.code is not None else args.request

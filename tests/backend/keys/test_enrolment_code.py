@@ -1,11 +1,12 @@
 """The enrolment code: both ends of one connection work out the same code; any other end
-(another requester, another address or port reached, another name) gives another."""
+(another requester, another address or port reached, another name) gives another; and
+it is read as people type it."""
 
 from __future__ import annotations
 
 import re
 
-from backend.keys.enrolment_code import enrolment_code, normal_address
+from backend.keys.enrolment_code import as_code, enrolment_code, normal_address
 
 
 def test_the_same_connection_and_name_give_the_same_code_on_both_screens():
@@ -30,3 +31,9 @@ def test_an_address_has_one_spelling_at_both_ends():
     assert normal_address("::ffff:10.0.0.5") == "10.0.0.5"
     assert normal_address("[FE80::1%eth0]") == "fe80::1"
     assert normal_address(" 10.0.0.5 ") == "10.0.0.5"
+
+
+def test_codes_are_read_as_people_type_them():
+    assert as_code("abc def") == as_code("ABCDEF") == as_code(" abc-def ") == "ABC-DEF"
+    assert as_code("carol") is None and as_code("bob-ann") is None  # O is no code letter
+    assert as_code("ABC-DEF-G") is None

@@ -12,7 +12,7 @@ import pytest
 
 from backend.keys.enrolments import (MAX_PER_ADDRESS, MAX_REQUESTS, NAME_TAKEN, PER_ADDRESS_BURST,
                                 PER_ADDRESS_EVERY, PORT_EVERY, Enrolment, EnrolmentFile,
-                                Enrolments, as_code)
+                                Enrolments)
 from backend.errors import (EnrolmentNameTaken, EnrolmentNotFound, EnrolmentRefused,
                             EnrolmentsFull, InvalidRequest, KeyStoreError, TooManyEnrolments)
 from backend.keys.key_store import KeyStore
@@ -309,12 +309,6 @@ def test_a_decision_by_name_needs_the_code_of_that_name(enrolments):
     with pytest.raises(KeyStoreError, match="No request named 'carol' with code"):
         enrolments.file.decide(other.code, "approve", name="carol")
     enrolments.file.decide(asked.code, "approve", name="Carol")
-
-
-def test_codes_are_read_as_people_type_them():
-    assert as_code("abc def") == as_code("ABCDEF") == as_code(" abc-def ") == "ABC-DEF"
-    assert as_code("carol") is None and as_code("bob-ann") is None  # O is no code letter
-    assert as_code("ABC-DEF-G") is None
 
 
 def test_a_request_is_in_the_shared_file_before_its_code_is_told(enrolments, tmp_path):
