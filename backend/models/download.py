@@ -26,8 +26,6 @@ import logging
 import os
 import shutil
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -45,6 +43,7 @@ from backend.models.hub import (
     is_on_endpoint,
     translate_hub_error,
 )
+from backend.models.transfer_meter import describe_duration
 
 __all__ = [
     "DownloadProgress",
@@ -53,8 +52,6 @@ __all__ = [
     "ModelDownload",
     "StopReason",
     "Stopper",
-    "TransferMeter",
-    "describe_duration",
     "bytes_on_disk",
     "download_model",
     "repo_folder",
@@ -148,42 +145,6 @@ class Stopper:
     def check(self) -> None:
         if self.reason:
             raise DownloadStopped(self.reason)
-
-
-class TransferMeter:
-    """Bytes done, speed over the last few seconds, and time left at that speed."""
-
-    def __init__(self, done: int, total: int, window: float = 3.0) -> None:
-        self.done = done
-        self.total = total
-        self._window = window
-        self._samples: deque[tuple[float, int]] = deque([(time.monotonic(), done)])
-
-    def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        self._samples.append((now, self.done))
-        while len(self._samples) > 2 and now - self._samples[0][0] > self._window:
-            self._samples.popleft()
-
-    @property
-    def speed(self) -> float:
-        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
-        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
-
-    @property
-    def eta(self) -> float | None:
-        speed = self.speed
-        return max(self.total - self.done, 0) / speed if speed > 0 else None
-
-
-def describe_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
 def repo_folder(repo_id: str, cache_dir: Path | None = None) -> Path:

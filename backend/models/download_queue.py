@@ -19,9 +19,10 @@ import platformdirs
 from backend.errors import HubError, UnsafeHubAnswer
 from backend.listeners import Listeners
 from backend.models.download import (DownloadProgress, DownloadState, DownloadStopped,
-                                     ModelDownload, StopReason, Stopper, TransferMeter)
+                                     ModelDownload, StopReason, Stopper)
 from backend.models.hf_cache import printable
 from backend.models.hub import HubFile, ModelChoice
+from backend.models.transfer_meter import TransferMeter
 from backend.private_files import PRIVATE_DIR_MODE
 from backend.settings import APP_NAME
 from backend.throttle import Throttle

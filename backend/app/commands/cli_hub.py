@@ -15,7 +15,7 @@ from backend.errors import StudioError
 from backend.models.hf_cache import printable
 
 if TYPE_CHECKING:
-    from backend.models.download import TransferMeter
+    from backend.models.transfer_meter import TransferMeter
 
 __all__ = ["add_hub_parsers"]
 
@@ -59,7 +59,8 @@ def _search(args: argparse.Namespace) -> int:
 
 def _pull(args: argparse.Namespace) -> int:
     from backend.llama.engine import detect_accelerators
-    from backend.models.download import TransferMeter, bytes_on_disk, download_model
+    from backend.models.download import bytes_on_disk, download_model
+    from backend.models.transfer_meter import TransferMeter
     from backend.models.fit import estimate_fit, machine_memory
     from backend.models.hub import list_repo, parse_pull_target, pick_choice
 
@@ -147,7 +148,7 @@ class _TransferBar:
         return self.meter.done / self.meter.total if self.meter.total else 1.0
 
     def _line(self) -> str:
-        from backend.models.download import describe_duration
+        from backend.models.transfer_meter import describe_duration
 
         fraction = min(self._fraction(), 1.0)
         filled = int(fraction * self.WIDTH)
