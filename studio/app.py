@@ -124,7 +124,7 @@ def build_window(settings: Settings | None = None) -> MainWindow:
     window = MainWindow(bridge, ModelLibrary.load(), settings, settings_path=settings_path(),
                         state_path=config_dir / "window.ini")
     window.setWindowIcon(app_icon())
-    bridge.start()
+    window.start()
     if problem:
         window.show_message(problem)
     return window

@@ -113,8 +113,9 @@ class ServiceBridge(QObject):
 
     # --- life -----------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Listen to the service, start sampling, and open the port."""
+    def start(self, *, open_port: bool = True) -> None:
+        """Listen to the service, start sampling, and open the port (unless told not to:
+        `apply_settings` opens it then)."""
         access = logging.getLogger(ACCESS_LOGGER)
         # Left at INFO for good: restoring it when one window closes would silence the
         # access log of another one still open (tests open several).
@@ -122,7 +123,8 @@ class ServiceBridge(QObject):
             access.setLevel(logging.INFO)
         access.addHandler(self._access_handler)
         self.backend_thread.call_soon(self._start_on_loop)
-        self.open_port()
+        if open_port:
+            self.open_port()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and the port, then the backend thread.  Blocks; call once at exit."""
@@ -308,6 +310,16 @@ class ServiceBridge(QObject):
 
         try:
             return self.backend_thread.submit(count()).result(timeout)
+        except Exception:
+            return None
+
+    def quit_question(self, timeout: float = 1.0) -> str | None:
+        """What quitting would stop for the port's users (`StudioService.quit_question`);
+        None when nothing, or when the service does not answer (then `requests_in_flight`)."""
+        if self._closed:
+            return None
+        try:
+            return self.backend_thread.submit(_now_on_loop(self.service.quit_question)).result(timeout)
         except Exception:
             return None
 

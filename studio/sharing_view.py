@@ -147,6 +147,11 @@ class SharingView(QWidget):
         accept_row.addStretch(1)
         self.enrolment_state = secondary_label()
         self.enrolment_state.setAccessibleName("Enrolment")
+        self.lan_wait = QLabel("Shared on the network once a model is loaded: until then, this "
+                               "computer only.")
+        self.lan_wait.setWordWrap(True)
+        self.lan_wait.setAccessibleName("Network sharing waits for a model")
+        self.lan_wait.hide()
 
         access = QGroupBox("Access")
         form = QFormLayout(access)
@@ -158,6 +163,7 @@ class SharingView(QWidget):
         form.addRow("", self.announcement)
         form.addRow("", accept_row)
         form.addRow("", self.enrolment_state)
+        form.addRow(self.lan_wait)
         form.addRow(self.problem)
 
         # --- teammates asking for a key (`gguf-studio connect`)
@@ -415,6 +421,10 @@ class SharingView(QWidget):
     def set_model(self, model_id: str | None, context_length: int | None) -> None:
         self._model = (model_id, context_length)
         self._render_snippets()
+
+    def show_lan_wait(self, waiting: bool) -> None:
+        """Whether sharing on the network waits for a model to be loaded."""
+        self.lan_wait.setVisible(waiting)
 
     def show_keys(self) -> None:
         """Bring the named keys into view."""

@@ -27,6 +27,8 @@ from backend.app.pool import pool_config
 from backend.app.activity import ActivitySample
 from backend.app.model_account import model_account
 from backend.app.model_swap import LoadChoice, LoadQuestion, UnloadQuestion
+from backend.addresses import is_loopback
+from backend.app.pool.pool_state import PoolState
 from backend.app.pool.pool_status import Residency
 from backend.api_keys import generate_api_key
 from backend.keys.enrolment_window import accepting_until
@@ -76,6 +78,8 @@ class MainWindow(QMainWindow):
         self._state = QSettings(str(state_path), QSettings.Format.IniFormat) if state_path else None
         self._in_flight = 0
         self._scans = 0
+        #: Shared on the network by the settings, but no model is ready yet (`start`).
+        self._lan_waits = False
         self.setWindowTitle("GGUF Studio")
 
         self.library_view = LibraryView()
@@ -177,6 +181,7 @@ class MainWindow(QMainWindow):
         b.snapshot_changed.connect(self._on_snapshot)
         b.model_snapshot_changed.connect(lambda _model, _snapshot: self._show_account())
         b.pool_changed.connect(lambda _state: self._show_account())
+        b.pool_changed.connect(self._share_once_ready)
         b.log_lines_arrived.connect(self.logs.add_lines)
         b.activity_sampled.connect(self._on_sample)
         self.tabs.currentChanged.connect(
@@ -331,11 +336,11 @@ class MainWindow(QMainWindow):
             self.model_view.show_settings_error(str(exc))
             return
         self.model_view.show_settings_error("")
+        tab = self.tabs.currentIndex()  # where the person was when they asked
 
         def asked(question: LoadQuestion | None) -> None:
             if self.model_view.path != path:
                 return  # another model was picked meanwhile
-            tab = self.tabs.currentIndex()
             choice = LoadChoice.REPLACE if question is None else self.ask_load(question)
             if choice is None:
                 return
@@ -444,6 +449,26 @@ class MainWindow(QMainWindow):
 
     # --- sharing ------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the service and open the port: on this computer at once; on the network,
+        when the settings share it there, only once a model is ready (a relaunch does not
+        put a port with nothing to serve on the LAN)."""
+        self._lan_waits = not is_loopback(self.settings.host)
+        self.bridge.start(open_port=False)
+        self.bridge.apply_settings(self._served(self.settings), on_error=self._on_port_error)
+        self.sharing.show_lan_wait(self._lan_waits)
+
+    def _served(self, settings: Settings) -> Settings:
+        """The settings the port runs with: this computer only while the LAN waits for a
+        model (nothing announced meanwhile)."""
+        return settings.replace(host=LOOPBACK, advertise=False) if self._lan_waits else settings
+
+    def _share_once_ready(self, state: PoolState) -> None:
+        if self._lan_waits and any(m.residency is Residency.READY for m in state.models):
+            self._lan_waits = False
+            self.sharing.show_lan_wait(False)
+            self.bridge.apply_settings(self.settings, on_error=self._on_port_error)
+
     def show_sharing(self, keys: bool = False) -> None:
         """The Sharing tab (at its named keys when `keys`)."""
         self.tabs.setCurrentIndex(SHARING_TAB)
@@ -451,6 +476,8 @@ class MainWindow(QMainWindow):
             self.sharing.show_keys()
 
     def set_lan(self, lan: bool) -> None:
+        self._lan_waits = False  # the owner's word: now
+        self.sharing.show_lan_wait(False)
         changes: dict[str, str] = {"host": ALL_INTERFACES if lan else LOOPBACK}
         if lan and not self.settings.api_key:
             # Nobody may reach the model from the network without a key.
@@ -475,7 +502,7 @@ class MainWindow(QMainWindow):
         self.bridge.save_settings(settings, self._settings_path, on_error=lambda message:
                                   self.show_message(f"The settings could not be saved: {message}"))
         self.sharing.set_settings(settings)
-        self.bridge.apply_settings(settings, on_error=self._on_port_error)
+        self.bridge.apply_settings(self._served(settings), on_error=self._on_port_error)
 
     def _on_port_error(self, message: str) -> None:
         # A failed reopen leaves no port open: the old addresses no longer work.
@@ -553,12 +580,16 @@ class MainWindow(QMainWindow):
     # --- closing --------------------------------------------------------------------------------
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        # Asked live: the last activity sample may be half a second old.
-        n = self.bridge.requests_in_flight()
-        n = self._in_flight if n is None else n
-        if n and not self.ask("Stop serving?",
-                              f"{n} request{'s are' if n != 1 else ' is'} still running or waiting. "
-                              "Closing GGUF Studio stops the model and ends them."):
+        # Asked live: the last activity sample may be half a second old.  Teammates who
+        # used the port lately are named too: their agents lose it with the window.
+        question = self.bridge.quit_question()
+        if question is None:
+            n = self.bridge.requests_in_flight()
+            n = self._in_flight if n is None else n
+            if n:
+                question = (f"{n} request{'s are' if n != 1 else ' is'} still running or "
+                            "waiting. Closing GGUF Studio stops the model and ends them.")
+        if question and not self.ask("Stop serving?", question):
             event.ignore()
             return
         self.save_state()

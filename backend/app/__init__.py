@@ -6,7 +6,8 @@ line's entry (`cli`: `main`, the parser and `serve`), the end-to-end self-test
 (`self_test`), what the port is doing over the last minutes (`activity`), the Sessions
 view's rows (`session_rows`), one model's account under its own heading in the window
 (`model_account`), what loading or unloading a model means for the port's users, asked
-before it happens (`model_swap`), the Chat tab's conversation, sent through the port like
+before it happens (`model_swap`), the request inspector's records kept across restarts
+(`request_history`), the Chat tab's conversation, sent through the port like
 any client's (`chat_session`), the desktop's menu entry (`desktop_entry`) and the system
 libraries Qt's X11 plugin needs, checked before Qt is (`desktop_libraries`).
 

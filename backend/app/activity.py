@@ -165,7 +165,7 @@ class ActivitySampler:
         now = self._clock()
         registry = self.service.registry
         totals = self.service.metrics.totals()
-        requests = self.service.requests.last_id
+        requests = self.service.requests.since_start
         seen = [counter.total for counter in self._tokens.values() if counter.total is not None]
         tokens = sum(seen) if seen else None
         slots = sum(queue.capacity for queue in registry.queues if not queue.retired)

@@ -15,7 +15,8 @@ Unloading the default model while others serve asks the same: which model `defau
 names from now on, or none (its requests are refused until a load).
 
 `served_models` reads who used each model lately from the request inspector's records;
-`load_question` and `unload_question` say it in words.  Pure: the window shows the words
+`load_question` and `unload_question` say it in words, and `quit_question` what quitting
+the app (which stops every model and the port) means for them.  Pure: the window shows the words
 and the choice goes back as a `LoadChoice`.
 """
 
@@ -31,7 +32,7 @@ from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.port.request_log import RequestRecord
 
 __all__ = ["RECENT_MINUTES", "LoadChoice", "LoadQuestion", "ServedModel", "UnloadQuestion",
-           "load_question", "served_models", "unload_question"]
+           "load_question", "quit_question", "served_models", "unload_question"]
 
 #: How far back "used lately" looks.
 RECENT_MINUTES = 10
@@ -142,6 +143,28 @@ def unload_question(name: str, served: Sequence[ServedModel]) -> UnloadQuestion 
             "the model you choose here from their next request; with none, their requests are "
             "refused until you load one.")
     return UnloadQuestion(name, others, f"Unload {name}, the default model?", text)
+
+
+def quit_question(records: Iterable[RequestRecord], *, now: float, busy: int,
+                  minutes: int = RECENT_MINUTES) -> str | None:
+    """What quitting stops for the port's users: `busy` requests running or waiting, and
+    the keys that used the port in the last `minutes` before `now` (their agents get no
+    answer once it stops).  None when there is neither: quitting needs no question."""
+    since = now - minutes * 60
+    users: list[str] = []
+    for record in records:
+        if record.time >= since and record.key != CHAT_NAME and record.key not in users:
+            users.append(record.key)
+    if not busy and not users:
+        return None
+    said = []
+    if busy:
+        said.append(f"{busy} request{'s are' if busy != 1 else ' is'} running or waiting; "
+                    "quitting ends them.")
+    if users:
+        said.append(f"{_names(users)} used the port in the last {minutes} minutes: their "
+                    "agents get no answer until GGUF Studio runs again and a model is loaded.")
+    return " ".join(said)
 
 
 # --- helpers ------------------------------------------------------------------------------

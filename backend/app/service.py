@@ -28,8 +28,9 @@ from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.pool.local_models import estimate_model_bytes, memory_budget
 from backend.app.pool.parking_steward import ParkingSteward
 from backend.app.pool.pool import Pool
+from backend.app.request_history import HISTORY_FILE, load_history, save_history
 from backend.app.model_swap import (LoadQuestion, ServedModel, UnloadQuestion, load_question,
-                                    served_models, unload_question)
+                                    quit_question, served_models, unload_question)
 from backend.keys.usage import UsageLedger
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool.pool_status import engines_elsewhere, model_loads, scrubbed
@@ -102,8 +103,11 @@ class StudioService:
         #: The port's announcement on the LAN (backend.app.sharing.announcer).
         self.announcer = Announcer()
         self.metrics.bind_usage(self.usage.snapshot)
-        #: The request inspector's ring (kept across restarts of the port).
+        #: The request inspector's ring (kept across restarts of the port, and of the
+        #: app: `backend.app.request_history`).
         self.requests = RequestLog()
+        self._history = self.engine.data_dir / HISTORY_FILE
+        load_history(self._history, self.requests)
         #: The Chat tab's key: made for this run, never saved (backend.app.chat_session).
         self.chat_secret = generate_api_key()
         self._spans: SpanExport | None = None
@@ -327,6 +331,11 @@ class StudioService:
         default = self.pool.default_model
         return unload_question(default, self._served_models()) if default else None
 
+    def quit_question(self) -> str | None:
+        """What quitting would stop for the port's users, to ask first (None: nothing)."""
+        busy = self.registry.total_active + self.registry.total_waiting
+        return quit_question(self.requests.records(), now=time.time(), busy=busy)
+
     def _served_models(self) -> list[ServedModel]:
         statuses = self.pool.statuses()
         busy = {status.name: sum(e.active for e in status.engines) + (
@@ -391,6 +400,10 @@ class StudioService:
         await asyncio.gather(*self._flow_tasks, return_exceptions=True)
         self._flow_tasks.clear()
         self.usage.save()
+        try:
+            save_history(self._history, self.requests)
+        except (OSError, SettingsError) as exc:
+            log.warning("The request history could not be saved: %s", exc)
         if self._spans is not None:
             await asyncio.to_thread(self._spans.close)  # the last batch, off the loop
 

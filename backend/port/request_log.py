@@ -129,6 +129,8 @@ class RequestLog:
             raise ValueError(f"capacity is a whole number, at least 1, not {capacity!r}")
         self._records: collections.deque[RequestRecord] = collections.deque(maxlen=capacity)
         self._last_id = 0
+        #: The last id of the records restored from an earlier run (`restore`).
+        self._restored_id = 0
         self._clock = clock
         #: Set to export each record as it comes (None: nothing is exported).
         self.exporter: Exporter | None = None
@@ -136,6 +138,19 @@ class RequestLog:
     @property
     def last_id(self) -> int:
         return self._last_id
+
+    @property
+    def since_start(self) -> int:
+        """Records added since this ring started (those restored not counted)."""
+        return self._last_id - self._restored_id
+
+    def restore(self, records: Iterable[RequestRecord]) -> None:
+        """Hold `records` (an earlier run's, oldest first) before any new one; the next
+        ids follow theirs."""
+        for record in records:
+            if record.id > self._last_id:
+                self._records.append(record)
+                self._last_id = self._restored_id = record.id
 
     def add(self, *, traceparent: str | None = None, **fields: Any) -> RequestRecord:
         """Keep a record of these fields (see `RequestRecord`); its id is the next one,

@@ -96,3 +96,27 @@ def test_a_request_its_client_left_reads_stopped_by_the_client(qtbot) -> None:
     assert item.text(COLUMNS.index("Prompt (cached)")) == "40 (39)"
     view.table.setCurrentItem(item)
     assert "499 — stopped by the client" in view.details.toPlainText()
+
+
+def test_the_requests_tab_keeps_its_history_across_a_restart(open_window, qtbot,
+                                                             studio_home: Path) -> None:
+    from backend.app.request_history import HISTORY_FILE
+    from tests.studio.conftest import close_and_stop
+
+    window = open_window()
+
+    async def asked() -> None:
+        window.bridge.service.requests.add(route="/v1/chat/completions", key="alice",
+                                           model="tiny", status=499)
+
+    window.bridge.backend_thread.submit(asked()).result(10)
+    close_and_stop(window)
+    saved = studio_home / "data" / "gguf-studio" / HISTORY_FILE
+    assert saved.stat().st_mode & 0o777 == 0o600
+
+    again = open_window()
+    again.tabs.setCurrentIndex(REQUESTS_TAB)
+    qtbot.waitUntil(lambda: again.requests.table.topLevelItemCount() == 1, timeout=WAIT)
+    row = again.requests.table.topLevelItem(0)
+    assert row is not None and row.text(COLUMNS.index("Key")) == "alice"
+    assert row.text(COLUMNS.index("Status")) == "499 stopped by the client"

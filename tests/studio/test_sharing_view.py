@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import httpx
 from PySide6.QtCore import Qt
@@ -355,8 +356,8 @@ def test_a_base_url_shows_as_a_qr_code(open_window, qtbot):
     dialog.close()
 
 
-def test_the_tab_warns_when_another_device_answers_to_the_announced_name(open_window, qtbot,
-                                                                         monkeypatch):
+def test_the_tab_warns_when_another_device_answers_to_the_announced_name(
+        open_window, qtbot, monkeypatch, with_engine: Path, tiny_model: Path):
     from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
     from backend.app.sharing.discovery import ENV_INTERFACES, SERVICE_TYPE
@@ -372,6 +373,10 @@ def test_the_tab_warns_when_another_device_answers_to_the_announced_name(open_wi
         Settings(host="0.0.0.0", api_key="owner-key-of-the-sharing-tests-0123456",
                  advertise=True, advertise_name="office").save()
         window = open_window()
+        # Relaunched shared on the LAN: announced once a model is ready.
+        window.open_files([str(tiny_model)])
+        qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+        window.load_selected()
         window.show_sharing(keys=True)
         label = window.sharing.announcement
 

@@ -17,7 +17,7 @@ from backend.settings import Settings
 from backend.llama.engine_speed import BatchChoice, EngineSpeed, SpeedModel
 from backend.llama.load import LoadSettings, Serving, Snapshot, State
 from studio.window import ACTIVITY_TAB, ENGINE_TAB, LOGS_TAB
-from tests.studio.conftest import close_and_stop
+from tests.studio.conftest import close_and_stop, free_port
 
 WAIT = 10_000
 
@@ -170,6 +170,29 @@ def test_settings_survive_a_restart(open_window, qtbot, tiny_model: Path) -> Non
     assert again.model_view.rpc.text() == "10.0.0.2:50052, gpu-box:50052"
 
 
+def test_on_relaunch_the_network_port_waits_for_a_model(open_window, qtbot, with_engine: Path,
+                                                       tiny_model: Path) -> None:
+    """Shared on the LAN last time: the relaunched window opens the port on this computer
+    only, says so, and shares it on the network once a model is ready."""
+    from backend.addresses import client_urls
+
+    Settings(host="0.0.0.0", api_key="owner-key-of-the-relaunch-test-0123", port=free_port()).save()
+    window = open_window()
+    assert window.sharing.lan.isChecked() and not window.sharing.lan_wait.isHidden()
+    qtbot.waitUntil(lambda: bool(window.bridge.urls), timeout=WAIT)
+    assert window.bridge.service.settings.host == "127.0.0.1"
+    assert window.bridge.urls == client_urls("127.0.0.1", window.settings.port)
+
+    window.open_files([str(tiny_model)])
+    qtbot.waitUntil(lambda: window.model_view.info is not None, timeout=WAIT)
+    window.load_selected()
+    qtbot.waitUntil(lambda: window.bridge.service.settings.host == "0.0.0.0", timeout=60_000)
+    qtbot.waitUntil(lambda: window.bridge.urls == client_urls("0.0.0.0", window.settings.port),
+                    timeout=WAIT)
+    assert window.sharing.lan_wait.isHidden()
+    assert Settings.load().host == "0.0.0.0"  # what the owner chose stays saved
+
+
 def test_lan_needs_a_key_and_regenerating_replaces_it(open_window, qtbot) -> None:
     window = open_window()
     assert window.settings.api_key == ""
@@ -273,6 +296,25 @@ def test_closing_with_requests_in_flight_asks_first(open_window) -> None:
     window.ask = lambda *_args: True
     window.close()
     assert not window.isVisible()
+
+
+def test_closing_while_teammates_used_the_port_lately_names_them(open_window) -> None:
+    window = open_window()
+    asked = []
+
+    def ask(*args):
+        asked.append(args)
+        return False
+    window.ask = ask
+    service = window.bridge.service
+
+    async def teammate_asked() -> None:
+        service.requests.add(route="/v1/responses", key="alice", model="tiny")
+
+    window.bridge.backend_thread.submit(teammate_asked()).result(10)
+    window.close()
+    assert asked and "alice used the port in the last 10 minutes" in asked[0][1]
+    assert window.isVisible()
 
 
 def test_closing_idle_does_not_ask(open_window) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from backend.app.model_swap import (RECENT_MINUTES, ServedModel, load_question, served_models,
-                                    unload_question)
+from backend.app.model_swap import (RECENT_MINUTES, ServedModel, load_question, quit_question,
+                                    served_models, unload_question)
 from backend.app.pool.pool_status import ModelStatus, Residency
 from backend.keys.key_store import CHAT_NAME
 from backend.port.request_log import RequestRecord
@@ -74,3 +74,13 @@ def test_unloading_the_default_asks_which_model_default_names_only_when_others_s
     assert question.title == "Unload smol, the default model?"
     assert "used in the last 10 minutes by alice" in question.text
     assert "with none, their requests are refused until you load one" in question.text
+
+
+def test_quitting_asks_while_requests_run_or_teammates_used_the_port_lately() -> None:
+    assert quit_question([], now=NOW, busy=0) is None
+    assert quit_question([record(CHAT_NAME, "smol", 1), record("alice", "smol", 30)],
+                         now=NOW, busy=0) is None  # the owner's chat; alice long ago
+    said = quit_question([record("alice", "smol", 3), record("bob", "coder", 1)], now=NOW, busy=2)
+    assert said == ("2 requests are running or waiting; quitting ends them. alice and bob used "
+                    f"the port in the last {RECENT_MINUTES} minutes: their agents get no answer "
+                    "until GGUF Studio runs again and a model is loaded.")
