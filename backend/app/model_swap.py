@@ -27,7 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from backend.app.pool.pool_status import ModelStatus, Residency
-from backend.keys.key_store import CHAT_NAME
+from backend.admission.caller import ANONYMOUS
+from backend.keys.key_store import CHAT_NAME, OWNER_NAME
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.port.request_log import RequestRecord
 
@@ -146,14 +147,17 @@ def unload_question(name: str, served: Sequence[ServedModel]) -> UnloadQuestion 
 
 
 def quit_question(records: Iterable[RequestRecord], *, now: float, busy: int,
-                  minutes: int = RECENT_MINUTES) -> str | None:
+                  shared: bool = True, minutes: int = RECENT_MINUTES) -> str | None:
     """What quitting stops for the port's users: `busy` requests running or waiting, and
     the keys that used the port in the last `minutes` before `now` (their agents get no
-    answer once it stops).  None when there is neither: quitting needs no question."""
+    answer once it stops); on a port not `shared` on the network, the owner's key and
+    requests without a key came from this computer: named keys only.  None when there is
+    neither: quitting needs no question."""
     since = now - minutes * 60
+    mine = {CHAT_NAME} if shared else {CHAT_NAME, OWNER_NAME, ANONYMOUS.name}
     users: list[str] = []
     for record in records:
-        if record.time >= since and record.key != CHAT_NAME and record.key not in users:
+        if record.time >= since and record.key not in mine and record.key not in users:
             users.append(record.key)
     if not busy and not users:
         return None

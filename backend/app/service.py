@@ -334,7 +334,8 @@ class StudioService:
     def quit_question(self) -> str | None:
         """What quitting would stop for the port's users, to ask first (None: nothing)."""
         busy = self.registry.total_active + self.registry.total_waiting
-        return quit_question(self.requests.records(), now=time.time(), busy=busy)
+        return quit_question(self.requests.records(), now=time.time(), busy=busy,
+                             shared=not is_loopback(self.settings.host))
 
     def _served_models(self) -> list[ServedModel]:
         statuses = self.pool.statuses()

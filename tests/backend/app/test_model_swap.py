@@ -84,3 +84,10 @@ def test_quitting_asks_while_requests_run_or_teammates_used_the_port_lately() ->
     assert said == ("2 requests are running or waiting; quitting ends them. alice and bob used "
                     f"the port in the last {RECENT_MINUTES} minutes: their agents get no answer "
                     "until GGUF Studio runs again and a model is loaded.")
+
+    # On a port this computer alone reaches, the owner's key and keyless requests are its
+    # own programs': named keys only.
+    local = [record("owner", "smol", 1), record("anonymous", "smol", 1)]
+    assert quit_question(local, now=NOW, busy=0, shared=False) is None
+    named = quit_question([*local, record("alice", "smol", 1)], now=NOW, busy=0, shared=False)
+    assert named is not None and named.startswith("alice used the port")
