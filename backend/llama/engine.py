@@ -22,12 +22,14 @@ such an engine says to rebuild.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -546,7 +548,7 @@ async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
     try:
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL, env=dict(env))
+            stdin=asyncio.subprocess.DEVNULL, env=dict(env), start_new_session=True)
     except OSError as exc:
         raise EngineBuildFailed(f"{failure}: {exc.strerror or exc}") from None
     try:
@@ -557,8 +559,9 @@ async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
             on_line(for_display(line))
         code = await proc.wait()
     except BaseException:
-        if proc.returncode is None:
-            proc.kill()
+        # The whole group: ninja's compilers would otherwise run on, holding the pipe open.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         await proc.communicate()  # reap it and close its pipe
         raise
     finally:

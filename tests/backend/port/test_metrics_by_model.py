@@ -104,8 +104,11 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
 
     text, found = await scrape(client)
     ok = {"route": CHAT, "status": "200"}
-    # smol: the holder (its stream had begun: 200) and the waiter.
-    assert at(found, "gguf_studio_requests_total", model="smol", engine=HERE, **ok) == 2
+    # smol: the waiter answered; the holder left before its answer's end: 499, though its
+    # stream had begun with a 200.
+    assert at(found, "gguf_studio_requests_total", model="smol", engine=HERE, **ok) == 1
+    assert at(found, "gguf_studio_requests_total", model="smol", engine=HERE, route=CHAT,
+              status="499") == 1
     assert at(found, "gguf_studio_requests_total", model="tiny", engine=HERE, **ok) == 1
     # The client's string is no label value: the refusal counts under no model.
     assert "gpt-4o-from-a-client" not in text
@@ -133,7 +136,7 @@ async def test_each_model_is_counted_under_its_own_labels_and_an_unknown_one_und
     totals = metrics.totals()
     assert sum(totals["rejections"].values()) == 2  # the unknown model, the malformed body
     assert totals["queue_waits"] == 3
-    assert metrics.value("gguf_studio_requests_total", ok) == 3
+    assert metrics.value("gguf_studio_requests_total", ok) == 2  # the holder is counted under 499
 
     health = (await client.get("/health")).json()
     requests = {m["id"]: m["requests"] for m in health["models"]}
