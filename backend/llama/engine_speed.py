@@ -10,10 +10,11 @@ compute `n_batch` prompt tokens at their depth in the context: with the default 
 a CPU that is seconds.  The stall budget bounds that wait: the batch is the largest whose
 step, at the deepest position a slot reaches, stays within it.
 
-`measure_speed` asks the engine (three small `/completion`s, before the load is
-published, so no client shares it): a fresh prompt of `n` tokens; a prompt of `depth`
-tokens kept in slot 0's cache; the same prompt plus `n` fresh tokens, evaluated at that
-depth and then decoded for a few tokens.  A prompt token's cost grows with its depth
+`measure_speed` asks the engine (four small `/completion`s, before the load is
+published, so no client shares it): a fresh prompt of `n` tokens, twice (the first after
+a load also pays for the warm-up); a prompt of `depth` tokens kept in slot 0's cache; the
+same prompt plus `n` fresh tokens, evaluated at that depth and then decoded for a few
+tokens.  A prompt token's cost grows with its depth
 (attention reads every earlier token), so the two times give its cost at depth 0 and its
 growth per token of depth (`SpeedModel`), from which `choose_batch` predicts a step of any
 size at any depth.  The choice needs a restart of the engine (the batch is fixed at its
@@ -241,8 +242,14 @@ async def measure_speed(client: EngineClient, *, context: int, vocabulary_text: 
             return None
         stamp = int(time.monotonic_ns()) % 9973
         base = _tokens(words, depth, offset=stamp)
-        fresh = _tokens(words, tokens, offset=stamp + 7)
-        cold = await _completion(client, fresh, n_predict=1, slot=0, cache=False, timeout=timeout)
+        fresh = _tokens(words, tokens, offset=stamp + 11)
+        # The first computation after a load also pays for its warm-up (pages of weights
+        # read in, threads started): a cold chunk measured then looks dearer than a deep
+        # one, hiding what depth costs.  The cheaper of two is the chunk's own cost.
+        colds = [await _completion(client, _tokens(words, tokens, offset=stamp + shift),
+                                   n_predict=1, slot=0, cache=False, timeout=timeout)
+                 for shift in (3, 7)]
+        cold = min(colds, key=lambda timings: timings["prompt_ms"] / max(1, timings["prompt_n"]))
         await _completion(client, base, n_predict=1, slot=0, cache=True, timeout=timeout)
         deep = await _completion(client, base + fresh, n_predict=CALIBRATION_STEPS, slot=0,
                                  cache=True, timeout=timeout)
