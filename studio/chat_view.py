@@ -14,9 +14,10 @@ import logging
 import time
 from typing import Any, Callable, Collection, Coroutine
 
-from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import (QColor, QFont, QKeySequence, QPalette, QShortcut, QTextBlock,
-                           QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument, QTextFormat)
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (QColor, QFont, QGuiApplication, QKeyEvent, QKeySequence, QPalette,
+                           QShortcut, QTextBlock, QTextBlockFormat, QTextCharFormat, QTextCursor,
+                           QTextDocument, QTextFormat)
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -56,6 +57,8 @@ class ChatView(QWidget):
     stop_requested = Signal()
     regenerate_requested = Signal(object)  # ChatOptions
     clear_requested = Signal()
+    undo_clear_requested = Signal()
+    share_requested = Signal()  # the next step after a chat: share the model
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -89,6 +92,9 @@ class ChatView(QWidget):
         self.plain.setAccessibleDescription(self.plain.toolTip())
         self.plain.toggled.connect(self._plain_toggled)
         self.model.currentTextChanged.connect(lambda _name: self._show_mode())
+        # Another model is another conversation: the shown one is set aside (Undo clear).
+        self.model.textActivated.connect(lambda _name: self.clear_requested.emit()
+                                         if self.state.turns else None)
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("System prompt (optional)")
         self.system_prompt.setAccessibleName("System prompt")
@@ -99,15 +105,23 @@ class ChatView(QWidget):
         self.transcript.setAccessibleName("Conversation")
         self.status = secondary_label("")
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # The next step once a model answers here: let teammates and their agents use it.
+        self.share_button = QPushButton("Share it with your team…")
+        self.share_button.setToolTip("The Sharing tab: open the port on the network, make "
+                                     "keys, and copy the set-up for Codex, OpenCode or curl.")
+        self.share_button.clicked.connect(self.share_requested.emit)
+        self._shared = False
 
         self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Message — Ctrl+Enter sends")
+        self.input.setPlaceholderText("Message — Enter sends, Shift+Enter starts a new line")
         self.input.setAccessibleName("Message")
         self.input.setTabChangesFocus(True)
         self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 4 + 12)
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self.input, self.send,
                       context=Qt.ShortcutContext.WidgetShortcut)
+        # Enter sends, as in every chat; Shift+Enter is a new line.
+        self.input.installEventFilter(self)
         self.send_button = QPushButton("Se&nd")
         self.send_button.clicked.connect(self.send)
         self.stop_button = QPushButton("Stop")
@@ -120,8 +134,8 @@ class ChatView(QWidget):
         self.regenerate_button.clicked.connect(
             lambda: self.regenerate_requested.emit(self.options()))
         self.clear_button = QPushButton("Clear")
-        self.clear_button.setToolTip("Forget this conversation")
-        self.clear_button.clicked.connect(self.clear_requested.emit)
+        self.clear_button.setToolTip("Start a new conversation (Undo brings this one back)")
+        self.clear_button.clicked.connect(self._clear_or_undo)
 
         # The elapsed time of the answer on its way, so a slow first token is seen waiting.
         self.clock = QTimer(self)
@@ -149,7 +163,10 @@ class ChatView(QWidget):
         layout.addLayout(settings)
         layout.addWidget(self.system_prompt)
         layout.addWidget(self.transcript, 1)
-        layout.addWidget(self.status)
+        status_row = QHBoxLayout()
+        status_row.addWidget(self.status, 1)
+        status_row.addWidget(self.share_button)
+        layout.addLayout(status_row)
         layout.addLayout(entry)
         self.show_state(self.state)
 
@@ -174,8 +191,16 @@ class ChatView(QWidget):
             self.model.setCurrentText(current)
         self._show_mode()
 
+    def set_shared(self, shared: bool) -> None:
+        """Whether the port is shared on the network (then Share is no next step)."""
+        self._shared = shared
+        self._enable()
+
     def choose(self, name: str) -> None:
-        """Chat with `name` (once the port lists it)."""
+        """Chat with `name` (once the port lists it); a conversation with another model
+        is set aside (Undo clear brings it back)."""
+        if name != self.model.currentText() and self.state.turns:
+            self.clear_requested.emit()
         self._wanted = name
         if self.model.findText(name) >= 0:
             self.model.setCurrentText(name)
@@ -226,8 +251,9 @@ class ChatView(QWidget):
         self.plain.blockSignals(False)
         plain = self.plain.isChecked()
         self.system_prompt.setEnabled(not plain)
-        self.input.setPlaceholderText("Text for the model to continue — Ctrl+Enter sends" if plain
-                                      else "Message — Ctrl+Enter sends")
+        self.input.setPlaceholderText(
+            "Text for the model to continue — Enter sends, Shift+Enter starts a new line"
+            if plain else "Message — Enter sends, Shift+Enter starts a new line")
         self._show_status()
         self._enable()
 
@@ -267,7 +293,26 @@ class ChatView(QWidget):
         self.send_button.setEnabled(has_model and not streaming)
         self.stop_button.setEnabled(streaming)
         self.regenerate_button.setEnabled(has_model and self.state.can_regenerate)
-        self.clear_button.setEnabled(bool(self.state.turns))
+        undo = self.state.can_undo_clear
+        self.clear_button.setText("Undo clear" if undo else "Clear")
+        self.share_button.setVisible(not self._shared and bool(self._ready))
+        self.clear_button.setEnabled(bool(self.state.turns) or undo)
+
+    def _clear_or_undo(self) -> None:
+        if self.state.can_undo_clear and not self.state.turns:
+            self.undo_clear_requested.emit()
+        else:
+            self.clear_requested.emit()
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.input and event.type() == QEvent.Type.KeyPress \
+                and isinstance(event, QKeyEvent) \
+                and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) \
+                and not event.modifiers() & (Qt.KeyboardModifier.ShiftModifier
+                                             | Qt.KeyboardModifier.ControlModifier):
+            self.send()
+            return True
+        return super().eventFilter(watched, event)
 
 
 class ChatLink(QObject):
@@ -290,6 +335,7 @@ class ChatLink(QObject):
         view.stop_requested.connect(lambda: self._run(self.session.stop()))
         view.regenerate_requested.connect(lambda options: self._run(self.session.regenerate(options)))
         view.clear_requested.connect(lambda: self._run(self.session.clear()))
+        view.undo_clear_requested.connect(lambda: self._run(self.session.undo_clear()))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop an answer on its way (before the port closes, so it need not wait for it)."""
@@ -323,6 +369,9 @@ class _Transcript(QTextBrowser):
         self.setUndoRedoEnabled(False)
         self._shown: tuple[Turn, ...] = ()
         self._starts: list[int] = []  # where each shown turn begins in the document
+        #: The code of each code block shown, by (turn, block): what its Copy link copies.
+        self.codes: dict[tuple[int, int], str] = {}
+        self.anchorClicked.connect(self._on_link)
 
     def show_turns(self, turns: tuple[Turn, ...]) -> None:
         """Show `turns`, redoing only those from the first that changed: while an answer
@@ -348,7 +397,7 @@ class _Transcript(QTextBrowser):
         del self._starts[same:]
         for number in range(same, len(turns)):
             self._starts.append(cursor.position())
-            self._add_turn(cursor, turns[number], first=number == 0)
+            self._add_turn(cursor, turns[number], number)
         self._shown = turns
         if same < len(turns):
             self._tint_code(document, document.findBlock(self._starts[same]))
@@ -357,7 +406,8 @@ class _Transcript(QTextBrowser):
     def loadResource(self, kind: int, name: QUrl | str) -> Any:
         return None  # nothing a model wrote is fetched, not even a local file
 
-    def _add_turn(self, cursor: QTextCursor, turn: Turn, *, first: bool) -> None:
+    def _add_turn(self, cursor: QTextCursor, turn: Turn, number: int) -> None:
+        first = number == 0
         heading = QTextCharFormat()
         heading.setFontWeight(QFont.Weight.Bold)
         spaced = QTextBlockFormat()
@@ -374,7 +424,9 @@ class _Transcript(QTextBrowser):
         if turn.role == "assistant" and turn.state is AnswerState.WAITING:
             text = "…"
         # Each turn is read on its own: a code fence a stopped answer left open ends with it.
+        start = cursor.position()
         cursor.insertMarkdown(text, MARKDOWN)
+        self._add_copy_links(start, cursor.position(), number)
         note = _note(turn)
         if note:
             quiet = QTextCharFormat()
@@ -382,6 +434,42 @@ class _Transcript(QTextBrowser):
             quiet.setFontItalic(True)
             cursor.insertBlock(QTextBlockFormat(), quiet)
             cursor.insertText(note, quiet)
+
+    def _add_copy_links(self, start: int, end: int, number: int) -> None:
+        """A "Copy code" link under each code block of the text from `start` to `end`
+        (turn `number`'s), which copies the block's code."""
+        document = self.document()
+        groups: list[tuple[QTextBlock, list[str]]] = []
+        block = document.findBlock(start)
+        previous_code = False
+        while block.isValid() and block.position() <= end:
+            code = block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence)
+            if code and previous_code:
+                groups[-1] = (block, [*groups[-1][1], block.text()])
+            elif code:
+                groups.append((block, [block.text()]))
+            previous_code = code
+            block = block.next()
+        for index in range(len(groups) - 1, -1, -1):  # from the end: positions stay valid
+            last, lines = groups[index]
+            self.codes[(number, index)] = "\n".join(lines)
+            link = QTextCharFormat()
+            link.setAnchor(True)
+            link.setAnchorHref(f"copy:{number}:{index}")
+            link.setForeground(self.palette().color(QPalette.ColorRole.Link))
+            link.setFontPointSize(max(7.0, self.font().pointSizeF() * 0.85))
+            cursor = QTextCursor(last)
+            cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock)
+            cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+            cursor.insertText("⧉ Copy code", link)
+
+    def _on_link(self, url: QUrl) -> None:
+        text = url.toString()
+        if text.startswith("copy:"):
+            turn, _, index = text.removeprefix("copy:").partition(":")
+            code = self.codes.get((int(turn), int(index)))
+            if code is not None:
+                QGuiApplication.clipboard().setText(code)
 
     def _tint_code(self, document: QTextDocument, block: QTextBlock) -> None:
         """Code blocks from `block` on: a tinted ground and a fixed font."""

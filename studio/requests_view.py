@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.app.session_rows import session_label
 from backend.port.access_log import status_words
 from backend.port.request_log import RequestRecord
 from studio.widgets import monospace_font
@@ -272,6 +273,8 @@ def _detail(name: str, value: object) -> str:
         return _REASONS.get(value, value)
     if name == "stream":
         return "yes" if value else "no"
+    if name == "session" and isinstance(value, str):
+        return session_label(value)
     if name == "status" and isinstance(value, int) and status_words(value):
         return f"{value} — {status_words(value)}"
     return str(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLabel, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
@@ -30,14 +31,23 @@ class SessionsView(QWidget):
         self.table.setHorizontalHeaderLabels(list(COLUMNS))
         self.table.setAccessibleName("Live sessions")
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.NoSelection)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.verticalHeader().hide()
+        self.table.currentCellChanged.connect(lambda row, *_: self._show_details(row))
+        # A row opens its whole story below (its last miss in full, which a cell cuts).
+        self.details = QLabel()
+        self.details.setWordWrap(True)
+        self.details.setAccessibleName("Session details")
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self._rows: tuple[SessionRow, ...] = ()
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(COLUMNS.index("Last miss"), QHeaderView.ResizeMode.Stretch)
         layout = QVBoxLayout(self)
         layout.addWidget(self.summary)
         layout.addWidget(self.table, 1)
+        layout.addWidget(self.details)
         layout.addWidget(secondary_label(
             "A session is one agent's conversation (Codex, OpenCode and Claude Code name "
             "theirs; others are followed by their prompt). Prompt cached: the share of its "
@@ -45,6 +55,7 @@ class SessionsView(QWidget):
 
     def show_sessions(self, rows: Sequence[SessionRow]) -> None:
         shown = rows[:MAX_ROWS]
+        self._rows = tuple(shown)
         table = self.table
         if table.rowCount() != len(shown):
             table.setRowCount(len(shown))
@@ -55,6 +66,7 @@ class SessionsView(QWidget):
                     table.setItem(r, column, QTableWidgetItem(text))
                 elif item.text() != text:
                     item.setText(text)
+        self._show_details(table.currentRow())
         more = f" (the {MAX_ROWS} most recent shown)" if len(rows) > MAX_ROWS else ""
         self.summary.setText(f"{len(rows)} live session{'s' if len(rows) != 1 else ''}{more}."
                              if rows else "No sessions yet.")
@@ -65,6 +77,21 @@ class SessionsView(QWidget):
         return [tuple(item.text() if (item := table.item(r, c)) is not None else ""
                       for c in range(table.columnCount()))
                 for r in range(table.rowCount())]
+
+
+    def _show_details(self, index: int) -> None:
+        if not 0 <= index < len(self._rows):
+            self.details.setText("Select a session to see its details.")
+            return
+        row = self._rows[index]
+        text = (f"{row.name} — {row.owner}, {row.model}: {row.turns} turn"
+                f"{'s' if row.turns != 1 else ''}, {row.hit_percent:.0f} % of its prompt "
+                f"tokens found cached; its prefix lives on {row.where}; idle "
+                f"{_idle(row.idle_seconds)}.")
+        if row.last_miss:
+            text += f" Last miss: {row.last_miss}."
+        self.details.setText(text + " Its requests: the Requests tab, filtered by key "
+                                    f"{row.owner!r}.")
 
 
 def session_cells(row: SessionRow) -> tuple[str, ...]:

@@ -95,6 +95,7 @@ class MainWindow(QMainWindow):
         self.discover = DiscoverView(bridge.curated_models())
         self.chat = ChatView()
         self.chat_link = ChatLink(bridge, self.chat)
+        self.chat.share_requested.connect(self.show_sharing)
         self.sessions = SessionsView()
 
         self.tabs = QTabWidget()
@@ -454,6 +455,7 @@ class MainWindow(QMainWindow):
         when the settings share it there, only once a model is ready (a relaunch does not
         put a port with nothing to serve on the LAN)."""
         self._lan_waits = not is_loopback(self.settings.host)
+        self.chat.set_shared(self._lan_waits)
         self.bridge.start(open_port=False)
         self.bridge.apply_settings(self._served(self.settings), on_error=self._on_port_error)
         self.sharing.show_lan_wait(self._lan_waits)
@@ -502,6 +504,7 @@ class MainWindow(QMainWindow):
         self.bridge.save_settings(settings, self._settings_path, on_error=lambda message:
                                   self.show_message(f"The settings could not be saved: {message}"))
         self.sharing.set_settings(settings)
+        self.chat.set_shared(not is_loopback(settings.host))
         self.bridge.apply_settings(self._served(settings), on_error=self._on_port_error)
 
     def _on_port_error(self, message: str) -> None:

@@ -14,8 +14,11 @@ where the last one left the conversation's prefix (so the next turn's cached tok
 in its figures) and by which its records name the conversation.
 
 Stop cancels the request (the port closes the engine's request and frees its slot) and
-keeps what arrived; regenerate drops the last answer and sends the conversation again;
-clear stops and forgets everything, and the next turn starts a new session.
+keeps what arrived, with what the cache held for its prompt (each chunk carries the
+engine's timings, asked with `timings_per_token`); an answer the engine ended at Max
+tokens says so; regenerate drops the last answer and sends the conversation again;
+clear stops and sets the conversation aside, and the next turn starts a new session;
+`undo_clear` brings the last one back while nothing new was said.
 
 All methods run on one asyncio loop (the window's backend loop); `on_change` is called
 there after every change, and `state` is a frozen picture that may cross to any thread.
@@ -97,9 +100,11 @@ class AnswerFigures:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    #: The engine ended it at the answer's limit (Max tokens): it was cut, not finished.
+    cut_at_limit: bool = False
 
     def describe(self) -> str:
-        parts = []
+        parts = ["cut at Max tokens"] if self.cut_at_limit else []
         if self.first_token_seconds is not None:
             parts.append(f"first token {self.first_token_seconds:.2f} s")
         if self.tokens_per_second is not None:
@@ -126,6 +131,8 @@ class ChatState:
     turns: tuple[Turn, ...] = ()
     streaming: bool = False
     session: str = ""
+    #: A cleared conversation `undo_clear` can bring back.
+    can_undo_clear: bool = False
 
     @property
     def can_regenerate(self) -> bool:
@@ -141,6 +148,8 @@ class ChatSession:
         self._clock = clock
         self._turns: list[Turn] = []
         self._session = _new_session()
+        #: The conversation the last clear set aside, and its session (until a new turn).
+        self._cleared: tuple[list[Turn], str] | None = None
         self._task: asyncio.Task[None] | None = None  # the answer's request
         self._answered = asyncio.Event()  # set when no answer is being handled
         self._answered.set()
@@ -156,6 +165,7 @@ class ChatSession:
     async def send(self, text: str, options: ChatOptions) -> Turn:
         """Add the person's `text` and stream the model's answer; the answer as it ended."""
         await self.stop()
+        self._cleared = None  # a new conversation began: the cleared one is gone
         self._turns.append(Turn("user", text))
         return await self._answer(options)
 
@@ -176,11 +186,22 @@ class ChatSession:
         await self._answered.wait()
 
     async def clear(self) -> None:
-        """Stop, forget the conversation; the next turn is a new session."""
+        """Stop, set the conversation aside (`undo_clear` brings it back until the next
+        turn); the next turn is a new session."""
         await self.stop()
+        if self._turns:
+            self._cleared = (list(self._turns), self._session)
         self._turns.clear()
         self._session = _new_session()
         self._publish()
+
+    async def undo_clear(self) -> None:
+        """The conversation the last clear set aside, back with its session."""
+        if self._cleared is not None and not self._turns:
+            turns, self._session = self._cleared
+            self._turns = list(turns)
+            self._cleared = None
+            self._publish()
 
     def request_body(self, options: ChatOptions) -> dict[str, Any]:
         """What the next answer is asked with: the conversation so far (failed answers and
@@ -196,8 +217,10 @@ class ChatSession:
                 if options.system_prompt.strip() else []
             messages += [{"role": turn.role, "content": turn.text} for turn in said]
             asked = {"messages": messages}
+        # The engine's timings with every chunk: an answer stopped on request keeps what
+        # the cache held for its prompt (the usage comes at the end only).
         return {"model": options.model, **asked, "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True}, "timings_per_token": True,
                 "temperature": options.temperature, "max_tokens": options.max_tokens,
                 "prompt_cache_key": self._session}
 
@@ -296,7 +319,8 @@ class ChatSession:
 
     def _publish(self) -> None:
         streaming = self._task is not None and not self._task.done()
-        self.state = ChatState(tuple(self._turns), streaming, self._session)
+        self.state = ChatState(tuple(self._turns), streaming, self._session,
+                               can_undo_clear=self._cleared is not None and not self._turns)
         self._on_change()
 
 
@@ -341,6 +365,7 @@ class _Reading:
         self.completion: int | None = None
         self.prompt: int | None = None
         self.cached: int | None = None
+        self.cut = False
 
     def note_token(self, now: float) -> None:
         if self.first_at is None:
@@ -349,6 +374,9 @@ class _Reading:
         self.chunks += 1
 
     def note_figures(self, event: dict[str, Any]) -> None:
+        """The engine's figures as an event tells them: its usage (the last event's), or
+        the timings every chunk carries (the newest kept: the first chunk may come before
+        the prompt was read)."""
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.completion = _int(usage.get("completion_tokens"), self.completion)
@@ -357,8 +385,17 @@ class _Reading:
             if isinstance(details, dict):
                 self.cached = _int(details.get("cached_tokens"), self.cached)
         timings = event.get("timings")
-        if isinstance(timings, dict) and self.cached is None:
-            self.cached = _int(timings.get("cache_n"), None)
+        if isinstance(timings, dict) and not isinstance(usage, dict):
+            cached = _int(timings.get("cache_n"), None)
+            computed = _int(timings.get("prompt_n"), None)
+            if cached is not None:
+                self.cached = cached
+                if computed is not None:
+                    self.prompt = cached + computed
+        choices = event.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
+                and choices[0].get("finish_reason") == "length":
+            self.cut = True
 
     def figures(self, now: float) -> AnswerFigures:
         tokens = self.completion if self.completion is not None else self.chunks
@@ -368,7 +405,7 @@ class _Reading:
                 and self.last_at > self.first_at:
             # The tokens after the first, over the time they took to come.
             speed = (self.chunks - 1) / (self.last_at - self.first_at)
-        return AnswerFigures(first, speed, tokens, self.prompt, self.cached)
+        return AnswerFigures(first, speed, tokens, self.prompt, self.cached, self.cut)
 
 
 def _delta_text(event: dict[str, Any]) -> str:

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from backend.app.pool.pool_status import ModelStatus, Residency
-from backend.llama.load import Snapshot, State
+from backend.llama.load import THREADS_HELP, Snapshot, State
 from backend.llama.report import EngineReport
+from backend.llama.supervisor import default_threads
 from backend.memory_size import format_memory
 
 __all__ = ["ModelAccount", "model_account"]
@@ -92,6 +93,11 @@ def _ready(snapshot: Snapshot, status: ModelStatus | None,
     details = [f"Parallel slots: {slots}" + (
         f" — you asked for {requested}; llama-server decided otherwise" if differs
         else " (chosen by llama-server)" if requested == "auto" else "")]
+    if snapshot.requested is not None and (report is None or not report.on_gpu
+                                           or snapshot.requested.threads):
+        asked = snapshot.requested.threads
+        details.append(f"CPU threads: {asked or default_threads()}"
+                       + ("" if asked else f" (Auto: {THREADS_HELP})"))
     for line in (serving.describe_kv(), serving.prefix_note,
                  serving.speed.describe() if serving.speed is not None else None):
         if line:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from backend.admission.caller import ADDRESS_FLOW
 from backend.admission.session_book import Session, SessionCache
 
-__all__ = ["PARKED", "THIS_COMPUTER", "SessionRow", "session_rows"]
+__all__ = ["PARKED", "THIS_COMPUTER", "SessionRow", "session_label", "session_rows"]
 
 #: The owner of a session sent from this machine without a key (a `SessionRow`'s owner).
 THIS_COMPUTER = "this computer (owner)"
@@ -26,7 +26,10 @@ class SessionRow:
     #: without named keys "this computer (owner)" for a request from this machine, else
     #: "computer at ADDRESS"; "anonymous" when nothing is known.
     owner: str
-    name: str  #: the client's name for it, or "unnamed …" (named after its start)
+    #: The client's name for it, or "unnamed #…" (named after its start), as the Requests
+    #: tab names it (`session_label`); "N single requests (unnamed)": one row for the
+    #: unnamed sessions of one turn of an owner and model (one-shot requests).
+    name: str
     model: str
     turns: int
     hit_percent: float  #: of its prompt tokens, the share found cached
@@ -47,10 +50,12 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
     (`backend.app.pool.parking_steward`), "parked" when no serving engine holds it."""
     places = {s.key: s for s in table}
     rows = []
+    singles: dict[tuple[str, str], list[SessionCache]] = {}
     for summary in book:
         owner, _, name = summary.session.partition("\n")
-        if name.startswith("#"):
-            name = f"unnamed {name[1:]}"
+        if name.startswith("#") and summary.turns <= 1:
+            singles.setdefault((owner, summary.model), []).append(summary)
+            continue
         place = places.get(summary.session)
         if place is None:
             where = _place(summary.engine, summary.slot)
@@ -59,11 +64,24 @@ def session_rows(book: Iterable[SessionCache], table: Iterable[Session] = (), *,
         else:
             where = PARKED if summary.session in parked else _place("", None)
         miss = summary.last_miss
-        rows.append(SessionRow(_owner(owner), name, summary.model, summary.turns,
+        rows.append(SessionRow(_owner(owner), session_label(name), summary.model, summary.turns,
                                round(summary.hit_percent, 1), where,
                                miss.describe() if miss is not None and miss.reason != "first_turn"
                                else "", max(0.0, now - summary.at)))
+    for (owner, model), group in singles.items():
+        cached = sum(s.cached for s in group)
+        total = cached + sum(s.computed for s in group)
+        rows.append(SessionRow(
+            _owner(owner), f"{len(group)} single request{'s' if len(group) != 1 else ''} "
+            "(unnamed)", model, len(group), round(100.0 * cached / total, 1) if total else 0.0,
+            "—", "", max(0.0, now - max(s.at for s in group))))
     return tuple(rows)
+
+
+def session_label(name: str) -> str:
+    """A session as every view names it: the client's own name, or "unnamed #…" for one
+    named after its start (the request inspector's records keep "#…")."""
+    return f"unnamed {name}" if name.startswith("#") else name
 
 
 def _owner(flow: str) -> str:

@@ -95,10 +95,11 @@ def test_the_chat_tab_streams_stops_regenerates_and_clears_with_smollm2(
     until(qtbot, lambda: answered(window, AnswerState.DONE), lambda: chat.state, timeout=60_000)
     answer = last_answer(window)
     assert answer is not None and answer.figures is not None
-    shown_figures = re.search(r"first token (\d+\.\d+) s · (\d+\.\d) tok/s · (\d+) tokens · "
-                              r"(\d+) of (\d+) prompt tokens cached", chat.transcript.toPlainText())
-    assert shown_figures is not None, chat.transcript.toPlainText()
-    ttft, speed, tokens, cached, prompt = shown_figures.groups()
+    # Each answer's figures, the stopped one's too (what the cache held survives a stop).
+    shown_figures = re.findall(r"first token (\d+\.\d+) s · (\d+\.\d) tok/s · (\d+) tokens · "
+                               r"(\d+) of (\d+) prompt tokens cached", chat.transcript.toPlainText())
+    assert len(shown_figures) == 2, chat.transcript.toPlainText()
+    ttft, speed, tokens, cached, prompt = shown_figures[-1]
     assert float(ttft) > 0 and float(speed) > 0 and int(tokens) > 1
     # The conversation's earlier turns were kept in the engine's cache.
     assert 0 < int(cached) <= int(prompt)
@@ -143,6 +144,65 @@ def test_code_blocks_read_as_code_and_an_unfinished_one_keeps_to_its_answer(qtbo
     assert after.block().blockFormat().background().style() == Qt.BrushStyle.NoBrush
     assert not monospaced(after.charFormat().font())
     assert "Stopped" in text
+
+
+def test_a_code_block_has_a_copy_link_that_copies_its_code(qtbot) -> None:
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    view = ChatView()
+    qtbot.addWidget(view)
+    code = "def add(a, b):\n    return a + b"
+    view.show_state(ChatState((
+        Turn("user", "Code please"),
+        Turn("assistant", f"Here:\n\n```python\n{code}\n```\n\nand\n\n```\nls -l\n```", model="smol"),
+    )))
+    assert view.transcript.toPlainText().count("Copy code") == 2
+    QGuiApplication.clipboard().clear()
+    view.transcript.anchorClicked.emit(QUrl("copy:1:0"))
+    assert QGuiApplication.clipboard().text() == code
+    view.transcript.anchorClicked.emit(QUrl("copy:1:1"))
+    assert QGuiApplication.clipboard().text() == "ls -l"
+
+
+def test_enter_sends_shift_enter_starts_a_new_line_and_clear_can_be_undone(qtbot) -> None:
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.set_models(["smol"])
+    sent: list[str] = []
+    view.send_requested.connect(lambda text, _options: sent.append(text))
+    qtbot.keyClicks(view.input, "first line")
+    qtbot.keyClick(view.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(view.input, "second")
+    assert sent == [] and view.input.toPlainText() == "first line\nsecond"
+    qtbot.keyClick(view.input, Qt.Key.Key_Return)
+    assert sent == ["first line\nsecond"] and view.input.toPlainText() == ""
+
+    cleared, undone = [], []
+    view.clear_requested.connect(lambda: cleared.append(1))
+    view.undo_clear_requested.connect(lambda: undone.append(1))
+    view.show_state(ChatState((Turn("user", "hi"), Turn("assistant", "hello", model="smol"))))
+    view.clear_button.click()
+    assert cleared == [1]
+    view.show_state(ChatState(can_undo_clear=True))  # as the session says after a clear
+    assert view.clear_button.text() == "Undo clear" and view.clear_button.isEnabled()
+    view.clear_button.click()
+    assert undone == [1]
+
+
+def test_the_chat_offers_sharing_as_the_next_step(qtbot) -> None:
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.show()
+    assert not view.share_button.isVisible()  # nothing to share yet
+    view.set_models(["smol"], ready=["smol"])
+    assert view.share_button.isVisible()
+    asked = []
+    view.share_requested.connect(lambda: asked.append(1))
+    view.share_button.click()
+    assert asked == [1]
+    view.set_shared(True)
+    assert not view.share_button.isVisible()
 
 
 def test_a_streaming_answer_redraws_itself_alone_and_the_conversation_stays_right(qtbot) -> None:

@@ -44,12 +44,12 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
 
     shown = [dict(zip(COLUMNS, row)) for row in view.rows()]
     assert shown == [
-        {"Key": "bob", "Session": "unnamed 5e1c0ffee5e1c0ff", "Model": "coder", "Turns": "1",
-         "Prompt cached": "0 %", "Prefix lives on": "this machine", "Last miss": "—",
-         "Idle": "30 s"},
         {"Key": "alice", "Session": "thread-1", "Model": "coder", "Turns": "2",
          "Prompt cached": "43 %", "Prefix lives on": "this machine, slot 1", "Last miss": "—",
          "Idle": "30 s"},
+        # One-shot requests (unnamed, one turn) are one row per key and model, not one each.
+        {"Key": "bob", "Session": "1 single request (unnamed)", "Model": "coder", "Turns": "1",
+         "Prompt cached": "0 %", "Prefix lives on": "—", "Last miss": "—", "Idle": "30 s"},
     ]
     assert view.summary.text() == "2 live sessions."
 
@@ -63,6 +63,24 @@ def test_the_sessions_view_shows_each_sessions_hit_share_where_it_lives_and_its_
     thread = dict(zip(COLUMNS, view.rows()[0]))
     assert (thread["Session"], thread["Prompt cached"], thread["Prefix lives on"],
             thread["Last miss"]) == ("thread-1", "26 %", "nowhere", "unloaded")
+
+
+def test_one_shot_requests_fold_into_one_row_and_a_row_opens_its_details(qtbot):
+    book = Sessions(clock=lambda: 50.0)
+    for n in range(3):  # curl, three times: three unnamed one-turn sessions
+        book.judge(f"bob\n#{n:016x}", "bob", "coder", prompt_blocks(chat(f"question {n}")), 0, 100,
+                   engine="e", label="this machine", engine_alive=lambda key: True)
+    for turn, cached in ((("hi",), 0), (("hi", "hello", "more"), 90)):  # an unnamed agent
+        book.judge("bob\n#abcdefabcdefabcd", "bob", "coder", prompt_blocks(chat(*turn)),
+                   cached, 100 - cached, engine="e", label="this machine",
+                   engine_alive=lambda key: True)
+    view = SessionsView()
+    qtbot.addWidget(view)
+    view.show_sessions(session_rows(book.caches(), now=60.0))
+    assert [dict(zip(COLUMNS, row))["Session"] for row in view.rows()] == [
+        "unnamed #abcdefabcdefabcd", "3 single requests (unnamed)"]
+    view.table.setCurrentCell(0, 0)
+    assert view.details.text().startswith("unnamed #abcdefabcdefabcd — bob, coder: 2 turns")
 
 
 def test_a_sessions_owner_is_named_as_people_know_them_never_by_a_loopback_address(qtbot):

@@ -277,7 +277,8 @@ def test_choosing_a_binary_uses_it(open_window, monkeypatch, tmp_path: Path,
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     window = open_window()
     window.engine.binary_chosen.emit(str(llama_server_binary))
-    assert window.engine.summary.text() == f"Using llama-server: {llama_server_binary}"
+    assert window.engine.summary.text() == "llama-server is ready to use"
+    assert window.engine.path.text() == str(llama_server_binary)
     assert window.settings.llama_server == str(llama_server_binary)
 
 

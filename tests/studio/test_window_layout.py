@@ -4,6 +4,7 @@ are in view without scrolling, and the tables fit without scrolling sideways."""
 from __future__ import annotations
 
 from PySide6.QtCore import QPoint, QRect
+from PySide6.QtWidgets import QScrollArea
 
 from backend.app.activity import ActivitySample, EngineActivity
 from backend.app.pool.pool_state import PoolState
@@ -11,7 +12,8 @@ from backend.app.pool.pool_status import EngineStatus, ModelStatus, Residency
 from backend.app.session_rows import SessionRow
 from backend.port.metrics import ModelTotals
 from backend.port.request_log import RequestRecord
-from studio.window import ACTIVITY_TAB, CHAT_TAB, POOL_TAB, REQUESTS_TAB, SESSIONS_TAB, MainWindow
+from studio.window import (ACTIVITY_TAB, CHAT_TAB, ENGINE_TAB, POOL_TAB, REQUESTS_TAB,
+                           SESSIONS_TAB, MainWindow)
 
 WAIT = 10_000
 LONG_NAME = "Qwen2.5-Coder-7B-Instruct-Q4_K_M"
@@ -81,3 +83,14 @@ def test_the_tables_fit_without_scrolling_sideways(open_window, qtbot) -> None:
             qtbot.wait(50)
         assert table.isVisible()
         assert not table.horizontalScrollBar().isVisible(), window.tabs.tabText(tab)
+
+
+def test_the_engine_tab_reads_without_cut_off_lines(open_window, qtbot) -> None:
+    window = at_first_size(open_window, qtbot)
+    shown(qtbot, window, ENGINE_TAB)
+    qtbot.waitUntil(lambda: window.engine.accelerators.text().startswith("GPUs:"), timeout=WAIT)
+    qtbot.wait(50)
+    page = window.tabs.currentWidget()
+    assert isinstance(page, QScrollArea)
+    assert not page.horizontalScrollBar().isVisible()
+    assert not window.engine.accelerator_table.horizontalScrollBar().isVisible()

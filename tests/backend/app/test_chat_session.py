@@ -95,6 +95,9 @@ async def test_stop_ends_the_answer_keeps_what_arrived_and_frees_the_slot(servic
     assert answer.text.startswith(arrived) and answer.figures is not None
     assert 0 < answer.figures.output_tokens < 3000
     assert not chat.state.streaming
+    # What the cache held for its prompt survives the stop (each chunk carries it).
+    assert answer.figures.prompt_tokens is not None and answer.figures.cached_tokens is not None
+    assert "cut at Max tokens" not in answer.figures.describe()
     await until(lambda: service.registry.total_active == 0, timeout=10)  # the engine let go
     # The stopped answer is part of the conversation, and the next turn works.
     assert chat.request_body(options)["messages"][-1] == {"role": "assistant", "content": answer.text}
@@ -131,6 +134,30 @@ async def test_clear_empties_the_conversation_and_stops_an_answer(service, chat,
     assert chat.state.turns == ()
     await until(lambda: service.registry.total_active == 0, timeout=10)
     assert await chat.regenerate(options) is None  # nothing to ask again
+
+
+async def test_an_answer_cut_at_max_tokens_says_so(service, chat, options):
+    short = ChatOptions(options.model, temperature=0.0, max_tokens=5)
+    answer = await asyncio.wait_for(chat.send(STORY, short), 120)
+    assert answer.state is AnswerState.DONE and answer.figures is not None
+    assert answer.figures.cut_at_limit and answer.figures.describe().startswith("cut at Max tokens")
+    finished = await asyncio.wait_for(chat.send(QUESTION, options), 120)
+    assert finished.figures is not None and not finished.figures.cut_at_limit
+
+
+async def test_a_cleared_conversation_comes_back_until_the_next_turn(service, chat, options):
+    first = await asyncio.wait_for(chat.send(QUESTION, options), 120)
+    session = chat.state.session
+    await chat.clear()
+    assert chat.state.turns == () and chat.state.can_undo_clear
+    await chat.undo_clear()
+    assert chat.state.turns[-1] is first and chat.state.session == session
+    assert not chat.state.can_undo_clear
+    await chat.clear()
+    await asyncio.wait_for(chat.send(QUESTION, options), 120)  # a new conversation began
+    assert not chat.state.can_undo_clear
+    await chat.undo_clear()  # nothing to bring back: the new one stays
+    assert len(chat.state.turns) == 2 and chat.state.session != session
 
 
 async def test_the_ports_refusal_is_told_as_its_sentence(service, chat, options):

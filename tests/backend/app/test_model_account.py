@@ -41,6 +41,8 @@ def test_a_ready_model_is_told_in_plain_words_and_the_engine_detail_after() -> N
                                 "tokens each; on the CPU, 277 MiB")
     assert "attention tiles" not in account.headline
     assert account.details[0] == "Parallel slots: 4 (chosen by llama-server)"
+    # The threads chosen, said: Auto is every core but one.
+    assert account.details[1].startswith("CPU threads: ") and "every core but one" in account.details[1]
     assert any("attention tiles" in line for line in account.details)
     assert account.details[-1] == "Last decision: loaded on request: needs about 277 MiB."
     assert account.loaded and not account.slots_differ
