@@ -310,7 +310,7 @@ class KeysView(QWidget):
         self.edit_button.setEnabled(row is not None and row.editable)
         self.revoke_button.setEnabled(row is not None and row.revocable)
         if row is not None and row.owner:
-            self.edit_button.setToolTip("The owner's key is the one in Access above; it has "
+            self.edit_button.setToolTip("The owner's key is the one in Access, on the left; it has "
                                         "no limits.")
         else:
             self.edit_button.setToolTip("Change the selected key's models and limits.")

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QPushButton,
     QRadioButton,
     QSpinBox,
+    QSplitter,
     QTabWidget,
     QToolButton,
     QVBoxLayout,
@@ -97,7 +98,8 @@ class SharingView(QWidget):
         self.key.setFont(monospace_font())
         self.key.setEchoMode(QLineEdit.EchoMode.Password)
         self.key.setAccessibleName("API key")
-        self.key.setMinimumWidth(self.key.fontMetrics().horizontalAdvance("gs-" + "x" * 20))
+        # Room for the start of it (the rest scrolls): the named keys beside need the width.
+        self.key.setMinimumWidth(self.key.fontMetrics().horizontalAdvance("gs-" + "x" * 9))
         self.show_key = QPushButton("&View")
         self.show_key.setCheckable(True)
         self.show_key.toggled.connect(self._on_show_key)
@@ -223,7 +225,9 @@ class SharingView(QWidget):
         self.limits_button.toggled.connect(self._show_limits)
         self._limit_boxes = (limits, advanced)
 
-        left = QVBoxLayout()
+        access_column = QWidget()
+        left = QVBoxLayout(access_column)
+        left.setContentsMargins(0, 0, 0, 0)
         left.addWidget(access)
         left.addWidget(self.enrolments_box)
         left.addWidget(self.urls_box)
@@ -282,9 +286,17 @@ class SharingView(QWidget):
         self.side = QTabWidget()
         self.side.addTab(self.keys, "Named keys")
         self.side.addTab(snippets_box, "Client set-up")
+        # Side by side in a splitter the window remembers: half each.
+        self.split = QSplitter()
+        self.split.setObjectName("sharing_split")
+        self.split.addWidget(access_column)
+        self.split.addWidget(self.side)
+        self.split.setStretchFactor(0, 1)
+        self.split.setStretchFactor(1, 1)
+        self.split.setSizes([10_000, 10_000])  # half each, whatever the width
+        self.split.setChildrenCollapsible(False)
         columns = QHBoxLayout(self)
-        columns.addLayout(left, 4)
-        columns.addWidget(self.side, 5)
+        columns.addWidget(self.split)
 
     # --- rendering ------------------------------------------------------------------------
 

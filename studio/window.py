@@ -110,6 +110,7 @@ class MainWindow(QMainWindow):
         # The model above the tabs, in a splitter of its own that remembers its place:
         # the Chat tab gets the height the model pane does not need.
         self.right_splitter = QSplitter(Qt.Orientation.Vertical)
+        self.right_splitter.setObjectName("right_splitter")
         self.right_splitter.addWidget(self.model_view)
         self.right_splitter.addWidget(self.tabs)
         self.right_splitter.setStretchFactor(0, 0)
@@ -120,6 +121,7 @@ class MainWindow(QMainWindow):
         right_layout.setContentsMargins(6, 0, 0, 0)
         right_layout.addWidget(self.right_splitter)
         self.splitter = QSplitter()
+        self.splitter.setObjectName("splitter")
         self.splitter.addWidget(self.library_view)
         self.splitter.addWidget(right)
         self.splitter.setStretchFactor(0, 0)
@@ -629,8 +631,8 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geometry)
         else:
             self.resize(1240, 860)
-        for key, splitter in (("splitter", self.splitter), ("right_splitter", self.right_splitter)):
-            saved = self._state.value(key)
+        for splitter in self._splitters():
+            saved = self._state.value(splitter.objectName())
             if isinstance(saved, QByteArray):
                 splitter.restoreState(saved)
         tab = self._state.value("tab")
@@ -640,12 +642,16 @@ class MainWindow(QMainWindow):
                 self.tabs.setCurrentIndex(index)
         self.logs.follow.setChecked(self._state.value("follow_logs", "true") in (True, "true"))
 
+    def _splitters(self) -> list[QSplitter]:
+        """Every splitter of the window's, each remembered under its object name."""
+        return [s for s in self.findChildren(QSplitter) if s.objectName()]
+
     def save_state(self) -> None:
         if self._state is None:
             return
         self._state.setValue("geometry", self.saveGeometry())
-        self._state.setValue("splitter", self.splitter.saveState())
-        self._state.setValue("right_splitter", self.right_splitter.saveState())
+        for splitter in self._splitters():
+            self._state.setValue(splitter.objectName(), splitter.saveState())
         current = self.tabs.currentWidget()
         self._state.setValue("tab", current.objectName() if current is not None else "")
         self._state.setValue("follow_logs", "true" if self.logs.follow.isChecked() else "false")

@@ -4,7 +4,8 @@
 that day), a moment, a span from now or "never" (`parse_expiry`); an expiry must lie
 ahead when it is set (`check_future`); every moment a key shows (its expiry, when it was
 revoked or last used, when a teammate asked) reads as local time to the minute
-(`describe_time`).
+(`describe_time`); in a narrow table, a moment of today as its time alone and an older one
+as its day (`describe_recent`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from datetime import datetime, timedelta
 
 from backend.errors import KeyStoreError
 
-__all__ = ["check_future", "describe_time", "parse_expiry"]
+__all__ = ["check_future", "describe_recent", "describe_time", "parse_expiry"]
 
 
 def parse_expiry(text: str, now: float | None = None) -> float | None:
@@ -52,6 +53,15 @@ def parse_expiry(text: str, now: float | None = None) -> float | None:
 def describe_time(when: float) -> str:
     """A moment as people read it: local time, to the minute."""
     return datetime.fromtimestamp(when).astimezone().strftime("%Y-%m-%d %H:%M")
+
+
+def describe_recent(when: float, now: float) -> str:
+    """A moment as a narrow column shows it: "14:05" today, "2026-03-31" before (local
+    time; `describe_time` has both)."""
+    moment = datetime.fromtimestamp(when).astimezone()
+    if moment.date() == datetime.fromtimestamp(now).astimezone().date():
+        return moment.strftime("%H:%M")
+    return moment.strftime("%Y-%m-%d")
 
 
 def check_future(expires_at: float | None, now: float) -> None:

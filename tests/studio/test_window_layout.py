@@ -3,17 +3,23 @@ are in view without scrolling, and the tables fit without scrolling sideways."""
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import QPoint, QRect
-from PySide6.QtWidgets import QScrollArea
+from PySide6.QtWidgets import QScrollArea, QSplitter
 
 from backend.app.activity import ActivitySample, EngineActivity
 from backend.app.pool.pool_state import PoolState
 from backend.app.pool.pool_status import EngineStatus, ModelStatus, Residency
 from backend.app.session_rows import SessionRow
+from backend.app.sharing.key_table import key_table
+from backend.keys.key_store import CHAT_NAME, KeyRecord
+from backend.keys.usage import KeyUsage
 from backend.port.metrics import ModelTotals
 from backend.port.request_log import RequestRecord
 from studio.window import (ACTIVITY_TAB, CHAT_TAB, ENGINE_TAB, POOL_TAB, REQUESTS_TAB,
                            SESSIONS_TAB, MainWindow)
+from tests.studio.conftest import close_and_stop
 
 WAIT = 10_000
 LONG_NAME = "Qwen2.5-Coder-7B-Instruct-Q4_K_M"
@@ -94,3 +100,55 @@ def test_the_engine_tab_reads_without_cut_off_lines(open_window, qtbot) -> None:
     assert isinstance(page, QScrollArea)
     assert not page.horizontalScrollBar().isVisible()
     assert not window.engine.accelerator_table.horizontalScrollBar().isVisible()
+
+
+def test_every_splitter_keeps_its_place_across_a_restart(open_window, qtbot) -> None:
+    window = at_first_size(open_window, qtbot)
+    splitters = {s.objectName(): s for s in window.findChildren(QSplitter)}
+    # The library beside the rest, the model above the tabs, the access beside the named
+    # keys, a request above its details, a search beside a repository's files.
+    assert {"splitter", "right_splitter", "sharing_split", "requests_split",
+            "discover_split"} <= splitters.keys()
+    for tab in range(window.tabs.count()):  # each page laid out once, as a person sees it
+        shown(qtbot, window, tab)
+    for name, splitter in splitters.items():
+        sizes = splitter.sizes()
+        for step in (40, -40):  # whichever way its panes' minimums let it go
+            splitter.setSizes([sizes[0] + step, sizes[1] - step] + sizes[2:])
+            if splitter.sizes() != sizes:
+                break
+        assert splitter.sizes() != sizes, name
+    for tab in range(window.tabs.count()):  # the panes within follow the outer ones
+        shown(qtbot, window, tab)
+    moved = {name: splitter.sizes() for name, splitter in splitters.items()}
+    close_and_stop(window)
+
+    again = open_window()
+    for tab in range(again.tabs.count()):
+        shown(qtbot, again, tab)
+    kept = {s.objectName(): s.sizes() for s in again.findChildren(QSplitter)}
+    assert {name: kept.get(name) for name in moved} == moved
+
+
+def test_the_named_keys_table_fits_without_scrolling_sideways(open_window, qtbot) -> None:
+    window = at_first_size(open_window, qtbot)
+    keys = window.sharing.keys
+    keys.refresh_requested.disconnect()  # the live table (keys unused) would replace ours
+    window.sharing.lan.click()  # the owner's key, then two teammates' keys, all used today
+    qtbot.waitUntil(lambda: bool(window.settings.api_key), timeout=WAIT)
+    records: list[KeyRecord] = []
+    errors: list[str] = []
+    for name in ("alice-laptop", "build-server"):
+        window.bridge.add_key(name, {}, on_done=lambda made: records.append(made[0]),
+                              on_error=errors.append)
+    qtbot.waitUntil(lambda: len(records) + len(errors) == 2, timeout=WAIT)
+    assert errors == []
+    now = time.time()
+    used = KeyUsage(requests=1234, prompt_tokens=56_789, completion_tokens=1234, last_used=now - 60)
+    table = key_table(records, {r.name: used for r in records} | {CHAT_NAME: used}, (),
+                      owner_key_set=True, chart_key=None, span=60, now=now)
+    window.show_sharing(keys=True)
+    keys.show_table(table)
+    qtbot.wait(50)
+    assert keys.table.rowCount() == 4
+    assert not keys.table.horizontalScrollBar().isVisible()

@@ -21,7 +21,7 @@ from typing import Any
 from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.keys.usage import KeyUsage, MinuteUsage
 from backend.errors import KeyStoreError
-from backend.keys.expiry import describe_time, parse_expiry
+from backend.keys.expiry import describe_recent, describe_time, parse_expiry
 from backend.keys.key_store import CHAT_NAME, OWNER, OWNER_CHAT, KeyRecord, Priority
 
 __all__ = [
@@ -303,7 +303,7 @@ def key_row(record: KeyRecord, usage: KeyUsage | None, now: float) -> KeyRow:
         limits = ("all", "-", "-", "-", "-", "-", "never")
         summary = ("The window's Chat tab: the owner's rights, its usage booked apart."
                    if record.name == CHAT_NAME else
-                   "The owner's key (Access above): every model, no limits.")
+                   "The owner's key (Access, on the left): every model, no limits.")
     else:
         limits = (", ".join(record.models) or "all", describe_limit(record.max_concurrent),
                   describe_limit(record.tokens_per_minute),
@@ -315,7 +315,7 @@ def key_row(record: KeyRecord, usage: KeyUsage | None, now: float) -> KeyRow:
     cells = (record.name, *limits, state, f"{used.requests:,}", f"{used.prompt_tokens:,}",
              f"{used.completion_tokens:,}", f"{wait:.2f} s" if wait is not None else "-",
              f"{sum(used.refusals.values()):,}",
-             describe_time(used.last_used) if used.last_used else "never")
+             describe_recent(used.last_used, now) if used.last_used else "never")
     return KeyRow(record.name, state, cells, summary, dict(used.refusals), record)
 
 

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from backend.errors import KeyStoreError
-from backend.keys.expiry import parse_expiry
+from backend.keys.expiry import describe_recent, parse_expiry
 from tests.not_none import not_none
 
 
@@ -39,3 +39,9 @@ def test_unusable_expiry_dates_are_explained(text, message):
     now = (datetime(2030, 3, 10) - timedelta(hours=1)).timestamp()
     with pytest.raises(KeyStoreError, match=message):
         parse_expiry(text, now)
+
+
+def test_a_recent_moment_reads_as_its_time_today_and_as_its_day_before():
+    now = datetime(2030, 3, 10, 12, 0).timestamp()
+    assert describe_recent(datetime(2030, 3, 10, 9, 5).timestamp(), now) == "09:05"
+    assert describe_recent(datetime(2030, 3, 9, 23, 59).timestamp(), now) == "2030-03-09"

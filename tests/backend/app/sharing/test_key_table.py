@@ -26,7 +26,7 @@ from backend.app.service import StudioService
 from backend.app.sharing.snippets import ClientModel, ClientTarget, opencode_snippet
 from backend.keys.usage import MinuteUsage, UsageLedger
 from backend.errors import KeyStoreError
-from backend.keys.expiry import describe_time
+from backend.keys.expiry import describe_recent, describe_time
 from backend.keys.key_store import KeyRecord, KeyStore, Priority
 from backend.settings import Settings
 
@@ -153,7 +153,7 @@ def test_rows_show_limits_state_and_usage(store, tmp_path: Path):
         "Tokens/day": "no limit", "Priority": "interactive", "Weight": "2.5",
         "Expires": "never", "State": "active", "Requests": "1", "Prompt tokens": "1,200",
         "Completion tokens": "34", "Mean queue wait": "1.00 s", "Refused": "1",
-        "Last used": describe_time(NOW)}
+        "Last used": describe_recent(NOW, NOW)}
     assert row.refusals == {"tokens_per_minute": 1} and row.record == alice
     assert row.editable and row.revocable and row.summary == f"alice: {describe_key(alice)}."
     assert revoked.state == "revoked" and not revoked.editable and not revoked.revocable
