@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from PySide6.QtCore import QPoint, Qt
-from PySide6.QtGui import QTextDocument
+from PySide6.QtGui import QAction, QShortcut, QTextDocument
 from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QToolTip
 
 from backend.app.pool.pool_state import PoolState
@@ -111,3 +111,28 @@ def test_a_tooltip_made_plain_reads_as_its_text_not_as_markup(open_window, qtbot
     rendered.setHtml(tip.text())
     assert rendered.toPlainText() == "a <b>bold</b> claim"
     QToolTip.hideText()
+
+
+def test_every_window_key_is_bound_once_and_none_is_ambiguous(open_window, qtbot, qtlog,
+                                                              monkeypatch) -> None:
+    window = open_window()
+    bound: dict[str, int] = {}
+    for action in window.findChildren(QAction):
+        for sequence in action.shortcuts():
+            bound[sequence.toString()] = bound.get(sequence.toString(), 0) + 1
+    for shortcut in window.findChildren(QShortcut):
+        if shortcut.context() in (Qt.ShortcutContext.WindowShortcut,
+                                  Qt.ShortcutContext.ApplicationShortcut):
+            text = shortcut.key().toString()
+            bound[text] = bound.get(text, 0) + 1
+    assert bound["Ctrl+O"] == 1 and bound["F5"] == 1
+    assert {key: n for key, n in bound.items() if n > 1} == {}
+    # Pressed, each runs its action, and Qt never calls one ambiguous.
+    monkeypatch.setattr(QFileDialog, "getOpenFileNames", lambda *_args: ([], ""))
+    window.activateWindow()
+    qtbot.waitUntil(window.isActiveWindow, timeout=WAIT)
+    for key, modifier in ((Qt.Key.Key_O, Qt.KeyboardModifier.ControlModifier),
+                          (Qt.Key.Key_F5, Qt.KeyboardModifier.NoModifier),
+                          (Qt.Key.Key_L, Qt.KeyboardModifier.ControlModifier)):
+        qtbot.keyClick(window, key, modifier)
+    assert not [m for m in qtlog.records if "Ambiguous" in m.message]
