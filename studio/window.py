@@ -396,10 +396,11 @@ class MainWindow(QMainWindow):
 
     def _chat_with(self, name: str, tab: int) -> None:
         """After a load: the Chat tab, with the model loaded chosen (unless the person
-        went to another tab meanwhile: they are doing something else there)."""
+        went to another tab meanwhile: they are doing something else there), ready to type."""
         self.chat.choose(name)
         if self.tabs.currentIndex() == tab:
             self.tabs.setCurrentIndex(CHAT_TAB)
+            self.chat.input.setFocus()
 
     def add_selected(self) -> None:
         """Serve the selected model beside the others, with the settings shown."""

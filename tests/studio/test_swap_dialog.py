@@ -77,6 +77,7 @@ def test_a_second_load_asks_and_adding_beside_leaves_default_where_it_was(
     qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
     qtbot.waitUntil(lambda: window.tabs.currentIndex() == CHAT_TAB, timeout=WAIT)
     qtbot.waitUntil(lambda: window.chat.model.currentText() == "tiny", timeout=WAIT)
+    assert window.focusWidget() is window.chat.input  # ready to type the first message
     assert asked == []
 
     select(qtbot, window, other_model)
