@@ -384,6 +384,11 @@ class ServiceBridge(QObject):
         return self._call(_now_on_loop(lambda: self.service.requests.records(after=after)),
                           on_done=on_done)
 
+    def requests_under_way(self, on_done: Callback
+                           ) -> concurrent.futures.Future[list[RequestRecord]]:
+        """The records of the requests under way (`RequestLog.under_way`)."""
+        return self._call(_now_on_loop(self.service.requests.under_way), on_done=on_done)
+
     def session_rows(self, on_done: Callback) -> concurrent.futures.Future[tuple[SessionRow, ...]]:
         """The Sessions view's rows, made on the backend loop (which owns the session book)."""
         return self._call(_now_on_loop(self.service.session_rows), on_done=on_done)

@@ -3,7 +3,8 @@
 Thin: it shows the records it is given (`add_records`), filtered by key, model and
 status, and a row's details below the table; while shown it asks once a second for the
 records after the last one it has (`refresh_wanted`), which the window forwards to the
-backend (`backend.port.request_log`).
+backend (`backend.port.request_log`), and says in a line what the requests under way
+do (`show_under_way`: a long prompt being read, and the time left).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from backend.port.access_log import status_words
 from backend.port.request_log import RequestRecord
 from studio.widgets import monospace_font
 
-__all__ = ["COLUMNS", "RequestsView"]
+__all__ = ["COLUMNS", "RequestsView", "under_way_text"]
 
 #: Rows kept in the table (the oldest go first).
 MAX_ROWS = 2000
@@ -53,7 +54,7 @@ _DETAILS = (("time", "Arrived"), ("route", "Route"), ("key", "Key"), ("session",
             ("cache_miss", "Why the cache missed"), ("output_tokens", "Output tokens"),
             ("prefill_ms", "Prefill"), ("time_to_first_token", "Time to first token"),
             ("tokens_per_second", "Tokens per second"), ("longest_gap", "Longest gap"),
-            ("status", "Status"), ("error", "Error"))
+            ("status", "Status"), ("error", "Error"), ("prefilled", "Prompt read"))
 _REASONS = {"slots_full": "slots full", "kv_full": "KV cache full",
             "key_concurrency": "key's concurrency", "fair_share": "fair share",
             "model_loading": "model loading", "prefill_budget": "prefill budget",
@@ -77,6 +78,9 @@ class RequestsView(QWidget):
         for box in (self.key_filter, self.model_filter, self.status_filter):
             box.currentIndexChanged.connect(self._refilter)
         self.count = QLabel()
+        #: The requests under way, in one line (`show_under_way`).
+        self.under_way = QLabel()
+        self.under_way.setAccessibleName("Requests under way")
 
         self.table = QTreeWidget()
         self.table.setColumnCount(len(COLUMNS))
@@ -116,6 +120,7 @@ class RequestsView(QWidget):
             bar.addWidget(text)
             bar.addWidget(box)
         bar.addStretch(1)
+        bar.addWidget(self.under_way)
         bar.addWidget(self.count)
         self.split = QSplitter(Qt.Orientation.Vertical)
         self.split.setObjectName("requests_split")  # the window remembers its place
@@ -153,6 +158,10 @@ class RequestsView(QWidget):
             if old is not None:
                 self._records.pop(old.data(0, Qt.ItemDataRole.UserRole), None)
         self._update_count()
+
+    def show_under_way(self, records: list[RequestRecord]) -> None:
+        """Say what the requests under way (`RequestLog.under_way`) are doing."""
+        self.under_way.setText(under_way_text(records))
 
     def record_of(self, item: QTreeWidgetItem) -> RequestRecord | None:
         return self._records.get(item.data(0, Qt.ItemDataRole.UserRole))
@@ -210,6 +219,21 @@ class RequestsView(QWidget):
         width = max(len(entry) for entry in left) + 4
         self.details.setPlainText("\n".join(
             f"{a:<{width}}{b}".rstrip() for a, b in zip(left, right + [""] * (half - len(right)))))
+
+
+def under_way_text(records: list[RequestRecord]) -> str:
+    """"2 under way; reading a prompt: 2,048 of 6,000 tokens, about 40 s left" (the
+    longest prompt being read), or nothing when none is."""
+    if not records:
+        return ""
+    text = f"{len(records)} under way"
+    reading = [r for r in records if r.prefill_eta is not None and r.prefilled is not None
+               and r.prompt_tokens]
+    if reading:
+        longest = max(reading, key=lambda r: r.prefill_eta or 0.0)
+        text += (f"; reading a prompt: {longest.prefilled:,} of {longest.prompt_tokens:,} "
+                 f"tokens, about {longest.prefill_eta:.0f} s left")
+    return text
 
 
 def _filter_box(name: str) -> QComboBox:

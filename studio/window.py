@@ -201,6 +201,8 @@ class MainWindow(QMainWindow):
             ready=[m.name for m in state.models if m.residency is Residency.READY]))
         self.requests.refresh_wanted.connect(
             lambda after: b.recent_requests(after, on_done=self.requests.add_records))
+        self.requests.refresh_wanted.connect(
+            lambda _after: b.requests_under_way(on_done=self.requests.show_under_way))
 
         self.library_view.selected.connect(self._on_selected)
         self.library_view.files_opened.connect(self.open_files)

@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from backend.admission.admission_ticket import Ticket
+from backend.api_paths import MESSAGES
 from backend.errors import (RETRY_SOON, LoadReplaced, RequestError, UpstreamFailed,
                             UpstreamUnavailable)
 from backend.llama.api import engine_headers
 from backend.port import sse
+from backend.port.prefill import PROGRESS_FIELD
 from backend.port.upstream_errors import ConnectFailed, MalformedAnswer, UpstreamError
 
 if TYPE_CHECKING:
@@ -39,22 +41,32 @@ class NotReached(Exception):
 
 
 def upstream_request(client: UpstreamClient, ticket: Ticket, path: str,
-                     body: bytes) -> UpstreamRequest:
-    """The request of checked body `body` to `path`, as the ticket's engine gets it."""
+                     body: bytes, *, stream: bool = False) -> UpstreamRequest:
+    """The request of checked body `body` to `path`, as the ticket's engine gets it; a
+    `stream` asks for the engine's progress on its prompt (`backend.port.prefill`),
+    but on the Anthropic wire, whose events never carry it."""
     return client.build_request("POST", ticket.serving.base_url + path,
-                                content=seated(body, ticket),
+                                content=seated(body, ticket,
+                                               progress=stream and path != MESSAGES),
                                 headers={**UPSTREAM_HEADERS, **engine_headers(ticket.api_key)})
 
 
-def seated(body: bytes, ticket: Ticket) -> bytes:
+def seated(body: bytes, ticket: Ticket, *, progress: bool = False) -> bytes:
     """The body as sent to the engine: with the seat's slot as `id_slot` when its
-    placement pinned it (a client's own `id_slot` is refused before this)."""
+    placement pinned it (a client's own `id_slot` is refused before this), and
+    `return_progress` when asked."""
+    fields = []
     seat = ticket.seat
-    if seat is None or not seat.pinned or seat.slot is None or not ticket.serving.takes_slot_ids:
+    if (seat is not None and seat.pinned and seat.slot is not None
+            and ticket.serving.takes_slot_ids):
+        fields.append(b'"id_slot":%d' % seat.slot)
+    if progress:
+        fields.append(b'"%s":true' % PROGRESS_FIELD.encode())
+    if not fields:
         return body
     rest = body.lstrip()[1:]  # a checked body is one JSON object
     comma = b"" if rest.lstrip().startswith(b"}") else b","
-    return b'{"id_slot":%d%s%s' % (seat.slot, comma, rest)
+    return b"{" + b",".join(fields) + comma + rest
 
 
 def check_answer(upstream: UpstreamResponse, *, streamed: bool) -> None:

@@ -4,7 +4,8 @@ Gated (a slot of the model is needed, through the admission queue):
 `POST /v1/chat/completions`, `/v1/responses`, `/v1/completions`, `/v1/messages`,
 `/v1/embeddings`.  Ungated: `GET /v1/models`, `/health`, `/metrics`, `/requests` (the
 request inspector's ring, `backend.port.request_log`: all of it for the owner's key, a
-named key's own records for that key, and the Chat tab's own for its secret).  Nothing else, and none of llama-server's own
+named key's own records for that key, and the Chat tab's own for its secret; with the
+requests under way, `in_flight`).  Nothing else, and none of llama-server's own
 endpoints, is reachable: every other path is a 404.
 
 Auth, when `settings.api_key` is set: `Authorization: Bearer KEY` or `x-api-key: KEY`,
@@ -56,6 +57,7 @@ from backend.admission.request_planner import RequestPlanner
 from backend.admission.session_book import Sessions
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.gated_request import GatedRequest
+from backend.port.in_flight import in_flight_record
 from backend.port.relay import Exchange, PrefixSteward
 from backend.port.route import Route
 from backend.port.request_log import RequestLog
@@ -145,6 +147,7 @@ class Gateway:
         self.app = _starlette_app(self)
         #: Bodies being read, parsed and counted (before any queue bound holds them).
         self.incoming = BodyBudget(lambda: ctx.settings.max_incoming_body_bytes)
+        ctx.requests.in_flight = lambda: [in_flight_record(e) for e in list(self._running)]
 
     @property
     def metrics(self) -> Metrics:
@@ -355,12 +358,15 @@ class Gateway:
         key = caller.key
         if key is not None and key.name != OWNER_NAME:
             records = ring.records(after=after, key=key.name, limit=limit)
+            under_way = ring.under_way(key=key.name)
         elif key is not None or _from_loopback(request.scope):
             records = ring.records(after=after, limit=limit)
+            under_way = ring.under_way()
         else:
-            records = []
+            records = under_way = []
         return JSONResponse({"object": "list", "last_id": ring.last_id,
-                             "data": [record.to_dict() for record in records]})
+                             "data": [record.to_dict() for record in records],
+                             "in_flight": [record.to_dict() for record in under_way]})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         self.check_key(request.scope)

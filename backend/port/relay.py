@@ -38,6 +38,7 @@ from backend.admission.caller import Caller
 from backend.port.metrics import UNROUTED
 from backend.admission.need_planner import Plan
 from backend.port.gated_request import GatedRequest
+from backend.port.prefill import until_content
 from backend.port.settlement import Ending, Settlement, SettlementHost
 from backend.port.stream_relay import StreamRelay
 from backend.port.client_watch import DisconnectWatch, StallGuard
@@ -307,7 +308,7 @@ class Exchange:
             tail=self._answer_tail(),
             arrived=self._arrived, loading=self._loading, first_at=stream.first_at,
             last_at=stream.last_at, longest_gap=stream.longest_gap,
-            client_gone=self.client_gone, status=self._status)).close()
+            client_gone=self.client_gone, status=self._status, progress=stream.progress)).close()
 
     def _failure(self, error: RequestError) -> list[Message]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
@@ -525,7 +526,7 @@ class Exchange:
             self._cache_told = self.stream.cache_told = _own_prefix(self.host.sessions,
                                                                     self.request, ticket)
         request = upstream_request(self.client, ticket, self.request.path,
-                                   self.request.parsed.body)
+                                   self.request.parsed.body, stream=self.request.parsed.stream)
         with named_failures(ticket, connecting=True):
             upstream = await self.client.send(request, stream=True)
         try:
@@ -546,15 +547,13 @@ class Exchange:
             await upstream.aclose()
 
     async def _until_first_bytes(self, upstream: UpstreamResponse, ticket: Ticket) -> None:
-        """The stream's start sent, keep-alives until the engine's first bytes:
-        llama-server sends nothing, not even `response.created`, until it has read the
-        whole prompt, which takes longer than a client's idle timeout for a long
-        conversation on a CPU.  Then the prompt is computed: the next long one may start."""
+        """The stream's start sent, keep-alives until the answer's first event while the
+        engine reads the prompt (`backend.port.prefill`: longer than a client's idle
+        timeout for a long conversation on a CPU).  Then the prompt is computed: the next
+        long one may start."""
         if not self.headers_sent:
             await self._send_stream_headers()
-        interval = self.keepalive_interval if self.keepalive_interval > 0 else None
-        while not await upstream.arrived(interval):
-            await self._send_keepalive()
+        await until_content(upstream, self.stream, self._send_keepalive, self.keepalive_interval)
         ticket.prefilled()
 
     def _dropped(self) -> None:

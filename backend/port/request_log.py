@@ -8,7 +8,9 @@ token, tokens per second, the longest silence between two chunks).  Nothing of a
 content is ever kept: only names, numbers and codes.
 
 `RequestLog` keeps the last `capacity` records, each with an id that only grows, so a
-reader that polls asks for the records after the last id it saw (`after`).  Its
+reader that polls asks for the records after the last id it saw (`after`); the requests
+still under way have records of their own, made when asked (`under_way`, id 0, status
+0: where each stands, and how far the engine has read its prompt, with an ETA).  Its
 `exporter`, when set, hears each new record with the client's W3C `traceparent`
 (`backend.port.tracing`: OpenTelemetry, off by default).  A named
 key's reader sees its own records only, and of them nothing the shared prompt cache
@@ -95,16 +97,23 @@ class RequestRecord:
     tokens_per_second: float | None = None
     #: The longest silence between two chunks of the answer, in seconds.
     longest_gap: float | None = None
-    #: The HTTP status the client got (499: it left first).
+    #: The HTTP status the client got (499: it left first; 0 while it is under way).
     status: int = 200
     #: The error's code ("rate_limit_exceeded", ...), when it ended with one.
     error: str | None = None
+    #: Of its prompt, the tokens the engine had read (its cache's included) when it
+    #: ended before its answer began, or while it runs (`RequestLog.in_flight`).
+    prefilled: int | None = None
+    #: While the engine reads its prompt: seconds until it is read, at its speed so far.
+    prefill_eta: float | None = None
 
     def for_named_key(self) -> RequestRecord:
         """This record as its own named key may read it: nothing the shared prompt cache
-        told (cached tokens, prefill time), nor the other key it waited behind."""
+        told (cached tokens, prefill time, the prompt read at once), nor the other key it
+        waited behind."""
         return dataclasses.replace(self, cached_tokens=None, computed_tokens=None,
-                                   cache_miss=None, prefill_ms=None, waited_behind=None)
+                                   cache_miss=None, prefill_ms=None, waited_behind=None,
+                                   prefilled=None)
 
     def to_dict(self) -> dict[str, Any]:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -134,6 +143,9 @@ class RequestLog:
         self._clock = clock
         #: Set to export each record as it comes (None: nothing is exported).
         self.exporter: Exporter | None = None
+        #: The records of the requests under way (`backend.port.in_flight`), set by the
+        #: port that serves them.
+        self.in_flight: Callable[[], Iterable[RequestRecord]] = tuple
 
     @property
     def last_id(self) -> int:
@@ -175,6 +187,15 @@ class RequestLog:
             chosen = (r.for_named_key() for r in chosen if r.key == key)
         found = list(chosen)
         return found[-limit:] if limit else found
+
+
+    def under_way(self, *, key: str | None = None) -> list[RequestRecord]:
+        """The records of the requests under way (status 0), oldest first; only key
+        `key`'s when given, each then as a named key may read it."""
+        records = sorted(self.in_flight(), key=lambda record: record.time)
+        if key is None:
+            return records
+        return [record.for_named_key() for record in records if record.key == key]
 
 
 def engine_figures(*parts: bytes) -> EngineFigures:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from backend.admission.session_book import Sessions
     from backend.errors import RequestError
     from backend.port.metrics import Metrics
+    from backend.port.prefill import PrefillProgress
     from backend.port.request_body import Parsed
     from backend.settings import Settings
 
@@ -120,6 +121,8 @@ class Ending:
     client_gone: bool
     #: The status its client got (an error after the stream began leaves 200).
     status: int
+    #: How far the engine had read its prompt, if it said (`backend.port.prefill`).
+    progress: PrefillProgress | None = None
 
 
 class Settlement:
@@ -208,7 +211,9 @@ class Settlement:
             tokens_per_second=figures.tokens_per_second,
             longest_gap=ending.longest_gap if first is not None and ending.last_at > first else None,
             status=499 if ending.client_gone else ending.status,
-            error=None if error is None else error.code)
+            error=None if error is None else error.code,
+            prefilled=(ending.progress.processed if ending.progress is not None and first is None
+                       else None))
 
     def _waited(self) -> tuple[float, str | None, str | None]:
         """(seconds, reason, the key it waited behind) from arrival until it ran: its

@@ -29,9 +29,11 @@ __all__ = [
     "StreamKind",
     "EventFramer",
     "KEEPALIVE_COMMENT",
+    "keepalive_note",
     "keepalive_waiting",
     "ResponsesRewriter",
     "data_event",
+    "event_data",
     "event_ends",
     "final_payloads",
     "find_prompt_cache",
@@ -51,6 +53,13 @@ def keepalive_waiting(reason: str) -> bytes:
     """A keep-alive comment that says why the request still waits ("prefill_budget",
     "key_concurrency")."""
     return b": keep-alive; waiting: " + reason.encode("ascii", "replace") + b"\n\n"
+
+
+def keepalive_note(note: str) -> bytes:
+    """A keep-alive comment that says how its request fares ("prefill 2048/6000 tokens,
+    ETA 40 s"); a comment is one line: a line break in `note` would end it."""
+    line = note.replace("\r", " ").replace("\n", " ")
+    return b": keep-alive; " + line.encode("utf-8", "replace") + b"\n\n"
 
 
 class StreamKind(enum.Enum):
@@ -252,6 +261,11 @@ def event_ends(data: bytes) -> list[int]:
         ends.append(end)
         end = _block_end(data, end)
     return ends
+
+
+def event_data(block: bytes) -> bytes | None:
+    """The data of a whole event (its `data:` lines joined); None for a comment."""
+    return _data_of(block)
 
 
 def _event_at(chunk: bytes, line: bytes) -> int:

@@ -36,6 +36,7 @@ from backend.port import sse
 
 if TYPE_CHECKING:
     from backend.port.client_watch import StallGuard
+    from backend.port.prefill import PrefillProgress
     from backend.port.server import BodyWriter
     from backend.port.upstream_http import UpstreamResponse
 
@@ -63,7 +64,7 @@ class StreamRelay:
     earlier turn left there."""
 
     __slots__ = ("kind", "hide_cache", "cache_told", "framer", "rewriter", "events", "start", "last_sent",
-                 "tail", "first_at", "last_at", "longest_gap", "_in_progress")
+                 "tail", "first_at", "last_at", "longest_gap", "progress", "_in_progress")
 
     def __init__(self, kind: sse.StreamKind, *, hide_cache: bool, cache_told: int = 0) -> None:
         self.kind = kind
@@ -87,6 +88,8 @@ class StreamRelay:
         self.first_at: float | None = None
         self.last_at = 0.0
         self.longest_gap = 0.0
+        #: How far the engine has read the prompt (`backend.port.prefill`), once it said.
+        self.progress: PrefillProgress | None = None
         #: The Responses wire's keep-alive, once our `response.created` was sent.
         self._in_progress = b""
 
@@ -95,10 +98,13 @@ class StreamRelay:
         on the Responses wire our `response.created` first (from then on the upstream's
         own is dropped and its id replaced by ours), then `response.in_progress` events
         for `model`; elsewhere a comment, which says why it waits when its client may act
-        on it (`waiting`: its ticket's wait reason, while it waits in line)."""
+        on it (`waiting`: its ticket's wait reason, while it waits in line), or how far
+        the engine has read its prompt (on the Responses wire too, before its event)."""
         rewriter = self.rewriter
         if rewriter is not None:
             if rewriter.our_id is not None:
+                if self.progress is not None:
+                    return self._progress_note() + self._in_progress
                 return self._in_progress
             our_id = rewriter.our_id = sse.new_response_id()
             stub = sse.response_stub(our_id, model)
@@ -108,7 +114,14 @@ class StreamRelay:
                                    {"type": "response.created", "response": stub})
         if waiting in _TOLD_REASONS:
             return sse.keepalive_waiting(waiting)
+        if self.progress is not None:
+            return self._progress_note()
         return sse.KEEPALIVE_COMMENT
+
+    def _progress_note(self) -> bytes:
+        assert self.progress is not None
+        return sse.keepalive_note(self.progress.describe(tokens=not self.hide_cache,
+                                                         now=time.monotonic()))
 
     def whole(self) -> bool:
         """Does what was sent hold the answer's end (its finish reason, its last event)?"""

@@ -240,6 +240,11 @@ class UpstreamResponse:
             raise connection.error
         return b""
 
+    def unread(self, data: bytes) -> None:
+        """Put `data` (read, not used) back before the rest: the next read has it first."""
+        if data:
+            self._connection.body.appendleft(data)
+
     def on_arrival(self, callback: Callable[[], None] | None) -> None:
         """Have `callback` called, from the connection's own callbacks, each time more
         of the body (or its end, or an error) comes, instead of waking a reader; None

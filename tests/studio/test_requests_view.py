@@ -120,3 +120,19 @@ def test_the_requests_tab_keeps_its_history_across_a_restart(open_window, qtbot,
     row = again.requests.table.topLevelItem(0)
     assert row is not None and row.text(COLUMNS.index("Key")) == "alice"
     assert row.text(COLUMNS.index("Status")) == "499 stopped by the client"
+
+
+def test_the_requests_under_way_read_in_one_line_with_a_long_prompt_and_its_time_left(qtbot) -> None:
+    view = RequestsView()
+    qtbot.addWidget(view)
+    waiting = RequestRecord(id=0, time=1_700_000_000.0, route="/v1/chat/completions",
+                            key="owner", status=0, wait=3.0)
+    reading = RequestRecord(id=0, time=1_700_000_001.0, route="/v1/responses", key="ana",
+                            status=0, prompt_tokens=6000, prefilled=2048, prefill_eta=39.6)
+    view.show_under_way([waiting, reading])
+    assert view.under_way.text() == ("2 under way; reading a prompt: 2,048 of 6,000 tokens, "
+                                     "about 40 s left")
+    view.show_under_way([waiting])
+    assert view.under_way.text() == "1 under way"
+    view.show_under_way([])
+    assert view.under_way.text() == ""
