@@ -4,7 +4,8 @@ Routes, keys and browser checks (`gateway`, `access_guard`), serving the socket
 (`server`), the engine's tokenizer over HTTP (`tokenizer_client`, given to admission's
 request planner), the relay of one exchange (`relay`, `client_watch`; the checked request
 it is given, `gated_request`; its forwarding to the engine, `forwarding`; its answer's
-stream, `stream_relay`, `sse`), the upstream HTTP client (`upstream_http`: the connection
+stream, `stream_relay`, `sse`; the engine's progress on a long prompt, `prefill`; the
+requests under way as the inspector shows them, `in_flight`), the upstream HTTP client (`upstream_http`: the connection
 pool; `http1_response`: the sans-I/O parser of its answers; `upstream_errors`: the
 failures of both), TCP_NODELAY on the connections of both sides (`tcp_nodelay`), request
 bodies (`request_body`, `request_fields`), error answers (`http_errors`), what `/health`
