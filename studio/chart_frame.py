@@ -47,8 +47,14 @@ class ChartFrame:
                    palette.color(QPalette.ColorRole.Mid), margin_left, area, top, bottom)
 
     def legend(self, items: Iterable[tuple[QColor, str]]) -> None:
+        """The colours' names above the panes; where they do not all fit in the chart's
+        width, each by its first word ("prompt tokens": "prompt"), the scales saying what
+        is counted."""
         painter, metrics = self.painter, self.metrics
+        items = list(items)
         x = self.margin_left
+        if x + sum(32 + metrics.horizontalAdvance(label) for _, label in items) > self.area.right():
+            items = [(colour, label.split()[0]) for colour, label in items]
         for colour, label in items:
             painter.fillRect(QRectF(x, MARGIN + 3, 12, metrics.height() - 6), colour)
             painter.setPen(self.text)
