@@ -2,7 +2,8 @@
 elsewhere.
 
 Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`; its pinned
-sources, checked before any use, `sources`; the environment its processes get,
+sources, checked before any use, `sources`, and our patches to them, `patches`; the
+environment its processes get,
 `environment`), runs and supervises one load (`supervisor`; one started process of it and
 its key, `engine_process`) or watches a remote one (`remote_engine`), lends this machine's
 devices to an engine elsewhere and greets a load's workers (`rpc_worker`), measures how

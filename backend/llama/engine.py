@@ -43,6 +43,7 @@ import platformdirs
 
 from backend.llama.accelerators import BACKENDS, Accelerators, detect
 from backend.llama.log import for_display, read_lines
+from backend.llama.patches import LLAMA_CPP_PATCHES, LlamaPatch, patched_tree
 from backend.llama.rpc_worker import RpcProtocol, protocol_of_sources
 from backend.llama.sources import PinnedFile, fetch_pinned
 from backend.llama.environment import engine_environment
@@ -130,7 +131,9 @@ class BuildKey:
     `toolkit` names the external headers/compilers a GPU build used (with versions), so
     a rebuild against other ones gets a new key.  `rpc=False` names the engines built
     before every engine had RPC (their names are what they always were), so they stay
-    found.
+    found.  `patches` are ours applied to the pinned sources (`backend.llama.patches`),
+    each by its name and SHA-256; `()` names the engines built before them (their names
+    are what they always were).
     """
 
     version: str = LLAMA_CPP_PYTHON_VERSION
@@ -138,6 +141,7 @@ class BuildKey:
     backend: str = "cpu"
     toolkit: tuple[str, ...] = ()
     rpc: bool = True
+    patches: tuple[LlamaPatch, ...] = LLAMA_CPP_PATCHES
 
     @property
     def cmake_args(self) -> tuple[str, ...]:
@@ -145,7 +149,7 @@ class BuildKey:
 
     @property
     def name(self) -> str:
-        parts = [self.version, *self.cmake_args, *self.toolkit]
+        parts = [self.version, *self.cmake_args, *self.toolkit, *(p.key for p in self.patches)]
         digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
         if self.backend == "cpu":
             return f"llama.cpp-{self.version}-{digest}"
@@ -160,32 +164,40 @@ class Engine:
     # Sources and build trees; shareable between data dirs (the tests do).
     cache_dir: Path
 
-    def __init__(self, data_dir: Path | None = None, cache_dir: Path | None = None) -> None:
+    def __init__(self, data_dir: Path | None = None, cache_dir: Path | None = None, *,
+                 patches: tuple[LlamaPatch, ...] = LLAMA_CPP_PATCHES) -> None:
+        """`patches`: what this engine's builds apply to the pinned sources (the tests
+        that build stand-in sources apply none)."""
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.cache_dir = Path(cache_dir) if cache_dir else self.data_dir / "cache"
+        self.patches = patches
 
     @property
     def engines_dir(self) -> Path:
         return self.data_dir / "engines"
 
-    def managed_binary(self, key: BuildKey = BuildKey()) -> Path:
-        return self.engines_dir / key.name / BINARY_NAME
+    def managed_binary(self, key: BuildKey | None = None) -> Path:
+        return self.engines_dir / (key or BuildKey(patches=self.patches)).name / BINARY_NAME
 
-    def installed(self, key: BuildKey = BuildKey()) -> bool:
+    def installed(self, key: BuildKey | None = None) -> bool:
         return _is_executable(self.managed_binary(key))
 
     def managed_binary_for(self, backend: str) -> Path | None:
-        """The installed engine of `backend` for the pinned version, if any: one with RPC
-        before one from before RPC, then the newest."""
+        """The installed engine of `backend` for the pinned version, if any: one with our
+        patches before one from before them, one with RPC before one from before RPC,
+        then the newest."""
         if backend == "cpu":
             flags = backend_cmake_args("cpu")
-            keys = (BuildKey(extra_cmake_args=flags), BuildKey(extra_cmake_args=flags, rpc=False))
+            keys = (BuildKey(extra_cmake_args=flags, patches=self.patches),
+                    BuildKey(extra_cmake_args=flags, patches=()),
+                    BuildKey(extra_cmake_args=flags, rpc=False, patches=()))
             return next((b for b in map(self.managed_binary, keys) if _is_executable(b)),
                         self.managed_binary(keys[0]))
         found = [d / BINARY_NAME for d in self.engines_dir.glob(
                      f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{backend}-*")
                  if _is_executable(d / BINARY_NAME)]
-        return max(found, key=lambda p: (has_rpc(p), p.stat().st_mtime)) if found else None
+        return max(found, key=lambda p: (has_rpc(p), engine_patches(p) == _names(self.patches),
+                                         p.stat().st_mtime)) if found else None
 
     def installed_backends(self) -> dict[str, Path]:
         out = {}
@@ -194,6 +206,14 @@ class Engine:
             if binary is not None and _is_executable(binary):
                 out[backend] = binary
         return out
+
+    def _built_reason(self, binary: Path | None) -> str:
+        """Why a managed engine is used, and what it lacks that a build would add."""
+        if not has_rpc(binary):
+            return _WITHOUT_RPC
+        if engine_patches(binary) != _names(self.patches):
+            return _WITHOUT_PATCHES
+        return "built by GGUF Studio"
 
     def rpc_server(self, explicit: str | os.PathLike[str] | None = None,
                    backends: Sequence[str] | None = None) -> Path:
@@ -235,7 +255,7 @@ class Engine:
             built = binary is not None and _is_executable(binary)
             candidates.append(Candidate(
                 label, binary if built else (binary or None), built,
-                ("built by GGUF Studio" if has_rpc(binary) else _WITHOUT_RPC) if built
+                self._built_reason(binary) if built
                 else f"not built yet (gguf-studio engine build --backend {backend})",
             ))
         on_path = shutil.which(BINARY_NAME, path=environ.get("PATH"))
@@ -282,7 +302,8 @@ class Engine:
         installed."""
         report = progress or (lambda _p: None)
         plan = await plan_build(backend, self.cache_dir, extra_cmake_args,
-                                lambda line: report(BuildProgress("fetch", 2, line)))
+                                lambda line: report(BuildProgress("fetch", 2, line)),
+                                patches=self.patches)
         key = plan.key
         target = self.managed_binary(key)
         if _is_executable(target):
@@ -290,6 +311,9 @@ class Engine:
             return target
         tools = find_build_tools()
         tree = await self.source_tree_async(report)
+        if key.patches:
+            report(BuildProgress("fetch", 4, "applying " + ", ".join(p.name for p in key.patches)))
+            tree = await asyncio.to_thread(patched_tree, tree, key.patches)
         build_dir = self.cache_dir / "build" / key.name
         log_path = self.cache_dir / "build" / f"{key.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -343,6 +367,8 @@ class Engine:
                 "backend": key.backend,
                 "toolkit": list(key.toolkit),
                 "rpc": key.rpc,
+                # Ours, applied to the pinned sources (backend.llama.patches).
+                "patches": list(_names(key.patches)),
                 # What its workers must speak (backend.llama.rpc_worker.check_rpc_workers).
                 "rpc_protocol": [rpc_protocol.major, rpc_protocol.minor, rpc_protocol.patch]
                 if rpc_protocol else None,
@@ -392,15 +418,17 @@ class BuildPlan:
 
 async def plan_build(backend: str, cache_dir: Path, extra_cmake_args: Sequence[str] = (),
                      report: Callable[[str], None] = lambda line: None,
-                     accelerators: "Accelerators | None" = None) -> BuildPlan:
-    """The key and CMake arguments of a `backend` engine; fetches Vulkan headers when the
-    system's are too old.  Raises BuildToolMissing (with the install line) when this
-    machine lacks the backend's toolkit."""
+                     accelerators: "Accelerators | None" = None,
+                     patches: tuple[LlamaPatch, ...] = LLAMA_CPP_PATCHES) -> BuildPlan:
+    """The key and CMake arguments of a `backend` engine (with `patches` applied to its
+    sources); fetches Vulkan headers when the system's are too old.  Raises
+    BuildToolMissing (with the install line) when this machine lacks the backend's
+    toolkit."""
     if backend not in BACKENDS:
         raise BuildToolMissing(f"Unknown engine backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     flags = (*backend_cmake_args(backend), *extra_cmake_args)
     if backend == "cpu":
-        return BuildPlan(BuildKey(extra_cmake_args=tuple(flags)))
+        return BuildPlan(BuildKey(extra_cmake_args=tuple(flags), patches=patches))
     status = (accelerators or detect_accelerators()).get(backend)
     if not status.toolkit.present:
         hint = f" Install: {status.toolkit.install}" if status.toolkit.install else ""
@@ -411,12 +439,13 @@ async def plan_build(backend: str, cache_dir: Path, extra_cmake_args: Sequence[s
         headers = await ensure_vulkan_headers(cache_dir, report)
         if headers.fetched:
             return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
-                                      toolkit=(headers.package,)),
+                                      toolkit=(headers.package,), patches=patches),
                              (f"-DVulkan_INCLUDE_DIR={headers.include_dir}",))
         return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
-                                  toolkit=(f"vulkan-headers={headers.version}",)))
+                                  toolkit=(f"vulkan-headers={headers.version}",), patches=patches))
     return BuildPlan(BuildKey(extra_cmake_args=flags, backend=backend,
-                              toolkit=status.toolkit.identity), status.toolkit.cmake_args)
+                              toolkit=status.toolkit.identity, patches=patches),
+                     status.toolkit.cmake_args)
 
 
 def backend_cmake_args(backend: str, system: str | None = None) -> tuple[str, ...]:
@@ -489,6 +518,19 @@ def rpc_server_beside(llama_server: Path | None) -> Path | None:
     return candidate if _is_executable(candidate) else None
 
 
+def engine_patches(llama_server: Path | None) -> tuple[str, ...]:
+    """The names of our patches a managed engine was built with (its `engine.json`); ()
+    for one built before them and for a binary GGUF Studio did not build."""
+    if llama_server is None:
+        return ()
+    try:
+        record = json.loads((llama_server.parent / "engine.json").read_text())
+    except (OSError, ValueError):
+        return ()
+    names = record.get("patches") if isinstance(record, dict) else None
+    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, list) else ()
+
+
 def has_rpc(llama_server: Path | None) -> bool:
     """Whether a managed engine was built with RPC (its RPC server lies beside it).  Says
     nothing of a binary GGUF Studio did not build: that one's output tells at load."""
@@ -506,6 +548,13 @@ _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 _BUILD_TARGETS = ("llama-server", "ggml-rpc-server")
 _WITHOUT_RPC = ("built by GGUF Studio before engines had RPC: fine without RPC workers; "
                 "`gguf-studio engine build` builds one with it")
+_WITHOUT_PATCHES = ("built by GGUF Studio before its engine patches: parked prompts of "
+                    "sliding-window and hybrid models are computed again after a restore; "
+                    "`gguf-studio engine build` builds one with them")
+
+
+def _names(patches: tuple[LlamaPatch, ...]) -> tuple[str, ...]:
+    return tuple(p.name for p in patches)
 
 
 def _candidate(source: str, value: str | os.PathLike[str] | None, origin: str) -> Candidate:

@@ -91,7 +91,8 @@ async def test_second_build_with_the_same_key_is_a_no_op(engine, llama_server_bi
 
 
 async def test_failed_build_reports_the_log_tail_and_installs_nothing(engine, source_tree, tmp_path):
-    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    # Unpatched: a patched copy would be made beside the shared sources.
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", patches=())
     # Share the unpacked sources, not the build trees.
     (scratch.cache_dir / "src").mkdir(parents=True)
     (scratch.cache_dir / "src" / source_tree.parents[1].name).symlink_to(source_tree.parents[1])
@@ -105,7 +106,7 @@ async def test_failed_build_reports_the_log_tail_and_installs_nothing(engine, so
 
 
 async def test_interrupted_build_leaves_no_half_engine(engine, source_tree, tmp_path):
-    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", patches=())
     (scratch.cache_dir / "src").mkdir(parents=True)
     (scratch.cache_dir / "src" / source_tree.parents[1].name).symlink_to(source_tree.parents[1])
     compiling = asyncio.Event()
@@ -121,7 +122,7 @@ async def test_interrupted_build_leaves_no_half_engine(engine, source_tree, tmp_
     build.cancel()
     with pytest.raises(asyncio.CancelledError):
         await build
-    assert not scratch.installed(BuildKey(extra_cmake_args=("-DGGML_NATIVE=OFF",)))
+    assert not scratch.installed(BuildKey(extra_cmake_args=("-DGGML_NATIVE=OFF",), patches=()))
     leftovers = list(scratch.engines_dir.iterdir()) if scratch.engines_dir.exists() else []
     assert leftovers == []
     # Progress is a percentage parsed from the build's own output.
@@ -196,12 +197,12 @@ def fake_engine_sources(cache_dir: Path, line_repeats: int = 1) -> Path:
 
 
 async def test_build_output_lines_over_64_kib_are_logged_whole_and_the_build_completes(tmp_path):
-    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", patches=())
     fake_engine_sources(scratch.cache_dir, line_repeats=6000)
     events: list[BuildProgress] = []
     built = await scratch.build(progress=events.append, jobs=1)
     assert scratch.installed() and built == scratch.managed_binary()
-    log = (scratch.cache_dir / "build" / f"{BuildKey().name}.log").read_text()
+    log = (scratch.cache_dir / "build" / f"{BuildKey(patches=()).name}.log").read_text()
     assert "configure-says-" * 6000 in log  # 90,000 characters on one line, kept whole
     assert "compiler-says-" * 6000 in log
     assert all(len(e.line) <= 4096 for e in events)  # cut for the window and the terminal
@@ -209,7 +210,7 @@ async def test_build_output_lines_over_64_kib_are_logged_whole_and_the_build_com
 
 
 async def test_a_build_installs_llama_server_and_its_rpc_server_together(tmp_path):
-    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", patches=())
     fake_engine_sources(scratch.cache_dir)
     built = await scratch.build(jobs=1)
     assert sorted(p.name for p in built.parent.iterdir()) == [
@@ -227,9 +228,9 @@ async def test_the_build_tools_are_not_given_the_ports_key_or_hub_tokens(tmp_pat
                 "HUGGING_FACE_HUB_TOKEN": "hf_older_name_of_the_token"}
     for name, value in withheld.items():
         monkeypatch.setenv(name, value)
-    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache")
+    scratch = Engine(data_dir=tmp_path / "data", cache_dir=tmp_path / "cache", patches=())
     fake_engine_sources(scratch.cache_dir)
     await scratch.build(jobs=1)
-    seen = (scratch.cache_dir / "build" / BuildKey().name / "build-environment.txt").read_text()
+    seen = (scratch.cache_dir / "build" / BuildKey(patches=()).name / "build-environment.txt").read_text()
     assert not any(value in seen for value in withheld.values())
     assert f"PATH={os.environ['PATH']}" in seen  # the rest is the tools' as before

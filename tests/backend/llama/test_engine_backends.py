@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 
 from backend.llama.accelerators import detect
 from backend.llama.engine import (RPC_SERVER_NAME, BuildKey, Engine, backend_cmake_args,
-                                  plan_build)
+                                  engine_patches, plan_build)
+from backend.llama.patches import LLAMA_CPP_PATCHES
 from backend.errors import BuildToolMissing, EngineNotFound
 from tests.backend.llama.test_accelerators import (
     NVIDIA_SMI, VULKANINFO_DISCRETE, machine, vulkan_dev_files,
@@ -24,7 +26,7 @@ def plan(backend: str, probes, tmp_path: Path):
 
 
 def test_each_backend_has_its_own_key_and_the_cpu_key_before_rpc_is_unchanged():
-    before_rpc = BuildKey(rpc=False)
+    before_rpc = BuildKey(rpc=False, patches=())
     assert before_rpc.name == "llama.cpp-0.3.36-788912df729d"  # built before GPU backends and RPC
     cpu = BuildKey()
     assert cpu.name.startswith("llama.cpp-0.3.36-") and cpu.name != before_rpc.name
@@ -87,7 +89,7 @@ def test_a_machine_with_a_gpu_loads_with_its_engine_and_falls_back_to_the_cpu_on
 def test_an_engine_from_before_rpc_serves_until_one_with_rpc_is_built(tmp_path):
     engine = Engine(data_dir=tmp_path / "data")
     environ = {"PATH": str(tmp_path / "empty")}
-    old = fake_executable(engine.managed_binary(BuildKey(rpc=False)))
+    old = fake_executable(engine.managed_binary(BuildKey(rpc=False, patches=())))
     chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
     assert chosen.path == old and "before engines had RPC" in chosen.reason
     assert "gguf-studio engine build" in chosen.reason
@@ -96,9 +98,37 @@ def test_an_engine_from_before_rpc_serves_until_one_with_rpc_is_built(tmp_path):
 
     new = fake_executable(engine.managed_binary())
     rpc_server = fake_executable(new.parent / RPC_SERVER_NAME)
+    record_patches(new)
     chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
     assert chosen.path == new and chosen.reason == "built by GGUF Studio"
     assert engine.rpc_server(backends=["cpu"]) == rpc_server
+
+
+def test_an_engine_from_before_our_patches_serves_until_one_with_them_is_built(tmp_path):
+    engine = Engine(data_dir=tmp_path / "data")
+    environ = {"PATH": str(tmp_path / "empty")}
+    before = fake_executable(engine.managed_binary(BuildKey(patches=())))
+    fake_executable(before.parent / RPC_SERVER_NAME)
+    chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
+    assert chosen.path == before and "before its engine patches" in chosen.reason
+    assert "gguf-studio engine build" in chosen.reason
+    assert engine_patches(before) == ()
+
+    patched = fake_executable(engine.managed_binary())
+    fake_executable(patched.parent / RPC_SERVER_NAME)
+    record_patches(patched)
+    chosen = not_none(engine.resolve(None, environ, backends=["cpu"]).chosen)
+    assert chosen.path == patched and chosen.reason == "built by GGUF Studio"
+    assert engine_patches(patched) == tuple(p.name for p in LLAMA_CPP_PATCHES)
+    assert BuildKey().name != BuildKey(patches=()).name
+    # The key of the engines from before the patches is what it always was.
+    assert BuildKey(patches=()).name == "llama.cpp-0.3.36-6352d08e3128"
+
+
+def record_patches(binary: Path) -> None:
+    """What a build writes beside its binary: the patches it applied."""
+    (binary.parent / "engine.json").write_text(json.dumps(
+        {"patches": [p.name for p in LLAMA_CPP_PATCHES]}))
 
 
 def test_a_gpu_engine_with_rpc_wins_over_a_newer_one_from_before(tmp_path):
