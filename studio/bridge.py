@@ -109,6 +109,9 @@ class ServiceBridge(QObject):
         self.snapshot = Snapshot()
         #: The newest snapshot of each model's engine (the default's is `snapshot`).
         self.model_snapshots: dict[str, Snapshot] = {}
+        #: What parking does for each model on its engine (`ParkingSteward.ability`), said
+        #: with its snapshot.
+        self.parking_notes: dict[str, str] = {}
         self.urls: list[str] = []
 
     # --- life -----------------------------------------------------------------------------
@@ -525,8 +528,8 @@ class ServiceBridge(QObject):
         pool = self.service.pool
         pool.add_change_listener(self._pool_watch.poke)
         pool.add_listener(lambda _model, _snapshot: self._pool_watch.poke())
-        pool.add_listener(lambda model, snapshot: self._post(self._set_model_snapshot,
-                                                             (model, snapshot)))
+        pool.add_listener(lambda model, snapshot: self._post(self._set_model_snapshot, (
+            model, snapshot, self.service.parking.ability(model, snapshot.serving).says)))
         self.service.registry.add_listener(self._pool_watch.poke)
         self._pool_watch.poke()
         self.service.add_enrolment_listener(self._on_enrolments)
@@ -568,9 +571,10 @@ class ServiceBridge(QObject):
         self.snapshot = snapshot
         self.snapshot_changed.emit(snapshot)
 
-    def _set_model_snapshot(self, change: tuple[str, Snapshot]) -> None:
-        model, snapshot = change
+    def _set_model_snapshot(self, change: tuple[str, Snapshot, str]) -> None:
+        model, snapshot, parking = change
         self.model_snapshots[model] = snapshot
+        self.parking_notes[model] = parking
         self.model_snapshot_changed.emit(model, snapshot)
 
     def _publish_pool(self) -> None:

@@ -444,7 +444,8 @@ class MainWindow(QMainWindow):
         serving = [m.name for m in state.models
                    if m.residency is Residency.READY and m.name != name]
         self.model_view.show_account(
-            model_account(snapshot, status, serving=serving),
+            model_account(snapshot, status, serving=serving,
+                          parking=self.bridge.parking_notes.get(name or "", "")),
             cpu_retry=snapshot is not None and snapshot.state is State.FAILED
             and snapshot.cpu_retry_offered)
 

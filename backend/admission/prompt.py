@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["BLOCK_CHARS", "NO_BLOCKS", "NO_PROMPT", "ROLE", "Part", "Prompt", "PromptBlocks",
-           "prompt_blocks", "read_prompt", "text_after"]
+           "prompt_blocks", "prompt_text", "read_prompt", "text_after"]
 
 
 #: Characters per block (about 256 tokens of English or code).
@@ -157,6 +157,13 @@ class Prompt:
             offset = end
         return "\n".join(added)
 
+    def text(self) -> str:
+        """Its whole text, each part behind a mark of its kind (a message's role too): the
+        same in every process, so that a prompt can be checked against one kept on disk (a
+        parked prefix, `backend.app.pool.parking_steward`) after a restart.  A turn that
+        continues an earlier one begins with the earlier one's text."""
+        return "".join(f"\x1e{kind}\x1f{text}" for kind, text, _said in self.parts if text)
+
     def said(self) -> Iterator[str]:
         """What the conversation says, in order, for the request's hint
         (`backend.admission.hint`): each message's role as a mark ("\\x1erole\\x1f") and
@@ -185,6 +192,11 @@ NO_PROMPT = Prompt()
 def prompt_blocks(data: Mapping[str, Any], size: int | None = None) -> PromptBlocks:
     """The blocks of a parsed request body (`read_prompt(data).blocks(size)`)."""
     return read_prompt(data).blocks(size)
+
+
+def prompt_text(data: Mapping[str, Any]) -> str:
+    """`Prompt.text` of a parsed request body."""
+    return read_prompt(data).text()
 
 
 def text_after(data: Mapping[str, Any], chars: int) -> str:

@@ -40,15 +40,16 @@ class ModelAccount:
 
 
 def model_account(snapshot: Snapshot | None, status: ModelStatus | None, *,
-                  serving: Sequence[str] = ()) -> ModelAccount:
+                  serving: Sequence[str] = (), parking: str = "") -> ModelAccount:
     """The account of one model: its own engine's `snapshot` and its pool `status` (None:
     the pool does not serve it), with the other models `serving` now for one that is not
-    loaded."""
+    loaded; `parking`: what parking does for it on its engine
+    (`backend.app.pool.parking_steward.ParkingSteward.ability`)."""
     state = snapshot.state if snapshot is not None else State.STOPPED
     decision = (f"Last decision: {status.decision}.",) if status is not None and status.decision \
         else ()
     if state is State.READY and snapshot is not None and snapshot.serving is not None:
-        return _ready(snapshot, status, decision)
+        return _ready(snapshot, status, decision, parking)
     if state is State.STARTING and snapshot is not None:
         if snapshot.restarting:
             return ModelAccount(f"Restarting — {snapshot.error or 'its engine stopped unexpectedly.'}",
@@ -76,7 +77,7 @@ def model_account(snapshot: Snapshot | None, status: ModelStatus | None, *,
 # --- helpers ------------------------------------------------------------------------------
 
 def _ready(snapshot: Snapshot, status: ModelStatus | None,
-           decision: tuple[str, ...]) -> ModelAccount:
+           decision: tuple[str, ...], parking: str) -> ModelAccount:
     serving = snapshot.serving
     assert serving is not None
     slots = serving.slots
@@ -98,7 +99,7 @@ def _ready(snapshot: Snapshot, status: ModelStatus | None,
         asked = snapshot.requested.threads
         details.append(f"CPU threads: {asked or default_threads()}"
                        + ("" if asked else f" (Auto: {THREADS_HELP})"))
-    for line in (serving.describe_kv(), serving.prefix_note,
+    for line in (serving.describe_kv(), serving.prefix_note, parking,
                  serving.speed.describe() if serving.speed is not None else None):
         if line:
             details.append(line)

@@ -33,7 +33,7 @@ from backend.app.model_swap import (LoadQuestion, ServedModel, UnloadQuestion, l
                                     quit_question, served_models, unload_question)
 from backend.keys.usage import UsageLedger
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.app.pool.pool_status import engines_elsewhere, model_loads, scrubbed
+from backend.app.pool.pool_status import HERE, engines_elsewhere, model_loads, scrubbed
 from backend.keys.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.keys.enrolments import Enrolments, SharedRequest
 from backend.errors import KeyRevoked, RequestError, SettingsError
@@ -526,6 +526,8 @@ class StudioService:
     def model_cards(self) -> list[ModelCard]:
         cap = self.settings.max_output_tokens
         cards = []
+        local = {model: serving for model, where, serving in self.pool.serving_engines()
+                 if where == HERE}
         for status in self.pool.statuses():
             context = status.context_length
             output = min(cap, context) if cap and context else (cap or context)
@@ -538,7 +540,10 @@ class StudioService:
                          "error": scrubbed(status.error),
                          "engines": [dataclasses.asdict(e) for e in status.engines],
                          # What its chats are rendered with (none: chat routes are refused).
-                         "chat_template": _chat_template(status.chat_template)}))
+                         "chat_template": _chat_template(status.chat_template),
+                         # What parking does for it (or why not), on its engine here.
+                         "parking": self.parking.ability(status.name,
+                                                         local.get(status.name)).to_dict()}))
         return cards
 
     def engines_elsewhere(self) -> list[dict[str, Any]]:

@@ -231,6 +231,10 @@ class Serving:
     #: How fast it computes prompts and steps, and the batch it runs with, as measured
     #: after its load (backend.llama.engine_speed); None when not measured.
     speed: EngineSpeed | None = None
+    #: It keeps a slot's context checkpoints in the slot's save file (our patch,
+    #: `backend.llama.patches`), as asked after its load; None: not asked (it saves no
+    #: slots here).
+    parks_checkpoints: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:

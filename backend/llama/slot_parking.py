@@ -32,6 +32,20 @@ may also answer success and not take (llama.cpp has had restores that were no-op
 `Restored.took(cache_n)` tells from the next reply's cached tokens, and the file is
 dropped when it did not.
 
+A file is restored only into a turn that continues the prompt it holds: the index keeps
+the parked prompt's length and a digest of its text (`Parked.continued_by`), the same in
+every process.  A session's name comes again with another conversation (an agent run
+again under the same ids, a title request, a fixed session header): restoring its older
+prefix there would cost a plain prefill at best, and on a model whose memory cannot be
+rolled back (a sliding window, a recurrent state) the engine keeps that stale prefix in
+its RAM prompt cache, where the session's next turns find it instead of their own.
+
+On such a model the engine rolls a restored prefix back to where the next turn parts
+from it only through the slot's context checkpoints, which the pinned llama-server keeps
+in the file only with our patch (`backend.llama.patches`): its save and restore answers
+then say how many (`n_checkpoints`), and `SlotClient.parks_checkpoints` asks an engine
+whether it does.
+
 A prefix that llama-server moved from its slot to its RAM prompt cache (another prompt
 took the slot) cannot be saved from there: `SlotClient.recall` sends its request again,
 pinned to a slot that holds a prompt, for one token, and the engine loads it from that
@@ -62,7 +76,8 @@ from backend.private_files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_priv
 
 __all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_TTL_SECONDS", "INDEX_NAME",
            "MIN_FREE_DISK_BYTES", "SAVE_TIMEOUT", "ParkKey", "Parked", "ParkingLot", "Restored",
-           "SlotClient", "SlotActionFailed", "model_identity", "recall_body"]
+           "Saved", "SlotClient", "SlotActionFailed", "model_identity", "prompt_digest",
+           "recall_body"]
 
 log = logging.getLogger("gguf_studio.slot_parking")
 
@@ -87,6 +102,9 @@ INDEX_NAME = "index.json"
 TOOK_SHARE = 0.5
 
 _SUFFIX = ".slot"
+#: The index's form: 2 knows each file's prompt (the files of 1 are removed when the lot
+#: opens: no turn could be told to continue them).
+_INDEX_VERSION = 2
 _PARTIAL = "partial-"
 #: What a slot file holds beside each token's KV: its token id, its cell's position and
 #: sequence (measured: 16 bytes a token in SmolLM2's and the tiny model's files); and its
@@ -128,18 +146,41 @@ class Parked:
     size: int
     sha256: str  #: the file as saved: anything else is never given to the engine
     used: float  #: wall-clock seconds of its last save or restore (LRU across restarts)
+    #: The prompt it holds (`backend.admission.cache_misses.prompt_text`): its length in
+    #: characters and `prompt_digest` of it; a turn is restored into only if it begins so.
+    prompt_chars: int
+    prompt_digest: str
+    #: Context checkpoints the engine kept in it (-1: the engine does not say, so keeps none).
+    checkpoints: int = -1
 
     def belongs_to(self, key: ParkKey) -> bool:
         return (self.file == key.file_name and self.flow == key.flow_digest
                 and self.model == key.model_digest)
 
+    def continued_by(self, prompt: str) -> bool:
+        """Does a turn whose prompt text is `prompt` continue the prompt parked here?"""
+        return (len(prompt) >= self.prompt_chars > 0
+                and prompt_digest(prompt[:self.prompt_chars]) == self.prompt_digest)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What the engine said of a save."""
+
+    tokens: int
+    bytes: int
+    #: The context checkpoints it kept with them; None: it does not say (it keeps none).
+    checkpoints: int | None
+
 
 @dataclass(frozen=True)
 class Restored:
-    """A restore the engine accepted: `tokens` are back in `slot`."""
+    """A restore the engine accepted: `tokens` are back in `slot`, with `checkpoints` of
+    its context checkpoints (None: the engine does not say)."""
 
     slot: int
     tokens: int
+    checkpoints: int | None = None
 
     def took(self, cache_n: int | None) -> bool:
         """Whether the reply that followed it reused the restored prefix."""
@@ -184,14 +225,23 @@ class SlotClient:
                 return _count(held) if isinstance(held, int) else _count(entry.get("n_ctx"))
         raise SlotActionFailed(f"the engine lists no slot {slot}")
 
-    async def save(self, slot: int, filename: str) -> tuple[int, int]:
-        """(tokens, bytes) written to `filename` in the engine's slot directory."""
+    async def save(self, slot: int, filename: str) -> Saved:
+        """What `slot` wrote to `filename` in the engine's slot directory."""
         body = await self._action(slot, "save", filename)
-        return _count(body.get("n_saved")), _count(body.get("n_written"))
+        return Saved(_count(body.get("n_saved")), _count(body.get("n_written")),
+                     _checkpoints(body))
 
-    async def restore(self, slot: int, filename: str) -> int:
-        """Tokens read back into `slot`."""
-        return _count((await self._action(slot, "restore", filename)).get("n_restored"))
+    async def restore(self, slot: int, filename: str) -> tuple[int, int | None]:
+        """Tokens read back into `slot`, and its context checkpoints (None: the engine
+        does not say)."""
+        body = await self._action(slot, "restore", filename)
+        return _count(body.get("n_restored")), _checkpoints(body)
+
+    async def parks_checkpoints(self, slot: int, filename: str) -> bool:
+        """Does the engine keep a slot's context checkpoints in its save file?  Asked by
+        saving `slot`, empty (as after a start), to `filename`, which the caller
+        removes: the answer says how many it kept, or says nothing of them."""
+        return _checkpoints(await self._action(slot, "save", filename)) is not None
 
     async def erase(self, slot: int) -> None:
         await self._action(slot, "erase", None)
@@ -327,22 +377,29 @@ class ParkingLot:
     def used_bytes(self) -> int:
         return sum(p.size for p in self._index.values())
 
-    async def save(self, engine: SlotClient, slot: int, key: ParkKey, *,
-                   token_bytes: int = 0, sequence_bytes: int = 0) -> Parked:
+    async def save(self, engine: SlotClient, slot: int, key: ParkKey, *, prompt: str,
+                   token_bytes: int = 0, sequence_bytes: int = 0,
+                   checkpoints: int = 0) -> Parked:
         """Save `slot` as `key`'s prefix (replacing what was parked for it), once its size
         is known to fit: within the budget (the least recently used files make room
-        first) and leaving `MIN_FREE_DISK_BYTES` of the disk free.  `token_bytes` and
+        first) and leaving `MIN_FREE_DISK_BYTES` of the disk free.  `prompt`: the text
+        of the prompt the slot holds (`Parked.continued_by`).  `token_bytes` and
         `sequence_bytes`: what a slot of this model holds a token and whatever its length
         (a sliding window, a recurrent state) as its header says, for a model with no
-        file parked yet (its files say it better).  SlotActionFailed when the slot is
-        not saved (it does not fit, or the engine did not save it); nothing of it is left
-        then, and nothing else was removed for it."""
+        file parked yet (its files say it better), and `checkpoints` the most context
+        checkpoints it keeps, each about `sequence_bytes`.  SlotActionFailed when the
+        slot is not saved (it does not fit, or the engine did not save it); nothing of
+        it is left then, and nothing else was removed for it."""
         self.open()
         self.expire()
+        if not prompt:
+            raise SlotActionFailed(f"slot {slot}'s prompt is not known, so no turn could be "
+                                   "told to continue it")
         tokens = await engine.slot_tokens(slot)
         if tokens <= 0:
             raise SlotActionFailed(f"slot {slot} holds no prompt to park")
-        size = self._expected_size(key, tokens, token_bytes, sequence_bytes)
+        size = self._expected_size(key, tokens, token_bytes,
+                                   sequence_bytes * (1 + max(0, checkpoints)))
         budget = self._budget()
         if size > budget:
             raise SlotActionFailed(f"slot {slot}'s {tokens} tokens would take about "
@@ -361,16 +418,17 @@ class ParkingLot:
         partial = f"{_PARTIAL}{secrets.token_hex(8)}{_SUFFIX}"
         path = self.directory / partial
         try:
-            tokens, _written = await engine.save(slot, partial)
-            if tokens <= 0:
+            saved = await engine.save(slot, partial)
+            if saved.tokens <= 0:
                 raise SlotActionFailed(f"slot {slot} holds no prompt to park")
             size, sha256 = await asyncio.to_thread(_seal, path, self.directory / key.file_name)
         except BaseException:
             with contextlib.suppress(OSError):
                 path.unlink()
             raise
-        parked = Parked(key.file_name, key.model_digest, key.flow_digest, tokens, size,
-                        sha256, self._clock())
+        parked = Parked(key.file_name, key.model_digest, key.flow_digest, saved.tokens, size,
+                        sha256, self._clock(), len(prompt), prompt_digest(prompt),
+                        -1 if saved.checkpoints is None else saved.checkpoints)
         self._index[parked.file] = parked
         self._evict()  # an estimate that fell short
         self._write_index()
@@ -389,7 +447,7 @@ class ParkingLot:
             self.forget(key)
             return None
         try:
-            tokens = await engine.restore(slot, parked.file)
+            tokens, checkpoints = await engine.restore(slot, parked.file)
         except SlotActionFailed as exc:
             log.warning("a parked prefix of %d tokens did not restore (%s); it is dropped "
                         "and the turn computes its prompt", parked.tokens, exc)
@@ -400,7 +458,7 @@ class ParkingLot:
             return None
         self._index[parked.file] = dataclasses.replace(parked, used=self._clock())
         self._write_index()
-        return Restored(slot, tokens)
+        return Restored(slot, tokens, checkpoints)
 
     def forget(self, key: ParkKey) -> None:
         """Drop what is parked for `key` (a restore that did not take, a session ended)."""
@@ -469,7 +527,7 @@ class ParkingLot:
     def _write_index(self) -> None:
         entries = [dataclasses.asdict(p) for p in self._index.values()]
         write_private(self.directory / INDEX_NAME,
-                      json.dumps({"version": 1, "parked": entries}).encode())
+                      json.dumps({"version": _INDEX_VERSION, "parked": entries}).encode())
 
 
 def recall_body(body: bytes, slot: int, *, anthropic: bool = False) -> bytes:
@@ -486,6 +544,11 @@ def recall_body(body: bytes, slot: int, *, anthropic: bool = False) -> bytes:
     if anthropic:
         request["max_tokens"] = 1
     return json.dumps(request).encode()
+
+
+def prompt_digest(prompt: str) -> str:
+    """A digest of a prompt's text, the same in every process."""
+    return hashlib.blake2b(prompt.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def model_identity(model_path: str | os.PathLike[str], *extra: str) -> str:
@@ -533,6 +596,13 @@ def _measure(path: Path) -> tuple[int, str]:
     return path.stat().st_size, digest.hexdigest()
 
 
+def _checkpoints(answer: dict[str, Any]) -> int | None:
+    """How many context checkpoints a save or restore answer says it kept; None when it
+    says nothing of them (an engine without our patch)."""
+    value = answer.get("n_checkpoints")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
@@ -543,6 +613,8 @@ def _read_index(path: Path) -> dict[str, Parked]:
         entries = data["parked"] if isinstance(data, dict) else []
     except (OSError, ValueError, KeyError):
         return {}
+    if not isinstance(data, dict) or data.get("version") != _INDEX_VERSION:
+        return {}
     found: dict[str, Parked] = {}
     fields = {f.name for f in dataclasses.fields(Parked)}
     for entry in entries if isinstance(entries, list) else []:
@@ -550,7 +622,9 @@ def _read_index(path: Path) -> dict[str, Parked]:
             try:
                 parked = Parked(str(entry["file"]), str(entry["model"]), str(entry["flow"]),
                                 int(entry["tokens"]), int(entry["size"]),
-                                str(entry["sha256"]), float(entry["used"]))
+                                str(entry["sha256"]), float(entry["used"]),
+                                int(entry["prompt_chars"]), str(entry["prompt_digest"]),
+                                int(entry["checkpoints"]))
             except (TypeError, ValueError):
                 continue
             if parked.file.endswith(_SUFFIX) and "/" not in parked.file:

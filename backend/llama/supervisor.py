@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 from collections import deque
@@ -33,6 +34,7 @@ from backend.llama.engine_process import (EngineKey, EngineProcess, describe_exi
 from backend.llama.log import EngineLogFile
 from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.llama.rpc_worker import check_rpc_workers, protocol_of_engine, rpc_failure_reason
+from backend.llama.slot_parking import SlotActionFailed, SlotClient
 from backend.errors import (
     EngineExitedDuringLoad,
     GpuLoadFailed,
@@ -47,7 +49,8 @@ from backend.llama.kv_capacity import context_args, kv_from_props
 from backend.llama.load import (OWNED_FLAGS, LoadSpec, LogListener, Serving, Snapshot,
                                 SnapshotPublisher, State)
 
-__all__ = ["OWNED_FLAGS", "PREFIX_CACHE_ARGS", "PREFIX_CACHE_NOTE", "Supervisor", "build_command",
+__all__ = ["CHECKPOINT_FLAGS", "CONTEXT_CHECKPOINTS", "OWNED_FLAGS", "PREFIX_CACHE_ARGS",
+           "PREFIX_CACHE_NOTE", "Supervisor", "build_command",
            "default_threads", "pick_free_port"]
 
 #: How the engine picks a slot, with the port pinning every request to a slot that has
@@ -60,6 +63,17 @@ __all__ = ["OWNED_FLAGS", "PREFIX_CACHE_ARGS", "PREFIX_CACHE_NOTE", "Supervisor"
 #: a long head take each other's slots and recompute their histories; 0 would make a
 #: pinned request skip the cache.
 PREFIX_CACHE_ARGS = ("--slot-prompt-similarity", "1")
+#: Context checkpoints a slot keeps (`--ctx-checkpoints`, unless the operator's arguments
+#: say): copies of what a sliding-window or recurrent layer cannot roll back, which
+#: llama-server takes near the end of each prompt (and at the last user message) and
+#: rolls back to when the next prompt parts from the cached one there.  Measured through
+#: the port (bench/sessions.py, Gemma 3 270M, the tiny qwen35 hybrid and gpt-oss): 4
+#: keep every live and parked prefix as llama.cpp's 32 do (8 sessions on 2 slots, the
+#: first turn after an unload or a restart: the same figures), in an eighth of the RAM
+#: and of the parked files (Gemma 3 270M: 7.5 MiB a checkpoint, its 5-turn sessions'
+#: parked files 136-159 MB with 32, 55 MB with 4; a 12B Gemma's would be ~320 MiB each).
+CONTEXT_CHECKPOINTS = 4
+CHECKPOINT_FLAGS = ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints")
 #: Why, for the Model tab.
 PREFIX_CACHE_NOTE = ("Prompt prefixes: the port sends each session back to the slot "
                      "holding its prefix; other requests take the least recently used "
@@ -89,6 +103,7 @@ class Supervisor(SnapshotPublisher):
         self.binary = Path(binary)
         #: Where the engine saves and restores slots (parked prefixes), made at each start.
         self.slot_save_dir = slot_save_dir
+        self._slot_dir: Path | None = None  #: the current start's (`slot_save_dir`'s answer)
         #: The longest a running stream may wait for one step (seconds; 0: no budget),
         #: read at each load (backend.llama.engine_speed).
         self.stall_budget = stall_budget
@@ -232,6 +247,8 @@ class Supervisor(SnapshotPublisher):
                                   kv=self._load_output.kv_capacity(props.effective_parallel_slots)
                                   or kv_from_props(props.context_length),
                                   api_key=child.key.value, speed=known,
+                                  parks_checkpoints=await _parks_checkpoints(
+                                      child, self._slot_dir),
                                   **_prefix_keeping(spec.settings.parallel,
                                                    spec.settings.extra_args))
                 self._set_state(State.READY, serving=serving, restarting=False,
@@ -358,9 +375,9 @@ class Supervisor(SnapshotPublisher):
             EngineLogFile.for_start, self.log_dir, spec.name, port,
             max_bytes=self.log_max_bytes, keep_starts=self.log_keep_starts)
         key = EngineKey.create()
+        self._slot_dir = await asyncio.to_thread(self.slot_save_dir)
         args = build_command(self.binary, spec, port, api_key_file=key.path,
-                             n_predict=self.output_cap(),
-                             slot_save_dir=await asyncio.to_thread(self.slot_save_dir)) + batch
+                             n_predict=self.output_cap(), slot_save_dir=self._slot_dir) + batch
         self._load_output = EngineReportReader()  # this start's report, read from its own output
         try:
             child = await EngineProcess.start(args, port, log_file, self._on_log_line, key)
@@ -435,6 +452,8 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         "--verbosity", "4",
         *(PREFIX_CACHE_ARGS if _port_pins_slots(settings.parallel, settings.extra_args) else ()),
     ]
+    if not any(arg.split("=", 1)[0] in CHECKPOINT_FLAGS for arg in settings.extra_args):
+        args += ["--ctx-checkpoints", str(CONTEXT_CHECKPOINTS)]
     args += ["--threads", str(settings.threads or default_threads())]
     if n_predict > 0:
         args += ["--n-predict", str(n_predict)]
@@ -451,6 +470,25 @@ def build_command(binary: Path, spec: LoadSpec, port: int, *,
         args.append("--no-repack")
     args += list(settings.extra_args)
     return args
+
+
+async def _parks_checkpoints(child: EngineProcess, slot_dir: Path | None) -> bool | None:
+    """Does the engine keep a slot's context checkpoints in its save files (our patch)?
+    Asked once it is ready by saving its first slot (empty then, or holding the speed
+    measurement's prompt) to a file in `slot_dir` removed at once; None when it saves no
+    slots here or does not answer."""
+    if slot_dir is None:
+        return None
+    name = f"probe-{secrets.token_hex(8)}.slot"
+    try:
+        async with SlotClient(child.base_url, api_key=child.key.value) as engine:
+            return await engine.parks_checkpoints(0, name)
+    except SlotActionFailed as exc:
+        log.warning("could not tell whether llama-server saves context checkpoints with a "
+                    "slot (%s)", exc)
+        return None
+    finally:
+        await asyncio.to_thread((slot_dir / name).unlink, missing_ok=True)
 
 
 def _prefix_keeping(parallel: str, extra_args: tuple[str, ...]) -> dict[str, Any]:

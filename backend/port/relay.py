@@ -101,7 +101,8 @@ class PrefixSteward(Protocol):
     `backend.llama.slot_parking`'s): between the seat and the request, and once the
     answer's last bytes are in."""
 
-    async def before_send(self, ticket: Ticket, model: str | None) -> object | None: ...
+    async def before_send(self, ticket: Ticket, model: str | None,
+                          body: bytes = b"") -> object | None: ...
 
     def after_answer(self, pending: object | None, tail: bytes) -> None: ...
 
@@ -368,7 +369,7 @@ class Exchange:
             await self._admitted(ticket, timeout)
             parking = self.host.parking
             pending = None if parking is None else await parking.before_send(
-                ticket, self.request.model_id)
+                ticket, self.request.model_id, self.request.parsed.body)
             try:
                 try:
                     last = await self._forward(ticket)

@@ -54,6 +54,9 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
         "Ready (the default model) — 2 requests at once, up to 1,024 tokens each; on the CPU"),
         timeout=WAIT)
     assert view.details.text().startswith("Parallel slots: 2\n")  # as asked: nothing to say
+    # A dense model parks with no checkpoints: the Model tab says so.
+    assert "Parking: a session's prompt is saved before its model unloads" in view.details.text()
+    assert "checkpoints" not in view.details.text()
     assert not view.slots_icon.isVisible()
     # The click's settings came back inside the snapshot, next to the effective values.
     requested = window.bridge.snapshot.requested
@@ -122,3 +125,24 @@ def test_pick_load_share_serve_unload(open_window, qtbot, with_engine: Path,
     assert not view.details_button.isEnabled()
     qtbot.waitUntil(lambda: values["slots"].text() == "— / —", timeout=WAIT)
     assert chat(local, key, n=1)[0].status_code == 503
+
+
+def test_the_model_tab_says_what_parking_does_for_a_hybrid(open_window, qtbot, with_engine: Path,
+                                                           hybrid_model: Path) -> None:
+    """A model whose recurrent state cannot be rolled back parks only with the slot's
+    context checkpoints: the Model tab says so, and that this engine keeps them."""
+    window = open_window()
+    view = window.model_view
+    window.open_files([str(hybrid_model)])
+    qtbot.waitUntil(lambda: view.info is not None, timeout=WAIT)
+    view.parallel.setValue(2)
+    view.ctx_size.setValue(4096)
+    qtbot.mouseClick(view.load_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.READY, timeout=LOAD_WAIT)
+    qtbot.waitUntil(lambda: "Parking:" in view.details.text(), timeout=WAIT)
+    parking = next(line for line in view.details.text().splitlines()
+                   if line.startswith("Parking:"))
+    assert "a recurrent state" in parking
+    assert "its engine saves them with the slot (up to 4 a slot" in parking
+    qtbot.mouseClick(view.unload_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.bridge.snapshot.state is State.STOPPED, timeout=WAIT)

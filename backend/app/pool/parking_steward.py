@@ -18,6 +18,16 @@ The reply's cached tokens say whether it took (`after_answer`); one that did not
 dropped, and the turn was a plain prefill anyway.  Admission itself does no I/O: this
 runs between the seat and the request.
 
+A prefix is restored only into a turn that continues the prompt parked with it (the
+text of the session's last request, `backend.admission.prompt.Prompt.text`, whose digest
+the lot keeps): a session's name that comes again with another conversation (an agent
+run again under the same ids, a title request) gets no stale prefix.  A model whose
+memory cannot be rolled back (sliding-window layers without `--swa-full`, recurrent
+layers) takes a restored prefix back to where the next turn parts from it only through
+the slot's context checkpoints, which an engine keeps in its save files with our patch
+(`Serving.parks_checkpoints`); on an engine that does not, such a model's sessions are
+not parked at all (`ability` says so, for the Model tab and /health).
+
 Which slot holds which session is the session book's (`backend.admission.session_book`):
 placement pins the turns that keep prefixes, and each request's settlement tells the book
 where its turn's prefix went.  A session whose slot another session took lives on in the
@@ -35,7 +45,10 @@ placement gives it as its seat, and looks for its prefix in the RAM cache only. 
 session's prefix is in another idle slot, the steward moves it there first (`_gather`,
 one pinned one-token request); before, every such turn computed the turns since its
 slot was last the least recently used (measured: twice its new tokens, and the second
-turn its whole prompt).  Such a session held only in the RAM cache is recalled before a
+turn its whole prompt).  Its parked prefix is restored into its seat like any other;
+when the seat holds another session's prefix, that one is moved to the RAM cache first
+and every other idle slot made more recent (`_least_recent`), so that the seat is still
+the one the engine picks.  Such a session held only in the RAM cache is recalled before a
 planned loss too: its request goes to the least recently used slot, so the steward first
 makes every other slot more recent (their prefixes are saved by then).
 """
@@ -44,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -51,18 +65,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.admission.admission_ticket import Ticket
+from backend.admission.prompt import prompt_text
 from backend.api_paths import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from backend.admission.session_book import Session, SessionRequest, Sessions
 from backend.app.pool.pool_config import ModelEntry
 from backend.errors import StudioError
-from backend.models.fit import KvShape
+from backend.models.fit import KvShape, format_bytes, load_memory
 from backend.models.gguf_info import read_model_info
 from backend.port import sse
 from backend.llama.load import Serving
 from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
                                         SlotClient, model_identity)
 
-__all__ = ["PARK_TIME_LIMIT", "ParkingSteward"]
+__all__ = ["PARK_TIME_LIMIT", "ParkingAbility", "ParkingSteward"]
 
 log = logging.getLogger("gguf_studio.parking")
 
@@ -82,11 +97,40 @@ _RECALLED_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES))
 
 
 @dataclass(frozen=True)
+class ParkingAbility:
+    """What parking does for a model on its engine, for the Model tab and /health."""
+
+    #: Its sessions' prefixes are parked before a planned loss and restored after.
+    parks: bool
+    #: What of its memory cannot be rolled back ("a sliding window", "a recurrent state",
+    #: both, or "" when every layer keeps every token): a parked prefix of it is of use
+    #: only with the slot's context checkpoints.
+    rollback: str
+    #: Context checkpoints a slot keeps, each parked with it (0: none needed or kept).
+    checkpoints: int
+    #: For people: what it does, or why not.
+    says: str
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class _Pending:
     """A restore whose reply has yet to say whether it took."""
 
     key: ParkKey
     restored: Restored
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """What a model's header says of a parked slot of it, at its load settings."""
+
+    token_bytes: int  #: a token of its prompt (f16)
+    sequence_bytes: int  #: whatever its length: a sliding window, a recurrent state
+    rollback: str  #: see `ParkingAbility.rollback`
+    checkpoints: int  #: the context checkpoints a slot keeps (-ctxcp, the app's default)
 
 
 class ParkingSteward:
@@ -101,16 +145,18 @@ class ParkingSteward:
         # (model, engine key) -> its identity: worked out once per engine process (it
         # reads the model file's size and time), not per request.
         self._identities: dict[tuple[str, str], str | None] = {}
-        # Identity -> a slot's bytes a token and whatever its length, as the model's
-        # header says (0: it does not).
-        self._slot_sizes: dict[str, tuple[int, int]] = {}
+        # Model -> what its header says of a slot of it (read once: it reads the file).
+        self._memories: dict[str, _Memory] = {}
         self.time_limit = time_limit
         #: Figures for the log and the window: saves, those among them brought back
         #: from the RAM prompt cache (as far as the answers' timings say: a Responses
-        #: answer has none), restores that took, that did not, parks that failed, and
-        #: prefixes moved to the RAM cache for turns that cannot be pinned (`_gather`).
+        #: answer has none), restores that took, that did not, parks that failed,
+        #: prefixes moved to the RAM cache for turns that cannot be pinned (`_gather`),
+        #: parked prefixes left unrestored because the turn began another conversation,
+        #: and sessions not parked because nothing could restore them (their model's
+        #: engine keeps no checkpoints in its files, or their prompt was not kept).
         self.counts = {"parked": 0, "recalled": 0, "restored": 0, "not_taken": 0,
-                       "park_failed": 0, "gathered": 0}
+                       "park_failed": 0, "gathered": 0, "not_continued": 0, "not_parked": 0}
 
     # --- before a planned loss ----------------------------------------------------------
 
@@ -121,38 +167,50 @@ class ParkingSteward:
         self._identities.pop((model, serving.key), None)
         if identity is None or self.lot.budget_bytes <= 0 or self.lot.ttl_seconds <= 0:
             return 0
-        in_slots: list[tuple[int, ParkKey]] = []
+        residents = self.sessions.resident(serving.key)
+        memory = await self._memory(model)
+        ability = self._ability(memory, serving)
+        if not ability.parks:
+            if residents:
+                self.counts["not_parked"] += len(residents)
+                log.info("%s: %d session prefixes not parked: %s", model, len(residents),
+                         ability.says)
+            return 0
+        in_slots: list[tuple[int, ParkKey, SessionRequest]] = []
         in_ram: list[tuple[ParkKey, SessionRequest]] = []
-        for resident in self.sessions.resident(serving.key):
+        unknown = 0
+        for resident in residents:
             key = ParkKey(identity, resident.flow, resident.key)
             last = self.sessions.last_request(key)
-            if resident.slot is not None:
-                in_slots.append((resident.slot, key))
-            elif last is not None:
+            if last is None:
+                unknown += 1  # no turn could be told to continue it
+            elif resident.slot is not None:
+                in_slots.append((resident.slot, key, last))
+            else:
                 in_ram.append((key, last))
+        if unknown:
+            self.counts["not_parked"] += unknown
+            log.info("%s: %d session prefixes not parked: their last requests were not kept",
+                     model, unknown)
         # Brought back into the most recent session's slot once that is saved (a slot
         # that holds a prompt, so the pinned request consults the RAM cache).
         spare = in_slots[-1][0] if in_slots and serving.pin_any_slot else None
-        parked: list[tuple[int, ParkKey, SessionRequest | None]] = [
-            (slot, key, None) for slot, key in reversed(in_slots)]  # the most recent first
+        parked: list[tuple[int, ParkKey, SessionRequest, bool]] = [
+            (slot, key, last, False) for slot, key, last in reversed(in_slots)]  # most recent first
         if spare is not None:
-            parked += [(spare, key, last) for key, last in reversed(in_ram)]
+            parked += [(spare, key, last, True) for key, last in reversed(in_ram)]
         if not parked:
             return 0
-        if identity not in self._slot_sizes:
-            self._slot_sizes[identity] = await asyncio.to_thread(_header_sizes,
-                                                                 self._entry_of(model))
-        token_bytes, sequence_bytes = self._slot_sizes[identity]
         saved = tried = recalled = 0
         started = time.monotonic()
         async with SlotClient(serving.base_url, api_key=serving.api_key,
                               timeout=self.time_limit) as engine:
             try:
                 async with asyncio.timeout(self.time_limit):
-                    for slot, key, request in parked:
+                    for slot, key, request, recall in parked:
                         tried += 1
                         try:
-                            if request is not None:
+                            if recall:
                                 if request.path == MESSAGES:
                                     # Their prefixes are parked: `slot` becomes the one
                                     # the engine used least recently.
@@ -162,8 +220,10 @@ class ParkingSteward:
                                 cached, computed = await engine.recall(
                                     slot, request.path, request.body)
                                 recalled += cached > computed
-                            await self.lot.save(engine, slot, key, token_bytes=token_bytes,
-                                                sequence_bytes=sequence_bytes)
+                            await self.lot.save(engine, slot, key, prompt=_text(request.body),
+                                                token_bytes=memory.token_bytes,
+                                                sequence_bytes=memory.sequence_bytes,
+                                                checkpoints=ability.checkpoints)
                             saved += 1
                         except (SlotActionFailed, OSError, StudioError) as exc:
                             self.counts["park_failed"] += 1
@@ -210,12 +270,14 @@ class ParkingSteward:
 
     # --- a session's next turn -----------------------------------------------------------
 
-    async def before_send(self, ticket: Ticket, model: str | None) -> object | None:
-        """Between the seat and the request: restore the session's parked prefix into the
-        seat's slot and pin the seat to it.  What `after_answer` needs (None: nothing).
-        Parking never fails a request: whatever goes wrong, the turn is a plain prefill."""
+    async def before_send(self, ticket: Ticket, model: str | None,
+                          body: bytes = b"") -> object | None:
+        """Between the seat and the request (`body`, as the engine takes it): restore the
+        session's parked prefix into the seat's slot, when the request continues it, and
+        pin the seat to it.  What `after_answer` needs (None: nothing).  Parking never
+        fails a request: whatever goes wrong, the turn is a plain prefill."""
         try:
-            return await self._restore(ticket, model)
+            return await self._restore(ticket, model, body)
         except (OSError, StudioError) as exc:
             log.warning("a parked prefix was not restored (%s); the turn computes its prompt",
                         exc)
@@ -248,6 +310,17 @@ class ParkingSteward:
             log.warning("parked prefixes are off: %s (%s)", self.lot.directory, exc)
             return None
 
+    def ability(self, model: str, serving: Serving | None) -> ParkingAbility:
+        """What parking does for `model` on its engine `serving` (None: not loaded).  Reads
+        the model's header the first time (once parked or restored, it is known)."""
+        identity = self.identity(model, serving.key if serving is not None else "")
+        if identity is None:
+            entry = self._entry_of(model)
+            why = ("an engine elsewhere (its slots are not this port's to save)"
+                   if entry is None else "an isolated model (no request reuses another's prompt)")
+            return ParkingAbility(False, "", 0, f"Parking: off for {why}.")
+        return self._ability(self._memory_now(model), serving)
+
     def identity(self, model: str, engine: str) -> str | None:
         """A local model as its parked files know it: its file, and the settings that
         shape its cache.  None for an engine elsewhere (its slots are not ours to park)
@@ -261,7 +334,7 @@ class ParkingSteward:
         return self._identities[known]
 
 
-    async def _restore(self, ticket: Ticket, model: str | None) -> object | None:
+    async def _restore(self, ticket: Ticket, model: str | None, body: bytes) -> object | None:
         session = ticket.hint.session
         seat = ticket.seat
         if session is None or seat is None or seat.slot is None or model is None:
@@ -279,19 +352,31 @@ class ParkingSteward:
         if where is not None and here and not pinnable:
             await self._gather(ticket, where)
             return None
-        if not here and self.lot.find(key) is not None:
+        parked = None if here else self.lot.find(key)
+        if parked is not None and not parked.continued_by(await asyncio.to_thread(_text, body)):
+            # Another conversation under the session's name: its prefix stays parked for
+            # the conversation it belongs to (replaced when this one is parked).
+            self.counts["not_continued"] += 1
+            log.info("a parked prefix of %d tokens was not restored: the turn does not "
+                     "continue its prompt", parked.tokens)
+            return None
+        if parked is not None and not self._ability(await self._memory(model),
+                                                    ticket.serving).parks:
+            return None  # parked before, for an engine that could restore it
+        if parked is not None:
             serving = ticket.serving
             holder = self.sessions.holder(serving.key, seat.slot)
-            if holder is not None and holder.key != session and not pinnable:
-                # The engine puts this turn in its least recently used slot, the seat;
-                # making room there would make that slot the most recent one.
-                return None
+            taken = holder is not None and holder.key != session
+            if taken and not pinnable and not serving.pin_any_slot:
+                return None  # its prefix could not be kept: a plain prefill is no worse
             async with SlotClient(serving.base_url, api_key=serving.api_key) as engine:
-                if holder is not None and holder.key != session:
+                if taken:
                     # Agents back together after a break: the slot holds a prefix
                     # restored a turn ago, which is nowhere else on this engine.
                     try:
                         await engine.vacate(seat.slot)
+                        if not pinnable:
+                            await self._least_recent(engine, ticket)
                     except SlotActionFailed as exc:
                         log.warning("a slot's prefix was not kept before a restore into "
                                     "it (%s); its session computes it again", exc)
@@ -301,6 +386,57 @@ class ParkingSteward:
         if restored is not None and not seat.pinned and pinnable:
             ticket.seat = dataclasses.replace(seat, pinned=True)
         return _Pending(key, restored) if restored is not None else None
+
+    async def _least_recent(self, engine: SlotClient, ticket: Ticket) -> None:
+        """A turn the engine cannot pin goes to its least recently used idle slot, its
+        seat: once the seat was vacated (the most recent now), every other idle slot is
+        vacated too (their prefixes to the RAM cache, where their sessions' pinned turns
+        find them), so that the seat is the least recent again when the turn comes."""
+        seat = ticket.seat
+        assert seat is not None and seat.slot is not None
+        seat.engine.touch(seat.slot)
+        for other in range(ticket.serving.slots):
+            if other != seat.slot and seat.engine.slot_free(other):
+                await engine.vacate(other)
+                seat.engine.touch(other)
+
+    async def _memory(self, model: str) -> _Memory:
+        if model not in self._memories:
+            self._memories[model] = await asyncio.to_thread(_header_memory,
+                                                            self._entry_of(model))
+        return self._memories[model]
+
+    def _memory_now(self, model: str) -> _Memory:
+        if model not in self._memories:
+            self._memories[model] = _header_memory(self._entry_of(model))
+        return self._memories[model]
+
+    def _ability(self, memory: _Memory, serving: Serving | None) -> ParkingAbility:
+        if self.lot.budget_bytes <= 0 or self.lot.ttl_seconds <= 0:
+            return ParkingAbility(False, memory.rollback, 0, "Parking: off (no days or no disk "
+                                  "to keep parked prompts: parked_slots_days, parked_slots_mib).")
+        done = ("Parking: a session's prompt is saved before its model unloads (idle TTL, "
+                "eviction, Unload, a restart) and restored for its next turn, which then "
+                "computes only what is new")
+        if not memory.rollback:
+            return ParkingAbility(True, "", 0, done + ".")
+        why = (f"its layers keep {memory.rollback}, which the engine takes back to where a "
+               "turn parts from the parked one only through the slot's context checkpoints")
+        if memory.checkpoints <= 0:
+            return ParkingAbility(False, memory.rollback, 0, f"Parking: off: {why}, and its "
+                                  "engine keeps none (--ctx-checkpoints 0).")
+        if serving is None or serving.parks_checkpoints is None:
+            return ParkingAbility(False, memory.rollback, memory.checkpoints,
+                                  f"Parking: once loaded, if its engine keeps the context "
+                                  f"checkpoints in its saved slots: {why}.")
+        if not serving.parks_checkpoints:
+            return ParkingAbility(False, memory.rollback, memory.checkpoints, (
+                f"Parking: off: {why}, and this llama-server does not save them with a slot "
+                "(GGUF Studio's own engine does: gguf-studio engine build); its sessions "
+                "compute their prompts again after an unload or restart."))
+        return ParkingAbility(True, memory.rollback, memory.checkpoints, (
+            f"{done}: {why}, and its engine saves them with the slot (up to "
+            f"{memory.checkpoints} a slot, about {format_bytes(memory.sequence_bytes)} each)."))
 
     async def _gather(self, ticket: Ticket, where: Session) -> None:
         """A turn the engine cannot pin (`Hint.pinnable`) goes to the engine's least
@@ -331,15 +467,35 @@ class ParkingSteward:
 # --- helpers -------------------------------------------------------------------------------
 
 
-def _header_sizes(entry: ModelEntry | None) -> tuple[int, int]:
+def _header_memory(entry: ModelEntry | None) -> _Memory:
     """What a slot of `entry`'s model holds, as its header says (f16: the engine's default
     cache type; a quantized cache takes less): bytes a token of its prompt, and bytes
-    whatever its length (a sliding window, a recurrent state); (0, 0) when it does not
-    say."""
+    whatever its length (a sliding window, a recurrent state); what of it cannot be rolled
+    back, and the context checkpoints its slots keep (by its load settings); nothing
+    known when the header does not say."""
+    unknown = _Memory(0, 0, "", 0)
     if entry is None:
-        return 0, 0
+        return unknown
     try:
-        shape = KvShape.from_model_info(read_model_info(entry.path))
+        info = read_model_info(entry.path)
     except (OSError, StudioError):
-        return 0, 0
-    return (0, 0) if shape is None else (shape.bytes_per_token, shape.bytes_per_sequence)
+        return unknown
+    shape = KvShape.from_model_info(info)
+    memory = load_memory(info, entry.settings)
+    if shape is None or memory is None:
+        return unknown
+    layout = memory.layout
+    kept = [what for what, present in (
+        ("a sliding window", layout.sliding_layers > 0 and not memory.settings.swa_full),
+        ("a recurrent state", layout.recurrent_layers > 0)) if present]
+    return _Memory(shape.bytes_per_token, shape.bytes_per_sequence, " and ".join(kept),
+                   memory.settings.checkpoints if kept else 0)
+
+
+def _text(body: bytes) -> str:
+    """A request body's prompt text (`Prompt.text`), "" when it is not a JSON object."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ""
+    return prompt_text(data) if isinstance(data, dict) else ""

@@ -37,7 +37,8 @@ async def test_a_parked_prefix_restored_into_a_fresh_engine_is_not_computed_agai
     async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
         first = await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
-            parked = await ParkingLot(slots).save(client, 0, key, token_bytes=kv_bytes(tiny_model))
+            parked = await ParkingLot(slots).save(client, 0, key, prompt=PROMPT,
+                                                  token_bytes=kv_bytes(tiny_model))
     assert first["prompt_n"] > 500 and parked.tokens >= first["prompt_n"]
 
     # A new engine (another process, as after an unload or a restart of the app) and a
@@ -63,11 +64,11 @@ async def test_a_restore_that_does_not_take_leaves_the_engine_up_and_the_turn_is
     async with running(llama_server_binary, tmp_path / "smol", smollm2_model, slots) as smol:
         await complete(smol, PROMPT, slot=0)
         async with slot_client(smol) as client:
-            await lot.save(client, 0, smol_key, token_bytes=kv_bytes(smollm2_model))
+            await lot.save(client, 0, smol_key, prompt=PROMPT, token_bytes=kv_bytes(smollm2_model))
     async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
         await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
-            await lot.save(client, 0, tiny_key, token_bytes=kv_bytes(tiny_model))
+            await lot.save(client, 0, tiny_key, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
         # Another model's KV under this model's name, its index entry made to match it
         # (the checks before the engine pass): the engine refuses to read it.
         forge_entry(slots, tiny_key.file_name, slots / smol_key.file_name)
@@ -79,7 +80,7 @@ async def test_a_restore_that_does_not_take_leaves_the_engine_up_and_the_turn_is
         # llama.cpp aborts on one, so it never reaches the engine.
         await complete(engine, PROMPT, slot=1)
         async with slot_client(engine) as client:
-            await lot.save(client, 1, tiny_key, token_bytes=kv_bytes(tiny_model))
+            await lot.save(client, 1, tiny_key, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
         path = slots / tiny_key.file_name
         path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
         async with slot_client(engine) as client:
@@ -107,7 +108,7 @@ async def test_parked_files_are_private_digest_named_and_only_their_own_keys(
     async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
         await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
-            await lot.save(client, 0, alice, token_bytes=kv_bytes(tiny_model))
+            await lot.save(client, 0, alice, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
             assert await lot.restore(client, 1, bob) is None
         bobs_turn = await complete(engine, PROMPT, slot=1)
     assert bobs_turn["cache_n"] == 0  # nothing of alice's prefix reached bob's slot
@@ -139,11 +140,12 @@ async def test_past_the_disk_budget_the_least_recently_used_prefix_goes(
     async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
         await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
-            first = await lot.save(client, 0, keys[0], token_bytes=kv_bytes(tiny_model))
-            await lot.save(client, 0, keys[1], token_bytes=kv_bytes(tiny_model))
+            first = await lot.save(client, 0, keys[0], prompt=PROMPT,
+                                   token_bytes=kv_bytes(tiny_model))
+            await lot.save(client, 0, keys[1], prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
             await lot.restore(client, 1, keys[0])  # keys[0] used again: keys[1] is older
             budget[0] = 2 * first.size + first.size // 2
-            await lot.save(client, 0, keys[2], token_bytes=kv_bytes(tiny_model))
+            await lot.save(client, 0, keys[2], prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
     assert [lot.find(k) is not None for k in keys] == [True, False, True]
     assert lot.used_bytes <= budget[0]
     assert not (slots / keys[1].file_name).exists()
@@ -163,11 +165,11 @@ async def test_a_slot_larger_than_the_budget_is_not_saved_and_costs_no_other_fil
         await complete(engine, PROMPT[:150], slot=0)
         await complete(engine, PROMPT * 2, slot=1)
         async with slot_client(engine) as client:
-            kept = await lot.save(client, 0, small, token_bytes=kv_bytes(tiny_model))
+            kept = await lot.save(client, 0, small, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
             assert await client.slot_tokens(1) > 10 * kept.tokens
             budget[0] = 4 * kept.size  # a tenth of the long slot, or less
             with pytest.raises(SlotActionFailed, match="more than the 1 MiB parked prefixes"):
-                await lot.save(client, 1, large, token_bytes=kv_bytes(tiny_model))
+                await lot.save(client, 1, large, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
     assert lot.find(small) == kept and lot.find(large) is None
     assert sorted(p.name for p in slots.iterdir()) == sorted([INDEX_NAME, small.file_name])
 
@@ -184,12 +186,13 @@ async def test_a_save_that_would_leave_the_disk_nearly_full_is_not_made(
     async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
         await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
-            first = await lot.save(client, 0, keys[0], token_bytes=kv_bytes(tiny_model))
+            first = await lot.save(client, 0, keys[0], prompt=PROMPT,
+                                   token_bytes=kv_bytes(tiny_model))
             free[0] = MIN_FREE_DISK_BYTES + first.size // 2
             with pytest.raises(SlotActionFailed, match="leaving less than 1024 MiB"):
-                await lot.save(client, 0, keys[1])
+                await lot.save(client, 0, keys[1], prompt=PROMPT)
             # Its own file replaced: the bytes it frees count.
-            again = await lot.save(client, 0, keys[0])
+            again = await lot.save(client, 0, keys[0], prompt=PROMPT)
     assert again.tokens == first.tokens and lot.find(keys[1]) is None
     assert sorted(p.name for p in slots.iterdir()) == sorted([INDEX_NAME, keys[0].file_name])
 
@@ -205,8 +208,8 @@ async def test_a_parked_prefix_unused_past_its_ttl_is_removed(
     async with running(llama_server_binary, tmp_path, tiny_model, slots) as engine:
         await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
-            await lot.save(client, 0, used, token_bytes=kv_bytes(tiny_model))
-            await lot.save(client, 0, idle)
+            await lot.save(client, 0, used, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
+            await lot.save(client, 0, idle, prompt=PROMPT)
             now[0] = 6 * day
             assert await lot.restore(client, 1, used) is not None  # used again
     # A week and a day later, the app starts again: the file unused since is gone.
@@ -230,7 +233,7 @@ async def test_the_files_of_a_revoked_key_are_removed_and_no_one_elses(
         await complete(engine, PROMPT, slot=0)
         async with slot_client(engine) as client:
             for key in (*alice, bob):
-                await lot.save(client, 0, key, token_bytes=kv_bytes(tiny_model))
+                await lot.save(client, 0, key, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
     assert lot.keep_flows({"bob", "owner"}) == 2
     assert [lot.find(k) for k in alice] == [None, None] and lot.find(bob) is not None
     assert sorted(p.name for p in slots.iterdir()) == sorted([INDEX_NAME, bob.file_name])
@@ -250,7 +253,7 @@ async def test_a_prefix_in_the_ram_cache_is_recalled_into_a_slot_and_parked(
         async with slot_client(engine) as client:
             cached, computed = await client.recall(0, "/completion", json.dumps(
                 {"prompt": PROMPT, "n_predict": 8, "stream": True}).encode())
-            parked = await lot.save(client, 0, key, token_bytes=kv_bytes(tiny_model))
+            parked = await lot.save(client, 0, key, prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
     assert cached >= first["prompt_n"] - 1 and computed <= 1  # from the cache, not computed
     assert parked.tokens >= first["prompt_n"]
 
@@ -278,11 +281,11 @@ async def test_a_responses_request_is_recalled_into_its_slot_too(
                                      json={**request, "stream": False, "id_slot": 0})
             assert answer.status_code == 200, answer.text
             first = await lot.save(client, 0, ParkKey(model, "alice", "as answered"),
-                                   token_bytes=kv_bytes(tiny_model))
+                                   prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
             await complete(engine, "Another agent's conversation. " + PROMPT, slot=0)
             await client.recall(0, "/v1/responses", json.dumps(request).encode())
             recalled = await lot.save(client, 0, ParkKey(model, "alice", "recalled"),
-                                      token_bytes=kv_bytes(tiny_model))
+                                      prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
     assert recalled.tokens >= first.tokens - 8  # its prompt, with one token of answer
 
 

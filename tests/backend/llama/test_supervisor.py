@@ -19,7 +19,9 @@ import pytest
 
 from backend.llama.api import engine_headers
 from backend.errors import EngineExitedDuringLoad, LoadSuperseded, LoadTimedOut, SettingsError
+from backend.llama.engine import engine_patches
 from backend.llama.load import LoadSettings, LoadSpec, Snapshot, State
+from backend.llama.patches import LLAMA_CPP_PATCHES
 from backend.llama.supervisor import Supervisor, pick_free_port
 from tests.model_factory import write_not_gguf, write_truncated_copy
 from tests.not_none import not_none
@@ -102,6 +104,38 @@ async def test_parallel_auto_reports_the_slot_count_the_server_chose(supervisor,
         assert snapshot.serving.slots == chosen
     finally:
         await supervisor.unload()
+
+
+async def test_an_engine_saving_slots_says_whether_it_keeps_their_context_checkpoints(
+        llama_server_binary, tiny_model, tmp_path):
+    """Asked of the engine itself: one built with our patch keeps them (parked prefixes
+    of sliding-window and hybrid models restore), another does not; the file the question
+    saved is gone."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    sup = Supervisor(llama_server_binary, tmp_path / "logs", load_timeout=60, stop_timeout=5,
+                     slot_save_dir=lambda: slots)
+    try:
+        serving = not_none((await sup.load(LoadSpec(str(tiny_model),
+                                                    LoadSettings(parallel="2")))).serving)
+    finally:
+        await sup.unload()
+    patched = LLAMA_CPP_PATCHES[0].name in engine_patches(llama_server_binary)
+    assert serving.parks_checkpoints is patched
+    assert list(slots.iterdir()) == []
+    # Without a slot directory nothing is saved, nor asked.
+    async with running_without_slots(llama_server_binary, tiny_model, tmp_path) as snapshot:
+        assert not_none(snapshot.serving).parks_checkpoints is None
+
+
+@contextlib.asynccontextmanager
+async def running_without_slots(binary: Path, model: Path, tmp_path: Path
+                                ) -> AsyncIterator[Snapshot]:
+    sup = Supervisor(binary, tmp_path / "logs-2", load_timeout=60, stop_timeout=5)
+    try:
+        yield await sup.load(LoadSpec(str(model), LoadSettings(parallel="2")))
+    finally:
+        await sup.unload()
 
 
 async def test_unload_stops_the_child_and_resets_slots(supervisor, tiny_model):
@@ -369,6 +403,19 @@ def test_the_engine_leaves_one_core_to_the_app_unless_told_otherwise(tiny_model)
     assert auto[auto.index("--threads") + 1] == str(default_threads())
     chosen = build_command(Path("llama-server"), LoadSettings(threads=3).to_spec(str(tiny_model)), 1234)
     assert chosen[chosen.index("--threads") + 1] == "3"
+
+
+def test_the_engine_keeps_four_context_checkpoints_a_slot_unless_told_otherwise(tiny_model):
+    """Measured (bench/README.md, issue 35): 4 keep live and parked prefixes of sliding-
+    window and hybrid models as llama.cpp's 32 do, in an eighth of the RAM and files."""
+    from backend.llama.supervisor import build_command
+
+    ours = build_command(Path("llama-server"), LoadSettings().to_spec(str(tiny_model)), 1234)
+    assert ours[ours.index("--ctx-checkpoints") + 1] == "4"
+    for given in (["-ctxcp", "16"], ["--swa-checkpoints=16"]):
+        theirs = build_command(Path("llama-server"),
+                               LoadSettings(extra_args=tuple(given)).to_spec(str(tiny_model)), 1234)
+        assert "--ctx-checkpoints" not in theirs and theirs[-len(given):] == given
 
 
 def llama_server_children() -> list[int]:

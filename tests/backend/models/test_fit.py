@@ -142,8 +142,9 @@ def test_the_load_settings_give_the_engines_cache_flags():
     split = not_none(CacheSettings.of_load(32768, "4", 8192, ("-ub", "256", "--swa-full", "-ctk", "q8_0")))
     assert (split.context, split.slots, split.unified) == (32768, 4, False)
     assert (split.ubatch, split.swa_full, split.type_k, split.type_v) == (256, True, "q8_0", "f16")
-    auto = not_none(CacheSettings.of_load(0, "auto", 8192, ("-ctxcp", "4")))
-    assert (auto.context, auto.slots, auto.unified, auto.checkpoints) == (8192, 4, True, 4)
+    auto = not_none(CacheSettings.of_load(0, "auto", 8192, ("-ctxcp", "8")))
+    assert (auto.context, auto.slots, auto.unified, auto.checkpoints) == (8192, 4, True, 8)
+    assert not_none(CacheSettings.of_load(0, "2", 8192)).checkpoints == 4  # as the app starts it
     # The model's own context on a split cache: each slot gets the trained context.
     assert not_none(CacheSettings.of_load(0, "2", 8192)).context == 16384
     assert CacheSettings.of_load(0, "2", None) is None
@@ -158,8 +159,10 @@ def test_a_sliding_window_model_needs_far_less_than_every_layer_full(gemma3_mode
     assert sized.full_bytes == 3 * 512 * 2 * 32768 == 96 * MIB
     assert sized.sliding_bytes == 15 * 512 * 2 * 1024 == 15 * MIB
     assert "15 sliding-window layers (512 tokens; 1,024 cells)" in fit.details()
-    # Context checkpoints (a slot's window, at most 32 a slot) are said, not counted.
-    assert sized.checkpoint_bytes == 32 * 15 * MIB and fit.kv_bytes == 111 * MIB
+    # Context checkpoints (a slot's window: 512 cells of the 15 sliding layers, 7.5 MiB as
+    # the engine logs them; at most 4 a slot, as the app starts engines) are said, not
+    # counted.
+    assert sized.checkpoint_bytes == 4 * 15 * 512 * 2 * 512 and fit.kv_bytes == 111 * MIB
 
 
 def test_a_slots_shape_counts_the_full_layers_per_token_and_the_window_per_slot(gemma3_model):

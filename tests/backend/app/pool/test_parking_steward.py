@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import stat
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from backend.admission.session_book import Sessions
+from backend.admission.session_book import SessionRequest, Sessions
 from backend.app.pool.parking_steward import ParkingSteward
 from backend.llama.api import engine_headers
 from backend.llama.engine import Engine
@@ -31,6 +32,7 @@ from backend.llama.slot_parking import (INDEX_NAME, ParkingLot, ParkKey, SlotAct
                                         SlotClient)
 from backend.settings import Settings
 from tests.backend.service_harness import ServiceFactory
+from tests.not_none import not_none
 
 SETTINGS = LoadSettings(parallel="2", ctx_size=4096)
 #: An agent's fixed head: about 1,500 tokens of instructions.
@@ -260,20 +262,24 @@ async def test_a_parked_file_that_cannot_be_restored_costs_a_plain_prefill(
     assert third.computed <= 0.15 * third.prompt  # and the session is warm again
 
 
-async def test_a_restore_the_turn_does_not_share_is_dropped_and_the_turn_served(
+async def test_a_parked_prefix_the_turn_does_not_continue_is_not_restored(
         studio: ServiceFactory, tiny_model):
     service = await serving_tiny(studio, tiny_model, idle_ttl=1.0)
     async with port(service) as client:
         await turn(client, "rewritten-1", 1)
         await unloaded_for_idleness(service)
-        assert len(parked_files(service.parking)) == 1
+        parked = parked_files(service.parking)
+        assert len(parked) == 1
         # The client rewrote its head (a timestamp at the start of the system prompt):
-        # the engine takes the restore, and the reply reuses next to nothing of it.
+        # its turn does not continue the parked prompt, which is left where it is.
         second = await turn(client, "rewritten-1", 2, head="Today is Tuesday. " + HEAD)
+        third = await turn(client, "rewritten-1", 3, head="Today is Tuesday. " + HEAD)
     assert second.computed >= 0.9 * second.prompt
+    assert third.computed <= 0.15 * third.prompt  # the rewritten conversation is warm
     assert service.parking.counts == {"parked": 1, "recalled": 0, "restored": 0,
-                                      "not_taken": 1, "park_failed": 0, "gathered": 0}
-    assert parked_files(service.parking) == []  # not restored again on the next turn
+                                      "not_taken": 0, "park_failed": 0, "gathered": 0,
+                                      "not_continued": 1, "not_parked": 0}
+    assert parked_files(service.parking) == parked  # replaced when this one is parked
 
 
 async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceFactory,
@@ -293,7 +299,8 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
         await turn(client, "shared-name", 2, key=alice)
     assert len(parked) == 1 and parked_files(service.parking) == parked
     assert bobs_counts == {"parked": 1, "recalled": 0, "restored": 0, "not_taken": 0,
-                           "park_failed": 0, "gathered": 0}
+                           "park_failed": 0, "gathered": 0, "not_continued": 0,
+                           "not_parked": 0}
     assert service.parking.counts["restored"] == 1  # alice's own turn got it
 
 
@@ -390,7 +397,10 @@ async def test_with_the_session_table_the_sessions_in_slots_are_the_ones_parked(
                     "prompt": HEAD, "n_predict": 1, "id_slot": slot})
                 assert answer.status_code == 200, answer.text
         key = engine.serving.key
+        # What its prompt was: a parked prefix is restored only into a turn continuing it.
         table.record("alice\na", flow="alice", engine=key, slot=0)
+        table.remember(ParkKey(not_none(steward.identity("tiny", key)), "alice", "alice\na"),
+                       SessionRequest("/v1/completions", json.dumps({"prompt": HEAD}).encode()))
         table.record("bob\nb", flow="bob", engine=key, slot=None)  # in no known slot
         table.record("carol\nc", flow="carol", engine="elsewhere", slot=1)
         assert await steward.park("tiny", engine.serving) == 1
