@@ -70,6 +70,12 @@ class Settings:
     max_queue: int = 0
     queue_timeout: float = 600.0
     keepalive_interval: float = 5.0
+    # Seconds a request whose client hung up before its answer began keeps its place in
+    # line and its engine's work, for the same request sent again to join it
+    # (backend/port/resends.py); 0: its work is cut at once.  Claude Code resends at once
+    # when its watchdog fires, OpenCode after backoffs of up to 23 s (bench/README.md,
+    # watchdogs); a hang-up nobody follows holds its slot no longer than this.
+    resend_grace: float = 30.0
     max_output_tokens: int = 0
     # Output tokens reserved for a request that sends no limit (backend.admission.prompt_tokens).
     default_output_tokens: int = 2048

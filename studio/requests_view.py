@@ -54,7 +54,8 @@ _DETAILS = (("time", "Arrived"), ("route", "Route"), ("key", "Key"), ("session",
             ("cache_miss", "Why the cache missed"), ("output_tokens", "Output tokens"),
             ("prefill_ms", "Prefill"), ("time_to_first_token", "Time to first token"),
             ("tokens_per_second", "Tokens per second"), ("longest_gap", "Longest gap"),
-            ("status", "Status"), ("error", "Error"), ("prefilled", "Prompt read"))
+            ("status", "Status"), ("error", "Error"), ("prefilled", "Prompt read"),
+            ("joined", "Resent, joined"))
 _REASONS = {"slots_full": "slots full", "kv_full": "KV cache full",
             "key_concurrency": "key's concurrency", "fair_share": "fair share",
             "model_loading": "model loading", "prefill_budget": "prefill budget",

@@ -5,7 +5,10 @@ Routes, keys and browser checks (`gateway`, `access_guard`), serving the socket
 request planner), the relay of one exchange (`relay`, `client_watch`; the checked request
 it is given, `gated_request`; its forwarding to the engine, `forwarding`; its answer's
 stream, `stream_relay`, `sse`; the engine's progress on a long prompt, `prefill`; the
-requests under way as the inspector shows them, `in_flight`), the upstream HTTP client (`upstream_http`: the connection
+requests under way as the inspector shows them, `in_flight`; what it needs of its port,
+`exchange_host`; what of the shared cache a named key is told, `own_prefix`; a resend
+joining the request its client left, `resends`, and whom an answer goes to meanwhile,
+`audience`), the upstream HTTP client (`upstream_http`: the connection
 pool; `http1_response`: the sans-I/O parser of its answers; `upstream_errors`: the
 failures of both), TCP_NODELAY on the connections of both sides (`tcp_nodelay`), request
 bodies (`request_body`, `request_fields`), error answers (`http_errors`), what `/health`

@@ -27,13 +27,16 @@ class DisconnectWatch:
     `receive` reports a completed response as a disconnect too.
     """
 
-    __slots__ = ("disconnected", "_stopped", "_task", "_watcher")
+    __slots__ = ("disconnected", "_stopped", "_task", "_watcher", "_kept")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, kept: Callable[[], bool] | None = None) -> None:
         self.disconnected = False
         self._stopped = False
         self._task = asyncio.current_task()
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        #: Asked when the client goes: True keeps the task running without it (its
+        #: resend may join, `backend.port.resends`), to be `cut` later or `follow` another.
+        self._kept = kept
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -43,10 +46,26 @@ class DisconnectWatch:
         self.gone()
 
     def gone(self) -> None:
-        """The client is gone (or dropped): cancel the request's task, once."""
+        """The client is gone (or dropped): cancel the request's task, once (unless
+        it is kept running without it)."""
         if not self._stopped and not self.disconnected and self._task is not None:
             self.disconnected = True
+            if self._kept is None or not self._kept():
+                self._task.cancel()
+
+    def cut(self) -> None:
+        """The client is gone and no other came: cancel the request's task now."""
+        if not self._stopped and self.disconnected and self._task is not None:
             self._task.cancel()
+
+    def follow(self, receive: Receive) -> None:
+        """Another client took the place of the one that left: watch it instead."""
+        if self._stopped:
+            return
+        if not self._watcher.done():
+            self._watcher.cancel()
+        self.disconnected = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
     def stop(self) -> None:
         self._stopped = True

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from backend.admission.prompt import NO_BLOCKS, PromptBlocks
 from backend.admission.flow import Band
@@ -48,3 +48,5 @@ class GatedRequest:
     traceparent: str | None = None
     #: Its prompt's blocks, to say why its answer's prompt missed the cache (if it did).
     blocks: PromptBlocks = NO_BLOCKS
+    #: Its headers as received (the session headers tell its twin: `backend.port.resends`).
+    headers: Sequence[tuple[bytes, bytes]] = ()

@@ -58,7 +58,10 @@ from backend.admission.session_book import Sessions
 from backend.port.tokenizer_client import HttpEngineTokenizer
 from backend.port.gated_request import GatedRequest
 from backend.port.in_flight import in_flight_record
-from backend.port.relay import Exchange, PrefixSteward
+from backend.port.audience import Listener
+from backend.port.exchange_host import PrefixSteward
+from backend.port.relay import Exchange
+from backend.port.resends import JOINED_FINISHED, FinishedAnswer, Orphan, Resends, twin_key
 from backend.port.route import Route
 from backend.port.request_log import RequestLog
 from backend.port.request_body import (BodyBudget, ClientGone, Parsed, check_body, name_model,
@@ -148,6 +151,8 @@ class Gateway:
         #: Bodies being read, parsed and counted (before any queue bound holds them).
         self.incoming = BodyBudget(lambda: ctx.settings.max_incoming_body_bytes)
         ctx.requests.in_flight = lambda: [in_flight_record(e) for e in list(self._running)]
+        #: Requests whose client left before their answer began, for their resends.
+        self.resends = Resends(lambda: ctx.settings.resend_grace)
 
     @property
     def metrics(self) -> Metrics:
@@ -258,9 +263,17 @@ class Gateway:
                 parsed.data["cache_prompt"] = False
                 parsed.body = json.dumps(parsed.data, ensure_ascii=False,
                                          separators=(",", ":")).encode()
-            admission = await self.planner.admit(line, path, model, caller.flow, headers,
-                                                 parsed.data, raw_size)
-            if admission.plan is not None:
+            twin = resent = None
+            if self.resends:  # a request whose client left may be this one's twin
+                twin = twin_key(caller.flow, path, model, headers, parsed.body)
+                resent = self.resends.answer(twin) or self.resends.orphan(twin)
+            if resent is not None:
+                if served is not None:
+                    served.cancel()
+            else:
+                admission = await self.planner.admit(line, path, model, caller.flow, headers,
+                                                     parsed.data, raw_size)
+            if resent is None and admission.plan is not None:
                 # Planned: the parsed objects (several times the body's bytes) are not
                 # kept by a waiting request, only the body (max_waiting_body_bytes).
                 parsed.data = {}
@@ -282,11 +295,14 @@ class Gateway:
             hold.release()
 
         extensions = scope.get("extensions", {})
+        if resent is not None:
+            return await self._resent(resent, scope, send, receive, path, caller.name, model,
+                                      stream=parsed.stream)
         exchange = Exchange(self, line, GatedRequest(path, GATED_ROUTES[path] or StreamKind.CHAT,
                                                      parsed, model, passage, admission.plan,
                                                      raw_size, asked, served,
                                                      admission.hint, arrived, traceparent,
-                                                     admission.blocks),
+                                                     admission.blocks, headers),
                             send, receive,
                             abort_connection=extensions.get(ABORT_EXTENSION),
                             body_writer=extensions.get(BODY_WRITER_EXTENSION))
@@ -295,9 +311,27 @@ class Gateway:
             await exchange.run()
         finally:
             self._running.discard(exchange)
-        if exchange.client_gone:
-            scope[_GONE] = True
+        if exchange.client_gone or exchange.audience.listener is not exchange.first:
+            scope[_GONE] = True  # its client left, whoever had the answer
         return exchange.metrics
+
+    async def _resent(self, resent: Orphan | FinishedAnswer, scope: Scope, send: Send,
+                      receive: Receive, path: str, key: str, model: str, *,
+                      stream: bool) -> ModelCounts:
+        """The same request again, after its client left (`backend.port.resends`): it
+        joins the running one, or gets its finished answer as it was."""
+        if isinstance(resent, FinishedAnswer):
+            for message in resent.messages:
+                await send(message)
+            self.requests.add(time=time.time(), route=path, key=key, model=model,
+                              stream=stream, joined=JOINED_FINISHED)
+            return self.metrics.of(model, UNROUTED)
+        extensions = scope.get("extensions", {})
+        if not await resent.adopt(Listener(send, receive,
+                                           writer=extensions.get(BODY_WRITER_EXTENSION),
+                                           abort=extensions.get(ABORT_EXTENSION))):
+            scope[_GONE] = True
+        return resent.metrics
 
     def _tokenizer(self, serving: Serving) -> HttpEngineTokenizer:
         """The tokenizer of a serving engine, for its need planner's counter.  No idle

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from starlette.types import Message, Receive, Send
 
@@ -34,27 +34,28 @@ from backend.port import sse
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_ticket import Ticket
-from backend.admission.caller import Caller
 from backend.port.metrics import UNROUTED
 from backend.admission.need_planner import Plan
 from backend.port.gated_request import GatedRequest
+from backend.port.own_prefix import own_prefix
+from backend.port.audience import Audience, Listener
+from backend.port.exchange_host import ExchangeHost
 from backend.port.prefill import until_content
-from backend.port.settlement import Ending, Settlement, SettlementHost
+from backend.port.resends import JOINED_RUNNING, ORPHAN_BYTES, twin_key
+from backend.port.settlement import Ending, Settlement
 from backend.port.stream_relay import StreamRelay
-from backend.port.client_watch import DisconnectWatch, StallGuard
+from backend.port.client_watch import DisconnectWatch
 from backend.errors import (RETRY_SOON, ModelNotReady, QueueTimeout, RequestError,
                             UpstreamUnavailable)
 from backend.port.forwarding import (NotReached, check_answer, named_failures, read_error,
                                      upstream_request)
 
 if TYPE_CHECKING:
-    from backend.admission.request_planner import RequestPlanner
-    from backend.admission.session_book import Sessions
     from backend.port.metrics import ModelCounts
     from backend.port.server import BodyWriter
-    from backend.port.upstream_http import UpstreamClient, UpstreamResponse
+    from backend.port.upstream_http import UpstreamResponse
 
-__all__ = ["Exchange", "ExchangeHost", "PrefixSteward", "SSE_HEADERS"]
+__all__ = ["Exchange", "SSE_HEADERS"]
 
 log = logging.getLogger("gguf_studio.gateway")
 
@@ -74,41 +75,6 @@ REFUSAL_BACKOFF = 0.05
 ENGINE_FAILURE_HOLD = 0.5
 
 
-class ExchangeHost(SettlementHost, Protocol):
-    """What an exchange needs from the port that serves it (and where its books are kept)."""
-
-    @property
-    def client(self) -> UpstreamClient: ...
-
-    @property
-    def closing(self) -> bool: ...
-
-    @property
-    def planner(self) -> RequestPlanner:
-        """Plans a request that waited for its model's load, as it admitted the others."""
-
-    def recheck(self, caller: Caller) -> None:
-        """Raise the refusal of the caller's key as it is now (revoked, expired, gone)."""
-
-    @property
-    def parking(self) -> PrefixSteward | None:
-        """Who restores a session's parked prefix into its seat (None: nobody)."""
-
-
-class PrefixSteward(Protocol):
-    """What the relay asks of the steward of parked prefixes
-    (`backend.app.pool.parking_steward`; the slot files it keeps are
-    `backend.llama.slot_parking`'s): between the seat and the request, and once the
-    answer's last bytes are in."""
-
-    async def before_send(self, ticket: Ticket, model: str | None,
-                          body: bytes = b"") -> object | None: ...
-
-    def after_answer(self, pending: object | None, tail: bytes) -> None: ...
-
-    def remember(self, ticket: Ticket, model: str | None, path: str, body: bytes) -> None: ...
-
-
 class Exchange:
     """A gated request and its ticket; `run()` answers every RequestError itself."""
 
@@ -124,8 +90,11 @@ class Exchange:
         self.line = line
         self.request = request
         self.kind = request.kind
-        self.send = send
-        self.receive = receive
+        #: Who the answer goes to: the client, or a buffer while its resend may join
+        #: (`backend.port.audience`, `backend.port.resends`).
+        self.first = Listener(send, receive, writer=body_writer, abort=abort_connection)
+        self.audience = Audience(self.first, limit=ORPHAN_BYTES, overflow=self._cut)
+        self.send: Send = self.audience.send
         self.ticket: Ticket | None = None
         self.watch: DisconnectWatch | None = None
         self.stage = "queued"
@@ -136,14 +105,12 @@ class Exchange:
         self._abort: RequestError | None = None
         #: Set when the engine dropped the request while answering (see `run`).
         self._engine_dropped = False
-        #: Drops the client's connection at once (unsent bytes discarded), if the server
-        #: offers it; see `backend.port.gateway`.
-        self._abort_connection = abort_connection
-        #: Writes a stream's chunks straight to the client's connection, if the server
-        #: offers it (see `backend.port.server.BodyWriter`); else every chunk is `send`.
-        self._body_writer = body_writer
         self._stall_timeout = settings.client_stall_timeout
-        self._stall: StallGuard | None = None
+        #: Its twin key once its client left before its answer began (a resend may join
+        #: it until `_grace` ends), and whether one did (`RequestRecord.joined`).
+        self._twin: str | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        self.joined: str | None = None
         #: Its wait for its model's load, held from the load until its ticket is taken.
         self._awaiting: asyncio.Future[None] | None = None
         #: Counting a prompt admitted on its byte bound, while it runs.
@@ -155,7 +122,7 @@ class Exchange:
         #: held for a prompt would tell how much of another key's prompt a guess matches.
         self._hide_cache = key is not None and not key.is_owner
         #: ... but what its own session's earlier turn left there, which it sent itself
-        #: (`_own_prefix`, once it has its seat): its own cache hits.
+        #: (`own_prefix`, once it has its seat): its own cache hits.
         self._cache_told = 0
         #: Its answer's stream, relayed (`backend.port.stream_relay`), and what it did.
         self.stream = StreamRelay(self.kind, hide_cache=self._hide_cache)
@@ -199,10 +166,8 @@ class Exchange:
                 await self._send_all(last)
                 return
         self._task = asyncio.current_task()
-        watch = self.watch = DisconnectWatch(self.receive)
-        if self._stall_timeout > 0:
-            self._stall = StallGuard(self.send, self._stall_timeout, self._stalled)
-            self.send = self._stall.send
+        watch = self.watch = DisconnectWatch(self.first.receive, self._orphan)
+        self.first.guard(self._stall_timeout, self._stalled)
         self.passage.start(self)
         try:
             try:
@@ -239,13 +204,14 @@ class Exchange:
             watch.stop()
             self._task = None  # nothing left to abort
             self.passage.close()
+            if self.audience.listener is None:
+                self.client_gone = True  # left, and no resend came (yet)
             self._settle()
             self._release_body()
         try:
             await self._send_all(last)
         finally:
-            if self._stall is not None:
-                self._stall.stop()
+            self._ended()
 
     def _release_body(self) -> None:
         """Settled: the request's body (up to `max_body_bytes`) is of no more use.  The
@@ -260,10 +226,57 @@ class Exchange:
         then ends as for a client that left: upstream request closed, slot freed)."""
         log.info("dropping a client that read nothing for %.0f s", self._stall_timeout)
         self.metrics.count_stalled_client()
-        if self._abort_connection is not None:
-            self._abort_connection()
+        listener = self.audience.listener
+        if listener is not None and listener.abort is not None:
+            listener.abort()
         if self.watch is not None:
             self.watch.gone()
+
+    # --- a client that left before its answer began, and its resend (`backend.port.resends`)
+
+    def _orphan(self) -> bool:
+        """True: the request runs on without its client, that its resend may join it."""
+        resends, request = self.host.resends, self.request
+        if (resends is None or self.stream.first_at is not None or self._abort is not None
+                or self.host.closing or self._task is None):
+            return False
+        key = self._twin or twin_key(self.caller.flow, request.path, request.model_id or
+                                     UNROUTED, request.headers, request.parsed.body)
+        if not resends.orphaned(key, self):
+            return False
+        self._twin = key
+        self.audience.leave()
+        self._grace = asyncio.get_running_loop().call_later(resends.grace, self._cut)
+        return True
+
+    def _cut(self) -> None:
+        """The grace ended (or the answer outgrew what is kept) with nobody there."""
+        if self.audience.listener is None and self.watch is not None:
+            self.watch.cut()
+
+    async def adopt(self, listener: Listener) -> bool:
+        """A resend takes the place of the client that left (`Resends.orphan`); returns
+        once it is served no more: True when it had the answer's end."""
+        if self._grace is not None:
+            self._grace.cancel()
+        self.joined = JOINED_RUNNING
+        listener.guard(self._stall_timeout, self._stalled)
+        if self.watch is not None:
+            self.watch.follow(listener.receive)
+        await self.audience.join(listener)
+        return not await listener.done
+
+    def _ended(self) -> None:
+        """An orphan's whole answer, nobody there, is kept for its resend."""
+        if self._grace is not None:
+            self._grace.cancel()
+        resends, audience = self.host.resends, self.audience
+        if self._twin is not None and resends is not None:
+            resends.claimed(self._twin, self)
+            if (audience.listener is None and self._answered and self._failed is None
+                    and not audience.overflowed):
+                resends.finished(self._twin, audience.recording())
+        audience.end(left=self.client_gone)
 
     def abort(self, key: str, error: RequestError) -> bool:
         """End this request with `error` if it runs on the engine with admission key
@@ -309,7 +322,8 @@ class Exchange:
             tail=self._answer_tail(),
             arrived=self._arrived, loading=self._loading, first_at=stream.first_at,
             last_at=stream.last_at, longest_gap=stream.longest_gap,
-            client_gone=self.client_gone, status=self._status, progress=stream.progress)).close()
+            client_gone=self.client_gone, status=self._status, progress=stream.progress,
+            joined=self.joined)).close()
 
     def _failure(self, error: RequestError) -> list[Message]:
         """The last messages for `error`: an HTTP answer, or a final stream event."""
@@ -499,8 +513,12 @@ class Exchange:
         client may act on it."""
         ticket = self.ticket
         waiting = ticket.wait_reason if ticket is not None and not ticket.admitted else None
-        await self.send({"type": "http.response.body", "more_body": True,
-                         "body": self.stream.keepalive(self.request.model_id, waiting)})
+        body = self.stream.keepalive(self.request.model_id, waiting)
+        audience = self.audience
+        if not audience.opening:
+            audience.opening = body  # what a resend that joins sees first, too
+        if audience.listener is not None:  # else nobody is there to keep alive
+            await self.send({"type": "http.response.body", "more_body": True, "body": body})
 
     async def _keep_alive_until(self, pending: Awaitable[T]) -> T:
         """`pending`'s result, sending a keep-alive every interval until it comes (while
@@ -524,7 +542,7 @@ class Exchange:
     async def _forward(self, ticket: Ticket) -> list[Message]:
         """Forward to the ticket's load; returns the last messages still to send."""
         if self._hide_cache:
-            self._cache_told = self.stream.cache_told = _own_prefix(self.host.sessions,
+            self._cache_told = self.stream.cache_told = own_prefix(self.host.sessions,
                                                                     self.request, ticket)
         request = upstream_request(self.client, ticket, self.request.path,
                                    self.request.parsed.body, stream=self.request.parsed.stream)
@@ -538,8 +556,8 @@ class Exchange:
                 check_answer(upstream, streamed=self.request.parsed.stream)
                 if self.request.parsed.stream:
                     await self._until_first_bytes(upstream, ticket)
-                    last = await self.stream.relay(upstream, self.send, self._body_writer,
-                                                   self._stall)
+                    last = await self.stream.relay(upstream, self.send, self.audience.writer,
+                                                   self.audience.stall)
                     self._tail = self.stream.tail
                     self._answered = True
                     return last
@@ -576,21 +594,6 @@ class Exchange:
                              (b"content-length", str(len(body)).encode()),
                              *self._extra_headers]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
-
-
-def _own_prefix(sessions: Sessions, request: GatedRequest, ticket: Ticket) -> int:
-    """Of what the engine's cache holds for `request`, what its key may be told: the
-    prompt tokens of its own session's turn (sessions are scoped to their key) that it
-    continues, when that turn's prefix is in the very slot it runs on (pinned there,
-    held since: the cache's hits are then its own, and at most that prompt is told);
-    else 0 (the hits may be any key's)."""
-    session, seat = request.hint.session, ticket.seat
-    place = sessions.where(session)
-    if (place is None or seat is None or not seat.pinned or seat.slot is None
-            or place.engine != ticket.serving.key or place.slot != seat.slot):
-        return 0
-    earlier = sessions.continuation(session, request.model_id or "", request.blocks)
-    return earlier.prompt_tokens if earlier is not None else 0
 
 
 def _backoff(ticket: Ticket) -> float:

@@ -106,6 +106,10 @@ class RequestRecord:
     prefilled: int | None = None
     #: While the engine reads its prompt: seconds until it is read, at its speed so far.
     prefill_eta: float | None = None
+    #: Its client left before its answer began and sent it again: what the resend
+    #: joined instead of starting over (`backend.port.resends`), "a running request"
+    #: or "a finished answer".
+    joined: str | None = None
 
     def for_named_key(self) -> RequestRecord:
         """This record as its own named key may read it: nothing the shared prompt cache

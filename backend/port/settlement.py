@@ -123,6 +123,8 @@ class Ending:
     status: int
     #: How far the engine had read its prompt, if it said (`backend.port.prefill`).
     progress: PrefillProgress | None = None
+    #: What its resend joined, if one did (`backend.port.resends`).
+    joined: str | None = None
 
 
 class Settlement:
@@ -211,7 +213,7 @@ class Settlement:
             tokens_per_second=figures.tokens_per_second,
             longest_gap=ending.longest_gap if first is not None and ending.last_at > first else None,
             status=499 if ending.client_gone else ending.status,
-            error=None if error is None else error.code,
+            error=None if error is None else error.code, joined=ending.joined,
             prefilled=(ending.progress.processed if ending.progress is not None and first is None
                        else None))
 

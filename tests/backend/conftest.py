@@ -39,8 +39,10 @@ async def running_service(tmp_path: Path, llama_server_binary: Path
     its logs under the test's tmp_path; closed when the test ends."""
     async with contextlib.AsyncExitStack() as stack:
         async def start(**settings: Any) -> StudioService:
+            # No grace for resends unless asked (backend.port.resends): a client that
+            # leaves is cut at once, as the tests of leaving clients assert.
             chosen: dict[str, Any] = {"port": 0, "llama_server": str(llama_server_binary),
-                                      "load_timeout": 60, **settings}
+                                      "load_timeout": 60, "resend_grace": 0, **settings}
             service = StudioService(Settings(**chosen), log_dir=tmp_path / "logs")
             stack.push_async_callback(service.close)
             await service.start_gateway()

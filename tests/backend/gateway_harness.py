@@ -21,7 +21,7 @@ from backend.keys.key_store import KeyStore
 from backend.port.catalog import ModelCard
 from backend.admission.flow_control import FlowControl
 from backend.port.gateway import not_ready_message
-from backend.port.relay import PrefixSteward
+from backend.port.exchange_host import PrefixSteward
 from backend.port.gateway import Gateway as PortGateway, create_app
 from backend.port.server import GatewayServer
 from backend.port.request_log import RequestLog
@@ -121,7 +121,9 @@ async def open_gateway(base_url: str, slots: int, *, model_id: str = "fake-model
                        context_length: int = 4096, kv: KvCapacity | None = None,
                        **settings: Any) -> AsyncIterator[Gateway]:
     """A gateway on 127.0.0.1:0 in front of the llama-server at `base_url`."""
-    defaults: dict[str, Any] = dict(keepalive_interval=0.05, queue_timeout=30.0)
+    # No grace for resends (backend.port.resends): a client that leaves is cut at once,
+    # what these tests of leaving clients assert; tests/backend/port/test_resends.py sets it.
+    defaults: dict[str, Any] = dict(keepalive_interval=0.05, queue_timeout=30.0, resend_grace=0)
     defaults.update(settings)
     serving = Serving(base_url, slots, context_length=context_length, kv=kv)
     snapshot = Snapshot(state=State.READY, model_id=model_id, serving=serving)
