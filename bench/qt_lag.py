@@ -1,13 +1,15 @@
 """How late the window's Qt loop runs while streams pass through the port.
 
 Runs the real app (tests/studio/exit_probe.py) with the real engine and the tiny model,
-sends STREAMS concurrent streamed chat requests from another process, and prints the lag
+sends STREAMS concurrent streamed chat requests from another process while the Chat tab
+streams answers of its own (shown, a new message whenever one ends; --no-chat: the
+Activity tab instead), and prints the lag
 of a 10 ms Qt timer (p50/p99/max) next to the time the Qt thread itself was busy.  The
 wall-clock lag includes the time the OS gave the CPU to other programs (the engine and
 the clients share this machine's cores); the busy figure is the window's own work.
 
     .venv/bin/python bench/qt_lag.py [--streams 64] [--max-tokens 64] [--runs 3]
-                                     [--loops uvloop,asyncio]
+                                     [--loops uvloop,asyncio] [--no-chat]
 
 `--loops` runs the backend thread on each event loop in turn, run by run (uvloop's is the
 default where installed; asyncio's is GGUF_STUDIO_EVENT_LOOP=asyncio).
@@ -41,6 +43,8 @@ def main() -> int:
                         help="backend event loops to compare, comma separated: uvloop, asyncio")
     parser.add_argument("--engine-threads", type=int, default=0,
                         help="llama-server --threads (0: llama-server decides)")
+    parser.add_argument("--no-chat", action="store_true",
+                        help="show the Activity tab instead of the Chat tab streaming answers")
     args = parser.parse_args()
     engine = Engine()
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,15 +56,16 @@ def main() -> int:
                                  args, loop), loop=loop)
                    for i in range(args.runs) for loop in loops]
     threads = args.engine_threads or "llama-server's choice"
-    print(f"Qt loop with {args.streams} streams x {args.max_tokens} tokens through the port, "
+    print(f"Qt loop with {args.streams} streams x {args.max_tokens} tokens through the port"
+          f"{'' if args.no_chat else ' and the Chat tab streaming'}, "
           f"engine threads: {threads} ({args.runs} runs, load average before: "
           f"{os.getloadavg()[0]:.1f}):")
     print(f"{'run':>4} {'loop':>8} {'lag p50':>9} {'lag p99':>9} {'lag max':>9} {'busy p99':>9} "
-          f"{'ticks':>6}")
+          f"{'ticks':>6} {'chat answers':>13} {'chat chars':>11}")
     for i, r in enumerate(reports):
         print(f"{i // len(loops) + 1:>4} {r['backend_loop'].split('.')[0]:>8} {r['lag_p50_ms']:>7} ms "
               f"{r['lag_p99_ms']:>6} ms {r['lag_max_ms']:>6} ms {r['busy_p99_ms']:>6} ms "
-              f"{r['ticks']:>6}")
+              f"{r['ticks']:>6} {r.get('chat_answers', '-'):>13} {r.get('chat_chars', '-'):>11}")
     for loop in loops:
         p99 = statistics.median(r["lag_p99_ms"] for r in reports if r["loop"] == loop)
         print(f"{loop}: median lag p99 {p99} ms (target <= 50 ms)")
@@ -76,7 +81,8 @@ def run_once(home: Path, binary: Path, model: Path, args: argparse.Namespace,
     env.update(private_environment(home))
     env.update(GGUF_STUDIO_LLAMA_SERVER=str(binary), GGUF_STUDIO_PORT=str(free_port()),
                PYTHONPATH=str(REPO), QT_QPA_PLATFORM=env.get("QT_QPA_PLATFORM", "offscreen"),
-               PROBE_ENGINE_THREADS=str(args.engine_threads))
+               PROBE_ENGINE_THREADS=str(args.engine_threads),
+               PROBE_CHAT="0" if args.no_chat else "1")
     done = subprocess.run(
         [sys.executable, "-m", "tests.studio.exit_probe", str(model), str(args.streams),
          str(args.max_tokens)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

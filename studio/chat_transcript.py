@@ -1,9 +1,17 @@
 """The Chat tab's conversation as a document: who speaks, what they said as Markdown (code
 blocks in a fixed font on a tinted ground, each with a Copy code link), and each answer's
-figures."""
+figures.
+
+An answer that streams is redone by its last paragraph only: the paragraphs before the
+last blank line outside a code fence (`settled_length`) are written once, as they settle,
+so a long answer costs each update the paragraph being written, not the whole answer
+again (the window's loop stayed busy re-reading ten thousand characters of Markdown twenty
+times a second).  Once the answer ends it is written whole, once.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from PySide6.QtCore import QUrl
@@ -14,7 +22,7 @@ from PySide6.QtWidgets import QTextBrowser
 from backend.app.chat_session import AnswerState, Turn
 from studio.widgets import monospace_font
 
-__all__ = ["MARKDOWN", "Transcript"]
+__all__ = ["MARKDOWN", "Transcript", "settled_length"]
 
 #: Markdown as GitHub writes it, without raw HTML: a model's text is never markup for Qt.
 MARKDOWN = QTextDocument.MarkdownFeature(
@@ -34,6 +42,8 @@ class Transcript(QTextBrowser):
         self._starts: list[int] = []  # where each shown turn begins in the document
         #: The code of each code block shown, by (turn, block): what its Copy link copies.
         self.codes: dict[tuple[int, int], str] = {}
+        #: The answer streaming now, as far as it is shown (None: none streams).
+        self._stream: _Stream | None = None
         self.anchorClicked.connect(self._on_link)
 
     def show_turns(self, turns: tuple[Turn, ...]) -> None:
@@ -49,6 +59,20 @@ class Transcript(QTextBrowser):
         position = bar.value()
         document = self.document()
         cursor = QTextCursor(document)
+        stream = self._stream
+        if stream is not None and stream.number == same == len(turns) - 1 == len(self._shown) - 1 \
+                and turns[same].state is AnswerState.STREAMING \
+                and turns[same].text.startswith(self._shown[same].text):
+            # The streaming answer grew: its paragraph being written, and any it settled.
+            cursor.setPosition(stream.tail)
+            cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+            cursor.removeSelectedText()
+            self._write_stream(cursor, stream, turns[same].text)
+            self._tint_code(document, document.findBlock(stream.tail_before_tint))
+            self._shown = turns
+            bar.setValue(bar.maximum() if following else position)
+            return
+        self._stream = None
         if same == 0:
             document.clear()
         elif same < len(self._starts):
@@ -65,6 +89,15 @@ class Transcript(QTextBrowser):
         if same < len(turns):
             self._tint_code(document, document.findBlock(self._starts[same]))
         bar.setValue(bar.maximum() if following else position)
+
+    def only_grows(self, turns: tuple[Turn, ...]) -> bool:
+        """Whether `turns` are those shown but for the streaming answer, which is longer
+        and still streams (showing them may wait a moment)."""
+        shown = self._shown
+        return (self._stream is not None and len(turns) == len(shown) > 0
+                and turns[-1].state is AnswerState.STREAMING
+                and all(a is b for a, b in zip(turns[:-1], shown[:-1]))
+                and turns[-1].text.startswith(shown[-1].text))
 
     def loadResource(self, kind: int, name: QUrl | str) -> Any:
         return None  # nothing a model wrote is fetched, not even a local file
@@ -88,8 +121,12 @@ class Transcript(QTextBrowser):
             text = "…"
         # Each turn is read on its own: a code fence a stopped answer left open ends with it.
         start = cursor.position()
-        cursor.insertMarkdown(text, MARKDOWN)
-        self._add_copy_links(start, cursor.position(), number)
+        if turn.role == "assistant" and turn.state is AnswerState.STREAMING:
+            self._stream = _Stream(number, tail=start)
+            self._write_stream(cursor, self._stream, text)
+        else:
+            cursor.insertMarkdown(text, MARKDOWN)
+            self._add_copy_links(start, cursor.position(), number)
         note = _note(turn)
         if note:
             quiet = QTextCharFormat()
@@ -98,9 +135,26 @@ class Transcript(QTextBrowser):
             cursor.insertBlock(QTextBlockFormat(), quiet)
             cursor.insertText(note, quiet)
 
-    def _add_copy_links(self, start: int, end: int, number: int) -> None:
+    def _write_stream(self, cursor: QTextCursor, stream: _Stream, text: str) -> None:
+        """The streaming answer's `text` from the end of its settled paragraphs (where
+        `cursor` is, the rest removed): the paragraphs that settled since, once, then the
+        one being written."""
+        stream.tail_before_tint = stream.tail
+        settled = settled_length(text)
+        if settled > stream.chars:
+            begin = _insert_blocks(cursor, text[stream.chars:settled], after=stream.chars > 0)
+            stream.codes += self._add_copy_links(begin, cursor.position(), stream.number,
+                                                 stream.codes)
+            stream.chars, stream.tail = settled, cursor.position()
+        rest = text[stream.chars:]
+        if rest:
+            begin = _insert_blocks(cursor, rest, after=stream.chars > 0)
+            self._add_copy_links(begin, cursor.position(), stream.number, stream.codes)
+
+    def _add_copy_links(self, start: int, end: int, number: int, first: int = 0) -> int:
         """A "Copy code" link under each code block of the text from `start` to `end`
-        (turn `number`'s), which copies the block's code."""
+        (turn `number`'s, whose code blocks before `start` are `first`), which copies the
+        block's code; how many code blocks there were."""
         document = self.document()
         groups: list[tuple[QTextBlock, list[str]]] = []
         block = document.findBlock(start)
@@ -115,16 +169,17 @@ class Transcript(QTextBrowser):
             block = block.next()
         for index in range(len(groups) - 1, -1, -1):  # from the end: positions stay valid
             last, lines = groups[index]
-            self.codes[(number, index)] = "\n".join(lines)
+            self.codes[(number, first + index)] = "\n".join(lines)
             link = QTextCharFormat()
             link.setAnchor(True)
-            link.setAnchorHref(f"copy:{number}:{index}")
+            link.setAnchorHref(f"copy:{number}:{first + index}")
             link.setForeground(self.palette().color(QPalette.ColorRole.Link))
             link.setFontPointSize(max(7.0, self.font().pointSizeF() * 0.85))
             cursor = QTextCursor(last)
             cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock)
             cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
             cursor.insertText("⧉ Copy code", link)
+        return len(groups)
 
     def _on_link(self, url: QUrl) -> None:
         text = url.toString()
@@ -162,3 +217,53 @@ def _note(turn: Turn) -> str:
     if turn.state is AnswerState.FAILED:
         return turn.error
     return figures if turn.state is AnswerState.DONE else ""
+
+
+def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
+    """`markdown` at `cursor`, in blocks of its own when `after` blocks before it (as
+    written whole: a list or a table that begins it leaves no empty paragraph before it);
+    where its first block begins."""
+    if after:
+        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+    begin = cursor.position()
+    cursor.insertMarkdown(markdown, MARKDOWN)
+    block = cursor.document().findBlock(begin)
+    following = block.next()
+    if after and block.length() == 1 and following.isValid() \
+            and following.position() <= cursor.position() \
+            and QTextCursor(following).currentTable() is None:  # a table keeps one before it
+        QTextCursor(block).deletePreviousChar()  # the empty one joins the block before
+    return begin
+
+
+def settled_length(text: str) -> int:
+    """How much of a streaming answer's `text` is whole paragraphs that read the same
+    whatever comes next: up to its last blank line outside a code fence."""
+    settled = position = 0
+    fence = ""
+    while (end := text.find("\n", position)) >= 0:
+        line = text[position:end]
+        stripped = line.strip()
+        indented = len(line) - len(line.lstrip(" "))
+        if not fence and indented <= 3 and stripped[:3] in ("```", "~~~"):
+            fence = stripped[:3]
+        elif fence and stripped.startswith(fence) and not stripped.strip(fence[0]):
+            fence = ""
+        elif not fence and not stripped:
+            settled = end + 1
+        position = end + 1
+    return settled
+
+
+@dataclass
+class _Stream:
+    """The streaming answer as shown: turn `number`, whose first `chars` characters
+    (`codes` code blocks among them) are settled paragraphs, written up to document
+    position `tail`."""
+
+    number: int
+    tail: int
+    chars: int = 0
+    codes: int = 0
+    #: Where this update's writing began (its code blocks are tinted from there).
+    tail_before_tint: int = 0

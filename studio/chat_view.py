@@ -36,10 +36,14 @@ from studio.bridge import ServiceBridge
 from studio.chat_transcript import Transcript
 from studio.widgets import secondary_label
 
-__all__ = ["STATE_INTERVAL", "ChatLink", "ChatView"]
+__all__ = ["STATE_INTERVAL", "STREAM_DRAW_SHARE", "ChatLink", "ChatView"]
 
 #: The conversation reaches the window at most this often while an answer streams.
 STATE_INTERVAL = 0.05
+#: The share of the window's time an answer's redraws may take while it streams: after
+#: a redraw that took t seconds, the next that only adds to the streaming answer waits
+#: 3 t (and shows the newest state then).
+STREAM_DRAW_SHARE = 0.25
 #: How often the "answering…" clock under the conversation moves.
 CLOCK_INTERVAL_MS = 100
 log = logging.getLogger("gguf_studio.studio")
@@ -53,8 +57,10 @@ class ChatView(QWidget):
     undo_clear_requested = Signal()
     share_requested = Signal()  # the next step after a chat: share the model
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(parent)
+        self._clock = clock
         self.state = ChatState()
         self._answer_started: float | None = None
         #: The models served without a chat template: plain completion only.
@@ -131,6 +137,10 @@ class ChatView(QWidget):
         self.clear_button.clicked.connect(self._clear_or_undo)
 
         # The elapsed time of the answer on its way, so a slow first token is seen waiting.
+        self._draw_after = 0.0
+        self._draw_timer = QTimer(self)
+        self._draw_timer.setSingleShot(True)
+        self._draw_timer.timeout.connect(self._draw)
         self.clock = QTimer(self)
         self.clock.setInterval(CLOCK_INTERVAL_MS)
         self.clock.timeout.connect(self._show_status)
@@ -207,9 +217,22 @@ class ChatView(QWidget):
         elif not state.streaming:
             self.clock.stop()
             self._answer_started = None
-        self.transcript.show_turns(state.turns)
+        if self._clock() < self._draw_after and self.transcript.only_grows(state.turns):
+            if not self._draw_timer.isActive():  # the newest state is drawn then
+                self._draw_timer.start(max(1, round((self._draw_after - self._clock()) * 1000)))
+        else:
+            self._draw()
         self._show_status()
         self._enable()
+
+    def _draw(self) -> None:
+        """The conversation as the state has it; a slow redraw spaces the next ones while
+        an answer streams (on a long answer in many scripts it took tens of ms)."""
+        self._draw_timer.stop()
+        began = self._clock()
+        self.transcript.show_turns(self.state.turns)
+        took = self._clock() - began
+        self._draw_after = began + took / STREAM_DRAW_SHARE
 
     # --- what the person does ------------------------------------------------------------
 

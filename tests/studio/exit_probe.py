@@ -4,7 +4,12 @@ test_exit_path.py: its exit code is the app's.
 
     python -m tests.studio.exit_probe MODEL STREAMS MAX_TOKENS
 
-Prints one JSON line: the engine's pid, the answers' statuses and the lag percentiles.
+With PROBE_CHAT=1 (bench/qt_lag.py's default) the Chat tab is shown and streams answers
+the whole time the streams pass (a new message whenever one ends), as a person chatting
+beside the team's agents would; else the Activity tab is shown.
+
+Prints one JSON line: the engine's pid, the answers' statuses and the lag percentiles
+(and with PROBE_CHAT the Chat tab's answers and the characters it showed).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from backend.llama.load import State
 from studio.app import main
-from studio.window import ACTIVITY_TAB, MainWindow
+from studio.window import ACTIVITY_TAB, CHAT_TAB, MainWindow
 
 TICK_MS = 10
 
@@ -72,8 +77,13 @@ class Driver(QObject):
         self._started = False
         self.traffic_done.connect(self._finish)
         window.bridge.snapshot_changed.connect(self._on_snapshot)
-        # The busiest view: the chart redraws and the log follows while streams pass.
-        window.tabs.setCurrentIndex(ACTIVITY_TAB)
+        self.chatting = os.environ.get("PROBE_CHAT") == "1"
+        self.chat_answers = 0
+        self._traffic_running = False
+        self._sent_at = 0
+        # The busiest views: the Chat tab streaming (PROBE_CHAT), or the chart redrawing
+        # and the log following while streams pass.
+        window.tabs.setCurrentIndex(CHAT_TAB if self.chatting else ACTIVITY_TAB)
         window.open_files([model])
         self._poll = QTimer(self)
         self._poll.timeout.connect(self._load_when_card_shown)
@@ -91,9 +101,31 @@ class Driver(QObject):
         if snapshot.state is State.READY and not self._started:
             self._started = True
             self.pid = snapshot.pid
-            port = self.window.settings.port
-            self.meter.start()
-            threading.Thread(target=self._traffic, args=(port,), daemon=True).start()
+            if self.chatting:  # the traffic starts once the Chat tab's answer streams
+                self._chat_poll = QTimer(self)
+                self._chat_poll.timeout.connect(self._keep_chatting)
+                self._chat_poll.start(20)
+            else:
+                self._start_traffic()
+
+    def _start_traffic(self) -> None:
+        self._traffic_running = True
+        self.meter.start()
+        threading.Thread(target=self._traffic, args=(self.window.settings.port,),
+                         daemon=True).start()
+
+    def _keep_chatting(self) -> None:
+        chat = self.window.chat
+        if chat.state.streaming:
+            if not self._traffic_running and len(chat.transcript.toPlainText()) > self._sent_at + 100:
+                self._start_traffic()  # the answer streams: the text grows
+        elif chat.model.count() and chat.send_button.isEnabled() \
+                and len(chat.state.turns) >= 2 * self.chat_answers:  # the last one came back
+            self.chat_answers += 1
+            chat.max_tokens.setValue(2000)
+            chat.input.setPlainText(f"Tell me a long story, number {self.chat_answers}.")
+            self._sent_at = len(chat.transcript.toPlainText()) + 60  # the question, the heading
+            chat.send()
 
     def _traffic(self, port: int) -> None:
         # The clients run in a process of their own, as they would on other machines: in
@@ -106,6 +138,8 @@ class Driver(QObject):
 
     def _finish(self, statuses: list[int]) -> None:
         self.meter.stop()
+        if self.chatting:
+            self._chat_poll.stop()
         lags = sorted(self.meter.lags)
         busy = sorted(self.meter.busy)
         report = {
@@ -120,6 +154,9 @@ class Driver(QObject):
             "lag_max_ms": round(lags[-1], 2) if lags else None,
             "backend_loop": type(self.window.bridge.backend_thread.loop).__module__,
         }
+        if self.chatting:
+            report["chat_answers"] = self.chat_answers
+            report["chat_chars"] = len(self.window.chat.transcript.toPlainText())
         print(json.dumps(report), flush=True)
         # The probe answers the window's question itself (and prints it for the test).
         self.window.ask = self._answer_yes  # type: ignore[method-assign]

@@ -268,3 +268,92 @@ def test_the_chat_tab_offers_plain_completion_for_a_model_without_a_chat_templat
     # It went to the completions route, as the inspector's record says.
     records = window.bridge.service.requests.records()
     assert records[-1].route == "/v1/completions" and records[-1].status == 200
+
+
+def test_a_long_streaming_answer_is_redone_by_the_paragraph_being_written_alone(qtbot) -> None:
+    """Each update writes the paragraphs settled since and the one being written, not the
+    whole answer again (the window's loop re-read the whole answer's Markdown twenty times
+    a second); what is shown at the end is the answer as written whole."""
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    from studio.chat_transcript import Transcript
+
+    paragraphs = [f"Paragraph {n}: the keeper climbed the *stairs* again, " + "and the wind " * 8
+                  for n in range(40)]
+    paragraphs[20] = "```python\nprint('the storm')\n\nprint('passed')\n```"  # a blank line inside
+    answer = "\n\n".join(paragraphs)
+    question = Turn("user", "A long story, please")
+    transcript = Transcript()
+    qtbot.addWidget(transcript)
+    added: list[int] = []
+    transcript.document().contentsChange.connect(lambda _at, _removed, n: added.append(n))
+    transcript.show_turns((question, Turn("assistant", "", AnswerState.WAITING)))
+    biggest = 0
+    for end in range(23, len(answer), 23):
+        added.clear()
+        transcript.show_turns((question, Turn("assistant", answer[:end], AnswerState.STREAMING,
+                                              model="smol")))
+        biggest = max(biggest, sum(added))
+    longest = max(len(p) for p in paragraphs)
+    assert len(answer) > 10 * longest
+    assert biggest <= 2 * longest + 50  # a paragraph settling and the next begun, not the answer
+
+    done = (question, Turn("assistant", answer, model="smol"))
+    transcript.show_turns(done)
+    whole = Transcript()
+    qtbot.addWidget(whole)
+    whole.show_turns(done)
+    assert transcript.toPlainText() == whole.toPlainText()
+    assert transcript.toPlainText().count("Copy code") == 1
+    QGuiApplication.clipboard().clear()
+    transcript.anchorClicked.emit(QUrl("copy:1:0"))
+    assert QGuiApplication.clipboard().text() == "print('the storm')\n\nprint('passed')"
+
+
+def test_a_streaming_answer_shows_its_settled_paragraphs_as_written_whole(qtbot) -> None:
+    from studio.chat_transcript import Transcript
+
+    answer = ("# Plan\n\nFirst:\n\n1. read\n2. write\n\n```\ncode()\n\nmore()\n```\n\n"
+              "| a | b |\n|---|---|\n| 1 | 2 |\n\nThe end, **bold**.")
+    question = Turn("user", "Plan?")
+    streamed, whole = Transcript(), Transcript()
+    qtbot.addWidget(streamed)
+    qtbot.addWidget(whole)
+    for end in range(1, len(answer) + 1):
+        turns = (question, Turn("assistant", answer[:end], AnswerState.STREAMING, model="smol"))
+        streamed.show_turns(turns)
+        whole.show_turns(())
+        whole.show_turns(turns)
+        assert streamed.toPlainText() == whole.toPlainText(), answer[:end]
+    code = streamed.document().find("more()")
+    assert monospaced(code.charFormat().font())
+
+
+def test_a_slow_redraw_spaces_the_next_while_an_answer_streams(qtbot, monkeypatch) -> None:
+    """A redraw that took long makes the next wait three times as long (the transcript
+    takes at most a quarter of the window's time), then shows the newest state; the end
+    of an answer is shown at once."""
+    clock = [100.0]
+    view = ChatView(clock=lambda: clock[0])
+    qtbot.addWidget(view)
+    drawn: list[str] = []
+    show_turns = view.transcript.show_turns
+
+    def slow_show_turns(turns: tuple[Turn, ...]) -> None:
+        show_turns(turns)
+        drawn.append(turns[-1].text if turns else "")
+        clock[0] += 0.02  # 20 ms a redraw
+    monkeypatch.setattr(view.transcript, "show_turns", slow_show_turns)
+    question = Turn("user", "Story?")
+
+    def streaming(text: str) -> ChatState:
+        return ChatState((question, Turn("assistant", text, AnswerState.STREAMING, model="m")), True)
+    view.show_state(streaming("Once"))
+    view.show_state(streaming("Once upon"))  # within the 60 ms after a 20 ms redraw
+    view.show_state(streaming("Once upon a time"))
+    assert drawn == ["Once"] and view.state.turns[-1].text == "Once upon a time"
+    clock[0] += 0.06
+    qtbot.waitUntil(lambda: drawn == ["Once", "Once upon a time"], timeout=2000)  # the newest
+    view.show_state(ChatState((question, Turn("assistant", "Once upon a time.", model="m"))))
+    assert drawn[-1] == "Once upon a time."  # the end at once
