@@ -247,7 +247,9 @@ async def run_turns(session: Session, url: Callable[[int], str], turns: range,
             turn, reply = await one_turn(client, url(session.index), session, t, args.max_tokens)
             session.turns.append(turn)
             if turn.ok:
-                session.messages.append({"role": "assistant", "content": reply})
+                # A client that rewrites its answers sends back their second half only.
+                kept = reply[len(reply) // 2:] if args.rewrite else reply
+                session.messages.append({"role": "assistant", "content": kept})
             else:
                 session.messages.pop()  # an agent would retry it; this one moves on
 
@@ -791,6 +793,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turn-words", type=int,
                    help="new words per turn, about a token each (330; quick 150)")
     p.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (8)")
+    p.add_argument("--rewrite", action="store_true",
+                   help="clients that rewrite their last answer: each reply is sent back "
+                   "with its first half dropped (with --max-tokens 600: issue 35's check)")
     p.add_argument("--threads", type=int, default=1, help="threads of every engine (1)")
     p.add_argument("--best-flags", default="--slot-prompt-similarity 0",
                    help="the engine flags of the 'best' target (--slot-prompt-similarity 0)")
@@ -896,7 +901,8 @@ async def main_async(args: argparse.Namespace, procs: Processes, work: Path) -> 
             f"{' (quick)' if args.quick else ''}; {args.turns} turns, head ≈ {args.head_words} "
             f"words, {args.turn_words} words a turn, {args.max_tokens} reply tokens; engines "
             f"--threads {args.threads}; best = {args.best_flags}"
-            + (f"; the port's engines also {args.engine_flags}" if args.engine_flags else ""))
+            + (f"; the port's engines also {args.engine_flags}" if args.engine_flags else "")
+            + ("; each reply sent back with its first half dropped" if args.rewrite else ""))
     print("\n".join([head, "", *out]), flush=True)
     return 0
 
