@@ -379,15 +379,15 @@ class ParkingLot:
 
     async def save(self, engine: SlotClient, slot: int, key: ParkKey, *, prompt: str,
                    token_bytes: int = 0, sequence_bytes: int = 0,
-                   checkpoints: int = 0) -> Parked:
+                   checkpoint_bytes: int = 0) -> Parked:
         """Save `slot` as `key`'s prefix (replacing what was parked for it), once its size
         is known to fit: within the budget (the least recently used files make room
         first) and leaving `MIN_FREE_DISK_BYTES` of the disk free.  `prompt`: the text
         of the prompt the slot holds (`Parked.continued_by`).  `token_bytes` and
         `sequence_bytes`: what a slot of this model holds a token and whatever its length
         (a sliding window, a recurrent state) as its header says, for a model with no
-        file parked yet (its files say it better), and `checkpoints` the most context
-        checkpoints it keeps, each about `sequence_bytes`.  SlotActionFailed when the
+        file parked yet (its files say it better), and `checkpoint_bytes` the most its
+        context checkpoints take (all it keeps).  SlotActionFailed when the
         slot is not saved (it does not fit, or the engine did not save it); nothing of
         it is left then, and nothing else was removed for it."""
         self.open()
@@ -399,7 +399,7 @@ class ParkingLot:
         if tokens <= 0:
             raise SlotActionFailed(f"slot {slot} holds no prompt to park")
         size = self._expected_size(key, tokens, token_bytes,
-                                   sequence_bytes * (1 + max(0, checkpoints)))
+                                   sequence_bytes + max(0, checkpoint_bytes))
         budget = self._budget()
         if size > budget:
             raise SlotActionFailed(f"slot {slot}'s {tokens} tokens would take about "

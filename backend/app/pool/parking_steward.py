@@ -131,6 +131,9 @@ class _Memory:
     sequence_bytes: int  #: whatever its length: a sliding window, a recurrent state
     rollback: str  #: see `ParkingAbility.rollback`
     checkpoints: int  #: the context checkpoints a slot keeps (-ctxcp, the app's default)
+    #: One of them: the cells a slot's sliding layers still use (its window) and its
+    #: recurrent state (`backend.models.fit.context_memory`).
+    checkpoint_bytes: int = 0
 
 
 class ParkingSteward:
@@ -223,7 +226,8 @@ class ParkingSteward:
                             await self.lot.save(engine, slot, key, prompt=_text(request.body),
                                                 token_bytes=memory.token_bytes,
                                                 sequence_bytes=memory.sequence_bytes,
-                                                checkpoints=ability.checkpoints)
+                                                checkpoint_bytes=ability.checkpoints
+                                                * memory.checkpoint_bytes)
                             saved += 1
                         except (SlotActionFailed, OSError, StudioError) as exc:
                             self.counts["park_failed"] += 1
@@ -436,7 +440,7 @@ class ParkingSteward:
                 "compute their prompts again after an unload or restart."))
         return ParkingAbility(True, memory.rollback, memory.checkpoints, (
             f"{done}: {why}, and its engine saves them with the slot (up to "
-            f"{memory.checkpoints} a slot, about {format_bytes(memory.sequence_bytes)} each)."))
+            f"{memory.checkpoints} a slot, about {format_bytes(memory.checkpoint_bytes)} each)."))
 
     async def _gather(self, ticket: Ticket, where: Session) -> None:
         """A turn the engine cannot pin (`Hint.pinnable`) goes to the engine's least
@@ -488,8 +492,11 @@ def _header_memory(entry: ModelEntry | None) -> _Memory:
     kept = [what for what, present in (
         ("a sliding window", layout.sliding_layers > 0 and not memory.settings.swa_full),
         ("a recurrent state", layout.recurrent_layers > 0)) if present]
+    checkpoints = memory.settings.checkpoints if kept else 0
+    each = memory.checkpoint_bytes // (checkpoints * max(1, memory.settings.slots)) \
+        if checkpoints > 0 else 0
     return _Memory(shape.bytes_per_token, shape.bytes_per_sequence, " and ".join(kept),
-                   memory.settings.checkpoints if kept else 0)
+                   checkpoints, each)
 
 
 def _text(body: bytes) -> str:

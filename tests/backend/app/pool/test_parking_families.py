@@ -142,10 +142,12 @@ async def test_a_restore_that_does_not_take_is_dropped_and_leaves_its_session_wa
 
 async def test_what_parking_does_is_said_per_model_and_engine(studio: ServiceFactory,
                                                              hybrid_model: Path,
+                                                             gemma3_model: Path,
                                                              tiny_model: Path):
     service = await studio()
     await service.start_pool(PoolConfig(models=(
         ModelEntry.for_file(str(hybrid_model), name="hybrid", settings=SETTINGS),
+        ModelEntry.for_file(str(gemma3_model), name="gemma3", settings=SETTINGS),
         ModelEntry.for_file(str(tiny_model), name="tiny", settings=SETTINGS))))
     async with port(service) as client:
         health = (await client.get("/health")).json()
@@ -154,6 +156,13 @@ async def test_what_parking_does_is_said_per_model_and_engine(studio: ServiceFac
     hybrid = said["hybrid"]
     assert hybrid["rollback"] == "a recurrent state" and hybrid["checkpoints"] >= 1
     assert hybrid["parks"], hybrid["says"]  # GGUF Studio's engine keeps the checkpoints
+    # A checkpoint of Gemma 3 270M is its 512-token window in its 15 sliding layers: 7.5
+    # MiB (said rounded), as the engine logs it when it makes one; not the 15 MiB of a
+    # slot's padded window.
+    loaded = Serving("http://127.0.0.1:9", 2, parks_checkpoints=True)
+    gemma3 = service.parking.ability("gemma3", loaded)
+    assert gemma3.parks and gemma3.rollback == "a sliding window"
+    assert "up to 4 a slot, about 8 MiB each" in gemma3.says
     # An engine that does not keep them (a llama-server built elsewhere): nothing parked,
     # and the reason says what would.
     plain = Serving("http://127.0.0.1:9", 2, parks_checkpoints=False)
