@@ -321,18 +321,20 @@ async def run_load(target: Target, upstream_pid: int, streams: int, body: bytes,
 
 
 async def run_closed_loop(target: Target, upstream_pids: list[int], clients: int, requests: int,
-                          body: bytes, expect_tokens: int | None, timeout: float,
+                          body: bytes | list[bytes], expect_tokens: int | None, timeout: float,
                           spread: float = 0.0) -> Run:
     """`clients` agents (`Agent`), agent i starting i*spread/clients seconds in, each
     sending `requests` requests one after the other on its kept-alive connection.  The
     run's TTFTs are those of every agent's second request on, which is what this
-    measures; throughput counts every chunk."""
-    request = chat_request(target.port, body)
+    measures; throughput counts every chunk.  `body`: every agent's, or agent i's the
+    i-th of a list."""
+    bodies = body if isinstance(body, list) else [body] * clients
     pids = {f"upstream{i}" if i else "upstream": pid for i, pid in enumerate(upstream_pids)}
     if target.pid is not None:
         pids["relay"] = target.pid
     meter = CpuMeter(pids, client=True)
-    agents = [Agent(request, requests, expect_tokens) for _ in range(clients)]
+    agents = [Agent(chat_request(target.port, bodies[i]), requests, expect_tokens)
+              for i in range(clients)]
     started = time.perf_counter()
     await asyncio.gather(*(agent.run(target.port, timeout * requests, i * spread / clients)
                            for i, agent in enumerate(agents)))

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.load_generator import run_closed_loop  # noqa: E402
 from bench.processes import HOST, Processes, run_bench, start_fake, start_port  # noqa: E402
+from bench.burst_profile import agent_body  # noqa: E402
 from bench.scenarios import synthetic_body  # noqa: E402
 
 VARIANT = ROOT / "bench" / "variants" / "count_opcodes.py"
@@ -86,7 +87,7 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
     try:
         counter = _Counter(out, target.pid)
         await counter.read()  # counting starts
-        await run_closed_loop(target, [fake_pid], args.clients, 2, synthetic_body(SHORT, 0.0),
+        await run_closed_loop(target, [fake_pid], args.clients, 2, _bodies(args, SHORT, 0.0),
                               None, 300)
         idle_from = await counter.read()
         started = time.perf_counter()
@@ -98,7 +99,7 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
             before = await counter.read()
             started = time.perf_counter()
             run = await run_closed_loop(target, [fake_pid], args.clients, args.requests,
-                                        synthetic_body(tokens, args.delay), tokens, 600)
+                                        _bodies(args, tokens, args.delay), tokens, 600)
             if run.errors:
                 raise RuntimeError(f"{port.name}: {run.errors} requests failed")
             spent = await counter.read() - before
@@ -116,10 +117,18 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
         _stop(procs, port.name)
 
 
+def _bodies(args: argparse.Namespace, tokens: int, delay: float) -> bytes | list[bytes]:
+    """Every agent's "Hello", or with `--turns` each agent's own conversation."""
+    if args.turns:
+        return [agent_body(i, args.turns, tokens, delay) for i in range(args.clients)]
+    return synthetic_body(tokens, delay)
+
+
 def table(ports: list[Port], args: argparse.Namespace) -> list[str]:
     base = ports[0]
+    body = f"each agent a {args.turns}-turn conversation" if args.turns else '"Hello"'
     rows = [f"{args.rounds} rounds; {args.clients} agents × {args.requests} requests per "
-            "phase; medians over rounds", "",
+            f"phase, {body}, --n-ctx {args.n_ctx}; medians over rounds", "",
             "| port | instructions per request (2-token answer) | ÷ this | "
             "per extra chunk | ÷ this | idle/s |", "|---|---|---|---|---|---|"]
     for p in ports:
@@ -178,6 +187,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tokens, below the default output budget, so every prompt is counted "
                         "by the engine and two requests fit at once; 8 x 4096 = 32768: none is "
                         "counted nor waits, as in bench/pool.py --burst)")
+    p.add_argument("--turns", type=int, default=0,
+                   help="each agent sends a coding agent's conversation of this many turns "
+                        "(`bench/burst_profile.py`'s, ~6 + 2.5 x turns KB) instead of "
+                        "\"Hello\": what walking a real body costs (give --n-ctx room, e.g. "
+                        "8 x 65536 for 20 turns, or every prompt is counted)")
     p.add_argument("--by-function", type=int, default=0, metavar="N",
                    help="list the N functions whose per-request count moved most")
     p.add_argument("--save", metavar="FILE",
