@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -131,6 +132,12 @@ TOOL_CONVERSION = 64
 BUSY_RETRY_AFTER = 1.0
 
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
+#: Tool calls' arguments strings up to this many characters have their indented size
+#: kept (`_kept_arguments_bytes`: 1,024 of them, a few MB at most); longer ones are
+#: measured each time.
+_ARGUMENTS_KEPT = 4096
+#: Tool sets whose allowance a counter keeps (`PromptCounter._tools_extra`).
+_TOOL_SETS = 64
 _PROBE = {"messages": [{"role": "user", "content": "x"}]}
 _PROBE_TOOLS = [{"type": "function", "function": {
     "name": name, "description": "x", "parameters": {
@@ -209,6 +216,8 @@ class PromptCounter:
         self._calibrating: asyncio.Future[int | None] | None = None
         self._calibrating_tools: asyncio.Future[ToolCosts | None] | None = None
         self._logged_fallback = False
+        #: Tools' compact JSON -> what they take beyond it (`_tools_extra`).
+        self._tool_sets: dict[str, int] = {}
 
     async def count(self, route: str, body: Mapping[str, Any], body_bytes: int, *,
                     fits_below: int = 0, refuse_when_busy: bool = True) -> PromptCount:
@@ -290,8 +299,20 @@ class PromptCounter:
         if tools:
             if self.tool_costs is None or not isinstance(tools, list):
                 return None
-            extra += self.tool_costs.allowance(tools) - len(_compact(tools).encode())
+            extra += self._tools_extra(self.tool_costs, tools)
         return size + base + extra + TEXT_SLACK
+
+    def _tools_extra(self, costs: ToolCosts, tools: list[Any]) -> int:
+        """What `tools` may take in a prompt beyond their bytes in the body: an agent sends
+        the same tools with every request, so this is kept by their JSON (at most
+        `_TOOL_SETS` sets: a new set past it starts the memory over)."""
+        compact = _compact(tools)
+        extra = self._tool_sets.get(compact)
+        if extra is None:
+            if len(self._tool_sets) >= _TOOL_SETS:
+                self._tool_sets.clear()
+            extra = self._tool_sets[compact] = costs.allowance(tools) - len(compact.encode())
+        return extra
 
     async def _count_chat_like(self, route: str, body: Mapping[str, Any], body_bytes: int,
                                fits_below: int, refuse_when_busy: bool) -> PromptCount:
@@ -483,8 +504,42 @@ def _compact(value: Any) -> str:
 
 def _indented_bytes(value: Any) -> int:
     """Bytes of `value` as the largest JSON a template renders of it: indented by 4,
-    non-ASCII escaped (`\\uXXXX`, 6 bytes for at most 4 in UTF-8)."""
-    return len(json.dumps(value, indent=4))
+    non-ASCII escaped (`\\uXXXX`, 6 bytes for at most 4 in UTF-8).
+
+    That is `len(json.dumps(value, indent=4))`, which json writes with its pure-Python
+    encoder (and a reference cycle of closures per call, left to the garbage collector);
+    here the C encoder writes it on one line with the same separators and escapes, and
+    the line breaks and indents are counted: each item of a non-empty array or object
+    at depth d (the value's own items at 1) comes after a line break and 4 × d spaces,
+    and its closing bracket after one and 4 × (d - 1); an empty one is `[]` or `{}`
+    either way."""
+    size = len(json.dumps(value, separators=(",", ": ")))
+    stack = [(value, 1)] if isinstance(value, _CONTAINERS) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if children:
+            size += len(children) * (1 + 4 * depth) + 4 * depth - 3
+            stack.extend((child, depth + 1) for child in children
+                         if isinstance(child, _CONTAINERS))
+    return size
+
+
+_CONTAINERS = (dict, list, tuple)
+
+
+def _arguments_bytes(arguments: str) -> int:
+    """`_indented_bytes` of a tool call's arguments string, parsed (of the string itself
+    when it is no JSON)."""
+    try:
+        return _indented_bytes(json.loads(arguments))
+    except ValueError:
+        return _indented_bytes(arguments)
+
+
+#: `_arguments_bytes`, kept by the string: an agent resends its conversation's tool calls
+#: with every request, so each is measured once (up to `_ARGUMENTS_KEPT` characters).
+_kept_arguments_bytes = functools.lru_cache(maxsize=1024)(_arguments_bytes)
 
 
 def _tool_call_allowance(body: Mapping[str, Any]) -> int | None:
@@ -506,11 +561,9 @@ def _tool_call_allowance(body: Mapping[str, Any]) -> int | None:
             if arguments is None and isinstance(item.get("function"), dict):
                 arguments = item["function"].get("arguments")
             if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    pass
-            if arguments is not None:
+                total += (_kept_arguments_bytes(arguments) if len(arguments) <= _ARGUMENTS_KEPT
+                          else _arguments_bytes(arguments))
+            elif arguments is not None:
                 total += _indented_bytes(arguments)
             if item.get("type") == "tool_use":
                 total += _indented_bytes(item.get("input"))

@@ -292,6 +292,33 @@ async def test_a_bound_from_the_size_read_by_the_planner_is_the_counters_own(cou
     assert (own is None) == (index == len(SHORT_BODIES))
 
 
+#: Tool calls' arguments as bodies hold them: JSON (nested, empty, non-ASCII, long) or not.
+ARGUMENT_VALUES: list[Any] = [
+    {"path": "src/a.py"}, {}, [], {"a": [], "b": {}, "c": [[], [{}]]}, 12, "x" * 5000,
+    {"deep": {"x": [1, 2.5, None, True, {"y": ["Tröpfchen", "水", "🙂", "\"\\\n"]}]}}]
+ARGUMENTS = [json.dumps(value) for value in ARGUMENT_VALUES]
+ARGUMENTS += ["plain text", "{not json"]
+
+
+@pytest.mark.parametrize("text", ARGUMENTS)
+def test_a_tool_calls_arguments_count_at_the_size_a_template_reindents_them_to(text):
+    """What a template may render of a tool call's arguments is their JSON indented by 4
+    with non-ASCII escaped (Jinja's `tojson(indent=4)` writes no more): each call adds
+    exactly that to the body's size, the second time it is sent as the first."""
+    try:
+        rendered = json.dumps(json.loads(text), indent=4)
+    except ValueError:
+        rendered = json.dumps(text, indent=4)
+    chat = {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}]}]}
+    responses = {"input": [{"type": "function_call", "call_id": "c1", "name": "f",
+                            "arguments": text}]}
+    messages = {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": json.loads(rendered)}]}]}
+    for body in (chat, responses, chat, messages):
+        assert prompt_size(body, 100) == 100 + len(rendered)
+
+
 TOOL_BODIES = [(route, body) for route, body in SHORT_BODIES
                if body.get("tools") and route == CHAT]
 
