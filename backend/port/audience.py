@@ -124,6 +124,10 @@ class Audience:
         """The answer is over: its listener (which `left` or had it all) is done."""
         if self.listener is not None:
             self.listener.finish(left=left)
+        # `overflow` is its exchange's (a bound method), and the exchange holds this
+        # audience: without the way back, an ended request is freed by its reference
+        # counts at once, not by the garbage collector.
+        self._overflow = _ignore
 
     def recording(self) -> list[Message]:
         """The whole answer as a client that joins now would get it (nobody listening)."""
@@ -150,3 +154,7 @@ class Audience:
         finally:
             if self.listener is listener:
                 self._joining = False
+
+
+def _ignore() -> None:
+    """An ended audience's `overflow`: it calls none."""

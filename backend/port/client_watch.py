@@ -33,7 +33,8 @@ class DisconnectWatch:
         self.disconnected = False
         self._stopped = False
         self._task = asyncio.current_task()
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._watcher: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._watch(receive))
         #: Asked when the client goes: True keeps the task running without it (its
         #: resend may join, `backend.port.resends`), to be `cut` later or `follow` another.
         self._kept = kept
@@ -62,15 +63,22 @@ class DisconnectWatch:
         """Another client took the place of the one that left: watch it instead."""
         if self._stopped:
             return
-        if not self._watcher.done():
+        if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
         self.disconnected = False
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
 
     def stop(self) -> None:
         self._stopped = True
-        if not self._watcher.done():
-            self._watcher.cancel()
+        if self._watcher is not None:
+            if not self._watcher.done():
+                self._watcher.cancel()
+            # The cancelled task keeps its CancelledError, whose traceback holds the
+            # watching frame, which holds this watch: let go of the task, so that none
+            # of them waits for the garbage collector.
+            self._watcher = None
+        # `kept` is its exchange's (a bound method), and the exchange holds this watch.
+        self._kept = None
 
 
 class StallGuard:
@@ -107,6 +115,10 @@ class StallGuard:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        # `on_stall` is its exchange's (a bound method), and the exchange holds this
+        # guard: without the way back, an ended request is freed by its reference counts
+        # at once, not by the garbage collector.
+        self._on_stall = _ignore
 
     def _check(self) -> None:
         since, now = self._since, self._loop.time()
@@ -116,3 +128,7 @@ class StallGuard:
             return
         delay = self._timeout if since is None else since + self._timeout - now
         self._timer = self._loop.call_later(delay, self._check)
+
+
+def _ignore() -> None:
+    """A stopped guard's `on_stall`: it calls none."""

@@ -239,6 +239,18 @@ class _Protocol(H11Protocol):
             if self.cycle is not None and self.cycle.scope is scope:
                 extensions[BODY_WRITER_EXTENSION] = BodyWriter(self.cycle)
 
+    def on_response_complete(self) -> None:
+        # The writer refers to the request's cycle and the keyless mark to its scope,
+        # which hold them: let go once the answer is complete, so that a request's
+        # objects are freed by their reference counts, not left to the garbage collector.
+        cycle = self.cycle
+        if cycle is not None:
+            extensions = cycle.scope.get("extensions")
+            if extensions is not None:
+                extensions.pop(BODY_WRITER_EXTENSION, None)
+                extensions.pop(KEYLESS_EXTENSION, None)
+        super().on_response_complete()
+
     def _idle(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import socket
 from typing import AsyncIterator
 
 import h11
+import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
 from backend.errors import SettingsError
 from backend.port.gateway import Gateway as Port, create_app
-from backend.port.server import KEYLESS_EXTENSION, GatewayServer, PlainApp
+from backend.port.audience import Audience, Listener
+from backend.port.client_watch import DisconnectWatch, StallGuard
+from backend.port.relay import Exchange
+from backend.port.server import KEYLESS_EXTENSION, BodyWriter, GatewayServer, PlainApp
 from tests.backend.gateway_harness import CHAT, Gateway, chat, events, open_gateway, stream, until
 
 #: What a slowloris client dribbles, one byte at a time: a head that never ends.
@@ -394,3 +399,30 @@ async def test_a_client_that_reads_late_gets_the_whole_stream_in_order(gw, fake)
                for e in events(answer) if isinstance(e["data"], dict)
                and e["data"]["choices"][0]["delta"].get("content")]
     assert numbers == list(range(len(numbers))) and len(numbers) == 20_000
+
+
+async def test_an_ended_request_is_freed_at_once_not_left_to_the_garbage_collector(gw):
+    """A request's objects (its exchange, its audience and listener, stall guard,
+    disconnect watch, body writer, and with them its parsed body) go as soon as it ends,
+    by their reference counts: none sits in a reference cycle until the collector, which
+    a busy port runs often and which walks every object still waiting for it.  Streamed
+    and whole answers, kept-alive connections and not, with the collector off meanwhile."""
+    kinds = (Exchange, StallGuard, DisconnectWatch, BodyWriter, Audience, Listener)
+
+    def alive() -> list[str]:
+        return [type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds)]
+
+    gc.collect()
+    assert not alive()
+    gc.disable()
+    try:
+        for _ in range(2):  # the second on the kept-alive connection
+            response, raw = await stream(gw.client, CHAT, chat(True, fake={"n_tokens": 3}))
+            assert response.status_code == 200 and events(raw)[-1]["data"] == "[DONE]"
+            answer = await gw.client.post(CHAT, json=chat(False))
+            assert answer.status_code == 200
+        async with httpx.AsyncClient(base_url=gw.url, trust_env=False) as other:
+            assert (await other.post(CHAT, json=chat(False))).status_code == 200
+        await until(lambda: not alive(), timeout=5)
+    finally:
+        gc.enable()
