@@ -31,7 +31,7 @@ Pure: no I/O; hashes are Python's, meaningful within one process only.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from backend.admission.prompt import Part, PromptBlocks
 
@@ -59,9 +59,10 @@ CAUSES: Mapping[str, str] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class TurnRecord:
-    """What a session's last turn left: its prompt, and where it ran."""
+class TurnRecord(NamedTuple):
+    """What a session's last turn left: its prompt, and where it ran.  Plain values in
+    tuples (as its blocks are), which the garbage collector stops tracking: the session
+    book holds a few of them for every session."""
 
     blocks: PromptBlocks
     prompt_tokens: int
@@ -73,8 +74,7 @@ class TurnRecord:
     model: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(NamedTuple):
     """One answer's prompt: cached and computed tokens, and a miss's reason."""
 
     cached: int

@@ -19,7 +19,7 @@ import bisect
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["BLOCK_CHARS", "NO_BLOCKS", "NO_PROMPT", "ROLE", "Part", "Prompt", "PromptBlocks",
            "prompt_blocks", "prompt_text", "read_prompt", "text_after"]
@@ -29,10 +29,11 @@ __all__ = ["BLOCK_CHARS", "NO_BLOCKS", "NO_PROMPT", "ROLE", "Part", "Prompt", "P
 BLOCK_CHARS = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Part:
+class Part(NamedTuple):
     """One part of a prompt: `kind` is system, tools, user, assistant, reasoning, tool
-    or prompt; `start`/`end` in characters of the whole prompt text."""
+    or prompt; `start`/`end` in characters of the whole prompt text.  A tuple of plain
+    values, as `PromptBlocks` is, which the garbage collector stops tracking: a session
+    book holds every session's last prompts, hundreds of parts each."""
 
     kind: str
     start: int
@@ -40,8 +41,7 @@ class Part:
     digest: int
 
 
-@dataclass(frozen=True, slots=True)
-class PromptBlocks:
+class PromptBlocks(NamedTuple):
     """A prompt as the classifier compares it (see the module docstring)."""
 
     #: Chained hash of the text up to each block's end.
@@ -119,23 +119,24 @@ class Prompt:
             if not text or kind == ROLE:
                 continue
             start = offset
-            if len(text) <= BLOCK_CHARS:  # most parts: one block, its text not copied
-                pieces: tuple[int, ...] = (hash(text),)
-                offset += len(text)
-                link = hash((link, kind, pieces[0]))
+            offset += len(text)
+            if offset - start <= BLOCK_CHARS:  # most parts: one block, its text not copied
+                digest = hash(text)
+                link = hash((link, kind, digest))
                 chained.append(link)
                 ends.append(offset)
             else:
                 hashes = []
+                end = start
                 for at in range(0, len(text), BLOCK_CHARS):
                     piece = text[at:at + BLOCK_CHARS]
                     hashes.append(hash(piece))  # each character is hashed once
                     link = hash((link, kind, hashes[-1]))
-                    offset += len(piece)
+                    end += len(piece)
                     chained.append(link)
-                    ends.append(offset)
-                pieces = tuple(hashes)
-            parts.append(Part(kind, start, offset, hash((kind, pieces))))
+                    ends.append(end)
+                digest = hash(tuple(hashes))
+            parts.append(_new_tuple(Part, (kind, start, offset, hash((kind, digest)))))
         if not chained:
             return NO_BLOCKS
         return PromptBlocks(tuple(chained), tuple(ends), tuple(parts), self.frame, size or 0)
@@ -205,6 +206,9 @@ def text_after(data: Mapping[str, Any], chars: int) -> str:
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+#: Makes a `Part` of its four values without its `__new__`'s Python frame (one per part).
+_new_tuple = tuple.__new__
 
 #: The fields `_parts` reads the prompt's text from; the others make a request's frame.
 _PROMPT_FIELDS = frozenset({"system", "instructions", "tools", "messages", "input", "prompt"})

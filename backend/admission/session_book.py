@@ -54,7 +54,8 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Container, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from backend.admission.cache_misses import TurnRecord, Verdict, judge
 from backend.admission.flow_shares import FlowShares
@@ -75,9 +76,9 @@ CONVERSATIONS = 4
 REMEMBERED_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Session:
-    """One session as its last turn left it."""
+class Session(NamedTuple):
+    """One session as its last turn left it.  Plain values in a tuple, as `SessionCache`
+    is, which the garbage collector stops tracking (the book holds thousands)."""
 
     #: Its key, scoped to its flow ("flow\\nname").
     key: str
@@ -116,8 +117,7 @@ class Session:
         return not prefix or not self.prefix or prefix[0] == self.prefix[0]
 
 
-@dataclass(frozen=True, slots=True)
-class SessionCache:
+class SessionCache(NamedTuple):
     """One session's prompt cache so far: what its turns found cached and computed, and
     its last miss."""
 
@@ -314,7 +314,7 @@ class Sessions:
             if previous is not None and previous != key:
                 displaced = self.where(previous)
                 if displaced is not None:  # still on the engine: its RAM cache keeps it
-                    self._entries[previous].place = replace(displaced, slot=None)
+                    self._entries[previous].place = displaced._replace(slot=None)
             self._slots[(engine, slot)] = key
         session = Session(key=key, flow=flow, engine=engine, label=label,
                           slot=slot if engine is not None else None, prefix=prefix,
@@ -405,7 +405,7 @@ class Sessions:
             session = entry.place
             if session is not None and session.engine == engine:
                 self._unslot(session)
-                entry.place = replace(session, engine=None, label="", slot=None)
+                entry.place = session._replace(engine=None, label="", slot=None)
                 moved.append(session)
         self._homed.pop(engine, None)
         return moved
@@ -418,7 +418,7 @@ class Sessions:
         session = None if entry is None else entry.place
         if entry is None or session is None:
             return None
-        entry.place = replace(session, slot=None)
+        entry.place = session._replace(slot=None)
         return session
 
     # --- helpers ---------------------------------------------------------------------
@@ -441,7 +441,7 @@ class Sessions:
             self.vacate(engine, slot)
         entry = self._entries[session.key]
         assert entry.place is not None
-        session = entry.place = replace(entry.place, last_turn=self._clock())
+        session = entry.place = entry.place._replace(last_turn=self._clock())
         self._entries.move_to_end(session.key)
         self._shares.touch(session.key)
         return session
