@@ -24,11 +24,9 @@ The engine's figures are read once per request from the answer's last bytes, par
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from backend.port.sse import final_payloads
 
@@ -41,8 +39,7 @@ log = logging.getLogger("gguf_studio.gateway")
 DEFAULT_CAPACITY = 2000
 
 
-@dataclass(frozen=True, slots=True)
-class EngineFigures:
+class EngineFigures(NamedTuple):
     """What the engine said of one answer (its `timings`, its `usage`)."""
 
     prompt_tokens: int | None = None
@@ -55,10 +52,11 @@ class EngineFigures:
 NO_FIGURES = EngineFigures()
 
 
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
+class RequestRecord(NamedTuple):
     """One request, as the inspector shows it.  Times are seconds; None: not known (the
-    request never got that far, or the engine did not say)."""
+    request never got that far, or the engine did not say).  A tuple of plain values,
+    which the garbage collector stops tracking: the ring holds thousands, and a record
+    is made for every request."""
 
     #: Its place in the ring: ids only grow.
     id: int
@@ -115,17 +113,16 @@ class RequestRecord:
         """This record as its own named key may read it: nothing the shared prompt cache
         told (cached tokens, prefill time, the prompt read at once), nor the other key it
         waited behind."""
-        return dataclasses.replace(self, cached_tokens=None, computed_tokens=None,
-                                   cache_miss=None, prefill_ms=None, waited_behind=None,
-                                   prefilled=None)
+        return self._replace(cached_tokens=None, computed_tokens=None, cache_miss=None,
+                             prefill_ms=None, waited_behind=None, prefilled=None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return self._asdict()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         """A record as `to_dict` wrote it (fields it does not know are left out)."""
-        names = {field.name for field in dataclasses.fields(cls)}
+        names = cls._fields
         return cls(**{name: value for name, value in data.items() if name in names})
 
 
