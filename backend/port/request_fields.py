@@ -120,18 +120,18 @@ def _responses(data: Mapping[str, Any]) -> None:
     _check(items, "input", STRING, ARRAY)
     if isinstance(items, list):
         for i, item in enumerate(items):
-            where = f"input[{i}]"
-            _check(item, where, OBJECT, required=True)
-            for name in ("role", "type", "call_id", "name", "arguments", "output_text"):
-                _check(item.get(name), f"{where}.{name}", STRING)
-            content = item.get("content")
-            _check(content, f"{where}.content", STRING, ARRAY)
-            if isinstance(content, list):
-                _parts(content, f"{where}.content")
-            output = item.get("output")
-            _check(output, f"{where}.output", STRING, ARRAY)
-            if isinstance(output, list):
-                _parts(output, f"{where}.output")
+            if not isinstance(item, dict):
+                _check(item, f"input[{i}]", OBJECT, required=True)
+            for name in _ITEM_STRINGS:
+                value = item.get(name)
+                if value is not None and not isinstance(value, str):
+                    _check(value, f"input[{i}].{name}", STRING)
+            for name in ("content", "output"):
+                value = item.get(name)
+                if isinstance(value, list):
+                    _parts(value, f"input[{i}].{name}")
+                elif value is not None and not isinstance(value, str):
+                    _check(value, f"input[{i}].{name}", STRING, ARRAY)
     tools = data.get("tools")
     _check(tools, "tools", ARRAY)
     for i, tool in enumerate(tools or ()):
@@ -169,6 +169,18 @@ _ROUTES: dict[str, Callable[[Mapping[str, Any]], None]] = {
 
 
 # --- parts -------------------------------------------------------------------------------
+#
+# A conversation has hundreds of these parts, and each is checked on every request: a
+# check's quick pass is written inline (a string is a string), and `_check` only words
+# the error, with the field's path, which is made only then.
+
+#: A Responses input item's fields that are strings when given.
+_ITEM_STRINGS = ("role", "type", "call_id", "name", "arguments", "output_text")
+#: A chat or messages message's fields that are strings when present (null is refused).
+_MESSAGE_STRINGS = ("name", "tool_call_id", "reasoning_content")
+#: A content block's fields that are strings, and objects, when given.
+_PART_STRINGS = ("type", "text", "thinking", "id", "name", "tool_use_id", "image_url", "refusal")
+_PART_OBJECTS = ("source", "input")
 
 
 def _one_generation(data: Mapping[str, Any]) -> None:
@@ -198,22 +210,33 @@ def _messages(messages: Any, where: str,
     if not isinstance(messages, list):
         raise InvalidRequest(f"'{where}' must be a list of messages.", param=where)
     for i, message in enumerate(messages):
-        at = f"{where}[{i}]"
-        _check(message, at, OBJECT, required=True)
+        if not isinstance(message, dict):
+            _check(message, f"{where}[{i}]", OBJECT, required=True)
         if "role" not in message:
-            raise InvalidRequest(f"'{at}.role' is required.", param=f"{at}.role")
-        _check(message["role"], f"{at}.role", STRING, required=True)
-        for name in ("name", "tool_call_id", "reasoning_content"):
+            raise InvalidRequest(f"'{where}[{i}].role' is required.", param=f"{where}[{i}].role")
+        if not isinstance(message["role"], str):
+            _check(message["role"], f"{where}[{i}].role", STRING, required=True)
+        for name in _MESSAGE_STRINGS:
             # present means a string: llama-server reads a null here as a type error
-            _check(message.get(name), f"{at}.{name}", STRING, required=name in message)
-        content(message.get("content"), f"{at}.content")
-        _tool_calls(message.get("tool_calls"), f"{at}.tool_calls")
+            value = message.get(name)
+            if not isinstance(value, str) and (value is not None or name in message):
+                _check(value, f"{where}[{i}].{name}", STRING, required=name in message)
+        value = message.get("content")
+        if value is not None and not isinstance(value, str):
+            content(value, f"{where}[{i}].content")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            _tool_calls(calls, f"{where}[{i}].tool_calls")
 
 
 def _chat_content(content: Any, where: str) -> None:
     _check(content, where, STRING, ARRAY)
     if isinstance(content, list):
         for i, part in enumerate(content):
+            if (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str) and part.get("image_url") is None
+                    and part.get("input_audio") is None):
+                continue  # a text part, the common one: each check below passes
             at = f"{where}[{i}]"
             _check(part, at, OBJECT, required=True)
             if "type" not in part:
@@ -238,23 +261,33 @@ def _parts(parts: list[Any], where: str) -> None:
     """Content blocks of the Responses and messages APIs: objects with a string type and
     string texts."""
     for i, part in enumerate(parts):
-        at = f"{where}[{i}]"
-        _check(part, at, OBJECT, required=True)
-        for name in ("type", "text", "thinking", "id", "name", "tool_use_id", "image_url",
-                     "refusal"):
-            _check(part.get(name), f"{at}.{name}", STRING)
-        _check(part.get("source"), f"{at}.source", OBJECT)
-        _check(part.get("input"), f"{at}.input", OBJECT)
+        if not isinstance(part, dict):
+            _check(part, f"{where}[{i}]", OBJECT, required=True)
+        for name in _PART_STRINGS:
+            value = part.get(name)
+            if value is not None and not isinstance(value, str):
+                _check(value, f"{where}[{i}].{name}", STRING)
+        for name in _PART_OBJECTS:
+            value = part.get(name)
+            if value is not None and not isinstance(value, dict):
+                _check(value, f"{where}[{i}].{name}", OBJECT)
         inner = part.get("content")
-        _check(inner, f"{at}.content", STRING, ARRAY)
         if isinstance(inner, list):
-            _parts(inner, f"{at}.content")
+            _parts(inner, f"{where}[{i}].content")
+        elif inner is not None and not isinstance(inner, str):
+            _check(inner, f"{where}[{i}].content", STRING, ARRAY)
 
 
 def _tool_calls(calls: Any, where: str) -> None:
     """An assistant message's tool calls, as llama-server requires them."""
     _check(calls, where, ARRAY)
     for i, call in enumerate(calls or ()):
+        if isinstance(call, dict) and call.get("type") == "function":
+            function = call.get("function")
+            if (isinstance(function, dict) and isinstance(function.get("name"), str)
+                    and isinstance(function.get("arguments"), (str, dict))
+                    and (isinstance(call.get("id"), str) or "id" not in call)):
+                continue  # each check below passes
         at = f"{where}[{i}]"
         _check(call, at, OBJECT, required=True)
         _check(call.get("id"), f"{at}.id", STRING, required="id" in call)
@@ -339,7 +372,8 @@ def _check(value: Any, where: str, *kinds: Kind, required: bool = False) -> None
     """InvalidRequest unless `value` is of one of `kinds` (or None, when not required)."""
     if value is None and not required:
         return
-    if any(test(value) for test, _ in kinds):
-        return
+    for test, _ in kinds:
+        if test(value):
+            return
     names = " or ".join(name for _, name in kinds)
     raise InvalidRequest(f"'{where}' must be {names}.", param=where)
