@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -179,9 +179,11 @@ class Prompt:
 def read_prompt(data: Mapping[str, Any]) -> Prompt:
     """The prompt of a parsed chat, messages, responses or completions request body: the
     one walk of its fields each request makes (the hint and the blocks read its parts)."""
-    parts = tuple(_parts(data))
-    if not parts:
+    found: list[tuple[str, str, bool]] = []
+    _parts(data, found.append)
+    if not found:
         return NO_PROMPT
+    parts = tuple(found)
     frame = hash(_dumps({key: value for key, value in sorted(data.items())
                          if key not in _PROMPT_FIELDS}))
     return Prompt(parts, frame)
@@ -214,72 +216,83 @@ _new_tuple = tuple.__new__
 _PROMPT_FIELDS = frozenset({"system", "instructions", "tools", "messages", "input", "prompt"})
 
 
-def _parts(data: Mapping[str, Any]) -> Iterator[tuple[str, str, bool]]:
+#: Adds a part (kind, text, said) to the prompt being read.
+_Add = Callable[[tuple[str, str, bool]], None]
+
+
+def _parts(data: Mapping[str, Any], add: _Add) -> None:
     """(kind, text, said) of a request body's prompt, in the order a template renders it
-    (see `Prompt.parts`)."""
+    (see `Prompt.parts`), each given to `add`."""
     system = data.get("system", data.get("instructions"))
     if system is not None:
         for text in _texts(system):
-            yield "system", text, True
+            add(("system", text, True))
     tools = data.get("tools")
     if tools:
-        yield "tools", _dumps(tools), False
+        add(("tools", _dumps(tools), False))
     messages = data.get("messages", data.get("input", data.get("prompt")))
     if isinstance(messages, str):
-        yield "prompt", messages, True
+        add(("prompt", messages, True))
         return
     if not isinstance(messages, list):
         return
     for message in messages:
         if isinstance(message, str):
-            yield "prompt", message, True
+            add(("prompt", message, True))
         elif isinstance(message, dict):
             role = message.get("role")
             if isinstance(role, str):
-                yield ROLE, role, False
-            yield from _message_parts(message)
+                add((ROLE, role, False))
+            _message_parts(message, add)
 
 
-def _message_parts(message: Mapping[str, Any]) -> Iterator[tuple[str, str, bool]]:
+def _message_parts(message: Mapping[str, Any], add: _Add) -> None:
     role = message.get("role")
     kind = _KINDS.get(role) if isinstance(role, str) else None
     item = message.get("type")
     if kind is None:  # a Responses input item, or an unknown role
         if item == "reasoning":
-            yield "reasoning", _dumps(message.get("summary") or message.get("content") or ""), \
-                False
+            add(("reasoning", _dumps(message.get("summary") or message.get("content") or ""),
+                 False))
         elif item in ("function_call", "function_call_output", "custom_tool_call",
                       "custom_tool_call_output"):
-            yield "tool", _dumps(message), False
+            add(("tool", _dumps(message), False))
         else:
-            yield "user", _dumps(message), False
+            add(("user", _dumps(message), False))
         return
-    for name in ("reasoning_content", "reasoning", "thinking"):
-        value = message.get(name)
-        if isinstance(value, str) and value:
-            yield "reasoning", value, False
+    # Most messages hold a role and a content only: their other fields are looked for
+    # only when there are some.
+    others = message.keys() - _ROLE_AND_CONTENT
+    if others:
+        for name in _REASONING_FIELDS:
+            value = message.get(name)
+            if isinstance(value, str) and value:
+                add(("reasoning", value, False))
     content = message.get("content")
     if isinstance(content, str):
-        yield from _split_think(kind, content)
+        _add_text(kind, content, add)
     elif isinstance(content, list):
         for part in content:
             if isinstance(part, str):
-                yield kind, part, True
+                add((kind, part, True))
             elif isinstance(part, dict):
                 ptype = part.get("type")
                 if ptype in ("thinking", "redacted_thinking", "reasoning"):
-                    yield "reasoning", str(part.get("thinking") or part.get("data")
-                                           or part.get("text") or ""), False
+                    add(("reasoning", str(part.get("thinking") or part.get("data")
+                                          or part.get("text") or ""), False))
                 elif ptype in ("tool_use", "tool_result"):
-                    yield "tool", _dumps(part), False
+                    add(("tool", _dumps(part), False))
                 elif isinstance(part.get("text"), str):
-                    yield from _split_think(kind, part["text"])
+                    _add_text(kind, part["text"], add)
+    if not others:
+        return
     calls = message.get("tool_calls")
     if calls:
-        yield kind, _dumps(calls), False
-    rest = {key: value for key, value in message.items() if key not in _MESSAGE_TEXT_FIELDS}
-    if rest:  # its name, its tool call's id: a template may render them too
-        yield kind, _dumps(rest), False
+        add((kind, _dumps(calls), False))
+    if not others <= _MESSAGE_TEXT_FIELDS:  # its name, its tool call's id: a template
+        # may render them too
+        add((kind, _dumps({key: value for key, value in message.items()
+                           if key not in _MESSAGE_TEXT_FIELDS}), False))
 
 
 _KINDS = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -288,17 +301,21 @@ _KINDS = {"system": "system", "developer": "system", "user": "user", "assistant"
 #: (a Responses "message" item), which no template renders.
 _MESSAGE_TEXT_FIELDS = frozenset({"role", "type", "content", "reasoning_content", "reasoning",
                                   "thinking", "tool_calls"})
+_ROLE_AND_CONTENT = frozenset({"role", "content"})
+_REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 
-def _split_think(kind: str, text: str) -> Iterable[tuple[str, str, bool]]:
-    """An answer that starts with its `<think>` block: the block is its reasoning (what
-    the conversation says all the same: its content)."""
+def _add_text(kind: str, text: str, add: _Add) -> None:
+    """A message's text; an answer that starts with its `<think>` block: the block is its
+    reasoning (what the conversation says all the same: its content)."""
     if kind == "assistant" and text.startswith("<think>"):
         end = text.find("</think>")
         if end >= 0:
             end += len("</think>")
-            return (("reasoning", text[:end], True), (kind, text[end:], True))
-    return ((kind, text, True),)
+            add(("reasoning", text[:end], True))
+            add((kind, text[end:], True))
+            return
+    add((kind, text, True))
 
 
 def _texts(content: Any) -> Iterator[str]:
@@ -312,5 +329,7 @@ def _texts(content: Any) -> Iterator[str]:
                 yield part["text"]
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+#: `json.dumps(value, ensure_ascii=False, separators=(",", ":"))` with its encoder made
+#: once, not per call (several calls a message); a parsed body holds no cycle to look for.
+_dumps = json.JSONEncoder(ensure_ascii=False, check_circular=False,
+                          separators=(",", ":")).encode

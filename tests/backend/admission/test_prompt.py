@@ -3,6 +3,9 @@ request continues another."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from backend.admission.hint import request_hint
 from backend.admission.prompt import NO_BLOCKS, NO_PROMPT, prompt_blocks, read_prompt
 from tests.backend.admission.chat_bodies import (AGENT, AGENT_NEXT, FIRST, HEAD, SECOND, TOOLS,
@@ -60,3 +63,37 @@ def test_a_body_is_read_once_for_its_hint_and_its_blocks():
     assert [p.kind for p in prompt.blocks().parts] == [
         "tools", "system", "user", "reasoning", "assistant", "assistant"]
     assert read_prompt({"model": "m"}) is NO_PROMPT and NO_PROMPT.blocks() is NO_BLOCKS
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_each_field_of_a_message_a_template_may_render_is_a_part_in_the_order_it_renders():
+    """A message's reasoning, its content, its tool calls and its other fields (a name, a
+    tool call's id) are each a part, in that order, whatever order the body gives them
+    in; a message of a role and a content is those two alone; what the conversation says
+    is its contents, not the JSON of its calls or fields."""
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "run", "arguments": "{\"command\": \"ls\"}"}}]
+    item = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    body: dict[str, Any] = {"temperature": 0, "messages": [
+        {"role": "user", "content": "list the files"},
+        {"tool_calls": calls, "name": "büro", "content": "<think>ls</think>Here.",
+         "reasoning_content": "first ls", "role": "assistant"},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.py"}]},
+        {"role": "user", "content": None},
+        item]}
+    assert read_prompt(body).parts == (
+        ("role", "user", False), ("user", "list the files", True),
+        ("role", "assistant", False), ("reasoning", "first ls", False),
+        ("reasoning", "<think>ls</think>", True), ("assistant", "Here.", True),
+        ("assistant", _compact(calls), False), ("assistant", _compact({"name": "büro"}), False),
+        ("role", "tool", False), ("tool", "a.py", True),
+        ("tool", _compact({"tool_call_id": "c1"}), False),
+        ("role", "user", False),
+        ("tool", _compact(item), False))
+    # The other fields make the request's frame, in any order.
+    assert read_prompt(body).frame == read_prompt(
+        {"messages": body["messages"], "temperature": 0}).frame
+    assert read_prompt(body).frame != read_prompt({**body, "temperature": 1}).frame
