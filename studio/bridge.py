@@ -18,8 +18,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import threading
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
@@ -38,8 +36,6 @@ from backend.errors import LoadSuperseded, StudioError
 from backend.keys.enrolments import SharedRequest
 from backend.keys.key_store import KeyRecord
 from backend.models.download_queue import DownloadQueue
-from backend.models.fit import FitEstimate, MachineMemory
-from backend.models.hub import CuratedModel, ModelChoice, RepoListing, RepoSummary, curated_models
 from backend.models.library import ModelLibrary
 from backend.port.request_log import RequestRecord
 from backend.app.sharing.key_table import KeyTable
@@ -50,19 +46,20 @@ from backend.llama.kv_capacity import KvLayout
 from backend.llama.load import LoadSpec, Snapshot
 from backend.throttle import Throttle
 
-__all__ = ["ACCESS_LOGGER", "LogLine", "ServiceBridge", "describe_error"]
+from studio.hub_calls import HubCalls
+from studio.line_batches import BATCH_INTERVAL, AccessLogHandler, Batcher, on_loop_of
+
+__all__ = ["ACCESS_LOGGER", "ServiceBridge", "describe_error"]
 
 log = logging.getLogger("gguf_studio.studio")
 
 ACCESS_LOGGER = "gguf_studio.access"
-BATCH_INTERVAL = 0.1  # seconds: at most ten batches a second reach the GUI
-LogLine = tuple[str, str]  # (source, text); source is "llama-server" or "access"
 
 Callback = Callable[[Any], None]
 T = TypeVar("T")
 
 
-class ServiceBridge(QObject):
+class ServiceBridge(QObject, HubCalls):
     snapshot_changed = Signal(object)  # Snapshot of the default model's engine
     model_snapshot_changed = Signal(str, object)  # model, Snapshot: every engine of the pool
     log_lines_arrived = Signal(list)  # [LogLine], batched
@@ -93,13 +90,13 @@ class ServiceBridge(QObject):
         self._hub = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gguf-studio-hub")
         self.downloads = downloads if downloads is not None else DownloadQueue()
         self.downloads.add_listener(self._on_download)
-        self._logs = _Batcher(self.backend_thread, self.log_lines_arrived.emit)
-        self._build_events = _Batcher(self.backend_thread, self.build_progressed.emit)
-        self._access_handler = _AccessLogHandler(self._logs)
+        self._logs = Batcher(self.backend_thread, self.log_lines_arrived.emit)
+        self._build_events = Batcher(self.backend_thread, self.build_progressed.emit)
+        self._access_handler = AccessLogHandler(self._logs)
         # The pool changes with every request (slots and KV in use): its picture is taken
         # on the loop at most ten times a second, the last change always included.
         self._pool_watch = Throttle(BATCH_INTERVAL, self._publish_pool,
-                                    _on_loop_of(self.backend_thread))
+                                    on_loop_of(self.backend_thread))
         self.pool_state = PoolState()
         self._sampler: ActivitySampler | None = None
         self._port_lock: asyncio.Lock | None = None  # made on the backend loop
@@ -396,60 +393,6 @@ class ServiceBridge(QObject):
         """The Sessions view's rows, made on the backend loop (which owns the session book)."""
         return self._call(_now_on_loop(self.service.session_rows), on_done=on_done)
 
-    # --- Hugging Face ------------------------------------------------------------------------
-
-    def curated_models(self) -> list[CuratedModel]:
-        """The shipped list of good coding models; package data, no network."""
-        return curated_models()
-
-    def search_models(self, text: str, sort: str, on_done: Callback,
-                      on_error: Callable[[str], None]) -> concurrent.futures.Future[list[RepoSummary]]:
-        from backend.models.hub import search
-
-        return self._in_hub(lambda: search(text, sort=sort), on_done=on_done, on_error=on_error)
-
-    def list_repo(self, repo_id: str, context: int, on_done: Callback,
-                  on_error: Callable[[str], None]
-                  ) -> concurrent.futures.Future[tuple[RepoListing, dict[str, FitEstimate]]]:
-        """Calls `on_done((listing, fits))`: the repository's models and a badge for each."""
-        from backend.models.fit import fit_choices
-        from backend.models.hub import list_repo
-
-        def listing_with_fits() -> tuple[RepoListing, dict[str, FitEstimate]]:
-            listing = list_repo(repo_id)
-            return listing, fit_choices(listing, _machine_memory(), context)
-
-        return self._in_hub(listing_with_fits, on_done=on_done, on_error=on_error)
-
-    def refit(self, listing: RepoListing, context: int, on_done: Callback
-              ) -> concurrent.futures.Future[tuple[RepoListing, dict[str, FitEstimate]]]:
-        """New badges for another context: local work only (headers of files already here)."""
-        from backend.models.fit import fit_choices
-
-        return self.run_in_thread(lambda: (listing, fit_choices(listing, _machine_memory(), context)),
-                                  on_done=on_done)
-
-    def download(self, choice: ModelChoice, commit: str) -> str:
-        return self.downloads.add(choice, commit)
-
-    def pause_download(self, job_id: str) -> None:
-        self.downloads.pause(job_id)
-
-    def resume_download(self, job_id: str) -> None:
-        self.downloads.resume(job_id)
-
-    def cancel_download(self, job_id: str) -> None:
-        self.downloads.cancel(job_id)
-
-    def save_hf_token(self, token: str, on_error: Callable[[str], None] | None = None) -> None:
-        from backend.models.hub import save_token
-
-        self.run_in_thread(save_token, token, on_error=on_error)
-
-    def _in_hub(self, fn: Callable[..., T], *args: Any, on_done: Callback | None,
-                on_error: Callable[[str], None] | None) -> concurrent.futures.Future[T]:
-        return self._in_pool(self._hub, fn, *args, on_done=on_done, on_error=on_error)
-
     def _in_pool(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
                  *args: Any, on_done: Callback | None,
                  on_error: Callable[[str], None] | None) -> concurrent.futures.Future[T]:
@@ -606,63 +549,3 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}."
     return f"Unexpected error: {exc or type(exc).__name__}"
-
-
-def _machine_memory() -> MachineMemory:
-    """RAM and the GPU memory the engines can use.  Detection runs programs (once a
-    process): called only from the worker threads, never the GUI thread or the loop."""
-    from backend.models.fit import machine_memory
-
-    return machine_memory(detect_accelerators().offload_memory())
-
-
-def _on_loop_of(thread: BackendThread) -> Callable[[float, Callable[[], None]], None]:
-    """A `Throttle` schedule that runs on `thread`'s loop, from any thread."""
-    def schedule(delay: float, fn: Callable[[], None]) -> None:
-        thread.call_soon(thread.loop.call_later, delay, fn)
-    return schedule
-
-
-class _Batcher:
-    """Collects items from any thread and hands them on in batches from the backend loop,
-    at most one batch per interval (the `Throttle` the download queue's progress uses too)."""
-
-    def __init__(self, thread: BackendThread, emit: Callable[[list[Any]], None], *,
-                 interval: float = BATCH_INTERVAL, limit: int = 5000) -> None:
-        self._emit = emit
-        # A flood beyond the limit within one interval keeps its newest lines: the window
-        # shows a tail anyway.
-        self._items: deque[Any] = deque(maxlen=limit)
-        self._lock = threading.Lock()
-        self._throttle = Throttle(interval, self._flush, _on_loop_of(thread))
-
-    def push(self, item: Any) -> None:
-        with self._lock:
-            self._items.append(item)
-        try:
-            self._throttle.poke()
-        except RuntimeError:  # the loop is closed
-            pass
-
-    def _flush(self) -> None:
-        with self._lock:
-            items = list(self._items)
-            self._items.clear()
-        if items:
-            try:
-                self._emit(items)
-            except RuntimeError:
-                pass
-
-
-class _AccessLogHandler(logging.Handler):
-    def __init__(self, sink: _Batcher) -> None:
-        super().__init__(logging.INFO)
-        self._sink = sink
-        self.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._sink.push(("access", self.format(record)))
-        except Exception:
-            self.handleError(record)
