@@ -242,7 +242,7 @@ class Exchange:
             return False
         key = self._twin or twin_key(self.caller.flow, request.path, request.model_id or
                                      UNROUTED, request.headers, request.parsed.body)
-        if not resends.orphaned(key, self):
+        if not resends.orphaned(key, self, self.caller.name):
             return False
         self._twin = key
         self.audience.leave()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 from starlette.types import Message
 
 from backend.admission.hint import SESSION_HEADERS
+from backend.keys.key_store import CHAT_NAME
 
 if TYPE_CHECKING:
     from backend.port.audience import Listener
@@ -106,10 +107,11 @@ class Resends:
         """Is anything there a resend could find (else its key is not worth computing)?"""
         return bool(self._orphans or self._finished)
 
-    def orphaned(self, key: str, orphan: Orphan) -> bool:
-        """`orphan`'s client left: may a resend find it?  (Not while another holds the
-        same key, nor when the grace is 0.)"""
-        if self._grace() <= 0 or key in self._orphans:
+    def orphaned(self, key: str, orphan: Orphan, caller: str) -> bool:
+        """`orphan`'s client (`caller`) left: may a resend find it?  Not while another
+        holds the same key, nor when the grace is 0, nor for the window's Chat tab, whose
+        Stop means stop (the owner's next message must not wait for the grace)."""
+        if self._grace() <= 0 or key in self._orphans or caller == CHAT_NAME:
             return False
         self._orphans[key] = orphan
         return True

@@ -12,11 +12,14 @@ import time
 from typing import Any, cast
 
 import httpx
+from starlette.types import Message
 
 from backend.app.service import StudioService
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings, Snapshot
-from backend.port.resends import JOINED_FINISHED, JOINED_RUNNING
+from backend.keys.key_store import CHAT_NAME
+from backend.port.resends import (FINISHED_ANSWERS, FINISHED_BYTES, JOINED_FINISHED,
+                                  JOINED_RUNNING, Resends)
 from tests.backend.port.test_prefill import CONTEXT, PROMPT_TOKENS, long_text
 from tests.backend.service_harness import ServiceFactory
 
@@ -177,3 +180,39 @@ async def test_a_request_whose_client_is_still_there_is_never_joined(
     answers = await asyncio.gather(answer_of(service, body), answer_of(service, body))
     assert all(text for text, _ in answers)
     assert [r["joined"] for r in await records(service)] == [None, None]
+
+
+class _Orphan:
+    metrics: Any = None
+
+    async def adopt(self, listener: Any) -> bool:
+        return True
+
+
+def test_the_chat_tabs_stop_is_never_kept_for_a_resend_and_one_orphan_holds_a_key() -> None:
+    resends = Resends(lambda: GRACE)
+    assert not resends.orphaned("k", _Orphan(), CHAT_NAME)  # its Stop means stop
+    first, second = _Orphan(), _Orphan()
+    assert resends.orphaned("k", first, "alice") and not resends.orphaned("k", second, "alice")
+    assert resends.orphan("k") is first and resends.orphan("k") is None
+    assert not Resends(lambda: 0.0).orphaned("k", first, "alice")  # no grace: cut at once
+
+
+def test_finished_answers_are_kept_for_the_grace_one_taker_each_and_bounded() -> None:
+    now = [0.0]
+    resends = Resends(lambda: GRACE, clock=lambda: now[0])
+    answer: list[Message] = [{"type": "http.response.body", "body": b"x" * 1000,
+                              "more_body": False}]
+    resends.finished("a", answer)
+    found = resends.answer("a")
+    assert found is not None and list(found.messages) == answer
+    assert resends.answer("a") is None  # one resend gets it
+    resends.finished("b", answer)
+    now[0] = GRACE + 0.1
+    assert resends.answer("b") is None and not resends  # gone once its grace is over
+    for n in range(FINISHED_ANSWERS + 1):
+        resends.finished(str(n), answer)
+    assert resends.answer("0") is None and resends.answer(str(FINISHED_ANSWERS)) is not None
+    huge: list[Message] = [{"type": "http.response.body", "body": b"x" * (FINISHED_BYTES + 1)}]
+    resends.finished("huge", huge)
+    assert resends.answer("huge") is None
