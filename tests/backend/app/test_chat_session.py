@@ -7,7 +7,9 @@ conversation nor the Chat tab's secret."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,7 +107,14 @@ async def test_stop_ends_the_answer_keeps_what_arrived_and_frees_the_slot(servic
     assert after.state is AnswerState.DONE and after.text
 
 
-async def test_regenerate_replaces_the_last_answer(service, chat, options):
+async def test_regenerate_replaces_the_last_answer(service, chat, options, monkeypatch):
+    loads: list[object] = []
+    load_verify_locations = ssl.SSLContext.load_verify_locations
+
+    def counted(context: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        loads.append(context)
+        load_verify_locations(context, *args, **kwargs)
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
     first = await asyncio.wait_for(chat.send(QUESTION, options), 120)
     assert first.state is AnswerState.DONE and first.figures is not None
 
@@ -118,6 +127,9 @@ async def test_regenerate_replaces_the_last_answer(service, chat, options):
     # this time all but its last token found in the engine's cache.
     assert again.figures is not None and again.figures.prompt_tokens == first.figures.prompt_tokens
     assert again.figures.cached_tokens is not None and again.figures.cached_tokens > 0
+    # The certificates are read once a process, not once a message (each read held the
+    # port's loop 50-120 ms).
+    assert len(loads) <= 1
 
 
 async def test_clear_empties_the_conversation_and_stops_an_answer(service, chat, options):
