@@ -178,9 +178,13 @@ class CpuMeter:
 
 
 def port_env(config_dir: Path) -> dict[str, str]:
-    """The environment of a `gguf-studio serve`: no saved settings, no GGUF_STUDIO_* leaking in."""
+    """The environment of a `gguf-studio serve`: no saved settings, no GGUF_STUDIO_* leaking
+    in, and nothing written to the user's own data (request history, keys, parked slots):
+    its data and state live beside `config_dir`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GGUF_STUDIO_")}
     env["XDG_CONFIG_HOME"] = str(config_dir)
+    env["XDG_DATA_HOME"] = str(config_dir.with_name(config_dir.name + "-data"))
+    env["XDG_STATE_HOME"] = str(config_dir.with_name(config_dir.name + "-state"))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
