@@ -79,7 +79,7 @@ _SERVE_SETTINGS = ("host", "port", "api_key", "allow_no_key", "allow_origins", "
                    "default_output_tokens", "max_body_bytes", "max_waiting_body_bytes",
                    "max_incoming_body_bytes", "max_prompt_counts",
                    "client_stall_timeout", "max_connections", "header_timeout",
-                   "reload_grace",
+                   "reload_grace", "resend_grace",
                    "llama_server", "parallel", "ctx_size", "n_gpu_layers", "threads",
                    "load_timeout", "models_file", "rpc", "otel_endpoint", "otel_client_parent",
                    "allow_enrolment",
@@ -418,6 +418,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a client may take to send a request head or the next "
                        "part of its body; the whole body gets this plus 1 s per KiB (30)")
     serve.add_argument("--reload-grace", type=float, help="seconds running requests get on reload (30)")
+    serve.add_argument("--resend-grace", type=float,
+                       help="seconds a request whose client hung up before its answer began "
+                       "keeps its place and its engine's work, for the same request sent again "
+                       f"to join it, 0 = cut at once (30; {env('resend_grace')})")
     serve.add_argument("--load-timeout", type=float, help="seconds a load may take (300)")
     serve.add_argument("--stall-budget", dest="stall_budget_ms", type=float, metavar="MS",
                        help="longest a stream may wait for one step beside a prompt; sets "

@@ -227,3 +227,12 @@ def test_the_placement_comes_from_the_file_the_environment_and_serve_and_names_o
         Settings(placement="random")
     args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--placement", "hash-ring"])
     assert serve_settings(args).placement == "hash-ring"
+
+
+def test_the_resend_grace_comes_from_the_file_the_environment_and_serve(tmp_path):
+    from backend.app.cli import _parser, serve_settings
+    path = tmp_path / "settings.json"
+    assert Settings.load(path, environ={}).resend_grace == 30.0
+    assert Settings.load(path, environ={"GGUF_STUDIO_RESEND_GRACE": "5"}).resend_grace == 5.0
+    args = _parser().parse_args(["serve", "--upstream", "http://gpu-box:8080", "--resend-grace", "0"])
+    assert serve_settings(args).resend_grace == 0.0
