@@ -139,6 +139,20 @@ class AdmissionQueue:
         """See `Serving.pin_any_slot`."""
         return self.serving.pin_any_slot
 
+    @property
+    def finds_prefix_in_ram(self) -> bool:
+        """See `Serving.finds_prefix_in_ram`."""
+        return self.serving.finds_prefix_in_ram
+
+    def free_slot_ids(self) -> list[int]:
+        """The slot ids free now, the lowest first."""
+        free = self._free_ids
+        ids = []
+        while free:
+            ids.append((free & -free).bit_length() - 1)
+            free &= free - 1
+        return ids
+
     def prefill_seconds(self, tokens: int) -> float | None:
         """A fresh prompt of `tokens`, computed at the depths it reaches
         (`backend.llama.engine_speed.SpeedModel`); None: not measured."""

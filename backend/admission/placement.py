@@ -146,6 +146,14 @@ class SeatEngine(Protocol):
         """A request pinned to a slot that has held a prompt still finds its own prefix
         (in that slot or the engine's RAM prompt cache): the engine was started so."""
 
+    @property
+    def finds_prefix_in_ram(self) -> bool:
+        """An attached llama-server brings a prompt back from its RAM prompt cache into a
+        slot that held another, once that slot is vacated (`Serving.finds_prefix_in_ram`)."""
+
+    def free_slot_ids(self) -> list[int]:
+        """The slot ids free now, the lowest first."""
+
     def prefill_seconds(self, tokens: int) -> float | None:
         """Seconds it would take to compute a fresh prompt of `tokens`, from its speed
         measured after its load; None: not measured."""
@@ -165,6 +173,11 @@ class Seat(Generic[E]):
     #: Prompt tokens the placement expects the engine's cache to hold for the request
     #: (not charged to its flow's fair share).
     cached: int = 0
+    #: What the slot holds goes to the engine's RAM prompt cache before the request is
+    #: sent (the session steward's `vacate`), so that the pinned request loads its own
+    #: prefix from there: an attached llama-server at its default slot similarity would
+    #: otherwise reuse another session's prompt in place, from the shared head on.
+    vacate: bool = False
 
 
 class Placeable(Protocol):
@@ -281,7 +294,8 @@ class KeepPrefixes(Placement):
         best = _most_free(need, engines)
         if best is None:
             return None
-        return _unpinned(best, pinnable=hint.pinnable) if keeps_slots(best) else best.lowest_free_seat()
+        return _unpinned(best, pinnable=hint.pinnable, sessions=self.sessions) \
+            if keeps_slots(best) else best.lowest_free_seat()
 
     def cached_tokens(self, hint: Hint, engine: object) -> int:
         """What the session book knows `engine`'s cache holds of the request with `hint`
@@ -353,7 +367,8 @@ class KeepPrefixes(Placement):
             return None
         if best.key == near:
             return _seat_on(best, None, need, self.sessions, hint.pinnable)
-        return _unpinned(best, pinnable=hint.pinnable) if keeps_slots(best) else best.lowest_free_seat()
+        return _unpinned(best, pinnable=hint.pinnable, sessions=self.sessions) \
+            if keeps_slots(best) else best.lowest_free_seat()
 
     def waits_for_home(self, ticket: Placeable, engines: Sequence[E]) -> bool:
         """Does `place` keep `ticket` waiting for the engine holding its session's prefix
@@ -550,12 +565,28 @@ def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
     return best
 
 
-def _unpinned(engine: E, *, pin_fresh: bool = True, pinnable: bool = True) -> Seat[E]:
+def _unpinned(engine: E, *, pin_fresh: bool = True, pinnable: bool = True,
+              sessions: Sessions | None = None, returning: bool = False) -> Seat[E]:
     """The seat llama-server would choose by itself; pinned there when the engine was
     started to keep prefixes and that slot has held a prompt (the port's books then hold
     for sure: requests ending at once may release their slots in another order there),
-    and the request takes a pin."""
+    and the request takes a pin.
+
+    On an attached llama-server that finds prefixes in its RAM cache (at its default
+    slot similarity, which reuses in place any slot whose prompt shares the head), every
+    pinnable request is pinned: a session `returning` to the engine, whose prefix its
+    RAM cache holds, to the least recently used free slot, vacated first (`Seat.vacate`);
+    any other to a free slot where no session's prefix lives, a never used one first
+    (`_free_of_sessions`), else that least recently used one, not vacated (a new prompt
+    pinned to a vacated slot would take the RAM cache entry of the session sharing most
+    of its head, and that session would compute its prompt again)."""
     seat = engine.least_recent_free_seat()
+    if (engine.finds_prefix_in_ram and not engine.pin_any_slot and pinnable
+            and seat.slot is not None):
+        if returning:
+            return Seat(engine, seat.slot, pinned=True, vacate=True)
+        empty = _free_of_sessions(engine, sessions)
+        return Seat(engine, seat.slot if empty is None else empty, pinned=True)
     if pinnable and seat.slot is not None and (engine.pin_any_slot
                                   or (pin_fresh and not engine.slot_used(seat.slot))):
         # A slot never used is pinned too: requests that reach the engine in another
@@ -587,8 +618,22 @@ def _seat_on(engine: E, session: Session | None, need: TokenNeed | None,
     else:
         # Not a fresh slot for a session whose prefix is here: unpinned, the engine may
         # still find it in its RAM cache.
-        seat = _unpinned(engine, pin_fresh=session is None, pinnable=pinnable)
+        seat = _unpinned(engine, pin_fresh=session is None, pinnable=pinnable,
+                         sessions=sessions, returning=session is not None)
     if session is None or not session.prompt_tokens:
         return seat
     prompt = session.prompt_tokens if need is None else min(need.prompt, session.prompt_tokens)
-    return Seat(engine, seat.slot, seat.pinned, prompt)
+    return Seat(engine, seat.slot, seat.pinned, prompt, seat.vacate)
+
+
+def _free_of_sessions(engine: SeatEngine, sessions: Sessions | None) -> int | None:
+    """A free slot of `engine` that holds no session's prefix, as the book says: a never
+    used one first (the lowest id), else one no session holds; None: every free slot
+    holds one."""
+    unheld: int | None = None
+    for slot in engine.free_slot_ids():
+        if not engine.slot_used(slot):
+            return slot
+        if unheld is None and (sessions is None or sessions.holder(engine.key, slot) is None):
+            unheld = slot
+    return unheld

@@ -229,6 +229,8 @@ async def _serve_async(settings: Settings, config: PoolConfig) -> int:
                 line += f"; runs on {snapshot.engine.summary()}"
             if serving.kv_note:
                 line += f"\n  {serving.kv_note} (--upstream-kv split|unified)"
+            if serving.prefix_warning:
+                line += f"\n  {serving.prefix_warning}"
             line += _template_report(service.pool.status(model).chat_template
                                      if model in service.pool.names() else None)
         if snapshot.error:

@@ -110,8 +110,9 @@ def _ready(snapshot: Snapshot, status: ModelStatus | None,
             if report.context_reduced_from:
                 runs += f" (shrunk from {report.context_reduced_from:,} to fit the memory)"
         details.append(runs + ".")
-    if serving.kv_note:
-        details.append(serving.kv_note)
+    for note in (serving.kv_note, serving.prefix_warning):
+        if note:
+            details.append(note)
     return ModelAccount(f"Ready{default} — {words}", (*details, *decision), loaded=True,
                         slots_differ=differs)
 

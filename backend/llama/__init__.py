@@ -5,7 +5,8 @@ Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`; its pinn
 sources, checked before any use, `sources`, and our patches to them, `patches`; the
 environment its processes get,
 `environment`), runs and supervises one load (`supervisor`; one started process of it and
-its key, `engine_process`) or watches a remote one (`remote_engine`), lends this machine's
+its key, `engine_process`) or watches a remote one (`remote_engine`, asking it what it
+keeps of a prompt: `prefix_probe`), lends this machine's
 devices to an engine elsewhere and greets a load's workers (`rpc_worker`), measures how
 fast an engine computes prompts and steps after each load (`engine_speed`), talks to its
 own API (`api`), reads what it reported (`report`, `log`), knows its KV cache rules

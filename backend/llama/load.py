@@ -228,6 +228,13 @@ class Serving:
     #: It takes a request's `id_slot` (a llama-server); another GGUF Studio port refuses
     #: it (its slots are its own to place), so a pinned seat there is sent unpinned.
     takes_slot_ids: bool = True
+    #: An attached llama-server seen to bring a prompt back from its RAM prompt cache into
+    #: a slot that held another (`backend.llama.prefix_probe`): placement pins every turn
+    #: there, and has a returning session's slot vacated first (`Seat.vacate`).
+    finds_prefix_in_ram: bool = False
+    #: What defeats prefix keeping on an attached engine and what to change (for the
+    #: log, the window and /health); None: nothing known to.
+    prefix_warning: str | None = None
     #: How fast it computes prompts and steps, and the batch it runs with, as measured
     #: after its load (backend.llama.engine_speed); None when not measured.
     speed: EngineSpeed | None = None

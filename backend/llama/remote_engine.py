@@ -10,7 +10,11 @@ another GGUF Studio port; its `/health` says which each time it answers:
   Unstated, it is one shared pool of one slot's context, never more than the engine
   has; with more than one slot that may hold requests back, and the snapshot's
   `kv_note` and the log say so.  Read again every `reread_interval` seconds and each
-  time it comes back; a change (slots, context, model, build) gives a new snapshot.
+  time it comes back; a change (slots, context, model, build) gives a new snapshot,
+  and the engine is asked what it keeps of a prompt (`backend.llama.prefix_probe`):
+  whether a returning session's prefix comes back from its RAM prompt cache
+  (`finds_prefix_in_ram`), and which of its flags defeat prefix keeping
+  (`prefix_warning`).
 - **GGUF Studio** (`/health` with `state`, `effective_parallel_slots`, `kv`, `model`):
   its exact slots and KV cache, read at every health check, and the models it lists
   in `/v1/models` with their context (the list read again every `reread_interval`).
@@ -42,6 +46,7 @@ from backend.llama.api import (EngineClient, EngineProps, StudioHealth, StudioMo
 from backend.llama.kv_capacity import KvCapacity, KvLayout, assumed_layout_note, kv_from_props
 from backend.llama.load import (LogListener, ServedModel, Serving, Snapshot, SnapshotPublisher,
                                 State)
+from backend.llama.prefix_probe import probe_prefix_keeping
 
 __all__ = ["RemoteEngine", "UpstreamKind", "normalise_base_url"]
 
@@ -146,8 +151,14 @@ class RemoteEngine(SnapshotPublisher):
         note = assumed_layout_note(kv, slots, self.kv_layout)
         if note:
             log.warning("%s: %s", self.base_url, note)
+        keeping = await probe_prefix_keeping(engine, slots)
+        warning = None if keeping is None else keeping.warning
+        if warning:
+            log.warning("%s: %s", self.base_url, warning)
         self._serve(model_id=_served_name(props), slots=slots, context_length=per_slot,
-                    kv=kv, kv_note=note, upstream_models=())
+                    kv=kv, kv_note=note, upstream_models=(),
+                    finds_prefix_in_ram=keeping is not None and keeping.finds_in_ram
+                    and keeping.reuses_prompts, prefix_warning=warning)
 
     async def _follow_studio(self, engine: EngineClient, health: StudioHealth) -> None:
         if health.models is not None:
@@ -230,7 +241,8 @@ class RemoteEngine(SnapshotPublisher):
         return models
 
     def _serve(self, *, model_id: str, slots: int, context_length: int | None, kv: KvCapacity,
-               kv_note: str | None, upstream_models: tuple[UpstreamModel, ...]) -> None:
+               kv_note: str | None, upstream_models: tuple[UpstreamModel, ...],
+               finds_prefix_in_ram: bool = False, prefix_warning: str | None = None) -> None:
         if self._snapshot.state is not State.READY:
             log.info("%s (%s) joins: %s, %s", self.base_url, self.kind.value if self.kind else "?",
                      model_id, kv.describe(slots))
@@ -238,7 +250,8 @@ class RemoteEngine(SnapshotPublisher):
             log.info("%s changed: %s, %s", self.base_url, model_id, kv.describe(slots))
         serving = Serving(self.base_url, slots, context_length=context_length, kv=kv,
                           api_key=self.api_key, kv_note=kv_note, upstream_models=upstream_models,
-                          takes_slot_ids=self.kind is not UpstreamKind.GGUF_STUDIO)
+                          takes_slot_ids=self.kind is not UpstreamKind.GGUF_STUDIO,
+                          finds_prefix_in_ram=finds_prefix_in_ram, prefix_warning=prefix_warning)
         self._set_state(State.READY, serving=serving, model_id=model_id, models=(),
                         restarting=False, error=None)
 

@@ -156,10 +156,12 @@ class ParkingSteward:
         #: answer has none), restores that took, that did not, parks that failed,
         #: prefixes moved to the RAM cache for turns that cannot be pinned (`_gather`),
         #: parked prefixes left unrestored because the turn began another conversation,
-        #: and sessions not parked because nothing could restore them (their model's
-        #: engine keeps no checkpoints in its files, or their prompt was not kept).
+        #: sessions not parked because nothing could restore them (their model's
+        #: engine keeps no checkpoints in its files, or their prompt was not kept), and
+        #: slots of attached engines vacated for returning sessions (`_vacate_seat`).
         self.counts = {"parked": 0, "recalled": 0, "restored": 0, "not_taken": 0,
-                       "park_failed": 0, "gathered": 0, "not_continued": 0, "not_parked": 0}
+                       "park_failed": 0, "gathered": 0, "not_continued": 0, "not_parked": 0,
+                       "vacated": 0}
 
     # --- before a planned loss ----------------------------------------------------------
 
@@ -280,6 +282,9 @@ class ParkingSteward:
         session's parked prefix into the seat's slot, when the request continues it, and
         pin the seat to it.  What `after_answer` needs (None: nothing).  Parking never
         fails a request: whatever goes wrong, the turn is a plain prefill."""
+        seat = ticket.seat
+        if seat is not None and seat.vacate and seat.slot is not None:
+            await self._vacate_seat(ticket, seat.slot)
         try:
             return await self._restore(ticket, model, body)
         except (OSError, StudioError) as exc:
@@ -441,6 +446,21 @@ class ParkingSteward:
         return ParkingAbility(True, memory.rollback, memory.checkpoints, (
             f"{done}: {why}, and its engine saves them with the slot (up to "
             f"{memory.checkpoints} a slot, about {format_bytes(memory.checkpoint_bytes)} each)."))
+
+    async def _vacate_seat(self, ticket: Ticket, slot: int) -> None:
+        """A returning session's turn seated on a slot that holds another prompt, on an
+        attached llama-server (`Seat.vacate`): that prompt goes to the engine's RAM
+        prompt cache first, so the pinned turn loads its own prefix from there instead
+        of reusing the other's in place from the shared head on."""
+        serving = ticket.serving
+        try:
+            async with SlotClient(serving.base_url, api_key=serving.api_key,
+                                  timeout=GATHER_TIME_LIMIT) as engine:
+                await engine.vacate(slot)
+            self.counts["vacated"] += 1
+        except SlotActionFailed as exc:
+            log.warning("a slot was not vacated for a returning session (%s); its turn "
+                        "may compute its prompt again", exc)
 
     async def _gather(self, ticket: Ticket, where: Session) -> None:
         """A turn the engine cannot pin (`Hint.pinnable`) goes to the engine's least

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.llama.chat_template import ChatTemplate
-from backend.llama.load import Snapshot, State
+from backend.llama.load import Serving, Snapshot, State
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.metrics import EngineLoad, ModelLoad
 
 __all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
-           "engine_status", "engines_elsewhere", "model_loads", "residency_of", "scrubbed"]
+           "engine_note", "engine_status", "engines_elsewhere", "model_loads", "residency_of", "scrubbed"]
 
 #: Where a local model's engine runs, in the window, /health and the metrics' labels.
 HERE = "this machine"
@@ -95,8 +95,16 @@ def engine_status(registry: AdmissionRegistry, engine_id: str, where: str,
         queue.active if queue is not None else 0,
         queue.line.waiting if queue is not None else 0,
         queue.reserved_tokens if queue is not None else 0,
-        serving.kv_note if serving is not None else None,
+        engine_note(serving) if serving is not None else None,
         serving.speed.to_dict() if serving is not None and serving.speed is not None else None)
+
+
+def engine_note(serving: Serving) -> str | None:
+    """What /health and the Pool tab's engine row say of an engine beyond its figures:
+    an assumed KV layout, and what of its flags defeats prefix keeping (an attached
+    llama-server's) with what to change; None: nothing."""
+    notes = [note for note in (serving.kv_note, serving.prefix_warning) if note]
+    return " ".join(notes) if notes else None
 
 
 def residency_of(state: str) -> Residency:

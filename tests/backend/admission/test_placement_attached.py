@@ -1,0 +1,142 @@
+"""Sessions on plain llama-servers attached at their defaults keep their prefixes.
+
+Real engines: two llama-servers started by hand as a user would (the managed binary,
+SmolLM2, `-np 2`, llama.cpp's default slot similarity and RAM prompt cache), attached
+with `--upstream ... --upstream-kv split` (`attach_upstream`), sessions through the
+port.  At llama.cpp's default similarity a turn sent to a slot that holds another
+session's prompt reuses that prompt in place from the shared head on, and the returning
+session's own prefix, in the engine's RAM prompt cache, is not looked at: every turn
+after the first slot change computed its whole conversation past the head.  What a user
+notices is each turn's prompt figures in its answer's `timings`: a turn that continues
+its conversation computes its new tokens, not the conversation again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backend.app.service import StudioService
+from backend.llama.accelerators import cpu_claims_amx
+from backend.llama.kv_capacity import KvLayout
+from backend.llama.supervisor import pick_free_port
+from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop
+from tests.backend.service_harness import ServiceFactory
+
+MODEL = "elsewhere"  # the alias `start_llama_server` gives
+WORDS = ("function return value error import class module test file path string list index "
+         "buffer stream token parse build change commit branch merge request async await "
+         "result option config server client socket thread queue lock event handler").split()
+
+
+def engine_flags(*extra: str) -> tuple[str, ...]:
+    """As a user starts it on this machine: one thread (the machine is shared) and, where
+    the CPU claims AMX, without the repacked layouts SmolLM2 dies in."""
+    return ("--threads", "1", *(("--no-repack",) if cpu_claims_amx() else ()), *extra)
+
+
+async def attach(service: StudioService, binary: Path, model: Path, *extra: str) -> Any:
+    port = pick_free_port()
+    process = start_llama_server(binary, model, port, parallel=2, ctx=4096,
+                                 extra=engine_flags(*extra))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        await _until_healthy(client)
+    line = service.registry.line(MODEL)
+    engines = len(line.engines)
+    await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
+    async with asyncio.timeout(90):  # the port asks the engine what it keeps first
+        while len(line.engines) <= engines:
+            await asyncio.sleep(0.05)
+    return process
+
+
+class Agent:
+    """One coding agent's conversation: the head every agent shares, then its turns."""
+
+    def __init__(self, name: str, head: str, seed: int) -> None:
+        self.name = name
+        self.rng = random.Random(seed)
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": head}]
+        self.prompts: list[int] = []  # each turn's prompt tokens (computed + cached)
+        self.computed: list[int] = []
+
+    async def turn(self, client: httpx.AsyncClient) -> None:
+        self.messages.append({"role": "user", "content": " ".join(
+            self.rng.choice(WORDS) for _ in range(60))})
+        answer = await client.post("/v1/chat/completions", headers={"x-session-affinity": self.name},
+                                   json={"model": MODEL, "messages": self.messages,
+                                         "max_tokens": 4, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        timings = body["timings"]
+        self.prompts.append(timings["prompt_n"] + timings["cache_n"])
+        self.computed.append(timings["prompt_n"])
+        self.messages.append({"role": "assistant",
+                              "content": body["choices"][0]["message"]["content"]})
+
+    def new_tokens(self, turn: int) -> int:
+        """What turn `turn` (>= 1) added to the conversation: no cache can hold it."""
+        return self.prompts[turn] - self.prompts[turn - 1]
+
+
+async def test_three_sessions_an_engine_of_two_slots_compute_only_their_new_tokens(
+        running_service: ServiceFactory, llama_server_binary: Path, smollm2_model: Path) -> None:
+    # The issue's pool, smaller: 2 plain llama-servers of 2 slots, 6 agents sharing a
+    # ~500-token head, 3 turns each, every agent's turn in every round: 3 agents live on
+    # each engine, so every round each engine's slots change hands.
+    service = await running_service(queue_timeout=120)
+    processes = []
+    try:
+        for _ in range(2):
+            processes.append(await attach(service, llama_server_binary, smollm2_model))
+        head_rng = random.Random(7)
+        head = "You are a coding agent. Follow the rules.\n" + " ".join(
+            head_rng.choice(WORDS) for _ in range(400))
+        agents = [Agent(f"agent-{n}", head, n) for n in range(6)]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=120) as client:
+            for _ in range(3):
+                for agent in agents:
+                    await agent.turn(client)
+            health = (await client.get("/health")).json()
+        # Each later turn computed no more than what it added (before: the conversation
+        # past the head, once its slot had held another agent's turn).
+        for agent in agents:
+            for turn in (1, 2):
+                assert agent.computed[turn] <= agent.new_tokens(turn) + 2, \
+                    (agent.name, turn, agent.computed, agent.prompts, service.parking.counts)
+        # Engines at their defaults keep prefixes: nothing to warn about.
+        assert [upstream["note"] for upstream in health["upstreams"]] == [None, None]
+    finally:
+        for process in processes:
+            stop(process)
+
+
+async def test_an_attached_engine_without_a_ram_prompt_cache_is_named_in_health_with_the_fix(
+        running_service: ServiceFactory, llama_server_binary: Path, tiny_model: Path) -> None:
+    service = await running_service(queue_timeout=60)
+    processes = []
+    try:
+        processes.append(await attach(service, llama_server_binary, tiny_model))
+        processes.append(await attach(service, llama_server_binary, tiny_model,
+                                      "--cache-ram", "0"))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}") as client:
+            health = (await client.get("/health")).json()
+        first, second = health["upstreams"]
+        assert first["note"] is None
+        assert second["note"] == (
+            "This engine does not bring a prompt back from its RAM prompt cache (--cache-ram 0, "
+            "or --slot-prompt-similarity 0): a session whose slot another took computes its "
+            "whole prompt again. Start it with --slot-prompt-similarity 1 and without "
+            "--cache-ram 0.")
+        # The window's Pool tab reads the same words from the pool's status.
+        rows = {status.engine.where: status.engine.note
+                for status in service.pool.upstream_statuses()}
+        assert rows == {first["engine"]: None, second["engine"]: second["note"]}
+    finally:
+        for process in processes:
+            stop(process)
