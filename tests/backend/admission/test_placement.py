@@ -22,6 +22,7 @@ class Engine:
     kv: KvCapacity | None = None
     released: list[int] = field(default_factory=list)
     pin_any_slot: bool = False
+    finds_prefix_in_ram: bool = False
     seconds_per_token: float | None = None  #: its measured prefill speed (None: not measured)
     seats: dict[int | None, Seat[Engine]] = field(default_factory=dict)
 
@@ -53,6 +54,9 @@ class Engine:
 
     def slot_used(self, slot: int) -> bool:
         return slot in self.released
+
+    def free_slot_ids(self) -> list[int]:
+        return sorted(self.free)
 
     def prefill_seconds(self, tokens: int) -> float | None:
         return None if self.seconds_per_token is None else tokens * self.seconds_per_token

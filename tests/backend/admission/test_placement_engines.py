@@ -56,7 +56,19 @@ async def engines_serving(service: StudioService, binary: Path, model: Path,
         # One at a time: the line's engines keep the order they joined.
         await service.attach_upstream(f"http://127.0.0.1:{port}", kv_layout=KvLayout.SPLIT)
         await until_engines(service, len(processes[:ports.index(port) + 1]))
+        _PROBED[port] = await _last_tasks(port)
     return processes, ports
+
+
+#: Each engine's last task per slot once it joined: the port asks a joining llama-server
+#: what it keeps of a prompt (`backend.llama.prefix_probe`), on its last slot.
+_PROBED: dict[int, dict[int, int]] = {}
+
+
+async def _last_tasks(port: int) -> dict[int, int]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as engine:
+        slots = (await engine.get("/slots")).json()
+    return {slot["id"]: slot.get("id_task", -1) for slot in slots}
 
 
 async def until_engines(service: StudioService, n: int, timeout: float = 60) -> None:
@@ -67,10 +79,10 @@ async def until_engines(service: StudioService, n: int, timeout: float = 60) -> 
 
 
 async def slots_that_ran(port: int) -> list[int]:
-    """The slot ids of the engine at `port` that have run a task."""
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as engine:
-        slots = (await engine.get("/slots")).json()
-    return [slot["id"] for slot in slots if slot.get("id_task", -1) >= 0]
+    """The slot ids of the engine at `port` that have run a task since it joined."""
+    probed = _PROBED.get(port, {})
+    return [slot for slot, task in (await _last_tasks(port)).items()
+            if task >= 0 and task != probed.get(slot, -1)]
 
 
 async def ask(service: StudioService, **extra: Any) -> None:
