@@ -37,7 +37,10 @@ from backend.admission.admission_ticket import Ticket
 from backend.admission.line import Clock, Line
 from backend.admission.placement import Seat
 
-__all__ = ["AdmissionQueue"]
+__all__ = ["OBSERVED_PREFILL_TOKENS", "AdmissionQueue"]
+
+#: The fewest computed prompt tokens an answer's prefill time says the engine's pace by.
+OBSERVED_PREFILL_TOKENS = 128
 
 
 class AdmissionQueue:
@@ -61,6 +64,8 @@ class AdmissionQueue:
         # When each slot id was last given back (-1: never), as llama-server stamps its
         # slots: an unpinned request takes the one released longest ago.
         self._released: dict[int, int] = {}
+        # Seconds a prompt token took, as its answers showed (`observe_prefill`).
+        self._seconds_a_token: float | None = None
         self._enabled = enabled
         self._retired = False
         self.line: Line[AdmissionQueue] = (
@@ -155,9 +160,24 @@ class AdmissionQueue:
 
     def prefill_seconds(self, tokens: int) -> float | None:
         """A fresh prompt of `tokens`, computed at the depths it reaches
-        (`backend.llama.engine_speed.SpeedModel`); None: not measured."""
+        (`backend.llama.engine_speed.SpeedModel`); on an engine not measured so (an
+        attached llama-server), at the pace its answers' prefills showed
+        (`observe_prefill`); None: neither known."""
         speed = self.serving.speed
-        return None if speed is None else speed.model.chunk_seconds(tokens, 0)
+        if speed is not None:
+            return speed.model.chunk_seconds(tokens, 0)
+        return None if self._seconds_a_token is None else tokens * self._seconds_a_token
+
+    def observe_prefill(self, computed: int, seconds: float) -> None:
+        """An answer of this engine computed `computed` prompt tokens in `seconds` (its
+        `timings`): the pace `prefill_seconds` reads where the engine was not measured
+        after its load, a moving mean of prefills long enough to say it (short ones are
+        mostly the request's own overhead)."""
+        if computed < OBSERVED_PREFILL_TOKENS or seconds <= 0:
+            return
+        pace = seconds / computed
+        known = self._seconds_a_token
+        self._seconds_a_token = pace if known is None else known + (pace - known) * 0.3
 
     @property
     def counts_prompts(self) -> bool:

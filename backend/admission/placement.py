@@ -397,7 +397,8 @@ class KeepPrefixes(Placement):
         `home_wait`, or as long as the quickest other engine with room would take to
         compute that prefix again when that is longer (a real model on a CPU), up to
         `HOME_WAIT_LIMIT`.  An engine elsewhere is not measured: its model is the same,
-        so the home engine's own speed stands in for it."""
+        so the home engine's own speed stands in for it.  An attached llama-server is
+        timed by its answers' prefills (`AdmissionQueue.observe_prefill`)."""
         tokens = session.prompt_tokens
         elsewhere = [e.prefill_seconds(tokens) for e in engines
                      if e.key != session.engine and e.has_room(need)]

@@ -193,6 +193,12 @@ class Settlement:
         session = request.hint.session
         error = ending.failed
         output = figures.output_tokens
+        if (seat is not None and figures.prefill_ms and figures.prompt_tokens is not None
+                and figures.cached_tokens is not None):
+            # An engine not measured after its load (an attached llama-server) is timed
+            # by its answers: placement bounds a session's wait for it by that pace.
+            seat.engine.observe_prefill(figures.prompt_tokens - figures.cached_tokens,
+                                        figures.prefill_ms / 1e3)
         self.host.requests.add(
             traceparent=request.traceparent,
             time=time.time() - (time.monotonic() - ending.arrived),

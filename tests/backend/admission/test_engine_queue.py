@@ -490,3 +490,16 @@ def test_a_keys_request_behind_its_own_waiting_one_waits_for_its_key_not_the_slo
     assert first.admitted and not second.admitted
     first.release()
     assert second.admitted and second.wait_reason == WaitReason.KEY_CONCURRENCY
+
+
+def test_an_engine_not_measured_after_its_load_is_timed_by_its_answers_prefills():
+    # An attached llama-server: no speed measured here; placement bounds a session's wait
+    # for it by how long computing the session's prompt elsewhere would take.
+    queue = AdmissionQueue(Serving("http://elsewhere:8080", slots=2))
+    assert queue.prefill_seconds(2000) is None
+    queue.observe_prefill(40, 9.0)  # a short prefill is mostly the request's overhead
+    assert queue.prefill_seconds(2000) is None
+    queue.observe_prefill(1000, 5.0)
+    assert queue.prefill_seconds(2000) == pytest.approx(10.0)
+    queue.observe_prefill(500, 5.0)  # slower now (a busier machine): it moves that way
+    assert 10.0 < not_none(queue.prefill_seconds(2000)) < 20.0
