@@ -11,7 +11,6 @@ from pathlib import Path
 from PySide6.QtCore import QByteArray, QSettings, Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QApplication,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -65,9 +64,6 @@ class MainWindow(QMainWindow, SharingWiring):
     def __init__(self, bridge: ServiceBridge, library: ModelLibrary, settings: Settings, *,
                  settings_path: Path | None = None, state_path: Path | None = None) -> None:
         super().__init__()
-        app = QApplication.instance()
-        if app is not None:
-            guard_widgets(app)  # before any page makes its widgets
         self.bridge = bridge
         self.library = library
         self.settings = settings
@@ -146,6 +142,7 @@ class MainWindow(QMainWindow, SharingWiring):
         self.refresh_library(select=settings.model or None)
         self._on_snapshot(bridge.snapshot)
         self._restore_state()
+        guard_widgets(self)  # every page made; rows and dialogs made later are caught too
 
     # --- wiring ------------------------------------------------------------------------------
 

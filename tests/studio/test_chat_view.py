@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer
 from PySide6.QtGui import QFont, QFontMetricsF
+from PySide6.QtWidgets import QApplication
 
 from backend.app.chat_session import AnswerFigures, AnswerState, ChatState, Turn
 from backend.llama.load import State
@@ -357,3 +358,45 @@ def test_a_slow_redraw_spaces_the_next_while_an_answer_streams(qtbot, monkeypatc
     qtbot.waitUntil(lambda: drawn == ["Once", "Once upon a time"], timeout=2000)  # the newest
     view.show_state(ChatState((question, Turn("assistant", "Once upon a time.", model="m"))))
     assert drawn[-1] == "Once upon a time."  # the end at once
+
+
+def test_the_widget_guard_watches_widgets_not_the_application_nor_text_views(qtbot) -> None:
+    """The wheel and label rules watch each widget, and text views not at all: a filter
+    on the application ran Python (and took the interpreter lock from the port's thread)
+    for each of the window's events, a thousand a second while an answer streams."""
+    from PySide6.QtWidgets import QLabel, QSpinBox, QTextBrowser, QVBoxLayout, QWidget
+
+    from studio import widgets
+
+    seen: set[str] = set()
+
+    class Counting(widgets._WidgetGuard):
+        def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+            if event.type() == QEvent.Type.User:
+                seen.add(watched.objectName())
+            return super().eventFilter(watched, event)
+
+    root = QWidget()
+    qtbot.addWidget(root)
+    layout = QVBoxLayout(root)
+    text, box, label = QTextBrowser(), QSpinBox(), QLabel("<b>model</b>")
+    for widget, name in ((root, "root"), (text, "text"), (text.viewport(), "viewport"),
+                         (box, "box"), (label, "label")):
+        widget.setObjectName(name)
+    for widget in (text, box, label):
+        layout.addWidget(widget)
+    Counting(root).guard(root)
+    later = QSpinBox(root)  # a row made later, once shown
+    later.setObjectName("later")
+    layout.addWidget(later)
+    root.show()
+    qtbot.waitExposed(root)
+    for widget in (root, text, text.viewport(), box, label, later):
+        QApplication.sendEvent(widget, QEvent(QEvent.Type.User))
+        QApplication.sendEvent(widget, QEvent(QEvent.Type.User))
+    assert seen == {"root", "box", "label", "later"}
+    assert later.focusPolicy() == box.focusPolicy() == Qt.FocusPolicy.StrongFocus
+    assert label.textFormat() == Qt.TextFormat.PlainText
+    # The window guards itself, not the application.
+    app = QApplication.instance()
+    assert app is not None and app.property(widgets._GUARDED) is None
