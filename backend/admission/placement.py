@@ -580,11 +580,17 @@ def _unpinned(engine: E, *, pin_fresh: bool = True, pinnable: bool = True,
     any other to a free slot where no session's prefix lives, a never used one first
     (`_free_of_sessions`), else that least recently used one, not vacated (a new prompt
     pinned to a vacated slot would take the RAM cache entry of the session sharing most
-    of its head, and that session would compute its prompt again)."""
+    of its head, and that session would compute its prompt again).  A request the engine
+    cannot pin goes to the least recently used free slot, every idle slot vacated first
+    (see below)."""
     seat = engine.least_recent_free_seat()
-    if (engine.finds_prefix_in_ram and not engine.pin_any_slot and pinnable
-            and seat.slot is not None):
-        if returning:
+    if engine.finds_prefix_in_ram and not engine.pin_any_slot and seat.slot is not None:
+        if returning or not pinnable:
+            # A turn the engine cannot pin takes the idle slot most like its prompt (any
+            # sharing the head) in place, or else the least recently used one, loaded
+            # from the RAM cache: every idle slot is vacated first, the seat's first, so
+            # it lands on the seat and loads its own prefix (a new session, the RAM entry
+            # sharing most of its head), and the books say where it is.
             return Seat(engine, seat.slot, pinned=True, vacate=True)
         empty = _free_of_sessions(engine, sessions)
         return Seat(engine, seat.slot if empty is None else empty, pinned=True)

@@ -448,15 +448,20 @@ class ParkingSteward:
             f"{memory.checkpoints} a slot, about {format_bytes(memory.checkpoint_bytes)} each)."))
 
     async def _vacate_seat(self, ticket: Ticket, slot: int) -> None:
-        """A returning session's turn seated on a slot that holds another prompt, on an
-        attached llama-server (`Seat.vacate`): that prompt goes to the engine's RAM
-        prompt cache first, so the pinned turn loads its own prefix from there instead
-        of reusing the other's in place from the shared head on."""
+        """A turn seated on a slot that holds another prompt, on an attached llama-server
+        (`Seat.vacate`): that prompt goes to the engine's RAM prompt cache first, so the
+        pinned turn loads its own prefix from there instead of reusing the other's in
+        place from the shared head on.  A turn the engine cannot pin (it takes the idle
+        slot most similar to its prompt, else the least recently used one): every other
+        idle slot is vacated too, so that none is similar and the seat is the least
+        recently used (`_least_recent`)."""
         serving = ticket.serving
         try:
             async with SlotClient(serving.base_url, api_key=serving.api_key,
                                   timeout=GATHER_TIME_LIMIT) as engine:
                 await engine.vacate(slot)
+                if not ticket.hint.pinnable:
+                    await self._least_recent(engine, ticket)
             self.counts["vacated"] += 1
         except SlotActionFailed as exc:
             log.warning("a slot was not vacated for a returning session (%s); its turn "

@@ -149,6 +149,39 @@ def test_on_a_split_cache_every_seat_is_pinned_an_empty_one_too():
     assert seat == Seat(engine, 0, pinned=True, cached=600)  # its own slot, not the LRU one
 
 
+def test_on_an_attached_engine_at_its_defaults_a_returning_session_gets_a_vacated_slot():
+    # A plain llama-server seen to bring prompts back from its RAM cache: at its default
+    # similarity a pinned turn would reuse another session's prompt in place.
+    engine = Engine("e", [0, 1], kv=SPLIT, finds_prefix_in_ram=True)
+    policy = KeepPrefixes(Sessions(), clock=Clock())
+    served(policy, "f\na", Seat(engine, 1, pinned=True), 900)
+    served(policy, "f\nb", Seat(engine, 1, pinned=True), 800)  # b took a's slot
+    engine.released[:] = [0, 1]
+    seat = policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine])
+    assert seat == Seat(engine, 0, pinned=True, cached=900, vacate=True)
+    # In its own slot, still free and held: pinned there, nothing to vacate.
+    seat = policy.place(Wanting(hint=Hint("f\nb", flow="f")), [engine])
+    assert seat == Seat(engine, 1, pinned=True, cached=800)
+    # A turn the engine cannot pin: the least recently used slot, every idle one vacated.
+    seat = policy.place(Wanting(hint=Hint("f\na", flow="f", pinnable=False)), [engine])
+    assert seat == Seat(engine, 0, pinned=True, cached=900, vacate=True)
+
+
+def test_on_an_attached_engine_at_its_defaults_a_new_session_takes_a_slot_no_session_holds():
+    engine = Engine("e", [0, 1, 2], kv=SPLIT, finds_prefix_in_ram=True, released=[0, 1])
+    policy = KeepPrefixes(Sessions(), clock=Clock())
+    # Never used first, not vacated (its empty slot skips the RAM cache: it computes its
+    # head, and takes no other session's RAM entry).
+    assert policy.place(Wanting(hint=Hint("f\nn", flow="f")), [engine]) == Seat(engine, 2, pinned=True)
+    served(policy, "f\na", Seat(engine, 0, pinned=True), 900)
+    engine.free = [0, 1]
+    # Slot 1 held a prompt no session holds now: there, before a's slot.
+    assert policy.place(Wanting(hint=Hint("f\nn", flow="f")), [engine]) == Seat(engine, 1, pinned=True)
+    served(policy, "f\nb", Seat(engine, 1, pinned=True), 800)
+    # Every free slot holds a session: the least recently used one, not vacated.
+    assert policy.place(Wanting(hint=Hint("f\nn", flow="f")), [engine]) == Seat(engine, 0, pinned=True)
+
+
 def test_a_turn_the_engine_cannot_pin_is_seated_where_the_engines_lru_puts_it():
     engine = Engine("e", [0, 1, 2], kv=SPLIT, pin_any_slot=True, released=[2, 0, 1])
     policy = KeepPrefixes(Sessions(), clock=Clock())

@@ -6,7 +6,9 @@ with `--upstream ... --upstream-kv split` (`attach_upstream`), sessions through 
 port.  At llama.cpp's default similarity a turn sent to a slot that holds another
 session's prompt reuses that prompt in place from the shared head on, and the returning
 session's own prefix, in the engine's RAM prompt cache, is not looked at: every turn
-after the first slot change computed its whole conversation past the head.  What a user
+after the first slot change computed its whole conversation past the head.  A Claude
+Code turn (`/v1/messages`, which llama-server cannot be told a slot for) took the idle
+slot most like its prompt, any sharing the head, the same way.  What a user
 notices is each turn's prompt figures in its answer's `timings`: a turn that continues
 its conversation computes its new tokens, not the conversation again.
 """
@@ -57,8 +59,11 @@ async def attach(service: StudioService, binary: Path, model: Path, *extra: str)
 class Agent:
     """One coding agent's conversation: the head every agent shares, then its turns."""
 
-    def __init__(self, name: str, head: str, seed: int) -> None:
+    def __init__(self, name: str, head: str, seed: int, *, anthropic: bool = False) -> None:
         self.name = name
+        #: Speaks Anthropic's Messages API, as Claude Code does: llama-server drops the
+        #: `id_slot` of such a request, so the port cannot pin it.
+        self.anthropic = anthropic
         self.rng = random.Random(seed)
         self.messages: list[dict[str, str]] = [{"role": "system", "content": head}]
         self.prompts: list[int] = []  # each turn's prompt tokens (computed + cached)
@@ -67,16 +72,27 @@ class Agent:
     async def turn(self, client: httpx.AsyncClient) -> None:
         self.messages.append({"role": "user", "content": " ".join(
             self.rng.choice(WORDS) for _ in range(60))})
-        answer = await client.post("/v1/chat/completions", headers={"x-session-affinity": self.name},
-                                   json={"model": MODEL, "messages": self.messages,
-                                         "max_tokens": 4, "temperature": 0})
-        assert answer.status_code == 200, answer.text
-        body = answer.json()
-        timings = body["timings"]
-        self.prompts.append(timings["prompt_n"] + timings["cache_n"])
-        self.computed.append(timings["prompt_n"])
-        self.messages.append({"role": "assistant",
-                              "content": body["choices"][0]["message"]["content"]})
+        if self.anthropic:
+            answer = await client.post(
+                "/v1/messages", headers={"X-Claude-Code-Session-Id": self.name},
+                json={"model": MODEL, "system": self.messages[0]["content"],
+                      "messages": self.messages[1:], "max_tokens": 4, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            computed, cached = body["usage"]["input_tokens"], body["usage"]["cache_read_input_tokens"]
+            reply = "".join(part["text"] for part in body["content"] if part["type"] == "text")
+        else:
+            answer = await client.post(
+                "/v1/chat/completions", headers={"x-session-affinity": self.name},
+                json={"model": MODEL, "messages": self.messages, "max_tokens": 4,
+                      "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            computed, cached = body["timings"]["prompt_n"], body["timings"]["cache_n"]
+            reply = body["choices"][0]["message"]["content"]
+        self.prompts.append(computed + cached)
+        self.computed.append(computed)
+        self.messages.append({"role": "assistant", "content": reply})
 
     def new_tokens(self, turn: int) -> int:
         """What turn `turn` (>= 1) added to the conversation: no cache can hold it."""
@@ -96,7 +112,8 @@ async def test_three_sessions_an_engine_of_two_slots_compute_only_their_new_toke
         head_rng = random.Random(7)
         head = "You are a coding agent. Follow the rules.\n" + " ".join(
             head_rng.choice(WORDS) for _ in range(400))
-        agents = [Agent(f"agent-{n}", head, n) for n in range(6)]
+        # A third speak as Claude Code does: turns the port cannot pin.
+        agents = [Agent(f"agent-{n}", head, n, anthropic=n % 3 == 2) for n in range(6)]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
                                      timeout=120) as client:
             for _ in range(3):
