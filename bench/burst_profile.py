@@ -151,8 +151,9 @@ async def measure(port: Port, args: argparse.Namespace, procs: Processes, work: 
 def agent_body(agent: int, turns: int, tokens: int, delay: float) -> bytes:
     """A coding agent's request after `turns` turns: a system prompt of ~6 KB, three
     tools, then user and assistant messages of ~1 KB each, the assistant's with a tool
-    call and its result (about 6 + 2.5 × turns KB in all); its first user message names
-    the agent, so each is its own session."""
+    call (its arguments its own: each agent reads its own files) and its result (about
+    6 + 2.5 × turns KB in all); its first user message names the agent, so each is its
+    own session."""
     words = ("function return value error import class module test file path string list "
              "index buffer stream token parse build change commit branch merge request "
              "async await result option config server client socket thread queue").split()
@@ -174,7 +175,8 @@ def agent_body(agent: int, turns: int, tokens: int, delay: float) -> bytes:
         messages += [
             {"role": "assistant", "content": text(60), "tool_calls": [
                 {"id": call, "type": "function", "function": {
-                    "name": "read_file", "arguments": json.dumps({"path": f"src/{turn}.py"})}}]},
+                    "name": "read_file",
+                    "arguments": json.dumps({"path": f"src/{agent}/{turn}.py"})}}]},
             {"role": "tool", "tool_call_id": call, "content": text(150)},
             {"role": "user", "content": text(60)}]
     return json.dumps({"model": "fake-model", "stream": True, "messages": messages,

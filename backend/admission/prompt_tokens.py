@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -133,9 +132,12 @@ BUSY_RETRY_AFTER = 1.0
 
 _IMAGE_PARTS = {"image_url", "input_image", "image"}
 #: Tool calls' arguments strings up to this many characters have their indented size
-#: kept (`_kept_arguments_bytes`: 1,024 of them, a few MB at most); longer ones are
-#: measured each time.
+#: kept (`_kept_arguments_bytes`); longer ones are measured each time.
 _ARGUMENTS_KEPT = 4096
+#: Characters of arguments strings whose sizes are kept, at most (and 64 more for each
+#: string's own memory): every call of every conversation in flight, 64 agents of a few
+#: hundred calls each, in a few MB.
+_ARGUMENTS_KEPT_CHARS = 8 << 20
 #: Tool sets whose allowance a counter keeps (`PromptCounter._tools_extra`).
 _TOOL_SETS = 64
 _PROBE = {"messages": [{"role": "user", "content": "x"}]}
@@ -537,9 +539,31 @@ def _arguments_bytes(arguments: str) -> int:
         return _indented_bytes(arguments)
 
 
-#: `_arguments_bytes`, kept by the string: an agent resends its conversation's tool calls
-#: with every request, so each is measured once (up to `_ARGUMENTS_KEPT` characters).
-_kept_arguments_bytes = functools.lru_cache(maxsize=1024)(_arguments_bytes)
+class _KeptSizes:
+    """`_arguments_bytes` kept by the string: an agent resends its conversation's tool
+    calls with every request, so each is measured once.  Strings of `_ARGUMENTS_KEPT_CHARS`
+    in all; past it the memory starts over.  (Not an LRU of a number of strings: agents
+    whose calls in flight outnumber it ask for them in turn, each found gone.)"""
+
+    __slots__ = ("_sizes", "_chars")
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
+        self._chars = 0
+
+    def __call__(self, arguments: str) -> int:
+        size = self._sizes.get(arguments)
+        if size is None:
+            size = _arguments_bytes(arguments)
+            self._chars += len(arguments) + 64
+            if self._chars > _ARGUMENTS_KEPT_CHARS:
+                self._sizes.clear()
+                self._chars = len(arguments) + 64
+            self._sizes[arguments] = size
+        return size
+
+
+_kept_arguments_bytes = _KeptSizes()
 
 
 def _tool_call_allowance(body: Mapping[str, Any]) -> int | None:

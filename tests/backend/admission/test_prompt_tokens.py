@@ -319,6 +319,28 @@ def test_a_tool_calls_arguments_count_at_the_size_a_template_reindents_them_to(t
         assert prompt_size(body, 100) == 100 + len(rendered)
 
 
+def test_every_agents_tool_calls_count_in_full_however_many_agents_send_them_in_turn():
+    """64 agents whose conversations hold 40 tool calls each, every call its own, each
+    agent sending its whole conversation in turn, three times over: each request's size
+    is its bytes and each call's arguments re-indented, every time (the sizes are kept
+    per arguments string; more strings than any count of them must not change one)."""
+    def conversation(agent: int) -> tuple[dict[str, Any], int]:
+        messages: list[dict[str, Any]] = []
+        extra = 0
+        for turn in range(40):
+            arguments = json.dumps({"path": f"src/{agent}/{turn}.py", "lines": [turn, agent]})
+            extra += len(json.dumps(json.loads(arguments), indent=4))
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{turn}", "type": "function",
+                 "function": {"name": "read", "arguments": arguments}}]})
+        return {"messages": messages}, extra
+
+    agents = [conversation(agent) for agent in range(64)]
+    for _ in range(3):
+        for body, extra in agents:
+            assert prompt_size(body, 1000) == 1000 + extra
+
+
 TOOL_BODIES = [(route, body) for route, body in SHORT_BODIES
                if body.get("tools") and route == CHAT]
 
