@@ -56,7 +56,6 @@ class PrefixKeeping:
     #: A prompt whose slot another took came back from the RAM prompt cache when sent to
     #: that slot again.
     finds_in_ram: bool
-    slots: int
 
     @property
     def warning(self) -> str | None:
@@ -65,10 +64,6 @@ class PrefixKeeping:
             return ("This engine reuses no prompt (it runs with --no-cache-prompt): every "
                     "turn of every session computes its whole prompt. Start it without "
                     "--no-cache-prompt.")
-        if self.slots < 2:
-            return ("This engine has one slot: sessions take turns in it and each one's "
-                    "prefix is kept only in its RAM prompt cache. Start it with -np N "
-                    "(one slot per agent working at once).")
         if not self.finds_in_ram:
             return ("This engine does not bring a prompt back from its RAM prompt cache "
                     "(--cache-ram 0, or --slot-prompt-similarity 0): a session whose slot "
@@ -93,8 +88,7 @@ async def probe_prefix_keeping(engine: EngineClient, slots: int, *,
         return None
     if again is None or back is None:
         return None
-    return PrefixKeeping(reuses_prompts=_mostly_cached(again), finds_in_ram=_mostly_cached(back),
-                         slots=slots)
+    return PrefixKeeping(reuses_prompts=_mostly_cached(again), finds_in_ram=_mostly_cached(back))
 
 
 # --- helpers -------------------------------------------------------------------------------
