@@ -64,11 +64,12 @@ class Processes:
         except OSError:
             return ""
 
-    def stop(self, proc: subprocess.Popen) -> None:
+    def stop(self, proc: subprocess.Popen, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds."""
         if proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(5)
+                proc.wait(grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)

@@ -108,6 +108,10 @@ SLOT_CTX = 4096
 STYLES = ("codex", "opencode", "claude-code")
 #: Targets in the order they run.
 TARGETS = ("default", "best", "port")
+#: Seconds `serve` has to stop before it is killed: it parks its sessions on the way out
+#: (up to the port's PARK_TIME_LIMIT, 15 s an engine), as a user's Ctrl-C or service
+#: manager lets it; the 5 s of the other processes cut that short on a loaded machine.
+SERVE_GRACE = 60.0
 #: The models `--models` takes (see the module's doc).
 MODELS = ("smollm2", "tiny", "gemma3", "hybrid", "moe")
 #: The chat template a model without one is served with, as its owner would pick it (the
@@ -494,7 +498,7 @@ class Engines:
 
     def stop(self) -> None:
         if self.serve is not None:
-            self.procs.stop(self.serve)
+            self.procs.stop(self.serve, SERVE_GRACE)
         for proc in self.inner:
             self.procs.stop(proc)
         for _, proc, _ in self.servers:
@@ -514,7 +518,10 @@ class Engines:
             return "engine restarted"
         if kind == "restart":
             assert self.serve is not None
-            self.procs.stop(self.serve)
+            stopping = time.monotonic()
+            self.procs.stop(self.serve, SERVE_GRACE)
+            log(f"    serve stopped in {time.monotonic() - stopping:.1f} s (parking its "
+                "sessions on the way out)")
             self._launch_serve()
             return "serve restarted"
         started = time.monotonic()
