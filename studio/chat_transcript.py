@@ -63,12 +63,14 @@ class Transcript(QTextBrowser):
         if stream is not None and stream.number == same == len(turns) - 1 == len(self._shown) - 1 \
                 and turns[same].state is AnswerState.STREAMING \
                 and turns[same].text.startswith(self._shown[same].text):
-            # The streaming answer grew: its paragraph being written, and any it settled.
-            cursor.setPosition(stream.tail)
-            cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
-            cursor.removeSelectedText()
-            self._write_stream(cursor, stream, turns[same].text)
-            self._tint_code(document, document.findBlock(stream.tail_before_tint))
+            # The streaming answer grew: its paragraph being written, and any it settled
+            # (plain words added to plain words: only those).
+            if not self._append_words(stream, turns[same].text):
+                cursor.setPosition(stream.tail)
+                cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+                cursor.removeSelectedText()
+                self._write_stream(cursor, stream, turns[same].text)
+                self._tint_code(document, document.findBlock(stream.tail_before_tint))
             self._shown = turns
             bar.setValue(bar.maximum() if following else position)
             return
@@ -147,9 +149,35 @@ class Transcript(QTextBrowser):
                                                  stream.codes)
             stream.chars, stream.tail = settled, cursor.position()
         rest = text[stream.chars:]
+        stream.words = None
         if rest:
             begin = _insert_blocks(cursor, rest, after=stream.chars > 0)
             self._add_copy_links(begin, cursor.position(), stream.number, stream.codes)
+            shown = QTextCursor(self.document())
+            shown.setPosition(begin)
+            shown.setPosition(cursor.position(), QTextCursor.MoveMode.KeepAnchor)
+            if shown.selectedText() == rest.strip(" "):  # a paragraph shown as written
+                stream.words = rest.rstrip(" ")  # the spaces at its end come with a word
+
+    def _append_words(self, stream: _Stream, text: str) -> bool:
+        """Whether the streaming answer's `text` only adds plain words to a paragraph of
+        plain words, now added at its end: laying out the paragraph again is what a long
+        one costs, not writing it (a tenth of it)."""
+        words = stream.words
+        rest = text[stream.chars:]
+        # Begun by a letter, the paragraph can become no list, heading, quote or code.
+        if words is None or not words.lstrip(" ")[:1].isalpha() or not rest.startswith(words) \
+                or settled_length(text) != stream.chars:
+            return False
+        # Spaces at the end are shown with the next word (Markdown drops them at the end).
+        added = rest[len(words):].rstrip(" ")
+        if added and not _plain_words(words[-12:], added):
+            return False
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(added, QTextCharFormat())
+        stream.words = words + added
+        return True
 
     def _add_copy_links(self, start: int, end: int, number: int, first: int = 0) -> int:
         """A "Copy code" link under each code block of the text from `start` to `end`
@@ -236,6 +264,17 @@ def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
     return begin
 
 
+def _plain_words(before: str, added: str) -> bool:
+    """Whether `added`, after text ending in `before`, reads as written in Markdown: no
+    mark (emphasis, code, links, escapes, entities, a new line) and no autolink begun."""
+    joined = before + added
+    return not _MARKS.intersection(added) and "www." not in joined and "://" not in joined \
+        and "@" not in added
+
+
+_MARKS = frozenset("\\`*_[]<>!~|&#\n\r\t")
+
+
 def settled_length(text: str) -> int:
     """How much of a streaming answer's `text` is whole paragraphs that read the same
     whatever comes next: up to its last blank line outside a code fence."""
@@ -267,3 +306,6 @@ class _Stream:
     codes: int = 0
     #: Where this update's writing began (its code blocks are tinted from there).
     tail_before_tint: int = 0
+    #: The paragraph being written, when it is plain words shown as written (new words
+    #: are added at its end); else None.
+    words: str | None = None

@@ -400,3 +400,30 @@ def test_the_widget_guard_watches_widgets_not_the_application_nor_text_views(qtb
     # The window guards itself, not the application.
     app = QApplication.instance()
     assert app is not None and app.property(widgets._GUARDED) is None
+
+
+def test_plain_words_added_to_a_long_paragraph_are_added_alone(qtbot) -> None:
+    """A long paragraph being written (one without a blank line: no settled paragraphs)
+    gets each update's new words added at its end, not written again whole; a mark
+    (emphasis here) has the paragraph written again, and the end reads as written whole."""
+    from studio.chat_transcript import Transcript
+
+    words = " Once the keeper climbed the stairs and the light turned over the sea" * 40
+    answer = words + "and then *the storm* came."
+    question = Turn("user", "A story")
+    streamed, whole = Transcript(), Transcript()
+    qtbot.addWidget(streamed)
+    qtbot.addWidget(whole)
+    added: list[int] = []
+    streamed.document().contentsChange.connect(lambda _at, _removed, n: added.append(n))
+    most = 0
+    for end in range(40, len(answer) + 1, 7):
+        turns = (question, Turn("assistant", answer[:end], AnswerState.STREAMING, model="smol"))
+        added.clear()
+        streamed.show_turns(turns)
+        if 40 < end < len(words):  # after the first, which writes the turn
+            most = max(most, sum(added))
+        whole.show_turns(())
+        whole.show_turns(turns)
+        assert streamed.toPlainText() == whole.toPlainText(), answer[:end]
+    assert len(words) > 2000 and most <= 7 + 1  # a word or two, not the paragraph
