@@ -4,7 +4,8 @@ elsewhere.
 Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`; its pinned
 sources, checked before any use, `sources`, and our patches to them, `patches`; the
 environment its processes get,
-`environment`), runs and supervises one load (`supervisor`; one started process of it and
+`environment`; its children started and ended so that no cancel leaves one running,
+`child_process`), runs and supervises one load (`supervisor`; one started process of it and
 its key, `engine_process`) or watches a remote one (`remote_engine`, asking it what it
 keeps of a prompt: `prefix_probe`), lends this machine's
 devices to an engine elsewhere and greets a load's workers (`rpc_worker`), measures how

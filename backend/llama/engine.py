@@ -22,14 +22,12 @@ such an engine says to rebuild.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
-import signal
 import sys
 import tarfile
 import tempfile
@@ -42,6 +40,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 import platformdirs
 
 from backend.llama.accelerators import BACKENDS, Accelerators, detect
+from backend.llama.child_process import end_process_group, spawn
 from backend.llama.log import for_display, read_lines
 from backend.llama.patches import LLAMA_CPP_PATCHES, LlamaPatch, patched_tree
 from backend.llama.rpc_worker import RpcProtocol, protocol_of_sources
@@ -595,9 +594,8 @@ def _tail(log_path: Path, lines: int = 30) -> str:
 async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
                       on_line: Callable[[str], None], *, failure: str, log_path: Path) -> None:
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL, env=dict(env), start_new_session=True)
+        proc = await spawn(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                           stdin=asyncio.subprocess.DEVNULL, env=dict(env))
     except OSError as exc:
         raise EngineBuildFailed(f"{failure}: {exc.strerror or exc}") from None
     try:
@@ -608,10 +606,7 @@ async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
             on_line(for_display(line))
         code = await proc.wait()
     except BaseException:
-        # The whole group: ninja's compilers would otherwise run on, holding the pipe open.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.communicate()  # reap it and close its pipe
+        await end_process_group(proc)
         raise
     finally:
         log.flush()

@@ -16,6 +16,7 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
+from backend.llama.child_process import spawn
 from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.load import LogListener
 from backend.llama.log import EngineLogFile, for_display, read_lines
@@ -44,9 +45,9 @@ class EngineProcess:
                     key: EngineKey) -> EngineProcess:
         log_file.write("$ " + " ".join(args))
         try:
-            proc = await asyncio.create_subprocess_exec(
+            proc = await spawn(
                 *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=_child_environment(),
+                stderr=asyncio.subprocess.STDOUT, env=_child_environment(),
                 preexec_fn=die_with_parent(),
             )
         except BaseException:

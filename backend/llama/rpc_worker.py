@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from backend.errors import RpcWorkerFailed, RpcWorkerRefused
+from backend.llama.child_process import spawn
 from backend.llama.environment import die_with_parent, engine_environment
 from backend.llama.log import for_display, read_lines
 
@@ -218,12 +219,12 @@ class RpcWorker:
         RpcWorkerRefused when the port is taken, or the server stops first (its reason
         from its own output)."""
         _check_port_free(host, port)
-        proc = await asyncio.create_subprocess_exec(
+        # Its own session (spawn's): Ctrl-C reaches us, and we stop it (and say so) ourselves.
+        proc = await spawn(
             *_sigpipe_ignored(worker_command(binary, host, port, threads)),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            # Its own session: Ctrl-C reaches us, and we stop it (and say so) ourselves.
-            start_new_session=True, env=engine_environment(), preexec_fn=die_with_parent(),
+            env=engine_environment(), preexec_fn=die_with_parent(),
             # SIGPIPE stays ignored, as Python has it: a client gone while the server
             # answers (an engine killed mid-reply) must not end the worker.
             restore_signals=False)
