@@ -571,28 +571,50 @@ def _tool_call_allowance(body: Mapping[str, Any]) -> int | None:
     Responses `function_call` items, messages `tool_use` blocks): a template may render
     them parsed and re-indented, larger than the string the body holds.  None when the
     body holds an image (in its messages, `input` items or `system`): one walk of a
-    conversation for both, once per request."""
+    conversation for both, once per request.  A list's items are walked in place and
+    a string content is not pushed (most of a conversation): the walk is per request."""
     total = 0
     stack: list[Any] = [body.get("messages"), body.get("input"), body.get("system")]
     while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            if item.get("type") in _IMAGE_PARTS:
+        items = stack.pop()
+        if not isinstance(items, list):
+            if not isinstance(items, dict):
+                continue
+            items = (items,)
+        for item in items:
+            if not isinstance(item, dict):
+                if isinstance(item, list):
+                    stack.append(item)
+                continue
+            kind = item.get("type")
+            if isinstance(kind, str) and kind in _IMAGE_PARTS:  # any other: not an image
                 return None
             arguments = item.get("arguments")
-            if arguments is None and isinstance(item.get("function"), dict):
-                arguments = item["function"].get("arguments")
+            if arguments is None:
+                function = item.get("function")
+                if isinstance(function, dict):
+                    arguments = function.get("arguments")
             if isinstance(arguments, str):
                 total += (_kept_arguments_bytes(arguments) if len(arguments) <= _ARGUMENTS_KEPT
                           else _arguments_bytes(arguments))
             elif arguments is not None:
                 total += _indented_bytes(arguments)
-            if item.get("type") == "tool_use":
+            if kind == "tool_use":
                 total += _indented_bytes(item.get("input"))
-            stack.extend((item.get("tool_calls"), item.get("content")))
+            calls = item.get("tool_calls")
+            if calls is not None:
+                stack.append(calls)
+            content = item.get("content")
+            if content is not None and not isinstance(content, str):
+                stack.append(content)
     return total
+
+
+def _is_image(item: Mapping[str, Any]) -> bool:
+    """An image part (its type a string naming one; a field the port does not check may
+    hold anything, a list included, which names none)."""
+    kind = item.get("type")
+    return isinstance(kind, str) and kind in _IMAGE_PARTS
 
 
 def _images(body: Mapping[str, Any]) -> tuple[int, int]:
@@ -604,7 +626,7 @@ def _images(body: Mapping[str, Any]) -> tuple[int, int]:
         if isinstance(item, list):
             stack.extend(item)
         elif isinstance(item, dict):
-            if item.get("type") in _IMAGE_PARTS:
+            if _is_image(item):
                 count += 1
                 payload += len(_compact(item).encode())
             else:

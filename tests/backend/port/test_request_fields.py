@@ -220,3 +220,18 @@ async def test_what_real_clients_send_passes_untouched(gw, fake, route, body):
     if body.get("stream") and route != MESSAGES:
         sent["return_progress"] = True
     assert fake.received(route) == [sent]
+
+
+@pytest.mark.parametrize("route,body", [
+    (CHAT, {"messages": [user(type=["text"]), user([{"type": "text", "text": "x",
+                                                     "cache": {"type": ["ephemeral"]}}])]}),
+    (MESSAGES, {"max_tokens": 5, "messages": [user(type={"kind": "message"})]}),
+], ids=["chat", "messages"])
+async def test_a_field_the_port_does_not_check_reaches_the_engine_in_any_shape(gw, fake, route,
+                                                                              body):
+    """A field the engine does not read with a fixed type is the engine's to judge
+    (`request_fields`' docstring): whatever its shape, a list or an object where a string
+    is usual, the port forwards it untouched, never a 500 of its own."""
+    response = await gw.client.post(route, json=body)
+    assert response.status_code == 200, response.text
+    assert fake.received(route) == [body]
