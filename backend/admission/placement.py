@@ -105,6 +105,8 @@ HOME_WAIT_LIMIT = 60.0
 #: its later turns a less crowded engine; short, since sessions that ended long ago
 #: still count where they lived (until the table drops them).
 NEW_SESSION_WAIT = 2.0
+#: New sessions' waits followed at once (a bound: first turns that leave unserved).
+_PASSED_OVER_LIMIT = 4096
 
 
 
@@ -269,6 +271,9 @@ class KeepPrefixes(Placement):
         # it ends): four identical chats, one session by their digest, or an agent's
         # side request beside its turn.
         self._running: Counter[str] = Counter()
+        # New sessions' first turns waiting for the engine where the fewest live while
+        # another has room: session -> since when (`_fewest_sessions`).
+        self._passed_over: dict[str, float] = {}
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         need = ticket.need
@@ -310,6 +315,7 @@ class KeepPrefixes(Placement):
         if session is None:
             return
         self._running[session] += 1
+        self._passed_over.pop(session, None)
         if session in self._arriving:
             return
         known = self.sessions.where(session)
@@ -413,9 +419,15 @@ class KeepPrefixes(Placement):
 
     def _fewest_sessions(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
         """For a new session's turn that may still wait: the engine with no room where
-        fewer sessions live than on every engine with room, if there is one."""
-        if (ticket.hint.session is None or self._runs(ticket)
-                or not self._may_wait(ticket, self.new_wait)):
+        fewer sessions live than on every engine with room, if there is one.  It waits
+        for it `new_wait` seconds, or as long as that engine would take to compute its
+        prompt when that is longer (up to `HOME_WAIT_LIMIT`), counted from when another
+        engine first had room for it, not from its arrival: first turns that arrived
+        while every slot ran took the first slot freed, wherever (measured on a pool of
+        2 attached llama-servers of 2 slots, 6 agents: the fifth and sixth waited 124 s
+        for a slot, then both went to one engine, 4 sessions on its 2 slots)."""
+        session = ticket.hint.session
+        if session is None or self._runs(ticket) or not hasattr(ticket, "enqueued_at"):
             return None
         need = ticket.need
         full: E | None = None
@@ -430,7 +442,15 @@ class KeepPrefixes(Placement):
                 full, full_lives = engine, lives
         if full is None or fewest_with_room is None or full_lives >= fewest_with_room:
             return None
-        return full
+        now = self._clock()
+        if len(self._passed_over) >= _PASSED_OVER_LIMIT and session not in self._passed_over:
+            self._passed_over.clear()  # those of first turns that left unserved
+        since = self._passed_over.setdefault(session, now)
+        bound = self.new_wait
+        seconds = None if need is None else full.prefill_seconds(need.prompt)
+        if seconds is not None:
+            bound = min(HOME_WAIT_LIMIT, max(bound, seconds))
+        return full if now - since < bound else None
 
     def _runs(self, ticket: Placeable) -> bool:
         """Does another turn of `ticket`'s session run now?"""

@@ -90,7 +90,11 @@ def test_a_turn_waits_for_its_engine_passed_at_most_max_passes_times_then_home_w
     clock.now += HOME_WAIT  # waited long enough for its engine: anywhere
     line.admit_waiting()
     assert waiting.admitted and not_none(waiting.seat).engine is home
-    near_holder.release()  # its own engine frees: the one that could not pass goes there
+    near_holder.release()  # its own engine frees: the one that could not pass goes there,
+    # a new session, once it waited NEW_SESSION_WAIT for `home`, where fewer live
+    assert not last.admitted
+    clock.now += NEW_SESSION_WAIT
+    line.admit_waiting()
     assert last.admitted and not_none(last.seat).engine is near
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backend.admission.hint import NO_HINT, Hint, request_hint
-from backend.admission.placement import HOME_WAIT, HOME_WAIT_LIMIT, KeepPrefixes, MostFreeSlots, Seat
+from backend.admission.placement import (HOME_WAIT, HOME_WAIT_LIMIT, NEW_SESSION_WAIT, KeepPrefixes,
+                                         MostFreeSlots, Seat)
 from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from tests.backend.admission_helpers import told_served
@@ -317,3 +318,19 @@ def test_a_new_session_goes_where_the_fewest_sessions_live_before_its_flows_shar
     a.free = []  # no room where the fewest live: where there is room, without waiting
     assert policy.place(Wanting(hint=fourth), [a, b]) == Seat(b, 1, pinned=True)
     assert policy.sessions.homed("a") == policy.sessions.homed("b") == 2
+
+
+def test_a_new_session_that_waited_for_any_slot_still_waits_for_the_engine_where_fewer_live():
+    # Six agents on two engines of two slots: the fifth and sixth arrive while every slot
+    # runs; when one frees, each waits a little for the engine where fewer live.
+    clock = Clock()
+    a, b = Engine("a", [], kv=SPLIT), Engine("b", [0], kv=SPLIT)
+    policy = KeepPrefixes(Sessions(), clock=clock)
+    for name, engine in (("s0", a), ("s1", a), ("s2", b), ("s3", b), ("s4", b)):
+        served(policy, f"f\n{name}", Seat(engine, 0), 1_300)
+    late = Wanting(hint=Hint("f\ns5", flow="f"), enqueued_at=clock.now - 120)
+    assert policy.place(late, [a, b]) is None  # b has room, but 3 live there and 2 on a
+    clock.now += NEW_SESSION_WAIT - 0.1
+    assert policy.place(late, [a, b]) is None
+    clock.now += 0.2  # waited its new_wait since b had room: there
+    assert policy.place(late, [a, b]) == Seat(b, 0, pinned=True)
