@@ -239,6 +239,13 @@ class PrefillPlacement:
             # Cold everywhere: the engine where the fewest streams would feel it.
             fewest = min(budget.streams(e) for e in allowed)
             allowed = [e for e in allowed if budget.streams(e) == fewest]
+        if len(allowed) < len(engines):
+            home = self.inner.home_while_waiting(ticket, engines)
+            if home is not None and home not in allowed:
+                # The policy keeps it waiting for an engine left out here (a new
+                # session's first prompt, long and cold, for the engine where the fewest
+                # sessions live): it waits, within the policy's own bound.
+                return None
         return self.inner.place(ticket, allowed)
 
     def forget(self, ticket: object) -> None:

@@ -301,3 +301,22 @@ def test_identical_chats_arriving_together_spread_over_the_free_slots_of_two_eng
     assert all(chat.admitted for chat in chats)
     assert sorted(not_none(c.seat).engine.key for c in chats) == sorted([one.key, one.key,
                                                                          two.key, two.key])
+
+
+def test_a_new_sessions_long_first_prompt_waits_for_the_engine_where_fewer_sessions_live():
+    # The prefill budget sends a long cold prompt among the engines it admits; a new
+    # session still waits its new_wait for the engine where fewer sessions live (measured
+    # on two attached llama-servers: the fifth and sixth agents' first prompts, long and
+    # cold, both went to the engine a slot freed on, 4 sessions on its 2 slots).
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    fewer, more = engine(line, OLD, 2), engine(line, NEW, 2)
+    for name, where in (("s0", fewer), ("s1", fewer), ("s2", more), ("s3", more), ("s4", more)):
+        told_served(policy.sessions, f"alice\n{name}", "alice", (), Seat(where, 0), "here", 1_600, 0)
+    running = [turn(line, "s0"), turn(line, "s1")]
+    assert all(t.engine is fewer for t in running)  # `fewer` is full now
+    late = turn(line, "s5", need=3_500)  # long: over LONG_PREFILL_TOKENS, cold everywhere
+    assert not late.admitted  # `more` has room, but more sessions live there
+    clock.now += NEW_SESSION_WAIT
+    line.admit_waiting()
+    assert late.admitted and late.engine is more
