@@ -278,7 +278,7 @@ async def test_a_parked_prefix_the_turn_does_not_continue_is_not_restored(
     assert third.computed <= 0.15 * third.prompt  # the rewritten conversation is warm
     assert service.parking.counts == {"parked": 1, "recalled": 0, "restored": 0,
                                       "not_taken": 0, "park_failed": 0, "gathered": 0,
-                                      "not_continued": 1, "not_parked": 0}
+                                      "not_continued": 1, "not_parked": 0, "vacated": 0}
     assert parked_files(service.parking) == parked  # replaced when this one is parked
 
 
@@ -300,7 +300,7 @@ async def test_a_parked_prefix_is_restored_for_its_own_key_only(studio: ServiceF
     assert len(parked) == 1 and parked_files(service.parking) == parked
     assert bobs_counts == {"parked": 1, "recalled": 0, "restored": 0, "not_taken": 0,
                            "park_failed": 0, "gathered": 0, "not_continued": 0,
-                           "not_parked": 0}
+                           "not_parked": 0, "vacated": 0}
     assert service.parking.counts["restored"] == 1  # alice's own turn got it
 
 
