@@ -65,6 +65,8 @@ class ChatView(QWidget):
         self._answer_started: float | None = None
         #: The models served without a chat template: plain completion only.
         self._without_template: frozenset[str] = frozenset()
+        #: The model chosen in the library, named while nothing is loaded.
+        self._chosen = ""
         #: The model to choose once the port lists it ("": none).
         self._wanted = ""
         #: The models with an engine ready now; the others load on the first message.
@@ -175,6 +177,11 @@ class ChatView(QWidget):
 
     # --- what the window tells ----------------------------------------------------------
 
+    def set_chosen(self, name: str) -> None:
+        """The model chosen in the library (empty: none), named while nothing is loaded."""
+        self._chosen = name
+        self._show_status()
+
     def set_models(self, names: list[str], without_template: Collection[str] = (),
                    ready: Collection[str] | None = None) -> None:
         """The models the port serves now, those of them without a chat template (plain
@@ -281,7 +288,10 @@ class ChatView(QWidget):
         turns = self.state.turns
         last = turns[-1] if turns and turns[-1].role == "assistant" else None
         current = self.model.currentText()
-        if not self.model.count():
+        if not self.model.count() and self._chosen:
+            self.status.setText(f"No model is loaded yet: press Load above to chat with "
+                                f"{self._chosen}, or pick another in the list on the left.")
+        elif not self.model.count():
             self.status.setText("No model is loaded yet: pick one in the list on the left and "
                                 "press Load to chat with it.")
         elif self.state.streaming and self._answer_started is not None:

@@ -290,6 +290,7 @@ class MainWindow(QMainWindow, SharingWiring):
         self.refresh_library()
 
     def _on_selected(self, entry: ModelEntry | None) -> None:
+        self.chat.set_chosen(entry.name if entry is not None else "")
         if entry is None:
             self.model_view.show_info(None, None)
             self._show_account()

@@ -42,6 +42,10 @@ def test_a_model_found_is_selected_and_the_chat_tab_comes_first(
     assert window.model_view.load_button.isEnabled()
     assert window.tabs.currentIndex() == CHAT_TAB == 0
     assert window.tabs.tabText(CHAT_TAB) == "C&hat" and window.tabs.tabText(SHARING_TAB) == "&Sharing"
+    # The Chat tab names the model chosen and the button to press, not "pick one".
+    assert window.chat.status.text() == ("No model is loaded yet: press Load above to chat "
+                                         "with found-model, or pick another in the list on "
+                                         "the left.")
 
 
 def test_the_chat_tab_says_where_to_load_and_never_that_nothing_is_served_when_one_is(
