@@ -45,10 +45,14 @@ async def test_claude_code_answers_with_the_models_text_streamed(start_smol_stud
               if event["event"]["type"] == "content_block_delta"
               and event["event"]["delta"]["type"] == "text_delta"]
     assert len(deltas) > 1, deltas
-    if not result["is_error"]:
-        assert "".join(deltas).strip() == result["result"].strip()
     records = await inspected(service)
-    assert [r["status"] for r in records] == [200] * result["num_turns"], records  # none resent
+    # One request: its answer is the deltas.  Greedy SmolLM2 echoes Claude Code's prompt on
+    # some dates and paths, and Claude Code then asks it to go on in more requests of the
+    # session, whose texts its result joins its own way.
+    if not result["is_error"] and len(records) == 1:
+        assert "".join(deltas).strip() == result["result"].strip()
+    assert [r["status"] for r in records] == [200] * len(records), records  # none resent
+    assert len(records) >= result["num_turns"], records
     assert all(r["stream"] and r["session"] == result["session_id"] for r in records), records
     assert records[0]["prompt_tokens"] > 3000, records  # Claude Code's own prompt and tools
 

@@ -394,8 +394,10 @@ def test_requests_sent_together_with_clients_going_away_leave_the_real_engine_cl
         assert len(running) >= 2 and left >= 2, (len(running), left)
 
     capped = service.settings
-    # Answers long enough that a client leaves while its request waits or runs.
-    service.settings = capped.replace(max_output_tokens=256)
+    # Answers long enough that a client leaves while its request waits or runs; and no
+    # grace for a resend (tests/backend/port/test_resends.py): a client gone before its
+    # answer began is cut at once, as a client gone for good is once the grace ends.
+    service.settings = capped.replace(max_output_tokens=256, resend_grace=0.0)
     try:
         together()
         asyncio.run(leave_while_running())
