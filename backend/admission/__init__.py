@@ -4,8 +4,8 @@ No sockets: the port and the app do the I/O and ask this room to decide.  The qu
 engine (`engine_queue`) and the line of one model (`line`; an engine as it reads one,
 `line_engine`; the requests waiting for its model's first engine, `load_wait`), the
 registry of lines keyed by the engines' base URLs (`admission_registry`), a waiting
-request's ticket (`admission_ticket`), where a ticket sits (`placement`: an engine and a
-seat, by a policy with its lifecycle), fair share between keys (`fair_queue` and its
+request's ticket (`admission_ticket`), where a ticket sits (`placement`: an engine, by a
+policy with its lifecycle; `seat`: the slot it takes on that engine), fair share between keys (`fair_queue` and its
 books, `lanes`; who a share is owed to, `flow`), keys' token limits (`rate_limits`) and
 the flow of a caller (`caller`, `flow_control`), a request's admission asked once
 (`request_planner`: its hint, blocks and plan), what a request needs (`need_planner`; the

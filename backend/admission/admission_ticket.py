@@ -27,7 +27,7 @@ from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving
 from backend.admission.flow import Band, Flow
 from backend.admission.hint import NO_HINT, Hint
-from backend.admission.placement import Seat
+from backend.admission.seat import Seat
 
 __all__ = ["DEFAULT_FLOW", "MAX_REQUEUES", "EngineSeat", "Ticket", "TicketSeam", "TicketState",
            "WaitReason", "as_need"]

@@ -35,7 +35,7 @@ from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from backend.admission.admission_ticket import Ticket
 from backend.admission.line import Clock, Line
-from backend.admission.placement import Seat
+from backend.admission.seat import Seat
 
 __all__ = ["OBSERVED_PREFILL_TOKENS", "AdmissionQueue"]
 

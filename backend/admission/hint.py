@@ -61,7 +61,7 @@ class Hint:
     #: Whose request it is (its flow's key).
     flow: str = ""
     #: Does the engine honour an `id_slot` in it?  Not on `/v1/messages`: llama-server's
-    #: Anthropic conversion keeps only its own fields (`placement._seat_on`).
+    #: Anthropic conversion keeps only its own fields (`seat.seat_on`).
     pinnable: bool = True
 
 

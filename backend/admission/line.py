@@ -62,8 +62,9 @@ from backend.admission.fair_queue import FairQueue
 from backend.admission.hint import NO_HINT, Hint
 from backend.admission.line_engine import LineEngine
 from backend.admission.load_wait import LoadWait
-from backend.admission.placement import KeepPrefixes, Placeable, Placement, Seat
+from backend.admission.placement import KeepPrefixes, Placeable, Placement
 from backend.admission.prefill_budget import PrefillBudget, PrefillPlacement
+from backend.admission.seat import Seat
 
 __all__ = ["AGING_SECONDS", "DEFAULT_MODEL", "MAX_PASSES", "Clock", "Line"]
 

@@ -1,6 +1,6 @@
 """One engine as its line reads and books it (`LineEngine`: `AdmissionQueue`, in
 `backend.admission.engine_queue`): its slots and cache as placement reads them
-(`placement.SeatEngine`), and the tickets it takes and gives back
+(`seat.SeatEngine`), and the tickets it takes and gives back
 (`backend.admission.line`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Protocol, Self
 
 from backend.admission.admission_ticket import Ticket
-from backend.admission.placement import Seat, SeatEngine
+from backend.admission.seat import Seat, SeatEngine
 
 __all__ = ["LineEngine"]
 

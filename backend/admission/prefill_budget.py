@@ -43,7 +43,8 @@ from typing import Protocol, TypeVar
 from backend.admission.admission_ticket import WaitReason
 from backend.admission.flow import Band, Flow
 from backend.admission.hint import Hint
-from backend.admission.placement import Placeable, Placement, Seat, SeatEngine
+from backend.admission.placement import Placeable, Placement
+from backend.admission.seat import Seat, SeatEngine
 
 __all__ = ["LONG_PREFILL_TOKENS", "PREFILL_BUDGET", "CacheKnowledge", "NothingCached",
            "PrefillBudget", "PrefillPlaceable", "PrefillPlacement"]

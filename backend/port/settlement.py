@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backend.admission.admission_ticket import Ticket, WaitReason
-from backend.admission.placement import keeps_slots
+from backend.admission.seat import keeps_slots
 from backend.port import sse
 from backend.port.metrics import UNROUTED
 from backend.port.request_log import NO_FIGURES, RequestLog, figures_in

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from backend.admission.placement import Seat, keeps_slots
+from backend.admission.seat import Seat, keeps_slots
 from backend.admission.prompt import NO_BLOCKS
 from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity

@@ -7,7 +7,7 @@ from backend.llama.load import Serving
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.admission_ticket import Ticket
-from backend.admission.placement import Seat
+from backend.admission.seat import Seat
 from tests.backend.admission_helpers import NEW, OLD, queue_of
 from tests.not_none import not_none
 

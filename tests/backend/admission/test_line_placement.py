@@ -11,7 +11,8 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import Line
 from backend.admission.flow import Flow
 from backend.admission.hint import Hint
-from backend.admission.placement import Placeable, Placement, Seat, SeatEngine
+from backend.admission.placement import Placeable, Placement
+from backend.admission.seat import Seat, SeatEngine
 from tests.backend.admission_helpers import NEW, OLD
 from tests.not_none import not_none
 

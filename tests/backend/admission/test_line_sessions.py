@@ -9,7 +9,8 @@ from backend.admission.line import MAX_PASSES, Line
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.flow import Flow
 from backend.admission.hint import Hint
-from backend.admission.placement import HOME_WAIT, NEW_SESSION_WAIT, KeepPrefixes, Seat
+from backend.admission.placement import HOME_WAIT, NEW_SESSION_WAIT, KeepPrefixes
+from backend.admission.seat import Seat
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving
 from tests.backend.admission_helpers import NEW, NEWER, OLD, FakeClock, told_served

@@ -13,7 +13,8 @@ from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.flow import Flow
 from backend.admission.hint import Hint
 from backend.admission.line import Line
-from backend.admission.placement import HashRing, KeepPrefixes, Seat, placement_named
+from backend.admission.placement import HashRing, KeepPrefixes, placement_named
+from backend.admission.seat import Seat
 from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from backend.llama.load import Serving

@@ -9,7 +9,8 @@ import pytest
 
 from backend.admission.cache_misses import Verdict
 from backend.admission.hint import Hint
-from backend.admission.placement import KeepPrefixes, Seat
+from backend.admission.placement import KeepPrefixes
+from backend.admission.seat import Seat
 from backend.admission.prompt import prompt_blocks
 from backend.admission.session_book import SessionRequest, Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
