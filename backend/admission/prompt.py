@@ -52,7 +52,7 @@ class PromptBlocks(NamedTuple):
     #: A hash of the request's other fields (what else a template may render: tool
     #: choice, template arguments, the output limit), for `session_book.Sessions.continuation`.
     frame: int = 0
-    #: The body's bytes with its tool calls' allowance (`prompt_tokens.prompt_size`);
+    #: The body's bytes with its tool calls' allowance (`prompt_bytes.prompt_size`);
     #: 0: unknown (images), no continuation bound.
     size: int = 0
 
@@ -109,7 +109,7 @@ class Prompt:
 
     def blocks(self, size: int | None = None) -> PromptBlocks:
         """Its blocks (see the module's doc); `size`: the body's
-        `prompt_tokens.prompt_size` (None: unknown)."""
+        `prompt_bytes.prompt_size` (None: unknown)."""
         chained: list[int] = []
         ends: list[int] = []
         parts: list[Part] = []

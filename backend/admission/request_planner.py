@@ -29,7 +29,8 @@ from backend.admission.line import Line
 from backend.admission.need_planner import NO_PLAN, NeedPlanner, OutputPolicy, Plan
 from backend.admission.prefill_budget import LONG_PREFILL_TOKENS
 from backend.admission.prompt import Prompt, PromptBlocks, read_prompt
-from backend.admission.prompt_tokens import EngineTokenizer, PromptCounter, prompt_size
+from backend.admission.prompt_bytes import prompt_size
+from backend.admission.prompt_tokens import EngineTokenizer, PromptCounter
 from backend.api_paths import COUNT_ROUTES, MESSAGES
 from backend.llama.kv_capacity import TokenNeed
 from backend.llama.load import Serving

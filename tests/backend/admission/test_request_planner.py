@@ -18,7 +18,8 @@ from typing import Any
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.admission.continued_turn import CONTINUATION_SLACK
 from backend.admission.need_planner import NO_PLAN
-from backend.admission.prompt_tokens import TEXT_SLACK, CountFailed, prompt_size
+from backend.admission.prompt_bytes import prompt_size
+from backend.admission.prompt_tokens import TEXT_SLACK, CountFailed
 from backend.api_paths import CHAT, MESSAGES
 from backend.admission.request_planner import RequestPlanner
 from backend.admission.session_book import Sessions
