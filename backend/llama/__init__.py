@@ -12,7 +12,7 @@ devices to an engine elsewhere and greets a load's workers (`rpc_worker`), measu
 fast an engine computes prompts and steps after each load (`engine_speed`), talks to its
 own API (`api`), reads what it reported (`report`, `log`), knows its KV cache rules
 (`kv_capacity`) and the chat template it renders chats with (`chat_template`), and keeps
-slots saved to disk (`slot_parking`).  `load` is the contract everything above uses: what
+slots saved to disk (`slot_parking`; the engine's slot actions it asks for, `slot_actions`).  `load` is the contract everything above uses: what
 a load is asked for, the state it is in, and the `Serving` value that exists while it
 serves.
 """

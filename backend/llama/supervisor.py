@@ -34,7 +34,7 @@ from backend.llama.engine_process import (EngineKey, EngineProcess, describe_exi
 from backend.llama.log import EngineLogFile
 from backend.llama.report import EngineReportReader, gpu_failure_reason
 from backend.llama.rpc_worker import check_rpc_workers, protocol_of_engine, rpc_failure_reason
-from backend.llama.slot_parking import SlotActionFailed, SlotClient
+from backend.llama.slot_actions import SlotActionFailed, SlotClient
 from backend.errors import (
     EngineExitedDuringLoad,
     GpuLoadFailed,

@@ -74,8 +74,8 @@ from backend.models.fit import KvShape, format_bytes, load_memory
 from backend.models.gguf_info import read_model_info
 from backend.port import sse
 from backend.llama.load import Serving
-from backend.llama.slot_parking import (ParkingLot, ParkKey, Restored, SlotActionFailed,
-                                        SlotClient, model_identity)
+from backend.llama.slot_actions import SlotActionFailed, SlotClient
+from backend.llama.slot_parking import ParkingLot, ParkKey, Restored, model_identity
 
 __all__ = ["PARK_TIME_LIMIT", "ParkingAbility", "ParkingSteward"]
 

@@ -17,9 +17,9 @@ import pytest
 
 from backend.llama.api import engine_headers
 from backend.llama.load import LoadSettings, Snapshot
+from backend.llama.slot_actions import SlotActionFailed, SlotClient
 from backend.llama.slot_parking import (INDEX_NAME, MIN_FREE_DISK_BYTES, ParkingLot, ParkKey,
-                                        SlotActionFailed, SlotClient, model_identity,
-                                        recall_body)
+                                        model_identity)
 from backend.llama.supervisor import Supervisor, build_command
 from backend.models.fit import KvShape
 from backend.models.gguf_info import read_model_info
@@ -287,19 +287,6 @@ async def test_a_responses_request_is_recalled_into_its_slot_too(
             recalled = await lot.save(client, 0, ParkKey(model, "alice", "recalled"),
                                       prompt=PROMPT, token_bytes=kv_bytes(tiny_model))
     assert recalled.tokens >= first.tokens - 8  # its prompt, with one token of answer
-
-
-def test_a_recalled_request_computes_its_prompt_and_one_token_in_its_slot():
-    body = recall_body(b'{"model": "m", "messages": [], "stream": true, "max_tokens": 900,'
-                       b' "stream_options": {"include_usage": true}}', 3)
-    assert json.loads(body) == {"model": "m", "messages": [], "stream": False,
-                                "max_tokens": 900, "id_slot": 3, "n_predict": 1,
-                                "cache_prompt": True}
-    # An Anthropic request keeps only its own fields: its one token is its max_tokens.
-    anthropic = recall_body(b'{"model": "m", "system": "s", "messages": [], "stream": true,'
-                            b' "max_tokens": 900}', 3, anthropic=True)
-    assert json.loads(anthropic)["max_tokens"] == 1
-    assert json.loads(anthropic)["stream"] is False
 
 
 def test_the_engine_is_started_with_the_parking_directory(tmp_path, tiny_model):

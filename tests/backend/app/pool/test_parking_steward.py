@@ -28,8 +28,8 @@ from backend.app.pool.pool_status import Residency
 from backend.app.service import PARKED_SLOTS_DIR, StudioService
 from backend.keys.key_store import KeyStore
 from backend.llama.load import LoadSettings
-from backend.llama.slot_parking import (INDEX_NAME, ParkingLot, ParkKey, SlotActionFailed,
-                                        SlotClient)
+from backend.llama.slot_actions import SlotActionFailed, SlotClient
+from backend.llama.slot_parking import INDEX_NAME, ParkingLot, ParkKey
 from backend.settings import Settings
 from tests.backend.service_harness import ServiceFactory
 from tests.not_none import not_none
