@@ -1,7 +1,8 @@
 """The engine: llama.cpp's `llama-server`, built from pinned sources and run here or watched
 elsewhere.
 
-Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`; its pinned
+Finds or builds the binary (`engine`, `accelerators`, `vulkan_headers`; the compilers and
+build tools it runs, `build_tools`; its pinned
 sources, checked before any use, `sources`, and our patches to them, `patches`; the
 environment its processes get,
 `environment`; its children started and ended so that no cancel leaves one running,

@@ -28,20 +28,17 @@ import os
 import platform
 import re
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TextIO
+from typing import Callable, Mapping, Sequence
 
 import platformdirs
 
 from backend.llama.accelerators import BACKENDS, Accelerators, detect
-from backend.llama.child_process import end_process_group, spawn
-from backend.llama.log import for_display, read_lines
+from backend.llama.build_tools import build_log_tail, find_build_tools, run_logged
 from backend.llama.patches import LLAMA_CPP_PATCHES, LlamaPatch, patched_tree
 from backend.llama.rpc_worker import RpcProtocol, protocol_of_sources
 from backend.llama.sources import PinnedFile, fetch_pinned
@@ -319,7 +316,7 @@ class Engine:
         env = engine_environment() | {"CC": tools.cc, "CXX": tools.cxx}
         with log_path.open("w") as log:
             report(BuildProgress("configure", 5, "configuring with CMake"))
-            await _run_logged(
+            await run_logged(
                 [tools.cmake, "-S", str(tree), "-B", str(build_dir), "-G", "Ninja",
                  f"-DCMAKE_MAKE_PROGRAM={tools.ninja}", *key.cmake_args,
                  *plan.machine_args],
@@ -336,7 +333,7 @@ class Engine:
                     done, total = int(m.group(1)), int(m.group(2))
                     report(BuildProgress("compile", 8 + 90 * done / max(total, 1), line))
 
-            await _run_logged(
+            await run_logged(
                 [tools.cmake, "--build", str(build_dir), "--target", *_BUILD_TARGETS,
                  "-j", str(jobs)],
                 log, env, on_compile_line, failure="Compiling llama-server failed",
@@ -346,7 +343,7 @@ class Engine:
         for binary in built:
             if not _is_executable(binary):
                 raise EngineBuildFailed(f"The build finished but produced no {binary.name}.",
-                                        _tail(log_path))
+                                        build_log_tail(log_path))
         report(BuildProgress("install", 99, f"installing {key.name}"))
         self._install(key, built, protocol_of_sources(tree))
         report(BuildProgress("done", 100, f"built {key.name}"))
@@ -478,37 +475,6 @@ def detected_backends() -> list[str] | None:
     return _DETECTED.wanted() if _DETECTED is not None else None
 
 
-@dataclass(frozen=True)
-class BuildTools:
-    cc: str
-    cxx: str
-    cmake: str
-    ninja: str
-
-
-def find_build_tools(environ: Mapping[str, str] | None = None) -> BuildTools:
-    """The compiler and build tools, preferring the cmake/ninja installed beside Python."""
-    environ = os.environ if environ is None else environ
-    path = environ.get("PATH", "")
-    venv_bin = str(Path(sys.executable).parent)
-    search = os.pathsep.join([venv_bin, path])
-
-    def need(names: Sequence[str], what: str, hint: str) -> str:
-        for name in names:
-            found = shutil.which(name, path=search)
-            if found:
-                return found
-        raise BuildToolMissing(f"No {what} found ({', '.join(names)}). {hint}")
-
-    compiler_hint = ("Install a C/C++ compiler (Debian/Ubuntu: `apt install build-essential`; "
-                     "macOS: `xcode-select --install`; Windows: Visual Studio Build Tools).")
-    cc = need([environ["CC"]] if environ.get("CC") else ["cc", "gcc", "clang"], "C compiler", compiler_hint)
-    cxx = need([environ["CXX"]] if environ.get("CXX") else ["c++", "g++", "clang++"], "C++ compiler", compiler_hint)
-    cmake = need(["cmake"], "CMake", "Install it with `pip install cmake`.")
-    ninja = need(["ninja"], "Ninja", "Install it with `pip install ninja`.")
-    return BuildTools(cc, cxx, cmake, ninja)
-
-
 def rpc_server_beside(llama_server: Path | None) -> Path | None:
     """The RPC server built with this llama-server (in the same engine directory), if any."""
     if llama_server is None:
@@ -581,35 +547,3 @@ def _sha256(path: Path) -> str:
 def _extract(sdist: Path, dest: Path) -> None:
     with tarfile.open(sdist) as tar:
         tar.extractall(dest, filter="data")
-
-
-def _tail(log_path: Path, lines: int = 30) -> str:
-    try:
-        with log_path.open(errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except OSError:
-        return ""
-
-
-async def _run_logged(cmd: Sequence[str], log: TextIO, env: Mapping[str, str],
-                      on_line: Callable[[str], None], *, failure: str, log_path: Path) -> None:
-    try:
-        proc = await spawn(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                           stdin=asyncio.subprocess.DEVNULL, env=dict(env))
-    except OSError as exc:
-        raise EngineBuildFailed(f"{failure}: {exc.strerror or exc}") from None
-    try:
-        assert proc.stdout is not None
-        async for line in read_lines(proc.stdout):  # compilers write lines of any length
-            line = line.rstrip()
-            log.write(line + "\n")
-            on_line(for_display(line))
-        code = await proc.wait()
-    except BaseException:
-        await end_process_group(proc)
-        raise
-    finally:
-        log.flush()
-    if code != 0:
-        raise EngineBuildFailed(f"{failure} (exit {code}); the full log is {log_path}.",
-                                _tail(log_path))
