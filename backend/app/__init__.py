@@ -7,7 +7,8 @@ line's entry (`cli`: `main`, the parser and `serve`), the end-to-end self-test
 view's rows (`session_rows`), one model's account under its own heading in the window
 (`model_account`), what loading or unloading a model means for the port's users, asked
 before it happens (`model_swap`), the request inspector's records kept across restarts
-(`request_history`), the Chat tab's conversation, sent through the port like
+(`request_history`), the keys applied to the requests that wait and run, and watched while
+they do (`key_watch`), the Chat tab's conversation, sent through the port like
 any client's (`chat_session`), the desktop's menu entry (`desktop_entry`) and the system
 libraries Qt's X11 plugin needs, checked before Qt is (`desktop_libraries`).
 

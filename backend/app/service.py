@@ -28,6 +28,7 @@ from backend.app.sharing.snippets import ClientModel, ClientTarget
 from backend.app.pool.local_models import estimate_model_bytes, memory_budget
 from backend.app.pool.parking_steward import ParkingSteward
 from backend.app.pool.pool import Pool
+from backend.app.key_watch import KeyWatch
 from backend.app.request_history import HISTORY_FILE, load_history, save_history
 from backend.app.model_swap import (LoadQuestion, ServedModel, UnloadQuestion, load_question,
                                     quit_question, served_models, unload_question)
@@ -36,9 +37,9 @@ from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
 from backend.app.pool.pool_status import HERE, engines_elsewhere, model_loads, scrubbed
 from backend.keys.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.keys.enrolments import Enrolments, SharedRequest
-from backend.errors import KeyRevoked, RequestError, SettingsError
+from backend.errors import RequestError, SettingsError
 from backend.heap import return_large_blocks
-from backend.keys.key_store import CHAT_NAME, OWNER_NAME, KeyRecord, KeyStore
+from backend.keys.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
 from backend.llama.chat_template import ChatTemplate
@@ -48,7 +49,6 @@ from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapsho
 from backend.llama.supervisor import Supervisor
 from backend.models.model_names import DEFAULT_MODEL_ALIAS
 from backend.app.session_rows import SessionRow, session_rows
-from backend.admission.caller import ADDRESS_FLOW, Caller
 from backend.admission.admission_registry import AdmissionRegistry
 from backend.port.route import Route
 from backend.admission.flow_control import FlowControl
@@ -66,10 +66,6 @@ log = logging.getLogger("gguf_studio.service")
 
 #: Where parked session prefixes live, in the user data dir (backend.llama.slot_parking).
 PARKED_SLOTS_DIR = "parked-slots"
-#: How often waiting requests are checked against their keys (revoked, expired, edited).
-KEY_CHECK_INTERVAL = 0.5
-#: How often parked prefixes are checked against their TTL (also on every look and save).
-PARKED_EXPIRY_INTERVAL = 600.0
 
 
 class StudioService:
@@ -136,9 +132,9 @@ class StudioService:
         self.pool.add_listener(self._on_engine_snapshot)
         self.pool.add_log_listener(lambda model, line: self._log_listeners(line))
         self._last_spec: LoadSpec | None = None
-        #: The keys' generation whose gone keys were forgotten (`_forget_gone_keys`).
-        self._keys_applied = -1
-        self._next_expiry = 0.0
+        #: The keys applied to waiting and running requests, and watched while they do.
+        self.key_watch = KeyWatch(self.keys, self.registry, self.flows, self.enrolments,
+                                  self.parking, self._publish_enrolment_window)
 
     # --- state --------------------------------------------------------------------------
 
@@ -227,7 +223,7 @@ class StudioService:
 
     def add_enrolment_window_listener(self, listener: Callable[[EnrolmentWindow], None]) -> None:
         """Called on the service's loop with the enrolment window whenever it opens,
-        closes or moves (within `KEY_CHECK_INTERVAL` of an accept window's end)."""
+        closes or moves (within `key_watch.KEY_CHECK_INTERVAL` of an accept window's end)."""
         self._window_listeners.add(listener)
 
     def add_enrolment_listener(self, listener: Callable[[], None]) -> None:
@@ -413,58 +409,12 @@ class StudioService:
     def _start_flow_tasks(self) -> None:
         if not self._flow_tasks:
             self._flow_tasks = [asyncio.ensure_future(self.usage.autosave()),
-                                asyncio.ensure_future(self._watch_keys())]
-
-    async def _watch_keys(self) -> None:
-        """Keys edited, revoked or expired while their requests wait: revoked and expired
-        ones are refused at once (401), edited ones wait under their new weight, band
-        and concurrency."""
-        failing = ""
-        while True:
-            await asyncio.sleep(KEY_CHECK_INTERVAL)
-            try:
-                self.keys.refresh()
-                self.apply_keys()
-                self.enrolments.sync()
-                self._publish_enrolment_window()  # an accept window ends, keys become required
-                if time.monotonic() >= self._next_expiry:
-                    self._next_expiry = time.monotonic() + PARKED_EXPIRY_INTERVAL
-                    self.parking.expire()
-                failing = ""
-            except Exception as exc:  # one bad file or bug must not end the watch for good
-                if repr(exc) != failing:  # logged once, not twice a second
-                    log.exception("Checking the keys and enrolment requests failed; trying "
-                                  "again every %gs.", KEY_CHECK_INTERVAL)
-                failing = repr(exc)
+                                asyncio.ensure_future(self.key_watch.watch())]
 
     def apply_keys(self) -> None:
-        """Apply the key store as it is now to every request that waits or runs (a
-        revoked, expired or deleted key's running ones end with an error event)."""
-        now = time.time()
-        for flow in self.registry.waiting_flows() | self.flows.running_flows():
-            if flow.startswith(ADDRESS_FLOW):
-                continue
-            record = self.keys.get(flow)
-            refusal = (KeyRevoked(f"The API key {flow!r} no longer exists.") if record is None
-                       else record.refusal(now))
-            if refusal is not None:
-                self.registry.refuse_flow(flow, refusal)
-                self.flows.end_flow(flow, refusal)
-            elif record is not None:
-                self.registry.update_flow(self.flows.flow_of(Caller(flow, record)))
-        self._forget_gone_keys()
-
-    def _forget_gone_keys(self) -> None:
-        """Once the keys changed: the sessions, cache figures, remembered requests and
-        parked prefixes (prompts at rest) of keys revoked or deleted go with them.  Only
-        where every request needs a key: then every live flow is a key's."""
-        if self.keys.generation == self._keys_applied or not self.keys.requires_keys():
-            return
-        self._keys_applied = self.keys.generation
-        live = {OWNER_NAME, CHAT_NAME} | {r.name for r in self.keys.records()
-                                          if r.revoked_at is None}
-        self.registry.sessions.keep_flows(live)
-        self.parking.keep_flows(live)
+        """Apply the key store as it is now to every request that waits or runs
+        (`KeyWatch.apply`)."""
+        self.key_watch.apply()
 
     def add_key(self, name: str, **limits: Any) -> tuple[KeyRecord, str]:
         """Make a named key (`KeyStore.add`); the port takes it at once."""
