@@ -34,7 +34,7 @@ from backend.app.model_swap import (LoadQuestion, ServedModel, UnloadQuestion, l
                                     quit_question, served_models, unload_question)
 from backend.keys.usage import UsageLedger
 from backend.app.pool.pool_config import ModelEntry, PoolConfig, UpstreamEntry
-from backend.app.pool.pool_status import HERE, engines_elsewhere, model_loads, scrubbed
+from backend.app.pool.pool_status import engines_elsewhere, model_cards, model_loads
 from backend.keys.enrolment_window import EnrolmentWindow, enrolment_window
 from backend.keys.enrolments import Enrolments, SharedRequest
 from backend.errors import RequestError, SettingsError
@@ -42,7 +42,6 @@ from backend.heap import return_large_blocks
 from backend.keys.key_store import KeyRecord, KeyStore
 from backend.listeners import Listeners
 from backend.llama.engine import Engine, detect_accelerators
-from backend.llama.chat_template import ChatTemplate
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.slot_parking import ParkingLot, ParkKey
 from backend.llama.load import Listener, LoadSpec, LogListener, Serving, Snapshot, State
@@ -474,27 +473,10 @@ class StudioService:
         return self.pool.route(path, requested)
 
     def model_cards(self) -> list[ModelCard]:
-        cap = self.settings.max_output_tokens
-        cards = []
-        local = {model: serving for model, where, serving in self.pool.serving_engines()
-                 if where == HERE}
-        for status in self.pool.statuses():
-            context = status.context_length
-            output = min(cap, context) if cap and context else (cap or context)
-            cards.append(ModelCard(
-                id=status.name, state=status.residency.value, context_length=context,
-                max_output_tokens=output or None, default=status.default,
-                details={"aliases": list(status.aliases), "local": status.local,
-                         "pinned": status.pinned, "idle_ttl": status.idle_ttl,
-                         "embeddings": status.embeddings, "decision": scrubbed(status.decision),
-                         "error": scrubbed(status.error),
-                         "engines": [dataclasses.asdict(e) for e in status.engines],
-                         # What its chats are rendered with (none: chat routes are refused).
-                         "chat_template": _chat_template(status.chat_template),
-                         # What parking does for it (or why not), on its engine here.
-                         "parking": self.parking.ability(status.name,
-                                                         local.get(status.name)).to_dict()}))
-        return cards
+        return model_cards(self.pool.statuses(), self.pool.serving_engines(),
+                           cap=self.settings.max_output_tokens,
+                           parking=lambda model, serving: self.parking.ability(
+                               model, serving).to_dict())
 
     def engines_elsewhere(self) -> list[dict[str, Any]]:
         """Every engine elsewhere for /health, by its "upstream N" (never its address)."""
@@ -553,10 +535,3 @@ def check_bind_allowed(settings: Settings, *, named_keys: bool = False) -> None:
         f"Refusing to listen on {settings.host} without an API key: anyone on the network could "
         "use the model. Set one with --api-key (or GGUF_STUDIO_API_KEY), make a named key with "
         "`gguf-studio keys add NAME`, or pass --allow-no-key if you really mean it.")
-
-
-def _chat_template(template: ChatTemplate | None) -> dict[str, Any] | None:
-    """/health's words on a model's chat template; None where not known here."""
-    if template is None:
-        return None
-    return dict(template.to_dict(), note=template.warning() or None)

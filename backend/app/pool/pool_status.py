@@ -1,23 +1,27 @@
 """What the pool says about its models and the engines serving them: the values the
 window, `/health`, the metrics and `serve` read (no paths, no keys), how one engine's
-snapshot and admission queue make an `EngineStatus`, and the engines elsewhere as
-`/health` lists them and every model's line and engines as the metrics count them.
+snapshot and admission queue make an `EngineStatus`, the engines elsewhere as `/health`
+lists them, every model's card for /v1/models and /health (`model_cards`) and every
+model's line and engines as the metrics count them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from backend.llama.chat_template import ChatTemplate
 from backend.llama.load import Serving, Snapshot, State
 from backend.admission.admission_registry import AdmissionRegistry
+from backend.port.catalog import ModelCard
 from backend.port.metrics import EngineLoad, ModelLoad
 
 __all__ = ["HERE", "EngineStatus", "ModelStatus", "Residency", "UpstreamStatus",
-           "engine_note", "engine_status", "engines_elsewhere", "model_loads", "residency_of", "scrubbed"]
+           "engine_note", "engine_status", "engines_elsewhere", "model_cards", "model_loads",
+           "residency_of", "scrubbed"]
 
 #: Where a local model's engine runs, in the window, /health and the metrics' labels.
 HERE = "this machine"
@@ -174,7 +178,42 @@ def model_loads(statuses: list[ModelStatus], registry: AdmissionRegistry) -> lis
     return loads
 
 
+def model_cards(statuses: list[ModelStatus], serving_engines: list[tuple[str, str, Serving]], *,
+                cap: int, parking: Callable[[str, Serving | None], dict[str, Any]]) -> list[ModelCard]:
+    """Every model's card for /v1/models and /health: its state, context and output limit
+    (at most `cap`, the operator's; 0: none), and its details: aliases, engines, chat
+    template, and what parking does for it on its engine here (`parking(model, serving)`)."""
+    cards = []
+    local = {model: serving for model, where, serving in serving_engines if where == HERE}
+    for status in statuses:
+        context = status.context_length
+        output = min(cap, context) if cap and context else (cap or context)
+        cards.append(ModelCard(
+            id=status.name, state=status.residency.value, context_length=context,
+            max_output_tokens=output or None, default=status.default,
+            details={"aliases": list(status.aliases), "local": status.local,
+                     "pinned": status.pinned, "idle_ttl": status.idle_ttl,
+                     "embeddings": status.embeddings, "decision": scrubbed(status.decision),
+                     "error": scrubbed(status.error),
+                     "engines": [dataclasses.asdict(e) for e in status.engines],
+                     # What its chats are rendered with (none: chat routes are refused).
+                     "chat_template": _chat_template(status.chat_template),
+                     # What parking does for it (or why not), on its engine here.
+                     "parking": parking(status.name, local.get(status.name))}))
+    return cards
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
 def _speed_figure(speed: dict[str, object] | None, name: str) -> float:
     """One figure of an engine's measured speed (`EngineSpeed.to_dict`); 0 when unmeasured."""
     value = (speed or {}).get(name)
     return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _chat_template(template: ChatTemplate | None) -> dict[str, Any] | None:
+    """/health's words on a model's chat template; None where not known here."""
+    if template is None:
+        return None
+    return dict(template.to_dict(), note=template.warning() or None)
