@@ -20,14 +20,11 @@ import pytest
 
 from backend.admission.prefill_budget import PREFILL_BUDGET
 from backend.app.service import StudioService
-from backend.llama.api import engine_headers
-from backend.llama.load import LoadSettings, Snapshot
-from tests.backend.service_harness import ServiceFactory
+from backend.llama.load import LoadSettings
+from tests.backend.service_harness import ServiceFactory, long_text
 
 SLOTS = 4
 CONTEXT = 8192
-WORDS = ("river stone maple copper lantern orchard signal harbor velvet quartz meadow "
-         "cinder falcon willow ember glacier thistle canyon saffron marble").split()
 BURST = 0.002  # chunks read together are one arrival
 
 
@@ -36,16 +33,6 @@ async def service(running_service: ServiceFactory) -> StudioService:
     # The tiny model computes a full 2,048-token step within 250 ms on a quiet machine;
     # a tighter budget gives it the small steps a real model gets at the default one.
     return await running_service(keepalive_interval=0.2, stall_budget_ms=50)
-
-
-async def long_text(snapshot: Snapshot, tokens: int, seed: int) -> str:
-    """A text of about `tokens` tokens, different for each seed (nothing of it cached)."""
-    assert snapshot.serving is not None
-    words = " ".join(WORDS[(i * seed + i // 7) % len(WORDS)] for i in range(tokens))
-    async with httpx.AsyncClient(base_url=snapshot.serving.base_url,
-                                 headers=engine_headers(snapshot.serving.api_key)) as engine:
-        counted = len((await engine.post("/tokenize", json={"content": words})).json()["tokens"])
-    return f"{seed} " + " ".join(words.split()[:tokens * tokens // counted])
 
 
 async def stream_times(client: httpx.AsyncClient, times: list[float], warm: asyncio.Event,

@@ -15,17 +15,14 @@ import httpx
 import pytest
 
 from backend.app.service import StudioService
-from backend.llama.api import engine_headers
-from backend.llama.load import LoadSettings, Snapshot
+from backend.llama.load import LoadSettings
 from backend.port.prefill import PrefillProgress, progress_of
-from tests.backend.service_harness import ServiceFactory
+from tests.backend.service_harness import ServiceFactory, long_text
 
 CONTEXT = 4096
 PROMPT_TOKENS = 1000
 KEEPALIVE = 0.2
 PING = 1  # seconds of silence before llama-server pings (its request field, whole seconds)
-WORDS = ("river stone maple copper lantern orchard signal harbor velvet quartz meadow "
-         "cinder falcon willow ember glacier thistle canyon saffron marble").split()
 
 
 @pytest.fixture
@@ -37,16 +34,6 @@ async def service(running_service: ServiceFactory, smollm2_model) -> StudioServi
                                     extra_args=("-b", "256", "-ub", "64"))
                        .to_spec(str(smollm2_model), model_id="tiny"))
     return service
-
-
-async def long_text(snapshot: Snapshot, tokens: int, seed: int) -> str:
-    """A text of about `tokens` tokens, different for each seed (nothing of it cached)."""
-    assert snapshot.serving is not None
-    words = " ".join(WORDS[(i * seed + i // 7) % len(WORDS)] for i in range(tokens))
-    async with httpx.AsyncClient(base_url=snapshot.serving.base_url,
-                                 headers=engine_headers(snapshot.serving.api_key)) as engine:
-        counted = len((await engine.post("/tokenize", json={"content": words})).json()["tokens"])
-    return f"{seed} " + " ".join(words.split()[:tokens * tokens // counted])
 
 
 async def streamed(service: StudioService, path: str, body: dict[str, Any]

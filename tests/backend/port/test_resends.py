@@ -20,8 +20,8 @@ from backend.llama.load import LoadSettings, Snapshot
 from backend.keys.key_store import CHAT_NAME
 from backend.port.resends import (FINISHED_ANSWERS, FINISHED_BYTES, JOINED_FINISHED,
                                   JOINED_RUNNING, Resends)
-from tests.backend.port.test_prefill import CONTEXT, PROMPT_TOKENS, long_text
-from tests.backend.service_harness import ServiceFactory
+from tests.backend.port.test_prefill import CONTEXT, PROMPT_TOKENS
+from tests.backend.service_harness import ServiceFactory, long_text
 
 KEEPALIVE = 0.2
 GRACE = 20.0
