@@ -34,6 +34,35 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
+def _direct_ms(s: Scenario | Steady) -> tuple[float, float]:
+    """The direct runs' TTFT p50 and p99, ms: medians over rounds."""
+    direct = s.runs["direct"]
+    return (median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3,
+            median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3)
+
+
+def _added_ms(s: Scenario | Steady, name: str) -> tuple[list[float], list[float]]:
+    """What `name` added to the TTFT p50 and p99 over direct, ms, one a round."""
+    return [x * 1e3 for x in s.added_ttft(name, 0.5)], [x * 1e3 for x in s.added_ttft(name, 0.99)]
+
+
+def _relay_cpu(s: Scenario | Steady, name: str) -> str:
+    """`name`'s relay CPU µs a chunk, and its system part."""
+    return f"{s.cpu_per_chunk(name, 'relay'):.0f} ({s.cpu_per_chunk(name, 'relay_sys'):.0f})"
+
+
+def _ttft_checks(p50: list[float], p99: list[float]) -> list[tuple[str, bool]]:
+    """The added TTFT's medians against their targets."""
+    return [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
+             median(p50) <= TARGET_TTFT_P50_MS),
+            (f"added TTFT p99 {median(p99):+.2f} ms ≤ {TARGET_TTFT_P99_MS:g}",
+             median(p99) <= TARGET_TTFT_P99_MS)]
+
+
+def _verdict(head: str, checks: list[tuple[str, bool]]) -> str:
+    return head + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks)
+
+
 def latency_table(scenarios: list[Scenario], judged: str = "port") -> tuple[list[str], list[str]]:
     """One row per scenario and relay; returns the rows and the verdict lines."""
     rows = ["| scenario | arrivals | streams × tokens | relay | throughput ÷ direct "
@@ -42,29 +71,21 @@ def latency_table(scenarios: list[Scenario], judged: str = "port") -> tuple[list
             "|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for s in scenarios:
-        direct = s.runs["direct"]
-        d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
-        d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+        d50, d99 = _direct_ms(s)
         arrivals = f"over {s.spread:g} s" if s.spread else "at once"
         for name in s.runs:
             if name == "direct":
                 continue
             ratios = s.throughput_ratios(name)
-            p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
-            p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+            p50, p99 = _added_ms(s, name)
             rows.append(f"| {s.title} | {arrivals} | {s.streams} × {s.tokens} | {name} "
                         f"| {_range(ratios)} | {d50:.1f} / {d99:.1f} | {_range(p50, '{:+.1f}')} "
-                        f"| {_range(p99, '{:+.1f}')} | {s.cpu_per_chunk(name, 'relay'):.0f} "
-                        f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) |")
+                        f"| {_range(p99, '{:+.1f}')} | {_relay_cpu(s, name)} |")
             if name == judged and s.judged:
                 checks = [(f"throughput {median(ratios):.3f} ≥ {TARGET_THROUGHPUT}",
-                           median(ratios) >= TARGET_THROUGHPUT),
-                          (f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
-                           median(p50) <= TARGET_TTFT_P50_MS),
-                          (f"added TTFT p99 {median(p99):+.2f} ms ≤ {TARGET_TTFT_P99_MS:g}",
-                           median(p99) <= TARGET_TTFT_P99_MS)]
-                verdicts.append(f"- {s.title}, {s.streams} streams, arrivals {arrivals}: "
-                                + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks))
+                           median(ratios) >= TARGET_THROUGHPUT), *_ttft_checks(p50, p99)]
+                verdicts.append(_verdict(f"- {s.title}, {s.streams} streams, arrivals "
+                                         f"{arrivals}: ", checks))
     return rows, verdicts
 
 
@@ -88,8 +109,7 @@ def saturation_table(s: Scenario) -> list[str]:
 
 def steady_table(s: Steady) -> list[str]:
     direct = s.runs["direct"]
-    d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
-    d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+    d50, d99 = _direct_ms(s)
     rows = [f"Steady state: a newcomer (prompt {s.prompt_label}) arrives every {s.interval * 1e3:g}–"
             f"{s.interval * 1.5e3:g} ms ({s.newcomers} per round, 2 tokens each) while "
             f"{s.background} streams flow at one token per {s.delay * 1e3:g} ms; "
@@ -104,11 +124,9 @@ def steady_table(s: Steady) -> list[str]:
     for name, runs in s.runs.items():
         if name == "direct":
             continue
-        p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
-        p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+        p50, p99 = _added_ms(s, name)
         rows.append(f"| {name} | {_range(p50, '{:+.1f}')} | {_range(p99, '{:+.1f}')} "
-                    f"| {s.cpu_per_chunk(name, 'relay'):.0f} "
-                    f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
+                    f"| {_relay_cpu(s, name)} "
                     f"| {median([r.chunks for r in runs]):,.0f} "
                     f"| {median([r.counted / s.newcomers for r in runs]):.2f} |")
     return rows
@@ -171,20 +189,12 @@ def pool_newcomer_table(pool: list[PoolResult], slots: int) -> tuple[list[str], 
         s = p.steady
         if s is None:
             continue
-        d50 = median([quantile(r.ttfts, 0.5) for r in s.runs["direct"]]) * 1e3
-        d99 = median([quantile(r.ttfts, 0.99) for r in s.runs["direct"]]) * 1e3
-        p50 = [x * 1e3 for x in s.added_ttft("port", 0.5)]
-        p99 = [x * 1e3 for x in s.added_ttft("port", 0.99)]
+        d50, d99 = _direct_ms(s)
+        p50, p99 = _added_ms(s, "port")
         rows.append(f"| {p.engines} | {s.background} | {d50:.1f} / {d99:.1f} "
                     f"| {_range(p50, '{:+.1f}')} | {_range(p99, '{:+.1f}')} "
-                    f"| {s.cpu_per_chunk('port', 'relay'):.0f} "
-                    f"({s.cpu_per_chunk('port', 'relay_sys'):.0f}) |")
-        checks = [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
-                   median(p50) <= TARGET_TTFT_P50_MS),
-                  (f"added TTFT p99 {median(p99):+.2f} ms ≤ {TARGET_TTFT_P99_MS:g}",
-                   median(p99) <= TARGET_TTFT_P99_MS)]
-        verdicts.append(f"- pool of {p.engines}, newcomer: "
-                        + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks))
+                    f"| {_relay_cpu(s, 'port')} |")
+        verdicts.append(_verdict(f"- pool of {p.engines}, newcomer: ", _ttft_checks(p50, p99)))
     return rows, verdicts
 
 
@@ -206,8 +216,7 @@ def routing_table(routing: dict[int, float], pool: list[PoolResult], slots: int)
 
 def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list[str]]:
     direct = s.runs["direct"]
-    d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
-    d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+    d50, d99 = _direct_ms(s)
     rows = [f"{s.title}: {s.streams} agents, each sending {s.requests} requests of "
             f"{s.tokens} tokens one after the other on its kept-alive connection (the next the "
             "moment the last answer ended), connecting over "
@@ -225,22 +234,16 @@ def closed_loop_table(s: Scenario, judged: bool = True) -> tuple[list[str], list
     for name in s.runs:
         if name == "direct":
             continue
-        p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
-        p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+        p50, p99 = _added_ms(s, name)
         rows.append(f"| {name} | {_range(s.throughput_ratios(name))} | {_range(p50, '{:+.1f}')} "
-                    f"| {_range(p99, '{:+.1f}')} | {s.cpu_per_chunk(name, 'relay'):.0f} "
-                    f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) "
+                    f"| {_range(p99, '{:+.1f}')} | {_relay_cpu(s, name)} "
                     f"| {median([len(r.ttfts) for r in s.runs[name]]):.0f} "
                     f"({median([r.reconnected for r in s.runs[name]]):.0f} / "
                     f"{median([r.reconnected for r in direct]):.0f}) "
                     f"| {_spread_ms(s.runs[name])} |")
         if judged and name == "port":
-            checks = [(f"added TTFT p50 {median(p50):+.2f} ms ≤ {TARGET_TTFT_P50_MS:g}",
-                       median(p50) <= TARGET_TTFT_P50_MS),
-                      (f"added TTFT p99 {median(p99):+.2f} ms ≤ {TARGET_TTFT_P99_MS:g}",
-                       median(p99) <= TARGET_TTFT_P99_MS)]
-            verdicts.append(f"- closed loop, {s.streams} agents: "
-                            + "; ".join(f"{text} {_mark(ok)}" for text, ok in checks))
+            verdicts.append(_verdict(f"- closed loop, {s.streams} agents: ",
+                                     _ttft_checks(p50, p99)))
     return rows, verdicts
 
 
@@ -251,8 +254,7 @@ TARGET_SERIAL_MS_PER_REQUEST = 0.1
 
 def burst_table(s: Scenario) -> tuple[list[str], list[str]]:
     direct = s.runs["direct"]
-    d50 = median([quantile(r.ttfts, 0.5) for r in direct]) * 1e3
-    d99 = median([quantile(r.ttfts, 0.99) for r in direct]) * 1e3
+    d50, d99 = _direct_ms(s)
     rows = [f"{s.title}: {s.streams} agents in lockstep, each on its kept-alive connection, "
             f"every agent's request ({s.tokens} tokens) written in the same loop turn and the "
             f"next burst the moment the last answer ended; {s.requests} measured bursts per "
@@ -270,14 +272,12 @@ def burst_table(s: Scenario) -> tuple[list[str], list[str]]:
     for name in s.runs:
         if name == "direct":
             continue
-        p50 = [x * 1e3 for x in s.added_ttft(name, 0.5)]
-        p99 = [x * 1e3 for x in s.added_ttft(name, 0.99)]
+        p50, p99 = _added_ms(s, name)
         serial = [cpu / s.streams * 1e6 for r in s.runs[name] for cpu in r.first_token_cpu]
         rows.append(f"| {name} | {_range(s.throughput_ratios(name))} | {_range(p50, '{:+.1f}')} "
                     f"| {_range(p99, '{:+.1f}')} | {median(p50) / s.streams * 1e3:.0f} "
                     f"| {_range(serial, '{:.0f}') if serial else '—'} "
-                    f"| {s.cpu_per_chunk(name, 'relay'):.0f} "
-                    f"({s.cpu_per_chunk(name, 'relay_sys'):.0f}) | {_spread_ms(s.runs[name])} |")
+                    f"| {_relay_cpu(s, name)} | {_spread_ms(s.runs[name])} |")
         if name == "port":
             aim = TARGET_SERIAL_MS_PER_REQUEST * s.streams
             verdicts.append(f"- burst, {s.streams} agents: added TTFT p50 {median(p50):+.2f} ms "
