@@ -45,6 +45,8 @@ def main() -> int:
                         help="llama-server --threads (0: llama-server decides)")
     parser.add_argument("--no-chat", action="store_true",
                         help="show the Activity tab instead of the Chat tab streaming answers")
+    parser.add_argument("--details", action="store_true",
+                        help="also print each run's whole report (the collector's passes...)")
     args = parser.parse_args()
     engine = Engine()
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,6 +68,9 @@ def main() -> int:
         print(f"{i // len(loops) + 1:>4} {r['backend_loop'].split('.')[0]:>8} {r['lag_p50_ms']:>7} ms "
               f"{r['lag_p99_ms']:>6} ms {r['lag_max_ms']:>6} ms {r['busy_p99_ms']:>6} ms "
               f"{r['ticks']:>6} {r.get('chat_answers', '-'):>13} {r.get('chat_chars', '-'):>11}")
+    if args.details:
+        for r in reports:
+            print(json.dumps({k: v for k, v in r.items() if k != "statuses"}))
     for loop in loops:
         p99 = statistics.median(r["lag_p99_ms"] for r in reports if r["loop"] == loop)
         print(f"{loop}: median lag p99 {p99} ms (target <= 50 ms)")

@@ -7,6 +7,13 @@ last blank line outside a code fence (`settled_length`) are written once, as the
 so a long answer costs each update the paragraph being written, not the whole answer
 again (the window's loop stayed busy re-reading ten thousand characters of Markdown twenty
 times a second).  Once the answer ends it is written whole, once.
+
+A long paragraph being written is shown in pieces, one block each, cut where a line wraps
+(`PIECE_CHARS`): each update lays out its last piece alone.  Qt lays a block out whole at
+each change, and a paragraph of ten thousand characters in many scripts took 10 ms a time
+(stretched to 30-100 ms when the engine and the port's clients had the cores).  Cut at a
+wrap, the pieces look as the paragraph would; they are joined again when the paragraph
+settles, the answer ends or the view's width changes.
 """
 
 from __future__ import annotations
@@ -22,12 +29,22 @@ from PySide6.QtWidgets import QTextBrowser
 from backend.app.chat_session import AnswerState, Turn
 from studio.widgets import monospace_font
 
-__all__ = ["MARKDOWN", "Transcript", "settled_length"]
+__all__ = ["MARKDOWN", "PIECE_CHARS", "Transcript", "settled_length"]
 
 #: Markdown as GitHub writes it, without raw HTML: a model's text is never markup for Qt.
 MARKDOWN = QTextDocument.MarkdownFeature(
     QTextDocument.MarkdownFeature.MarkdownDialectGitHub.value
     | QTextDocument.MarkdownFeature.MarkdownNoHTML.value)
+
+#: A paragraph being written longer than this is cut at its last line's wrap: each update
+#: then lays out at most about this much text (about 1 ms in many scripts).
+PIECE_CHARS = 800
+
+#: The character where a frame (a table) begins in a document's text.
+_FRAME_BEGINS = "\ufdd0"
+
+#: A block that goes on with the paragraph of the block before it (cut at a wrap).
+_CONTINUES = QTextFormat.Property.UserProperty + 1
 
 
 class Transcript(QTextBrowser):
@@ -44,7 +61,30 @@ class Transcript(QTextBrowser):
         self.codes: dict[tuple[int, int], str] = {}
         #: The answer streaming now, as far as it is shown (None: none streams).
         self._stream: _Stream | None = None
+        self._scratch = QTextDocument()  # Markdown read aside, to find where to cut
         self.anchorClicked.connect(self._on_link)
+
+    def toPlainText(self) -> str:
+        """The conversation's text; a paragraph being written in pieces reads as one."""
+        text = super().toPlainText()
+        stream = self._stream
+        if stream is None or stream.piece_chars == stream.chars:
+            return text
+        # Plain text and document positions match one for one: drop the pieces' breaks.
+        cuts = []
+        block = self.document().findBlock(stream.tail)
+        while block.isValid():
+            if block.blockFormat().boolProperty(_CONTINUES):
+                cuts.append(block.position() - 1)
+            block = block.next()
+        for cut in reversed(cuts):
+            text = text[:cut] + text[cut + 1:]
+        return text
+
+    def resizeEvent(self, event: Any) -> None:
+        super().resizeEvent(event)
+        if self._stream is not None and event.size().width() != event.oldSize().width():
+            self._stream.rejoin = True  # the pieces' cuts no longer fall where lines wrap
 
     def show_turns(self, turns: tuple[Turn, ...]) -> None:
         """Show `turns`, redoing only those from the first that changed: while an answer
@@ -64,13 +104,19 @@ class Transcript(QTextBrowser):
                 and turns[same].state is AnswerState.STREAMING \
                 and turns[same].text.startswith(self._shown[same].text):
             # The streaming answer grew: its paragraph being written, and any it settled
-            # (plain words added to plain words: only those).
-            if not self._append_words(stream, turns[same].text):
-                cursor.setPosition(stream.tail)
-                cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
-                cursor.removeSelectedText()
-                self._write_stream(cursor, stream, turns[same].text)
-                self._tint_code(document, document.findBlock(stream.tail_before_tint))
+            # (plain words added to plain words: only those; else its last piece alone).
+            # One edit: the view lays it out once (removed then written again, a long
+            # paragraph took the scroll bar away and back, and the whole conversation was
+            # laid out again at each width).
+            text = turns[same].text
+            cursor.beginEditBlock()
+            if stream.rejoin or settled_length(text) != stream.chars:
+                self._rewrite_from(cursor, stream, stream.tail, text)
+            elif not self._append_words(stream, text):
+                cut = stream.piece_chars > stream.chars
+                self._rewrite_from(cursor, stream, stream.piece_begin if cut else stream.tail, text)
+            cursor.endEditBlock()
+            self._cut_at_wrap(stream, text)
             self._shown = turns
             bar.setValue(bar.maximum() if following else position)
             return
@@ -124,8 +170,9 @@ class Transcript(QTextBrowser):
         # Each turn is read on its own: a code fence a stopped answer left open ends with it.
         start = cursor.position()
         if turn.role == "assistant" and turn.state is AnswerState.STREAMING:
-            self._stream = _Stream(number, tail=start)
+            self._stream = _Stream(number, tail=start, piece_begin=start)
             self._write_stream(cursor, self._stream, text)
+            self._cut_at_wrap(self._stream, text)
         else:
             cursor.insertMarkdown(text, MARKDOWN)
             self._add_copy_links(start, cursor.position(), number)
@@ -136,6 +183,30 @@ class Transcript(QTextBrowser):
             quiet.setFontItalic(True)
             cursor.insertBlock(QTextBlockFormat(), quiet)
             cursor.insertText(note, quiet)
+
+    def _rewrite_from(self, cursor: QTextCursor, stream: _Stream, position: int,
+                      text: str) -> None:
+        """The streaming answer written again from document `position`: the end of its
+        settled paragraphs (`stream.tail`), or the last piece of the one being written."""
+        document = self.document()
+        top_margin = document.findBlock(position).blockFormat().topMargin()
+        cursor.setPosition(position)
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        if position == stream.tail:
+            stream.rejoin = False
+            self._write_stream(cursor, stream, text)
+            # Removed from a block's start, the last block's format is left there: a last
+            # piece's, which the paragraph's first block is not.
+            first = QTextCursor(document.findBlock(position))
+            block_format = first.blockFormat()
+            if block_format.boolProperty(_CONTINUES):
+                block_format.clearProperty(_CONTINUES)
+                block_format.setTopMargin(top_margin)
+                first.setBlockFormat(block_format)
+        else:
+            self._write_piece(cursor, stream, text)
+        self._tint_code(document, document.findBlock(stream.tail_before_tint))
 
     def _write_stream(self, cursor: QTextCursor, stream: _Stream, text: str) -> None:
         """The streaming answer's `text` from the end of its settled paragraphs (where
@@ -148,23 +219,108 @@ class Transcript(QTextBrowser):
             stream.codes += self._add_copy_links(begin, cursor.position(), stream.number,
                                                  stream.codes)
             stream.chars, stream.tail = settled, cursor.position()
+        stream.piece_chars, stream.piece_begin = stream.chars, stream.tail
         rest = text[stream.chars:]
         stream.words = None
         if rest:
             begin = _insert_blocks(cursor, rest, after=stream.chars > 0)
+            stream.piece_begin = begin
             self._add_copy_links(begin, cursor.position(), stream.number, stream.codes)
-            shown = QTextCursor(self.document())
-            shown.setPosition(begin)
-            shown.setPosition(cursor.position(), QTextCursor.MoveMode.KeepAnchor)
-            if shown.selectedText() == rest.strip(" "):  # a paragraph shown as written
-                stream.words = rest.rstrip(" ")  # the spaces at its end come with a word
+            self._note_words(stream, begin, cursor.position(), rest)
+
+    def _write_piece(self, cursor: QTextCursor, stream: _Stream, text: str) -> None:
+        """The last piece of the paragraph being written, from where `cursor` is (at the
+        start of its block, the rest removed), in the block format it had."""
+        stream.tail_before_tint = stream.piece_begin
+        block_format = cursor.blockFormat()
+        block_format.setTopMargin(0)
+        block_format.setProperty(_CONTINUES, True)
+        rest = text[stream.piece_chars:]
+        stream.words = None
+        if rest:
+            cursor.insertMarkdown(rest, MARKDOWN)
+            QTextCursor(self.document().findBlock(stream.piece_begin)).setBlockFormat(block_format)
+            self._note_words(stream, stream.piece_begin, cursor.position(), rest)
+
+    def _note_words(self, stream: _Stream, begin: int, end: int, rest: str) -> None:
+        """Whether the paragraph shown from `begin` to `end` is `rest` as written (new
+        words can then be added at its end)."""
+        shown = QTextCursor(self.document())
+        shown.setPosition(begin)
+        shown.setPosition(end, QTextCursor.MoveMode.KeepAnchor)
+        if shown.selectedText() == rest.strip(" "):  # a paragraph shown as written
+            stream.words = rest.rstrip(" ")  # the spaces at its end come with a word
+
+    def _cut_at_wrap(self, stream: _Stream, text: str) -> None:
+        """A long last piece of a plain paragraph being written cut where its last line
+        begins, when its Markdown cut there reads the same in two (a mark opened before the
+        cut and closed after it does not)."""
+        rest = text[stream.piece_chars:]
+        if len(rest) < PIECE_CHARS or len(text) < stream.next_cut_at:
+            return
+        stream.next_cut_at = len(text) + PIECE_CHARS // 4  # a failed try waits for more
+        block = self.document().lastBlock()
+        layout = block.layout()
+        if block.position() != stream.piece_begin or not _plain_paragraph(block) \
+                or layout is None or layout.lineCount() < 2:
+            return
+        shown = block.text()
+        wrap = layout.lineAt(layout.lineCount() - 1).textStart()
+        cut = self._source_cut(rest, shown[:wrap].rstrip(" "), shown[wrap:])
+        if cut is None:
+            return
+        # The margin below the paragraph goes to its last piece, none between them.
+        first, last = block.blockFormat(), block.blockFormat()
+        first.setBottomMargin(0)
+        last.setTopMargin(0)
+        last.setProperty(_CONTINUES, True)
+        ends = QTextCursor(block)
+        ends.beginEditBlock()
+        ends.setPosition(block.position() + wrap)
+        ends.insertBlock()
+        ends.setBlockFormat(last)
+        QTextCursor(block).setBlockFormat(first)
+        ends.endEditBlock()
+        stream.piece_chars += cut
+        stream.piece_begin = ends.position()
+        stream.next_cut_at = 0
+        stream.words = None
+        ends.movePosition(QTextCursor.MoveOperation.End)
+        self._note_words(stream, stream.piece_begin, ends.position(), text[stream.piece_chars:])
+
+    def _source_cut(self, markdown: str, head: str, tail: str) -> int | None:
+        """Where to cut `markdown` (one paragraph) so that its two parts read `head` and
+        `tail` on their own; None if nowhere."""
+        low, high = 0, len(markdown)
+        while low < high:  # the shortest beginning that reads as long as `head`
+            middle = (low + high) // 2
+            shown = self._read(markdown[:middle])
+            if shown is None:
+                return None
+            if len(shown.rstrip(" ")) < len(head):
+                low = middle + 1
+            else:
+                high = middle
+        for cut in range(low, min(low + 4, len(markdown))):
+            while cut < len(markdown) and markdown[cut] == " ":
+                cut += 1
+            before = self._read(markdown[:cut])
+            if before is not None and before.rstrip(" ") == head \
+                    and self._read(markdown[cut:]) == tail:
+                return cut
+        return None
+
+    def _read(self, markdown: str) -> str | None:
+        """`markdown`'s text as one block reads it; None if it reads as more."""
+        self._scratch.setMarkdown(markdown, MARKDOWN)
+        return self._scratch.firstBlock().text() if self._scratch.blockCount() == 1 else None
 
     def _append_words(self, stream: _Stream, text: str) -> bool:
         """Whether the streaming answer's `text` only adds plain words to a paragraph of
         plain words, now added at its end: laying out the paragraph again is what a long
         one costs, not writing it (a tenth of it)."""
         words = stream.words
-        rest = text[stream.chars:]
+        rest = text[stream.piece_chars:]
         # Begun by a letter, the paragraph can become no list, heading, quote or code.
         if words is None or not words.lstrip(" ")[:1].isalpha() or not rest.startswith(words) \
                 or settled_length(text) != stream.chars:
@@ -236,6 +392,15 @@ class Transcript(QTextBrowser):
             block = block.next()
 
 
+def _plain_paragraph(block: QTextBlock) -> bool:
+    """Whether `block` is a paragraph of text: no heading, list, quote, table or code."""
+    block_format = block.blockFormat()
+    return block.textList() is None and block_format.headingLevel() == 0 \
+        and not block_format.hasProperty(QTextFormat.Property.BlockCodeFence) \
+        and not block_format.hasProperty(QTextFormat.Property.BlockQuoteLevel) \
+        and QTextCursor(block).currentTable() is None
+
+
 def _note(turn: Turn) -> str:
     if turn.role != "assistant":
         return ""
@@ -257,9 +422,11 @@ def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
     cursor.insertMarkdown(markdown, MARKDOWN)
     block = cursor.document().findBlock(begin)
     following = block.next()
+    # A table keeps the one before it (seen by its frame's mark: within an edit the
+    # table is not known yet).
     if after and block.length() == 1 and following.isValid() \
             and following.position() <= cursor.position() \
-            and QTextCursor(following).currentTable() is None:  # a table keeps one before it
+            and cursor.document().characterAt(following.position() - 1) != _FRAME_BEGINS:
         QTextCursor(block).deletePreviousChar()  # the empty one joins the block before
     return begin
 
@@ -306,6 +473,14 @@ class _Stream:
     codes: int = 0
     #: Where this update's writing began (its code blocks are tinted from there).
     tail_before_tint: int = 0
-    #: The paragraph being written, when it is plain words shown as written (new words
-    #: are added at its end); else None.
+    #: Where the last piece of the paragraph being written begins: in the answer's text
+    #: and in the document (`chars` and `tail` while it is in one piece).
+    piece_chars: int = 0
+    piece_begin: int = 0
+    #: The last piece, when it is plain words shown as written (new words are added at
+    #: its end); else None.
     words: str | None = None
+    #: The answer's length from which the last piece may be cut (a cut that failed waits).
+    next_cut_at: int = 0
+    #: The view's width changed: the pieces are joined at the next update.
+    rejoin: bool = False

@@ -15,8 +15,10 @@ Prints one JSON line: the engine's pid, the answers' statuses and the lag percen
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +44,10 @@ class LagMeter(QObject):
         # CPU the GUI thread itself spent between ticks: tells work on the Qt loop apart
         # from waiting (for the interpreter lock, or for a core on a busy machine).
         self.busy: list[float] = []
+        self.spans: list[tuple[float, float]] = []
+        self.sched: list[tuple[float, ...]] = []
+        self._backend: int | None = None
+        self._sched: tuple[int, ...] = (0, 0, 0)
         self._last = 0.0
         self._last_cpu = 0.0
         self._timer = QTimer(self)
@@ -49,6 +55,9 @@ class LagMeter(QObject):
         self._timer.timeout.connect(self._tick)
 
     def start(self) -> None:
+        self._backend = next((t.native_id for t in threading.enumerate()
+                              if t.name == "gguf-studio-backend"), None)
+        self._sched = self._schedstats()
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time()
         self._timer.start()
@@ -56,11 +65,70 @@ class LagMeter(QObject):
     def stop(self) -> None:
         self._timer.stop()
 
+    def _schedstats(self) -> tuple[int, ...]:
+        """/proc's schedstat: ns on a core and ns waiting for one, of the GUI thread; ns on a
+        core of the backend thread."""
+        def read(tid: int | None) -> list[int]:
+            if tid is None:
+                return [0, 0]
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                return [int(x) for x in f.read().split()[:2]]
+        gui = read(threading.get_native_id())
+        return gui[0], gui[1], read(self._backend)[0]
+
+    def late_ticks(self) -> dict:
+        """Where the late ticks' (over 30 ms) time went, summed: the GUI thread's work,
+        its wait for a core, the backend thread's work, and the rest (the GUI thread
+        asleep: on the interpreter lock, or nothing to do)."""
+        late = [(lag, s) for lag, s in zip(self.lags, self.sched) if lag > 30]
+        total = sum(lag + TICK_MS for lag, _ in late)
+        gui = sum(s[0] for _, s in late)
+        queued = sum(s[1] for _, s in late)
+        backend = sum(s[2] for _, s in late)
+        return {"late_ms": round(total), "late_gui_cpu_ms": round(gui),
+                "late_gui_runqueue_ms": round(queued), "late_backend_cpu_ms": round(backend),
+                "late_gui_asleep_ms": round(total - gui - queued)}
+
     def _tick(self) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         self.lags.append(max(0.0, (now - self._last) * 1000 - TICK_MS))
+        self.spans.append((self._last, now))
+        sched = self._schedstats()
+        # (GUI thread on a core, GUI thread waiting for a core, backend thread on a core), ms
+        self.sched.append(tuple((a - b) / 1e6 for a, b in zip(sched, self._sched)))
+        self._sched = sched
         self.busy.append((cpu - self._last_cpu) * 1000)
         self._last, self._last_cpu = now, cpu
+
+
+class GcClock:
+    """The garbage collector's passes in this process, timed: (generation, start, end)."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float, float]] = []
+        self._began = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.passes.append((info["generation"], self._began, time.perf_counter()))
+
+    def report(self, since: float, lags: list[tuple[float, float]]) -> dict:
+        passes = [p for p in self.passes if p[1] >= since]
+        full = [(p[2] - p[1]) * 1000 for p in passes if p[0] == 2]
+        young = sorted((p[2] - p[1]) * 1000 for p in passes if p[0] < 2)
+        # Late ticks (over 30 ms) whose wait covered a collection.
+        late = [(start, end) for start, end in lags if (end - start) * 1000 - TICK_MS > 30]
+        with_gc = sum(1 for start, end in late
+                      if any(p[1] < end and p[2] > start for p in passes))
+        return {"gc_full": len(full), "gc_full_ms": [round(t, 1) for t in full],
+                "gc_young": len(young), "gc_young_max_ms": round(young[-1], 1) if young else None,
+                "late_ticks": len(late), "late_ticks_with_gc": with_gc}
+
+
+GC_CLOCK = GcClock()
 
 
 class Driver(QObject):
@@ -128,12 +196,14 @@ class Driver(QObject):
             chat.send()
 
     def _traffic(self, port: int) -> None:
+        self.cpu_before = _cpu_seconds(self.pid)
         # The clients run in a process of their own, as they would on other machines: in
         # this one they would compete with the window for the interpreter.
         done = subprocess.run(
             [sys.executable, "-m", "tests.studio.exit_probe", "--client",
              f"http://127.0.0.1:{port}/v1", str(self.streams), str(self.max_tokens)],
             capture_output=True, text=True, timeout=180)
+        self.cpu_after = _cpu_seconds(self.pid)
         self.traffic_done.emit(json.loads(done.stdout) if done.returncode == 0 else [done.stderr])
 
     def _finish(self, statuses: list[int]) -> None:
@@ -154,6 +224,11 @@ class Driver(QObject):
             "lag_max_ms": round(lags[-1], 2) if lags else None,
             "backend_loop": type(self.window.bridge.backend_thread.loop).__module__,
         }
+        cpu = {k: round(self.cpu_after[k] - self.cpu_before[k], 2) for k in self.cpu_before}
+        report["cpu_s"] = cpu
+        if self.meter.spans:
+            report.update(GC_CLOCK.report(self.meter.spans[0][0], self.meter.spans))
+            report.update(self.meter.late_ticks())
         if self.chatting:
             report["chat_answers"] = self.chat_answers
             report["chat_chars"] = len(self.window.chat.transcript.toPlainText())
@@ -165,6 +240,20 @@ class Driver(QObject):
     def _answer_yes(self, title: str, text: str) -> bool:
         print(json.dumps({"asked": text}), flush=True)
         return True
+
+
+def _cpu_seconds(engine: int | None) -> dict[str, float]:
+    """CPU seconds so far: this app, the engine, the clients (children waited for), the
+    whole machine's busy time, and the wall clock."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{engine}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    return {"app": time.process_time(), "engine": (int(fields[11]) + int(fields[12])) / tick,
+            "clients": resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+            + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime,
+            "machine": (sum(cpu) - cpu[3] - cpu[4]) / tick, "wall": time.perf_counter()}
 
 
 async def streams(base_url: str, n: int, max_tokens: int) -> list[int]:

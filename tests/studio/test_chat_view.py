@@ -427,3 +427,71 @@ def test_plain_words_added_to_a_long_paragraph_are_added_alone(qtbot) -> None:
         whole.show_turns(turns)
         assert streamed.toPlainText() == whole.toPlainText(), answer[:end]
     assert len(words) > 2000 and most <= 7 + 1  # a word or two, not the paragraph
+
+
+def test_a_long_paragraph_being_written_is_laid_out_by_its_last_piece(qtbot) -> None:
+    """A paragraph being written that grows long is cut where a line wraps: each update
+    lays out the last piece alone (a 10,000-character paragraph took 10 ms a time), and
+    the pieces look as the paragraph would: as tall, the same text; once it ends it is
+    one block again, marks read across the cuts."""
+    from studio.chat_transcript import PIECE_CHARS, Transcript
+
+    words = ("Once the keeper climbed the stairs, Смотритель поднялся по лестнице, "
+             "灯塔守护者爬上楼梯 and the *light* turned over the sea. ") * 60
+    answer = words + "Then *the storm came over " + "the wide grey water " * 60 + "at last*."
+    question = Turn("user", "A story")
+    streamed, whole = Transcript(), Transcript()
+    for view in (streamed, whole):
+        qtbot.addWidget(view)
+        view.resize(600, 400)
+        view.show()
+    qtbot.waitExposed(streamed)
+    streamed.show_turns((question, Turn("assistant", "", AnswerState.WAITING)))
+    longest_block = 0
+    for end in range(40, len(answer) + 1, 37):
+        turns = (question, Turn("assistant", answer[:end], AnswerState.STREAMING, model="smol"))
+        streamed.show_turns(turns)
+        longest_block = max(longest_block, streamed.document().lastBlock().length())
+        if end % 20 == 0:
+            whole.show_turns(())
+            whole.show_turns((question, Turn("assistant", answer[:end], model="smol")))
+            assert streamed.toPlainText() == whole.toPlainText()
+            assert streamed.document().size().height() == whole.document().size().height()
+    assert len(answer) > 5 * PIECE_CHARS and longest_block < PIECE_CHARS + 200
+    assert streamed.document().blockCount() > 6  # in pieces
+
+    done = (question, Turn("assistant", answer, model="smol"))
+    streamed.show_turns(done)
+    whole.show_turns(())
+    whole.show_turns(done)
+    assert streamed.toPlainText() == whole.toPlainText()
+    assert streamed.document().blockCount() == whole.document().blockCount() == 4
+    assert streamed.document().find("wide grey water").charFormat().fontItalic()
+
+
+def test_a_paragraph_in_pieces_is_joined_when_the_view_changes_width(qtbot) -> None:
+    """The cuts fall where lines wrapped at the old width: at the next update the
+    paragraph is written again whole, then cut at the new width's wraps."""
+    from studio.chat_transcript import Transcript
+
+    answer = "The keeper climbed the stairs and the light turned over the sea. " * 60
+    question = Turn("user", "A story")
+    streamed, whole = Transcript(), Transcript()
+    for view in (streamed, whole):
+        qtbot.addWidget(view)
+        view.resize(600, 400)
+        view.show()
+    qtbot.waitExposed(streamed)
+    for end in range(40, len(answer) // 2, 41):
+        half = (question, Turn("assistant", answer[:end], AnswerState.STREAMING))
+        streamed.show_turns(half)
+    whole.show_turns(half)  # as tall: a scroll bar too
+    assert streamed.document().blockCount() > 4
+    for view in (streamed, whole):
+        view.resize(450, 400)
+    qtbot.waitUntil(lambda: streamed.viewport().width() == whole.viewport().width() < 450)
+    turns = (question, Turn("assistant", answer, AnswerState.STREAMING))
+    streamed.show_turns(turns)
+    whole.show_turns(turns)
+    assert streamed.toPlainText() == whole.toPlainText()
+    assert streamed.document().size().height() == whole.document().size().height()
