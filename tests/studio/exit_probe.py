@@ -9,7 +9,10 @@ the whole time the streams pass (a new message whenever one ends), as a person c
 beside the team's agents would; else the Activity tab is shown.
 
 Prints one JSON line: the engine's pid, the answers' statuses and the lag percentiles
-(and with PROBE_CHAT the Chat tab's answers and the characters it showed).
+(and with PROBE_CHAT the Chat tab's answers and the characters it showed, and the CPU each
+chat update took on the GUI thread); where the late ticks' time went (the GUI thread's
+work, its wait for a core, the backend thread's work, the rest asleep), the collector's
+passes, and the CPU the app, the engine, the clients and the machine used.
 """
 
 from __future__ import annotations
@@ -69,10 +72,11 @@ class LagMeter(QObject):
         """/proc's schedstat: ns on a core and ns waiting for one, of the GUI thread; ns on a
         core of the backend thread."""
         def read(tid: int | None) -> list[int]:
-            if tid is None:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    return [int(x) for x in f.read().split()[:2]]
+            except (OSError, ValueError):  # not Linux, or no such thread
                 return [0, 0]
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                return [int(x) for x in f.read().split()[:2]]
         gui = read(threading.get_native_id())
         return gui[0], gui[1], read(self._backend)[0]
 
@@ -123,7 +127,10 @@ class GcClock:
         late = [(start, end) for start, end in lags if (end - start) * 1000 - TICK_MS > 30]
         with_gc = sum(1 for start, end in late
                       if any(p[1] < end and p[2] > start for p in passes))
+        every_full = [(p[2] - p[1]) * 1000 for p in self.passes if p[0] == 2]
         return {"gc_full": len(full), "gc_full_ms": [round(t, 1) for t in full],
+                "gc_full_whole_run_ms": [round(t, 1) for t in every_full],
+                "gc_full_at_s": [round(p[1] - since, 1) for p in self.passes if p[0] == 2],
                 "gc_young": len(young), "gc_young_max_ms": round(young[-1], 1) if young else None,
                 "late_ticks": len(late), "late_ticks_with_gc": with_gc}
 
@@ -152,6 +159,21 @@ class Driver(QObject):
         # The busiest views: the Chat tab streaming (PROBE_CHAT), or the chart redrawing
         # and the log following while streams pass.
         window.tabs.setCurrentIndex(CHAT_TAB if self.chatting else ACTIVITY_TAB)
+        # The CPU the GUI thread spent in each chat update (the transcript's own work).
+        self.draws: list[float] = []
+        self.big_draws: list[tuple] = []
+        show_turns = window.chat.transcript.show_turns
+
+        def timed_show_turns(turns: tuple) -> None:
+            began = time.thread_time()
+            show_turns(turns)
+            if self._traffic_running:
+                took = (time.thread_time() - began) * 1000
+                self.draws.append(took)
+                last = turns[-1] if turns else None
+                self.big_draws.append((round(took, 1), last.state.value if last else "",
+                                       len(last.text) if last else 0, len(turns)))
+        window.chat.transcript.show_turns = timed_show_turns  # type: ignore[method-assign]
         window.open_files([model])
         self._poll = QTimer(self)
         self._poll.timeout.connect(self._load_when_card_shown)
@@ -229,6 +251,12 @@ class Driver(QObject):
         if self.meter.spans:
             report.update(GC_CLOCK.report(self.meter.spans[0][0], self.meter.spans))
             report.update(self.meter.late_ticks())
+        if self.draws:
+            draws = sorted(self.draws)
+            report.update(draws=len(draws), draw_p50_ms=round(statistics.median(draws), 2),
+                          draw_p99_ms=round(draws[int(len(draws) * 0.99)], 2),
+                          draw_max_ms=round(draws[-1], 2),
+                          biggest_draws=sorted(self.big_draws, reverse=True)[:6])
         if self.chatting:
             report["chat_answers"] = self.chat_answers
             report["chat_chars"] = len(self.window.chat.transcript.toPlainText())
@@ -246,10 +274,13 @@ def _cpu_seconds(engine: int | None) -> dict[str, float]:
     """CPU seconds so far: this app, the engine, the clients (children waited for), the
     whole machine's busy time, and the wall clock."""
     tick = os.sysconf("SC_CLK_TCK")
-    with open(f"/proc/{engine}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    with open("/proc/stat") as f:
-        cpu = [int(x) for x in f.readline().split()[1:]]
+    try:
+        with open(f"/proc/{engine}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, IndexError):  # not Linux
+        fields, cpu = ["0"] * 13, [0] * 5
     return {"app": time.process_time(), "engine": (int(fields[11]) + int(fields[12])) / tick,
             "clients": resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
             + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime,
