@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -234,7 +235,7 @@ class Driver(QObject):
             self._chat_poll.stop()
         lags = sorted(self.meter.lags)
         busy = sorted(self.meter.busy)
-        report = {
+        report: dict[str, Any] = {
             "busy_p99_ms": round(busy[min(len(busy) - 1, int(len(busy) * 0.99))], 2) if busy else None,
             "busy_max_ms": round(busy[-1], 2) if busy else None,
             "load_average": os.getloadavg()[0],
