@@ -11,46 +11,23 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import Callable
 
 QUESTIONS = ("What is the capital of France?",
              "Write a Python function that returns the sum of a list of numbers, in a code block.")
 
 
 def main(model: str, out: str) -> int:
-    from tests.studio.conftest import free_port, private_environment
+    from tests.studio.screenshot_window import private_home, spin, start_window
 
-    home = Path(tempfile.mkdtemp(prefix="gguf-studio-chat-shot-"))
-    os.environ.update(private_environment(home))
+    private_home("gguf-studio-chat-shot-")
     os.environ["QT_QPA_PLATFORM"] = "xcb"
-    (home / "home").mkdir()
-
-    from PySide6.QtWidgets import QApplication
 
     from backend.app.chat_session import AnswerState
     from backend.llama.load import State
-    from backend.settings import Settings
-    from studio.app import app_icon, build_window
     from studio.window import CHAT_TAB
 
-    app = QApplication([sys.argv[0]])
-    app.setWindowIcon(app_icon())
-    Settings(port=free_port()).save()
-    window = build_window()
-    window.resize(1240, 860)
-    window.show()
-
-    def spin(until: Callable[[], bool], timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while not until():
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            app.processEvents()
-            time.sleep(0.01)
-
+    _app, window = start_window((1240, 860))
     try:
         window.open_files([model])
         spin(lambda: window.model_view.info is not None)

@@ -9,9 +9,7 @@ the index of the tab to show (0 Sharing, 1 Activity, 2 Logs, 3 Engine).
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,33 +17,13 @@ import httpx
 
 
 def main(model: str, out: str, tab: int = 0) -> int:
-    from tests.studio.conftest import free_port, private_environment
+    from tests.studio.screenshot_window import private_home, spin, start_window
 
-    home = Path(tempfile.mkdtemp(prefix="gguf-studio-shot-"))
-    os.environ.update(private_environment(home))
-    (home / "home").mkdir()
+    private_home("gguf-studio-shot-")
 
-    from PySide6.QtWidgets import QApplication
-
-    from backend.settings import Settings
     from backend.llama.load import State
-    from studio.app import app_icon, build_window
 
-    app = QApplication([sys.argv[0]])
-    app.setWindowIcon(app_icon())
-    Settings(port=free_port()).save()
-    window = build_window()
-    window.resize(1240, 860)
-    window.show()
-
-    def spin(until, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not until():
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            app.processEvents()
-            time.sleep(0.01)
-
+    _app, window = start_window((1240, 860))
     try:
         window.open_files([model])
         spin(lambda: window.model_view.info is not None)
@@ -53,7 +31,7 @@ def main(model: str, out: str, tab: int = 0) -> int:
         window.load_selected()
         spin(lambda: window.bridge.snapshot.state is State.READY)
         window.sharing.lan.click()
-        spin(lambda: window.bridge.service.settings.host == "0.0.0.0" and window.sharing.urls)
+        spin(lambda: window.bridge.service.settings.host == "0.0.0.0" and bool(window.sharing.urls))
         key, port = window.settings.api_key, window.settings.port
 
         def chat(_i: int) -> int:

