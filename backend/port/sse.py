@@ -282,10 +282,13 @@ def _event_at(chunk: bytes, line: bytes) -> int:
 
 def _block_end(buf: bytes, start: int = 0) -> int:
     """End (exclusive) of the first complete event in `buf` from `start`, or -1."""
+    # Called for every event a request's stream is read by (its first events, an error's
+    # check, the end): two finds and no list.
     a = buf.find(b"\n\n", start)
     b = buf.find(b"\r\n\r\n", start)
-    ends = [end for end in (a + 2 if a >= 0 else -1, b + 4 if b >= 0 else -1) if end >= 0]
-    return min(ends) if ends else -1
+    if b < 0:
+        return a + 2 if a >= 0 else -1
+    return b + 4 if a < 0 or b + 4 < a + 2 else a + 2
 
 
 def _block_end_last(buf: bytes) -> int:
