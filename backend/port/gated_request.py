@@ -5,8 +5,7 @@ and, as it ends, to its books (`backend.port.settlement`)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from backend.admission.prompt import NO_BLOCKS, PromptBlocks
 from backend.admission.flow import Band
@@ -21,9 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["GatedRequest"]
 
 
-@dataclass(frozen=True, slots=True)
-class GatedRequest:
-    """A checked request for a gated route, before it has a ticket."""
+class GatedRequest(NamedTuple):
+    """A checked request for a gated route, before it has a ticket.  A tuple: made for
+    every request, it is built in one step (a frozen dataclass sets each field through
+    `object.__setattr__`, about 70 bytecode instructions more a request)."""
 
     path: str
     kind: sse.StreamKind

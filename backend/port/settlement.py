@@ -20,8 +20,7 @@ as an `Ending` once, after its ticket is released: nothing here runs per chunk.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.seat import keeps_slots
@@ -96,9 +95,9 @@ class SettledRequest(Protocol):
     def blocks(self) -> PromptBlocks: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Ending:
-    """How a request ended, as its exchange saw it (all times `time.monotonic`)."""
+class Ending(NamedTuple):
+    """How a request ended, as its exchange saw it (all times `time.monotonic`).  A tuple,
+    built in one step (see `gated_request.GatedRequest`)."""
 
     ticket: Ticket | None
     #: The error the request ended with, if it did.
