@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backend.admission.prompt import Prompt, read_prompt
+from backend.admission.prompt import ROLE, Prompt, read_prompt
 
 __all__ = ["NO_HINT", "PREFIX_BLOCK_CHARS", "PREFIX_BLOCKS", "SESSION_HEADERS",
            "SESSION_NAME_CHARS", "Hint", "bounded_name", "request_hint"]
@@ -44,6 +44,7 @@ SESSION_HEADERS = (b"x-session-affinity", b"x-session-id", b"session_id", b"sess
 SESSION_NAME_CHARS = 128
 #: Hex digits of a long name's SHA-256 kept in its digest (128 bits: no two collide).
 _NAME_DIGEST_HEX = 32
+_SESSION_HEADER_SET = frozenset(SESSION_HEADERS)
 #: Characters of a conversation's start read for its session digest, at most.
 _SESSION_DIGEST_CHARS = 64 * 1024
 
@@ -81,9 +82,9 @@ def request_hint(flow: str, headers: Iterable[tuple[bytes, bytes]],
         session = _session_header(headers)
     if prompt is None:
         prompt = read_prompt(data)
-    prefix = _prefix_digest(flow, prompt)
-    if session is None and prefix:
-        session = _conversation_digest(prompt)
+    prefix, named = _read_said(flow, prompt, session is None)
+    if session is None:
+        session = named
     if session is None and not prefix:
         return NO_HINT if pinnable else Hint(pinnable=False)
     return Hint(None if session is None else f"{flow}\n{session}", prefix, flow, pinnable)
@@ -106,8 +107,10 @@ def _session_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     found: dict[bytes, bytes] = {}
     for name, value in headers:
         lowered = name.lower()
-        if lowered in SESSION_HEADERS and value:
+        if lowered in _SESSION_HEADER_SET and value:
             found.setdefault(lowered, value)
+    if not found:
+        return None
     for name in SESSION_HEADERS:
         if name in found:
             value = found[name]
@@ -123,42 +126,60 @@ def _name_digest(raw: bytes) -> str:
     return "sha256:" + hashlib.sha256(raw).hexdigest()[:_NAME_DIGEST_HEX]
 
 
-def _conversation_digest(prompt: Prompt) -> str | None:
-    """A session name for a client that gives none: a digest of its conversation's
-    start, the prompt's text up to the end of its first user message (what stays the
-    same turn after turn; a shared head of instructions alone would merge sessions)."""
+def _read_said(flow: str, prompt: Prompt, name: bool) -> tuple[tuple[int, ...], str | None]:
+    """What the conversation says (`Prompt.said`), read in one walk for both: the chained
+    hashes of `PREFIX_BLOCK_CHARS`-character blocks of its first `PREFIX_BLOCKS` blocks
+    (a short last block counts too), seeded with the flow; and when `name`, a session
+    name for a client that gives none: a digest of its conversation's start, the prompt's
+    text up to the end of its first user message (what stays the same turn after turn; a
+    shared head of instructions alone would merge sessions); None when it says nothing,
+    or without `name`."""
     # blake2b, not hash(): the name must be the same in the next process (a session's
     # parked prefix is found by it after a restart).
-    digest = hashlib.blake2b(digest_size=8)
+    limit = PREFIX_BLOCK_CHARS * PREFIX_BLOCKS
+    texts: list[str] = []
     size = 0
+    digest = hashlib.blake2b(digest_size=8) if name else None
+    named = 0  # characters digested
     seen_user = False
-    for text in prompt.said():
-        if seen_user and text.startswith("\x1e"):
-            break  # the next message's role mark: the first user message ended
-        if text == "\x1euser\x1f":
-            seen_user = True
-        digest.update(text.encode("utf-8", "surrogatepass"))
-        digest.update(b"\x00")
-        size += len(text)
-        if size >= _SESSION_DIGEST_CHARS:
+    digest_text: str | None = None
+    for kind, text, said in prompt.parts:
+        if kind == ROLE:
+            text = f"\x1e{text}\x1f"
+        elif not said:
+            continue
+        if size < limit:
+            texts.append(text)
+            size += len(text)
+        if digest is not None:
+            if seen_user and text.startswith("\x1e"):
+                digest_text = _finish(digest, named)
+                digest = None  # the next message's role mark: the first user message ended
+            else:
+                if text == "\x1euser\x1f":
+                    seen_user = True
+                digest.update(text.encode("utf-8", "surrogatepass"))
+                digest.update(b"\x00")
+                named += len(text)
+                if named >= _SESSION_DIGEST_CHARS:
+                    digest_text = _finish(digest, named)
+                    digest = None
+        elif size >= limit:
             break
+    if digest is not None:
+        digest_text = _finish(digest, named)
+    return _chained(flow, texts, size), digest_text
+
+
+def _finish(digest: Any, size: int) -> str | None:
     return f"#{digest.hexdigest()}" if size else None
 
 
-def _prefix_digest(flow: str, prompt: Prompt) -> tuple[int, ...]:
-    """Chained hashes of `PREFIX_BLOCK_CHARS`-character blocks of the prompt text's
-    first `PREFIX_BLOCKS` blocks (a short last block counts too), seeded with the flow."""
-    limit = PREFIX_BLOCK_CHARS * PREFIX_BLOCKS
-    parts: list[str] = []
-    size = 0
-    for text in prompt.said():
-        parts.append(text)
-        size += len(text)
-        if size >= limit:
-            break
+def _chained(flow: str, texts: list[str], size: int) -> tuple[int, ...]:
     if not size:
         return ()
-    text = "".join(parts)[:limit]
+    limit = PREFIX_BLOCK_CHARS * PREFIX_BLOCKS
+    text = "".join(texts)[:limit]
     digest: list[int] = []
     chained = hash(flow)
     for start in range(0, len(text), PREFIX_BLOCK_CHARS):
