@@ -32,6 +32,9 @@ ENGINE_LIMITS: dict[str, tuple[str, ...]] = {
 #: Route -> the field its clients give a limit in: written when a request gives none.
 CLIENT_LIMIT = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens",
                  MESSAGES: "max_tokens"}
+#: A Responses request's limit fields when it gives `max_output_tokens`, which replaces its
+#: `max_tokens` (read on each request: the check is made once, not per field).
+_RESPONSES_GIVEN = tuple(name for name in ENGINE_LIMITS[RESPONSES] if name != "max_tokens")
 #: What llama-server's Anthropic conversion gives a message that sets no `max_tokens`.
 MESSAGES_MAX_TOKENS = 4096
 
@@ -40,9 +43,10 @@ def requested_output(route: str, body: Mapping[str, Any]) -> int | None:
     of `ENGINE_LIMITS` given; None for none, or for `n_predict: -1` (the engine's own
     default then, which is the operator's cap: `--n-predict`).  An Anthropic message
     without `max_tokens` gets the engine's `MESSAGES_MAX_TOKENS`."""
-    for name in ENGINE_LIMITS.get(route, ()):
-        if name == "max_tokens" and route == RESPONSES and "max_output_tokens" in body:
-            break  # replaced by `max_output_tokens`, even a null one
+    names = ENGINE_LIMITS.get(route, ())
+    if route == RESPONSES and "max_output_tokens" in body:
+        names = _RESPONSES_GIVEN  # its `max_tokens` is replaced, even by a null one
+    for name in names:
         value = body.get(name)
         if value is not None:
             return None if value == -1 else int(value)
