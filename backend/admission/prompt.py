@@ -184,8 +184,9 @@ def read_prompt(data: Mapping[str, Any]) -> Prompt:
     if not found:
         return NO_PROMPT
     parts = tuple(found)
-    frame = hash(_dumps({key: value for key, value in sorted(data.items())
-                         if key not in _PROMPT_FIELDS}))
+    # The other fields' repr, not their JSON: the same distinctions (1, 1.0 and true
+    # differ; each dict in its order), without json's Python encoder around its C one.
+    frame = hash(repr([item for item in sorted(data.items()) if item[0] not in _PROMPT_FIELDS]))
     return Prompt(parts, frame)
 
 
