@@ -174,7 +174,7 @@ class Transcript(QTextBrowser):
             self._write_stream(cursor, self._stream, text)
             self._cut_at_wrap(self._stream, text)
         else:
-            cursor.insertMarkdown(text, MARKDOWN)
+            _insert_markdown(cursor, text)
             self._add_copy_links(start, cursor.position(), number)
         note = _note(turn)
         if note:
@@ -238,7 +238,7 @@ class Transcript(QTextBrowser):
         rest = text[stream.piece_chars:]
         stream.words = None
         if rest:
-            cursor.insertMarkdown(rest, MARKDOWN)
+            _insert_markdown(cursor, rest)
             QTextCursor(self.document().findBlock(stream.piece_begin)).setBlockFormat(block_format)
             self._note_words(stream, stream.piece_begin, cursor.position(), rest)
 
@@ -419,7 +419,7 @@ def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
     if after:
         cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
     begin = cursor.position()
-    cursor.insertMarkdown(markdown, MARKDOWN)
+    _insert_markdown(cursor, markdown)
     block = cursor.document().findBlock(begin)
     following = block.next()
     # A table keeps the one before it (seen by its frame's mark: within an edit the
@@ -429,6 +429,27 @@ def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
             and cursor.document().characterAt(following.position() - 1) != _FRAME_BEGINS:
         QTextCursor(block).deletePreviousChar()  # the empty one joins the block before
     return begin
+
+
+def _insert_markdown(cursor: QTextCursor, markdown: str) -> None:
+    """`markdown` at `cursor`, its first block as Markdown makes it: inserted into a
+    block, Qt keeps that block's format (an answer begun by a code block showed its first
+    line as text, and Copy code left it out)."""
+    begin = cursor.position()
+    cursor.insertMarkdown(markdown, MARKDOWN)
+    if not _SCRATCH:
+        _SCRATCH.append(QTextDocument())
+    _SCRATCH[0].setMarkdown(markdown, MARKDOWN)
+    made = _SCRATCH[0].firstBlock().blockFormat()
+    if made.hasProperty(QTextFormat.Property.BlockCodeFence) or made.headingLevel() \
+            or made.hasProperty(QTextFormat.Property.BlockQuoteLevel):
+        first = cursor.document().findBlock(begin)
+        if first.blockFormat() != made:
+            QTextCursor(first).setBlockFormat(made)
+
+
+#: A document to read Markdown aside in (made once the application is).
+_SCRATCH: list[QTextDocument] = []
 
 
 def _plain_words(before: str, added: str) -> bool:

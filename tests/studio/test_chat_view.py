@@ -495,3 +495,24 @@ def test_a_paragraph_in_pieces_is_joined_when_the_view_changes_width(qtbot) -> N
     whole.show_turns(turns)
     assert streamed.toPlainText() == whole.toPlainText()
     assert streamed.document().size().height() == whole.document().size().height()
+
+
+def test_an_answer_begun_by_a_code_block_shows_and_copies_its_first_line_as_code(qtbot) -> None:
+    """Markdown written into a block took that block's format: the first line of an answer
+    begun by a code block was shown as text, and Copy code left it out."""
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    from studio.chat_transcript import Transcript
+
+    transcript = Transcript()
+    qtbot.addWidget(transcript)
+    question = Turn("user", "Code?")
+    answer = "```python\nfirst = 1\nsecond = 2\n```\n\nThat is all."
+    for end in (len(answer) - 5, len(answer)):
+        transcript.show_turns((question, Turn("assistant", answer[:end], AnswerState.STREAMING)))
+    transcript.show_turns((question, Turn("assistant", answer)))
+    assert monospaced(transcript.document().find("first = 1").charFormat().font())
+    QGuiApplication.clipboard().clear()
+    transcript.anchorClicked.emit(QUrl("copy:1:0"))
+    assert QGuiApplication.clipboard().text() == "first = 1\nsecond = 2"
