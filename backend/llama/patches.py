@@ -69,6 +69,11 @@ LLAMA_CPP_PATCHES: tuple[LlamaPatch, ...] = (
     # prompt out of the RAM cache and computed over it: the other session lost its prefix.
     LlamaPatch("0003-server-keep-a-partly-shared-cached-prompt-in-the-cache.patch",
                "1fc0f2543fcce778964bf6a5ad2b91d72483b0cfbe9225954c0283d13987bdc7"),
+    # A slot takes a context checkpoint where each completion ends: without it the next
+    # turn on a sliding-window model whose prompt came back from the RAM cache or a
+    # parked file rolled back to before the last reply and computed the reply again.
+    LlamaPatch("0004-server-checkpoint-the-end-of-a-completion.patch",
+               "73c284ae2b5c1ec30a00bed00a8ff41adf3dec2ba44e475b2a728ab8fc14719d"),
 )
 
 
