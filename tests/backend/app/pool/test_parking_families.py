@@ -140,6 +140,37 @@ async def test_a_restore_that_does_not_take_is_dropped_and_leaves_its_session_wa
     assert len(parked_files(service.parking)) == 1  # a's is gone, b's stays
 
 
+# Not the hybrid: its random replies do not read back as the tokens it wrote (the phi-3
+# vocabulary splits their text otherwise), so its next turn parts from the cached one
+# inside the reply, as a rewriting client's does (the same with and without patch 0004).
+@pytest.mark.parametrize("family_model, family", [("gemma3", "gemma3"), ("moe", "moe")],
+                         indirect=["family_model"])
+async def test_the_next_turn_does_not_compute_the_last_reply_again(
+        studio: ServiceFactory, family_model: Path, family: str):
+    """A client that sends each reply back as the model wrote it (plain completions, the
+    same on each sliding-window family): the slot checkpointed where its reply ended (our engine patch
+    0004), so the next turn computes only what it adds, also when its prompt came back
+    from llama-server's RAM cache (two other sessions took the 2 slots) and from its
+    parked file (an idle unload).  Without that checkpoint such a turn on a sliding-window
+    model (Gemma 3, the MoE) rolled back to before the reply and computed it again."""
+    service = await serving(studio, family_model, idle_ttl=1.0)
+    async with port(service) as client:
+        a = Conversation("own-reply-a")
+        await a.turn(client)
+        live = await a.turn(client)
+        for other in ("own-reply-b", "own-reply-c"):  # A's prompt goes to the RAM cache
+            await Conversation(other, head=f"You work for {other}. {HEAD}").turn(client)
+        from_ram_cache = await a.turn(client)
+        parks(service)
+        await unloaded_for_idleness(service)
+        after_unload = await a.turn(client)
+    print(f"{family}, replies sent back as written: live {live}, from the RAM cache "
+          f"{from_ram_cache}, after the unload {after_unload}")
+    assert service.parking.counts["restored"] == 1
+    for turn_figures in (live, from_ram_cache, after_unload):
+        turn_figures.computed_only_what_it_added()
+
+
 async def test_what_parking_does_is_said_per_model_and_engine(studio: ServiceFactory,
                                                              hybrid_model: Path,
                                                              gemma3_model: Path,
@@ -197,6 +228,49 @@ def parked_checkpoints(service: StudioService) -> list[int]:
     """The context checkpoints the engine said it kept in each parked file."""
     index = json.loads((service.parking.lot.directory / INDEX_NAME).read_text())
     return [entry["checkpoints"] for entry in index["parked"]]
+
+
+class Conversation:
+    """An agent's session in plain completions that sends each reply back as the model
+    wrote it."""
+
+    def __init__(self, session: str, head: str = HEAD) -> None:
+        self.session = session
+        self.prompt = f"system: {head}\n"
+        self.steps = 0
+        self.last: tuple[int, int] | None = None  # (prompt, reply) tokens of the last turn
+
+    async def turn(self, client: httpx.AsyncClient) -> OwnReplyFigures:
+        self.steps += 1
+        self.prompt += f"user: Step {self.steps}: {STEP}\nassistant:"
+        answer = await client.post("/v1/completions", json={
+            "model": "m", "prompt": self.prompt, "max_tokens": 16, "temperature": 0,
+            "prompt_cache_key": self.session})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        figures = OwnReplyFigures(body["timings"], self.last)
+        self.last = (figures.prompt, body["usage"]["completion_tokens"])
+        self.prompt += body["choices"][0]["text"] + "\n"
+        return figures
+
+
+class OwnReplyFigures(Figures):
+    """A turn's figures, and what it added to the last turn's prompt and reply."""
+
+    def __init__(self, timings: dict[str, int], last: tuple[int, int] | None) -> None:
+        super().__init__(timings)
+        self.reply = last[1] if last else 0
+        self.added = self.prompt - sum(last) if last else self.prompt
+
+    def __repr__(self) -> str:
+        return f"{self.computed}/{self.prompt} (added {self.added}, last reply {self.reply})"
+
+    def computed_only_what_it_added(self) -> None:
+        # The slot holds the last prompt and all of its reply but the token sampled last
+        # (never decoded), and a restore rolls back one token more: 2, and 2 for where the
+        # reply's text meets the next turn's when it is read again.
+        assert self.reply >= 8, f"a reply too short to tell: {self}"
+        assert self.computed <= self.added + 4, self
 
 
 def swap_parked_file(service: StudioService, into: str, source: str) -> None:
