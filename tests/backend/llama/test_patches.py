@@ -113,4 +113,5 @@ def test_the_shipped_patches_apply_to_the_pinned_sources(source_tree, tmp_path):
     assert "update_cache = update_cache && !ret->is_processing();" in server
     cache = (copy / "tools/server/server-task.cpp").read_text()
     assert "const bool keep = lcp_it_best < (int) it_best->prompt.tokens.size();" in cache
+    assert "create_checkpoint_at_completion_end(slot);\n                slot.release();" in server
     assert {name: (source_tree / name).read_bytes() for name in touched} == before

@@ -147,12 +147,12 @@ async def test_a_restore_that_does_not_take_is_dropped_and_leaves_its_session_wa
                          indirect=["family_model"])
 async def test_the_next_turn_does_not_compute_the_last_reply_again(
         studio: ServiceFactory, family_model: Path, family: str):
-    """A client that sends each reply back as the model wrote it (plain completions, the
-    same on each sliding-window family): the slot checkpointed where its reply ended (our engine patch
-    0004), so the next turn computes only what it adds, also when its prompt came back
-    from llama-server's RAM cache (two other sessions took the 2 slots) and from its
-    parked file (an idle unload).  Without that checkpoint such a turn on a sliding-window
-    model (Gemma 3, the MoE) rolled back to before the reply and computed it again."""
+    """A client that sends each reply back as the model wrote it (plain completions): the
+    slot checkpointed where its reply ended (our engine patch 0004), so the next turn
+    computes only what it adds, also when its prompt came back from llama-server's RAM
+    cache (two other sessions took the 2 slots) and from its parked file (an idle
+    unload).  Without that checkpoint such a turn on a sliding-window model rolled back
+    to before the reply and computed it again."""
     service = await serving(studio, family_model, idle_ttl=1.0)
     async with port(service) as client:
         a = Conversation("own-reply-a")
