@@ -6,7 +6,9 @@ An answer that streams is redone by its last paragraph only: the paragraphs befo
 last blank line outside a code fence (`settled_length`) are written once, as they settle,
 so a long answer costs each update the paragraph being written, not the whole answer
 again (the window's loop stayed busy re-reading ten thousand characters of Markdown twenty
-times a second).  Once the answer ends it is written whole, once.
+times a second).  Once the answer ends, its last paragraph is written whole, once: the
+settled ones stay as written (writing the whole answer again took 35-111 ms of the window's
+thread for 10,000 characters in many scripts when the cores were busy).
 
 A long paragraph being written is shown in pieces, one block each, cut where a line wraps
 (`PIECE_CHARS`): each update lays out its last piece alone.  Qt lays a block out whole at
@@ -120,6 +122,22 @@ class Transcript(QTextBrowser):
             self._shown = turns
             bar.setValue(bar.maximum() if following else position)
             return
+        if stream is not None and stream.number == same == len(turns) - 1 == len(self._shown) - 1 \
+                and turns[same].state not in (AnswerState.STREAMING, AnswerState.WAITING) \
+                and turns[same].text.startswith(self._shown[same].text) \
+                and "|" not in turns[same].text:
+            # The streaming answer ended: its last paragraph written whole, then its note.
+            # (An answer with a table is written whole: written after a paragraph, a table
+            # keeps an empty block before it that the answer written whole has not.)
+            cursor.beginEditBlock()
+            self._rewrite_from(cursor, stream, stream.tail, turns[same].text, ended=True)
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            self._add_note(cursor, turns[same])
+            cursor.endEditBlock()
+            self._stream = None
+            self._shown = turns
+            bar.setValue(bar.maximum() if following else position)
+            return
         self._stream = None
         if same == 0:
             document.clear()
@@ -176,6 +194,10 @@ class Transcript(QTextBrowser):
         else:
             _insert_markdown(cursor, text)
             self._add_copy_links(start, cursor.position(), number)
+        self._add_note(cursor, turn)
+
+    def _add_note(self, cursor: QTextCursor, turn: Turn) -> None:
+        """Under an answer, at `cursor`: its figures, or why it stopped."""
         note = _note(turn)
         if note:
             quiet = QTextCharFormat()
@@ -185,9 +207,10 @@ class Transcript(QTextBrowser):
             cursor.insertText(note, quiet)
 
     def _rewrite_from(self, cursor: QTextCursor, stream: _Stream, position: int,
-                      text: str) -> None:
+                      text: str, *, ended: bool = False) -> None:
         """The streaming answer written again from document `position`: the end of its
-        settled paragraphs (`stream.tail`), or the last piece of the one being written."""
+        settled paragraphs (`stream.tail`), or the last piece of the one being written;
+        all of `text` as settled once it has `ended`."""
         document = self.document()
         top_margin = document.findBlock(position).blockFormat().topMargin()
         cursor.setPosition(position)
@@ -195,7 +218,7 @@ class Transcript(QTextBrowser):
         cursor.removeSelectedText()
         if position == stream.tail:
             stream.rejoin = False
-            self._write_stream(cursor, stream, text)
+            self._write_stream(cursor, stream, text, ended=ended)
             # Removed from a block's start, the last block's format is left there: a last
             # piece's, which the paragraph's first block is not.
             first = QTextCursor(document.findBlock(position))
@@ -208,12 +231,13 @@ class Transcript(QTextBrowser):
             self._write_piece(cursor, stream, text)
         self._tint_code(document, document.findBlock(stream.tail_before_tint))
 
-    def _write_stream(self, cursor: QTextCursor, stream: _Stream, text: str) -> None:
+    def _write_stream(self, cursor: QTextCursor, stream: _Stream, text: str, *,
+                      ended: bool = False) -> None:
         """The streaming answer's `text` from the end of its settled paragraphs (where
         `cursor` is, the rest removed): the paragraphs that settled since, once, then the
-        one being written."""
+        one being written (none once the answer has `ended`)."""
         stream.tail_before_tint = stream.tail
-        settled = settled_length(text)
+        settled = len(text) if ended else settled_length(text)
         if settled > stream.chars:
             begin = _insert_blocks(cursor, text[stream.chars:settled], after=stream.chars > 0)
             stream.codes += self._add_copy_links(begin, cursor.position(), stream.number,
@@ -419,7 +443,7 @@ def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
     if after:
         cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
     begin = cursor.position()
-    _insert_markdown(cursor, markdown)
+    _insert_markdown(cursor, markdown, apart=after)
     block = cursor.document().findBlock(begin)
     following = block.next()
     # A table keeps the one before it (seen by its frame's mark: within an edit the
@@ -431,21 +455,28 @@ def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
     return begin
 
 
-def _insert_markdown(cursor: QTextCursor, markdown: str) -> None:
+def _insert_markdown(cursor: QTextCursor, markdown: str, *, apart: bool = False) -> None:
     """`markdown` at `cursor`, its first block as Markdown makes it: inserted into a
     block, Qt keeps that block's format (an answer begun by a code block showed its first
-    line as text, and Copy code left it out)."""
+    line as text, and Copy code left it out; a paragraph written `apart` from those before
+    it, as a streaming answer's are, lacked the margins it has in the answer written whole)."""
     begin = cursor.position()
     cursor.insertMarkdown(markdown, MARKDOWN)
     if not _SCRATCH:
         _SCRATCH.append(QTextDocument())
     _SCRATCH[0].setMarkdown(markdown, MARKDOWN)
     made = _SCRATCH[0].firstBlock().blockFormat()
+    first = cursor.document().findBlock(begin)
     if made.hasProperty(QTextFormat.Property.BlockCodeFence) or made.headingLevel() \
             or made.hasProperty(QTextFormat.Property.BlockQuoteLevel):
-        first = cursor.document().findBlock(begin)
         if first.blockFormat() != made:
             QTextCursor(first).setBlockFormat(made)
+    elif apart and QTextCursor(_SCRATCH[0].firstBlock()).currentTable() is None:
+        spaced = first.blockFormat()  # a list's item stays in its list: the margins alone
+        if (spaced.topMargin(), spaced.bottomMargin()) != (made.topMargin(), made.bottomMargin()):
+            spaced.setTopMargin(made.topMargin())
+            spaced.setBottomMargin(made.bottomMargin())
+            QTextCursor(first).setBlockFormat(spaced)
 
 
 #: A document to read Markdown aside in (made once the application is).
