@@ -66,6 +66,10 @@ class WaitReason:
     MODEL_LOADING = "model_loading"
     #: The engine's budget of prompt tokens read at once was spent.
     PREFILL_BUDGET = "prefill_budget"
+    #: A slot was free on an attached llama-server that picks slots by itself, but a turn
+    #: on its way there had not been taken into its slot yet (a turn the engine cannot
+    #: pin could have landed on a pinned one's slot: `KeepPrefixes._waits_for_seating`).
+    SLOT_SEATING = "slot_seating"
 
 
 class EngineSeat(Protocol):
@@ -106,6 +110,9 @@ class TicketSeam(Protocol):
 
     def prefilled(self, ticket: Ticket) -> None:
         """The engine sent its first bytes for `ticket`: its prompt is computed."""
+
+    def seated(self, ticket: Ticket) -> None:
+        """The engine answered `ticket`'s request with its headers: a slot took it."""
 
     def position(self, ticket: Ticket) -> int | None:
         """0-based place of a waiting ticket, else None."""
@@ -187,6 +194,14 @@ class Ticket:
         lets the next long one start).  Once per request, not per chunk."""
         if self.state is TicketState.ADMITTED:
             self.line.prefilled(self)
+
+    def seated(self) -> None:
+        """The engine's answer began (its headers came): a slot has taken the request
+        (a streamed one's headers come when its slot starts on the prompt, a whole
+        answer's with it).  Placement may then admit a turn that it held so as not to
+        take that slot first.  Once per request."""
+        if self.state is TicketState.ADMITTED:
+            self.line.seated(self)
 
     @property
     def position(self) -> int | None:

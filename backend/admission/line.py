@@ -297,6 +297,7 @@ class Line(Generic[E]):
         self._waiters.finished(ticket)
         assert ticket.admitted_at is not None
         self._observe(self._clock() - ticket.admitted_at)
+        self._prefill.inner.slot_freed(ticket)
         self._promote(skip=engine if hold else None)
         # After the promotion: a session's first turn still counts where it ran while
         # others choose their engine (its answer is recorded right after this).
@@ -335,6 +336,11 @@ class Line(Generic[E]):
     def prefilled(self, ticket: Ticket) -> None:
         if self.prefill_budget.prefilled(ticket):
             self._promote()
+            self._changed()
+
+    def seated(self, ticket: Ticket) -> None:
+        self._prefill.inner.seated(ticket)
+        if self._promote():
             self._changed()
 
     @property
@@ -465,6 +471,8 @@ class Line(Generic[E]):
             return WaitReason.SLOTS_FULL
         if self._prefill.inner.waits_for_home(ticket, self._engines):
             return WaitReason.SESSION_ENGINE
+        if self._prefill.inner.waits_for_seating(ticket, self._engines):
+            return WaitReason.SLOT_SEATING
         return WaitReason.KV_FULL
 
     def _note_passer(self, ticket: Ticket) -> None:

@@ -46,7 +46,10 @@ then name the wrong slots.  Nothing is pinned on a unified cache or one not know
 request that cannot be pinned goes, on an engine with a slot similarity of 1 (which never
 picks a slot by its prompt), on the least recently released free seat, where the engine
 puts it, and the session steward first moves its prefix from its slot to the RAM cache
-the engine loads from (`backend.app.pool.parking_steward`).  Between engines, a session's turn goes to
+the engine loads from (`backend.app.pool.parking_steward`).  On an attached llama-server
+at its default similarity such a request goes where the engine's own similarity and LRU
+stamps say, so it goes only when none of that engine's slots is taken, and none follows
+it there until a slot took it (`seated`: the answer's headers; `_waits_for_seating`).  Between engines, a session's turn goes to
 the engine holding its prefix; a session that lives nowhere yet goes to the engine where the
 fewest sessions live, those whose first turn runs there counted (among equals, one holding
 another session of its flow that showed the same first blocks: measured with 6 agents
@@ -143,6 +146,20 @@ class Placement:
     def ended(self, ticket: Placeable) -> None:
         """`ticket` left its seat (answered, failed or sent back in line)."""
 
+    def seated(self, ticket: Placeable) -> None:
+        """The engine took admitted `ticket` into a slot (its answer's headers came: a
+        streamed answer's come when its slot starts on the prompt, a whole answer's with
+        it), or nothing more will say so; called at most once, before `ended`."""
+
+    def slot_freed(self, ticket: Placeable) -> None:
+        """`ticket`'s slot is free again (its answer ended): before the line admits
+        anyone into it, and before `ended`."""
+
+    def waits_for_seating(self, ticket: Placeable, engines: Sequence[E]) -> bool:
+        """Does `place` keep `ticket` waiting for the turns an engine runs, or has not
+        taken into a slot yet (its wait's reason)?"""
+        return False
+
     def learned(self, ticket: Placeable, session: Session | None) -> None:
         """The session book learnt where `ticket`'s answer left its session's prefix
         (`session`: as the book has it now; None: nowhere), after `ended`."""
@@ -201,8 +218,62 @@ class KeepPrefixes(Placement):
         # New sessions' first turns waiting for the engine where the fewest live while
         # another has room: session -> since when (`_fewest_sessions`).
         self._passed_over: dict[str, float] = {}
+        # Turns admitted on an engine that picks an unpinned request's slot by itself
+        # (`_picks_own_slots`) whose slots are not free again: ticket -> engine, and how
+        # many an engine; of those the engine cannot pin, the ones it has not taken into
+        # a slot yet, and how many an engine (`_waits_for_seating`).
+        self._held_on: dict[object, str] = {}
+        self._holding: Counter[str] = Counter()
+        self._unseated: dict[object, str] = {}
+        self._unseated_on: Counter[str] = Counter()
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
+        seat = self._place(ticket, engines)
+        if seat is not None and self._waits_for_seating(ticket, seat.engine):
+            return None  # until the engine took the turns on their way into their slots
+        return seat
+
+    def waits_for_seating(self, ticket: Placeable, engines: Sequence[E]) -> bool:
+        seat = self._place(ticket, engines)
+        return seat is not None and self._waits_for_seating(ticket, seat.engine)
+
+    def seated(self, ticket: Placeable) -> None:
+        """The engine took `ticket` into its slot: turns may follow it to that engine."""
+        engine = self._unseated.pop(ticket, None)
+        if engine is not None:
+            _count_down(self._unseated_on, engine)
+
+    def slot_freed(self, ticket: Placeable) -> None:
+        """`ticket`'s slot is free again: a turn the engine cannot pin may go there once
+        every slot is."""
+        self.seated(ticket)
+        engine = self._held_on.pop(ticket, None)
+        if engine is not None:
+            _count_down(self._holding, engine)
+
+    def _waits_for_seating(self, ticket: Placeable, engine: SeatEngine) -> bool:
+        """On an attached llama-server at its default slot similarity, a turn it cannot
+        pin (Claude Code's) takes the idle slot most like its prompt, else the least
+        recently used one *as the engine sees it*; the steward makes its seat that slot by
+        emptying every free slot, its seat first (`Seat.vacate`).  A slot that is idle
+        there but not free in these books is not emptied, and the turn can land on it:
+        one a pinned turn was admitted to and whose request has not reached it yet
+        (measured on the attached pool: 1.48x and 1.64x the floor; the pinned turn then
+        found another session's prompt), or one whose turn ended there a moment before
+        the port heard (it holds a prompt sharing the head, so it is the most similar
+        one: the turn reused it in place and computed from the head on).  So a turn the
+        engine cannot pin goes to such an engine only when none of its slots is taken,
+        and no turn goes there while one it cannot pin is on its way (until its answer's
+        headers say a slot took it, or it ends).  Each wait ends with a turn (a running
+        one's end, a streamed one's headers); the line's order holds meanwhile: the
+        waiting turn is not passed by its own flow's later turns, and by others' only
+        `MAX_PASSES` times."""
+        key = engine.key
+        if self._unseated_on[key]:
+            return True
+        return not ticket.hint.pinnable and self._holding[key] > 0
+
+    def _place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
         need = ticket.need
         hint = ticket.hint
         session = self.sessions.where(hint.session)
@@ -238,6 +309,13 @@ class KeepPrefixes(Placement):
         """The line admitted `ticket` on `seat`: its session has a turn running until it
         ends (`ended`), and a session's first turn there counts as living on its engine
         until it ends (its answer is recorded in the book right after)."""
+        if _picks_own_slots(seat.engine):
+            key = seat.engine.key
+            self._held_on[ticket] = key
+            self._holding[key] += 1
+            if not ticket.hint.pinnable:
+                self._unseated[ticket] = key
+                self._unseated_on[key] += 1
         session = ticket.hint.session
         if session is None:
             return
@@ -253,6 +331,7 @@ class KeepPrefixes(Placement):
 
     def ended(self, ticket: Placeable) -> None:
         """`ticket` left its seat (answered, failed or sent back in line)."""
+        self.slot_freed(ticket)
         session = ticket.hint.session
         self._unarrive(session)
         if session is not None and session in self._running:
@@ -503,3 +582,15 @@ def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
         if engine.has_room(need) and (best is None or engine.free_slots > best.free_slots):
             best = engine
     return best
+
+
+def _picks_own_slots(engine: SeatEngine) -> bool:
+    """An attached llama-server at its default slot similarity, split cache: it picks an
+    unpinned request's slot by its own LRU stamps, which the port steers by vacating."""
+    return engine.finds_prefix_in_ram and not engine.pin_any_slot and keeps_slots(engine)
+
+
+def _count_down(counts: Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]

@@ -548,6 +548,8 @@ class Exchange:
                                    self.request.parsed.body, stream=self.request.parsed.stream)
         with named_failures(ticket, connecting=True):
             upstream = await self.client.send(request, stream=True)
+        # Its headers came: a slot took it (a stream's come when the slot starts).
+        ticket.seated()
         try:
             if upstream.status_code >= 400:
                 raise http_errors.upstream_error(upstream.status_code,

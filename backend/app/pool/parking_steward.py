@@ -85,10 +85,21 @@ log = logging.getLogger("gguf_studio.parking")
 #: the slot's KV (SmolLM2: 22 KiB a token; a 7B model: 128 KiB, 4 GB for a 30k-token
 #: agent prompt, seconds on an SSD); past this the engine stops with what is left unsaved.
 PARK_TIME_LIMIT = 15.0
-#: Seconds moving a session's prefix to the RAM prompt cache for a turn the engine cannot
-#: pin may take (a copy of its KV in memory: about a second for a 7B model's 30k-token
-#: prompt, 4 GB, by estimate); longer, a request admitted onto that slot meanwhile holds it.
-GATHER_TIME_LIMIT = 5.0
+#: Seconds moving a session's prefix to the RAM prompt cache (`SlotClient.vacate`, before
+#: a turn the engine cannot pin or one seated on a slot that holds another prompt) may
+#: take at least.  The copy itself is quick (about a second for a 7B model's 30k-token
+#: prompt, 4 GB, by estimate), but the engine takes the vacating request only between
+#: the batches of the prompts it computes: on a loaded 2-core machine (load 9-12) a batch
+#: of another slot's 350 new tokens took 12.7 s and a first prompt of 1,594 tokens, one
+#: batch, 87 s; 5 s cut 9 vacates of one run short, each turn then reusing another
+#: session's prompt in place and computing its own past the shared head (bench/README.md,
+#: the attached pool).  Given up only when something else holds the slot (a client of
+#: the engine's own) or the engine hangs: `VACATE_BATCH_TOKENS` at the engine's measured
+#: speed, twice, when that is longer.
+GATHER_TIME_LIMIT = 120.0
+#: Prompt tokens of one batch the engine may be computing when a vacate arrives
+#: (llama-server's default `--batch-size`).
+VACATE_BATCH_TOKENS = 2048
 #: The routes whose requests are sent again that way.  They read `n_predict` and
 #: `id_slot` (a Responses request becomes a chat one with its other fields kept), except
 #: an Anthropic one, which keeps only its own: it goes to the engine's least recently used
@@ -458,7 +469,7 @@ class ParkingSteward:
         serving = ticket.serving
         try:
             async with SlotClient(serving.base_url, api_key=serving.api_key,
-                                  timeout=GATHER_TIME_LIMIT) as engine:
+                                  timeout=_vacate_limit(ticket)) as engine:
                 await engine.vacate(slot)
                 if not ticket.hint.pinnable:
                     await self._least_recent(engine, ticket)
@@ -484,7 +495,7 @@ class ParkingSteward:
         seat.engine.touch(slot)
         try:
             async with SlotClient(serving.base_url, api_key=serving.api_key,
-                                  timeout=GATHER_TIME_LIMIT) as engine:
+                                  timeout=_vacate_limit(ticket)) as engine:
                 await engine.vacate(slot)
             self.counts["gathered"] += 1
         except SlotActionFailed as exc:
@@ -494,6 +505,13 @@ class ParkingSteward:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _vacate_limit(ticket: Ticket) -> float:
+    """Seconds a vacate before `ticket`'s turn may wait for its engine (`GATHER_TIME_LIMIT`)."""
+    seat = ticket.seat
+    batch = None if seat is None else seat.engine.prefill_seconds(VACATE_BATCH_TOKENS)
+    return GATHER_TIME_LIMIT if batch is None else max(GATHER_TIME_LIMIT, 2 * batch)
 
 
 def _header_memory(entry: ModelEntry | None) -> _Memory:

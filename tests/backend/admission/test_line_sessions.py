@@ -321,3 +321,56 @@ def test_a_new_sessions_long_first_prompt_waits_for_the_engine_where_fewer_sessi
     clock.now += NEW_SESSION_WAIT
     line.admit_waiting()
     assert late.admitted and late.engine is more
+
+
+def attached(line: Line, url: str, slots: int) -> AdmissionQueue:
+    """A plain llama-server at its default slot similarity, seen to use its RAM cache."""
+    kv = KvCapacity.split(4096 * slots, slots)
+    return AdmissionQueue(Serving(url, slots, kv=kv, finds_prefix_in_ram=True), line=line)
+
+
+def claude_turn(line: Line, session: str, flow: str = "alice") -> Ticket:
+    """A `/v1/messages` turn: llama-server drops its `id_slot`."""
+    return line.request(TokenNeed(1000, 0), flow=Flow(flow),
+                        hint=Hint(f"{flow}\n{session}", flow=flow, pinnable=False))
+
+
+def test_a_turn_the_engine_cannot_pin_waits_for_its_engines_turns_and_is_not_starved():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    attached(line, OLD, 12)
+    pinned = turn(line, "a")
+    assert pinned.admitted
+    claude = claude_turn(line, "c")
+    assert not claude.admitted and claude.wait_reason == WaitReason.SLOT_SEATING
+    pinned.seated()  # its slot took it: it runs there, and may end any moment
+    assert not claude.admitted
+    # Its own flow's later turns do not pass it (they would run there when it goes).
+    behind = turn(line, "b")
+    assert not behind.admitted
+    # Other flows' turns pass it a bounded number of times (the line's MAX_PASSES, after
+    # their fair share put them first), then wait behind it.
+    passers = [turn(line, f"p{n}", flow="erin") for n in range(8)]
+    went = [t for t in passers if t.admitted]
+    held = [t for t in passers if not t.admitted]
+    assert len(went) <= MAX_PASSES + 1 and held and passers[:len(went)] == went
+    for ticket in [pinned, *went]:
+        assert not claude.admitted
+        ticket.release()  # answered
+    assert claude.admitted
+    # While it is on its way, nothing goes to that engine; once a slot took it, in order.
+    assert not behind.admitted and not any(t.admitted for t in held)
+    claude.seated()
+    assert behind.admitted and all(t.admitted for t in held)
+
+
+def test_turns_wait_for_a_turn_the_engine_cannot_pin_only_until_a_slot_takes_it_or_it_ends():
+    clock = FakeClock()
+    line, policy = line_of(clock)
+    attached(line, OLD, 2)
+    claude = claude_turn(line, "c")
+    assert claude.admitted
+    pinned = turn(line, "a")
+    assert not pinned.admitted and pinned.wait_reason == WaitReason.SLOT_SEATING
+    claude.release()  # a whole answer (not streamed): its headers came with it
+    assert pinned.admitted

@@ -11,6 +11,7 @@ from backend.admission.seat import Seat
 from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
 from tests.backend.admission_helpers import told_served
+from tests.not_none import not_none
 
 
 @dataclass(eq=False)
@@ -237,3 +238,66 @@ def test_a_new_session_that_waited_for_any_slot_still_waits_for_the_engine_where
     assert policy.place(late, [a, b]) is None
     clock.now += 0.2  # waited its new_wait since b had room: there
     assert policy.place(late, [a, b]) == Seat(b, 0, pinned=True)
+
+
+def test_on_an_attached_engine_a_turn_it_cannot_pin_goes_only_to_an_engine_running_nothing():
+    # The races on a plain llama-server: a turn the engine cannot pin takes the idle slot
+    # the engine finds most similar, else its least recently used one, and the steward
+    # empties only the slots free in these books.  A pinned turn admitted here is idle
+    # there until its request arrives; a turn that just ended there is idle before the
+    # port hears it.  Either would take the unpinned turn.
+    engine = Engine("e", [0, 1, 2], kv=SPLIT, finds_prefix_in_ram=True, released=[0, 1, 2])
+    policy = KeepPrefixes(Sessions(), clock=Clock())
+    served(policy, "f\na", Seat(engine, 0, pinned=True), 900)
+    served(policy, "f\nb", Seat(engine, 1, pinned=True), 800)
+    pinned = Wanting(hint=Hint("f\na", flow="f"))
+    seat = not_none(policy.place(pinned, [engine]))
+    assert seat == Seat(engine, 0, pinned=True, cached=900)
+    policy.admitted(pinned, seat)
+    engine.free.remove(0)
+    claude = Wanting(hint=Hint("f\nclaude", flow="f", pinnable=False))
+    assert policy.place(claude, [engine]) is None
+    assert policy.waits_for_seating(claude, [engine])
+    # Pinned turns go meanwhile: each has its slot named.
+    other = Wanting(hint=Hint("f\nb", flow="f"))
+    seat = not_none(policy.place(other, [engine]))
+    policy.admitted(other, seat)
+    engine.free.remove(1)
+    policy.seated(pinned)  # its slot took it there: it runs, and may end any moment
+    assert policy.place(claude, [engine]) is None
+    policy.slot_freed(pinned)
+    engine.free.append(0)
+    assert policy.place(claude, [engine]) is None  # b's still runs
+    policy.ended(other)  # answered, or failed: gone all the same
+    engine.free.append(1)
+    seat = not_none(policy.place(claude, [engine]))
+    assert seat.vacate and seat.pinned
+    policy.admitted(claude, seat)
+    engine.free.remove(seat.slot)
+    # While it is on its way, no turn goes to that engine, pinned or not; other engines
+    # are not held.
+    again = Wanting(hint=Hint("f\nb", flow="f"), enqueued_at=1.0)
+    assert policy.place(again, [engine]) is None and policy.waits_for_seating(again, [engine])
+    elsewhere = Engine("o", [0], kv=SPLIT)
+    assert policy.place(Wanting(hint=Hint("g\nz", flow="g")), [elsewhere]) is not None
+    policy.seated(claude)
+    assert policy.place(again, [engine]) is not None
+    # A second unpinned turn waits for the first to end, seated or not.
+    second = Wanting(hint=Hint("f\nclaude2", flow="f", pinnable=False))
+    assert policy.place(second, [engine]) is None
+    policy.ended(claude)
+    engine.free.append(not_none(seat.slot))
+    assert policy.place(second, [engine]) is not None
+
+
+def test_turns_on_an_engine_that_pins_every_slot_itself_never_wait_for_seating():
+    # An engine GGUF Studio started (slot similarity 1) or one not seen to use its RAM
+    # cache: nothing to steer by vacating, nothing held.
+    for engine in (Engine("s", [0, 1], kv=SPLIT, pin_any_slot=True, finds_prefix_in_ram=True),
+                   Engine("p", [0, 1], kv=SPLIT)):
+        policy = KeepPrefixes(Sessions(), clock=Clock())
+        first = Wanting(hint=Hint("f\na", flow="f"))
+        policy.admitted(first, not_none(policy.place(first, [engine])))
+        engine.free.pop()
+        claude = Wanting(hint=Hint("f\nclaude", flow="f", pinnable=False))
+        assert policy.place(claude, [engine]) is not None

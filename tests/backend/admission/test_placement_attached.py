@@ -157,3 +157,35 @@ async def test_an_attached_engine_without_a_ram_prompt_cache_is_named_in_health_
     finally:
         for process in processes:
             stop(process)
+
+
+async def test_a_turn_the_engine_cannot_pin_never_takes_the_slot_a_pinned_turn_is_headed_for(
+        running_service: ServiceFactory, llama_server_binary: Path, smollm2_model: Path) -> None:
+    # Three agents on one engine of 2 slots: each round one chat agent's turn alone, then
+    # another chat agent's and a Claude Code agent's turns sent together.  The engine
+    # seats the unpinned one on the idle slot with the oldest stamp *there*; a pinned
+    # turn admitted beside it is idle there until its request arrives.  Before the port
+    # held the unpinned turn until the pinned one's slot took it, the unpinned one could
+    # land there first (measured on the pool: 1.48x and 1.64x the floor), and the pinned
+    # session's next turn found another's prompt and computed its conversation past the
+    # head again.  Which request reaches the engine first is the engine's and the
+    # sockets' race: the order is forced in test_line_sessions, this checks the outcome.
+    service = await running_service(queue_timeout=120)
+    process = await attach(service, llama_server_binary, smollm2_model)
+    try:
+        head_rng = random.Random(11)
+        head = "You are a coding agent. Follow the rules.\n" + " ".join(
+            head_rng.choice(WORDS) for _ in range(400))
+        alone, pinned, claude = (Agent("alone", head, 1), Agent("pinned", head, 2),
+                                 Agent("claude", head, 3, anthropic=True))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=120) as client:
+            for _ in range(4):
+                await alone.turn(client)
+                await asyncio.gather(pinned.turn(client), claude.turn(client))
+        for agent in (pinned, claude, alone):
+            for turn in range(1, 4):
+                assert agent.computed[turn] <= agent.new_tokens(turn) + 2, \
+                    (agent.name, turn, agent.computed, agent.prompts, service.parking.counts)
+    finally:
+        stop(process)
