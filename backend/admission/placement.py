@@ -311,6 +311,15 @@ class KeepPrefixes(Placement):
         until it ends (its answer is recorded in the book right after)."""
         if _picks_own_slots(seat.engine):
             key = seat.engine.key
+            holder = None if seat.slot is None else self.sessions.holder(key, seat.slot)
+            if holder is not None and holder.key != ticket.hint.session:
+                # Its prompt leaves that slot now (to the RAM cache, or overwritten), not
+                # when this turn's answer is recorded: a turn of that session admitted
+                # as this one ends would be sent there unvacated and reuse this one's
+                # prompt in place (on the attached pool, the turns that ran right after
+                # another on their slot computed from the shared head on).
+                assert seat.slot is not None
+                self.sessions.vacate(key, seat.slot)
             self._held_on[ticket] = key
             self._holding[key] += 1
             if not ticket.hint.pinnable:

@@ -301,3 +301,21 @@ def test_turns_on_an_engine_that_pins_every_slot_itself_never_wait_for_seating()
         engine.free.pop()
         claude = Wanting(hint=Hint("f\nclaude", flow="f", pinnable=False))
         assert policy.place(claude, [engine]) is not None
+
+
+def test_on_an_attached_engine_a_slot_seated_for_another_session_holds_no_prefix_from_then():
+    # The book learns where a turn left its prefix once its answer is recorded, after
+    # its slot is free again: a turn of the slot's former session admitted at that
+    # moment must not be sent there as if its prefix were still in it.
+    engine = Engine("e", [0, 1], kv=SPLIT, finds_prefix_in_ram=True, released=[0, 1])
+    policy = KeepPrefixes(Sessions(), clock=Clock())
+    served(policy, "f\na", Seat(engine, 0, pinned=True), 900)
+    served(policy, "f\nb", Seat(engine, 1, pinned=True), 800)
+    engine.free = [0]
+    newcomer = Wanting(hint=Hint("f\nn", flow="f"))
+    seat = not_none(policy.place(newcomer, [engine]))
+    assert seat.slot == 0
+    policy.admitted(newcomer, seat)
+    policy.ended(newcomer)  # answered; the book has not heard where yet
+    back = not_none(policy.place(Wanting(hint=Hint("f\na", flow="f")), [engine]))
+    assert back == Seat(engine, 0, pinned=True, cached=900, vacate=True)
