@@ -273,7 +273,7 @@ def test_on_an_attached_engine_a_turn_it_cannot_pin_goes_only_to_an_engine_runni
     seat = not_none(policy.place(claude, [engine]))
     assert seat.vacate and seat.pinned
     policy.admitted(claude, seat)
-    engine.free.remove(seat.slot)
+    engine.free.remove(not_none(seat.slot))
     # While it is on its way, no turn goes to that engine, pinned or not; other engines
     # are not held.
     again = Wanting(hint=Hint("f\nb", flow="f"), enqueued_at=1.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -69,7 +70,8 @@ class Agent:
         self.prompts: list[int] = []  # each turn's prompt tokens (computed + cached)
         self.computed: list[int] = []
 
-    async def turn(self, client: httpx.AsyncClient) -> None:
+    async def turn(self, client: httpx.AsyncClient, *, reply_tokens: int = 4) -> None:
+        """One turn; `reply_tokens` more than 4: that many exactly (a long-running turn)."""
         self.messages.append({"role": "user", "content": " ".join(
             self.rng.choice(WORDS) for _ in range(60))})
         if self.anthropic:
@@ -84,8 +86,8 @@ class Agent:
         else:
             answer = await client.post(
                 "/v1/chat/completions", headers={"x-session-affinity": self.name},
-                json={"model": MODEL, "messages": self.messages, "max_tokens": 4,
-                      "temperature": 0})
+                json={"model": MODEL, "messages": self.messages, "max_tokens": reply_tokens,
+                      "temperature": 0, **({"ignore_eos": True} if reply_tokens > 4 else {})})
             assert answer.status_code == 200, answer.text
             body = answer.json()
             computed, cached = body["timings"]["prompt_n"], body["timings"]["cache_n"]
@@ -189,3 +191,49 @@ async def test_a_turn_the_engine_cannot_pin_never_takes_the_slot_a_pinned_turn_i
                     (agent.name, turn, agent.computed, agent.prompts, service.parking.counts)
     finally:
         stop(process)
+
+
+async def test_a_turn_admitted_as_another_ends_on_its_slot_finds_its_own_prefix(
+        running_service: ServiceFactory, llama_server_binary: Path, smollm2_model: Path) -> None:
+    # One engine of 2 slots.  `early` holds slot A; `other`, coming back, is seated on A
+    # (A's prompt to the RAM cache first) while `long` runs on the other slot; `early`'s
+    # next turn arrives then and waits for a slot, and goes in the moment `other` ends.
+    # The port's book learnt that A no longer holds `early` only once `other`'s answer
+    # was recorded, after that moment: `early` was sent to A as if its prefix were there,
+    # and llama-server reused `other`'s prompt in place from the shared head on.
+    service = await running_service(queue_timeout=180)
+    process = await attach(service, llama_server_binary, smollm2_model)
+    try:
+        head_rng = random.Random(5)
+        head = "You are a coding agent. Follow the rules.\n" + " ".join(
+            head_rng.choice(WORDS) for _ in range(300))
+        early, other = Agent("early", head, 1), Agent("other", head, 2)
+        # Another conversation, sharing nothing: its first turn moves what its slot held
+        # to the RAM cache instead of reusing it in place.
+        long = Agent("long", "Translate the words you are given into French.", 3)
+        line = service.registry.line(MODEL)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.gateway_port}",
+                                     timeout=180) as client:
+            await early.turn(client)   # slot 1 (never used ones first, the highest id)
+            await other.turn(client)   # slot 0
+            await long.turn(client)    # the least recently used slot: early's, to RAM
+            await early.turn(client)   # back: the least recently used slot, other's
+            running = asyncio.create_task(long.turn(client, reply_tokens=48))
+            await _until(lambda: line.engines[0].free_slots == 1)
+            returning = asyncio.create_task(other.turn(client))  # seated on early's slot
+            await _until(lambda: line.engines[0].free_slots == 0)
+            waiting = asyncio.create_task(early.turn(client))
+            await _until(lambda: line.waiting == 1)
+            await asyncio.gather(running, returning, waiting)
+        for agent in (early, other):
+            for turn in range(1, len(agent.prompts)):
+                assert agent.computed[turn] <= agent.new_tokens(turn) + 2, \
+                    (agent.name, turn, agent.computed, agent.prompts)
+    finally:
+        stop(process)
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 60) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():
+            await asyncio.sleep(0.01)
