@@ -432,8 +432,8 @@ def test_plain_words_added_to_a_long_paragraph_are_added_alone(qtbot) -> None:
 def test_a_long_paragraph_being_written_is_laid_out_by_its_last_piece(qtbot) -> None:
     """A paragraph being written that grows long is cut where a line wraps: each update
     lays out the last piece alone (a 10,000-character paragraph took 10 ms a time), and
-    the pieces look as the paragraph would: as tall, the same text; once it ends it is
-    one block again, marks read across the cuts."""
+    the pieces look as the paragraph would: as tall, the same text; once it ends they
+    stay, but from a piece where a mark is read across the cuts."""
     from studio.chat_transcript import PIECE_CHARS, Transcript
 
     words = ("Once the keeper climbed the stairs, Смотритель поднялся по лестнице, "
@@ -465,8 +465,11 @@ def test_a_long_paragraph_being_written_is_laid_out_by_its_last_piece(qtbot) -> 
     whole.show_turns(())
     whole.show_turns(done)
     assert streamed.toPlainText() == whole.toPlainText()
-    assert streamed.document().blockCount() == whole.document().blockCount() == 4
+    assert streamed.document().size().height() == whole.document().size().height()
+    # The pieces before the mark read across cuts are kept; from its piece on, written again.
+    assert whole.document().blockCount() == 4 < streamed.document().blockCount()
     assert streamed.document().find("wide grey water").charFormat().fontItalic()
+    assert "*" not in streamed.toPlainText()
 
 
 def test_a_paragraph_in_pieces_is_joined_when_the_view_changes_width(qtbot) -> None:
@@ -521,7 +524,8 @@ def test_an_answer_begun_by_a_code_block_shows_and_copies_its_first_line_as_code
 def test_an_answer_that_ends_writes_its_last_paragraph_alone(qtbot) -> None:
     """When a streamed answer ends, its settled paragraphs stay as written: its last
     paragraph and its figures are written, not the whole answer again (35-111 ms of the
-    window's thread for 10,000 characters when the cores were busy); it then reads and
+    window's thread for 10,000 characters when the cores were busy), and a long last
+    paragraph shown in pieces keeps them when they read as it does; it then reads and
     stands as the answer written whole (its paragraphs' margins too), a stopped one too."""
     from PySide6.QtCore import QUrl
     from PySide6.QtGui import QGuiApplication
@@ -553,13 +557,69 @@ def test_an_answer_that_ends_writes_its_last_paragraph_alone(qtbot) -> None:
         whole.show_turns((question, ended))
         # From the break before the last paragraph on: the settled ones untouched.
         assert changed and min(changed) >= last_begins - 1
-        assert streamed.toHtml() == whole.toHtml()  # the same text, marks and margins
+        assert streamed.toPlainText() == whole.toPlainText()
+        assert streamed.document().size().height() == whole.document().size().height()
+        settled = streamed.document().find("Paragraph 10:").block()
+        assert streamed.document().find("Paragraph 10:", settled.position() + 1).isNull()
+        as_whole = whole.document().find("Paragraph 10:").blockFormat()
+        assert (settled.blockFormat().topMargin(), settled.blockFormat().bottomMargin()) \
+            == (as_whole.topMargin(), as_whole.bottomMargin()) == (6, 6)
+        assert streamed.document().find("dawn").charFormat() \
+            == whole.document().find("dawn").charFormat()
         note = figures.describe() if ended.state is AnswerState.DONE \
             else f"Stopped · {figures.describe()}"
         assert streamed.toPlainText().splitlines()[-1] == note
-        assert streamed.document().blockCount() == whole.document().blockCount()
+        assert streamed.document().blockCount() > whole.document().blockCount()  # in pieces
         assert streamed.document().size().height() == whole.document().size().height()
         assert streamed.document().find("dawn").charFormat().fontWeight() == 700
         QGuiApplication.clipboard().clear()
         streamed.anchorClicked.emit(QUrl("copy:1:0"))
         assert QGuiApplication.clipboard().text() == "print('the storm')\n\nprint('passed')"
+
+
+def test_a_paragraph_kept_in_pieces_reads_copies_and_rewraps_as_one(qtbot) -> None:
+    """A long paragraph that ended in pieces keeps them (cut where lines wrap: it looks
+    the same), is not written again, copies without breaks between its pieces, and is
+    written whole again when the view's width changes (the cuts no longer fall at wraps)."""
+    from PySide6.QtGui import QGuiApplication, QTextCursor
+
+    from studio.chat_transcript import Transcript
+
+    answer = ("Once the keeper climbed the stairs, Смотритель поднялся по лестнице, "
+              "灯塔守护者爬上楼梯 and the *light* turned over the sea. ") * 40
+    question = Turn("user", "A story")
+    streamed, whole = Transcript(), Transcript()
+    for view in (streamed, whole):
+        qtbot.addWidget(view)
+        view.resize(600, 400)
+        view.show()
+    qtbot.waitExposed(streamed)
+    for end in range(40, len(answer) + 1, 37):
+        streamed.show_turns((question, Turn("assistant", answer[:end], AnswerState.STREAMING,
+                                            model="smol")))
+    pieces = streamed.document().blockCount()
+    assert pieces > 6
+    first_piece = streamed.document().findBlock(streamed.document().find("Once").position())
+    changed: list[int] = []
+    streamed.document().contentsChange.connect(lambda at, _removed, _added: changed.append(at))
+    done = (question, Turn("assistant", answer.strip(), model="smol"))
+    streamed.show_turns(done)
+    whole.show_turns(done)
+    assert min(changed) > first_piece.position() + first_piece.length()  # its pieces kept
+    assert streamed.document().blockCount() >= pieces - 1
+    assert streamed.toPlainText() == whole.toPlainText()
+    assert streamed.document().size().height() == whole.document().size().height()
+
+    cursor = QTextCursor(streamed.document())
+    cursor.setPosition(first_piece.position())
+    cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+    streamed.setTextCursor(cursor)
+    QGuiApplication.clipboard().clear()
+    streamed.copy()
+    assert QGuiApplication.clipboard().text() == answer.strip().replace("*", "")
+
+    for view in (streamed, whole):
+        view.resize(450, 400)
+    qtbot.waitUntil(lambda: streamed.document().blockCount() == whole.document().blockCount())
+    assert streamed.toPlainText() == whole.toPlainText()
+    assert streamed.document().size().height() == whole.document().size().height()
