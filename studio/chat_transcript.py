@@ -134,7 +134,9 @@ class Transcript(QTextBrowser):
         if stream is not None and stream.number == same == len(turns) - 1 == len(self._shown) - 1 \
                 and turns[same].state not in (AnswerState.STREAMING, AnswerState.WAITING) \
                 and turns[same].text.startswith(self._shown[same].text) \
-                and turns[same].model == self._shown[same].model and "|" not in turns[same].text:
+                and turns[same].model == self._shown[same].model \
+                and "|" not in turns[same].text[stream.chars:] \
+                and not self._has_table(self._starts[same]):
             # The streaming answer ended: its last paragraph written whole, then its note.
             # (An answer with a table is written whole: written after a paragraph, a table
             # keeps an empty block before it that the answer written whole has not.)
@@ -215,6 +217,11 @@ class Transcript(QTextBrowser):
             quiet.setFontItalic(True)
             cursor.insertBlock(QTextBlockFormat(), quiet)
             cursor.insertText(note, quiet)
+
+    def _has_table(self, begin: int) -> bool:
+        """Whether the document shows a table from position `begin` on."""
+        return any(frame.firstPosition() >= begin
+                   for frame in self.document().rootFrame().childFrames())
 
     def _keep_pieces(self, cursor: QTextCursor, stream: _Stream, text: str) -> bool:
         """Whether the streaming answer, ended as `text`, ends with its paragraph being
