@@ -15,7 +15,9 @@ A long paragraph being written is shown in pieces, one block each, cut where a l
 each change, and a paragraph of ten thousand characters in many scripts took 10 ms a time
 (stretched to 30-100 ms when the engine and the port's clients had the cores).  Cut at a
 wrap, the pieces look as the paragraph would; they are joined again when the paragraph
-settles, the answer ends or the view's width changes.
+settles or the view's width changes.  When the answer ends, those that read as the
+paragraph written whole stay (compared in a scratch document, not laid out); they read and
+copy as one paragraph.
 """
 
 from __future__ import annotations
