@@ -41,6 +41,7 @@ from backend.port.own_prefix import own_prefix
 from backend.port.audience import Audience, Listener
 from backend.port.exchange_host import ExchangeHost
 from backend.port.prefill import until_content
+from backend.port.refusal_retry import refusal_backoff, wait_turn
 from backend.port.resends import JOINED_RUNNING, ORPHAN_BYTES, twin_key
 from backend.port.settlement import Ending, Settlement
 from backend.port.stream_relay import StreamRelay
@@ -66,10 +67,6 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-#: First wait before a load that refused a connection is tried again (then doubled per
-#: try: 0.05 + 0.1 + ... + 0.8 s = 1.55 s over MAX_REQUEUES tries).  A killed engine is
-#: noticed within milliseconds and its waiters then wait for the restarted load instead.
-REFUSAL_BACKOFF = 0.05
 #: Seconds a slot freed by a request the engine dropped stays empty (see `run`): a
 #: crashed engine is noticed well within it, a live one loses only this much.
 ENGINE_FAILURE_HOLD = 0.5
@@ -456,13 +453,13 @@ class Exchange:
     async def _admitted(self, ticket: Ticket, timeout: float | None) -> None:
         """Returns once `ticket` holds a slot; a streaming client sees life meanwhile."""
         if not ticket.admitted:
-            turn = asyncio.ensure_future(self._turn(ticket, timeout))
+            turn = asyncio.ensure_future(wait_turn(ticket, timeout))
             try:
                 if self.request.parsed.stream and not self.headers_sent and ticket.requeues:
                     # Quiet through the refusal backoff: a load that keeps refusing is
                     # still a plain 502, a restart noticed meanwhile gets keep-alives.
                     # (Twice the backoff: the retry comes at once after it.)
-                    await asyncio.wait((turn,), timeout=2 * _backoff(ticket))
+                    await asyncio.wait((turn,), timeout=2 * refusal_backoff(ticket))
                 if self.request.parsed.stream and not turn.done():
                     if not self.headers_sent:
                         await self._start_stream()
@@ -476,24 +473,6 @@ class Exchange:
         if ticket.admitted_at is not None and ticket.requeues == 0:
             self.metrics.observe_queue_wait(ticket.admitted_at - ticket.enqueued_at)
             self.passage.admitted(ticket.admitted_at - ticket.enqueued_at)
-
-    async def _turn(self, ticket: Ticket, timeout: float | None) -> None:
-        """`ticket.wait`; after a refusal the load may still count as ready (its end not
-        noticed yet, or an attached server that refuses): after a short backoff its
-        queue is asked to admit again, so a load that keeps refusing fails after
-        MAX_REQUEUES tries instead of at the queue timeout."""
-        if ticket.requeues == 0:
-            await ticket.wait(timeout)
-            return
-        waiting = asyncio.ensure_future(ticket.wait(timeout))
-        try:
-            done, _ = await asyncio.wait((waiting,), timeout=_backoff(ticket))
-            if not done:
-                ticket.line.admit_waiting()
-            await waiting
-        finally:
-            if not waiting.done():
-                waiting.cancel()
 
     async def _start_stream(self) -> None:
         """Headers, then at once something the client counts as life: our own
@@ -597,6 +576,3 @@ class Exchange:
                              *self._extra_headers]},
                 {"type": "http.response.body", "body": body, "more_body": False}]
 
-
-def _backoff(ticket: Ticket) -> float:
-    return float(REFUSAL_BACKOFF * 2 ** (ticket.requeues - 1))
