@@ -31,25 +31,16 @@ from PySide6.QtGui import (QColor, QFont, QGuiApplication, QPalette, QTextBlock,
 from PySide6.QtWidgets import QTextBrowser
 
 from backend.app.chat_session import AnswerState, Turn
+from studio.markdown_blocks import (CONTINUES, MARKDOWN, clip, format_runs, insert_blocks,
+                                    insert_markdown, joined, plain_paragraph, plain_words,
+                                    settled_length)
 from studio.widgets import monospace_font
 
-__all__ = ["MARKDOWN", "PIECE_CHARS", "Transcript", "settled_length"]
-
-#: Markdown as GitHub writes it, without raw HTML: a model's text is never markup for Qt.
-MARKDOWN = QTextDocument.MarkdownFeature(
-    QTextDocument.MarkdownFeature.MarkdownDialectGitHub.value
-    | QTextDocument.MarkdownFeature.MarkdownNoHTML.value)
+__all__ = ["PIECE_CHARS", "Transcript"]
 
 #: A paragraph being written longer than this is cut at its last line's wrap: each update
 #: then lays out at most about this much text (about 1 ms in many scripts).
 PIECE_CHARS = 800
-
-#: The character where a frame (a table) begins in a document's text.
-_FRAME_BEGINS = "\ufdd0"
-
-#: A block that goes on with the paragraph of the block before it (cut at a wrap).
-_CONTINUES = QTextFormat.Property.UserProperty + 1
-
 
 class Transcript(QTextBrowser):
     """The conversation as a document: who speaks, what they said as Markdown (code blocks
@@ -72,7 +63,7 @@ class Transcript(QTextBrowser):
 
     def toPlainText(self) -> str:
         """The conversation's text; a paragraph shown in pieces reads as one."""
-        return _joined(super().toPlainText(), self.document(), 0)
+        return joined(super().toPlainText(), self.document(), 0)
 
     def createMimeDataFromSelection(self) -> QMimeData:
         """The selection to copy or drag: a paragraph shown in pieces copies as one."""
@@ -81,12 +72,11 @@ class Transcript(QTextBrowser):
             return data
         cursor = self.textCursor()
         text = data.text()
-        joined = _joined(text, self.document(), cursor.selectionStart(),
-                         cursor.selectionEnd())
-        if joined == text:
+        as_one = joined(text, self.document(), cursor.selectionStart(), cursor.selectionEnd())
+        if as_one == text:
             return data
         plain = QMimeData()  # as text alone: its rich forms have the pieces as paragraphs
-        plain.setText(joined)
+        plain.setText(as_one)
         return plain
 
     def resizeEvent(self, event: Any) -> None:
@@ -206,7 +196,7 @@ class Transcript(QTextBrowser):
             self._write_stream(cursor, self._stream, text)
             self._cut_at_wrap(self._stream, text)
         else:
-            _insert_markdown(cursor, text)
+            insert_markdown(cursor, text)
             self._add_copy_links(start, cursor.position(), number)
         self._add_note(cursor, turn)
 
@@ -237,18 +227,18 @@ class Transcript(QTextBrowser):
         scratch = self._scratch
         scratch.setMarkdown(rest, MARKDOWN)
         whole = scratch.firstBlock()
-        if scratch.blockCount() != 1 or not _plain_paragraph(whole):
+        if scratch.blockCount() != 1 or not plain_paragraph(whole):
             return False
         document = self.document()
         block = document.findBlock(stream.tail)
         if block.position() != stream.tail:
             block = block.next()
-        runs, written = _runs(whole), whole.text()
+        runs, written = format_runs(whole), whole.text()
         offset = 0
         kept = 0  # characters of the paragraph in pieces kept as they are
         while block.isValid() and block.position() < stream.piece_begin:
             end = offset + block.length() - 1
-            if block.text() != written[offset:end] or _runs(block) != _clip(runs, offset, end):
+            if block.text() != written[offset:end] or format_runs(block) != clip(runs, offset, end):
                 break
             offset = kept = end
             block = block.next()
@@ -282,8 +272,8 @@ class Transcript(QTextBrowser):
             # piece's, which the paragraph's first block is not.
             first = QTextCursor(document.findBlock(position))
             block_format = first.blockFormat()
-            if block_format.boolProperty(_CONTINUES):
-                block_format.clearProperty(_CONTINUES)
+            if block_format.boolProperty(CONTINUES):
+                block_format.clearProperty(CONTINUES)
                 block_format.setTopMargin(top_margin)
                 first.setBlockFormat(block_format)
         else:
@@ -298,7 +288,7 @@ class Transcript(QTextBrowser):
         stream.tail_before_tint = stream.tail
         settled = len(text) if ended else settled_length(text)
         if settled > stream.chars:
-            begin = _insert_blocks(cursor, text[stream.chars:settled], after=stream.chars > 0)
+            begin = insert_blocks(cursor, text[stream.chars:settled], after=stream.chars > 0)
             stream.codes += self._add_copy_links(begin, cursor.position(), stream.number,
                                                  stream.codes)
             stream.chars, stream.tail = settled, cursor.position()
@@ -306,7 +296,7 @@ class Transcript(QTextBrowser):
         rest = text[stream.chars:]
         stream.words = None
         if rest:
-            begin = _insert_blocks(cursor, rest, after=stream.chars > 0)
+            begin = insert_blocks(cursor, rest, after=stream.chars > 0)
             stream.piece_begin = begin
             self._add_copy_links(begin, cursor.position(), stream.number, stream.codes)
             self._note_words(stream, begin, cursor.position(), rest)
@@ -317,11 +307,11 @@ class Transcript(QTextBrowser):
         stream.tail_before_tint = stream.piece_begin
         block_format = cursor.blockFormat()
         block_format.setTopMargin(0)
-        block_format.setProperty(_CONTINUES, True)
+        block_format.setProperty(CONTINUES, True)
         rest = text[stream.piece_chars:]
         stream.words = None
         if rest:
-            _insert_markdown(cursor, rest)
+            insert_markdown(cursor, rest)
             QTextCursor(self.document().findBlock(stream.piece_begin)).setBlockFormat(block_format)
             self._note_words(stream, stream.piece_begin, cursor.position(), rest)
 
@@ -344,7 +334,7 @@ class Transcript(QTextBrowser):
         stream.next_cut_at = len(text) + PIECE_CHARS // 4  # a failed try waits for more
         block = self.document().lastBlock()
         layout = block.layout()
-        if block.position() != stream.piece_begin or not _plain_paragraph(block) \
+        if block.position() != stream.piece_begin or not plain_paragraph(block) \
                 or layout is None or layout.lineCount() < 2:
             return
         shown = block.text()
@@ -356,7 +346,7 @@ class Transcript(QTextBrowser):
         first, last = block.blockFormat(), block.blockFormat()
         first.setBottomMargin(0)
         last.setTopMargin(0)
-        last.setProperty(_CONTINUES, True)
+        last.setProperty(CONTINUES, True)
         ends = QTextCursor(block)
         ends.beginEditBlock()
         ends.setPosition(block.position() + wrap)
@@ -410,7 +400,7 @@ class Transcript(QTextBrowser):
             return False
         # Spaces at the end are shown with the next word (Markdown drops them at the end).
         added = rest[len(words):].rstrip(" ")
-        if added and not _plain_words(words[-12:], added):
+        if added and not plain_words(words[-12:], added):
             return False
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
@@ -475,52 +465,6 @@ class Transcript(QTextBrowser):
             block = block.next()
 
 
-def _plain_paragraph(block: QTextBlock) -> bool:
-    """Whether `block` is a paragraph of text: no heading, list, quote, table or code."""
-    block_format = block.blockFormat()
-    return block.textList() is None and block_format.headingLevel() == 0 \
-        and not block_format.hasProperty(QTextFormat.Property.BlockCodeFence) \
-        and not block_format.hasProperty(QTextFormat.Property.BlockQuoteLevel) \
-        and QTextCursor(block).currentTable() is None
-
-
-def _joined(text: str, document: QTextDocument, start: int, end: int | None = None) -> str:
-    """`text`, `document`'s plain text from position `start` (to `end`), without the
-    breaks between the pieces of a paragraph (plain text and positions match one for one)."""
-    cuts = []
-    block = document.findBlock(start).next()
-    while block.isValid() and (end is None or block.position() <= end):
-        if block.blockFormat().boolProperty(_CONTINUES):
-            cuts.append(block.position() - 1 - start)
-        block = block.next()
-    for cut in reversed(cuts):
-        text = text[:cut] + text[cut + 1:]
-    return text
-
-
-def _runs(block: QTextBlock) -> list[tuple[int, int, QTextCharFormat]]:
-    """`block`'s text as runs of one character format: (begin, end, format)."""
-    runs: list[tuple[int, int, QTextCharFormat]] = []
-    fragments = block.begin()
-    while not fragments.atEnd():
-        fragment = fragments.fragment()
-        begin = fragment.position() - block.position()
-        end = begin + fragment.length()
-        if runs and runs[-1][1] == begin and runs[-1][2] == fragment.charFormat():
-            runs[-1] = (runs[-1][0], end, runs[-1][2])
-        else:
-            runs.append((begin, end, fragment.charFormat()))
-        fragments += 1
-    return runs
-
-
-def _clip(runs: list[tuple[int, int, QTextCharFormat]], begin: int,
-          end: int) -> list[tuple[int, int, QTextCharFormat]]:
-    """The `runs` from `begin` to `end`, counted from `begin`."""
-    return [(max(a, begin) - begin, min(b, end) - begin, char_format)
-            for a, b, char_format in runs if a < end and b > begin]
-
-
 def _note(turn: Turn) -> str:
     if turn.role != "assistant":
         return ""
@@ -530,83 +474,6 @@ def _note(turn: Turn) -> str:
     if turn.state is AnswerState.FAILED:
         return turn.error
     return figures if turn.state is AnswerState.DONE else ""
-
-
-def _insert_blocks(cursor: QTextCursor, markdown: str, *, after: bool) -> int:
-    """`markdown` at `cursor`, in blocks of its own when `after` blocks before it (as
-    written whole: a list or a table that begins it leaves no empty paragraph before it);
-    where its first block begins."""
-    if after:
-        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
-    begin = cursor.position()
-    _insert_markdown(cursor, markdown, apart=after)
-    block = cursor.document().findBlock(begin)
-    following = block.next()
-    # A table keeps the one before it (seen by its frame's mark: within an edit the
-    # table is not known yet).
-    if after and block.length() == 1 and following.isValid() \
-            and following.position() <= cursor.position() \
-            and cursor.document().characterAt(following.position() - 1) != _FRAME_BEGINS:
-        QTextCursor(block).deletePreviousChar()  # the empty one joins the block before
-    return begin
-
-
-def _insert_markdown(cursor: QTextCursor, markdown: str, *, apart: bool = False) -> None:
-    """`markdown` at `cursor`, its first block as Markdown makes it: inserted into a
-    block, Qt keeps that block's format (an answer begun by a code block showed its first
-    line as text, and Copy code left it out; a paragraph written `apart` from those before
-    it, as a streaming answer's are, lacked the margins it has in the answer written whole)."""
-    begin = cursor.position()
-    cursor.insertMarkdown(markdown, MARKDOWN)
-    if not _SCRATCH:
-        _SCRATCH.append(QTextDocument())
-    _SCRATCH[0].setMarkdown(markdown, MARKDOWN)
-    made = _SCRATCH[0].firstBlock().blockFormat()
-    first = cursor.document().findBlock(begin)
-    if made.hasProperty(QTextFormat.Property.BlockCodeFence) or made.headingLevel() \
-            or made.hasProperty(QTextFormat.Property.BlockQuoteLevel):
-        if first.blockFormat() != made:
-            QTextCursor(first).setBlockFormat(made)
-    elif apart and QTextCursor(_SCRATCH[0].firstBlock()).currentTable() is None:
-        spaced = first.blockFormat()  # a list's item stays in its list: the margins alone
-        if (spaced.topMargin(), spaced.bottomMargin()) != (made.topMargin(), made.bottomMargin()):
-            spaced.setTopMargin(made.topMargin())
-            spaced.setBottomMargin(made.bottomMargin())
-            QTextCursor(first).setBlockFormat(spaced)
-
-
-#: A document to read Markdown aside in (made once the application is).
-_SCRATCH: list[QTextDocument] = []
-
-
-def _plain_words(before: str, added: str) -> bool:
-    """Whether `added`, after text ending in `before`, reads as written in Markdown: no
-    mark (emphasis, code, links, escapes, entities, a new line) and no autolink begun."""
-    joined = before + added
-    return not _MARKS.intersection(added) and "www." not in joined and "://" not in joined \
-        and "@" not in added
-
-
-_MARKS = frozenset("\\`*_[]<>!~|&#\n\r\t")
-
-
-def settled_length(text: str) -> int:
-    """How much of a streaming answer's `text` is whole paragraphs that read the same
-    whatever comes next: up to its last blank line outside a code fence."""
-    settled = position = 0
-    fence = ""
-    while (end := text.find("\n", position)) >= 0:
-        line = text[position:end]
-        stripped = line.strip()
-        indented = len(line) - len(line.lstrip(" "))
-        if not fence and indented <= 3 and stripped[:3] in ("```", "~~~"):
-            fence = stripped[:3]
-        elif fence and stripped.startswith(fence) and not stripped.strip(fence[0]):
-            fence = ""
-        elif not fence and not stripped:
-            settled = end + 1
-        position = end + 1
-    return settled
 
 
 @dataclass
