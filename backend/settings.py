@@ -269,7 +269,7 @@ def env_var(name: str) -> str:
 UPSTREAM_KV_LAYOUTS = ("split", "unified")
 
 
-#: The placement policies an operator may name (backend.admission.placement.placement_named).
+#: The placement policies an operator may name (backend.admission.admission_registry.placement_named).
 PLACEMENTS = ("keep-prefixes", "hash-ring")
 
 

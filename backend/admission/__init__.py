@@ -5,9 +5,9 @@ engine (`engine_queue`) and the line of one model (`line`; an engine as it reads
 `line_engine`; the requests waiting for its model's first engine, `load_wait`), the
 registry of lines keyed by the engines' base URLs (`admission_registry`), a waiting
 request's ticket (`admission_ticket`), where a ticket sits (`placement`: an engine, by a
-policy with its lifecycle; `seat`: the slot it takes on that engine), fair share between
-keys (`fair_queue` and its books, `lanes`; who a share is owed to, `flow`), keys' token
-limits (`rate_limits`) and the flow of a caller (`caller`, `flow_control`), a request's
+policy with its lifecycle; the second policy, `hash_ring`; `seat`: the slot it takes on
+that engine), fair share between keys (`fair_queue` and its books, `lanes`; who a share
+is owed to, `flow`), keys' token limits (`rate_limits`) and the flow of a caller (`caller`, `flow_control`), a request's
 admission asked once (`request_planner`: its hint, blocks and plan), what a request needs
 (`need_planner`; the counting rules `prompt_tokens`, reading the body's size in
 `prompt_bytes`, and the output limit `output_limits`; the engine's tokenizer is given to

@@ -21,10 +21,11 @@ from backend.llama.load import Serving
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.line import DEFAULT_MODEL, Clock, Line
 from backend.admission.flow import Flow
-from backend.admission.placement import KeepPrefixes, Placement, placement_named
+from backend.admission.hash_ring import HashRing
+from backend.admission.placement import KeepPrefixes, Placement
 from backend.admission.session_book import Sessions
 
-__all__ = ["AdmissionRegistry"]
+__all__ = ["AdmissionRegistry", "placement_named"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class AdmissionRegistry:
                  enabled: bool = True, clock: Clock = time.monotonic,
                  placement_of: Callable[[str], str] = lambda model: KeepPrefixes.name) -> None:
         """`placement_of(model)`: the name of the placement policy of `model`'s line
-        (`placement.placement_named`), asked when its line is made and when the settings
+        (`placement_named`), asked when its line is made and when the settings
         change (`refresh_placements`)."""
         self._max_waiting_for = max_waiting_for
         self._enabled = enabled
@@ -294,3 +295,14 @@ class AdmissionRegistry:
         finally:
             self._batching = False
             self.prune()
+
+
+def placement_named(name: str, sessions: Sessions, *,
+                    clock: Callable[[], float] = time.monotonic) -> Placement:
+    """A new policy of `name` ("keep-prefixes": `KeepPrefixes`, "hash-ring": `HashRing`;
+    `backend.settings.PLACEMENTS`) over the session book `sessions`."""
+    if name == HashRing.name:
+        return HashRing(sessions)
+    if name == KeepPrefixes.name:
+        return KeepPrefixes(sessions, clock=clock)
+    raise ValueError(f"There is no placement policy named {name!r}.")

@@ -9,8 +9,8 @@ Beside `place` a policy hears a ticket's life (`admitted`, `ended`, `learned`) a
 where a waiting ticket waits and why (`home_while_waiting`, `waits_for_home`) and what an
 engine's cache holds of a prompt (`cached_tokens`); each does nothing by default, so any
 policy plugs into the line, its prefill budget and settlement as it is.  The operator
-picks one by name (`placement_named`: a setting, `serve --placement`, a model's
-`placement` in the models file).
+picks one by name (`admission_registry.placement_named`: a setting, `serve --placement`,
+a model's `placement` in the models file).
 
 `KeepPrefixes` is the default: it keeps each session's prompt prefix warm, with what the
 session book (`backend.admission.session_book.Sessions`) learnt from the answers.  What it
@@ -73,16 +73,13 @@ fair share charges the rest (a warm agent is not billed for the prefix it reuses
 `MostFreeSlots` is the rule before sessions: the need fits; the engine with the most
 free slots (spreading the load); its lowest free slot id; nothing pinned.
 
-`HashRing` puts each session on the engine its key falls to on a consistent-hash ring of
-the engines (vLLM's session router): no load, no wait bound, no prefix matching between
-sessions; a session's slot on that engine as the session book says.
+The second policy, `HashRing`, lives in `backend.admission.hash_ring`; the registry
+picks a policy by its name (`backend.admission.admission_registry.placement_named`).
 
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -93,9 +90,8 @@ from backend.admission.seat import E, Seat, SeatEngine, keeps_slots, seat_on, un
 from backend.admission.session_book import Session, Sessions
 from backend.llama.kv_capacity import TokenNeed
 
-__all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "HashRing",
-           "KeepPrefixes", "MostFreeSlots", "Placeable", "Placement",
-           "cached_in", "placement_named"]
+__all__ = ["HOME_WAIT", "HOME_WAIT_LIMIT", "NEW_SESSION_WAIT", "KeepPrefixes",
+           "MostFreeSlots", "Placeable", "Placement", "cached_in", "most_free"]
 
 #: Seconds a session's turn may wait for the engine holding its prefix while another
 #: engine could take it now (a recomputed prefix costs far more on a CPU or a long prompt).
@@ -132,7 +128,7 @@ class Placement:
     book knows where an answer left its session's prefix.  Every hook but `place` does
     nothing by default, so a policy says only what it decides."""
 
-    #: Its name where the operator chooses it (`placement_named`); "" for the others.
+    #: Its name where the operator chooses it (`admission_registry.placement_named`); "" for the others.
     name = ""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
@@ -184,7 +180,7 @@ class MostFreeSlots(Placement):
     """The need fits; the engine with the most free slots; its lowest free slot id."""
 
     def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
-        best = _most_free(ticket.need, engines)
+        best = most_free(ticket.need, engines)
         return None if best is None else best.lowest_free_seat()
 
     def __repr__(self) -> str:
@@ -294,7 +290,7 @@ class KeepPrefixes(Placement):
                         and self._may_wait(ticket, self._home_bound(session, need, engines))):
                     return None  # its engine frees a slot soon: bounded by _home_bound
                 break
-        best = _most_free(need, engines)
+        best = most_free(need, engines)
         if best is None:
             return None
         return unpinned(best, pinnable=hint.pinnable, sessions=self.sessions) \
@@ -481,82 +477,6 @@ class KeepPrefixes(Placement):
         return f"KeepPrefixes({len(self.sessions)} sessions, home_wait={self.home_wait:g})"
 
 
-class HashRing(Placement):
-    """Each session on the engine its key falls to on a consistent-hash ring of the
-    engines (as vLLM's production-stack session router does): every engine at `points`
-    places of the ring, a session at the first engine after its key's hash (Python's
-    `hash()`, cached by the key itself: within one process, where engines' keys live too).  A session's
-    turns go to one engine as long as the engines stay; an engine that joins or goes moves
-    only the sessions of its arcs.  An engine not offered for a decision (a requeue skips
-    one, the prefill budget holds a long prompt off one) is off the ring for it: the next
-    one takes the turn.  Its engine full, a turn waits for it, whatever the others have
-    (the line lets its flow's next turns pass it: `home_while_waiting`); a request with no
-    session goes where `MostFreeSlots` puts it.  On its engine a turn takes the slot the
-    session book says holds its prefix, as `KeepPrefixes` does; it knows nothing else."""
-
-    name = "hash-ring"
-
-    def __init__(self, sessions: Sessions | None = None, *, points: int = 64) -> None:
-        self.sessions = sessions if sessions is not None else Sessions()
-        self.points = points
-        # The rings of the engine sets seen lately: (the points' hashes, their engines).
-        self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
-
-    def place(self, ticket: Placeable, engines: Sequence[E]) -> Seat[E] | None:
-        hint = ticket.hint
-        if hint.session is None:
-            best = _most_free(ticket.need, engines)
-            return None if best is None else best.lowest_free_seat()
-        engine = self.engine_of(hint.session, engines)
-        if not engine.has_room(ticket.need):
-            return None
-        session = self.sessions.where(hint.session)
-        here = session is not None and session.engine == engine.key \
-            and session.continued_by(hint.prefix)
-        return seat_on(engine, session if here else None, ticket.need, self.sessions,
-                        hint.pinnable)
-
-    def engine_of(self, session: str, engines: Sequence[E]) -> E:
-        """The engine of `engines` (not empty) that `session` falls to on their ring."""
-        keys = tuple(engine.key for engine in engines)
-        ring = self._rings.get(keys)
-        if ring is None:  # a new set of engines: rare, O(points x engines)
-            if len(self._rings) >= 16:
-                self._rings.clear()
-            points = sorted((_ring_point(key, n), key) for key in keys for n in range(self.points))
-            ring = self._rings[keys] = ([h for h, _ in points], [key for _, key in points])
-        hashes, owners = ring
-        owner = owners[bisect.bisect(hashes, hash(session)) % len(owners)]
-        return engines[keys.index(owner)]
-
-    def home_while_waiting(self, ticket: Placeable, engines: Sequence[E]) -> E | None:
-        session = ticket.hint.session
-        if session is None or len(engines) < 2:
-            return None
-        need = ticket.need
-        home = self.engine_of(session, engines)
-        if home.has_room(need) or not any(e.has_room(need) for e in engines):
-            return None
-        return home
-
-    def cached_tokens(self, hint: Hint, engine: object) -> int:
-        return cached_in(self.sessions, hint, engine)
-
-    def __repr__(self) -> str:
-        return f"HashRing({self.points} points an engine)"
-
-
-def placement_named(name: str, sessions: Sessions, *,
-                    clock: Callable[[], float] = time.monotonic) -> Placement:
-    """A new policy of `name` ("keep-prefixes": `KeepPrefixes`, "hash-ring": `HashRing`;
-    `backend.settings.PLACEMENTS`) over the session book `sessions`."""
-    if name == HashRing.name:
-        return HashRing(sessions)
-    if name == KeepPrefixes.name:
-        return KeepPrefixes(sessions, clock=clock)
-    raise ValueError(f"There is no placement policy named {name!r}.")
-
-
 def cached_in(sessions: Sessions, hint: Hint, engine: object) -> int:
     """Prompt tokens of the request with `hint` that `engine`'s cache holds, as far as the
     session book knows: its session's last prompt when that lives on `engine` (in a slot
@@ -571,18 +491,9 @@ def cached_in(sessions: Sessions, hint: Hint, engine: object) -> int:
     return session.prompt_tokens
 
 
-# --- helpers ---------------------------------------------------------------------------
-
-
-def _ring_point(engine: str, n: int) -> int:
-    """Where engine `engine`'s `n`th point sits on the ring: a digest, spread evenly over
-    the range of `hash()` (Python's own hash of a tuple of a name and a counter is not:
-    with 64 points of 3 engines one took 15 % of the sessions, another 53 %)."""
-    digest = hashlib.blake2b(f"{engine}\x00{n}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
+def most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
+    """The engine of `engines` with room for `need` and the most free slots (the first
+    among equals); None when none has room."""
     if len(engines) == 1:  # the common case: one engine serves the model
         only = engines[0]
         return only if only.has_room(need) else None
@@ -591,6 +502,9 @@ def _most_free(need: TokenNeed | None, engines: Sequence[E]) -> E | None:
         if engine.has_room(need) and (best is None or engine.free_slots > best.free_slots):
             best = engine
     return best
+
+
+# --- helpers ---------------------------------------------------------------------------
 
 
 def _picks_own_slots(engine: SeatEngine) -> bool:

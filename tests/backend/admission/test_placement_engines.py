@@ -15,7 +15,8 @@ import pytest
 from backend.app.service import StudioService
 from backend.llama.kv_capacity import KvLayout
 from backend.llama.supervisor import pick_free_port
-from backend.admission.placement import HashRing, KeepPrefixes, MostFreeSlots, Placeable, Placement
+from backend.admission.hash_ring import HashRing
+from backend.admission.placement import KeepPrefixes, MostFreeSlots, Placeable, Placement
 from backend.admission.seat import Seat, SeatEngine
 from backend.admission.session_book import Session
 from tests.backend.llama.test_remote_engine import _until_healthy, start_llama_server, stop

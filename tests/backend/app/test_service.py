@@ -15,7 +15,8 @@ import pytest
 
 from backend.errors import SettingsError
 from backend.addresses import client_urls
-from backend.admission.placement import HashRing, KeepPrefixes
+from backend.admission.hash_ring import HashRing
+from backend.admission.placement import KeepPrefixes
 from backend.app.pool.pool_config import ModelEntry, PoolConfig
 from backend.app.service import StudioService, check_bind_allowed
 from backend.settings import Settings

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from backend.admission.admission_registry import AdmissionRegistry
+from backend.admission.admission_registry import AdmissionRegistry, placement_named
 from backend.admission.admission_ticket import Ticket, WaitReason
 from backend.admission.engine_queue import AdmissionQueue
 from backend.admission.flow import Flow
 from backend.admission.hint import Hint
 from backend.admission.line import Line
-from backend.admission.placement import HashRing, KeepPrefixes, placement_named
+from backend.admission.hash_ring import HashRing
+from backend.admission.placement import KeepPrefixes
 from backend.admission.seat import Seat
 from backend.admission.session_book import Sessions
 from backend.llama.kv_capacity import KvCapacity, TokenNeed
