@@ -59,7 +59,7 @@ _DETAILS = (("time", "Arrived"), ("route", "Route"), ("key", "Key"), ("session",
 _REASONS = {"slots_full": "slots full", "kv_full": "KV cache full",
             "key_concurrency": "key's concurrency", "fair_share": "fair share",
             "model_loading": "model loading", "prefill_budget": "prefill budget",
-            "session_engine": "session's engine"}
+            "session_engine": "session's engine", "slot_seating": "a turn being seated"}
 
 
 class RequestsView(QWidget):
